@@ -1,0 +1,259 @@
+//! Benchmark: measures the device-to-device copy ceiling, then each kernel, in one run, and
+//! prints a table (and JSON with `--json PATH`): shape, median time over CUDA-event timings
+//! after warm-up, GB/s (bytes read + written), and the fraction of the copy ceiling.
+//!
+//! `attn-bench [--json PATH] [--quick]`
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaSlice, CudaStream};
+use half::bf16;
+use host::cache_write::{concat_and_cache_mla, reshape_and_cache, KvScales, KvWrite, MlaWrite};
+use host::{AttnDevice, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, Result, RowsDesc};
+use std::sync::Arc;
+
+struct Row {
+    name: String,
+    shape: String,
+    median_us: f64,
+    /// Bytes the kernel must read plus write.
+    bytes: f64,
+}
+
+impl Row {
+    fn gbps(&self) -> f64 {
+        self.bytes / (self.median_us * 1e-6) / 1e9
+    }
+}
+
+struct Bench {
+    stream: Arc<CudaStream>,
+    warmup: usize,
+    reps: usize,
+    /// Launches between one pair of events: back-to-back launches keep the GPU fed, so the
+    /// host's launch cost does not land inside the timed region.
+    batch: usize,
+}
+
+impl Bench {
+    /// Median over `reps` event-timed batches of `f` (per call), after `warmup` untimed calls,
+    /// in microseconds.
+    fn time(&self, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+        for _ in 0..self.warmup {
+            f()?;
+        }
+        let ctx = self.stream.context();
+        let mut times = Vec::with_capacity(self.reps);
+        for _ in 0..self.reps {
+            let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+            let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+            start.record(&self.stream)?;
+            for _ in 0..self.batch {
+                f()?;
+            }
+            end.record(&self.stream)?;
+            end.synchronize()?;
+            times.push(start.elapsed_ms(&end)? as f64 * 1e3 / self.batch as f64);
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    }
+}
+
+/// Pseudo-random values without pulling an RNG into the library's binary: a 64-bit LCG.
+fn random_values<T: Element>(len: usize, seed: u64, range: f32) -> Vec<T> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            T::from_f32(((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * range)
+        })
+        .collect()
+}
+
+/// A random permutation's first `n` slots out of `num_slots` (Fisher-Yates with the LCG).
+fn random_slots(n: usize, num_slots: usize, seed: u64) -> Vec<i64> {
+    let mut all: Vec<i64> = (0..num_slots as i64).collect();
+    let mut s = seed | 1;
+    for i in (1..all.len()).rev() {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        all.swap(i, (s >> 33) as usize % (i + 1));
+    }
+    all.truncate(n);
+    all
+}
+
+fn copy_row(b: &Bench, bytes: usize) -> Result<Row> {
+    let src: CudaSlice<u8> =
+        b.stream.clone_htod(&random_values::<u32>(bytes / 4, 7, 1e6).iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())?;
+    let mut dst: CudaSlice<u8> = b.stream.alloc_zeros(bytes)?;
+    let us = b.time(|| Ok(b.stream.memcpy_dtod(&src, &mut dst)?))?;
+    Ok(Row { name: "copy ceiling (cuMemcpyDtoD)".into(), shape: format!("{} MiB", bytes >> 20), median_us: us, bytes: 2.0 * bytes as f64 })
+}
+
+/// How the benchmark's slot mapping places tokens in the cache.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Slots {
+    /// A random permutation: tokens scattered over a cache twice their size (the case).
+    Random,
+    /// Token i in slot i: the write is a plain copy (a reference point for the random case).
+    Sequential,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn kv_write_row<C: Element>(
+    b: &Bench,
+    layout: KvLayout,
+    tokens: usize,
+    heads: usize,
+    head_size: usize,
+    block_size: usize,
+    slots: Slots,
+    status: &mut DeviceStatus,
+) -> Result<Row> {
+    let s = &b.stream;
+    // Twice as many slots as tokens, so the random slots scatter over the whole cache.
+    let spec = KvCacheSpec::new(layout, 2 * tokens / block_size, block_size, heads, head_size)?;
+    let rows = RowsDesc::contiguous(tokens, heads, head_size);
+    let key = s.clone_htod(&random_values::<bf16>(rows.required_len(), 1, 4.0))?;
+    let value = s.clone_htod(&random_values::<bf16>(rows.required_len(), 2, 4.0))?;
+    let slot_order = slots;
+    let slots = match slot_order {
+        Slots::Random => s.clone_htod(&random_slots(tokens, spec.num_slots(), 3))?,
+        Slots::Sequential => s.clone_htod(&(0..tokens as i64).collect::<Vec<i64>>())?,
+    };
+    let mut cache: CudaSlice<C> = s.alloc_zeros(spec.num_elements())?;
+    let (ks, vs) = (s.clone_htod(&[0.5f32])?, s.clone_htod(&[0.5f32])?);
+    let fp8 = C::DTYPE == host::DType::Fp8E4m3;
+    let us = b.time(|| {
+        let w = KvWrite {
+            key: DevIn::new(&key, s),
+            key_rows: rows,
+            value: DevIn::new(&value, s),
+            value_rows: rows,
+            slot_mapping: DevIn::new(&slots, s),
+            cache: DevOut::new(&mut cache, s),
+            spec,
+            scales: fp8.then(|| KvScales { k: DevIn::new(&ks, s), v: DevIn::new(&vs, s) }),
+        };
+        reshape_and_cache(dev(), s, w, status)
+    })?;
+    status.check(s)?;
+    let elems = (tokens * heads * head_size) as f64;
+    Ok(Row {
+        name: format!("reshape_and_cache {layout:?} bf16->{}", C::DTYPE.kernel_name()),
+        shape: format!(
+            "{tokens} tok x {heads} kvh x {head_size}, bs {block_size}{}",
+            if slot_order == Slots::Sequential { ", seq slots" } else { "" }
+        ),
+        median_us: us,
+        bytes: 2.0 * elems * (2.0 + std::mem::size_of::<C>() as f64) + 8.0 * tokens as f64,
+    })
+}
+
+fn mla_write_row<C: Element>(b: &Bench, tokens: usize, block_size: usize, status: &mut DeviceStatus) -> Result<Row> {
+    let s = &b.stream;
+    let spec = MlaCacheSpec::deepseek(2 * tokens / block_size, block_size)?;
+    let kv_c = s.clone_htod(&random_values::<bf16>(tokens * spec.latent_dim, 4, 4.0))?;
+    let k_pe = s.clone_htod(&random_values::<bf16>(tokens * spec.rope_dim, 5, 4.0))?;
+    let slots = s.clone_htod(&random_slots(tokens, spec.num_slots(), 6))?;
+    let mut cache: CudaSlice<C> = s.alloc_zeros(spec.num_elements())?;
+    let scale = s.clone_htod(&[0.5f32])?;
+    let fp8 = C::DTYPE == host::DType::Fp8E4m3;
+    let us = b.time(|| {
+        let w = MlaWrite {
+            kv_c: DevIn::new(&kv_c, s),
+            kv_c_token_stride: spec.latent_dim,
+            k_pe: DevIn::new(&k_pe, s),
+            k_pe_token_stride: spec.rope_dim,
+            num_tokens: tokens,
+            slot_mapping: DevIn::new(&slots, s),
+            cache: DevOut::new(&mut cache, s),
+            spec,
+            scale: fp8.then(|| DevIn::new(&scale, s)),
+        };
+        concat_and_cache_mla(dev(), s, w, status)
+    })?;
+    status.check(s)?;
+    let elems = (tokens * spec.row_width()) as f64;
+    Ok(Row {
+        name: format!("concat_and_cache_mla bf16->{}", C::DTYPE.kernel_name()),
+        shape: format!("{tokens} tok x 576, bs {block_size}"),
+        median_us: us,
+        bytes: elems * (2.0 + std::mem::size_of::<C>() as f64) + 8.0 * tokens as f64,
+    })
+}
+
+fn dev() -> &'static AttnDevice {
+    static DEV: std::sync::OnceLock<AttnDevice> = std::sync::OnceLock::new();
+    DEV.get_or_init(|| AttnDevice::new(0).expect("open GPU 0"))
+}
+
+fn json_string(s: &str) -> String {
+    format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""))
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let json_path = args.iter().position(|a| a == "--json").and_then(|i| args.get(i + 1)).cloned();
+    let quick = args.iter().any(|a| a == "--quick");
+    if !AttnDevice::driver_available() {
+        eprintln!("attn-bench: no CUDA driver or GPU; nothing to measure");
+        std::process::exit(2);
+    }
+    let d = dev();
+    let name = d.context().name()?;
+    println!(
+        "device: {name}, sm_{}{}, {} SMs, PTX target {}",
+        d.compute_capability().0,
+        d.compute_capability().1,
+        d.sm_count(),
+        d.ptx_target()
+    );
+    let stream = d.context().new_stream()?;
+    // The bench owns every buffer and uses one stream: cudarc's cross-stream event tracking
+    // would only add host work between launches.
+    unsafe { d.context().disable_event_tracking() };
+    let b = Bench { stream: stream.clone(), warmup: if quick { 5 } else { 20 }, reps: if quick { 10 } else { 50 }, batch: 10 };
+    let mut status = DeviceStatus::new(&stream)?;
+
+    let ceiling = copy_row(&b, 1 << 30)?;
+    // The same copy at the size of the main cache-write case (64 MiB read + 64 MiB written).
+    let mut rows = vec![copy_row(&b, 64 << 20)?];
+    let tokens = 16384;
+    for layout in [KvLayout::FlashNhd, KvLayout::FlashHnd, KvLayout::FlashInferNhd] {
+        rows.push(kv_write_row::<bf16>(&b, layout, tokens, 8, 128, 16, Slots::Random, &mut status)?);
+    }
+    rows.push(kv_write_row::<bf16>(&b, KvLayout::FlashNhd, tokens, 8, 128, 16, Slots::Sequential, &mut status)?);
+    rows.push(kv_write_row::<bf16>(&b, KvLayout::FlashNhd, 4 * tokens, 8, 128, 16, Slots::Random, &mut status)?);
+    rows.push(kv_write_row::<Fp8E4m3>(&b, KvLayout::FlashNhd, tokens, 8, 128, 16, Slots::Random, &mut status)?);
+    rows.push(kv_write_row::<bf16>(&b, KvLayout::FlashNhd, 256, 8, 128, 16, Slots::Random, &mut status)?);
+    rows.push(mla_write_row::<bf16>(&b, tokens, 64, &mut status)?);
+    rows.push(mla_write_row::<bf16>(&b, 4 * tokens, 64, &mut status)?);
+    rows.push(mla_write_row::<Fp8E4m3>(&b, tokens, 64, &mut status)?);
+
+    let ceil = ceiling.gbps();
+    println!("\n{:<44} {:<34} {:>10} {:>9} {:>8}", "kernel", "shape", "median us", "GB/s", "% copy");
+    println!("{:<44} {:<34} {:>10.2} {:>9.0} {:>8}", ceiling.name, ceiling.shape, ceiling.median_us, ceil, "100.0");
+    for r in &rows {
+        println!("{:<44} {:<34} {:>10.2} {:>9.0} {:>8.1}", r.name, r.shape, r.median_us, r.gbps(), 100.0 * r.gbps() / ceil);
+    }
+    if let Some(path) = json_path {
+        let items: Vec<String> = std::iter::once(&ceiling)
+            .chain(&rows)
+            .map(|r| {
+                format!(
+                    "{{\"kernel\":{},\"shape\":{},\"median_us\":{:.3},\"gbps\":{:.1},\"pct_of_copy\":{:.2}}}",
+                    json_string(&r.name),
+                    json_string(&r.shape),
+                    r.median_us,
+                    r.gbps(),
+                    100.0 * r.gbps() / ceil
+                )
+            })
+            .collect();
+        let text = format!("{{\"device\":{},\"copy_gbps\":{:.1},\"rows\":[\n{}\n]}}\n", json_string(&name), ceil, items.join(",\n"));
+        std::fs::write(&path, text).map_err(|e| host::AttnError::InvalidArgument { arg: "--json", reason: e.to_string() })?;
+        println!("\nJSON written to {path}");
+    }
+    Ok(())
+}

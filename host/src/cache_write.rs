@@ -1,0 +1,245 @@
+//! Paged KV-cache writes on the GPU: `reshape_and_cache` (vLLM's `reshape_and_cache_flash`) and
+//! `concat_and_cache_mla`. Everything is validated before launch; slots are checked by the
+//! kernel, which skips (and reports through [`DeviceStatus`]) any slot past the cache.
+
+use crate::buffer::{DevIn, DevOut};
+use crate::device::AttnDevice;
+use crate::dtype::DType;
+use crate::error::{ensure, AttnError, Result};
+use crate::layout::{KvCacheSpec, MlaCacheSpec, RowsDesc};
+use crate::status::DeviceStatus;
+use attn_math::params::{CacheWriteParams, MlaCacheWriteParams};
+use cudarc::driver::{CudaStream, DevicePtrMut};
+
+const THREADS: u32 = 256;
+
+/// Per-tensor FP8 scales as device f32 scalars (so the call can be captured in a CUDA graph).
+pub struct KvScales<'a> {
+    pub k: DevIn<'a>,
+    pub v: DevIn<'a>,
+}
+
+/// Inputs of [`reshape_and_cache`].
+pub struct KvWrite<'a> {
+    pub key: DevIn<'a>,
+    pub key_rows: RowsDesc,
+    pub value: DevIn<'a>,
+    pub value_rows: RowsDesc,
+    /// `[num_tokens]` i64: `block * block_size + offset`; negative = padding (skipped).
+    pub slot_mapping: DevIn<'a>,
+    pub cache: DevOut<'a>,
+    pub spec: KvCacheSpec,
+    /// Required for an FP8 cache, ignored otherwise.
+    pub scales: Option<KvScales<'a>>,
+}
+
+/// Inputs of [`concat_and_cache_mla`].
+pub struct MlaWrite<'a> {
+    /// `[num_tokens, latent_dim]`, rows `kv_c_token_stride` apart.
+    pub kv_c: DevIn<'a>,
+    pub kv_c_token_stride: usize,
+    /// `[num_tokens, rope_dim]`, rows `k_pe_token_stride` apart.
+    pub k_pe: DevIn<'a>,
+    pub k_pe_token_stride: usize,
+    pub num_tokens: usize,
+    pub slot_mapping: DevIn<'a>,
+    pub cache: DevOut<'a>,
+    pub spec: MlaCacheSpec,
+    /// Required for an FP8 cache, ignored otherwise.
+    pub scale: Option<DevIn<'a>>,
+}
+
+/// Source/cache dtype pairs the kernels take: same dtype, or quantise to FP8.
+pub(crate) fn check_write_dtypes(src: DType, value: DType, cache: DType, scaled: bool) -> Result<()> {
+    if !matches!(src, DType::F16 | DType::BF16 | DType::F32) {
+        return Err(AttnError::UnsupportedDType { arg: "key", dtype: src, reason: "sources must be f16, bf16 or f32" });
+    }
+    if value != src {
+        return Err(AttnError::UnsupportedDType { arg: "value", dtype: value, reason: "must match the key's dtype" });
+    }
+    if cache != src && cache != DType::Fp8E4m3 {
+        return Err(AttnError::UnsupportedDType { arg: "cache", dtype: cache, reason: "must be the source dtype or fp8 e4m3" });
+    }
+    ensure(cache != DType::Fp8E4m3 || scaled, "scales", || "an fp8 cache needs k/v scales".into())
+}
+
+/// Shape checks shared by the GPU and CPU paths.
+pub(crate) fn check_kv_shapes(
+    key_len: usize,
+    key_rows: &RowsDesc,
+    value_len: usize,
+    value_rows: &RowsDesc,
+    slots_len: usize,
+    cache_len: usize,
+    spec: &KvCacheSpec,
+) -> Result<()> {
+    for (arg, rows, len) in [("key", key_rows, key_len), ("value", value_rows, value_len)] {
+        rows.validate(arg)?;
+        ensure(rows.num_heads == spec.num_kv_heads, arg, || format!("has {} heads, the cache {}", rows.num_heads, spec.num_kv_heads))?;
+        ensure(rows.head_size == spec.head_size, arg, || {
+            format!("head_size {} differs from the cache's {}", rows.head_size, spec.head_size)
+        })?;
+        ensure(len >= rows.required_len(), arg, || {
+            format!("buffer of {len} elements is too small for {rows:?} ({} needed)", rows.required_len())
+        })?;
+    }
+    ensure(value_rows.num_tokens == key_rows.num_tokens, "value", || {
+        format!("has {} tokens, key has {}", value_rows.num_tokens, key_rows.num_tokens)
+    })?;
+    ensure(slots_len >= key_rows.num_tokens, "slot_mapping", || format!("has {slots_len} entries for {} tokens", key_rows.num_tokens))?;
+    ensure(cache_len >= spec.num_elements(), "cache", || {
+        format!("buffer of {cache_len} elements is smaller than the layout's {}", spec.num_elements())
+    })
+}
+
+/// The vector path's alignment needs: 16-byte source vectors, and the matching cache vectors.
+fn check_vector_alignment(arg: &'static str, ptr: u64, strides: &[usize], elem_bytes: usize, vec_bytes: usize) -> Result<()> {
+    ensure(ptr.is_multiple_of(vec_bytes as u64), arg, || format!("address {ptr:#x} is not {vec_bytes}-byte aligned"))?;
+    for &s in strides {
+        ensure((s * elem_bytes).is_multiple_of(vec_bytes), arg, || format!("stride of {s} elements is not a multiple of {vec_bytes} bytes"))?;
+    }
+    Ok(())
+}
+
+/// One warp per token, `THREADS / 32` tokens per block. Many short blocks rather than a
+/// persistent grid: measured on the H100, a warp per token with its slot loaded alongside its
+/// data beat a flat grid-stride loop over vectors (see BENCHMARKS.md).
+fn grid_for(num_tokens: usize) -> Result<(u32, u32, u32)> {
+    let blocks = num_tokens.div_ceil((THREADS / 32) as usize);
+    ensure(blocks <= i32::MAX as usize, "num_tokens", || format!("{num_tokens} tokens exceed one launch"))?;
+    Ok((blocks as u32, 1, 1))
+}
+
+fn scale_ptr(s: Option<&DevIn<'_>>, arg: &'static str) -> Result<u64> {
+    match s {
+        None => Ok(0),
+        Some(s) => {
+            ensure(s.dtype == DType::F32 && !s.is_empty(), arg, || {
+                format!("must be one f32 on the device, got {} x {:?}", s.len, s.dtype)
+            })?;
+            Ok(s.ptr)
+        }
+    }
+}
+
+/// Writes K and V rows into the paged cache at their slots. Enqueued on `stream`; bad slots
+/// raise [`DeviceStatus`] bits and are skipped.
+pub fn reshape_and_cache(dev: &AttnDevice, stream: &CudaStream, w: KvWrite<'_>, status: &mut DeviceStatus) -> Result<()> {
+    let (src, cache) = (w.key.dtype, w.cache.dtype);
+    check_write_dtypes(src, w.value.dtype, cache, w.scales.is_some())?;
+    ensure(w.slot_mapping.dtype == DType::I64, "slot_mapping", || format!("must be i64, got {:?}", w.slot_mapping.dtype))?;
+    check_kv_shapes(w.key.len, &w.key_rows, w.value.len, &w.value_rows, w.slot_mapping.len, w.cache.len, &w.spec)?;
+    let elems_per_vec = 16 / src.size_bytes();
+    ensure(w.spec.head_size.is_multiple_of(elems_per_vec), "head_size", || {
+        format!("{} is not a multiple of {elems_per_vec} (16-byte vectors)", w.spec.head_size)
+    })?;
+    check_vector_alignment("key", w.key.ptr, &[w.key_rows.token_stride, w.key_rows.head_stride], src.size_bytes(), 16)?;
+    check_vector_alignment("value", w.value.ptr, &[w.value_rows.token_stride, w.value_rows.head_stride], src.size_bytes(), 16)?;
+    check_vector_alignment("cache", w.cache.ptr, &[], cache.size_bytes(), elems_per_vec * cache.size_bytes())?;
+    let num_tokens = w.key_rows.num_tokens;
+    if num_tokens == 0 {
+        return Ok(());
+    }
+    let name = format!("reshape_and_cache_{}_{}", src.kernel_name(), cache.kernel_name());
+    let grid = grid_for(num_tokens)?;
+    let (k_origin, v_origin) = w.spec.kv_origins();
+    let strides = w.spec.strides();
+    let (k_scale, v_scale) = match &w.scales {
+        Some(s) if cache == DType::Fp8E4m3 => (scale_ptr(Some(&s.k), "scales.k")?, scale_ptr(Some(&s.v), "scales.v")?),
+        _ => (0, 0),
+    };
+    let (status_ptr, _status_order) = status.word.device_ptr_mut(stream);
+    let p = CacheWriteParams {
+        key: w.key.ptr,
+        value: w.value.ptr,
+        key_token_stride: w.key_rows.token_stride as u64,
+        key_head_stride: w.key_rows.head_stride as u64,
+        value_token_stride: w.value_rows.token_stride as u64,
+        value_head_stride: w.value_rows.head_stride as u64,
+        k_cache: w.cache.ptr + (k_origin * cache.size_bytes()) as u64,
+        v_cache: w.cache.ptr + (v_origin * cache.size_bytes()) as u64,
+        k_strides: strides,
+        v_strides: strides,
+        slot_mapping: w.slot_mapping.ptr,
+        k_scale,
+        v_scale,
+        status: status_ptr,
+        num_slots: w.spec.num_slots() as u64,
+        num_tokens: num_tokens as u32,
+        num_heads: w.spec.num_kv_heads as u32,
+        head_size: w.spec.head_size as u32,
+        block_size: w.spec.block_size as u32,
+    };
+    dev.launch(stream, &name, grid, THREADS, 0, p)
+}
+
+/// Writes MLA latent rows (`kv_c` then `k_pe`, one row per token) into the MLA cache.
+pub fn concat_and_cache_mla(dev: &AttnDevice, stream: &CudaStream, w: MlaWrite<'_>, status: &mut DeviceStatus) -> Result<()> {
+    let (src, cache) = (w.kv_c.dtype, w.cache.dtype);
+    check_write_dtypes(src, w.k_pe.dtype, cache, w.scale.is_some())?;
+    ensure(w.slot_mapping.dtype == DType::I64, "slot_mapping", || format!("must be i64, got {:?}", w.slot_mapping.dtype))?;
+    check_mla_shapes(
+        w.kv_c.len,
+        w.kv_c_token_stride,
+        w.k_pe.len,
+        w.k_pe_token_stride,
+        w.num_tokens,
+        w.slot_mapping.len,
+        w.cache.len,
+        &w.spec,
+    )?;
+    let elems_per_vec = 16 / src.size_bytes();
+    for (arg, dim) in [("latent_dim", w.spec.latent_dim), ("rope_dim", w.spec.rope_dim)] {
+        ensure(dim % elems_per_vec == 0, arg, || format!("{dim} is not a multiple of {elems_per_vec} (16-byte vectors)"))?;
+    }
+    check_vector_alignment("kv_c", w.kv_c.ptr, &[w.kv_c_token_stride], src.size_bytes(), 16)?;
+    check_vector_alignment("k_pe", w.k_pe.ptr, &[w.k_pe_token_stride], src.size_bytes(), 16)?;
+    check_vector_alignment("cache", w.cache.ptr, &[], cache.size_bytes(), elems_per_vec * cache.size_bytes())?;
+    if w.num_tokens == 0 {
+        return Ok(());
+    }
+    let name = format!("concat_and_cache_mla_{}_{}", src.kernel_name(), cache.kernel_name());
+    let grid = grid_for(w.num_tokens)?;
+    let scale = if cache == DType::Fp8E4m3 { scale_ptr(w.scale.as_ref(), "scale")? } else { 0 };
+    let (status_ptr, _status_order) = status.word.device_ptr_mut(stream);
+    let p = MlaCacheWriteParams {
+        kv_c: w.kv_c.ptr,
+        k_pe: w.k_pe.ptr,
+        kv_c_token_stride: w.kv_c_token_stride as u64,
+        k_pe_token_stride: w.k_pe_token_stride as u64,
+        cache: w.cache.ptr,
+        cache_strides: w.spec.strides(),
+        slot_mapping: w.slot_mapping.ptr,
+        scale,
+        status: status_ptr,
+        num_slots: w.spec.num_slots() as u64,
+        num_tokens: w.num_tokens as u32,
+        latent_dim: w.spec.latent_dim as u32,
+        rope_dim: w.spec.rope_dim as u32,
+        block_size: w.spec.block_size as u32,
+    };
+    dev.launch(stream, &name, grid, THREADS, 0, p)
+}
+
+/// Shape checks of the MLA write shared by the GPU and CPU paths.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_mla_shapes(
+    kv_c_len: usize,
+    kv_c_stride: usize,
+    k_pe_len: usize,
+    k_pe_stride: usize,
+    num_tokens: usize,
+    slots_len: usize,
+    cache_len: usize,
+    spec: &MlaCacheSpec,
+) -> Result<()> {
+    for (arg, len, stride, dim) in [("kv_c", kv_c_len, kv_c_stride, spec.latent_dim), ("k_pe", k_pe_len, k_pe_stride, spec.rope_dim)] {
+        ensure(stride >= dim || num_tokens <= 1, arg, || format!("token stride {stride} is smaller than its row of {dim}"))?;
+        let needed = if num_tokens == 0 { 0 } else { (num_tokens - 1) * stride + dim };
+        ensure(len >= needed, arg, || format!("buffer of {len} elements is too small for {num_tokens} rows ({needed} needed)"))?;
+    }
+    ensure(slots_len >= num_tokens, "slot_mapping", || format!("has {slots_len} entries for {num_tokens} tokens"))?;
+    ensure(cache_len >= spec.num_elements(), "cache", || {
+        format!("buffer of {cache_len} elements is smaller than the layout's {}", spec.num_elements())
+    })
+}

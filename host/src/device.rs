@@ -1,0 +1,106 @@
+//! The device handle: the GPU's context, the kernel module for its compute capability (loaded
+//! once), and kernel launches on the caller's stream.
+
+use crate::error::{AttnError, Result};
+use crate::ptx::{available_targets, module_for};
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// A kernel's parameter block, passed by value as the kernel's single `.param` aggregate.
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+pub(crate) struct KernelParams<P: Copy>(pub P);
+// SAFETY: `P` is one of attn_math's `#[repr(C)]` blocks of plain integers, which the kernels
+// declare with the same layout.
+unsafe impl<P: Copy> DeviceRepr for KernelParams<P> {}
+
+pub struct AttnDevice {
+    ctx: Arc<CudaContext>,
+    module: Arc<CudaModule>,
+    target: &'static str,
+    compute_capability: (i32, i32),
+    sm_count: u32,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+}
+
+impl AttnDevice {
+    /// Whether a CUDA driver is installed and sees at least one GPU (never panics).
+    pub fn driver_available() -> bool {
+        // SAFETY: only probes for the shared library.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return false;
+        }
+        matches!(CudaContext::device_count(), Ok(n) if n > 0)
+    }
+
+    /// Opens GPU `ordinal` (its primary context) and loads the kernels.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        if !Self::driver_available() {
+            return Err(AttnError::invalid("ordinal", format!("no CUDA driver or no GPU (asked for GPU {ordinal})")));
+        }
+        Self::from_context(CudaContext::new(ordinal)?)
+    }
+
+    /// Uses an existing context (an engine's, or candle's device context).
+    pub fn from_context(ctx: Arc<CudaContext>) -> Result<Self> {
+        let (major, minor) = ctx.compute_capability()?;
+        let module =
+            module_for((major * 10 + minor) as u32).ok_or(AttnError::UnsupportedDevice { major, minor, available: available_targets() })?;
+        let loaded = ctx.load_module(Ptx::from_src(module.ptx))?;
+        let sm_count = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        Ok(AttnDevice {
+            ctx,
+            module: loaded,
+            target: module.target,
+            compute_capability: (major, minor),
+            sm_count,
+            functions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.compute_capability
+    }
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+    /// The embedded module in use ("sm_90a", "sm_80").
+    pub fn ptx_target(&self) -> &'static str {
+        self.target
+    }
+
+    pub(crate) fn function(&self, name: &str) -> Result<CudaFunction> {
+        let mut cache = self.functions.lock().expect("function cache poisoned");
+        if let Some(f) = cache.get(name) {
+            return Ok(f.clone());
+        }
+        let f = self.module.load_function(name)?;
+        cache.insert(name.to_string(), f.clone());
+        Ok(f)
+    }
+
+    /// Enqueues `name<<<grid, block, smem, stream>>>(params)`. No synchronisation.
+    pub(crate) fn launch<P: Copy>(
+        &self,
+        stream: &CudaStream,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        params: P,
+    ) -> Result<()> {
+        let f = self.function(name)?;
+        let params = KernelParams(params);
+        let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
+        // SAFETY: every pointer in `params` was validated by the calling op against the length of
+        // the buffer it came from, and the kernel named `name` takes exactly this block.
+        unsafe { stream.launch_builder(&f).arg(&params).launch(cfg)? };
+        Ok(())
+    }
+}

@@ -1,0 +1,88 @@
+//! Element types of the buffers the library reads and writes.
+
+use attn_math::fp8::{e4m3_to_f32, f32_to_e4m3};
+use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
+use half::{bf16, f16};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F16,
+    BF16,
+    F32,
+    /// FP8 E4M3 (`e4m3fn`), stored with a per-tensor scale.
+    Fp8E4m3,
+    I32,
+    I64,
+    U32,
+}
+
+impl DType {
+    pub const fn size_bytes(self) -> usize {
+        match self {
+            DType::Fp8E4m3 => 1,
+            DType::F16 | DType::BF16 => 2,
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::I64 => 8,
+        }
+    }
+
+    /// The name used in kernel entry points (`reshape_and_cache_bf16_fp8`).
+    pub const fn kernel_name(self) -> &'static str {
+        match self {
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::F32 => "f32",
+            DType::Fp8E4m3 => "fp8",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::U32 => "u32",
+        }
+    }
+
+    pub const fn is_float(self) -> bool {
+        matches!(self, DType::F16 | DType::BF16 | DType::F32 | DType::Fp8E4m3)
+    }
+}
+
+/// One FP8 E4M3 value (its byte). A cache of this type stores `x / scale`.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Fp8E4m3(pub u8);
+
+// SAFETY: a plain byte, valid for any bit pattern, with no padding.
+unsafe impl DeviceRepr for Fp8E4m3 {}
+unsafe impl ValidAsZeroBits for Fp8E4m3 {}
+
+/// A type the library moves between host and device, with its dtype and (for the CPU path and
+/// the tests) its value as f32/f64.
+pub trait Element: DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + 'static {
+    const DTYPE: DType;
+    fn to_f32(self) -> f32;
+    /// Round to nearest even (saturating for FP8).
+    fn from_f32(x: f32) -> Self;
+}
+
+macro_rules! element {
+    ($t:ty, $d:expr, |$x:ident| $to:expr, |$y:ident| $from:expr) => {
+        impl Element for $t {
+            const DTYPE: DType = $d;
+            #[inline]
+            fn to_f32(self) -> f32 {
+                let $x = self;
+                $to
+            }
+            #[inline]
+            fn from_f32($y: f32) -> Self {
+                $from
+            }
+        }
+    };
+}
+
+element!(f16, DType::F16, |x| x.to_f32(), |y| f16::from_f32(y));
+element!(bf16, DType::BF16, |x| x.to_f32(), |y| bf16::from_f32(y));
+element!(f32, DType::F32, |x| x, |y| y);
+element!(Fp8E4m3, DType::Fp8E4m3, |x| e4m3_to_f32(x.0), |y| Fp8E4m3(f32_to_e4m3(y)));
+element!(i32, DType::I32, |x| x as f32, |y| y as i32);
+element!(i64, DType::I64, |x| x as f32, |y| y as i64);
+element!(u32, DType::U32, |x| x as f32, |y| y as u32);

@@ -1,0 +1,29 @@
+//! Paged KV-cache writes and attention for LLM inference on NVIDIA GPUs, with the kernels
+//! written in Rust and shipped as embedded PTX: an engine that links this crate builds with
+//! stable Rust and needs no CUDA toolkit, only the driver at run time.
+//!
+//! - [`device::AttnDevice`]: loads the kernels for the GPU once; every op launches on a stream the
+//!   caller gives and never synchronises unless asked.
+//! - [`buffer`]: the caller's device memory (any cudarc slice or view) with its dtype.
+//! - [`layout`]: the paged KV-cache layouts (vLLM FlashAttention, FlashInfer, HND variants, MLA).
+//! - [`cache_write`]: `reshape_and_cache` and `concat_and_cache_mla`.
+//! - [`cpu`]: the CPU implementation of every op: the reference the tests compare with, and the
+//!   path for machines without a GPU.
+
+pub mod buffer;
+pub mod cache_write;
+pub mod cpu;
+pub mod device;
+pub mod dtype;
+pub mod error;
+pub mod layout;
+mod ptx;
+pub mod status;
+
+pub use attn_math;
+pub use buffer::{DevIn, DevOut};
+pub use device::AttnDevice;
+pub use dtype::{DType, Element, Fp8E4m3};
+pub use error::{AttnError, Result};
+pub use layout::{KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc};
+pub use status::{DeviceStatus, StatusFlags};

@@ -1,0 +1,326 @@
+//! Paged KV-cache writes: vLLM's `reshape_and_cache_flash` and `concat_and_cache_mla`.
+//!
+//! One warp writes one token's row; each lane moves 16-byte vectors of source data (8 f16/bf16
+//! or 4 f32 elements), keeping `UNROLL` vectors of K and of V in flight before it stores any;
+//! see [`write_token`]. Slots are checked against the
+//! cache's capacity; a slot past the end raises `SLOT_OUT_OF_RANGE` and writes nothing.
+
+use crate::device::{atomic_or_global, block_dim_x, block_idx_x, thread_idx_x};
+use crate::vec_io::{bf16x2_to_f32, f16x2_to_f32, load16_nc, load_f32_nc, load_i64_nc, store16, store4, store8};
+#[cfg(not(hw_fp8))]
+use attn_math::fp8::quantize_e4m3;
+use attn_math::paging::{resolve_slot, SlotTarget};
+use attn_math::params::{CacheWriteParams, MlaCacheWriteParams};
+use attn_math::status::SLOT_OUT_OF_RANGE;
+
+/// How 16 bytes of source elements become cache elements.
+trait VecWriter {
+    /// Bytes of one source element.
+    const SRC_ELEM_BYTES: u32;
+    /// Bytes of one cache element.
+    const CACHE_ELEM_BYTES: u32;
+    /// Elements in one 16-byte source vector.
+    const ELEMS: u32 = 16 / Self::SRC_ELEM_BYTES;
+    /// Whether the writer needs the (device-resident) scale.
+    const SCALED: bool;
+    unsafe fn store(addr: u64, v: [u32; 4], inv_scale: f32);
+}
+
+/// Same dtype in and out: a plain 16-byte copy.
+struct Copy16<const ELEM_BYTES: u32>;
+impl<const ELEM_BYTES: u32> VecWriter for Copy16<ELEM_BYTES> {
+    const SRC_ELEM_BYTES: u32 = ELEM_BYTES;
+    const CACHE_ELEM_BYTES: u32 = ELEM_BYTES;
+    const SCALED: bool = false;
+    #[inline(always)]
+    unsafe fn store(addr: u64, v: [u32; 4], _: f32) {
+        unsafe { store16(addr, v) }
+    }
+}
+
+/// Two values scaled and quantised to FP8, packed as `lo | hi << 8`.
+#[inline(always)]
+fn quantize_pair(lo: f32, hi: f32, inv_scale: f32) -> u32 {
+    #[cfg(hw_fp8)]
+    {
+        // sm_89+: one instruction, same rounding and saturation as `attn_math::fp8`.
+        crate::vec_io::e4m3x2(lo * inv_scale, hi * inv_scale)
+    }
+    #[cfg(not(hw_fp8))]
+    {
+        quantize_e4m3(lo, inv_scale) as u32 | (quantize_e4m3(hi, inv_scale) as u32) << 8
+    }
+}
+
+/// Quantise 8 half-precision values (4 packed words) to 8 FP8 bytes.
+#[inline(always)]
+fn quantize_halves(v: [u32; 4], inv_scale: f32, unpack: fn(u32) -> (f32, f32)) -> [u32; 2] {
+    let q = |w: u32| {
+        let (lo, hi) = unpack(w);
+        quantize_pair(lo, hi, inv_scale)
+    };
+    [q(v[0]) | q(v[1]) << 16, q(v[2]) | q(v[3]) << 16]
+}
+
+struct F16ToFp8;
+impl VecWriter for F16ToFp8 {
+    const SRC_ELEM_BYTES: u32 = 2;
+    const CACHE_ELEM_BYTES: u32 = 1;
+    const SCALED: bool = true;
+    #[inline(always)]
+    unsafe fn store(addr: u64, v: [u32; 4], inv_scale: f32) {
+        unsafe { store8(addr, quantize_halves(v, inv_scale, f16x2_to_f32)) }
+    }
+}
+
+struct Bf16ToFp8;
+impl VecWriter for Bf16ToFp8 {
+    const SRC_ELEM_BYTES: u32 = 2;
+    const CACHE_ELEM_BYTES: u32 = 1;
+    const SCALED: bool = true;
+    #[inline(always)]
+    unsafe fn store(addr: u64, v: [u32; 4], inv_scale: f32) {
+        unsafe { store8(addr, quantize_halves(v, inv_scale, bf16x2_to_f32)) }
+    }
+}
+
+struct F32ToFp8;
+impl VecWriter for F32ToFp8 {
+    const SRC_ELEM_BYTES: u32 = 4;
+    const CACHE_ELEM_BYTES: u32 = 1;
+    const SCALED: bool = true;
+    #[inline(always)]
+    unsafe fn store(addr: u64, v: [u32; 4], inv_scale: f32) {
+        let f = f32::from_bits;
+        let word = quantize_pair(f(v[0]), f(v[1]), inv_scale) | quantize_pair(f(v[2]), f(v[3]), inv_scale) << 16;
+        unsafe { store4(addr, word) }
+    }
+}
+
+/// Vectors each thread keeps in flight per tensor (all loads are issued before any store).
+const UNROLL: u32 = 4; // = the copies `unroll4!` makes
+const WARP: u32 = 32;
+
+/// Repeats `$body` for `$u` = 0..4 as a constant, so the per-thread register arrays are indexed
+/// only by constants (a loop LLVM declines to unroll would move them to local memory).
+macro_rules! unroll4 {
+    (|$u:ident| $body:block) => {{
+        {
+            const $u: usize = 0;
+            $body
+        }
+        {
+            const $u: usize = 1;
+            $body
+        }
+        {
+            const $u: usize = 2;
+            $body
+        }
+        {
+            const $u: usize = 3;
+            $body
+        }
+    }};
+}
+
+/// Repeats `$body` for `$t` = 0..TENSORS (at most 2) as a constant.
+macro_rules! for_tensors {
+    (|$t:ident| $body:block) => {{
+        { const $t: usize = 0; if $t < TENSORS $body }
+        { const $t: usize = 1; if $t < TENSORS $body }
+    }};
+}
+
+/// `1 / *scale` for FP8 writers, 1 otherwise (the scale pointer is then null).
+#[inline(always)]
+unsafe fn inverse_scale<W: VecWriter>(scale: u64) -> f32 {
+    if W::SCALED {
+        1.0 / unsafe { load_f32_nc(scale) }
+    } else {
+        1.0
+    }
+}
+
+/// One warp per token: (warp index in the grid, lane).
+#[inline(always)]
+fn warp_and_lane() -> (u32, u32) {
+    let t = thread_idx_x();
+    (block_idx_x() * (block_dim_x() / WARP) + t / WARP, t % WARP)
+}
+
+/// Writes one token's row: lane `l` takes vectors `l, l + 32, ...`, `UNROLL` at a time, with
+/// all their loads issued before any store. The token's slot is loaded together with the first
+/// data (source addresses do not depend on it), so a warp pays one memory round trip, not two;
+/// reading a padding token's source is harmless, since the host checked every token's rows lie
+/// inside their buffers. `src_addr(v)` / `dst_addr(v, block, offset)` give the byte addresses of
+/// vector `v` in each of the `TENSORS` tensors.
+#[inline(always)]
+unsafe fn write_token<W: VecWriter, const TENSORS: usize>(
+    p: TokenRow,
+    inv_scale: [f32; TENSORS],
+    src_addr: impl Fn(u32) -> [u64; TENSORS],
+    dst_addr: impl Fn(u32, u64, u64) -> [u64; TENSORS],
+) {
+    let slot = unsafe { load_i64_nc(p.slot_mapping + p.token as u64 * 8) };
+    let mut base = 0;
+    while base < p.vecs {
+        let mut data = [[[0u32; 4]; TENSORS]; UNROLL as usize];
+        unroll4!(|U| {
+            let v = base + p.lane + WARP * U as u32;
+            if v < p.vecs {
+                let src = src_addr(v);
+                for_tensors!(|T| {
+                    data[U][T] = unsafe { load16_nc(src[T]) };
+                });
+            }
+        });
+        let (block, offset) = match resolve_slot(slot, p.block_size, p.num_slots) {
+            SlotTarget::At { block, offset } => (block, offset),
+            SlotTarget::Padding => return,
+            SlotTarget::OutOfRange => {
+                if p.lane == 0 {
+                    unsafe { atomic_or_global(p.status, SLOT_OUT_OF_RANGE) };
+                }
+                return;
+            }
+        };
+        unroll4!(|U| {
+            let v = base + p.lane + WARP * U as u32;
+            if v < p.vecs {
+                let dst = dst_addr(v, block, offset);
+                for_tensors!(|T| {
+                    unsafe { W::store(dst[T], data[U][T], inv_scale[T]) };
+                });
+            }
+        });
+        base += WARP * UNROLL;
+    }
+}
+
+/// What [`write_token`] needs to know of its token.
+#[derive(Clone, Copy)]
+struct TokenRow {
+    token: u32,
+    lane: u32,
+    /// 16-byte source vectors in the row.
+    vecs: u32,
+    slot_mapping: u64,
+    block_size: u32,
+    num_slots: u64,
+    status: u64,
+}
+
+#[inline(always)]
+unsafe fn reshape_and_cache<W: VecWriter>(p: &CacheWriteParams) {
+    let (token, lane) = warp_and_lane();
+    if token >= p.num_tokens {
+        return;
+    }
+    let vecs_per_head = p.head_size / W::ELEMS;
+    let row = TokenRow {
+        token,
+        lane,
+        vecs: p.num_heads * vecs_per_head,
+        slot_mapping: p.slot_mapping,
+        block_size: p.block_size,
+        num_slots: p.num_slots,
+        status: p.status,
+    };
+    let token = token as u64;
+    let src_bytes = W::SRC_ELEM_BYTES as u64;
+    let cache_bytes = W::CACHE_ELEM_BYTES as u64;
+    let inv_scale = unsafe { [inverse_scale::<W>(p.k_scale), inverse_scale::<W>(p.v_scale)] };
+    let head_dim = |v: u32| {
+        let head = v / vecs_per_head;
+        (head as u64, ((v - head * vecs_per_head) * W::ELEMS) as u64)
+    };
+    unsafe {
+        write_token::<W, 2>(
+            row,
+            inv_scale,
+            |v| {
+                let (head, dim) = head_dim(v);
+                [
+                    p.key + (token * p.key_token_stride + head * p.key_head_stride + dim) * src_bytes,
+                    p.value + (token * p.value_token_stride + head * p.value_head_stride + dim) * src_bytes,
+                ]
+            },
+            |v, block, offset| {
+                let (head, dim) = head_dim(v);
+                [
+                    p.k_cache + p.k_strides.offset(block, offset, head, dim) * cache_bytes,
+                    p.v_cache + p.v_strides.offset(block, offset, head, dim) * cache_bytes,
+                ]
+            },
+        )
+    }
+}
+
+#[inline(always)]
+unsafe fn concat_and_cache_mla<W: VecWriter>(p: &MlaCacheWriteParams) {
+    let (token, lane) = warp_and_lane();
+    if token >= p.num_tokens {
+        return;
+    }
+    let latent_vecs = p.latent_dim / W::ELEMS;
+    let row = TokenRow {
+        token,
+        lane,
+        vecs: latent_vecs + p.rope_dim / W::ELEMS,
+        slot_mapping: p.slot_mapping,
+        block_size: p.block_size,
+        num_slots: p.num_slots,
+        status: p.status,
+    };
+    let token = token as u64;
+    let src_bytes = W::SRC_ELEM_BYTES as u64;
+    let cache_bytes = W::CACHE_ELEM_BYTES as u64;
+    let inv_scale = unsafe { [inverse_scale::<W>(p.scale)] };
+    unsafe {
+        write_token::<W, 1>(
+            row,
+            inv_scale,
+            |v| {
+                [if v < latent_vecs {
+                    p.kv_c + (token * p.kv_c_token_stride + (v * W::ELEMS) as u64) * src_bytes
+                } else {
+                    p.k_pe + (token * p.k_pe_token_stride + ((v - latent_vecs) * W::ELEMS) as u64) * src_bytes
+                }]
+            },
+            |v, block, offset| [p.cache + p.cache_strides.offset(block, offset, 0, (v * W::ELEMS) as u64) * cache_bytes],
+        )
+    }
+}
+
+/// Entry points, one per (source dtype, cache dtype). Names: `<op>_<src>_<cache>`.
+macro_rules! cache_write_kernels {
+    ($($suffix:ident => $writer:ty),* $(,)?) => { paste_kernels! { $($suffix => $writer),* } };
+}
+
+macro_rules! paste_kernels {
+    ($($suffix:ident => $writer:ty),*) => {
+        $(
+            pub mod $suffix {
+                use super::*;
+                #[unsafe(export_name = concat!("reshape_and_cache_", stringify!($suffix)))]
+                pub unsafe extern "ptx-kernel" fn reshape_and_cache_kernel(p: CacheWriteParams) {
+                    unsafe { reshape_and_cache::<$writer>(&p) }
+                }
+                #[unsafe(export_name = concat!("concat_and_cache_mla_", stringify!($suffix)))]
+                pub unsafe extern "ptx-kernel" fn concat_and_cache_mla_kernel(p: MlaCacheWriteParams) {
+                    unsafe { concat_and_cache_mla::<$writer>(&p) }
+                }
+            }
+        )*
+    };
+}
+
+cache_write_kernels! {
+    f16_f16 => Copy16<2>,
+    bf16_bf16 => Copy16<2>,
+    f32_f32 => Copy16<4>,
+    f16_fp8 => F16ToFp8,
+    bf16_fp8 => Bf16ToFp8,
+    f32_fp8 => F32ToFp8,
+}

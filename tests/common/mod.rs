@@ -1,0 +1,80 @@
+//! Helpers shared by the GPU test binaries: the device, random data, poisoned buffers, and a
+//! libtest-mimic runner that counts GPU tests as ignored (skipped) when there is no driver.
+#![allow(dead_code)]
+
+use cudarc::driver::{CudaSlice, CudaStream};
+use host::{AttnDevice, Element};
+use libtest_mimic::{Arguments, Failed, Trial};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use std::sync::{Arc, OnceLock};
+
+pub type TestResult = Result<(), Failed>;
+
+/// The process-wide device (tests run in parallel threads, each on its own stream).
+pub fn device() -> &'static AttnDevice {
+    static DEV: OnceLock<AttnDevice> = OnceLock::new();
+    DEV.get_or_init(|| AttnDevice::new(0).expect("open GPU 0"))
+}
+
+pub fn new_stream() -> Arc<CudaStream> {
+    device().context().new_stream().expect("create stream")
+}
+
+/// `ATTN_TEST_QUICK=1` (used under compute-sanitizer) runs a smaller matrix.
+pub fn quick() -> bool {
+    std::env::var("ATTN_TEST_QUICK").is_ok_and(|v| v == "1")
+}
+
+/// A fresh seed per test run (printed, so a failure can be replayed with ATTN_TEST_SEED).
+pub fn rng(salt: u64) -> SmallRng {
+    static SEED: OnceLock<u64> = OnceLock::new();
+    let seed = *SEED.get_or_init(|| {
+        let s = std::env::var("ATTN_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64);
+        eprintln!("random seed: {s} (replay with ATTN_TEST_SEED={s})");
+        s
+    });
+    SmallRng::seed_from_u64(seed ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
+/// Uniform random values in [-range, range), converted to `T`.
+pub fn random_vec<T: Element>(rng: &mut SmallRng, len: usize, range: f32) -> Vec<T> {
+    (0..len).map(|_| T::from_f32(rng.random_range(-range..range))).collect()
+}
+
+pub fn poison<T: Element>() -> T {
+    T::from_f32(f32::NAN)
+}
+
+pub fn upload<T: Element>(stream: &Arc<CudaStream>, host: &[T]) -> CudaSlice<T> {
+    stream.clone_htod(host).expect("upload")
+}
+
+pub fn download<T: Element>(stream: &Arc<CudaStream>, dev: &CudaSlice<T>) -> Vec<T> {
+    stream.clone_dtoh(dev).expect("download")
+}
+
+/// Runs `trials`, marking them ignored (reported as skipped, never passed) without a GPU.
+pub fn run_gpu_trials(trials: Vec<Trial>) -> ! {
+    let args = Arguments::from_args();
+    let gpu = AttnDevice::driver_available();
+    if !gpu {
+        eprintln!("no CUDA driver or GPU: {} GPU tests skipped (reported as ignored)", trials.len());
+    }
+    let trials = trials.into_iter().map(|t| t.with_ignored_flag(!gpu)).collect();
+    libtest_mimic::run(&args, trials).exit()
+}
+
+/// Elements that differ bit for bit, as "index: got vs want" lines (at most 8).
+pub fn bitwise_mismatches<T: Element + std::fmt::Debug>(got: &[T], want: &[T], bits: impl Fn(&T) -> u64) -> Vec<String> {
+    got.iter()
+        .zip(want)
+        .enumerate()
+        .filter(|(_, (g, w))| bits(g) != bits(w))
+        .take(8)
+        .map(|(i, (g, w))| format!("{i}: got {g:?} want {w:?}"))
+        .collect()
+}

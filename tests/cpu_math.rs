@@ -1,0 +1,266 @@
+//! CPU tests of `attn_math`: the FP8 E4M3 and bf16 conversions and the paged-cache slot math,
+//! checked against independent reference formulas.
+
+use host::attn_math::fp8::{bf16_bits_to_f32, e4m3_to_f32, f32_to_bf16_bits, f32_to_e4m3, quantize_e4m3, E4M3_MAX};
+use host::attn_math::paging::{resolve_slot, CacheStrides, SlotTarget};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+/// Largest finite positive E4M3 code (448).
+const MAX_CODE: u8 = 0x7e;
+
+// ---------------------------------------------------------------------------------------------
+// Reference E4M3, written from the format's definition in f64.
+// ---------------------------------------------------------------------------------------------
+
+/// Decode from the definition: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
+/// subnormal (`m * 2^-9`); `S.1111.111` is NaN; there are no infinities.
+fn ref_decode(code: u8) -> f64 {
+    let sign = if code & 0x80 != 0 { -1.0 } else { 1.0 };
+    let exp = i32::from((code >> 3) & 0xf);
+    let mant = f64::from(code & 7);
+    if exp == 15 && mant == 7.0 {
+        return f64::NAN;
+    }
+    let mag = if exp == 0 { mant * 2f64.powi(-9) } else { (1.0 + mant / 8.0) * 2f64.powi(exp - 7) };
+    sign * mag
+}
+
+/// Magnitudes of the finite positive codes `0..=0x7e`, increasing.
+fn positive_table() -> Vec<f64> {
+    (0..=MAX_CODE).map(ref_decode).collect()
+}
+
+/// Reference encoder: nearest finite code to `min(|x|, 448)`, ties to the even mantissa (the
+/// code's low bit), sign copied from `x` (so `-0.0` and tiny negatives give `0x80`); NaN gives
+/// a NaN code.
+fn ref_encode(table: &[f64], x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7f;
+    }
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let mag = f64::from(x.abs()).min(f64::from(E4M3_MAX));
+    // First code whose value is >= mag; the answer is it or its predecessor.
+    let hi = table.partition_point(|&v| v < mag);
+    let code = if hi == 0 {
+        0
+    } else if hi == table.len() {
+        MAX_CODE as usize
+    } else {
+        let lo = hi - 1;
+        let (dlo, dhi) = (mag - table[lo], table[hi] - mag);
+        if dlo < dhi || (dlo == dhi && lo % 2 == 0) {
+            lo
+        } else {
+            hi
+        }
+    };
+    code as u8 | sign
+}
+
+fn same_f32(a: f32, b: f32) -> bool {
+    (a.is_nan() && b.is_nan()) || a.to_bits() == b.to_bits()
+}
+
+/// Asserts that the library encodes `x` as the reference does (any NaN code for NaN).
+fn check_encode(table: &[f64], x: f32) {
+    let got = f32_to_e4m3(x);
+    let want = ref_encode(table, x);
+    if x.is_nan() {
+        assert!(e4m3_to_f32(got).is_nan(), "f32_to_e4m3({x:e}) = {got:#04x}, expected a NaN code");
+    } else {
+        assert_eq!(
+            got,
+            want,
+            "f32_to_e4m3({x:e} = {:#010x}): got {got:#04x} ({}), expected {want:#04x} ({})",
+            x.to_bits(),
+            ref_decode(got),
+            ref_decode(want)
+        );
+    }
+}
+
+/// Edge values: zeros, f32 subnormals, E4M3 subnormal/normal boundary, every midpoint between
+/// adjacent codes and its f32 neighbours, the saturation region and non-finite values.
+fn edge_values(table: &[f64]) -> Vec<f32> {
+    let mut v = vec![
+        0.0,
+        f32::from_bits(1),
+        f32::from_bits(0x007f_ffff),
+        f32::MIN_POSITIVE,
+        2f32.powi(-10), // half the smallest subnormal: tie to 0
+        3.0 * 2f32.powi(-11),
+        2f32.powi(-6),
+        448.0,
+        449.0,
+        463.99997,
+        464.0,
+        464.00003,
+        480.0,
+        1e9,
+        f32::MAX,
+        f32::INFINITY,
+        f32::NAN,
+    ];
+    for w in table.windows(2) {
+        let mid = ((w[0] + w[1]) / 2.0) as f32;
+        assert_eq!(f64::from(mid), (w[0] + w[1]) / 2.0, "midpoints of E4M3 codes are exact in f32");
+        v.extend([mid, f32::from_bits(mid.to_bits() - 1), f32::from_bits(mid.to_bits() + 1), w[1] as f32]);
+    }
+    let negated: Vec<f32> = v.iter().map(|x| -x).collect();
+    v.extend(negated);
+    v
+}
+
+/// Random f32s of three kinds: any bit pattern, uniform in [-512, 512], and log-uniform
+/// magnitudes around the E4M3 range (2^-12 .. 2^10) with a random sign.
+fn random_f32s(rng: &mut SmallRng, n: usize) -> impl Iterator<Item = f32> + '_ {
+    (0..n).map(move |i| match i % 3 {
+        0 => f32::from_bits(rng.random()),
+        1 => rng.random_range(-512.0f32..512.0),
+        _ => {
+            let mag = 2f32.powf(rng.random_range(-12.0f32..10.0));
+            if rng.random() {
+                mag
+            } else {
+                -mag
+            }
+        }
+    })
+}
+
+#[test]
+fn e4m3_decodes_every_code_by_definition() {
+    for code in 0..=255u8 {
+        let got = e4m3_to_f32(code);
+        let want = ref_decode(code);
+        if want.is_nan() {
+            assert!(got.is_nan(), "e4m3_to_f32({code:#04x}) = {got}, expected NaN");
+        } else {
+            assert_eq!(f64::from(got), want, "e4m3_to_f32({code:#04x})");
+            assert_eq!(got.is_sign_negative(), code & 0x80 != 0, "sign of e4m3_to_f32({code:#04x})");
+        }
+        assert!(!got.is_infinite(), "E4M3 has no infinities ({code:#04x})");
+    }
+    assert!(e4m3_to_f32(0x7f).is_nan() && e4m3_to_f32(0xff).is_nan());
+    assert_eq!(e4m3_to_f32(MAX_CODE), E4M3_MAX);
+    assert_eq!(e4m3_to_f32(0xfe), -E4M3_MAX);
+    assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
+    assert_eq!(e4m3_to_f32(0x08), 2f32.powi(-6));
+    // Only the two all-ones patterns are NaN.
+    assert_eq!((0..=255u8).filter(|&c| e4m3_to_f32(c).is_nan()).count(), 2);
+}
+
+#[test]
+fn e4m3_round_trips_every_code() {
+    for code in (0..=255u8).filter(|&c| c & 0x7f != 0x7f) {
+        let x = e4m3_to_f32(code);
+        assert_eq!(f32_to_e4m3(x), code, "f32_to_e4m3(e4m3_to_f32({code:#04x}) = {x:e})");
+    }
+    assert_eq!(f32_to_e4m3(0.0), 0x00);
+    assert_eq!(f32_to_e4m3(-0.0), 0x80);
+}
+
+#[test]
+fn e4m3_encodes_edge_values_to_nearest_even_saturating() {
+    let table = positive_table();
+    for x in edge_values(&table) {
+        check_encode(&table, x);
+    }
+    // Spot values stated by the format's contract.
+    for (x, want) in
+        [(448.0, 0x7e), (449.0, 0x7e), (464.0, 0x7e), (1e9, 0x7e), (f32::INFINITY, 0x7e), (f32::NEG_INFINITY, 0xfe), (-1e9, 0xfe)]
+    {
+        assert_eq!(f32_to_e4m3(x), want, "f32_to_e4m3({x:e})");
+    }
+    // Ties: 1.0625 lies between 1.0 (0x38, even) and 1.125 (0x39); 1.1875 between 0x39 and 0x3a.
+    assert_eq!(f32_to_e4m3(1.0625), 0x38);
+    assert_eq!(f32_to_e4m3(1.1875), 0x3a);
+    // Subnormal ties: 0.5 * 2^-9 -> 0, 1.5 * 2^-9 -> 2 * 2^-9.
+    assert_eq!(f32_to_e4m3(2f32.powi(-10)), 0x00);
+    assert_eq!(f32_to_e4m3(-(2f32.powi(-10))), 0x80);
+    assert_eq!(f32_to_e4m3(3.0 * 2f32.powi(-10)), 0x02);
+    assert!(e4m3_to_f32(f32_to_e4m3(f32::NAN)).is_nan());
+    assert!(e4m3_to_f32(f32_to_e4m3(-f32::NAN)).is_nan());
+}
+
+#[test]
+fn e4m3_encodes_random_values_to_nearest_even_saturating() {
+    let table = positive_table();
+    let mut rng = SmallRng::seed_from_u64(0xe4e3);
+    for x in random_f32s(&mut rng, 300_000) {
+        check_encode(&table, x);
+    }
+}
+
+#[test]
+fn quantize_e4m3_divides_by_the_scale() {
+    let mut rng = SmallRng::seed_from_u64(7);
+    for inv_scale in [1.0f32, 0.5, 4.0, 1.0 / 0.037, 1e-3] {
+        for x in random_f32s(&mut rng, 3_000) {
+            assert_eq!(quantize_e4m3(x, inv_scale), f32_to_e4m3(x * inv_scale), "quantize_e4m3({x:e}, {inv_scale:e})");
+        }
+    }
+    assert_eq!(quantize_e4m3(1000.0, 0.5), f32_to_e4m3(500.0));
+    assert_eq!(quantize_e4m3(3.0, 0.5), 0x3c); // 1.5
+}
+
+#[test]
+fn bf16_matches_half() {
+    for b in 0..=u16::MAX {
+        let got = bf16_bits_to_f32(b);
+        let want = half::bf16::from_bits(b).to_f32();
+        assert!(same_f32(got, want), "bf16_bits_to_f32({b:#06x}) = {got:e}, half says {want:e}");
+        if !got.is_nan() {
+            assert_eq!(f32_to_bf16_bits(got), b, "bf16 round trip of {b:#06x}");
+        }
+    }
+    let mut rng = SmallRng::seed_from_u64(0xbf16);
+    let specials = [
+        0.0,
+        -0.0,
+        f32::MAX,
+        f32::MIN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::from_bits(1),
+        f32::from_bits(0x3f80_8000),
+        f32::from_bits(0x3f81_8000),
+    ];
+    for x in specials.into_iter().chain(random_f32s(&mut rng, 200_000)).filter(|x| !x.is_nan()) {
+        assert_eq!(f32_to_bf16_bits(x), half::bf16::from_f32(x).to_bits(), "f32_to_bf16_bits({x:e} = {:#010x})", x.to_bits());
+    }
+    for nan in [f32::NAN, -f32::NAN, f32::from_bits(0x7f80_0001), f32::from_bits(0xff80_0001)] {
+        let b = f32_to_bf16_bits(nan);
+        assert!(bf16_bits_to_f32(b).is_nan(), "f32_to_bf16_bits({:#010x}) = {b:#06x} is not NaN", nan.to_bits());
+        assert_eq!(b & 0x8000 != 0, nan.is_sign_negative(), "NaN sign kept");
+    }
+}
+
+#[test]
+fn resolve_slot_classifies_slots() {
+    let (block_size, num_blocks) = (16u32, 5u64);
+    let num_slots = num_blocks * u64::from(block_size);
+    for slot in [-1, -2, -17, i64::MIN] {
+        assert_eq!(resolve_slot(slot, block_size, num_slots), SlotTarget::Padding, "slot {slot}");
+    }
+    for slot in [num_slots as i64, num_slots as i64 + 1, i64::MAX] {
+        assert_eq!(resolve_slot(slot, block_size, num_slots), SlotTarget::OutOfRange, "slot {slot}");
+    }
+    for slot in 0..num_slots {
+        let want = SlotTarget::At { block: slot / u64::from(block_size), offset: slot % u64::from(block_size) };
+        assert_eq!(resolve_slot(slot as i64, block_size, num_slots), want, "slot {slot}");
+    }
+    // A capacity that is not a whole number of blocks is still the limit.
+    assert_eq!(resolve_slot(10, 4, 10), SlotTarget::OutOfRange);
+    assert_eq!(resolve_slot(9, 4, 10), SlotTarget::At { block: 2, offset: 1 });
+    assert_eq!(resolve_slot(0, 1, 0), SlotTarget::OutOfRange);
+}
+
+#[test]
+fn cache_strides_offset_is_linear() {
+    let s = CacheStrides { block: 1000, token: 50, head: 7 };
+    assert_eq!(s.offset(0, 0, 0, 0), 0);
+    assert_eq!(s.offset(2, 3, 4, 5), 2 * 1000 + 3 * 50 + 4 * 7 + 5);
+    assert_eq!(CacheStrides::default().offset(9, 9, 9, 3), 3);
+}

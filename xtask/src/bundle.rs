@@ -1,0 +1,81 @@
+//! `bundle`: release builds of the GPU tests and the benchmark, gathered with a runner script
+//! into `bundle/` so that a machine with only an NVIDIA driver (no Rust, no CUDA toolkit) can run
+//! them. `bench`: the benchmark, run here.
+
+use crate::repo_root;
+use crate::toolchain::run;
+use std::path::Path;
+use std::process::Command;
+
+/// Test targets (in `tests/`) that need a GPU; the bundle runs these.
+const GPU_TESTS: &[&str] = &["gpu_cache_write"];
+const BENCH_BIN: &str = "attn-bench";
+
+const RUN_SH: &str = r#"#!/usr/bin/env bash
+# Runs every GPU test, then the benchmark. Needs only an NVIDIA driver.
+#   bundle/run.sh                 tests + benchmark (JSON to $OUT/bench.json if OUT is set)
+#   SANITIZE=1 bundle/run.sh      also runs each GPU test under compute-sanitizer (memcheck)
+#   BENCH_ARGS="--quick" bundle/run.sh   extra benchmark arguments
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+status=0
+for t in "$here"/tests/*; do
+  echo "== $(basename "$t")"
+  "$t" || status=1
+  if [ "${SANITIZE:-0}" = 1 ]; then
+    echo "== compute-sanitizer $(basename "$t")"
+    ATTN_TEST_QUICK=1 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 "$t" || status=1
+  fi
+done
+json=${OUT:-/tmp}/bench.json
+echo "== benchmark"
+"$here/attn-bench" --json "$json" ${BENCH_ARGS:-} || status=1
+exit $status
+"#;
+
+/// Paths of the test executables cargo builds for `targets`, from its JSON messages.
+fn test_executables(root: &Path, targets: &[&str]) -> Result<Vec<(String, String)>, String> {
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.current_dir(root).args(["test", "--release", "--locked", "-p", "host", "--no-run", "--message-format=json"]);
+    for t in targets {
+        cmd.args(["--test", t]);
+    }
+    let out = cmd.output().map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err(format!("building tests failed:\n{}", String::from_utf8_lossy(&out.stderr)));
+    }
+    let mut found = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        if let (Some(exe), Some(name)) = (msg["executable"].as_str(), msg["target"]["name"].as_str()) {
+            if targets.contains(&name) {
+                found.push((name.to_string(), exe.to_string()));
+            }
+        }
+    }
+    Ok(found)
+}
+
+pub fn bundle() -> Result<(), String> {
+    let root = repo_root();
+    let out = root.join("bundle");
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(out.join("tests")).map_err(|e| e.to_string())?;
+    run(Command::new(env!("CARGO")).current_dir(&root).args(["build", "--release", "--locked", "-p", "host", "--bin", BENCH_BIN]))?;
+    std::fs::copy(root.join("target/release").join(BENCH_BIN), out.join(BENCH_BIN)).map_err(|e| e.to_string())?;
+    for (name, exe) in test_executables(&root, GPU_TESTS)? {
+        std::fs::copy(&exe, out.join("tests").join(&name)).map_err(|e| format!("{exe}: {e}"))?;
+    }
+    let script = out.join("run.sh");
+    std::fs::write(&script, RUN_SH).map_err(|e| e.to_string())?;
+    run(Command::new("chmod").arg("+x").arg(&script))?;
+    println!("bundle ready: {} (run bundle/run.sh on the GPU machine)", out.display());
+    Ok(())
+}
+
+pub fn bench(args: &[String]) -> Result<(), String> {
+    run(Command::new(env!("CARGO"))
+        .current_dir(repo_root())
+        .args(["run", "--release", "--locked", "-p", "host", "--bin", BENCH_BIN, "--"])
+        .args(args))
+}

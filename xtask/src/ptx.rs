@@ -1,0 +1,78 @@
+//! `build-ptx`: the kernels crate compiled once per GPU target with rustc's nvptx backend.
+//!
+//! rustc cannot link for nvptx here (no `llvm-bitcode-linker`), so the build asks for the
+//! assembly (`--emit=asm`) of the fat-LTO'd cdylib, which is the whole self-contained PTX module,
+//! and passes `-C linker=true` so the skipped link step succeeds.
+
+use crate::repo_root;
+use crate::toolchain::{nightly, nightly_version, run, GpuTarget, NIGHTLY_VERSION, TARGETS};
+use std::path::PathBuf;
+
+pub fn kernels_dir() -> PathBuf {
+    repo_root().join("kernels-gpu/kernels")
+}
+
+pub fn ptx_dir() -> PathBuf {
+    repo_root().join("host/ptx")
+}
+
+/// Builds one target and returns its PTX text.
+fn build_target(t: &GpuTarget) -> Result<String, String> {
+    let dir = kernels_dir();
+    let target_dir = dir.join("target").join(t.name);
+    run(nightly("cargo")
+        .current_dir(&dir)
+        .args(["rustc", "--quiet", "--release", "--locked", "-Zbuild-std=core", "--target", "nvptx64-nvidia-cuda"])
+        .arg("--target-dir")
+        .arg(&target_dir)
+        .args(["--", "--emit=asm", "-C", "linker=true"])
+        .arg(format!("-Ctarget-cpu={}", t.cpu))
+        .arg(format!("-Ctarget-feature={}", t.features))
+        .args(t.cfgs.iter().flat_map(|c| ["--cfg", c]))
+        // Remap local paths so the PTX does not depend on where the repo is checked out.
+        .arg(format!("--remap-path-prefix={}=kernels", repo_root().display())))?;
+    let asm = target_dir.join("nvptx64-nvidia-cuda/release/deps/kernels_gpu.s");
+    let text = std::fs::read_to_string(&asm).map_err(|e| format!("no PTX at {}: {e}", asm.display()))?;
+    check_self_contained(t.name, &text)?;
+    Ok(text)
+}
+
+/// A module with an unresolved `.extern .func` would fail to load at run time.
+pub fn check_self_contained(name: &str, ptx: &str) -> Result<(), String> {
+    let externs: Vec<&str> = ptx.lines().filter(|l| l.contains(".extern") && l.contains(".func")).collect();
+    if externs.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("{name}: unresolved externs:\n{}", externs.join("\n")))
+    }
+}
+
+pub fn build_ptx(check: bool) -> Result<(), String> {
+    let version = nightly_version()?;
+    if version != NIGHTLY_VERSION {
+        eprintln!("warning: kernels are pinned to `{NIGHTLY_VERSION}`, this is `{version}`; the PTX may differ");
+    }
+    std::fs::create_dir_all(ptx_dir()).map_err(|e| e.to_string())?;
+    let mut stale = Vec::new();
+    for t in TARGETS {
+        let ptx = build_target(t)?;
+        let path = ptx_dir().join(format!("{}.ptx", t.name));
+        if check {
+            let committed = std::fs::read_to_string(&path).unwrap_or_default();
+            if committed != ptx {
+                stale.push(path.display().to_string());
+            }
+        } else {
+            std::fs::write(&path, &ptx).map_err(|e| e.to_string())?;
+            println!("wrote {} ({} kernels)", path.display(), ptx.matches(".entry").count());
+        }
+    }
+    if stale.is_empty() {
+        if check {
+            println!("committed PTX matches the kernels' source ({} targets)", TARGETS.len());
+        }
+        Ok(())
+    } else {
+        Err(format!("committed PTX is stale (run `cargo xtask build-ptx` and commit): {}", stale.join(", ")))
+    }
+}

@@ -1,0 +1,95 @@
+//! `ptx-report`: assemble every committed PTX module with `ptxas` for its target and tabulate
+//! the per-kernel resources. Fails when a module does not assemble.
+
+use crate::ptx::{check_self_contained, ptx_dir};
+use crate::repo_root;
+use crate::toolchain::TARGETS;
+use std::path::PathBuf;
+use std::process::Command;
+
+/// `$PTXAS`, else the repo's `.venv-ptxas` (made by `.ci/run`), else `ptxas` on the PATH.
+fn find_ptxas() -> PathBuf {
+    if let Some(p) = std::env::var_os("PTXAS") {
+        return PathBuf::from(p);
+    }
+    let venv = repo_root().join(".venv-ptxas/lib");
+    if let Ok(entries) = std::fs::read_dir(&venv) {
+        for py in entries.flatten() {
+            let p = py.path().join("site-packages/nvidia/cu13/bin/ptxas");
+            if p.exists() {
+                return p;
+            }
+        }
+    }
+    PathBuf::from("ptxas")
+}
+
+#[derive(Default)]
+struct Row {
+    kernel: String,
+    registers: u32,
+    spill_stores: u32,
+    spill_loads: u32,
+    stack: u32,
+    smem: u32,
+}
+
+/// The number just before `unit` in `line` ("24 bytes stack frame" -> 24).
+fn number_before(line: &str, unit: &str) -> Option<u32> {
+    let head = &line[..line.find(unit)?];
+    head.split(|c: char| !c.is_ascii_digit()).rfind(|s| !s.is_empty())?.parse().ok()
+}
+
+fn parse(report: &str) -> Vec<Row> {
+    let mut rows: Vec<Row> = Vec::new();
+    for line in report.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            rows.push(Row { kernel: rest.split('\'').next().unwrap_or("").to_string(), ..Row::default() });
+        } else if let Some(row) = rows.last_mut() {
+            if line.contains("stack frame") {
+                row.stack = number_before(line, "bytes stack frame").unwrap_or(0);
+                row.spill_stores = number_before(line, "bytes spill stores").unwrap_or(0);
+                row.spill_loads = number_before(line, "bytes spill loads").unwrap_or(0);
+            }
+            if line.contains("registers") {
+                row.registers = number_before(line, "registers").unwrap_or(0);
+                row.smem = number_before(line, "bytes smem").unwrap_or(0);
+            }
+        }
+    }
+    rows
+}
+
+pub fn ptx_report() -> Result<(), String> {
+    let ptxas = find_ptxas();
+    let mut spills = 0;
+    for t in TARGETS {
+        let path = ptx_dir().join(format!("{}.ptx", t.name));
+        let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e} (run build-ptx)", path.display()))?;
+        check_self_contained(t.name, &text)?;
+        let out_file = std::env::temp_dir().join(format!("attn-{}.cubin", t.name));
+        let out = Command::new(&ptxas)
+            .arg(format!("-arch={}", t.name))
+            .args(["-v", "-O3"])
+            .arg(&path)
+            .arg("-o")
+            .arg(&out_file)
+            .output()
+            .map_err(|e| format!("cannot run {} ({e}); set PTXAS or run .ci/run once", ptxas.display()))?;
+        let log = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            return Err(format!("ptxas failed on {}:\n{log}", path.display()));
+        }
+        let _ = std::fs::remove_file(out_file);
+        println!("\n{} ({})", t.name, path.display());
+        println!("{:<40} {:>5} {:>7} {:>7} {:>6} {:>6}", "kernel", "regs", "spillST", "spillLD", "stack", "smem");
+        for r in parse(&log) {
+            spills += r.spill_stores + r.spill_loads;
+            println!("{:<40} {:>5} {:>7} {:>7} {:>6} {:>6}", r.kernel, r.registers, r.spill_stores, r.spill_loads, r.stack, r.smem);
+        }
+    }
+    if spills > 0 {
+        println!("\nwarning: {spills} bytes of register spills in total");
+    }
+    Ok(())
+}
