@@ -96,7 +96,9 @@ pub(crate) fn check_kv_shapes(
 fn check_vector_alignment(arg: &'static str, ptr: u64, strides: &[usize], elem_bytes: usize, vec_bytes: usize) -> Result<()> {
     ensure(ptr.is_multiple_of(vec_bytes as u64), arg, || format!("address {ptr:#x} is not {vec_bytes}-byte aligned"))?;
     for &s in strides {
-        ensure((s * elem_bytes).is_multiple_of(vec_bytes), arg, || format!("stride of {s} elements is not a multiple of {vec_bytes} bytes"))?;
+        ensure((s * elem_bytes).is_multiple_of(vec_bytes), arg, || {
+            format!("stride of {s} elements is not a multiple of {vec_bytes} bytes")
+        })?;
     }
     Ok(())
 }
