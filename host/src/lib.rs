@@ -13,6 +13,7 @@
 pub mod buffer;
 pub mod cache_write;
 pub mod cpu;
+pub mod decode;
 pub mod device;
 pub mod dtype;
 pub mod error;

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::Command;
 
 /// Test targets (in `tests/`) that need a GPU; the bundle runs these.
-const GPU_TESTS: &[&str] = &["gpu_cache_write"];
+const GPU_TESTS: &[&str] = &["gpu_cache_write", "gpu_decode"];
 const BENCH_BIN: &str = "attn-bench";
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
@@ -21,7 +21,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 status=0
 for t in "$here"/tests/*; do
   echo "== $(basename "$t")"
-  "$t" || status=1
+  timeout 300 "$t" || status=1
   if [ "${SANITIZE:-0}" = 1 ]; then
     echo "== compute-sanitizer $(basename "$t")"
     ATTN_TEST_QUICK=1 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 "$t" || status=1

@@ -29,8 +29,11 @@ fn build_target(t: &GpuTarget) -> Result<String, String> {
         .arg(format!("-Ctarget-cpu={}", t.cpu))
         .arg(format!("-Ctarget-feature={}", t.features))
         .args(t.cfgs.iter().flat_map(|c| ["--cfg", c]))
-        // Remap local paths so the PTX does not depend on where the repo is checked out.
-        .arg(format!("--remap-path-prefix={}=kernels", repo_root().display())))?;
+        // Panic locations are strings in the PTX: remap local paths (for every crate, hence
+        // RUSTFLAGS) so the output does not depend on where the repo is checked out.
+        // Kernels are built from small closures over constant indices (`static_for`); they must
+        // all inline for register arrays to stay in registers.
+        .env("RUSTFLAGS", format!("--remap-path-prefix={}=. -Cllvm-args=-inline-threshold=10000", repo_root().display())))?;
     let asm = target_dir.join("nvptx64-nvidia-cuda/release/deps/kernels_gpu.s");
     let text = std::fs::read_to_string(&asm).map_err(|e| format!("no PTX at {}: {e}", asm.display()))?;
     check_self_contained(t.name, &text)?;

@@ -42,10 +42,15 @@ fn number_before(line: &str, unit: &str) -> Option<u32> {
 
 fn parse(report: &str) -> Vec<Row> {
     let mut rows: Vec<Row> = Vec::new();
+    // ptxas also reports the non-entry functions (e.g. panic paths); only the lines under
+    // "Function properties for <kernel>" belong to the kernel.
+    let mut current = String::new();
     for line in report.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             rows.push(Row { kernel: rest.split('\'').next().unwrap_or("").to_string(), ..Row::default() });
-        } else if let Some(row) = rows.last_mut() {
+        } else if let Some(rest) = line.split("Function properties for ").nth(1) {
+            current = rest.trim().to_string();
+        } else if let Some(row) = rows.last_mut().filter(|r| r.kernel == current) {
             if line.contains("stack frame") {
                 row.stack = number_before(line, "bytes stack frame").unwrap_or(0);
                 row.spill_stores = number_before(line, "bytes spill stores").unwrap_or(0);
@@ -62,7 +67,7 @@ fn parse(report: &str) -> Vec<Row> {
 
 pub fn ptx_report() -> Result<(), String> {
     let ptxas = find_ptxas();
-    let mut spills = 0;
+    let (mut spills, mut stack) = (0, 0);
     for t in TARGETS {
         let path = ptx_dir().join(format!("{}.ptx", t.name));
         let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e} (run build-ptx)", path.display()))?;
@@ -85,11 +90,15 @@ pub fn ptx_report() -> Result<(), String> {
         println!("{:<40} {:>5} {:>7} {:>7} {:>6} {:>6}", "kernel", "regs", "spillST", "spillLD", "stack", "smem");
         for r in parse(&log) {
             spills += r.spill_stores + r.spill_loads;
+            stack += r.stack;
             println!("{:<40} {:>5} {:>7} {:>7} {:>6} {:>6}", r.kernel, r.registers, r.spill_stores, r.spill_loads, r.stack, r.smem);
         }
     }
     if spills > 0 {
         println!("\nwarning: {spills} bytes of register spills in total");
+    }
+    if stack > 0 {
+        return Err(format!("{stack} bytes of stack frames in total: a register array went to local memory"));
     }
     Ok(())
 }

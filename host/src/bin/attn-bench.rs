@@ -183,6 +183,111 @@ fn mla_write_row<C: Element>(b: &Bench, tokens: usize, block_size: usize, status
     })
 }
 
+/// Fills a large device buffer with random values cheaply: 32 MiB of random data from the
+/// host, repeated on the device.
+fn random_device<T: Element>(s: &Arc<CudaStream>, len: usize, seed: u64) -> Result<CudaSlice<T>> {
+    let chunk = (32usize << 20) / std::mem::size_of::<T>();
+    let src = s.clone_htod(&random_values::<T>(chunk.min(len), seed, 1.0))?;
+    let mut dst: CudaSlice<T> = s.alloc_zeros(len)?;
+    let mut at = 0;
+    while at < len {
+        let n = chunk.min(len - at);
+        s.memcpy_dtod(&src.slice(..n), &mut dst.slice_mut(at..at + n))?;
+        at += n;
+    }
+    Ok(dst)
+}
+
+struct DecodeShape {
+    batch: usize,
+    context: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    head_size: usize,
+    block_size: usize,
+}
+
+fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, status: &mut DeviceStatus) -> Result<Row> {
+    use host::decode::{paged_decode, AttnOptions, DecodeArgs, DecodeBatch, DecodeWorkspace, SplitMode};
+    let s = &b.stream;
+    let blocks_per_req = sh.context.div_ceil(sh.block_size);
+    let num_blocks = sh.batch * blocks_per_req;
+    let spec = KvCacheSpec::new(KvLayout::FlashNhd, num_blocks, sh.block_size, sh.kv_heads, sh.head_size)?;
+    let cache = random_device::<C>(s, spec.num_elements(), 11)?;
+    // Scattered block tables: a random permutation of all blocks.
+    let block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 12).into_iter().map(|x| x as i32).collect();
+    let seq_lens = vec![sh.context as i32; sh.batch];
+    let qsl: Vec<i32> = (0..=sh.batch as i32).collect();
+    let q_rows = RowsDesc::contiguous(sh.batch, sh.q_heads, sh.head_size);
+    let q = s.clone_htod(&random_values::<bf16>(q_rows.required_len(), 13, 1.0))?;
+    let mut out: CudaSlice<bf16> = s.alloc_zeros(q_rows.required_len())?;
+    let (bt, sl, ql) = (s.clone_htod(&block_table)?, s.clone_htod(&seq_lens)?, s.clone_htod(&qsl)?);
+    let (ks, vs) = (s.clone_htod(&[0.05f32])?, s.clone_htod(&[0.05f32])?);
+    let mut ws = DecodeWorkspace::new(s, 64 * 1024 * sh.q_heads / sh.kv_heads * 8, sh.head_size, sh.batch, sh.batch)?;
+    let fp8 = C::DTYPE == host::DType::Fp8E4m3;
+    let opts = AttnOptions::new(sh.head_size);
+    let batch = DecodeBatch { seq_lens: &seq_lens, query_start_loc: &qsl };
+    let mut chunk = 0;
+    let us = b.time(|| {
+        let plan = paged_decode(
+            dev(),
+            s,
+            DecodeArgs {
+                q: DevIn::new(&q, s),
+                q_rows,
+                cache: DevIn::new(&cache, s),
+                spec,
+                block_table: DevIn::new(&bt, s),
+                block_table_stride: blocks_per_req,
+                seq_lens: DevIn::new(&sl, s),
+                query_start_loc: DevIn::new(&ql, s),
+                out: DevOut::new(&mut out, s),
+                out_rows: q_rows,
+                lse: None,
+                alibi_slopes: None,
+                sinks: None,
+                scales: fp8.then(|| KvScales { k: DevIn::new(&ks, s), v: DevIn::new(&vs, s) }),
+            },
+            &batch,
+            &opts,
+            SplitMode::Auto,
+            &mut ws,
+            status,
+        )?;
+        chunk = plan.chunk;
+        Ok(())
+    })?;
+    status.check(s)?;
+    let kv_bytes = 2.0 * (sh.batch * sh.context * sh.kv_heads * sh.head_size) as f64 * std::mem::size_of::<C>() as f64;
+    Ok(Row {
+        name: format!("paged_decode bf16 q, {} cache", C::DTYPE.kernel_name()),
+        shape: format!(
+            "{}x{} {}q/{}kv d{} bs{} (chunk {chunk})",
+            sh.batch, sh.context, sh.q_heads, sh.kv_heads, sh.head_size, sh.block_size
+        ),
+        median_us: us,
+        bytes: kv_bytes,
+    })
+}
+
+fn cache_write_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {
+    // The same copy at the size of the main cache-write case (64 MiB read + 64 MiB written).
+    rows.push(copy_row(b, 64 << 20)?);
+    let tokens = 16384;
+    for layout in [KvLayout::FlashNhd, KvLayout::FlashHnd, KvLayout::FlashInferNhd] {
+        rows.push(kv_write_row::<bf16>(b, layout, tokens, 8, 128, 16, Slots::Random, status)?);
+    }
+    rows.push(kv_write_row::<bf16>(b, KvLayout::FlashNhd, tokens, 8, 128, 16, Slots::Sequential, status)?);
+    rows.push(kv_write_row::<bf16>(b, KvLayout::FlashNhd, 4 * tokens, 8, 128, 16, Slots::Random, status)?);
+    rows.push(kv_write_row::<Fp8E4m3>(b, KvLayout::FlashNhd, tokens, 8, 128, 16, Slots::Random, status)?);
+    rows.push(kv_write_row::<bf16>(b, KvLayout::FlashNhd, 256, 8, 128, 16, Slots::Random, status)?);
+    rows.push(mla_write_row::<bf16>(b, tokens, 64, status)?);
+    rows.push(mla_write_row::<bf16>(b, 4 * tokens, 64, status)?);
+    rows.push(mla_write_row::<Fp8E4m3>(b, tokens, 64, status)?);
+
+    Ok(())
+}
+
 fn dev() -> &'static AttnDevice {
     static DEV: std::sync::OnceLock<AttnDevice> = std::sync::OnceLock::new();
     DEV.get_or_init(|| AttnDevice::new(0).expect("open GPU 0"))
@@ -217,25 +322,38 @@ fn main() -> Result<()> {
     let mut status = DeviceStatus::new(&stream)?;
 
     let ceiling = copy_row(&b, 1 << 30)?;
-    // The same copy at the size of the main cache-write case (64 MiB read + 64 MiB written).
-    let mut rows = vec![copy_row(&b, 64 << 20)?];
-    let tokens = 16384;
-    for layout in [KvLayout::FlashNhd, KvLayout::FlashHnd, KvLayout::FlashInferNhd] {
-        rows.push(kv_write_row::<bf16>(&b, layout, tokens, 8, 128, 16, Slots::Random, &mut status)?);
+    let mut rows = vec![];
+    // `--decode`: only the decode rows.
+    if !args.iter().any(|a| a == "--decode") {
+        cache_write_rows(&b, &mut rows, &mut status)?;
     }
-    rows.push(kv_write_row::<bf16>(&b, KvLayout::FlashNhd, tokens, 8, 128, 16, Slots::Sequential, &mut status)?);
-    rows.push(kv_write_row::<bf16>(&b, KvLayout::FlashNhd, 4 * tokens, 8, 128, 16, Slots::Random, &mut status)?);
-    rows.push(kv_write_row::<Fp8E4m3>(&b, KvLayout::FlashNhd, tokens, 8, 128, 16, Slots::Random, &mut status)?);
-    rows.push(kv_write_row::<bf16>(&b, KvLayout::FlashNhd, 256, 8, 128, 16, Slots::Random, &mut status)?);
-    rows.push(mla_write_row::<bf16>(&b, tokens, 64, &mut status)?);
-    rows.push(mla_write_row::<bf16>(&b, 4 * tokens, 64, &mut status)?);
-    rows.push(mla_write_row::<Fp8E4m3>(&b, tokens, 64, &mut status)?);
-
+    let shape = |batch, context| DecodeShape { batch, context, q_heads: 32, kv_heads: 8, head_size: 128, block_size: 16 };
+    for (batch, context) in [(64, 4096), (8, 32768), (256, 1024), (1, 131072)] {
+        rows.push(decode_row::<bf16>(&b, &shape(batch, context), &mut status)?);
+        rows.push(decode_row::<Fp8E4m3>(&b, &shape(batch, context), &mut status)?);
+    }
+    // The rows-per-CTA knob on the main shape (more CTAs with fewer registers each).
+    for cap in ["2", "1"] {
+        std::env::set_var("ATTN_DECODE_MAX_ROWS_PER_CTA", cap);
+        let mut r = decode_row::<bf16>(&b, &shape(64, 4096), &mut status)?;
+        r.name = format!("{} rows<={cap}", r.name);
+        rows.push(r);
+    }
+    std::env::remove_var("ATTN_DECODE_MAX_ROWS_PER_CTA");
+    for sh in [
+        DecodeShape { head_size: 64, ..shape(64, 4096) },
+        DecodeShape { head_size: 256, ..shape(64, 4096) },
+        DecodeShape { block_size: 64, ..shape(64, 4096) },
+        DecodeShape { kv_heads: 32, ..shape(64, 4096) },
+        DecodeShape { kv_heads: 2, ..shape(64, 4096) },
+    ] {
+        rows.push(decode_row::<bf16>(&b, &sh, &mut status)?);
+    }
     let ceil = ceiling.gbps();
-    println!("\n{:<44} {:<34} {:>10} {:>9} {:>8}", "kernel", "shape", "median us", "GB/s", "% copy");
-    println!("{:<44} {:<34} {:>10.2} {:>9.0} {:>8}", ceiling.name, ceiling.shape, ceiling.median_us, ceil, "100.0");
+    println!("\n{:<44} {:<44} {:>10} {:>9} {:>8}", "kernel", "shape", "median us", "GB/s", "% copy");
+    println!("{:<44} {:<44} {:>10.2} {:>9.0} {:>8}", ceiling.name, ceiling.shape, ceiling.median_us, ceil, "100.0");
     for r in &rows {
-        println!("{:<44} {:<34} {:>10.2} {:>9.0} {:>8.1}", r.name, r.shape, r.median_us, r.gbps(), 100.0 * r.gbps() / ceil);
+        println!("{:<44} {:<44} {:>10.2} {:>9.0} {:>8.1}", r.name, r.shape, r.median_us, r.gbps(), 100.0 * r.gbps() / ceil);
     }
     if let Some(path) = json_path {
         let items: Vec<String> = std::iter::once(&ceiling)

@@ -18,6 +18,7 @@ macro_rules! special_register {
 special_register!(thread_idx_x, "%tid.x");
 special_register!(block_idx_x, "%ctaid.x");
 special_register!(block_idx_y, "%ctaid.y");
+special_register!(block_idx_z, "%ctaid.z");
 special_register!(block_dim_x, "%ntid.x");
 special_register!(grid_dim_x, "%nctaid.x");
 special_register!(lane_id, "%laneid");
@@ -38,4 +39,41 @@ pub fn sync_threads() {
 #[inline(always)]
 pub unsafe fn atomic_or_global(addr: u64, bits: u32) {
     unsafe { asm!("red.global.or.b32 [{0}], {1};", in(reg64) addr, in(reg32) bits, options(nostack)) }
+}
+
+/// `shfl.sync.bfly`: the value of lane `lane ^ mask` (all 32 lanes take part).
+#[inline(always)]
+pub fn shfl_xor(x: f32, mask: u32) -> f32 {
+    let y: f32;
+    unsafe {
+        asm!("shfl.sync.bfly.b32 {0}, {1}, {2}, 0x1f, 0xffffffff;", out(reg32) y, in(reg32) x, in(reg32) mask,
+             options(nomem, nostack));
+    }
+    y
+}
+
+/// `tanh` (hardware approximation, sm_75+).
+#[inline(always)]
+pub fn tanh(x: f32) -> f32 {
+    let y: f32;
+    unsafe { asm!("tanh.approx.f32 {0}, {1};", out(reg32) y, in(reg32) x, options(pure, nomem, nostack)) };
+    y
+}
+
+/// The block's dynamic shared memory (sized at launch) as `T`s.
+#[inline(always)]
+pub fn dynamic_shared<T>() -> *mut T {
+    core::intrinsics::gpu::gpu_launch_sized_workgroup_mem::<T>()
+}
+
+/// Calls `f(0), f(1), ..., f(N - 1)` with each index a constant after inlining, so register
+/// arrays indexed by it stay in registers (a loop LLVM declines to unroll would put them in
+/// local memory). N <= 16.
+#[inline(always)]
+pub fn static_for<const N: usize>(mut f: impl FnMut(usize)) {
+    const { assert!(N <= 16) };
+    macro_rules! step {
+        ($($i:literal)*) => { $( if $i < N { f($i) } )* };
+    }
+    step!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
 }

@@ -2,10 +2,15 @@
 //! `cargo xtask build-ptx`. Entry points are `extern "ptx-kernel"` functions taking one
 //! `#[repr(C)]` parameter block from `attn_math::params`.
 #![no_std]
-#![feature(abi_ptx, asm_experimental_arch)]
+#![feature(abi_ptx, asm_experimental_arch, core_intrinsics, gpu_intrinsics, gpu_launch_sized_workgroup_mem)]
+#![allow(internal_features)]
 
 mod cache_write;
+mod decode;
 mod device;
+mod elem;
+mod entry;
+mod merge;
 mod vec_io;
 
 #[panic_handler]

@@ -80,3 +80,47 @@ pub fn e4m3x2(lo: f32, hi: f32) -> u32 {
     }
     packed as u32
 }
+
+/// 8 bytes from global memory through the read-only path (8-byte aligned).
+#[inline(always)]
+pub unsafe fn load8_nc(addr: u64) -> [u32; 2] {
+    let (a, b): (u32, u32);
+    unsafe {
+        asm!("ld.global.nc.v2.u32 {{{0}, {1}}}, [{2}];", out(reg32) a, out(reg32) b, in(reg64) addr,
+             options(pure, readonly, nostack));
+    }
+    [a, b]
+}
+
+#[inline(always)]
+pub unsafe fn load_u32_nc(addr: u64) -> u32 {
+    let r: u32;
+    unsafe { asm!("ld.global.nc.u32 {0}, [{1}];", out(reg32) r, in(reg64) addr, options(pure, readonly, nostack)) };
+    r
+}
+
+/// A plain (coherent) f32 load, for data an earlier kernel of the same stream wrote.
+#[inline(always)]
+pub unsafe fn load_f32(addr: u64) -> f32 {
+    let r: f32;
+    unsafe { asm!("ld.global.f32 {0}, [{1}];", out(reg32) r, in(reg64) addr, options(readonly, nostack)) };
+    r
+}
+
+#[inline(always)]
+pub unsafe fn store_f32(addr: u64, v: f32) {
+    unsafe { asm!("st.global.f32 [{0}], {1};", in(reg64) addr, in(reg32) v, options(nostack)) }
+}
+
+#[inline(always)]
+pub unsafe fn store_u16(addr: u64, v: u16) {
+    unsafe { asm!("st.global.u16 [{0}], {1};", in(reg64) addr, in(reg16) v, options(nostack)) }
+}
+
+/// f32 -> f16 bits (round to nearest even).
+#[inline(always)]
+pub fn f32_to_f16_bits(x: f32) -> u16 {
+    let h: u16;
+    unsafe { asm!("cvt.rn.f16.f32 {0}, {1};", out(reg16) h, in(reg32) x, options(pure, nomem, nostack)) };
+    h
+}

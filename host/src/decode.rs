@@ -1,0 +1,452 @@
+//! Paged decode attention with two-pass split-K (flash-decoding), and the public LSE merge
+//! `merge_attn_states`.
+//!
+//! The host plans each batch from its host-side metadata (`seq_lens`, `query_start_loc`): one
+//! chunk size for the batch (`attn_math::split::plan_chunk`), so long requests get many splits
+//! and short ones few and the CTAs fill the GPU; requests with one split write their output
+//! directly, the others go through the workspace and the merge kernel. The plan is uploaded into
+//! a caller-owned [`DecodeWorkspace`]; nothing is allocated per call.
+
+use crate::buffer::{DevIn, DevOut};
+use crate::cache_write::KvScales;
+use crate::device::AttnDevice;
+use crate::dtype::DType;
+use crate::error::{ensure, Result};
+use crate::layout::{KvCacheSpec, RowsDesc};
+use crate::status::DeviceStatus;
+use attn_math::decode::{rows_per_cta, shared_bytes, HEAD_SIZES, THREADS};
+use attn_math::params::{DecodeMergeParams, DecodeParams, MergeStatesParams};
+use attn_math::softmax::LOG2_E;
+use attn_math::split::{num_splits, plan_chunk};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use std::sync::Arc;
+
+/// Query tokens per request that decode takes (speculative decoding: causal among them).
+pub const MAX_QUERY_LEN: usize = 8;
+/// Splits shorter than this cost more in merging than they gain.
+const MIN_CHUNK: u32 = 256;
+const CHUNK_TILE: u32 = 16;
+
+/// Attention options of a layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnOptions {
+    pub softmax_scale: f32,
+    /// Sliding window: each query sees its last `window` keys (itself included).
+    pub window: Option<u32>,
+    /// Logit soft-cap: `cap * tanh(logit / cap)`.
+    pub softcap: Option<f32>,
+}
+
+impl AttnOptions {
+    pub fn new(head_size: usize) -> Self {
+        AttnOptions { softmax_scale: 1.0 / (head_size as f32).sqrt(), window: None, softcap: None }
+    }
+}
+
+/// How decode splits the keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SplitMode {
+    /// Planned per batch from the SM count, the batch and the lengths.
+    #[default]
+    Auto,
+    /// The longest request is split into `n`; `Fixed(1)` gives results that do not depend on
+    /// the rest of the batch (deterministic mode).
+    Fixed(u32),
+}
+
+/// The batch's host-side metadata (the same numbers as the device buffers).
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeBatch<'a> {
+    /// `[num_reqs]` context lengths, new tokens included.
+    pub seq_lens: &'a [i32],
+    /// `[num_reqs + 1]`, starting at 0.
+    pub query_start_loc: &'a [i32],
+}
+
+/// Device inputs and outputs of [`paged_decode`].
+pub struct DecodeArgs<'a> {
+    /// `[num_tokens, num_q_heads, head_size]`.
+    pub q: DevIn<'a>,
+    pub q_rows: RowsDesc,
+    /// The paged cache (K and V planes, per `spec`).
+    pub cache: DevIn<'a>,
+    pub spec: KvCacheSpec,
+    /// `[num_reqs, block_table_stride]` i32.
+    pub block_table: DevIn<'a>,
+    pub block_table_stride: usize,
+    /// `[num_reqs]` i32 and `[num_reqs + 1]` i32: device copies of [`DecodeBatch`].
+    pub seq_lens: DevIn<'a>,
+    pub query_start_loc: DevIn<'a>,
+    /// `[num_tokens, num_q_heads, head_size]`, the dtype of `q`.
+    pub out: DevOut<'a>,
+    pub out_rows: RowsDesc,
+    /// `[num_tokens, num_q_heads]` f32 natural-log LSE (the sink included), if wanted.
+    pub lse: Option<DevOut<'a>>,
+    /// `[num_q_heads]` f32.
+    pub alibi_slopes: Option<DevIn<'a>>,
+    /// `[num_q_heads]` f32 logits (natural units) that join each head's softmax denominator.
+    pub sinks: Option<DevIn<'a>>,
+    /// Required for an FP8 cache.
+    pub scales: Option<KvScales<'a>>,
+}
+
+/// The per-batch plan: chunk size, work items and where each request's partials go.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DecodePlan {
+    pub chunk: u32,
+    pub rows_per_cta: u32,
+    pub row_groups: u32,
+    /// `request << 16 | split`.
+    pub items: Vec<u32>,
+    pub req_num_splits: Vec<u32>,
+    pub req_partial_base: Vec<u32>,
+    pub token_request: Vec<u32>,
+    /// Partial rows (head_size f32 each) the plan uses in the workspace.
+    pub partial_rows: usize,
+}
+
+impl DecodePlan {
+    pub fn needs_merge(&self) -> bool {
+        self.req_num_splits.iter().any(|&s| s > 1)
+    }
+}
+
+/// Plans a batch. `ctas_target` is how many CTAs fill the GPU a few times over.
+pub fn plan_decode(
+    batch: &DecodeBatch<'_>,
+    num_q_heads: usize,
+    num_kv_heads: usize,
+    head_size: usize,
+    ctas_target: u64,
+    mode: SplitMode,
+    partial_capacity: usize,
+) -> Result<DecodePlan> {
+    let num_reqs = batch.seq_lens.len();
+    let group = num_q_heads / num_kv_heads;
+    let q_lens: Vec<u32> = batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).collect();
+    let max_q = q_lens.iter().copied().max().unwrap_or(1);
+    let mut rows_per_cta = rows_per_cta(max_q * group as u32, head_size as u32);
+    // Tuning knob: cap the rows per CTA (more CTAs, fewer registers each).
+    if let Some(cap) = std::env::var("ATTN_DECODE_MAX_ROWS_PER_CTA").ok().and_then(|v| v.parse::<u32>().ok()) {
+        rows_per_cta = rows_per_cta.min(cap.max(1).next_power_of_two());
+    }
+    let row_groups = (max_q * group as u32).div_ceil(rows_per_cta);
+    let lens: Vec<u32> = batch.seq_lens.iter().map(|&l| l as u32).collect();
+    let forced = match mode {
+        SplitMode::Auto => None,
+        SplitMode::Fixed(n) => Some(n),
+    };
+    let mut chunk = plan_chunk(&lens, (num_kv_heads as u32) * row_groups, ctas_target, CHUNK_TILE, MIN_CHUNK, forced);
+    // Grow the chunk until the partials fit the workspace (one split each always fits: none).
+    loop {
+        let rows: usize = (0..num_reqs)
+            .map(|r| num_splits(lens[r], chunk))
+            .zip(&q_lens)
+            .filter(|(s, _)| *s > 1)
+            .map(|(s, &q)| (s * q) as usize * num_q_heads)
+            .sum();
+        let splits_ok = lens.iter().all(|&l| num_splits(l, chunk) <= 0xffff);
+        if rows <= partial_capacity && splits_ok {
+            break;
+        }
+        chunk = chunk.saturating_mul(2);
+    }
+    let mut plan = DecodePlan { chunk, rows_per_cta, row_groups, ..DecodePlan::default() };
+    for (r, (&len, &q)) in lens.iter().zip(&q_lens).enumerate() {
+        let splits = num_splits(len, chunk);
+        plan.req_num_splits.push(splits);
+        plan.req_partial_base.push(plan.partial_rows as u32);
+        if splits > 1 {
+            plan.partial_rows += (splits * q) as usize * num_q_heads;
+        }
+        plan.items.extend((0..splits).map(|s| (r as u32) << 16 | s));
+        plan.token_request.extend(std::iter::repeat_n(r as u32, q as usize));
+    }
+    Ok(plan)
+}
+
+/// Checks host metadata: sorted start locations that cover the tokens, 1..=8 queries per
+/// request, lengths that hold their queries and fit the block table.
+pub fn validate_batch(batch: &DecodeBatch<'_>, num_tokens: usize, block_size: usize, block_table_stride: usize) -> Result<()> {
+    let n = batch.seq_lens.len();
+    ensure(batch.query_start_loc.len() == n + 1, "query_start_loc", || {
+        format!("has {} entries for {n} requests (needs {})", batch.query_start_loc.len(), n + 1)
+    })?;
+    ensure(batch.query_start_loc[0] == 0, "query_start_loc", || format!("starts at {}, not 0", batch.query_start_loc[0]))?;
+    ensure(batch.query_start_loc[n] as usize == num_tokens, "query_start_loc", || {
+        format!("ends at {}, but q has {num_tokens} tokens", batch.query_start_loc[n])
+    })?;
+    ensure(n < 1 << 16, "seq_lens", || format!("{n} requests exceed the 65535 a launch takes"))?;
+    for r in 0..n {
+        let q = batch.query_start_loc[r + 1] - batch.query_start_loc[r];
+        ensure((1..=MAX_QUERY_LEN as i32).contains(&q), "query_start_loc", || {
+            format!("request {r} has {q} query tokens (decode takes 1..={MAX_QUERY_LEN})")
+        })?;
+        let len = batch.seq_lens[r];
+        ensure(len == 0 || len >= q, "seq_lens", || format!("request {r} has length {len} < its {q} query tokens"))?;
+        let blocks = (len as usize).div_ceil(block_size);
+        ensure(blocks <= block_table_stride, "block_table", || {
+            format!("request {r} needs {blocks} blocks, rows hold {block_table_stride}")
+        })?;
+    }
+    Ok(())
+}
+
+/// Device memory for split-K partials and the plan. Allocate once for the largest batch.
+pub struct DecodeWorkspace {
+    partial_out: CudaSlice<f32>,
+    partial_lse: CudaSlice<f32>,
+    items: CudaSlice<u32>,
+    req_num_splits: CudaSlice<u32>,
+    req_partial_base: CudaSlice<u32>,
+    token_request: CudaSlice<u32>,
+    head_size: usize,
+}
+
+impl DecodeWorkspace {
+    /// Bytes [`new`](Self::new) allocates.
+    pub fn bytes(partial_rows: usize, head_size: usize, max_items: usize, max_reqs: usize, max_tokens: usize) -> usize {
+        4 * (partial_rows * (head_size + 1) + max_items + 2 * max_reqs + max_tokens)
+    }
+
+    /// A workspace for up to `max_reqs` requests and `max_tokens` query tokens; `partial_rows`
+    /// bounds the split-K partials (a good size: `4 * sm_count * 8 * num_q_heads / num_kv_heads`).
+    pub fn new(stream: &Arc<CudaStream>, partial_rows: usize, head_size: usize, max_reqs: usize, max_tokens: usize) -> Result<Self> {
+        let max_items = max_reqs + partial_rows;
+        Ok(DecodeWorkspace {
+            partial_out: stream.alloc_zeros(partial_rows.max(1) * head_size)?,
+            partial_lse: stream.alloc_zeros(partial_rows.max(1))?,
+            items: stream.alloc_zeros(max_items.max(1))?,
+            req_num_splits: stream.alloc_zeros(max_reqs.max(1))?,
+            req_partial_base: stream.alloc_zeros(max_reqs.max(1))?,
+            token_request: stream.alloc_zeros(max_tokens.max(1))?,
+            head_size,
+        })
+    }
+
+    pub fn partial_rows(&self) -> usize {
+        self.partial_lse.len()
+    }
+}
+
+fn kernel_name(q: DType, cache: DType, head_size: usize, rows: u32) -> String {
+    format!("decode_{}_{}_d{head_size}_r{rows}", q.kernel_name(), cache.kernel_name())
+}
+
+fn f32_values(b: &DevIn<'_>, arg: &'static str, len: usize) -> Result<u64> {
+    ensure(b.dtype == DType::F32 && b.len >= len, arg, || format!("must be {len} f32 values, got {} x {:?}", b.len, b.dtype))?;
+    Ok(b.ptr)
+}
+
+fn optional_f32(buf: &Option<DevIn<'_>>, arg: &'static str, len: usize) -> Result<u64> {
+    buf.as_ref().map_or(Ok(0), |b| f32_values(b, arg, len))
+}
+
+/// Paged decode: validates everything, plans, uploads the plan, launches pass 1 and (when a
+/// request has several splits) the merge. Enqueued on `stream`; block ids outside the cache are
+/// skipped and raise `BLOCK_OUT_OF_RANGE` in `status`.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode(
+    dev: &AttnDevice,
+    stream: &Arc<CudaStream>,
+    a: DecodeArgs<'_>,
+    batch: &DecodeBatch<'_>,
+    opts: &AttnOptions,
+    mode: SplitMode,
+    ws: &mut DecodeWorkspace,
+    status: &mut DeviceStatus,
+) -> Result<DecodePlan> {
+    let spec = &a.spec;
+    let (nt, hq, d) = (a.q_rows.num_tokens, a.q_rows.num_heads, a.q_rows.head_size);
+    let q_dtype = a.q.dtype;
+    let cache_dtype = a.cache.dtype;
+    ensure(matches!(q_dtype, DType::F16 | DType::BF16), "q", || format!("dtype {q_dtype:?}: decode takes f16 or bf16 queries"))?;
+    ensure(cache_dtype == q_dtype || cache_dtype == DType::Fp8E4m3, "cache", || format!("dtype {cache_dtype:?} with {q_dtype:?} queries"))?;
+    ensure(cache_dtype != DType::Fp8E4m3 || a.scales.is_some(), "scales", || "an fp8 cache needs k/v scales".into())?;
+    ensure(HEAD_SIZES.contains(&(d as u32)), "head_size", || format!("{d} (kernels exist for {HEAD_SIZES:?})"))?;
+    ensure(d == spec.head_size, "q", || format!("head_size {d} differs from the cache's {}", spec.head_size))?;
+    ensure(hq % spec.num_kv_heads == 0, "num_q_heads", || format!("{hq} is not a multiple of num_kv_heads {}", spec.num_kv_heads))?;
+    ensure(spec.block_size.is_multiple_of(16), "block_size", || format!("{} is not a multiple of 16", spec.block_size))?;
+    a.q_rows.validate("q")?;
+    a.out_rows.validate("out")?;
+    ensure(a.q.len >= a.q_rows.required_len(), "q", || format!("buffer of {} elements is too small for {:?}", a.q.len, a.q_rows))?;
+    ensure(a.out.dtype == q_dtype, "out", || format!("dtype {:?} differs from q's {q_dtype:?}", a.out.dtype))?;
+    ensure(a.out_rows.num_tokens == nt && a.out_rows.num_heads == hq && a.out_rows.head_size == d, "out", || {
+        format!("shape {:?} differs from q's", a.out_rows)
+    })?;
+    ensure(a.out.len >= a.out_rows.required_len(), "out", || {
+        format!("buffer of {} elements is too small for {:?}", a.out.len, a.out_rows)
+    })?;
+    for (arg, ptr, strides) in [
+        ("q", a.q.ptr, [a.q_rows.token_stride, a.q_rows.head_stride]),
+        ("out", a.out.ptr, [a.out_rows.token_stride, a.out_rows.head_stride]),
+    ] {
+        ensure(ptr.is_multiple_of(16) && strides.iter().all(|s| (s * 2).is_multiple_of(16)), arg, || {
+            "must be 16-byte aligned with 16-byte-multiple strides".into()
+        })?;
+    }
+    ensure(a.cache.len >= spec.num_elements(), "cache", || {
+        format!("buffer of {} elements is smaller than the layout's {}", a.cache.len, spec.num_elements())
+    })?;
+    let num_reqs = batch.seq_lens.len();
+    validate_batch(batch, nt, spec.block_size, a.block_table_stride)?;
+    ensure(a.block_table.dtype == DType::I32 && a.block_table.len >= num_reqs * a.block_table_stride, "block_table", || {
+        format!("must be {num_reqs} x {} i32, got {} x {:?}", a.block_table_stride, a.block_table.len, a.block_table.dtype)
+    })?;
+    ensure(a.seq_lens.dtype == DType::I32 && a.seq_lens.len >= num_reqs, "seq_lens", || format!("device copy must be {num_reqs} i32"))?;
+    ensure(a.query_start_loc.dtype == DType::I32 && a.query_start_loc.len > num_reqs, "query_start_loc", || {
+        format!("device copy must be {} i32", num_reqs + 1)
+    })?;
+    if let Some(l) = &a.lse {
+        ensure(l.dtype == DType::F32 && l.len >= nt * hq, "lse", || format!("must be {nt} x {hq} f32"))?;
+    }
+    let alibi = optional_f32(&a.alibi_slopes, "alibi_slopes", hq)?;
+    let sinks = optional_f32(&a.sinks, "sinks", hq)?;
+    let (k_scale, v_scale) = match &a.scales {
+        Some(s) if cache_dtype == DType::Fp8E4m3 => (f32_values(&s.k, "scales.k", 1)?, f32_values(&s.v, "scales.v", 1)?),
+        _ => (0, 0),
+    };
+    ensure(ws.head_size == d, "workspace", || format!("made for head_size {}, not {d}", ws.head_size))?;
+    ensure(ws.req_num_splits.len() >= num_reqs && ws.token_request.len() >= nt, "workspace", || {
+        format!("holds {} requests / {} tokens, the batch has {num_reqs} / {nt}", ws.req_num_splits.len(), ws.token_request.len())
+    })?;
+    if num_reqs == 0 || nt == 0 {
+        return Ok(DecodePlan::default());
+    }
+
+    let ctas_target = dev.sm_count() as u64 * 8;
+    let plan = plan_decode(batch, hq, spec.num_kv_heads, d, ctas_target, mode, ws.partial_rows())?;
+    ensure(plan.items.len() <= ws.items.len() && plan.items.len() < i32::MAX as usize, "workspace", || {
+        format!("the plan has {} work items, the workspace holds {}", plan.items.len(), ws.items.len())
+    })?;
+    stream.memcpy_htod(&plan.items, &mut ws.items.slice_mut(..plan.items.len()))?;
+    stream.memcpy_htod(&plan.req_num_splits, &mut ws.req_num_splits.slice_mut(..num_reqs))?;
+    stream.memcpy_htod(&plan.req_partial_base, &mut ws.req_partial_base.slice_mut(..num_reqs))?;
+    stream.memcpy_htod(&plan.token_request, &mut ws.token_request.slice_mut(..nt))?;
+
+    let (items_ptr, _o1) = ws.items.device_ptr(stream);
+    let (splits_ptr, _o2) = ws.req_num_splits.device_ptr(stream);
+    let (base_ptr, _o3) = ws.req_partial_base.device_ptr(stream);
+    let (treq_ptr, _o4) = ws.token_request.device_ptr(stream);
+    let (pout_ptr, _o5) = ws.partial_out.device_ptr_mut(stream);
+    let (plse_ptr, _o6) = ws.partial_lse.device_ptr_mut(stream);
+    let (status_ptr, _o7) = status.word.device_ptr_mut(stream);
+    let (k_origin, v_origin) = spec.kv_origins();
+    let cb = cache_dtype.size_bytes() as u64;
+    let lse_ptr = a.lse.as_ref().map_or(0, |l| l.ptr);
+    let p = DecodeParams {
+        q: a.q.ptr,
+        q_token_stride: a.q_rows.token_stride as u64,
+        q_head_stride: a.q_rows.head_stride as u64,
+        k_cache: a.cache.ptr + k_origin as u64 * cb,
+        v_cache: a.cache.ptr + v_origin as u64 * cb,
+        cache_strides: spec.strides(),
+        block_table: a.block_table.ptr,
+        block_table_stride: a.block_table_stride as u64,
+        seq_lens: a.seq_lens.ptr,
+        query_start_loc: a.query_start_loc.ptr,
+        out: a.out.ptr,
+        out_token_stride: a.out_rows.token_stride as u64,
+        out_head_stride: a.out_rows.head_stride as u64,
+        lse: lse_ptr,
+        partial_out: pout_ptr,
+        partial_lse: plse_ptr,
+        work_items: items_ptr,
+        req_num_splits: splits_ptr,
+        req_partial_base: base_ptr,
+        alibi_slopes: alibi,
+        sinks,
+        k_scale,
+        v_scale,
+        status: status_ptr,
+        scale_log2: opts.softmax_scale * LOG2_E,
+        softcap: opts.softcap.unwrap_or(0.0),
+        window: opts.window.unwrap_or(0),
+        num_blocks: spec.num_blocks as u32,
+        block_size: spec.block_size as u32,
+        chunk: plan.chunk,
+        num_q_heads: hq as u32,
+        group: (hq / spec.num_kv_heads) as u32,
+    };
+    let smem = shared_bytes(plan.rows_per_cta as usize, d) as u32;
+    ensure(plan.items.len() <= 65535, "workspace", || format!("{} work items exceed a launch's 65535", plan.items.len()))?;
+    let grid = (plan.row_groups, plan.items.len() as u32, spec.num_kv_heads as u32);
+    dev.launch(stream, &kernel_name(q_dtype, cache_dtype, d, plan.rows_per_cta), grid, THREADS, smem, p)?;
+    if plan.needs_merge() {
+        let m = DecodeMergeParams {
+            partial_out: pout_ptr,
+            partial_lse: plse_ptr,
+            query_start_loc: a.query_start_loc.ptr,
+            req_num_splits: splits_ptr,
+            req_partial_base: base_ptr,
+            token_request: treq_ptr,
+            out: a.out.ptr,
+            out_token_stride: a.out_rows.token_stride as u64,
+            out_head_stride: a.out_rows.head_stride as u64,
+            lse: lse_ptr,
+            sinks,
+            num_tokens: nt as u32,
+            num_q_heads: hq as u32,
+            head_size: d as u32,
+        };
+        let warps = (nt * hq) as u32;
+        dev.launch(stream, &format!("decode_merge_{}", q_dtype.kernel_name()), (warps.div_ceil(8), 1, 1), 256, 0, m)?;
+    }
+    Ok(plan)
+}
+
+/// Inputs of [`merge_attn_states`]: two partial results of the same queries over disjoint keys.
+pub struct MergeArgs<'a> {
+    pub prefix_out: DevIn<'a>,
+    pub prefix_lse: DevIn<'a>,
+    pub suffix_out: DevIn<'a>,
+    pub suffix_lse: DevIn<'a>,
+    pub out: DevOut<'a>,
+    pub out_lse: Option<DevOut<'a>>,
+    /// Shape and strides of the three outputs.
+    pub rows: RowsDesc,
+    /// Element strides (token, head) of the three LSE tensors: `(num_heads, 1)` for
+    /// `[num_tokens, num_heads]`, `(1, num_tokens)` for vLLM's `[num_heads, num_tokens]`.
+    pub lse_strides: (usize, usize),
+}
+
+/// `out = merge(prefix, suffix)` weighted by their LSEs; an empty side (LSE -inf) contributes
+/// nothing. f16, bf16 or f32 outputs.
+pub fn merge_attn_states(dev: &AttnDevice, stream: &CudaStream, a: MergeArgs<'_>) -> Result<()> {
+    let dt = a.out.dtype;
+    ensure(matches!(dt, DType::F16 | DType::BF16 | DType::F32), "out", || format!("dtype {dt:?}"))?;
+    let r = a.rows;
+    r.validate("rows")?;
+    for (arg, b) in [("prefix_out", &a.prefix_out), ("suffix_out", &a.suffix_out)] {
+        ensure(b.dtype == dt && b.len >= r.required_len(), arg, || format!("must be {:?} with {} elements", dt, r.required_len()))?;
+    }
+    ensure(a.out.len >= r.required_len(), "out", || format!("buffer of {} elements is too small", a.out.len))?;
+    let lse_need = if r.num_tokens == 0 { 0 } else { (r.num_tokens - 1) * a.lse_strides.0 + (r.num_heads - 1) * a.lse_strides.1 + 1 };
+    for (arg, b) in [("prefix_lse", Some(&a.prefix_lse)), ("suffix_lse", Some(&a.suffix_lse))] {
+        let b = b.expect("present");
+        ensure(b.dtype == DType::F32 && b.len >= lse_need, arg, || format!("must be f32 with {lse_need} elements"))?;
+    }
+    if let Some(l) = &a.out_lse {
+        ensure(l.dtype == DType::F32 && l.len >= lse_need, "out_lse", || format!("must be f32 with {lse_need} elements"))?;
+    }
+    if r.num_tokens == 0 {
+        return Ok(());
+    }
+    let p = MergeStatesParams {
+        prefix_out: a.prefix_out.ptr,
+        suffix_out: a.suffix_out.ptr,
+        out: a.out.ptr,
+        prefix_lse: a.prefix_lse.ptr,
+        suffix_lse: a.suffix_lse.ptr,
+        out_lse: a.out_lse.as_ref().map_or(0, |l| l.ptr),
+        token_stride: r.token_stride as u64,
+        head_stride: r.head_stride as u64,
+        lse_token_stride: a.lse_strides.0 as u64,
+        lse_head_stride: a.lse_strides.1 as u64,
+        num_tokens: r.num_tokens as u32,
+        num_heads: r.num_heads as u32,
+        head_size: r.head_size as u32,
+    };
+    let warps = (r.num_tokens * r.num_heads) as u32;
+    dev.launch(stream, &format!("merge_attn_states_{}", dt.kernel_name()), (warps.div_ceil(8), 1, 1), 256, 0, p)
+}

@@ -1,0 +1,128 @@
+//! LSE merges of partial attention results: pass 2 of split-K decode, and the public
+//! `merge_attn_states` (two partial results of the same queries over disjoint keys: a shared
+//! prefix and a suffix, or two GPUs' shares of a context). One warp per (token, head); lanes
+//! walk the head dimension. The weights come from `attn_math::softmax::combine_lse`, the same
+//! code the CPU reference runs.
+
+use crate::device::{block_dim_x, block_idx_x, thread_idx_x};
+use crate::elem::HalfFloat;
+use crate::vec_io::{load_f32, load_f32_nc, load_u32_nc, store_f32, store_u16};
+use attn_math::params::{DecodeMergeParams, MergeStatesParams};
+use attn_math::softmax::{combine_lse, partial_weight};
+
+#[inline(always)]
+fn warp_index() -> u32 {
+    (block_idx_x() * block_dim_x() + thread_idx_x()) / 32
+}
+
+#[inline(always)]
+fn lane() -> u32 {
+    thread_idx_x() % 32
+}
+
+/// A value of an output element type.
+pub trait OutElem {
+    const BYTES: u64;
+    unsafe fn load(addr: u64) -> f32;
+    unsafe fn store(addr: u64, x: f32);
+}
+
+pub struct Half<H>(core::marker::PhantomData<H>);
+impl<H: HalfFloat> OutElem for Half<H> {
+    const BYTES: u64 = 2;
+    #[inline(always)]
+    unsafe fn load(addr: u64) -> f32 {
+        let w = unsafe { load_u32_nc(addr & !3) };
+        let (lo, hi) = H::unpack2(w);
+        if addr & 2 == 0 {
+            lo
+        } else {
+            hi
+        }
+    }
+    #[inline(always)]
+    unsafe fn store(addr: u64, x: f32) {
+        unsafe { store_u16(addr, H::pack(x)) }
+    }
+}
+
+pub struct F32Out;
+impl OutElem for F32Out {
+    const BYTES: u64 = 4;
+    #[inline(always)]
+    unsafe fn load(addr: u64) -> f32 {
+        unsafe { load_f32_nc(addr) }
+    }
+    #[inline(always)]
+    unsafe fn store(addr: u64, x: f32) {
+        unsafe { store_f32(addr, x) }
+    }
+}
+
+#[inline(always)]
+pub unsafe fn decode_merge<O: OutElem>(p: &DecodeMergeParams) {
+    let w = warp_index();
+    if w >= p.num_tokens * p.num_q_heads {
+        return;
+    }
+    let (token, head) = (w / p.num_q_heads, w % p.num_q_heads);
+    let req = unsafe { load_u32_nc(p.token_request + token as u64 * 4) };
+    let splits = unsafe { load_u32_nc(p.req_num_splits + req as u64 * 4) };
+    if splits <= 1 {
+        return; // written directly by pass 1
+    }
+    let q_start = unsafe { load_u32_nc(p.query_start_loc + req as u64 * 4) };
+    let q_len = unsafe { load_u32_nc(p.query_start_loc + req as u64 * 4 + 4) } - q_start;
+    let base = unsafe { load_u32_nc(p.req_partial_base + req as u64 * 4) } as u64;
+    let index = |s: u32| base + (s as u64 * q_len as u64 + (token - q_start) as u64) * p.num_q_heads as u64 + head as u64;
+    // Partials were written by the previous kernel: plain (coherent) loads.
+    let lse = |s: u32| unsafe { load_f32(p.partial_lse + index(s) * 4) };
+    let sink = if p.sinks != 0 { unsafe { load_f32_nc(p.sinks + head as u64 * 4) } } else { f32::NEG_INFINITY };
+    let (out_lse, max, sum) = combine_lse((0..splits).map(lse), sink);
+    let mut d = lane();
+    while d < p.head_size {
+        let mut o = 0.0f32;
+        for s in 0..splits {
+            let wgt = partial_weight(lse(s), max, sum);
+            if wgt != 0.0 {
+                o += wgt * unsafe { load_f32(p.partial_out + (index(s) * p.head_size as u64 + d as u64) * 4) };
+            }
+        }
+        let addr = p.out + (token as u64 * p.out_token_stride + head as u64 * p.out_head_stride + d as u64) * O::BYTES;
+        unsafe { O::store(addr, o) };
+        d += 32;
+    }
+    if lane() == 0 && p.lse != 0 {
+        unsafe { store_f32(p.lse + (token as u64 * p.num_q_heads as u64 + head as u64) * 4, out_lse) };
+    }
+}
+
+#[inline(always)]
+pub unsafe fn merge_states<O: OutElem>(p: &MergeStatesParams) {
+    let w = warp_index();
+    if w >= p.num_tokens * p.num_heads {
+        return;
+    }
+    let (token, head) = ((w / p.num_heads) as u64, (w % p.num_heads) as u64);
+    let lse_at = token * p.lse_token_stride + head * p.lse_head_stride;
+    let lses = [unsafe { load_f32(p.prefix_lse + lse_at * 4) }, unsafe { load_f32(p.suffix_lse + lse_at * 4) }];
+    let (out_lse, max, sum) = combine_lse(lses.iter().copied(), f32::NEG_INFINITY);
+    let (wp, ws) = (partial_weight(lses[0], max, sum), partial_weight(lses[1], max, sum));
+    let mut d = lane() as u64;
+    while d < p.head_size as u64 {
+        let at = (token * p.token_stride + head * p.head_stride + d) * O::BYTES;
+        // A zero weight skips its input: an empty partial's output may be anything.
+        let mut o = 0.0;
+        if wp != 0.0 {
+            o += wp * unsafe { O::load(p.prefix_out + at) };
+        }
+        if ws != 0.0 {
+            o += ws * unsafe { O::load(p.suffix_out + at) };
+        }
+        unsafe { O::store(p.out + at, o) };
+        d += 32;
+    }
+    if lane() == 0 && p.out_lse != 0 {
+        unsafe { store_f32(p.out_lse + lse_at * 4, out_lse) };
+    }
+}

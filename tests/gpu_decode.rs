@@ -1,0 +1,306 @@
+//! GPU paged decode (split-K + merge) and `merge_attn_states` against the f64 CPU reference, on
+//! random data with poisoned outputs: head sizes, GQA ratios, speculative query lengths, cache
+//! dtypes and layouts, block sizes, window / soft-cap / ALiBi / sinks, forced and planned splits,
+//! empty requests and bad block ids.
+
+mod common;
+
+use common::*;
+use cudarc::driver::CudaSlice;
+use half::{bf16, f16};
+use host::cache_write::KvScales;
+use host::decode::{merge_attn_states, paged_decode, AttnOptions, DecodeArgs, DecodeBatch, DecodeWorkspace, MergeArgs, SplitMode};
+use host::{cpu, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
+use libtest_mimic::Trial;
+use rand::seq::SliceRandom;
+use rand::Rng;
+
+#[derive(Clone, Debug)]
+struct Case {
+    layout: KvLayout,
+    head_size: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    block_size: usize,
+    seq_lens: Vec<i32>,
+    q_lens: Vec<i32>,
+    window: Option<u32>,
+    softcap: Option<f32>,
+    alibi: bool,
+    sinks: bool,
+    split: SplitMode,
+    /// Put a block id past the cache into one request's table.
+    bad_block: bool,
+}
+
+impl Case {
+    fn base(seq_lens: &[i32]) -> Self {
+        Case {
+            layout: KvLayout::FlashNhd,
+            head_size: 128,
+            q_heads: 32,
+            kv_heads: 8,
+            block_size: 16,
+            seq_lens: seq_lens.to_vec(),
+            q_lens: vec![1; seq_lens.len()],
+            window: None,
+            softcap: None,
+            alibi: false,
+            sinks: false,
+            split: SplitMode::Auto,
+            bad_block: false,
+        }
+    }
+}
+
+fn rel_error(got: &[f64], want: &[f64]) -> f64 {
+    let num: f64 = got.iter().zip(want).map(|(g, w)| (g - w) * (g - w)).sum();
+    let den: f64 = want.iter().map(|w| w * w).sum();
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+fn tolerance<Q: Element>() -> f64 {
+    if Q::DTYPE == host::DType::BF16 {
+        1e-2
+    } else {
+        3e-3
+    }
+}
+
+fn decode_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
+    let mut rng = rng(salt);
+    let stream = new_stream();
+    let fp8 = C::DTYPE == host::DType::Fp8E4m3;
+    let (d, hq) = (c.head_size, c.q_heads);
+    let num_reqs = c.seq_lens.len();
+    let blocks_per_req: Vec<usize> = c.seq_lens.iter().map(|&l| (l as usize).div_ceil(c.block_size)).collect();
+    let stride = blocks_per_req.iter().copied().max().unwrap_or(1).max(1) + 1;
+    let num_blocks = blocks_per_req.iter().sum::<usize>() + 7;
+    let spec = KvCacheSpec::new(c.layout, num_blocks, c.block_size, c.kv_heads, d)?;
+    // Scattered block tables: a random permutation of the cache's blocks.
+    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+    ids.shuffle(&mut rng);
+    let mut block_table = vec![-1i32; num_reqs * stride];
+    let mut next = 0;
+    for (r, &n) in blocks_per_req.iter().enumerate() {
+        for b in 0..n {
+            block_table[r * stride + b] = ids[next];
+            next += 1;
+        }
+    }
+    if c.bad_block {
+        let r = blocks_per_req.iter().position(|&n| n > 1).expect("a request with 2+ blocks");
+        block_table[r * stride + 1] = num_blocks as i32 + 5;
+    }
+    let mut qsl = vec![0i32];
+    for &q in &c.q_lens {
+        qsl.push(qsl.last().unwrap() + q);
+    }
+    let nt = *qsl.last().unwrap() as usize;
+    let q_rows = RowsDesc::contiguous(nt, hq, d);
+    let q: Vec<Q> = random_vec(&mut rng, q_rows.required_len().max(1), 1.0);
+    let cache: Vec<C> = random_vec(&mut rng, spec.num_elements(), if fp8 { 40.0 } else { 1.0 });
+    let scales = (0.05f32, 0.03f32);
+    let slopes: Vec<f32> = (0..hq).map(|h| 0.5f32.powi(h as i32 % 8 + 1)).collect();
+    let sinks: Vec<f32> = (0..hq).map(|_| rng.random_range(-2.0..4.0)).collect();
+    let mut opts = AttnOptions::new(d);
+    opts.window = c.window;
+    opts.softcap = c.softcap;
+    let batch = DecodeBatch { seq_lens: &c.seq_lens, query_start_loc: &qsl };
+
+    let want = cpu::paged_decode(&cpu::DecodeRef {
+        q: &q,
+        q_rows,
+        cache: &cache,
+        spec,
+        block_table: &block_table,
+        block_table_stride: stride,
+        batch,
+        opts,
+        alibi_slopes: c.alibi.then_some(&slopes[..]),
+        sinks: c.sinks.then_some(&sinks[..]),
+        scales: fp8.then_some(scales),
+    })?;
+
+    let up = |v: &[i32]| upload(&stream, v);
+    let (q_d, cache_d, bt_d, sl_d, qsl_d) = (upload(&stream, &q), upload(&stream, &cache), up(&block_table), up(&c.seq_lens), up(&qsl));
+    let (slopes_d, sinks_d) = (upload(&stream, &slopes), upload(&stream, &sinks));
+    let (ks_d, vs_d) = (upload(&stream, &[scales.0]), upload(&stream, &[scales.1]));
+    let mut out_d: CudaSlice<Q> = upload(&stream, &vec![poison::<Q>(); q_rows.required_len().max(1)]);
+    let mut lse_d: CudaSlice<f32> = upload(&stream, &vec![f32::NAN; (nt * hq).max(1)]);
+    let mut ws = DecodeWorkspace::new(&stream, 4096 * hq, d, num_reqs, nt)?;
+    let mut status = DeviceStatus::new(&stream)?;
+    let plan = paged_decode(
+        device(),
+        &stream,
+        DecodeArgs {
+            q: DevIn::new(&q_d, &stream),
+            q_rows,
+            cache: DevIn::new(&cache_d, &stream),
+            spec,
+            block_table: DevIn::new(&bt_d, &stream),
+            block_table_stride: stride,
+            seq_lens: DevIn::new(&sl_d, &stream),
+            query_start_loc: DevIn::new(&qsl_d, &stream),
+            out: DevOut::new(&mut out_d, &stream),
+            out_rows: q_rows,
+            lse: Some(DevOut::new(&mut lse_d, &stream)),
+            alibi_slopes: c.alibi.then(|| DevIn::new(&slopes_d, &stream)),
+            sinks: c.sinks.then(|| DevIn::new(&sinks_d, &stream)),
+            scales: fp8.then(|| KvScales { k: DevIn::new(&ks_d, &stream), v: DevIn::new(&vs_d, &stream) }),
+        },
+        &batch,
+        &opts,
+        c.split,
+        &mut ws,
+        &mut status,
+    )?;
+    let flags = status.take(&stream)?;
+    let got: Vec<f64> = download(&stream, &out_d).iter().take(nt * hq * d).map(|x| x.to_f32() as f64).collect();
+    let lse: Vec<f32> = download(&stream, &lse_d);
+    if let Some(i) = got.iter().position(|x| !x.is_finite()) {
+        return Err(format!("output element {i} is {} (unwritten or NaN); plan chunk {}", got[i], plan.chunk).into());
+    }
+    let err = rel_error(&got, &want.out);
+    if err > tolerance::<Q>() {
+        return Err(format!(
+            "relative error {err:.2e} > {:.0e} (plan: chunk {}, {} items)",
+            tolerance::<Q>(),
+            plan.chunk,
+            plan.items.len()
+        )
+        .into());
+    }
+    for (i, (&g, &w)) in lse.iter().zip(&want.lse).take(nt * hq).enumerate() {
+        let ok = if w == f64::NEG_INFINITY { g == f32::NEG_INFINITY } else { (g as f64 - w).abs() <= 2e-3 * w.abs().max(1.0) };
+        if !ok {
+            return Err(format!("lse[{i}] = {g}, want {w}").into());
+        }
+    }
+    if flags.block_out_of_range() != (want.bad_blocks > 0) {
+        return Err(format!("status {flags:?}, reference skipped {} keys", want.bad_blocks).into());
+    }
+    Ok(())
+}
+
+/// Two random partial results merged on the GPU against the CPU merge, with some rows empty on
+/// one side (LSE -inf).
+fn merge_case<T: Element>(tokens: usize, heads: usize, d: usize, salt: u64) -> TestResult {
+    let mut rng = rng(salt);
+    let stream = new_stream();
+    let rows = RowsDesc::contiguous(tokens, heads, d);
+    let (p, s): (Vec<T>, Vec<T>) = (random_vec(&mut rng, rows.required_len(), 2.0), random_vec(&mut rng, rows.required_len(), 2.0));
+    let mut lse_p: Vec<f32> = (0..tokens * heads).map(|_| rng.random_range(-5.0..5.0)).collect();
+    let lse_s: Vec<f32> = (0..tokens * heads).map(|_| rng.random_range(-5.0..5.0)).collect();
+    lse_p[0] = f32::NEG_INFINITY;
+    let (p_d, s_d, lp_d, ls_d) = (upload(&stream, &p), upload(&stream, &s), upload(&stream, &lse_p), upload(&stream, &lse_s));
+    let mut out_d: CudaSlice<T> = upload(&stream, &vec![poison::<T>(); rows.required_len()]);
+    let mut lse_d: CudaSlice<f32> = upload(&stream, &vec![f32::NAN; tokens * heads]);
+    merge_attn_states(
+        device(),
+        &stream,
+        MergeArgs {
+            prefix_out: DevIn::new(&p_d, &stream),
+            prefix_lse: DevIn::new(&lp_d, &stream),
+            suffix_out: DevIn::new(&s_d, &stream),
+            suffix_lse: DevIn::new(&ls_d, &stream),
+            out: DevOut::new(&mut out_d, &stream),
+            out_lse: Some(DevOut::new(&mut lse_d, &stream)),
+            rows,
+            lse_strides: (heads, 1),
+        },
+    )?;
+    let got = download(&stream, &out_d);
+    let got_lse = download(&stream, &lse_d);
+    let f = |v: &[T], i: usize| (0..d).map(|k| v[i * d + k].to_f32() as f64).collect::<Vec<f64>>();
+    let (mut all_got, mut all_want) = (vec![], vec![]);
+    for i in 0..tokens * heads {
+        let (o, l) = cpu::merge_states_row(&f(&p, i), lse_p[i] as f64, &f(&s, i), lse_s[i] as f64);
+        all_want.extend(o);
+        all_got.extend(f(&got, i));
+        if (got_lse[i] as f64 - l).abs() > 1e-4 * l.abs().max(1.0) {
+            return Err(format!("lse[{i}] = {}, want {l}", got_lse[i]).into());
+        }
+    }
+    let err = rel_error(&all_got, &all_want);
+    if err.is_nan() || err > tolerance::<T>() {
+        return Err(format!("relative error {err:.2e}").into());
+    }
+    Ok(())
+}
+
+fn cases() -> Vec<(String, Case, &'static str)> {
+    let mut v: Vec<(String, Case, &'static str)> = Vec::new();
+    let lens = [1, 17, 300, 1000, 4097];
+    let mut push = |name: String, c: Case, dt: &'static str| v.push((name, c, dt));
+    for dt in ["bf16_bf16", "f16_f16", "bf16_fp8", "f16_fp8"] {
+        push(format!("{dt}::basic"), Case::base(&lens), dt);
+    }
+    for d in [64, 96, 128, 256] {
+        push(format!("bf16_bf16::head_size_{d}"), Case { head_size: d, ..Case::base(&lens) }, "bf16_bf16");
+        push(format!("f16_fp8::head_size_{d}"), Case { head_size: d, ..Case::base(&[5, 777]) }, "f16_fp8");
+    }
+    for (hq, hkv) in [(8, 8), (16, 8), (32, 4), (32, 2), (32, 1), (64, 1), (128, 1), (12, 4)] {
+        push(format!("bf16_bf16::gqa_{hq}q_{hkv}kv"), Case { q_heads: hq, kv_heads: hkv, ..Case::base(&[33, 2000]) }, "bf16_bf16");
+    }
+    for layout in KvLayout::ALL {
+        push(format!("bf16_bf16::layout_{layout:?}"), Case { layout, ..Case::base(&[100, 1500]) }, "bf16_bf16");
+    }
+    for bs in [32, 64] {
+        push(format!("bf16_bf16::block_size_{bs}"), Case { block_size: bs, ..Case::base(&lens) }, "bf16_bf16");
+    }
+    let spec_lens = [9, 40, 1000, 3];
+    push("bf16_bf16::spec_decode_q_lens_1_3_8_2".into(), Case { q_lens: vec![1, 3, 8, 2], ..Case::base(&spec_lens) }, "bf16_bf16");
+    push(
+        "f16_fp8::spec_decode_gqa16".into(),
+        Case { q_lens: vec![2, 8, 4, 3], q_heads: 32, kv_heads: 2, ..Case::base(&spec_lens) },
+        "f16_fp8",
+    );
+    push("bf16_bf16::window_100".into(), Case { window: Some(100), ..Case::base(&lens) }, "bf16_bf16");
+    push(
+        "bf16_bf16::window_7_smaller_than_block".into(),
+        Case { window: Some(7), q_lens: vec![1, 2, 1, 4, 1], ..Case::base(&lens) },
+        "bf16_bf16",
+    );
+    push("bf16_bf16::softcap_alibi_sinks".into(), Case { softcap: Some(5.0), alibi: true, sinks: true, ..Case::base(&lens) }, "bf16_bf16");
+    push(
+        "f16_fp8::all_features_spec".into(),
+        Case { softcap: Some(8.0), alibi: true, sinks: true, window: Some(64), q_lens: vec![3, 1, 8, 2], ..Case::base(&spec_lens) },
+        "f16_fp8",
+    );
+    push("bf16_bf16::split_fixed_1_deterministic".into(), Case { split: SplitMode::Fixed(1), ..Case::base(&lens) }, "bf16_bf16");
+    push("bf16_bf16::split_fixed_7".into(), Case { split: SplitMode::Fixed(7), sinks: true, ..Case::base(&lens) }, "bf16_bf16");
+    push("bf16_bf16::one_long_among_short".into(), Case { ..Case::base(&[20000, 3, 5, 1, 2, 7, 9, 16]) }, "bf16_bf16");
+    push("bf16_bf16::empty_requests".into(), Case { sinks: true, ..Case::base(&[0, 5, 0, 300]) }, "bf16_bf16");
+    push(
+        "bf16_bf16::window_leaves_one_split".into(),
+        Case { window: Some(20), split: SplitMode::Fixed(16), ..Case::base(&[8000, 4000]) },
+        "bf16_bf16",
+    );
+    push("bf16_bf16::bad_block_id".into(), Case { bad_block: true, ..Case::base(&[100, 40]) }, "bf16_bf16");
+    v
+}
+
+fn main() {
+    let mut trials = Vec::new();
+    let all = cases();
+    let picked: Vec<_> = if quick() { all.into_iter().step_by(4).collect() } else { all };
+    for (i, (name, case, dt)) in picked.into_iter().enumerate() {
+        let s = 1000 + i as u64;
+        let f: Box<dyn FnOnce() -> TestResult + Send> = match dt {
+            "bf16_bf16" => Box::new(move || decode_case::<bf16, bf16>(case, s)),
+            "f16_f16" => Box::new(move || decode_case::<f16, f16>(case, s)),
+            "bf16_fp8" => Box::new(move || decode_case::<bf16, Fp8E4m3>(case, s)),
+            _ => Box::new(move || decode_case::<f16, Fp8E4m3>(case, s)),
+        };
+        trials.push(Trial::test(format!("decode::{name}"), f));
+    }
+    trials.push(Trial::test("merge_attn_states::bf16", || merge_case::<bf16>(37, 8, 128, 1)));
+    trials.push(Trial::test("merge_attn_states::f16", || merge_case::<f16>(5, 3, 64, 2)));
+    trials.push(Trial::test("merge_attn_states::f32", || merge_case::<f32>(64, 4, 256, 3)));
+    run_gpu_trials(trials)
+}
