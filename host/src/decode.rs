@@ -49,8 +49,9 @@ pub enum SplitMode {
     /// Planned per batch from the SM count, the batch and the lengths.
     #[default]
     Auto,
-    /// The longest request is split into `n`; `Fixed(1)` gives results that do not depend on
-    /// the rest of the batch (deterministic mode).
+    /// The longest request is split into at most `n` chunks of whole 16-token tiles (so
+    /// sometimes fewer); `Fixed(1)` gives one split per request and results that do not depend
+    /// on the rest of the batch (deterministic mode).
     Fixed(u32),
 }
 

@@ -9,7 +9,7 @@
 //! its LSE go to the workspace for the merge kernel (`decode_merge`).
 
 use crate::device::{
-    atomic_or_global, block_idx_x, block_idx_y, block_idx_z, dynamic_shared, shfl_xor, static_for, sync_threads, tanh, thread_idx_x,
+    atomic_or_global, block_idx_x, block_idx_y, block_idx_z, dynamic_shared, fma, shfl_xor, static_for, sync_threads, tanh, thread_idx_x,
 };
 use crate::elem::{load_chunk_half, store_half, CacheFormat, HalfFloat};
 use crate::vec_io::{load_f32_nc, load_u32_nc, store_f32};
@@ -155,7 +155,7 @@ pub unsafe fn decode<Q: HalfFloat, C: CacheFormat, const D: usize, const ROWS: u
                     if chunk < chunks {
                         let qrow = unsafe { q_smem.add(m * D + chunk as usize * 8) };
                         let kx = C::unpack(k[j][x]);
-                        static_for::<8>(|e| dot += unsafe { *qrow.add(e) } * kx[e]);
+                        static_for::<8>(|e| dot = fma(unsafe { *qrow.add(e) }, kx[e], dot));
                     }
                 });
                 dot += shfl_xor(dot, 1);
@@ -181,7 +181,7 @@ pub unsafe fn decode<Q: HalfFloat, C: CacheFormat, const D: usize, const ROWS: u
                 let w = state[m].weight(s[j]);
                 static_for::<VPL>(|x| {
                     let vx = C::unpack(v[j][x]);
-                    static_for::<8>(|e| acc[m][x][e] += w * vx[e]);
+                    static_for::<8>(|e| acc[m][x][e] = fma(w, vx[e], acc[m][x][e]));
                 });
             });
         });
@@ -197,7 +197,7 @@ pub unsafe fn decode<Q: HalfFloat, C: CacheFormat, const D: usize, const ROWS: u
             static_for::<VPL>(|x| {
                 static_for::<8>(|e| {
                     let o = shfl_xor(acc[m][x][e], mask);
-                    acc[m][x][e] = acc[m][x][e] * fa + o * fb;
+                    acc[m][x][e] = fma(acc[m][x][e], fa, o * fb);
                 })
             });
         });

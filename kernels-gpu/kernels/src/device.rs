@@ -77,3 +77,11 @@ pub fn static_for<const N: usize>(mut f: impl FnMut(usize)) {
     }
     step!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
 }
+
+/// `a * b + c` in one rounding (rustc does not contract `a * b + c` into an FMA by itself).
+#[inline(always)]
+pub fn fma(a: f32, b: f32, c: f32) -> f32 {
+    let d: f32;
+    unsafe { asm!("fma.rn.f32 {0}, {1}, {2}, {3};", out(reg32) d, in(reg32) a, in(reg32) b, in(reg32) c, options(pure, nomem, nostack)) };
+    d
+}
