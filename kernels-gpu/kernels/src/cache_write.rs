@@ -6,7 +6,8 @@
 //! cache's capacity; a slot past the end raises `SLOT_OUT_OF_RANGE` and writes nothing.
 
 use crate::device::{atomic_or_global, block_dim_x, block_idx_x, thread_idx_x};
-use crate::vec_io::{bf16x2_to_f32, f16x2_to_f32, load16_nc, load_f32_nc, load_i64_nc, store16, store4, store8};
+use crate::elem::{Bf16, HalfFloat, F16};
+use crate::vec_io::{load16_nc, load_f32_nc, load_i64_nc, store16, store4, store8};
 #[cfg(not(hw_fp8))]
 use attn_math::fp8::quantize_e4m3;
 use attn_math::paging::{resolve_slot, SlotTarget};
@@ -52,35 +53,19 @@ fn quantize_pair(lo: f32, hi: f32, inv_scale: f32) -> u32 {
     }
 }
 
-/// Quantise 8 half-precision values (4 packed words) to 8 FP8 bytes.
-#[inline(always)]
-fn quantize_halves(v: [u32; 4], inv_scale: f32, unpack: fn(u32) -> (f32, f32)) -> [u32; 2] {
-    let q = |w: u32| {
-        let (lo, hi) = unpack(w);
-        quantize_pair(lo, hi, inv_scale)
-    };
-    [q(v[0]) | q(v[1]) << 16, q(v[2]) | q(v[3]) << 16]
-}
-
-struct F16ToFp8;
-impl VecWriter for F16ToFp8 {
+/// A 16-bit float source quantised to FP8: 8 values (4 packed words) to 8 bytes.
+struct HalfToFp8<H>(core::marker::PhantomData<H>);
+impl<H: HalfFloat> VecWriter for HalfToFp8<H> {
     const SRC_ELEM_BYTES: u32 = 2;
     const CACHE_ELEM_BYTES: u32 = 1;
     const SCALED: bool = true;
     #[inline(always)]
     unsafe fn store(addr: u64, v: [u32; 4], inv_scale: f32) {
-        unsafe { store8(addr, quantize_halves(v, inv_scale, f16x2_to_f32)) }
-    }
-}
-
-struct Bf16ToFp8;
-impl VecWriter for Bf16ToFp8 {
-    const SRC_ELEM_BYTES: u32 = 2;
-    const CACHE_ELEM_BYTES: u32 = 1;
-    const SCALED: bool = true;
-    #[inline(always)]
-    unsafe fn store(addr: u64, v: [u32; 4], inv_scale: f32) {
-        unsafe { store8(addr, quantize_halves(v, inv_scale, bf16x2_to_f32)) }
+        let q = |w: u32| {
+            let (lo, hi) = H::unpack2(w);
+            quantize_pair(lo, hi, inv_scale)
+        };
+        unsafe { store8(addr, [q(v[0]) | q(v[1]) << 16, q(v[2]) | q(v[3]) << 16]) }
     }
 }
 
@@ -320,7 +305,7 @@ cache_write_kernels! {
     f16_f16 => Copy16<2>,
     bf16_bf16 => Copy16<2>,
     f32_f32 => Copy16<4>,
-    f16_fp8 => F16ToFp8,
-    bf16_fp8 => Bf16ToFp8,
+    f16_fp8 => HalfToFp8<F16>,
+    bf16_fp8 => HalfToFp8<Bf16>,
     f32_fp8 => F32ToFp8,
 }

@@ -38,16 +38,7 @@ impl HalfFloat for Bf16 {
 /// 8 consecutive 16-bit floats at `addr` (16-byte aligned) as f32.
 #[inline(always)]
 pub unsafe fn load_chunk_half<H: HalfFloat>(addr: u64) -> [f32; 8] {
-    let w = unsafe { load16_nc(addr) };
-    let mut out = [0.0; 8];
-    let mut i = 0;
-    while i < 4 {
-        let (a, b) = H::unpack2(w[i]);
-        out[2 * i] = a;
-        out[2 * i + 1] = b;
-        i += 1;
-    }
-    out
+    HalfCache::<H>::unpack(unsafe { load16_nc(addr) })
 }
 
 #[inline(always)]
