@@ -2,7 +2,7 @@
 //! once), and kernel launches on the caller's stream.
 
 use crate::error::{AttnError, Result};
-use crate::ptx::{available_targets, module_for};
+use crate::ptx::{available_targets, target_for, Family, PtxTarget, NUM_FAMILIES};
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
@@ -19,8 +19,9 @@ unsafe impl<P: Copy> DeviceRepr for KernelParams<P> {}
 
 pub struct AttnDevice {
     ctx: Arc<CudaContext>,
-    module: Arc<CudaModule>,
-    target: &'static str,
+    target: &'static PtxTarget,
+    /// Each kernel family's module, loaded on first use.
+    modules: Mutex<[Option<Arc<CudaModule>>; NUM_FAMILIES]>,
     compute_capability: (i32, i32),
     sm_count: u32,
     functions: Mutex<HashMap<String, CudaFunction>>,
@@ -44,17 +45,17 @@ impl AttnDevice {
         Self::from_context(CudaContext::new(ordinal)?)
     }
 
-    /// Uses an existing context (an engine's, or candle's device context).
+    /// Uses an existing context (an engine's, or candle's device context). Kernel modules load
+    /// on first use (see [`preload`](Self::preload)).
     pub fn from_context(ctx: Arc<CudaContext>) -> Result<Self> {
         let (major, minor) = ctx.compute_capability()?;
-        let module =
-            module_for((major * 10 + minor) as u32).ok_or(AttnError::UnsupportedDevice { major, minor, available: available_targets() })?;
-        let loaded = ctx.load_module(Ptx::from_src(module.ptx))?;
+        let target =
+            target_for((major * 10 + minor) as u32).ok_or(AttnError::UnsupportedDevice { major, minor, available: available_targets() })?;
         let sm_count = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
         Ok(AttnDevice {
             ctx,
-            module: loaded,
-            target: module.target,
+            target,
+            modules: Mutex::new([None, None]),
             compute_capability: (major, minor),
             sm_count,
             functions: Mutex::new(HashMap::new()),
@@ -72,7 +73,27 @@ impl AttnDevice {
     }
     /// The embedded module in use ("sm_90a", "sm_80").
     pub fn ptx_target(&self) -> &'static str {
-        self.target
+        self.target.name
+    }
+
+    /// Loads every kernel family now (otherwise each loads, and is JIT-compiled by the driver,
+    /// on its first launch): for engines that want the cost at start-up, not on a first request.
+    pub fn preload(&self) -> Result<()> {
+        for family in [Family::CacheWrite, Family::Attention] {
+            self.module(family)?;
+        }
+        Ok(())
+    }
+
+    fn module(&self, family: Family) -> Result<Arc<CudaModule>> {
+        let mut modules = self.modules.lock().expect("module cache poisoned");
+        let slot = &mut modules[family as usize];
+        if let Some(m) = slot {
+            return Ok(m.clone());
+        }
+        let m = self.ctx.load_module(Ptx::from_src(self.target.modules[family as usize]))?;
+        *slot = Some(m.clone());
+        Ok(m)
     }
 
     pub(crate) fn function(&self, name: &str) -> Result<CudaFunction> {
@@ -80,7 +101,7 @@ impl AttnDevice {
         if let Some(f) = cache.get(name) {
             return Ok(f.clone());
         }
-        let f = self.module.load_function(name)?;
+        let f = self.module(Family::of(name))?.load_function(name)?;
         cache.insert(name.to_string(), f.clone());
         Ok(f)
     }

@@ -1,27 +1,64 @@
 //! The kernels, built to PTX by `cargo xtask build-ptx` and committed under `host/ptx/`, embedded
 //! here so that an engine depending on this crate needs neither nightly Rust nor the CUDA toolkit.
+//! Each target has one module per kernel family; the device loads a family on first use, so a
+//! program pays the driver's JIT compile only for the kernels it runs.
 
-/// One embedded module: the target it was built for and the compute capabilities it runs on.
-pub(crate) struct PtxModule {
-    pub target: &'static str,
-    pub ptx: &'static str,
-    /// Runs on devices whose compute capability is in `min..=max` (as major*10+minor).
+/// The kernel families (one PTX module each). Must match xtask's `FAMILIES`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Family {
+    CacheWrite = 0,
+    Attention = 1,
+}
+
+pub(crate) const NUM_FAMILIES: usize = 2;
+
+impl Family {
+    /// The family a kernel entry point belongs to, from its name.
+    pub fn of(kernel: &str) -> Family {
+        if kernel.starts_with("reshape_and_cache_") || kernel.starts_with("concat_and_cache_mla_") {
+            Family::CacheWrite
+        } else {
+            Family::Attention
+        }
+    }
+}
+
+/// One target's modules and the compute capabilities it runs on.
+pub(crate) struct PtxTarget {
+    pub name: &'static str,
+    /// Indexed by `Family as usize`.
+    pub modules: [&'static str; NUM_FAMILIES],
+    /// Runs on devices whose compute capability is in `min_cc..=max_cc` (major * 10 + minor).
     pub min_cc: u32,
     pub max_cc: u32,
 }
 
-/// Best first: the first module whose range holds the device's capability is loaded.
-pub(crate) const MODULES: &[PtxModule] = &[
+macro_rules! target {
+    ($name:literal, $min:expr, $max:expr) => {
+        PtxTarget {
+            name: $name,
+            modules: [
+                include_str!(concat!("../ptx/", $name, "/cache_write.ptx")),
+                include_str!(concat!("../ptx/", $name, "/attention.ptx")),
+            ],
+            min_cc: $min,
+            max_cc: $max,
+        }
+    };
+}
+
+/// Best first: the first target whose range holds the device's capability is used.
+pub(crate) const TARGETS: &[PtxTarget] = &[
     // sm_90a code uses Hopper-only instructions and runs on compute capability 9.0 exactly.
-    PtxModule { target: "sm_90a", ptx: include_str!("../ptx/sm_90a.ptx"), min_cc: 90, max_cc: 90 },
+    target!("sm_90a", 90, 90),
     // Ampere PTX is JIT-compiled by the driver for every newer GPU.
-    PtxModule { target: "sm_80", ptx: include_str!("../ptx/sm_80.ptx"), min_cc: 80, max_cc: u32::MAX },
+    target!("sm_80", 80, u32::MAX),
 ];
 
-pub(crate) fn module_for(cc: u32) -> Option<&'static PtxModule> {
-    MODULES.iter().find(|m| (m.min_cc..=m.max_cc).contains(&cc))
+pub(crate) fn target_for(cc: u32) -> Option<&'static PtxTarget> {
+    TARGETS.iter().find(|m| (m.min_cc..=m.max_cc).contains(&cc))
 }
 
 pub(crate) fn available_targets() -> String {
-    MODULES.iter().map(|m| m.target).collect::<Vec<_>>().join(", ")
+    TARGETS.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")
 }

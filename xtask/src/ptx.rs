@@ -5,7 +5,7 @@
 //! and passes `-C linker=true` so the skipped link step succeeds.
 
 use crate::repo_root;
-use crate::toolchain::{nightly, nightly_version, run, GpuTarget, NIGHTLY_VERSION, TARGETS};
+use crate::toolchain::{nightly, nightly_version, run, GpuTarget, FAMILIES, NIGHTLY_VERSION, TARGETS};
 use std::path::PathBuf;
 
 pub fn kernels_dir() -> PathBuf {
@@ -16,8 +16,13 @@ pub fn ptx_dir() -> PathBuf {
     repo_root().join("host/ptx")
 }
 
-/// Builds one target and returns its PTX text.
-fn build_target(t: &GpuTarget) -> Result<String, String> {
+pub fn ptx_path(target: &str, family: &str) -> PathBuf {
+    ptx_dir().join(target).join(format!("{family}.ptx"))
+}
+
+/// Builds one family for one target and returns its PTX text. The family's `--cfg` goes to the
+/// kernels crate only (after `--`), so `core` is built once per target and reused.
+fn build_target(t: &GpuTarget, family: &str) -> Result<String, String> {
     let dir = kernels_dir();
     let target_dir = dir.join("target").join(t.name);
     run(nightly("cargo")
@@ -29,6 +34,8 @@ fn build_target(t: &GpuTarget) -> Result<String, String> {
         .arg(format!("-Ctarget-cpu={}", t.cpu))
         .arg(format!("-Ctarget-feature={}", t.features))
         .args(t.cfgs.iter().flat_map(|c| ["--cfg", c]))
+        .arg("--cfg")
+        .arg(format!("kernels=\"{family}\""))
         // Panic locations are strings in the PTX: remap local paths (for every crate, hence
         // RUSTFLAGS) so the output does not depend on where the repo is checked out.
         // Kernels are built from small closures over constant indices (`static_for`); they must
@@ -36,7 +43,7 @@ fn build_target(t: &GpuTarget) -> Result<String, String> {
         .env("RUSTFLAGS", format!("--remap-path-prefix={}=. -Cllvm-args=-inline-threshold=10000", repo_root().display())))?;
     let asm = target_dir.join("nvptx64-nvidia-cuda/release/deps/kernels_gpu.s");
     let text = std::fs::read_to_string(&asm).map_err(|e| format!("no PTX at {}: {e}", asm.display()))?;
-    check_self_contained(t.name, &text)?;
+    check_self_contained(&format!("{}/{family}", t.name), &text)?;
     Ok(text)
 }
 
@@ -55,24 +62,26 @@ pub fn build_ptx(check: bool) -> Result<(), String> {
     if version != NIGHTLY_VERSION {
         eprintln!("warning: kernels are pinned to `{NIGHTLY_VERSION}`, this is `{version}`; the PTX may differ");
     }
-    std::fs::create_dir_all(ptx_dir()).map_err(|e| e.to_string())?;
     let mut stale = Vec::new();
     for t in TARGETS {
-        let ptx = build_target(t)?;
-        let path = ptx_dir().join(format!("{}.ptx", t.name));
-        if check {
-            let committed = std::fs::read_to_string(&path).unwrap_or_default();
-            if committed != ptx {
-                stale.push(path.display().to_string());
+        std::fs::create_dir_all(ptx_dir().join(t.name)).map_err(|e| e.to_string())?;
+        for family in FAMILIES {
+            let ptx = build_target(t, family)?;
+            let path = ptx_path(t.name, family);
+            if check {
+                let committed = std::fs::read_to_string(&path).unwrap_or_default();
+                if committed != ptx {
+                    stale.push(path.display().to_string());
+                }
+            } else {
+                std::fs::write(&path, &ptx).map_err(|e| e.to_string())?;
+                println!("wrote {} ({} kernels)", path.display(), ptx.matches(".entry").count());
             }
-        } else {
-            std::fs::write(&path, &ptx).map_err(|e| e.to_string())?;
-            println!("wrote {} ({} kernels)", path.display(), ptx.matches(".entry").count());
         }
     }
     if stale.is_empty() {
         if check {
-            println!("committed PTX matches the kernels' source ({} targets)", TARGETS.len());
+            println!("committed PTX matches the kernels' source ({} targets x {} families)", TARGETS.len(), FAMILIES.len());
         }
         Ok(())
     } else {

@@ -1,9 +1,9 @@
 //! `ptx-report`: assemble every committed PTX module with `ptxas` for its target and tabulate
 //! the per-kernel resources. Fails when a module does not assemble.
 
-use crate::ptx::{check_self_contained, ptx_dir};
+use crate::ptx::{check_self_contained, ptx_path};
 use crate::repo_root;
-use crate::toolchain::TARGETS;
+use crate::toolchain::{FAMILIES, TARGETS};
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -68,8 +68,8 @@ fn parse(report: &str) -> Vec<Row> {
 pub fn ptx_report() -> Result<(), String> {
     let ptxas = find_ptxas();
     let (mut spills, mut stack) = (0, 0);
-    for t in TARGETS {
-        let path = ptx_dir().join(format!("{}.ptx", t.name));
+    for (t, family) in TARGETS.iter().flat_map(|t| FAMILIES.iter().map(move |f| (t, f))) {
+        let path = ptx_path(t.name, family);
         let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e} (run build-ptx)", path.display()))?;
         check_self_contained(t.name, &text)?;
         let out_file = std::env::temp_dir().join(format!("attn-{}.cubin", t.name));
@@ -86,7 +86,7 @@ pub fn ptx_report() -> Result<(), String> {
             return Err(format!("ptxas failed on {}:\n{log}", path.display()));
         }
         let _ = std::fs::remove_file(out_file);
-        println!("\n{} ({})", t.name, path.display());
+        println!("\n{}/{family} ({})", t.name, path.display());
         println!("{:<40} {:>5} {:>7} {:>7} {:>6} {:>6}", "kernel", "regs", "spillST", "spillLD", "stack", "smem");
         for r in parse(&log) {
             spills += r.spill_stores + r.spill_loads;

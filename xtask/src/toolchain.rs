@@ -17,6 +17,10 @@ pub struct GpuTarget {
     pub cfgs: &'static [&'static str],
 }
 
+/// Kernel families: each is built into its own PTX module per target (`host/ptx/<target>/<family>.ptx`),
+/// which the host loads on first use. Must match `host/src/ptx.rs`.
+pub const FAMILIES: &[&str] = &["cache_write", "attention"];
+
 /// Every target the host embeds. Adding one is one line here (and the host picks it up by name).
 pub const TARGETS: &[GpuTarget] = &[
     GpuTarget { name: "sm_80", cpu: "sm_80", features: "+ptx70", cfgs: &[] },

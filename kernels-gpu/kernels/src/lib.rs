@@ -1,16 +1,28 @@
 //! GPU kernels, compiled to PTX with rustc's `nvptx64-nvidia-cuda` target by
 //! `cargo xtask build-ptx`. Entry points are `extern "ptx-kernel"` functions taking one
 //! `#[repr(C)]` parameter block from `attn_math::params`.
+//!
+//! The kernels come in families, each built into its own PTX module (`--cfg kernels="..."`), so
+//! that the host loads (and the driver JIT-compiles) only the families a program uses.
 #![no_std]
 #![feature(abi_ptx, asm_experimental_arch, core_intrinsics, gpu_intrinsics, gpu_launch_sized_workgroup_mem)]
 #![allow(internal_features)]
 
+#[cfg(kernels = "cache_write")]
 mod cache_write;
+#[cfg(kernels = "attention")]
 mod decode;
-mod device;
-mod elem;
+#[cfg(kernels = "attention")]
 mod entry;
+#[cfg(kernels = "attention")]
 mod merge;
+
+// Building blocks shared by the families; each family uses a part of them.
+#[allow(dead_code)]
+mod device;
+#[allow(dead_code)]
+mod elem;
+#[allow(dead_code)]
 mod vec_io;
 
 #[panic_handler]
