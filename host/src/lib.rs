@@ -7,9 +7,12 @@
 //! - [`buffer`]: the caller's device memory (any cudarc slice or view) with its dtype.
 //! - [`layout`]: the paged KV-cache layouts (vLLM FlashAttention, FlashInfer, HND variants, MLA).
 //! - [`cache_write`]: `reshape_and_cache` and `concat_and_cache_mla`.
+//! - [`decode`]: paged decode with split-K, and `merge_attn_states`.
+//! - [`backend`]: the backend registry and per-model selection (with every refusal reason).
 //! - [`cpu`]: the CPU implementation of every op: the reference the tests compare with, and the
 //!   path for machines without a GPU.
 
+pub mod backend;
 pub mod buffer;
 pub mod cache_write;
 pub mod cpu;

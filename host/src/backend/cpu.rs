@@ -1,0 +1,22 @@
+//! `cpu`: the CPU implementation ([`crate::cpu`]): every dtype, shape, kind, feature and layout,
+//! no GPU needed; the fallback of every priority list.
+
+use super::spec::{AttentionKind, BackendSpec, BlockSizes, CacheDTypeRule, CcRange, Features, GraphSupport, HeadSizes};
+use crate::dtype::DType;
+use crate::layout::KvLayout;
+
+pub static CPU: BackendSpec = BackendSpec {
+    name: "cpu",
+    summary: "CPU implementation (reference and fallback; no GPU needed)",
+    needs_gpu: false,
+    compute_capability: CcRange::ANY,
+    q_dtypes: &[DType::F16, DType::BF16, DType::F32],
+    cache_dtypes: &[DType::F16, DType::BF16, DType::F32, DType::Fp8E4m3],
+    cache_dtype_rule: CacheDTypeRule::Any,
+    head_sizes: HeadSizes::Any,
+    block_sizes: BlockSizes::MultipleOf(1),
+    kinds: &[AttentionKind::Standard, AttentionKind::Mla],
+    features: Features::ALL,
+    layouts: &KvLayout::ALL,
+    graph_support: GraphSupport::Never,
+};

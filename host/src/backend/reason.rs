@@ -1,0 +1,142 @@
+//! Why a backend cannot run a model: one [`Reason`] per problem, each naming the value and what
+//! is supported.
+
+use super::spec::{write_list, AttentionKind, BlockSizes, CcRange, ComputeCapability, Feature, HeadSizes};
+use crate::dtype::DType;
+use crate::layout::KvLayout;
+use std::fmt;
+
+/// One reason a backend refuses a model on a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reason {
+    // The model's own configuration is inconsistent: reported for every backend.
+    /// A head count, head size or block size of zero.
+    Zero {
+        what: &'static str,
+    },
+    /// Grouped-query attention needs whole groups.
+    HeadsNotDivisible {
+        num_q_heads: usize,
+        num_kv_heads: usize,
+    },
+    /// MLA has one latent shared by every query head.
+    MlaKvHeads {
+        num_kv_heads: usize,
+    },
+    /// Standard attention without a K/V-cache layout.
+    MissingLayout,
+    /// A K/V-cache layout given for MLA, whose cache is the latent one.
+    LayoutWithMla {
+        layout: KvLayout,
+    },
+
+    // The backend cannot take this (valid) model on this device.
+    NoGpu,
+    ComputeCapability {
+        device: ComputeCapability,
+        supported: CcRange,
+    },
+    Kind {
+        kind: AttentionKind,
+        supported: &'static [AttentionKind],
+    },
+    QDType {
+        dtype: DType,
+        supported: &'static [DType],
+    },
+    CacheDType {
+        dtype: DType,
+        supported: &'static [DType],
+    },
+    /// Both dtypes are supported, but not together (the cache must be the query dtype or FP8).
+    CacheDTypeWithQuery {
+        cache: DType,
+        q: DType,
+    },
+    HeadSize {
+        head_size: usize,
+        supported: HeadSizes,
+    },
+    BlockSize {
+        block_size: usize,
+        supported: BlockSizes,
+    },
+    Feature(Feature),
+    Layout {
+        layout: KvLayout,
+        supported: &'static [KvLayout],
+    },
+}
+
+impl Reason {
+    /// Whether this is a problem of the model's configuration rather than of the backend.
+    pub fn is_config_error(&self) -> bool {
+        matches!(
+            self,
+            Reason::Zero { .. }
+                | Reason::HeadsNotDivisible { .. }
+                | Reason::MlaKvHeads { .. }
+                | Reason::MissingLayout
+                | Reason::LayoutWithMla { .. }
+        )
+    }
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Reason::Zero { what } => write!(f, "model config error: {what} is 0"),
+            Reason::HeadsNotDivisible { num_q_heads, num_kv_heads } => {
+                write!(f, "model config error: num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+            }
+            Reason::MlaKvHeads { num_kv_heads } => {
+                write!(f, "model config error: MLA has 1 kv head (the shared latent), not {num_kv_heads}")
+            }
+            Reason::MissingLayout => f.write_str("model config error: standard attention needs a kv layout"),
+            Reason::LayoutWithMla { layout } => {
+                write!(f, "model config error: kv layout {layout:?} given for MLA, which uses the latent cache")
+            }
+            Reason::NoGpu => f.write_str("needs a GPU, and there is none"),
+            Reason::ComputeCapability { device, supported } => {
+                write!(f, "compute capability {device} not supported (supports {supported})")
+            }
+            Reason::Kind { kind, supported } => {
+                write!(f, "{kind} attention not supported (supports ")?;
+                write_list(f, supported.iter())?;
+                f.write_str(")")
+            }
+            Reason::QDType { dtype, supported } => {
+                write!(f, "query dtype {} not supported (supports ", dtype_name(dtype))?;
+                write_list(f, supported.iter().map(|&d| dtype_name(d)))?;
+                f.write_str(")")
+            }
+            Reason::CacheDType { dtype, supported } => {
+                write!(f, "kv-cache dtype {} not supported (supports ", dtype_name(dtype))?;
+                write_list(f, supported.iter().map(|&d| dtype_name(d)))?;
+                f.write_str(")")
+            }
+            Reason::CacheDTypeWithQuery { cache, q } => write!(
+                f,
+                "kv-cache dtype {} not supported with {} queries (supports the query dtype or fp8_e4m3)",
+                dtype_name(cache),
+                dtype_name(q)
+            ),
+            Reason::HeadSize { head_size, supported } => write!(f, "head size {head_size} not supported (supports {supported})"),
+            Reason::BlockSize { block_size, supported } => write!(f, "block size {block_size} not supported (supports {supported})"),
+            Reason::Feature(feature) => write!(f, "{feature} not supported"),
+            Reason::Layout { layout, supported } => {
+                write!(f, "kv layout {layout:?} not supported (supports ")?;
+                write_list(f, supported.iter().map(|l| format!("{l:?}")))?;
+                f.write_str(")")
+            }
+        }
+    }
+}
+
+/// Lower-case dtype names for reports (`bf16`, `fp8_e4m3`).
+pub fn dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::Fp8E4m3 => "fp8_e4m3",
+        other => other.kernel_name(),
+    }
+}

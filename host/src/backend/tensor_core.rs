@@ -1,0 +1,23 @@
+//! `tensor-core`: the paged decode kernels of [`crate::decode`] (tensor-core tiles, split-K),
+//! for standard attention on Ampere and newer.
+
+use super::spec::{AttentionKind, BackendSpec, BlockSizes, CacheDTypeRule, CcRange, ComputeCapability, Features, GraphSupport, HeadSizes};
+use crate::dtype::DType;
+use crate::layout::KvLayout;
+
+pub static TENSOR_CORE: BackendSpec = BackendSpec {
+    name: "tensor-core",
+    summary: "paged split-K decode kernels on tensor cores (Ampere and newer)",
+    needs_gpu: true,
+    compute_capability: CcRange::from(ComputeCapability::SM_80),
+    q_dtypes: &[DType::F16, DType::BF16],
+    cache_dtypes: &[DType::F16, DType::BF16, DType::Fp8E4m3],
+    cache_dtype_rule: CacheDTypeRule::SameAsQueryOrFp8,
+    head_sizes: HeadSizes::List(&[64, 96, 128, 256]),
+    block_sizes: BlockSizes::MultipleOf(16),
+    kinds: &[AttentionKind::Standard],
+    features: Features::ALL,
+    layouts: &KvLayout::ALL,
+    // One plan per batch shape: a graph captured for one query length replays only that one.
+    graph_support: GraphSupport::UniformBatch,
+};
