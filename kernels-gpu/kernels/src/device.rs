@@ -1,6 +1,5 @@
 //! The device-side basics that Rust-CUDA's `cuda_std` would give: thread and block indices,
 //! barriers, atomics, and the PTX instructions the kernels need, through inline `asm!`.
-#![allow(dead_code)]
 
 use core::arch::asm;
 
