@@ -172,7 +172,7 @@ pub fn reshape_and_cache(dev: &AttnDevice, stream: &CudaStream, w: KvWrite<'_>, 
         head_size: w.spec.head_size as u32,
         block_size: w.spec.block_size as u32,
     };
-    dev.launch(stream, &name, grid, THREADS, 0, p)
+    dev.launch_pdl(stream, &name, grid, THREADS, 0, p)
 }
 
 /// Writes MLA latent rows (`kv_c` then `k_pe`, one row per token) into the MLA cache.
@@ -220,7 +220,7 @@ pub fn concat_and_cache_mla(dev: &AttnDevice, stream: &CudaStream, w: MlaWrite<'
         rope_dim: w.spec.rope_dim as u32,
         block_size: w.spec.block_size as u32,
     };
-    dev.launch(stream, &name, grid, THREADS, 0, p)
+    dev.launch_pdl(stream, &name, grid, THREADS, 0, p)
 }
 
 /// Shape checks of the MLA write shared by the GPU and CPU paths.

@@ -124,4 +124,43 @@ impl AttnDevice {
         unsafe { stream.launch_builder(&f).arg(&params).launch(cfg)? };
         Ok(())
     }
+
+    /// Whether kernels that start with `pdl_prologue` (the cache writes) are built with
+    /// programmatic dependent launch here (the sm_90a module). `ATTN_DISABLE_PDL=1` turns it off.
+    pub(crate) fn pdl_enabled(&self) -> bool {
+        self.target.name == "sm_90a" && !std::env::var("ATTN_DISABLE_PDL").is_ok_and(|v| v == "1")
+    }
+
+    /// [`launch`](Self::launch) with programmatic dependent launch: the kernel may start while
+    /// the previous work on the stream finishes; it must wait for it (`griddepcontrol.wait`)
+    /// before reading anything, as `pdl_prologue` does.
+    pub(crate) fn launch_pdl<P: Copy>(&self, stream: &CudaStream, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, params: P) -> Result<()> {
+        if !self.pdl_enabled() {
+            return self.launch(stream, name, grid, block, smem, params);
+        }
+        use cudarc::driver::sys;
+        let f = self.function(name)?;
+        let mut params = KernelParams(params);
+        // SAFETY: a zeroed attribute is a valid plain-data value; we set its id and value.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut args = [&mut params as *mut KernelParams<P> as *mut std::ffi::c_void];
+        self.ctx.bind_to_thread()?;
+        // SAFETY: as for `launch`; `config`, `attr` and `args` outlive the call.
+        unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()).result()? };
+        Ok(())
+    }
 }

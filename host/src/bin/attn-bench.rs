@@ -277,6 +277,12 @@ fn cache_write_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -
     for layout in [KvLayout::FlashNhd, KvLayout::FlashHnd, KvLayout::FlashInferNhd] {
         rows.push(kv_write_row::<bf16>(b, layout, tokens, 8, 128, 16, Slots::Random, status)?);
     }
+    // Without programmatic dependent launch (on sm_90a the cache writes use it by default).
+    std::env::set_var("ATTN_DISABLE_PDL", "1");
+    let mut r = kv_write_row::<bf16>(b, KvLayout::FlashNhd, tokens, 8, 128, 16, Slots::Random, status)?;
+    std::env::remove_var("ATTN_DISABLE_PDL");
+    r.name += " (no PDL)";
+    rows.push(r);
     rows.push(kv_write_row::<bf16>(b, KvLayout::FlashNhd, tokens, 8, 128, 16, Slots::Sequential, status)?);
     rows.push(kv_write_row::<bf16>(b, KvLayout::FlashNhd, 4 * tokens, 8, 128, 16, Slots::Random, status)?);
     rows.push(kv_write_row::<Fp8E4m3>(b, KvLayout::FlashNhd, tokens, 8, 128, 16, Slots::Random, status)?);

@@ -5,7 +5,7 @@
 //! see [`write_token`]. Slots are checked against the
 //! cache's capacity; a slot past the end raises `SLOT_OUT_OF_RANGE` and writes nothing.
 
-use crate::device::{atomic_or_global, block_dim_x, block_idx_x, thread_idx_x};
+use crate::device::{atomic_or_global, block_dim_x, block_idx_x, pdl_prologue, thread_idx_x};
 use crate::elem::{Bf16, HalfFloat, F16};
 use crate::vec_io::{load16_nc, load_f32_nc, load_i64_nc, store16, store4, store8};
 #[cfg(not(hw_fp8))]
@@ -290,10 +290,12 @@ macro_rules! paste_kernels {
                 use super::*;
                 #[unsafe(export_name = concat!("reshape_and_cache_", stringify!($suffix)))]
                 pub unsafe extern "ptx-kernel" fn reshape_and_cache_kernel(p: CacheWriteParams) {
+                    pdl_prologue();
                     unsafe { reshape_and_cache::<$writer>(&p) }
                 }
                 #[unsafe(export_name = concat!("concat_and_cache_mla_", stringify!($suffix)))]
                 pub unsafe extern "ptx-kernel" fn concat_and_cache_mla_kernel(p: MlaCacheWriteParams) {
+                    pdl_prologue();
                     unsafe { concat_and_cache_mla::<$writer>(&p) }
                 }
             }

@@ -84,3 +84,16 @@ pub fn fma(a: f32, b: f32, c: f32) -> f32 {
     unsafe { asm!("fma.rn.f32 {0}, {1}, {2}, {3};", out(reg32) d, in(reg32) a, in(reg32) b, in(reg32) c, options(pure, nomem, nostack)) };
     d
 }
+
+/// Programmatic dependent launch (sm_90): waits until the grid this one depends on has finished
+/// and its writes are visible, then lets the next dependent grid start launching. Kernels call
+/// it first thing, before reading anything; launched without the PDL attribute it is a no-op.
+#[cfg(pdl)]
+#[inline(always)]
+pub fn pdl_prologue() {
+    unsafe { asm!("griddepcontrol.wait;", "griddepcontrol.launch_dependents;", options(nostack)) }
+}
+
+#[cfg(not(pdl))]
+#[inline(always)]
+pub fn pdl_prologue() {}
