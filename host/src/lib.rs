@@ -21,6 +21,7 @@ pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod layout;
+pub mod metadata;
 mod ptx;
 pub mod status;
 
