@@ -24,8 +24,8 @@ use std::sync::Arc;
 /// Query tokens per request that decode takes (speculative decoding: causal among them).
 pub const MAX_QUERY_LEN: usize = 8;
 /// Splits shorter than this cost more in merging than they gain.
-const MIN_CHUNK: u32 = 256;
-const CHUNK_TILE: u32 = 16;
+pub(crate) const MIN_CHUNK: u32 = 256;
+pub(crate) const CHUNK_TILE: u32 = 16;
 
 /// Attention options of a layer.
 #[derive(Clone, Copy, Debug, PartialEq)]

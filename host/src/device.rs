@@ -134,7 +134,15 @@ impl AttnDevice {
     /// [`launch`](Self::launch) with programmatic dependent launch: the kernel may start while
     /// the previous work on the stream finishes; it must wait for it (`griddepcontrol.wait`)
     /// before reading anything, as `pdl_prologue` does.
-    pub(crate) fn launch_pdl<P: Copy>(&self, stream: &CudaStream, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, params: P) -> Result<()> {
+    pub(crate) fn launch_pdl<P: Copy>(
+        &self,
+        stream: &CudaStream,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        params: P,
+    ) -> Result<()> {
         if !self.pdl_enabled() {
             return self.launch(stream, name, grid, block, smem, params);
         }

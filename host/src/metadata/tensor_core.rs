@@ -1,0 +1,174 @@
+//! [`TensorCoreMetadata`]: one step's metadata for the `tensor-core` backend, its decode part
+//! planned by [`crate::decode::plan_decode`].
+
+use super::input::StepInput;
+use super::split::{split_decodes, BatchSplit};
+use super::validate::validate;
+use crate::decode::{plan_decode, DecodeBatch, DecodePlan, SplitMode, MAX_QUERY_LEN};
+use crate::error::{ensure, Result};
+use attn_math::decode::HEAD_SIZES;
+
+/// The model and GPU numbers a step's plan depends on (fixed for a run).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlanConfig {
+    /// Requests with at most this many query tokens are decodes (1..=[`MAX_QUERY_LEN`]).
+    pub decode_threshold: usize,
+    pub num_q_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_size: usize,
+    /// The GPU's SMs: the decode plan aims at `sm_count * 8` CTAs.
+    pub sm_count: usize,
+    pub mode: SplitMode,
+    /// Split-K partial rows the decode workspace holds (`DecodeWorkspace::partial_rows`).
+    pub partial_capacity: usize,
+}
+
+impl PlanConfig {
+    /// Refuses numbers the decode kernels do not take, naming the argument.
+    pub fn validate(&self) -> Result<()> {
+        let t = self.decode_threshold;
+        ensure((1..=MAX_QUERY_LEN).contains(&t), "decode_threshold", || format!("{t} (decode takes 1..={MAX_QUERY_LEN} query tokens)"))?;
+        ensure(self.num_kv_heads > 0, "num_kv_heads", || "must be at least 1".into())?;
+        ensure(self.num_q_heads > 0 && self.num_q_heads.is_multiple_of(self.num_kv_heads), "num_q_heads", || {
+            format!("{} is not a positive multiple of num_kv_heads {}", self.num_q_heads, self.num_kv_heads)
+        })?;
+        ensure(HEAD_SIZES.contains(&(self.head_size as u32)), "head_size", || {
+            format!("{} (kernels exist for {HEAD_SIZES:?})", self.head_size)
+        })?;
+        ensure(self.sm_count > 0, "sm_count", || "must be at least 1".into())?;
+        ensure(!matches!(self.mode, SplitMode::Fixed(0)), "mode", || "SplitMode::Fixed(0): at least one split".into())
+    }
+
+    /// CTAs the decode plan aims at.
+    pub fn ctas_target(&self) -> u64 {
+        self.sm_count as u64 * 8
+    }
+}
+
+/// The decode requests `0..num_decodes` (tokens `0..num_decode_tokens`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DecodePart {
+    /// Their split-K plan (empty when there are none).
+    pub plan: DecodePlan,
+    pub max_query_len: usize,
+    pub max_seq_len: usize,
+}
+
+/// The prefill requests `num_decodes..num_reqs` (tokens `num_decode_tokens..`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PrefillPart {
+    /// `[num_prefills + 1]`: the part's start locations, rebased to start at 0.
+    pub query_start_loc: Vec<i32>,
+    /// `[num_prefills]`.
+    pub seq_lens: Vec<i32>,
+    pub max_query_len: usize,
+    pub max_seq_len: usize,
+}
+
+/// One step's metadata for the `tensor-core` backend.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TensorCoreMetadata {
+    pub split: BatchSplit,
+    pub num_actual_tokens: usize,
+    pub decode: DecodePart,
+    pub prefill: PrefillPart,
+}
+
+impl TensorCoreMetadata {
+    pub fn num_reqs(&self) -> usize {
+        self.split.num_reqs()
+    }
+
+    /// The longest context of the step.
+    pub fn max_seq_len(&self) -> usize {
+        self.decode.max_seq_len.max(self.prefill.max_seq_len)
+    }
+}
+
+/// Validates the step ([`validate`](super::validate)), splits it (it must be ordered decodes
+/// first: [`split_decodes`]) and plans its decode part with [`plan_decode`] for
+/// `sm_count * 8` CTAs.
+#[allow(clippy::too_many_arguments)]
+pub fn build_tensor_core_metadata(
+    input: &StepInput<'_>,
+    decode_threshold: usize,
+    num_q_heads: usize,
+    num_kv_heads: usize,
+    head_size: usize,
+    sm_count: usize,
+    mode: SplitMode,
+    partial_capacity: usize,
+) -> Result<TensorCoreMetadata> {
+    let config = PlanConfig { decode_threshold, num_q_heads, num_kv_heads, head_size, sm_count, mode, partial_capacity };
+    let mut meta = TensorCoreMetadata::default();
+    build_into(&mut meta, input, &config, |batch, c, out| {
+        *out = plan_decode(batch, c.num_q_heads, c.num_kv_heads, c.head_size, c.ctas_target(), c.mode, c.partial_capacity)?;
+        Ok(())
+    })?;
+    Ok(meta)
+}
+
+/// Fills `meta` for `input`, reusing its vectors; `plan` plans the decode part into the
+/// `DecodePlan` it is given (called only when there are decodes).
+pub(crate) fn build_into(
+    meta: &mut TensorCoreMetadata,
+    input: &StepInput<'_>,
+    config: &PlanConfig,
+    plan: impl FnOnce(&DecodeBatch<'_>, &PlanConfig, &mut DecodePlan) -> Result<()>,
+) -> Result<()> {
+    config.validate()?;
+    validate(input)?;
+    let split = split_decodes(input, config.decode_threshold)?;
+    let nd = split.num_decodes;
+    ensure(nd < 1 << 16, "seq_lens", || format!("{nd} decode requests exceed the 65535 a launch takes"))?;
+    fill_into(meta, input, split, config, plan)
+}
+
+/// The part of [`build_into`] after the checks and the split: fills `meta` for a valid step.
+pub(crate) fn fill_into(
+    meta: &mut TensorCoreMetadata,
+    input: &StepInput<'_>,
+    split: BatchSplit,
+    config: &PlanConfig,
+    plan: impl FnOnce(&DecodeBatch<'_>, &PlanConfig, &mut DecodePlan) -> Result<()>,
+) -> Result<()> {
+    let nd = split.num_decodes;
+    let (qsl, seq_lens) = (input.query_start_loc, input.seq_lens);
+    meta.split = split;
+    meta.num_actual_tokens = input.num_actual_tokens;
+
+    (meta.decode.max_query_len, meta.decode.max_seq_len) = part_maxima(&qsl[..=nd], &seq_lens[..nd]);
+    if nd > 0 {
+        plan(&DecodeBatch { seq_lens: &seq_lens[..nd], query_start_loc: &qsl[..=nd] }, config, &mut meta.decode.plan)?;
+    } else {
+        clear_plan(&mut meta.decode.plan);
+    }
+
+    let p = &mut meta.prefill;
+    let base = qsl[nd];
+    p.query_start_loc.clear();
+    p.query_start_loc.extend(qsl[nd..].iter().map(|&s| s - base));
+    p.seq_lens.clear();
+    p.seq_lens.extend_from_slice(&seq_lens[nd..]);
+    (p.max_query_len, p.max_seq_len) = part_maxima(&qsl[nd..], &seq_lens[nd..]);
+    Ok(())
+}
+
+/// `(max query length, max sequence length)` of a part (0 for an empty one).
+fn part_maxima(qsl: &[i32], seq_lens: &[i32]) -> (usize, usize) {
+    let max_q = qsl.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+    let max_len = seq_lens.iter().copied().max().unwrap_or(0);
+    (max_q.max(0) as usize, max_len.max(0) as usize)
+}
+
+/// An empty plan that keeps its vectors' memory.
+pub(crate) fn clear_plan(plan: &mut DecodePlan) {
+    plan.chunk = 0;
+    plan.rows_per_cta = 0;
+    plan.row_groups = 0;
+    plan.items.clear();
+    plan.req_num_splits.clear();
+    plan.req_partial_base.clear();
+    plan.token_request.clear();
+    plan.partial_rows = 0;
+}
