@@ -124,54 +124,155 @@ pub struct DecodeResult {
 /// CPU paged decode: every query token of every request against its visible keys (causal among
 /// the request's query tokens, the sliding window, soft-cap, ALiBi, sinks), in f64.
 pub fn paged_decode<Q: Element, C: Element>(a: &DecodeRef<'_, Q, C>) -> Result<DecodeResult> {
-    let (nt, hq, d) = (a.q_rows.num_tokens, a.q_rows.num_heads, a.q_rows.head_size);
-    crate::decode::validate_batch(&a.batch, nt, a.spec.block_size, a.block_table_stride)?;
-    crate::error::ensure(hq % a.spec.num_kv_heads == 0, "num_q_heads", || {
-        format!("{hq} is not a multiple of num_kv_heads {}", a.spec.num_kv_heads)
-    })?;
-    let group = hq / a.spec.num_kv_heads;
-    let (ks, vs) = a.scales.map_or((1.0, 1.0), |(k, v)| (k as f64, v as f64));
-    let scale = a.opts.softmax_scale as f64;
-    let mut res = DecodeResult { out: vec![0.0; nt * hq * d], lse: vec![f64::NEG_INFINITY; nt * hq], bad_blocks: 0 };
-    for r in 0..a.batch.seq_lens.len() {
-        let (q0, q1) = (a.batch.query_start_loc[r] as usize, a.batch.query_start_loc[r + 1] as usize);
-        let len = a.batch.seq_lens[r] as usize;
+    crate::decode::validate_batch(&a.batch, a.q_rows.num_tokens, a.spec.block_size, a.block_table_stride)?;
+    let kv = KvRef::Paged { cache: a.cache, spec: a.spec, block_table: a.block_table, block_table_stride: a.block_table_stride };
+    let (q_rows, d) = (a.q_rows, a.q_rows.head_size);
+    attention(
+        |t, h, dim| a.q[q_rows.offset(t, h, dim)].to_f32() as f64,
+        &kv,
+        a.batch.query_start_loc,
+        a.batch.seq_lens,
+        (q_rows.num_tokens, q_rows.num_heads, d, d),
+        true,
+        &a.opts,
+        a.alibi_slopes,
+        a.sinks,
+        a.scales,
+    )
+}
+
+/// Where the CPU reference reads keys and values.
+pub enum KvRef<'a, C> {
+    /// A paged cache through a block table.
+    Paged { cache: &'a [C], spec: KvCacheSpec, block_table: &'a [i32], block_table_stride: usize },
+    /// Packed K and V rows; request r's keys start at row `key_start_loc[r]`.
+    Packed { k: &'a [C], k_rows: RowsDesc, v: &'a [C], v_rows: RowsDesc, key_start_loc: &'a [i32] },
+}
+
+impl<C: Element> KvRef<'_, C> {
+    fn num_kv_heads(&self) -> usize {
+        match self {
+            KvRef::Paged { spec, .. } => spec.num_kv_heads,
+            KvRef::Packed { k_rows, .. } => k_rows.num_heads,
+        }
+    }
+
+    /// Key `t` of request `r`, head `kvh`: (k element at dim, v element at dim), or `None` when
+    /// its block id is outside the cache.
+    #[allow(clippy::type_complexity)]
+    fn key(&self, r: usize, t: usize, kvh: usize) -> Option<(Box<dyn Fn(usize) -> f64 + '_>, Box<dyn Fn(usize) -> f64 + '_>)> {
+        match *self {
+            KvRef::Paged { cache, spec, block_table, block_table_stride } => {
+                let block = block_table[r * block_table_stride + t / spec.block_size];
+                if block < 0 || block as usize >= spec.num_blocks {
+                    return None;
+                }
+                let at = move |plane: usize, dim: usize| spec.offset(plane, block as usize, t % spec.block_size, kvh, dim);
+                Some((Box::new(move |d| cache[at(0, d)].to_f32() as f64), Box::new(move |d| cache[at(1, d)].to_f32() as f64)))
+            }
+            KvRef::Packed { k, k_rows, v, v_rows, key_start_loc } => {
+                let row = key_start_loc[r] as usize + t;
+                Some((
+                    Box::new(move |d| k[k_rows.offset(row, kvh, d)].to_f32() as f64),
+                    Box::new(move |d| v[v_rows.offset(row, kvh, d)].to_f32() as f64),
+                ))
+            }
+        }
+    }
+}
+
+/// Inputs of the CPU [`prefill`].
+pub struct PrefillRef<'a, Q, C> {
+    pub q: &'a [Q],
+    pub q_rows: RowsDesc,
+    pub kv: KvRef<'a, C>,
+    /// Head size of V and the output.
+    pub head_size_v: usize,
+    pub query_start_loc: &'a [i32],
+    pub seq_lens: &'a [i32],
+    pub causal: bool,
+    pub opts: crate::decode::AttnOptions,
+    pub alibi_slopes: Option<&'a [f32]>,
+    pub sinks: Option<&'a [f32]>,
+    pub scales: Option<(f32, f32)>,
+}
+
+/// CPU varlen prefill (paged or packed K/V, causal aligned to the end or not), in f64.
+pub fn prefill<Q: Element, C: Element>(a: &PrefillRef<'_, Q, C>) -> Result<DecodeResult> {
+    let q_rows = a.q_rows;
+    let batch = crate::prefill::PrefillBatch { query_start_loc: a.query_start_loc, seq_lens: a.seq_lens, key_start_loc: None };
+    crate::prefill::validate_prefill_batch(&batch, q_rows.num_tokens, a.causal, None)?;
+    attention(
+        |t, h, dim| a.q[q_rows.offset(t, h, dim)].to_f32() as f64,
+        &a.kv,
+        a.query_start_loc,
+        a.seq_lens,
+        (q_rows.num_tokens, q_rows.num_heads, q_rows.head_size, a.head_size_v),
+        a.causal,
+        &a.opts,
+        a.alibi_slopes,
+        a.sinks,
+        a.scales,
+    )
+}
+
+/// The attention every CPU op is made of: each query token of each request against its
+/// visible keys. `dims` = (num_tokens, num_q_heads, head_size_qk, head_size_v).
+#[allow(clippy::too_many_arguments)]
+fn attention<C: Element>(
+    q: impl Fn(usize, usize, usize) -> f64,
+    kv: &KvRef<'_, C>,
+    query_start_loc: &[i32],
+    seq_lens: &[i32],
+    dims: (usize, usize, usize, usize),
+    causal: bool,
+    opts: &crate::decode::AttnOptions,
+    alibi_slopes: Option<&[f32]>,
+    sinks: Option<&[f32]>,
+    scales: Option<(f32, f32)>,
+) -> Result<DecodeResult> {
+    let (nt, hq, dk, dv) = dims;
+    let hkv = kv.num_kv_heads();
+    crate::error::ensure(hkv > 0 && hq % hkv == 0, "num_q_heads", || format!("{hq} is not a multiple of num_kv_heads {hkv}"))?;
+    let group = hq / hkv;
+    let (ks, vs) = scales.map_or((1.0, 1.0), |(k, v)| (k as f64, v as f64));
+    let scale = opts.softmax_scale as f64;
+    let mut res = DecodeResult { out: vec![0.0; nt * hq * dv], lse: vec![f64::NEG_INFINITY; nt * hq], bad_blocks: 0 };
+    for r in 0..seq_lens.len() {
+        let (q0, q1) = (query_start_loc[r] as usize, query_start_loc[r + 1] as usize);
+        let len = seq_lens[r].max(0) as usize;
         for token in q0..q1 {
             let pos = (len + token - q0).saturating_sub(q1 - q0);
-            let first = a.opts.window.map_or(0, |w| (pos + 1).saturating_sub(w as usize));
+            let first = opts.window.map_or(0, |w| (pos + 1).saturating_sub(w as usize));
+            let last = if causal { len.min(pos + 1) } else { len };
             for h in 0..hq {
                 let kvh = h / group;
                 let mut logits = Vec::new();
                 let mut values: Vec<Vec<f64>> = Vec::new();
-                for t in first..len.min(pos + 1) {
-                    let block = a.block_table[r * a.block_table_stride + t / a.spec.block_size];
-                    if block < 0 || block as usize >= a.spec.num_blocks {
+                for t in first..last {
+                    let Some((k, v)) = kv.key(r, t, kvh) else {
                         res.bad_blocks += 1;
                         continue;
-                    }
-                    let at = |plane: usize, dim: usize| a.spec.offset(plane, block as usize, t % a.spec.block_size, kvh, dim);
-                    let mut dot = 0.0f64;
-                    for dim in 0..d {
-                        dot += a.q[a.q_rows.offset(token, h, dim)].to_f32() as f64 * a.cache[at(0, dim)].to_f32() as f64 * ks;
-                    }
+                    };
+                    let dot: f64 = (0..dk).map(|dim| q(token, h, dim) * k(dim) * ks).sum();
                     let mut logit = dot * scale;
-                    if let Some(cap) = a.opts.softcap {
+                    if let Some(cap) = opts.softcap {
                         logit = cap as f64 * (logit / cap as f64).tanh();
                     }
-                    if let Some(slopes) = a.alibi_slopes {
+                    if let Some(slopes) = alibi_slopes {
                         logit += slopes[h] as f64 * (t as f64 - pos as f64);
                     }
                     logits.push(logit);
-                    values.push((0..d).map(|dim| a.cache[at(1, dim)].to_f32() as f64 * vs).collect());
+                    values.push((0..dv).map(|dim| v(dim) * vs).collect());
                 }
-                let sink = a.sinks.map_or(f64::NEG_INFINITY, |s| s[h] as f64);
+                let sink = sinks.map_or(f64::NEG_INFINITY, |s| s[h] as f64);
                 let max = logits.iter().copied().fold(sink, f64::max);
                 if max == f64::NEG_INFINITY {
                     continue; // nothing attended: output 0, LSE -inf
                 }
                 let weights: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
                 let denom = weights.iter().sum::<f64>() + (sink - max).exp();
-                let out = &mut res.out[(token * hq + h) * d..(token * hq + h + 1) * d];
+                let out = &mut res.out[(token * hq + h) * dv..(token * hq + h + 1) * dv];
                 for (w, v) in weights.iter().zip(&values) {
                     for (o, x) in out.iter_mut().zip(v) {
                         *o += w / denom * x;

@@ -2,7 +2,7 @@
 //! once), and kernel launches on the caller's stream.
 
 use crate::error::{AttnError, Result};
-use crate::ptx::{available_targets, target_for, Family, PtxTarget, NUM_FAMILIES};
+use crate::ptx::{available_targets, target_for, Family, PtxTarget, ALL_FAMILIES, NUM_FAMILIES};
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
@@ -24,6 +24,8 @@ pub struct AttnDevice {
     modules: Mutex<[Option<Arc<CudaModule>>; NUM_FAMILIES]>,
     compute_capability: (i32, i32),
     sm_count: u32,
+    /// The most dynamic shared memory a CTA may opt in to.
+    max_shared_optin: i32,
     functions: Mutex<HashMap<String, CudaFunction>>,
 }
 
@@ -52,12 +54,14 @@ impl AttnDevice {
         let target =
             target_for((major * 10 + minor) as u32).ok_or(AttnError::UnsupportedDevice { major, minor, available: available_targets() })?;
         let sm_count = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        let max_shared_optin = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         Ok(AttnDevice {
             ctx,
             target,
-            modules: Mutex::new([None, None]),
+            modules: Mutex::new([None, None, None]),
             compute_capability: (major, minor),
             sm_count,
+            max_shared_optin,
             functions: Mutex::new(HashMap::new()),
         })
     }
@@ -79,7 +83,7 @@ impl AttnDevice {
     /// Loads every kernel family now (otherwise each loads, and is JIT-compiled by the driver,
     /// on its first launch): for engines that want the cost at start-up, not on a first request.
     pub fn preload(&self) -> Result<()> {
-        for family in [Family::CacheWrite, Family::Attention] {
+        for family in ALL_FAMILIES {
             self.module(family)?;
         }
         Ok(())
@@ -102,6 +106,9 @@ impl AttnDevice {
             return Ok(f.clone());
         }
         let f = self.module(Family::of(name))?.load_function(name)?;
+        // Kernels size their shared memory at launch; allow them what the device allows (the
+        // default cap is 48 KiB).
+        f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.max_shared_optin)?;
         cache.insert(name.to_string(), f.clone());
         Ok(f)
     }

@@ -22,6 +22,7 @@ pub mod dtype;
 pub mod error;
 pub mod layout;
 pub mod metadata;
+pub mod prefill;
 mod ptx;
 pub mod status;
 

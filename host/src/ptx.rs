@@ -8,15 +8,19 @@
 pub(crate) enum Family {
     CacheWrite = 0,
     Attention = 1,
+    Prefill = 2,
 }
 
-pub(crate) const NUM_FAMILIES: usize = 2;
+pub(crate) const NUM_FAMILIES: usize = 3;
+pub(crate) const ALL_FAMILIES: [Family; NUM_FAMILIES] = [Family::CacheWrite, Family::Attention, Family::Prefill];
 
 impl Family {
     /// The family a kernel entry point belongs to, from its name.
     pub fn of(kernel: &str) -> Family {
         if kernel.starts_with("reshape_and_cache_") || kernel.starts_with("concat_and_cache_mla_") {
             Family::CacheWrite
+        } else if kernel.starts_with("prefill_") {
+            Family::Prefill
         } else {
             Family::Attention
         }
@@ -40,6 +44,7 @@ macro_rules! target {
             modules: [
                 include_str!(concat!("../ptx/", $name, "/cache_write.ptx")),
                 include_str!(concat!("../ptx/", $name, "/attention.ptx")),
+                include_str!(concat!("../ptx/", $name, "/prefill.ptx")),
             ],
             min_cc: $min,
             max_cc: $max,

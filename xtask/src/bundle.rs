@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::Command;
 
 /// Test targets (in `tests/`) that need a GPU; the bundle runs these.
-const GPU_TESTS: &[&str] = &["gpu_cache_write", "gpu_decode"];
+const GPU_TESTS: &[&str] = &["gpu_cache_write", "gpu_decode", "gpu_prefill"];
 const BENCH_BIN: &str = "attn-bench";
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
@@ -16,10 +16,13 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 #   bundle/run.sh                 tests + benchmark (JSON to $OUT/bench.json if OUT is set)
 #   SANITIZE=1 bundle/run.sh      also runs each GPU test under compute-sanitizer (memcheck)
 #   BENCH_ARGS="--quick" bundle/run.sh   extra benchmark arguments
+#   TESTS="gpu_prefill" bundle/run.sh    only these test binaries (TESTS=none: no tests)
+#   BENCH=0 bundle/run.sh                no benchmark
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 status=0
 for t in "$here"/tests/*; do
+  case " ${TESTS:-$(basename "$t")} " in *" $(basename "$t") "*) ;; *) continue ;; esac
   echo "== $(basename "$t")"
   timeout 300 "$t" || status=1
   if [ "${SANITIZE:-0}" = 1 ]; then
@@ -27,6 +30,7 @@ for t in "$here"/tests/*; do
     ATTN_TEST_QUICK=1 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 "$t" || status=1
   fi
 done
+[ "${BENCH:-1}" = 0 ] && exit $status
 json=${OUT:-/tmp}/bench.json
 echo "== benchmark"
 "$here/attn-bench" --json "$json" ${BENCH_ARGS:-} || status=1

@@ -2,7 +2,7 @@
 //! prints a table (and JSON with `--json PATH`): shape, median time over CUDA-event timings
 //! after warm-up, GB/s (bytes read + written), and the fraction of the copy ceiling.
 //!
-//! `attn-bench [--json PATH] [--quick]`
+//! `attn-bench [--json PATH] [--quick] [--only cache|decode|prefill]`
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -17,7 +17,12 @@ struct Row {
     median_us: f64,
     /// Bytes the kernel must read plus write.
     bytes: f64,
+    /// Compute-bound rows: the FLOPs of the attended key-query pairs (0 = memory-bound row).
+    flops: f64,
 }
+
+/// Dense bf16 matmul rate of the H100 SXM measured with cuBLAS (the prefill issue's ceiling).
+const MATMUL_TFLOPS: f64 = 778.0;
 
 impl Row {
     fn gbps(&self) -> f64 {
@@ -87,7 +92,13 @@ fn copy_row(b: &Bench, bytes: usize) -> Result<Row> {
         b.stream.clone_htod(&random_values::<u32>(bytes / 4, 7, 1e6).iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())?;
     let mut dst: CudaSlice<u8> = b.stream.alloc_zeros(bytes)?;
     let us = b.time(|| Ok(b.stream.memcpy_dtod(&src, &mut dst)?))?;
-    Ok(Row { name: "copy ceiling (cuMemcpyDtoD)".into(), shape: format!("{} MiB", bytes >> 20), median_us: us, bytes: 2.0 * bytes as f64 })
+    Ok(Row {
+        name: "copy ceiling (cuMemcpyDtoD)".into(),
+        shape: format!("{} MiB", bytes >> 20),
+        median_us: us,
+        bytes: 2.0 * bytes as f64,
+        flops: 0.0,
+    })
 }
 
 /// How the benchmark's slot mapping places tokens in the cache.
@@ -147,6 +158,7 @@ fn kv_write_row<C: Element>(
         ),
         median_us: us,
         bytes: 2.0 * elems * (2.0 + std::mem::size_of::<C>() as f64) + 8.0 * tokens as f64,
+        flops: 0.0,
     })
 }
 
@@ -180,6 +192,7 @@ fn mla_write_row<C: Element>(b: &Bench, tokens: usize, block_size: usize, status
         shape: format!("{tokens} tok x 576, bs {block_size}"),
         median_us: us,
         bytes: elems * (2.0 + std::mem::size_of::<C>() as f64) + 8.0 * tokens as f64,
+        flops: 0.0,
     })
 }
 
@@ -267,7 +280,97 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, status: &mut DeviceStatus
         ),
         median_us: us,
         bytes: kv_bytes,
+        flops: 0.0,
     })
+}
+
+struct PrefillShape {
+    batch: usize,
+    /// New tokens per request.
+    q_len: usize,
+    /// Cached tokens before them.
+    cached: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    head_size: usize,
+}
+
+/// Causal paged prefill, bf16, block size 16, scattered block tables. FLOPs = 4 * q_heads *
+/// head_size * attended pairs.
+fn prefill_row(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Result<Row> {
+    use host::decode::AttnOptions;
+    use host::prefill::{prefill, PrefillArgs, PrefillBatch, PrefillKv, PrefillOptions, PrefillWorkspace};
+    let s = &b.stream;
+    let block_size = 16;
+    let seq = sh.cached + sh.q_len;
+    let blocks_per_req = seq.div_ceil(block_size);
+    let num_blocks = sh.batch * blocks_per_req;
+    let spec = KvCacheSpec::new(KvLayout::FlashNhd, num_blocks, block_size, sh.kv_heads, sh.head_size)?;
+    let cache = random_device::<bf16>(s, spec.num_elements(), 21)?;
+    let block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 22).into_iter().map(|x| x as i32).collect();
+    let seq_lens = vec![seq as i32; sh.batch];
+    let qsl: Vec<i32> = (0..=sh.batch).map(|r| (r * sh.q_len) as i32).collect();
+    let nt = sh.batch * sh.q_len;
+    let q_rows = RowsDesc::contiguous(nt, sh.q_heads, sh.head_size);
+    let q = random_device::<bf16>(s, q_rows.required_len(), 23)?;
+    let mut out: CudaSlice<bf16> = s.alloc_zeros(q_rows.required_len())?;
+    let (bt, sl, ql) = (s.clone_htod(&block_table)?, s.clone_htod(&seq_lens)?, s.clone_htod(&qsl)?);
+    let mut ws = PrefillWorkspace::new(s, nt, sh.batch, sh.q_heads / sh.kv_heads)?;
+    let opts = PrefillOptions { attn: AttnOptions::new(sh.head_size), causal: true };
+    let batch = PrefillBatch { query_start_loc: &qsl, seq_lens: &seq_lens, key_start_loc: None };
+    let us = b.time(|| {
+        prefill(
+            dev(),
+            s,
+            PrefillArgs {
+                q: DevIn::new(&q, s),
+                q_rows,
+                kv: PrefillKv::Paged {
+                    cache: DevIn::new(&cache, s),
+                    spec,
+                    block_table: DevIn::new(&bt, s),
+                    block_table_stride: blocks_per_req,
+                    seq_lens: DevIn::new(&sl, s),
+                },
+                query_start_loc: DevIn::new(&ql, s),
+                out: DevOut::new(&mut out, s),
+                out_rows: q_rows,
+                lse: None,
+                alibi_slopes: None,
+                sinks: None,
+                scales: None,
+            },
+            &batch,
+            &opts,
+            &mut ws,
+            status,
+        )?;
+        Ok(())
+    })?;
+    status.check(s)?;
+    // Query i (0-based among the new tokens) attends cached + i + 1 keys.
+    let pairs = sh.batch as f64 * (sh.q_len as f64 * sh.cached as f64 + (sh.q_len * (sh.q_len + 1) / 2) as f64);
+    Ok(Row {
+        name: "prefill bf16 causal, paged bs16".into(),
+        shape: format!("{}x{} (+{} cached) {}q/{}kv d{}", sh.batch, sh.q_len, sh.cached, sh.q_heads, sh.kv_heads, sh.head_size),
+        median_us: us,
+        bytes: 0.0,
+        flops: 4.0 * (sh.q_heads * sh.head_size) as f64 * pairs,
+    })
+}
+
+fn prefill_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {
+    let sh = |batch, q_len, q_heads, kv_heads, head_size| PrefillShape { batch, q_len, cached: 0, q_heads, kv_heads, head_size };
+    for shape in [
+        sh(4, 4096, 32, 8, 128),
+        sh(1, 16384, 32, 8, 128),
+        sh(8, 2048, 32, 32, 64),
+        sh(2, 8192, 64, 8, 128),
+        PrefillShape { cached: 8192, ..sh(8, 512, 32, 8, 128) },
+    ] {
+        rows.push(prefill_row(b, &shape, status)?);
+    }
+    Ok(())
 }
 
 fn cache_write_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {
@@ -329,19 +432,31 @@ fn main() -> Result<()> {
 
     let ceiling = copy_row(&b, 1 << 30)?;
     let mut rows = vec![];
-    // `--decode`: only the decode rows.
-    if !args.iter().any(|a| a == "--decode") {
+    // `--only cache|decode|prefill`: one group of rows.
+    let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)).cloned();
+    let want = |group: &str| only.as_deref().is_none_or(|o| o == group);
+    if want("cache") {
         cache_write_rows(&b, &mut rows, &mut status)?;
     }
+    if want("prefill") {
+        prefill_rows(&b, &mut rows, &mut status)?;
+    }
+    if want("decode") {
+        decode_rows(&b, &mut rows, &mut status)?;
+    }
+    print_and_save(&ceiling, &rows, &name, json_path)
+}
+
+fn decode_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {
     let shape = |batch, context| DecodeShape { batch, context, q_heads: 32, kv_heads: 8, head_size: 128, block_size: 16 };
     for (batch, context) in [(64, 4096), (8, 32768), (256, 1024), (1, 131072)] {
-        rows.push(decode_row::<bf16>(&b, &shape(batch, context), &mut status)?);
-        rows.push(decode_row::<Fp8E4m3>(&b, &shape(batch, context), &mut status)?);
+        rows.push(decode_row::<bf16>(b, &shape(batch, context), status)?);
+        rows.push(decode_row::<Fp8E4m3>(b, &shape(batch, context), status)?);
     }
     // The rows-per-CTA knob on the main shape (more CTAs with fewer registers each).
     for cap in ["2", "1"] {
         std::env::set_var("ATTN_DECODE_MAX_ROWS_PER_CTA", cap);
-        let mut r = decode_row::<bf16>(&b, &shape(64, 4096), &mut status)?;
+        let mut r = decode_row::<bf16>(b, &shape(64, 4096), status)?;
         r.name = format!("{} rows<={cap}", r.name);
         rows.push(r);
     }
@@ -353,29 +468,46 @@ fn main() -> Result<()> {
         DecodeShape { kv_heads: 32, ..shape(64, 4096) },
         DecodeShape { kv_heads: 2, ..shape(64, 4096) },
     ] {
-        rows.push(decode_row::<bf16>(&b, &sh, &mut status)?);
+        rows.push(decode_row::<bf16>(b, &sh, status)?);
     }
+    Ok(())
+}
+
+fn print_and_save(ceiling: &Row, rows: &[Row], name: &str, json_path: Option<String>) -> Result<()> {
     let ceil = ceiling.gbps();
-    println!("\n{:<44} {:<44} {:>10} {:>9} {:>8}", "kernel", "shape", "median us", "GB/s", "% copy");
+    // Memory-bound rows: GB/s and % of the copy ceiling; compute-bound rows: TFLOP/s and % of
+    // the dense bf16 matmul rate.
+    let rate = |r: &Row| if r.flops > 0.0 { r.flops / (r.median_us * 1e-6) / 1e12 } else { r.gbps() };
+    let pct = |r: &Row| if r.flops > 0.0 { 100.0 * rate(r) / MATMUL_TFLOPS } else { 100.0 * r.gbps() / ceil };
+    println!("\n{:<44} {:<44} {:>10} {:>9} {:>8}", "kernel", "shape", "median us", "GB/s|TF/s", "% ceil");
     println!("{:<44} {:<44} {:>10.2} {:>9.0} {:>8}", ceiling.name, ceiling.shape, ceiling.median_us, ceil, "100.0");
-    for r in &rows {
-        println!("{:<44} {:<44} {:>10.2} {:>9.0} {:>8.1}", r.name, r.shape, r.median_us, r.gbps(), 100.0 * r.gbps() / ceil);
+    for r in rows {
+        let unit = if r.flops > 0.0 { " TF" } else { "" };
+        println!("{:<44} {:<44} {:>10.2} {:>9.1}{unit} {:>8.1}", r.name, r.shape, r.median_us, rate(r), pct(r));
     }
     if let Some(path) = json_path {
-        let items: Vec<String> = std::iter::once(&ceiling)
-            .chain(&rows)
+        let items: Vec<String> = std::iter::once(ceiling)
+            .chain(rows)
             .map(|r| {
+                let metric = if r.flops > 0.0 {
+                    format!("\"tflops\":{:.1},\"pct_of_matmul\":{:.2}", rate(r), pct(r))
+                } else {
+                    format!("\"gbps\":{:.1},\"pct_of_copy\":{:.2}", r.gbps(), pct(r))
+                };
                 format!(
-                    "{{\"kernel\":{},\"shape\":{},\"median_us\":{:.3},\"gbps\":{:.1},\"pct_of_copy\":{:.2}}}",
+                    "{{\"kernel\":{},\"shape\":{},\"median_us\":{:.3},{metric}}}",
                     json_string(&r.name),
                     json_string(&r.shape),
-                    r.median_us,
-                    r.gbps(),
-                    100.0 * r.gbps() / ceil
+                    r.median_us
                 )
             })
             .collect();
-        let text = format!("{{\"device\":{},\"copy_gbps\":{:.1},\"rows\":[\n{}\n]}}\n", json_string(&name), ceil, items.join(",\n"));
+        let text = format!(
+            "{{\"device\":{},\"copy_gbps\":{:.1},\"matmul_tflops\":{MATMUL_TFLOPS},\"rows\":[\n{}\n]}}\n",
+            json_string(name),
+            ceil,
+            items.join(",\n")
+        );
         std::fs::write(&path, text).map_err(|e| host::AttnError::InvalidArgument { arg: "--json", reason: e.to_string() })?;
         println!("\nJSON written to {path}");
     }

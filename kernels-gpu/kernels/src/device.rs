@@ -67,14 +67,14 @@ pub fn dynamic_shared<T>() -> *mut T {
 
 /// Calls `f(0), f(1), ..., f(N - 1)` with each index a constant after inlining, so register
 /// arrays indexed by it stay in registers (a loop LLVM declines to unroll would put them in
-/// local memory). N <= 16.
+/// local memory). N <= 32.
 #[inline(always)]
 pub fn static_for<const N: usize>(mut f: impl FnMut(usize)) {
-    const { assert!(N <= 16) };
+    const { assert!(N <= 32) };
     macro_rules! step {
         ($($i:literal)*) => { $( if $i < N { f($i) } )* };
     }
-    step!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+    step!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31);
 }
 
 /// `a * b + c` in one rounding (rustc does not contract `a * b + c` into an FMA by itself).

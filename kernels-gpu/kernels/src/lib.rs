@@ -16,12 +16,18 @@ mod decode;
 mod entry;
 #[cfg(kernels = "attention")]
 mod merge;
+#[cfg(kernels = "prefill")]
+mod prefill;
+#[cfg(kernels = "prefill")]
+mod prefill_entry;
 
 // Building blocks shared by the families; each family uses a part of them.
 #[allow(dead_code)]
 mod device;
 #[allow(dead_code)]
 mod elem;
+#[allow(dead_code)]
+mod mma;
 #[allow(dead_code)]
 mod vec_io;
 

@@ -15,6 +15,7 @@ pub mod decode;
 pub mod fp8;
 pub mod paging;
 pub mod params;
+pub mod prefill;
 pub mod softmax;
 pub mod split;
 pub mod status;

@@ -158,3 +158,62 @@ pub struct MergeStatesParams {
     pub num_heads: u32,
     pub head_size: u32,
 }
+
+/// Tiled attention on tensor cores (prefill; chunked prefill; encoders). One CTA per (work
+/// item, kv head); a work item is a request, a tile of its query rows and a split of its keys.
+/// A request's query rows are its `q_len` tokens x the `group` query heads of the kv head,
+/// row = token * group + head-in-group, so GQA heads share each K/V tile.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PrefillParams {
+    /// `[num_tokens, num_q_heads, head_size_qk]` with the given strides (elements).
+    pub q: u64,
+    pub q_token_stride: u64,
+    pub q_head_stride: u64,
+    /// Keys and values: a paged cache (`block_table != 0`: strides of block, token-in-block,
+    /// head) or packed `[total_keys, num_kv_heads, head_size]` tensors (`block_table == 0`:
+    /// `block` stride unused, request r's keys are rows `key_start_loc[r]..key_start_loc[r+1]`).
+    pub k: u64,
+    pub v: u64,
+    pub k_strides: CacheStrides,
+    pub v_strides: CacheStrides,
+    /// `[num_reqs, block_table_stride]` i32, or 0 for packed K/V.
+    pub block_table: u64,
+    pub block_table_stride: u64,
+    /// `[num_reqs]` i32: keys of each request (cached context + new tokens); paged K/V only.
+    pub seq_lens: u64,
+    /// `[num_reqs + 1]` i32: packed K/V only (`cu_seqlens_k`).
+    pub key_start_loc: u64,
+    /// `[num_reqs + 1]` i32.
+    pub query_start_loc: u64,
+    /// `[num_tokens, num_q_heads, head_size_v]`, the dtype of q.
+    pub out: u64,
+    pub out_token_stride: u64,
+    pub out_head_stride: u64,
+    /// `[num_tokens, num_q_heads]` f32 natural-log LSE, or 0.
+    pub lse: u64,
+    /// Split-K workspace, as in [`DecodeParams`] (head_size_v f32 per partial row).
+    pub partial_out: u64,
+    pub partial_lse: u64,
+    pub req_num_splits: u64,
+    pub req_partial_base: u64,
+    /// `[num_items][2]` u32: `request`, `row_tile << 16 | split`.
+    pub work_items: u64,
+    pub alibi_slopes: u64,
+    pub sinks: u64,
+    pub k_scale: u64,
+    pub v_scale: u64,
+    pub status: u64,
+    pub scale_log2: f32,
+    pub softcap: f32,
+    pub window: u32,
+    pub num_blocks: u32,
+    pub block_size: u32,
+    /// Keys per split (a multiple of the key tile), or 0 for one split.
+    pub chunk: u32,
+    pub num_q_heads: u32,
+    pub group: u32,
+    /// 1 = causal (aligned to the end of the sequence), 0 = every query sees every key.
+    pub causal: u32,
+    pub _pad: u32,
+}

@@ -1,0 +1,341 @@
+//! Varlen prefill attention on tensor cores (vLLM's `flash_attn_varlen_func` with a block
+//! table): queries packed by `query_start_loc`, keys and values from the paged cache or from
+//! packed tensors (`cu_seqlens_k`, for encoders and MLA prefill), causal aligned to the end of
+//! each sequence (chunked prefill, prefix caching) or not.
+//!
+//! The host cuts each request's query rows (token x query head of a kv head) into tiles of
+//! [`BLOCK_M`] and orders the tiles by the keys they attend, longest first, so that a batch of
+//! mixed lengths keeps every SM busy to the end. One CTA per (tile, kv head), the kv heads of a
+//! tile adjacent in the grid.
+
+use crate::buffer::{DevIn, DevOut};
+use crate::cache_write::KvScales;
+use crate::decode::AttnOptions;
+use crate::device::AttnDevice;
+use crate::dtype::DType;
+use crate::error::{ensure, Result};
+use crate::layout::{KvCacheSpec, RowsDesc};
+use crate::status::DeviceStatus;
+use attn_math::paging::CacheStrides;
+use attn_math::params::PrefillParams;
+use attn_math::prefill::{shared_layout, BLOCK_M, HEAD_SIZES, THREADS};
+use attn_math::softmax::LOG2_E;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use std::sync::Arc;
+
+/// Where keys and values come from.
+pub enum PrefillKv<'a> {
+    /// The paged cache (already written by `reshape_and_cache`).
+    Paged {
+        cache: DevIn<'a>,
+        spec: KvCacheSpec,
+        /// `[num_reqs, block_table_stride]` i32.
+        block_table: DevIn<'a>,
+        block_table_stride: usize,
+        /// `[num_reqs]` i32: device copy of [`PrefillBatch::seq_lens`].
+        seq_lens: DevIn<'a>,
+    },
+    /// Packed `[total_keys, num_kv_heads, head_size]` tensors; request r's keys are rows
+    /// `key_start_loc[r]..key_start_loc[r + 1]`.
+    Packed {
+        k: DevIn<'a>,
+        k_rows: RowsDesc,
+        v: DevIn<'a>,
+        v_rows: RowsDesc,
+        /// `[num_reqs + 1]` i32: device copy of [`PrefillBatch::key_start_loc`].
+        key_start_loc: DevIn<'a>,
+    },
+}
+
+/// Device inputs and outputs of [`prefill`].
+pub struct PrefillArgs<'a> {
+    /// `[num_tokens, num_q_heads, head_size_qk]`.
+    pub q: DevIn<'a>,
+    pub q_rows: RowsDesc,
+    pub kv: PrefillKv<'a>,
+    /// `[num_reqs + 1]` i32: device copy of [`PrefillBatch::query_start_loc`].
+    pub query_start_loc: DevIn<'a>,
+    /// `[num_tokens, num_q_heads, head_size_v]`, the dtype of q.
+    pub out: DevOut<'a>,
+    pub out_rows: RowsDesc,
+    /// `[num_tokens, num_q_heads]` f32 natural-log LSE (the sink included), if wanted.
+    pub lse: Option<DevOut<'a>>,
+    pub alibi_slopes: Option<DevIn<'a>>,
+    pub sinks: Option<DevIn<'a>>,
+    pub scales: Option<KvScales<'a>>,
+}
+
+/// The batch's host-side metadata.
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillBatch<'a> {
+    /// `[num_reqs + 1]`, from 0 to num_tokens.
+    pub query_start_loc: &'a [i32],
+    /// `[num_reqs]` keys per request (cached context + new tokens).
+    pub seq_lens: &'a [i32],
+    /// Packed K/V only: `[num_reqs + 1]` key rows (`cu_seqlens_k`), consistent with `seq_lens`.
+    pub key_start_loc: Option<&'a [i32]>,
+}
+
+/// Options of a prefill call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PrefillOptions {
+    pub attn: AttnOptions,
+    /// Causal, aligned to the end of the sequence: query i of a request with `q_len` L and
+    /// `seq_len` S sees keys `0..=S - L + i`. `false`: every query sees every key (encoders).
+    pub causal: bool,
+}
+
+/// The work of one launch: `[request, row_tile << 16 | split]` per CTA column, longest first.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PrefillPlan {
+    pub items: Vec<[u32; 2]>,
+}
+
+/// Cuts every request into tiles of [`BLOCK_M`] query rows and orders them by the keys they
+/// attend (an upper bound under causality), longest first.
+pub fn plan_prefill(batch: &PrefillBatch<'_>, group: usize, causal: bool, window: Option<u32>) -> PrefillPlan {
+    let mut tiles: Vec<(u64, [u32; 2])> = Vec::new();
+    for r in 0..batch.seq_lens.len() {
+        let q_len = (batch.query_start_loc[r + 1] - batch.query_start_loc[r]) as u64;
+        let seq_len = batch.seq_lens[r].max(0) as u64;
+        let rows = q_len * group as u64;
+        for tile in 0..rows.div_ceil(BLOCK_M as u64) {
+            let last_token = ((tile + 1) * BLOCK_M as u64).min(rows).div_ceil(group as u64);
+            let first_token = tile * BLOCK_M as u64 / group as u64;
+            let mut keys = if causal { (seq_len + last_token).saturating_sub(q_len) } else { seq_len };
+            if let Some(w) = window {
+                keys = keys.min(w as u64 + (last_token - first_token));
+            }
+            tiles.push((keys, [r as u32, (tile as u32) << 16]));
+        }
+    }
+    // Stable: equal tiles keep request order.
+    tiles.sort_by_key(|t| std::cmp::Reverse(t.0));
+    PrefillPlan { items: tiles.into_iter().map(|(_, i)| i).collect() }
+}
+
+/// Checks host metadata: start locations that cover the tokens, lengths that hold their
+/// queries (causal) and fit the block table (paged).
+pub fn validate_prefill_batch(batch: &PrefillBatch<'_>, num_tokens: usize, causal: bool, paged: Option<(usize, usize)>) -> Result<()> {
+    let n = batch.seq_lens.len();
+    let qsl = batch.query_start_loc;
+    ensure(qsl.len() == n + 1, "query_start_loc", || format!("has {} entries for {n} requests (needs {})", qsl.len(), n + 1))?;
+    ensure(qsl[0] == 0, "query_start_loc", || format!("starts at {}, not 0", qsl[0]))?;
+    ensure(qsl[n] as usize == num_tokens, "query_start_loc", || format!("ends at {}, but q has {num_tokens} tokens", qsl[n]))?;
+    ensure(n < 1 << 31, "seq_lens", || format!("{n} requests"))?;
+    for r in 0..n {
+        let q = qsl[r + 1] - qsl[r];
+        ensure(q >= 0, "query_start_loc", || format!("decreases at request {r} ({} -> {})", qsl[r], qsl[r + 1]))?;
+        let len = batch.seq_lens[r];
+        ensure(len >= 0, "seq_lens", || format!("request {r} has length {len}"))?;
+        ensure(!causal || len >= q, "seq_lens", || format!("request {r} has length {len} < its {q} query tokens"))?;
+        if let Some((block_size, stride)) = paged {
+            let blocks = (len as usize).div_ceil(block_size);
+            ensure(blocks <= stride, "block_table", || format!("request {r} needs {blocks} blocks, rows hold {stride}"))?;
+        }
+    }
+    if let Some(ksl) = batch.key_start_loc {
+        ensure(ksl.len() == n + 1 && ksl[0] == 0, "key_start_loc", || format!("must have {} entries starting at 0", n + 1))?;
+        for r in 0..n {
+            ensure(ksl[r + 1] - ksl[r] == batch.seq_lens[r], "key_start_loc", || {
+                format!("request {r} spans {} keys, seq_lens says {}", ksl[r + 1] - ksl[r], batch.seq_lens[r])
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// Device memory for the plan. Allocate once for the largest batch.
+pub struct PrefillWorkspace {
+    items: CudaSlice<u32>,
+}
+
+impl PrefillWorkspace {
+    /// Query-row tiles a batch of `max_tokens` tokens in `max_reqs` requests can need.
+    pub fn max_tiles(max_tokens: usize, max_reqs: usize, group: usize) -> usize {
+        (max_tokens * group).div_ceil(BLOCK_M as usize) + max_reqs
+    }
+
+    pub fn new(stream: &Arc<CudaStream>, max_tokens: usize, max_reqs: usize, group: usize) -> Result<Self> {
+        Ok(PrefillWorkspace { items: stream.alloc_zeros(2 * Self::max_tiles(max_tokens, max_reqs, group).max(1))? })
+    }
+}
+
+fn kernel_name(q: DType, dk: usize, dv: usize) -> String {
+    format!("prefill_{}_dk{dk}_dv{dv}", q.kernel_name())
+}
+
+fn optional_f32(buf: &Option<DevIn<'_>>, arg: &'static str, len: usize) -> Result<u64> {
+    match buf {
+        None => Ok(0),
+        Some(b) => {
+            ensure(b.dtype == DType::F32 && b.len >= len, arg, || format!("must be {len} f32 values, got {} x {:?}", b.len, b.dtype))?;
+            Ok(b.ptr)
+        }
+    }
+}
+
+/// Checks a 16-bit tensor's rows: dtype, shape, 16-byte alignment, buffer length.
+fn check_rows(arg: &'static str, b: &DevIn<'_>, rows: &RowsDesc, dtype: DType) -> Result<()> {
+    ensure(b.dtype == dtype, arg, || format!("dtype {:?}, expected {dtype:?}", b.dtype))?;
+    rows.validate(arg)?;
+    ensure(b.len >= rows.required_len(), arg, || format!("buffer of {} elements is too small for {rows:?}", b.len))?;
+    ensure(b.ptr.is_multiple_of(16) && (rows.token_stride * 2).is_multiple_of(16) && (rows.head_stride * 2).is_multiple_of(16), arg, || {
+        "must be 16-byte aligned with 16-byte-multiple strides".into()
+    })
+}
+
+/// Prefill attention: validates everything, plans, uploads the plan, launches. Enqueued on
+/// `stream`; block ids outside the cache are never read and raise `BLOCK_OUT_OF_RANGE` in
+/// `status` (the keys read as zeros).
+#[allow(clippy::too_many_arguments)]
+pub fn prefill(
+    dev: &AttnDevice,
+    stream: &Arc<CudaStream>,
+    a: PrefillArgs<'_>,
+    batch: &PrefillBatch<'_>,
+    opts: &PrefillOptions,
+    ws: &mut PrefillWorkspace,
+    status: &mut DeviceStatus,
+) -> Result<PrefillPlan> {
+    let (nt, hq, dk) = (a.q_rows.num_tokens, a.q_rows.num_heads, a.q_rows.head_size);
+    let dv = a.out_rows.head_size;
+    let q_dtype = a.q.dtype;
+    ensure(matches!(q_dtype, DType::F16 | DType::BF16), "q", || format!("dtype {q_dtype:?}: prefill takes f16 or bf16"))?;
+    ensure(HEAD_SIZES.contains(&(dk as u32, dv as u32)), "head_size", || format!("(qk {dk}, v {dv}): kernels exist for {HEAD_SIZES:?}"))?;
+    check_rows("q", &a.q, &a.q_rows, q_dtype)?;
+    ensure(a.out.dtype == q_dtype, "out", || format!("dtype {:?} differs from q's {q_dtype:?}", a.out.dtype))?;
+    a.out_rows.validate("out")?;
+    ensure(a.out_rows.num_tokens == nt && a.out_rows.num_heads == hq, "out", || format!("shape {:?} differs from q's", a.out_rows))?;
+    ensure(a.out.len >= a.out_rows.required_len(), "out", || format!("buffer of {} elements is too small", a.out.len))?;
+    ensure(
+        a.out.ptr.is_multiple_of(4) && a.out_rows.token_stride.is_multiple_of(2) && a.out_rows.head_stride.is_multiple_of(2),
+        "out",
+        || "must be 4-byte aligned with even strides".into(),
+    )?;
+    if !opts.causal {
+        ensure(opts.attn.window.is_none(), "window", || "a sliding window needs causal attention".into())?;
+    }
+    ensure(a.scales.is_none(), "scales", || "the fp8 cache is not supported by prefill yet".into())?;
+    let num_reqs = batch.seq_lens.len();
+
+    let (k_ptr, v_ptr, k_strides, v_strides, num_kv_heads, block_table, bt_stride, seq_lens_ptr, ksl_ptr, num_blocks, block_size) = match &a
+        .kv
+    {
+        PrefillKv::Paged { cache, spec, block_table, block_table_stride, seq_lens } => {
+            ensure(cache.dtype == q_dtype, "cache", || format!("dtype {:?} with {q_dtype:?} queries", cache.dtype))?;
+            ensure(dk == dv && spec.head_size == dk, "head_size", || {
+                format!("the paged cache holds head size {}, the call has qk {dk} / v {dv}", spec.head_size)
+            })?;
+            ensure(cache.len >= spec.num_elements(), "cache", || format!("buffer of {} elements is smaller than the layout's", cache.len))?;
+            ensure(cache.ptr.is_multiple_of(16), "cache", || "must be 16-byte aligned".into())?;
+            ensure(batch.key_start_loc.is_none(), "key_start_loc", || "given with a paged cache".into())?;
+            validate_prefill_batch(batch, nt, opts.causal, Some((spec.block_size, *block_table_stride)))?;
+            ensure(block_table.dtype == DType::I32 && block_table.len >= num_reqs * block_table_stride, "block_table", || {
+                format!("must be {num_reqs} x {block_table_stride} i32, got {} x {:?}", block_table.len, block_table.dtype)
+            })?;
+            ensure(seq_lens.dtype == DType::I32 && seq_lens.len >= num_reqs, "seq_lens", || format!("device copy must be {num_reqs} i32"))?;
+            let (ko, vo) = spec.kv_origins();
+            let strides = spec.strides();
+            (
+                cache.ptr + ko as u64 * 2,
+                cache.ptr + vo as u64 * 2,
+                strides,
+                strides,
+                spec.num_kv_heads,
+                block_table.ptr,
+                *block_table_stride as u64,
+                seq_lens.ptr,
+                0,
+                spec.num_blocks as u32,
+                spec.block_size as u32,
+            )
+        }
+        PrefillKv::Packed { k, k_rows, v, v_rows, key_start_loc } => {
+            check_rows("k", k, k_rows, q_dtype)?;
+            check_rows("v", v, v_rows, q_dtype)?;
+            ensure(k_rows.head_size == dk && v_rows.head_size == dv, "head_size", || {
+                format!("k/v rows have {} / {}, q {dk} and out {dv}", k_rows.head_size, v_rows.head_size)
+            })?;
+            ensure(k_rows.num_heads == v_rows.num_heads && k_rows.num_tokens == v_rows.num_tokens, "v", || {
+                format!("shape {v_rows:?} differs from k's {k_rows:?}")
+            })?;
+            let ksl = batch.key_start_loc.ok_or_else(|| crate::error::AttnError::invalid("key_start_loc", "needed with packed K/V"))?;
+            validate_prefill_batch(batch, nt, opts.causal, None)?;
+            ensure(ksl[num_reqs] as usize <= k_rows.num_tokens, "key_start_loc", || {
+                format!("ends at {}, but k has {} rows", ksl[num_reqs], k_rows.num_tokens)
+            })?;
+            ensure(key_start_loc.dtype == DType::I32 && key_start_loc.len > num_reqs, "key_start_loc", || {
+                format!("device copy must be {} i32", num_reqs + 1)
+            })?;
+            let strides = |r: &RowsDesc| CacheStrides { block: 0, token: r.token_stride as u64, head: r.head_stride as u64 };
+            (k.ptr, v.ptr, strides(k_rows), strides(v_rows), k_rows.num_heads, 0, 0, 0, key_start_loc.ptr, 0, 1)
+        }
+    };
+    ensure(num_kv_heads > 0 && hq.is_multiple_of(num_kv_heads), "num_q_heads", || {
+        format!("{hq} is not a multiple of num_kv_heads {num_kv_heads}")
+    })?;
+    ensure(a.query_start_loc.dtype == DType::I32 && a.query_start_loc.len > num_reqs, "query_start_loc", || {
+        format!("device copy must be {} i32", num_reqs + 1)
+    })?;
+    if let Some(l) = &a.lse {
+        ensure(l.dtype == DType::F32 && l.len >= nt * hq, "lse", || format!("must be {nt} x {hq} f32"))?;
+    }
+    let alibi = optional_f32(&a.alibi_slopes, "alibi_slopes", hq)?;
+    let sinks = optional_f32(&a.sinks, "sinks", hq)?;
+    if num_reqs == 0 || nt == 0 {
+        return Ok(PrefillPlan::default());
+    }
+    let group = hq / num_kv_heads;
+    let max_rows = (0..num_reqs).map(|r| (batch.query_start_loc[r + 1] - batch.query_start_loc[r]) as usize * group).max().unwrap_or(0);
+    ensure(max_rows <= BLOCK_M as usize * 65536, "query_start_loc", || {
+        format!("a request has {max_rows} query rows (tokens x {group} heads per kv head); a launch takes {}", BLOCK_M as usize * 65536)
+    })?;
+    let plan = plan_prefill(batch, group, opts.causal, opts.attn.window);
+    ensure(2 * plan.items.len() <= ws.items.len(), "workspace", || {
+        format!("the plan has {} tiles, the workspace holds {}", plan.items.len(), ws.items.len() / 2)
+    })?;
+    ensure((plan.items.len() * num_kv_heads) < i32::MAX as usize, "q", || "too many tiles x kv heads for one launch".into())?;
+    if plan.items.is_empty() {
+        return Ok(plan);
+    }
+    let flat: Vec<u32> = plan.items.iter().flatten().copied().collect();
+    stream.memcpy_htod(&flat, &mut ws.items.slice_mut(..flat.len()))?;
+    let (items_ptr, _o1) = ws.items.device_ptr(stream);
+    let (status_ptr, _o2) = status.word.device_ptr_mut(stream);
+    let p = PrefillParams {
+        q: a.q.ptr,
+        q_token_stride: a.q_rows.token_stride as u64,
+        q_head_stride: a.q_rows.head_stride as u64,
+        k: k_ptr,
+        v: v_ptr,
+        k_strides,
+        v_strides,
+        block_table,
+        block_table_stride: bt_stride,
+        seq_lens: seq_lens_ptr,
+        key_start_loc: ksl_ptr,
+        query_start_loc: a.query_start_loc.ptr,
+        out: a.out.ptr,
+        out_token_stride: a.out_rows.token_stride as u64,
+        out_head_stride: a.out_rows.head_stride as u64,
+        lse: a.lse.as_ref().map_or(0, |l| l.ptr),
+        work_items: items_ptr,
+        alibi_slopes: alibi,
+        sinks,
+        status: status_ptr,
+        scale_log2: opts.attn.softmax_scale * LOG2_E,
+        softcap: opts.attn.softcap.unwrap_or(0.0),
+        window: opts.attn.window.unwrap_or(0),
+        num_blocks,
+        block_size,
+        chunk: 0,
+        num_q_heads: hq as u32,
+        group: group as u32,
+        causal: opts.causal as u32,
+        ..PrefillParams::default()
+    };
+    let smem = shared_layout(dk as u32, dv as u32).total;
+    dev.launch(stream, &kernel_name(q_dtype, dk, dv), ((plan.items.len() * num_kv_heads) as u32, 1, 1), THREADS, smem, p)?;
+    Ok(plan)
+}

@@ -1,0 +1,125 @@
+//! Tensor-core and asynchronous-copy primitives (sm_80+): `mma.sync` m16n8k16 with f32
+//! accumulators, `ldmatrix` from shared memory, and `cp.async` from global to shared memory.
+//!
+//! Fragment layouts of m16n8k16 (lane = 4 * g + t): A (16x16, row-major) a0 = (row g, cols
+//! 2t, 2t+1), a1 = (g + 8, 2t..), a2 = (g, 2t + 8..), a3 = (g + 8, 2t + 8..); B (16x8) b0 =
+//! (k 2t, 2t+1; n g), b1 = (k 2t + 8..; n g); C (16x8) c0, c1 = (row g; cols 2t, 2t+1), c2, c3 =
+//! (row g + 8; same cols). Each register holds two 16-bit values, the lower column in the low half.
+
+use crate::elem::{Bf16, HalfFloat, F16};
+use core::arch::asm;
+
+/// A 16-bit float type the tensor cores take.
+pub trait MmaHalf: HalfFloat {
+    /// `c + a * b` (m16n8k16, f32 accumulate).
+    fn mma(a: [u32; 4], b0: u32, b1: u32, c: [f32; 4]) -> [f32; 4];
+    /// Two f32 rounded into one register: `lo` in the low half.
+    fn pack2(lo: f32, hi: f32) -> u32;
+}
+
+macro_rules! mma_impl {
+    ($ty:ty, $name:literal) => {
+        impl MmaHalf for $ty {
+            #[inline(always)]
+            fn mma(a: [u32; 4], b0: u32, b1: u32, c: [f32; 4]) -> [f32; 4] {
+                let d: [f32; 4];
+                let (d0, d1, d2, d3): (f32, f32, f32, f32);
+                unsafe {
+                    asm!(concat!("mma.sync.aligned.m16n8k16.row.col.f32.", $name, ".", $name, ".f32 ",
+                                 "{{{0}, {1}, {2}, {3}}}, {{{4}, {5}, {6}, {7}}}, {{{8}, {9}}}, {{{10}, {11}, {12}, {13}}};"),
+                         out(reg32) d0, out(reg32) d1, out(reg32) d2, out(reg32) d3,
+                         in(reg32) a[0], in(reg32) a[1], in(reg32) a[2], in(reg32) a[3], in(reg32) b0, in(reg32) b1,
+                         in(reg32) c[0], in(reg32) c[1], in(reg32) c[2], in(reg32) c[3],
+                         options(pure, nomem, nostack));
+                }
+                d = [d0, d1, d2, d3];
+                d
+            }
+            #[inline(always)]
+            fn pack2(lo: f32, hi: f32) -> u32 {
+                let r: u32;
+                // cvt.rn.<t>x2.f32 d, a, b puts a in the upper half.
+                unsafe { asm!(concat!("cvt.rn.", $name, "x2.f32 {0}, {1}, {2};"), out(reg32) r, in(reg32) hi, in(reg32) lo, options(pure, nomem, nostack)) };
+                r
+            }
+        }
+    };
+}
+
+mma_impl!(F16, "f16");
+mma_impl!(Bf16, "bf16");
+
+/// The shared-memory (state space) address of a generic pointer into shared memory.
+#[inline(always)]
+pub fn shared_addr<T>(p: *const T) -> u32 {
+    let a: u64;
+    unsafe { asm!("cvta.to.shared.u64 {0}, {1};", out(reg64) a, in(reg64) p as u64, options(pure, nomem, nostack)) };
+    a as u32
+}
+
+/// Four 8x8 matrices of 16-bit values; lanes 8i..8i+7 give the row addresses of matrix i, and
+/// lane 4g + t receives (row g, cols 2t, 2t+1) of each.
+#[inline(always)]
+pub unsafe fn ldmatrix_x4(addr: u32) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    unsafe {
+        asm!("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{0}, {1}, {2}, {3}}}, [{4}];",
+             out(reg32) a, out(reg32) b, out(reg32) c, out(reg32) d, in(reg32) addr, options(readonly, nostack));
+    }
+    [a, b, c, d]
+}
+
+/// [`ldmatrix_x4`] transposed: lane 4g + t receives (rows 2t, 2t+1; col g) of each matrix.
+#[inline(always)]
+pub unsafe fn ldmatrix_x4_trans(addr: u32) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    unsafe {
+        asm!("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{{0}, {1}, {2}, {3}}}, [{4}];",
+             out(reg32) a, out(reg32) b, out(reg32) c, out(reg32) d, in(reg32) addr, options(readonly, nostack));
+    }
+    [a, b, c, d]
+}
+
+/// Copies 16 bytes from global `src` to shared `dst` asynchronously; only the first `src_bytes`
+/// (0 or 16) are read, the rest is zero-filled. Bypasses L1 (`.cg`).
+#[inline(always)]
+pub unsafe fn cp_async_16(dst: u32, src: u64, src_bytes: u32) {
+    unsafe { asm!("cp.async.cg.shared.global [{0}], [{1}], 16, {2};", in(reg32) dst, in(reg64) src, in(reg32) src_bytes, options(nostack)) }
+}
+
+/// Closes the group of `cp.async`s issued since the last commit.
+#[inline(always)]
+pub fn cp_async_commit() {
+    unsafe { asm!("cp.async.commit_group;", options(nostack)) }
+}
+
+/// Waits until at most `N` committed groups are still in flight (this thread's copies only: a
+/// barrier must follow before other threads read them).
+#[inline(always)]
+pub fn cp_async_wait<const N: u32>() {
+    unsafe { asm!("cp.async.wait_group {n};", n = const N, options(nostack)) }
+}
+
+/// Two 16-bit values to shared memory.
+#[inline(always)]
+pub unsafe fn st_shared_u32(addr: u32, v: u32) {
+    unsafe { asm!("st.shared.u32 [{0}], {1};", in(reg32) addr, in(reg32) v, options(nostack)) }
+}
+
+#[inline(always)]
+pub unsafe fn ld_shared_v4(addr: u32) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    unsafe {
+        asm!("ld.shared.v4.u32 {{{0}, {1}, {2}, {3}}}, [{4}];", out(reg32) a, out(reg32) b, out(reg32) c, out(reg32) d, in(reg32) addr,
+             options(readonly, nostack));
+    }
+    [a, b, c, d]
+}
+
+#[inline(always)]
+pub unsafe fn st_shared_v4(addr: u32, v: [u32; 4]) {
+    unsafe {
+        asm!("st.shared.v4.u32 [{0}], {{{1}, {2}, {3}, {4}}};", in(reg32) addr, in(reg32) v[0], in(reg32) v[1], in(reg32) v[2], in(reg32) v[3],
+             options(nostack));
+    }
+}

@@ -1,0 +1,299 @@
+//! GPU tensor-core prefill against the f64 CPU reference, on random data with poisoned outputs:
+//! lengths around the tile sizes, chunked prefill (query shorter than the sequence), head sizes
+//! (QK 192 / V 128 too), GQA ratios, causal or not, window / soft-cap / ALiBi / sinks, paged and
+//! packed K/V, cache layouts and block sizes, empty requests and bad block ids.
+
+mod common;
+
+use common::*;
+use cudarc::driver::CudaSlice;
+use half::{bf16, f16};
+use host::decode::AttnOptions;
+use host::prefill::{prefill, PrefillArgs, PrefillBatch, PrefillKv, PrefillOptions, PrefillWorkspace};
+use host::{cpu, DevIn, DevOut, DeviceStatus, Element, KvCacheSpec, KvLayout, RowsDesc};
+use libtest_mimic::Trial;
+use rand::seq::SliceRandom;
+use rand::Rng;
+
+#[derive(Clone, Debug)]
+struct Case {
+    layout: KvLayout,
+    dk: usize,
+    dv: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    block_size: usize,
+    seq_lens: Vec<i32>,
+    /// New tokens per request (the last ones of the sequence); `None` = the whole sequence.
+    q_lens: Option<Vec<i32>>,
+    causal: bool,
+    packed: bool,
+    window: Option<u32>,
+    softcap: Option<f32>,
+    alibi: bool,
+    sinks: bool,
+    bad_block: bool,
+}
+
+impl Case {
+    fn base(seq_lens: &[i32]) -> Self {
+        Case {
+            layout: KvLayout::FlashNhd,
+            dk: 128,
+            dv: 128,
+            q_heads: 8,
+            kv_heads: 2,
+            block_size: 16,
+            seq_lens: seq_lens.to_vec(),
+            q_lens: None,
+            causal: true,
+            packed: false,
+            window: None,
+            softcap: None,
+            alibi: false,
+            sinks: false,
+            bad_block: false,
+        }
+    }
+}
+
+fn rel_error(got: &[f64], want: &[f64]) -> f64 {
+    let num: f64 = got.iter().zip(want).map(|(g, w)| (g - w) * (g - w)).sum();
+    let den: f64 = want.iter().map(|w| w * w).sum();
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+fn tolerance<Q: Element>() -> f64 {
+    if Q::DTYPE == host::DType::BF16 {
+        1e-2
+    } else {
+        3e-3
+    }
+}
+
+fn prefill_case<Q: Element>(c: Case, salt: u64) -> TestResult {
+    let mut rng = rng(salt);
+    let stream = new_stream();
+    let (dk, dv, hq, hkv) = (c.dk, c.dv, c.q_heads, c.kv_heads);
+    let num_reqs = c.seq_lens.len();
+    let q_lens = c.q_lens.clone().unwrap_or_else(|| c.seq_lens.clone());
+    let mut qsl = vec![0i32];
+    for &q in &q_lens {
+        qsl.push(qsl.last().unwrap() + q);
+    }
+    let mut ksl = vec![0i32];
+    for &l in &c.seq_lens {
+        ksl.push(ksl.last().unwrap() + l);
+    }
+    let nt = *qsl.last().unwrap() as usize;
+    let q_rows = RowsDesc::contiguous(nt, hq, dk);
+    let out_rows = RowsDesc::contiguous(nt, hq, dv);
+    let q: Vec<Q> = random_vec(&mut rng, q_rows.required_len().max(1), 1.0);
+    let slopes: Vec<f32> = (0..hq).map(|h| 0.5f32.powi(h as i32 % 8 + 1)).collect();
+    let sinks: Vec<f32> = (0..hq).map(|_| rng.random_range(-2.0..4.0)).collect();
+    let mut opts = AttnOptions::new(dk);
+    opts.window = c.window;
+    opts.softcap = c.softcap;
+
+    // Paged: a cache with scattered block tables. Packed: K and V rows.
+    let blocks_per_req: Vec<usize> = c.seq_lens.iter().map(|&l| (l as usize).div_ceil(c.block_size)).collect();
+    let stride = blocks_per_req.iter().copied().max().unwrap_or(1).max(1) + 1;
+    let num_blocks = blocks_per_req.iter().sum::<usize>() + 3;
+    let spec = KvCacheSpec::new(c.layout, num_blocks, c.block_size, hkv, dk)?;
+    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+    ids.shuffle(&mut rng);
+    let mut block_table = vec![-1i32; num_reqs * stride];
+    let mut next = 0;
+    for (r, &n) in blocks_per_req.iter().enumerate() {
+        for b in 0..n {
+            block_table[r * stride + b] = ids[next];
+            next += 1;
+        }
+    }
+    if c.bad_block {
+        let r = blocks_per_req.iter().position(|&n| n > 1).expect("a request with 2+ blocks");
+        block_table[r * stride + 1] = num_blocks as i32 + 5;
+    }
+    let total_keys = *ksl.last().unwrap() as usize;
+    let (k_rows, v_rows) = (RowsDesc::contiguous(total_keys, hkv, dk), RowsDesc::contiguous(total_keys, hkv, dv));
+    let cache: Vec<Q> = random_vec(&mut rng, if c.packed { 1 } else { spec.num_elements() }, 1.0);
+    let k: Vec<Q> = random_vec(&mut rng, if c.packed { k_rows.required_len().max(1) } else { 1 }, 1.0);
+    let v: Vec<Q> = random_vec(&mut rng, if c.packed { v_rows.required_len().max(1) } else { 1 }, 1.0);
+
+    let kv_ref = if c.packed {
+        cpu::KvRef::Packed { k: &k, k_rows, v: &v, v_rows, key_start_loc: &ksl }
+    } else {
+        cpu::KvRef::Paged { cache: &cache, spec, block_table: &block_table, block_table_stride: stride }
+    };
+    let want = cpu::prefill(&cpu::PrefillRef {
+        q: &q,
+        q_rows,
+        kv: kv_ref,
+        head_size_v: dv,
+        query_start_loc: &qsl,
+        seq_lens: &c.seq_lens,
+        causal: c.causal,
+        opts,
+        alibi_slopes: c.alibi.then_some(&slopes[..]),
+        sinks: c.sinks.then_some(&sinks[..]),
+        scales: None,
+    })?;
+
+    let up = |v: &[i32]| upload(&stream, v);
+    let (q_d, cache_d, k_d, v_d) = (upload(&stream, &q), upload(&stream, &cache), upload(&stream, &k), upload(&stream, &v));
+    let (bt_d, sl_d, qsl_d, ksl_d) = (up(&block_table), up(&c.seq_lens), up(&qsl), up(&ksl));
+    let (slopes_d, sinks_d) = (upload(&stream, &slopes), upload(&stream, &sinks));
+    let mut out_d: CudaSlice<Q> = upload(&stream, &vec![poison::<Q>(); out_rows.required_len().max(1)]);
+    let mut lse_d: CudaSlice<f32> = upload(&stream, &vec![f32::NAN; (nt * hq).max(1)]);
+    let mut ws = PrefillWorkspace::new(&stream, nt, num_reqs, hq / hkv)?;
+    let mut status = DeviceStatus::new(&stream)?;
+    let kv = if c.packed {
+        PrefillKv::Packed {
+            k: DevIn::new(&k_d, &stream),
+            k_rows,
+            v: DevIn::new(&v_d, &stream),
+            v_rows,
+            key_start_loc: DevIn::new(&ksl_d, &stream),
+        }
+    } else {
+        PrefillKv::Paged {
+            cache: DevIn::new(&cache_d, &stream),
+            spec,
+            block_table: DevIn::new(&bt_d, &stream),
+            block_table_stride: stride,
+            seq_lens: DevIn::new(&sl_d, &stream),
+        }
+    };
+    let batch = PrefillBatch { query_start_loc: &qsl, seq_lens: &c.seq_lens, key_start_loc: c.packed.then_some(&ksl[..]) };
+    let plan = prefill(
+        device(),
+        &stream,
+        PrefillArgs {
+            q: DevIn::new(&q_d, &stream),
+            q_rows,
+            kv,
+            query_start_loc: DevIn::new(&qsl_d, &stream),
+            out: DevOut::new(&mut out_d, &stream),
+            out_rows,
+            lse: Some(DevOut::new(&mut lse_d, &stream)),
+            alibi_slopes: c.alibi.then(|| DevIn::new(&slopes_d, &stream)),
+            sinks: c.sinks.then(|| DevIn::new(&sinks_d, &stream)),
+            scales: None,
+        },
+        &batch,
+        &PrefillOptions { attn: opts, causal: c.causal },
+        &mut ws,
+        &mut status,
+    )?;
+    let flags = status.take(&stream)?;
+    if flags.block_out_of_range() != (want.bad_blocks > 0) {
+        return Err(format!("status {flags:?}, reference skipped {} keys", want.bad_blocks).into());
+    }
+    if c.bad_block {
+        return Ok(()); // the request with the bad block reads zeros there; only the report is checked
+    }
+    let got: Vec<f64> = download(&stream, &out_d).iter().take(nt * hq * dv).map(|x| x.to_f32() as f64).collect();
+    let lse: Vec<f32> = download(&stream, &lse_d);
+    if let Some(i) = got.iter().position(|x| !x.is_finite()) {
+        return Err(format!(
+            "output element {i} (token {}, head {}) is {} ({} tiles)",
+            i / (hq * dv),
+            i / dv % hq,
+            got[i],
+            plan.items.len()
+        )
+        .into());
+    }
+    let err = rel_error(&got, &want.out);
+    if err > tolerance::<Q>() {
+        // Locate the worst row to make the failure readable.
+        let worst = (0..nt * hq)
+            .max_by(|&a, &b| {
+                let e = |r: usize| rel_error(&got[r * dv..(r + 1) * dv], &want.out[r * dv..(r + 1) * dv]);
+                e(a).total_cmp(&e(b))
+            })
+            .unwrap_or(0);
+        return Err(
+            format!("relative error {err:.2e} > {:.0e}; worst row: token {}, head {}", tolerance::<Q>(), worst / hq, worst % hq).into()
+        );
+    }
+    for (i, (&g, &w)) in lse.iter().zip(&want.lse).take(nt * hq).enumerate() {
+        let ok = if w == f64::NEG_INFINITY { g == f32::NEG_INFINITY } else { (g as f64 - w).abs() <= 2e-3 * w.abs().max(1.0) };
+        if !ok {
+            return Err(format!("lse[{i}] (token {}, head {}) = {g}, want {w}", i / hq, i % hq).into());
+        }
+    }
+    Ok(())
+}
+
+fn cases() -> Vec<(String, Case, &'static str)> {
+    let mut v: Vec<(String, Case, &'static str)> = Vec::new();
+    let mut push = |name: String, c: Case, dt: &'static str| v.push((name, c, dt));
+    let lens = [1, 15, 16, 17, 127, 1000];
+    push("bf16::lengths_1_15_16_17_127_1000".into(), Case::base(&lens), "bf16");
+    push("f16::lengths_1_15_16_17_127_1000".into(), Case::base(&lens), "f16");
+    push("bf16::length_4097".into(), Case { q_heads: 2, kv_heads: 1, ..Case::base(&[4097]) }, "bf16");
+    push("bf16::chunked_prefill".into(), Case { q_lens: Some(vec![1, 64, 100, 7, 300]), ..Case::base(&[50, 64, 700, 1000, 301]) }, "bf16");
+    for (dk, dv) in [(64, 64), (96, 96), (256, 256)] {
+        push(format!("bf16::head_size_{dk}"), Case { dk, dv, ..Case::base(&[17, 300, 129]) }, "bf16");
+        push(format!("f16::head_size_{dk}_chunked"), Case { dk, dv, q_lens: Some(vec![5, 100, 33]), ..Case::base(&[17, 300, 129]) }, "f16");
+    }
+    push(
+        "bf16::mla_qk192_v128_packed".into(),
+        Case { dk: 192, dv: 128, packed: true, q_heads: 16, kv_heads: 16, ..Case::base(&[1, 70, 300]) },
+        "bf16",
+    );
+    push(
+        "f16::mla_qk192_v128_packed_chunked".into(),
+        Case { dk: 192, dv: 128, packed: true, q_heads: 4, kv_heads: 4, q_lens: Some(vec![1, 20, 64]), ..Case::base(&[1, 70, 300]) },
+        "f16",
+    );
+    for (hq, hkv) in [(4, 4), (8, 2), (16, 2), (16, 1), (12, 4)] {
+        push(format!("bf16::gqa_{hq}q_{hkv}kv"), Case { q_heads: hq, kv_heads: hkv, ..Case::base(&[33, 200, 5]) }, "bf16");
+    }
+    push("bf16::non_causal".into(), Case { causal: false, ..Case::base(&[1, 17, 200]) }, "bf16");
+    push("bf16::non_causal_packed_encoder".into(), Case { causal: false, packed: true, ..Case::base(&[3, 130, 64]) }, "bf16");
+    push(
+        "bf16::non_causal_queries_shorter".into(),
+        Case { causal: false, q_lens: Some(vec![1, 40, 9]), ..Case::base(&[10, 300, 9]) },
+        "bf16",
+    );
+    push("bf16::window_100".into(), Case { window: Some(100), ..Case::base(&[50, 300, 1000]) }, "bf16");
+    push("bf16::window_7_chunked".into(), Case { window: Some(7), q_lens: Some(vec![3, 70, 1]), ..Case::base(&[50, 300, 1000]) }, "bf16");
+    push("bf16::softcap".into(), Case { softcap: Some(5.0), ..Case::base(&[50, 300]) }, "bf16");
+    push("f16::alibi".into(), Case { alibi: true, ..Case::base(&[50, 300]) }, "f16");
+    push("bf16::sinks".into(), Case { sinks: true, ..Case::base(&[1, 50, 300]) }, "bf16");
+    push(
+        "f16::all_features_chunked".into(),
+        Case { softcap: Some(8.0), alibi: true, sinks: true, window: Some(64), q_lens: Some(vec![3, 100, 8]), ..Case::base(&[40, 500, 8]) },
+        "f16",
+    );
+    for layout in KvLayout::ALL {
+        push(format!("bf16::layout_{layout:?}"), Case { layout, ..Case::base(&[100, 33]) }, "bf16");
+    }
+    for bs in [32, 64] {
+        push(format!("bf16::block_size_{bs}"), Case { block_size: bs, ..Case::base(&[100, 333]) }, "bf16");
+    }
+    push("bf16::empty_requests".into(), Case { q_lens: Some(vec![0, 5, 0, 0]), sinks: true, ..Case::base(&[0, 5, 7, 0]) }, "bf16");
+    push("bf16::bad_block_id".into(), Case { bad_block: true, ..Case::base(&[100, 40]) }, "bf16");
+    v
+}
+
+fn main() {
+    let mut trials = Vec::new();
+    let all = cases();
+    let picked: Vec<_> = if quick() { all.into_iter().step_by(4).collect() } else { all };
+    for (i, (name, case, dt)) in picked.into_iter().enumerate() {
+        let s = 3000 + i as u64;
+        let f: Box<dyn FnOnce() -> TestResult + Send> = match dt {
+            "bf16" => Box::new(move || prefill_case::<bf16>(case, s)),
+            _ => Box::new(move || prefill_case::<f16>(case, s)),
+        };
+        trials.push(Trial::test(format!("prefill::{name}"), f));
+    }
+    run_gpu_trials(trials)
+}
