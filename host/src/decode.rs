@@ -15,7 +15,8 @@ use crate::error::{ensure, Result};
 use crate::layout::{KvCacheSpec, RowsDesc};
 use crate::status::DeviceStatus;
 use attn_math::decode::{rows_per_cta, shared_bytes, HEAD_SIZES, THREADS};
-use attn_math::params::{DecodeMergeParams, DecodeParams, MergeStatesParams};
+use attn_math::params::{DecodeMergeParams, DecodeParams, MergeStatesParams, PrefillParams};
+use attn_math::prefill::{block_m, block_n, shared_layout};
 use attn_math::softmax::LOG2_E;
 use attn_math::split::{num_splits, plan_chunk};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
@@ -97,8 +98,9 @@ pub struct DecodePlan {
     pub chunk: u32,
     pub rows_per_cta: u32,
     pub row_groups: u32,
-    /// `request << 16 | split`.
+    /// CUDA cores: `request << 16 | split`; tensor cores: `request, row_tile << 16 | split`.
     pub items: Vec<u32>,
+    pub kernel: DecodeKernel,
     pub req_num_splits: Vec<u32>,
     pub req_partial_base: Vec<u32>,
     pub token_request: Vec<u32>,
@@ -122,7 +124,6 @@ pub fn plan_decode(
     mode: SplitMode,
     partial_capacity: usize,
 ) -> Result<DecodePlan> {
-    let num_reqs = batch.seq_lens.len();
     let group = num_q_heads / num_kv_heads;
     let q_lens: Vec<u32> = batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).collect();
     let max_q = q_lens.iter().copied().max().unwrap_or(1);
@@ -137,12 +138,25 @@ pub fn plan_decode(
         SplitMode::Auto => None,
         SplitMode::Fixed(n) => Some(n),
     };
-    let mut chunk = plan_chunk(&lens, (num_kv_heads as u32) * row_groups, ctas_target, CHUNK_TILE, MIN_CHUNK, forced);
-    // Grow the chunk until the partials fit the workspace (one split each always fits: none).
+    let chunk = plan_chunk(&lens, (num_kv_heads as u32) * row_groups, ctas_target, CHUNK_TILE, MIN_CHUNK, forced);
+    let mut plan = plan_splits(&lens, &q_lens, num_q_heads, chunk, partial_capacity);
+    plan.rows_per_cta = rows_per_cta;
+    plan.row_groups = row_groups;
+    for (r, &splits) in plan.req_num_splits.iter().enumerate() {
+        plan.items.extend((0..splits).map(|s| (r as u32) << 16 | s));
+    }
+    Ok(plan)
+}
+
+/// The splits of every request for a chunk size, grown until the partials fit the workspace
+/// (one split each always fits: it needs none): chunk, splits, partial bases, token requests.
+/// `items` is left to the caller.
+fn plan_splits(lens: &[u32], q_lens: &[u32], num_q_heads: usize, mut chunk: u32, partial_capacity: usize) -> DecodePlan {
     loop {
-        let rows: usize = (0..num_reqs)
-            .map(|r| num_splits(lens[r], chunk))
-            .zip(&q_lens)
+        let rows: usize = lens
+            .iter()
+            .map(|&l| num_splits(l, chunk))
+            .zip(q_lens)
             .filter(|(s, _)| *s > 1)
             .map(|(s, &q)| (s * q) as usize * num_q_heads)
             .sum();
@@ -152,18 +166,85 @@ pub fn plan_decode(
         }
         chunk = chunk.saturating_mul(2);
     }
-    let mut plan = DecodePlan { chunk, rows_per_cta, row_groups, ..DecodePlan::default() };
-    for (r, (&len, &q)) in lens.iter().zip(&q_lens).enumerate() {
+    let mut plan = DecodePlan { chunk, ..DecodePlan::default() };
+    for (r, (&len, &q)) in lens.iter().zip(q_lens).enumerate() {
         let splits = num_splits(len, chunk);
         plan.req_num_splits.push(splits);
         plan.req_partial_base.push(plan.partial_rows as u32);
         if splits > 1 {
             plan.partial_rows += (splits * q) as usize * num_q_heads;
         }
-        plan.items.extend((0..splits).map(|s| (r as u32) << 16 | s));
         plan.token_request.extend(std::iter::repeat_n(r as u32, q as usize));
     }
-    Ok(plan)
+    plan
+}
+
+/// Which kernel runs a decode batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DecodeKernel {
+    /// CUDA cores (`decode_<q>_<cache>_d<d>_r<rows>`): the FP8 cache, and on request.
+    #[default]
+    CudaCores,
+    /// Tensor cores, 16 query rows per CTA and the keys of each tile split across its warps
+    /// (`decode_tc_<q>_d<d>`): up to 16 rows (query tokens x query heads) per kv head.
+    TensorCoreKeys,
+    /// Tensor cores, 64 rows per CTA (the prefill kernel): more rows per kv head (MQA).
+    TensorCoreRows,
+}
+
+impl DecodeKernel {
+    /// The kernel for a batch: tensor cores for f16/bf16 caches, CUDA cores for FP8 or when
+    /// `ATTN_DECODE_KERNEL=cuda`.
+    pub fn choose(cache: DType, rows_per_kv_head: u32) -> DecodeKernel {
+        let forced_cuda = std::env::var("ATTN_DECODE_KERNEL").is_ok_and(|v| v == "cuda");
+        if cache == DType::Fp8E4m3 || forced_cuda {
+            DecodeKernel::CudaCores
+        } else if rows_per_kv_head <= block_m(true) {
+            DecodeKernel::TensorCoreKeys
+        } else {
+            DecodeKernel::TensorCoreRows
+        }
+    }
+
+    fn keys_split(self) -> bool {
+        self == DecodeKernel::TensorCoreKeys
+    }
+}
+
+/// Plans a batch for the tensor-core kernels: a chunk of whole key tiles, and work items
+/// `[request, row_tile << 16 | split]` (flattened in `items`).
+pub fn plan_decode_tc(
+    batch: &DecodeBatch<'_>,
+    num_q_heads: usize,
+    num_kv_heads: usize,
+    head_size: usize,
+    kernel: DecodeKernel,
+    ctas_target: u64,
+    mode: SplitMode,
+    partial_capacity: usize,
+) -> DecodePlan {
+    let group = (num_q_heads / num_kv_heads) as u32;
+    let q_lens: Vec<u32> = batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).collect();
+    let lens: Vec<u32> = batch.seq_lens.iter().map(|&l| l as u32).collect();
+    let keys = kernel.keys_split();
+    let (bm, bn) = (block_m(keys), block_n(head_size as u32, head_size as u32, keys));
+    let row_tiles = (q_lens.iter().copied().max().unwrap_or(1) * group).div_ceil(bm).max(1);
+    let forced = match mode {
+        SplitMode::Auto => None,
+        SplitMode::Fixed(n) => Some(n),
+    };
+    let chunk = plan_chunk(&lens, num_kv_heads as u32 * row_tiles, ctas_target, bn, MIN_CHUNK, forced);
+    let mut plan = plan_splits(&lens, &q_lens, num_q_heads, chunk, partial_capacity);
+    plan.rows_per_cta = bm;
+    plan.row_groups = row_tiles;
+    for (r, (&splits, &q)) in plan.req_num_splits.iter().zip(&q_lens).enumerate() {
+        for tile in 0..(q * group).div_ceil(bm) {
+            for s in 0..splits {
+                plan.items.extend([r as u32, tile << 16 | s]);
+            }
+        }
+    }
+    plan
 }
 
 /// Checks host metadata: sorted start locations that cover the tokens, 1..=8 queries per
@@ -207,13 +288,14 @@ pub struct DecodeWorkspace {
 impl DecodeWorkspace {
     /// Bytes [`new`](Self::new) allocates.
     pub fn bytes(partial_rows: usize, head_size: usize, max_items: usize, max_reqs: usize, max_tokens: usize) -> usize {
-        4 * (partial_rows * (head_size + 1) + max_items + 2 * max_reqs + max_tokens)
+        4 * (partial_rows * (head_size + 1) + 4 * max_items + 2 * max_reqs + max_tokens)
     }
 
     /// A workspace for up to `max_reqs` requests and `max_tokens` query tokens; `partial_rows`
     /// bounds the split-K partials (a good size: `4 * sm_count * 8 * num_q_heads / num_kv_heads`).
     pub fn new(stream: &Arc<CudaStream>, partial_rows: usize, head_size: usize, max_reqs: usize, max_tokens: usize) -> Result<Self> {
-        let max_items = max_reqs + partial_rows;
+        // Tensor-core items are two words, and MQA rows can take several row tiles.
+        let max_items = 4 * (max_reqs + partial_rows);
         Ok(DecodeWorkspace {
             partial_out: stream.alloc_zeros(partial_rows.max(1) * head_size)?,
             partial_lse: stream.alloc_zeros(partial_rows.max(1))?,
@@ -316,7 +398,13 @@ pub fn paged_decode(
     }
 
     let ctas_target = dev.sm_count() as u64 * 8;
-    let plan = plan_decode(batch, hq, spec.num_kv_heads, d, ctas_target, mode, ws.partial_rows())?;
+    let max_q = batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).max().unwrap_or(1);
+    let kernel = DecodeKernel::choose(cache_dtype, max_q * (hq / spec.num_kv_heads) as u32);
+    let plan = if kernel == DecodeKernel::CudaCores {
+        plan_decode(batch, hq, spec.num_kv_heads, d, ctas_target, mode, ws.partial_rows())?
+    } else {
+        DecodePlan { kernel, ..plan_decode_tc(batch, hq, spec.num_kv_heads, d, kernel, ctas_target, mode, ws.partial_rows()) }
+    };
     ensure(plan.items.len() <= ws.items.len() && plan.items.len() < i32::MAX as usize, "workspace", || {
         format!("the plan has {} work items, the workspace holds {}", plan.items.len(), ws.items.len())
     })?;
@@ -369,10 +457,61 @@ pub fn paged_decode(
         num_q_heads: hq as u32,
         group: (hq / spec.num_kv_heads) as u32,
     };
-    let smem = shared_bytes(plan.rows_per_cta as usize, d) as u32;
-    ensure(plan.items.len() <= 65535, "workspace", || format!("{} work items exceed a launch's 65535", plan.items.len()))?;
-    let grid = (plan.row_groups, plan.items.len() as u32, spec.num_kv_heads as u32);
-    dev.launch(stream, &kernel_name(q_dtype, cache_dtype, d, plan.rows_per_cta), grid, THREADS, smem, p)?;
+    if kernel == DecodeKernel::CudaCores {
+        let smem = shared_bytes(plan.rows_per_cta as usize, d) as u32;
+        ensure(plan.items.len() <= 65535, "workspace", || format!("{} work items exceed a launch's 65535", plan.items.len()))?;
+        let grid = (plan.row_groups, plan.items.len() as u32, spec.num_kv_heads as u32);
+        dev.launch(stream, &kernel_name(q_dtype, cache_dtype, d, plan.rows_per_cta), grid, THREADS, smem, p)?;
+    } else {
+        let keys = kernel.keys_split();
+        let tp = PrefillParams {
+            q: p.q,
+            q_token_stride: p.q_token_stride,
+            q_head_stride: p.q_head_stride,
+            k: p.k_cache,
+            v: p.v_cache,
+            k_strides: p.cache_strides,
+            v_strides: p.cache_strides,
+            block_table: p.block_table,
+            block_table_stride: p.block_table_stride,
+            seq_lens: p.seq_lens,
+            key_start_loc: 0,
+            query_start_loc: p.query_start_loc,
+            out: p.out,
+            out_token_stride: p.out_token_stride,
+            out_head_stride: p.out_head_stride,
+            lse: p.lse,
+            partial_out: p.partial_out,
+            partial_lse: p.partial_lse,
+            req_num_splits: p.req_num_splits,
+            req_partial_base: p.req_partial_base,
+            work_items: p.work_items,
+            alibi_slopes: p.alibi_slopes,
+            sinks: p.sinks,
+            k_scale: 0,
+            v_scale: 0,
+            status: p.status,
+            scale_log2: p.scale_log2,
+            softcap: p.softcap,
+            window: p.window,
+            num_blocks: p.num_blocks,
+            block_size: p.block_size,
+            chunk: p.chunk,
+            num_q_heads: p.num_q_heads,
+            group: p.group,
+            causal: 1,
+            _pad: 0,
+        };
+        let ctas = plan.items.len() / 2 * spec.num_kv_heads;
+        ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
+        let name = if keys {
+            format!("decode_tc_{}_d{d}", q_dtype.kernel_name())
+        } else {
+            format!("prefill_{}_dk{d}_dv{d}", q_dtype.kernel_name())
+        };
+        let smem = shared_layout(d as u32, d as u32, keys).total;
+        dev.launch(stream, &name, (ctas as u32, 1, 1), attn_math::prefill::THREADS, smem, tp)?;
+    }
     if plan.needs_merge() {
         let m = DecodeMergeParams {
             partial_out: pout_ptr,

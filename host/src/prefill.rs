@@ -18,7 +18,10 @@ use crate::layout::{KvCacheSpec, RowsDesc};
 use crate::status::DeviceStatus;
 use attn_math::paging::CacheStrides;
 use attn_math::params::PrefillParams;
-use attn_math::prefill::{shared_layout, BLOCK_M, HEAD_SIZES, THREADS};
+use attn_math::prefill::{block_m, shared_layout, HEAD_SIZES, THREADS};
+
+/// Query rows per prefill CTA.
+const BLOCK_M: u32 = block_m(false);
 use attn_math::softmax::LOG2_E;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
@@ -335,7 +338,7 @@ pub fn prefill(
         causal: opts.causal as u32,
         ..PrefillParams::default()
     };
-    let smem = shared_layout(dk as u32, dv as u32).total;
+    let smem = shared_layout(dk as u32, dv as u32, false).total;
     dev.launch(stream, &kernel_name(q_dtype, dk, dv), ((plan.items.len() * num_kv_heads) as u32, 1, 1), THREADS, smem, p)?;
     Ok(plan)
 }

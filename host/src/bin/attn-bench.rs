@@ -453,14 +453,14 @@ fn decode_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Res
         rows.push(decode_row::<bf16>(b, &shape(batch, context), status)?);
         rows.push(decode_row::<Fp8E4m3>(b, &shape(batch, context), status)?);
     }
-    // The rows-per-CTA knob on the main shape (more CTAs with fewer registers each).
-    for cap in ["2", "1"] {
-        std::env::set_var("ATTN_DECODE_MAX_ROWS_PER_CTA", cap);
+    // The CUDA-core kernel on the main shape, for comparison.
+    {
+        std::env::set_var("ATTN_DECODE_KERNEL", "cuda");
         let mut r = decode_row::<bf16>(b, &shape(64, 4096), status)?;
-        r.name = format!("{} rows<={cap}", r.name);
+        std::env::remove_var("ATTN_DECODE_KERNEL");
+        r.name = format!("{} (CUDA cores)", r.name);
         rows.push(r);
     }
-    std::env::remove_var("ATTN_DECODE_MAX_ROWS_PER_CTA");
     for sh in [
         DecodeShape { head_size: 64, ..shape(64, 4096) },
         DecodeShape { head_size: 256, ..shape(64, 4096) },

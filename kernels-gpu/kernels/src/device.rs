@@ -34,6 +34,17 @@ pub fn sync_threads() {
     unsafe { asm!("bar.sync 0;", options(nostack)) }
 }
 
+/// Barrier for all threads of the CTA that also returns whether `x` held in any of them.
+#[inline(always)]
+pub fn sync_threads_or(x: bool) -> bool {
+    let r: u32;
+    unsafe {
+        asm!("{{ .reg .pred p, q; setp.ne.u32 p, {1}, 0; bar.red.or.pred q, 0, p; selp.u32 {0}, 1, 0, q; }}",
+             out(reg32) r, in(reg32) x as u32, options(nostack));
+    }
+    r != 0
+}
+
 /// Atomically OR `bits` into a global u32 (no return value: a reduction).
 #[inline(always)]
 pub unsafe fn atomic_or_global(addr: u64, bits: u32) {

@@ -123,3 +123,28 @@ pub unsafe fn st_shared_v4(addr: u32, v: [u32; 4]) {
              options(nostack));
     }
 }
+
+/// Two u64 (a key's K and V row addresses) to shared memory.
+#[inline(always)]
+pub unsafe fn st_shared_u64x2(addr: u32, a: u64, b: u64) {
+    unsafe { asm!("st.shared.v2.u64 [{0}], {{{1}, {2}}};", in(reg32) addr, in(reg64) a, in(reg64) b, options(nostack)) }
+}
+
+#[inline(always)]
+pub unsafe fn ld_shared_u64(addr: u32) -> u64 {
+    let r: u64;
+    unsafe { asm!("ld.shared.u64 {0}, [{1}];", out(reg64) r, in(reg32) addr, options(readonly, nostack)) };
+    r
+}
+
+#[inline(always)]
+pub unsafe fn st_shared_f32x2(addr: u32, a: f32, b: f32) {
+    unsafe { asm!("st.shared.v2.f32 [{0}], {{{1}, {2}}};", in(reg32) addr, in(reg32) a, in(reg32) b, options(nostack)) }
+}
+
+#[inline(always)]
+pub unsafe fn ld_shared_f32x2(addr: u32) -> (f32, f32) {
+    let (a, b): (f32, f32);
+    unsafe { asm!("ld.shared.v2.f32 {{{0}, {1}}}, [{2}];", out(reg32) a, out(reg32) b, in(reg32) addr, options(readonly, nostack)) };
+    (a, b)
+}

@@ -1,24 +1,31 @@
 //! Tiled online-softmax attention on tensor cores (FlashAttention-2's scheme) over a paged
-//! cache or packed K/V: prefill, chunked prefill, encoders.
+//! cache or packed K/V: prefill, chunked prefill, encoders, and decode.
 //!
-//! One CTA of 4 warps per (work item, kv head). A work item is a request, a tile of
-//! `BLOCK_M` = 64 of its query rows (row = token * group + head-in-group, so the query heads of
-//! a kv head share every K/V tile) and a split of its keys. Each warp owns 16 rows. K/V tiles of
-//! `BN` keys stream through a two-stage `cp.async` pipeline into padded shared memory; per tile
-//! a warp computes S = Q K^T with `mma.sync`, applies the mask (only on tiles that cross a
-//! boundary), updates its rows' online softmax in registers, and adds P V to its f32
-//! accumulators. Tiles that no row of the CTA can see are never loaded.
+//! One CTA of 4 warps per (work item, kv head). A work item is a request, a tile of its query
+//! rows (row = token * group + head-in-group, so the query heads of a kv head share every K/V
+//! tile) and a split of its keys. K/V tiles of `BN` keys stream through a multi-stage
+//! `cp.async` pipeline into padded shared memory; per tile a warp computes S = Q K^T with
+//! `mma.sync`, masks (only tiles that cross a boundary), updates its rows' online softmax in
+//! registers and adds P V to its f32 accumulators. Tiles no row of the CTA can see are never
+//! loaded. The CTA shapes (rows split across warps for prefill, keys split across warps for
+//! decode) are described in `attn_math::prefill`.
+//!
+//! The row addresses of each K/V tile (block-table lookups) are computed one pipeline stage
+//! ahead by one thread per key into a shared table, so the copies themselves are a shared load
+//! and a `cp.async` per 16 bytes, and the block-table latency is hidden behind a tile of math.
 
-use crate::device::{atomic_or_global, block_idx_x, dynamic_shared, shfl_xor, static_for, sync_threads, tanh, thread_idx_x};
-use crate::mma::{cp_async_16, cp_async_commit, cp_async_wait, ldmatrix_x4, ldmatrix_x4_trans, shared_addr, MmaHalf};
+use crate::device::{
+    atomic_or_global, block_idx_x, dynamic_shared, fma, shfl_xor, static_for, sync_threads, sync_threads_or, tanh, thread_idx_x,
+};
+use crate::mma::{
+    cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32x2, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_trans, shared_addr,
+    st_shared_f32x2, st_shared_u64x2, MmaHalf,
+};
 use crate::vec_io::{load_f32_nc, load_u32_nc, store4, store8, store_f32};
-use attn_math::paging::CacheStrides;
 use attn_math::params::PrefillParams;
-use attn_math::prefill::{shared_layout, BLOCK_M, ROW_PAD, THREADS};
+use attn_math::prefill::{block_m, shared_layout, stages, ROW_PAD, TABLE_ENTRY, THREADS, WARPS};
 use attn_math::softmax::{exp2, OnlineSoftmax, LOG2_E};
 use attn_math::status::BLOCK_OUT_OF_RANGE;
-
-const STAGES: u32 = 2;
 
 #[inline(always)]
 unsafe fn load_i32(addr: u64) -> i32 {
@@ -36,59 +43,61 @@ struct KvSource {
 }
 
 impl KvSource {
-    /// Byte address of element 0 of key `key` in the tensor at `base`, or `None` when its block
-    /// is outside the cache (reported through the status word; never read).
+    /// The first half of a key's lookup (a global load, issued early): its block id (paged) or
+    /// its row (packed).
     #[inline(always)]
-    unsafe fn row(&self, p: &PrefillParams, base: u64, strides: &CacheStrides, key: u32) -> Option<u64> {
+    unsafe fn locate(&self, p: &PrefillParams, key: u32) -> i64 {
         if self.block_row == 0 {
-            return Some(base + ((self.key_base + key as u64) * strides.token + self.kv_head * strides.head) * 2);
+            (self.key_base + key as u64) as i64
+        } else {
+            (unsafe { load_i32(self.block_row + (key / p.block_size) as u64 * 4) }) as i64
         }
-        let block = unsafe { load_i32(self.block_row + (key / p.block_size) as u64 * 4) };
-        if block < 0 || block as u32 >= p.num_blocks {
-            unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
-            return None;
+    }
+
+    /// The second half: byte addresses of the key's K and V rows for this head, `(0, 0)` when
+    /// its block is outside the cache (never read; reported by the CTA's block scan).
+    #[inline(always)]
+    fn addresses(&self, p: &PrefillParams, key: u32, loc: i64) -> (u64, u64) {
+        if self.block_row == 0 {
+            let row = loc as u64;
+            (
+                p.k + (row * p.k_strides.token + self.kv_head * p.k_strides.head) * 2,
+                p.v + (row * p.v_strides.token + self.kv_head * p.v_strides.head) * 2,
+            )
+        } else if loc < 0 || loc as u64 >= p.num_blocks as u64 {
+            (0, 0)
+        } else {
+            // A paged cache's K and V planes share their strides.
+            let off = p.k_strides.offset(loc as u64, (key % p.block_size) as u64, self.kv_head, 0) * 2;
+            (p.k + off, p.v + off)
         }
-        Some(base + strides.offset(block as u64, (key % p.block_size) as u64, self.kv_head, 0) * 2)
     }
 }
 
-/// Copies `ROWS` rows of `D` 16-bit elements into shared memory at `dst` (pitch `D + ROW_PAD`),
-/// asynchronously; `src(r)` gives a row's address, `None` for a row to zero-fill (`fallback`, a
-/// valid address, is named then but not read). Every address is computed first (their loads,
-/// block-table lookups, are independent and overlap), then every copy is issued.
+/// Copies `ROWS` rows of `D` 16-bit elements into shared memory at `dst` (pitch `D + ROW_PAD`)
+/// asynchronously; `src(r)` is row r's address, 0 for a row to zero-fill (`fallback`, a valid
+/// address, is named then but not read).
 #[inline(always)]
-unsafe fn load_tile_async<const D: usize, const ROWS: usize>(dst: u32, fallback: u64, src: impl Fn(u32) -> Option<u64>) {
+unsafe fn copy_rows_async<const D: usize, const ROWS: usize>(dst: u32, fallback: u64, src: impl Fn(u32) -> u64) {
     let chunks = D as u32 / 8;
     let passes = (ROWS as u32 * chunks).div_ceil(THREADS);
     let pitch = (D as u32 + ROW_PAD) * 2;
     let tid = thread_idx_x();
-    let mut addr = [(0u64, 0u32); 16];
     static_for::<16>(|i| {
         if (i as u32) < passes {
             let idx = tid + i as u32 * THREADS;
             let r = idx / chunks;
             let c = idx - r * chunks;
             if r < ROWS as u32 {
-                addr[i] = match src(r) {
-                    Some(a) => (a + c as u64 * 16, 16),
-                    None => (fallback, 0),
-                };
-            }
-        }
-    });
-    static_for::<16>(|i| {
-        if (i as u32) < passes {
-            let idx = tid + i as u32 * THREADS;
-            let r = idx / chunks;
-            let c = idx - r * chunks;
-            if r < ROWS as u32 {
-                unsafe { cp_async_16(dst + r * pitch + c * 16, addr[i].0, addr[i].1) };
+                let a = src(r);
+                let (from, bytes) = if a != 0 { (a + c as u64 * 16, 16) } else { (fallback, 0) };
+                unsafe { cp_async_16(dst + r * pitch + c * 16, from, bytes) };
             }
         }
     });
 }
 
-/// One query row of a thread (each thread holds two: g and g + 8 of its warp's 16).
+/// One query row of a thread.
 #[derive(Clone, Copy)]
 struct RowInfo {
     token: u32,
@@ -98,12 +107,92 @@ struct RowInfo {
     slope_log2: f32,
 }
 
-#[inline(always)]
-pub unsafe fn prefill<Q: MmaHalf, const DK: usize, const DV: usize, const BN: usize>(p: &PrefillParams) {
-    let tid = thread_idx_x();
-    let (warp, lane) = (tid / 32, tid % 32);
-    let (g, t4) = (lane / 4, lane % 4);
+/// The CTA's request, split and row tile, with what its rows need.
+#[derive(Clone, Copy)]
+struct Work {
+    req: u32,
+    split: u32,
+    q_start: u32,
+    q_len: u32,
+    seq_len: u32,
+    row0: u32,
+    /// Rows of the tile that exist (the rest repeat the last one and are never written).
+    live: u32,
+    kv_head: u32,
+}
 
+impl Work {
+    #[inline(always)]
+    unsafe fn row(&self, p: &PrefillParams, r: u32) -> RowInfo {
+        let gr = self.row0 + r.min(self.live - 1);
+        let t = gr / p.group;
+        let head = self.kv_head * p.group + (gr - t * p.group);
+        RowInfo {
+            token: self.q_start + t,
+            head,
+            // The request's q_len new tokens are the last ones of its sequence.
+            pos: (self.seq_len + t).saturating_sub(self.q_len),
+            slope_log2: if p.alibi_slopes != 0 { (unsafe { load_f32_nc(p.alibi_slopes + head as u64 * 4) }) * LOG2_E } else { 0.0 },
+        }
+    }
+}
+
+/// Where a finished row goes: the output (one split) or the split-K workspace, and the factor
+/// its accumulator takes. Writes the row's LSE when `write_lse`.
+#[derive(Clone, Copy)]
+struct RowOut {
+    addr: u64,
+    partial: bool,
+    inv: f32,
+}
+
+impl RowOut {
+    #[inline(always)]
+    unsafe fn new<const DV: usize>(
+        p: &PrefillParams,
+        w: &Work,
+        row: &RowInfo,
+        st: OnlineSoftmax,
+        num_splits: u32,
+        write_lse: bool,
+    ) -> RowOut {
+        if num_splits == 1 {
+            let mut scale = 1.0;
+            let mut st = st;
+            if p.sinks != 0 {
+                let sink = (unsafe { load_f32_nc(p.sinks + row.head as u64 * 4) }) * LOG2_E;
+                scale = st.merge(OnlineSoftmax { max: sink, sum: 1.0 }).0;
+            }
+            if write_lse && p.lse != 0 {
+                unsafe { store_f32(p.lse + (row.token as u64 * p.num_q_heads as u64 + row.head as u64) * 4, st.lse()) };
+            }
+            let addr = p.out + (row.token as u64 * p.out_token_stride + row.head as u64 * p.out_head_stride) * 2;
+            RowOut { addr, partial: false, inv: if st.sum > 0.0 { scale / st.sum } else { 0.0 } }
+        } else {
+            let base = unsafe { load_u32_nc(p.req_partial_base + w.req as u64 * 4) } as u64;
+            let t = (row.token - w.q_start) as u64;
+            let index = base + (w.split as u64 * w.q_len as u64 + t) * p.num_q_heads as u64 + row.head as u64;
+            if write_lse {
+                unsafe { store_f32(p.partial_lse + index * 4, st.lse()) };
+            }
+            RowOut { addr: p.partial_out + index * DV as u64 * 4, partial: true, inv: if st.sum > 0.0 { 1.0 / st.sum } else { 0.0 } }
+        }
+    }
+
+    /// Columns `col`, `col + 1` (unnormalised accumulator values).
+    #[inline(always)]
+    unsafe fn store_pair<Q: MmaHalf>(&self, col: u32, a: f32, b: f32) {
+        if self.partial {
+            unsafe { store8(self.addr + col as u64 * 4, [(a * self.inv).to_bits(), (b * self.inv).to_bits()]) };
+        } else {
+            unsafe { store4(self.addr + col as u64 * 2, Q::pack2(a * self.inv, b * self.inv)) };
+        }
+    }
+}
+
+/// Reads the CTA's work item and the request's lengths; `None` when the tile has no rows.
+#[inline(always)]
+unsafe fn work_item<const KEYS: bool>(p: &PrefillParams) -> Option<Work> {
     // Grid x = work item * kv heads + kv head: the kv heads of one tile run together, and the
     // items' longest-first order holds across heads.
     let kv_heads = p.num_q_heads / p.group;
@@ -115,42 +204,154 @@ pub unsafe fn prefill<Q: MmaHalf, const DK: usize, const DV: usize, const BN: us
     let (row_tile, split) = (tile_split >> 16, tile_split & 0xffff);
     let q_start = unsafe { load_i32(p.query_start_loc + req as u64 * 4) } as u32;
     let q_len = unsafe { load_i32(p.query_start_loc + req as u64 * 4 + 4) } as u32 - q_start;
-    let (seq_len, key_base) = if p.block_table != 0 {
-        (unsafe { load_i32(p.seq_lens + req as u64 * 4) }.max(0) as u32, 0)
+    let seq_len = if p.block_table != 0 {
+        unsafe { load_i32(p.seq_lens + req as u64 * 4) }.max(0) as u32
     } else {
         let k0 = unsafe { load_i32(p.key_start_loc + req as u64 * 4) } as u32;
-        (unsafe { load_i32(p.key_start_loc + req as u64 * 4 + 4) } as u32 - k0, k0)
+        unsafe { load_i32(p.key_start_loc + req as u64 * 4 + 4) as u32 - k0 }
     };
     let n_rows = q_len * p.group;
-    let row0 = row_tile * BLOCK_M;
+    let row0 = row_tile * block_m(KEYS);
     if row0 >= n_rows {
-        return;
+        return None;
     }
-    let live = (n_rows - row0).min(BLOCK_M);
-    let src = KvSource {
-        block_row: if p.block_table != 0 { p.block_table + req as u64 * p.block_table_stride * 4 } else { 0 },
-        key_base: key_base as u64,
-        kv_head: kv_head as u64,
-    };
+    Some(Work { req, split, q_start, q_len, seq_len, row0, live: (n_rows - row0).min(block_m(KEYS)), kv_head })
+}
 
-    // Row r of the tile (rows past the request repeat its last one and are never written).
-    let row_at = |r: u32| {
-        let gr = row0 + r.min(live - 1);
-        let t = gr / p.group;
-        let head = kv_head * p.group + (gr - t * p.group);
-        RowInfo {
-            token: q_start + t,
-            head,
-            // The request's q_len new tokens are the last ones of its sequence.
-            pos: (seq_len + t).saturating_sub(q_len),
-            slope_log2: if p.alibi_slopes != 0 { (unsafe { load_f32_nc(p.alibi_slopes + head as u64 * 4) }) * LOG2_E } else { 0.0 },
+/// Whether any block id the keys `begin..end` use is outside the cache (then every tile checks
+/// its keys; the status word reports it). Every thread of the CTA must call it.
+#[inline(always)]
+unsafe fn scan_blocks(p: &PrefillParams, src: &KvSource, begin: u32, end: u32) -> bool {
+    let mut bad = false;
+    if src.block_row != 0 && end > begin {
+        let mut b = begin / p.block_size + thread_idx_x();
+        let last = (end - 1) / p.block_size;
+        while b <= last {
+            let id = unsafe { load_i32(src.block_row + b as u64 * 4) };
+            bad |= id < 0 || id as u32 >= p.num_blocks;
+            b += THREADS;
         }
+        if bad {
+            unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
+        }
+    }
+    sync_threads_or(bad)
+}
+
+/// S = Q K^T for a warp: 16 rows x `KW` keys starting at `key_off` of the K tile at `k_tile`.
+#[inline(always)]
+fn scores<Q: MmaHalf, const DK: usize, const KW: usize>(q_frag: &[[u32; 4]; 16], k_tile: u32, key_off: u32) -> [[f32; 4]; 8] {
+    let lane = thread_idx_x() % 32;
+    let k_pitch = (DK as u32 + ROW_PAD) * 2;
+    let mut s = [[0.0f32; 4]; 8];
+    let k_base = k_tile + (key_off + (lane % 8) + 8 * (lane / 16)) * k_pitch + 16 * ((lane / 8) % 2);
+    static_for::<16>(|ks| {
+        if ks < DK / 16 {
+            static_for::<4>(|np| {
+                if np < KW / 16 {
+                    let b = unsafe { ldmatrix_x4(k_base + np as u32 * 16 * k_pitch + ks as u32 * 32) };
+                    s[2 * np] = Q::mma(q_frag[ks], b[0], b[1], s[2 * np]);
+                    s[2 * np + 1] = Q::mma(q_frag[ks], b[2], b[3], s[2 * np + 1]);
+                }
+            });
+        }
+    });
+    s
+}
+
+/// O += P V for a warp: P (16 rows x `KW` keys, in the score registers: the C layout of one
+/// mma is the A layout of the next) times the V rows `key_off..` of the tile at `v_tile`.
+#[inline(always)]
+fn accumulate_pv<Q: MmaHalf, const DV: usize, const KW: usize>(s: &[[f32; 4]; 8], o: &mut [[f32; 4]; 32], v_tile: u32, key_off: u32) {
+    let lane = thread_idx_x() % 32;
+    let v_pitch = (DV as u32 + ROW_PAD) * 2;
+    let v_base = v_tile + (key_off + (lane % 8) + 8 * ((lane / 8) % 2)) * v_pitch + 16 * (lane / 16);
+    static_for::<4>(|kk| {
+        if kk < KW / 16 {
+            let a = [
+                Q::pack2(s[2 * kk][0], s[2 * kk][1]),
+                Q::pack2(s[2 * kk][2], s[2 * kk][3]),
+                Q::pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                Q::pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]),
+            ];
+            static_for::<16>(|dp| {
+                if dp < DV / 16 {
+                    let b = unsafe { ldmatrix_x4_trans(v_base + kk as u32 * 16 * v_pitch + dp as u32 * 32) };
+                    o[2 * dp] = Q::mma(a, b[0], b[1], o[2 * dp]);
+                    o[2 * dp + 1] = Q::mma(a, b[2], b[3], o[2 * dp + 1]);
+                }
+            });
+        }
+    });
+}
+
+/// The online-softmax step of a warp's two rows per thread (h = 0: row g, 1: row g + 8) over
+/// `KW` scores each: raises the running max, rescales the accumulators, turns the scores into
+/// weights `2^(s * mult - max)` and adds them to the denominators. `mult` is the factor left to
+/// apply to the scores (the softmax scale in base-2 units, or 1 when already applied).
+#[inline(always)]
+fn softmax_step<const DV: usize, const KW: usize>(
+    s: &mut [[f32; 4]; 8],
+    o: &mut [[f32; 4]; 32],
+    state: &mut [OnlineSoftmax; 2],
+    mult: f32,
+) {
+    static_for::<2>(|h| {
+        let mut m = f32::NEG_INFINITY;
+        static_for::<8>(|n| {
+            if n < KW / 8 {
+                m = m.max(s[n][2 * h]).max(s[n][2 * h + 1]);
+            }
+        });
+        // The 4 lanes of a quad share a row.
+        m = m.max(shfl_xor(m, 1));
+        m = m.max(shfl_xor(m, 2));
+        let factor = state[h].rescale_to(m * mult);
+        if factor != 1.0 {
+            static_for::<32>(|n| {
+                if n < DV / 8 {
+                    o[n][2 * h] *= factor;
+                    o[n][2 * h + 1] *= factor;
+                }
+            });
+        }
+        // A row that has seen nothing yet keeps max -inf: its weights are all 0.
+        let neg_max = if state[h].max == f32::NEG_INFINITY { 0.0 } else { -state[h].max };
+        let mut sum = 0.0;
+        static_for::<8>(|n| {
+            if n < KW / 8 {
+                static_for::<2>(|e| {
+                    let w = exp2(fma(s[n][2 * h + e], mult, neg_max));
+                    s[n][2 * h + e] = w;
+                    sum += w;
+                });
+            }
+        });
+        state[h].sum += sum;
+    });
+}
+
+/// The kernel. `KEYS`: the decode shape (16 rows, keys split across warps), else the prefill
+/// shape (64 rows, rows split across warps).
+/// `KW` = the keys of a tile one warp takes: `BN / WARPS` (keys split) or `BN`.
+#[inline(always)]
+pub unsafe fn attention<Q: MmaHalf, const DK: usize, const DV: usize, const BN: usize, const KW: usize, const KEYS: bool>(
+    p: &PrefillParams,
+) {
+    let tid = thread_idx_x();
+    let (warp, lane) = (tid / 32, tid % 32);
+    let (g, t4) = (lane / 4, lane % 4);
+    let Some(w) = (unsafe { work_item::<KEYS>(p) }) else { return };
+    let src = KvSource {
+        block_row: if p.block_table != 0 { p.block_table + w.req as u64 * p.block_table_stride * 4 } else { 0 },
+        key_base: if p.block_table != 0 { 0 } else { (unsafe { load_i32(p.key_start_loc + w.req as u64 * 4) }) as u64 },
+        kv_head: w.kv_head as u64,
     };
-    let (min_pos, max_pos) = (row_at(0).pos, row_at(live - 1).pos);
+    let (min_pos, max_pos) = unsafe { (w.row(p, 0).pos, w.row(p, w.live - 1).pos) };
 
     // The keys this CTA attends: its split, cut by causality and the window.
-    let mut begin = if p.chunk > 0 { split * p.chunk } else { 0 };
-    let mut end = if p.chunk > 0 { (begin + p.chunk).min(seq_len) } else { seq_len };
+    let mut begin = if p.chunk > 0 { w.split * p.chunk } else { 0 };
+    let mut end = if p.chunk > 0 { (begin + p.chunk).min(w.seq_len) } else { w.seq_len };
     if p.causal != 0 {
         end = end.min(max_pos + 1);
     }
@@ -158,62 +359,97 @@ pub unsafe fn prefill<Q: MmaHalf, const DK: usize, const DV: usize, const BN: us
         begin = begin.max((min_pos + 1).saturating_sub(p.window));
     }
     let n_tiles = if end > begin { (end - begin).div_ceil(BN as u32) } else { 0 };
+    let has_bad = unsafe { scan_blocks(p, &src, begin, end) };
 
-    let layout = shared_layout(DK as u32, DV as u32);
+    const { assert!(BN as u32 <= THREADS && KW == if KEYS { BN / WARPS as usize } else { BN }) };
+    let st = stages(DK as u32, DV as u32, KEYS);
+    let slots = st + 1;
+    let layout = shared_layout(DK as u32, DV as u32, KEYS);
     let smem = shared_addr(dynamic_shared::<u8>());
-    let (q_pitch, k_pitch, v_pitch) = ((DK as u32 + ROW_PAD) * 2, (DK as u32 + ROW_PAD) * 2, (DV as u32 + ROW_PAD) * 2);
-
-    // Queries (group 0 of the pipeline).
-    unsafe {
-        load_tile_async::<DK, { BLOCK_M as usize }>(smem, p.q, |r| {
-            let row = row_at(r);
-            Some(p.q + (row.token as u64 * p.q_token_stride + row.head as u64 * p.q_head_stride) * 2)
-        })
+    let table = |tile: u32| smem + layout.table + (tile % slots) * BN as u32 * TABLE_ENTRY;
+    let tile_keys = |tile: u32| begin + tile * BN as u32;
+    // One thread per key: the lookup's load (early) and the table entry (later).
+    let locate = |tile: u32| {
+        let key = tile_keys(tile) + tid;
+        if tile < n_tiles && tid < BN as u32 && key < end {
+            unsafe { src.locate(p, key) }
+        } else {
+            -1
+        }
+    };
+    let fill = |tile: u32, loc: i64| {
+        let key = tile_keys(tile) + tid;
+        if tile < n_tiles && tid < BN as u32 {
+            let (ka, va) = if key < end { src.addresses(p, key, loc) } else { (0, 0) };
+            unsafe { st_shared_u64x2(table(tile) + tid * TABLE_ENTRY, ka, va) };
+        }
     };
     let load_kv = |tile: u32| {
-        let stage = tile % STAGES;
-        let kt = begin + tile * BN as u32;
-        let rows = |base: u64, strides: CacheStrides| {
-            move |r: u32| {
-                let key = kt + r;
-                if key < end {
-                    unsafe { src.row(p, base, &strides, key) }
-                } else {
-                    None
-                }
-            }
-        };
+        let stage = tile % st;
+        let t = table(tile);
         unsafe {
-            load_tile_async::<DK, BN>(smem + layout.k + stage * layout.k_stage, p.k, rows(p.k, p.k_strides));
-            load_tile_async::<DV, BN>(smem + layout.v + stage * layout.v_stage, p.v, rows(p.v, p.v_strides));
+            copy_rows_async::<DK, BN>(smem + layout.k + stage * layout.k_stage, p.q, |r| ld_shared_u64(t + r * TABLE_ENTRY));
+            copy_rows_async::<DV, BN>(smem + layout.v + stage * layout.v_stage, p.q, |r| ld_shared_u64(t + r * TABLE_ENTRY + 8));
         }
     };
-    // Prologue: tiles 0 .. STAGES - 1 in flight (one commit group each, empty ones included, so
-    // that "all but STAGES - 1 groups done" always means "this tile is in").
-    static_for::<{ STAGES as usize - 1 }>(|s| {
-        if (s as u32) < n_tiles {
-            load_kv(s as u32);
+
+    // Prologue: the address tables of the first `st` tiles; the queries; tiles 0 .. st - 2 in
+    // flight (one commit group each, empty ones included, so that "all but st - 1 groups done"
+    // always means "this tile is in").
+    static_for::<4>(|j| {
+        if (j as u32) < st {
+            fill(j as u32, locate(j as u32));
         }
-        cp_async_commit();
+    });
+    sync_threads();
+    let q_row = |r: u32| {
+        let row = unsafe { w.row(p, r) };
+        p.q + (row.token as u64 * p.q_token_stride + row.head as u64 * p.q_head_stride) * 2
+    };
+    if KEYS {
+        unsafe { copy_rows_async::<DK, 16>(smem, p.q, q_row) };
+    } else {
+        unsafe { copy_rows_async::<DK, 64>(smem, p.q, q_row) };
+    }
+    static_for::<3>(|j| {
+        if (j as u32) < st - 1 {
+            if (j as u32) < n_tiles {
+                load_kv(j as u32);
+            }
+            cp_async_commit();
+        }
     });
 
-    let rows = [row_at(warp * 16 + g), row_at(warp * 16 + g + 8)];
+    // Rows split across warps (prefill) or keys split across warps (decode).
+    let warp_row0 = if KEYS { 0 } else { warp * 16 };
+    let key_off = if KEYS { warp * (BN as u32 / WARPS) } else { 0 };
+    let rows = unsafe { [w.row(p, warp_row0 + g), w.row(p, warp_row0 + g + 8)] };
     let softcap_inv = if p.softcap > 0.0 { 1.0 / (p.softcap * LOG2_E) } else { 0.0 };
     let softcap_log2 = p.softcap * LOG2_E;
+    // Scores are scaled inside the exponent's FMA unless a feature needs them scaled first.
+    let prescale = p.softcap > 0.0 || p.alibi_slopes != 0 || p.scale_log2 <= 0.0;
+    let mult = if prescale { 1.0 } else { p.scale_log2 };
 
     let mut state = [OnlineSoftmax::EMPTY; 2];
     let mut o = [[0.0f32; 4]; 32]; // DV / 8 column tiles of 8 used
     let mut q_frag = [[0u32; 4]; 16]; // DK / 16 k-steps used
-    let q_base = smem + (warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2)) * q_pitch + 16 * (lane / 16);
+    let q_pitch = (DK as u32 + ROW_PAD) * 2;
+    let q_base = smem + (warp_row0 + (lane % 8) + 8 * ((lane / 8) % 2)) * q_pitch + 16 * (lane / 16);
 
     let mut tile = 0;
     while tile < n_tiles {
-        let next = tile + STAGES - 1;
+        // The lookup for tile + st starts now and lands in the table after this tile's math.
+        let ahead = locate(tile + st);
+        let next = tile + st - 1;
         if next < n_tiles {
             load_kv(next);
         }
         cp_async_commit();
-        cp_async_wait::<{ STAGES - 1 }>();
+        if st == 3 {
+            cp_async_wait::<2>();
+        } else {
+            cp_async_wait::<1>();
+        }
         sync_threads();
         if tile == 0 {
             static_for::<16>(|ks| {
@@ -222,168 +458,155 @@ pub unsafe fn prefill<Q: MmaHalf, const DK: usize, const DV: usize, const BN: us
                 }
             });
         }
-        let stage = tile % STAGES;
-        let kt = begin + tile * BN as u32;
-
-        // S = Q K^T: 16 rows x BN keys per warp.
-        let mut s = [[0.0f32; 4]; 8];
-        let k_base = smem + layout.k + stage * layout.k_stage + ((lane % 8) + 8 * (lane / 16)) * k_pitch + 16 * ((lane / 8) % 2);
-        static_for::<16>(|ks| {
-            if ks < DK / 16 {
-                static_for::<4>(|np| {
-                    if np < BN / 16 {
-                        let b = unsafe { ldmatrix_x4(k_base + np as u32 * 16 * k_pitch + ks as u32 * 32) };
-                        s[2 * np] = Q::mma(q_frag[ks], b[0], b[1], s[2 * np]);
-                        s[2 * np + 1] = Q::mma(q_frag[ks], b[2], b[3], s[2 * np + 1]);
+        let stage = tile % st;
+        let kt = tile_keys(tile) + key_off;
+        {
+            let mut s = scores::<Q, DK, KW>(&q_frag, smem + layout.k + stage * layout.k_stage, key_off);
+            // Logits, masked where the tile crosses a boundary.
+            let key_of = |n: usize, e: usize| kt + n as u32 * 8 + 2 * t4 + (e % 2) as u32;
+            if prescale {
+                static_for::<8>(|n| {
+                    if n < KW / 8 {
+                        static_for::<4>(|e| s[n][e] *= p.scale_log2)
                     }
                 });
-            }
-        });
-
-        // Logits in base-2 units, masked where the tile crosses a boundary.
-        let needs_mask =
-            kt + BN as u32 > end || (p.causal != 0 && kt + BN as u32 - 1 > min_pos) || (p.window > 0 && kt + p.window <= max_pos);
-        // Each feature is one uniform branch around its own pass over the tile.
-        let key_of = |n: usize, e: usize| kt + n as u32 * 8 + 2 * t4 + (e % 2) as u32;
-        static_for::<8>(|n| {
-            if n < BN / 8 {
-                static_for::<4>(|e| s[n][e] *= p.scale_log2)
-            }
-        });
-        if p.softcap > 0.0 {
-            static_for::<8>(|n| {
-                if n < BN / 8 {
-                    static_for::<4>(|e| s[n][e] = softcap_log2 * tanh(s[n][e] * softcap_inv))
-                }
-            });
-        }
-        if p.alibi_slopes != 0 {
-            static_for::<8>(|n| {
-                if n < BN / 8 {
-                    static_for::<4>(|e| {
-                        let row = rows[e / 2];
-                        s[n][e] += row.slope_log2 * (key_of(n, e) as f32 - row.pos as f32);
-                    })
-                }
-            });
-        }
-        if needs_mask {
-            static_for::<8>(|n| {
-                if n < BN / 8 {
-                    static_for::<4>(|e| {
-                        let row = rows[e / 2];
-                        let key = key_of(n, e);
-                        let visible = key < end && (p.causal == 0 || key <= row.pos) && (p.window == 0 || key + p.window > row.pos);
-                        s[n][e] = if visible { s[n][e] } else { f32::NEG_INFINITY };
-                    })
-                }
-            });
-        }
-
-        // Online softmax per row (the 4 lanes of a quad share a row).
-        static_for::<2>(|h| {
-            let mut m = f32::NEG_INFINITY;
-            static_for::<8>(|n| {
-                if n < BN / 8 {
-                    m = m.max(s[n][2 * h]).max(s[n][2 * h + 1]);
-                }
-            });
-            m = m.max(shfl_xor(m, 1));
-            m = m.max(shfl_xor(m, 2));
-            let factor = state[h].rescale_to(m);
-            if factor != 1.0 {
-                static_for::<32>(|n| {
-                    if n < DV / 8 {
-                        o[n][2 * h] *= factor;
-                        o[n][2 * h + 1] *= factor;
-                    }
-                });
-            }
-            // A row that has seen nothing yet keeps max -inf: its weights are all 0.
-            let m_use = if state[h].max == f32::NEG_INFINITY { 0.0 } else { state[h].max };
-            let mut sum = 0.0;
-            static_for::<8>(|n| {
-                if n < BN / 8 {
-                    static_for::<2>(|e| {
-                        let w = exp2(s[n][2 * h + e] - m_use);
-                        s[n][2 * h + e] = w;
-                        sum += w;
+                if p.softcap > 0.0 {
+                    static_for::<8>(|n| {
+                        if n < KW / 8 {
+                            static_for::<4>(|e| s[n][e] = softcap_log2 * tanh(s[n][e] * softcap_inv))
+                        }
                     });
                 }
-            });
-            state[h].sum += sum;
-        });
-
-        // O += P V: P from the S registers (C layout = A layout of the next mma).
-        let v_base = smem + layout.v + stage * layout.v_stage + ((lane % 8) + 8 * ((lane / 8) % 2)) * v_pitch + 16 * (lane / 16);
-        static_for::<4>(|kk| {
-            if kk < BN / 16 {
-                let a = [
-                    Q::pack2(s[2 * kk][0], s[2 * kk][1]),
-                    Q::pack2(s[2 * kk][2], s[2 * kk][3]),
-                    Q::pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                    Q::pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]),
-                ];
-                static_for::<16>(|dp| {
-                    if dp < DV / 16 {
-                        let b = unsafe { ldmatrix_x4_trans(v_base + kk as u32 * 16 * v_pitch + dp as u32 * 32) };
-                        o[2 * dp] = Q::mma(a, b[0], b[1], o[2 * dp]);
-                        o[2 * dp + 1] = Q::mma(a, b[2], b[3], o[2 * dp + 1]);
+                if p.alibi_slopes != 0 {
+                    static_for::<8>(|n| {
+                        if n < KW / 8 {
+                            static_for::<4>(|e| {
+                                let row = rows[e / 2];
+                                s[n][e] += row.slope_log2 * (key_of(n, e) as f32 - row.pos as f32);
+                            })
+                        }
+                    });
+                }
+            }
+            let needs_mask = kt + KW as u32 > end
+                || (p.causal != 0 && kt + KW as u32 - 1 > min_pos)
+                || (p.window > 0 && kt + p.window <= max_pos)
+                || has_bad;
+            if needs_mask {
+                let t = table(tile) + key_off * TABLE_ENTRY;
+                static_for::<8>(|n| {
+                    if n < KW / 8 {
+                        static_for::<4>(|e| {
+                            let row = rows[e / 2];
+                            let key = key_of(n, e);
+                            let visible = key < end
+                                && (p.causal == 0 || key <= row.pos)
+                                && (p.window == 0 || key + p.window > row.pos)
+                                && (!has_bad || unsafe { ld_shared_u64(t + (key - kt) * TABLE_ENTRY) } != 0);
+                            s[n][e] = if visible { s[n][e] } else { f32::NEG_INFINITY };
+                        })
                     }
                 });
             }
-        });
-        // Every warp is done with this stage before it is refilled.
+            softmax_step::<DV, KW>(&mut s, &mut o, &mut state, mult);
+            accumulate_pv::<Q, DV, KW>(&s, &mut o, smem + layout.v + stage * layout.v_stage, key_off);
+        }
+        fill(tile + st, ahead);
+        // Every warp is done with this stage (and table slot) before it is refilled.
         sync_threads();
         tile += 1;
     }
     cp_async_wait::<0>();
 
-    // Epilogue: the quad's partial sums, then the output (or the split's partial) per row.
-    let num_splits = if p.req_num_splits != 0 { unsafe { load_u32_nc(p.req_num_splits + req as u64 * 4) } } else { 1 };
+    let num_splits = if p.req_num_splits != 0 { unsafe { load_u32_nc(p.req_num_splits + w.req as u64 * 4) } } else { 1 };
+    if KEYS {
+        unsafe { finish_keys_split::<Q, DV>(p, &w, smem, layout.merge, layout.merge_pitch, layout.stats, state, &o, num_splits) };
+    } else {
+        // The quad's partial sums, then the output (or the split's partial) per row.
+        static_for::<2>(|h| {
+            let mut st = state[h];
+            st.sum += shfl_xor(st.sum, 1);
+            st.sum += shfl_xor(st.sum, 2);
+            if warp_row0 + g + 8 * h as u32 >= w.live {
+                return;
+            }
+            let out = unsafe { RowOut::new::<DV>(p, &w, &rows[h], st, num_splits, t4 == 0) };
+            static_for::<32>(|n| {
+                if n < DV / 8 {
+                    unsafe { out.store_pair::<Q>(n as u32 * 8 + 2 * t4, o[n][2 * h], o[n][2 * h + 1]) };
+                }
+            });
+        });
+    }
+}
+
+/// Keys-split epilogue: the four warps hold partial states of the same 16 rows; each publishes
+/// its (max, sum), rescales its accumulators to the common max and stores them, then all threads
+/// add the four up, 8 threads per row, and write the rows.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn finish_keys_split<Q: MmaHalf, const DV: usize>(
+    p: &PrefillParams,
+    w: &Work,
+    smem: u32,
+    merge: u32,
+    pitch: u32,
+    stats: u32,
+    mut state: [OnlineSoftmax; 2],
+    o: &[[f32; 4]; 32],
+    num_splits: u32,
+) {
+    let tid = thread_idx_x();
+    let (warp, lane) = (tid / 32, tid % 32);
+    let (g, t4) = (lane / 4, lane % 4);
+    let (merge, stats) = (smem + merge, smem + stats);
+    let stat = |wp: u32, r: u32| unsafe {
+        let (max, sum) = ld_shared_f32x2(stats + (wp * 16 + r) * 8);
+        OnlineSoftmax { max, sum }
+    };
+    // The K/V stages are free once every warp is past the loop.
+    sync_threads();
     static_for::<2>(|h| {
-        let r_local = warp * 16 + g + 8 * h as u32;
-        let row = rows[h];
-        let mut st = state[h];
-        st.sum += shfl_xor(st.sum, 1);
-        st.sum += shfl_xor(st.sum, 2);
-        if r_local >= live {
-            return;
+        state[h].sum += shfl_xor(state[h].sum, 1);
+        state[h].sum += shfl_xor(state[h].sum, 2);
+        if t4 == 0 {
+            unsafe { st_shared_f32x2(stats + (warp * 16 + g + 8 * h as u32) * 8, state[h].max, state[h].sum) };
         }
-        let mut scale = 1.0;
-        if num_splits == 1 {
-            if p.sinks != 0 {
-                let sink = (unsafe { load_f32_nc(p.sinks + row.head as u64 * 4) }) * LOG2_E;
-                let (fa, _) = st.merge(OnlineSoftmax { max: sink, sum: 1.0 });
-                scale = fa;
+    });
+    sync_threads();
+    static_for::<2>(|h| {
+        let r = g + 8 * h as u32;
+        let mut max = f32::NEG_INFINITY;
+        static_for::<4>(|wp| max = max.max(stat(wp as u32, r).max));
+        let f = if state[h].max == f32::NEG_INFINITY { 0.0 } else { exp2(state[h].max - max) };
+        static_for::<32>(|n| {
+            if n < DV / 8 {
+                let col = n as u32 * 8 + 2 * t4;
+                unsafe { st_shared_f32x2(merge + ((warp * 16 + r) * pitch + col) * 4, o[n][2 * h] * f, o[n][2 * h + 1] * f) };
             }
-            let inv = if st.sum > 0.0 { scale / st.sum } else { 0.0 };
-            let out = p.out + (row.token as u64 * p.out_token_stride + row.head as u64 * p.out_head_stride) * 2;
-            static_for::<32>(|n| {
-                if n < DV / 8 {
-                    let col = n as u32 * 8 + 2 * t4;
-                    let v = Q::pack2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
-                    unsafe { store4(out + col as u64 * 2, v) };
-                }
+        });
+    });
+    sync_threads();
+    let (r, t8) = (tid / 8, tid % 8);
+    if r >= w.live {
+        return;
+    }
+    let mut total = OnlineSoftmax::EMPTY;
+    static_for::<4>(|wp| {
+        total.merge(stat(wp as u32, r));
+    });
+    let row = unsafe { w.row(p, r) };
+    let out = unsafe { RowOut::new::<DV>(p, w, &row, total, num_splits, t8 == 0) };
+    static_for::<16>(|i| {
+        if i < DV / 16 {
+            let col = 2 * (t8 + 8 * i as u32);
+            let (mut a, mut b) = (0.0, 0.0);
+            static_for::<4>(|wp| {
+                let (x, y) = unsafe { ld_shared_f32x2(merge + ((wp as u32 * 16 + r) * pitch + col) * 4) };
+                a += x;
+                b += y;
             });
-            if t4 == 0 && p.lse != 0 {
-                unsafe { store_f32(p.lse + (row.token as u64 * p.num_q_heads as u64 + row.head as u64) * 4, st.lse()) };
-            }
-        } else {
-            let base = unsafe { load_u32_nc(p.req_partial_base + req as u64 * 4) } as u64;
-            let t = (row.token - q_start) as u64;
-            let index = base + (split as u64 * q_len as u64 + t) * p.num_q_heads as u64 + row.head as u64;
-            let inv = if st.sum > 0.0 { 1.0 / st.sum } else { 0.0 };
-            static_for::<32>(|n| {
-                if n < DV / 8 {
-                    let col = n as u64 * 8 + 2 * t4 as u64;
-                    let v = [(o[n][2 * h] * inv).to_bits(), (o[n][2 * h + 1] * inv).to_bits()];
-                    unsafe { store8(p.partial_out + (index * DV as u64 + col) * 4, v) };
-                }
-            });
-            if t4 == 0 {
-                unsafe { store_f32(p.partial_lse + index * 4, st.lse()) };
-            }
+            unsafe { out.store_pair::<Q>(col, a, b) };
         }
     });
 }

@@ -1,10 +1,11 @@
-//! Entry points of the tensor-core prefill kernels: `prefill_<dtype>_dk<qk>_dv<v>`. The host
+//! Entry points of the tensor-core attention kernels: `prefill_<dtype>_dk<qk>_dv<v>` (rows
+//! split across warps) and `decode_tc_<dtype>_d<head_size>` (keys split across warps). The host
 //! builds the same names (host/src/prefill.rs).
 
 use crate::elem::{Bf16, F16};
-use crate::prefill::prefill;
+use crate::prefill::attention;
 use attn_math::params::PrefillParams;
-use attn_math::prefill::block_n;
+use attn_math::prefill::{block_n, WARPS};
 
 macro_rules! prefill_kernels {
     ($q:ident, $qname:literal: $(($dk:literal, $dv:literal)),*) => {
@@ -12,7 +13,22 @@ macro_rules! prefill_kernels {
             const _: () = {
                 #[unsafe(export_name = concat!("prefill_", $qname, "_dk", $dk, "_dv", $dv))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                    unsafe { prefill::<$q, $dk, $dv, { block_n($dk, $dv) as usize }>(&p) }
+                    const BN: usize = block_n($dk, $dv, false) as usize;
+                    unsafe { attention::<$q, $dk, $dv, BN, BN, false>(&p) }
+                }
+            };
+        )*
+    };
+}
+
+macro_rules! decode_kernels {
+    ($q:ident, $qname:literal: $($d:literal),*) => {
+        $(
+            const _: () = {
+                #[unsafe(export_name = concat!("decode_tc_", $qname, "_d", $d))]
+                unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+                    const BN: usize = block_n($d, $d, true) as usize;
+                    unsafe { attention::<$q, $d, $d, BN, { BN / WARPS as usize }, true>(&p) }
                 }
             };
         )*
@@ -21,3 +37,5 @@ macro_rules! prefill_kernels {
 
 prefill_kernels!(F16, "f16": (64, 64), (96, 96), (128, 128), (256, 256), (192, 128));
 prefill_kernels!(Bf16, "bf16": (64, 64), (96, 96), (128, 128), (256, 256), (192, 128));
+decode_kernels!(F16, "f16": 64, 96, 128, 256);
+decode_kernels!(Bf16, "bf16": 64, 96, 128, 256);

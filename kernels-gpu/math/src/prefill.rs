@@ -1,48 +1,103 @@
-//! Launch geometry of the tensor-core prefill kernel, shared by the kernel and the host.
+//! Launch geometry of the tensor-core attention kernel (prefill, and decode on tensor cores),
+//! shared by the kernel and the host.
+//!
+//! A CTA has 4 warps and one of two shapes:
+//! - *rows* (prefill): each warp owns 16 of the CTA's 64 query rows and sees every key of a tile;
+//! - *keys* (decode): the CTA has 16 query rows (the query heads of a kv head, times the query
+//!   tokens), every warp holds all 16 and takes a quarter of each key tile; the four partial
+//!   softmax states are merged through shared memory at the end. Decode is memory-bound, so the
+//!   CTA is small and many of them stream the cache.
 
-/// Threads per CTA: 4 warps, each owning 16 query rows of the tile.
+/// Threads per CTA: 4 warps.
 pub const THREADS: u32 = 128;
 pub const WARPS: u32 = THREADS / 32;
-/// Query rows per CTA.
-pub const BLOCK_M: u32 = 16 * WARPS;
 /// Shared-memory rows are padded by 8 elements (16 bytes) so that the 8 rows one `ldmatrix`
 /// reads fall in 8 different bank groups (row pitch an odd number of 16-byte units).
 pub const ROW_PAD: u32 = 8;
+/// Bytes per key in the address table: the K and the V row addresses (u64 each).
+pub const TABLE_ENTRY: u32 = 16;
 
-/// (head_size_qk, head_size_v) pairs with kernels.
+/// (head_size_qk, head_size_v) pairs with prefill kernels.
 pub const HEAD_SIZES: [(u32, u32); 5] = [(64, 64), (96, 96), (128, 128), (256, 256), (192, 128)];
+/// Head sizes with decode (keys-split) kernels.
+pub const DECODE_HEAD_SIZES: [u32; 4] = [64, 96, 128, 256];
+
+/// Query rows per CTA.
+pub const fn block_m(keys_split: bool) -> u32 {
+    if keys_split {
+        16
+    } else {
+        16 * WARPS
+    }
+}
 
 /// Keys per K/V tile.
-pub const fn block_n(head_size_qk: u32, head_size_v: u32) -> u32 {
-    if head_size_qk > 128 || head_size_v > 128 {
-        32
-    } else {
+pub const fn block_n(head_size_qk: u32, head_size_v: u32, keys_split: bool) -> u32 {
+    if keys_split || (head_size_qk <= 128 && head_size_v <= 128) {
         64
+    } else {
+        32
     }
 }
 
 /// K/V tiles in flight (cp.async pipeline depth).
-pub const fn stages(head_size_qk: u32, head_size_v: u32) -> u32 {
-    let _ = (head_size_qk, head_size_v);
-    2
+pub const fn stages(head_size_qk: u32, head_size_v: u32, keys_split: bool) -> u32 {
+    if keys_split && head_size_qk <= 128 && head_size_v <= 128 {
+        3
+    } else {
+        2
+    }
 }
 
-/// Byte offsets in dynamic shared memory: (K stage 0, V stage 0, total), Q at 0. Stage s of K is
-/// at `k + s * k_stage_bytes`.
-pub const fn shared_layout(dk: u32, dv: u32) -> SharedLayout {
-    let bn = block_n(dk, dv);
-    let q_bytes = BLOCK_M * (dk + ROW_PAD) * 2;
-    let k_stage = bn * (dk + ROW_PAD) * 2;
-    let v_stage = bn * (dv + ROW_PAD) * 2;
-    let st = stages(dk, dv);
-    SharedLayout { k: q_bytes, k_stage, v: q_bytes + st * k_stage, v_stage, total: q_bytes + st * (k_stage + v_stage) }
-}
-
+/// Byte offsets in dynamic shared memory. Q at 0; stage s of K at `k + s * k_stage`; the key
+/// address table (`stages + 1` slots of `block_n` entries) after V; the keys-split merge area
+/// (f32 `[WARPS][16][dv + 8]`, then `[WARPS][16]` (max, sum) pairs) reuses K/V once the loop is done.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SharedLayout {
     pub k: u32,
     pub k_stage: u32,
     pub v: u32,
     pub v_stage: u32,
+    pub table: u32,
+    pub merge: u32,
+    pub merge_pitch: u32,
+    pub stats: u32,
     pub total: u32,
+}
+
+pub const fn shared_layout(dk: u32, dv: u32, keys_split: bool) -> SharedLayout {
+    let bn = block_n(dk, dv, keys_split);
+    let st = stages(dk, dv, keys_split);
+    let q_bytes = block_m(keys_split) * (dk + ROW_PAD) * 2;
+    let k_stage = bn * (dk + ROW_PAD) * 2;
+    let v_stage = bn * (dv + ROW_PAD) * 2;
+    let k = q_bytes;
+    let v = k + st * k_stage;
+    let table = v + st * v_stage;
+    let table_end = table + (st + 1) * bn * TABLE_ENTRY;
+    let merge_pitch = dv + 8;
+    let merge = k;
+    let stats = merge + WARPS * 16 * merge_pitch * 4;
+    let merge_end = if keys_split { stats + WARPS * 16 * 8 } else { 0 };
+    let total = if merge_end > table_end { merge_end } else { table_end };
+    SharedLayout { k, k_stage, v, v_stage, table, merge, merge_pitch, stats, total }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_fit_two_ctas_per_sm_where_meant_to() {
+        // 227 KiB per CTA at most on sm_90; two CTAs of the d128 shapes share an SM.
+        for keys in [false, true] {
+            for (dk, dv) in HEAD_SIZES {
+                let l = shared_layout(dk, dv, keys);
+                assert!(l.total <= 227 * 1024, "{dk}/{dv} keys={keys}: {}", l.total);
+                assert!(l.table.is_multiple_of(16) && l.k.is_multiple_of(16) && l.v.is_multiple_of(16));
+            }
+        }
+        assert!(2 * shared_layout(128, 128, true).total <= 226 * 1024);
+        assert!(2 * shared_layout(128, 128, false).total <= 226 * 1024);
+    }
 }
