@@ -213,6 +213,7 @@ impl DecodeKernel {
 
 /// Plans a batch for the tensor-core kernels: a chunk of whole key tiles, and work items
 /// `[request, row_tile << 16 | split]` (flattened in `items`).
+#[allow(clippy::too_many_arguments)]
 pub fn plan_decode_tc(
     batch: &DecodeBatch<'_>,
     num_q_heads: usize,
