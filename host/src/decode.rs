@@ -404,7 +404,12 @@ pub fn paged_decode(
     let plan = if kernel == DecodeKernel::CudaCores {
         plan_decode(batch, hq, spec.num_kv_heads, d, ctas_target, mode, ws.partial_rows())?
     } else {
-        DecodePlan { kernel, ..plan_decode_tc(batch, hq, spec.num_kv_heads, d, kernel, ctas_target, mode, ws.partial_rows()) }
+        // Two waves of resident CTAs: splits short enough to fill every SM, few enough that the
+        // per-CTA start (work item, first address tables, pipeline fill) and the merge stay small.
+        let smem = shared_layout(d as u32, d as u32, kernel.keys_split()).total;
+        let resident = (dev.max_shared_per_sm() / (smem + 1024)).clamp(1, 2);
+        let target = 2 * dev.sm_count() as u64 * resident as u64;
+        DecodePlan { kernel, ..plan_decode_tc(batch, hq, spec.num_kv_heads, d, kernel, target, mode, ws.partial_rows()) }
     };
     ensure(plan.items.len() <= ws.items.len() && plan.items.len() < i32::MAX as usize, "workspace", || {
         format!("the plan has {} work items, the workspace holds {}", plan.items.len(), ws.items.len())
@@ -511,7 +516,7 @@ pub fn paged_decode(
             format!("prefill_{}_dk{d}_dv{d}", q_dtype.kernel_name())
         };
         let smem = shared_layout(d as u32, d as u32, keys).total;
-        dev.launch(stream, &name, (ctas as u32, 1, 1), attn_math::prefill::THREADS, smem, tp)?;
+        dev.launch_pdl(stream, &name, (ctas as u32, 1, 1), attn_math::prefill::THREADS, smem, tp)?;
     }
     if plan.needs_merge() {
         let m = DecodeMergeParams {
@@ -530,8 +535,8 @@ pub fn paged_decode(
             num_q_heads: hq as u32,
             head_size: d as u32,
         };
-        let warps = (nt * hq) as u32;
-        dev.launch(stream, &format!("decode_merge_{}", q_dtype.kernel_name()), (warps.div_ceil(8), 1, 1), 256, 0, m)?;
+        // One CTA of 4 warps per (token, head); they meet in 4 x head_size f32 of shared memory.
+        dev.launch_pdl(stream, &format!("decode_merge_{}", q_dtype.kernel_name()), ((nt * hq) as u32, 1, 1), 128, 16 * d as u32, m)?;
     }
     Ok(plan)
 }

@@ -132,7 +132,14 @@ impl AttnDevice {
         Ok(())
     }
 
-    /// Whether kernels that start with `pdl_prologue` (the cache writes) are built with
+    /// Shared memory of one SM, about: the most a CTA may opt in to plus the 1 KiB the driver
+    /// reserves per CTA.
+    pub fn max_shared_per_sm(&self) -> u32 {
+        self.max_shared_optin as u32 + 1024
+    }
+
+    /// Whether kernels that start with `pdl_prologue` (cache writes, attention tiles, the decode
+    /// merge) are built with
     /// programmatic dependent launch here (the sm_90a module). `ATTN_DISABLE_PDL=1` turns it off.
     pub(crate) fn pdl_enabled(&self) -> bool {
         self.target.name == "sm_90a" && !std::env::var("ATTN_DISABLE_PDL").is_ok_and(|v| v == "1")

@@ -339,6 +339,6 @@ pub fn prefill(
         ..PrefillParams::default()
     };
     let smem = shared_layout(dk as u32, dv as u32, false).total;
-    dev.launch(stream, &kernel_name(q_dtype, dk, dv), ((plan.items.len() * num_kv_heads) as u32, 1, 1), THREADS, smem, p)?;
+    dev.launch_pdl(stream, &kernel_name(q_dtype, dk, dv), ((plan.items.len() * num_kv_heads) as u32, 1, 1), THREADS, smem, p)?;
     Ok(plan)
 }

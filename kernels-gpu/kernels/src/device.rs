@@ -34,13 +34,13 @@ pub fn sync_threads() {
     unsafe { asm!("bar.sync 0;", options(nostack)) }
 }
 
-/// Barrier for all threads of the CTA that also returns whether `x` held in any of them.
+/// `vote.sync.any` over the full warp.
 #[inline(always)]
-pub fn sync_threads_or(x: bool) -> bool {
+pub fn vote_any(x: bool) -> bool {
     let r: u32;
     unsafe {
-        asm!("{{ .reg .pred p, q; setp.ne.u32 p, {1}, 0; bar.red.or.pred q, 0, p; selp.u32 {0}, 1, 0, q; }}",
-             out(reg32) r, in(reg32) x as u32, options(nostack));
+        asm!("{{ .reg .pred p, q; setp.ne.u32 p, {1}, 0; vote.sync.any.pred q, p, 0xffffffff; selp.u32 {0}, 1, 0, q; }}",
+             out(reg32) r, in(reg32) x as u32, options(nomem, nostack));
     }
     r != 0
 }

@@ -4,11 +4,12 @@
 //! walk the head dimension. The weights come from `attn_math::softmax::combine_lse`, the same
 //! code the CPU reference runs.
 
-use crate::device::{block_dim_x, block_idx_x, thread_idx_x};
+use crate::device::{block_dim_x, block_idx_x, dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x};
 use crate::elem::HalfFloat;
-use crate::vec_io::{load_f32, load_f32_nc, load_u32_nc, store_f32, store_u16};
+use crate::mma::{ld_shared_f32, shared_addr, st_shared_v4};
+use crate::vec_io::{load16, load_f32, load_f32_nc, load_u32_nc, store_f32, store_u16};
 use attn_math::params::{DecodeMergeParams, MergeStatesParams};
-use attn_math::softmax::{combine_lse, partial_weight};
+use attn_math::softmax::{combine_lse, exp2, log2, partial_weight, LN_2, LOG2_E};
 
 #[inline(always)]
 fn warp_index() -> u32 {
@@ -59,18 +60,25 @@ impl OutElem for F32Out {
     }
 }
 
+/// Pass 2 of split-K: one CTA of 4 warps per (token, head). Every warp finds the splits' max
+/// LSE and denominator (lanes stride over the splits); then warp w adds up splits w, w + 4, ...
+/// with each lane holding 4 consecutive dimensions (16-byte loads), and the four sums meet in
+/// shared memory. Requests with one split were written by pass 1 and are skipped.
 #[inline(always)]
 pub unsafe fn decode_merge<O: OutElem>(p: &DecodeMergeParams) {
-    let w = warp_index();
-    if w >= p.num_tokens * p.num_q_heads {
+    // Programmatic dependent launch (sm_90a): the partials come from the kernel before.
+    pdl_prologue();
+    let cta = block_idx_x();
+    if cta >= p.num_tokens * p.num_q_heads {
         return;
     }
-    let (token, head) = (w / p.num_q_heads, w % p.num_q_heads);
+    let (token, head) = (cta / p.num_q_heads, cta % p.num_q_heads);
     let req = unsafe { load_u32_nc(p.token_request + token as u64 * 4) };
     let splits = unsafe { load_u32_nc(p.req_num_splits + req as u64 * 4) };
     if splits <= 1 {
         return; // written directly by pass 1
     }
+    let (warp, lane) = (thread_idx_x() / 32, lane());
     let q_start = unsafe { load_u32_nc(p.query_start_loc + req as u64 * 4) };
     let q_len = unsafe { load_u32_nc(p.query_start_loc + req as u64 * 4 + 4) } - q_start;
     let base = unsafe { load_u32_nc(p.req_partial_base + req as u64 * 4) } as u64;
@@ -78,21 +86,51 @@ pub unsafe fn decode_merge<O: OutElem>(p: &DecodeMergeParams) {
     // Partials were written by the previous kernel: plain (coherent) loads.
     let lse = |s: u32| unsafe { load_f32(p.partial_lse + index(s) * 4) };
     let sink = if p.sinks != 0 { unsafe { load_f32_nc(p.sinks + head as u64 * 4) } } else { f32::NEG_INFINITY };
-    let (out_lse, max, sum) = combine_lse((0..splits).map(lse), sink);
-    let mut d = lane();
-    while d < p.head_size {
-        let mut o = 0.0f32;
-        for s in 0..splits {
-            let wgt = partial_weight(lse(s), max, sum);
-            if wgt != 0.0 {
-                o += wgt * unsafe { load_f32(p.partial_out + (index(s) * p.head_size as u64 + d as u64) * 4) };
-            }
-        }
-        let addr = p.out + (token as u64 * p.out_token_stride + head as u64 * p.out_head_stride + d as u64) * O::BYTES;
-        unsafe { O::store(addr, o) };
-        d += 32;
+    let mut max = sink;
+    let mut s = lane;
+    while s < splits {
+        max = max.max(lse(s));
+        s += 32;
     }
-    if lane() == 0 && p.lse != 0 {
+    static_for::<5>(|i| max = max.max(shfl_xor(max, 1 << i)));
+    // The sink joins the denominator once (lane 0's share).
+    let mut sum = if lane == 0 && max != f32::NEG_INFINITY { exp2((sink - max) * LOG2_E) } else { 0.0 };
+    let mut s = lane;
+    while s < splits && max != f32::NEG_INFINITY {
+        sum += exp2((lse(s) - max) * LOG2_E);
+        s += 32;
+    }
+    static_for::<5>(|i| sum += shfl_xor(sum, 1 << i));
+    let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+    let partial = shared_addr(dynamic_shared::<f32>());
+    let d = p.head_size;
+    let mut d0 = lane * 4;
+    while d0 < d {
+        let mut acc = [0.0f32; 4];
+        let mut s = warp;
+        while s < splits && inv != 0.0 {
+            // A zero weight skips its partial: an empty split's output may be anything.
+            let wgt = exp2((lse(s) - max) * LOG2_E) * inv;
+            if wgt != 0.0 {
+                let v = unsafe { load16(p.partial_out + (index(s) * d as u64 + d0 as u64) * 4) };
+                static_for::<4>(|i| acc[i] = fma(wgt, f32::from_bits(v[i]), acc[i]));
+            }
+            s += 4;
+        }
+        unsafe { st_shared_v4(partial + (warp * d + d0) * 4, acc.map(f32::to_bits)) };
+        d0 += 128;
+    }
+    sync_threads();
+    let mut i = thread_idx_x();
+    while i < d {
+        let mut o = 0.0;
+        static_for::<4>(|w| o += unsafe { ld_shared_f32(partial + (w as u32 * d + i) * 4) });
+        let addr = p.out + (token as u64 * p.out_token_stride + head as u64 * p.out_head_stride + i as u64) * O::BYTES;
+        unsafe { O::store(addr, o) };
+        i += 128;
+    }
+    if thread_idx_x() == 0 && p.lse != 0 {
+        let out_lse = if sum > 0.0 { max + log2(sum) * LN_2 } else { f32::NEG_INFINITY };
         unsafe { store_f32(p.lse + (token as u64 * p.num_q_heads as u64 + head as u64) * 4, out_lse) };
     }
 }

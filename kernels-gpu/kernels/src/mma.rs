@@ -148,3 +148,17 @@ pub unsafe fn ld_shared_f32x2(addr: u32) -> (f32, f32) {
     unsafe { asm!("ld.shared.v2.f32 {{{0}, {1}}}, [{2}];", out(reg32) a, out(reg32) b, in(reg32) addr, options(readonly, nostack)) };
     (a, b)
 }
+
+#[inline(always)]
+pub unsafe fn ld_shared_f32(addr: u32) -> f32 {
+    let r: f32;
+    unsafe { asm!("ld.shared.f32 {0}, [{1}];", out(reg32) r, in(reg32) addr, options(readonly, nostack)) };
+    r
+}
+
+#[inline(always)]
+pub unsafe fn ld_shared_u32(addr: u32) -> u32 {
+    let r: u32;
+    unsafe { asm!("ld.shared.u32 {0}, [{1}];", out(reg32) r, in(reg32) addr, options(readonly, nostack)) };
+    r
+}

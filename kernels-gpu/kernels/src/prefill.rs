@@ -13,17 +13,19 @@
 //! The row addresses of each K/V tile (block-table lookups) are computed one pipeline stage
 //! ahead by one thread per key into a shared table, so the copies themselves are a shared load
 //! and a `cp.async` per 16 bytes, and the block-table latency is hidden behind a tile of math.
+//! A key whose block id is outside the cache gets no address: it is never read, its tile is
+//! masked key by key, and the status word reports it.
 
 use crate::device::{
-    atomic_or_global, block_idx_x, dynamic_shared, fma, shfl_xor, static_for, sync_threads, sync_threads_or, tanh, thread_idx_x,
+    atomic_or_global, block_idx_x, dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, tanh, thread_idx_x, vote_any,
 };
 use crate::mma::{
-    cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32x2, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_trans, shared_addr,
-    st_shared_f32x2, st_shared_u64x2, MmaHalf,
+    cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32x2, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_trans,
+    shared_addr, st_shared_f32x2, st_shared_u32, st_shared_u64x2, MmaHalf,
 };
 use crate::vec_io::{load_f32_nc, load_u32_nc, store4, store8, store_f32};
 use attn_math::params::PrefillParams;
-use attn_math::prefill::{block_m, shared_layout, stages, ROW_PAD, TABLE_ENTRY, THREADS, WARPS};
+use attn_math::prefill::{block_m, shared_layout, stages, table_slot_bytes, ROW_PAD, TABLE_ENTRY, THREADS, WARPS};
 use attn_math::softmax::{exp2, OnlineSoftmax, LOG2_E};
 use attn_math::status::BLOCK_OUT_OF_RANGE;
 
@@ -218,26 +220,6 @@ unsafe fn work_item<const KEYS: bool>(p: &PrefillParams) -> Option<Work> {
     Some(Work { req, split, q_start, q_len, seq_len, row0, live: (n_rows - row0).min(block_m(KEYS)), kv_head })
 }
 
-/// Whether any block id the keys `begin..end` use is outside the cache (then every tile checks
-/// its keys; the status word reports it). Every thread of the CTA must call it.
-#[inline(always)]
-unsafe fn scan_blocks(p: &PrefillParams, src: &KvSource, begin: u32, end: u32) -> bool {
-    let mut bad = false;
-    if src.block_row != 0 && end > begin {
-        let mut b = begin / p.block_size + thread_idx_x();
-        let last = (end - 1) / p.block_size;
-        while b <= last {
-            let id = unsafe { load_i32(src.block_row + b as u64 * 4) };
-            bad |= id < 0 || id as u32 >= p.num_blocks;
-            b += THREADS;
-        }
-        if bad {
-            unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
-        }
-    }
-    sync_threads_or(bad)
-}
-
 /// S = Q K^T for a warp: 16 rows x `KW` keys starting at `key_off` of the K tile at `k_tile`.
 #[inline(always)]
 fn scores<Q: MmaHalf, const DK: usize, const KW: usize>(q_frag: &[[u32; 4]; 16], k_tile: u32, key_off: u32) -> [[f32; 4]; 8] {
@@ -338,6 +320,9 @@ fn softmax_step<const DV: usize, const KW: usize>(
 pub unsafe fn attention<Q: MmaHalf, const DK: usize, const DV: usize, const BN: usize, const KW: usize, const KEYS: bool>(
     p: &PrefillParams,
 ) {
+    // Programmatic dependent launch (sm_90a): wait for the previous kernel (the cache write)
+    // before reading anything.
+    pdl_prologue();
     let tid = thread_idx_x();
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
@@ -359,14 +344,15 @@ pub unsafe fn attention<Q: MmaHalf, const DK: usize, const DV: usize, const BN: 
         begin = begin.max((min_pos + 1).saturating_sub(p.window));
     }
     let n_tiles = if end > begin { (end - begin).div_ceil(BN as u32) } else { 0 };
-    let has_bad = unsafe { scan_blocks(p, &src, begin, end) };
 
     const { assert!(BN as u32 <= THREADS && KW == if KEYS { BN / WARPS as usize } else { BN }) };
     let st = stages(DK as u32, DV as u32, KEYS);
     let slots = st + 1;
     let layout = shared_layout(DK as u32, DV as u32, KEYS);
     let smem = shared_addr(dynamic_shared::<u8>());
-    let table = |tile: u32| smem + layout.table + (tile % slots) * BN as u32 * TABLE_ENTRY;
+    let table = |tile: u32| smem + layout.table + (tile % slots) * table_slot_bytes(BN as u32);
+    // Flags after the entries: one u32 per filling warp, non-zero when a key's block is bad.
+    let flags = |tile: u32| table(tile) + BN as u32 * TABLE_ENTRY;
     let tile_keys = |tile: u32| begin + tile * BN as u32;
     // One thread per key: the lookup's load (early) and the table entry (later).
     let locate = |tile: u32| {
@@ -382,6 +368,14 @@ pub unsafe fn attention<Q: MmaHalf, const DK: usize, const DV: usize, const BN: 
         if tile < n_tiles && tid < BN as u32 {
             let (ka, va) = if key < end { src.addresses(p, key, loc) } else { (0, 0) };
             unsafe { st_shared_u64x2(table(tile) + tid * TABLE_ENTRY, ka, va) };
+            let bad = key < end && ka == 0;
+            if bad {
+                unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
+            }
+            let any_bad = vote_any(bad);
+            if lane == 0 {
+                unsafe { st_shared_u32(flags(tile) + warp * 4, any_bad as u32) };
+            }
         }
     };
     let load_kv = |tile: u32| {
@@ -488,6 +482,12 @@ pub unsafe fn attention<Q: MmaHalf, const DK: usize, const DV: usize, const BN: 
                     });
                 }
             }
+            let mut has_bad = false;
+            static_for::<4>(|i| {
+                if i < BN / 32 {
+                    has_bad |= unsafe { ld_shared_u32(flags(tile) + i as u32 * 4) } != 0;
+                }
+            });
             let needs_mask = kt + KW as u32 > end
                 || (p.causal != 0 && kt + KW as u32 - 1 > min_pos)
                 || (p.window > 0 && kt + p.window <= max_pos)

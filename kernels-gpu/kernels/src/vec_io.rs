@@ -15,6 +15,18 @@ pub unsafe fn load16_nc(addr: u64) -> [u32; 4] {
     [a, b, c, d]
 }
 
+/// 16 bytes from global memory written by an earlier kernel (coherent path).
+#[inline(always)]
+pub unsafe fn load16(addr: u64) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    unsafe {
+        asm!("ld.global.v4.u32 {{{0}, {1}, {2}, {3}}}, [{4}];",
+             out(reg32) a, out(reg32) b, out(reg32) c, out(reg32) d, in(reg64) addr,
+             options(readonly, nostack));
+    }
+    [a, b, c, d]
+}
+
 #[inline(always)]
 pub unsafe fn store16(addr: u64, v: [u32; 4]) {
     unsafe {

@@ -16,6 +16,11 @@ pub const WARPS: u32 = THREADS / 32;
 pub const ROW_PAD: u32 = 8;
 /// Bytes per key in the address table: the K and the V row addresses (u64 each).
 pub const TABLE_ENTRY: u32 = 16;
+/// Bytes of a table slot: `block_n` entries, then one u32 flag per warp that filled it (set when
+/// one of its keys' blocks is outside the cache), padded to 16 bytes.
+pub const fn table_slot_bytes(block_n: u32) -> u32 {
+    block_n * TABLE_ENTRY + 16
+}
 
 /// (head_size_qk, head_size_v) pairs with prefill kernels.
 pub const HEAD_SIZES: [(u32, u32); 5] = [(64, 64), (96, 96), (128, 128), (256, 256), (192, 128)];
@@ -74,7 +79,7 @@ pub const fn shared_layout(dk: u32, dv: u32, keys_split: bool) -> SharedLayout {
     let k = q_bytes;
     let v = k + st * k_stage;
     let table = v + st * v_stage;
-    let table_end = table + (st + 1) * bn * TABLE_ENTRY;
+    let table_end = table + (st + 1) * table_slot_bytes(bn);
     let merge_pitch = dv + 8;
     let merge = k;
     let stats = merge + WARPS * 16 * merge_pitch * 4;
