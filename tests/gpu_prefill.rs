@@ -8,9 +8,10 @@ mod common;
 use common::*;
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
+use host::cache_write::KvScales;
 use host::decode::AttnOptions;
 use host::prefill::{prefill, PrefillArgs, PrefillBatch, PrefillKv, PrefillOptions, PrefillWorkspace};
-use host::{cpu, DevIn, DevOut, DeviceStatus, Element, KvCacheSpec, KvLayout, RowsDesc};
+use host::{cpu, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
 use libtest_mimic::Trial;
 use rand::seq::SliceRandom;
 use rand::Rng;
@@ -75,7 +76,9 @@ fn tolerance<Q: Element>() -> f64 {
     }
 }
 
-fn prefill_case<Q: Element>(c: Case, salt: u64) -> TestResult {
+fn prefill_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
+    let fp8 = C::DTYPE == host::DType::Fp8E4m3;
+    let scales = (0.05f32, 0.03f32);
     let mut rng = rng(salt);
     let stream = new_stream();
     let (dk, dv, hq, hkv) = (c.dk, c.dv, c.q_heads, c.kv_heads);
@@ -120,9 +123,10 @@ fn prefill_case<Q: Element>(c: Case, salt: u64) -> TestResult {
     }
     let total_keys = *ksl.last().unwrap() as usize;
     let (k_rows, v_rows) = (RowsDesc::contiguous(total_keys, hkv, dk), RowsDesc::contiguous(total_keys, hkv, dv));
-    let cache: Vec<Q> = random_vec(&mut rng, if c.packed { 1 } else { spec.num_elements() }, 1.0);
-    let k: Vec<Q> = random_vec(&mut rng, if c.packed { k_rows.required_len().max(1) } else { 1 }, 1.0);
-    let v: Vec<Q> = random_vec(&mut rng, if c.packed { v_rows.required_len().max(1) } else { 1 }, 1.0);
+    // An FP8 cache holds values up to ~20 (x the scales: keys and values of a few units).
+    let cache: Vec<C> = random_vec(&mut rng, if c.packed { 1 } else { spec.num_elements() }, if fp8 { 20.0 } else { 1.0 });
+    let k: Vec<C> = random_vec(&mut rng, if c.packed { k_rows.required_len().max(1) } else { 1 }, 1.0);
+    let v: Vec<C> = random_vec(&mut rng, if c.packed { v_rows.required_len().max(1) } else { 1 }, 1.0);
 
     let kv_ref = if c.packed {
         cpu::KvRef::Packed { k: &k, k_rows, v: &v, v_rows, key_start_loc: &ksl }
@@ -140,13 +144,14 @@ fn prefill_case<Q: Element>(c: Case, salt: u64) -> TestResult {
         opts,
         alibi_slopes: c.alibi.then_some(&slopes[..]),
         sinks: c.sinks.then_some(&sinks[..]),
-        scales: None,
+        scales: fp8.then_some(scales),
     })?;
 
     let up = |v: &[i32]| upload(&stream, v);
     let (q_d, cache_d, k_d, v_d) = (upload(&stream, &q), upload(&stream, &cache), upload(&stream, &k), upload(&stream, &v));
     let (bt_d, sl_d, qsl_d, ksl_d) = (up(&block_table), up(&c.seq_lens), up(&qsl), up(&ksl));
     let (slopes_d, sinks_d) = (upload(&stream, &slopes), upload(&stream, &sinks));
+    let (ks_d, vs_d) = (upload(&stream, &[scales.0]), upload(&stream, &[scales.1]));
     let mut out_d: CudaSlice<Q> = upload(&stream, &vec![poison::<Q>(); out_rows.required_len().max(1)]);
     let mut lse_d: CudaSlice<f32> = upload(&stream, &vec![f32::NAN; (nt * hq).max(1)]);
     let mut ws = PrefillWorkspace::new(&stream, nt, num_reqs, hq / hkv)?;
@@ -182,7 +187,7 @@ fn prefill_case<Q: Element>(c: Case, salt: u64) -> TestResult {
             lse: Some(DevOut::new(&mut lse_d, &stream)),
             alibi_slopes: c.alibi.then(|| DevIn::new(&slopes_d, &stream)),
             sinks: c.sinks.then(|| DevIn::new(&sinks_d, &stream)),
-            scales: None,
+            scales: fp8.then(|| KvScales { k: DevIn::new(&ks_d, &stream), v: DevIn::new(&vs_d, &stream) }),
         },
         &batch,
         &PrefillOptions { attn: opts, causal: c.causal },
@@ -280,6 +285,20 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     }
     push("bf16::empty_requests".into(), Case { q_lens: Some(vec![0, 5, 0, 0]), sinks: true, ..Case::base(&[0, 5, 7, 0]) }, "bf16");
     push("bf16::bad_block_id".into(), Case { bad_block: true, ..Case::base(&[100, 40]) }, "bf16");
+    push("bf16_fp8::lengths".into(), Case::base(&[1, 17, 127, 1000]), "bf16_fp8");
+    push(
+        "f16_fp8::chunked_gqa".into(),
+        Case { q_lens: Some(vec![1, 64, 100]), q_heads: 16, kv_heads: 2, ..Case::base(&[50, 64, 700]) },
+        "f16_fp8",
+    );
+    for (dk, layout) in [(64, KvLayout::FlashHnd), (96, KvLayout::FlashInferNhd), (256, KvLayout::FlashNhd)] {
+        push(format!("bf16_fp8::head_size_{dk}_{layout:?}"), Case { dk, dv: dk, layout, ..Case::base(&[17, 300]) }, "bf16_fp8");
+    }
+    push(
+        "bf16_fp8::features".into(),
+        Case { softcap: Some(8.0), alibi: true, sinks: true, window: Some(64), ..Case::base(&[40, 500]) },
+        "bf16_fp8",
+    );
     v
 }
 
@@ -290,8 +309,10 @@ fn main() {
     for (i, (name, case, dt)) in picked.into_iter().enumerate() {
         let s = 3000 + i as u64;
         let f: Box<dyn FnOnce() -> TestResult + Send> = match dt {
-            "bf16" => Box::new(move || prefill_case::<bf16>(case, s)),
-            _ => Box::new(move || prefill_case::<f16>(case, s)),
+            "bf16" => Box::new(move || prefill_case::<bf16, bf16>(case, s)),
+            "bf16_fp8" => Box::new(move || prefill_case::<bf16, Fp8E4m3>(case, s)),
+            "f16_fp8" => Box::new(move || prefill_case::<f16, Fp8E4m3>(case, s)),
+            _ => Box::new(move || prefill_case::<f16, f16>(case, s)),
         };
         trials.push(Trial::test(format!("prefill::{name}"), f));
     }

@@ -182,22 +182,21 @@ fn plan_splits(lens: &[u32], q_lens: &[u32], num_q_heads: usize, mut chunk: u32,
 /// Which kernel runs a decode batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum DecodeKernel {
-    /// CUDA cores (`decode_<q>_<cache>_d<d>_r<rows>`): the FP8 cache, and on request.
+    /// CUDA cores (`decode_<q>_<cache>_d<d>_r<rows>`), on request (`ATTN_DECODE_KERNEL=cuda`).
     #[default]
     CudaCores,
     /// Tensor cores, 16 query rows per CTA and the keys of each tile split across its warps
-    /// (`decode_tc_<q>_d<d>`): up to 16 rows (query tokens x query heads) per kv head.
+    /// (`decode_tc_<q>[_fp8]_d<d>`): up to 16 rows (query tokens x query heads) per kv head.
     TensorCoreKeys,
     /// Tensor cores, 64 rows per CTA (the prefill kernel): more rows per kv head (MQA).
     TensorCoreRows,
 }
 
 impl DecodeKernel {
-    /// The kernel for a batch: tensor cores for f16/bf16 caches, CUDA cores for FP8 or when
-    /// `ATTN_DECODE_KERNEL=cuda`.
-    pub fn choose(cache: DType, rows_per_kv_head: u32) -> DecodeKernel {
+    /// The kernel for a batch: tensor cores, or CUDA cores when `ATTN_DECODE_KERNEL=cuda`.
+    pub fn choose(rows_per_kv_head: u32) -> DecodeKernel {
         let forced_cuda = std::env::var("ATTN_DECODE_KERNEL").is_ok_and(|v| v == "cuda");
-        if cache == DType::Fp8E4m3 || forced_cuda {
+        if forced_cuda {
             DecodeKernel::CudaCores
         } else if rows_per_kv_head <= block_m(true) {
             DecodeKernel::TensorCoreKeys
@@ -400,14 +399,20 @@ pub fn paged_decode(
 
     let ctas_target = dev.sm_count() as u64 * 8;
     let max_q = batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).max().unwrap_or(1);
-    let kernel = DecodeKernel::choose(cache_dtype, max_q * (hq / spec.num_kv_heads) as u32);
+    let kernel = DecodeKernel::choose(max_q * (hq / spec.num_kv_heads) as u32);
+    let fp8 = cache_dtype == DType::Fp8E4m3;
+    let fp8_tag = if fp8 { "_fp8" } else { "" };
+    let tc_name = match kernel {
+        DecodeKernel::TensorCoreKeys => format!("decode_tc_{}{fp8_tag}_d{d}", q_dtype.kernel_name()),
+        _ => format!("prefill_{}{fp8_tag}_dk{d}_dv{d}", q_dtype.kernel_name()),
+    };
+    let tc_smem = shared_layout(d as u32, d as u32, kernel.keys_split(), fp8).total;
     let plan = if kernel == DecodeKernel::CudaCores {
         plan_decode(batch, hq, spec.num_kv_heads, d, ctas_target, mode, ws.partial_rows())?
     } else {
         // Two waves of resident CTAs: splits short enough to fill every SM, few enough that the
         // per-CTA start (work item, first address tables, pipeline fill) and the merge stay small.
-        let smem = shared_layout(d as u32, d as u32, kernel.keys_split()).total;
-        let resident = (dev.max_shared_per_sm() / (smem + 1024)).clamp(1, 2);
+        let resident = dev.resident_ctas(&tc_name, attn_math::prefill::THREADS, tc_smem)?;
         let target = 2 * dev.sm_count() as u64 * resident as u64;
         DecodePlan { kernel, ..plan_decode_tc(batch, hq, spec.num_kv_heads, d, kernel, target, mode, ws.partial_rows()) }
     };
@@ -469,7 +474,6 @@ pub fn paged_decode(
         let grid = (plan.row_groups, plan.items.len() as u32, spec.num_kv_heads as u32);
         dev.launch(stream, &kernel_name(q_dtype, cache_dtype, d, plan.rows_per_cta), grid, THREADS, smem, p)?;
     } else {
-        let keys = kernel.keys_split();
         let tp = PrefillParams {
             q: p.q,
             q_token_stride: p.q_token_stride,
@@ -494,8 +498,8 @@ pub fn paged_decode(
             work_items: p.work_items,
             alibi_slopes: p.alibi_slopes,
             sinks: p.sinks,
-            k_scale: 0,
-            v_scale: 0,
+            k_scale: p.k_scale,
+            v_scale: p.v_scale,
             status: p.status,
             scale_log2: p.scale_log2,
             softcap: p.softcap,
@@ -510,13 +514,7 @@ pub fn paged_decode(
         };
         let ctas = plan.items.len() / 2 * spec.num_kv_heads;
         ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
-        let name = if keys {
-            format!("decode_tc_{}_d{d}", q_dtype.kernel_name())
-        } else {
-            format!("prefill_{}_dk{d}_dv{d}", q_dtype.kernel_name())
-        };
-        let smem = shared_layout(d as u32, d as u32, keys).total;
-        dev.launch_pdl(stream, &name, (ctas as u32, 1, 1), attn_math::prefill::THREADS, smem, tp)?;
+        dev.launch_pdl(stream, &tc_name, (ctas as u32, 1, 1), attn_math::prefill::THREADS, tc_smem, tp)?;
     }
     if plan.needs_merge() {
         let m = DecodeMergeParams {

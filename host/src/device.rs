@@ -27,6 +27,8 @@ pub struct AttnDevice {
     /// The most dynamic shared memory a CTA may opt in to.
     max_shared_optin: i32,
     functions: Mutex<HashMap<String, CudaFunction>>,
+    /// Resident CTAs per SM of (kernel, dynamic shared memory), from the driver.
+    occupancy: Mutex<HashMap<(String, u32), u32>>,
 }
 
 impl AttnDevice {
@@ -63,6 +65,7 @@ impl AttnDevice {
             sm_count,
             max_shared_optin,
             functions: Mutex::new(HashMap::new()),
+            occupancy: Mutex::new(HashMap::new()),
         })
     }
 
@@ -132,10 +135,16 @@ impl AttnDevice {
         Ok(())
     }
 
-    /// Shared memory of one SM, about: the most a CTA may opt in to plus the 1 KiB the driver
-    /// reserves per CTA.
-    pub fn max_shared_per_sm(&self) -> u32 {
-        self.max_shared_optin as u32 + 1024
+    /// How many CTAs of `block` threads and `smem` bytes of dynamic shared memory of kernel
+    /// `name` one SM holds at once (registers and shared memory), as the driver computes it.
+    pub(crate) fn resident_ctas(&self, name: &str, block: u32, smem: u32) -> Result<u32> {
+        let key = (name.to_string(), smem);
+        if let Some(&n) = self.occupancy.lock().expect("occupancy cache").get(&key) {
+            return Ok(n);
+        }
+        let n = self.function(name)?.occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)?.max(1);
+        self.occupancy.lock().expect("occupancy cache").insert(key, n);
+        Ok(n)
     }
 
     /// Whether kernels that start with `pdl_prologue` (cache writes, attention tiles, the decode

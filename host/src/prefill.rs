@@ -164,18 +164,17 @@ impl PrefillWorkspace {
     }
 }
 
-fn kernel_name(q: DType, dk: usize, dv: usize) -> String {
-    format!("prefill_{}_dk{dk}_dv{dv}", q.kernel_name())
+fn kernel_name(q: DType, fp8: bool, dk: usize, dv: usize) -> String {
+    format!("prefill_{}{}_dk{dk}_dv{dv}", q.kernel_name(), if fp8 { "_fp8" } else { "" })
+}
+
+fn f32_values(b: &DevIn<'_>, arg: &'static str, len: usize) -> Result<u64> {
+    ensure(b.dtype == DType::F32 && b.len >= len, arg, || format!("must be {len} f32 values, got {} x {:?}", b.len, b.dtype))?;
+    Ok(b.ptr)
 }
 
 fn optional_f32(buf: &Option<DevIn<'_>>, arg: &'static str, len: usize) -> Result<u64> {
-    match buf {
-        None => Ok(0),
-        Some(b) => {
-            ensure(b.dtype == DType::F32 && b.len >= len, arg, || format!("must be {len} f32 values, got {} x {:?}", b.len, b.dtype))?;
-            Ok(b.ptr)
-        }
-    }
+    buf.as_ref().map_or(Ok(0), |b| f32_values(b, arg, len))
 }
 
 /// Checks a 16-bit tensor's rows: dtype, shape, 16-byte alignment, buffer length.
@@ -219,14 +218,21 @@ pub fn prefill(
     if !opts.causal {
         ensure(opts.attn.window.is_none(), "window", || "a sliding window needs causal attention".into())?;
     }
-    ensure(a.scales.is_none(), "scales", || "the fp8 cache is not supported by prefill yet".into())?;
     let num_reqs = batch.seq_lens.len();
+    let fp8 = matches!(&a.kv, PrefillKv::Paged { cache, .. } if cache.dtype == DType::Fp8E4m3);
+    let (k_scale, v_scale) = match &a.scales {
+        Some(s) if fp8 => (f32_values(&s.k, "scales.k", 1)?, f32_values(&s.v, "scales.v", 1)?),
+        _ => (0, 0),
+    };
 
     let (k_ptr, v_ptr, k_strides, v_strides, num_kv_heads, block_table, bt_stride, seq_lens_ptr, ksl_ptr, num_blocks, block_size) = match &a
         .kv
     {
         PrefillKv::Paged { cache, spec, block_table, block_table_stride, seq_lens } => {
-            ensure(cache.dtype == q_dtype, "cache", || format!("dtype {:?} with {q_dtype:?} queries", cache.dtype))?;
+            ensure(cache.dtype == q_dtype || cache.dtype == DType::Fp8E4m3, "cache", || {
+                format!("dtype {:?} with {q_dtype:?} queries (takes the queries' dtype or fp8 e4m3)", cache.dtype)
+            })?;
+            ensure(cache.dtype != DType::Fp8E4m3 || a.scales.is_some(), "scales", || "an fp8 cache needs k/v scales".into())?;
             ensure(dk == dv && spec.head_size == dk, "head_size", || {
                 format!("the paged cache holds head size {}, the call has qk {dk} / v {dv}", spec.head_size)
             })?;
@@ -241,8 +247,8 @@ pub fn prefill(
             let (ko, vo) = spec.kv_origins();
             let strides = spec.strides();
             (
-                cache.ptr + ko as u64 * 2,
-                cache.ptr + vo as u64 * 2,
+                cache.ptr + ko as u64 * cache.dtype.size_bytes() as u64,
+                cache.ptr + vo as u64 * cache.dtype.size_bytes() as u64,
                 strides,
                 strides,
                 spec.num_kv_heads,
@@ -255,6 +261,7 @@ pub fn prefill(
             )
         }
         PrefillKv::Packed { k, k_rows, v, v_rows, key_start_loc } => {
+            ensure(a.scales.is_none(), "scales", || "packed K/V take the queries' dtype; scales are for an fp8 cache".into())?;
             check_rows("k", k, k_rows, q_dtype)?;
             check_rows("v", v, v_rows, q_dtype)?;
             ensure(k_rows.head_size == dk && v_rows.head_size == dv, "head_size", || {
@@ -327,6 +334,8 @@ pub fn prefill(
         alibi_slopes: alibi,
         sinks,
         status: status_ptr,
+        k_scale,
+        v_scale,
         scale_log2: opts.attn.softmax_scale * LOG2_E,
         softcap: opts.attn.softcap.unwrap_or(0.0),
         window: opts.attn.window.unwrap_or(0),
@@ -338,7 +347,7 @@ pub fn prefill(
         causal: opts.causal as u32,
         ..PrefillParams::default()
     };
-    let smem = shared_layout(dk as u32, dv as u32, false).total;
-    dev.launch_pdl(stream, &kernel_name(q_dtype, dk, dv), ((plan.items.len() * num_kv_heads) as u32, 1, 1), THREADS, smem, p)?;
+    let smem = shared_layout(dk as u32, dv as u32, false, fp8).total;
+    dev.launch_pdl(stream, &kernel_name(q_dtype, fp8, dk, dv), ((plan.items.len() * num_kv_heads) as u32, 1, 1), THREADS, smem, p)?;
     Ok(plan)
 }

@@ -115,7 +115,7 @@ impl CacheFormat for Fp8Cache {
 
 /// Two FP8 bytes (low byte first) as an f16x2 word (scaled by `Fp8Cache::UNPACK_SCALE`^-1).
 #[inline(always)]
-fn fp8x2_to_f16x2(pair: u32) -> u32 {
+pub fn fp8x2_to_f16x2(pair: u32) -> u32 {
     #[cfg(hw_fp8)]
     {
         let out: u32;

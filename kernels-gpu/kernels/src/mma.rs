@@ -6,7 +6,8 @@
 //! (k 2t, 2t+1; n g), b1 = (k 2t + 8..; n g); C (16x8) c0, c1 = (row g; cols 2t, 2t+1), c2, c3 =
 //! (row g + 8; same cols). Each register holds two 16-bit values, the lower column in the low half.
 
-use crate::elem::{Bf16, HalfFloat, F16};
+use crate::elem::{fp8x2_to_f16x2, Bf16, CacheFormat, Fp8Cache, HalfFloat, F16};
+use crate::vec_io::f16x2_to_f32;
 use core::arch::asm;
 
 /// A 16-bit float type the tensor cores take.
@@ -15,6 +16,11 @@ pub trait MmaHalf: HalfFloat {
     fn mma(a: [u32; 4], b0: u32, b1: u32, c: [f32; 4]) -> [f32; 4];
     /// Two f32 rounded into one register: `lo` in the low half.
     fn pack2(lo: f32, hi: f32) -> u32;
+    /// What [`from_fp8x2`](Self::from_fp8x2) values must be multiplied by.
+    const FP8_UNPACK_SCALE: f32 = Fp8Cache::UNPACK_SCALE;
+    /// Two FP8 E4M3 bytes (low byte first) as two values of this type (exact, divided by
+    /// `FP8_UNPACK_SCALE`).
+    fn from_fp8x2(pair: u32) -> u32;
 }
 
 macro_rules! mma_impl {
@@ -36,6 +42,10 @@ macro_rules! mma_impl {
                 d
             }
             #[inline(always)]
+            fn from_fp8x2(pair: u32) -> u32 {
+                <$ty as FromFp8>::convert(pair)
+            }
+            #[inline(always)]
             fn pack2(lo: f32, hi: f32) -> u32 {
                 let r: u32;
                 // cvt.rn.<t>x2.f32 d, a, b puts a in the upper half.
@@ -48,6 +58,27 @@ macro_rules! mma_impl {
 
 mma_impl!(F16, "f16");
 mma_impl!(Bf16, "bf16");
+
+/// FP8 pairs to a 16-bit type, per type.
+pub trait FromFp8 {
+    fn convert(pair: u32) -> u32;
+}
+
+impl FromFp8 for F16 {
+    #[inline(always)]
+    fn convert(pair: u32) -> u32 {
+        fp8x2_to_f16x2(pair)
+    }
+}
+
+impl FromFp8 for Bf16 {
+    #[inline(always)]
+    fn convert(pair: u32) -> u32 {
+        // Through f16 and f32: every E4M3 value (over the unpack scale) is exact in all three.
+        let (lo, hi) = f16x2_to_f32(fp8x2_to_f16x2(pair));
+        Bf16::pack2(lo, hi)
+    }
+}
 
 /// The shared-memory (state space) address of a generic pointer into shared memory.
 #[inline(always)]

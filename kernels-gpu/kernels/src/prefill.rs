@@ -20,8 +20,8 @@ use crate::device::{
     atomic_or_global, block_idx_x, dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, tanh, thread_idx_x, vote_any,
 };
 use crate::mma::{
-    cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32x2, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_trans,
-    shared_addr, st_shared_f32x2, st_shared_u32, st_shared_u64x2, MmaHalf,
+    cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32x2, ld_shared_u32, ld_shared_u64, ld_shared_v4, ldmatrix_x4,
+    ldmatrix_x4_trans, shared_addr, st_shared_f32x2, st_shared_u32, st_shared_u64x2, st_shared_v4, MmaHalf,
 };
 use crate::vec_io::{load_f32_nc, load_u32_nc, store4, store8, store_f32};
 use attn_math::params::PrefillParams;
@@ -59,31 +59,30 @@ impl KvSource {
     /// The second half: byte addresses of the key's K and V rows for this head, `(0, 0)` when
     /// its block is outside the cache (never read; reported by the CTA's block scan).
     #[inline(always)]
-    fn addresses(&self, p: &PrefillParams, key: u32, loc: i64) -> (u64, u64) {
+    fn addresses(&self, p: &PrefillParams, key: u32, loc: i64, elem_bytes: u64) -> (u64, u64) {
         if self.block_row == 0 {
             let row = loc as u64;
             (
-                p.k + (row * p.k_strides.token + self.kv_head * p.k_strides.head) * 2,
-                p.v + (row * p.v_strides.token + self.kv_head * p.v_strides.head) * 2,
+                p.k + (row * p.k_strides.token + self.kv_head * p.k_strides.head) * elem_bytes,
+                p.v + (row * p.v_strides.token + self.kv_head * p.v_strides.head) * elem_bytes,
             )
         } else if loc < 0 || loc as u64 >= p.num_blocks as u64 {
             (0, 0)
         } else {
             // A paged cache's K and V planes share their strides.
-            let off = p.k_strides.offset(loc as u64, (key % p.block_size) as u64, self.kv_head, 0) * 2;
+            let off = p.k_strides.offset(loc as u64, (key % p.block_size) as u64, self.kv_head, 0) * elem_bytes;
             (p.k + off, p.v + off)
         }
     }
 }
 
-/// Copies `ROWS` rows of `D` 16-bit elements into shared memory at `dst` (pitch `D + ROW_PAD`)
-/// asynchronously; `src(r)` is row r's address, 0 for a row to zero-fill (`fallback`, a valid
-/// address, is named then but not read).
+/// Copies `ROWS` rows of `chunks` 16-byte chunks into shared memory at `dst` (row pitch `pitch`
+/// bytes) asynchronously; `src(r)` is row r's address, 0 for a row to zero-fill (`fallback`, a
+/// valid address, is named then but not read). Thread `tid` copies chunks `tid + i * THREADS`
+/// (row-major), which [`convert_fp8_rows`] relies on.
 #[inline(always)]
-unsafe fn copy_rows_async<const D: usize, const ROWS: usize>(dst: u32, fallback: u64, src: impl Fn(u32) -> u64) {
-    let chunks = D as u32 / 8;
+unsafe fn copy_rows_async<const ROWS: usize>(dst: u32, chunks: u32, pitch: u32, fallback: u64, src: impl Fn(u32) -> u64) {
     let passes = (ROWS as u32 * chunks).div_ceil(THREADS);
-    let pitch = (D as u32 + ROW_PAD) * 2;
     let tid = thread_idx_x();
     static_for::<16>(|i| {
         if (i as u32) < passes {
@@ -94,6 +93,32 @@ unsafe fn copy_rows_async<const D: usize, const ROWS: usize>(dst: u32, fallback:
                 let a = src(r);
                 let (from, bytes) = if a != 0 { (a + c as u64 * 16, 16) } else { (fallback, 0) };
                 unsafe { cp_async_16(dst + r * pitch + c * 16, from, bytes) };
+            }
+        }
+    });
+}
+
+/// Converts the FP8 rows this thread copied into `staging` (`D` bytes a row) into the 16-bit
+/// tile at `tile` (pitch `D + ROW_PAD` elements), exactly (the unpack scale is folded into the
+/// k/v scales). Only after `cp_async_wait` covers those copies; a barrier must follow.
+#[inline(always)]
+unsafe fn convert_fp8_rows<Q: MmaHalf, const D: usize, const ROWS: usize>(staging: u32, tile: u32) {
+    let chunks = D as u32 / 16;
+    let passes = (ROWS as u32 * chunks).div_ceil(THREADS);
+    let pitch = (D as u32 + ROW_PAD) * 2;
+    let tid = thread_idx_x();
+    static_for::<16>(|i| {
+        if (i as u32) < passes {
+            let idx = tid + i as u32 * THREADS;
+            let r = idx / chunks;
+            let c = idx - r * chunks;
+            if r < ROWS as u32 {
+                let raw = unsafe { ld_shared_v4(staging + r * D as u32 + c * 16) };
+                let mut half = [0u32; 8];
+                static_for::<8>(|j| half[j] = Q::from_fp8x2((raw[j / 2] >> (16 * (j % 2))) & 0xffff));
+                let at = tile + r * pitch + c * 32;
+                unsafe { st_shared_v4(at, [half[0], half[1], half[2], half[3]]) };
+                unsafe { st_shared_v4(at + 16, [half[4], half[5], half[6], half[7]]) };
             }
         }
     });
@@ -157,6 +182,7 @@ impl RowOut {
         st: OnlineSoftmax,
         num_splits: u32,
         write_lse: bool,
+        v_scale: f32,
     ) -> RowOut {
         if num_splits == 1 {
             let mut scale = 1.0;
@@ -169,7 +195,7 @@ impl RowOut {
                 unsafe { store_f32(p.lse + (row.token as u64 * p.num_q_heads as u64 + row.head as u64) * 4, st.lse()) };
             }
             let addr = p.out + (row.token as u64 * p.out_token_stride + row.head as u64 * p.out_head_stride) * 2;
-            RowOut { addr, partial: false, inv: if st.sum > 0.0 { scale / st.sum } else { 0.0 } }
+            RowOut { addr, partial: false, inv: if st.sum > 0.0 { v_scale * scale / st.sum } else { 0.0 } }
         } else {
             let base = unsafe { load_u32_nc(p.req_partial_base + w.req as u64 * 4) } as u64;
             let t = (row.token - w.q_start) as u64;
@@ -177,7 +203,7 @@ impl RowOut {
             if write_lse {
                 unsafe { store_f32(p.partial_lse + index * 4, st.lse()) };
             }
-            RowOut { addr: p.partial_out + index * DV as u64 * 4, partial: true, inv: if st.sum > 0.0 { 1.0 / st.sum } else { 0.0 } }
+            RowOut { addr: p.partial_out + index * DV as u64 * 4, partial: true, inv: if st.sum > 0.0 { v_scale / st.sum } else { 0.0 } }
         }
     }
 
@@ -315,9 +341,18 @@ fn softmax_step<const DV: usize, const KW: usize>(
 
 /// The kernel. `KEYS`: the decode shape (16 rows, keys split across warps), else the prefill
 /// shape (64 rows, rows split across warps).
-/// `KW` = the keys of a tile one warp takes: `BN / WARPS` (keys split) or `BN`.
+/// `KW` = the keys of a tile one warp takes: `BN / WARPS` (keys split) or `BN`. `FP8`: the cache
+/// is FP8 E4M3 (with `p.k_scale` / `p.v_scale`), staged raw and converted in shared memory.
 #[inline(always)]
-pub unsafe fn attention<Q: MmaHalf, const DK: usize, const DV: usize, const BN: usize, const KW: usize, const KEYS: bool>(
+pub unsafe fn attention<
+    Q: MmaHalf,
+    const DK: usize,
+    const DV: usize,
+    const BN: usize,
+    const KW: usize,
+    const KEYS: bool,
+    const FP8: bool,
+>(
     p: &PrefillParams,
 ) {
     // Programmatic dependent launch (sm_90a): wait for the previous kernel (the cache write)
@@ -346,10 +381,22 @@ pub unsafe fn attention<Q: MmaHalf, const DK: usize, const DV: usize, const BN: 
     let n_tiles = if end > begin { (end - begin).div_ceil(BN as u32) } else { 0 };
 
     const { assert!(BN as u32 <= THREADS && KW == if KEYS { BN / WARPS as usize } else { BN }) };
-    let st = stages(DK as u32, DV as u32, KEYS);
+    let st = stages(DK as u32, DV as u32, KEYS, FP8);
     let slots = st + 1;
-    let layout = shared_layout(DK as u32, DV as u32, KEYS);
+    let layout = shared_layout(DK as u32, DV as u32, KEYS, FP8);
+    let elem_bytes = if FP8 { 1 } else { 2 };
+    // FP8: dequantisation folds into the score scale (k) and the output factor (v).
+    let (k_scale, v_scale) = if FP8 {
+        let unpack = Q::FP8_UNPACK_SCALE;
+        (unsafe { load_f32_nc(p.k_scale) } * unpack, unsafe { load_f32_nc(p.v_scale) } * unpack)
+    } else {
+        (1.0, 1.0)
+    };
+    let score_scale = p.scale_log2 * k_scale;
     let smem = shared_addr(dynamic_shared::<u8>());
+    // Where a stage's 16-bit K and V tiles are read by the math.
+    let k_tile = |stage: u32| if FP8 { smem + layout.k_tile } else { smem + layout.k + stage * layout.k_stage };
+    let v_tile = |stage: u32| if FP8 { smem + layout.v_tile } else { smem + layout.v + stage * layout.v_stage };
     let table = |tile: u32| smem + layout.table + (tile % slots) * table_slot_bytes(BN as u32);
     // Flags after the entries: one u32 per filling warp, non-zero when a key's block is bad.
     let flags = |tile: u32| table(tile) + BN as u32 * TABLE_ENTRY;
@@ -366,7 +413,7 @@ pub unsafe fn attention<Q: MmaHalf, const DK: usize, const DV: usize, const BN: 
     let fill = |tile: u32, loc: i64| {
         let key = tile_keys(tile) + tid;
         if tile < n_tiles && tid < BN as u32 {
-            let (ka, va) = if key < end { src.addresses(p, key, loc) } else { (0, 0) };
+            let (ka, va) = if key < end { src.addresses(p, key, loc, elem_bytes) } else { (0, 0) };
             unsafe { st_shared_u64x2(table(tile) + tid * TABLE_ENTRY, ka, va) };
             let bad = key < end && ka == 0;
             if bad {
@@ -381,9 +428,19 @@ pub unsafe fn attention<Q: MmaHalf, const DK: usize, const DV: usize, const BN: 
     let load_kv = |tile: u32| {
         let stage = tile % st;
         let t = table(tile);
-        unsafe {
-            copy_rows_async::<DK, BN>(smem + layout.k + stage * layout.k_stage, p.q, |r| ld_shared_u64(t + r * TABLE_ENTRY));
-            copy_rows_async::<DV, BN>(smem + layout.v + stage * layout.v_stage, p.q, |r| ld_shared_u64(t + r * TABLE_ENTRY + 8));
+        let (k_dst, v_dst) = (smem + layout.k + stage * layout.k_stage, smem + layout.v + stage * layout.v_stage);
+        let k_src = |r: u32| unsafe { ld_shared_u64(t + r * TABLE_ENTRY) };
+        let v_src = |r: u32| unsafe { ld_shared_u64(t + r * TABLE_ENTRY + 8) };
+        if FP8 {
+            unsafe {
+                copy_rows_async::<BN>(k_dst, DK as u32 / 16, DK as u32, p.q, k_src);
+                copy_rows_async::<BN>(v_dst, DV as u32 / 16, DV as u32, p.q, v_src);
+            }
+        } else {
+            unsafe {
+                copy_rows_async::<BN>(k_dst, DK as u32 / 8, (DK as u32 + ROW_PAD) * 2, p.q, k_src);
+                copy_rows_async::<BN>(v_dst, DV as u32 / 8, (DV as u32 + ROW_PAD) * 2, p.q, v_src);
+            }
         }
     };
 
@@ -400,10 +457,11 @@ pub unsafe fn attention<Q: MmaHalf, const DK: usize, const DV: usize, const BN: 
         let row = unsafe { w.row(p, r) };
         p.q + (row.token as u64 * p.q_token_stride + row.head as u64 * p.q_head_stride) * 2
     };
+    let q_pitch = (DK as u32 + ROW_PAD) * 2;
     if KEYS {
-        unsafe { copy_rows_async::<DK, 16>(smem, p.q, q_row) };
+        unsafe { copy_rows_async::<16>(smem, DK as u32 / 8, q_pitch, p.q, q_row) };
     } else {
-        unsafe { copy_rows_async::<DK, 64>(smem, p.q, q_row) };
+        unsafe { copy_rows_async::<64>(smem, DK as u32 / 8, q_pitch, p.q, q_row) };
     }
     static_for::<3>(|j| {
         if (j as u32) < st - 1 {
@@ -421,13 +479,12 @@ pub unsafe fn attention<Q: MmaHalf, const DK: usize, const DV: usize, const BN: 
     let softcap_inv = if p.softcap > 0.0 { 1.0 / (p.softcap * LOG2_E) } else { 0.0 };
     let softcap_log2 = p.softcap * LOG2_E;
     // Scores are scaled inside the exponent's FMA unless a feature needs them scaled first.
-    let prescale = p.softcap > 0.0 || p.alibi_slopes != 0 || p.scale_log2 <= 0.0;
-    let mult = if prescale { 1.0 } else { p.scale_log2 };
+    let prescale = p.softcap > 0.0 || p.alibi_slopes != 0 || score_scale <= 0.0;
+    let mult = if prescale { 1.0 } else { score_scale };
 
     let mut state = [OnlineSoftmax::EMPTY; 2];
     let mut o = [[0.0f32; 4]; 32]; // DV / 8 column tiles of 8 used
     let mut q_frag = [[0u32; 4]; 16]; // DK / 16 k-steps used
-    let q_pitch = (DK as u32 + ROW_PAD) * 2;
     let q_base = smem + (warp_row0 + (lane % 8) + 8 * ((lane / 8) % 2)) * q_pitch + 16 * (lane / 16);
 
     let mut tile = 0;
@@ -444,6 +501,13 @@ pub unsafe fn attention<Q: MmaHalf, const DK: usize, const DV: usize, const BN: 
         } else {
             cp_async_wait::<1>();
         }
+        let stage = tile % st;
+        if FP8 {
+            unsafe {
+                convert_fp8_rows::<Q, DK, BN>(smem + layout.k + stage * layout.k_stage, k_tile(stage));
+                convert_fp8_rows::<Q, DV, BN>(smem + layout.v + stage * layout.v_stage, v_tile(stage));
+            }
+        }
         sync_threads();
         if tile == 0 {
             static_for::<16>(|ks| {
@@ -452,16 +516,15 @@ pub unsafe fn attention<Q: MmaHalf, const DK: usize, const DV: usize, const BN: 
                 }
             });
         }
-        let stage = tile % st;
         let kt = tile_keys(tile) + key_off;
         {
-            let mut s = scores::<Q, DK, KW>(&q_frag, smem + layout.k + stage * layout.k_stage, key_off);
+            let mut s = scores::<Q, DK, KW>(&q_frag, k_tile(stage), key_off);
             // Logits, masked where the tile crosses a boundary.
             let key_of = |n: usize, e: usize| kt + n as u32 * 8 + 2 * t4 + (e % 2) as u32;
             if prescale {
                 static_for::<8>(|n| {
                     if n < KW / 8 {
-                        static_for::<4>(|e| s[n][e] *= p.scale_log2)
+                        static_for::<4>(|e| s[n][e] *= score_scale)
                     }
                 });
                 if p.softcap > 0.0 {
@@ -509,7 +572,7 @@ pub unsafe fn attention<Q: MmaHalf, const DK: usize, const DV: usize, const BN: 
                 });
             }
             softmax_step::<DV, KW>(&mut s, &mut o, &mut state, mult);
-            accumulate_pv::<Q, DV, KW>(&s, &mut o, smem + layout.v + stage * layout.v_stage, key_off);
+            accumulate_pv::<Q, DV, KW>(&s, &mut o, v_tile(stage), key_off);
         }
         fill(tile + st, ahead);
         // Every warp is done with this stage (and table slot) before it is refilled.
@@ -520,7 +583,7 @@ pub unsafe fn attention<Q: MmaHalf, const DK: usize, const DV: usize, const BN: 
 
     let num_splits = if p.req_num_splits != 0 { unsafe { load_u32_nc(p.req_num_splits + w.req as u64 * 4) } } else { 1 };
     if KEYS {
-        unsafe { finish_keys_split::<Q, DV>(p, &w, smem, layout.merge, layout.merge_pitch, layout.stats, state, &o, num_splits) };
+        unsafe { finish_keys_split::<Q, DV>(p, &w, smem, layout.merge, layout.merge_pitch, layout.stats, state, &o, num_splits, v_scale) };
     } else {
         // The quad's partial sums, then the output (or the split's partial) per row.
         static_for::<2>(|h| {
@@ -530,7 +593,7 @@ pub unsafe fn attention<Q: MmaHalf, const DK: usize, const DV: usize, const BN: 
             if warp_row0 + g + 8 * h as u32 >= w.live {
                 return;
             }
-            let out = unsafe { RowOut::new::<DV>(p, &w, &rows[h], st, num_splits, t4 == 0) };
+            let out = unsafe { RowOut::new::<DV>(p, &w, &rows[h], st, num_splits, t4 == 0, v_scale) };
             static_for::<32>(|n| {
                 if n < DV / 8 {
                     unsafe { out.store_pair::<Q>(n as u32 * 8 + 2 * t4, o[n][2 * h], o[n][2 * h + 1]) };
@@ -555,6 +618,7 @@ unsafe fn finish_keys_split<Q: MmaHalf, const DV: usize>(
     mut state: [OnlineSoftmax; 2],
     o: &[[f32; 4]; 32],
     num_splits: u32,
+    v_scale: f32,
 ) {
     let tid = thread_idx_x();
     let (warp, lane) = (tid / 32, tid % 32);
@@ -596,7 +660,7 @@ unsafe fn finish_keys_split<Q: MmaHalf, const DV: usize>(
         total.merge(stat(wp as u32, r));
     });
     let row = unsafe { w.row(p, r) };
-    let out = unsafe { RowOut::new::<DV>(p, w, &row, total, num_splits, t8 == 0) };
+    let out = unsafe { RowOut::new::<DV>(p, w, &row, total, num_splits, t8 == 0, v_scale) };
     static_for::<16>(|i| {
         if i < DV / 16 {
             let col = 2 * (t8 + 8 * i as u32);

@@ -1,6 +1,6 @@
-//! Entry points of the tensor-core attention kernels: `prefill_<dtype>_dk<qk>_dv<v>` (rows
-//! split across warps) and `decode_tc_<dtype>_d<head_size>` (keys split across warps). The host
-//! builds the same names (host/src/prefill.rs).
+//! Entry points of the tensor-core attention kernels: `prefill_<dtype>[_fp8]_dk<qk>_dv<v>` (rows
+//! split across warps) and `decode_tc_<dtype>[_fp8]_d<head_size>` (keys split across warps);
+//! `_fp8`: an FP8 E4M3 cache. The host builds the same names (host/src/prefill.rs, decode.rs).
 
 use crate::elem::{Bf16, F16};
 use crate::prefill::attention;
@@ -14,7 +14,7 @@ macro_rules! prefill_kernels {
                 #[unsafe(export_name = concat!("prefill_", $qname, "_dk", $dk, "_dv", $dv))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
                     const BN: usize = block_n($dk, $dv, false) as usize;
-                    unsafe { attention::<$q, $dk, $dv, BN, BN, false>(&p) }
+                    unsafe { attention::<$q, $dk, $dv, BN, BN, false, false>(&p) }
                 }
             };
         )*
@@ -28,7 +28,21 @@ macro_rules! decode_kernels {
                 #[unsafe(export_name = concat!("decode_tc_", $qname, "_d", $d))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
                     const BN: usize = block_n($d, $d, true) as usize;
-                    unsafe { attention::<$q, $d, $d, BN, { BN / WARPS as usize }, true>(&p) }
+                    unsafe { attention::<$q, $d, $d, BN, { BN / WARPS as usize }, true, false>(&p) }
+                }
+            };
+            const _: () = {
+                #[unsafe(export_name = concat!("decode_tc_", $qname, "_fp8_d", $d))]
+                unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+                    const BN: usize = block_n($d, $d, true) as usize;
+                    unsafe { attention::<$q, $d, $d, BN, { BN / WARPS as usize }, true, true>(&p) }
+                }
+            };
+            const _: () = {
+                #[unsafe(export_name = concat!("prefill_", $qname, "_fp8_dk", $d, "_dv", $d))]
+                unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+                    const BN: usize = block_n($d, $d, false) as usize;
+                    unsafe { attention::<$q, $d, $d, BN, BN, false, true>(&p) }
                 }
             };
         )*

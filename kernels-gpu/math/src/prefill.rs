@@ -45,16 +45,19 @@ pub const fn block_n(head_size_qk: u32, head_size_v: u32, keys_split: bool) -> u
     }
 }
 
-/// K/V tiles in flight (cp.async pipeline depth).
-pub const fn stages(head_size_qk: u32, head_size_v: u32, keys_split: bool) -> u32 {
-    if keys_split && head_size_qk <= 128 && head_size_v <= 128 {
+/// K/V tiles in flight (cp.async pipeline depth). An FP8 cache lands in raw staging buffers
+/// (half the bytes of a 16-bit tile) and is converted into one 16-bit tile per tensor, so it can
+/// afford 3 stages where 16-bit tiles take 2.
+pub const fn stages(head_size_qk: u32, head_size_v: u32, keys_split: bool, fp8: bool) -> u32 {
+    if (keys_split || fp8) && head_size_qk <= 128 && head_size_v <= 128 {
         3
     } else {
         2
     }
 }
 
-/// Byte offsets in dynamic shared memory. Q at 0; stage s of K at `k + s * k_stage`; the key
+/// Byte offsets in dynamic shared memory. Q at 0; stage s of K at `k + s * k_stage` (16-bit
+/// tiles, or FP8 staging rows of `dk` bytes with the 16-bit tiles at `k_tile` / `v_tile`); the key
 /// address table (`stages + 1` slots of `block_n` entries) after V; the keys-split merge area
 /// (f32 `[WARPS][16][dv + 8]`, then `[WARPS][16]` (max, sum) pairs) reuses K/V once the loop is done.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,6 +66,9 @@ pub struct SharedLayout {
     pub k_stage: u32,
     pub v: u32,
     pub v_stage: u32,
+    /// FP8 only: the converted 16-bit K and V tiles.
+    pub k_tile: u32,
+    pub v_tile: u32,
     pub table: u32,
     pub merge: u32,
     pub merge_pitch: u32,
@@ -70,22 +76,28 @@ pub struct SharedLayout {
     pub total: u32,
 }
 
-pub const fn shared_layout(dk: u32, dv: u32, keys_split: bool) -> SharedLayout {
+pub const fn shared_layout(dk: u32, dv: u32, keys_split: bool, fp8: bool) -> SharedLayout {
     let bn = block_n(dk, dv, keys_split);
-    let st = stages(dk, dv, keys_split);
+    let st = stages(dk, dv, keys_split, fp8);
     let q_bytes = block_m(keys_split) * (dk + ROW_PAD) * 2;
-    let k_stage = bn * (dk + ROW_PAD) * 2;
-    let v_stage = bn * (dv + ROW_PAD) * 2;
+    let (k_tile_bytes, v_tile_bytes) = (bn * (dk + ROW_PAD) * 2, bn * (dv + ROW_PAD) * 2);
+    let (k_stage, v_stage) = if fp8 { (bn * dk, bn * dv) } else { (k_tile_bytes, v_tile_bytes) };
     let k = q_bytes;
     let v = k + st * k_stage;
-    let table = v + st * v_stage;
+    let (k_tile, v_tile, tiles_end) = if fp8 {
+        let k_tile = v + st * v_stage;
+        (k_tile, k_tile + k_tile_bytes, k_tile + k_tile_bytes + v_tile_bytes)
+    } else {
+        (0, 0, v + st * v_stage)
+    };
+    let table = tiles_end;
     let table_end = table + (st + 1) * table_slot_bytes(bn);
     let merge_pitch = dv + 8;
     let merge = k;
     let stats = merge + WARPS * 16 * merge_pitch * 4;
     let merge_end = if keys_split { stats + WARPS * 16 * 8 } else { 0 };
     let total = if merge_end > table_end { merge_end } else { table_end };
-    SharedLayout { k, k_stage, v, v_stage, table, merge, merge_pitch, stats, total }
+    SharedLayout { k, k_stage, v, v_stage, k_tile, v_tile, table, merge, merge_pitch, stats, total }
 }
 
 #[cfg(test)]
@@ -95,14 +107,18 @@ mod tests {
     #[test]
     fn layouts_fit_two_ctas_per_sm_where_meant_to() {
         // 227 KiB per CTA at most on sm_90; two CTAs of the d128 shapes share an SM.
-        for keys in [false, true] {
-            for (dk, dv) in HEAD_SIZES {
-                let l = shared_layout(dk, dv, keys);
-                assert!(l.total <= 227 * 1024, "{dk}/{dv} keys={keys}: {}", l.total);
-                assert!(l.table.is_multiple_of(16) && l.k.is_multiple_of(16) && l.v.is_multiple_of(16));
+        for fp8 in [false, true] {
+            for keys in [false, true] {
+                for (dk, dv) in HEAD_SIZES {
+                    let l = shared_layout(dk, dv, keys, fp8);
+                    assert!(l.total <= 227 * 1024, "{dk}/{dv} keys={keys}: {}", l.total);
+                    for offset in [l.table, l.k, l.v, l.k_tile, l.v_tile, l.merge, l.stats] {
+                        assert!(offset.is_multiple_of(16));
+                    }
+                }
             }
+            assert!(2 * shared_layout(128, 128, true, fp8).total <= 226 * 1024);
+            assert!(2 * shared_layout(128, 128, false, fp8).total <= 226 * 1024);
         }
-        assert!(2 * shared_layout(128, 128, true).total <= 226 * 1024);
-        assert!(2 * shared_layout(128, 128, false).total <= 226 * 1024);
     }
 }
