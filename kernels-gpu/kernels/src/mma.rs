@@ -16,6 +16,7 @@ pub trait MmaHalf: HalfFloat {
     fn mma(a: [u32; 4], b0: u32, b1: u32, c: [f32; 4]) -> [f32; 4];
     /// Two f32 rounded into one register: `lo` in the low half.
     fn pack2(lo: f32, hi: f32) -> u32;
+    const IS_BF16: bool;
     /// What [`from_fp8x2`](Self::from_fp8x2) values must be multiplied by.
     const FP8_UNPACK_SCALE: f32 = Fp8Cache::UNPACK_SCALE;
     /// Two FP8 E4M3 bytes (low byte first) as two values of this type (exact, divided by
@@ -26,6 +27,7 @@ pub trait MmaHalf: HalfFloat {
 macro_rules! mma_impl {
     ($ty:ty, $name:literal) => {
         impl MmaHalf for $ty {
+            const IS_BF16: bool = matches!($name.as_bytes(), b"bf16");
             #[inline(always)]
             fn mma(a: [u32; 4], b0: u32, b1: u32, c: [f32; 4]) -> [f32; 4] {
                 let d: [f32; 4];

@@ -343,9 +343,12 @@ fn softmax_step<const DV: usize, const KW: usize>(
 /// shape (64 rows, rows split across warps).
 /// `KW` = the keys of a tile one warp takes: `BN / WARPS` (keys split) or `BN`. `FP8`: the cache
 /// is FP8 E4M3 (with `p.k_scale` / `p.v_scale`), staged raw and converted in shared memory.
+/// `M`: the tensor cores' input type: `Q`, or f16 for an FP8 cache (one conversion instruction
+/// per pair, and exact; bf16 queries are scaled by 2^-8 into f16's range, undone in the scores).
 #[inline(always)]
 pub unsafe fn attention<
     Q: MmaHalf,
+    M: MmaHalf,
     const DK: usize,
     const DV: usize,
     const BN: usize,
@@ -387,12 +390,14 @@ pub unsafe fn attention<
     let elem_bytes = if FP8 { 1 } else { 2 };
     // FP8: dequantisation folds into the score scale (k) and the output factor (v).
     let (k_scale, v_scale) = if FP8 {
-        let unpack = Q::FP8_UNPACK_SCALE;
+        let unpack = M::FP8_UNPACK_SCALE;
         (unsafe { load_f32_nc(p.k_scale) } * unpack, unsafe { load_f32_nc(p.v_scale) } * unpack)
     } else {
         (1.0, 1.0)
     };
-    let score_scale = p.scale_log2 * k_scale;
+    // Queries converted from Q to M are scaled by `q_conv` (2^-8 from bf16 to f16).
+    let q_conv = if Q::IS_BF16 == M::IS_BF16 { 1.0 } else { 1.0 / 256.0 };
+    let score_scale = p.scale_log2 * k_scale / q_conv;
     let smem = shared_addr(dynamic_shared::<u8>());
     // Where a stage's 16-bit K and V tiles are read by the math.
     let k_tile = |stage: u32| if FP8 { smem + layout.k_tile } else { smem + layout.k + stage * layout.k_stage };
@@ -504,8 +509,8 @@ pub unsafe fn attention<
         let stage = tile % st;
         if FP8 {
             unsafe {
-                convert_fp8_rows::<Q, DK, BN>(smem + layout.k + stage * layout.k_stage, k_tile(stage));
-                convert_fp8_rows::<Q, DV, BN>(smem + layout.v + stage * layout.v_stage, v_tile(stage));
+                convert_fp8_rows::<M, DK, BN>(smem + layout.k + stage * layout.k_stage, k_tile(stage));
+                convert_fp8_rows::<M, DV, BN>(smem + layout.v + stage * layout.v_stage, v_tile(stage));
             }
         }
         sync_threads();
@@ -513,12 +518,18 @@ pub unsafe fn attention<
             static_for::<16>(|ks| {
                 if ks < DK / 16 {
                     q_frag[ks] = unsafe { ldmatrix_x4(q_base + ks as u32 * 32) };
+                    if Q::IS_BF16 != M::IS_BF16 {
+                        static_for::<4>(|i| {
+                            let (lo, hi) = Q::unpack2(q_frag[ks][i]);
+                            q_frag[ks][i] = M::pack2(lo * q_conv, hi * q_conv);
+                        });
+                    }
                 }
             });
         }
         let kt = tile_keys(tile) + key_off;
         {
-            let mut s = scores::<Q, DK, KW>(&q_frag, k_tile(stage), key_off);
+            let mut s = scores::<M, DK, KW>(&q_frag, k_tile(stage), key_off);
             // Logits, masked where the tile crosses a boundary.
             let key_of = |n: usize, e: usize| kt + n as u32 * 8 + 2 * t4 + (e % 2) as u32;
             if prescale {
@@ -572,7 +583,7 @@ pub unsafe fn attention<
                 });
             }
             softmax_step::<DV, KW>(&mut s, &mut o, &mut state, mult);
-            accumulate_pv::<Q, DV, KW>(&s, &mut o, v_tile(stage), key_off);
+            accumulate_pv::<M, DV, KW>(&s, &mut o, v_tile(stage), key_off);
         }
         fill(tile + st, ahead);
         // Every warp is done with this stage (and table slot) before it is refilled.

@@ -14,7 +14,7 @@ macro_rules! prefill_kernels {
                 #[unsafe(export_name = concat!("prefill_", $qname, "_dk", $dk, "_dv", $dv))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
                     const BN: usize = block_n($dk, $dv, false) as usize;
-                    unsafe { attention::<$q, $dk, $dv, BN, BN, false, false>(&p) }
+                    unsafe { attention::<$q, $q, $dk, $dv, BN, BN, false, false>(&p) }
                 }
             };
         )*
@@ -28,21 +28,21 @@ macro_rules! decode_kernels {
                 #[unsafe(export_name = concat!("decode_tc_", $qname, "_d", $d))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
                     const BN: usize = block_n($d, $d, true) as usize;
-                    unsafe { attention::<$q, $d, $d, BN, { BN / WARPS as usize }, true, false>(&p) }
+                    unsafe { attention::<$q, $q, $d, $d, BN, { BN / WARPS as usize }, true, false>(&p) }
                 }
             };
             const _: () = {
                 #[unsafe(export_name = concat!("decode_tc_", $qname, "_fp8_d", $d))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
                     const BN: usize = block_n($d, $d, true) as usize;
-                    unsafe { attention::<$q, $d, $d, BN, { BN / WARPS as usize }, true, true>(&p) }
+                    unsafe { attention::<$q, F16, $d, $d, BN, { BN / WARPS as usize }, true, true>(&p) }
                 }
             };
             const _: () = {
                 #[unsafe(export_name = concat!("prefill_", $qname, "_fp8_dk", $d, "_dv", $d))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
                     const BN: usize = block_n($d, $d, false) as usize;
-                    unsafe { attention::<$q, $d, $d, BN, BN, false, true>(&p) }
+                    unsafe { attention::<$q, F16, $d, $d, BN, BN, false, true>(&p) }
                 }
             };
         )*
