@@ -65,6 +65,16 @@ fn parse(report: &str) -> Vec<Row> {
     rows
 }
 
+/// Kernels known to spill a few registers, with the most stack they may use. Head size 256 on
+/// the prefill shape holds 128 f32 accumulators per thread; ptxas spills a few words around
+/// them (measured 8-48 bytes). Anything else with a stack frame fails the report: that is how
+/// a register array that went to local memory shows (see BENCHMARKS.md, cache writes).
+const SMALL_SPILLS_ALLOWED: &[(&str, u32)] = &[("_dk256_dv256", 64)];
+
+fn stack_allowed(kernel: &str) -> u32 {
+    SMALL_SPILLS_ALLOWED.iter().find(|(suffix, _)| kernel.ends_with(suffix)).map_or(0, |&(_, bytes)| bytes)
+}
+
 pub fn ptx_report() -> Result<(), String> {
     let ptxas = find_ptxas();
     let (mut spills, mut stack) = (0, 0);
@@ -90,7 +100,9 @@ pub fn ptx_report() -> Result<(), String> {
         println!("{:<40} {:>5} {:>7} {:>7} {:>6} {:>6}", "kernel", "regs", "spillST", "spillLD", "stack", "smem");
         for r in parse(&log) {
             spills += r.spill_stores + r.spill_loads;
-            stack += r.stack;
+            if r.stack > stack_allowed(&r.kernel) {
+                stack += r.stack;
+            }
             println!("{:<40} {:>5} {:>7} {:>7} {:>6} {:>6}", r.kernel, r.registers, r.spill_stores, r.spill_loads, r.stack, r.smem);
         }
     }
@@ -98,7 +110,7 @@ pub fn ptx_report() -> Result<(), String> {
         println!("\nwarning: {spills} bytes of register spills in total");
     }
     if stack > 0 {
-        return Err(format!("{stack} bytes of stack frames in total: a register array went to local memory"));
+        return Err(format!("{stack} bytes of unexpected stack frames: a register array went to local memory"));
     }
     Ok(())
 }

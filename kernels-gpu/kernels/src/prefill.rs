@@ -248,18 +248,19 @@ unsafe fn work_item<const KEYS: bool>(p: &PrefillParams) -> Option<Work> {
 
 /// S = Q K^T for a warp: 16 rows x `KW` keys starting at `key_off` of the K tile at `k_tile`.
 #[inline(always)]
-fn scores<Q: MmaHalf, const DK: usize, const KW: usize>(q_frag: &[[u32; 4]; 16], k_tile: u32, key_off: u32) -> [[f32; 4]; 8] {
+fn scores<Q: MmaHalf, const DK: usize, const KW: usize>(q_frag: impl Fn(usize) -> [u32; 4], k_tile: u32, key_off: u32) -> [[f32; 4]; 8] {
     let lane = thread_idx_x() % 32;
     let k_pitch = (DK as u32 + ROW_PAD) * 2;
     let mut s = [[0.0f32; 4]; 8];
     let k_base = k_tile + (key_off + (lane % 8) + 8 * (lane / 16)) * k_pitch + 16 * ((lane / 8) % 2);
     static_for::<16>(|ks| {
         if ks < DK / 16 {
+            let a = q_frag(ks);
             static_for::<4>(|np| {
                 if np < KW / 16 {
                     let b = unsafe { ldmatrix_x4(k_base + np as u32 * 16 * k_pitch + ks as u32 * 32) };
-                    s[2 * np] = Q::mma(q_frag[ks], b[0], b[1], s[2 * np]);
-                    s[2 * np + 1] = Q::mma(q_frag[ks], b[2], b[3], s[2 * np + 1]);
+                    s[2 * np] = Q::mma(a, b[0], b[1], s[2 * np]);
+                    s[2 * np + 1] = Q::mma(a, b[2], b[3], s[2 * np + 1]);
                 }
             });
         }
@@ -490,8 +491,22 @@ pub unsafe fn attention<
     let mut state = [OnlineSoftmax::EMPTY; 2];
     let mut o = [[0.0f32; 4]; 32]; // DV / 8 column tiles of 8 used
     let mut q_frag = [[0u32; 4]; 16]; // DK / 16 k-steps used
+    // The query fragments stay in registers up to head size 192; at 256 they (64 registers)
+    // would push the accumulators into local memory, so they are re-read each tile.
+    let q_in_regs = DK <= 192;
     let q_base = smem + (warp_row0 + (lane % 8) + 8 * ((lane / 8) % 2)) * q_pitch + 16 * (lane / 16);
 
+    // Query fragment `ks` from shared memory, converted to the tensor cores' type.
+    let load_q = |ks: usize| {
+        let mut f = unsafe { ldmatrix_x4(q_base + ks as u32 * 32) };
+        if Q::IS_BF16 != M::IS_BF16 {
+            static_for::<4>(|i| {
+                let (lo, hi) = Q::unpack2(f[i]);
+                f[i] = M::pack2(lo * q_conv, hi * q_conv);
+            });
+        }
+        f
+    };
     let mut tile = 0;
     while tile < n_tiles {
         // The lookup for tile + st starts now and lands in the table after this tile's math.
@@ -514,22 +529,16 @@ pub unsafe fn attention<
             }
         }
         sync_threads();
-        if tile == 0 {
+        if tile == 0 && q_in_regs {
             static_for::<16>(|ks| {
                 if ks < DK / 16 {
-                    q_frag[ks] = unsafe { ldmatrix_x4(q_base + ks as u32 * 32) };
-                    if Q::IS_BF16 != M::IS_BF16 {
-                        static_for::<4>(|i| {
-                            let (lo, hi) = Q::unpack2(q_frag[ks][i]);
-                            q_frag[ks][i] = M::pack2(lo * q_conv, hi * q_conv);
-                        });
-                    }
+                    q_frag[ks] = load_q(ks);
                 }
             });
         }
         let kt = tile_keys(tile) + key_off;
         {
-            let mut s = scores::<M, DK, KW>(&q_frag, k_tile(stage), key_off);
+            let mut s = scores::<M, DK, KW>(|ks| if q_in_regs { q_frag[ks] } else { load_q(ks) }, k_tile(stage), key_off);
             // Logits, masked where the tile crosses a boundary.
             let key_of = |n: usize, e: usize| kt + n as u32 * 8 + 2 * t4 + (e % 2) as u32;
             if prescale {
