@@ -11,6 +11,7 @@
 //! - [`backend`]: the backend registry and per-model selection (with every refusal reason).
 //! - [`metadata`]: per-step metadata (checks, decode/prefill split, plans, one upload).
 //! - [`forward`]: one call per layer: cache write, then decode and prefill attention.
+//! - [`sim`]: a simulated serving engine around `forward` (the `engine-sim` binary).
 //! - [`cpu`]: the CPU implementation of every op: the reference the tests compare with, and the
 //!   path for machines without a GPU.
 
@@ -27,6 +28,7 @@ pub mod layout;
 pub mod metadata;
 pub mod prefill;
 mod ptx;
+pub mod sim;
 pub mod status;
 
 pub use attn_math;
