@@ -8,7 +8,7 @@ use super::io::{CacheSpec, LayerIo};
 use super::step::StepMetadata;
 use super::timing::{PhaseTimes, Timer};
 use super::validate::validate_layer;
-use crate::backend::{refusal_reasons, BackendSpec, DeviceInfo, Selection};
+use crate::backend::{refusal_reasons, BackendSpec, DeviceInfo, Selection, CPU, MLA, TENSOR_CORE};
 use crate::device::AttnDevice;
 use crate::error::{ensure, AttnError, Result};
 use crate::metadata::MetadataBuilder;
@@ -49,6 +49,13 @@ impl Attention {
     pub fn new(selection: &Selection, config: ForwardConfig, gpu: Option<GpuHandles>) -> Result<Self> {
         config.validate()?;
         let backend = selection.backend;
+        if backend.name == MLA.name {
+            return Err(AttnError::MissingKernel {
+                what: "MLA attention on the GPU (backend \"mla\")",
+                missing: "the MLA decode and prefill kernels (issue 5; only the MLA cache write exists). \
+                          The \"cpu\" backend runs MLA (ATTN_BACKEND=cpu)",
+            });
+        }
         let device = gpu.as_ref().map_or(DeviceInfo::no_gpu(), |g| DeviceInfo::from_device(&g.dev));
         let reasons = refusal_reasons(backend, &config.model, &device);
         if !reasons.is_empty() {
@@ -60,20 +67,13 @@ impl Attention {
         }
         let spec = config.cache_spec()?;
         let exec = match backend.name {
-            "cpu" => Exec::Cpu,
-            "tensor-core" => {
+            name if name == CPU.name => Exec::Cpu,
+            name if name == TENSOR_CORE.name => {
                 let gpu =
                     gpu.ok_or_else(|| AttnError::invalid("gpu", "backend \"tensor-core\" runs on a GPU: pass its device and stream"))?;
                 let d = config.model.head_size as u32;
                 ensure(attn_math::prefill::HEAD_SIZES.contains(&(d, d)), "model", || format!("head_size {d} has no prefill kernel"))?;
                 Exec::Gpu(Box::new(GpuExec::new(gpu.dev, gpu.stream, &config)?))
-            }
-            "mla" => {
-                return Err(AttnError::MissingKernel {
-                    what: "MLA attention on the GPU (backend \"mla\")",
-                    missing: "the MLA decode and prefill kernels (issue 5; only the MLA cache write exists). \
-                              The \"cpu\" backend runs MLA (ATTN_BACKEND=cpu)",
-                })
             }
             _ => return Err(AttnError::MissingKernel { what: "forward on this backend", missing: "its executor in host::forward" }),
         };
