@@ -3,6 +3,10 @@
 //! [`cpu::paged_decode`] and the prefill part through [`cpu::prefill`] over the paged cache. MLA
 //! attends over each request's latent rows gathered from its cache (V is their first
 //! `latent_dim` columns).
+//!
+//! Each part is cut into pieces of about equal work (whole requests, or runs of a long request's
+//! query tokens: causal attention aligned to the end of the sequence lets a run stand alone),
+//! one thread each (`ATTN_CPU_THREADS`, else every core); the results do not depend on the cut.
 
 use super::config::ForwardConfig;
 use super::host_buf::{HostElement, HostIn, HostOut};

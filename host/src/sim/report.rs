@@ -17,6 +17,8 @@ pub struct SimReport {
     pub backend: &'static str,
     pub on_gpu: bool,
     pub layers: usize,
+    /// The model's own layer count (runs may use fewer).
+    pub model_layers: usize,
     pub num_blocks: usize,
     /// Bytes of KV cache over all layers.
     pub cache_bytes: usize,
@@ -73,6 +75,7 @@ impl SimReport {
             backend: attn.backend().name,
             on_gpu: attn.runs_on_gpu(),
             layers,
+            model_layers: model.num_layers,
             num_blocks,
             cache_bytes: attn.cache_spec().num_elements() * layers * model.config.cache_dtype.size_bytes(),
             requests,
@@ -122,12 +125,13 @@ impl SimReport {
     pub fn header(&self) -> String {
         let place = if self.on_gpu { "GPU" } else { "CPU (host::cpu, the reference implementation)" };
         format!(
-            "== {} [{}]: {}\n   backend {} on the {place}; {} layers, {} blocks per layer ({} of KV cache); {} requests",
+            "== {} [{}]: {}\n   backend {} on the {place}; {} of {} layers, {} blocks per layer ({} of KV cache); {} requests",
             self.model,
             self.backend,
             self.model_config,
             self.backend,
             self.layers,
+            self.model_layers,
             self.num_blocks,
             bytes(self.cache_bytes),
             self.requests
@@ -153,7 +157,7 @@ impl SimReport {
                 self.max_batch_reqs
             ),
             format!(
-                "  throughput {:.1} tokens/s ({} layers) over {:.3} s of steps",
+                "  throughput {:.1} tokens/s through {} layers, over {:.3} s of steps",
                 self.tokens_per_s(),
                 self.layers,
                 self.wall.as_secs_f64()
