@@ -17,12 +17,12 @@ use crate::layout::{KvCacheSpec, RowsDesc};
 use crate::metadata::{PlanConfig, StagingLayout, StagingSizes};
 use crate::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
 use crate::status::DeviceStatus;
-use attn_math::prefill::BLOCK_M;
 use cudarc::driver::CudaStream;
 use std::sync::Arc;
 
-/// Query rows (tokens x heads per kv head) one prefill request may have in a launch.
-const BLOCK_M_ROWS: usize = BLOCK_M as usize * 65536;
+/// Query rows (tokens x query heads per kv head) a prefill launch surely takes for one request:
+/// 65536 row tiles of at least 16 rows (one MMA tile).
+pub(crate) const MAX_PREFILL_ROWS: usize = 16 * 65536;
 
 /// The device, stream, workspaces and status word of a GPU [`Attention`](super::Attention).
 pub(crate) struct GpuExec {
@@ -40,6 +40,13 @@ impl GpuExec {
         let m = &config.model;
         let group = m.num_q_heads / m.num_kv_heads;
         let l = &config.limits;
+        // A request's prefill rows must fit one launch; the limits bound them.
+        ensure(l.max_num_tokens.saturating_mul(group) <= MAX_PREFILL_ROWS, "limits", || {
+            format!(
+                "max_num_tokens {} x {group} query heads per kv head exceeds the {MAX_PREFILL_ROWS} rows of a prefill launch",
+                l.max_num_tokens
+            )
+        })?;
         let partial_rows = 4 * dev.sm_count() as usize * 8 * group;
         let decode_ws = DecodeWorkspace::new(&stream, partial_rows, m.head_size, l.max_num_reqs, l.max_num_tokens)?;
         let prefill_ws = PrefillWorkspace::new(&stream, l.max_num_tokens, l.max_num_reqs, group)?;
@@ -106,11 +113,6 @@ impl GpuExec {
             format!("the decode part plans {} work items, a launch takes 65535", lay.work_items.len)
         })?;
         let parts = Parts::of(step);
-        let group = q_rows.num_heads / spec.num_kv_heads;
-        let max_rows = parts.prefill.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as usize * group).max().unwrap_or(0);
-        ensure(max_rows <= BLOCK_M_ROWS, "query_start_loc", || {
-            format!("a prefill request has {max_rows} query rows (tokens x {group} heads per kv head); a launch takes {BLOCK_M_ROWS}")
-        })?;
 
         let stream = &self.stream;
         let words = DevIn::new(&dstep.words, stream);
