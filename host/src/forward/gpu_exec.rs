@@ -54,7 +54,8 @@ impl GpuExec {
         Ok(GpuExec { dev, stream, decode_ws, prefill_ws, status })
     }
 
-    /// The builder's plan config: the same numbers `paged_decode` plans with.
+    /// The metadata builder's plan config (the numbers `paged_decode` plans its CUDA-core
+    /// kernel with).
     pub(crate) fn plan_config(&self, config: &ForwardConfig) -> PlanConfig {
         let m = &config.model;
         PlanConfig {
@@ -85,8 +86,8 @@ impl GpuExec {
         DeviceStep::new(self.stream.clone(), words)
     }
 
-    /// Runs a validated layer: the GPU-only checks (alignment, launch limits), then the cache
-    /// write, the decode part and the prefill part, enqueued on the stream.
+    /// Runs a validated layer: the GPU-only checks (alignment), then the cache write, the decode
+    /// part and the prefill part, enqueued on the stream.
     pub(crate) fn forward(
         &mut self,
         config: &ForwardConfig,
@@ -109,9 +110,6 @@ impl GpuExec {
         let split = step.split();
         let (nd, ndt, np, npt) = (split.num_decodes, split.num_decode_tokens, split.num_prefills, split.num_prefill_tokens);
         let lay = &dstep.layout;
-        ensure(nd == 0 || lay.work_items.len <= 65535, "seq_lens", || {
-            format!("the decode part plans {} work items, a launch takes 65535", lay.work_items.len)
-        })?;
         let parts = Parts::of(step);
 
         let stream = &self.stream;
