@@ -37,6 +37,20 @@ impl<'a> DevIn<'a> {
     pub fn dtype(&self) -> DType {
         self.dtype
     }
+
+    /// `len` elements of `dtype` from `byte_offset` of this buffer, borrowed from it (its
+    /// stream-ordering guard covers the view). Panics if the view leaves the buffer.
+    pub(crate) fn view(&self, byte_offset: usize, len: usize, dtype: DType) -> DevIn<'_> {
+        let end = byte_offset + len * dtype.size_bytes();
+        assert!(end <= self.len * self.dtype.size_bytes(), "view of {end} bytes past a buffer of {} x {:?}", self.len, self.dtype);
+        DevIn { ptr: self.ptr + byte_offset as u64, len, dtype, _order: SyncOnDrop::Sync(None) }
+    }
+
+    /// Elements `offset..` of this buffer, borrowed from it.
+    pub(crate) fn tail(&self, offset: usize) -> DevIn<'_> {
+        let offset = offset.min(self.len);
+        self.view(offset * self.dtype.size_bytes(), self.len - offset, self.dtype)
+    }
 }
 
 impl<'a> DevOut<'a> {
@@ -54,5 +68,19 @@ impl<'a> DevOut<'a> {
     }
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+}
+
+impl DevOut<'_> {
+    /// Elements `offset..` of this buffer, written through a borrow of it.
+    pub(crate) fn tail_mut(&mut self, offset: usize) -> DevOut<'_> {
+        let offset = offset.min(self.len);
+        let ptr = self.ptr + (offset * self.dtype.size_bytes()) as u64;
+        DevOut { ptr, len: self.len - offset, dtype: self.dtype, _order: SyncOnDrop::Sync(None) }
+    }
+
+    /// The same memory for reading (after a write on the same stream), borrowed from this.
+    pub(crate) fn as_input(&self) -> DevIn<'_> {
+        DevIn { ptr: self.ptr, len: self.len, dtype: self.dtype, _order: SyncOnDrop::Sync(None) }
     }
 }

@@ -21,6 +21,10 @@ pub enum AttnError {
     /// No embedded kernel module runs on this GPU.
     #[error("unsupported GPU: compute capability {major}.{minor} (kernels are built for {available})")]
     UnsupportedDevice { major: i32, minor: i32, available: String },
+    /// The chosen backend cannot do this yet: `missing` names the kernel (or part) that does
+    /// not exist. Raised before anything is launched.
+    #[error("{what} is not available: {missing}")]
+    MissingKernel { what: &'static str, missing: &'static str },
     /// The CUDA driver reported an error (or is not installed).
     #[error("CUDA driver: {0}")]
     Driver(#[from] cudarc::driver::DriverError),

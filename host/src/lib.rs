@@ -9,6 +9,9 @@
 //! - [`cache_write`]: `reshape_and_cache` and `concat_and_cache_mla`.
 //! - [`decode`]: paged decode with split-K, and `merge_attn_states`.
 //! - [`backend`]: the backend registry and per-model selection (with every refusal reason).
+//! - [`metadata`]: per-step metadata (checks, decode/prefill split, plans, one upload).
+//! - [`forward`]: one call per layer: cache write, then decode and prefill attention.
+//! - [`sim`]: a simulated serving engine around `forward` (the `engine-sim` binary).
 //! - [`cpu`]: the CPU implementation of every op: the reference the tests compare with, and the
 //!   path for machines without a GPU.
 
@@ -20,10 +23,12 @@ pub mod decode;
 pub mod device;
 pub mod dtype;
 pub mod error;
+pub mod forward;
 pub mod layout;
 pub mod metadata;
 pub mod prefill;
 mod ptx;
+pub mod sim;
 pub mod status;
 
 pub use attn_math;

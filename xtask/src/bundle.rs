@@ -1,4 +1,4 @@
-//! `bundle`: release builds of the GPU tests and the benchmark, gathered with a runner script
+//! `bundle`: release builds of the GPU tests, the benchmark and the engine simulator, gathered with a runner script
 //! into `bundle/` so that a machine with only an NVIDIA driver (no Rust, no CUDA toolkit) can run
 //! them. `bench`: the benchmark, run here.
 
@@ -8,16 +8,18 @@ use std::path::Path;
 use std::process::Command;
 
 /// Test targets (in `tests/`) that need a GPU; the bundle runs these.
-const GPU_TESTS: &[&str] = &["gpu_cache_write", "gpu_decode", "gpu_prefill"];
+const GPU_TESTS: &[&str] = &["gpu_cache_write", "gpu_decode", "gpu_prefill", "gpu_forward"];
 const BENCH_BIN: &str = "attn-bench";
+const SIM_BIN: &str = "engine-sim";
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
-# Runs every GPU test, then the benchmark. Needs only an NVIDIA driver.
-#   bundle/run.sh                 tests + benchmark (JSON to $OUT/bench.json if OUT is set)
+# Runs every GPU test, the benchmark, then the engine simulator. Needs only an NVIDIA driver.
+#   bundle/run.sh                 tests, benchmark (JSON to $OUT/bench.json if OUT is set), engine-sim
 #   SANITIZE=1 bundle/run.sh      also runs each GPU test under compute-sanitizer (memcheck)
 #   BENCH_ARGS="--quick" bundle/run.sh   extra benchmark arguments
 #   TESTS="gpu_prefill" bundle/run.sh    only these test binaries (TESTS=none: no tests)
 #   BENCH=0 bundle/run.sh                no benchmark
+#   SIM=0 bundle/run.sh                  no engine-sim (SIM_ARGS="--model llama": its arguments)
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 status=0
@@ -30,10 +32,15 @@ for t in "$here"/tests/*; do
     ATTN_TEST_QUICK=1 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 "$t" || status=1
   fi
 done
-[ "${BENCH:-1}" = 0 ] && exit $status
-json=${OUT:-/tmp}/bench.json
-echo "== benchmark"
-"$here/attn-bench" --json "$json" ${BENCH_ARGS:-} || status=1
+if [ "${BENCH:-1}" != 0 ]; then
+  json=${OUT:-/tmp}/bench.json
+  echo "== benchmark"
+  "$here/attn-bench" --json "$json" ${BENCH_ARGS:-} || status=1
+fi
+if [ "${SIM:-1}" != 0 ]; then
+  echo "== engine-sim"
+  "$here/engine-sim" ${SIM_ARGS:-} || status=1
+fi
 exit $status
 "#;
 
@@ -65,8 +72,10 @@ pub fn bundle() -> Result<(), String> {
     let out = root.join("bundle");
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(out.join("tests")).map_err(|e| e.to_string())?;
-    run(Command::new(env!("CARGO")).current_dir(&root).args(["build", "--release", "--locked", "-p", "host", "--bin", BENCH_BIN]))?;
-    std::fs::copy(root.join("target/release").join(BENCH_BIN), out.join(BENCH_BIN)).map_err(|e| e.to_string())?;
+    for bin in [BENCH_BIN, SIM_BIN] {
+        run(Command::new(env!("CARGO")).current_dir(&root).args(["build", "--release", "--locked", "-p", "host", "--bin", bin]))?;
+        std::fs::copy(root.join("target/release").join(bin), out.join(bin)).map_err(|e| e.to_string())?;
+    }
     for (name, exe) in test_executables(&root, GPU_TESTS)? {
         std::fs::copy(&exe, out.join("tests").join(&name)).map_err(|e| format!("{exe}: {e}"))?;
     }

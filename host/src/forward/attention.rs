@@ -1,0 +1,179 @@
+//! [`Attention`]: a model's attention layers on the chosen backend; [`forward`](Attention::forward)
+//! is the one call per layer.
+
+use super::config::ForwardConfig;
+use super::cpu_exec::forward_cpu;
+use super::gpu_exec::GpuExec;
+use super::io::{CacheSpec, LayerIo};
+use super::step::StepMetadata;
+use super::timing::{PhaseTimes, Timer};
+use super::validate::validate_layer;
+use crate::backend::{refusal_reasons, BackendSpec, DeviceInfo, Selection, CPU, MLA, TENSOR_CORE};
+use crate::device::AttnDevice;
+use crate::error::{ensure, AttnError, Result};
+use crate::metadata::MetadataBuilder;
+use cudarc::driver::CudaStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// The GPU a GPU backend runs on: the device and the stream every launch is enqueued on.
+#[derive(Clone)]
+pub struct GpuHandles {
+    pub dev: Arc<AttnDevice>,
+    pub stream: Arc<CudaStream>,
+}
+
+enum Exec {
+    Cpu,
+    Gpu(Box<GpuExec>),
+}
+
+/// The attention of every layer of one model, on the backend selection chose.
+pub struct Attention {
+    id: u64,
+    config: ForwardConfig,
+    spec: CacheSpec,
+    backend: &'static BackendSpec,
+    exec: Exec,
+    timer: Timer,
+}
+
+impl Attention {
+    /// The layers of `config.model` on `selection`'s backend (from
+    /// [`select_backend`](crate::backend::select_backend) for that model): `gpu` is needed by a GPU
+    /// backend (and ignored by `cpu`). Checks the configuration, re-checks that the backend takes
+    /// the model on this device, and allocates the GPU workspaces for `config.limits`.
+    ///
+    /// Errors: `InvalidArgument` naming the field; `MissingKernel` for the `mla` backend, whose
+    /// GPU attention kernels do not exist yet (the `cpu` backend runs MLA).
+    pub fn new(selection: &Selection, config: ForwardConfig, gpu: Option<GpuHandles>) -> Result<Self> {
+        config.validate()?;
+        let backend = selection.backend;
+        if backend.name == MLA.name {
+            return Err(AttnError::MissingKernel {
+                what: "MLA attention on the GPU (backend \"mla\")",
+                missing: "the MLA decode and prefill kernels (issue 5; only the MLA cache write exists). \
+                          The \"cpu\" backend runs MLA (ATTN_BACKEND=cpu)",
+            });
+        }
+        let device = gpu.as_ref().map_or(DeviceInfo::no_gpu(), |g| DeviceInfo::from_device(&g.dev));
+        let reasons = refusal_reasons(backend, &config.model, &device);
+        if !reasons.is_empty() {
+            let reasons: Vec<String> = reasons.iter().map(ToString::to_string).collect();
+            return Err(AttnError::invalid(
+                "backend",
+                format!("\"{}\" cannot run {} on {device}: {}", backend.name, config.model, reasons.join("; ")),
+            ));
+        }
+        let spec = config.cache_spec()?;
+        let exec = match backend.name {
+            name if name == CPU.name => Exec::Cpu,
+            name if name == TENSOR_CORE.name => {
+                let gpu =
+                    gpu.ok_or_else(|| AttnError::invalid("gpu", "backend \"tensor-core\" runs on a GPU: pass its device and stream"))?;
+                let d = config.model.head_size as u32;
+                ensure(attn_math::prefill::HEAD_SIZES.contains(&(d, d)), "model", || format!("head_size {d} has no prefill kernel"))?;
+                Exec::Gpu(Box::new(GpuExec::new(gpu.dev, gpu.stream, &config)?))
+            }
+            _ => return Err(AttnError::MissingKernel { what: "forward on this backend", missing: "its executor in host::forward" }),
+        };
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+        Ok(Attention { id: NEXT_ID.fetch_add(1, Ordering::Relaxed), config, spec, backend, exec, timer: Timer::default() })
+    }
+
+    pub fn backend(&self) -> &'static BackendSpec {
+        self.backend
+    }
+
+    pub fn config(&self) -> &ForwardConfig {
+        &self.config
+    }
+
+    /// The layout of each layer's cache (allocate `cache_spec().num_elements()` elements of the
+    /// model's cache dtype per layer).
+    pub fn cache_spec(&self) -> CacheSpec {
+        self.spec
+    }
+
+    /// Whether layers take [`LayerIo::Gpu`] (else [`LayerIo::Cpu`]).
+    pub fn runs_on_gpu(&self) -> bool {
+        matches!(self.exec, Exec::Gpu(_))
+    }
+
+    /// The stream a GPU backend enqueues on.
+    pub fn stream(&self) -> Option<&Arc<CudaStream>> {
+        match &self.exec {
+            Exec::Gpu(g) => Some(&g.stream),
+            Exec::Cpu => None,
+        }
+    }
+
+    /// Per-step metadata for this model (allocated once, rebuilt every step with
+    /// [`StepMetadata::build`]); on the GPU its upload buffers are sized for `config.limits`.
+    pub fn new_step_metadata(&self) -> Result<StepMetadata> {
+        match &self.exec {
+            Exec::Cpu => Ok(StepMetadata::new(self.id, self.config, None, None)),
+            Exec::Gpu(g) => {
+                let builder = MetadataBuilder::new(g.plan_config(&self.config))?;
+                Ok(StepMetadata::new(self.id, self.config, Some(builder), Some(g.device_step(&self.config)?)))
+            }
+        }
+    }
+
+    /// One layer of one step: writes the step's new K/V into `layer.cache` at the step's slots,
+    /// then computes attention for every request into `layer.out`, the decode part
+    /// (requests `0..num_decodes`, at most `decode_threshold` query tokens each) with paged
+    /// decode and the prefill part with prefill attention over the paged cache (causal, aligned
+    /// to the end of each sequence: chunked prefill).
+    ///
+    /// Everything is checked before anything is written or launched; a refusal names the
+    /// argument. On the GPU the work is enqueued on the stream and nothing synchronises (see
+    /// [`check_status`](Self::check_status)).
+    pub fn forward(&mut self, step: &StepMetadata, layer: LayerIo<'_>) -> Result<()> {
+        ensure(step.owner == self.id, "step", || "was made by another Attention (use its new_step_metadata)".into())?;
+        let stride = step.kernel_block_table_stride();
+        match (&mut self.exec, layer) {
+            (Exec::Cpu, LayerIo::Cpu(l)) => {
+                validate_layer(&self.config, &self.spec, step, stride, &l)?;
+                forward_cpu(&self.config, &self.spec, step, l, &mut self.timer)
+            }
+            (Exec::Gpu(g), LayerIo::Gpu(l)) => {
+                validate_layer(&self.config, &self.spec, step, stride, &l)?;
+                match &self.spec {
+                    CacheSpec::Paged(spec) => g.forward(&self.config, spec, step, l, &mut self.timer),
+                    CacheSpec::Mla(_) => {
+                        Err(AttnError::MissingKernel { what: "MLA attention on the GPU", missing: "the MLA kernels (issue 5)" })
+                    }
+                }
+            }
+            (_, layer) => Err(AttnError::invalid(
+                "layer",
+                format!(
+                    "tensors in {} memory, but backend \"{}\" takes {} tensors",
+                    layer.location(),
+                    self.backend.name,
+                    if self.runs_on_gpu() { "GPU" } else { "host" }
+                ),
+            )),
+        }
+    }
+
+    /// Measure each layer's cache write and attention from now on (events on the GPU).
+    pub fn set_timing(&mut self, on: bool) {
+        self.timer.enabled = on;
+    }
+
+    /// The times measured since the last call (on the GPU this waits for the layers enqueued).
+    pub fn take_times(&mut self) -> Result<PhaseTimes> {
+        self.timer.take()
+    }
+
+    /// On the GPU: waits for the stream and reports any slot or block id the kernels refused
+    /// (`SlotOutOfRange`, `BlockOutOfRange`); the CPU backend reports them from `forward`.
+    pub fn check_status(&mut self) -> Result<()> {
+        match &mut self.exec {
+            Exec::Gpu(g) => g.status.check(&g.stream),
+            Exec::Cpu => Ok(()),
+        }
+    }
+}

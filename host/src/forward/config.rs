@@ -1,0 +1,108 @@
+//! [`ForwardConfig`]: what an [`Attention`](super::Attention) is made for (the model, its caches,
+//! the attention options and the largest step), checked once at start-up.
+
+use super::io::CacheSpec;
+use crate::backend::{AttentionKind, ModelConfig};
+use crate::decode::{AttnOptions, SplitMode, MAX_QUERY_LEN};
+use crate::dtype::DType;
+use crate::error::{ensure, AttnError, Result};
+use crate::layout::{KvCacheSpec, MlaCacheSpec};
+
+/// The largest step an [`Attention`](super::Attention) takes (its GPU workspaces and upload
+/// buffers are sized for it once).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ForwardLimits {
+    /// Tokens of a step (`num_actual_tokens`).
+    pub max_num_tokens: usize,
+    /// Requests of a step.
+    pub max_num_reqs: usize,
+    /// The longest context a request reaches (prompt and generated tokens).
+    pub max_model_len: usize,
+}
+
+/// An attention layer stack's configuration (every layer shares it).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ForwardConfig {
+    pub model: ModelConfig,
+    /// Blocks in each layer's cache.
+    pub num_blocks: usize,
+    /// Softmax scale, sliding window and soft-cap; a window or soft-cap must be declared in
+    /// `model.features` (the backend was chosen for them).
+    pub opts: AttnOptions,
+    /// Requests with at most this many query tokens go to the decode kernel (1..=8), the rest
+    /// to prefill. The batch must be ordered decodes first
+    /// ([`decode_first_order`](crate::metadata::decode_first_order)).
+    pub decode_threshold: usize,
+    /// How decode splits long contexts (`SplitMode::Fixed(1)`: batch-independent results).
+    pub split_mode: SplitMode,
+    pub limits: ForwardLimits,
+}
+
+impl ForwardConfig {
+    /// `model` with `num_blocks` blocks per layer, the default softmax scale
+    /// (`1 / sqrt(head_size)`), decode threshold 1 and automatic splits.
+    pub fn new(model: ModelConfig, num_blocks: usize, limits: ForwardLimits) -> Self {
+        ForwardConfig {
+            model,
+            num_blocks,
+            opts: AttnOptions::new(model.head_size),
+            decode_threshold: 1,
+            split_mode: SplitMode::Auto,
+            limits,
+        }
+    }
+
+    /// Each layer's cache: the model's K/V layout, or the MLA latent cache (`head_size` =
+    /// latent + 64 rope columns).
+    pub fn cache_spec(&self) -> Result<CacheSpec> {
+        let m = &self.model;
+        match m.kind {
+            AttentionKind::Standard => {
+                let layout = m.kv_layout.ok_or_else(|| AttnError::invalid("model", "standard attention needs a kv_layout"))?;
+                Ok(CacheSpec::Paged(KvCacheSpec::new(layout, self.num_blocks, m.block_size, m.num_kv_heads, m.head_size)?))
+            }
+            AttentionKind::Mla => {
+                let rope = MlaCacheSpec::DEEPSEEK_ROPE;
+                ensure(m.head_size > rope, "model", || format!("MLA head_size {} must exceed the {rope} rope columns", m.head_size))?;
+                ensure(m.num_kv_heads == 1, "model", || format!("MLA has one latent (num_kv_heads 1), not {}", m.num_kv_heads))?;
+                Ok(CacheSpec::Mla(MlaCacheSpec::new(self.num_blocks, m.block_size, m.head_size - rope, rope)?))
+            }
+        }
+    }
+
+    /// Blocks a request's row of the block table may need.
+    pub fn max_blocks_per_req(&self) -> usize {
+        self.limits.max_model_len.div_ceil(self.model.block_size.max(1))
+    }
+
+    /// Checks what every backend needs, naming the field.
+    pub(crate) fn validate(&self) -> Result<()> {
+        let m = &self.model;
+        ensure(m.num_q_heads > 0 && m.num_kv_heads > 0 && m.num_q_heads.is_multiple_of(m.num_kv_heads), "model", || {
+            format!("num_q_heads {} is not a positive multiple of num_kv_heads {}", m.num_q_heads, m.num_kv_heads)
+        })?;
+        ensure(matches!(m.q_dtype, DType::F16 | DType::BF16 | DType::F32), "model", || {
+            format!("q_dtype {:?}: queries are f16, bf16 or f32", m.q_dtype)
+        })?;
+        ensure(m.cache_dtype == m.q_dtype, "model", || {
+            format!(
+                "cache_dtype {:?} with {:?} queries: forward takes caches of the query dtype (no fp8 path yet)",
+                m.cache_dtype, m.q_dtype
+            )
+        })?;
+        let t = self.decode_threshold;
+        ensure((1..=MAX_QUERY_LEN).contains(&t), "decode_threshold", || format!("{t} (decode takes 1..={MAX_QUERY_LEN} query tokens)"))?;
+        ensure(!matches!(self.split_mode, SplitMode::Fixed(0)), "split_mode", || "Fixed(0): at least one split".into())?;
+        ensure(self.opts.window.is_none() || m.features.sliding_window, "opts", || {
+            "a sliding window that the model config does not declare (features.sliding_window)".into()
+        })?;
+        ensure(self.opts.softcap.is_none() || m.features.softcap, "opts", || {
+            "a soft-cap that the model config does not declare (features.softcap)".into()
+        })?;
+        ensure(self.opts.window != Some(0), "opts", || "a sliding window of 0 keys".into())?;
+        let l = &self.limits;
+        ensure(l.max_num_tokens > 0 && l.max_num_reqs > 0 && l.max_model_len > 0, "limits", || format!("{l:?} has a zero"))?;
+        ensure(l.max_num_tokens <= i32::MAX as usize && l.max_model_len <= i32::MAX as usize, "limits", || format!("{l:?} overflow i32"))?;
+        self.cache_spec().map(|_| ())
+    }
+}

@@ -1,0 +1,193 @@
+//! The `tensor-core` backend's forward: `reshape_and_cache`, then `paged_decode` for the decode
+//! part and the tensor-core `prefill` for the prefill part, every array of the step's metadata
+//! read from its one upload ([`StepMetadata`]).
+
+use super::config::ForwardConfig;
+use super::io::{GpuLayer, Layer, NewKv};
+use super::step::{DeviceStep, StepMetadata};
+use super::timing::Timer;
+use super::validate::Parts;
+use crate::buffer::DevIn;
+use crate::cache_write::{reshape_and_cache, KvWrite};
+use crate::decode::{paged_decode, DecodeArgs, DecodeWorkspace};
+use crate::device::AttnDevice;
+use crate::dtype::DType;
+use crate::error::{ensure, AttnError, Result};
+use crate::layout::{KvCacheSpec, RowsDesc};
+use crate::metadata::{PlanConfig, StagingLayout, StagingSizes};
+use crate::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
+use crate::status::DeviceStatus;
+use cudarc::driver::CudaStream;
+use std::sync::Arc;
+
+/// Query rows (tokens x query heads per kv head) a prefill launch surely takes for one request:
+/// 65536 row tiles of at least 16 rows (one MMA tile).
+pub(crate) const MAX_PREFILL_ROWS: usize = 16 * 65536;
+
+/// The device, stream, workspaces and status word of a GPU [`Attention`](super::Attention).
+pub(crate) struct GpuExec {
+    pub(crate) dev: Arc<AttnDevice>,
+    pub(crate) stream: Arc<CudaStream>,
+    decode_ws: DecodeWorkspace,
+    prefill_ws: PrefillWorkspace,
+    pub(crate) status: DeviceStatus,
+}
+
+impl GpuExec {
+    /// Workspaces for the largest step of `config` (split-K partials for
+    /// `4 * sm_count * 8 * group` rows, as `DecodeWorkspace` suggests).
+    pub(crate) fn new(dev: Arc<AttnDevice>, stream: Arc<CudaStream>, config: &ForwardConfig) -> Result<Self> {
+        let m = &config.model;
+        let group = m.num_q_heads / m.num_kv_heads;
+        let l = &config.limits;
+        // A request's prefill rows must fit one launch; the limits bound them.
+        ensure(l.max_num_tokens.saturating_mul(group) <= MAX_PREFILL_ROWS, "limits", || {
+            format!(
+                "max_num_tokens {} x {group} query heads per kv head exceeds the {MAX_PREFILL_ROWS} rows of a prefill launch",
+                l.max_num_tokens
+            )
+        })?;
+        let partial_rows = 4 * dev.sm_count() as usize * 8 * group;
+        let decode_ws = DecodeWorkspace::new(&stream, partial_rows, m.head_size, l.max_num_reqs, l.max_num_tokens)?;
+        let prefill_ws = PrefillWorkspace::new(&stream, l.max_num_tokens, l.max_num_reqs, group)?;
+        let status = DeviceStatus::new(&stream)?;
+        Ok(GpuExec { dev, stream, decode_ws, prefill_ws, status })
+    }
+
+    /// The metadata builder's plan config (the numbers `paged_decode` plans its CUDA-core
+    /// kernel with).
+    pub(crate) fn plan_config(&self, config: &ForwardConfig) -> PlanConfig {
+        let m = &config.model;
+        PlanConfig {
+            decode_threshold: config.decode_threshold,
+            num_q_heads: m.num_q_heads,
+            num_kv_heads: m.num_kv_heads,
+            head_size: m.head_size,
+            sm_count: self.dev.sm_count() as usize,
+            mode: config.split_mode,
+            partial_capacity: self.decode_ws.partial_rows(),
+        }
+    }
+
+    /// The step's device buffers, sized for the largest step.
+    pub(crate) fn device_step(&self, config: &ForwardConfig) -> Result<DeviceStep> {
+        let l = &config.limits;
+        let (n, nt) = (l.max_num_reqs, l.max_num_tokens);
+        let words = StagingLayout::new(&StagingSizes {
+            num_reqs: n,
+            block_table_stride: config.max_blocks_per_req(),
+            num_actual_tokens: nt,
+            num_decodes: n,
+            num_prefills: n,
+            num_work_items: n + self.decode_ws.partial_rows(),
+            num_decode_tokens: nt,
+        })
+        .total_words;
+        DeviceStep::new(self.stream.clone(), words)
+    }
+
+    /// Runs a validated layer: the GPU-only checks (alignment), then the cache write, the decode
+    /// part and the prefill part, enqueued on the stream.
+    pub(crate) fn forward(
+        &mut self,
+        config: &ForwardConfig,
+        spec: &KvCacheSpec,
+        step: &StepMetadata,
+        layer: GpuLayer<'_>,
+        timer: &mut Timer,
+    ) -> Result<()> {
+        let dstep = step.device_step().ok_or_else(|| AttnError::invalid("step", "was not built for the GPU"))?;
+        ensure(Arc::ptr_eq(&dstep.stream, &self.stream), "step", || "was built on another stream".into())?;
+        let Layer { q, q_rows, new_kv, mut cache, mut out, out_rows, alibi_slopes, sinks } = layer;
+        let NewKv::Standard { k, k_rows, v, v_rows } = new_kv else {
+            return Err(AttnError::invalid("new_kv", "MLA latents given for a standard-attention model"));
+        };
+        for (arg, b, rows) in [("q", &q, &q_rows), ("k", &k, &k_rows), ("v", &v, &v_rows)] {
+            check_aligned(arg, b.ptr, b.dtype, rows)?;
+        }
+        check_aligned("out", out.ptr, out.dtype, &out_rows)?;
+        ensure(cache.ptr.is_multiple_of(16), "cache", || format!("address {:#x} is not 16-byte aligned", cache.ptr))?;
+        let split = step.split();
+        let (nd, ndt, np, npt) = (split.num_decodes, split.num_decode_tokens, split.num_prefills, split.num_prefill_tokens);
+        let lay = &dstep.layout;
+        let parts = Parts::of(step);
+
+        let stream = &self.stream;
+        let words = DevIn::new(&dstep.words, stream);
+        let i32s = |offset: usize, len: usize| words.view(offset * 4, len, DType::I32);
+        let nt = step.num_actual_tokens();
+        let stride = lay.block_table_stride;
+
+        let start = timer.mark(Some(stream))?;
+        let write = KvWrite {
+            key: k,
+            key_rows: RowsDesc { num_tokens: nt, ..k_rows },
+            value: v,
+            value_rows: RowsDesc { num_tokens: nt, ..v_rows },
+            slot_mapping: words.view(lay.slot_mapping.byte_offset(), nt, DType::I64),
+            cache: cache.tail_mut(0),
+            spec: *spec,
+            scales: None,
+        };
+        reshape_and_cache(&self.dev, stream, write, &mut self.status)?;
+        let written = timer.mark(Some(stream))?;
+
+        let cache = cache.as_input();
+        if nd > 0 {
+            let args = DecodeArgs {
+                q: q.tail(0),
+                q_rows: RowsDesc { num_tokens: ndt, ..q_rows },
+                cache: cache.tail(0),
+                spec: *spec,
+                block_table: i32s(lay.block_table.offset, nd * stride),
+                block_table_stride: stride,
+                seq_lens: i32s(lay.seq_lens.offset, nd),
+                query_start_loc: i32s(lay.query_start_loc.offset, nd + 1),
+                out: out.tail_mut(0),
+                out_rows: RowsDesc { num_tokens: ndt, ..out_rows },
+                lse: None,
+                alibi_slopes: alibi_slopes.as_ref().map(|b| b.tail(0)),
+                sinks: sinks.as_ref().map(|b| b.tail(0)),
+                scales: None,
+            };
+            paged_decode(&self.dev, stream, args, &parts.decode, &config.opts, config.split_mode, &mut self.decode_ws, &mut self.status)?;
+        }
+        if np > 0 {
+            let args = PrefillArgs {
+                q: q.tail(ndt * q_rows.token_stride),
+                q_rows: RowsDesc { num_tokens: npt, ..q_rows },
+                kv: PrefillKv::Paged {
+                    cache: cache.tail(0),
+                    spec: *spec,
+                    block_table: i32s(lay.prefill_block_table().offset, np * stride),
+                    block_table_stride: stride,
+                    seq_lens: i32s(lay.prefill_seq_lens().offset, np),
+                },
+                query_start_loc: i32s(lay.prefill_query_start_loc.offset, np + 1),
+                out: out.tail_mut(ndt * out_rows.token_stride),
+                out_rows: RowsDesc { num_tokens: npt, ..out_rows },
+                lse: None,
+                alibi_slopes: alibi_slopes.as_ref().map(|b| b.tail(0)),
+                sinks: sinks.as_ref().map(|b| b.tail(0)),
+                scales: None,
+            };
+            let opts = PrefillOptions { attn: config.opts, causal: true };
+            prefill(&self.dev, stream, args, &parts.prefill, &opts, &mut self.prefill_ws, &mut self.status)?;
+        }
+        let end = timer.mark(Some(stream))?;
+        timer.layer([start, written, end]);
+        Ok(())
+    }
+}
+
+/// The kernels' vector loads: a 16-byte aligned address and 16-byte-multiple strides.
+fn check_aligned(arg: &'static str, ptr: u64, dtype: DType, rows: &RowsDesc) -> Result<()> {
+    let bytes = dtype.size_bytes();
+    let ok = ptr.is_multiple_of(16) && (rows.token_stride * bytes).is_multiple_of(16) && (rows.head_stride * bytes).is_multiple_of(16);
+    ensure(ok, arg, || {
+        format!(
+            "address {ptr:#x} with strides ({}, {}) elements: must be 16-byte aligned with 16-byte-multiple strides",
+            rows.token_stride, rows.head_stride
+        )
+    })
+}

@@ -1,0 +1,135 @@
+//! Host memory as the CPU backend takes it: a slice of one of the float element types, with its
+//! dtype known at run time (the host counterpart of [`DevIn`](crate::DevIn) /
+//! [`DevOut`](crate::DevOut)), so one [`Layer`](super::Layer) type serves every dtype.
+
+use crate::dtype::{DType, Element, Fp8E4m3};
+use half::{bf16, f16};
+
+/// A host slice the CPU backend reads.
+#[derive(Clone, Copy, Debug)]
+pub enum HostIn<'a> {
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+    F32(&'a [f32]),
+    Fp8E4m3(&'a [Fp8E4m3]),
+}
+
+/// A host slice the CPU backend writes.
+#[derive(Debug)]
+pub enum HostOut<'a> {
+    F16(&'a mut [f16]),
+    BF16(&'a mut [bf16]),
+    F32(&'a mut [f32]),
+    Fp8E4m3(&'a mut [Fp8E4m3]),
+}
+
+impl HostIn<'_> {
+    pub fn dtype(&self) -> DType {
+        match self {
+            HostIn::F16(_) => DType::F16,
+            HostIn::BF16(_) => DType::BF16,
+            HostIn::F32(_) => DType::F32,
+            HostIn::Fp8E4m3(_) => DType::Fp8E4m3,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            HostIn::F16(s) => s.len(),
+            HostIn::BF16(s) => s.len(),
+            HostIn::F32(s) => s.len(),
+            HostIn::Fp8E4m3(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl HostOut<'_> {
+    pub fn dtype(&self) -> DType {
+        match self {
+            HostOut::F16(_) => DType::F16,
+            HostOut::BF16(_) => DType::BF16,
+            HostOut::F32(_) => DType::F32,
+            HostOut::Fp8E4m3(_) => DType::Fp8E4m3,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            HostOut::F16(s) => s.len(),
+            HostOut::BF16(s) => s.len(),
+            HostOut::F32(s) => s.len(),
+            HostOut::Fp8E4m3(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The element types a [`HostIn`] / [`HostOut`] holds, and the way back to typed slices.
+pub trait HostElement: Element {
+    fn host_in(s: &[Self]) -> HostIn<'_>;
+    fn host_out(s: &mut [Self]) -> HostOut<'_>;
+    /// The slice, if `x` holds this type.
+    fn from_in<'a>(x: &HostIn<'a>) -> Option<&'a [Self]>;
+    fn from_out<'s>(x: &'s mut HostOut<'_>) -> Option<&'s mut [Self]>;
+}
+
+macro_rules! host_element {
+    ($t:ty, $v:ident) => {
+        impl HostElement for $t {
+            fn host_in(s: &[Self]) -> HostIn<'_> {
+                HostIn::$v(s)
+            }
+            fn host_out(s: &mut [Self]) -> HostOut<'_> {
+                HostOut::$v(s)
+            }
+            fn from_in<'a>(x: &HostIn<'a>) -> Option<&'a [Self]> {
+                match *x {
+                    HostIn::$v(s) => Some(s),
+                    _ => None,
+                }
+            }
+            fn from_out<'s>(x: &'s mut HostOut<'_>) -> Option<&'s mut [Self]> {
+                match x {
+                    HostOut::$v(s) => Some(s),
+                    _ => None,
+                }
+            }
+        }
+
+        impl<'a> From<&'a [$t]> for HostIn<'a> {
+            fn from(s: &'a [$t]) -> Self {
+                HostIn::$v(s)
+            }
+        }
+
+        impl<'a> From<&'a Vec<$t>> for HostIn<'a> {
+            fn from(s: &'a Vec<$t>) -> Self {
+                HostIn::$v(s)
+            }
+        }
+
+        impl<'a> From<&'a mut [$t]> for HostOut<'a> {
+            fn from(s: &'a mut [$t]) -> Self {
+                HostOut::$v(s)
+            }
+        }
+
+        impl<'a> From<&'a mut Vec<$t>> for HostOut<'a> {
+            fn from(s: &'a mut Vec<$t>) -> Self {
+                HostOut::$v(s)
+            }
+        }
+    };
+}
+
+host_element!(f16, F16);
+host_element!(bf16, BF16);
+host_element!(f32, F32);
+host_element!(Fp8E4m3, Fp8E4m3);

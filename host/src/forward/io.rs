@@ -1,0 +1,117 @@
+//! What one layer's [`forward`](super::Attention::forward) takes: this step's queries and new
+//! keys/values, the layer's cache and the output, on the device ([`GpuLayer`]) or in host memory
+//! for the CPU backend ([`CpuLayer`]).
+
+use super::host_buf::{HostIn, HostOut};
+use crate::buffer::{DevIn, DevOut};
+use crate::layout::{KvCacheSpec, MlaCacheSpec, RowsDesc};
+
+/// This step's new keys and values, one row per token.
+pub enum NewKv<I> {
+    /// Standard attention: `[num_tokens, num_kv_heads, head_size]` K and V (any token/head
+    /// stride, e.g. slices of a fused QKV projection).
+    Standard { k: I, k_rows: RowsDesc, v: I, v_rows: RowsDesc },
+    /// MLA: the compressed latent `kv_c` `[num_tokens, latent_dim]` and the rope key `k_pe`
+    /// `[num_tokens, rope_dim]`, rows `*_token_stride` elements apart.
+    Mla { kv_c: I, kv_c_token_stride: usize, k_pe: I, k_pe_token_stride: usize },
+}
+
+/// One layer's tensors. `I` is what the backend reads, `O` what it writes.
+///
+/// Rows past the step's `num_actual_tokens` (padding) are neither written to the cache nor
+/// attended, and their output rows are left as they are.
+pub struct Layer<I, O> {
+    /// `[num_tokens, num_q_heads, head_size]` (MLA: the absorbed query, `latent_dim + rope_dim`
+    /// wide), the model's query dtype.
+    pub q: I,
+    pub q_rows: RowsDesc,
+    /// This step's keys and values (the query dtype), written into `cache` at the step's slots.
+    pub new_kv: NewKv<I>,
+    /// The layer's paged cache ([`CacheSpec`] of the [`Attention`](super::Attention)).
+    pub cache: O,
+    /// `[num_tokens, num_q_heads, v_head_size]`, the query dtype (MLA: `v_head_size` is
+    /// `latent_dim`).
+    pub out: O,
+    pub out_rows: RowsDesc,
+    /// `[num_q_heads]` f32 ALiBi slopes: given exactly when the model config declares ALiBi.
+    pub alibi_slopes: Option<I>,
+    /// `[num_q_heads]` f32 attention-sink logits: given exactly when the model declares sinks.
+    pub sinks: Option<I>,
+}
+
+/// A layer on the GPU (the `tensor-core` backend).
+pub type GpuLayer<'a> = Layer<DevIn<'a>, DevOut<'a>>;
+/// A layer in host memory (the `cpu` backend).
+pub type CpuLayer<'a> = Layer<HostIn<'a>, HostOut<'a>>;
+
+/// A layer's tensors where the chosen backend runs.
+pub enum LayerIo<'a> {
+    Gpu(GpuLayer<'a>),
+    Cpu(CpuLayer<'a>),
+}
+
+impl LayerIo<'_> {
+    /// `"GPU"` or `"host"`: where the tensors live, for messages.
+    pub fn location(&self) -> &'static str {
+        match self {
+            LayerIo::Gpu(_) => "GPU",
+            LayerIo::Cpu(_) => "host",
+        }
+    }
+}
+
+/// The layout of every layer's cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheSpec {
+    /// Standard attention: K and V planes.
+    Paged(KvCacheSpec),
+    /// MLA: one latent row per token, `[num_blocks, block_size, latent_dim + rope_dim]`.
+    Mla(MlaCacheSpec),
+}
+
+impl CacheSpec {
+    /// Elements one layer's cache holds.
+    pub fn num_elements(&self) -> usize {
+        match self {
+            CacheSpec::Paged(s) => s.num_elements(),
+            CacheSpec::Mla(s) => s.num_elements(),
+        }
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        match self {
+            CacheSpec::Paged(s) => s.num_blocks,
+            CacheSpec::Mla(s) => s.num_blocks,
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        match self {
+            CacheSpec::Paged(s) => s.block_size,
+            CacheSpec::Mla(s) => s.block_size,
+        }
+    }
+
+    /// Width of a query/key row: `head_size`, or `latent_dim + rope_dim` for MLA.
+    pub fn qk_head_size(&self) -> usize {
+        match self {
+            CacheSpec::Paged(s) => s.head_size,
+            CacheSpec::Mla(s) => s.row_width(),
+        }
+    }
+
+    /// Width of a value/output row: `head_size`, or `latent_dim` for MLA.
+    pub fn v_head_size(&self) -> usize {
+        match self {
+            CacheSpec::Paged(s) => s.head_size,
+            CacheSpec::Mla(s) => s.latent_dim,
+        }
+    }
+
+    pub fn num_kv_heads(&self) -> usize {
+        match self {
+            CacheSpec::Paged(s) => s.num_kv_heads,
+            CacheSpec::Mla(_) => 1,
+        }
+    }
+}

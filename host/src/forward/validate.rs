@@ -1,0 +1,147 @@
+//! Checks of one layer's inputs against the model, the cache and the step, before anything is
+//! written or launched; every refusal names the argument and the value.
+
+use super::config::ForwardConfig;
+use super::host_buf::{HostIn, HostOut};
+use super::io::{CacheSpec, Layer, NewKv};
+use super::step::StepMetadata;
+use crate::buffer::{DevIn, DevOut};
+use crate::decode::{validate_batch, DecodeBatch};
+use crate::dtype::DType;
+use crate::error::{ensure, AttnError, Result};
+use crate::layout::RowsDesc;
+use crate::prefill::{validate_prefill_batch, PrefillBatch};
+
+/// A buffer's dtype and length in elements, wherever it lives.
+pub(crate) trait Buf {
+    fn buf_dtype(&self) -> DType;
+    fn buf_len(&self) -> usize;
+}
+
+macro_rules! buf {
+    ($($t:ident),*) => {$(
+        impl Buf for $t<'_> {
+            fn buf_dtype(&self) -> DType {
+                self.dtype()
+            }
+            fn buf_len(&self) -> usize {
+                self.len()
+            }
+        }
+    )*};
+}
+buf!(DevIn, DevOut, HostIn, HostOut);
+
+/// The decode part (`requests 0..num_decodes`) and the prefill part of a built step, as the
+/// kernels' host metadata.
+pub(crate) struct Parts<'s> {
+    pub decode: DecodeBatch<'s>,
+    pub prefill: PrefillBatch<'s>,
+    pub num_decode_tokens: usize,
+    pub num_prefill_tokens: usize,
+}
+
+impl<'s> Parts<'s> {
+    pub(crate) fn of(step: &'s StepMetadata) -> Self {
+        let split = step.split();
+        let nd = split.num_decodes;
+        Parts {
+            decode: DecodeBatch { seq_lens: &step.seq_lens()[..nd], query_start_loc: &step.query_start_loc()[..=nd] },
+            prefill: PrefillBatch {
+                query_start_loc: step.prefill_query_start_loc(),
+                seq_lens: &step.seq_lens()[nd..],
+                key_start_loc: None,
+            },
+            num_decode_tokens: split.num_decode_tokens,
+            num_prefill_tokens: split.num_prefill_tokens,
+        }
+    }
+}
+
+/// Everything about `layer` that does not depend on where it lives: dtypes, shapes and lengths
+/// against the model and cache, token counts against the step, optional inputs against the
+/// model's features, and each part of the step against its kernel's limits. `block_table_stride`
+/// is the width of the rows the kernels will read.
+pub(crate) fn validate_layer<I: Buf, O: Buf>(
+    config: &ForwardConfig,
+    spec: &CacheSpec,
+    step: &StepMetadata,
+    block_table_stride: usize,
+    layer: &Layer<I, O>,
+) -> Result<()> {
+    ensure(step.is_built(), "step", || "holds no step: build it first (or its last build failed)".into())?;
+    let m = &config.model;
+    let nt = step.num_actual_tokens();
+    let q_dtype = m.q_dtype;
+    check_rows("q", &layer.q, &layer.q_rows, q_dtype, m.num_q_heads, spec.qk_head_size(), nt)?;
+    match (&layer.new_kv, spec) {
+        (NewKv::Standard { k, k_rows, v, v_rows }, CacheSpec::Paged(s)) => {
+            check_rows("k", k, k_rows, q_dtype, s.num_kv_heads, s.head_size, nt)?;
+            check_rows("v", v, v_rows, q_dtype, s.num_kv_heads, s.head_size, nt)?;
+        }
+        (NewKv::Mla { kv_c, kv_c_token_stride, k_pe, k_pe_token_stride }, CacheSpec::Mla(s)) => {
+            check_latent("kv_c", kv_c, *kv_c_token_stride, q_dtype, s.latent_dim, nt)?;
+            check_latent("k_pe", k_pe, *k_pe_token_stride, q_dtype, s.rope_dim, nt)?;
+        }
+        (NewKv::Standard { .. }, CacheSpec::Mla(_)) => {
+            return Err(AttnError::invalid("new_kv", "standard K/V given for an MLA model (it takes NewKv::Mla: kv_c and k_pe)"));
+        }
+        (NewKv::Mla { .. }, CacheSpec::Paged(_)) => {
+            return Err(AttnError::invalid("new_kv", "MLA latents given for a standard-attention model (it takes NewKv::Standard)"));
+        }
+    }
+    let cache = &layer.cache;
+    ensure(cache.buf_dtype() == m.cache_dtype, "cache", || {
+        format!("dtype {:?}, the model's cache is {:?}", cache.buf_dtype(), m.cache_dtype)
+    })?;
+    ensure(cache.buf_len() >= spec.num_elements(), "cache", || {
+        format!("buffer of {} elements is smaller than the layout's {} ({spec:?})", cache.buf_len(), spec.num_elements())
+    })?;
+    check_rows("out", &layer.out, &layer.out_rows, q_dtype, m.num_q_heads, spec.v_head_size(), nt)?;
+    check_optional("alibi_slopes", layer.alibi_slopes.as_ref(), m.features.alibi, "ALiBi (features.alibi)", m.num_q_heads)?;
+    check_optional("sinks", layer.sinks.as_ref(), m.features.sinks, "attention sinks (features.sinks)", m.num_q_heads)?;
+
+    let parts = Parts::of(step);
+    if step.split().num_decodes > 0 {
+        validate_batch(&parts.decode, parts.num_decode_tokens, spec.block_size(), block_table_stride)?;
+    }
+    if step.split().num_prefills > 0 {
+        validate_prefill_batch(&parts.prefill, parts.num_prefill_tokens, true, Some((spec.block_size(), block_table_stride)))?;
+    }
+    Ok(())
+}
+
+/// `[>= num_tokens, heads, head_size]` rows of `dtype` inside their buffer.
+fn check_rows(arg: &'static str, b: &impl Buf, rows: &RowsDesc, dtype: DType, heads: usize, head_size: usize, nt: usize) -> Result<()> {
+    ensure(b.buf_dtype() == dtype, arg, || format!("dtype {:?}, expected the model's {dtype:?}", b.buf_dtype()))?;
+    ensure(rows.num_heads == heads, arg, || format!("has {} heads, the model {heads}", rows.num_heads))?;
+    ensure(rows.head_size == head_size, arg, || format!("head_size {}, expected {head_size}", rows.head_size))?;
+    ensure(rows.num_tokens >= nt, arg, || format!("has {} tokens, the step {nt}", rows.num_tokens))?;
+    rows.validate(arg)?;
+    ensure(b.buf_len() >= rows.required_len(), arg, || {
+        format!("buffer of {} elements is too small for {rows:?} ({} needed)", b.buf_len(), rows.required_len())
+    })
+}
+
+/// `[>= num_tokens, dim]` latent rows `stride` apart.
+fn check_latent(arg: &'static str, b: &impl Buf, stride: usize, dtype: DType, dim: usize, nt: usize) -> Result<()> {
+    ensure(b.buf_dtype() == dtype, arg, || format!("dtype {:?}, expected the model's {dtype:?}", b.buf_dtype()))?;
+    ensure(stride >= dim || nt <= 1, arg, || format!("token stride {stride} is smaller than its row of {dim}"))?;
+    let needed = if nt == 0 { 0 } else { (nt - 1) * stride + dim };
+    ensure(b.buf_len() >= needed, arg, || {
+        format!("buffer of {} elements is too small for {nt} rows of {dim} ({needed} needed)", b.buf_len())
+    })
+}
+
+/// An optional `[num_q_heads]` f32 input: given exactly when the model declares its feature.
+fn check_optional(arg: &'static str, b: Option<&impl Buf>, declared: bool, feature: &str, hq: usize) -> Result<()> {
+    match b {
+        None => ensure(!declared, arg, || format!("missing: the model config declares {feature}")),
+        Some(b) => {
+            ensure(declared, arg, || format!("given, but the model config does not declare {feature}"))?;
+            ensure(b.buf_dtype() == DType::F32 && b.buf_len() >= hq, arg, || {
+                format!("must be {hq} f32 values, got {} x {:?}", b.buf_len(), b.buf_dtype())
+            })
+        }
+    }
+}

@@ -1,0 +1,24 @@
+//! A simulated serving engine around [`crate::forward`] (the library side of the `engine-sim`
+//! binary): a model configuration ([`SimModel`]), a block allocator ([`BlockAllocator`],
+//! [`BlockTable`]), a deterministic stream of requests arriving and finishing
+//! ([`Workload`]), a chunked-prefill scheduler ([`Scheduler`]) and the loop ([`run_sim`]) that
+//! runs each step's mixed batch through `forward` on every layer, checks a sample against the
+//! CPU reference and reports throughput and where each step's time goes.
+
+mod allocator;
+mod check;
+mod engine;
+mod model;
+mod report;
+mod requests;
+mod rng;
+mod scheduler;
+
+pub use allocator::{AllocError, BlockAllocator, BlockTable};
+pub use check::{rel_error, tolerance, CheckStats, Checker};
+pub use engine::{run_sim, SimConfig, SimError};
+pub use model::{RowLayout, SimModel};
+pub use report::SimReport;
+pub use requests::{RequestSpec, Workload};
+pub use rng::SplitMix;
+pub use scheduler::{Batch, Scheduled, Scheduler, SchedulerConfig, StepArrays};

@@ -1,0 +1,229 @@
+//! What the simulator prints: a header, a progress line every few steps (plain lines, no
+//! terminal needed) and the summary: throughput and each step's time split into metadata,
+//! cache write and attention.
+
+use super::check::CheckStats;
+use super::model::SimModel;
+use super::scheduler::{Batch, Scheduler};
+use crate::forward::{Attention, PhaseTimes};
+use std::time::Duration;
+
+/// A run's totals.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SimReport {
+    pub model: String,
+    /// The model's attention configuration, in words.
+    pub model_config: String,
+    pub backend: &'static str,
+    pub on_gpu: bool,
+    pub layers: usize,
+    /// The model's own layer count (runs may use fewer).
+    pub model_layers: usize,
+    pub num_blocks: usize,
+    /// Bytes of KV cache over all layers.
+    pub cache_bytes: usize,
+    pub requests: usize,
+    pub finished: usize,
+    pub steps: usize,
+    pub prefill_tokens: usize,
+    pub decode_tokens: usize,
+    pub max_batch_tokens: usize,
+    pub max_batch_reqs: usize,
+    /// Sum of the steps' wall times (scheduling, metadata, every layer, waiting for the GPU).
+    pub wall: Duration,
+    pub metadata: Duration,
+    pub cache_write: Duration,
+    pub attention: Duration,
+    /// Bytes of step metadata uploaded to the GPU.
+    pub upload_bytes: usize,
+    /// Time the checks took (not part of the steps).
+    pub check_time: Duration,
+    pub tolerance: f64,
+    pub check_layers: Vec<usize>,
+    pub checks: CheckStats,
+}
+
+/// Totals at the last progress line.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Window {
+    steps: usize,
+    tokens: usize,
+    wall: Duration,
+    metadata: Duration,
+    cache_write: Duration,
+    attention: Duration,
+}
+
+/// `1.50 GiB`, `12.0 MiB`.
+fn bytes(n: usize) -> String {
+    if n >= 1 << 30 {
+        format!("{:.2} GiB", n as f64 / (1u64 << 30) as f64)
+    } else {
+        format!("{:.1} MiB", n as f64 / (1u64 << 20) as f64)
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+impl SimReport {
+    pub(crate) fn new(model: &SimModel, attn: &Attention, layers: usize, num_blocks: usize, requests: usize, tolerance: f64) -> Self {
+        SimReport {
+            model: model.name.to_string(),
+            model_config: model.config.to_string(),
+            backend: attn.backend().name,
+            on_gpu: attn.runs_on_gpu(),
+            layers,
+            model_layers: model.num_layers,
+            num_blocks,
+            cache_bytes: attn.cache_spec().num_elements() * layers * model.config.cache_dtype.size_bytes(),
+            requests,
+            tolerance,
+            ..SimReport::default()
+        }
+    }
+
+    pub fn tokens(&self) -> usize {
+        self.prefill_tokens + self.decode_tokens
+    }
+
+    pub fn tokens_per_s(&self) -> f64 {
+        self.tokens() as f64 / self.wall.as_secs_f64().max(1e-9)
+    }
+
+    /// Whether every check passed (and, when checks ran, at least one comparison was made).
+    pub fn passed(&self) -> bool {
+        self.checks.failures == 0
+    }
+
+    pub(crate) fn book_step(&mut self, batch: &Batch, wall: Duration, metadata: Duration, times: PhaseTimes, upload_bytes: usize) {
+        self.steps += 1;
+        self.decode_tokens += batch.num_decode_tokens;
+        self.prefill_tokens += batch.num_tokens() - batch.num_decode_tokens;
+        self.max_batch_tokens = self.max_batch_tokens.max(batch.num_tokens());
+        self.max_batch_reqs = self.max_batch_reqs.max(batch.reqs.len());
+        self.wall += wall;
+        self.metadata += metadata;
+        self.cache_write += times.cache_write;
+        self.attention += times.attention;
+        self.upload_bytes += upload_bytes;
+    }
+
+    pub(crate) fn window_start(&self) -> Window {
+        Window {
+            steps: self.steps,
+            tokens: self.tokens(),
+            wall: self.wall,
+            metadata: self.metadata,
+            cache_write: self.cache_write,
+            attention: self.attention,
+        }
+    }
+
+    /// One line about the run about to start.
+    pub fn header(&self) -> String {
+        let place = if self.on_gpu { "GPU" } else { "CPU (host::cpu, the reference implementation)" };
+        format!(
+            "== {} [{}]: {}\n   backend {} on the {place}; {} of {} layers, {} blocks per layer ({} of KV cache); {} requests",
+            self.model,
+            self.backend,
+            self.model_config,
+            self.backend,
+            self.layers,
+            self.model_layers,
+            self.num_blocks,
+            bytes(self.cache_bytes),
+            self.requests
+        )
+    }
+
+    /// The closing lines.
+    pub fn summary(&self) -> Vec<String> {
+        let n = self.steps.max(1) as f64;
+        let per = |d: Duration| ms(d) / n;
+        let other = ms(self.wall) - ms(self.metadata) - ms(self.cache_write) - ms(self.attention);
+        let mut lines = vec![
+            format!("summary [{} on {}]:", self.model, self.backend),
+            format!(
+                "  {} steps, {}/{} requests finished, {} tokens ({} prefill, {} decode); largest batch {} tokens / {} requests",
+                self.steps,
+                self.finished,
+                self.requests,
+                self.tokens(),
+                self.prefill_tokens,
+                self.decode_tokens,
+                self.max_batch_tokens,
+                self.max_batch_reqs
+            ),
+            format!(
+                "  throughput {:.1} tokens/s through {} layers, over {:.3} s of steps",
+                self.tokens_per_s(),
+                self.layers,
+                self.wall.as_secs_f64()
+            ),
+            format!(
+                "  per step {:.3} ms: metadata {:.3} ms, cache write {:.3} ms, attention {:.3} ms, other {:.3} ms{}",
+                per(self.wall),
+                per(self.metadata),
+                per(self.cache_write),
+                per(self.attention),
+                other.max(0.0) / n,
+                if self.on_gpu {
+                    format!(" (GPU times from CUDA events; {:.1} KiB metadata uploaded a step)", self.upload_bytes as f64 / n / 1024.0)
+                } else {
+                    String::new()
+                }
+            ),
+        ];
+        let c = &self.checks;
+        lines.push(if c.comparisons == 0 {
+            "  check against the CPU reference: none made".to_string()
+        } else {
+            format!(
+                "  check against the CPU reference: {} comparisons ({} query tokens) in layers {:?}, max rel error {:.2e} (tolerance {:.0e}) in {:.2} s: {}",
+                c.comparisons,
+                c.tokens,
+                self.check_layers,
+                c.worst_rel_error,
+                self.tolerance,
+                self.check_time.as_secs_f64(),
+                if self.passed() { "PASS".to_string() } else { format!("FAIL ({} failed; first: {})", c.failures, c.first_failure.clone().unwrap_or_default()) }
+            )
+        });
+        lines
+    }
+}
+
+/// The progress line after `step`, with rates over the steps since `window`.
+pub(crate) fn progress_line(r: &SimReport, w: &Window, step: usize, batch: &Batch, sched: &Scheduler, checks: &CheckStats) -> String {
+    let steps = (r.steps - w.steps).max(1) as f64;
+    let wall = r.wall - w.wall;
+    let tok_s = (r.tokens() - w.tokens) as f64 / wall.as_secs_f64().max(1e-9);
+    let a = sched.allocator();
+    let check = if checks.comparisons == 0 {
+        String::new()
+    } else if checks.failures == 0 {
+        format!(" | checks ok (max err {:.1e})", checks.worst_rel_error)
+    } else {
+        format!(" | checks FAILED {}", checks.failures)
+    };
+    format!(
+        "step {step:>5} | batch {:>3} reqs ({} dec + {} pre) {:>5} tok | running {:>3}, waiting {:>3}, done {:>4}/{} | blocks {:>5}/{} | {:>9.1} tok/s | step {:.2} ms: meta {:.3}, write {:.3}, attn {:.3}{check}",
+        batch.reqs.len(),
+        batch.num_decodes,
+        batch.reqs.len() - batch.num_decodes,
+        batch.num_tokens(),
+        sched.num_running(),
+        sched.num_waiting(),
+        sched.num_finished(),
+        r.requests,
+        a.num_used(),
+        a.num_blocks(),
+        tok_s,
+        ms(wall) / steps,
+        ms(r.metadata - w.metadata) / steps,
+        ms(r.cache_write - w.cache_write) / steps,
+        ms(r.attention - w.attention) / steps,
+    )
+}

@@ -1,0 +1,254 @@
+//! The simulated engine's scheduler (vLLM's, simplified): each step a token budget is spent on
+//! one token per decoding request, then on prompt chunks (chunked prefill) of the requests
+//! still in their prompt, then on admitting waiting requests while blocks and room allow. The
+//! batch is ordered decodes first, and its arrays are what an engine hands to the metadata
+//! builder ([`StepArrays::input`]).
+
+use super::allocator::{AllocError, BlockAllocator, BlockTable};
+use super::requests::RequestSpec;
+use crate::metadata::{is_decode, StepInput};
+use std::collections::VecDeque;
+
+/// Scheduler limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Requests running at once.
+    pub max_running: usize,
+    /// Tokens a step computes (at least `max_running`, so every decode fits).
+    pub token_budget: usize,
+    /// Requests with at most this many query tokens are decodes (ordered first).
+    pub decode_threshold: usize,
+}
+
+/// A running request.
+#[derive(Clone, Debug)]
+struct Running {
+    spec: RequestSpec,
+    table: BlockTable,
+    /// Tokens whose K/V are in the cache.
+    computed: usize,
+    generated: usize,
+}
+
+impl Running {
+    fn in_prompt(&self) -> bool {
+        self.computed < self.spec.prompt_len
+    }
+}
+
+/// One request of a step's batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scheduled {
+    pub id: usize,
+    /// Query tokens this step (its new tokens).
+    pub q_len: usize,
+    /// Tokens cached before this step.
+    pub context: usize,
+}
+
+impl Scheduled {
+    pub fn seq_len(&self) -> usize {
+        self.context + self.q_len
+    }
+}
+
+/// The engine's arrays for one step (rows in batch order).
+#[derive(Clone, Debug, Default)]
+pub struct StepArrays {
+    pub query_start_loc: Vec<i32>,
+    pub seq_lens: Vec<i32>,
+    pub block_table: Vec<i32>,
+    pub block_table_stride: usize,
+    pub slot_mapping: Vec<i64>,
+}
+
+impl StepArrays {
+    pub fn num_tokens(&self) -> usize {
+        self.slot_mapping.len()
+    }
+
+    /// The metadata builder's input for a cache of `num_blocks` blocks of `block_size`.
+    pub fn input(&self, num_blocks: usize, block_size: usize) -> StepInput<'_> {
+        StepInput {
+            query_start_loc: &self.query_start_loc,
+            seq_lens: &self.seq_lens,
+            block_table: &self.block_table,
+            block_table_stride: self.block_table_stride,
+            slot_mapping: &self.slot_mapping,
+            num_actual_tokens: self.num_tokens(),
+            num_blocks,
+            block_size,
+        }
+    }
+}
+
+/// A step's batch: who runs (decodes first) and the arrays.
+#[derive(Clone, Debug, Default)]
+pub struct Batch {
+    pub reqs: Vec<Scheduled>,
+    pub arrays: StepArrays,
+    pub num_decodes: usize,
+    pub num_decode_tokens: usize,
+}
+
+impl Batch {
+    pub fn is_empty(&self) -> bool {
+        self.reqs.is_empty()
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.arrays.num_tokens()
+    }
+}
+
+/// Requests waiting, running and finished, and the blocks they hold.
+pub struct Scheduler {
+    config: SchedulerConfig,
+    alloc: BlockAllocator,
+    /// Not arrived yet, in arrival order.
+    pending: VecDeque<RequestSpec>,
+    waiting: VecDeque<RequestSpec>,
+    running: Vec<Running>,
+    finished: usize,
+    /// Blocks the running requests will still take (admission keeps them free).
+    committed: usize,
+}
+
+impl Scheduler {
+    /// `requests` in arrival order; each must fit the cache alone.
+    pub fn new(config: SchedulerConfig, alloc: BlockAllocator, requests: Vec<RequestSpec>) -> Result<Self, AllocError> {
+        let bs = alloc.block_size();
+        if let Some(r) = requests.iter().find(|r| BlockTable::blocks_for(r.total_tokens(), bs) > alloc.num_blocks()) {
+            return Err(AllocError::OutOfBlocks {
+                needed: BlockTable::blocks_for(r.total_tokens(), bs),
+                free: alloc.num_free(),
+                total: alloc.num_blocks(),
+            });
+        }
+        assert!(config.max_running > 0 && config.token_budget >= config.max_running, "{config:?}");
+        Ok(Scheduler { config, alloc, pending: requests.into(), waiting: VecDeque::new(), running: Vec::new(), finished: 0, committed: 0 })
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_finished(&self) -> usize {
+        self.finished
+    }
+
+    pub fn allocator(&self) -> &BlockAllocator {
+        &self.alloc
+    }
+
+    /// Whether every request has finished.
+    pub fn is_done(&self) -> bool {
+        self.pending.is_empty() && self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    /// The next step's batch. `step` moves on to the next arrival when nothing is left to run
+    /// (an idle engine), so a returned batch is empty only when all is done.
+    pub fn schedule(&mut self, step: &mut usize) -> Result<Batch, AllocError> {
+        if self.running.is_empty() && self.waiting.is_empty() {
+            if let Some(next) = self.pending.front() {
+                *step = (*step).max(next.arrival_step);
+            }
+        }
+        while self.pending.front().is_some_and(|r| r.arrival_step <= *step) {
+            self.waiting.extend(self.pending.pop_front());
+        }
+        let bs = self.alloc.block_size();
+        let mut budget = self.config.token_budget;
+        let mut picked: Vec<(usize, usize)> = Vec::new(); // (running index, q_len)
+                                                          // Decodes: one token each, then the prompts in progress, in admission order.
+        for (i, r) in self.running.iter().enumerate() {
+            if !r.in_prompt() && budget > 0 {
+                picked.push((i, 1));
+                budget -= 1;
+            }
+        }
+        for (i, r) in self.running.iter().enumerate() {
+            if r.in_prompt() && budget > 0 {
+                let q = (r.spec.prompt_len - r.computed).min(budget);
+                picked.push((i, q));
+                budget -= q;
+            }
+        }
+        // Admissions: room, budget, and blocks for the request's whole life.
+        while budget > 0 && self.running.len() < self.config.max_running {
+            let Some(next) = self.waiting.front() else { break };
+            let life = BlockTable::blocks_for(next.total_tokens(), bs);
+            if self.alloc.num_free() < self.committed + life {
+                break;
+            }
+            let spec = self.waiting.pop_front().expect("front exists");
+            self.committed += life;
+            self.running.push(Running { spec, table: BlockTable::new(), computed: 0, generated: 0 });
+            let q = spec.prompt_len.min(budget);
+            picked.push((self.running.len() - 1, q));
+            budget -= q;
+        }
+        // Decodes first (stable), as the attention metadata wants.
+        let threshold = self.config.decode_threshold;
+        picked.sort_by_key(|&(_, q)| !is_decode(q as i64, threshold));
+        let mut batch = Batch::default();
+        let a = &mut batch.arrays;
+        a.query_start_loc.push(0);
+        for &(i, q) in &picked {
+            let r = &mut self.running[i];
+            let before = r.table.blocks().len();
+            r.table.grow_to(r.computed + q, &mut self.alloc)?;
+            self.committed -= r.table.blocks().len() - before;
+            for pos in r.computed..r.computed + q {
+                a.slot_mapping.push(r.table.slot(pos, bs));
+            }
+            a.query_start_loc.push(a.slot_mapping.len() as i32);
+            a.seq_lens.push((r.computed + q) as i32);
+            batch.reqs.push(Scheduled { id: r.spec.id, q_len: q, context: r.computed });
+            if is_decode(q as i64, threshold) {
+                batch.num_decodes += 1;
+                batch.num_decode_tokens += q;
+            }
+        }
+        a.block_table_stride = picked.iter().map(|&(i, _)| self.running[i].table.blocks().len()).max().unwrap_or(0);
+        for &(i, _) in &picked {
+            let blocks = self.running[i].table.blocks();
+            a.block_table.extend_from_slice(blocks);
+            a.block_table.resize(a.block_table.len() + a.block_table_stride - blocks.len(), 0);
+        }
+        Ok(batch)
+    }
+
+    /// Books a computed batch: each request's new tokens are cached; a request whose prompt is
+    /// done generated a token (its last prompt chunk made the first); finished requests give
+    /// their blocks back. Returns the ids that finished.
+    pub fn complete(&mut self, batch: &Batch) -> Result<Vec<usize>, AllocError> {
+        for s in &batch.reqs {
+            let r = self.running.iter_mut().find(|r| r.spec.id == s.id).expect("a scheduled request is running");
+            r.computed += s.q_len;
+            if !r.in_prompt() {
+                r.generated += 1;
+            }
+        }
+        let mut done = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() {
+            let r = &self.running[i];
+            if r.generated >= r.spec.gen_len {
+                let mut r = self.running.remove(i);
+                let life = BlockTable::blocks_for(r.spec.total_tokens(), self.alloc.block_size());
+                self.committed -= life - r.table.blocks().len();
+                r.table.release(&mut self.alloc)?;
+                self.finished += 1;
+                done.push(r.spec.id);
+            } else {
+                i += 1;
+            }
+        }
+        Ok(done)
+    }
+}

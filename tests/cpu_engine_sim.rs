@@ -1,0 +1,259 @@
+//! CPU tests of the simulated engine (`host::sim`): the block allocator and block tables, the
+//! request stream, the scheduler's batches (budget, room, decodes first, slots that match the
+//! block tables, every block back at the end), and short runs of the engine loop on the CPU
+//! backend (standard and MLA, the presets included) with their checks passing.
+
+use host::backend::{select_backend_no_env, DeviceInfo};
+use host::metadata::{is_decode, split_decodes, validate};
+use host::sim::{
+    run_sim, AllocError, BlockAllocator, BlockTable, RequestSpec, Scheduler, SchedulerConfig, SimConfig, SimModel, SplitMix, Workload,
+};
+use host::DType;
+use std::collections::HashMap;
+
+// ---------------------------------------------------------------------------------------------
+// Block allocator
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn allocator_hands_out_every_block_once_and_takes_them_back() {
+    let mut a = BlockAllocator::new(4, 16);
+    assert_eq!((a.num_blocks(), a.num_free(), a.num_used(), a.block_size()), (4, 4, 0, 16));
+    let got: Vec<i32> = (0..4).map(|_| a.allocate().unwrap()).collect();
+    assert_eq!(got, [0, 1, 2, 3]);
+    assert_eq!(a.allocate(), Err(AllocError::OutOfBlocks { needed: 1, free: 0, total: 4 }));
+    a.free(2).unwrap();
+    a.free(0).unwrap();
+    assert_eq!((a.num_free(), a.num_used()), (2, 2));
+    assert_eq!(a.allocate().unwrap(), 0, "the most recently freed block first");
+    assert_eq!(a.free(2), Err(AllocError::DoubleFree(2)));
+    assert_eq!(a.free(4), Err(AllocError::NotABlock { block: 4, total: 4 }));
+    assert_eq!(a.free(-1), Err(AllocError::NotABlock { block: -1, total: 4 }));
+}
+
+#[test]
+fn shuffled_allocator_is_a_permutation() {
+    let mut a = BlockAllocator::shuffled(100, 16, &mut SplitMix::new(3));
+    let mut got: Vec<i32> = (0..100).map(|_| a.allocate().unwrap()).collect();
+    assert_ne!(got, (0..100).collect::<Vec<_>>(), "shuffled");
+    got.sort_unstable();
+    assert_eq!(got, (0..100).collect::<Vec<_>>());
+}
+
+#[test]
+fn block_tables_grow_all_or_nothing_and_release() {
+    let mut a = BlockAllocator::new(5, 4);
+    let mut t = BlockTable::new();
+    t.grow_to(9, &mut a).unwrap(); // 3 blocks
+    assert_eq!(t.blocks(), [0, 1, 2]);
+    t.grow_to(12, &mut a).unwrap(); // still 3
+    assert_eq!(t.blocks().len(), 3);
+    assert_eq!(t.slot(0, 4), 0);
+    assert_eq!(t.slot(9, 4), 2 * 4 + 1);
+    let mut u = BlockTable::new();
+    assert_eq!(u.grow_to(12, &mut a), Err(AllocError::OutOfBlocks { needed: 3, free: 2, total: 5 }));
+    assert!(u.blocks().is_empty() && a.num_free() == 2, "a refused growth takes nothing");
+    u.grow_to(8, &mut a).unwrap();
+    t.release(&mut a).unwrap();
+    assert!(t.blocks().is_empty());
+    assert_eq!(a.num_free(), 3);
+    assert_eq!(BlockTable::blocks_for(0, 16), 0);
+    assert_eq!(BlockTable::blocks_for(17, 16), 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Requests and scheduling
+// ---------------------------------------------------------------------------------------------
+
+fn workload() -> Workload {
+    Workload { num_requests: 40, prompt_len: (1, 70), gen_len: (1, 20), initial: 5, max_arrivals_per_step: 3 }
+}
+
+#[test]
+fn the_request_stream_is_deterministic_and_in_range() {
+    let w = workload();
+    let a = w.generate(&mut SplitMix::new(9));
+    assert_eq!(a, w.generate(&mut SplitMix::new(9)));
+    assert_ne!(a, w.generate(&mut SplitMix::new(10)));
+    assert_eq!(a.len(), 40);
+    assert!(a.iter().enumerate().all(|(i, r)| r.id == i));
+    assert!(a.windows(2).all(|p| p[0].arrival_step <= p[1].arrival_step));
+    assert_eq!(a.iter().filter(|r| r.arrival_step == 0).count(), 5);
+    assert!(a.iter().all(|r| (1..=70).contains(&r.prompt_len) && (1..=20).contains(&r.gen_len)));
+    assert_eq!(w.max_model_len(), 89);
+}
+
+/// Runs the scheduler alone to the end, checking every batch.
+fn drive(config: SchedulerConfig, num_blocks: usize, block_size: usize, requests: Vec<RequestSpec>) -> usize {
+    let specs: HashMap<usize, RequestSpec> = requests.iter().map(|r| (r.id, *r)).collect();
+    let mut s = Scheduler::new(config, BlockAllocator::shuffled(num_blocks, block_size, &mut SplitMix::new(5)), requests).unwrap();
+    let mut fed: HashMap<usize, usize> = HashMap::new();
+    let mut finished = Vec::new();
+    let mut step = 0;
+    let mut steps = 0;
+    while !s.is_done() {
+        let b = s.schedule(&mut step).unwrap();
+        assert!(!b.is_empty(), "step {step}: an empty batch with work left");
+        assert!(b.num_tokens() <= config.token_budget && b.reqs.len() <= config.max_running);
+        let input = b.arrays.input(num_blocks, block_size);
+        validate(&input).unwrap_or_else(|e| panic!("step {step}: {e}"));
+        let split = split_decodes(&input, config.decode_threshold).expect("decodes first");
+        assert_eq!((split.num_decodes, split.num_decode_tokens), (b.num_decodes, b.num_decode_tokens));
+        // Slots are the requests' next positions in their own blocks; no slot twice.
+        let mut seen = std::collections::HashSet::new();
+        for (i, r) in b.reqs.iter().enumerate() {
+            assert_eq!(r.context, fed.get(&r.id).copied().unwrap_or(0), "request {} resumes where it was", r.id);
+            assert!(is_decode(r.q_len as i64, config.decode_threshold) == (i < b.num_decodes));
+            let row = &b.arrays.block_table[i * b.arrays.block_table_stride..];
+            for (j, pos) in (r.context..r.seq_len()).enumerate() {
+                let slot = b.arrays.slot_mapping[b.arrays.query_start_loc[i] as usize + j];
+                assert_eq!(slot, row[pos / block_size] as i64 * block_size as i64 + (pos % block_size) as i64);
+                assert!(seen.insert(slot), "slot {slot} twice in one step");
+            }
+        }
+        for r in &b.reqs {
+            *fed.entry(r.id).or_default() += r.q_len;
+        }
+        finished.extend(s.complete(&b).unwrap());
+        step += 1;
+        steps += 1;
+        assert!(steps < 100_000);
+    }
+    assert_eq!(s.allocator().num_free(), num_blocks, "every block back");
+    finished.sort_unstable();
+    assert_eq!(finished, (0..specs.len()).collect::<Vec<_>>(), "every request finished once");
+    for (id, n) in fed {
+        assert_eq!(n, specs[&id].total_tokens(), "request {id} fed its prompt and all but its last generated token");
+    }
+    assert_eq!(s.num_finished(), specs.len());
+    steps
+}
+
+#[test]
+fn scheduler_batches_are_valid_and_every_request_finishes() {
+    let requests = workload().generate(&mut SplitMix::new(1));
+    let config = SchedulerConfig { max_running: 6, token_budget: 24, decode_threshold: 1 };
+    drive(config, 40, 4, requests.clone());
+    // Tight on blocks (admission waits), and multi-token decodes ordered first.
+    drive(SchedulerConfig { decode_threshold: 4, ..config }, 23, 4, requests.clone());
+    drive(SchedulerConfig { max_running: 1, token_budget: 1, decode_threshold: 1 }, 23, 4, requests);
+}
+
+#[test]
+fn scheduler_refuses_a_request_larger_than_the_cache() {
+    let r = RequestSpec { id: 0, arrival_step: 0, prompt_len: 60, gen_len: 10 };
+    let config = SchedulerConfig { max_running: 2, token_budget: 8, decode_threshold: 1 };
+    assert!(matches!(Scheduler::new(config, BlockAllocator::new(4, 16), vec![r]), Err(AllocError::OutOfBlocks { needed: 5, .. })));
+}
+
+#[test]
+fn idle_steps_skip_to_the_next_arrival() {
+    let reqs = vec![
+        RequestSpec { id: 0, arrival_step: 0, prompt_len: 3, gen_len: 1 },
+        RequestSpec { id: 1, arrival_step: 50, prompt_len: 3, gen_len: 2 },
+    ];
+    let config = SchedulerConfig { max_running: 2, token_budget: 8, decode_threshold: 1 };
+    let mut s = Scheduler::new(config, BlockAllocator::new(4, 4), reqs).unwrap();
+    let mut step = 0;
+    let b = s.schedule(&mut step).unwrap();
+    assert_eq!((step, b.reqs.len()), (0, 1));
+    assert_eq!(s.complete(&b).unwrap(), [0]);
+    step += 1;
+    let b = s.schedule(&mut step).unwrap();
+    assert_eq!((step, b.reqs[0].id), (50, 1));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The engine loop on the CPU backend
+// ---------------------------------------------------------------------------------------------
+
+fn small_config() -> SimConfig {
+    SimConfig {
+        workload: Workload { num_requests: 8, prompt_len: (3, 40), gen_len: (1, 8), initial: 3, max_arrivals_per_step: 2 },
+        max_running: 4,
+        token_budget: 16,
+        num_blocks: None,
+        num_layers: None,
+        max_steps: 10_000,
+        check_every: 2,
+        check_layers: None,
+        check_reqs: 3,
+        check_tokens: 2,
+        progress_every: 4,
+        decode_threshold: 1,
+        seed: 7,
+    }
+}
+
+fn run_on_cpu(model: &SimModel, cfg: &SimConfig) -> (host::sim::SimReport, String) {
+    let sel = select_backend_no_env(&model.config, &DeviceInfo::no_gpu(), None).unwrap();
+    let mut log = Vec::new();
+    let report = run_sim(model, cfg, &sel, None, &mut log).unwrap_or_else(|e| panic!("{}: {e}", model.name));
+    (report, String::from_utf8(log).unwrap())
+}
+
+#[test]
+fn engine_loop_runs_to_completion_on_the_cpu_backend() {
+    let cfg = small_config();
+    let expected: usize = cfg.workload.generate(&mut SplitMix::new(cfg.seed)).iter().map(|r| r.total_tokens()).sum();
+    for model in [SimModel::tiny(DType::F32), SimModel::tiny(DType::BF16), SimModel::tiny_mla(DType::BF16)] {
+        let (r, log) = run_on_cpu(&model, &cfg);
+        assert_eq!((r.backend, r.on_gpu), ("cpu", false));
+        assert_eq!((r.finished, r.requests), (8, 8), "{log}");
+        assert_eq!(r.tokens(), expected, "every request's tokens went through forward");
+        assert!(r.decode_tokens > 0 && r.prefill_tokens > 0);
+        assert!(r.max_batch_tokens <= cfg.token_budget && r.max_batch_reqs <= cfg.max_running);
+        assert!(r.checks.comparisons > 0 && r.passed(), "{}: {:?}\n{log}", model.name, r.checks);
+        assert!(r.checks.worst_rel_error <= host::sim::tolerance(model.config.q_dtype));
+        assert!(r.attention > std::time::Duration::ZERO && r.wall >= r.attention);
+        assert_eq!(r.check_layers, [0, 1]);
+        assert!(
+            log.contains("backend cpu on the CPU") && log.contains("step ") && log.contains("summary [") && log.contains("PASS"),
+            "{log}"
+        );
+    }
+}
+
+#[test]
+fn engine_loop_is_deterministic() {
+    let model = SimModel::tiny(DType::F32);
+    let (a, _) = run_on_cpu(&model, &small_config());
+    let (b, _) = run_on_cpu(&model, &small_config());
+    assert_eq!(
+        (a.steps, a.prefill_tokens, a.decode_tokens, a.checks.tokens),
+        (b.steps, b.prefill_tokens, b.decode_tokens, b.checks.tokens)
+    );
+    assert_eq!(a.checks.worst_rel_error, b.checks.worst_rel_error);
+}
+
+#[test]
+fn presets_run_a_few_steps_on_the_cpu_backend() {
+    let cfg = SimConfig {
+        workload: Workload { num_requests: 3, prompt_len: (2, 6), gen_len: (2, 3), initial: 3, max_arrivals_per_step: 1 },
+        max_running: 3,
+        token_budget: 8,
+        num_layers: Some(1),
+        max_steps: 3,
+        check_every: 1,
+        check_reqs: 2,
+        check_tokens: 1,
+        progress_every: 1,
+        ..small_config()
+    };
+    for model in [SimModel::llama3_8b(DType::BF16), SimModel::deepseek_v2_lite(DType::BF16)] {
+        let (r, log) = run_on_cpu(&model, &cfg);
+        assert_eq!(r.steps, 3, "{log}");
+        assert!(r.passed() && r.checks.comparisons > 0, "{:?}\n{log}", r.checks);
+    }
+    assert_eq!(SimModel::llama3_8b(DType::BF16).num_layers, 32);
+    assert_eq!(SimModel::deepseek_v2_lite(DType::BF16).config.head_size, 576);
+}
+
+#[test]
+fn a_bad_check_layer_is_refused() {
+    let cfg = SimConfig { check_layers: Some(vec![5]), ..small_config() };
+    let model = SimModel::tiny(DType::F32);
+    let sel = select_backend_no_env(&model.config, &DeviceInfo::no_gpu(), None).unwrap();
+    let err = run_sim(&model, &cfg, &sel, None, &mut Vec::new()).expect_err("refused");
+    assert!(err.to_string().contains("check layer 5"), "{err}");
+}

@@ -1,0 +1,334 @@
+//! GPU `forward` on the `tensor-core` backend against the same calls on the `cpu` backend:
+//! several steps of mixed batches (decodes first, chunked prefills, scattered blocks, strided
+//! fused-QKV rows, padding rows) per case, outputs compared by relative error and the caches
+//! bit for bit after the last step; long contexts (decode split-K and merge), multi-token
+//! decodes, layouts, head sizes, dtypes and features; refusals before any launch.
+
+mod common;
+
+use common::*;
+use half::{bf16, f16};
+use host::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig};
+use host::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, HostElement, LayerIo, NewKv};
+use host::metadata::{is_decode, StepInput};
+use host::{AttnDevice, AttnError, DType, DevIn, DevOut, KvLayout, RowsDesc};
+use libtest_mimic::Trial;
+use rand::seq::SliceRandom;
+use rand::Rng;
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+/// The device as `forward` takes it (its own handle; the kernels load once per handle).
+fn arc_device() -> Arc<AttnDevice> {
+    static DEV: OnceLock<Arc<AttnDevice>> = OnceLock::new();
+    DEV.get_or_init(|| Arc::new(AttnDevice::new(0).expect("open GPU 0"))).clone()
+}
+
+#[derive(Clone, Debug)]
+struct Case {
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    layout: KvLayout,
+    block_size: usize,
+    threshold: usize,
+    window: Option<u32>,
+    softcap: Option<f32>,
+    alibi: bool,
+    sinks: bool,
+    padding: usize,
+    steps: Vec<Vec<(usize, usize)>>,
+}
+
+fn mixed_steps() -> Vec<Vec<(usize, usize)>> {
+    vec![
+        vec![(0, 37)],
+        vec![(1, 20), (0, 1)],
+        vec![(0, 1), (1, 133), (2, 5)],
+        vec![(2, 1), (1, 1), (0, 1), (3, 17)],
+        vec![(3, 40), (0, 1), (2, 1), (1, 1)],
+    ]
+}
+
+fn base(hq: usize, hkv: usize, d: usize) -> Case {
+    Case {
+        hq,
+        hkv,
+        d,
+        layout: KvLayout::FlashNhd,
+        block_size: 16,
+        threshold: 1,
+        window: None,
+        softcap: None,
+        alibi: false,
+        sinks: false,
+        padding: 0,
+        steps: mixed_steps(),
+    }
+}
+
+fn cases() -> Vec<(String, Case, DType)> {
+    let long = vec![vec![(0, 1500), (1, 700)], vec![(0, 1), (1, 1), (2, 900)], vec![(1, 1), (2, 1), (0, 1), (3, 300)]];
+    let spec = vec![vec![(0, 30), (1, 12)], vec![(0, 3), (1, 4), (2, 9)], vec![(2, 2), (0, 1), (1, 5), (3, 4)]];
+    vec![
+        ("llama_gqa4_d128".into(), base(32, 8, 128), DType::BF16),
+        ("gqa4_d128_f16".into(), base(8, 2, 128), DType::F16),
+        ("mha_d64_hnd".into(), Case { layout: KvLayout::FlashHnd, padding: 3, ..base(4, 4, 64) }, DType::BF16),
+        ("gqa2_d96_flashinfer_bs32".into(), Case { layout: KvLayout::FlashInferNhd, block_size: 32, ..base(4, 2, 96) }, DType::F16),
+        ("mqa_d256_flashinfer_hnd".into(), Case { layout: KvLayout::FlashInferHnd, ..base(8, 1, 256) }, DType::BF16),
+        ("long_contexts_split_k".into(), Case { steps: long, ..base(32, 8, 128) }, DType::BF16),
+        ("multi_token_decodes".into(), Case { threshold: 4, steps: spec, ..base(8, 2, 128) }, DType::BF16),
+        (
+            "window_softcap_alibi_sinks".into(),
+            Case { window: Some(40), softcap: Some(10.0), alibi: true, sinks: true, ..base(8, 2, 128) },
+            DType::BF16,
+        ),
+    ]
+}
+
+fn tolerance(dtype: DType) -> f64 {
+    if dtype == DType::BF16 {
+        1e-2
+    } else {
+        3e-3
+    }
+}
+
+fn rel_error(got: &[f64], want: &[f64]) -> f64 {
+    let num: f64 = got.iter().zip(want).map(|(g, w)| (g - w) * (g - w)).sum();
+    let den: f64 = want.iter().map(|w| w * w).sum();
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+fn forward_case<T: HostElement + std::fmt::Debug>(c: Case, salt: u64) -> TestResult {
+    let mut rng = rng(salt);
+    let dev = arc_device();
+    let stream = dev.context().new_stream()?;
+    let features = Features { sinks: c.sinks, sliding_window: c.window.is_some(), softcap: c.softcap.is_some(), alibi: c.alibi };
+    let model = ModelConfig::standard(c.hq, c.hkv, c.d, T::DTYPE, c.block_size, c.layout).with_features(features);
+    let gpu_sel = select_backend_no_env(&model, &DeviceInfo::from_device(&dev), None)?;
+    let cpu_sel = select_backend_no_env(&model, &DeviceInfo::no_gpu(), None)?;
+    if gpu_sel.name() != "tensor-core" {
+        return Err(format!("selected {}", gpu_sel.name()).into());
+    }
+    let num_blocks = 256;
+    let limits = ForwardLimits { max_num_tokens: 4096, max_num_reqs: 16, max_model_len: 4096 };
+    let mut config = ForwardConfig::new(model, num_blocks, limits);
+    config.decode_threshold = c.threshold;
+    config.opts.window = c.window;
+    config.opts.softcap = c.softcap;
+    let mut ga = Attention::new(&gpu_sel, config, Some(GpuHandles { dev: dev.clone(), stream: stream.clone() }))?;
+    let mut ca = Attention::new(&cpu_sel, config, None)?;
+    let (mut gm, mut cm) = (ga.new_step_metadata()?, ca.new_step_metadata()?);
+    let cache_len = ga.cache_spec().num_elements();
+    let mut gcache = stream.alloc_zeros::<T>(cache_len)?;
+    let mut ccache = vec![T::default(); cache_len];
+    let slopes: Vec<f32> = (0..c.hq).map(|h| 0.5f32.powi(h as i32 % 8 + 1)).collect();
+    let sinks: Vec<f32> = (0..c.hq).map(|_| rng.random_range(-2.0..3.0)).collect();
+    let (slopes_d, sinks_d) = (upload(&stream, &slopes), upload(&stream, &sinks));
+    let mut free: Vec<i32> = (0..num_blocks as i32).collect();
+    free.shuffle(&mut rng);
+    let mut reqs: HashMap<usize, (Vec<i32>, usize)> = HashMap::new();
+    let (wq, wkv) = (c.hq * c.d, c.hkv * c.d);
+    let width = wq + 2 * wkv + 64; // a fused projection row with a gap (16-byte multiples)
+    let bs = c.block_size;
+
+    for (s, step) in c.steps.iter().enumerate() {
+        let mut order = step.clone();
+        order.sort_by_key(|&(_, q)| !is_decode(q as i64, c.threshold));
+        let nt: usize = order.iter().map(|p| p.1).sum();
+        let rows = nt + c.padding;
+        let (mut qsl, mut seq_lens, mut slots) = (vec![0i32], Vec::new(), Vec::new());
+        for &(id, q) in &order {
+            let (blocks, len) = reqs.entry(id).or_default();
+            while blocks.len() * bs < *len + q {
+                blocks.push(free.pop().ok_or("out of blocks")?);
+            }
+            for pos in *len..*len + q {
+                slots.push(blocks[pos / bs] as i64 * bs as i64 + (pos % bs) as i64);
+            }
+            qsl.push(qsl.last().unwrap() + q as i32);
+            seq_lens.push((*len + q) as i32);
+        }
+        let stride = order.iter().map(|(id, _)| reqs[id].0.len()).max().unwrap() + 2;
+        let mut block_table = vec![-3; order.len() * stride];
+        for (i, (id, _)) in order.iter().enumerate() {
+            block_table[i * stride..][..reqs[id].0.len()].copy_from_slice(&reqs[id].0);
+        }
+        let input = StepInput {
+            query_start_loc: &qsl,
+            seq_lens: &seq_lens,
+            block_table: &block_table,
+            block_table_stride: stride,
+            slot_mapping: &slots,
+            num_actual_tokens: nt,
+            num_blocks,
+            block_size: bs,
+        };
+        gm.build(&input)?;
+        cm.build(&input)?;
+
+        let data: Vec<T> = random_vec(&mut rng, rows * width, 1.0);
+        let data_d = upload(&stream, &data);
+        let q_rows = RowsDesc { num_tokens: rows, num_heads: c.hq, head_size: c.d, token_stride: width, head_stride: c.d };
+        let kv_rows = RowsDesc { num_tokens: rows, num_heads: c.hkv, head_size: c.d, token_stride: width, head_stride: c.d };
+        let out_rows = RowsDesc::contiguous(rows, c.hq, c.d);
+        let mut out_d = upload(&stream, &vec![poison::<T>(); out_rows.required_len()]);
+        let mut out_h = vec![T::default(); out_rows.required_len()];
+        let (kv_k, kv_v) = (data_d.slice(wq..), data_d.slice(wq + wkv..));
+        ga.forward(
+            &gm,
+            LayerIo::Gpu(GpuLayer {
+                q: DevIn::new(&data_d, &stream),
+                q_rows,
+                new_kv: NewKv::Standard { k: DevIn::new(&kv_k, &stream), k_rows: kv_rows, v: DevIn::new(&kv_v, &stream), v_rows: kv_rows },
+                cache: DevOut::new(&mut gcache, &stream),
+                out: DevOut::new(&mut out_d, &stream),
+                out_rows,
+                alibi_slopes: c.alibi.then(|| DevIn::new(&slopes_d, &stream)),
+                sinks: c.sinks.then(|| DevIn::new(&sinks_d, &stream)),
+            }),
+        )?;
+        ca.forward(
+            &cm,
+            LayerIo::Cpu(CpuLayer {
+                q: T::host_in(&data),
+                q_rows,
+                new_kv: NewKv::Standard { k: T::host_in(&data[wq..]), k_rows: kv_rows, v: T::host_in(&data[wq + wkv..]), v_rows: kv_rows },
+                cache: T::host_out(&mut ccache),
+                out: T::host_out(&mut out_h),
+                out_rows,
+                alibi_slopes: c.alibi.then(|| f32::host_in(&slopes)),
+                sinks: c.sinks.then(|| f32::host_in(&sinks)),
+            }),
+        )?;
+        ga.check_status()?;
+        let got = download(&stream, &out_d);
+        let per_token = c.hq * c.d;
+        for (b, &(id, _)) in order.iter().enumerate() {
+            let span = qsl[b] as usize * per_token..qsl[b + 1] as usize * per_token;
+            let g: Vec<f64> = got[span.clone()].iter().map(|x| x.to_f32() as f64).collect();
+            let w: Vec<f64> = out_h[span].iter().map(|x| x.to_f32() as f64).collect();
+            let err = rel_error(&g, &w);
+            if err.is_nan() || err > tolerance(T::DTYPE) {
+                return Err(format!("step {s} request {id} (batch row {b}): rel error {err:.3e}").into());
+            }
+        }
+        if got[nt * per_token..].iter().any(|x| !x.to_f32().is_nan()) {
+            return Err(format!("step {s}: padding output rows were written").into());
+        }
+        for (id, q) in &order {
+            reqs.get_mut(id).unwrap().1 += q;
+        }
+    }
+    let gc = download(&stream, &gcache);
+    let mismatched = bitwise_mismatches(&gc, &ccache, |x| x.to_f32().to_bits() as u64);
+    if !mismatched.is_empty() {
+        return Err(format!("caches differ: {mismatched:?}").into());
+    }
+    Ok(())
+}
+
+/// Refusals on the GPU happen before any launch: the cache and output stay as they were.
+fn refusals() -> TestResult {
+    let dev = arc_device();
+    let stream = dev.context().new_stream()?;
+    let model = ModelConfig::standard(8, 2, 128, DType::BF16, 16, KvLayout::FlashNhd);
+    let sel = select_backend_no_env(&model, &DeviceInfo::from_device(&dev), None)?;
+    let limits = ForwardLimits { max_num_tokens: 64, max_num_reqs: 4, max_model_len: 64 };
+    let mut attn =
+        Attention::new(&sel, ForwardConfig::new(model, 8, limits), Some(GpuHandles { dev: dev.clone(), stream: stream.clone() }))?;
+    let mut meta = attn.new_step_metadata()?;
+    let (qsl, seq_lens, block_table, slots) = ([0, 1, 6], [4, 5], [2, 0, 0, 1], [35i64, 0, 1, 2, 3, 4]);
+    meta.build(&StepInput {
+        query_start_loc: &qsl,
+        seq_lens: &seq_lens,
+        block_table: &block_table,
+        block_table_stride: 2,
+        slot_mapping: &slots,
+        num_actual_tokens: 6,
+        num_blocks: 8,
+        block_size: 16,
+    })?;
+    let q = upload(&stream, &vec![bf16::from_f32(0.5); 7 * 8 * 128]);
+    let kv = upload(&stream, &vec![bf16::from_f32(0.25); 7 * 2 * 128]);
+    let mut cache = stream.alloc_zeros::<bf16>(attn.cache_spec().num_elements())?;
+    let mut out = stream.alloc_zeros::<bf16>(6 * 8 * 128)?;
+    let kv_rows = RowsDesc::contiguous(6, 2, 128);
+    let cases: Vec<(&str, &str, usize, RowsDesc)> = vec![
+        ("misaligned q", "q", 1, RowsDesc::contiguous(6, 8, 128)),
+        ("q token stride not a 16-byte multiple", "q", 0, RowsDesc { token_stride: 8 * 128 + 1, ..RowsDesc::contiguous(6, 8, 128) }),
+        ("q heads", "q", 0, RowsDesc::contiguous(6, 4, 128)),
+    ];
+    for (what, arg, offset, q_rows) in cases {
+        let qv = q.slice(offset..);
+        let r = attn.forward(
+            &meta,
+            LayerIo::Gpu(GpuLayer {
+                q: DevIn::new(&qv, &stream),
+                q_rows,
+                new_kv: NewKv::Standard { k: DevIn::new(&kv, &stream), k_rows: kv_rows, v: DevIn::new(&kv, &stream), v_rows: kv_rows },
+                cache: DevOut::new(&mut cache, &stream),
+                out: DevOut::new(&mut out, &stream),
+                out_rows: RowsDesc::contiguous(6, 8, 128),
+                alibi_slopes: None,
+                sinks: None,
+            }),
+        );
+        match r {
+            Err(AttnError::InvalidArgument { arg: a, .. }) if a == arg => {}
+            other => return Err(format!("{what}: expected a refusal of `{arg}`, got {other:?}").into()),
+        }
+    }
+    // Host tensors for a GPU backend.
+    let mut host_cache = vec![bf16::ZERO; 4];
+    let mut host_out = vec![bf16::ZERO; 4];
+    let host_q = vec![bf16::ZERO; 4];
+    let r = attn.forward(
+        &meta,
+        LayerIo::Cpu(CpuLayer {
+            q: host_q.as_slice().into(),
+            q_rows: RowsDesc::contiguous(6, 8, 128),
+            new_kv: NewKv::Standard { k: host_q.as_slice().into(), k_rows: kv_rows, v: host_q.as_slice().into(), v_rows: kv_rows },
+            cache: host_cache.as_mut_slice().into(),
+            out: host_out.as_mut_slice().into(),
+            out_rows: RowsDesc::contiguous(6, 8, 128),
+            alibi_slopes: None,
+            sinks: None,
+        }),
+    );
+    if !matches!(r, Err(AttnError::InvalidArgument { arg: "layer", .. })) {
+        return Err(format!("host tensors: expected a refusal of `layer`, got {r:?}").into());
+    }
+    attn.check_status()?;
+    if download(&stream, &cache).iter().any(|x| x.to_f32() != 0.0) || download(&stream, &out).iter().any(|x| x.to_f32() != 0.0) {
+        return Err("a refused forward wrote to the cache or the output".into());
+    }
+    // MLA on the GPU: its kernels are missing.
+    let mla = ModelConfig::mla(16, DType::BF16, 64);
+    let sel = select_backend_no_env(&mla, &DeviceInfo::from_device(&dev), None)?;
+    match Attention::new(&sel, ForwardConfig::new(mla, 8, limits), Some(GpuHandles { dev, stream })) {
+        Err(AttnError::MissingKernel { .. }) => Ok(()),
+        other => Err(format!("MLA on the GPU: expected MissingKernel, got {:?}", other.err()).into()),
+    }
+}
+
+fn main() {
+    let mut trials = Vec::new();
+    let all = cases();
+    let picked: Vec<_> = if quick() { all.into_iter().step_by(3).collect() } else { all };
+    for (i, (name, case, dt)) in picked.into_iter().enumerate() {
+        let s = 6000 + i as u64;
+        let f: Box<dyn FnOnce() -> TestResult + Send> = match dt {
+            DType::F16 => Box::new(move || forward_case::<f16>(case, s)),
+            _ => Box::new(move || forward_case::<bf16>(case, s)),
+        };
+        trials.push(Trial::test(format!("forward::{name}"), f));
+    }
+    trials.push(Trial::test("forward::refusals", refusals));
+    run_gpu_trials(trials)
+}
