@@ -491,9 +491,10 @@ pub unsafe fn attention<
     let mut state = [OnlineSoftmax::EMPTY; 2];
     let mut o = [[0.0f32; 4]; 32]; // DV / 8 column tiles of 8 used
     let mut q_frag = [[0u32; 4]; 16]; // DK / 16 k-steps used
-    // The query fragments stay in registers up to head size 192; at 256 they (64 registers)
-    // would push the accumulators into local memory, so they are re-read each tile.
-    let q_in_regs = DK <= 192;
+    // The query fragments stay in registers up to head size 192; at 256 (64 registers), and on
+    // the FP8 prefill shape (whose conversion needs registers too), they would push the
+    // accumulators into local memory, so they are re-read from shared memory each tile.
+    let q_in_regs = DK <= 192 && !(FP8 && !KEYS);
     let q_base = smem + (warp_row0 + (lane % 8) + 8 * ((lane / 8) % 2)) * q_pitch + 16 * (lane / 16);
 
     // Query fragment `ks` from shared memory, converted to the tensor cores' type.
