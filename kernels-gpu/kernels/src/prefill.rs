@@ -489,8 +489,9 @@ pub unsafe fn attention<
     let mult = if prescale { 1.0 } else { score_scale };
 
     let mut state = [OnlineSoftmax::EMPTY; 2];
-    let mut o = [[0.0f32; 4]; 32]; // DV / 8 column tiles of 8 used
-    let mut q_frag = [[0u32; 4]; 16]; // DK / 16 k-steps used
+    // Accumulators (DV / 8 column tiles of 8 used) and query fragments (DK / 16 k-steps used).
+    let mut o = [[0.0f32; 4]; 32];
+    let mut q_frag = [[0u32; 4]; 16];
     // The query fragments stay in registers up to head size 192; at 256 (64 registers), and on
     // the FP8 prefill shape (whose conversion needs registers too), they would push the
     // accumulators into local memory, so they are re-read from shared memory each tile.
