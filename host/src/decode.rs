@@ -316,12 +316,12 @@ fn kernel_name(q: DType, cache: DType, head_size: usize, rows: u32) -> String {
     format!("decode_{}_{}_d{head_size}_r{rows}", q.kernel_name(), cache.kernel_name())
 }
 
-fn f32_values(b: &DevIn<'_>, arg: &'static str, len: usize) -> Result<u64> {
+pub(crate) fn f32_values(b: &DevIn<'_>, arg: &'static str, len: usize) -> Result<u64> {
     ensure(b.dtype == DType::F32 && b.len >= len, arg, || format!("must be {len} f32 values, got {} x {:?}", b.len, b.dtype))?;
     Ok(b.ptr)
 }
 
-fn optional_f32(buf: &Option<DevIn<'_>>, arg: &'static str, len: usize) -> Result<u64> {
+pub(crate) fn optional_f32(buf: &Option<DevIn<'_>>, arg: &'static str, len: usize) -> Result<u64> {
     buf.as_ref().map_or(Ok(0), |b| f32_values(b, arg, len))
 }
 
@@ -410,10 +410,19 @@ pub fn paged_decode(
     let plan = if kernel == DecodeKernel::CudaCores {
         plan_decode(batch, hq, spec.num_kv_heads, d, ctas_target, mode, ws.partial_rows())?
     } else {
-        // Two waves of resident CTAs: splits short enough to fill every SM, few enough that the
-        // per-CTA start (work item, first address tables, pipeline fill) and the merge stay small.
+        // Splits short enough to fill every SM, few enough that the per-CTA start (work item,
+        // first address tables, pipeline fill) and the merge stay small: a number of waves of
+        // resident CTAs measured per head size on the H100 (BENCHMARKS.md): one wave at d96/d128
+        // (2 CTAs per SM), two at d256 (1 per SM), four at d64 (short tiles: more CTAs in flight).
+        // `ATTN_DECODE_WAVES` overrides it (a tuning knob for the benchmark).
+        let measured = match d {
+            0..=64 => 4,
+            65..=128 => 1,
+            _ => 2,
+        };
+        let waves = std::env::var("ATTN_DECODE_WAVES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(measured).max(1);
         let resident = dev.resident_ctas(&tc_name, attn_math::prefill::THREADS, tc_smem)?;
-        let target = 2 * dev.sm_count() as u64 * resident as u64;
+        let target = waves * dev.sm_count() as u64 * resident as u64;
         DecodePlan { kernel, ..plan_decode_tc(batch, hq, spec.num_kv_heads, d, kernel, target, mode, ws.partial_rows()) }
     };
     ensure(plan.items.len() <= ws.items.len() && plan.items.len() < i32::MAX as usize, "workspace", || {

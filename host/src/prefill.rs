@@ -10,7 +10,7 @@
 
 use crate::buffer::{DevIn, DevOut};
 use crate::cache_write::KvScales;
-use crate::decode::AttnOptions;
+use crate::decode::{f32_values, optional_f32, AttnOptions};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
@@ -168,14 +168,6 @@ fn kernel_name(q: DType, fp8: bool, dk: usize, dv: usize) -> String {
     format!("prefill_{}{}_dk{dk}_dv{dv}", q.kernel_name(), if fp8 { "_fp8" } else { "" })
 }
 
-fn f32_values(b: &DevIn<'_>, arg: &'static str, len: usize) -> Result<u64> {
-    ensure(b.dtype == DType::F32 && b.len >= len, arg, || format!("must be {len} f32 values, got {} x {:?}", b.len, b.dtype))?;
-    Ok(b.ptr)
-}
-
-fn optional_f32(buf: &Option<DevIn<'_>>, arg: &'static str, len: usize) -> Result<u64> {
-    buf.as_ref().map_or(Ok(0), |b| f32_values(b, arg, len))
-}
 
 /// Checks a 16-bit tensor's rows: dtype, shape, 16-byte alignment, buffer length.
 fn check_rows(arg: &'static str, b: &DevIn<'_>, rows: &RowsDesc, dtype: DType) -> Result<()> {

@@ -82,7 +82,13 @@ pub fn bundle() -> Result<(), String> {
     let script = out.join("run.sh");
     std::fs::write(&script, RUN_SH).map_err(|e| e.to_string())?;
     run(Command::new("chmod").arg("+x").arg(&script))?;
-    println!("bundle ready: {} (run bundle/run.sh on the GPU machine)", out.display());
+    // The same folder compressed (the embedded PTX compresses ~5x): what the device tool
+    // carries, since its working tree is limited to 64 MiB.
+    let dist = root.join("bundle-dist");
+    let _ = std::fs::remove_dir_all(&dist);
+    std::fs::create_dir_all(&dist).map_err(|e| e.to_string())?;
+    run(Command::new("tar").current_dir(&root).args(["czf", "bundle-dist/bundle.tar.gz", "bundle"]))?;
+    println!("bundle ready: {} (run bundle/run.sh on the GPU machine; bundle-dist/bundle.tar.gz is the same, compressed)", out.display());
     Ok(())
 }
 
