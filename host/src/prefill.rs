@@ -168,7 +168,6 @@ fn kernel_name(q: DType, fp8: bool, dk: usize, dv: usize) -> String {
     format!("prefill_{}{}_dk{dk}_dv{dv}", q.kernel_name(), if fp8 { "_fp8" } else { "" })
 }
 
-
 /// Checks a 16-bit tensor's rows: dtype, shape, 16-byte alignment, buffer length.
 fn check_rows(arg: &'static str, b: &DevIn<'_>, rows: &RowsDesc, dtype: DType) -> Result<()> {
     ensure(b.dtype == dtype, arg, || format!("dtype {:?}, expected {dtype:?}", b.dtype))?;
