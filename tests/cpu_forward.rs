@@ -5,6 +5,9 @@
 //! sliding window, soft-cap, ALiBi, sinks, multi-token decodes) and MLA; and every refusal
 //! naming its argument, before anything is written.
 
+#[path = "common/compare.rs"]
+mod compare;
+use compare::{rel_error, tolerance};
 use half::{bf16, f16};
 use host::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig, Selection, CPU, MLA, TENSOR_CORE};
 use host::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, HostElement, LayerIo, NewKv, StepMetadata};
@@ -78,24 +81,6 @@ fn reference_token(
         }
     }
     out
-}
-
-fn rel_error(got: &[f64], want: &[f64]) -> f64 {
-    let num: f64 = got.iter().zip(want).map(|(g, w)| (g - w) * (g - w)).sum();
-    let den: f64 = want.iter().map(|w| w * w).sum();
-    if den == 0.0 {
-        num.sqrt()
-    } else {
-        (num / den).sqrt()
-    }
-}
-
-fn tolerance(dtype: DType) -> f64 {
-    match dtype {
-        DType::BF16 => 1e-2,
-        DType::F16 => 3e-3,
-        _ => 1e-5,
-    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -86,24 +86,6 @@ fn cases() -> Vec<(String, Case, DType)> {
     ]
 }
 
-fn tolerance(dtype: DType) -> f64 {
-    if dtype == DType::BF16 {
-        1e-2
-    } else {
-        3e-3
-    }
-}
-
-fn rel_error(got: &[f64], want: &[f64]) -> f64 {
-    let num: f64 = got.iter().zip(want).map(|(g, w)| (g - w) * (g - w)).sum();
-    let den: f64 = want.iter().map(|w| w * w).sum();
-    if den == 0.0 {
-        num.sqrt()
-    } else {
-        (num / den).sqrt()
-    }
-}
-
 fn forward_case<T: HostElement + std::fmt::Debug>(c: Case, salt: u64) -> TestResult {
     let mut rng = rng(salt);
     let dev = arc_device();

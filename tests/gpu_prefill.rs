@@ -58,24 +58,6 @@ impl Case {
     }
 }
 
-fn rel_error(got: &[f64], want: &[f64]) -> f64 {
-    let num: f64 = got.iter().zip(want).map(|(g, w)| (g - w) * (g - w)).sum();
-    let den: f64 = want.iter().map(|w| w * w).sum();
-    if den == 0.0 {
-        num.sqrt()
-    } else {
-        (num / den).sqrt()
-    }
-}
-
-fn tolerance<Q: Element>() -> f64 {
-    if Q::DTYPE == host::DType::BF16 {
-        1e-2
-    } else {
-        3e-3
-    }
-}
-
 fn prefill_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let fp8 = C::DTYPE == host::DType::Fp8E4m3;
     let scales = (0.05f32, 0.03f32);
@@ -214,7 +196,7 @@ fn prefill_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
         .into());
     }
     let err = rel_error(&got, &want.out);
-    if err > tolerance::<Q>() {
+    if err > tolerance(Q::DTYPE) {
         // Locate the worst row to make the failure readable.
         let worst = (0..nt * hq)
             .max_by(|&a, &b| {
@@ -222,9 +204,13 @@ fn prefill_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
                 e(a).total_cmp(&e(b))
             })
             .unwrap_or(0);
-        return Err(
-            format!("relative error {err:.2e} > {:.0e}; worst row: token {}, head {}", tolerance::<Q>(), worst / hq, worst % hq).into()
-        );
+        return Err(format!(
+            "relative error {err:.2e} > {:.0e}; worst row: token {}, head {}",
+            tolerance(Q::DTYPE),
+            worst / hq,
+            worst % hq
+        )
+        .into());
     }
     for (i, (&g, &w)) in lse.iter().zip(&want.lse).take(nt * hq).enumerate() {
         let ok = if w == f64::NEG_INFINITY { g == f32::NEG_INFINITY } else { (g as f64 - w).abs() <= 2e-3 * w.abs().max(1.0) };

@@ -2,6 +2,10 @@
 //! libtest-mimic runner that counts GPU tests as ignored (skipped) when there is no driver.
 #![allow(dead_code)]
 
+mod compare;
+#[allow(unused_imports)]
+pub use compare::{rel_error, tolerance};
+
 use cudarc::driver::{CudaSlice, CudaStream};
 use host::{AttnDevice, Element};
 use libtest_mimic::{Arguments, Failed, Trial};
