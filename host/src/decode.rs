@@ -198,7 +198,7 @@ impl DecodeKernel {
         let forced_cuda = std::env::var("ATTN_DECODE_KERNEL").is_ok_and(|v| v == "cuda");
         if forced_cuda {
             DecodeKernel::CudaCores
-        } else if rows_per_kv_head <= block_m(true) {
+        } else if rows_per_kv_head <= block_m(0, 0, true, false) {
             DecodeKernel::TensorCoreKeys
         } else {
             DecodeKernel::TensorCoreRows
@@ -219,6 +219,7 @@ pub fn plan_decode_tc(
     num_kv_heads: usize,
     head_size: usize,
     kernel: DecodeKernel,
+    fp8: bool,
     ctas_target: u64,
     mode: SplitMode,
     partial_capacity: usize,
@@ -227,7 +228,8 @@ pub fn plan_decode_tc(
     let q_lens: Vec<u32> = batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).collect();
     let lens: Vec<u32> = batch.seq_lens.iter().map(|&l| l as u32).collect();
     let keys = kernel.keys_split();
-    let (bm, bn) = (block_m(keys), block_n(head_size as u32, head_size as u32, keys));
+    let d = head_size as u32;
+    let (bm, bn) = (block_m(d, d, keys, fp8), block_n(d, d, keys, fp8));
     let row_tiles = (q_lens.iter().copied().max().unwrap_or(1) * group).div_ceil(bm).max(1);
     let forced = match mode {
         SplitMode::Auto => None,
@@ -423,7 +425,7 @@ pub fn paged_decode(
         let waves = std::env::var("ATTN_DECODE_WAVES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(measured).max(1);
         let resident = dev.resident_ctas(&tc_name, attn_math::prefill::THREADS, tc_smem)?;
         let target = waves * dev.sm_count() as u64 * resident as u64;
-        DecodePlan { kernel, ..plan_decode_tc(batch, hq, spec.num_kv_heads, d, kernel, target, mode, ws.partial_rows()) }
+        DecodePlan { kernel, ..plan_decode_tc(batch, hq, spec.num_kv_heads, d, kernel, fp8, target, mode, ws.partial_rows()) }
     };
     ensure(plan.items.len() <= ws.items.len() && plan.items.len() < i32::MAX as usize, "workspace", || {
         format!("the plan has {} work items, the workspace holds {}", plan.items.len(), ws.items.len())

@@ -4,7 +4,7 @@
 //! each sequence (chunked prefill, prefix caching) or not.
 //!
 //! The host cuts each request's query rows (token x query head of a kv head) into tiles of
-//! [`BLOCK_M`] and orders the tiles by the keys they attend, longest first, so that a batch of
+//! the kernel's `block_m` and orders the tiles by the keys they attend, longest first, so that a batch of
 //! mixed lengths keeps every SM busy to the end. One CTA per (tile, kv head), the kv heads of a
 //! tile adjacent in the grid.
 
@@ -18,10 +18,7 @@ use crate::layout::{KvCacheSpec, RowsDesc};
 use crate::status::DeviceStatus;
 use attn_math::paging::CacheStrides;
 use attn_math::params::PrefillParams;
-use attn_math::prefill::{block_m, shared_layout, HEAD_SIZES, THREADS};
-
-/// Query rows per prefill CTA.
-const BLOCK_M: u32 = block_m(false);
+use attn_math::prefill::{block_m, shared_layout, HEAD_SIZES, MIN_BLOCK_M, THREADS};
 use attn_math::softmax::LOG2_E;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
@@ -94,17 +91,18 @@ pub struct PrefillPlan {
     pub items: Vec<[u32; 2]>,
 }
 
-/// Cuts every request into tiles of [`BLOCK_M`] query rows and orders them by the keys they
-/// attend (an upper bound under causality), longest first.
-pub fn plan_prefill(batch: &PrefillBatch<'_>, group: usize, causal: bool, window: Option<u32>) -> PrefillPlan {
+/// Cuts every request into tiles of `block_m` query rows (the kernel's, from
+/// `attn_math::prefill::block_m`) and orders them by the keys they attend (an upper bound under
+/// causality), longest first.
+pub fn plan_prefill(batch: &PrefillBatch<'_>, group: usize, causal: bool, window: Option<u32>, block_m: u32) -> PrefillPlan {
     let mut tiles: Vec<(u64, [u32; 2])> = Vec::new();
     for r in 0..batch.seq_lens.len() {
         let q_len = (batch.query_start_loc[r + 1] - batch.query_start_loc[r]) as u64;
         let seq_len = batch.seq_lens[r].max(0) as u64;
         let rows = q_len * group as u64;
-        for tile in 0..rows.div_ceil(BLOCK_M as u64) {
-            let last_token = ((tile + 1) * BLOCK_M as u64).min(rows).div_ceil(group as u64);
-            let first_token = tile * BLOCK_M as u64 / group as u64;
+        for tile in 0..rows.div_ceil(block_m as u64) {
+            let last_token = ((tile + 1) * block_m as u64).min(rows).div_ceil(group as u64);
+            let first_token = tile * block_m as u64 / group as u64;
             let mut keys = if causal { (seq_len + last_token).saturating_sub(q_len) } else { seq_len };
             if let Some(w) = window {
                 keys = keys.min(w as u64 + (last_token - first_token));
@@ -156,7 +154,7 @@ pub struct PrefillWorkspace {
 impl PrefillWorkspace {
     /// Query-row tiles a batch of `max_tokens` tokens in `max_reqs` requests can need.
     pub fn max_tiles(max_tokens: usize, max_reqs: usize, group: usize) -> usize {
-        (max_tokens * group).div_ceil(BLOCK_M as usize) + max_reqs
+        (max_tokens * group).div_ceil(MIN_BLOCK_M as usize) + max_reqs
     }
 
     pub fn new(stream: &Arc<CudaStream>, max_tokens: usize, max_reqs: usize, group: usize) -> Result<Self> {
@@ -289,10 +287,11 @@ pub fn prefill(
     }
     let group = hq / num_kv_heads;
     let max_rows = (0..num_reqs).map(|r| (batch.query_start_loc[r + 1] - batch.query_start_loc[r]) as usize * group).max().unwrap_or(0);
-    ensure(max_rows <= BLOCK_M as usize * 65536, "query_start_loc", || {
-        format!("a request has {max_rows} query rows (tokens x {group} heads per kv head); a launch takes {}", BLOCK_M as usize * 65536)
+    let bm = block_m(dk as u32, dv as u32, false, fp8);
+    ensure(max_rows <= bm as usize * 65536, "query_start_loc", || {
+        format!("a request has {max_rows} query rows (tokens x {group} heads per kv head); a launch takes {}", bm as usize * 65536)
     })?;
-    let plan = plan_prefill(batch, group, opts.causal, opts.attn.window);
+    let plan = plan_prefill(batch, group, opts.causal, opts.attn.window, bm);
     ensure(2 * plan.items.len() <= ws.items.len(), "workspace", || {
         format!("the plan has {} tiles, the workspace holds {}", plan.items.len(), ws.items.len() / 2)
     })?;

@@ -220,7 +220,7 @@ impl RowOut {
 
 /// Reads the CTA's work item and the request's lengths; `None` when the tile has no rows.
 #[inline(always)]
-unsafe fn work_item<const KEYS: bool>(p: &PrefillParams) -> Option<Work> {
+unsafe fn work_item(p: &PrefillParams, bm: u32) -> Option<Work> {
     // Grid x = work item * kv heads + kv head: the kv heads of one tile run together, and the
     // items' longest-first order holds across heads.
     let kv_heads = p.num_q_heads / p.group;
@@ -239,28 +239,42 @@ unsafe fn work_item<const KEYS: bool>(p: &PrefillParams) -> Option<Work> {
         unsafe { load_i32(p.key_start_loc + req as u64 * 4 + 4) as u32 - k0 }
     };
     let n_rows = q_len * p.group;
-    let row0 = row_tile * block_m(KEYS);
+    let row0 = row_tile * bm;
     if row0 >= n_rows {
         return None;
     }
-    Some(Work { req, split, q_start, q_len, seq_len, row0, live: (n_rows - row0).min(block_m(KEYS)), kv_head })
+    Some(Work { req, split, q_start, q_len, seq_len, row0, live: (n_rows - row0).min(bm), kv_head })
 }
 
-/// S = Q K^T for a warp: 16 rows x `KW` keys starting at `key_off` of the K tile at `k_tile`.
+/// S = Q K^T for a warp: `MT` tiles of 16 rows x `KW` keys starting at `key_off` of the K tile
+/// at `k_tile`; every K fragment feeds the `MT` row tiles. `q_frag(mt, ks)`: the A fragment.
 #[inline(always)]
-fn scores<Q: MmaHalf, const DK: usize, const KW: usize>(q_frag: impl Fn(usize) -> [u32; 4], k_tile: u32, key_off: u32) -> [[f32; 4]; 8] {
+fn scores<Q: MmaHalf, const DK: usize, const KW: usize, const MT: usize>(
+    q_frag: impl Fn(usize, usize) -> [u32; 4],
+    k_tile: u32,
+    key_off: u32,
+) -> [[[f32; 4]; 8]; MT] {
     let lane = thread_idx_x() % 32;
     let k_pitch = (DK as u32 + ROW_PAD) * 2;
-    let mut s = [[0.0f32; 4]; 8];
+    let mut s = [[[0.0f32; 4]; 8]; MT];
     let k_base = k_tile + (key_off + (lane % 8) + 8 * (lane / 16)) * k_pitch + 16 * ((lane / 8) % 2);
     static_for::<16>(|ks| {
         if ks < DK / 16 {
-            let a = q_frag(ks);
+            let mut a = [[0u32; 4]; MT];
+            static_for::<2>(|mt| {
+                if mt < MT {
+                    a[mt] = q_frag(mt, ks);
+                }
+            });
             static_for::<4>(|np| {
                 if np < KW / 16 {
                     let b = unsafe { ldmatrix_x4(k_base + np as u32 * 16 * k_pitch + ks as u32 * 32) };
-                    s[2 * np] = Q::mma(a, b[0], b[1], s[2 * np]);
-                    s[2 * np + 1] = Q::mma(a, b[2], b[3], s[2 * np + 1]);
+                    static_for::<2>(|mt| {
+                        if mt < MT {
+                            s[mt][2 * np] = Q::mma(a[mt], b[0], b[1], s[mt][2 * np]);
+                            s[mt][2 * np + 1] = Q::mma(a[mt], b[2], b[3], s[mt][2 * np + 1]);
+                        }
+                    });
                 }
             });
         }
@@ -268,26 +282,42 @@ fn scores<Q: MmaHalf, const DK: usize, const KW: usize>(q_frag: impl Fn(usize) -
     s
 }
 
-/// O += P V for a warp: P (16 rows x `KW` keys, in the score registers: the C layout of one
-/// mma is the A layout of the next) times the V rows `key_off..` of the tile at `v_tile`.
+/// O += P V for a warp's `MT` row tiles: P (16 rows x `KW` keys each, in the score registers:
+/// the C layout of one mma is the A layout of the next) times the V rows `key_off..` of the tile
+/// at `v_tile`; every V fragment feeds the `MT` row tiles.
 #[inline(always)]
-fn accumulate_pv<Q: MmaHalf, const DV: usize, const KW: usize>(s: &[[f32; 4]; 8], o: &mut [[f32; 4]; 32], v_tile: u32, key_off: u32) {
+fn accumulate_pv<Q: MmaHalf, const DV: usize, const KW: usize, const MT: usize>(
+    s: &[[[f32; 4]; 8]; MT],
+    o: &mut [[[f32; 4]; 32]; MT],
+    v_tile: u32,
+    key_off: u32,
+) {
     let lane = thread_idx_x() % 32;
     let v_pitch = (DV as u32 + ROW_PAD) * 2;
     let v_base = v_tile + (key_off + (lane % 8) + 8 * ((lane / 8) % 2)) * v_pitch + 16 * (lane / 16);
     static_for::<4>(|kk| {
         if kk < KW / 16 {
-            let a = [
-                Q::pack2(s[2 * kk][0], s[2 * kk][1]),
-                Q::pack2(s[2 * kk][2], s[2 * kk][3]),
-                Q::pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                Q::pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]),
-            ];
+            let mut a = [[0u32; 4]; MT];
+            static_for::<2>(|mt| {
+                if mt < MT {
+                    let s = &s[mt];
+                    a[mt] = [
+                        Q::pack2(s[2 * kk][0], s[2 * kk][1]),
+                        Q::pack2(s[2 * kk][2], s[2 * kk][3]),
+                        Q::pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                        Q::pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]),
+                    ];
+                }
+            });
             static_for::<16>(|dp| {
                 if dp < DV / 16 {
                     let b = unsafe { ldmatrix_x4_trans(v_base + kk as u32 * 16 * v_pitch + dp as u32 * 32) };
-                    o[2 * dp] = Q::mma(a, b[0], b[1], o[2 * dp]);
-                    o[2 * dp + 1] = Q::mma(a, b[2], b[3], o[2 * dp + 1]);
+                    static_for::<2>(|mt| {
+                        if mt < MT {
+                            o[mt][2 * dp] = Q::mma(a[mt], b[0], b[1], o[mt][2 * dp]);
+                            o[mt][2 * dp + 1] = Q::mma(a[mt], b[2], b[3], o[mt][2 * dp + 1]);
+                        }
+                    });
                 }
             });
         }
@@ -346,6 +376,8 @@ fn softmax_step<const DV: usize, const KW: usize>(
 /// is FP8 E4M3 (with `p.k_scale` / `p.v_scale`), staged raw and converted in shared memory.
 /// `M`: the tensor cores' input type: `Q`, or f16 for an FP8 cache (one conversion instruction
 /// per pair, and exact; bf16 queries are scaled by 2^-8 into f16's range, undone in the scores).
+/// `MT`: 16-row tiles per warp (2 on the prefill shape up to head size 128: each K/V fragment
+/// read from shared memory feeds twice the MMAs, and the two tiles' chains interleave).
 #[inline(always)]
 pub unsafe fn attention<
     Q: MmaHalf,
@@ -356,6 +388,7 @@ pub unsafe fn attention<
     const KW: usize,
     const KEYS: bool,
     const FP8: bool,
+    const MT: usize,
 >(
     p: &PrefillParams,
 ) {
@@ -365,7 +398,9 @@ pub unsafe fn attention<
     let tid = thread_idx_x();
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
-    let Some(w) = (unsafe { work_item::<KEYS>(p) }) else { return };
+    let bm = block_m(DK as u32, DV as u32, KEYS, FP8);
+    const { assert!(MT == 1 || (MT == 2 && !KEYS)) };
+    let Some(w) = (unsafe { work_item(p, bm) }) else { return };
     let src = KvSource {
         block_row: if p.block_table != 0 { p.block_table + w.req as u64 * p.block_table_stride * 4 } else { 0 },
         key_base: if p.block_table != 0 { 0 } else { (unsafe { load_i32(p.key_start_loc + w.req as u64 * 4) }) as u64 },
@@ -466,8 +501,10 @@ pub unsafe fn attention<
     let q_pitch = (DK as u32 + ROW_PAD) * 2;
     if KEYS {
         unsafe { copy_rows_async::<16>(smem, DK as u32 / 8, q_pitch, p.q, q_row) };
-    } else {
+    } else if MT == 1 {
         unsafe { copy_rows_async::<64>(smem, DK as u32 / 8, q_pitch, p.q, q_row) };
+    } else {
+        unsafe { copy_rows_async::<128>(smem, DK as u32 / 8, q_pitch, p.q, q_row) };
     }
     static_for::<3>(|j| {
         if (j as u32) < st - 1 {
@@ -479,28 +516,31 @@ pub unsafe fn attention<
     });
 
     // Rows split across warps (prefill) or keys split across warps (decode).
-    let warp_row0 = if KEYS { 0 } else { warp * 16 };
+    let warp_row0 = if KEYS { 0 } else { warp * 16 * MT as u32 };
     let key_off = if KEYS { warp * (BN as u32 / WARPS) } else { 0 };
-    let rows = unsafe { [w.row(p, warp_row0 + g), w.row(p, warp_row0 + g + 8)] };
+    let rows: [[RowInfo; 2]; MT] = core::array::from_fn(|mt| {
+        let r = warp_row0 + 16 * mt as u32 + g;
+        unsafe { [w.row(p, r), w.row(p, r + 8)] }
+    });
     let softcap_inv = if p.softcap > 0.0 { 1.0 / (p.softcap * LOG2_E) } else { 0.0 };
     let softcap_log2 = p.softcap * LOG2_E;
     // Scores are scaled inside the exponent's FMA unless a feature needs them scaled first.
     let prescale = p.softcap > 0.0 || p.alibi_slopes != 0 || score_scale <= 0.0;
     let mult = if prescale { 1.0 } else { score_scale };
 
-    let mut state = [OnlineSoftmax::EMPTY; 2];
+    let mut state = [[OnlineSoftmax::EMPTY; 2]; MT];
     // Accumulators (DV / 8 column tiles of 8 used) and query fragments (DK / 16 k-steps used).
-    let mut o = [[0.0f32; 4]; 32];
+    let mut o = [[[0.0f32; 4]; 32]; MT];
     let mut q_frag = [[0u32; 4]; 16];
     // The query fragments stay in registers up to head size 192; at 256 (64 registers), and on
     // the FP8 prefill shape (whose conversion needs registers too), they would push the
     // accumulators into local memory, so they are re-read from shared memory each tile.
-    let q_in_regs = DK <= 192 && !(FP8 && !KEYS);
+    let q_in_regs = MT == 1 && DK <= 192 && !(FP8 && !KEYS);
     let q_base = smem + (warp_row0 + (lane % 8) + 8 * ((lane / 8) % 2)) * q_pitch + 16 * (lane / 16);
 
-    // Query fragment `ks` from shared memory, converted to the tensor cores' type.
-    let load_q = |ks: usize| {
-        let mut f = unsafe { ldmatrix_x4(q_base + ks as u32 * 32) };
+    // Query fragment `ks` of row tile `mt` from shared memory, in the tensor cores' type.
+    let load_q = |mt: usize, ks: usize| {
+        let mut f = unsafe { ldmatrix_x4(q_base + mt as u32 * 16 * q_pitch + ks as u32 * 32) };
         if Q::IS_BF16 != M::IS_BF16 {
             static_for::<4>(|i| {
                 let (lo, hi) = Q::unpack2(f[i]);
@@ -509,19 +549,40 @@ pub unsafe fn attention<
         }
         f
     };
+    // Decode (memory-bound) and the FP8 cache (converted between two barriers anyway) issue
+    // each copy before waiting; prefill waits first and needs one barrier per tile.
+    let early_issue = KEYS || FP8;
     let mut tile = 0;
     while tile < n_tiles {
         // The lookup for tile + st starts now and lands in the table after this tile's math.
         let ahead = locate(tile + st);
         let next = tile + st - 1;
-        if next < n_tiles {
-            load_kv(next);
-        }
-        cp_async_commit();
-        if st == 3 {
-            cp_async_wait::<2>();
+        if early_issue {
+            // Memory-bound shapes: the next copy goes out before waiting, so st - 1 tiles are
+            // in flight while this one lands; a second barrier at the end protects the stage.
+            if next < n_tiles {
+                load_kv(next);
+            }
+            cp_async_commit();
+            if st == 3 {
+                cp_async_wait::<2>();
+            } else {
+                cp_async_wait::<1>();
+            }
         } else {
-            cp_async_wait::<1>();
+            // Compute-bound shapes: one barrier per tile. After it the tile is visible to every
+            // warp and every warp is done with the previous one, whose stage (and table slot)
+            // the next copy refills.
+            if st == 3 {
+                cp_async_wait::<1>();
+            } else {
+                cp_async_wait::<0>();
+            }
+            sync_threads();
+            if next < n_tiles {
+                load_kv(next);
+            }
+            cp_async_commit();
         }
         let stage = tile % st;
         if FP8 {
@@ -530,40 +591,44 @@ pub unsafe fn attention<
                 convert_fp8_rows::<M, DV, BN>(smem + layout.v + stage * layout.v_stage, v_tile(stage));
             }
         }
-        sync_threads();
+        if early_issue {
+            sync_threads();
+        }
         if tile == 0 && q_in_regs {
             static_for::<16>(|ks| {
                 if ks < DK / 16 {
-                    q_frag[ks] = load_q(ks);
+                    q_frag[ks] = load_q(0, ks);
                 }
             });
         }
         let kt = tile_keys(tile) + key_off;
         {
-            let mut s = scores::<M, DK, KW>(|ks| if q_in_regs { q_frag[ks] } else { load_q(ks) }, k_tile(stage), key_off);
+            let mut s = scores::<M, DK, KW, MT>(|mt, ks| if q_in_regs { q_frag[ks] } else { load_q(mt, ks) }, k_tile(stage), key_off);
             // Logits, masked where the tile crosses a boundary.
             let key_of = |n: usize, e: usize| kt + n as u32 * 8 + 2 * t4 + (e % 2) as u32;
-            if prescale {
-                static_for::<8>(|n| {
-                    if n < KW / 8 {
-                        static_for::<4>(|e| s[n][e] *= score_scale)
-                    }
-                });
-                if p.softcap > 0.0 {
-                    static_for::<8>(|n| {
-                        if n < KW / 8 {
-                            static_for::<4>(|e| s[n][e] = softcap_log2 * tanh(s[n][e] * softcap_inv))
-                        }
-                    });
-                }
-                if p.alibi_slopes != 0 {
-                    static_for::<8>(|n| {
-                        if n < KW / 8 {
-                            static_for::<4>(|e| {
-                                let row = rows[e / 2];
-                                s[n][e] += row.slope_log2 * (key_of(n, e) as f32 - row.pos as f32);
+            // Every element of the warp's score tiles: (row tile, column tile, register).
+            macro_rules! each {
+                (|$mt:ident, $n:ident, $e:ident| $body:expr) => {
+                    static_for::<2>(|$mt| {
+                        if $mt < MT {
+                            static_for::<8>(|$n| {
+                                if $n < KW / 8 {
+                                    static_for::<4>(|$e| $body)
+                                }
                             })
                         }
+                    })
+                };
+            }
+            if prescale {
+                each!(|mt, n, e| s[mt][n][e] *= score_scale);
+                if p.softcap > 0.0 {
+                    each!(|mt, n, e| s[mt][n][e] = softcap_log2 * tanh(s[mt][n][e] * softcap_inv));
+                }
+                if p.alibi_slopes != 0 {
+                    each!(|mt, n, e| {
+                        let row = rows[mt][e / 2];
+                        s[mt][n][e] += row.slope_log2 * (key_of(n, e) as f32 - row.pos as f32);
                     });
                 }
             }
@@ -579,46 +644,54 @@ pub unsafe fn attention<
                 || has_bad;
             if needs_mask {
                 let t = table(tile) + key_off * TABLE_ENTRY;
-                static_for::<8>(|n| {
-                    if n < KW / 8 {
-                        static_for::<4>(|e| {
-                            let row = rows[e / 2];
-                            let key = key_of(n, e);
-                            let visible = key < end
-                                && (p.causal == 0 || key <= row.pos)
-                                && (p.window == 0 || key + p.window > row.pos)
-                                && (!has_bad || unsafe { ld_shared_u64(t + (key - kt) * TABLE_ENTRY) } != 0);
-                            s[n][e] = if visible { s[n][e] } else { f32::NEG_INFINITY };
-                        })
-                    }
+                each!(|mt, n, e| {
+                    let row = rows[mt][e / 2];
+                    let key = key_of(n, e);
+                    let visible = key < end
+                        && (p.causal == 0 || key <= row.pos)
+                        && (p.window == 0 || key + p.window > row.pos)
+                        && (!has_bad || unsafe { ld_shared_u64(t + (key - kt) * TABLE_ENTRY) } != 0);
+                    s[mt][n][e] = if visible { s[mt][n][e] } else { f32::NEG_INFINITY };
                 });
             }
-            softmax_step::<DV, KW>(&mut s, &mut o, &mut state, mult);
-            accumulate_pv::<M, DV, KW>(&s, &mut o, v_tile(stage), key_off);
+            static_for::<2>(|mt| {
+                if mt < MT {
+                    softmax_step::<DV, KW>(&mut s[mt], &mut o[mt], &mut state[mt], mult);
+                }
+            });
+            accumulate_pv::<M, DV, KW, MT>(&s, &mut o, v_tile(stage), key_off);
         }
         fill(tile + st, ahead);
-        // Every warp is done with this stage (and table slot) before it is refilled.
-        sync_threads();
+        if early_issue {
+            // Every warp is done with this stage (and table slot) before it is refilled.
+            sync_threads();
+        }
         tile += 1;
     }
     cp_async_wait::<0>();
 
     let num_splits = if p.req_num_splits != 0 { unsafe { load_u32_nc(p.req_num_splits + w.req as u64 * 4) } } else { 1 };
     if KEYS {
-        unsafe { finish_keys_split::<Q, DV>(p, &w, smem, layout.merge, layout.merge_pitch, layout.stats, state, &o, num_splits, v_scale) };
+        unsafe {
+            finish_keys_split::<Q, DV>(p, &w, smem, layout.merge, layout.merge_pitch, layout.stats, state[0], &o[0], num_splits, v_scale)
+        };
     } else {
         // The quad's partial sums, then the output (or the split's partial) per row.
-        static_for::<2>(|h| {
-            let mut st = state[h];
-            st.sum += shfl_xor(st.sum, 1);
-            st.sum += shfl_xor(st.sum, 2);
-            if warp_row0 + g + 8 * h as u32 >= w.live {
+        static_for::<4>(|i| {
+            let (mt, h) = (i / 2, i % 2);
+            if mt >= MT {
                 return;
             }
-            let out = unsafe { RowOut::new::<DV>(p, &w, &rows[h], st, num_splits, t4 == 0, v_scale) };
+            let mut st = state[mt][h];
+            st.sum += shfl_xor(st.sum, 1);
+            st.sum += shfl_xor(st.sum, 2);
+            if warp_row0 + 16 * mt as u32 + g + 8 * h as u32 >= w.live {
+                return;
+            }
+            let out = unsafe { RowOut::new::<DV>(p, &w, &rows[mt][h], st, num_splits, t4 == 0, v_scale) };
             static_for::<32>(|n| {
                 if n < DV / 8 {
-                    unsafe { out.store_pair::<Q>(n as u32 * 8 + 2 * t4, o[n][2 * h], o[n][2 * h + 1]) };
+                    unsafe { out.store_pair::<Q>(n as u32 * 8 + 2 * t4, o[mt][n][2 * h], o[mt][n][2 * h + 1]) };
                 }
             });
         });

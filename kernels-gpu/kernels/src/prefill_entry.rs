@@ -5,7 +5,7 @@
 use crate::elem::{Bf16, F16};
 use crate::prefill::attention;
 use attn_math::params::PrefillParams;
-use attn_math::prefill::{block_n, WARPS};
+use attn_math::prefill::{block_n, m_tiles, WARPS};
 
 macro_rules! prefill_kernels {
     ($q:ident, $qname:literal: $(($dk:literal, $dv:literal)),*) => {
@@ -13,8 +13,9 @@ macro_rules! prefill_kernels {
             const _: () = {
                 #[unsafe(export_name = concat!("prefill_", $qname, "_dk", $dk, "_dv", $dv))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                    const BN: usize = block_n($dk, $dv, false) as usize;
-                    unsafe { attention::<$q, $q, $dk, $dv, BN, BN, false, false>(&p) }
+                    const BN: usize = block_n($dk, $dv, false, false) as usize;
+                    const MT: usize = m_tiles($dk, $dv, false, false) as usize;
+                    unsafe { attention::<$q, $q, $dk, $dv, BN, BN, false, false, MT>(&p) }
                 }
             };
         )*
@@ -27,22 +28,22 @@ macro_rules! decode_kernels {
             const _: () = {
                 #[unsafe(export_name = concat!("decode_tc_", $qname, "_d", $d))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                    const BN: usize = block_n($d, $d, true) as usize;
-                    unsafe { attention::<$q, $q, $d, $d, BN, { BN / WARPS as usize }, true, false>(&p) }
+                    const BN: usize = block_n($d, $d, true, false) as usize;
+                    unsafe { attention::<$q, $q, $d, $d, BN, { BN / WARPS as usize }, true, false, 1>(&p) }
                 }
             };
             const _: () = {
                 #[unsafe(export_name = concat!("decode_tc_", $qname, "_fp8_d", $d))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                    const BN: usize = block_n($d, $d, true) as usize;
-                    unsafe { attention::<$q, F16, $d, $d, BN, { BN / WARPS as usize }, true, true>(&p) }
+                    const BN: usize = block_n($d, $d, true, true) as usize;
+                    unsafe { attention::<$q, F16, $d, $d, BN, { BN / WARPS as usize }, true, true, 1>(&p) }
                 }
             };
             const _: () = {
                 #[unsafe(export_name = concat!("prefill_", $qname, "_fp8_dk", $d, "_dv", $d))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                    const BN: usize = block_n($d, $d, false) as usize;
-                    unsafe { attention::<$q, F16, $d, $d, BN, BN, false, true>(&p) }
+                    const BN: usize = block_n($d, $d, false, true) as usize;
+                    unsafe { attention::<$q, F16, $d, $d, BN, BN, false, true, 1>(&p) }
                 }
             };
         )*

@@ -27,18 +27,35 @@ pub const HEAD_SIZES: [(u32, u32); 5] = [(64, 64), (96, 96), (128, 128), (256, 2
 /// Head sizes with decode (keys-split) kernels.
 pub const DECODE_HEAD_SIZES: [u32; 4] = [64, 96, 128, 256];
 
-/// Query rows per CTA.
-pub const fn block_m(keys_split: bool) -> u32 {
-    if keys_split {
-        16
+/// 16-row tiles each warp owns on the prefill shape: 2 up to head size 128 with a 16-bit cache
+/// (each K/V fragment read from shared memory then feeds twice the MMAs), else 1 (registers;
+/// the FP8 staging buffers' shared memory).
+pub const fn m_tiles(head_size_qk: u32, head_size_v: u32, keys_split: bool, fp8: bool) -> u32 {
+    if !keys_split && !fp8 && head_size_qk <= 128 && head_size_v <= 128 {
+        2
     } else {
-        16 * WARPS
+        1
     }
 }
 
-/// Keys per K/V tile.
-pub const fn block_n(head_size_qk: u32, head_size_v: u32, keys_split: bool) -> u32 {
-    if keys_split || (head_size_qk <= 128 && head_size_v <= 128) {
+/// Query rows per CTA.
+pub const fn block_m(head_size_qk: u32, head_size_v: u32, keys_split: bool, fp8: bool) -> u32 {
+    if keys_split {
+        16
+    } else {
+        16 * WARPS * m_tiles(head_size_qk, head_size_v, keys_split, fp8)
+    }
+}
+
+/// The fewest query rows a CTA of the prefill shape takes (for sizing tile lists).
+pub const MIN_BLOCK_M: u32 = 16 * WARPS;
+
+/// Keys per K/V tile: 64, or 32 where the score registers must shrink (two row tiles per warp
+/// above head size 64; head sizes over 128).
+pub const fn block_n(head_size_qk: u32, head_size_v: u32, keys_split: bool, fp8: bool) -> u32 {
+    let two_row_tiles = m_tiles(head_size_qk, head_size_v, keys_split, fp8) == 2;
+    let small = if two_row_tiles { head_size_qk <= 64 && head_size_v <= 64 } else { head_size_qk <= 128 && head_size_v <= 128 };
+    if keys_split || small {
         64
     } else {
         32
@@ -77,9 +94,9 @@ pub struct SharedLayout {
 }
 
 pub const fn shared_layout(dk: u32, dv: u32, keys_split: bool, fp8: bool) -> SharedLayout {
-    let bn = block_n(dk, dv, keys_split);
+    let bn = block_n(dk, dv, keys_split, fp8);
     let st = stages(dk, dv, keys_split, fp8);
-    let q_bytes = block_m(keys_split) * (dk + ROW_PAD) * 2;
+    let q_bytes = block_m(dk, dv, keys_split, fp8) * (dk + ROW_PAD) * 2;
     let (k_tile_bytes, v_tile_bytes) = (bn * (dk + ROW_PAD) * 2, bn * (dv + ROW_PAD) * 2);
     let (k_stage, v_stage) = if fp8 { (bn * dk, bn * dv) } else { (k_tile_bytes, v_tile_bytes) };
     let k = q_bytes;
