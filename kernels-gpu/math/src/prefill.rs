@@ -62,11 +62,12 @@ pub const fn block_n(head_size_qk: u32, head_size_v: u32, keys_split: bool, fp8:
     }
 }
 
-/// K/V tiles in flight (cp.async pipeline depth). An FP8 cache lands in raw staging buffers
-/// (half the bytes of a 16-bit tile) and is converted into one 16-bit tile per tensor, so it can
-/// afford 3 stages where 16-bit tiles take 2.
+/// K/V tiles in flight (cp.async pipeline depth): 3 where shared memory allows two CTAs per SM
+/// with them (decode's 16-row CTAs; FP8 staging, half the bytes of a 16-bit tile; the prefill
+/// shape's 32-key tiles), else 2.
 pub const fn stages(head_size_qk: u32, head_size_v: u32, keys_split: bool, fp8: bool) -> u32 {
-    if (keys_split || fp8) && head_size_qk <= 128 && head_size_v <= 128 {
+    let two_row_tiles = m_tiles(head_size_qk, head_size_v, keys_split, fp8) == 2;
+    if (keys_split || fp8 || two_row_tiles) && head_size_qk <= 128 && head_size_v <= 128 {
         3
     } else {
         2
