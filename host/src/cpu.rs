@@ -147,6 +147,8 @@ pub enum KvRef<'a, C> {
     Paged { cache: &'a [C], spec: KvCacheSpec, block_table: &'a [i32], block_table_stride: usize },
     /// Packed K and V rows; request r's keys start at row `key_start_loc[r]`.
     Packed { k: &'a [C], k_rows: RowsDesc, v: &'a [C], v_rows: RowsDesc, key_start_loc: &'a [i32] },
+    /// MLA's latent cache: one kv head whose K is the whole row and V its first columns.
+    Mla { cache: &'a [C], spec: MlaCacheSpec, block_table: &'a [i32], block_table_stride: usize },
 }
 
 impl<C: Element> KvRef<'_, C> {
@@ -154,6 +156,7 @@ impl<C: Element> KvRef<'_, C> {
         match self {
             KvRef::Paged { spec, .. } => spec.num_kv_heads,
             KvRef::Packed { k_rows, .. } => k_rows.num_heads,
+            KvRef::Mla { .. } => 1,
         }
     }
 
@@ -176,6 +179,14 @@ impl<C: Element> KvRef<'_, C> {
                     Box::new(move |d| k[k_rows.offset(row, kvh, d)].to_f32() as f64),
                     Box::new(move |d| v[v_rows.offset(row, kvh, d)].to_f32() as f64),
                 ))
+            }
+            KvRef::Mla { cache, spec, block_table, block_table_stride } => {
+                let block = block_table[r * block_table_stride + t / spec.block_size];
+                if block < 0 || block as usize >= spec.num_blocks {
+                    return None;
+                }
+                let row = (block as usize * spec.block_size + t % spec.block_size) * spec.row_width();
+                Some((Box::new(move |d| cache[row + d].to_f32() as f64), Box::new(move |d| cache[row + d].to_f32() as f64)))
             }
         }
     }

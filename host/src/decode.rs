@@ -205,37 +205,43 @@ impl DecodeKernel {
         }
     }
 
-    fn keys_split(self) -> bool {
+    pub fn keys_split(self) -> bool {
         self == DecodeKernel::TensorCoreKeys
     }
 }
 
+/// What the tensor-core planner needs of a kernel: its head sizes, CTA shape and cache format,
+/// and the CTAs of one work item (kv heads x MLA's V slices).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcShape {
+    pub head_size_qk: u32,
+    pub head_size_v: u32,
+    pub keys_split: bool,
+    pub fp8: bool,
+    pub ctas_per_item: u32,
+}
+
 /// Plans a batch for the tensor-core kernels: a chunk of whole key tiles, and work items
-/// `[request, row_tile << 16 | split]` (flattened in `items`).
-#[allow(clippy::too_many_arguments)]
+/// `[request, row_tile << 16 | split]` (flattened in `items`). `group`: query heads per kv head.
 pub fn plan_decode_tc(
     batch: &DecodeBatch<'_>,
     num_q_heads: usize,
-    num_kv_heads: usize,
-    head_size: usize,
-    kernel: DecodeKernel,
-    fp8: bool,
+    group: u32,
+    shape: TcShape,
     ctas_target: u64,
     mode: SplitMode,
     partial_capacity: usize,
 ) -> DecodePlan {
-    let group = (num_q_heads / num_kv_heads) as u32;
     let q_lens: Vec<u32> = batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).collect();
     let lens: Vec<u32> = batch.seq_lens.iter().map(|&l| l as u32).collect();
-    let keys = kernel.keys_split();
-    let d = head_size as u32;
-    let (bm, bn) = (block_m(d, d, keys, fp8), block_n(d, d, keys, fp8));
+    let TcShape { head_size_qk: dk, head_size_v: dv, keys_split: keys, fp8, ctas_per_item } = shape;
+    let (bm, bn) = (block_m(dk, dv, keys, fp8), block_n(dk, dv, keys, fp8));
     let row_tiles = (q_lens.iter().copied().max().unwrap_or(1) * group).div_ceil(bm).max(1);
     let forced = match mode {
         SplitMode::Auto => None,
         SplitMode::Fixed(n) => Some(n),
     };
-    let chunk = plan_chunk(&lens, num_kv_heads as u32 * row_tiles, ctas_target, bn, MIN_CHUNK, forced);
+    let chunk = plan_chunk(&lens, ctas_per_item * row_tiles, ctas_target, bn, MIN_CHUNK, forced);
     let mut plan = plan_splits(&lens, &q_lens, num_q_heads, chunk, partial_capacity);
     plan.rows_per_cta = bm;
     plan.row_groups = row_tiles;
@@ -425,22 +431,28 @@ pub fn paged_decode(
         let waves = std::env::var("ATTN_DECODE_WAVES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(measured).max(1);
         let resident = dev.resident_ctas(&tc_name, attn_math::prefill::THREADS, tc_smem)?;
         let target = waves * dev.sm_count() as u64 * resident as u64;
-        DecodePlan { kernel, ..plan_decode_tc(batch, hq, spec.num_kv_heads, d, kernel, fp8, target, mode, ws.partial_rows()) }
+        DecodePlan {
+            kernel,
+            ..plan_decode_tc(
+                batch,
+                hq,
+                (hq / spec.num_kv_heads) as u32,
+                TcShape {
+                    head_size_qk: d as u32,
+                    head_size_v: d as u32,
+                    keys_split: kernel.keys_split(),
+                    fp8,
+                    ctas_per_item: spec.num_kv_heads as u32,
+                },
+                target,
+                mode,
+                ws.partial_rows(),
+            )
+        }
     };
-    ensure(plan.items.len() <= ws.items.len() && plan.items.len() < i32::MAX as usize, "workspace", || {
-        format!("the plan has {} work items, the workspace holds {}", plan.items.len(), ws.items.len())
-    })?;
-    stream.memcpy_htod(&plan.items, &mut ws.items.slice_mut(..plan.items.len()))?;
-    stream.memcpy_htod(&plan.req_num_splits, &mut ws.req_num_splits.slice_mut(..num_reqs))?;
-    stream.memcpy_htod(&plan.req_partial_base, &mut ws.req_partial_base.slice_mut(..num_reqs))?;
-    stream.memcpy_htod(&plan.token_request, &mut ws.token_request.slice_mut(..nt))?;
-
-    let (items_ptr, _o1) = ws.items.device_ptr(stream);
-    let (splits_ptr, _o2) = ws.req_num_splits.device_ptr(stream);
-    let (base_ptr, _o3) = ws.req_partial_base.device_ptr(stream);
-    let (treq_ptr, _o4) = ws.token_request.device_ptr(stream);
-    let (pout_ptr, _o5) = ws.partial_out.device_ptr_mut(stream);
-    let (plse_ptr, _o6) = ws.partial_lse.device_ptr_mut(stream);
+    let wp = ws.upload(stream, &plan, num_reqs, nt)?;
+    let (items_ptr, splits_ptr, base_ptr, pout_ptr, plse_ptr) =
+        (wp.items, wp.req_num_splits, wp.req_partial_base, wp.partial_out, wp.partial_lse);
     let (status_ptr, _o7) = status.word.device_ptr_mut(stream);
     let (k_origin, v_origin) = spec.kv_origins();
     let cb = cache_dtype.size_bytes() as u64;
@@ -521,6 +533,8 @@ pub fn paged_decode(
             num_q_heads: p.num_q_heads,
             group: p.group,
             causal: 1,
+            v_slices: 0,
+            v_row: 0,
             _pad: 0,
         };
         let ctas = plan.items.len() / 2 * spec.num_kv_heads;
@@ -528,26 +542,87 @@ pub fn paged_decode(
         dev.launch_pdl(stream, &tc_name, (ctas as u32, 1, 1), attn_math::prefill::THREADS, tc_smem, tp)?;
     }
     if plan.needs_merge() {
-        let m = DecodeMergeParams {
-            partial_out: pout_ptr,
-            partial_lse: plse_ptr,
-            query_start_loc: a.query_start_loc.ptr,
-            req_num_splits: splits_ptr,
-            req_partial_base: base_ptr,
-            token_request: treq_ptr,
-            out: a.out.ptr,
-            out_token_stride: a.out_rows.token_stride as u64,
-            out_head_stride: a.out_rows.head_stride as u64,
-            lse: lse_ptr,
-            sinks,
-            num_tokens: nt as u32,
-            num_q_heads: hq as u32,
-            head_size: d as u32,
-        };
-        // One CTA of 4 warps per (token, head); they meet in 4 x head_size f32 of shared memory.
-        dev.launch_pdl(stream, &format!("decode_merge_{}", q_dtype.kernel_name()), ((nt * hq) as u32, 1, 1), 128, 16 * d as u32, m)?;
+        launch_merge(dev, stream, &wp, a.query_start_loc.ptr, (&a.out, &a.out_rows), lse_ptr, sinks, q_dtype)?;
     }
     Ok(plan)
+}
+
+/// Device addresses of an uploaded plan in a [`DecodeWorkspace`].
+pub(crate) struct WorkspacePtrs {
+    pub items: u64,
+    pub req_num_splits: u64,
+    pub req_partial_base: u64,
+    pub token_request: u64,
+    pub partial_out: u64,
+    pub partial_lse: u64,
+}
+
+impl DecodeWorkspace {
+    /// Uploads a plan's arrays (enqueued on `stream`) after checking they fit.
+    pub(crate) fn upload(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        plan: &DecodePlan,
+        num_reqs: usize,
+        num_tokens: usize,
+    ) -> Result<WorkspacePtrs> {
+        ensure(plan.items.len() <= self.items.len() && plan.items.len() < i32::MAX as usize, "workspace", || {
+            format!("the plan has {} work items, the workspace holds {}", plan.items.len(), self.items.len())
+        })?;
+        ensure(plan.partial_rows <= self.partial_rows(), "workspace", || {
+            format!("the plan needs {} partial rows, the workspace holds {}", plan.partial_rows, self.partial_rows())
+        })?;
+        stream.memcpy_htod(&plan.items, &mut self.items.slice_mut(..plan.items.len()))?;
+        stream.memcpy_htod(&plan.req_num_splits, &mut self.req_num_splits.slice_mut(..num_reqs))?;
+        stream.memcpy_htod(&plan.req_partial_base, &mut self.req_partial_base.slice_mut(..num_reqs))?;
+        stream.memcpy_htod(&plan.token_request, &mut self.token_request.slice_mut(..num_tokens))?;
+        // The buffers live as long as the workspace, which the caller keeps past the launches.
+        Ok(WorkspacePtrs {
+            items: self.items.device_ptr(stream).0,
+            req_num_splits: self.req_num_splits.device_ptr(stream).0,
+            req_partial_base: self.req_partial_base.device_ptr(stream).0,
+            token_request: self.token_request.device_ptr(stream).0,
+            partial_out: self.partial_out.device_ptr_mut(stream).0,
+            partial_lse: self.partial_lse.device_ptr_mut(stream).0,
+        })
+    }
+
+    pub(crate) fn head_size(&self) -> usize {
+        self.head_size
+    }
+}
+
+/// Pass 2 of split-K into `out` (`[num_tokens, num_heads, head_size]` rows): one CTA of 4 warps
+/// per (token, head), meeting in 4 x head_size f32 of shared memory.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_merge(
+    dev: &AttnDevice,
+    stream: &Arc<CudaStream>,
+    wp: &WorkspacePtrs,
+    query_start_loc: u64,
+    (out, out_rows): (&DevOut<'_>, &RowsDesc),
+    lse: u64,
+    sinks: u64,
+    dtype: DType,
+) -> Result<()> {
+    let (nt, hq, d) = (out_rows.num_tokens, out_rows.num_heads, out_rows.head_size);
+    let m = DecodeMergeParams {
+        partial_out: wp.partial_out,
+        partial_lse: wp.partial_lse,
+        query_start_loc,
+        req_num_splits: wp.req_num_splits,
+        req_partial_base: wp.req_partial_base,
+        token_request: wp.token_request,
+        out: out.ptr,
+        out_token_stride: out_rows.token_stride as u64,
+        out_head_stride: out_rows.head_stride as u64,
+        lse,
+        sinks,
+        num_tokens: nt as u32,
+        num_q_heads: hq as u32,
+        head_size: d as u32,
+    };
+    dev.launch_pdl(stream, &format!("decode_merge_{}", dtype.kernel_name()), ((nt * hq) as u32, 1, 1), 128, 16 * d as u32, m)
 }
 
 /// Inputs of [`merge_attn_states`]: two partial results of the same queries over disjoint keys.

@@ -26,6 +26,7 @@ pub mod error;
 pub mod forward;
 pub mod layout;
 pub mod metadata;
+pub mod mla;
 pub mod prefill;
 mod ptx;
 pub mod sim;

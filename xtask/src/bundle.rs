@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::Command;
 
 /// Test targets (in `tests/`) that need a GPU; the bundle runs these.
-const GPU_TESTS: &[&str] = &["gpu_cache_write", "gpu_decode", "gpu_prefill", "gpu_forward"];
+const GPU_TESTS: &[&str] = &["gpu_cache_write", "gpu_decode", "gpu_prefill", "gpu_forward", "gpu_mla"];
 const BENCH_BIN: &str = "attn-bench";
 const SIM_BIN: &str = "engine-sim";
 

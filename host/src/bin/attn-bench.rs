@@ -2,7 +2,7 @@
 //! prints a table (and JSON with `--json PATH`): shape, median time over CUDA-event timings
 //! after warm-up, GB/s (bytes read + written), and the fraction of the copy ceiling.
 //!
-//! `attn-bench [--json PATH] [--quick] [--only cache|decode|prefill]`
+//! `attn-bench [--json PATH] [--quick] [--only cache|decode|prefill|mla]`
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -432,7 +432,7 @@ fn main() -> Result<()> {
 
     let ceiling = copy_row(&b, 1 << 30)?;
     let mut rows = vec![];
-    // `--only cache|decode|prefill`: one group of rows.
+    // `--only cache|decode|prefill|mla`: one group of rows.
     let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)).cloned();
     let want = |group: &str| only.as_deref().is_none_or(|o| o == group);
     if want("cache") {
@@ -444,7 +444,83 @@ fn main() -> Result<()> {
     if want("decode") {
         decode_rows(&b, &mut rows, &mut status)?;
     }
+    if want("mla") {
+        mla_rows(&b, &mut rows, &mut status)?;
+    }
     print_and_save(&ceiling, &rows, &name, json_path)
+}
+
+/// MLA decode over the latent cache: bf16, context 4096, block size 64, scattered block tables.
+/// Bytes = the latent cache read once; FLOPs = 2 * heads * context * (576 + 512) per token.
+fn mla_row(b: &Bench, heads: usize, batch: usize, context: usize, status: &mut DeviceStatus) -> Result<Row> {
+    use host::decode::{AttnOptions, DecodeBatch, DecodeWorkspace, SplitMode};
+    use host::layout::MlaCacheSpec;
+    use host::mla::{mla_attention, MlaArgs};
+    let s = &b.stream;
+    let block_size = 64;
+    let blocks_per_req = context.div_ceil(block_size);
+    let num_blocks = batch * blocks_per_req;
+    let spec = MlaCacheSpec::deepseek(num_blocks, block_size)?;
+    let cache = random_device::<bf16>(s, spec.num_elements(), 31)?;
+    let block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 32).into_iter().map(|x| x as i32).collect();
+    let seq_lens = vec![context as i32; batch];
+    let qsl: Vec<i32> = (0..=batch as i32).collect();
+    let (q_rows, out_rows) = (RowsDesc::contiguous(batch, heads, 576), RowsDesc::contiguous(batch, heads, 512));
+    let q = s.clone_htod(&random_values::<bf16>(q_rows.required_len(), 33, 1.0))?;
+    let mut out: CudaSlice<bf16> = s.alloc_zeros(out_rows.required_len())?;
+    let (bt, sl, ql) = (s.clone_htod(&block_table)?, s.clone_htod(&seq_lens)?, s.clone_htod(&qsl)?);
+    let mut ws = DecodeWorkspace::new(s, 64 * 1024 * heads, 512, batch, batch)?;
+    let batch_meta = DecodeBatch { seq_lens: &seq_lens, query_start_loc: &qsl };
+    let mut chunk = 0;
+    let us = b.time(|| {
+        let plan = mla_attention(
+            dev(),
+            s,
+            MlaArgs {
+                q: DevIn::new(&q, s),
+                q_rows,
+                cache: DevIn::new(&cache, s),
+                spec,
+                block_table: DevIn::new(&bt, s),
+                block_table_stride: blocks_per_req,
+                seq_lens: DevIn::new(&sl, s),
+                query_start_loc: DevIn::new(&ql, s),
+                out: DevOut::new(&mut out, s),
+                out_rows,
+                lse: None,
+                scales: None,
+            },
+            &batch_meta,
+            AttnOptions::new(576).softmax_scale,
+            SplitMode::Auto,
+            &mut ws,
+            status,
+        )?;
+        chunk = plan.chunk;
+        Ok(())
+    })?;
+    status.check(s)?;
+    let bytes = (batch * context * 576 * 2) as f64;
+    let flops = 2.0 * (heads * context * (576 + 512) * batch) as f64;
+    let mut row = Row {
+        name: "mla_attention bf16 latent".into(),
+        shape: format!("{heads} heads x batch {batch} x {context}, bs64 (chunk {chunk})"),
+        median_us: us,
+        bytes,
+        flops: 0.0,
+    };
+    // 16 heads is memory-bound (GB/s), 128 heads compute-bound (TFLOP/s).
+    if heads > 16 {
+        row.flops = flops;
+    }
+    Ok(row)
+}
+
+fn mla_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {
+    for (heads, batch) in [(16, 64), (16, 128), (128, 64), (128, 128)] {
+        rows.push(mla_row(b, heads, batch, 4096, status)?);
+    }
+    Ok(())
 }
 
 fn decode_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {

@@ -44,18 +44,10 @@ impl Attention {
     /// backend (and ignored by `cpu`). Checks the configuration, re-checks that the backend takes
     /// the model on this device, and allocates the GPU workspaces for `config.limits`.
     ///
-    /// Errors: `InvalidArgument` naming the field; `MissingKernel` for the `mla` backend, whose
-    /// GPU attention kernels do not exist yet (the `cpu` backend runs MLA).
+    /// Errors: `InvalidArgument` naming the field.
     pub fn new(selection: &Selection, config: ForwardConfig, gpu: Option<GpuHandles>) -> Result<Self> {
         config.validate()?;
         let backend = selection.backend;
-        if backend.name == MLA.name {
-            return Err(AttnError::MissingKernel {
-                what: "MLA attention on the GPU (backend \"mla\")",
-                missing: "the MLA decode and prefill kernels (issue 5; only the MLA cache write exists). \
-                          The \"cpu\" backend runs MLA (ATTN_BACKEND=cpu)",
-            });
-        }
         let device = gpu.as_ref().map_or(DeviceInfo::no_gpu(), |g| DeviceInfo::from_device(&g.dev));
         let reasons = refusal_reasons(backend, &config.model, &device);
         if !reasons.is_empty() {
@@ -73,6 +65,10 @@ impl Attention {
                     gpu.ok_or_else(|| AttnError::invalid("gpu", "backend \"tensor-core\" runs on a GPU: pass its device and stream"))?;
                 let d = config.model.head_size as u32;
                 ensure(attn_math::prefill::HEAD_SIZES.contains(&(d, d)), "model", || format!("head_size {d} has no prefill kernel"))?;
+                Exec::Gpu(Box::new(GpuExec::new(gpu.dev, gpu.stream, &config)?))
+            }
+            name if name == MLA.name => {
+                let gpu = gpu.ok_or_else(|| AttnError::invalid("gpu", "backend \"mla\" runs on a GPU: pass its device and stream"))?;
                 Exec::Gpu(Box::new(GpuExec::new(gpu.dev, gpu.stream, &config)?))
             }
             _ => return Err(AttnError::MissingKernel { what: "forward on this backend", missing: "its executor in host::forward" }),
@@ -141,9 +137,7 @@ impl Attention {
                 validate_layer(&self.config, &self.spec, step, stride, &l)?;
                 match &self.spec {
                     CacheSpec::Paged(spec) => g.forward(&self.config, spec, step, l, &mut self.timer),
-                    CacheSpec::Mla(_) => {
-                        Err(AttnError::MissingKernel { what: "MLA attention on the GPU", missing: "the MLA kernels (issue 5)" })
-                    }
+                    CacheSpec::Mla(spec) => g.forward_mla(&self.config, spec, step, l, &mut self.timer),
                 }
             }
             (_, layer) => Err(AttnError::invalid(

@@ -1,6 +1,7 @@
-//! The `tensor-core` backend's forward: `reshape_and_cache`, then `paged_decode` for the decode
-//! part and the tensor-core `prefill` for the prefill part, every array of the step's metadata
-//! read from its one upload ([`StepMetadata`]).
+//! The GPU backends' forward, every array of the step's metadata read from its one upload
+//! ([`StepMetadata`]): `tensor-core` runs `reshape_and_cache`, then `paged_decode` for the
+//! decode part and the tensor-core `prefill` for the prefill part; `mla` runs
+//! `concat_and_cache_mla`, then `mla_attention` (latent form) for both parts.
 
 use super::config::ForwardConfig;
 use super::io::{GpuLayer, Layer, NewKv};
@@ -8,13 +9,14 @@ use super::step::{DeviceStep, StepMetadata};
 use super::timing::Timer;
 use super::validate::Parts;
 use crate::buffer::DevIn;
-use crate::cache_write::{reshape_and_cache, KvWrite};
-use crate::decode::{paged_decode, DecodeArgs, DecodeWorkspace};
+use crate::cache_write::{concat_and_cache_mla, reshape_and_cache, KvWrite, MlaWrite};
+use crate::decode::{paged_decode, DecodeArgs, DecodeBatch, DecodeWorkspace};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
-use crate::layout::{KvCacheSpec, RowsDesc};
+use crate::layout::{KvCacheSpec, MlaCacheSpec, RowsDesc};
 use crate::metadata::{PlanConfig, StagingLayout, StagingSizes};
+use crate::mla::{mla_attention, MlaArgs};
 use crate::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
 use crate::status::DeviceStatus;
 use cudarc::driver::CudaStream;
@@ -48,7 +50,12 @@ impl GpuExec {
             )
         })?;
         let partial_rows = 4 * dev.sm_count() as usize * 8 * group;
-        let decode_ws = DecodeWorkspace::new(&stream, partial_rows, m.head_size, l.max_num_reqs, l.max_num_tokens)?;
+        // Split-K partials are rows of V: MLA's are the 512 latent columns of its 576-wide rows.
+        let v_width = match config.cache_spec()? {
+            super::io::CacheSpec::Mla(s) => s.latent_dim,
+            super::io::CacheSpec::Paged(_) => m.head_size,
+        };
+        let decode_ws = DecodeWorkspace::new(&stream, partial_rows, v_width, l.max_num_reqs, l.max_num_tokens)?;
         let prefill_ws = PrefillWorkspace::new(&stream, l.max_num_tokens, l.max_num_reqs, group)?;
         let status = DeviceStatus::new(&stream)?;
         Ok(GpuExec { dev, stream, decode_ws, prefill_ws, status })
@@ -58,11 +65,15 @@ impl GpuExec {
     /// kernel with).
     pub(crate) fn plan_config(&self, config: &ForwardConfig) -> PlanConfig {
         let m = &config.model;
+        // The builder plans the CUDA-core decode kernel, whose plan neither `paged_decode` (it
+        // replans for the tensor cores) nor `mla_attention` reads; an MLA model's 576-wide rows
+        // have no CUDA-core kernel, so its (unused) plan is made for head size 128.
+        let head_size = if matches!(m.kind, crate::backend::AttentionKind::Mla) { 128 } else { m.head_size };
         PlanConfig {
             decode_threshold: config.decode_threshold,
             num_q_heads: m.num_q_heads,
             num_kv_heads: m.num_kv_heads,
-            head_size: m.head_size,
+            head_size,
             sm_count: self.dev.sm_count() as usize,
             mode: config.split_mode,
             partial_capacity: self.decode_ws.partial_rows(),
@@ -173,6 +184,96 @@ impl GpuExec {
             };
             let opts = PrefillOptions { attn: config.opts, causal: true };
             prefill(&self.dev, stream, args, &parts.prefill, &opts, &mut self.prefill_ws, &mut self.status)?;
+        }
+        let end = timer.mark(Some(stream))?;
+        timer.layer([start, written, end]);
+        Ok(())
+    }
+}
+
+impl GpuExec {
+    /// An MLA layer: the latent cache write, then latent attention for the decode part and the
+    /// prefill part (the same kernel: any query length, causal among a request's new tokens).
+    pub(crate) fn forward_mla(
+        &mut self,
+        config: &ForwardConfig,
+        spec: &MlaCacheSpec,
+        step: &StepMetadata,
+        layer: GpuLayer<'_>,
+        timer: &mut Timer,
+    ) -> Result<()> {
+        let dstep = step.device_step().ok_or_else(|| AttnError::invalid("step", "was not built for the GPU"))?;
+        ensure(Arc::ptr_eq(&dstep.stream, &self.stream), "step", || "was built on another stream".into())?;
+        let Layer { q, q_rows, new_kv, mut cache, mut out, out_rows, alibi_slopes, sinks } = layer;
+        let NewKv::Mla { kv_c, kv_c_token_stride, k_pe, k_pe_token_stride } = new_kv else {
+            return Err(AttnError::invalid("new_kv", "standard K/V given for an MLA model"));
+        };
+        ensure(alibi_slopes.is_none(), "alibi_slopes", || "MLA attention takes no ALiBi slopes".into())?;
+        ensure(sinks.is_none(), "sinks", || "MLA attention takes no sinks".into())?;
+        check_aligned("q", q.ptr, q.dtype, &q_rows)?;
+        check_aligned("out", out.ptr, out.dtype, &out_rows)?;
+        ensure(cache.ptr.is_multiple_of(16), "cache", || format!("address {:#x} is not 16-byte aligned", cache.ptr))?;
+        let split = step.split();
+        let (nd, ndt, np, npt) = (split.num_decodes, split.num_decode_tokens, split.num_prefills, split.num_prefill_tokens);
+        let lay = &dstep.layout;
+        let parts = Parts::of(step);
+        let stream = &self.stream;
+        let words = DevIn::new(&dstep.words, stream);
+        let i32s = |offset: usize, len: usize| words.view(offset * 4, len, DType::I32);
+        let nt = step.num_actual_tokens();
+        let stride = lay.block_table_stride;
+
+        let start = timer.mark(Some(stream))?;
+        let write = MlaWrite {
+            kv_c,
+            kv_c_token_stride,
+            k_pe,
+            k_pe_token_stride,
+            num_tokens: nt,
+            slot_mapping: words.view(lay.slot_mapping.byte_offset(), nt, DType::I64),
+            cache: cache.tail_mut(0),
+            spec: *spec,
+            scale: None,
+        };
+        concat_and_cache_mla(&self.dev, stream, write, &mut self.status)?;
+        let written = timer.mark(Some(stream))?;
+
+        let cache = cache.as_input();
+        let scale = config.opts.softmax_scale;
+        if nd > 0 {
+            let args = MlaArgs {
+                q: q.tail(0),
+                q_rows: RowsDesc { num_tokens: ndt, ..q_rows },
+                cache: cache.tail(0),
+                spec: *spec,
+                block_table: i32s(lay.block_table.offset, nd * stride),
+                block_table_stride: stride,
+                seq_lens: i32s(lay.seq_lens.offset, nd),
+                query_start_loc: i32s(lay.query_start_loc.offset, nd + 1),
+                out: out.tail_mut(0),
+                out_rows: RowsDesc { num_tokens: ndt, ..out_rows },
+                lse: None,
+                scales: None,
+            };
+            mla_attention(&self.dev, stream, args, &parts.decode, scale, config.split_mode, &mut self.decode_ws, &mut self.status)?;
+        }
+        if np > 0 {
+            let args = MlaArgs {
+                q: q.tail(ndt * q_rows.token_stride),
+                q_rows: RowsDesc { num_tokens: npt, ..q_rows },
+                cache: cache.tail(0),
+                spec: *spec,
+                block_table: i32s(lay.prefill_block_table().offset, np * stride),
+                block_table_stride: stride,
+                seq_lens: i32s(lay.prefill_seq_lens().offset, np),
+                query_start_loc: i32s(lay.prefill_query_start_loc.offset, np + 1),
+                out: out.tail_mut(ndt * out_rows.token_stride),
+                out_rows: RowsDesc { num_tokens: npt, ..out_rows },
+                lse: None,
+                scales: None,
+            };
+            let batch = DecodeBatch { seq_lens: parts.prefill.seq_lens, query_start_loc: parts.prefill.query_start_loc };
+            mla_attention(&self.dev, stream, args, &batch, scale, config.split_mode, &mut self.decode_ws, &mut self.status)?;
         }
         let end = timer.mark(Some(stream))?;
         timer.layer([start, written, end]);

@@ -25,7 +25,7 @@ use crate::mma::{
 };
 use crate::vec_io::{load_f32_nc, load_u32_nc, store4, store8, store_f32};
 use attn_math::params::PrefillParams;
-use attn_math::prefill::{block_m, shared_layout, stages, table_slot_bytes, ROW_PAD, TABLE_ENTRY, THREADS, WARPS};
+use attn_math::prefill::{block_m, shared_layout_mla, stages, table_slot_bytes, ROW_PAD, TABLE_ENTRY, THREADS, WARPS};
 use attn_math::softmax::{exp2, OnlineSoftmax, LOG2_E};
 use attn_math::status::BLOCK_OUT_OF_RANGE;
 
@@ -84,18 +84,19 @@ impl KvSource {
 unsafe fn copy_rows_async<const ROWS: usize>(dst: u32, chunks: u32, pitch: u32, fallback: u64, src: impl Fn(u32) -> u64) {
     let passes = (ROWS as u32 * chunks).div_ceil(THREADS);
     let tid = thread_idx_x();
-    static_for::<16>(|i| {
-        if (i as u32) < passes {
-            let idx = tid + i as u32 * THREADS;
-            let r = idx / chunks;
-            let c = idx - r * chunks;
-            if r < ROWS as u32 {
-                let a = src(r);
-                let (from, bytes) = if a != 0 { (a + c as u64 * 16, 16) } else { (fallback, 0) };
-                unsafe { cp_async_16(dst + r * pitch + c * 16, from, bytes) };
-            }
+    // A plain loop (no register array is indexed): MLA rows take up to 36 passes.
+    let mut i = 0;
+    while i < passes {
+        let idx = tid + i * THREADS;
+        let r = idx / chunks;
+        let c = idx - r * chunks;
+        if r < ROWS as u32 {
+            let a = src(r);
+            let (from, bytes) = if a != 0 { (a + c as u64 * 16, 16) } else { (fallback, 0) };
+            unsafe { cp_async_16(dst + r * pitch + c * 16, from, bytes) };
         }
-    });
+        i += 1;
+    }
 }
 
 /// Converts the FP8 rows this thread copied into `staging` (`D` bytes a row) into the 16-bit
@@ -107,21 +108,21 @@ unsafe fn convert_fp8_rows<Q: MmaHalf, const D: usize, const ROWS: usize>(stagin
     let passes = (ROWS as u32 * chunks).div_ceil(THREADS);
     let pitch = (D as u32 + ROW_PAD) * 2;
     let tid = thread_idx_x();
-    static_for::<16>(|i| {
-        if (i as u32) < passes {
-            let idx = tid + i as u32 * THREADS;
-            let r = idx / chunks;
-            let c = idx - r * chunks;
-            if r < ROWS as u32 {
-                let raw = unsafe { ld_shared_v4(staging + r * D as u32 + c * 16) };
-                let mut half = [0u32; 8];
-                static_for::<8>(|j| half[j] = Q::from_fp8x2((raw[j / 2] >> (16 * (j % 2))) & 0xffff));
-                let at = tile + r * pitch + c * 32;
-                unsafe { st_shared_v4(at, [half[0], half[1], half[2], half[3]]) };
-                unsafe { st_shared_v4(at + 16, [half[4], half[5], half[6], half[7]]) };
-            }
+    let mut i = 0;
+    while i < passes {
+        let idx = tid + i * THREADS;
+        let r = idx / chunks;
+        let c = idx - r * chunks;
+        if r < ROWS as u32 {
+            let raw = unsafe { ld_shared_v4(staging + r * D as u32 + c * 16) };
+            let mut half = [0u32; 8];
+            static_for::<8>(|j| half[j] = Q::from_fp8x2((raw[j / 2] >> (16 * (j % 2))) & 0xffff));
+            let at = tile + r * pitch + c * 32;
+            unsafe { st_shared_v4(at, [half[0], half[1], half[2], half[3]]) };
+            unsafe { st_shared_v4(at + 16, [half[4], half[5], half[6], half[7]]) };
         }
-    });
+        i += 1;
+    }
 }
 
 /// One query row of a thread.
@@ -146,6 +147,9 @@ struct Work {
     /// Rows of the tile that exist (the rest repeat the last one and are never written).
     live: u32,
     kv_head: u32,
+    /// MLA: which slice of V's columns this CTA produces (0 otherwise), and its first column.
+    slice: u32,
+    v_col0: u32,
 }
 
 impl Work {
@@ -191,19 +195,21 @@ impl RowOut {
                 let sink = (unsafe { load_f32_nc(p.sinks + row.head as u64 * 4) }) * LOG2_E;
                 scale = st.merge(OnlineSoftmax { max: sink, sum: 1.0 }).0;
             }
-            if write_lse && p.lse != 0 {
+            if write_lse && w.slice == 0 && p.lse != 0 {
                 unsafe { store_f32(p.lse + (row.token as u64 * p.num_q_heads as u64 + row.head as u64) * 4, st.lse()) };
             }
-            let addr = p.out + (row.token as u64 * p.out_token_stride + row.head as u64 * p.out_head_stride) * 2;
+            let addr = p.out + (row.token as u64 * p.out_token_stride + row.head as u64 * p.out_head_stride + w.v_col0 as u64) * 2;
             RowOut { addr, partial: false, inv: if st.sum > 0.0 { v_scale * scale / st.sum } else { 0.0 } }
         } else {
             let base = unsafe { load_u32_nc(p.req_partial_base + w.req as u64 * 4) } as u64;
             let t = (row.token - w.q_start) as u64;
             let index = base + (w.split as u64 * w.q_len as u64 + t) * p.num_q_heads as u64 + row.head as u64;
-            if write_lse {
+            if write_lse && w.slice == 0 {
                 unsafe { store_f32(p.partial_lse + index * 4, st.lse()) };
             }
-            RowOut { addr: p.partial_out + index * DV as u64 * 4, partial: true, inv: if st.sum > 0.0 { v_scale / st.sum } else { 0.0 } }
+            let row_width = if p.v_row != 0 { p.v_row as u64 } else { DV as u64 };
+            let addr = p.partial_out + (index * row_width + w.v_col0 as u64) * 4;
+            RowOut { addr, partial: true, inv: if st.sum > 0.0 { v_scale / st.sum } else { 0.0 } }
         }
     }
 
@@ -220,12 +226,16 @@ impl RowOut {
 
 /// Reads the CTA's work item and the request's lengths; `None` when the tile has no rows.
 #[inline(always)]
-unsafe fn work_item(p: &PrefillParams, bm: u32) -> Option<Work> {
-    // Grid x = work item * kv heads + kv head: the kv heads of one tile run together, and the
-    // items' longest-first order holds across heads.
+unsafe fn work_item(p: &PrefillParams, bm: u32, dv: u32) -> Option<Work> {
+    // Grid x = (work item * kv heads + kv head) * V slices + slice: the slices and kv heads of
+    // one tile run together (they share its K/V tiles in L2), and the items' longest-first
+    // order holds across them.
+    let slices = p.v_slices.max(1);
+    let cta = block_idx_x() / slices;
+    let slice = block_idx_x() - cta * slices;
     let kv_heads = p.num_q_heads / p.group;
-    let item_idx = block_idx_x() / kv_heads;
-    let kv_head = block_idx_x() - item_idx * kv_heads;
+    let item_idx = cta / kv_heads;
+    let kv_head = cta - item_idx * kv_heads;
     let item = p.work_items + item_idx as u64 * 8;
     let req = unsafe { load_u32_nc(item) };
     let tile_split = unsafe { load_u32_nc(item + 4) };
@@ -243,7 +253,7 @@ unsafe fn work_item(p: &PrefillParams, bm: u32) -> Option<Work> {
     if row0 >= n_rows {
         return None;
     }
-    Some(Work { req, split, q_start, q_len, seq_len, row0, live: (n_rows - row0).min(bm), kv_head })
+    Some(Work { req, split, q_start, q_len, seq_len, row0, live: (n_rows - row0).min(bm), kv_head, slice, v_col0: slice * dv })
 }
 
 /// S = Q K^T for a warp: `MT` tiles of 16 rows x `KW` keys starting at `key_off` of the K tile
@@ -258,42 +268,53 @@ fn scores<Q: MmaHalf, const DK: usize, const KW: usize, const MT: usize>(
     let k_pitch = (DK as u32 + ROW_PAD) * 2;
     let mut s = [[[0.0f32; 4]; 8]; MT];
     let k_base = k_tile + (key_off + (lane % 8) + 8 * (lane / 16)) * k_pitch + 16 * ((lane / 8) % 2);
-    static_for::<16>(|ks| {
-        if ks < DK / 16 {
-            let mut a = [[0u32; 4]; MT];
-            static_for::<2>(|mt| {
-                if mt < MT {
-                    a[mt] = q_frag(mt, ks);
-                }
-            });
-            static_for::<4>(|np| {
-                if np < KW / 16 {
-                    let b = unsafe { ldmatrix_x4(k_base + np as u32 * 16 * k_pitch + ks as u32 * 32) };
-                    static_for::<2>(|mt| {
-                        if mt < MT {
-                            s[mt][2 * np] = Q::mma(a[mt], b[0], b[1], s[mt][2 * np]);
-                            s[mt][2 * np + 1] = Q::mma(a[mt], b[2], b[3], s[mt][2 * np + 1]);
-                        }
-                    });
-                }
-            });
+    let mut k_step = |ks: usize| {
+        let mut a = [[0u32; 4]; MT];
+        static_for::<2>(|mt| {
+            if mt < MT {
+                a[mt] = q_frag(mt, ks);
+            }
+        });
+        static_for::<4>(|np| {
+            if np < KW / 16 {
+                let b = unsafe { ldmatrix_x4(k_base + np as u32 * 16 * k_pitch + ks as u32 * 32) };
+                static_for::<2>(|mt| {
+                    if mt < MT {
+                        s[mt][2 * np] = Q::mma(a[mt], b[0], b[1], s[mt][2 * np]);
+                        s[mt][2 * np + 1] = Q::mma(a[mt], b[2], b[3], s[mt][2 * np + 1]);
+                    }
+                });
+            }
+        });
+    };
+    if DK / 16 <= 16 {
+        // Unrolled: `q_frag` may index a register array by `ks`.
+        static_for::<16>(|ks| {
+            if ks < DK / 16 {
+                k_step(ks)
+            }
+        });
+    } else {
+        // MLA's 36 k-steps: a loop (the query fragments come from shared memory then).
+        for ks in 0..DK / 16 {
+            k_step(ks);
         }
-    });
+    }
     s
 }
 
 /// O += P V for a warp's `MT` row tiles: P (16 rows x `KW` keys each, in the score registers:
 /// the C layout of one mma is the A layout of the next) times the V rows `key_off..` of the tile
-/// at `v_tile`; every V fragment feeds the `MT` row tiles.
+/// at `v_tile` (row pitch `v_pitch` bytes); every V fragment feeds the `MT` row tiles.
 #[inline(always)]
 fn accumulate_pv<Q: MmaHalf, const DV: usize, const KW: usize, const MT: usize>(
     s: &[[[f32; 4]; 8]; MT],
     o: &mut [[[f32; 4]; 32]; MT],
     v_tile: u32,
+    v_pitch: u32,
     key_off: u32,
 ) {
     let lane = thread_idx_x() % 32;
-    let v_pitch = (DV as u32 + ROW_PAD) * 2;
     let v_base = v_tile + (key_off + (lane % 8) + 8 * ((lane / 8) % 2)) * v_pitch + 16 * (lane / 16);
     static_for::<4>(|kk| {
         if kk < KW / 16 {
@@ -378,6 +399,7 @@ fn softmax_step<const DV: usize, const KW: usize>(
 /// per pair, and exact; bf16 queries are scaled by 2^-8 into f16's range, undone in the scores).
 /// `MT`: 16-row tiles per warp (2 on the prefill shape up to head size 128: each K/V fragment
 /// read from shared memory feeds twice the MMAs, and the two tiles' chains interleave).
+/// `VK` (MLA): V is columns `slice * DV ..` of each K row, read from the K tile; no V copies.
 #[inline(always)]
 pub unsafe fn attention<
     Q: MmaHalf,
@@ -389,6 +411,7 @@ pub unsafe fn attention<
     const KEYS: bool,
     const FP8: bool,
     const MT: usize,
+    const VK: bool,
 >(
     p: &PrefillParams,
 ) {
@@ -400,7 +423,7 @@ pub unsafe fn attention<
     let (g, t4) = (lane / 4, lane % 4);
     let bm = block_m(DK as u32, DV as u32, KEYS, FP8);
     const { assert!(MT == 1 || (MT == 2 && !KEYS)) };
-    let Some(w) = (unsafe { work_item(p, bm) }) else { return };
+    let Some(w) = (unsafe { work_item(p, bm, DV as u32) }) else { return };
     let src = KvSource {
         block_row: if p.block_table != 0 { p.block_table + w.req as u64 * p.block_table_stride * 4 } else { 0 },
         key_base: if p.block_table != 0 { 0 } else { (unsafe { load_i32(p.key_start_loc + w.req as u64 * 4) }) as u64 },
@@ -422,7 +445,7 @@ pub unsafe fn attention<
     const { assert!(BN as u32 <= THREADS && KW == if KEYS { BN / WARPS as usize } else { BN }) };
     let st = stages(DK as u32, DV as u32, KEYS, FP8);
     let slots = st + 1;
-    let layout = shared_layout(DK as u32, DV as u32, KEYS, FP8);
+    let layout = shared_layout_mla(DK as u32, DV as u32, KEYS, FP8, VK);
     let elem_bytes = if FP8 { 1 } else { 2 };
     // FP8: dequantisation folds into the score scale (k) and the output factor (v).
     let (k_scale, v_scale) = if FP8 {
@@ -437,7 +460,16 @@ pub unsafe fn attention<
     let smem = shared_addr(dynamic_shared::<u8>());
     // Where a stage's 16-bit K and V tiles are read by the math.
     let k_tile = |stage: u32| if FP8 { smem + layout.k_tile } else { smem + layout.k + stage * layout.k_stage };
-    let v_tile = |stage: u32| if FP8 { smem + layout.v_tile } else { smem + layout.v + stage * layout.v_stage };
+    let v_tile = |stage: u32| {
+        if VK {
+            k_tile(stage) + w.v_col0 * 2
+        } else if FP8 {
+            smem + layout.v_tile
+        } else {
+            smem + layout.v + stage * layout.v_stage
+        }
+    };
+    let v_pitch = if VK { (DK as u32 + ROW_PAD) * 2 } else { (DV as u32 + ROW_PAD) * 2 };
     let table = |tile: u32| smem + layout.table + (tile % slots) * table_slot_bytes(BN as u32);
     // Flags after the entries: one u32 per filling warp, non-zero when a key's block is bad.
     let flags = |tile: u32| table(tile) + BN as u32 * TABLE_ENTRY;
@@ -475,12 +507,16 @@ pub unsafe fn attention<
         if FP8 {
             unsafe {
                 copy_rows_async::<BN>(k_dst, DK as u32 / 16, DK as u32, p.q, k_src);
-                copy_rows_async::<BN>(v_dst, DV as u32 / 16, DV as u32, p.q, v_src);
+                if !VK {
+                    copy_rows_async::<BN>(v_dst, DV as u32 / 16, DV as u32, p.q, v_src);
+                }
             }
         } else {
             unsafe {
                 copy_rows_async::<BN>(k_dst, DK as u32 / 8, (DK as u32 + ROW_PAD) * 2, p.q, k_src);
-                copy_rows_async::<BN>(v_dst, DV as u32 / 8, (DV as u32 + ROW_PAD) * 2, p.q, v_src);
+                if !VK {
+                    copy_rows_async::<BN>(v_dst, DV as u32 / 8, (DV as u32 + ROW_PAD) * 2, p.q, v_src);
+                }
             }
         }
     };
@@ -588,7 +624,9 @@ pub unsafe fn attention<
         if FP8 {
             unsafe {
                 convert_fp8_rows::<M, DK, BN>(smem + layout.k + stage * layout.k_stage, k_tile(stage));
-                convert_fp8_rows::<M, DV, BN>(smem + layout.v + stage * layout.v_stage, v_tile(stage));
+                if !VK {
+                    convert_fp8_rows::<M, DV, BN>(smem + layout.v + stage * layout.v_stage, v_tile(stage));
+                }
             }
         }
         if early_issue {
@@ -659,7 +697,7 @@ pub unsafe fn attention<
                     softmax_step::<DV, KW>(&mut s[mt], &mut o[mt], &mut state[mt], mult);
                 }
             });
-            accumulate_pv::<M, DV, KW, MT>(&s, &mut o, v_tile(stage), key_off);
+            accumulate_pv::<M, DV, KW, MT>(&s, &mut o, v_tile(stage), v_pitch, key_off);
         }
         fill(tile + st, ahead);
         if early_issue {

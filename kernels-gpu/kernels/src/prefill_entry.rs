@@ -5,7 +5,7 @@
 use crate::elem::{Bf16, F16};
 use crate::prefill::attention;
 use attn_math::params::PrefillParams;
-use attn_math::prefill::{block_n, m_tiles, WARPS};
+use attn_math::prefill::{block_n, m_tiles, MLA_QK, MLA_V_SLICE, WARPS};
 
 macro_rules! prefill_kernels {
     ($q:ident, $qname:literal: $(($dk:literal, $dv:literal)),*) => {
@@ -15,7 +15,7 @@ macro_rules! prefill_kernels {
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
                     const BN: usize = block_n($dk, $dv, false, false) as usize;
                     const MT: usize = m_tiles($dk, $dv, false, false) as usize;
-                    unsafe { attention::<$q, $q, $dk, $dv, BN, BN, false, false, MT>(&p) }
+                    unsafe { attention::<$q, $q, $dk, $dv, BN, BN, false, false, MT, false>(&p) }
                 }
             };
         )*
@@ -29,21 +29,21 @@ macro_rules! decode_kernels {
                 #[unsafe(export_name = concat!("decode_tc_", $qname, "_d", $d))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
                     const BN: usize = block_n($d, $d, true, false) as usize;
-                    unsafe { attention::<$q, $q, $d, $d, BN, { BN / WARPS as usize }, true, false, 1>(&p) }
+                    unsafe { attention::<$q, $q, $d, $d, BN, { BN / WARPS as usize }, true, false, 1, false>(&p) }
                 }
             };
             const _: () = {
                 #[unsafe(export_name = concat!("decode_tc_", $qname, "_fp8_d", $d))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
                     const BN: usize = block_n($d, $d, true, true) as usize;
-                    unsafe { attention::<$q, F16, $d, $d, BN, { BN / WARPS as usize }, true, true, 1>(&p) }
+                    unsafe { attention::<$q, F16, $d, $d, BN, { BN / WARPS as usize }, true, true, 1, false>(&p) }
                 }
             };
             const _: () = {
                 #[unsafe(export_name = concat!("prefill_", $qname, "_fp8_dk", $d, "_dv", $d))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
                     const BN: usize = block_n($d, $d, false, true) as usize;
-                    unsafe { attention::<$q, F16, $d, $d, BN, BN, false, true, 1>(&p) }
+                    unsafe { attention::<$q, F16, $d, $d, BN, BN, false, true, 1, false>(&p) }
                 }
             };
         )*
@@ -54,3 +54,31 @@ prefill_kernels!(F16, "f16": (64, 64), (96, 96), (128, 128), (256, 256), (192, 1
 prefill_kernels!(Bf16, "bf16": (64, 64), (96, 96), (128, 128), (256, 256), (192, 128));
 decode_kernels!(F16, "f16": 64, 96, 128, 256);
 decode_kernels!(Bf16, "bf16": 64, 96, 128, 256);
+
+// MLA over the latent cache: QK 576, V = the first 512 columns of the same rows, produced in
+// 128-column slices by the CTAs of a tile. `mla_<q>[_fp8]_{keys,rows}`.
+macro_rules! mla_kernels {
+    ($q:ident, $m:ident, $qname:literal, $tag:literal, $fp8:literal) => {
+        const _: () = {
+            #[unsafe(export_name = concat!("mla_", $qname, $tag, "_keys"))]
+            unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+                const BN: usize = block_n(MLA_QK, MLA_V_SLICE, true, $fp8) as usize;
+                unsafe {
+                    attention::<$q, $m, { MLA_QK as usize }, { MLA_V_SLICE as usize }, BN, { BN / WARPS as usize }, true, $fp8, 1, true>(&p)
+                }
+            }
+        };
+        const _: () = {
+            #[unsafe(export_name = concat!("mla_", $qname, $tag, "_rows"))]
+            unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+                const BN: usize = block_n(MLA_QK, MLA_V_SLICE, false, $fp8) as usize;
+                unsafe { attention::<$q, $m, { MLA_QK as usize }, { MLA_V_SLICE as usize }, BN, BN, false, $fp8, 1, true>(&p) }
+            }
+        };
+    };
+}
+
+mla_kernels!(Bf16, Bf16, "bf16", "", false);
+mla_kernels!(F16, F16, "f16", "", false);
+mla_kernels!(Bf16, F16, "bf16", "_fp8", true);
+mla_kernels!(F16, F16, "f16", "_fp8", true);

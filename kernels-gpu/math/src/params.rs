@@ -215,5 +215,10 @@ pub struct PrefillParams {
     pub group: u32,
     /// 1 = causal (aligned to the end of the sequence), 0 = every query sees every key.
     pub causal: u32,
+    /// MLA (V = the first columns of each K row): the CTAs of a tile split V's columns into
+    /// `v_slices` slices of the kernel's head_size_v (the grid's fastest index); 0 or 1 = off.
+    pub v_slices: u32,
+    /// Width of a split-K partial row (head_size_v x v_slices); 0 = head_size_v.
+    pub v_row: u32,
     pub _pad: u32,
 }

@@ -24,6 +24,11 @@ pub const fn table_slot_bytes(block_n: u32) -> u32 {
 
 /// (head_size_qk, head_size_v) pairs with prefill kernels.
 pub const HEAD_SIZES: [(u32, u32); 5] = [(64, 64), (96, 96), (128, 128), (256, 256), (192, 128)];
+/// MLA's latent row: 512 compressed KV + 64 rope; V is its first 512 columns.
+pub const MLA_QK: u32 = 576;
+pub const MLA_V: u32 = 512;
+/// V columns one MLA CTA produces (the CTAs of a tile split the 512).
+pub const MLA_V_SLICE: u32 = 128;
 /// Head sizes with decode (keys-split) kernels.
 pub const DECODE_HEAD_SIZES: [u32; 4] = [64, 96, 128, 256];
 
@@ -95,11 +100,17 @@ pub struct SharedLayout {
 }
 
 pub const fn shared_layout(dk: u32, dv: u32, keys_split: bool, fp8: bool) -> SharedLayout {
+    shared_layout_mla(dk, dv, keys_split, fp8, false)
+}
+
+/// [`shared_layout`], or with `v_in_k` (MLA: V is read from the K tile) without V buffers.
+pub const fn shared_layout_mla(dk: u32, dv: u32, keys_split: bool, fp8: bool, v_in_k: bool) -> SharedLayout {
     let bn = block_n(dk, dv, keys_split, fp8);
     let st = stages(dk, dv, keys_split, fp8);
     let q_bytes = block_m(dk, dv, keys_split, fp8) * (dk + ROW_PAD) * 2;
-    let (k_tile_bytes, v_tile_bytes) = (bn * (dk + ROW_PAD) * 2, bn * (dv + ROW_PAD) * 2);
-    let (k_stage, v_stage) = if fp8 { (bn * dk, bn * dv) } else { (k_tile_bytes, v_tile_bytes) };
+    let k_tile_bytes = bn * (dk + ROW_PAD) * 2;
+    let v_tile_bytes = if v_in_k { 0 } else { bn * (dv + ROW_PAD) * 2 };
+    let (k_stage, v_stage) = if fp8 { (bn * dk, if v_in_k { 0 } else { bn * dv }) } else { (k_tile_bytes, v_tile_bytes) };
     let k = q_bytes;
     let v = k + st * k_stage;
     let (k_tile, v_tile, tiles_end) = if fp8 {

@@ -1,0 +1,185 @@
+//! MLA attention over the latent cache (DeepSeek-V2/V3): with the K up-projection absorbed into
+//! the query, attention is multi-query over one 576-wide head (512 compressed KV + 64 rope)
+//! whose value is the first 512 columns of the same row.
+//!
+//! Runs on the tensor-core attention kernel in its MLA form (`mla_<q>[_fp8]_{keys,rows}`): each
+//! cached row is copied once per tile into shared memory and used for both Q K^T and P V; the
+//! four CTAs of a tile produce 128 of the 512 output columns each (they run together, so the
+//! rows come from L2 after the first). Up to 16 query rows per request (heads x query tokens)
+//! take the keys-split CTA shape, more take 64-row tiles. Split-K, its plan and the merge are
+//! the decode path's (`DecodeWorkspace`, allocated with head size 512). Query lengths are free:
+//! multi-token prediction (causal among the new tokens) and chunked prefill in latent form.
+
+use crate::buffer::{DevIn, DevOut};
+use crate::cache_write::KvScales;
+use crate::decode::{f32_values, launch_merge, plan_decode_tc, DecodeBatch, DecodePlan, DecodeWorkspace, SplitMode, TcShape};
+use crate::device::AttnDevice;
+use crate::dtype::DType;
+use crate::error::{ensure, Result};
+use crate::layout::{MlaCacheSpec, RowsDesc};
+use crate::prefill::{validate_prefill_batch, PrefillBatch};
+use crate::status::DeviceStatus;
+use attn_math::params::PrefillParams;
+use attn_math::prefill::{block_m, shared_layout_mla, MLA_QK, MLA_V, MLA_V_SLICE, THREADS};
+use attn_math::softmax::LOG2_E;
+use cudarc::driver::{CudaStream, DevicePtrMut};
+use std::sync::Arc;
+
+/// Device inputs and outputs of [`mla_attention`].
+pub struct MlaArgs<'a> {
+    /// `[num_tokens, num_heads, 576]`: the absorbed queries (latent part, then rope).
+    pub q: DevIn<'a>,
+    pub q_rows: RowsDesc,
+    /// `[num_blocks, block_size, 576]` (`concat_and_cache_mla`'s cache).
+    pub cache: DevIn<'a>,
+    pub spec: MlaCacheSpec,
+    /// `[num_reqs, block_table_stride]` i32.
+    pub block_table: DevIn<'a>,
+    pub block_table_stride: usize,
+    /// `[num_reqs]` i32 and `[num_reqs + 1]` i32: device copies of the batch.
+    pub seq_lens: DevIn<'a>,
+    pub query_start_loc: DevIn<'a>,
+    /// `[num_tokens, num_heads, 512]`, the dtype of q.
+    pub out: DevOut<'a>,
+    pub out_rows: RowsDesc,
+    /// `[num_tokens, num_heads]` f32 natural-log LSE, if wanted.
+    pub lse: Option<DevOut<'a>>,
+    /// Required for an FP8 cache (the same scale for K and V: pass it as both).
+    pub scales: Option<KvScales<'a>>,
+}
+
+fn check_rows(arg: &'static str, ptr: u64, rows: &RowsDesc, len: usize, width: usize) -> Result<()> {
+    rows.validate(arg)?;
+    ensure(rows.head_size == width, arg, || format!("head size {} (MLA takes {width})", rows.head_size))?;
+    ensure(len >= rows.required_len(), arg, || format!("buffer of {len} elements is too small for {rows:?}"))?;
+    ensure(ptr.is_multiple_of(16) && (rows.token_stride * 2).is_multiple_of(16) && (rows.head_stride * 2).is_multiple_of(16), arg, || {
+        "must be 16-byte aligned with 16-byte-multiple strides".into()
+    })
+}
+
+/// MLA attention: validates everything, plans the splits, uploads the plan, launches the
+/// attention kernel and (for requests with several splits) the merge. Enqueued on `stream`;
+/// block ids outside the cache are never read and raise `BLOCK_OUT_OF_RANGE` in `status`.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_attention(
+    dev: &AttnDevice,
+    stream: &Arc<CudaStream>,
+    a: MlaArgs<'_>,
+    batch: &DecodeBatch<'_>,
+    softmax_scale: f32,
+    mode: SplitMode,
+    ws: &mut DecodeWorkspace,
+    status: &mut DeviceStatus,
+) -> Result<DecodePlan> {
+    let spec = &a.spec;
+    let (nt, hq) = (a.q_rows.num_tokens, a.q_rows.num_heads);
+    let q_dtype = a.q.dtype;
+    ensure(matches!(q_dtype, DType::F16 | DType::BF16), "q", || format!("dtype {q_dtype:?}: MLA takes f16 or bf16 queries"))?;
+    ensure(spec.row_width() == MLA_QK as usize, "spec", || format!("latent rows of {} (the MLA kernels take 512 + 64)", spec.row_width()))?;
+    ensure(spec.latent_dim == MLA_V as usize, "spec", || format!("latent_dim {} (the MLA kernels take 512)", spec.latent_dim))?;
+    ensure(spec.block_size.is_multiple_of(16), "block_size", || format!("{} is not a multiple of 16", spec.block_size))?;
+    let cache_dtype = a.cache.dtype;
+    ensure(cache_dtype == q_dtype || cache_dtype == DType::Fp8E4m3, "cache", || format!("dtype {cache_dtype:?} with {q_dtype:?} queries"))?;
+    let fp8 = cache_dtype == DType::Fp8E4m3;
+    ensure(!fp8 || a.scales.is_some(), "scales", || "an fp8 cache needs its scale".into())?;
+    ensure(a.cache.len >= spec.num_elements(), "cache", || {
+        format!("buffer of {} elements is smaller than the layout's {}", a.cache.len, spec.num_elements())
+    })?;
+    ensure(a.cache.ptr.is_multiple_of(16), "cache", || "must be 16-byte aligned".into())?;
+    check_rows("q", a.q.ptr, &a.q_rows, a.q.len, MLA_QK as usize)?;
+    ensure(a.out.dtype == q_dtype, "out", || format!("dtype {:?} differs from q's {q_dtype:?}", a.out.dtype))?;
+    check_rows("out", a.out.ptr, &a.out_rows, a.out.len, MLA_V as usize)?;
+    ensure(a.out_rows.num_tokens == nt && a.out_rows.num_heads == hq, "out", || format!("shape {:?} differs from q's", a.out_rows))?;
+    ensure(softmax_scale.is_finite() && softmax_scale > 0.0, "softmax_scale", || format!("{softmax_scale}"))?;
+    let num_reqs = batch.seq_lens.len();
+    ensure(num_reqs < 1 << 16, "seq_lens", || format!("{num_reqs} requests exceed the 65535 a launch takes"))?;
+    let pb = PrefillBatch { query_start_loc: batch.query_start_loc, seq_lens: batch.seq_lens, key_start_loc: None };
+    validate_prefill_batch(&pb, nt, true, Some((spec.block_size, a.block_table_stride)))?;
+    ensure(a.block_table.dtype == DType::I32 && a.block_table.len >= num_reqs * a.block_table_stride, "block_table", || {
+        format!("must be {num_reqs} x {} i32, got {} x {:?}", a.block_table_stride, a.block_table.len, a.block_table.dtype)
+    })?;
+    ensure(a.seq_lens.dtype == DType::I32 && a.seq_lens.len >= num_reqs, "seq_lens", || format!("device copy must be {num_reqs} i32"))?;
+    ensure(a.query_start_loc.dtype == DType::I32 && a.query_start_loc.len > num_reqs, "query_start_loc", || {
+        format!("device copy must be {} i32", num_reqs + 1)
+    })?;
+    if let Some(l) = &a.lse {
+        ensure(l.dtype == DType::F32 && l.len >= nt * hq, "lse", || format!("must be {nt} x {hq} f32"))?;
+    }
+    let (k_scale, v_scale) = match &a.scales {
+        Some(s) if fp8 => (f32_values(&s.k, "scales.k", 1)?, f32_values(&s.v, "scales.v", 1)?),
+        _ => (0, 0),
+    };
+    ensure(ws.head_size() == MLA_V as usize, "workspace", || format!("made for head_size {}, MLA needs 512", ws.head_size()))?;
+    if num_reqs == 0 || nt == 0 {
+        return Ok(DecodePlan::default());
+    }
+
+    let max_q = batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).max().unwrap_or(1);
+    let keys = max_q * hq as u32 <= block_m(MLA_QK, MLA_V_SLICE, true, fp8);
+    let rows_per_tile = block_m(MLA_QK, MLA_V_SLICE, keys, fp8) as usize;
+    ensure(max_q as usize * hq <= rows_per_tile << 16, "query_start_loc", || {
+        format!("a request has {} query rows (tokens x heads); a launch takes {}", max_q as usize * hq, rows_per_tile << 16)
+    })?;
+    let slices = MLA_V / MLA_V_SLICE;
+    let name = format!("mla_{}{}_{}", q_dtype.kernel_name(), if fp8 { "_fp8" } else { "" }, if keys { "keys" } else { "rows" });
+    let smem = shared_layout_mla(MLA_QK, MLA_V_SLICE, keys, fp8, true).total;
+    // Two waves of resident CTAs (the measured best for one CTA per SM, as at decode's d256).
+    let resident = dev.resident_ctas(&name, THREADS, smem)?;
+    let target = 2 * dev.sm_count() as u64 * resident as u64;
+    let shape = TcShape { head_size_qk: MLA_QK, head_size_v: MLA_V_SLICE, keys_split: keys, fp8, ctas_per_item: slices };
+    let plan = DecodePlan {
+        kernel: crate::decode::DecodeKernel::TensorCoreRows,
+        ..plan_decode_tc(batch, hq, hq as u32, shape, target, mode, ws.partial_rows())
+    };
+    let wp = ws.upload(stream, &plan, num_reqs, nt)?;
+    let (status_ptr, _o) = status.word.device_ptr_mut(stream);
+    let lse = a.lse.as_ref().map_or(0, |l| l.ptr);
+    let strides = spec.strides();
+    let p = PrefillParams {
+        q: a.q.ptr,
+        q_token_stride: a.q_rows.token_stride as u64,
+        q_head_stride: a.q_rows.head_stride as u64,
+        k: a.cache.ptr,
+        v: a.cache.ptr,
+        k_strides: strides,
+        v_strides: strides,
+        block_table: a.block_table.ptr,
+        block_table_stride: a.block_table_stride as u64,
+        seq_lens: a.seq_lens.ptr,
+        key_start_loc: 0,
+        query_start_loc: a.query_start_loc.ptr,
+        out: a.out.ptr,
+        out_token_stride: a.out_rows.token_stride as u64,
+        out_head_stride: a.out_rows.head_stride as u64,
+        lse,
+        partial_out: wp.partial_out,
+        partial_lse: wp.partial_lse,
+        req_num_splits: wp.req_num_splits,
+        req_partial_base: wp.req_partial_base,
+        work_items: wp.items,
+        alibi_slopes: 0,
+        sinks: 0,
+        k_scale,
+        v_scale,
+        status: status_ptr,
+        scale_log2: softmax_scale * LOG2_E,
+        softcap: 0.0,
+        window: 0,
+        num_blocks: spec.num_blocks as u32,
+        block_size: spec.block_size as u32,
+        chunk: plan.chunk,
+        num_q_heads: hq as u32,
+        group: hq as u32,
+        causal: 1,
+        v_slices: slices,
+        v_row: MLA_V,
+        _pad: 0,
+    };
+    let ctas = plan.items.len() / 2 * slices as usize;
+    ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
+    dev.launch_pdl(stream, &name, (ctas as u32, 1, 1), THREADS, smem, p)?;
+    if plan.needs_merge() {
+        launch_merge(dev, stream, &wp, a.query_start_loc.ptr, (&a.out, &a.out_rows), lse, 0, q_dtype)?;
+    }
+    Ok(plan)
+}

@@ -1,0 +1,199 @@
+//! GPU MLA attention over the latent cache against the f64 CPU reference, on random data with
+//! poisoned outputs: 16/32/64/128 heads, lengths 1..=5000 (not multiples of 64 too), 1-4 query
+//! tokens (multi-token prediction, causal among them) and longer chunks, block sizes 64 and 16,
+//! the FP8 cache, forced and planned splits, empty requests and a bad block id.
+
+mod common;
+
+use common::*;
+use cudarc::driver::CudaSlice;
+use half::{bf16, f16};
+use host::cache_write::KvScales;
+use host::decode::{AttnOptions, DecodeBatch, DecodeWorkspace, SplitMode};
+use host::layout::MlaCacheSpec;
+use host::mla::{mla_attention, MlaArgs};
+use host::{cpu, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, RowsDesc};
+use libtest_mimic::Trial;
+use rand::seq::SliceRandom;
+
+#[derive(Clone, Debug)]
+struct Case {
+    heads: usize,
+    block_size: usize,
+    seq_lens: Vec<i32>,
+    q_lens: Vec<i32>,
+    split: SplitMode,
+    bad_block: bool,
+}
+
+impl Case {
+    fn new(heads: usize, seq_lens: &[i32], q_len: i32) -> Self {
+        Case {
+            heads,
+            block_size: 64,
+            seq_lens: seq_lens.to_vec(),
+            q_lens: seq_lens.iter().map(|&l| q_len.min(l)).collect(),
+            split: SplitMode::Auto,
+            bad_block: false,
+        }
+    }
+}
+
+const QK: usize = 576;
+const V: usize = 512;
+
+fn mla_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
+    let mut rng = rng(salt);
+    let stream = new_stream();
+    let fp8 = C::DTYPE == host::DType::Fp8E4m3;
+    let (hq, num_reqs) = (c.heads, c.seq_lens.len());
+    let blocks_per_req: Vec<usize> = c.seq_lens.iter().map(|&l| (l as usize).div_ceil(c.block_size)).collect();
+    let stride = blocks_per_req.iter().copied().max().unwrap_or(1).max(1) + 1;
+    let num_blocks = blocks_per_req.iter().sum::<usize>() + 2;
+    let spec = MlaCacheSpec::deepseek(num_blocks, c.block_size)?;
+    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+    ids.shuffle(&mut rng);
+    let mut block_table = vec![-1i32; num_reqs * stride];
+    let mut next = 0;
+    for (r, &n) in blocks_per_req.iter().enumerate() {
+        for b in 0..n {
+            block_table[r * stride + b] = ids[next];
+            next += 1;
+        }
+    }
+    if c.bad_block {
+        let r = blocks_per_req.iter().position(|&n| n > 1).expect("a request with 2+ blocks");
+        block_table[r * stride + 1] = num_blocks as i32 + 3;
+    }
+    let mut qsl = vec![0i32];
+    for &q in &c.q_lens {
+        qsl.push(qsl.last().unwrap() + q);
+    }
+    let nt = *qsl.last().unwrap() as usize;
+    let (q_rows, out_rows) = (RowsDesc::contiguous(nt, hq, QK), RowsDesc::contiguous(nt, hq, V));
+    let q: Vec<Q> = random_vec(&mut rng, q_rows.required_len().max(1), 1.0);
+    let cache: Vec<C> = random_vec(&mut rng, spec.num_elements(), if fp8 { 20.0 } else { 1.0 });
+    let scale = 0.05f32;
+    let opts = AttnOptions::new(QK);
+
+    let want = cpu::prefill(&cpu::PrefillRef {
+        q: &q,
+        q_rows,
+        kv: cpu::KvRef::Mla { cache: &cache, spec, block_table: &block_table, block_table_stride: stride },
+        head_size_v: V,
+        query_start_loc: &qsl,
+        seq_lens: &c.seq_lens,
+        causal: true,
+        opts,
+        alibi_slopes: None,
+        sinks: None,
+        scales: fp8.then_some((scale, scale)),
+    })?;
+
+    let up = |v: &[i32]| upload(&stream, v);
+    let (q_d, cache_d, bt_d, sl_d, qsl_d) = (upload(&stream, &q), upload(&stream, &cache), up(&block_table), up(&c.seq_lens), up(&qsl));
+    let scale_d = upload(&stream, &[scale]);
+    let mut out_d: CudaSlice<Q> = upload(&stream, &vec![poison::<Q>(); out_rows.required_len().max(1)]);
+    let mut lse_d: CudaSlice<f32> = upload(&stream, &vec![f32::NAN; (nt * hq).max(1)]);
+    let mut ws = DecodeWorkspace::new(&stream, 4096 * hq, V, num_reqs, nt)?;
+    let mut status = DeviceStatus::new(&stream)?;
+    let batch = DecodeBatch { seq_lens: &c.seq_lens, query_start_loc: &qsl };
+    let plan = mla_attention(
+        device(),
+        &stream,
+        MlaArgs {
+            q: DevIn::new(&q_d, &stream),
+            q_rows,
+            cache: DevIn::new(&cache_d, &stream),
+            spec,
+            block_table: DevIn::new(&bt_d, &stream),
+            block_table_stride: stride,
+            seq_lens: DevIn::new(&sl_d, &stream),
+            query_start_loc: DevIn::new(&qsl_d, &stream),
+            out: DevOut::new(&mut out_d, &stream),
+            out_rows,
+            lse: Some(DevOut::new(&mut lse_d, &stream)),
+            scales: fp8.then(|| KvScales { k: DevIn::new(&scale_d, &stream), v: DevIn::new(&scale_d, &stream) }),
+        },
+        &batch,
+        opts.softmax_scale,
+        c.split,
+        &mut ws,
+        &mut status,
+    )?;
+    let flags = status.take(&stream)?;
+    if flags.block_out_of_range() != (want.bad_blocks > 0) {
+        return Err(format!("status {flags:?}, reference skipped {} keys", want.bad_blocks).into());
+    }
+    let got: Vec<f64> = download(&stream, &out_d).iter().take(nt * hq * V).map(|x| x.to_f32() as f64).collect();
+    if let Some(i) = got.iter().position(|x| !x.is_finite()) {
+        return Err(format!(
+            "output element {i} (token {}, head {}, col {}) is {}; plan chunk {}",
+            i / (hq * V),
+            i / V % hq,
+            i % V,
+            got[i],
+            plan.chunk
+        )
+        .into());
+    }
+    let err = rel_error(&got, &want.out);
+    if err > tolerance(Q::DTYPE) {
+        return Err(format!(
+            "relative error {err:.2e} > {:.0e} (plan: chunk {}, {} items)",
+            tolerance(Q::DTYPE),
+            plan.chunk,
+            plan.items.len() / 2
+        )
+        .into());
+    }
+    let lse: Vec<f32> = download(&stream, &lse_d);
+    for (i, (&g, &w)) in lse.iter().zip(&want.lse).take(nt * hq).enumerate() {
+        let ok = if w == f64::NEG_INFINITY { g == f32::NEG_INFINITY } else { (g as f64 - w).abs() <= 2e-3 * w.abs().max(1.0) };
+        if !ok {
+            return Err(format!("lse[{i}] = {g}, want {w}").into());
+        }
+    }
+    Ok(())
+}
+
+fn cases() -> Vec<(String, Case, &'static str)> {
+    let mut v: Vec<(String, Case, &'static str)> = Vec::new();
+    let mut push = |name: String, c: Case, dt: &'static str| v.push((name, c, dt));
+    for heads in [16, 32, 64, 128] {
+        push(format!("bf16::heads_{heads}"), Case::new(heads, &[1, 63, 64, 65, 700], 1), "bf16");
+    }
+    push("bf16::heads_16_long_5000".into(), Case::new(16, &[5000, 3, 129], 1), "bf16");
+    push("f16::heads_128_long".into(), Case::new(128, &[2000, 1], 1), "f16");
+    for mtp in 2..=4 {
+        push(format!("bf16::mtp_{mtp}_heads_16"), Case::new(16, &[5, 100, 1000], mtp), "bf16");
+        push(format!("bf16::mtp_{mtp}_heads_128"), Case::new(128, &[5, 300], mtp), "bf16");
+    }
+    push("bf16::chunked_prefill_latent".into(), Case { q_lens: vec![40, 1, 64], ..Case::new(16, &[100, 30, 64], 1) }, "bf16");
+    push("bf16::block_size_16".into(), Case { block_size: 16, ..Case::new(32, &[1, 77, 500], 2) }, "bf16");
+    push("bf16_fp8::heads_16".into(), Case::new(16, &[1, 65, 1000], 1), "bf16_fp8");
+    push("bf16_fp8::heads_128_mtp_2".into(), Case::new(128, &[3, 400], 2), "bf16_fp8");
+    push("f16_fp8::heads_64".into(), Case::new(64, &[64, 129], 1), "f16_fp8");
+    push("bf16::forced_split_1".into(), Case { split: SplitMode::Fixed(1), ..Case::new(16, &[3000, 10], 1) }, "bf16");
+    push("bf16::forced_split_7".into(), Case { split: SplitMode::Fixed(7), ..Case::new(128, &[1000, 10], 1) }, "bf16");
+    push("bf16::empty_requests".into(), Case { q_lens: vec![0, 1, 0, 2], ..Case::new(16, &[0, 50, 0, 2], 1) }, "bf16");
+    push("bf16::bad_block_id".into(), Case { bad_block: true, ..Case::new(16, &[200, 40], 1) }, "bf16");
+    v
+}
+
+fn main() {
+    let mut trials = Vec::new();
+    let all = cases();
+    let picked: Vec<_> = if quick() { all.into_iter().step_by(4).collect() } else { all };
+    for (i, (name, case, dt)) in picked.into_iter().enumerate() {
+        let s = 5000 + i as u64;
+        let f: Box<dyn FnOnce() -> TestResult + Send> = match dt {
+            "bf16" => Box::new(move || mla_case::<bf16, bf16>(case, s)),
+            "f16" => Box::new(move || mla_case::<f16, f16>(case, s)),
+            "bf16_fp8" => Box::new(move || mla_case::<bf16, Fp8E4m3>(case, s)),
+            _ => Box::new(move || mla_case::<f16, Fp8E4m3>(case, s)),
+        };
+        trials.push(Trial::test(format!("mla::{name}"), f));
+    }
+    run_gpu_trials(trials)
+}
