@@ -4,7 +4,7 @@
 //!
 //! Runs on the tensor-core attention kernel in its MLA form (`mla_<q>[_fp8]_{keys,rows}`): each
 //! cached row is copied once per tile into shared memory and used for both Q K^T and P V; the
-//! four CTAs of a tile produce 128 of the 512 output columns each (they run together, so the
+//! CTAs of a tile split the 512 output columns (2 x 256 on the keys-split shape, 4 x 128 on the 64-row shape) (they run together, so the
 //! rows come from L2 after the first). Up to 16 query rows per request (heads x query tokens)
 //! take the keys-split CTA shape, more take 64-row tiles. Split-K, its plan and the merge are
 //! the decode path's (`DecodeWorkspace`, allocated with head size 512). Query lengths are free:
@@ -20,7 +20,7 @@ use crate::layout::{MlaCacheSpec, RowsDesc};
 use crate::prefill::{validate_prefill_batch, PrefillBatch};
 use crate::status::DeviceStatus;
 use attn_math::params::PrefillParams;
-use attn_math::prefill::{block_m, shared_layout_mla, MLA_QK, MLA_V, MLA_V_SLICE, THREADS};
+use attn_math::prefill::{block_m, mla_v_slice, shared_layout_mla, MLA_QK, MLA_V, THREADS};
 use attn_math::softmax::LOG2_E;
 use cudarc::driver::{CudaStream, DevicePtrMut};
 use std::sync::Arc;
@@ -115,18 +115,19 @@ pub fn mla_attention(
     }
 
     let max_q = batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).max().unwrap_or(1);
-    let keys = max_q * hq as u32 <= block_m(MLA_QK, MLA_V_SLICE, true, fp8);
-    let rows_per_tile = block_m(MLA_QK, MLA_V_SLICE, keys, fp8) as usize;
+    let keys = max_q * hq as u32 <= block_m(MLA_QK, mla_v_slice(true), true, fp8);
+    let v_slice = mla_v_slice(keys);
+    let rows_per_tile = block_m(MLA_QK, v_slice, keys, fp8) as usize;
     ensure(max_q as usize * hq <= rows_per_tile << 16, "query_start_loc", || {
         format!("a request has {} query rows (tokens x heads); a launch takes {}", max_q as usize * hq, rows_per_tile << 16)
     })?;
-    let slices = MLA_V / MLA_V_SLICE;
+    let slices = MLA_V / v_slice;
     let name = format!("mla_{}{}_{}", q_dtype.kernel_name(), if fp8 { "_fp8" } else { "" }, if keys { "keys" } else { "rows" });
-    let smem = shared_layout_mla(MLA_QK, MLA_V_SLICE, keys, fp8, true).total;
+    let smem = shared_layout_mla(MLA_QK, v_slice, keys, fp8, true).total;
     // Two waves of resident CTAs (the measured best for one CTA per SM, as at decode's d256).
     let resident = dev.resident_ctas(&name, THREADS, smem)?;
     let target = 2 * dev.sm_count() as u64 * resident as u64;
-    let shape = TcShape { head_size_qk: MLA_QK, head_size_v: MLA_V_SLICE, keys_split: keys, fp8, ctas_per_item: slices };
+    let shape = TcShape { head_size_qk: MLA_QK, head_size_v: v_slice, keys_split: keys, fp8, ctas_per_item: slices };
     let plan = DecodePlan {
         kernel: crate::decode::DecodeKernel::TensorCoreRows,
         ..plan_decode_tc(batch, hq, hq as u32, shape, target, mode, ws.partial_rows())

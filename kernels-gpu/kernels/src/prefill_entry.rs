@@ -5,7 +5,7 @@
 use crate::elem::{Bf16, F16};
 use crate::prefill::attention;
 use attn_math::params::PrefillParams;
-use attn_math::prefill::{block_n, m_tiles, MLA_QK, MLA_V_SLICE, WARPS};
+use attn_math::prefill::{block_n, m_tiles, mla_v_slice, MLA_QK, WARPS};
 
 macro_rules! prefill_kernels {
     ($q:ident, $qname:literal: $(($dk:literal, $dv:literal)),*) => {
@@ -62,17 +62,17 @@ macro_rules! mla_kernels {
         const _: () = {
             #[unsafe(export_name = concat!("mla_", $qname, $tag, "_keys"))]
             unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                const BN: usize = block_n(MLA_QK, MLA_V_SLICE, true, $fp8) as usize;
-                unsafe {
-                    attention::<$q, $m, { MLA_QK as usize }, { MLA_V_SLICE as usize }, BN, { BN / WARPS as usize }, true, $fp8, 1, true>(&p)
-                }
+                const BN: usize = block_n(MLA_QK, mla_v_slice(true), true, $fp8) as usize;
+                const DV: usize = mla_v_slice(true) as usize;
+                unsafe { attention::<$q, $m, { MLA_QK as usize }, DV, BN, { BN / WARPS as usize }, true, $fp8, 1, true>(&p) }
             }
         };
         const _: () = {
             #[unsafe(export_name = concat!("mla_", $qname, $tag, "_rows"))]
             unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                const BN: usize = block_n(MLA_QK, MLA_V_SLICE, false, $fp8) as usize;
-                unsafe { attention::<$q, $m, { MLA_QK as usize }, { MLA_V_SLICE as usize }, BN, BN, false, $fp8, 1, true>(&p) }
+                const BN: usize = block_n(MLA_QK, mla_v_slice(false), false, $fp8) as usize;
+                const DV: usize = mla_v_slice(false) as usize;
+                unsafe { attention::<$q, $m, { MLA_QK as usize }, DV, BN, BN, false, $fp8, 1, true>(&p) }
             }
         };
     };
