@@ -6,8 +6,9 @@
 //! (tokens/s, each step's time split into metadata, cache write and attention) are printed.
 //!
 //! The backend comes from the registry (`--backend NAME`, else `ATTN_BACKEND`, else automatic).
-//! Without a GPU everything runs on the CPU backend with small sizes. On a GPU the MLA model
-//! runs on the CPU backend (labelled so) until the MLA kernels exist.
+//! Without a GPU everything runs on the CPU backend with small sizes. On a GPU the models run
+//! on their GPU backends (`tensor-core`, `mla`); a backend whose kernels are missing falls back
+//! to the CPU backend, labelled so.
 //!
 //! `engine-sim [--model llama|deepseek|both] [--backend NAME] [--dtype bf16|f16|f32]
 //!  [--layers N] [--requests N] [--steps N] [--max-running N] [--token-budget N]

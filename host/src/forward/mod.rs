@@ -7,9 +7,8 @@
 //! [`Attention`] and a [`StepMetadata`]. Every step: order the batch decodes first
 //! ([`crate::metadata::decode_first_order`]), [`StepMetadata::build`] it (checks, split,
 //! plan, one upload on the GPU), then `forward` each layer ([`LayerIo::Gpu`] device buffers for
-//! `tensor-core`, [`LayerIo::Cpu`] host slices for `cpu`). MLA models use the same calls with
-//! [`NewKv::Mla`] and their latent cache; on the GPU they are refused with
-//! [`AttnError::MissingKernel`](crate::AttnError::MissingKernel) until the MLA kernels exist.
+//! `tensor-core` and `mla`, [`LayerIo::Cpu`] host slices for `cpu`). MLA models use the same
+//! calls with [`NewKv::Mla`] and their latent cache.
 //!
 //! ```
 //! use host::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
