@@ -4,7 +4,7 @@
 //!
 //! Runs on the tensor-core attention kernel in its MLA form (`mla_<q>[_fp8]_{keys,rows}`): each
 //! cached row is copied once per tile into shared memory and used for both Q K^T and P V; the
-//! CTAs of a tile split the 512 output columns (2 x 256 on the keys-split shape, 4 x 128 on the 64-row shape) (they run together, so the
+//! two CTAs of a tile produce 256 of the 512 output columns each (they run together, so the
 //! rows come from L2 after the first). Up to 16 query rows per request (heads x query tokens)
 //! take the keys-split CTA shape, more take 64-row tiles. Split-K, its plan and the merge are
 //! the decode path's (`DecodeWorkspace`, allocated with head size 512). Query lengths are free:
