@@ -14,7 +14,6 @@ use host::layout::MlaCacheSpec;
 use host::mla::{mla_attention, MlaArgs};
 use host::{cpu, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, RowsDesc};
 use libtest_mimic::Trial;
-use rand::seq::SliceRandom;
 
 #[derive(Clone, Debug)]
 struct Case {
@@ -47,24 +46,9 @@ fn mla_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let stream = new_stream();
     let fp8 = C::DTYPE == host::DType::Fp8E4m3;
     let (hq, num_reqs) = (c.heads, c.seq_lens.len());
-    let blocks_per_req: Vec<usize> = c.seq_lens.iter().map(|&l| (l as usize).div_ceil(c.block_size)).collect();
-    let stride = blocks_per_req.iter().copied().max().unwrap_or(1).max(1) + 1;
-    let num_blocks = blocks_per_req.iter().sum::<usize>() + 2;
+    let BlockTables { table: block_table, stride, num_blocks } =
+        scattered_block_tables(&mut rng, &c.seq_lens, c.block_size, 2, c.bad_block);
     let spec = MlaCacheSpec::deepseek(num_blocks, c.block_size)?;
-    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
-    ids.shuffle(&mut rng);
-    let mut block_table = vec![-1i32; num_reqs * stride];
-    let mut next = 0;
-    for (r, &n) in blocks_per_req.iter().enumerate() {
-        for b in 0..n {
-            block_table[r * stride + b] = ids[next];
-            next += 1;
-        }
-    }
-    if c.bad_block {
-        let r = blocks_per_req.iter().position(|&n| n > 1).expect("a request with 2+ blocks");
-        block_table[r * stride + 1] = num_blocks as i32 + 3;
-    }
     let mut qsl = vec![0i32];
     for &q in &c.q_lens {
         qsl.push(qsl.last().unwrap() + q);

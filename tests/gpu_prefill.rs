@@ -13,7 +13,6 @@ use host::decode::AttnOptions;
 use host::prefill::{prefill, PrefillArgs, PrefillBatch, PrefillKv, PrefillOptions, PrefillWorkspace};
 use host::{cpu, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
 use libtest_mimic::Trial;
-use rand::seq::SliceRandom;
 use rand::Rng;
 
 #[derive(Clone, Debug)]
@@ -85,24 +84,9 @@ fn prefill_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     opts.softcap = c.softcap;
 
     // Paged: a cache with scattered block tables. Packed: K and V rows.
-    let blocks_per_req: Vec<usize> = c.seq_lens.iter().map(|&l| (l as usize).div_ceil(c.block_size)).collect();
-    let stride = blocks_per_req.iter().copied().max().unwrap_or(1).max(1) + 1;
-    let num_blocks = blocks_per_req.iter().sum::<usize>() + 3;
+    let BlockTables { table: block_table, stride, num_blocks } =
+        scattered_block_tables(&mut rng, &c.seq_lens, c.block_size, 3, c.bad_block);
     let spec = KvCacheSpec::new(c.layout, num_blocks, c.block_size, hkv, dk)?;
-    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
-    ids.shuffle(&mut rng);
-    let mut block_table = vec![-1i32; num_reqs * stride];
-    let mut next = 0;
-    for (r, &n) in blocks_per_req.iter().enumerate() {
-        for b in 0..n {
-            block_table[r * stride + b] = ids[next];
-            next += 1;
-        }
-    }
-    if c.bad_block {
-        let r = blocks_per_req.iter().position(|&n| n > 1).expect("a request with 2+ blocks");
-        block_table[r * stride + 1] = num_blocks as i32 + 5;
-    }
     let total_keys = *ksl.last().unwrap() as usize;
     let (k_rows, v_rows) = (RowsDesc::contiguous(total_keys, hkv, dk), RowsDesc::contiguous(total_keys, hkv, dv));
     // An FP8 cache holds values up to ~20 (x the scales: keys and values of a few units).

@@ -82,3 +82,37 @@ pub fn bitwise_mismatches<T: Element + std::fmt::Debug>(got: &[T], want: &[T], b
         .map(|(i, (g, w))| format!("{i}: got {g:?} want {w:?}"))
         .collect()
 }
+
+/// Scattered block tables, as a serving engine's allocator leaves them.
+pub struct BlockTables {
+    /// `[num_reqs, stride]`, unused entries -1.
+    pub table: Vec<i32>,
+    pub stride: usize,
+    /// Blocks of the cache: those the requests use, plus spares.
+    pub num_blocks: usize,
+}
+
+/// Every request's blocks drawn from a random permutation of a cache of the needed blocks plus
+/// `spare`; rows one entry longer than the longest request needs. With `bad_block`, the second
+/// block of the first request that has two points past the cache.
+pub fn scattered_block_tables(rng: &mut SmallRng, seq_lens: &[i32], block_size: usize, spare: usize, bad_block: bool) -> BlockTables {
+    use rand::seq::SliceRandom;
+    let blocks_per_req: Vec<usize> = seq_lens.iter().map(|&l| (l.max(0) as usize).div_ceil(block_size)).collect();
+    let stride = blocks_per_req.iter().copied().max().unwrap_or(1).max(1) + 1;
+    let num_blocks = blocks_per_req.iter().sum::<usize>() + spare;
+    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+    ids.shuffle(rng);
+    let mut table = vec![-1i32; seq_lens.len() * stride];
+    let mut next = 0;
+    for (r, &n) in blocks_per_req.iter().enumerate() {
+        for b in 0..n {
+            table[r * stride + b] = ids[next];
+            next += 1;
+        }
+    }
+    if bad_block {
+        let r = blocks_per_req.iter().position(|&n| n > 1).expect("a request with 2+ blocks");
+        table[r * stride + 1] = num_blocks as i32 + 5;
+    }
+    BlockTables { table, stride, num_blocks }
+}

@@ -107,8 +107,7 @@ impl GpuExec {
         layer: GpuLayer<'_>,
         timer: &mut Timer,
     ) -> Result<()> {
-        let dstep = step.device_step().ok_or_else(|| AttnError::invalid("step", "was not built for the GPU"))?;
-        ensure(Arc::ptr_eq(&dstep.stream, &self.stream), "step", || "was built on another stream".into())?;
+        let views = StepViews::of(step, &self.stream)?;
         let Layer { q, q_rows, new_kv, mut cache, mut out, out_rows, alibi_slopes, sinks } = layer;
         let NewKv::Standard { k, k_rows, v, v_rows } = new_kv else {
             return Err(AttnError::invalid("new_kv", "MLA latents given for a standard-attention model"));
@@ -120,14 +119,8 @@ impl GpuExec {
         ensure(cache.ptr.is_multiple_of(16), "cache", || format!("address {:#x} is not 16-byte aligned", cache.ptr))?;
         let split = step.split();
         let (nd, ndt, np, npt) = (split.num_decodes, split.num_decode_tokens, split.num_prefills, split.num_prefill_tokens);
-        let lay = &dstep.layout;
         let parts = Parts::of(step);
-
-        let stream = &self.stream;
-        let words = DevIn::new(&dstep.words, stream);
-        let i32s = |offset: usize, len: usize| words.view(offset * 4, len, DType::I32);
-        let nt = step.num_actual_tokens();
-        let stride = lay.block_table_stride;
+        let (stream, nt, stride) = (&self.stream, views.num_tokens, views.stride());
 
         let start = timer.mark(Some(stream))?;
         let write = KvWrite {
@@ -135,7 +128,7 @@ impl GpuExec {
             key_rows: RowsDesc { num_tokens: nt, ..k_rows },
             value: v,
             value_rows: RowsDesc { num_tokens: nt, ..v_rows },
-            slot_mapping: words.view(lay.slot_mapping.byte_offset(), nt, DType::I64),
+            slot_mapping: views.slot_mapping(),
             cache: cache.tail_mut(0),
             spec: *spec,
             scales: None,
@@ -145,15 +138,16 @@ impl GpuExec {
 
         let cache = cache.as_input();
         if nd > 0 {
+            let part = views.decodes(nd);
             let args = DecodeArgs {
                 q: q.tail(0),
                 q_rows: RowsDesc { num_tokens: ndt, ..q_rows },
                 cache: cache.tail(0),
                 spec: *spec,
-                block_table: i32s(lay.block_table.offset, nd * stride),
+                block_table: part.block_table,
                 block_table_stride: stride,
-                seq_lens: i32s(lay.seq_lens.offset, nd),
-                query_start_loc: i32s(lay.query_start_loc.offset, nd + 1),
+                seq_lens: part.seq_lens,
+                query_start_loc: part.query_start_loc,
                 out: out.tail_mut(0),
                 out_rows: RowsDesc { num_tokens: ndt, ..out_rows },
                 lse: None,
@@ -164,17 +158,18 @@ impl GpuExec {
             paged_decode(&self.dev, stream, args, &parts.decode, &config.opts, config.split_mode, &mut self.decode_ws, &mut self.status)?;
         }
         if np > 0 {
+            let part = views.prefills(np);
             let args = PrefillArgs {
                 q: q.tail(ndt * q_rows.token_stride),
                 q_rows: RowsDesc { num_tokens: npt, ..q_rows },
                 kv: PrefillKv::Paged {
                     cache: cache.tail(0),
                     spec: *spec,
-                    block_table: i32s(lay.prefill_block_table().offset, np * stride),
+                    block_table: part.block_table,
                     block_table_stride: stride,
-                    seq_lens: i32s(lay.prefill_seq_lens().offset, np),
+                    seq_lens: part.seq_lens,
                 },
-                query_start_loc: i32s(lay.prefill_query_start_loc.offset, np + 1),
+                query_start_loc: part.query_start_loc,
                 out: out.tail_mut(ndt * out_rows.token_stride),
                 out_rows: RowsDesc { num_tokens: npt, ..out_rows },
                 lse: None,
@@ -202,8 +197,7 @@ impl GpuExec {
         layer: GpuLayer<'_>,
         timer: &mut Timer,
     ) -> Result<()> {
-        let dstep = step.device_step().ok_or_else(|| AttnError::invalid("step", "was not built for the GPU"))?;
-        ensure(Arc::ptr_eq(&dstep.stream, &self.stream), "step", || "was built on another stream".into())?;
+        let views = StepViews::of(step, &self.stream)?;
         let Layer { q, q_rows, new_kv, mut cache, mut out, out_rows, alibi_slopes, sinks } = layer;
         let NewKv::Mla { kv_c, kv_c_token_stride, k_pe, k_pe_token_stride } = new_kv else {
             return Err(AttnError::invalid("new_kv", "standard K/V given for an MLA model"));
@@ -215,13 +209,8 @@ impl GpuExec {
         ensure(cache.ptr.is_multiple_of(16), "cache", || format!("address {:#x} is not 16-byte aligned", cache.ptr))?;
         let split = step.split();
         let (nd, ndt, np, npt) = (split.num_decodes, split.num_decode_tokens, split.num_prefills, split.num_prefill_tokens);
-        let lay = &dstep.layout;
         let parts = Parts::of(step);
-        let stream = &self.stream;
-        let words = DevIn::new(&dstep.words, stream);
-        let i32s = |offset: usize, len: usize| words.view(offset * 4, len, DType::I32);
-        let nt = step.num_actual_tokens();
-        let stride = lay.block_table_stride;
+        let (stream, nt, stride) = (&self.stream, views.num_tokens, views.stride());
 
         let start = timer.mark(Some(stream))?;
         let write = MlaWrite {
@@ -230,7 +219,7 @@ impl GpuExec {
             k_pe,
             k_pe_token_stride,
             num_tokens: nt,
-            slot_mapping: words.view(lay.slot_mapping.byte_offset(), nt, DType::I64),
+            slot_mapping: views.slot_mapping(),
             cache: cache.tail_mut(0),
             spec: *spec,
             scale: None,
@@ -241,15 +230,16 @@ impl GpuExec {
         let cache = cache.as_input();
         let scale = config.opts.softmax_scale;
         if nd > 0 {
+            let part = views.decodes(nd);
             let args = MlaArgs {
                 q: q.tail(0),
                 q_rows: RowsDesc { num_tokens: ndt, ..q_rows },
                 cache: cache.tail(0),
                 spec: *spec,
-                block_table: i32s(lay.block_table.offset, nd * stride),
+                block_table: part.block_table,
                 block_table_stride: stride,
-                seq_lens: i32s(lay.seq_lens.offset, nd),
-                query_start_loc: i32s(lay.query_start_loc.offset, nd + 1),
+                seq_lens: part.seq_lens,
+                query_start_loc: part.query_start_loc,
                 out: out.tail_mut(0),
                 out_rows: RowsDesc { num_tokens: ndt, ..out_rows },
                 lse: None,
@@ -258,15 +248,16 @@ impl GpuExec {
             mla_attention(&self.dev, stream, args, &parts.decode, scale, config.split_mode, &mut self.decode_ws, &mut self.status)?;
         }
         if np > 0 {
+            let part = views.prefills(np);
             let args = MlaArgs {
                 q: q.tail(ndt * q_rows.token_stride),
                 q_rows: RowsDesc { num_tokens: npt, ..q_rows },
                 cache: cache.tail(0),
                 spec: *spec,
-                block_table: i32s(lay.prefill_block_table().offset, np * stride),
+                block_table: part.block_table,
                 block_table_stride: stride,
-                seq_lens: i32s(lay.prefill_seq_lens().offset, np),
-                query_start_loc: i32s(lay.prefill_query_start_loc.offset, np + 1),
+                seq_lens: part.seq_lens,
+                query_start_loc: part.query_start_loc,
                 out: out.tail_mut(ndt * out_rows.token_stride),
                 out_rows: RowsDesc { num_tokens: npt, ..out_rows },
                 lse: None,
@@ -278,6 +269,62 @@ impl GpuExec {
         let end = timer.mark(Some(stream))?;
         timer.layer([start, written, end]);
         Ok(())
+    }
+}
+
+/// A step's uploaded metadata as device views: the slot mapping, and each part's block table,
+/// sequence lengths and start locations.
+struct StepViews<'s> {
+    words: DevIn<'s>,
+    lay: &'s crate::metadata::StagingLayout,
+    num_tokens: usize,
+}
+
+/// One part's (decodes' or prefills') device arrays.
+struct PartViews<'a> {
+    block_table: DevIn<'a>,
+    seq_lens: DevIn<'a>,
+    query_start_loc: DevIn<'a>,
+}
+
+impl<'s> StepViews<'s> {
+    /// The step's views, after checking it was built for the GPU on `stream`.
+    fn of(step: &'s StepMetadata, stream: &'s Arc<CudaStream>) -> Result<Self> {
+        let dstep = step.device_step().ok_or_else(|| AttnError::invalid("step", "was not built for the GPU"))?;
+        ensure(Arc::ptr_eq(&dstep.stream, stream), "step", || "was built on another stream".into())?;
+        Ok(StepViews { words: DevIn::new(&dstep.words, stream), lay: &dstep.layout, num_tokens: step.num_actual_tokens() })
+    }
+
+    fn i32s(&self, offset: usize, len: usize) -> DevIn<'_> {
+        self.words.view(offset * 4, len, DType::I32)
+    }
+
+    fn slot_mapping(&self) -> DevIn<'_> {
+        self.words.view(self.lay.slot_mapping.byte_offset(), self.num_tokens, DType::I64)
+    }
+
+    fn stride(&self) -> usize {
+        self.lay.block_table_stride
+    }
+
+    /// The decode part's arrays (requests `0..nd`).
+    fn decodes(&self, nd: usize) -> PartViews<'_> {
+        let l = self.lay;
+        PartViews {
+            block_table: self.i32s(l.block_table.offset, nd * self.stride()),
+            seq_lens: self.i32s(l.seq_lens.offset, nd),
+            query_start_loc: self.i32s(l.query_start_loc.offset, nd + 1),
+        }
+    }
+
+    /// The prefill part's arrays (its `np` requests, start locations rebased to 0).
+    fn prefills(&self, np: usize) -> PartViews<'_> {
+        let l = self.lay;
+        PartViews {
+            block_table: self.i32s(l.prefill_block_table().offset, np * self.stride()),
+            seq_lens: self.i32s(l.prefill_seq_lens().offset, np),
+            query_start_loc: self.i32s(l.prefill_query_start_loc.offset, np + 1),
+        }
     }
 }
 
