@@ -129,7 +129,7 @@ pub fn mla_attention(
     let target = 2 * dev.sm_count() as u64 * resident as u64;
     let shape = TcShape { head_size_qk: MLA_QK, head_size_v: v_slice, keys_split: keys, fp8, ctas_per_item: slices };
     let plan = DecodePlan {
-        kernel: crate::decode::DecodeKernel::TensorCoreRows,
+        kernel: crate::decode::DecodeKernel::Mla,
         ..plan_decode_tc(batch, hq, hq as u32, shape, target, mode, ws.partial_rows())
     };
     let wp = ws.upload(stream, &plan, num_reqs, nt)?;
