@@ -5,6 +5,7 @@
 //! sliding window, soft-cap, ALiBi, sinks, multi-token decodes) and MLA; and every refusal
 //! naming its argument, before anything is written.
 
+#[allow(dead_code)]
 #[path = "common/compare.rs"]
 mod compare;
 use compare::{rel_error, tolerance};

@@ -21,3 +21,15 @@ pub fn tolerance(dtype: DType) -> f64 {
         _ => 1e-5,
     }
 }
+
+/// Checks GPU LSEs (`[tokens, heads]`) against the reference: -inf exactly where the reference
+/// has it (nothing attended), else within 2e-3 (relative above 1). Names the first bad entry.
+pub fn check_lse(got: &[f32], want: &[f64], heads: usize) -> Result<(), String> {
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let ok = if w == f64::NEG_INFINITY { g == f32::NEG_INFINITY } else { (g as f64 - w).abs() <= 2e-3 * w.abs().max(1.0) };
+        if !ok {
+            return Err(format!("lse[{i}] (token {}, head {}) = {g}, want {w}", i / heads, i % heads));
+        }
+    }
+    Ok(())
+}

@@ -4,7 +4,7 @@
 
 mod compare;
 #[allow(unused_imports)]
-pub use compare::{rel_error, tolerance};
+pub use compare::{check_lse, rel_error, tolerance};
 
 use cudarc::driver::{CudaSlice, CudaStream};
 use host::{AttnDevice, Element};
