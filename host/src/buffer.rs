@@ -46,6 +46,12 @@ impl<'a> DevIn<'a> {
         DevIn { ptr: self.ptr + byte_offset as u64, len, dtype, _order: SyncOnDrop::Sync(None) }
     }
 
+    /// `len` elements of `dtype` at `ptr`: memory the library owns and keeps alive past the
+    /// launches that read it (workspaces).
+    pub(crate) fn owned(ptr: u64, len: usize, dtype: DType) -> DevIn<'static> {
+        DevIn { ptr, len, dtype, _order: SyncOnDrop::Sync(None) }
+    }
+
     /// Elements `offset..` of this buffer, borrowed from it.
     pub(crate) fn tail(&self, offset: usize) -> DevIn<'_> {
         let offset = offset.min(self.len);
@@ -72,6 +78,12 @@ impl<'a> DevOut<'a> {
 }
 
 impl DevOut<'_> {
+    /// `len` elements of `dtype` at `ptr`: memory the library owns and keeps alive past the
+    /// launches that write it (workspaces).
+    pub(crate) fn owned(ptr: u64, len: usize, dtype: DType) -> DevOut<'static> {
+        DevOut { ptr, len, dtype, _order: SyncOnDrop::Sync(None) }
+    }
+
     /// Elements `offset..` of this buffer, written through a borrow of it.
     pub(crate) fn tail_mut(&mut self, offset: usize) -> DevOut<'_> {
         let offset = offset.min(self.len);

@@ -197,14 +197,25 @@ pub enum DecodeKernel {
 impl DecodeKernel {
     /// The kernel for a batch: tensor cores, or CUDA cores when `ATTN_DECODE_KERNEL=cuda`.
     pub fn choose(rows_per_kv_head: u32) -> DecodeKernel {
-        let forced_cuda = std::env::var("ATTN_DECODE_KERNEL").is_ok_and(|v| v == "cuda");
-        if forced_cuda {
+        if Self::cuda_cores_forced() {
             DecodeKernel::CudaCores
-        } else if rows_per_kv_head <= block_m(0, 0, true, false) {
+        } else {
+            Self::tensor_cores(rows_per_kv_head)
+        }
+    }
+
+    /// The tensor-core shape for a batch: keys split across warps up to 16 rows per kv head.
+    pub fn tensor_cores(rows_per_kv_head: u32) -> DecodeKernel {
+        if rows_per_kv_head <= block_m(0, 0, true, false) {
             DecodeKernel::TensorCoreKeys
         } else {
             DecodeKernel::TensorCoreRows
         }
+    }
+
+    /// `ATTN_DECODE_KERNEL=cuda`: eager decode on the CUDA-core kernel.
+    pub fn cuda_cores_forced() -> bool {
+        std::env::var("ATTN_DECODE_KERNEL").is_ok_and(|v| v == "cuda")
     }
 
     pub fn keys_split(self) -> bool {
@@ -335,6 +346,118 @@ pub(crate) fn optional_f32(buf: &Option<DevIn<'_>>, arg: &'static str, len: usiz
     buf.as_ref().map_or(Ok(0), |b| f32_values(b, arg, len))
 }
 
+/// A tensor-core kernel for a kind of batch, and the CTA count its split plans aim at.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct TcKernel {
+    pub kernel: DecodeKernel,
+    pub name: String,
+    pub smem: u32,
+    pub shape: TcShape,
+    /// Query heads per kv head (MLA: every head).
+    pub group: u32,
+    /// CTAs the split plan aims at.
+    pub target: u64,
+}
+
+impl TcKernel {
+    /// The most work items a plan of `num_reqs` requests of `q_len` query tokens can have
+    /// (`plan_decode_tc`: at most `target` CTAs unless one split per request is already more;
+    /// `SplitMode::Fixed(n)`: `n` splits each at most).
+    pub fn max_items(&self, num_reqs: usize, q_len: u32, mode: SplitMode) -> usize {
+        let bm = block_m(self.shape.head_size_qk, self.shape.head_size_v, self.shape.keys_split, self.shape.fp8);
+        let per_split = num_reqs * (q_len * self.group).div_ceil(bm).max(1) as usize;
+        match mode {
+            SplitMode::Auto => per_split.max((self.target / self.shape.ctas_per_item as u64) as usize),
+            SplitMode::Fixed(n) => per_split * n.max(1) as usize,
+        }
+    }
+}
+
+/// The tensor-core decode kernel for `max_q` query tokens per request, and its CTA target.
+pub(crate) fn decode_tc_kernel(
+    dev: &AttnDevice,
+    q_dtype: DType,
+    fp8: bool,
+    d: usize,
+    hq: usize,
+    num_kv_heads: usize,
+    max_q: u32,
+) -> Result<TcKernel> {
+    let group = (hq / num_kv_heads) as u32;
+    let kernel = DecodeKernel::tensor_cores(max_q * group);
+    let fp8_tag = if fp8 { "_fp8" } else { "" };
+    let name = match kernel {
+        DecodeKernel::TensorCoreKeys => format!("decode_tc_{}{fp8_tag}_d{d}", q_dtype.kernel_name()),
+        _ => format!("prefill_{}{fp8_tag}_dk{d}_dv{d}", q_dtype.kernel_name()),
+    };
+    let smem = shared_layout(d as u32, d as u32, kernel.keys_split(), fp8).total;
+    // Splits short enough to fill every SM, few enough that the per-CTA start (work item,
+    // first address tables, pipeline fill) and the merge stay small: a number of waves of
+    // resident CTAs measured per head size on the H100 (BENCHMARKS.md): one wave at d96/d128
+    // (2 CTAs per SM), two at d256 (1 per SM), four at d64 (short tiles: more CTAs in flight).
+    // `ATTN_DECODE_WAVES` overrides it (a tuning knob for the benchmark).
+    let measured = match d {
+        0..=64 => 4,
+        65..=128 => 1,
+        _ => 2,
+    };
+    let waves = std::env::var("ATTN_DECODE_WAVES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(measured).max(1);
+    let resident = dev.resident_ctas(&name, attn_math::prefill::THREADS, smem)?;
+    let target = waves * dev.sm_count() as u64 * resident as u64;
+    let shape =
+        TcShape { head_size_qk: d as u32, head_size_v: d as u32, keys_split: kernel.keys_split(), fp8, ctas_per_item: num_kv_heads as u32 };
+    Ok(TcKernel { kernel, name, smem, shape, group, target })
+}
+
+/// A split plan already on the device (a CUDA-graph step's, [`crate::forward`]): its arrays,
+/// and the header `[num_items, chunk]` the kernel reads, so that its grid can cover
+/// `capacity_items` whatever the step's plan.
+#[derive(Clone, Debug)]
+pub(crate) struct DevicePlan {
+    /// The kernel it was planned for (`TcKernel::name`).
+    pub kernel: String,
+    pub items: u64,
+    pub req_num_splits: u64,
+    pub req_partial_base: u64,
+    pub token_request: u64,
+    pub header: u64,
+    pub capacity_items: usize,
+    /// Whether the merge is launched: a graph's always (a replay's plan may split where the
+    /// capture's did not), an eager step's when a request has several splits.
+    pub needs_merge: bool,
+}
+
+impl DevicePlan {
+    pub(crate) fn workspace_ptrs(&self, ws: &mut DecodeWorkspace, stream: &Arc<CudaStream>) -> WorkspacePtrs {
+        WorkspacePtrs {
+            items: self.items,
+            req_num_splits: self.req_num_splits,
+            req_partial_base: self.req_partial_base,
+            token_request: self.token_request,
+            partial_out: ws.partial_out.device_ptr_mut(stream).0,
+            partial_lse: ws.partial_lse.device_ptr_mut(stream).0,
+        }
+    }
+}
+
+/// Where a call's split plan comes from: planned here from the host metadata and uploaded
+/// (eager calls), or already on the device (graph steps: nothing is copied, and the launches
+/// are the same whatever the plan).
+#[derive(Clone, Copy)]
+pub(crate) enum PlanSource<'p> {
+    Host(SplitMode),
+    Device(&'p DevicePlan),
+}
+
+/// How the attention kernel's grid is sized.
+#[derive(Clone, Copy)]
+enum Launch<'p> {
+    /// One CTA per item (and kv head) of the uploaded plan.
+    Planned,
+    /// The device plan's capacity; CTAs past the step's items exit.
+    Fixed(&'p DevicePlan),
+}
+
 /// Paged decode: validates everything, plans, uploads the plan, launches pass 1 and (when a
 /// request has several splits) the merge. Enqueued on `stream`; block ids outside the cache are
 /// skipped and raise `BLOCK_OUT_OF_RANGE` in `status`.
@@ -346,6 +469,24 @@ pub fn paged_decode(
     batch: &DecodeBatch<'_>,
     opts: &AttnOptions,
     mode: SplitMode,
+    ws: &mut DecodeWorkspace,
+    status: &mut DeviceStatus,
+) -> Result<DecodePlan> {
+    paged_decode_from(dev, stream, a, batch, opts, PlanSource::Host(mode), true, ws, status)
+}
+
+/// [`paged_decode`] with its plan from `source`. Not `causal`: every query token sees every key
+/// and a request takes any number of them (cascade's shared prefix: all the batch's tokens as
+/// one request), on the tensor cores.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn paged_decode_from(
+    dev: &AttnDevice,
+    stream: &Arc<CudaStream>,
+    a: DecodeArgs<'_>,
+    batch: &DecodeBatch<'_>,
+    opts: &AttnOptions,
+    source: PlanSource<'_>,
+    causal: bool,
     ws: &mut DecodeWorkspace,
     status: &mut DeviceStatus,
 ) -> Result<DecodePlan> {
@@ -382,9 +523,15 @@ pub fn paged_decode(
         format!("buffer of {} elements is smaller than the layout's {}", a.cache.len, spec.num_elements())
     })?;
     let num_reqs = batch.seq_lens.len();
-    validate_batch(batch, nt, spec.block_size, a.block_table_stride)?;
-    ensure(a.block_table.dtype == DType::I32 && a.block_table.len >= num_reqs * a.block_table_stride, "block_table", || {
-        format!("must be {num_reqs} x {} i32, got {} x {:?}", a.block_table_stride, a.block_table.len, a.block_table.dtype)
+    if causal {
+        validate_batch(batch, nt, spec.block_size, a.block_table_stride)?;
+    } else {
+        let pb = crate::prefill::PrefillBatch { query_start_loc: batch.query_start_loc, seq_lens: batch.seq_lens, key_start_loc: None };
+        crate::prefill::validate_prefill_batch(&pb, nt, false, Some((spec.block_size, a.block_table_stride)))?;
+    }
+    let need = crate::prefill::block_table_reach(batch.seq_lens, spec.block_size, a.block_table_stride);
+    ensure(a.block_table.dtype == DType::I32 && a.block_table.len >= need, "block_table", || {
+        format!("must hold {need} i32 ({num_reqs} rows of {}), got {} x {:?}", a.block_table_stride, a.block_table.len, a.block_table.dtype)
     })?;
     ensure(a.seq_lens.dtype == DType::I32 && a.seq_lens.len >= num_reqs, "seq_lens", || format!("device copy must be {num_reqs} i32"))?;
     ensure(a.query_start_loc.dtype == DType::I32 && a.query_start_loc.len > num_reqs, "query_start_loc", || {
@@ -407,52 +554,28 @@ pub fn paged_decode(
         return Ok(DecodePlan::default());
     }
 
-    let ctas_target = dev.sm_count() as u64 * 8;
     let max_q = batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).max().unwrap_or(1);
-    let kernel = DecodeKernel::choose(max_q * (hq / spec.num_kv_heads) as u32);
     let fp8 = cache_dtype == DType::Fp8E4m3;
-    let fp8_tag = if fp8 { "_fp8" } else { "" };
-    let tc_name = match kernel {
-        DecodeKernel::TensorCoreKeys => format!("decode_tc_{}{fp8_tag}_d{d}", q_dtype.kernel_name()),
-        _ => format!("prefill_{}{fp8_tag}_dk{d}_dv{d}", q_dtype.kernel_name()),
-    };
-    let tc_smem = shared_layout(d as u32, d as u32, kernel.keys_split(), fp8).total;
-    let plan = if kernel == DecodeKernel::CudaCores {
-        plan_decode(batch, hq, spec.num_kv_heads, d, ctas_target, mode, ws.partial_rows())?
-    } else {
-        // Splits short enough to fill every SM, few enough that the per-CTA start (work item,
-        // first address tables, pipeline fill) and the merge stay small: a number of waves of
-        // resident CTAs measured per head size on the H100 (BENCHMARKS.md): one wave at d96/d128
-        // (2 CTAs per SM), two at d256 (1 per SM), four at d64 (short tiles: more CTAs in flight).
-        // `ATTN_DECODE_WAVES` overrides it (a tuning knob for the benchmark).
-        let measured = match d {
-            0..=64 => 4,
-            65..=128 => 1,
-            _ => 2,
-        };
-        let waves = std::env::var("ATTN_DECODE_WAVES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(measured).max(1);
-        let resident = dev.resident_ctas(&tc_name, attn_math::prefill::THREADS, tc_smem)?;
-        let target = waves * dev.sm_count() as u64 * resident as u64;
-        DecodePlan {
-            kernel,
-            ..plan_decode_tc(
-                batch,
-                hq,
-                (hq / spec.num_kv_heads) as u32,
-                TcShape {
-                    head_size_qk: d as u32,
-                    head_size_v: d as u32,
-                    keys_split: kernel.keys_split(),
-                    fp8,
-                    ctas_per_item: spec.num_kv_heads as u32,
-                },
-                target,
-                mode,
-                ws.partial_rows(),
-            )
+    // A graph step's plan is made for the tensor cores; `ATTN_DECODE_KERNEL=cuda` picks the
+    // CUDA-core kernel for eager calls.
+    let cuda_cores = causal && matches!(source, PlanSource::Host(_)) && DecodeKernel::cuda_cores_forced();
+    let tc = if cuda_cores { None } else { Some(decode_tc_kernel(dev, q_dtype, fp8, d, hq, spec.num_kv_heads, max_q)?) };
+    let kernel = tc.as_ref().map_or(DecodeKernel::CudaCores, |t| t.kernel);
+    let (plan, wp, launch) = match source {
+        PlanSource::Device(dp) => {
+            let tc = tc.as_ref().expect("a device plan runs on tensor cores");
+            ensure(dp.kernel == tc.name, "step", || format!("planned for {}, the batch runs {}", dp.kernel, tc.name))?;
+            (DecodePlan { kernel, ..DecodePlan::default() }, dp.workspace_ptrs(ws, stream), Launch::Fixed(dp))
+        }
+        PlanSource::Host(mode) => {
+            let plan = match &tc {
+                None => plan_decode(batch, hq, spec.num_kv_heads, d, dev.sm_count() as u64 * 8, mode, ws.partial_rows())?,
+                Some(tc) => DecodePlan { kernel, ..plan_decode_tc(batch, hq, tc.group, tc.shape, tc.target, mode, ws.partial_rows()) },
+            };
+            let wp = ws.upload(stream, &plan, num_reqs, nt)?;
+            (plan, wp, Launch::Planned)
         }
     };
-    let wp = ws.upload(stream, &plan, num_reqs, nt)?;
     let (items_ptr, splits_ptr, base_ptr, pout_ptr, plse_ptr) =
         (wp.items, wp.req_num_splits, wp.req_partial_base, wp.partial_out, wp.partial_lse);
     let (status_ptr, _o7) = status.word.device_ptr_mut(stream);
@@ -534,16 +657,26 @@ pub fn paged_decode(
             chunk: p.chunk,
             num_q_heads: p.num_q_heads,
             group: p.group,
-            causal: 1,
+            causal: causal as u32,
             v_slices: 0,
             v_row: 0,
             _pad: 0,
+            plan: 0,
         };
-        let ctas = plan.items.len() / 2 * spec.num_kv_heads;
+        let tc = tc.as_ref().expect("a tensor-core batch");
+        let (items, tp) = match launch {
+            Launch::Planned => (plan.items.len() / 2, tp),
+            Launch::Fixed(dp) => (dp.capacity_items, PrefillParams { chunk: 0, plan: dp.header, ..tp }),
+        };
+        let ctas = items * spec.num_kv_heads;
         ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
-        dev.launch_pdl(stream, &tc_name, (ctas as u32, 1, 1), attn_math::prefill::THREADS, tc_smem, tp)?;
+        dev.launch_pdl(stream, &tc.name, (ctas as u32, 1, 1), attn_math::prefill::THREADS, tc.smem, tp)?;
     }
-    if plan.needs_merge() {
+    let merge = match launch {
+        Launch::Planned => plan.needs_merge(),
+        Launch::Fixed(dp) => dp.needs_merge,
+    };
+    if merge {
         launch_merge(dev, stream, &wp, a.query_start_loc.ptr, (&a.out, &a.out_rows), lse_ptr, sinks, q_dtype)?;
     }
     Ok(plan)

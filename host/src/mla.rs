@@ -12,7 +12,10 @@
 
 use crate::buffer::{DevIn, DevOut};
 use crate::cache_write::KvScales;
-use crate::decode::{f32_values, launch_merge, plan_decode_tc, DecodeBatch, DecodePlan, DecodeWorkspace, SplitMode, TcShape};
+use crate::decode::{
+    f32_values, launch_merge, plan_decode_tc, DecodeBatch, DecodeKernel, DecodePlan, DecodeWorkspace, PlanSource, SplitMode, TcKernel,
+    TcShape,
+};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
@@ -71,6 +74,35 @@ pub fn mla_attention(
     ws: &mut DecodeWorkspace,
     status: &mut DeviceStatus,
 ) -> Result<DecodePlan> {
+    mla_attention_from(dev, stream, a, batch, softmax_scale, PlanSource::Host(mode), ws, status)
+}
+
+/// The MLA kernel for `max_q` query tokens per request of `hq` heads, and its CTA target.
+pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usize, max_q: u32) -> Result<TcKernel> {
+    let keys = max_q * hq as u32 <= block_m(MLA_QK, mla_v_slice(true), true, fp8);
+    let v_slice = mla_v_slice(keys);
+    let slices = MLA_V / v_slice;
+    let name = format!("mla_{}{}_{}", q_dtype.kernel_name(), if fp8 { "_fp8" } else { "" }, if keys { "keys" } else { "rows" });
+    let smem = shared_layout_mla(MLA_QK, v_slice, keys, fp8, true).total;
+    // Two waves of resident CTAs (the measured best for one CTA per SM, as at decode's d256).
+    let resident = dev.resident_ctas(&name, THREADS, smem)?;
+    let target = 2 * dev.sm_count() as u64 * resident as u64;
+    let shape = TcShape { head_size_qk: MLA_QK, head_size_v: v_slice, keys_split: keys, fp8, ctas_per_item: slices };
+    Ok(TcKernel { kernel: DecodeKernel::Mla, name, smem, shape, group: hq as u32, target })
+}
+
+/// [`mla_attention`] with its plan from `source`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mla_attention_from(
+    dev: &AttnDevice,
+    stream: &Arc<CudaStream>,
+    a: MlaArgs<'_>,
+    batch: &DecodeBatch<'_>,
+    softmax_scale: f32,
+    source: PlanSource<'_>,
+    ws: &mut DecodeWorkspace,
+    status: &mut DeviceStatus,
+) -> Result<DecodePlan> {
     let spec = &a.spec;
     let (nt, hq) = (a.q_rows.num_tokens, a.q_rows.num_heads);
     let q_dtype = a.q.dtype;
@@ -95,8 +127,9 @@ pub fn mla_attention(
     ensure(num_reqs < 1 << 16, "seq_lens", || format!("{num_reqs} requests exceed the 65535 a launch takes"))?;
     let pb = PrefillBatch { query_start_loc: batch.query_start_loc, seq_lens: batch.seq_lens, key_start_loc: None };
     validate_prefill_batch(&pb, nt, true, Some((spec.block_size, a.block_table_stride)))?;
-    ensure(a.block_table.dtype == DType::I32 && a.block_table.len >= num_reqs * a.block_table_stride, "block_table", || {
-        format!("must be {num_reqs} x {} i32, got {} x {:?}", a.block_table_stride, a.block_table.len, a.block_table.dtype)
+    let need = crate::prefill::block_table_reach(batch.seq_lens, spec.block_size, a.block_table_stride);
+    ensure(a.block_table.dtype == DType::I32 && a.block_table.len >= need, "block_table", || {
+        format!("must hold {need} i32 ({num_reqs} rows of {}), got {} x {:?}", a.block_table_stride, a.block_table.len, a.block_table.dtype)
     })?;
     ensure(a.seq_lens.dtype == DType::I32 && a.seq_lens.len >= num_reqs, "seq_lens", || format!("device copy must be {num_reqs} i32"))?;
     ensure(a.query_start_loc.dtype == DType::I32 && a.query_start_loc.len > num_reqs, "query_start_loc", || {
@@ -115,24 +148,26 @@ pub fn mla_attention(
     }
 
     let max_q = batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).max().unwrap_or(1);
-    let keys = max_q * hq as u32 <= block_m(MLA_QK, mla_v_slice(true), true, fp8);
-    let v_slice = mla_v_slice(keys);
-    let rows_per_tile = block_m(MLA_QK, v_slice, keys, fp8) as usize;
+    let tc = mla_tc_kernel(dev, q_dtype, fp8, hq, max_q)?;
+    let rows_per_tile = block_m(MLA_QK, tc.shape.head_size_v, tc.shape.keys_split, fp8) as usize;
     ensure(max_q as usize * hq <= rows_per_tile << 16, "query_start_loc", || {
         format!("a request has {} query rows (tokens x heads); a launch takes {}", max_q as usize * hq, rows_per_tile << 16)
     })?;
-    let slices = MLA_V / v_slice;
-    let name = format!("mla_{}{}_{}", q_dtype.kernel_name(), if fp8 { "_fp8" } else { "" }, if keys { "keys" } else { "rows" });
-    let smem = shared_layout_mla(MLA_QK, v_slice, keys, fp8, true).total;
-    // Two waves of resident CTAs (the measured best for one CTA per SM, as at decode's d256).
-    let resident = dev.resident_ctas(&name, THREADS, smem)?;
-    let target = 2 * dev.sm_count() as u64 * resident as u64;
-    let shape = TcShape { head_size_qk: MLA_QK, head_size_v: v_slice, keys_split: keys, fp8, ctas_per_item: slices };
-    let plan = DecodePlan {
-        kernel: crate::decode::DecodeKernel::Mla,
-        ..plan_decode_tc(batch, hq, hq as u32, shape, target, mode, ws.partial_rows())
+    let slices = tc.shape.ctas_per_item;
+    let (plan, wp, fixed) = match source {
+        PlanSource::Device(dp) => {
+            ensure(dp.kernel == tc.name, "step", || format!("planned for {}, the batch runs {}", dp.kernel, tc.name))?;
+            (DecodePlan { kernel: DecodeKernel::Mla, ..DecodePlan::default() }, dp.workspace_ptrs(ws, stream), Some(dp))
+        }
+        PlanSource::Host(mode) => {
+            let plan = DecodePlan {
+                kernel: DecodeKernel::Mla,
+                ..plan_decode_tc(batch, hq, tc.group, tc.shape, tc.target, mode, ws.partial_rows())
+            };
+            let wp = ws.upload(stream, &plan, num_reqs, nt)?;
+            (plan, wp, None)
+        }
     };
-    let wp = ws.upload(stream, &plan, num_reqs, nt)?;
     let (status_ptr, _o) = status.word.device_ptr_mut(stream);
     let lse = a.lse.as_ref().map_or(0, |l| l.ptr);
     let strides = spec.strides();
@@ -175,11 +210,13 @@ pub fn mla_attention(
         v_slices: slices,
         v_row: MLA_V,
         _pad: 0,
+        plan: fixed.map_or(0, |dp| dp.header),
     };
-    let ctas = plan.items.len() / 2 * slices as usize;
+    let items = fixed.map_or(plan.items.len() / 2, |dp| dp.capacity_items);
+    let ctas = items * slices as usize;
     ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
-    dev.launch_pdl(stream, &name, (ctas as u32, 1, 1), THREADS, smem, p)?;
-    if plan.needs_merge() {
+    dev.launch_pdl(stream, &tc.name, (ctas as u32, 1, 1), THREADS, tc.smem, p)?;
+    if fixed.map_or(plan.needs_merge(), |dp| dp.needs_merge) {
         launch_merge(dev, stream, &wp, a.query_start_loc.ptr, (&a.out, &a.out_rows), lse, 0, q_dtype)?;
     }
     Ok(plan)

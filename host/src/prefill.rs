@@ -65,6 +65,13 @@ pub struct PrefillArgs<'a> {
     pub scales: Option<KvScales<'a>>,
 }
 
+/// Block-table entries the kernels may read: up to request r's last used block in its row
+/// (`r * stride + ceil(seq_len / block_size)`), so a table that is a view into a wider one (a
+/// cascade suffix's rows start past the shared blocks) need not hold full rows at its end.
+pub(crate) fn block_table_reach(seq_lens: &[i32], block_size: usize, stride: usize) -> usize {
+    seq_lens.iter().enumerate().map(|(r, &l)| r * stride + (l.max(0) as usize).div_ceil(block_size.max(1))).max().unwrap_or(0)
+}
+
 /// The batch's host-side metadata.
 #[derive(Clone, Copy, Debug)]
 pub struct PrefillBatch<'a> {
@@ -129,7 +136,7 @@ pub fn validate_prefill_batch(batch: &PrefillBatch<'_>, num_tokens: usize, causa
         ensure(q >= 0, "query_start_loc", || format!("decreases at request {r} ({} -> {})", qsl[r], qsl[r + 1]))?;
         let len = batch.seq_lens[r];
         ensure(len >= 0, "seq_lens", || format!("request {r} has length {len}"))?;
-        ensure(!causal || len >= q, "seq_lens", || format!("request {r} has length {len} < its {q} query tokens"))?;
+        ensure(!causal || len == 0 || len >= q, "seq_lens", || format!("request {r} has length {len} < its {q} query tokens"))?;
         if let Some((block_size, stride)) = paged {
             let blocks = (len as usize).div_ceil(block_size);
             ensure(blocks <= stride, "block_table", || format!("request {r} needs {blocks} blocks, rows hold {stride}"))?;
@@ -229,8 +236,9 @@ pub fn prefill(
             ensure(cache.ptr.is_multiple_of(16), "cache", || "must be 16-byte aligned".into())?;
             ensure(batch.key_start_loc.is_none(), "key_start_loc", || "given with a paged cache".into())?;
             validate_prefill_batch(batch, nt, opts.causal, Some((spec.block_size, *block_table_stride)))?;
-            ensure(block_table.dtype == DType::I32 && block_table.len >= num_reqs * block_table_stride, "block_table", || {
-                format!("must be {num_reqs} x {block_table_stride} i32, got {} x {:?}", block_table.len, block_table.dtype)
+            let need = block_table_reach(batch.seq_lens, spec.block_size, *block_table_stride);
+            ensure(block_table.dtype == DType::I32 && block_table.len >= need, "block_table", || {
+                format!("must hold {need} i32 ({num_reqs} rows of {block_table_stride}), got {} x {:?}", block_table.len, block_table.dtype)
             })?;
             ensure(seq_lens.dtype == DType::I32 && seq_lens.len >= num_reqs, "seq_lens", || format!("device copy must be {num_reqs} i32"))?;
             let (ko, vo) = spec.kv_origins();

@@ -8,9 +8,10 @@ use std::path::Path;
 use std::process::Command;
 
 /// Test targets (in `tests/`) that need a GPU; the bundle runs these.
-const GPU_TESTS: &[&str] = &["gpu_cache_write", "gpu_decode", "gpu_prefill", "gpu_forward", "gpu_mla"];
+const GPU_TESTS: &[&str] = &["gpu_cache_write", "gpu_decode", "gpu_prefill", "gpu_forward", "gpu_mla", "gpu_graph", "gpu_cascade"];
 const BENCH_BIN: &str = "attn-bench";
 const SIM_BIN: &str = "engine-sim";
+const STEP_BIN: &str = "step-bench";
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs every GPU test, the benchmark, then the engine simulator. Needs only an NVIDIA driver.
@@ -19,6 +20,7 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 #   BENCH_ARGS="--quick" bundle/run.sh   extra benchmark arguments
 #   TESTS="gpu_prefill" bundle/run.sh    only these test binaries (TESTS=none: no tests)
 #   BENCH=0 bundle/run.sh                no benchmark
+#   STEP=0 bundle/run.sh                 no step benchmark (cascade, CUDA graphs; STEP_ARGS="--quick")
 #   SIM=0 bundle/run.sh                  no engine-sim (SIM_ARGS="--model llama": its arguments)
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
@@ -36,6 +38,10 @@ if [ "${BENCH:-1}" != 0 ]; then
   json=${OUT:-/tmp}/bench.json
   echo "== benchmark"
   "$here/attn-bench" --json "$json" ${BENCH_ARGS:-} || status=1
+fi
+if [ "${STEP:-1}" != 0 ]; then
+  echo "== step-bench (cascade, CUDA graphs)"
+  "$here/step-bench" --json "${OUT:-/tmp}/step-bench.json" ${STEP_ARGS:-} || status=1
 fi
 if [ "${SIM:-1}" != 0 ]; then
   echo "== engine-sim"
@@ -72,7 +78,7 @@ pub fn bundle() -> Result<(), String> {
     let out = root.join("bundle");
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(out.join("tests")).map_err(|e| e.to_string())?;
-    for bin in [BENCH_BIN, SIM_BIN] {
+    for bin in [BENCH_BIN, STEP_BIN, SIM_BIN] {
         run(Command::new(env!("CARGO")).current_dir(&root).args(["build", "--release", "--locked", "-p", "host", "--bin", bin]))?;
         std::fs::copy(root.join("target/release").join(bin), out.join(bin)).map_err(|e| e.to_string())?;
     }

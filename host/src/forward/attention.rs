@@ -4,11 +4,12 @@
 use super::config::ForwardConfig;
 use super::cpu_exec::forward_cpu;
 use super::gpu_exec::GpuExec;
+use super::graph::{capture_stream, new_step_graph, GraphBucket, StepGraph};
 use super::io::{CacheSpec, LayerIo};
 use super::step::StepMetadata;
 use super::timing::{PhaseTimes, Timer};
 use super::validate::validate_layer;
-use crate::backend::{refusal_reasons, BackendSpec, DeviceInfo, Selection, CPU, MLA, TENSOR_CORE};
+use crate::backend::{refusal_reasons, BackendSpec, DeviceInfo, GraphSupport, Selection, CPU, MLA, TENSOR_CORE};
 use crate::device::AttnDevice;
 use crate::error::{ensure, AttnError, Result};
 use crate::metadata::MetadataBuilder;
@@ -108,12 +109,57 @@ impl Attention {
     /// [`StepMetadata::build`]); on the GPU its upload buffers are sized for `config.limits`.
     pub fn new_step_metadata(&self) -> Result<StepMetadata> {
         match &self.exec {
-            Exec::Cpu => Ok(StepMetadata::new(self.id, self.config, None, None)),
+            Exec::Cpu => Ok(StepMetadata::new(self.id, self.config, None, None, None)),
             Exec::Gpu(g) => {
                 let builder = MetadataBuilder::new(g.plan_config(&self.config))?;
-                Ok(StepMetadata::new(self.id, self.config, Some(builder), Some(g.device_step(&self.config)?)))
+                let plans = g.step_planner(&self.config, &self.spec)?;
+                Ok(StepMetadata::new(self.id, self.config, Some(builder), Some(g.device_step(&self.config)?), Some(plans)))
             }
         }
+    }
+
+    /// A CUDA-graph step for `bucket` (up to `bucket.num_reqs` decode requests of exactly
+    /// `bucket.query_len` query tokens, padded to the bucket): build it every step like any
+    /// step, run the layers eagerly or [`capture`](Self::capture) them once and
+    /// [`replay`](StepGraph::replay). Layer tensors must hold `bucket.num_tokens()` rows.
+    ///
+    /// Errors: a backend that declares no graph support (`cpu`), a bucket past the limits, a
+    /// query length past `decode_threshold`.
+    pub fn new_graph_step(&self, bucket: GraphBucket) -> Result<StepMetadata> {
+        let support = self.backend.graph_support;
+        let Exec::Gpu(g) = &self.exec else {
+            return Err(AttnError::invalid("backend", format!("\"{}\" has no CUDA graphs (graph support: {support})", self.backend.name)));
+        };
+        ensure(support != GraphSupport::Never, "backend", || format!("\"{}\" declares no CUDA-graph support", self.backend.name))?;
+        let l = &self.config.limits;
+        ensure(bucket.num_reqs <= l.max_num_reqs && bucket.num_tokens() <= l.max_num_tokens, "bucket", || {
+            format!("{bucket:?} exceeds the limits ({} requests, {} tokens)", l.max_num_reqs, l.max_num_tokens)
+        })?;
+        let t = self.config.decode_threshold;
+        ensure((1..=t).contains(&bucket.query_len), "bucket", || {
+            format!("query_len {} (graph steps are decodes: 1..={t}, the decode threshold)", bucket.query_len)
+        })?;
+        ensure(bucket.query_len == 1 || support <= GraphSupport::UniformBatch, "bucket", || {
+            format!("query_len {}: \"{}\" captures one-token decodes only", bucket.query_len, self.backend.name)
+        })?;
+        let planner = g.graph_planner(&self.config, &self.spec, bucket)?;
+        let device = g.graph_device_step(planner.total_words())?;
+        Ok(StepMetadata::new_graph(self.id, self.config, planner, device))
+    }
+
+    /// Captures what `record` enqueues on this Attention's stream (typically every layer's
+    /// [`forward`](Self::forward) with `step`, and the engine's own kernels between them) into a
+    /// CUDA graph for `step`'s bucket. `step` must be a built graph step of this Attention; the
+    /// capture runs nothing. Timing is off during the capture.
+    pub fn capture(&mut self, step: &StepMetadata, record: impl FnOnce(&mut Attention) -> Result<()>) -> Result<StepGraph> {
+        ensure(step.owner == self.id, "step", || "was made by another Attention".into())?;
+        let bucket = step.graph_bucket().ok_or_else(|| AttnError::invalid("step", "is not a graph step (use new_graph_step)"))?;
+        ensure(step.is_built(), "step", || "must be built before the capture".into())?;
+        let stream = self.stream().cloned().ok_or_else(|| AttnError::invalid("backend", "captures need a GPU backend"))?;
+        let timing = std::mem::replace(&mut self.timer.enabled, false);
+        let graph = capture_stream(&stream, || record(self));
+        self.timer.enabled = timing;
+        Ok(new_step_graph(graph?, self.id, bucket))
     }
 
     /// One layer of one step: writes the step's new K/V into `layer.cache` at the step's slots,
@@ -166,7 +212,7 @@ impl Attention {
     /// (`SlotOutOfRange`, `BlockOutOfRange`); the CPU backend reports them from `forward`.
     pub fn check_status(&mut self) -> Result<()> {
         match &mut self.exec {
-            Exec::Gpu(g) => g.status.check(&g.stream),
+            Exec::Gpu(g) => g.check_status(),
             Exec::Cpu => Ok(()),
         }
     }

@@ -7,6 +7,7 @@ use crate::decode::{AttnOptions, SplitMode, MAX_QUERY_LEN};
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
 use crate::layout::{KvCacheSpec, MlaCacheSpec};
+use crate::metadata::CascadeMode;
 
 /// The largest step an [`Attention`](super::Attention) takes (its GPU workspaces and upload
 /// buffers are sized for it once).
@@ -35,6 +36,10 @@ pub struct ForwardConfig {
     pub decode_threshold: usize,
     /// How decode splits long contexts (`SplitMode::Fixed(1)`: batch-independent results).
     pub split_mode: SplitMode,
+    /// Cascade attention for a prefix of blocks every request shares (`tensor-core` only; not
+    /// with a sliding window, ALiBi or sinks): decided per step by
+    /// [`use_cascade`](crate::metadata::use_cascade), or forced on or off.
+    pub cascade: CascadeMode,
     pub limits: ForwardLimits,
 }
 
@@ -48,6 +53,7 @@ impl ForwardConfig {
             opts: AttnOptions::new(model.head_size),
             decode_threshold: 1,
             split_mode: SplitMode::Auto,
+            cascade: CascadeMode::Auto,
             limits,
         }
     }

@@ -3,23 +3,29 @@
 //! decode part and the tensor-core `prefill` for the prefill part; `mla` runs
 //! `concat_and_cache_mla`, then `mla_attention` (latent form) for both parts.
 
+use super::cascade_exec::CascadeScratch;
 use super::config::ForwardConfig;
+use super::graph::{GraphBucket, GraphPlanner};
+use super::io::CacheSpec;
 use super::io::{GpuLayer, Layer, NewKv};
 use super::step::{DeviceStep, StepMetadata};
+use super::step_plan::{PlanKind, StepPlanner};
 use super::timing::Timer;
 use super::validate::Parts;
 use crate::buffer::DevIn;
 use crate::cache_write::{concat_and_cache_mla, reshape_and_cache, KvWrite, MlaWrite};
-use crate::decode::{paged_decode, DecodeArgs, DecodeBatch, DecodeWorkspace};
+use crate::decode::{
+    decode_tc_kernel, merge_attn_states, paged_decode_from, DecodeArgs, DecodeBatch, DecodeWorkspace, MergeArgs, PlanSource, SplitMode,
+};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
 use crate::layout::{KvCacheSpec, MlaCacheSpec, RowsDesc};
-use crate::metadata::{PlanConfig, StagingLayout, StagingSizes};
-use crate::mla::{mla_attention, MlaArgs};
-use crate::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
+use crate::metadata::{CascadeMode, PlanConfig, StagingLayout, StagingSizes};
+use crate::mla::{mla_attention, mla_attention_from, mla_tc_kernel, MlaArgs};
+use crate::prefill::{prefill, PrefillArgs, PrefillBatch, PrefillKv, PrefillOptions, PrefillWorkspace};
 use crate::status::DeviceStatus;
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaEvent, CudaStream};
 use std::sync::Arc;
 
 /// Query rows (tokens x query heads per kv head) a prefill launch surely takes for one request:
@@ -32,7 +38,45 @@ pub(crate) struct GpuExec {
     pub(crate) stream: Arc<CudaStream>,
     decode_ws: DecodeWorkspace,
     prefill_ws: PrefillWorkspace,
+    cascade_scratch: CascadeScratch,
+    /// Cascade's shared prefix runs here, beside the suffixes on the main stream.
+    side: Option<SideStream>,
     pub(crate) status: DeviceStatus,
+}
+
+/// A second stream with its own split-K workspace and status word (so that nothing the two
+/// streams touch makes one wait for the other), forked from and joined to the main stream
+/// with events.
+struct SideStream {
+    stream: Arc<CudaStream>,
+    ws: DecodeWorkspace,
+    status: DeviceStatus,
+    fork: CudaEvent,
+    join: CudaEvent,
+}
+
+impl SideStream {
+    fn new(main: &Arc<CudaStream>, partial_rows: usize, v_width: usize, max_reqs: usize, max_tokens: usize) -> Result<Self> {
+        let ctx = main.context();
+        let stream = ctx.new_stream()?;
+        Ok(SideStream {
+            ws: DecodeWorkspace::new(&stream, partial_rows, v_width, max_reqs, max_tokens)?,
+            status: DeviceStatus::new(&stream)?,
+            fork: ctx.new_event(None)?,
+            join: ctx.new_event(None)?,
+            stream,
+        })
+    }
+}
+
+impl GpuExec {
+    /// Waits for both streams and reports what the kernels refused (see `DeviceStatus`).
+    pub(crate) fn check_status(&mut self) -> Result<()> {
+        if let Some(side) = &mut self.side {
+            side.status.check(&side.stream)?;
+        }
+        self.status.check(&self.stream)
+    }
 }
 
 impl GpuExec {
@@ -49,16 +93,24 @@ impl GpuExec {
                 l.max_num_tokens
             )
         })?;
-        let partial_rows = 4 * dev.sm_count() as usize * 8 * group;
         // Split-K partials are rows of V: MLA's are the 512 latent columns of its 576-wide rows.
-        let v_width = match config.cache_spec()? {
-            super::io::CacheSpec::Mla(s) => s.latent_dim,
-            super::io::CacheSpec::Paged(_) => m.head_size,
+        // Standard models get twice decode's need, so that a cascade prefix (every token of the
+        // step as one request) can take 16 splits of 64 tokens x 32 heads (17 MB at d128).
+        let (v_width, waves) = match config.cache_spec()? {
+            super::io::CacheSpec::Mla(s) => (s.latent_dim, 4),
+            super::io::CacheSpec::Paged(_) => (m.head_size, 8),
         };
+        let partial_rows = waves * dev.sm_count() as usize * 8 * group;
         let decode_ws = DecodeWorkspace::new(&stream, partial_rows, v_width, l.max_num_reqs, l.max_num_tokens)?;
         let prefill_ws = PrefillWorkspace::new(&stream, l.max_num_tokens, l.max_num_reqs, group)?;
         let status = DeviceStatus::new(&stream)?;
-        Ok(GpuExec { dev, stream, decode_ws, prefill_ws, status })
+        let standard = matches!(m.kind, crate::backend::AttentionKind::Standard);
+        let side = match config.cascade {
+            CascadeMode::Off => None,
+            _ if !standard => None,
+            _ => Some(SideStream::new(&stream, partial_rows, v_width, l.max_num_reqs, l.max_num_tokens)?),
+        };
+        Ok(GpuExec { dev, stream, decode_ws, prefill_ws, cascade_scratch: CascadeScratch::default(), side, status })
     }
 
     /// The metadata builder's plan config (the numbers `paged_decode` plans its CUDA-core
@@ -97,6 +149,38 @@ impl GpuExec {
         DeviceStep::new(self.stream.clone(), words)
     }
 
+    /// A graph step's planner for `bucket`: the kernel its decodes run on, planned as eager
+    /// decodes of that shape are.
+    pub(crate) fn graph_planner(&self, config: &ForwardConfig, spec: &CacheSpec, bucket: GraphBucket) -> Result<GraphPlanner> {
+        let m = &config.model;
+        let fp8 = m.cache_dtype == DType::Fp8E4m3;
+        let q = bucket.query_len as u32;
+        let tc = match spec {
+            CacheSpec::Paged(_) => decode_tc_kernel(&self.dev, m.q_dtype, fp8, m.head_size, m.num_q_heads, m.num_kv_heads, q)?,
+            CacheSpec::Mla(_) => mla_tc_kernel(&self.dev, m.q_dtype, fp8, m.num_q_heads, q)?,
+        };
+        GraphPlanner::new(bucket, tc, config.split_mode, m.num_q_heads, config.max_blocks_per_req(), self.decode_ws.partial_rows())
+    }
+
+    /// The per-step planner of the decode kernels (and cascade's arrays).
+    pub(crate) fn step_planner(&self, config: &ForwardConfig, spec: &CacheSpec) -> Result<StepPlanner> {
+        let m = &config.model;
+        let kind = match spec {
+            CacheSpec::Paged(_) => PlanKind::Standard { head_size: m.head_size, num_kv_heads: m.num_kv_heads },
+            CacheSpec::Mla(_) => PlanKind::Mla,
+        };
+        let l = &config.limits;
+        let words = 4096 + 8 * l.max_num_reqs + 2 * l.max_num_tokens;
+        let fp8 = m.cache_dtype == DType::Fp8E4m3;
+        let partial = self.decode_ws.partial_rows();
+        StepPlanner::new(self.dev.clone(), self.stream.clone(), kind, m.q_dtype, fp8, m.num_q_heads, config.split_mode, partial, words)
+    }
+
+    /// A graph step's device buffer.
+    pub(crate) fn graph_device_step(&self, words: usize) -> Result<DeviceStep> {
+        DeviceStep::new(self.stream.clone(), words)
+    }
+
     /// Runs a validated layer: the GPU-only checks (alignment), then the cache write, the decode
     /// part and the prefill part, enqueued on the stream.
     pub(crate) fn forward(
@@ -108,6 +192,10 @@ impl GpuExec {
         timer: &mut Timer,
     ) -> Result<()> {
         let views = StepViews::of(step, &self.stream)?;
+        // The decode plan is already on the device: a graph step's (nothing is uploaded:
+        // capturable), or the one `build` made for every layer of the step.
+        let plans = step.step_plans();
+        let graph_plan = step.device_plan().or_else(|| plans.and_then(|p| p.decode.clone()));
         let Layer { q, q_rows, new_kv, mut cache, mut out, out_rows, alibi_slopes, sinks } = layer;
         let NewKv::Standard { k, k_rows, v, v_rows } = new_kv else {
             return Err(AttnError::invalid("new_kv", "MLA latents given for a standard-attention model"));
@@ -137,48 +225,129 @@ impl GpuExec {
         let written = timer.mark(Some(stream))?;
 
         let cache = cache.as_input();
-        if nd > 0 {
-            let part = views.decodes(nd);
-            let args = DecodeArgs {
-                q: q.tail(0),
-                q_rows: RowsDesc { num_tokens: ndt, ..q_rows },
-                cache: cache.tail(0),
-                spec: *spec,
-                block_table: part.block_table,
-                block_table_stride: stride,
-                seq_lens: part.seq_lens,
-                query_start_loc: part.query_start_loc,
-                out: out.tail_mut(0),
-                out_rows: RowsDesc { num_tokens: ndt, ..out_rows },
-                lse: None,
-                alibi_slopes: alibi_slopes.as_ref().map(|b| b.tail(0)),
-                sinks: sinks.as_ref().map(|b| b.tail(0)),
-                scales: None,
-            };
-            paged_decode(&self.dev, stream, args, &parts.decode, &config.opts, config.split_mode, &mut self.decode_ws, &mut self.status)?;
+        // Cascade (the step's shared prefix once for all tokens) unless the layer has ALiBi or
+        // sinks, whose terms depend on the whole context.
+        let cascade = step.cascade_prefix().filter(|_| alibi_slopes.is_none() && sinks.is_none());
+        let hq = q_rows.num_heads;
+        let all_out_rows = RowsDesc { num_tokens: nt, ..out_rows };
+        let targets = match cascade {
+            Some(_) => Some(self.cascade_scratch.targets(stream, out.dtype, all_out_rows.required_len(), nt * hq)?),
+            None => None,
+        };
+        let cascade_plans = plans.filter(|_| cascade.is_some());
+        if cascade.is_some() {
+            // The prefix reads the cache the write above filled: fork the side stream here.
+            let side = self.side.as_mut().expect("cascade configs have a side stream");
+            side.fork.record(stream)?;
+            side.stream.wait(&side.fork)?;
         }
-        if np > 0 {
-            let part = views.prefills(np);
-            let args = PrefillArgs {
-                q: q.tail(ndt * q_rows.token_stride),
-                q_rows: RowsDesc { num_tokens: npt, ..q_rows },
-                kv: PrefillKv::Paged {
+        let suffix_lens = |from: usize, len: usize| {
+            let base = cascade_plans.map_or(0, |p| p.suffix_seq_lens);
+            DevIn::owned(base + from as u64 * 4, len, DType::I32)
+        };
+        let skip = cascade.map_or(0, |p| p.blocks);
+        let host_suffix = step.cascade_suffix_lens();
+        {
+            // The parts write the layer's output, or (cascade) the suffix scratch and its LSEs.
+            let (mut target, mut target_lse) = match &targets {
+                Some(t) => {
+                    let (o, l) = t.suffix();
+                    (o, Some(l))
+                }
+                None => (out.tail_mut(0), None),
+            };
+            if nd > 0 {
+                let part = views.decodes(nd);
+                let batch = match cascade {
+                    Some(_) => DecodeBatch { seq_lens: &host_suffix[..nd], ..parts.decode },
+                    None => parts.decode,
+                };
+                let args = DecodeArgs {
+                    q: q.tail(0),
+                    q_rows: RowsDesc { num_tokens: ndt, ..q_rows },
                     cache: cache.tail(0),
                     spec: *spec,
-                    block_table: part.block_table,
+                    block_table: part.block_table.tail(skip),
                     block_table_stride: stride,
-                    seq_lens: part.seq_lens,
-                },
-                query_start_loc: part.query_start_loc,
-                out: out.tail_mut(ndt * out_rows.token_stride),
-                out_rows: RowsDesc { num_tokens: npt, ..out_rows },
-                lse: None,
-                alibi_slopes: alibi_slopes.as_ref().map(|b| b.tail(0)),
-                sinks: sinks.as_ref().map(|b| b.tail(0)),
+                    seq_lens: if cascade.is_some() { suffix_lens(0, nd) } else { part.seq_lens },
+                    query_start_loc: part.query_start_loc,
+                    out: target.tail_mut(0),
+                    out_rows: RowsDesc { num_tokens: ndt, ..out_rows },
+                    lse: target_lse.as_mut().map(|l| l.tail_mut(0)),
+                    alibi_slopes: alibi_slopes.as_ref().map(|b| b.tail(0)),
+                    sinks: sinks.as_ref().map(|b| b.tail(0)),
+                    scales: None,
+                };
+                let source = graph_plan.as_ref().map_or(PlanSource::Host(config.split_mode), PlanSource::Device);
+                paged_decode_from(&self.dev, stream, args, &batch, &config.opts, source, true, &mut self.decode_ws, &mut self.status)?;
+            }
+            if np > 0 {
+                let part = views.prefills(np);
+                let batch = match cascade {
+                    Some(_) => PrefillBatch { seq_lens: &host_suffix[nd..], ..parts.prefill },
+                    None => parts.prefill,
+                };
+                let args = PrefillArgs {
+                    q: q.tail(ndt * q_rows.token_stride),
+                    q_rows: RowsDesc { num_tokens: npt, ..q_rows },
+                    kv: PrefillKv::Paged {
+                        cache: cache.tail(0),
+                        spec: *spec,
+                        block_table: part.block_table.tail(skip),
+                        block_table_stride: stride,
+                        seq_lens: if cascade.is_some() { suffix_lens(nd, np) } else { part.seq_lens },
+                    },
+                    query_start_loc: part.query_start_loc,
+                    out: target.tail_mut(ndt * out_rows.token_stride),
+                    out_rows: RowsDesc { num_tokens: npt, ..out_rows },
+                    lse: target_lse.as_mut().map(|l| l.tail_mut(ndt * hq)),
+                    alibi_slopes: alibi_slopes.as_ref().map(|b| b.tail(0)),
+                    sinks: sinks.as_ref().map(|b| b.tail(0)),
+                    scales: None,
+                };
+                let opts = PrefillOptions { attn: config.opts, causal: true };
+                prefill(&self.dev, stream, args, &batch, &opts, &mut self.prefill_ws, &mut self.status)?;
+            }
+        }
+        if let (Some(prefix), Some(t), Some(cp)) = (cascade, &targets, cascade_plans) {
+            // The shared prefix: every token of the step as one request over the prefix's keys
+            // (request 0's first blocks), no causal mask, split-K as decode plans it.
+            let (prefix_out, prefix_lse) = t.prefix();
+            let args = DecodeArgs {
+                q: q.tail(0),
+                q_rows: RowsDesc { num_tokens: nt, ..q_rows },
+                cache: cache.tail(0),
+                spec: *spec,
+                block_table: views.first_row(),
+                block_table_stride: stride,
+                seq_lens: DevIn::owned(cp.prefix_seq_len, 1, DType::I32),
+                query_start_loc: DevIn::owned(cp.prefix_query_start_loc, 2, DType::I32),
+                out: prefix_out,
+                out_rows: all_out_rows,
+                lse: Some(prefix_lse),
+                alibi_slopes: None,
+                sinks: None,
                 scales: None,
             };
-            let opts = PrefillOptions { attn: config.opts, causal: true };
-            prefill(&self.dev, stream, args, &parts.prefill, &opts, &mut self.prefill_ws, &mut self.status)?;
+            let (lens, qsl) = ([prefix.tokens as i32], [0, nt as i32]);
+            let batch = DecodeBatch { seq_lens: &lens, query_start_loc: &qsl };
+            let source = cp.prefix.as_ref().map_or(PlanSource::Host(SplitMode::Auto), PlanSource::Device);
+            let side = self.side.as_mut().expect("cascade configs have a side stream");
+            paged_decode_from(&self.dev, &side.stream, args, &batch, &config.opts, source, false, &mut side.ws, &mut side.status)?;
+            side.join.record(&side.stream)?;
+            stream.wait(&side.join)?;
+            let [prefix_out, prefix_lse, suffix_out, suffix_lse] = t.partials();
+            let merge = MergeArgs {
+                prefix_out,
+                prefix_lse,
+                suffix_out,
+                suffix_lse,
+                out: out.tail_mut(0),
+                out_lse: None,
+                rows: all_out_rows,
+                lse_strides: (hq, 1),
+            };
+            merge_attn_states(&self.dev, stream, merge)?;
         }
         let end = timer.mark(Some(stream))?;
         timer.layer([start, written, end]);
@@ -198,6 +367,10 @@ impl GpuExec {
         timer: &mut Timer,
     ) -> Result<()> {
         let views = StepViews::of(step, &self.stream)?;
+        // The decode plan is already on the device: a graph step's (nothing is uploaded:
+        // capturable), or the one `build` made for every layer of the step.
+        let plans = step.step_plans();
+        let graph_plan = step.device_plan().or_else(|| plans.and_then(|p| p.decode.clone()));
         let Layer { q, q_rows, new_kv, mut cache, mut out, out_rows, alibi_slopes, sinks } = layer;
         let NewKv::Mla { kv_c, kv_c_token_stride, k_pe, k_pe_token_stride } = new_kv else {
             return Err(AttnError::invalid("new_kv", "standard K/V given for an MLA model"));
@@ -245,7 +418,8 @@ impl GpuExec {
                 lse: None,
                 scales: None,
             };
-            mla_attention(&self.dev, stream, args, &parts.decode, scale, config.split_mode, &mut self.decode_ws, &mut self.status)?;
+            let source = graph_plan.as_ref().map_or(PlanSource::Host(config.split_mode), PlanSource::Device);
+            mla_attention_from(&self.dev, stream, args, &parts.decode, scale, source, &mut self.decode_ws, &mut self.status)?;
         }
         if np > 0 {
             let part = views.prefills(np);
@@ -305,6 +479,11 @@ impl<'s> StepViews<'s> {
 
     fn stride(&self) -> usize {
         self.lay.block_table_stride
+    }
+
+    /// Request 0's block-table row.
+    fn first_row(&self) -> DevIn<'_> {
+        self.i32s(self.lay.block_table.offset, self.stride())
     }
 
     /// The decode part's arrays (requests `0..nd`).

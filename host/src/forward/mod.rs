@@ -52,17 +52,21 @@
 //! ```
 
 mod attention;
+mod cascade_exec;
 mod config;
 mod cpu_exec;
 mod gpu_exec;
+mod graph;
 mod host_buf;
 mod io;
 mod step;
+mod step_plan;
 mod timing;
 mod validate;
 
 pub use attention::{Attention, GpuHandles};
 pub use config::{ForwardConfig, ForwardLimits};
+pub use graph::{GraphBucket, StepGraph};
 pub use host_buf::{HostElement, HostIn, HostOut};
 pub use io::{CacheSpec, CpuLayer, GpuLayer, Layer, LayerIo, NewKv};
 pub use step::StepMetadata;

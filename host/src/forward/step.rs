@@ -3,9 +3,15 @@
 //! (on the GPU) uploaded in one copy by the existing builder ([`crate::metadata`]).
 
 use super::config::ForwardConfig;
+use super::graph::{GraphBucket, GraphPlanner};
+use super::step_plan::{StepPlanner, StepPlans};
+use crate::decode::DevicePlan;
 use crate::error::{ensure, Result};
-use crate::metadata::{split_decodes, upload, validate, BatchSplit, MetadataBuilder, StagingLayout, StepInput};
-use cudarc::driver::{CudaSlice, CudaStream, PinnedHostSlice};
+use crate::metadata::{
+    split_decodes, upload, use_cascade, validate, BatchSplit, CascadeMode, CascadeStep, CommonPrefix, MetadataBuilder, StagingLayout,
+    StepInput,
+};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 use std::sync::Arc;
 
 /// Per-step metadata for one [`Attention`](super::Attention) (made by
@@ -25,14 +31,22 @@ pub struct StepMetadata {
     block_table: Vec<i32>,
     block_table_stride: usize,
     slot_mapping: Vec<i64>,
+    /// The step's shared prefix when it runs as cascade attention (`tensor-core` steps), and
+    /// each request's length past it.
+    cascade: Option<CommonPrefix>,
+    cascade_suffix_lens: Vec<i32>,
     device: Option<DeviceStep>,
+    /// The tensor-core step's split plans (and cascade arrays), on the GPU.
+    step_planner: Option<StepPlanner>,
 }
 
-/// How the step is planned: the tensor-core builder (split-K plan, packed words), or the plain
-/// checks and split for the backends without a GPU plan (CPU, MLA).
+/// How the step is planned: the tensor-core builder (split-K plan, packed words), the plain
+/// checks and split for the backends without a GPU plan (CPU, MLA), or a CUDA-graph step's
+/// fixed layout and padding ([`super::graph`]).
 enum Planner {
     TensorCore(Box<MetadataBuilder>),
     Plain,
+    Graph(Box<GraphPlanner>),
 }
 
 /// The step on the GPU: the packed words, uploaded through a pinned buffer.
@@ -54,11 +68,27 @@ impl DeviceStep {
 }
 
 impl StepMetadata {
-    pub(crate) fn new(owner: u64, config: ForwardConfig, builder: Option<MetadataBuilder>, device: Option<DeviceStep>) -> Self {
+    pub(crate) fn new(
+        owner: u64,
+        config: ForwardConfig,
+        builder: Option<MetadataBuilder>,
+        device: Option<DeviceStep>,
+        step_planner: Option<StepPlanner>,
+    ) -> Self {
+        let planner = builder.map_or(Planner::Plain, |b| Planner::TensorCore(Box::new(b)));
+        Self { step_planner, ..Self::with_planner(owner, config, planner, device) }
+    }
+
+    /// A CUDA-graph step: `device` must hold `planner.total_words()`.
+    pub(crate) fn new_graph(owner: u64, config: ForwardConfig, planner: GraphPlanner, device: DeviceStep) -> Self {
+        Self::with_planner(owner, config, Planner::Graph(Box::new(planner)), Some(device))
+    }
+
+    fn with_planner(owner: u64, config: ForwardConfig, planner: Planner, device: Option<DeviceStep>) -> Self {
         StepMetadata {
             owner,
             config,
-            planner: builder.map_or(Planner::Plain, |b| Planner::TensorCore(Box::new(b))),
+            planner,
             built: false,
             split: BatchSplit::default(),
             num_actual_tokens: 0,
@@ -68,7 +98,10 @@ impl StepMetadata {
             block_table: Vec::new(),
             block_table_stride: 0,
             slot_mapping: Vec::new(),
+            cascade: None,
+            cascade_suffix_lens: Vec::new(),
             device,
+            step_planner: None,
         }
     }
 
@@ -79,16 +112,47 @@ impl StepMetadata {
     pub fn build(&mut self, input: &StepInput<'_>) -> Result<BatchSplit> {
         self.built = false;
         self.check_limits(input)?;
+        if let Planner::Graph(g) = &mut self.planner {
+            self.split = g.build(input)?;
+            let dev = self.device.as_mut().expect("a graph step has a device part");
+            upload(&dev.stream, &mut dev.staging, &mut dev.words, g.words())?;
+            dev.layout = *g.layout();
+            let (qsl, seq_lens) = g.padded();
+            self.num_actual_tokens = g.bucket().num_tokens();
+            self.query_start_loc.clear();
+            self.query_start_loc.extend_from_slice(qsl);
+            self.seq_lens.clear();
+            self.seq_lens.extend_from_slice(seq_lens);
+            self.prefill_query_start_loc.clear();
+            self.prefill_query_start_loc.push(0);
+            self.built = true;
+            return Ok(self.split);
+        }
         match &mut self.planner {
             Planner::TensorCore(builder) => {
                 let step = builder.build(input)?;
                 let dev = self.device.as_mut().expect("a tensor-core step has a device part");
                 upload(&dev.stream, &mut dev.staging, &mut dev.words, step.words)?;
                 dev.layout = *step.layout;
+                self.cascade = None;
+                let standard = matches!(self.config.model.kind, crate::backend::AttentionKind::Standard);
+                if standard && self.config.cascade != CascadeMode::Off && self.config.opts.window.is_none() {
+                    let m = &self.config.model;
+                    let shared = CascadeStep::new(input, m.num_q_heads / m.num_kv_heads);
+                    if use_cascade(self.config.cascade, &shared) {
+                        self.cascade = Some(shared.prefix);
+                        self.cascade_suffix_lens.clear();
+                        self.cascade_suffix_lens.extend(input.seq_lens.iter().map(|&l| l - shared.prefix.tokens as i32));
+                    }
+                }
+                if let Some(p) = &mut self.step_planner {
+                    p.build(input, step.metadata.split, self.cascade)?;
+                }
                 self.split = step.metadata.split;
                 self.prefill_query_start_loc.clear();
                 self.prefill_query_start_loc.extend_from_slice(&step.metadata.prefill.query_start_loc);
             }
+            Planner::Graph(_) => unreachable!("built above"),
             Planner::Plain => {
                 validate(input)?;
                 let split = split_decodes(input, self.config.decode_threshold)?;
@@ -193,7 +257,39 @@ impl StepMetadata {
         &self.slot_mapping
     }
 
+    /// The shared prefix when the step runs as cascade attention (see
+    /// [`ForwardConfig::cascade`](super::ForwardConfig::cascade)).
+    pub fn cascade_prefix(&self) -> Option<CommonPrefix> {
+        self.cascade
+    }
+
+    /// Each request's length past the shared prefix (a cascade step's).
+    pub(crate) fn cascade_suffix_lens(&self) -> &[i32] {
+        &self.cascade_suffix_lens
+    }
+
     pub(crate) fn device_step(&self) -> Option<&DeviceStep> {
         self.device.as_ref()
+    }
+
+    /// The split plans (and cascade arrays) made for this step, if its backend plans per step.
+    pub(crate) fn step_plans(&self) -> Option<&StepPlans> {
+        self.step_planner.as_ref().map(StepPlanner::plans)
+    }
+
+    /// The bucket of a CUDA-graph step (made by
+    /// [`Attention::new_graph_step`](super::Attention::new_graph_step)); `None` for others.
+    pub fn graph_bucket(&self) -> Option<GraphBucket> {
+        match &self.planner {
+            Planner::Graph(g) => Some(g.bucket()),
+            _ => None,
+        }
+    }
+
+    /// A graph step's split plan in its device buffer.
+    pub(crate) fn device_plan(&self) -> Option<DevicePlan> {
+        let (Planner::Graph(g), Some(dev)) = (&self.planner, &self.device) else { return None };
+        let (base, _sync) = dev.words.device_ptr(&dev.stream);
+        Some(g.device_plan(base))
     }
 }

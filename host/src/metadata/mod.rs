@@ -27,6 +27,7 @@
 //! ```
 
 mod builder;
+mod cascade;
 mod input;
 mod plan;
 mod split;
@@ -36,6 +37,10 @@ mod upload;
 mod validate;
 
 pub use builder::{BuiltStep, MetadataBuilder};
+pub use cascade::{
+    common_prefix, use_cascade, CascadeMode, CascadeStep, CommonPrefix, MAX_CASCADE_ROWS_PER_REQ, MIN_CASCADE_PREFIX_TOKENS,
+    MIN_CASCADE_REQS,
+};
 pub use input::StepInput;
 pub use split::{decode_first_order, is_decode, split_decodes, BatchSplit};
 pub use staging::{pack, pack_into, Region, StagingLayout, StagingSizes, ALIGN_WORDS};

@@ -221,4 +221,8 @@ pub struct PrefillParams {
     /// Width of a split-K partial row (head_size_v x v_slices); 0 = head_size_v.
     pub v_row: u32,
     pub _pad: u32,
+    /// `[num_items, chunk]` u32 read by every CTA (CUDA-graph replays, whose grid and
+    /// arguments were fixed at capture): CTAs past `num_items` items exit, and `chunk` replaces
+    /// the field above. 0 = the grid is the items and `chunk` is the field.
+    pub plan: u64,
 }

@@ -1,0 +1,259 @@
+//! CUDA-graph steps: a decode step (cache write, split-K decode, merge) captured once per batch
+//! size and replayed with the CPU out of the loop.
+//!
+//! What makes a step replayable: every launch's grid and arguments must be the same whatever
+//! the step holds. So a graph step ([`Attention::new_graph_step`](super::Attention::new_graph_step))
+//! - pads the batch to its [`GraphBucket`]: padding requests have the bucket's query length,
+//!   length 0 and slot -1 (the cache write skips them, decode writes them zeros);
+//! - keeps every array the kernels read (start locations, lengths, block table rows as wide as
+//!   `max_model_len` needs, slots, the split plan) at fixed offsets of one device buffer,
+//!   rewritten by one copy in [`StepMetadata::build`](super::StepMetadata::build), outside the
+//!   graph;
+//! - plans the splits on the host as eager steps do, then hands the kernels the plan's item
+//!   count and chunk through a header in that buffer: the attention grid covers the most items
+//!   a plan of the bucket can have ([`TcKernel::max_items`]) and CTAs past the step's items
+//!   exit; the merge is always launched (it skips requests with one split).
+//!
+//! Inside the captured region `forward` copies nothing, allocates nothing, waits for nothing and
+//! decides nothing from the step's contents.
+
+use super::step::StepMetadata;
+use crate::decode::{plan_decode_tc, DecodeBatch, DevicePlan, SplitMode, TcKernel};
+use crate::error::{ensure, AttnError, Result};
+use crate::metadata::{validate, BatchSplit, Region, StagingLayout, StagingSizes, StepInput, ALIGN_WORDS};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaStream};
+use std::sync::Arc;
+
+/// The batch a graph is captured for: up to `num_reqs` decode requests of exactly `query_len`
+/// query tokens each (1, or 1 + speculative tokens); smaller batches are padded to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GraphBucket {
+    pub num_reqs: usize,
+    pub query_len: usize,
+}
+
+impl GraphBucket {
+    /// One-token decodes of up to `num_reqs` requests.
+    pub fn decode(num_reqs: usize) -> Self {
+        GraphBucket { num_reqs, query_len: 1 }
+    }
+
+    /// Query tokens of a padded step: the rows the layer tensors (q, k, v, out) must have.
+    pub fn num_tokens(&self) -> usize {
+        self.num_reqs * self.query_len
+    }
+}
+
+/// A graph step's fixed part (the bucket, the kernel, the layout of its device words) and the
+/// host buffers it packs each step into.
+pub(crate) struct GraphPlanner {
+    bucket: GraphBucket,
+    tc: TcKernel,
+    mode: SplitMode,
+    num_q_heads: usize,
+    partial_capacity: usize,
+    capacity_items: usize,
+    layout: StagingLayout,
+    /// `[num_items, chunk, 0, 0]` after the layout's arrays.
+    header: Region,
+    query_start_loc: Vec<i32>,
+    seq_lens: Vec<i32>,
+    words: Vec<u32>,
+}
+
+impl GraphPlanner {
+    /// `block_width`: block-table entries per request (`max_model_len / block_size`, rounded up).
+    pub(crate) fn new(
+        bucket: GraphBucket,
+        tc: TcKernel,
+        mode: SplitMode,
+        num_q_heads: usize,
+        block_width: usize,
+        partial_capacity: usize,
+    ) -> Result<Self> {
+        let (n, nt) = (bucket.num_reqs, bucket.num_tokens());
+        ensure(n > 0 && bucket.query_len > 0, "bucket", || format!("{bucket:?} is empty"))?;
+        let capacity_items = tc.max_items(n, bucket.query_len as u32, mode);
+        let layout = StagingLayout::new(&StagingSizes {
+            num_reqs: n,
+            block_table_stride: block_width,
+            num_actual_tokens: nt,
+            num_decodes: n,
+            num_prefills: 0,
+            num_work_items: 2 * capacity_items,
+            num_decode_tokens: nt,
+        });
+        let header = Region { offset: layout.total_words, len: ALIGN_WORDS };
+        Ok(GraphPlanner {
+            bucket,
+            tc,
+            mode,
+            num_q_heads,
+            partial_capacity,
+            capacity_items,
+            layout,
+            header,
+            query_start_loc: Vec::with_capacity(n + 1),
+            seq_lens: Vec::with_capacity(n),
+            words: vec![0; header.end()],
+        })
+    }
+
+    pub(crate) fn bucket(&self) -> GraphBucket {
+        self.bucket
+    }
+
+    /// Words of the device buffer.
+    pub(crate) fn total_words(&self) -> usize {
+        self.header.end()
+    }
+
+    pub(crate) fn layout(&self) -> &StagingLayout {
+        &self.layout
+    }
+
+    /// The padded step's start locations and lengths, as built.
+    pub(crate) fn padded(&self) -> (&[i32], &[i32]) {
+        (&self.query_start_loc, &self.seq_lens)
+    }
+
+    /// Checks `input` (a full [`validate`], then: decodes of the bucket's query length, no more
+    /// requests than the bucket, rows within the block-table width), pads it to the bucket,
+    /// plans its splits and packs the words. The split of the padded step.
+    pub(crate) fn build(&mut self, input: &StepInput<'_>) -> Result<BatchSplit> {
+        validate(input)?;
+        let GraphBucket { num_reqs: bn, query_len: q } = self.bucket;
+        let n = input.num_reqs();
+        ensure(n <= bn, "seq_lens", || format!("{n} requests exceed the graph bucket's {bn}"))?;
+        if let Some(r) = (0..n).find(|&r| input.query_len(r) != q as i64) {
+            return Err(AttnError::invalid(
+                "query_start_loc",
+                format!("request {r} has {} query tokens; the graph bucket takes exactly {q} each", input.query_len(r)),
+            ));
+        }
+        let width = self.layout.block_table_stride;
+        if let Some(r) = (0..n).find(|&r| input.blocks_needed(r) > width) {
+            return Err(AttnError::invalid(
+                "seq_lens",
+                format!("request {r} has length {}: past the {width} blocks of max_model_len", input.seq_lens[r]),
+            ));
+        }
+
+        self.query_start_loc.clear();
+        self.query_start_loc.extend((0..=bn).map(|r| (r * q) as i32));
+        self.seq_lens.clear();
+        self.seq_lens.extend_from_slice(input.seq_lens);
+        self.seq_lens.resize(bn, 0);
+        let batch = DecodeBatch { seq_lens: &self.seq_lens, query_start_loc: &self.query_start_loc };
+        let tc = &self.tc;
+        let plan = plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, self.mode, self.partial_capacity);
+        let items = plan.items.len() / 2;
+        ensure(items <= self.capacity_items, "step", || {
+            format!("its plan has {items} work items, the graph's grid {}: a planner bug", self.capacity_items)
+        })?;
+
+        let (l, words) = (&self.layout, &mut self.words);
+        let put_i32 = |words: &mut [u32], r: Region, v: &[i32]| {
+            for (w, &x) in words[r.range()].iter_mut().zip(v) {
+                *w = x as u32;
+            }
+        };
+        put_i32(words, l.query_start_loc, &self.query_start_loc);
+        put_i32(words, l.seq_lens, &self.seq_lens);
+        for r in 0..n {
+            let used = input.blocks_needed(r);
+            let src = &input.block_table[r * input.block_table_stride..][..used];
+            put_i32(words, Region { offset: l.block_table.offset + r * width, len: used }, src);
+        }
+        let slots = &mut words[l.slot_mapping.range()];
+        for (t, pair) in slots.chunks_exact_mut(2).enumerate() {
+            let s = if t < input.num_actual_tokens { input.slot_mapping[t] } else { -1 };
+            pair[0] = s as u64 as u32;
+            pair[1] = (s as u64 >> 32) as u32;
+        }
+        words[l.prefill_query_start_loc.offset] = 0;
+        words[l.work_items.offset..][..plan.items.len()].copy_from_slice(&plan.items);
+        words[l.req_num_splits.range()].copy_from_slice(&plan.req_num_splits);
+        words[l.req_partial_base.range()].copy_from_slice(&plan.req_partial_base);
+        words[l.token_request.range()].copy_from_slice(&plan.token_request);
+        words[self.header.range()].copy_from_slice(&[items as u32, plan.chunk, 0, 0]);
+        let nt = self.bucket.num_tokens();
+        Ok(BatchSplit { num_decodes: bn, num_decode_tokens: nt, num_prefills: 0, num_prefill_tokens: 0 })
+    }
+
+    /// The words [`build`](Self::build) packed.
+    pub(crate) fn words(&self) -> &[u32] {
+        &self.words
+    }
+
+    /// The plan's arrays in the device buffer at `base` (its address).
+    pub(crate) fn device_plan(&self, base: u64) -> DevicePlan {
+        let at = |r: Region| base + r.byte_offset() as u64;
+        let l = &self.layout;
+        DevicePlan {
+            kernel: self.tc.name.clone(),
+            items: at(l.work_items),
+            req_num_splits: at(l.req_num_splits),
+            req_partial_base: at(l.req_partial_base),
+            token_request: at(l.token_request),
+            header: at(self.header),
+            capacity_items: self.capacity_items,
+            // Launched at capture whatever that step's plan (requests with one split are
+            // skipped by the merge kernel).
+            needs_merge: true,
+        }
+    }
+}
+
+/// A captured step ([`Attention::capture`](super::Attention::capture)): replay it after each
+/// [`StepMetadata::build`] of its graph step.
+pub struct StepGraph {
+    graph: CudaGraph,
+    owner: u64,
+    bucket: GraphBucket,
+}
+
+impl StepGraph {
+    pub fn bucket(&self) -> GraphBucket {
+        self.bucket
+    }
+
+    /// Enqueues the captured work on the stream it was captured on, reading `step`'s device
+    /// buffer (the one it was captured with: its last [`build`](StepMetadata::build) is what
+    /// runs). Nothing waits.
+    pub fn replay(&self, step: &StepMetadata) -> Result<()> {
+        ensure(step.owner == self.owner && step.graph_bucket() == Some(self.bucket), "step", || {
+            "is not the graph step this graph was captured with".into()
+        })?;
+        ensure(step.is_built(), "step", || "was not built (its last build failed)".into())?;
+        Ok(self.graph.launch()?)
+    }
+}
+
+/// Captures what `record` enqueues on `stream` into a graph: thread-local capture (any
+/// synchronisation or allocation in this thread during the capture fails it), with cudarc's
+/// cross-stream event tracking off for the duration (one stream needs none, and its event
+/// waits would break the capture).
+pub(crate) fn capture_stream(stream: &Arc<CudaStream>, record: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
+    let ctx = stream.context();
+    let tracking = ctx.is_event_tracking();
+    // SAFETY: only this stream is used while tracking is off; it is restored below.
+    unsafe { ctx.disable_event_tracking() };
+    let result = (|| {
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let recorded = record();
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+        recorded?;
+        graph?.ok_or_else(|| AttnError::invalid("record", "captured nothing"))
+    })();
+    if tracking {
+        // SAFETY: restores the context's earlier setting.
+        unsafe { ctx.enable_event_tracking() };
+    }
+    result
+}
+
+pub(crate) fn new_step_graph(graph: CudaGraph, owner: u64, bucket: GraphBucket) -> StepGraph {
+    StepGraph { graph, owner, bucket }
+}
