@@ -10,9 +10,10 @@
 //!   rewritten by one copy in [`StepMetadata::build`](super::StepMetadata::build), outside the
 //!   graph;
 //! - plans the splits on the host as eager steps do, then hands the kernels the plan's item
-//!   count and chunk through a header in that buffer: the attention grid covers the most items
-//!   a plan of the bucket can have ([`TcKernel::max_items`]) and CTAs past the step's items
-//!   exit; the merge is always launched (it skips requests with one split).
+//!   chunk through a header in that buffer: the attention grid covers the most items a plan of
+//!   the bucket can have ([`TcKernel::max_items`]), the items past the step's are `NO_WORK`
+//!   (their CTAs exit at once), and the merge is always launched (it skips requests with one
+//!   split).
 //!
 //! Inside the captured region `forward` copies nothing, allocates nothing, waits for nothing and
 //! decides nothing from the step's contents.
@@ -21,6 +22,7 @@ use super::step::StepMetadata;
 use crate::decode::{plan_decode_tc, DecodeBatch, DevicePlan, SplitMode, TcKernel};
 use crate::error::{ensure, AttnError, Result};
 use crate::metadata::{validate, BatchSplit, Region, StagingLayout, StagingSizes, StepInput, ALIGN_WORDS};
+use attn_math::params::NO_WORK;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaStream};
 use std::sync::Arc;
@@ -173,7 +175,12 @@ impl GraphPlanner {
             pair[1] = (s as u64 >> 32) as u32;
         }
         words[l.prefill_query_start_loc.offset] = 0;
-        words[l.work_items.offset..][..plan.items.len()].copy_from_slice(&plan.items);
+        // Items past the step's do nothing (their CTAs exit at once): the grid is fixed.
+        let items_words = &mut words[l.work_items.range()];
+        items_words[..plan.items.len()].copy_from_slice(&plan.items);
+        for pad in items_words[plan.items.len()..].chunks_exact_mut(2) {
+            pad.copy_from_slice(&[0, NO_WORK]);
+        }
         words[l.req_num_splits.range()].copy_from_slice(&plan.req_num_splits);
         words[l.req_partial_base.range()].copy_from_slice(&plan.req_partial_base);
         words[l.token_request.range()].copy_from_slice(&plan.token_request);

@@ -150,8 +150,6 @@ struct Work {
     /// MLA: which slice of V's columns this CTA produces (0 otherwise), and its first column.
     slice: u32,
     v_col0: u32,
-    /// Keys per split (0: one split).
-    chunk: u32,
 }
 
 impl Work {
@@ -238,16 +236,6 @@ unsafe fn work_item(p: &PrefillParams, bm: u32, dv: u32) -> Option<Work> {
     let kv_heads = p.num_q_heads / p.group;
     let item_idx = cta / kv_heads;
     let kv_head = cta - item_idx * kv_heads;
-    // A replayed graph's grid covers the most items a step can have; the step's plan says how
-    // many it has and its chunk.
-    let chunk = if p.plan != 0 {
-        if item_idx >= unsafe { load_u32_nc(p.plan) } {
-            return None;
-        }
-        unsafe { load_u32_nc(p.plan + 4) }
-    } else {
-        p.chunk
-    };
     let item = p.work_items + item_idx as u64 * 8;
     let req = unsafe { load_u32_nc(item) };
     let tile_split = unsafe { load_u32_nc(item + 4) };
@@ -265,7 +253,7 @@ unsafe fn work_item(p: &PrefillParams, bm: u32, dv: u32) -> Option<Work> {
     if row0 >= n_rows {
         return None;
     }
-    Some(Work { req, split, q_start, q_len, seq_len, row0, live: (n_rows - row0).min(bm), kv_head, slice, v_col0: slice * dv, chunk })
+    Some(Work { req, split, q_start, q_len, seq_len, row0, live: (n_rows - row0).min(bm), kv_head, slice, v_col0: slice * dv })
 }
 
 /// S = Q K^T for a warp: `MT` tiles of 16 rows x `KW` keys starting at `key_off` of the K tile
@@ -444,8 +432,10 @@ pub unsafe fn attention<
     let (min_pos, max_pos) = unsafe { (w.row(p, 0).pos, w.row(p, w.live - 1).pos) };
 
     // The keys this CTA attends: its split, cut by causality and the window.
-    let mut begin = if w.chunk > 0 { w.split * w.chunk } else { 0 };
-    let mut end = if w.chunk > 0 { (begin + w.chunk).min(w.seq_len) } else { w.seq_len };
+    // Keys per split: the launch's, or the device plan's header's.
+    let chunk = if p.plan != 0 { unsafe { load_u32_nc(p.plan + 4) } } else { p.chunk };
+    let mut begin = if chunk > 0 { w.split * chunk } else { 0 };
+    let mut end = if chunk > 0 { (begin + chunk).min(w.seq_len) } else { w.seq_len };
     if p.causal != 0 {
         end = end.min(max_pos + 1);
     }

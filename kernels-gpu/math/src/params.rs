@@ -163,6 +163,10 @@ pub struct MergeStatesParams {
 /// item, kv head); a work item is a request, a tile of its query rows and a split of its keys.
 /// A request's query rows are its `q_len` tokens x the `group` query heads of the kv head,
 /// row = token * group + head-in-group, so GQA heads share each K/V tile.
+/// Second word of a work item that does nothing (row tile 0xffff is past any request's rows):
+/// pads a device plan's items up to its launch's grid.
+pub const NO_WORK: u32 = 0xffff << 16;
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PrefillParams {
@@ -221,8 +225,9 @@ pub struct PrefillParams {
     /// Width of a split-K partial row (head_size_v x v_slices); 0 = head_size_v.
     pub v_row: u32,
     pub _pad: u32,
-    /// `[num_items, chunk]` u32 read by every CTA (CUDA-graph replays, whose grid and
-    /// arguments were fixed at capture): CTAs past `num_items` items exit, and `chunk` replaces
-    /// the field above. 0 = the grid is the items and `chunk` is the field.
+    /// A split plan on the device (CUDA-graph replays, whose arguments were fixed at capture):
+    /// `[num_items, chunk]` u32, of which the kernel reads `chunk` in place of the field above.
+    /// The grid covers the most items a step can have; the items past the step's are
+    /// [`NO_WORK`]. 0 = no such plan.
     pub plan: u64,
 }
