@@ -1,7 +1,11 @@
 //! The kernels, built to PTX by `cargo xtask build-ptx` and committed under `host/ptx/`, embedded
 //! here so that an engine depending on this crate needs neither nightly Rust nor the CUDA toolkit.
-//! Each target has one module per kernel family; the device loads a family on first use, so a
-//! program pays the driver's JIT compile only for the kernels it runs.
+//! Each target has one module per kernel family; the device loads a family on first use.
+//!
+//! Next to each PTX module is its SASS (`.cubin`, assembled by `ptxas` for the target). On a GPU
+//! that runs it, the device loads the SASS: no driver JIT. The JIT of the prefill module alone
+//! took 23-30 s on a fresh H100 machine. Elsewhere (a newer GPU, or if the driver refuses the
+//! cubin) it loads the PTX and the driver JIT-compiles it; `ATTN_FORCE_PTX_JIT=1` forces that.
 
 /// The kernel families (one PTX module each). Must match xtask's `FAMILIES`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,13 +36,19 @@ pub(crate) struct PtxTarget {
     pub name: &'static str,
     /// Indexed by `Family as usize`.
     pub modules: [&'static str; NUM_FAMILIES],
+    /// The same modules assembled by `ptxas` for this target.
+    pub cubins: [&'static [u8]; NUM_FAMILIES],
+    /// Compute capabilities that run the cubins: the target's own, and newer minor versions of
+    /// the same major where the architecture allows it (sm_80 SASS runs on 8.6 and 8.9).
+    pub sass_min_cc: u32,
+    pub sass_max_cc: u32,
     /// Runs on devices whose compute capability is in `min_cc..=max_cc` (major * 10 + minor).
     pub min_cc: u32,
     pub max_cc: u32,
 }
 
 macro_rules! target {
-    ($name:literal, $min:expr, $max:expr) => {
+    ($name:literal, $min:expr, $max:expr, $sass_max:expr) => {
         PtxTarget {
             name: $name,
             modules: [
@@ -46,18 +56,32 @@ macro_rules! target {
                 include_str!(concat!("../ptx/", $name, "/attention.ptx")),
                 include_str!(concat!("../ptx/", $name, "/prefill.ptx")),
             ],
+            cubins: [
+                include_bytes!(concat!("../ptx/", $name, "/cache_write.cubin")),
+                include_bytes!(concat!("../ptx/", $name, "/attention.cubin")),
+                include_bytes!(concat!("../ptx/", $name, "/prefill.cubin")),
+            ],
             min_cc: $min,
             max_cc: $max,
+            sass_min_cc: $min,
+            sass_max_cc: $sass_max,
         }
     };
+}
+
+impl PtxTarget {
+    /// Whether a device of compute capability `cc` runs this target's SASS.
+    pub fn runs_sass(&self, cc: u32) -> bool {
+        (self.sass_min_cc..=self.sass_max_cc).contains(&cc)
+    }
 }
 
 /// Best first: the first target whose range holds the device's capability is used.
 pub(crate) const TARGETS: &[PtxTarget] = &[
     // sm_90a code uses Hopper-only instructions and runs on compute capability 9.0 exactly.
-    target!("sm_90a", 90, 90),
-    // Ampere PTX is JIT-compiled by the driver for every newer GPU.
-    target!("sm_80", 80, u32::MAX),
+    target!("sm_90a", 90, 90, 90),
+    // Ampere SASS runs on 8.x; its PTX is JIT-compiled by the driver for every newer GPU.
+    target!("sm_80", 80, u32::MAX, 89),
 ];
 
 pub(crate) fn target_for(cc: u32) -> Option<&'static PtxTarget> {

@@ -5,8 +5,10 @@
 //! and passes `-C linker=true` so the skipped link step succeeds.
 
 use crate::repo_root;
+use crate::report::find_ptxas;
 use crate::toolchain::{nightly, nightly_version, run, GpuTarget, FAMILIES, NIGHTLY_VERSION, TARGETS};
 use std::path::PathBuf;
+use std::process::Command;
 
 pub fn kernels_dir() -> PathBuf {
     repo_root().join("kernels-gpu/kernels")
@@ -18,6 +20,33 @@ pub fn ptx_dir() -> PathBuf {
 
 pub fn ptx_path(target: &str, family: &str) -> PathBuf {
     ptx_dir().join(target).join(format!("{family}.ptx"))
+}
+
+/// The SASS of a module (`ptxas -arch=<target>` of its PTX), embedded next to the PTX.
+pub fn cubin_path(target: &str, family: &str) -> PathBuf {
+    ptx_dir().join(target).join(format!("{family}.cubin"))
+}
+
+/// Assembles `ptx` for `arch` with ptxas (the pinned one from `.venv-ptxas` in CI).
+fn assemble(ptx: &str, arch: &str, family: &str) -> Result<Vec<u8>, String> {
+    let dir = std::env::temp_dir().join(format!("attn-cubin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let (src, out) = (dir.join(format!("{arch}-{family}.ptx")), dir.join(format!("{arch}-{family}.cubin")));
+    std::fs::write(&src, ptx).map_err(|e| e.to_string())?;
+    let ptxas = find_ptxas();
+    let status = Command::new(&ptxas)
+        .arg(format!("-arch={arch}"))
+        .arg(&src)
+        .arg("-o")
+        .arg(&out)
+        .status()
+        .map_err(|e| format!("{}: {e} (pip install nvidia-cuda-nvcc, or set PTXAS)", ptxas.display()))?;
+    if !status.success() {
+        return Err(format!("ptxas -arch={arch} failed on {family}"));
+    }
+    let cubin = std::fs::read(&out).map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(cubin)
 }
 
 /// Builds one family for one target and returns its PTX text. The family's `--cfg` goes to the
@@ -68,23 +97,29 @@ pub fn build_ptx(check: bool) -> Result<(), String> {
         for family in FAMILIES {
             let ptx = build_target(t, family)?;
             let path = ptx_path(t.name, family);
+            let cubin = assemble(&ptx, t.cpu, family)?;
+            let sass = cubin_path(t.name, family);
             if check {
                 let committed = std::fs::read_to_string(&path).unwrap_or_default();
                 if committed != ptx {
                     stale.push(path.display().to_string());
                 }
+                if std::fs::read(&sass).unwrap_or_default() != cubin {
+                    stale.push(sass.display().to_string());
+                }
             } else {
                 std::fs::write(&path, &ptx).map_err(|e| e.to_string())?;
-                println!("wrote {} ({} kernels)", path.display(), ptx.matches(".entry").count());
+                std::fs::write(&sass, &cubin).map_err(|e| e.to_string())?;
+                println!("wrote {} ({} kernels) and its SASS ({} KiB)", path.display(), ptx.matches(".entry").count(), cubin.len() / 1024);
             }
         }
     }
     if stale.is_empty() {
         if check {
-            println!("committed PTX matches the kernels' source ({} targets x {} families)", TARGETS.len(), FAMILIES.len());
+            println!("committed PTX and SASS match the kernels' source ({} targets x {} families)", TARGETS.len(), FAMILIES.len());
         }
         Ok(())
     } else {
-        Err(format!("committed PTX is stale (run `cargo xtask build-ptx` and commit): {}", stale.join(", ")))
+        Err(format!("committed PTX/SASS is stale (run `cargo xtask build-ptx` and commit): {}", stale.join(", ")))
     }
 }

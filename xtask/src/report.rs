@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// `$PTXAS`, else the repo's `.venv-ptxas` (made by `.ci/run`), else `ptxas` on the PATH.
-fn find_ptxas() -> PathBuf {
+pub(crate) fn find_ptxas() -> PathBuf {
     if let Some(p) = std::env::var_os("PTXAS") {
         return PathBuf::from(p);
     }

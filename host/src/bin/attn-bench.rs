@@ -417,11 +417,12 @@ fn main() -> Result<()> {
     let d = dev();
     let name = d.context().name()?;
     println!(
-        "device: {name}, sm_{}{}, {} SMs, PTX target {}",
+        "device: {name}, sm_{}{}, {} SMs, module {} ({})",
         d.compute_capability().0,
         d.compute_capability().1,
         d.sm_count(),
-        d.ptx_target()
+        d.ptx_target(),
+        if d.loads_sass() { "SASS" } else { "PTX JIT" }
     );
     let stream = d.context().new_stream()?;
     // The bench owns every buffer and uses one stream: cudarc's cross-stream event tracking

@@ -165,9 +165,10 @@ fn open_device() -> Result<(DeviceInfo, Option<GpuHandles>), Box<dyn std::error:
     let (major, minor) = dev.compute_capability();
     let name = dev.context().name().unwrap_or_else(|_| "GPU".into());
     println!(
-        "engine-sim: GPU 0: {name} (sm_{major}{minor}, {} SMs), PTX module {}, kernels loaded in {:.0} ms",
+        "engine-sim: GPU 0: {name} (sm_{major}{minor}, {} SMs), module {} ({}), kernels loaded in {:.0} ms",
         dev.sm_count(),
         dev.ptx_target(),
+        if dev.loads_sass() { "SASS" } else { "PTX, JIT-compiled by the driver" },
         t.elapsed().as_secs_f64() * 1e3
     );
     let stream = dev.context().new_stream()?;
