@@ -12,15 +12,9 @@ use half::bf16;
 use host::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
 use host::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, LayerIo, NewKv};
 use host::metadata::{CascadeMode, StepInput};
-use host::{AttnDevice, DType, DevIn, DevOut, KvLayout, RowsDesc};
+use host::{DType, DevIn, DevOut, KvLayout, RowsDesc};
 use libtest_mimic::Trial;
 use rand::seq::SliceRandom;
-use std::sync::{Arc, OnceLock};
-
-fn arc_device() -> Arc<AttnDevice> {
-    static DEV: OnceLock<Arc<AttnDevice>> = OnceLock::new();
-    DEV.get_or_init(|| Arc::new(AttnDevice::new(0).expect("open GPU 0"))).clone()
-}
 
 const BS: usize = 16;
 

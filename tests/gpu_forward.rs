@@ -11,18 +11,11 @@ use half::{bf16, f16};
 use host::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig};
 use host::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, HostElement, LayerIo, NewKv};
 use host::metadata::{is_decode, StepInput};
-use host::{AttnDevice, AttnError, DType, DevIn, DevOut, KvLayout, RowsDesc};
+use host::{AttnError, DType, DevIn, DevOut, KvLayout, RowsDesc};
 use libtest_mimic::Trial;
 use rand::seq::SliceRandom;
 use rand::Rng;
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock};
-
-/// The device as `forward` takes it (its own handle; the kernels load once per handle).
-fn arc_device() -> Arc<AttnDevice> {
-    static DEV: OnceLock<Arc<AttnDevice>> = OnceLock::new();
-    DEV.get_or_init(|| Arc::new(AttnDevice::new(0).expect("open GPU 0"))).clone()
-}
 
 #[derive(Clone, Debug)]
 struct Case {

@@ -13,16 +13,11 @@ use half::bf16;
 use host::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
 use host::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, GraphBucket, LayerIo, NewKv};
 use host::metadata::StepInput;
-use host::{AttnDevice, AttnError, DType, DevIn, DevOut, KvLayout, RowsDesc};
+use host::{AttnError, DType, DevIn, DevOut, KvLayout, RowsDesc};
 use libtest_mimic::Trial;
 use rand::seq::SliceRandom;
 use rand::Rng;
-use std::sync::{Arc, OnceLock};
-
-fn arc_device() -> Arc<AttnDevice> {
-    static DEV: OnceLock<Arc<AttnDevice>> = OnceLock::new();
-    DEV.get_or_init(|| Arc::new(AttnDevice::new(0).expect("open GPU 0"))).clone()
-}
+use std::sync::Arc;
 
 #[derive(Clone, Debug)]
 struct Case {

@@ -21,6 +21,12 @@ pub fn device() -> &'static AttnDevice {
     DEV.get_or_init(|| AttnDevice::new(0).expect("open GPU 0"))
 }
 
+/// The device as `forward` takes it (an `Arc`; its own handle, so the kernels load once more).
+pub fn arc_device() -> Arc<AttnDevice> {
+    static DEV: OnceLock<Arc<AttnDevice>> = OnceLock::new();
+    DEV.get_or_init(|| Arc::new(AttnDevice::new(0).expect("open GPU 0"))).clone()
+}
+
 pub fn new_stream() -> Arc<CudaStream> {
     device().context().new_stream().expect("create stream")
 }
