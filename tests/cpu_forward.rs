@@ -247,6 +247,7 @@ fn run_case<T: HostElement>(case: &Case, steps: &[Vec<(usize, usize)>], seed: u6
                 out_rows,
                 alibi_slopes: case.extras.alibi.then(|| f32::host_in(&slopes)),
                 sinks: case.extras.sinks.then(|| f32::host_in(&sinks)),
+                kv_scales: None,
             }),
         )
         .unwrap_or_else(|e| panic!("step {s}: {e}"));
@@ -460,6 +461,7 @@ impl Bufs {
             out_rows: RowsDesc::contiguous(6, HQ, D),
             alibi_slopes: None,
             sinks: None,
+            kv_scales: None,
         }
     }
 
@@ -690,4 +692,74 @@ fn gpu_backends_are_refused_without_a_gpu() {
     assert!(!attn.runs_on_gpu());
     assert_eq!(attn.cache_spec().v_head_size(), 512);
     assert_eq!(attn.cache_spec().num_elements(), NB * 64 * 576);
+}
+
+/// An FP8 cache through `forward` on the CPU: bf16 queries, the cache written as value / scale
+/// and read back through the scales. The prefill sees only V = 1 (stored as 1 / v_scale = 32,
+/// exact in e4m3); refusals name `kv_scales` when they are missing, or given for a bf16 cache.
+#[test]
+fn fp8_caches_take_their_scales() {
+    let model = ModelConfig { cache_dtype: DType::Fp8E4m3, ..ModelConfig::standard(HQ, HKV, D, DType::BF16, BS, KvLayout::FlashNhd) };
+    let mut attn = Attention::new(&cpu_selection(&model), ForwardConfig::new(model, NB, limits()), None).unwrap();
+    let mut meta = attn.new_step_metadata().unwrap();
+    meta.build(&Small::new().input()).unwrap();
+    let nt = 6;
+    let q = vec![bf16::from_f32(0.5); nt * HQ * D];
+    let (k, v) = (vec![bf16::from_f32(0.25); nt * HKV * D], vec![bf16::ONE; nt * HKV * D]);
+    let mut cache = vec![host::Fp8E4m3::default(); attn.cache_spec().num_elements()];
+    let mut out = vec![bf16::from_f32(-3.0); nt * HQ * D];
+    let scales = ([1.0f32 / 64.0], [1.0f32 / 32.0]);
+    let mut run = |scales: Option<(&[f32], &[f32])>| {
+        attn.forward(
+            &meta,
+            LayerIo::Cpu(CpuLayer {
+                q: q.as_slice().into(),
+                q_rows: RowsDesc::contiguous(nt, HQ, D),
+                new_kv: NewKv::Standard {
+                    k: k.as_slice().into(),
+                    k_rows: RowsDesc::contiguous(nt, HKV, D),
+                    v: v.as_slice().into(),
+                    v_rows: RowsDesc::contiguous(nt, HKV, D),
+                },
+                cache: cache.as_mut_slice().into(),
+                out: out.as_mut_slice().into(),
+                out_rows: RowsDesc::contiguous(nt, HQ, D),
+                alibi_slopes: None,
+                sinks: None,
+                kv_scales: scales.map(|(k, v)| (k.into(), v.into())),
+            }),
+        )
+    };
+    assert_eq!(arg_of(run(None)), "kv_scales");
+    run(Some((&scales.0, &scales.1))).unwrap();
+    assert!(out[HQ * D..].iter().all(|x| (x.to_f32() - 1.0).abs() < 1e-6), "the prefill sees only V = 1");
+    // The decode's cached keys were never written (code 0 = 0.0): its output mixes V = 0 and 1.
+    assert!(out[..HQ * D].iter().all(|x| x.to_f32() > 0.0 && x.to_f32() < 1.0));
+
+    let bf = small_model();
+    let bf = ModelConfig { q_dtype: DType::BF16, cache_dtype: DType::BF16, ..bf };
+    let mut attn = Attention::new(&cpu_selection(&bf), ForwardConfig::new(bf, NB, limits()), None).unwrap();
+    let mut meta = attn.new_step_metadata().unwrap();
+    meta.build(&Small::new().input()).unwrap();
+    let mut cache = vec![bf16::ZERO; attn.cache_spec().num_elements()];
+    let r = attn.forward(
+        &meta,
+        LayerIo::Cpu(CpuLayer {
+            q: q.as_slice().into(),
+            q_rows: RowsDesc::contiguous(nt, HQ, D),
+            new_kv: NewKv::Standard {
+                k: k.as_slice().into(),
+                k_rows: RowsDesc::contiguous(nt, HKV, D),
+                v: v.as_slice().into(),
+                v_rows: RowsDesc::contiguous(nt, HKV, D),
+            },
+            cache: cache.as_mut_slice().into(),
+            out: out.as_mut_slice().into(),
+            out_rows: RowsDesc::contiguous(nt, HQ, D),
+            alibi_slopes: None,
+            sinks: None,
+            kv_scales: Some((scales.0.as_slice().into(), scales.1.as_slice().into())),
+        }),
+    );
+    assert_eq!(arg_of(r), "kv_scales");
 }

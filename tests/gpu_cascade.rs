@@ -112,6 +112,7 @@ fn cascade_case(c: Case, salt: u64) -> TestResult {
                 out_rows,
                 alibi_slopes: None,
                 sinks: None,
+                kv_scales: None,
             }),
         )?;
         attn.check_status()?;

@@ -11,7 +11,7 @@ use half::{bf16, f16};
 use host::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig};
 use host::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, HostElement, LayerIo, NewKv};
 use host::metadata::{is_decode, StepInput};
-use host::{AttnError, DType, DevIn, DevOut, KvLayout, RowsDesc};
+use host::{AttnError, DType, DevIn, DevOut, Fp8E4m3, KvLayout, RowsDesc};
 use libtest_mimic::Trial;
 use rand::seq::SliceRandom;
 use rand::Rng;
@@ -30,6 +30,8 @@ struct Case {
     alibi: bool,
     sinks: bool,
     padding: usize,
+    /// An FP8 cache (with k/v scales) instead of one of the query dtype.
+    fp8: bool,
     steps: Vec<Vec<(usize, usize)>>,
 }
 
@@ -41,6 +43,11 @@ fn mixed_steps() -> Vec<Vec<(usize, usize)>> {
         vec![(2, 1), (1, 1), (0, 1), (3, 17)],
         vec![(3, 40), (0, 1), (2, 1), (1, 1)],
     ]
+}
+
+/// Long contexts: decode split-K and the merge.
+fn long_steps() -> Vec<Vec<(usize, usize)>> {
+    vec![vec![(0, 1500), (1, 700)], vec![(0, 1), (1, 1), (2, 900)], vec![(1, 1), (2, 1), (0, 1), (3, 300)]]
 }
 
 fn base(hq: usize, hkv: usize, d: usize) -> Case {
@@ -56,12 +63,13 @@ fn base(hq: usize, hkv: usize, d: usize) -> Case {
         alibi: false,
         sinks: false,
         padding: 0,
+        fp8: false,
         steps: mixed_steps(),
     }
 }
 
 fn cases() -> Vec<(String, Case, DType)> {
-    let long = vec![vec![(0, 1500), (1, 700)], vec![(0, 1), (1, 1), (2, 900)], vec![(1, 1), (2, 1), (0, 1), (3, 300)]];
+    let long = long_steps();
     let spec = vec![vec![(0, 30), (1, 12)], vec![(0, 3), (1, 4), (2, 9)], vec![(2, 2), (0, 1), (1, 5), (3, 4)]];
     vec![
         ("llama_gqa4_d128".into(), base(32, 8, 128), DType::BF16),
@@ -69,6 +77,12 @@ fn cases() -> Vec<(String, Case, DType)> {
         ("mha_d64_hnd".into(), Case { layout: KvLayout::FlashHnd, padding: 3, ..base(4, 4, 64) }, DType::BF16),
         ("gqa2_d96_flashinfer_bs32".into(), Case { layout: KvLayout::FlashInferNhd, block_size: 32, ..base(4, 2, 96) }, DType::F16),
         ("mqa_d256_flashinfer_hnd".into(), Case { layout: KvLayout::FlashInferHnd, ..base(8, 1, 256) }, DType::BF16),
+        ("fp8_cache_gqa4_d128".into(), Case { fp8: true, ..base(32, 8, 128) }, DType::BF16),
+        (
+            "fp8_cache_long_f16_d64_hnd".into(),
+            Case { fp8: true, layout: KvLayout::FlashHnd, steps: long_steps(), ..base(8, 2, 64) },
+            DType::F16,
+        ),
         ("long_contexts_split_k".into(), Case { steps: long, ..base(32, 8, 128) }, DType::BF16),
         ("multi_token_decodes".into(), Case { threshold: 4, steps: spec, ..base(8, 2, 128) }, DType::BF16),
         (
@@ -79,12 +93,19 @@ fn cases() -> Vec<(String, Case, DType)> {
     ]
 }
 
-fn forward_case<T: HostElement + std::fmt::Debug>(c: Case, salt: u64) -> TestResult {
+/// `T`: the query dtype; `C`: the cache's (`T`, or FP8 with scales).
+fn forward_case<T: HostElement + std::fmt::Debug, C: HostElement + std::fmt::Debug>(c: Case, salt: u64) -> TestResult {
     let mut rng = rng(salt);
     let dev = arc_device();
     let stream = dev.context().new_stream()?;
     let features = Features { sinks: c.sinks, sliding_window: c.window.is_some(), softcap: c.softcap.is_some(), alibi: c.alibi };
-    let model = ModelConfig::standard(c.hq, c.hkv, c.d, T::DTYPE, c.block_size, c.layout).with_features(features);
+    let model = ModelConfig {
+        cache_dtype: C::DTYPE,
+        ..ModelConfig::standard(c.hq, c.hkv, c.d, T::DTYPE, c.block_size, c.layout).with_features(features)
+    };
+    let fp8 = C::DTYPE == DType::Fp8E4m3;
+    // Values in [-1, 1) over scales of 1/32 and 1/48: FP8 codes up to 48, well inside e4m3.
+    let kv_scales = [1.0f32 / 32.0, 1.0 / 48.0];
     let gpu_sel = select_backend_no_env(&model, &DeviceInfo::from_device(&dev), None)?;
     let cpu_sel = select_backend_no_env(&model, &DeviceInfo::no_gpu(), None)?;
     if gpu_sel.name() != "tensor-core" {
@@ -100,8 +121,9 @@ fn forward_case<T: HostElement + std::fmt::Debug>(c: Case, salt: u64) -> TestRes
     let mut ca = Attention::new(&cpu_sel, config, None)?;
     let (mut gm, mut cm) = (ga.new_step_metadata()?, ca.new_step_metadata()?);
     let cache_len = ga.cache_spec().num_elements();
-    let mut gcache = stream.alloc_zeros::<T>(cache_len)?;
-    let mut ccache = vec![T::default(); cache_len];
+    let mut gcache = stream.alloc_zeros::<C>(cache_len)?;
+    let mut ccache = vec![C::default(); cache_len];
+    let (k_scale_d, v_scale_d) = (upload(&stream, &kv_scales[..1]), upload(&stream, &kv_scales[1..]));
     let slopes: Vec<f32> = (0..c.hq).map(|h| 0.5f32.powi(h as i32 % 8 + 1)).collect();
     let sinks: Vec<f32> = (0..c.hq).map(|_| rng.random_range(-2.0..3.0)).collect();
     let (slopes_d, sinks_d) = (upload(&stream, &slopes), upload(&stream, &sinks));
@@ -166,6 +188,7 @@ fn forward_case<T: HostElement + std::fmt::Debug>(c: Case, salt: u64) -> TestRes
                 out_rows,
                 alibi_slopes: c.alibi.then(|| DevIn::new(&slopes_d, &stream)),
                 sinks: c.sinks.then(|| DevIn::new(&sinks_d, &stream)),
+                kv_scales: fp8.then(|| (DevIn::new(&k_scale_d, &stream), DevIn::new(&v_scale_d, &stream))),
             }),
         )?;
         ca.forward(
@@ -174,11 +197,12 @@ fn forward_case<T: HostElement + std::fmt::Debug>(c: Case, salt: u64) -> TestRes
                 q: T::host_in(&data),
                 q_rows,
                 new_kv: NewKv::Standard { k: T::host_in(&data[wq..]), k_rows: kv_rows, v: T::host_in(&data[wq + wkv..]), v_rows: kv_rows },
-                cache: T::host_out(&mut ccache),
+                cache: C::host_out(&mut ccache),
                 out: T::host_out(&mut out_h),
                 out_rows,
                 alibi_slopes: c.alibi.then(|| f32::host_in(&slopes)),
                 sinks: c.sinks.then(|| f32::host_in(&sinks)),
+                kv_scales: fp8.then(|| (f32::host_in(&kv_scales[..1]), f32::host_in(&kv_scales[1..]))),
             }),
         )?;
         ga.check_status()?;
@@ -252,6 +276,7 @@ fn refusals() -> TestResult {
                 out_rows: RowsDesc::contiguous(6, 8, 128),
                 alibi_slopes: None,
                 sinks: None,
+                kv_scales: None,
             }),
         );
         match r {
@@ -274,6 +299,7 @@ fn refusals() -> TestResult {
             out_rows: RowsDesc::contiguous(6, 8, 128),
             alibi_slopes: None,
             sinks: None,
+            kv_scales: None,
         }),
     );
     if !matches!(r, Err(AttnError::InvalidArgument { arg: "layer", .. })) {
@@ -300,9 +326,11 @@ fn main() {
     let picked: Vec<_> = if quick() { all.into_iter().step_by(3).collect() } else { all };
     for (i, (name, case, dt)) in picked.into_iter().enumerate() {
         let s = 6000 + i as u64;
-        let f: Box<dyn FnOnce() -> TestResult + Send> = match dt {
-            DType::F16 => Box::new(move || forward_case::<f16>(case, s)),
-            _ => Box::new(move || forward_case::<bf16>(case, s)),
+        let f: Box<dyn FnOnce() -> TestResult + Send> = match (dt, case.fp8) {
+            (DType::F16, false) => Box::new(move || forward_case::<f16, f16>(case, s)),
+            (DType::F16, true) => Box::new(move || forward_case::<f16, Fp8E4m3>(case, s)),
+            (_, false) => Box::new(move || forward_case::<bf16, bf16>(case, s)),
+            (_, true) => Box::new(move || forward_case::<bf16, Fp8E4m3>(case, s)),
         };
         trials.push(Trial::test(format!("forward::{name}"), f));
     }

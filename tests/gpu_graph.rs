@@ -89,6 +89,7 @@ fn layer<'a>(
         out_rows,
         alibi_slopes: None,
         sinks: None,
+        kv_scales: None,
     })
 }
 

@@ -134,6 +134,7 @@ impl Io {
                 out_rows: RowsDesc::contiguous(self.rows, HQ, D),
                 alibi_slopes: None,
                 sinks: None,
+                kv_scales: None,
             }),
         )
     }

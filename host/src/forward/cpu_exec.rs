@@ -16,7 +16,7 @@ use super::timing::Timer;
 use super::validate::Parts;
 use crate::cpu::{self, DecodeRef, DecodeResult, KvRef, PrefillRef, WriteReport};
 use crate::decode::DecodeBatch;
-use crate::dtype::{DType, Element};
+use crate::dtype::{DType, Element, Fp8E4m3};
 use crate::error::{AttnError, Result};
 use crate::layout::{MlaCacheSpec, RowsDesc};
 use half::{bf16, f16};
@@ -29,12 +29,25 @@ pub(crate) fn forward_cpu(
     layer: CpuLayer<'_>,
     timer: &mut Timer,
 ) -> Result<()> {
-    match config.model.q_dtype {
-        DType::F16 => run::<f16>(config, spec, step, layer, timer),
-        DType::BF16 => run::<bf16>(config, spec, step, layer, timer),
-        DType::F32 => run::<f32>(config, spec, step, layer, timer),
-        other => Err(AttnError::UnsupportedDType { arg: "q", dtype: other, reason: "queries are f16, bf16 or f32" }),
+    let fp8 = config.model.cache_dtype == DType::Fp8E4m3;
+    match (config.model.q_dtype, fp8) {
+        (DType::F16, false) => run::<f16, f16>(config, spec, step, layer, timer),
+        (DType::BF16, false) => run::<bf16, bf16>(config, spec, step, layer, timer),
+        (DType::F32, false) => run::<f32, f32>(config, spec, step, layer, timer),
+        (DType::F16, true) => run::<f16, Fp8E4m3>(config, spec, step, layer, timer),
+        (DType::BF16, true) => run::<bf16, Fp8E4m3>(config, spec, step, layer, timer),
+        (DType::F32, true) => run::<f32, Fp8E4m3>(config, spec, step, layer, timer),
+        (other, _) => Err(AttnError::UnsupportedDType { arg: "q", dtype: other, reason: "queries are f16, bf16 or f32" }),
     }
+}
+
+/// The layer's (k, v) scales: one f32 each.
+fn scale_values(scales: Option<&(HostIn<'_>, HostIn<'_>)>) -> Result<Option<(f32, f32)>> {
+    let Some((k, v)) = scales else { return Ok(None) };
+    let one = |b: &HostIn<'_>, arg| -> Result<f32> {
+        f32_in(Some(b), arg)?.and_then(|s| s.first().copied()).ok_or_else(|| AttnError::invalid(arg, "must hold one f32"))
+    };
+    Ok(Some((one(k, "kv_scales.0")?, one(v, "kv_scales.1")?)))
 }
 
 fn typed_in<'a, T: HostElement>(b: &HostIn<'a>, arg: &'static str) -> Result<&'a [T]> {
@@ -43,23 +56,24 @@ fn typed_in<'a, T: HostElement>(b: &HostIn<'a>, arg: &'static str) -> Result<&'a
 
 fn typed_out<'s, T: HostElement>(b: &'s mut HostOut<'_>, arg: &'static str) -> Result<&'s mut [T]> {
     let dtype = b.dtype();
-    T::from_out(b).ok_or(AttnError::UnsupportedDType { arg, dtype, reason: "must be the query dtype" })
+    T::from_out(b).ok_or(AttnError::UnsupportedDType { arg, dtype, reason: "must be the model's dtype for it" })
 }
 
 fn f32_in<'a>(b: Option<&HostIn<'a>>, arg: &'static str) -> Result<Option<&'a [f32]>> {
     b.map(|b| f32::from_in(b).ok_or(AttnError::UnsupportedDType { arg, dtype: b.dtype(), reason: "must be f32" })).transpose()
 }
 
-fn run<T: HostElement>(
+fn run<T: HostElement, C: HostElement>(
     config: &ForwardConfig,
     spec: &CacheSpec,
     step: &StepMetadata,
     layer: CpuLayer<'_>,
     timer: &mut Timer,
 ) -> Result<()> {
-    let Layer { q, q_rows, new_kv, mut cache, mut out, out_rows, alibi_slopes, sinks } = layer;
+    let Layer { q, q_rows, new_kv, mut cache, mut out, out_rows, alibi_slopes, sinks, kv_scales } = layer;
     let q = typed_in::<T>(&q, "q")?;
-    let cache = typed_out::<T>(&mut cache, "cache")?;
+    let cache = typed_out::<C>(&mut cache, "cache")?;
+    let scales = scale_values(kv_scales.as_ref())?;
     let out = typed_out::<T>(&mut out, "out")?;
     let alibi = f32_in(alibi_slopes.as_ref(), "alibi_slopes")?;
     let sinks = f32_in(sinks.as_ref(), "sinks")?;
@@ -70,7 +84,7 @@ fn run<T: HostElement>(
     let report = match (&new_kv, spec) {
         (NewKv::Standard { k, k_rows, v, v_rows }, CacheSpec::Paged(s)) => {
             let (k_rows, v_rows) = (RowsDesc { num_tokens: nt, ..*k_rows }, RowsDesc { num_tokens: nt, ..*v_rows });
-            cpu::reshape_and_cache(typed_in::<T>(k, "k")?, k_rows, typed_in::<T>(v, "v")?, v_rows, slots, cache, s, None)?
+            cpu::reshape_and_cache(typed_in::<T>(k, "k")?, k_rows, typed_in::<T>(v, "v")?, v_rows, slots, cache, s, scales)?
         }
         (NewKv::Mla { kv_c, kv_c_token_stride, k_pe, k_pe_token_stride }, CacheSpec::Mla(s)) => cpu::concat_and_cache_mla(
             typed_in::<T>(kv_c, "kv_c")?,
@@ -81,7 +95,7 @@ fn run<T: HostElement>(
             slots,
             cache,
             s,
-            None,
+            scales.map(|(k, _)| k),
         )?,
         _ => return Err(AttnError::invalid("new_kv", "does not match the model's attention kind")),
     };
@@ -91,7 +105,7 @@ fn run<T: HostElement>(
     let parts = Parts::of(step);
     let (bt, stride) = step.host_block_table();
     let split = step.split();
-    let cache: &[T] = cache;
+    let cache: &[C] = cache;
     let opts = config.opts;
     let (hq, dv, ts) = (q_rows.num_heads, spec.v_head_size(), q_rows.token_stride);
     // The requests of a chunk: their queries from token `first_token`, blocks from row `first_req`.
@@ -111,7 +125,7 @@ fn run<T: HostElement>(
                 opts,
                 alibi_slopes: alibi,
                 sinks,
-                scales: None,
+                scales,
             }),
             CacheSpec::Paged(s) => cpu::prefill(&PrefillRef {
                 q,
@@ -124,7 +138,7 @@ fn run<T: HostElement>(
                 opts,
                 alibi_slopes: alibi,
                 sinks,
-                scales: None,
+                scales,
             }),
             CacheSpec::Mla(s) => {
                 let (keys, key_start_loc) = gather_latents(cache, s, block_table, stride, &c.seq_lens);
@@ -143,7 +157,7 @@ fn run<T: HostElement>(
                     opts,
                     alibi_slopes: alibi,
                     sinks,
-                    scales: None,
+                    scales,
                 })
             }
         }

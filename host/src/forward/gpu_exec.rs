@@ -13,7 +13,7 @@ use super::step_plan::{PlanKind, StepPlanner};
 use super::timing::Timer;
 use super::validate::Parts;
 use crate::buffer::DevIn;
-use crate::cache_write::{concat_and_cache_mla, reshape_and_cache, KvWrite, MlaWrite};
+use crate::cache_write::{concat_and_cache_mla, reshape_and_cache, KvScales, KvWrite, MlaWrite};
 use crate::decode::{
     decode_tc_kernel, merge_attn_states, paged_decode_from, DecodeArgs, DecodeBatch, DecodeWorkspace, MergeArgs, PlanSource, SplitMode,
 };
@@ -196,7 +196,9 @@ impl GpuExec {
         // capturable), or the one `build` made for every layer of the step.
         let plans = step.step_plans();
         let graph_plan = step.device_plan().or_else(|| plans.and_then(|p| p.decode.clone()));
-        let Layer { q, q_rows, new_kv, mut cache, mut out, out_rows, alibi_slopes, sinks } = layer;
+        let Layer { q, q_rows, new_kv, mut cache, mut out, out_rows, alibi_slopes, sinks, kv_scales } = layer;
+        // An FP8 cache's scales, as each op takes them.
+        let scales = || kv_scales.as_ref().map(|(k, v)| KvScales { k: k.tail(0), v: v.tail(0) });
         let NewKv::Standard { k, k_rows, v, v_rows } = new_kv else {
             return Err(AttnError::invalid("new_kv", "MLA latents given for a standard-attention model"));
         };
@@ -219,7 +221,7 @@ impl GpuExec {
             slot_mapping: views.slot_mapping(),
             cache: cache.tail_mut(0),
             spec: *spec,
-            scales: None,
+            scales: scales(),
         };
         reshape_and_cache(&self.dev, stream, write, &mut self.status)?;
         let written = timer.mark(Some(stream))?;
@@ -276,7 +278,7 @@ impl GpuExec {
                     lse: target_lse.as_mut().map(|l| l.tail_mut(0)),
                     alibi_slopes: alibi_slopes.as_ref().map(|b| b.tail(0)),
                     sinks: sinks.as_ref().map(|b| b.tail(0)),
-                    scales: None,
+                    scales: scales(),
                 };
                 let source = graph_plan.as_ref().map_or(PlanSource::Host(config.split_mode), PlanSource::Device);
                 paged_decode_from(&self.dev, stream, args, &batch, &config.opts, source, true, &mut self.decode_ws, &mut self.status)?;
@@ -303,7 +305,7 @@ impl GpuExec {
                     lse: target_lse.as_mut().map(|l| l.tail_mut(ndt * hq)),
                     alibi_slopes: alibi_slopes.as_ref().map(|b| b.tail(0)),
                     sinks: sinks.as_ref().map(|b| b.tail(0)),
-                    scales: None,
+                    scales: scales(),
                 };
                 let opts = PrefillOptions { attn: config.opts, causal: true };
                 prefill(&self.dev, stream, args, &batch, &opts, &mut self.prefill_ws, &mut self.status)?;
@@ -327,7 +329,7 @@ impl GpuExec {
                 lse: Some(prefix_lse),
                 alibi_slopes: None,
                 sinks: None,
-                scales: None,
+                scales: scales(),
             };
             let (lens, qsl) = ([prefix.tokens as i32], [0, nt as i32]);
             let batch = DecodeBatch { seq_lens: &lens, query_start_loc: &qsl };
@@ -371,7 +373,9 @@ impl GpuExec {
         // capturable), or the one `build` made for every layer of the step.
         let plans = step.step_plans();
         let graph_plan = step.device_plan().or_else(|| plans.and_then(|p| p.decode.clone()));
-        let Layer { q, q_rows, new_kv, mut cache, mut out, out_rows, alibi_slopes, sinks } = layer;
+        let Layer { q, q_rows, new_kv, mut cache, mut out, out_rows, alibi_slopes, sinks, kv_scales } = layer;
+        // An FP8 cache's scales, as each op takes them.
+        let scales = || kv_scales.as_ref().map(|(k, v)| KvScales { k: k.tail(0), v: v.tail(0) });
         let NewKv::Mla { kv_c, kv_c_token_stride, k_pe, k_pe_token_stride } = new_kv else {
             return Err(AttnError::invalid("new_kv", "standard K/V given for an MLA model"));
         };
@@ -395,7 +399,7 @@ impl GpuExec {
             slot_mapping: views.slot_mapping(),
             cache: cache.tail_mut(0),
             spec: *spec,
-            scale: None,
+            scale: kv_scales.as_ref().map(|(k, _)| k.tail(0)),
         };
         concat_and_cache_mla(&self.dev, stream, write, &mut self.status)?;
         let written = timer.mark(Some(stream))?;
@@ -416,7 +420,7 @@ impl GpuExec {
                 out: out.tail_mut(0),
                 out_rows: RowsDesc { num_tokens: ndt, ..out_rows },
                 lse: None,
-                scales: None,
+                scales: scales(),
             };
             let source = graph_plan.as_ref().map_or(PlanSource::Host(config.split_mode), PlanSource::Device);
             mla_attention_from(&self.dev, stream, args, &parts.decode, scale, source, &mut self.decode_ws, &mut self.status)?;
@@ -435,7 +439,7 @@ impl GpuExec {
                 out: out.tail_mut(ndt * out_rows.token_stride),
                 out_rows: RowsDesc { num_tokens: npt, ..out_rows },
                 lse: None,
-                scales: None,
+                scales: scales(),
             };
             let batch = DecodeBatch { seq_lens: parts.prefill.seq_lens, query_start_loc: parts.prefill.query_start_loc };
             mla_attention(&self.dev, stream, args, &batch, scale, config.split_mode, &mut self.decode_ws, &mut self.status)?;

@@ -37,6 +37,9 @@ pub struct Layer<I, O> {
     pub alibi_slopes: Option<I>,
     /// `[num_q_heads]` f32 attention-sink logits: given exactly when the model declares sinks.
     pub sinks: Option<I>,
+    /// `[1]` f32 each: the K and V scales of an FP8 cache (stored = value / scale, vLLM's
+    /// `k_scale`/`v_scale`); given exactly when the cache is FP8. MLA: its one scale, as both.
+    pub kv_scales: Option<(I, I)>,
 }
 
 /// A layer on the GPU (the `tensor-core` backend).
@@ -45,6 +48,9 @@ pub type GpuLayer<'a> = Layer<DevIn<'a>, DevOut<'a>>;
 pub type CpuLayer<'a> = Layer<HostIn<'a>, HostOut<'a>>;
 
 /// A layer's tensors where the chosen backend runs.
+// Made and consumed once per layer call: boxing the larger (GPU) variant would allocate on
+// every call to save a few hundred bytes of stack.
+#[allow(clippy::large_enum_variant)]
 pub enum LayerIo<'a> {
     Gpu(GpuLayer<'a>),
     Cpu(CpuLayer<'a>),

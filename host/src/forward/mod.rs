@@ -43,7 +43,7 @@
 //!     },
 //!     cache: cache.as_mut_slice().into(),
 //!     out: out.as_mut_slice().into(), out_rows: RowsDesc::contiguous(6, 4, 8),
-//!     alibi_slopes: None, sinks: None,
+//!     alibi_slopes: None, sinks: None, kv_scales: None,
 //! })).unwrap();
 //! // The prefill's tokens see only this step's keys, all V = 1; the decode's 3 cached keys are
 //! // zeros (never written) with V = 0, and its new one has V = 1.

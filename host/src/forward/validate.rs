@@ -100,6 +100,15 @@ pub(crate) fn validate_layer<I: Buf, O: Buf>(
     check_rows("out", &layer.out, &layer.out_rows, q_dtype, m.num_q_heads, spec.v_head_size(), nt)?;
     check_optional("alibi_slopes", layer.alibi_slopes.as_ref(), m.features.alibi, "ALiBi (features.alibi)", m.num_q_heads)?;
     check_optional("sinks", layer.sinks.as_ref(), m.features.sinks, "attention sinks (features.sinks)", m.num_q_heads)?;
+    let fp8 = m.cache_dtype == DType::Fp8E4m3;
+    match &layer.kv_scales {
+        None => ensure(!fp8, "kv_scales", || "missing: an FP8 cache needs its k and v scales".into())?,
+        Some((k, v)) => {
+            ensure(fp8, "kv_scales", || format!("given for a {:?} cache (only FP8 caches are scaled)", m.cache_dtype))?;
+            check_optional("kv_scales", Some(k), true, "", 1)?;
+            check_optional("kv_scales", Some(v), true, "", 1)?;
+        }
+    }
 
     let parts = Parts::of(step);
     if step.split().num_decodes > 0 {

@@ -349,6 +349,16 @@ struct Pending<I> {
 
 impl<I> Pending<I> {
     fn finish<O>(self, cache: O, out: O) -> Layer<I, O> {
-        Layer { q: self.q, q_rows: self.q_rows, new_kv: self.new_kv, cache, out, out_rows: self.out_rows, alibi_slopes: None, sinks: None }
+        Layer {
+            q: self.q,
+            q_rows: self.q_rows,
+            new_kv: self.new_kv,
+            cache,
+            out,
+            out_rows: self.out_rows,
+            alibi_slopes: None,
+            sinks: None,
+            kv_scales: None,
+        }
     }
 }
