@@ -10,6 +10,16 @@
 //! `tensor-core` and `mla`, [`LayerIo::Cpu`] host slices for `cpu`). MLA models use the same
 //! calls with [`NewKv::Mla`] and their latent cache.
 //!
+//! `build` also plans the step's decode splits once for every layer. It detects a prefix of
+//! blocks that every request shares, and then runs the step as cascade attention
+//! ([`ForwardConfig::cascade`]).
+//!
+//! For CUDA graphs, make a graph step per batch-size bucket with
+//! [`Attention::new_graph_step`]. Build it every step as usual, [`Attention::capture`] the
+//! layers once, and [`StepGraph::replay`] after each build.
+//!
+//! An FP8 cache takes each layer's `kv_scales`.
+//!
 //! ```
 //! use host::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
 //! use host::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, LayerIo, NewKv};
