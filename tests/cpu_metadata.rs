@@ -728,3 +728,37 @@ fn layout_of_sizes() {
     assert_eq!(layout.prefill_seq_lens(), Region { offset: 6, len: 1 });
     assert_eq!(layout.prefill_block_table(), Region { offset: 18, len: 5 });
 }
+
+/// `without_decode_plan`: the same checks, split and arrays, and an empty decode plan (no work
+/// items packed), for callers that plan decode themselves.
+#[test]
+fn builder_without_decode_plan_packs_no_plan() {
+    let c = PlanConfig {
+        decode_threshold: 4,
+        num_q_heads: 32,
+        num_kv_heads: 8,
+        head_size: 128,
+        sm_count: 132,
+        mode: SplitMode::Auto,
+        partial_capacity: 4096,
+    };
+    let mut rng = SmallRng::seed_from_u64(11);
+    let b = assemble(&mut rng, &[(1, 17), (3, 3000), (2, 40), (9, 9), (300, 1000)], 16);
+    let with = build(&b, &c).unwrap();
+    let mut builder = MetadataBuilder::new(c).unwrap().without_decode_plan();
+    let built = builder.build(&b.input()).unwrap();
+    assert_eq!(built.metadata.split, with.split);
+    assert_eq!(built.metadata.prefill, with.prefill);
+    assert!(built.metadata.decode.plan.items.is_empty() && built.layout.work_items.len == 0);
+    for (name, r) in built.layout.regions().into_iter().take(5) {
+        let (_, layout) = pack(&with, &b.input());
+        let want = layout.regions().into_iter().find(|(n, _)| *n == name).unwrap().1;
+        assert_eq!(r.len, want.len, "{name}");
+    }
+    assert_eq!(built.layout.seq_lens.of(built.words), b.input().seq_lens.iter().map(|&l| l as u32).collect::<Vec<_>>());
+    // Refusals are the same.
+    let mut bad = b.input();
+    let slots = vec![1i64 << 40; bad.num_actual_tokens];
+    bad.slot_mapping = &slots;
+    assert!(matches!(builder.build(&bad), Err(host::AttnError::InvalidArgument { arg: "slot_mapping", .. })));
+}

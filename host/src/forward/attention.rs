@@ -111,7 +111,9 @@ impl Attention {
         match &self.exec {
             Exec::Cpu => Ok(StepMetadata::new(self.id, self.config, None, None, None)),
             Exec::Gpu(g) => {
-                let builder = MetadataBuilder::new(g.plan_config(&self.config))?;
+                // The builder checks, splits and packs; decode is planned for the tensor cores
+                // by the step's own planner, so the builder's CUDA-core plan is skipped.
+                let builder = MetadataBuilder::new(g.plan_config(&self.config))?.without_decode_plan();
                 let plans = g.step_planner(&self.config, &self.spec)?;
                 Ok(StepMetadata::new(self.id, self.config, Some(builder), Some(g.device_step(&self.config)?), Some(plans)))
             }

@@ -113,13 +113,11 @@ impl GpuExec {
         Ok(GpuExec { dev, stream, decode_ws, prefill_ws, cascade_scratch: CascadeScratch::default(), side, status })
     }
 
-    /// The metadata builder's plan config (the numbers `paged_decode` plans its CUDA-core
-    /// kernel with).
+    /// The metadata builder's config (its checks and split; its decode plan is skipped).
     pub(crate) fn plan_config(&self, config: &ForwardConfig) -> PlanConfig {
         let m = &config.model;
-        // The builder plans the CUDA-core decode kernel, whose plan neither `paged_decode` (it
-        // replans for the tensor cores) nor `mla_attention` reads; an MLA model's 576-wide rows
-        // have no CUDA-core kernel, so its (unused) plan is made for head size 128.
+        // The config must name a head size the CUDA-core kernels have (the builder validates
+        // it), though its plan is skipped: an MLA model's 576-wide rows take 128.
         let head_size = if matches!(m.kind, crate::backend::AttentionKind::Mla) { 128 } else { m.head_size };
         PlanConfig {
             decode_threshold: config.decode_threshold,

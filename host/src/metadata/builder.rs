@@ -5,8 +5,8 @@ use super::input::{blocks_for, StepInput};
 use super::plan::plan_decode_into;
 use super::split::{is_decode, BatchSplit};
 use super::staging::{pack_into, pack_words, StagingLayout};
-use super::tensor_core::{build_into, fill_into, PlanConfig, TensorCoreMetadata};
-use crate::decode::plan_decode;
+use super::tensor_core::{build_into, clear_plan, fill_into, PlanConfig, TensorCoreMetadata};
+use crate::decode::{plan_decode, DecodePlan};
 use crate::error::Result;
 
 /// One step's result, borrowed from the builder until its next build.
@@ -35,6 +35,8 @@ pub struct MetadataBuilder {
     layout: StagingLayout,
     words: Vec<u32>,
     lens: Vec<u32>,
+    /// Whether the CUDA-core decode plan is made (`without_decode_plan` turns it off).
+    decode_plan: bool,
 }
 
 impl MetadataBuilder {
@@ -47,7 +49,16 @@ impl MetadataBuilder {
             layout: StagingLayout::default(),
             words: Vec::new(),
             lens: Vec::new(),
+            decode_plan: true,
         })
+    }
+
+    /// A builder that leaves the decode plan empty (no work items; zeros for each decode's
+    /// splits and partial base): for callers that plan decode themselves (`host::forward` plans
+    /// for the tensor cores per step).
+    pub fn without_decode_plan(mut self) -> Self {
+        self.decode_plan = false;
+        self
     }
 
     pub fn config(&self) -> &PlanConfig {
@@ -70,8 +81,13 @@ impl MetadataBuilder {
 
     /// The plain path: the free functions' steps, into the reused buffers.
     fn build_plain(&mut self, input: &StepInput<'_>) -> Result<()> {
+        let decode_plan = self.decode_plan;
         build_into(&mut self.metadata, input, &self.config, |batch, c, out| {
-            *out = plan_decode(batch, c.num_q_heads, c.num_kv_heads, c.head_size, c.ctas_target(), c.mode, c.partial_capacity)?;
+            if decode_plan {
+                *out = plan_decode(batch, c.num_q_heads, c.num_kv_heads, c.head_size, c.ctas_target(), c.mode, c.partial_capacity)?;
+            } else {
+                no_plan(out, batch.seq_lens.len());
+            }
             Ok(())
         })?;
         self.layout = pack_into(&self.metadata, input, &mut self.words);
@@ -81,9 +97,13 @@ impl MetadataBuilder {
     /// The fast path; `false` if it found anything wrong (then nothing it wrote counts).
     fn build_fast(&mut self, input: &StepInput<'_>) -> bool {
         let Some(split) = quick_checks(input, self.config.decode_threshold) else { return false };
-        let lens = &mut self.lens;
+        let (lens, decode_plan) = (&mut self.lens, self.decode_plan);
         let filled = fill_into(&mut self.metadata, input, split, &self.config, |batch, c, out| {
-            plan_decode_into(batch, c, out, lens);
+            if decode_plan {
+                plan_decode_into(batch, c, out, lens);
+            } else {
+                no_plan(out, batch.seq_lens.len());
+            }
             Ok(())
         });
         if filled.is_err() {
@@ -97,6 +117,14 @@ impl MetadataBuilder {
             None => false,
         }
     }
+}
+
+/// The plan of a builder made `without_decode_plan`: no work items, and zeros (not planned) for
+/// each of the `num_decodes` requests' splits and partial bases.
+fn no_plan(plan: &mut DecodePlan, num_decodes: usize) {
+    clear_plan(plan);
+    plan.req_num_splits.resize(num_decodes, 0);
+    plan.req_partial_base.resize(num_decodes, 0);
 }
 
 /// Everything `validate` and `split_decodes` check except the block-id and slot ranges (those
