@@ -38,7 +38,8 @@ pub struct ForwardConfig {
     pub split_mode: SplitMode,
     /// Cascade attention for a prefix of blocks every request shares (`tensor-core` only; not
     /// with a sliding window, ALiBi or sinks): decided per step by
-    /// [`use_cascade`](crate::metadata::use_cascade), or forced on or off.
+    /// [`use_cascade`](crate::metadata::use_cascade), or forced on or off. `Auto` stays off with
+    /// `SplitMode::Fixed(1)`, whose results must not depend on the rest of the batch.
     pub cascade: CascadeMode,
     pub limits: ForwardLimits,
 }

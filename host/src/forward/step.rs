@@ -135,8 +135,12 @@ impl StepMetadata {
                 upload(&dev.stream, &mut dev.staging, &mut dev.words, step.words)?;
                 dev.layout = *step.layout;
                 self.cascade = None;
-                let standard = matches!(self.config.model.kind, crate::backend::AttentionKind::Standard);
-                if standard && self.config.cascade != CascadeMode::Off && self.config.opts.window.is_none() {
+                let c = &self.config;
+                let standard = matches!(c.model.kind, crate::backend::AttentionKind::Standard);
+                // Whether Auto picks cascade depends on the rest of the batch, so the
+                // deterministic mode (`SplitMode::Fixed(1)`) keeps it off unless forced on.
+                let deterministic = c.split_mode == crate::decode::SplitMode::Fixed(1) && c.cascade == CascadeMode::Auto;
+                if standard && c.cascade != CascadeMode::Off && c.opts.window.is_none() && !deterministic {
                     let m = &self.config.model;
                     let shared = CascadeStep::new(input, m.num_q_heads / m.num_kv_heads);
                     if use_cascade(self.config.cascade, &shared) {
