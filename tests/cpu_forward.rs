@@ -699,17 +699,17 @@ fn gpu_backends_are_refused_without_a_gpu() {
 /// exact in e4m3); refusals name `kv_scales` when they are missing, or given for a bf16 cache.
 #[test]
 fn fp8_caches_take_their_scales() {
-    let model = ModelConfig { cache_dtype: DType::Fp8E4m3, ..ModelConfig::standard(HQ, HKV, D, DType::BF16, BS, KvLayout::FlashNhd) };
-    let mut attn = Attention::new(&cpu_selection(&model), ForwardConfig::new(model, NB, limits()), None).unwrap();
-    let mut meta = attn.new_step_metadata().unwrap();
-    meta.build(&Small::new().input()).unwrap();
     let nt = 6;
     let q = vec![bf16::from_f32(0.5); nt * HQ * D];
     let (k, v) = (vec![bf16::from_f32(0.25); nt * HKV * D], vec![bf16::ONE; nt * HKV * D]);
-    let mut cache = vec![host::Fp8E4m3::default(); attn.cache_spec().num_elements()];
     let mut out = vec![bf16::from_f32(-3.0); nt * HQ * D];
     let scales = ([1.0f32 / 64.0], [1.0f32 / 32.0]);
-    let mut run = |scales: Option<(&[f32], &[f32])>| {
+    // One layer of the small step on a bf16-query model whose cache is `C`.
+    let run = |cache_dtype: DType, cache: host::forward::HostOut<'_>, out: &mut [bf16], scales: Option<(&[f32], &[f32])>| {
+        let model = ModelConfig { cache_dtype, ..ModelConfig::standard(HQ, HKV, D, DType::BF16, BS, KvLayout::FlashNhd) };
+        let mut attn = Attention::new(&cpu_selection(&model), ForwardConfig::new(model, NB, limits()), None).unwrap();
+        let mut meta = attn.new_step_metadata().unwrap();
+        meta.build(&Small::new().input()).unwrap();
         attn.forward(
             &meta,
             LayerIo::Cpu(CpuLayer {
@@ -721,8 +721,8 @@ fn fp8_caches_take_their_scales() {
                     v: v.as_slice().into(),
                     v_rows: RowsDesc::contiguous(nt, HKV, D),
                 },
-                cache: cache.as_mut_slice().into(),
-                out: out.as_mut_slice().into(),
+                cache,
+                out: out.into(),
                 out_rows: RowsDesc::contiguous(nt, HQ, D),
                 alibi_slopes: None,
                 sinks: None,
@@ -730,36 +730,14 @@ fn fp8_caches_take_their_scales() {
             }),
         )
     };
-    assert_eq!(arg_of(run(None)), "kv_scales");
-    run(Some((&scales.0, &scales.1))).unwrap();
+    let len = host::KvCacheSpec::new(KvLayout::FlashNhd, NB, BS, HKV, D).unwrap().num_elements();
+    let mut cache = vec![host::Fp8E4m3::default(); len];
+    assert_eq!(arg_of(run(DType::Fp8E4m3, cache.as_mut_slice().into(), &mut out, None)), "kv_scales");
+    run(DType::Fp8E4m3, cache.as_mut_slice().into(), &mut out, Some((&scales.0, &scales.1))).unwrap();
     assert!(out[HQ * D..].iter().all(|x| (x.to_f32() - 1.0).abs() < 1e-6), "the prefill sees only V = 1");
     // The decode's cached keys were never written (code 0 = 0.0): its output mixes V = 0 and 1.
     assert!(out[..HQ * D].iter().all(|x| x.to_f32() > 0.0 && x.to_f32() < 1.0));
 
-    let bf = small_model();
-    let bf = ModelConfig { q_dtype: DType::BF16, cache_dtype: DType::BF16, ..bf };
-    let mut attn = Attention::new(&cpu_selection(&bf), ForwardConfig::new(bf, NB, limits()), None).unwrap();
-    let mut meta = attn.new_step_metadata().unwrap();
-    meta.build(&Small::new().input()).unwrap();
-    let mut cache = vec![bf16::ZERO; attn.cache_spec().num_elements()];
-    let r = attn.forward(
-        &meta,
-        LayerIo::Cpu(CpuLayer {
-            q: q.as_slice().into(),
-            q_rows: RowsDesc::contiguous(nt, HQ, D),
-            new_kv: NewKv::Standard {
-                k: k.as_slice().into(),
-                k_rows: RowsDesc::contiguous(nt, HKV, D),
-                v: v.as_slice().into(),
-                v_rows: RowsDesc::contiguous(nt, HKV, D),
-            },
-            cache: cache.as_mut_slice().into(),
-            out: out.as_mut_slice().into(),
-            out_rows: RowsDesc::contiguous(nt, HQ, D),
-            alibi_slopes: None,
-            sinks: None,
-            kv_scales: Some((scales.0.as_slice().into(), scales.1.as_slice().into())),
-        }),
-    );
-    assert_eq!(arg_of(r), "kv_scales");
+    let mut cache = vec![bf16::ZERO; len];
+    assert_eq!(arg_of(run(DType::BF16, cache.as_mut_slice().into(), &mut out, Some((&scales.0, &scales.1)))), "kv_scales");
 }
