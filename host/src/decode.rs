@@ -223,15 +223,24 @@ impl DecodeKernel {
     }
 }
 
-/// What the tensor-core planner needs of a kernel: its head sizes, CTA shape and cache format,
-/// and the CTAs of one work item (kv heads x MLA's V slices).
+/// What the tensor-core planner needs of a kernel: its query rows and keys per tile, and the
+/// CTAs of one work item (kv heads x MLA's V slices).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TcShape {
-    pub head_size_qk: u32,
-    pub head_size_v: u32,
-    pub keys_split: bool,
-    pub fp8: bool,
+    pub block_m: u32,
+    pub block_n: u32,
     pub ctas_per_item: u32,
+}
+
+impl TcShape {
+    /// The attention kernel's shape for these head sizes, CTA shape and cache format.
+    pub const fn attention(head_size_qk: u32, head_size_v: u32, keys_split: bool, fp8: bool, ctas_per_item: u32) -> TcShape {
+        TcShape {
+            block_m: block_m(head_size_qk, head_size_v, keys_split, fp8),
+            block_n: block_n(head_size_qk, head_size_v, keys_split, fp8),
+            ctas_per_item,
+        }
+    }
 }
 
 /// Plans a batch for the tensor-core kernels: a chunk of whole key tiles, and work items
@@ -247,8 +256,7 @@ pub fn plan_decode_tc(
 ) -> DecodePlan {
     let q_lens: Vec<u32> = batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).collect();
     let lens: Vec<u32> = batch.seq_lens.iter().map(|&l| l as u32).collect();
-    let TcShape { head_size_qk: dk, head_size_v: dv, keys_split: keys, fp8, ctas_per_item } = shape;
-    let (bm, bn) = (block_m(dk, dv, keys, fp8), block_n(dk, dv, keys, fp8));
+    let TcShape { block_m: bm, block_n: bn, ctas_per_item } = shape;
     let row_tiles = (q_lens.iter().copied().max().unwrap_or(1) * group).div_ceil(bm).max(1);
     let forced = match mode {
         SplitMode::Auto => None,
@@ -353,6 +361,8 @@ pub(crate) struct TcKernel {
     pub name: String,
     pub smem: u32,
     pub shape: TcShape,
+    /// Threads per CTA.
+    pub threads: u32,
     /// Query heads per kv head (MLA: every head).
     pub group: u32,
     /// CTAs the split plan aims at.
@@ -364,7 +374,7 @@ impl TcKernel {
     /// (`plan_decode_tc`: at most `target` CTAs unless one split per request is already more;
     /// `SplitMode::Fixed(n)`: `n` splits each at most).
     pub fn max_items(&self, num_reqs: usize, q_len: u32, mode: SplitMode) -> usize {
-        let bm = block_m(self.shape.head_size_qk, self.shape.head_size_v, self.shape.keys_split, self.shape.fp8);
+        let bm = self.shape.block_m;
         let per_split = num_reqs * (q_len * self.group).div_ceil(bm).max(1) as usize;
         match mode {
             SplitMode::Auto => per_split.max((self.target / self.shape.ctas_per_item as u64) as usize),
@@ -404,9 +414,8 @@ pub(crate) fn decode_tc_kernel(
     let waves = std::env::var("ATTN_DECODE_WAVES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(measured).max(1);
     let resident = dev.resident_ctas(&name, attn_math::prefill::THREADS, smem)?;
     let target = waves * dev.sm_count() as u64 * resident as u64;
-    let shape =
-        TcShape { head_size_qk: d as u32, head_size_v: d as u32, keys_split: kernel.keys_split(), fp8, ctas_per_item: num_kv_heads as u32 };
-    Ok(TcKernel { kernel, name, smem, shape, group, target })
+    let shape = TcShape::attention(d as u32, d as u32, kernel.keys_split(), fp8, num_kv_heads as u32);
+    Ok(TcKernel { kernel, name, smem, shape, threads: attn_math::prefill::THREADS, group, target })
 }
 
 /// A split plan already on the device (a CUDA-graph step's, [`crate::forward`]): its arrays,
@@ -670,7 +679,7 @@ pub(crate) fn paged_decode_from(
         };
         let ctas = items * spec.num_kv_heads;
         ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
-        dev.launch_pdl(stream, &tc.name, (ctas as u32, 1, 1), attn_math::prefill::THREADS, tc.smem, tp)?;
+        dev.launch_pdl(stream, &tc.name, (ctas as u32, 1, 1), tc.threads, tc.smem, tp)?;
     }
     let merge = match launch {
         Launch::Planned => plan.needs_merge(),

@@ -22,6 +22,7 @@ use crate::error::{ensure, Result};
 use crate::layout::{MlaCacheSpec, RowsDesc};
 use crate::prefill::{validate_prefill_batch, PrefillBatch};
 use crate::status::DeviceStatus;
+use attn_math::mla;
 use attn_math::params::PrefillParams;
 use attn_math::prefill::{block_m, mla_v_slice, shared_layout_mla, MLA_QK, MLA_V, THREADS};
 use attn_math::softmax::LOG2_E;
@@ -78,17 +79,32 @@ pub fn mla_attention(
 }
 
 /// The MLA kernel for `max_q` query tokens per request of `hq` heads, and its CTA target.
+///
+/// 16-bit caches run on the MLA kernel (`mla_<q>_{narrow,wide}`, `attn_math::mla`); FP8 caches
+/// on the attention kernel's MLA form (`mla_<q>_fp8_{keys,rows}`), which converts the rows in
+/// shared memory. `ATTN_MLA_KERNEL=attention` sends 16-bit caches there too (for comparison),
+/// and `ATTN_MLA_WAVES` overrides the waves of CTAs the split plan aims at.
 pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usize, max_q: u32) -> Result<TcKernel> {
-    let keys = max_q * hq as u32 <= block_m(MLA_QK, mla_v_slice(true), true, fp8);
-    let v_slice = mla_v_slice(keys);
-    let slices = MLA_V / v_slice;
-    let name = format!("mla_{}{}_{}", q_dtype.kernel_name(), if fp8 { "_fp8" } else { "" }, if keys { "keys" } else { "rows" });
-    let smem = shared_layout_mla(MLA_QK, v_slice, keys, fp8, true).total;
+    let rows = max_q * hq as u32;
+    let attention_form = fp8 || std::env::var("ATTN_MLA_KERNEL").is_ok_and(|v| v == "attention");
+    let (name, smem, shape, threads) = if attention_form {
+        let keys = rows <= block_m(MLA_QK, mla_v_slice(true), true, fp8);
+        let v_slice = mla_v_slice(keys);
+        let slices = MLA_V / v_slice;
+        let name = format!("mla_{}{}_{}", q_dtype.kernel_name(), if fp8 { "_fp8" } else { "" }, if keys { "keys" } else { "rows" });
+        let smem = shared_layout_mla(MLA_QK, v_slice, keys, fp8, true).total;
+        (name, smem, TcShape::attention(MLA_QK, v_slice, keys, fp8, slices), THREADS)
+    } else {
+        let s = mla::shape_for_rows(rows);
+        let name = format!("mla_{}_{}", q_dtype.kernel_name(), if s == mla::NARROW { "narrow" } else { "wide" });
+        let shape = TcShape { block_m: s.block_m, block_n: s.block_n, ctas_per_item: 1 };
+        (name, mla::shared_layout(s).total, shape, mla::THREADS)
+    };
     // Two waves of resident CTAs (the measured best for one CTA per SM, as at decode's d256).
-    let resident = dev.resident_ctas(&name, THREADS, smem)?;
-    let target = 2 * dev.sm_count() as u64 * resident as u64;
-    let shape = TcShape { head_size_qk: MLA_QK, head_size_v: v_slice, keys_split: keys, fp8, ctas_per_item: slices };
-    Ok(TcKernel { kernel: DecodeKernel::Mla, name, smem, shape, group: hq as u32, target })
+    let waves = std::env::var("ATTN_MLA_WAVES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(2).max(1);
+    let resident = dev.resident_ctas(&name, threads, smem)?;
+    let target = waves * dev.sm_count() as u64 * resident as u64;
+    Ok(TcKernel { kernel: DecodeKernel::Mla, name, smem, shape, threads, group: hq as u32, target })
 }
 
 /// [`mla_attention`] with its plan from `source`.
@@ -149,7 +165,7 @@ pub(crate) fn mla_attention_from(
 
     let max_q = batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).max().unwrap_or(1);
     let tc = mla_tc_kernel(dev, q_dtype, fp8, hq, max_q)?;
-    let rows_per_tile = block_m(MLA_QK, tc.shape.head_size_v, tc.shape.keys_split, fp8) as usize;
+    let rows_per_tile = tc.shape.block_m as usize;
     ensure(max_q as usize * hq <= rows_per_tile << 16, "query_start_loc", || {
         format!("a request has {} query rows (tokens x heads); a launch takes {}", max_q as usize * hq, rows_per_tile << 16)
     })?;
@@ -215,7 +231,7 @@ pub(crate) fn mla_attention_from(
     let items = fixed.map_or(plan.items.len() / 2, |dp| dp.capacity_items);
     let ctas = items * slices as usize;
     ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
-    dev.launch_pdl(stream, &tc.name, (ctas as u32, 1, 1), THREADS, tc.smem, p)?;
+    dev.launch_pdl(stream, &tc.name, (ctas as u32, 1, 1), tc.threads, tc.smem, p)?;
     if fixed.map_or(plan.needs_merge(), |dp| dp.needs_merge) {
         launch_merge(dev, stream, &wp, a.query_start_loc.ptr, (&a.out, &a.out_rows), lse, 0, q_dtype)?;
     }

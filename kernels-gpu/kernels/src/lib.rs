@@ -17,6 +17,8 @@ mod entry;
 #[cfg(kernels = "attention")]
 mod merge;
 #[cfg(kernels = "prefill")]
+mod mla;
+#[cfg(kernels = "prefill")]
 mod prefill;
 #[cfg(kernels = "prefill")]
 mod prefill_entry;

@@ -183,6 +183,11 @@ pub unsafe fn ld_shared_f32x2(addr: u32) -> (f32, f32) {
 }
 
 #[inline(always)]
+pub unsafe fn st_shared_f32(addr: u32, v: f32) {
+    unsafe { asm!("st.shared.f32 [{0}], {1};", in(reg32) addr, in(reg32) v, options(nostack)) }
+}
+
+#[inline(always)]
 pub unsafe fn ld_shared_f32(addr: u32) -> f32 {
     let r: f32;
     unsafe { asm!("ld.shared.f32 {0}, [{1}];", out(reg32) r, in(reg32) addr, options(readonly, nostack)) };

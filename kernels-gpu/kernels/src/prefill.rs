@@ -30,25 +30,25 @@ use attn_math::softmax::{exp2, OnlineSoftmax, LOG2_E};
 use attn_math::status::BLOCK_OUT_OF_RANGE;
 
 #[inline(always)]
-unsafe fn load_i32(addr: u64) -> i32 {
+pub(crate) unsafe fn load_i32(addr: u64) -> i32 {
     unsafe { load_u32_nc(addr) as i32 }
 }
 
 /// Where the CTA's keys come from.
 #[derive(Clone, Copy)]
-struct KvSource {
+pub(crate) struct KvSource {
     /// Paged: the request's block-table row; 0 for packed K/V.
-    block_row: u64,
+    pub block_row: u64,
     /// Packed: the request's first key row.
-    key_base: u64,
-    kv_head: u64,
+    pub key_base: u64,
+    pub kv_head: u64,
 }
 
 impl KvSource {
     /// The first half of a key's lookup (a global load, issued early): its block id (paged) or
     /// its row (packed).
     #[inline(always)]
-    unsafe fn locate(&self, p: &PrefillParams, key: u32) -> i64 {
+    pub unsafe fn locate(&self, p: &PrefillParams, key: u32) -> i64 {
         if self.block_row == 0 {
             (self.key_base + key as u64) as i64
         } else {
@@ -59,7 +59,7 @@ impl KvSource {
     /// The second half: byte addresses of the key's K and V rows for this head, `(0, 0)` when
     /// its block is outside the cache (never read; reported by the CTA's block scan).
     #[inline(always)]
-    fn addresses(&self, p: &PrefillParams, key: u32, loc: i64, elem_bytes: u64) -> (u64, u64) {
+    pub fn addresses(&self, p: &PrefillParams, key: u32, loc: i64, elem_bytes: u64) -> (u64, u64) {
         if self.block_row == 0 {
             let row = loc as u64;
             (
@@ -77,17 +77,17 @@ impl KvSource {
 }
 
 /// Copies `ROWS` rows of `chunks` 16-byte chunks into shared memory at `dst` (row pitch `pitch`
-/// bytes) asynchronously; `src(r)` is row r's address, 0 for a row to zero-fill (`fallback`, a
-/// valid address, is named then but not read). Thread `tid` copies chunks `tid + i * THREADS`
-/// (row-major), which [`convert_fp8_rows`] relies on.
+/// bytes) asynchronously by the CTA's `NT` threads; `src(r)` is row r's address, 0 for a row to
+/// zero-fill (`fallback`, a valid address, is named then but not read). Thread `tid` copies
+/// chunks `tid + i * NT` (row-major), which [`convert_fp8_rows`] relies on.
 #[inline(always)]
-unsafe fn copy_rows_async<const ROWS: usize>(dst: u32, chunks: u32, pitch: u32, fallback: u64, src: impl Fn(u32) -> u64) {
-    let passes = (ROWS as u32 * chunks).div_ceil(THREADS);
+pub(crate) unsafe fn copy_rows_async<const ROWS: usize, const NT: u32>(dst: u32, chunks: u32, pitch: u32, fallback: u64, src: impl Fn(u32) -> u64) {
+    let passes = (ROWS as u32 * chunks).div_ceil(NT);
     let tid = thread_idx_x();
     // A plain loop (no register array is indexed): MLA rows take up to 36 passes.
     let mut i = 0;
     while i < passes {
-        let idx = tid + i * THREADS;
+        let idx = tid + i * NT;
         let r = idx / chunks;
         let c = idx - r * chunks;
         if r < ROWS as u32 {
@@ -127,26 +127,26 @@ unsafe fn convert_fp8_rows<Q: MmaHalf, const D: usize, const ROWS: usize>(stagin
 
 /// One query row of a thread.
 #[derive(Clone, Copy)]
-struct RowInfo {
-    token: u32,
-    head: u32,
+pub(crate) struct RowInfo {
+    pub token: u32,
+    pub head: u32,
     /// Keys `..= pos` are visible (causal); the window counts back from it.
-    pos: u32,
-    slope_log2: f32,
+    pub pos: u32,
+    pub slope_log2: f32,
 }
 
 /// The CTA's request, split and row tile, with what its rows need.
 #[derive(Clone, Copy)]
-struct Work {
-    req: u32,
-    split: u32,
-    q_start: u32,
-    q_len: u32,
-    seq_len: u32,
-    row0: u32,
+pub(crate) struct Work {
+    pub req: u32,
+    pub split: u32,
+    pub q_start: u32,
+    pub q_len: u32,
+    pub seq_len: u32,
+    pub row0: u32,
     /// Rows of the tile that exist (the rest repeat the last one and are never written).
-    live: u32,
-    kv_head: u32,
+    pub live: u32,
+    pub kv_head: u32,
     /// MLA: which slice of V's columns this CTA produces (0 otherwise), and its first column.
     slice: u32,
     v_col0: u32,
@@ -154,7 +154,7 @@ struct Work {
 
 impl Work {
     #[inline(always)]
-    unsafe fn row(&self, p: &PrefillParams, r: u32) -> RowInfo {
+    pub unsafe fn row(&self, p: &PrefillParams, r: u32) -> RowInfo {
         let gr = self.row0 + r.min(self.live - 1);
         let t = gr / p.group;
         let head = self.kv_head * p.group + (gr - t * p.group);
@@ -171,7 +171,7 @@ impl Work {
 /// Where a finished row goes: the output (one split) or the split-K workspace, and the factor
 /// its accumulator takes. Writes the row's LSE when `write_lse`.
 #[derive(Clone, Copy)]
-struct RowOut {
+pub(crate) struct RowOut {
     addr: u64,
     partial: bool,
     inv: f32,
@@ -179,7 +179,7 @@ struct RowOut {
 
 impl RowOut {
     #[inline(always)]
-    unsafe fn new<const DV: usize>(
+    pub unsafe fn new<const DV: usize>(
         p: &PrefillParams,
         w: &Work,
         row: &RowInfo,
@@ -215,7 +215,7 @@ impl RowOut {
 
     /// Columns `col`, `col + 1` (unnormalised accumulator values).
     #[inline(always)]
-    unsafe fn store_pair<Q: MmaHalf>(&self, col: u32, a: f32, b: f32) {
+    pub unsafe fn store_pair<Q: MmaHalf>(&self, col: u32, a: f32, b: f32) {
         if self.partial {
             unsafe { store8(self.addr + col as u64 * 4, [(a * self.inv).to_bits(), (b * self.inv).to_bits()]) };
         } else {
@@ -226,7 +226,7 @@ impl RowOut {
 
 /// Reads the CTA's work item and the request's lengths; `None` when the tile has no rows.
 #[inline(always)]
-unsafe fn work_item(p: &PrefillParams, bm: u32, dv: u32) -> Option<Work> {
+pub(crate) unsafe fn work_item(p: &PrefillParams, bm: u32, dv: u32) -> Option<Work> {
     // Grid x = (work item * kv heads + kv head) * V slices + slice: the slices and kv heads of
     // one tile run together (they share its K/V tiles in L2), and the items' longest-first
     // order holds across them.
@@ -508,16 +508,16 @@ pub unsafe fn attention<
         let v_src = |r: u32| unsafe { ld_shared_u64(t + r * TABLE_ENTRY + 8) };
         if FP8 {
             unsafe {
-                copy_rows_async::<BN>(k_dst, DK as u32 / 16, DK as u32, p.q, k_src);
+                copy_rows_async::<BN, THREADS>(k_dst, DK as u32 / 16, DK as u32, p.q, k_src);
                 if !VK {
-                    copy_rows_async::<BN>(v_dst, DV as u32 / 16, DV as u32, p.q, v_src);
+                    copy_rows_async::<BN, THREADS>(v_dst, DV as u32 / 16, DV as u32, p.q, v_src);
                 }
             }
         } else {
             unsafe {
-                copy_rows_async::<BN>(k_dst, DK as u32 / 8, (DK as u32 + ROW_PAD) * 2, p.q, k_src);
+                copy_rows_async::<BN, THREADS>(k_dst, DK as u32 / 8, (DK as u32 + ROW_PAD) * 2, p.q, k_src);
                 if !VK {
-                    copy_rows_async::<BN>(v_dst, DV as u32 / 8, (DV as u32 + ROW_PAD) * 2, p.q, v_src);
+                    copy_rows_async::<BN, THREADS>(v_dst, DV as u32 / 8, (DV as u32 + ROW_PAD) * 2, p.q, v_src);
                 }
             }
         }
@@ -538,11 +538,11 @@ pub unsafe fn attention<
     };
     let q_pitch = (DK as u32 + ROW_PAD) * 2;
     if KEYS {
-        unsafe { copy_rows_async::<16>(smem, DK as u32 / 8, q_pitch, p.q, q_row) };
+        unsafe { copy_rows_async::<16, THREADS>(smem, DK as u32 / 8, q_pitch, p.q, q_row) };
     } else if MT == 1 {
-        unsafe { copy_rows_async::<64>(smem, DK as u32 / 8, q_pitch, p.q, q_row) };
+        unsafe { copy_rows_async::<64, THREADS>(smem, DK as u32 / 8, q_pitch, p.q, q_row) };
     } else {
-        unsafe { copy_rows_async::<128>(smem, DK as u32 / 8, q_pitch, p.q, q_row) };
+        unsafe { copy_rows_async::<128, THREADS>(smem, DK as u32 / 8, q_pitch, p.q, q_row) };
     }
     static_for::<3>(|j| {
         if (j as u32) < st - 1 {

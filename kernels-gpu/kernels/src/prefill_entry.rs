@@ -3,6 +3,7 @@
 //! `_fp8`: an FP8 E4M3 cache. The host builds the same names (host/src/prefill.rs, decode.rs).
 
 use crate::elem::{Bf16, F16};
+use crate::mla::mla_attention;
 use crate::prefill::attention;
 use attn_math::params::PrefillParams;
 use attn_math::prefill::{block_n, m_tiles, mla_v_slice, MLA_QK, WARPS};
@@ -82,3 +83,25 @@ mla_kernels!(Bf16, Bf16, "bf16", "", false);
 mla_kernels!(F16, F16, "f16", "", false);
 mla_kernels!(Bf16, F16, "bf16", "_fp8", true);
 mla_kernels!(F16, F16, "f16", "_fp8", true);
+
+// MLA on its own kernel (16-bit caches): Q K^T once per tile, P shared by warps owning output
+// columns. `mla_<q>_{narrow,wide}` (shapes in `attn_math::mla`).
+macro_rules! mla_latent_kernels {
+    ($q:ident, $qname:literal) => {
+        const _: () = {
+            #[unsafe(export_name = concat!("mla_", $qname, "_narrow"))]
+            unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+                unsafe { mla_attention::<$q, false>(&p) }
+            }
+        };
+        const _: () = {
+            #[unsafe(export_name = concat!("mla_", $qname, "_wide"))]
+            unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+                unsafe { mla_attention::<$q, true>(&p) }
+            }
+        };
+    };
+}
+
+mla_latent_kernels!(Bf16, "bf16");
+mla_latent_kernels!(F16, "f16");

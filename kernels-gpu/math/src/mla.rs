@@ -1,0 +1,128 @@
+//! Launch geometry of the MLA latent-attention kernels (`mla_<q>_{narrow,wide}`), shared by the
+//! kernel and the host.
+//!
+//! A CTA of 8 warps takes `block_m` query rows (heads x query tokens) of one request against
+//! key tiles of `block_n` latent rows. Q K^T is computed once per tile and P is shared: each
+//! tile is two phases with different warp grids over the same CTA,
+//! - *scores*: the `block_m x block_n` score tile is cut into `s_row_tiles` 16-row tiles times
+//!   `WARPS / s_row_tiles` key groups; a warp computes its part of S over all 576 columns,
+//!   publishes its rows' maxima, and (after a barrier) writes its weights P to shared memory;
+//! - *values*: the `block_m x 512` output is cut into `pv_row_groups` row groups times
+//!   `WARPS / pv_row_groups` column groups; a warp keeps its part of O in registers and adds
+//!   P V, V being the first 512 columns of the same shared K tile.
+//! Every warp derives the running max of the rows it needs from the published maxima with the
+//! same operations, so the rescale factors agree without another exchange; the denominators are
+//! summed per key group and added up once at the end.
+//!
+//! Two shapes: *narrow* (16 rows: up to 16 heads x 1 token; memory-bound, 64-key tiles, each
+//! warp 8 keys and 64 output columns) and *wide* (64 rows: compute-bound, 32-key tiles in 3
+//! stages, each warp 16 x 16 scores and 32 x 128 outputs).
+
+use crate::prefill::{table_slot_bytes, MLA_QK, MLA_V, ROW_PAD};
+
+pub const THREADS: u32 = 256;
+pub const WARPS: u32 = THREADS / 32;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MlaShape {
+    pub block_m: u32,
+    pub block_n: u32,
+    /// K tiles in flight.
+    pub stages: u32,
+    /// 16-row tiles of the score phase's warp grid (the rest of the warps split the keys).
+    pub s_row_tiles: u32,
+    /// Row groups of the value phase's warp grid (the rest of the warps split the columns).
+    pub pv_row_groups: u32,
+}
+
+impl MlaShape {
+    /// Key groups of the score phase.
+    pub const fn key_groups(self) -> u32 {
+        WARPS / self.s_row_tiles
+    }
+    /// Keys of a tile one warp scores.
+    pub const fn keys_per_warp(self) -> u32 {
+        self.block_n / self.key_groups()
+    }
+    /// Column groups of the value phase.
+    pub const fn col_groups(self) -> u32 {
+        WARPS / self.pv_row_groups
+    }
+    /// Output columns one warp accumulates.
+    pub const fn cols_per_warp(self) -> u32 {
+        MLA_V / self.col_groups()
+    }
+    /// 16-row tiles one warp accumulates.
+    pub const fn pv_row_tiles(self) -> u32 {
+        self.block_m / self.pv_row_groups / 16
+    }
+}
+
+pub const NARROW: MlaShape = MlaShape { block_m: 16, block_n: 64, stages: 2, s_row_tiles: 1, pv_row_groups: 1 };
+pub const WIDE: MlaShape = MlaShape { block_m: 64, block_n: 32, stages: 3, s_row_tiles: 4, pv_row_groups: 2 };
+
+/// The shape for requests of up to `rows` query rows (heads x query tokens): narrow up to 16
+/// rows (one tile; more would re-read every K tile per 16 rows), else wide.
+pub const fn shape_for_rows(rows: u32) -> MlaShape {
+    if rows <= NARROW.block_m {
+        NARROW
+    } else {
+        WIDE
+    }
+}
+
+/// Byte offsets in dynamic shared memory: Q `[block_m][576 + pad]`, the K stages
+/// `[block_n][576 + pad]`, P `[block_m][block_n + pad]` (16-bit), the published row maxima
+/// `[key_groups][block_m]` f32 (reused for the denominators at the end), the key address table
+/// (`stages + 1` slots).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MlaLayout {
+    pub q: u32,
+    pub k: u32,
+    pub k_stage: u32,
+    pub p: u32,
+    pub p_pitch: u32,
+    pub row_max: u32,
+    pub table: u32,
+    pub total: u32,
+}
+
+pub const fn row_pitch() -> u32 {
+    (MLA_QK + ROW_PAD) * 2
+}
+
+pub const fn shared_layout(s: MlaShape) -> MlaLayout {
+    let q = 0;
+    let k = q + s.block_m * row_pitch();
+    let k_stage = s.block_n * row_pitch();
+    let p = k + s.stages * k_stage;
+    let p_pitch = (s.block_n + ROW_PAD) * 2;
+    let row_max = p + s.block_m * p_pitch;
+    let table = row_max + s.key_groups() * s.block_m * 4;
+    let total = table + (s.stages + 1) * table_slot_bytes(s.block_n);
+    MlaLayout { q, k, k_stage, p, p_pitch, row_max, table, total }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_tile_the_warps_and_fit_shared_memory() {
+        for s in [NARROW, WIDE] {
+            assert_eq!(s.key_groups() * s.s_row_tiles, WARPS);
+            assert_eq!(s.s_row_tiles * 16, s.block_m);
+            assert!(s.keys_per_warp() % 8 == 0 && s.keys_per_warp() <= 32);
+            assert_eq!(s.pv_row_tiles() * 16 * s.pv_row_groups, s.block_m);
+            assert!(s.pv_row_tiles() <= 2 && s.cols_per_warp() % 16 == 0);
+            assert!(s.block_n <= THREADS);
+            let l = shared_layout(s);
+            assert!(l.total <= 227 * 1024, "{s:?}: {}", l.total);
+            for o in [l.k, l.k_stage, l.p, l.row_max, l.table] {
+                assert!(o.is_multiple_of(16), "{s:?}: {l:?}");
+            }
+            // Odd multiples of 16 bytes: the 8 rows of an ldmatrix hit 8 bank groups.
+            assert!((l.p_pitch / 16) % 2 == 1 && (row_pitch() / 16) % 2 == 1);
+        }
+    }
+}
