@@ -2,13 +2,17 @@
 //! the query, attention is multi-query over one 576-wide head (512 compressed KV + 64 rope)
 //! whose value is the first 512 columns of the same row.
 //!
-//! Runs on the tensor-core attention kernel in its MLA form (`mla_<q>[_fp8]_{keys,rows}`): each
-//! cached row is copied once per tile into shared memory and used for both Q K^T and P V; the
-//! two CTAs of a tile produce 256 of the 512 output columns each (they run together, so the
-//! rows come from L2 after the first). Up to 16 query rows per request (heads x query tokens)
-//! take the keys-split CTA shape, more take 64-row tiles. Split-K, its plan and the merge are
-//! the decode path's (`DecodeWorkspace`, allocated with head size 512). Query lengths are free:
-//! multi-token prediction (causal among the new tokens) and chunked prefill in latent form.
+//! 16-bit caches run on the MLA kernel (`mla_<q>_{narrow,wide}`, geometry in `attn_math::mla`):
+//! a CTA of 8 warps copies each cached row once into shared memory, computes Q K^T once per
+//! tile, and shares the weights P through shared memory with warps that each own a slice of
+//! the 512 output columns. Up to 16 query rows per request (heads x query tokens) take the
+//! narrow shape (16 rows, memory-bound), more take 64-row tiles (wide, compute-bound).
+//! FP8 caches run on the tensor-core attention kernel in its MLA form
+//! (`mla_<q>_fp8_{keys,rows}`), which converts the rows in shared memory; its two CTAs per tile
+//! produce 256 of the 512 output columns each.
+//! Split-K, its plan and the merge are the decode path's (`DecodeWorkspace`, allocated with head
+//! size 512). Query lengths are free: multi-token prediction (causal among the new tokens) and
+//! chunked prefill in latent form.
 
 use crate::buffer::{DevIn, DevOut};
 use crate::cache_write::KvScales;
@@ -100,8 +104,11 @@ pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usi
         let shape = TcShape { block_m: s.block_m, block_n: s.block_n, ctas_per_item: 1 };
         (name, mla::shared_layout(s).total, shape, mla::THREADS)
     };
-    // Two waves of resident CTAs (the measured best for one CTA per SM, as at decode's d256).
-    let waves = std::env::var("ATTN_MLA_WAVES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(2).max(1);
+    // One wave of resident CTAs (one per SM): measured on the H100 against two and four, whose
+    // extra splits cost more (per-CTA start, partials, merge) than the tail they shorten
+    // (BENCHMARKS.md). The attention form keeps its measured two.
+    let measured = if attention_form { 2 } else { 1 };
+    let waves = std::env::var("ATTN_MLA_WAVES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(measured).max(1);
     let resident = dev.resident_ctas(&name, threads, smem)?;
     let target = waves * dev.sm_count() as u64 * resident as u64;
     Ok(TcKernel { kernel: DecodeKernel::Mla, name, smem, shape, threads, group: hq as u32, target })

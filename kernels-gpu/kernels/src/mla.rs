@@ -12,32 +12,32 @@
 
 use crate::device::{atomic_or_global, dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any};
 use crate::mma::{
-    cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_trans, shared_addr, st_shared_f32,
-    st_shared_u32, st_shared_u64x2, MmaHalf,
+    cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_pinned, ldmatrix_x4_trans, shared_addr, st_shared_f32,
+    st_shared_u32, st_shared_u64, MmaHalf,
 };
 use crate::prefill::{copy_rows_async, work_item, KvSource, RowOut};
 use crate::vec_io::load_u32_nc;
-use attn_math::mla::{self, row_pitch, shared_layout, THREADS};
+use attn_math::mla::{self, row_pitch, shared_layout, SLOT_KEYS, TABLE_BYTES, THREADS};
 use attn_math::params::PrefillParams;
-use attn_math::prefill::{table_slot_bytes, MLA_QK, MLA_V, TABLE_ENTRY};
+use attn_math::prefill::{MLA_QK, MLA_V};
 use attn_math::softmax::{exp2, OnlineSoftmax};
 use attn_math::status::BLOCK_OUT_OF_RANGE;
 
 /// 16-column k-steps of a 576-wide row.
 const K_STEPS: u32 = MLA_QK / 16;
 
-/// S = Q K^T for one warp: 16 query rows times `nkt * 8` keys, over all 576 columns. `q_addr`
-/// and `k_addr`: this lane's `ldmatrix` row addresses (see [`score_addresses`]). Two k-steps
-/// per iteration, in two accumulator chains.
+/// S = Q K^T for one warp: 16 query rows times `nkt * 8` keys, over all 576 columns. `q(ks)`:
+/// the query fragment of k-step `ks`; `k_addr`: this lane's `ldmatrix` row address (see
+/// [`score_k_offset`]). Two k-steps per iteration, in two accumulator chains; `UNROLL`: fully
+/// unrolled (so that `q` may index a register array).
 #[inline(always)]
-fn scores<Q: MmaHalf>(nkt: usize, q_addr: u32, k_addr: u32) -> [[f32; 4]; 4] {
+fn scores<Q: MmaHalf, const UNROLL: bool>(nkt: usize, q: impl Fn(usize) -> [u32; 4], k_addr: u32) -> [[f32; 4]; 4] {
     let pitch = row_pitch();
     let mut even = [[0.0f32; 4]; 4];
     let mut odd = [[0.0f32; 4]; 4];
-    let mut ks = 0;
-    while ks < K_STEPS {
-        let a0 = unsafe { ldmatrix_x4(q_addr + ks * 32) };
-        let a1 = unsafe { ldmatrix_x4(q_addr + ks * 32 + 32) };
+    let mut step = |ks: usize| {
+        let (a0, a1) = (q(ks), q(ks + 1));
+        let ks = ks as u32;
         if nkt == 1 {
             // 8 keys x 32 columns: matrices 0, 1 are k-step ks, 2, 3 are ks + 1.
             let b = unsafe { ldmatrix_x4(k_addr + ks * 32) };
@@ -57,7 +57,15 @@ fn scores<Q: MmaHalf>(nkt: usize, q_addr: u32, k_addr: u32) -> [[f32; 4]; 4] {
                 }
             });
         }
-        ks += 2;
+    };
+    if UNROLL {
+        static_for::<{ K_STEPS as usize / 2 }>(|i| step(2 * i));
+    } else {
+        let mut ks = 0;
+        while ks < K_STEPS as usize {
+            step(ks);
+            ks += 2;
+        }
     }
     static_for::<4>(|n| static_for::<4>(|e| even[n][e] += odd[n][e]));
     even
@@ -76,10 +84,10 @@ fn score_k_offset(nkt: usize, lane: u32, key_off: u32) -> u32 {
 }
 
 /// O += P V for one warp: `mt` 16-row tiles of P (at `p_addr`, this lane's `ldmatrix` address;
-/// row-tile pitch `p_tile`) times the tile's `bn` keys of V at `v_addr` (this lane's transposed
-/// `ldmatrix` address at the warp's first column), `nct * 8` columns.
+/// row-tile pitch `p_tile`) times the tile's `bn` keys of V, `nct * 8` columns. `v_addr[i]`:
+/// this lane's transposed `ldmatrix` address at the warp's first column in the tile's slot i.
 #[inline(always)]
-fn accumulate_pv<Q: MmaHalf>(o: &mut [[[f32; 4]; 16]; 2], mt: usize, nct: usize, bn: usize, p_addr: u32, p_tile: u32, v_addr: u32) {
+fn accumulate_pv<Q: MmaHalf>(o: &mut [[[f32; 4]; 16]; 2], mt: usize, nct: usize, bn: usize, p_addr: u32, p_tile: u32, v_addr: [u32; 2]) {
     let pitch = row_pitch();
     static_for::<4>(|kk| {
         if kk < bn / 16 {
@@ -89,9 +97,10 @@ fn accumulate_pv<Q: MmaHalf>(o: &mut [[[f32; 4]; 16]; 2], mt: usize, nct: usize,
                     a[m] = unsafe { ldmatrix_x4(p_addr + m as u32 * p_tile + kk as u32 * 32) };
                 }
             });
+            let v = v_addr[kk / 2] + (kk % 2) as u32 * 16 * pitch;
             static_for::<8>(|dp| {
                 if dp < nct / 2 {
-                    let b = unsafe { ldmatrix_x4_trans(v_addr + kk as u32 * 16 * pitch + dp as u32 * 32) };
+                    let b = unsafe { ldmatrix_x4_trans(v + dp as u32 * 32) };
                     static_for::<2>(|m| {
                         if m < mt {
                             o[m][2 * dp] = Q::mma(a[m], b[0], b[1], o[m][2 * dp]);
@@ -104,17 +113,31 @@ fn accumulate_pv<Q: MmaHalf>(o: &mut [[[f32; 4]; 16]; 2], mt: usize, nct: usize,
     });
 }
 
+/// Copies a slot's 32 rows (their addresses in the table at `table`; 0: zero-fill, `fallback`
+/// named but not read) into the slot buffer at `dst`: 8 threads a row, 9 chunks of 16 bytes
+/// each, so a thread reads one table entry and a warp's copy writes 8 bank groups per row.
+#[inline(always)]
+unsafe fn copy_slot(dst: u32, table: u32, fallback: u64) {
+    const { assert!(THREADS == 8 * SLOT_KEYS && MLA_QK / 8 % 8 == 0) };
+    let tid = thread_idx_x();
+    let (r, c0) = (tid / 8, tid % 8);
+    let src = unsafe { ld_shared_u64(table + r * 8) };
+    let (from, bytes, step) = if src != 0 { (src + c0 as u64 * 16, 16, 128) } else { (fallback, 0, 0) };
+    let to = dst + r * row_pitch() + c0 * 16;
+    static_for::<{ (MLA_QK / 8 / 8) as usize }>(|i| unsafe { cp_async_16(to + i as u32 * 128, from + i as u64 * step, bytes) });
+}
+
 /// The kernel; `WIDE` picks the shape (`attn_math::mla::{NARROW, WIDE}`). 16-bit caches.
 #[inline(always)]
 pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
     // Programmatic dependent launch: wait for the cache write before reading anything.
     pdl_prologue();
     let shape = const { if WIDE { mla::WIDE } else { mla::NARROW } };
-    let (bm, bn, st) = (shape.block_m, shape.block_n, shape.stages);
+    let (bm, bn) = (shape.block_m, shape.block_n);
     let (kg, kw, cg, cw) = (shape.key_groups(), shape.keys_per_warp(), shape.col_groups(), shape.cols_per_warp());
     let (nkt, nct, mt) = ((kw / 8) as usize, (cw / 8) as usize, shape.pv_row_tiles() as usize);
     // Memory-bound (narrow): the next copy goes out before waiting, with a barrier at the end of
-    // the tile; compute-bound (wide): wait, barrier, then copy into the stage just freed.
+    // the tile; compute-bound (wide): wait, barrier, then copy into the slot just freed.
     let early_issue = !WIDE;
     let layout = shared_layout(shape);
     let pitch = row_pitch();
@@ -130,56 +153,54 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
     if p.causal != 0 {
         end = end.min(max_pos + 1);
     }
-    let n_tiles = if end > begin { (end - begin).div_ceil(bn) } else { 0 };
+    let n_slots = if end > begin { (end - begin).div_ceil(SLOT_KEYS) } else { 0 };
+    let spt = shape.slots_per_tile();
+    let n_tiles = n_slots.div_ceil(spt);
+    // Slots issued before the first tile; each tile then issues `spt` more.
+    let pre = shape.ring - spt;
 
     let smem = shared_addr(dynamic_shared::<u8>());
-    let k_tile = |stage: u32| smem + layout.k + stage * layout.k_stage;
-    let table = |tile: u32| smem + layout.table + (tile % (st + 1)) * table_slot_bytes(bn);
-    let flags = |tile: u32| table(tile) + bn * TABLE_ENTRY;
-    let tile_keys = |tile: u32| begin + tile * bn;
-    // Address tables, one thread per key (as in the attention kernel): the block-table load
-    // early, the entry a tile of math later.
-    let locate = |tile: u32| {
-        let key = tile_keys(tile) + tid;
-        if tile < n_tiles && tid < bn && key < end {
+    let slot_buf = |j: u32| smem + layout.k + (j % shape.ring) * layout.k_slot;
+    let table = |j: u32| smem + layout.table + (j % shape.tables()) * TABLE_BYTES;
+    let flag = |j: u32| table(j) + SLOT_KEYS * 8;
+    // Address tables: one warp a slot, one lane a key; the block-table load (`locate`) a tile
+    // before the entry is written (`fill`), and the entry a tile before the copy reads it.
+    let locate = |j: u32| {
+        let key = begin + j * SLOT_KEYS + lane;
+        if j < n_slots && key < end {
             unsafe { src.locate(p, key) }
         } else {
             -1
         }
     };
-    let fill = |tile: u32, loc: i64| {
-        let key = tile_keys(tile) + tid;
-        if tile < n_tiles && tid < bn {
-            let (ka, va) = if key < end { src.addresses(p, key, loc, 2) } else { (0, 0) };
-            unsafe { st_shared_u64x2(table(tile) + tid * TABLE_ENTRY, ka, va) };
+    let fill = |j: u32, loc: i64| {
+        if j < n_slots {
+            let key = begin + j * SLOT_KEYS + lane;
+            let ka = if key < end { src.addresses(p, key, loc, 2).0 } else { 0 };
+            unsafe { st_shared_u64(table(j) + lane * 8, ka) };
             let bad = key < end && ka == 0;
             if bad {
                 unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
             }
             let any_bad = vote_any(bad);
             if lane == 0 {
-                unsafe { st_shared_u32(flags(tile) + warp * 4, any_bad as u32) };
+                unsafe { st_shared_u32(flag(j), any_bad as u32) };
             }
         }
     };
-    let load_k = |tile: u32| {
-        let t = table(tile);
-        let dst = k_tile(tile % st);
-        let row = |r: u32| unsafe { ld_shared_u64(t + r * TABLE_ENTRY) };
-        if WIDE {
-            unsafe { copy_rows_async::<{ mla::WIDE.block_n as usize }, THREADS>(dst, MLA_QK / 8, pitch, p.q, row) };
-        } else {
-            unsafe { copy_rows_async::<{ mla::NARROW.block_n as usize }, THREADS>(dst, MLA_QK / 8, pitch, p.q, row) };
+    // Issues slot j's copy (if it exists) as one commit group.
+    let issue = |j: u32| {
+        if j < n_slots {
+            unsafe { copy_slot(slot_buf(j), table(j), p.q) };
         }
+        cp_async_commit();
     };
 
-    // Prologue: the first `st` address tables, the queries, tiles 0 .. st - 2 in flight (one
-    // commit group each, empty ones included).
-    static_for::<4>(|j| {
-        if (j as u32) < st {
-            fill(j as u32, locate(j as u32));
-        }
-    });
+    // Prologue: the tables of the slots issued before and at the first tile, the queries,
+    // `pre` slots in flight (the queries join the first group).
+    if warp < shape.ring {
+        fill(warp, locate(warp));
+    }
     sync_threads();
     let q_row = |r: u32| {
         let row = unsafe { w.row(p, r) };
@@ -190,12 +211,11 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
     } else {
         unsafe { copy_rows_async::<{ mla::NARROW.block_m as usize }, THREADS>(smem + layout.q, MLA_QK / 8, pitch, p.q, q_row) };
     }
-    static_for::<3>(|j| {
-        if (j as u32) < st - 1 {
-            if (j as u32) < n_tiles {
-                load_k(j as u32);
-            }
-            cp_async_commit();
+    // The queries are a commit group of their own, so that narrow can wait for them alone.
+    cp_async_commit();
+    static_for::<4>(|j| {
+        if (j as u32) < pre {
+            issue(j as u32);
         }
     });
 
@@ -204,7 +224,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
     let (pv_row0, col0) = ((warp / cg) * mt as u32 * 16, (warp % cg) * cw);
     let s_rows = unsafe { [w.row(p, s_row0 + g), w.row(p, s_row0 + g + 8)] };
     let q_addr = smem + layout.q + (s_row0 + lane % 8 + 8 * ((lane / 8) % 2)) * pitch + 16 * (lane / 16);
-    let k_offset = score_k_offset(nkt, lane, key_off);
+    let k_offset = score_k_offset(nkt, lane, key_off % SLOT_KEYS);
     let p_addr = smem + layout.p + (pv_row0 + lane % 8 + 8 * ((lane / 8) % 2)) * layout.p_pitch + 16 * (lane / 16);
     let v_offset = (lane % 8 + 8 * ((lane / 8) % 2)) * pitch + 16 * (lane / 16) + col0 * 2;
     let row_max = |group: u32, r: u32| smem + layout.row_max + (group * bm + r) * 4;
@@ -223,48 +243,72 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
     let mut s_state = [OnlineSoftmax::EMPTY; 2];
     let mut o_state = [[OnlineSoftmax::EMPTY; 2]; 2];
     let mut o = [[[0.0f32; 4]; 16]; 2];
+    // Narrow: the queries stay in registers (144 of them; every warp needs all 16 rows, and
+    // re-reading them per tile was 2/3 of the shared-memory traffic). Wide: from shared memory.
+    let mut q_frag = [[0u32; 4]; K_STEPS as usize];
+    if !WIDE {
+        if pre == 3 {
+            cp_async_wait::<3>();
+        } else {
+            cp_async_wait::<2>();
+        }
+        sync_threads();
+        static_for::<{ K_STEPS as usize / 2 }>(|i| {
+            static_for::<2>(|j| q_frag[2 * i + j] = unsafe { ldmatrix_x4_pinned(q_addr + (2 * i + j) as u32 * 32) })
+        });
+    }
 
     let mut tile = 0;
     while tile < n_tiles {
-        let ahead = locate(tile + st);
-        let next = tile + st - 1;
+        // This tile issues slots `spt * tile + pre ..`; the next one's lookups start now.
+        let first_issued = spt * tile + pre;
+        let ahead = if warp < spt { locate(first_issued + spt + warp) } else { -1 };
         if early_issue {
-            if next < n_tiles {
-                load_k(next);
-            }
-            cp_async_commit();
-            if st == 3 {
-                cp_async_wait::<2>();
+            // The copies go out before waiting: `pre` slots stay in flight through the wait.
+            static_for::<2>(|i| {
+                if (i as u32) < spt {
+                    issue(first_issued + i as u32);
+                }
+            });
+            if pre == 3 {
+                cp_async_wait::<3>();
             } else {
-                cp_async_wait::<1>();
+                cp_async_wait::<2>();
             }
             sync_threads();
         } else {
-            if st == 3 {
+            // Wait, then refill the slot every warp has just finished with.
+            if pre - spt == 1 {
                 cp_async_wait::<1>();
             } else {
-                cp_async_wait::<0>();
+                cp_async_wait::<2>();
             }
             sync_threads();
-            if next < n_tiles {
-                load_k(next);
-            }
-            cp_async_commit();
+            static_for::<2>(|i| {
+                if (i as u32) < spt {
+                    issue(first_issued + i as u32);
+                }
+            });
         }
-        let kt = k_tile(tile % st);
+        let slot0 = spt * tile;
 
         // Scores, masked where the tile crosses a boundary; this warp's row maxima published.
-        let mut s = scores::<Q>(nkt, q_addr, kt + k_offset);
-        let first = tile_keys(tile) + key_off;
+        let my_slot = slot0 + key_off / SLOT_KEYS;
+        let mut s = if WIDE {
+            scores::<Q, false>(nkt, |ks| unsafe { ldmatrix_x4(q_addr + ks as u32 * 32) }, slot_buf(my_slot) + k_offset)
+        } else {
+            scores::<Q, true>(nkt, |ks| q_frag[ks], slot_buf(my_slot) + k_offset)
+        };
+        let first = begin + tile * bn + key_off;
         let mut has_bad = false;
         static_for::<2>(|i| {
-            if (i as u32) < bn / 32 {
-                has_bad |= unsafe { ld_shared_u32(flags(tile) + i as u32 * 4) } != 0;
+            if (i as u32) < spt {
+                has_bad |= unsafe { ld_shared_u32(flag(slot0 + i as u32)) } != 0;
             }
         });
         let needs_mask = first + kw > end || (p.causal != 0 && first + kw - 1 > min_pos) || has_bad;
         if needs_mask {
-            let t = table(tile) + key_off * TABLE_ENTRY;
+            let t = table(my_slot) + (key_off % SLOT_KEYS) * 8;
             static_for::<4>(|n| {
                 if n < nkt {
                     static_for::<4>(|e| {
@@ -272,7 +316,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
                         let key = first + n as u32 * 8 + 2 * t4 + (e % 2) as u32;
                         let visible = key < end
                             && (p.causal == 0 || key <= row.pos)
-                            && (!has_bad || unsafe { ld_shared_u64(t + (key - first) * TABLE_ENTRY) } != 0);
+                            && (!has_bad || unsafe { ld_shared_u64(t + (key - first) * 8) } != 0);
                         if !visible {
                             s[n][e] = f32::NEG_INFINITY;
                         }
@@ -329,8 +373,11 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
                 });
             }
         });
-        accumulate_pv::<Q>(&mut o, mt, nct, bn as usize, p_addr, 16 * layout.p_pitch, kt + v_offset);
-        fill(tile + st, ahead);
+        let v_addr = [slot_buf(slot0) + v_offset, slot_buf(slot0 + 1) + v_offset];
+        accumulate_pv::<Q>(&mut o, mt, nct, bn as usize, p_addr, 16 * layout.p_pitch, v_addr);
+        if warp < spt {
+            fill(first_issued + spt + warp, ahead);
+        }
         if early_issue {
             sync_threads();
         }

@@ -102,6 +102,19 @@ pub unsafe fn ldmatrix_x4(addr: u32) -> [u32; 4] {
     [a, b, c, d]
 }
 
+/// [`ldmatrix_x4`] as an operation with side effects: the compiler keeps it where it is (a
+/// `readonly` load before a loop may be sunk into the loop, re-reading what registers were meant
+/// to hold).
+#[inline(always)]
+pub unsafe fn ldmatrix_x4_pinned(addr: u32) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    unsafe {
+        asm!("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{0}, {1}, {2}, {3}}}, [{4}];",
+             out(reg32) a, out(reg32) b, out(reg32) c, out(reg32) d, in(reg32) addr, options(nostack));
+    }
+    [a, b, c, d]
+}
+
 /// [`ldmatrix_x4`] transposed: lane 4g + t receives (rows 2t, 2t+1; col g) of each matrix.
 #[inline(always)]
 pub unsafe fn ldmatrix_x4_trans(addr: u32) -> [u32; 4] {
@@ -161,6 +174,11 @@ pub unsafe fn st_shared_v4(addr: u32, v: [u32; 4]) {
 #[inline(always)]
 pub unsafe fn st_shared_u64x2(addr: u32, a: u64, b: u64) {
     unsafe { asm!("st.shared.v2.u64 [{0}], {{{1}, {2}}};", in(reg32) addr, in(reg64) a, in(reg64) b, options(nostack)) }
+}
+
+#[inline(always)]
+pub unsafe fn st_shared_u64(addr: u32, v: u64) {
+    unsafe { asm!("st.shared.u64 [{0}], {1};", in(reg32) addr, in(reg64) v, options(nostack)) }
 }
 
 #[inline(always)]

@@ -14,11 +14,13 @@
 //! same operations, so the rescale factors agree without another exchange; the denominators are
 //! summed per key group and added up once at the end.
 //!
-//! Two shapes: *narrow* (16 rows: up to 16 heads x 1 token; memory-bound, 64-key tiles, each
-//! warp 8 keys and 64 output columns) and *wide* (64 rows: compute-bound, 32-key tiles in 3
-//! stages, each warp 16 x 16 scores and 32 x 128 outputs).
+//! Keys arrive in slots of 32 rows through a ring of slot buffers (a tile is one or two slots).
+//! Two shapes: *narrow* (16 rows: up to 16 heads x 1 token; memory-bound: 64-key tiles, a ring
+//! of 5 slots so that 3 are in flight during a tile's math; each warp 8 keys and 64 output
+//! columns) and *wide* (64 rows: compute-bound: 32-key tiles, a ring of 3; each warp 16 x 16
+//! scores and 32 x 128 outputs).
 
-use crate::prefill::{table_slot_bytes, MLA_QK, MLA_V, ROW_PAD};
+use crate::prefill::{MLA_QK, MLA_V, ROW_PAD};
 
 pub const THREADS: u32 = 256;
 pub const WARPS: u32 = THREADS / 32;
@@ -26,9 +28,11 @@ pub const WARPS: u32 = THREADS / 32;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MlaShape {
     pub block_m: u32,
+    /// Keys per tile of math: one or two slots of [`SLOT_KEYS`].
     pub block_n: u32,
-    /// K tiles in flight.
-    pub stages: u32,
+    /// Slot buffers in the copy ring: while a tile is computed, `ring - block_n / SLOT_KEYS`
+    /// slots are in flight.
+    pub ring: u32,
     /// 16-row tiles of the score phase's warp grid (the rest of the warps split the keys).
     pub s_row_tiles: u32,
     /// Row groups of the value phase's warp grid (the rest of the warps split the columns).
@@ -56,10 +60,25 @@ impl MlaShape {
     pub const fn pv_row_tiles(self) -> u32 {
         self.block_m / self.pv_row_groups / 16
     }
+    /// Slots per tile.
+    pub const fn slots_per_tile(self) -> u32 {
+        self.block_n / SLOT_KEYS
+    }
+    /// Address tables alive at once: the ring's, and those filled a tile ahead.
+    pub const fn tables(self) -> u32 {
+        self.ring + self.slots_per_tile()
+    }
 }
 
-pub const NARROW: MlaShape = MlaShape { block_m: 16, block_n: 64, stages: 2, s_row_tiles: 1, pv_row_groups: 1 };
-pub const WIDE: MlaShape = MlaShape { block_m: 64, block_n: 32, stages: 3, s_row_tiles: 4, pv_row_groups: 2 };
+/// Keys per copy slot: the unit of the `cp.async` pipeline (one commit group, one address
+/// table filled by one warp).
+pub const SLOT_KEYS: u32 = 32;
+/// Bytes of a slot's address table: a u64 row address per key, then the slot's flag (non-zero
+/// when a key's block is outside the cache), padded to 16 bytes.
+pub const TABLE_BYTES: u32 = SLOT_KEYS * 8 + 16;
+
+pub const NARROW: MlaShape = MlaShape { block_m: 16, block_n: 64, ring: 5, s_row_tiles: 1, pv_row_groups: 1 };
+pub const WIDE: MlaShape = MlaShape { block_m: 64, block_n: 32, ring: 3, s_row_tiles: 4, pv_row_groups: 2 };
 
 /// The shape for requests of up to `rows` query rows (heads x query tokens): narrow up to 16
 /// rows (one tile; more would re-read every K tile per 16 rows), else wide.
@@ -71,15 +90,15 @@ pub const fn shape_for_rows(rows: u32) -> MlaShape {
     }
 }
 
-/// Byte offsets in dynamic shared memory: Q `[block_m][576 + pad]`, the K stages
-/// `[block_n][576 + pad]`, P `[block_m][block_n + pad]` (16-bit), the published row maxima
-/// `[key_groups][block_m]` f32 (reused for the denominators at the end), the key address table
-/// (`stages + 1` slots).
+/// Byte offsets in dynamic shared memory: Q `[block_m][576 + pad]`, the ring of K slots
+/// `[SLOT_KEYS][576 + pad]`, P `[block_m][block_n + pad]` (16-bit), the published row maxima
+/// `[key_groups][block_m]` f32 (reused for the denominators at the end), the slots' address
+/// tables.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MlaLayout {
     pub q: u32,
     pub k: u32,
-    pub k_stage: u32,
+    pub k_slot: u32,
     pub p: u32,
     pub p_pitch: u32,
     pub row_max: u32,
@@ -94,13 +113,13 @@ pub const fn row_pitch() -> u32 {
 pub const fn shared_layout(s: MlaShape) -> MlaLayout {
     let q = 0;
     let k = q + s.block_m * row_pitch();
-    let k_stage = s.block_n * row_pitch();
-    let p = k + s.stages * k_stage;
+    let k_slot = SLOT_KEYS * row_pitch();
+    let p = k + s.ring * k_slot;
     let p_pitch = (s.block_n + ROW_PAD) * 2;
     let row_max = p + s.block_m * p_pitch;
     let table = row_max + s.key_groups() * s.block_m * 4;
-    let total = table + (s.stages + 1) * table_slot_bytes(s.block_n);
-    MlaLayout { q, k, k_stage, p, p_pitch, row_max, table, total }
+    let total = table + s.tables() * TABLE_BYTES;
+    MlaLayout { q, k, k_slot, p, p_pitch, row_max, table, total }
 }
 
 #[cfg(test)]
@@ -118,7 +137,10 @@ mod tests {
             assert!(s.block_n <= THREADS);
             let l = shared_layout(s);
             assert!(l.total <= 227 * 1024, "{s:?}: {}", l.total);
-            for o in [l.k, l.k_stage, l.p, l.row_max, l.table] {
+            assert!(s.block_n % SLOT_KEYS == 0 && s.ring > s.slots_per_tile());
+            // One warp fills each table: the prologue fills `ring` of them.
+            assert!(s.ring * 32 <= THREADS);
+            for o in [l.k, l.k_slot, l.p, l.row_max, l.table] {
                 assert!(o.is_multiple_of(16), "{s:?}: {l:?}");
             }
             // Odd multiples of 16 bytes: the 8 rows of an ldmatrix hit 8 bank groups.
