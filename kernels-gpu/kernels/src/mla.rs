@@ -15,9 +15,9 @@ use crate::mma::{
     cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_pinned, ldmatrix_x4_trans, shared_addr, st_shared_f32,
     st_shared_u32, st_shared_u64, MmaHalf,
 };
-use crate::prefill::{copy_rows_async, work_item, KvSource, RowOut};
+use crate::prefill::{work_item, KvSource, RowOut};
 use crate::vec_io::load_u32_nc;
-use attn_math::mla::{self, row_pitch, shared_layout, SLOT_KEYS, TABLE_BYTES, THREADS};
+use attn_math::mla::{self, shared_layout, swizzled, GROUP_BYTES, ROW_CHUNKS, SLOT_KEYS, TABLE_BYTES, THREADS};
 use attn_math::params::PrefillParams;
 use attn_math::prefill::{MLA_QK, MLA_V};
 use attn_math::softmax::{exp2, OnlineSoftmax};
@@ -27,12 +27,11 @@ use attn_math::status::BLOCK_OUT_OF_RANGE;
 const K_STEPS: u32 = MLA_QK / 16;
 
 /// S = Q K^T for one warp: 16 query rows times `nkt * 8` keys, over all 576 columns. `q(ks)`:
-/// the query fragment of k-step `ks`; `k_addr`: this lane's `ldmatrix` row address (see
-/// [`score_k_offset`]). Two k-steps per iteration, in two accumulator chains; `UNROLL`: fully
-/// unrolled (so that `q` may index a register array).
+/// the query fragment of k-step `ks`; `k_at(rows, chunks)`: this lane's `ldmatrix` address in the
+/// K slot, `rows` and `chunks` past its own (see [`score_k_lane`]). Two k-steps per iteration, in
+/// two accumulator chains; `UNROLL`: fully unrolled (so that `q` may index a register array).
 #[inline(always)]
-fn scores<Q: MmaHalf, const UNROLL: bool>(nkt: usize, q: impl Fn(usize) -> [u32; 4], k_addr: u32) -> [[f32; 4]; 4] {
-    let pitch = row_pitch();
+fn scores<Q: MmaHalf, const UNROLL: bool>(nkt: usize, q: impl Fn(usize) -> [u32; 4], k_at: impl Fn(u32, u32) -> u32) -> [[f32; 4]; 4] {
     let mut even = [[0.0f32; 4]; 4];
     let mut odd = [[0.0f32; 4]; 4];
     let mut step = |ks: usize| {
@@ -40,16 +39,15 @@ fn scores<Q: MmaHalf, const UNROLL: bool>(nkt: usize, q: impl Fn(usize) -> [u32;
         let ks = ks as u32;
         if nkt == 1 {
             // 8 keys x 32 columns: matrices 0, 1 are k-step ks, 2, 3 are ks + 1.
-            let b = unsafe { ldmatrix_x4(k_addr + ks * 32) };
+            let b = unsafe { ldmatrix_x4(k_at(0, 2 * ks)) };
             even[0] = Q::mma(a0, b[0], b[1], even[0]);
             odd[0] = Q::mma(a1, b[2], b[3], odd[0]);
         } else {
             // 16 keys x 16 columns per load: matrices 0, 1 are keys 0-7, 2, 3 keys 8-15.
             static_for::<2>(|np| {
                 if np < nkt / 2 {
-                    let at = k_addr + np as u32 * 16 * pitch + ks * 32;
-                    let b0 = unsafe { ldmatrix_x4(at) };
-                    let b1 = unsafe { ldmatrix_x4(at + 32) };
+                    let b0 = unsafe { ldmatrix_x4(k_at(16 * np as u32, 2 * ks)) };
+                    let b1 = unsafe { ldmatrix_x4(k_at(16 * np as u32, 2 * ks + 2)) };
                     even[2 * np] = Q::mma(a0, b0[0], b0[1], even[2 * np]);
                     even[2 * np + 1] = Q::mma(a0, b0[2], b0[3], even[2 * np + 1]);
                     odd[2 * np] = Q::mma(a1, b1[0], b1[1], odd[2 * np]);
@@ -71,24 +69,50 @@ fn scores<Q: MmaHalf, const UNROLL: bool>(nkt: usize, q: impl Fn(usize) -> [u32;
     even
 }
 
-/// This lane's row addresses (byte offsets) for [`scores`]' K loads from a tile: 8-key loads
-/// span 32 columns, 16-key loads 16.
+/// The wide shape's scores of this warp (16 rows x `nkt * 8` keys): on sm_90a the warpgroup's
+/// `wgmma` over its 64 rows (Q at `q`) and 16 keys (rows `key_row..` of the slot at `slot`); else
+/// `mma.sync` (`q_frag`, `k_at` as for [`scores`]).
 #[inline(always)]
-fn score_k_offset(nkt: usize, lane: u32, key_off: u32) -> u32 {
-    let pitch = row_pitch();
+#[allow(unused_variables)]
+fn wide_scores<Q: MmaHalf>(
+    nkt: usize,
+    q_frag: impl Fn(usize) -> [u32; 4],
+    k_at: impl Fn(u32, u32) -> u32,
+    q: u32,
+    slot: u32,
+    key_row: u32,
+) -> [[f32; 4]; 4] {
+    #[cfg(wgmma)]
+    {
+        const { assert!(mla::WIDE.keys_per_warp() == 16 && mla::WIDE.s_row_tiles == 4) };
+        let a = crate::mma::wgmma_desc_sw128(q, GROUP_BYTES);
+        let b = crate::mma::wgmma_desc_sw128(slot + swizzled(key_row, 0), GROUP_BYTES);
+        let d = unsafe { Q::wgmma_64x16_k576(a, b) };
+        [d[0], d[1], [0.0; 4], [0.0; 4]]
+    }
+    #[cfg(not(wgmma))]
+    {
+        scores::<Q, true>(nkt, q_frag, k_at)
+    }
+}
+
+/// This lane's (row, chunk) for [`scores`]' K loads from a slot, its warp's keys starting at row
+/// `key_row`: 8-key loads span 4 chunks (2 k-steps), 16-key loads 2 (1 k-step).
+#[inline(always)]
+fn score_k_lane(nkt: usize, lane: u32, key_row: u32) -> (u32, u32) {
     if nkt == 1 {
-        (key_off + lane % 8) * pitch + 16 * (lane / 8)
+        (key_row + lane % 8, lane / 8)
     } else {
-        (key_off + lane % 8 + 8 * (lane / 16)) * pitch + 16 * ((lane / 8) % 2)
+        (key_row + lane % 8 + 8 * (lane / 16), (lane / 8) % 2)
     }
 }
 
 /// O += P V for one warp: `mt` 16-row tiles of P (at `p_addr`, this lane's `ldmatrix` address;
-/// row-tile pitch `p_tile`) times the tile's `bn` keys of V, `nct * 8` columns. `v_addr[i]`:
-/// this lane's transposed `ldmatrix` address at the warp's first column in the tile's slot i.
+/// row-tile pitch `p_tile`) times the tile's `bn` keys of V, `nct * 8` columns. `v_at(kk, dp)`:
+/// this lane's transposed `ldmatrix` address for keys `16 kk ..` and the warp's columns
+/// `16 dp ..`.
 #[inline(always)]
-fn accumulate_pv<Q: MmaHalf>(o: &mut [[[f32; 4]; 16]; 2], mt: usize, nct: usize, bn: usize, p_addr: u32, p_tile: u32, v_addr: [u32; 2]) {
-    let pitch = row_pitch();
+fn accumulate_pv<Q: MmaHalf>(o: &mut [[[f32; 4]; 16]; 2], mt: usize, nct: usize, bn: usize, p_addr: u32, p_tile: u32, v_at: impl Fn(u32, u32) -> u32) {
     static_for::<4>(|kk| {
         if kk < bn / 16 {
             let mut a = [[0u32; 4]; 2];
@@ -97,10 +121,9 @@ fn accumulate_pv<Q: MmaHalf>(o: &mut [[[f32; 4]; 16]; 2], mt: usize, nct: usize,
                     a[m] = unsafe { ldmatrix_x4(p_addr + m as u32 * p_tile + kk as u32 * 32) };
                 }
             });
-            let v = v_addr[kk / 2] + (kk % 2) as u32 * 16 * pitch;
             static_for::<8>(|dp| {
                 if dp < nct / 2 {
-                    let b = unsafe { ldmatrix_x4_trans(v + dp as u32 * 32) };
+                    let b = unsafe { ldmatrix_x4_trans(v_at(kk as u32, dp as u32)) };
                     static_for::<2>(|m| {
                         if m < mt {
                             o[m][2 * dp] = Q::mma(a[m], b[0], b[1], o[m][2 * dp]);
@@ -114,17 +137,31 @@ fn accumulate_pv<Q: MmaHalf>(o: &mut [[[f32; 4]; 16]; 2], mt: usize, nct: usize,
 }
 
 /// Copies a slot's 32 rows (their addresses in the table at `table`; 0: zero-fill, `fallback`
-/// named but not read) into the slot buffer at `dst`: 8 threads a row, 9 chunks of 16 bytes
-/// each, so a thread reads one table entry and a warp's copy writes 8 bank groups per row.
+/// named but not read) into the slot buffer at `dst` ([`swizzled`] layout). A warp copies 4 rows x
+/// 8 chunks per instruction (128 contiguous bytes of each row: whole cache lines); a thread
+/// reads one table entry.
 #[inline(always)]
 unsafe fn copy_slot(dst: u32, table: u32, fallback: u64) {
-    const { assert!(THREADS == 8 * SLOT_KEYS && MLA_QK / 8 % 8 == 0) };
+    const { assert!(THREADS == 8 * SLOT_KEYS && ROW_CHUNKS % 8 == 0) };
     let tid = thread_idx_x();
     let (r, c0) = (tid / 8, tid % 8);
     let src = unsafe { ld_shared_u64(table + r * 8) };
     let (from, bytes, step) = if src != 0 { (src + c0 as u64 * 16, 16, 128) } else { (fallback, 0, 0) };
-    let to = dst + r * row_pitch() + c0 * 16;
-    static_for::<{ (MLA_QK / 8 / 8) as usize }>(|i| unsafe { cp_async_16(to + i as u32 * 128, from + i as u64 * step, bytes) });
+    let to = dst + swizzled(r, c0);
+    // Chunks c0 + 8 i: the same place in the next 1024-byte atom.
+    static_for::<{ (ROW_CHUNKS / 8) as usize }>(|i| unsafe { cp_async_16(to + i as u32 * 1024, from + i as u64 * step, bytes) });
+}
+
+/// Copies `rows` query rows (`src(r)`: row r's address) into the [`swizzled`] layout at `dst`.
+#[inline(always)]
+unsafe fn copy_queries(dst: u32, rows: u32, src: impl Fn(u32) -> u64) {
+    let tid = thread_idx_x();
+    let mut idx = tid;
+    while idx < rows * ROW_CHUNKS {
+        let (r, c) = (idx / ROW_CHUNKS, idx % ROW_CHUNKS);
+        unsafe { cp_async_16(dst + swizzled(r, c), src(r) + c as u64 * 16, 16) };
+        idx += THREADS;
+    }
 }
 
 /// The kernel; `WIDE` picks the shape (`attn_math::mla::{NARROW, WIDE}`). 16-bit caches.
@@ -140,7 +177,6 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
     // the tile; compute-bound (wide): wait, barrier, then copy into the slot just freed.
     let early_issue = !WIDE;
     let layout = shared_layout(shape);
-    let pitch = row_pitch();
     let tid = thread_idx_x();
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
@@ -206,11 +242,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
         let row = unsafe { w.row(p, r) };
         p.q + (row.token as u64 * p.q_token_stride + row.head as u64 * p.q_head_stride) * 2
     };
-    if WIDE {
-        unsafe { copy_rows_async::<{ mla::WIDE.block_m as usize }, THREADS>(smem + layout.q, MLA_QK / 8, pitch, p.q, q_row) };
-    } else {
-        unsafe { copy_rows_async::<{ mla::NARROW.block_m as usize }, THREADS>(smem + layout.q, MLA_QK / 8, pitch, p.q, q_row) };
-    }
+    unsafe { copy_queries(smem + layout.q, bm, q_row) };
     // The queries are a commit group of their own, so that narrow can wait for them alone.
     cp_async_commit();
     static_for::<4>(|j| {
@@ -220,13 +252,18 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
     });
 
     // The score phase's grid: 16 rows x `kw` keys; the value phase's: `mt` row tiles x `cw` columns.
-    let (s_row0, key_off) = ((warp / kg) * 16, (warp % kg) * kw);
+    // Score warps: consecutive warps take consecutive row tiles (a warpgroup's 4 warps make the
+    // 64 rows of one `wgmma`), then the key groups.
+    let key_group = warp / shape.s_row_tiles;
+    let (s_row0, key_off) = ((warp % shape.s_row_tiles) * 16, key_group * kw);
     let (pv_row0, col0) = ((warp / cg) * mt as u32 * 16, (warp % cg) * cw);
     let s_rows = unsafe { [w.row(p, s_row0 + g), w.row(p, s_row0 + g + 8)] };
-    let q_addr = smem + layout.q + (s_row0 + lane % 8 + 8 * ((lane / 8) % 2)) * pitch + 16 * (lane / 16);
-    let k_offset = score_k_offset(nkt, lane, key_off % SLOT_KEYS);
+    // This lane's ldmatrix rows and chunks (the layout's swizzle depends on both).
+    let q_lane = (s_row0 + lane % 8 + 8 * ((lane / 8) % 2), lane / 16);
+    let q_at = |ks: usize| smem + layout.q + swizzled(q_lane.0, q_lane.1 + 2 * ks as u32);
+    let k_lane = score_k_lane(nkt, lane, key_off % SLOT_KEYS);
     let p_addr = smem + layout.p + (pv_row0 + lane % 8 + 8 * ((lane / 8) % 2)) * layout.p_pitch + 16 * (lane / 16);
-    let v_offset = (lane % 8 + 8 * ((lane / 8) % 2)) * pitch + 16 * (lane / 16) + col0 * 2;
+    let v_lane = (lane % 8 + 8 * ((lane / 8) % 2), col0 / 8 + lane / 16);
     let row_max = |group: u32, r: u32| smem + layout.row_max + (group * bm + r) * 4;
     // The running max of a row after this tile, from the published maxima (raw scores).
     let tile_max = |r: u32| {
@@ -254,7 +291,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
         }
         sync_threads();
         static_for::<{ K_STEPS as usize / 2 }>(|i| {
-            static_for::<2>(|j| q_frag[2 * i + j] = unsafe { ldmatrix_x4_pinned(q_addr + (2 * i + j) as u32 * 32) })
+            static_for::<2>(|j| q_frag[2 * i + j] = unsafe { ldmatrix_x4_pinned(q_at(2 * i + j)) })
         });
     }
 
@@ -283,6 +320,9 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
             } else {
                 cp_async_wait::<2>();
             }
+            // The tile (and the queries) are read by `wgmma`, through the async proxy.
+            #[cfg(wgmma)]
+            crate::mma::fence_proxy_async_shared();
             sync_threads();
             static_for::<2>(|i| {
                 if (i as u32) < spt {
@@ -295,9 +335,11 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
         // Scores, masked where the tile crosses a boundary; this warp's row maxima published.
         let my_slot = slot0 + key_off / SLOT_KEYS;
         let mut s = if WIDE {
-            scores::<Q, false>(nkt, |ks| unsafe { ldmatrix_x4(q_addr + ks as u32 * 32) }, slot_buf(my_slot) + k_offset)
+            let k_at = |rows: u32, chunks: u32| slot_buf(my_slot) + swizzled(k_lane.0 + rows, k_lane.1 + chunks);
+            wide_scores::<Q>(nkt, |ks| unsafe { ldmatrix_x4(q_at(ks)) }, k_at, smem + layout.q, slot_buf(my_slot), key_off % SLOT_KEYS)
         } else {
-            scores::<Q, true>(nkt, |ks| q_frag[ks], slot_buf(my_slot) + k_offset)
+            let k_at = |rows: u32, chunks: u32| slot_buf(my_slot) + swizzled(k_lane.0 + rows, k_lane.1 + chunks);
+            scores::<Q, true>(nkt, |ks| q_frag[ks], k_at)
         };
         let first = begin + tile * bn + key_off;
         let mut has_bad = false;
@@ -334,7 +376,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
             m = m.max(shfl_xor(m, 1));
             m = m.max(shfl_xor(m, 2));
             if t4 == 0 {
-                unsafe { st_shared_f32(row_max(warp % kg, s_row0 + g + 8 * h as u32), m) };
+                unsafe { st_shared_f32(row_max(key_group, s_row0 + g + 8 * h as u32), m) };
             }
         });
         sync_threads();
@@ -373,8 +415,8 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
                 });
             }
         });
-        let v_addr = [slot_buf(slot0) + v_offset, slot_buf(slot0 + 1) + v_offset];
-        accumulate_pv::<Q>(&mut o, mt, nct, bn as usize, p_addr, 16 * layout.p_pitch, v_addr);
+        let v_at = |kk: u32, dp: u32| slot_buf(slot0 + kk / 2) + swizzled(v_lane.0 + 16 * (kk % 2), v_lane.1 + 2 * dp);
+        accumulate_pv::<Q>(&mut o, mt, nct, bn as usize, p_addr, 16 * layout.p_pitch, v_at);
         if warp < spt {
             fill(first_issued + spt + warp, ahead);
         }
@@ -392,7 +434,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
         sum += shfl_xor(sum, 1);
         sum += shfl_xor(sum, 2);
         if t4 == 0 {
-            unsafe { st_shared_f32(row_max(warp % kg, s_row0 + g + 8 * h as u32), sum) };
+            unsafe { st_shared_f32(row_max(key_group, s_row0 + g + 8 * h as u32), sum) };
         }
     });
     sync_threads();

@@ -22,6 +22,67 @@ pub trait MmaHalf: HalfFloat {
     /// Two FP8 E4M3 bytes (low byte first) as two values of this type (exact, divided by
     /// `FP8_UNPACK_SCALE`).
     fn from_fp8x2(pair: u32) -> u32;
+    /// `S = A B^T` for a warpgroup (Hopper `wgmma`, f32 accumulate): A 64 x 576 and B 16 x 576,
+    /// both in shared memory in the no-swizzle K-major layout, given by the descriptors of their
+    /// first k-step (each of the 36 k-steps advances both by 256 bytes). Waits for the result.
+    /// This thread's part of S in the `mma.sync` C layout of its warp's 16 rows: `[n-block][4]`.
+    #[cfg(wgmma)]
+    unsafe fn wgmma_64x16_k576(desc_a: u64, desc_b: u64) -> [[f32; 4]; 2];
+}
+
+/// The whole 576-wide `wgmma` chain of [`MmaHalf::wgmma_64x16_k576`] for PTX type `$t`: the
+/// first k-step overwrites the accumulators (scale-d false), the rest add. Descriptors advance 32
+/// bytes a k-step inside a 128-byte swizzle atom (4 k-steps) and 1024 - 96 bytes to the next atom
+/// (units of 16 bytes: 2 and 58).
+#[cfg(wgmma)]
+macro_rules! wgmma_k576_asm {
+    ($t:literal) => {
+        concat!(
+            "{{\n.reg .pred pz, po;\n.reg .b32 zz;\n.reg .b64 da, db;\n",
+            "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
+            "mov.b64 da, {8};\nmov.b64 db, {9};\n",
+            "wgmma.fence.sync.aligned;\n",
+            wgmma_k576_asm!(@mma $t, "pz"),
+            wgmma_k576_asm!(@atom_rest $t),
+            times8!(concat!("add.s64 da, da, 58;\nadd.s64 db, db, 58;\n", wgmma_k576_asm!(@mma $t, "po"), wgmma_k576_asm!(@atom_rest $t))),
+            "wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n}}"
+        )
+    };
+    (@mma $t:literal, $scale:literal) => {
+        concat!("wgmma.mma_async.sync.aligned.m64n16k16.f32.", $t, ".", $t, " {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, ", $scale, ", 1, 1, 0, 0;\n")
+    };
+    (@atom_rest $t:literal) => {
+        concat!(
+            "add.s64 da, da, 2;\nadd.s64 db, db, 2;\n", wgmma_k576_asm!(@mma $t, "po"),
+            "add.s64 da, da, 2;\nadd.s64 db, db, 2;\n", wgmma_k576_asm!(@mma $t, "po"),
+            "add.s64 da, da, 2;\nadd.s64 db, db, 2;\n", wgmma_k576_asm!(@mma $t, "po")
+        )
+    };
+}
+
+/// `$body` 8 times, as one string.
+#[cfg(wgmma)]
+macro_rules! times8 {
+    ($body:expr) => {
+        concat!($body, $body, $body, $body, $body, $body, $body, $body)
+    };
+}
+
+/// A `wgmma` shared-memory descriptor for a K-major operand with 128-byte swizzling: its start
+/// address (1024-byte aligned atoms, plus the k-step's offset inside one) and the byte offset
+/// between 8-row groups along M/N (the leading offset is unused in this mode: 1).
+#[cfg(wgmma)]
+#[inline(always)]
+pub const fn wgmma_desc_sw128(addr: u32, stride: u32) -> u64 {
+    ((addr as u64 & 0x3ffff) >> 4) | (1 << 16) | (((stride >> 4) as u64) << 32) | (1 << 62)
+}
+
+/// Makes this thread's completed generic-proxy writes to shared memory (`cp.async`, stores)
+/// visible to the async proxy (`wgmma` operand reads); a barrier must follow for other threads.
+#[cfg(wgmma)]
+#[inline(always)]
+pub fn fence_proxy_async_shared() {
+    unsafe { asm!("fence.proxy.async.shared::cta;", options(nostack)) }
 }
 
 macro_rules! mma_impl {
@@ -46,6 +107,18 @@ macro_rules! mma_impl {
             #[inline(always)]
             fn from_fp8x2(pair: u32) -> u32 {
                 <$ty as FromFp8>::convert(pair)
+            }
+            #[cfg(wgmma)]
+            #[inline(always)]
+            unsafe fn wgmma_64x16_k576(desc_a: u64, desc_b: u64) -> [[f32; 4]; 2] {
+                let (d0, d1, d2, d3, d4, d5, d6, d7): (f32, f32, f32, f32, f32, f32, f32, f32);
+                unsafe {
+                    asm!(wgmma_k576_asm!($name),
+                         out(reg32) d0, out(reg32) d1, out(reg32) d2, out(reg32) d3,
+                         out(reg32) d4, out(reg32) d5, out(reg32) d6, out(reg32) d7,
+                         in(reg64) desc_a, in(reg64) desc_b, options(nostack));
+                }
+                [[d0, d1, d2, d3], [d4, d5, d6, d7]]
             }
             #[inline(always)]
             fn pack2(lo: f32, hi: f32) -> u32 {

@@ -90,10 +90,10 @@ pub const fn shape_for_rows(rows: u32) -> MlaShape {
     }
 }
 
-/// Byte offsets in dynamic shared memory: Q `[block_m][576 + pad]`, the ring of K slots
-/// `[SLOT_KEYS][576 + pad]`, P `[block_m][block_n + pad]` (16-bit), the published row maxima
-/// `[key_groups][block_m]` f32 (reused for the denominators at the end), the slots' address
-/// tables.
+/// Byte offsets in dynamic shared memory: Q (`block_m` rows) and the ring of K slots
+/// (`SLOT_KEYS` rows each) in the [`swizzled`] layout, P `[block_m][block_n + pad]` (16-bit), the
+/// published row maxima `[key_groups][block_m]` f32 (reused for the denominators at the end),
+/// the slots' address tables.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MlaLayout {
     pub q: u32,
@@ -106,14 +106,25 @@ pub struct MlaLayout {
     pub total: u32,
 }
 
-pub const fn row_pitch() -> u32 {
-    (MLA_QK + ROW_PAD) * 2
+/// 16-byte chunks of a 576-wide row.
+pub const ROW_CHUNKS: u32 = MLA_QK / 8;
+/// Bytes of a group of 8 rows in the [`swizzled`] layout.
+pub const GROUP_BYTES: u32 = 8 * MLA_QK * 2;
+
+/// Byte offset of (row, 16-byte chunk) in the layout of Q and K rows in shared memory: groups of
+/// 8 rows (`GROUP_BYTES` apart), each 9 atoms of 8 rows x 128 bytes (1024 bytes, one per 64
+/// columns); within an atom, row r's chunk c sits at chunk `c ^ r`. It is Hopper `wgmma`'s
+/// K-major layout with 128-byte swizzling (atoms 1024-byte aligned; groups `GROUP_BYTES` apart
+/// along M/N), every `ldmatrix` (8 rows of one chunk) reads 8 bank groups, and each 128 bytes
+/// of a row stay 128 contiguous bytes, so the copies coalesce on both sides.
+pub const fn swizzled(row: u32, chunk: u32) -> u32 {
+    (row / 8) * GROUP_BYTES + (chunk / 8) * 1024 + (row % 8) * 128 + ((chunk % 8) ^ (row % 8)) * 16
 }
 
 pub const fn shared_layout(s: MlaShape) -> MlaLayout {
     let q = 0;
-    let k = q + s.block_m * row_pitch();
-    let k_slot = SLOT_KEYS * row_pitch();
+    let k = q + s.block_m * MLA_QK * 2;
+    let k_slot = SLOT_KEYS * MLA_QK * 2;
     let p = k + s.ring * k_slot;
     let p_pitch = (s.block_n + ROW_PAD) * 2;
     let row_max = p + s.block_m * p_pitch;
@@ -143,8 +154,24 @@ mod tests {
             for o in [l.k, l.k_slot, l.p, l.row_max, l.table] {
                 assert!(o.is_multiple_of(16), "{s:?}: {l:?}");
             }
-            // Odd multiples of 16 bytes: the 8 rows of an ldmatrix hit 8 bank groups.
-            assert!((l.p_pitch / 16) % 2 == 1 && (row_pitch() / 16) % 2 == 1);
+            // wgmma descriptors: Q and the slots 1024-byte aligned, addresses within 14 bits >> 4.
+            assert!(l.k.is_multiple_of(1024) && l.k_slot.is_multiple_of(1024) && l.total < 1 << 18);
+            // An odd multiple of 16 bytes: the 8 rows of an ldmatrix of P hit 8 bank groups.
+            assert!((l.p_pitch / 16) % 2 == 1);
+        }
+    }
+
+    #[test]
+    fn swizzled_layout_is_a_bijection_onto_the_rows_bytes() {
+        let mut seen = std::vec![false; (SLOT_KEYS * ROW_CHUNKS) as usize];
+        for r in 0..SLOT_KEYS {
+            for c in 0..ROW_CHUNKS {
+                let o = swizzled(r, c);
+                // A row's 128-byte segments stay whole.
+                assert_eq!(o / 128, swizzled(r, c - c % 8) / 128);
+                assert!(o.is_multiple_of(16) && o < SLOT_KEYS * MLA_QK * 2);
+                assert!(!std::mem::replace(&mut seen[(o / 16) as usize], true));
+            }
         }
     }
 }
