@@ -85,8 +85,8 @@ fn wide_scores<Q: MmaHalf>(
     #[cfg(wgmma)]
     {
         const { assert!(mla::WIDE.keys_per_warp() == 16 && mla::WIDE.s_row_tiles == 4) };
-        let a = crate::mma::wgmma_desc_sw128(q, GROUP_BYTES);
-        let b = crate::mma::wgmma_desc_sw128(slot + swizzled(key_row, 0), GROUP_BYTES);
+        let a = crate::mma::wgmma_desc(q, 16, GROUP_BYTES, true);
+        let b = crate::mma::wgmma_desc(slot + swizzled(key_row, 0), 16, GROUP_BYTES, true);
         let d = unsafe { Q::wgmma_64x16_k576(a, b) };
         [d[0], d[1], [0.0; 4], [0.0; 4]]
     }
@@ -94,6 +94,29 @@ fn wide_scores<Q: MmaHalf>(
     {
         scores::<Q, true>(nkt, q_frag, k_at)
     }
+}
+
+/// Byte offset of P's (row, key) for `wgmma` (no-swizzle K-major: 8 x 8 core matrices, 128
+/// bytes apart along the keys, 512 along the rows); its 4-byte stores from a warp hit 32 banks.
+#[inline(always)]
+fn p_core_matrix_offset(row: u32, key: u32) -> u32 {
+    (row / 8) * 512 + (key / 8) * 128 + (row % 8) * 16 + (key % 8) * 2
+}
+
+/// The wide shape's `O += P V` on sm_90a: the warpgroup's 64 rows x 256 columns (V from the slot
+/// at `v`, its first 64-column atom) over the tile's 32 keys, P at `p`.
+#[inline(always)]
+#[allow(unused_variables)]
+unsafe fn wide_pv<Q: MmaHalf>(o: &mut [[f32; 4]; 32], p: u32, v: u32) {
+    #[cfg(wgmma)]
+    {
+        const { assert!(mla::WIDE.block_n == 32 && mla::WIDE.block_m == 64) };
+        let a = crate::mma::wgmma_desc(p, 128, 512, false);
+        let b = crate::mma::wgmma_desc(v, 1024, GROUP_BYTES, true);
+        unsafe { Q::wgmma_pv_64x256_k32(o, a, b) };
+    }
+    #[cfg(not(wgmma))]
+    unreachable!()
 }
 
 /// This lane's (row, chunk) for [`scores`]' K loads from a slot, its warp's keys starting at row
@@ -112,7 +135,7 @@ fn score_k_lane(nkt: usize, lane: u32, key_row: u32) -> (u32, u32) {
 /// this lane's transposed `ldmatrix` address for keys `16 kk ..` and the warp's columns
 /// `16 dp ..`.
 #[inline(always)]
-fn accumulate_pv<Q: MmaHalf>(o: &mut [[[f32; 4]; 16]; 2], mt: usize, nct: usize, bn: usize, p_addr: u32, p_tile: u32, v_at: impl Fn(u32, u32) -> u32) {
+fn accumulate_pv<Q: MmaHalf>(o: &mut [[[f32; 4]; 32]; 2], mt: usize, nct: usize, bn: usize, p_addr: u32, p_tile: u32, v_at: impl Fn(u32, u32) -> u32) {
     static_for::<4>(|kk| {
         if kk < bn / 16 {
             let mut a = [[0u32; 4]; 2];
@@ -172,7 +195,12 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
     let shape = const { if WIDE { mla::WIDE } else { mla::NARROW } };
     let (bm, bn) = (shape.block_m, shape.block_n);
     let (kg, kw, cg, cw) = (shape.key_groups(), shape.keys_per_warp(), shape.col_groups(), shape.cols_per_warp());
-    let (nkt, nct, mt) = ((kw / 8) as usize, (cw / 8) as usize, shape.pv_row_tiles() as usize);
+    // Wide on sm_90a: P V on `wgmma` too; a warpgroup covers the 64 rows x 256 columns, each of
+    // its warps 16 rows (the accumulator layout), so the value phase's grid is 4 x 2 there.
+    let wgmma_pv = WIDE && cfg!(wgmma);
+    let (cg, cw) = if wgmma_pv { (2, MLA_V / 2) } else { (cg, cw) };
+    let (nkt, nct) = ((kw / 8) as usize, (cw / 8) as usize);
+    let mt = if wgmma_pv { 1 } else { shape.pv_row_tiles() as usize };
     // Memory-bound (narrow): the next copy goes out before waiting, with a barrier at the end of
     // the tile; compute-bound (wide): wait, barrier, then copy into the slot just freed.
     let early_issue = !WIDE;
@@ -256,7 +284,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
     // 64 rows of one `wgmma`), then the key groups.
     let key_group = warp / shape.s_row_tiles;
     let (s_row0, key_off) = ((warp % shape.s_row_tiles) * 16, key_group * kw);
-    let (pv_row0, col0) = ((warp / cg) * mt as u32 * 16, (warp % cg) * cw);
+    let (pv_row0, col0) = if wgmma_pv { (16 * (warp % 4), (warp / 4) * cw) } else { ((warp / cg) * mt as u32 * 16, (warp % cg) * cw) };
     let s_rows = unsafe { [w.row(p, s_row0 + g), w.row(p, s_row0 + g + 8)] };
     // This lane's ldmatrix rows and chunks (the layout's swizzle depends on both).
     let q_lane = (s_row0 + lane % 8 + 8 * ((lane / 8) % 2), lane / 16);
@@ -279,7 +307,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
     // Score-phase state (this warp's keys' share of the denominators) and value-phase maxima.
     let mut s_state = [OnlineSoftmax::EMPTY; 2];
     let mut o_state = [[OnlineSoftmax::EMPTY; 2]; 2];
-    let mut o = [[[0.0f32; 4]; 16]; 2];
+    let mut o = [[[0.0f32; 4]; 32]; 2];
     // Narrow: the queries stay in registers (144 of them; every warp needs all 16 rows, and
     // re-reading them per tile was 2/3 of the shared-memory traffic). Wide: from shared memory.
     let mut q_frag = [[0u32; 4]; K_STEPS as usize];
@@ -391,11 +419,17 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
                     let w0 = exp2(fma(s[n][2 * h], mult, neg_max));
                     let w1 = exp2(fma(s[n][2 * h + 1], mult, neg_max));
                     s_state[h].sum += w0 + w1;
-                    let at = smem + layout.p + r * layout.p_pitch + (key_off + n as u32 * 8 + 2 * t4) * 2;
+                    let key = key_off + n as u32 * 8 + 2 * t4;
+                    let at = smem + layout.p + if wgmma_pv { p_core_matrix_offset(r, key) } else { r * layout.p_pitch + key * 2 };
                     unsafe { st_shared_u32(at, Q::pack2(w0, w1)) };
                 }
             });
         });
+        // P is read by `wgmma` (the async proxy) on the wide shape.
+        #[cfg(wgmma)]
+        if wgmma_pv {
+            crate::mma::fence_proxy_async_shared();
+        }
         sync_threads();
 
         // The value phase: rescale to the same maxima, then O += P V.
@@ -405,7 +439,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
                     let r = pv_row0 + 16 * m as u32 + g + 8 * h as u32;
                     let factor = o_state[m][h].rescale_to(tile_max(r) * mult);
                     if factor != 1.0 {
-                        static_for::<16>(|n| {
+                        static_for::<32>(|n| {
                             if n < nct {
                                 o[m][n][2 * h] *= factor;
                                 o[m][n][2 * h + 1] *= factor;
@@ -416,7 +450,11 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
             }
         });
         let v_at = |kk: u32, dp: u32| slot_buf(slot0 + kk / 2) + swizzled(v_lane.0 + 16 * (kk % 2), v_lane.1 + 2 * dp);
-        accumulate_pv::<Q>(&mut o, mt, nct, bn as usize, p_addr, 16 * layout.p_pitch, v_at);
+        if wgmma_pv {
+            unsafe { wide_pv::<Q>(&mut o[0], smem + layout.p, slot_buf(slot0) + (col0 / 64) * 1024) };
+        } else {
+            accumulate_pv::<Q>(&mut o, mt, nct, bn as usize, p_addr, 16 * layout.p_pitch, v_at);
+        }
         if warp < spt {
             fill(first_issued + spt + warp, ahead);
         }
@@ -455,7 +493,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
                 let state = OnlineSoftmax { max: o_state[m][h].max, sum };
                 let row = unsafe { w.row(p, r) };
                 let out = unsafe { RowOut::new::<{ MLA_V as usize }>(p, &w, &row, state, num_splits, t4 == 0 && col0 == 0, 1.0) };
-                static_for::<16>(|n| {
+                static_for::<32>(|n| {
                     if n < nct {
                         unsafe { out.store_pair::<Q>(col0 + n as u32 * 8 + 2 * t4, o[m][n][2 * h], o[m][n][2 * h + 1]) };
                     }

@@ -28,6 +28,12 @@ pub trait MmaHalf: HalfFloat {
     /// This thread's part of S in the `mma.sync` C layout of its warp's 16 rows: `[n-block][4]`.
     #[cfg(wgmma)]
     unsafe fn wgmma_64x16_k576(desc_a: u64, desc_b: u64) -> [[f32; 4]; 2];
+    /// `O += P V` for a warpgroup (Hopper `wgmma`): P 64 x 32 keys (no-swizzle K-major, `desc_a`)
+    /// times V 32 keys x 256 columns (the 128-byte-swizzled rows read N-major, `desc_b`). `o`:
+    /// this thread's accumulators, column block `n` (8 columns) of its warp's 16 rows in the
+    /// `mma.sync` C layout. Waits for the result.
+    #[cfg(wgmma)]
+    unsafe fn wgmma_pv_64x256_k32(o: &mut [[f32; 4]; 32], desc_a: u64, desc_b: u64);
 }
 
 /// The whole 576-wide `wgmma` chain of [`MmaHalf::wgmma_64x16_k576`] for PTX type `$t`: the
@@ -60,6 +66,37 @@ macro_rules! wgmma_k576_asm {
     };
 }
 
+/// The P V `wgmma` chain of [`MmaHalf::wgmma_pv_64x256_k32`] for PTX type `$t`: per 64-column
+/// block of the warpgroup's 256 (B descriptor +64 units of 16 bytes = one 1024-byte atom), two
+/// k-steps of 16 keys (A +16 units = 256 bytes of the no-swizzle P tile; B +1152 units = two
+/// 8-key row groups). B is V, N-major (`imm-trans-b` 1); the accumulators add (scale-d true).
+#[cfg(wgmma)]
+macro_rules! wgmma_pv_asm {
+    ($t:literal) => {
+        concat!(
+            "{{\n.reg .pred po;\n.reg .b32 zz;\n.reg .b64 a0, a1, b;\n",
+            "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\nmov.b64 a0, {128};\nadd.s64 a1, a0, 16;\nmov.b64 b, {129};\n",
+            "wgmma.fence.sync.aligned;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}}}, a0, b, po, 1, 1, 0, 1;\n",
+            "add.s64 b, b, 1152;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}}}, a1, b, po, 1, 1, 0, 1;\n",
+            "add.s64 b, b, -1088;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}}}, a0, b, po, 1, 1, 0, 1;\n",
+            "add.s64 b, b, 1152;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}}}, a1, b, po, 1, 1, 0, 1;\n",
+            "add.s64 b, b, -1088;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}, {80}, {81}, {82}, {83}, {84}, {85}, {86}, {87}, {88}, {89}, {90}, {91}, {92}, {93}, {94}, {95}}}, a0, b, po, 1, 1, 0, 1;\n",
+            "add.s64 b, b, 1152;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}, {80}, {81}, {82}, {83}, {84}, {85}, {86}, {87}, {88}, {89}, {90}, {91}, {92}, {93}, {94}, {95}}}, a1, b, po, 1, 1, 0, 1;\n",
+            "add.s64 b, b, -1088;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{96}, {97}, {98}, {99}, {100}, {101}, {102}, {103}, {104}, {105}, {106}, {107}, {108}, {109}, {110}, {111}, {112}, {113}, {114}, {115}, {116}, {117}, {118}, {119}, {120}, {121}, {122}, {123}, {124}, {125}, {126}, {127}}}, a0, b, po, 1, 1, 0, 1;\n",
+            "add.s64 b, b, 1152;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{96}, {97}, {98}, {99}, {100}, {101}, {102}, {103}, {104}, {105}, {106}, {107}, {108}, {109}, {110}, {111}, {112}, {113}, {114}, {115}, {116}, {117}, {118}, {119}, {120}, {121}, {122}, {123}, {124}, {125}, {126}, {127}}}, a1, b, po, 1, 1, 0, 1;\n",
+            "wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n}}"
+        )
+    };
+}
+
 /// `$body` 8 times, as one string.
 #[cfg(wgmma)]
 macro_rules! times8 {
@@ -68,13 +105,16 @@ macro_rules! times8 {
     };
 }
 
-/// A `wgmma` shared-memory descriptor for a K-major operand with 128-byte swizzling: its start
-/// address (1024-byte aligned atoms, plus the k-step's offset inside one) and the byte offset
-/// between 8-row groups along M/N (the leading offset is unused in this mode: 1).
+/// A `wgmma` shared-memory descriptor: start address, leading and stride byte offsets, and
+/// 128-byte swizzling or none. K-major without swizzle: leading = between core matrices along K,
+/// stride = between 8-row groups along M/N. K-major, 128-byte swizzle: leading unused (16),
+/// stride = between 8-row groups (atoms 1024-byte aligned; the start may point inside one, at a
+/// k-step). N-major, 128-byte swizzle: leading = between 64-element blocks along N, stride =
+/// between 8-row groups along K.
 #[cfg(wgmma)]
 #[inline(always)]
-pub const fn wgmma_desc_sw128(addr: u32, stride: u32) -> u64 {
-    ((addr as u64 & 0x3ffff) >> 4) | (1 << 16) | (((stride >> 4) as u64) << 32) | (1 << 62)
+pub const fn wgmma_desc(addr: u32, leading: u32, stride: u32, swizzle_128: bool) -> u64 {
+    ((addr as u64 & 0x3ffff) >> 4) | (((leading >> 4) as u64) << 16) | (((stride >> 4) as u64) << 32) | ((swizzle_128 as u64) << 62)
 }
 
 /// Makes this thread's completed generic-proxy writes to shared memory (`cp.async`, stores)
@@ -107,6 +147,46 @@ macro_rules! mma_impl {
             #[inline(always)]
             fn from_fp8x2(pair: u32) -> u32 {
                 <$ty as FromFp8>::convert(pair)
+            }
+            #[cfg(wgmma)]
+            #[inline(always)]
+            unsafe fn wgmma_pv_64x256_k32(o: &mut [[f32; 4]; 32], desc_a: u64, desc_b: u64) {
+                unsafe {
+                    asm!(wgmma_pv_asm!($name),
+                         inout(reg32) o[0][0], inout(reg32) o[0][1], inout(reg32) o[0][2], inout(reg32) o[0][3],
+                         inout(reg32) o[1][0], inout(reg32) o[1][1], inout(reg32) o[1][2], inout(reg32) o[1][3],
+                         inout(reg32) o[2][0], inout(reg32) o[2][1], inout(reg32) o[2][2], inout(reg32) o[2][3],
+                         inout(reg32) o[3][0], inout(reg32) o[3][1], inout(reg32) o[3][2], inout(reg32) o[3][3],
+                         inout(reg32) o[4][0], inout(reg32) o[4][1], inout(reg32) o[4][2], inout(reg32) o[4][3],
+                         inout(reg32) o[5][0], inout(reg32) o[5][1], inout(reg32) o[5][2], inout(reg32) o[5][3],
+                         inout(reg32) o[6][0], inout(reg32) o[6][1], inout(reg32) o[6][2], inout(reg32) o[6][3],
+                         inout(reg32) o[7][0], inout(reg32) o[7][1], inout(reg32) o[7][2], inout(reg32) o[7][3],
+                         inout(reg32) o[8][0], inout(reg32) o[8][1], inout(reg32) o[8][2], inout(reg32) o[8][3],
+                         inout(reg32) o[9][0], inout(reg32) o[9][1], inout(reg32) o[9][2], inout(reg32) o[9][3],
+                         inout(reg32) o[10][0], inout(reg32) o[10][1], inout(reg32) o[10][2], inout(reg32) o[10][3],
+                         inout(reg32) o[11][0], inout(reg32) o[11][1], inout(reg32) o[11][2], inout(reg32) o[11][3],
+                         inout(reg32) o[12][0], inout(reg32) o[12][1], inout(reg32) o[12][2], inout(reg32) o[12][3],
+                         inout(reg32) o[13][0], inout(reg32) o[13][1], inout(reg32) o[13][2], inout(reg32) o[13][3],
+                         inout(reg32) o[14][0], inout(reg32) o[14][1], inout(reg32) o[14][2], inout(reg32) o[14][3],
+                         inout(reg32) o[15][0], inout(reg32) o[15][1], inout(reg32) o[15][2], inout(reg32) o[15][3],
+                         inout(reg32) o[16][0], inout(reg32) o[16][1], inout(reg32) o[16][2], inout(reg32) o[16][3],
+                         inout(reg32) o[17][0], inout(reg32) o[17][1], inout(reg32) o[17][2], inout(reg32) o[17][3],
+                         inout(reg32) o[18][0], inout(reg32) o[18][1], inout(reg32) o[18][2], inout(reg32) o[18][3],
+                         inout(reg32) o[19][0], inout(reg32) o[19][1], inout(reg32) o[19][2], inout(reg32) o[19][3],
+                         inout(reg32) o[20][0], inout(reg32) o[20][1], inout(reg32) o[20][2], inout(reg32) o[20][3],
+                         inout(reg32) o[21][0], inout(reg32) o[21][1], inout(reg32) o[21][2], inout(reg32) o[21][3],
+                         inout(reg32) o[22][0], inout(reg32) o[22][1], inout(reg32) o[22][2], inout(reg32) o[22][3],
+                         inout(reg32) o[23][0], inout(reg32) o[23][1], inout(reg32) o[23][2], inout(reg32) o[23][3],
+                         inout(reg32) o[24][0], inout(reg32) o[24][1], inout(reg32) o[24][2], inout(reg32) o[24][3],
+                         inout(reg32) o[25][0], inout(reg32) o[25][1], inout(reg32) o[25][2], inout(reg32) o[25][3],
+                         inout(reg32) o[26][0], inout(reg32) o[26][1], inout(reg32) o[26][2], inout(reg32) o[26][3],
+                         inout(reg32) o[27][0], inout(reg32) o[27][1], inout(reg32) o[27][2], inout(reg32) o[27][3],
+                         inout(reg32) o[28][0], inout(reg32) o[28][1], inout(reg32) o[28][2], inout(reg32) o[28][3],
+                         inout(reg32) o[29][0], inout(reg32) o[29][1], inout(reg32) o[29][2], inout(reg32) o[29][3],
+                         inout(reg32) o[30][0], inout(reg32) o[30][1], inout(reg32) o[30][2], inout(reg32) o[30][3],
+                         inout(reg32) o[31][0], inout(reg32) o[31][1], inout(reg32) o[31][2], inout(reg32) o[31][3],
+                         in(reg64) desc_a, in(reg64) desc_b, options(nostack));
+                }
             }
             #[cfg(wgmma)]
             #[inline(always)]
