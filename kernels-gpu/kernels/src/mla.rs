@@ -17,7 +17,7 @@ use crate::mma::{
 };
 use crate::prefill::{work_item, KvSource, RowOut};
 use crate::vec_io::load_u32_nc;
-use attn_math::mla::{self, shared_layout, swizzled, GROUP_BYTES, ROW_CHUNKS, SLOT_KEYS, TABLE_BYTES, THREADS};
+use attn_math::mla::{self, p_offset, shared_layout, swizzled, GROUP_BYTES, ROW_CHUNKS, SLOT_KEYS, TABLE_BYTES, THREADS};
 use attn_math::params::PrefillParams;
 use attn_math::prefill::{MLA_QK, MLA_V};
 use attn_math::softmax::{exp2, OnlineSoftmax};
@@ -70,7 +70,7 @@ fn scores<Q: MmaHalf, const UNROLL: bool>(nkt: usize, q: impl Fn(usize) -> [u32;
 }
 
 /// The wide shape's scores of this warp (16 rows x `nkt * 8` keys): on sm_90a the warpgroup's
-/// `wgmma` over its 64 rows (Q at `q`) and 16 keys (rows `key_row..` of the slot at `slot`); else
+/// `wgmma` over its 64 rows (Q at `q`) and 32 keys (rows `key_row..` of the slot at `slot`); else
 /// `mma.sync` (`q_frag`, `k_at` as for [`scores`]).
 #[inline(always)]
 #[allow(unused_variables)]
@@ -84,11 +84,10 @@ fn wide_scores<Q: MmaHalf>(
 ) -> [[f32; 4]; 4] {
     #[cfg(wgmma)]
     {
-        const { assert!(mla::WIDE.keys_per_warp() == 16 && mla::WIDE.s_row_tiles == 4) };
+        const { assert!(mla::WIDE.keys_per_warp() == 32 && mla::WIDE.s_row_tiles == 4) };
         let a = crate::mma::wgmma_desc(q, 16, GROUP_BYTES, true);
         let b = crate::mma::wgmma_desc(slot + swizzled(key_row, 0), 16, GROUP_BYTES, true);
-        let d = unsafe { Q::wgmma_64x16_k576(a, b) };
-        [d[0], d[1], [0.0; 4], [0.0; 4]]
+        unsafe { Q::wgmma_64x32_k576(a, b) }
     }
     #[cfg(not(wgmma))]
     {
@@ -96,24 +95,19 @@ fn wide_scores<Q: MmaHalf>(
     }
 }
 
-/// Byte offset of P's (row, key) for `wgmma` (no-swizzle K-major: 8 x 8 core matrices, 128
-/// bytes apart along the keys, 512 along the rows); its 4-byte stores from a warp hit 32 banks.
-#[inline(always)]
-fn p_core_matrix_offset(row: u32, key: u32) -> u32 {
-    (row / 8) * 512 + (key / 8) * 128 + (row % 8) * 16 + (key % 8) * 2
-}
-
-/// The wide shape's `O += P V` on sm_90a: the warpgroup's 64 rows x 256 columns (V from the slot
-/// at `v`, its first 64-column atom) over the tile's 32 keys, P at `p`.
+/// The wide shape's `O += P V` on sm_90a: the warpgroup's 64 rows x 256 columns over the tile's
+/// 64 keys, P at `p` (8-row groups `p_group` bytes apart), V's keys 0-31 and 32-63 from the slots
+/// at `v0` and `v1` (their first 64-column atom of the warpgroup's columns).
 #[inline(always)]
 #[allow(unused_variables)]
-unsafe fn wide_pv<Q: MmaHalf>(o: &mut [[f32; 4]; 32], p: u32, v: u32) {
+unsafe fn wide_pv<Q: MmaHalf>(o: &mut [[f32; 4]; 32], p: u32, p_group: u32, v0: u32, v1: u32) {
     #[cfg(wgmma)]
     {
-        const { assert!(mla::WIDE.block_n == 32 && mla::WIDE.block_m == 64) };
-        let a = crate::mma::wgmma_desc(p, 128, 512, false);
-        let b = crate::mma::wgmma_desc(v, 1024, GROUP_BYTES, true);
-        unsafe { Q::wgmma_pv_64x256_k32(o, a, b) };
+        const { assert!(mla::WIDE.block_n == 2 * SLOT_KEYS && mla::WIDE.block_m == 64) };
+        let a = crate::mma::wgmma_desc(p, 128, p_group, false);
+        let b0 = crate::mma::wgmma_desc(v0, 1024, GROUP_BYTES, true);
+        let b1 = crate::mma::wgmma_desc(v1, 1024, GROUP_BYTES, true);
+        unsafe { Q::wgmma_pv_64x256_k64(o, a, b0, b1) };
     }
     #[cfg(not(wgmma))]
     unreachable!()
@@ -130,18 +124,25 @@ fn score_k_lane(nkt: usize, lane: u32, key_row: u32) -> (u32, u32) {
     }
 }
 
-/// O += P V for one warp: `mt` 16-row tiles of P (at `p_addr`, this lane's `ldmatrix` address;
-/// row-tile pitch `p_tile`) times the tile's `bn` keys of V, `nct * 8` columns. `v_at(kk, dp)`:
+/// O += P V for one warp: `mt` 16-row tiles of P (`p_at(m, kk)`: this lane's `ldmatrix` address
+/// for row tile m, keys `16 kk ..`) times the tile's `bn` keys of V, `nct * 8` columns. `v_at(kk, dp)`:
 /// this lane's transposed `ldmatrix` address for keys `16 kk ..` and the warp's columns
 /// `16 dp ..`.
 #[inline(always)]
-fn accumulate_pv<Q: MmaHalf>(o: &mut [[[f32; 4]; 32]; 2], mt: usize, nct: usize, bn: usize, p_addr: u32, p_tile: u32, v_at: impl Fn(u32, u32) -> u32) {
+fn accumulate_pv<Q: MmaHalf>(
+    o: &mut [[[f32; 4]; 32]; 2],
+    mt: usize,
+    nct: usize,
+    bn: usize,
+    p_at: impl Fn(u32, u32) -> u32,
+    v_at: impl Fn(u32, u32) -> u32,
+) {
     static_for::<4>(|kk| {
         if kk < bn / 16 {
             let mut a = [[0u32; 4]; 2];
             static_for::<2>(|m| {
                 if m < mt {
-                    a[m] = unsafe { ldmatrix_x4(p_addr + m as u32 * p_tile + kk as u32 * 32) };
+                    a[m] = unsafe { ldmatrix_x4(p_at(m as u32, kk as u32)) };
                 }
             });
             static_for::<8>(|dp| {
@@ -290,7 +291,8 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
     let q_lane = (s_row0 + lane % 8 + 8 * ((lane / 8) % 2), lane / 16);
     let q_at = |ks: usize| smem + layout.q + swizzled(q_lane.0, q_lane.1 + 2 * ks as u32);
     let k_lane = score_k_lane(nkt, lane, key_off % SLOT_KEYS);
-    let p_addr = smem + layout.p + (pv_row0 + lane % 8 + 8 * ((lane / 8) % 2)) * layout.p_pitch + 16 * (lane / 16);
+    let p_row_lane = pv_row0 + lane % 8 + 8 * ((lane / 8) % 2);
+    let p_at = |m: u32, kk: u32| smem + layout.p + p_offset(p_row_lane + 16 * m, 16 * kk + 8 * (lane / 16), layout.p_group);
     let v_lane = (lane % 8 + 8 * ((lane / 8) % 2), col0 / 8 + lane / 16);
     let row_max = |group: u32, r: u32| smem + layout.row_max + (group * bm + r) * 4;
     // The running max of a row after this tile, from the published maxima (raw scores).
@@ -343,10 +345,10 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
             sync_threads();
         } else {
             // Wait, then refill the slot every warp has just finished with.
-            if pre - spt == 1 {
-                cp_async_wait::<1>();
-            } else {
-                cp_async_wait::<2>();
+            match pre - spt {
+                0 => cp_async_wait::<0>(),
+                1 => cp_async_wait::<1>(),
+                _ => cp_async_wait::<2>(),
             }
             // The tile (and the queries) are read by `wgmma`, through the async proxy.
             #[cfg(wgmma)]
@@ -420,7 +422,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
                     let w1 = exp2(fma(s[n][2 * h + 1], mult, neg_max));
                     s_state[h].sum += w0 + w1;
                     let key = key_off + n as u32 * 8 + 2 * t4;
-                    let at = smem + layout.p + if wgmma_pv { p_core_matrix_offset(r, key) } else { r * layout.p_pitch + key * 2 };
+                    let at = smem + layout.p + p_offset(r, key, layout.p_group);
                     unsafe { st_shared_u32(at, Q::pack2(w0, w1)) };
                 }
             });
@@ -451,9 +453,10 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
         });
         let v_at = |kk: u32, dp: u32| slot_buf(slot0 + kk / 2) + swizzled(v_lane.0 + 16 * (kk % 2), v_lane.1 + 2 * dp);
         if wgmma_pv {
-            unsafe { wide_pv::<Q>(&mut o[0], smem + layout.p, slot_buf(slot0) + (col0 / 64) * 1024) };
+            let atom = (col0 / 64) * 1024;
+            unsafe { wide_pv::<Q>(&mut o[0], smem + layout.p, layout.p_group, slot_buf(slot0) + atom, slot_buf(slot0 + 1) + atom) };
         } else {
-            accumulate_pv::<Q>(&mut o, mt, nct, bn as usize, p_addr, 16 * layout.p_pitch, v_at);
+            accumulate_pv::<Q>(&mut o, mt, nct, bn as usize, p_at, v_at);
         }
         if warp < spt {
             fill(first_issued + spt + warp, ahead);

@@ -22,21 +22,21 @@ pub trait MmaHalf: HalfFloat {
     /// Two FP8 E4M3 bytes (low byte first) as two values of this type (exact, divided by
     /// `FP8_UNPACK_SCALE`).
     fn from_fp8x2(pair: u32) -> u32;
-    /// `S = A B^T` for a warpgroup (Hopper `wgmma`, f32 accumulate): A 64 x 576 and B 16 x 576,
+    /// `S = A B^T` for a warpgroup (Hopper `wgmma`, f32 accumulate): A 64 x 576 and B 32 x 576,
     /// both in shared memory in the no-swizzle K-major layout, given by the descriptors of their
     /// first k-step (each of the 36 k-steps advances both by 256 bytes). Waits for the result.
     /// This thread's part of S in the `mma.sync` C layout of its warp's 16 rows: `[n-block][4]`.
     #[cfg(wgmma)]
-    unsafe fn wgmma_64x16_k576(desc_a: u64, desc_b: u64) -> [[f32; 4]; 2];
-    /// `O += P V` for a warpgroup (Hopper `wgmma`): P 64 x 32 keys (no-swizzle K-major, `desc_a`)
-    /// times V 32 keys x 256 columns (the 128-byte-swizzled rows read N-major, `desc_b`). `o`:
-    /// this thread's accumulators, column block `n` (8 columns) of its warp's 16 rows in the
-    /// `mma.sync` C layout. Waits for the result.
+    unsafe fn wgmma_64x32_k576(desc_a: u64, desc_b: u64) -> [[f32; 4]; 4];
+    /// `O += P V` for a warpgroup (Hopper `wgmma`): P 64 x 64 keys (no-swizzle K-major, `desc_a`)
+    /// times V 64 keys x 256 columns, keys 0-31 and 32-63 in two slots (the 128-byte-swizzled
+    /// rows read N-major, `desc_b0`, `desc_b1`). `o`: this thread's accumulators, column block `n`
+    /// (8 columns) of its warp's 16 rows in the `mma.sync` C layout. Waits for the result.
     #[cfg(wgmma)]
-    unsafe fn wgmma_pv_64x256_k32(o: &mut [[f32; 4]; 32], desc_a: u64, desc_b: u64);
+    unsafe fn wgmma_pv_64x256_k64(o: &mut [[f32; 4]; 32], desc_a: u64, desc_b0: u64, desc_b1: u64);
 }
 
-/// The whole 576-wide `wgmma` chain of [`MmaHalf::wgmma_64x16_k576`] for PTX type `$t`: the
+/// The whole 576-wide `wgmma` chain of [`MmaHalf::wgmma_64x32_k576`] for PTX type `$t`: the
 /// first k-step overwrites the accumulators (scale-d false), the rest add. Descriptors advance 32
 /// bytes a k-step inside a 128-byte swizzle atom (4 k-steps) and 1024 - 96 bytes to the next atom
 /// (units of 16 bytes: 2 and 58).
@@ -46,7 +46,7 @@ macro_rules! wgmma_k576_asm {
         concat!(
             "{{\n.reg .pred pz, po;\n.reg .b32 zz;\n.reg .b64 da, db;\n",
             "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
-            "mov.b64 da, {8};\nmov.b64 db, {9};\n",
+            "mov.b64 da, {16};\nmov.b64 db, {17};\n",
             "wgmma.fence.sync.aligned;\n",
             wgmma_k576_asm!(@mma $t, "pz"),
             wgmma_k576_asm!(@atom_rest $t),
@@ -55,7 +55,10 @@ macro_rules! wgmma_k576_asm {
         )
     };
     (@mma $t:literal, $scale:literal) => {
-        concat!("wgmma.mma_async.sync.aligned.m64n16k16.f32.", $t, ".", $t, " {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, ", $scale, ", 1, 1, 0, 0;\n")
+        concat!(
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.", $t, ".", $t,
+            " {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, ", $scale, ", 1, 1, 0, 0;\n"
+        )
     };
     (@atom_rest $t:literal) => {
         concat!(
@@ -66,32 +69,46 @@ macro_rules! wgmma_k576_asm {
     };
 }
 
-/// The P V `wgmma` chain of [`MmaHalf::wgmma_pv_64x256_k32`] for PTX type `$t`: per 64-column
-/// block of the warpgroup's 256 (B descriptor +64 units of 16 bytes = one 1024-byte atom), two
-/// k-steps of 16 keys (A +16 units = 256 bytes of the no-swizzle P tile; B +1152 units = two
-/// 8-key row groups). B is V, N-major (`imm-trans-b` 1); the accumulators add (scale-d true).
+/// The P V `wgmma` chain of [`MmaHalf::wgmma_pv_64x256_k64`] for PTX type `$t`: per 64-column
+/// block of the warpgroup's 256 (B descriptors +64 units of 16 bytes = one 1024-byte atom), four
+/// k-steps of 16 keys (A +16 units = 256 bytes of the no-swizzle P tile each; B +1152 units = two
+/// 8-key row groups within a slot, the second slot for keys 32-63). B is V, N-major
+/// (`imm-trans-b` 1); the accumulators add (scale-d true).
 #[cfg(wgmma)]
 macro_rules! wgmma_pv_asm {
     ($t:literal) => {
         concat!(
-            "{{\n.reg .pred po;\n.reg .b32 zz;\n.reg .b64 a0, a1, b;\n",
-            "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\nmov.b64 a0, {128};\nadd.s64 a1, a0, 16;\nmov.b64 b, {129};\n",
+            "{{\n.reg .pred po;\n.reg .b32 zz;\n.reg .b64 a0, a1, a2, a3, b0, b1;\n",
+            "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
+            "mov.b64 a0, {128};\nadd.s64 a1, a0, 16;\nadd.s64 a2, a0, 32;\nadd.s64 a3, a0, 48;\nmov.b64 b0, {129};\nmov.b64 b1, {130};\n",
             "wgmma.fence.sync.aligned;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}}}, a0, b, po, 1, 1, 0, 1;\n",
-            "add.s64 b, b, 1152;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}}}, a1, b, po, 1, 1, 0, 1;\n",
-            "add.s64 b, b, -1088;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}}}, a0, b, po, 1, 1, 0, 1;\n",
-            "add.s64 b, b, 1152;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}}}, a1, b, po, 1, 1, 0, 1;\n",
-            "add.s64 b, b, -1088;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}, {80}, {81}, {82}, {83}, {84}, {85}, {86}, {87}, {88}, {89}, {90}, {91}, {92}, {93}, {94}, {95}}}, a0, b, po, 1, 1, 0, 1;\n",
-            "add.s64 b, b, 1152;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}, {80}, {81}, {82}, {83}, {84}, {85}, {86}, {87}, {88}, {89}, {90}, {91}, {92}, {93}, {94}, {95}}}, a1, b, po, 1, 1, 0, 1;\n",
-            "add.s64 b, b, -1088;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{96}, {97}, {98}, {99}, {100}, {101}, {102}, {103}, {104}, {105}, {106}, {107}, {108}, {109}, {110}, {111}, {112}, {113}, {114}, {115}, {116}, {117}, {118}, {119}, {120}, {121}, {122}, {123}, {124}, {125}, {126}, {127}}}, a0, b, po, 1, 1, 0, 1;\n",
-            "add.s64 b, b, 1152;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{96}, {97}, {98}, {99}, {100}, {101}, {102}, {103}, {104}, {105}, {106}, {107}, {108}, {109}, {110}, {111}, {112}, {113}, {114}, {115}, {116}, {117}, {118}, {119}, {120}, {121}, {122}, {123}, {124}, {125}, {126}, {127}}}, a1, b, po, 1, 1, 0, 1;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}}}, a0, b0, po, 1, 1, 0, 1;\n",
+            "add.s64 b0, b0, 1152;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}}}, a1, b0, po, 1, 1, 0, 1;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}}}, a2, b1, po, 1, 1, 0, 1;\n",
+            "add.s64 b1, b1, 1152;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}}}, a3, b1, po, 1, 1, 0, 1;\n",
+            "add.s64 b0, b0, -1088;\nadd.s64 b1, b1, -1088;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}}}, a0, b0, po, 1, 1, 0, 1;\n",
+            "add.s64 b0, b0, 1152;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}}}, a1, b0, po, 1, 1, 0, 1;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}}}, a2, b1, po, 1, 1, 0, 1;\n",
+            "add.s64 b1, b1, 1152;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}}}, a3, b1, po, 1, 1, 0, 1;\n",
+            "add.s64 b0, b0, -1088;\nadd.s64 b1, b1, -1088;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}, {80}, {81}, {82}, {83}, {84}, {85}, {86}, {87}, {88}, {89}, {90}, {91}, {92}, {93}, {94}, {95}}}, a0, b0, po, 1, 1, 0, 1;\n",
+            "add.s64 b0, b0, 1152;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}, {80}, {81}, {82}, {83}, {84}, {85}, {86}, {87}, {88}, {89}, {90}, {91}, {92}, {93}, {94}, {95}}}, a1, b0, po, 1, 1, 0, 1;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}, {80}, {81}, {82}, {83}, {84}, {85}, {86}, {87}, {88}, {89}, {90}, {91}, {92}, {93}, {94}, {95}}}, a2, b1, po, 1, 1, 0, 1;\n",
+            "add.s64 b1, b1, 1152;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}, {80}, {81}, {82}, {83}, {84}, {85}, {86}, {87}, {88}, {89}, {90}, {91}, {92}, {93}, {94}, {95}}}, a3, b1, po, 1, 1, 0, 1;\n",
+            "add.s64 b0, b0, -1088;\nadd.s64 b1, b1, -1088;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{96}, {97}, {98}, {99}, {100}, {101}, {102}, {103}, {104}, {105}, {106}, {107}, {108}, {109}, {110}, {111}, {112}, {113}, {114}, {115}, {116}, {117}, {118}, {119}, {120}, {121}, {122}, {123}, {124}, {125}, {126}, {127}}}, a0, b0, po, 1, 1, 0, 1;\n",
+            "add.s64 b0, b0, 1152;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{96}, {97}, {98}, {99}, {100}, {101}, {102}, {103}, {104}, {105}, {106}, {107}, {108}, {109}, {110}, {111}, {112}, {113}, {114}, {115}, {116}, {117}, {118}, {119}, {120}, {121}, {122}, {123}, {124}, {125}, {126}, {127}}}, a1, b0, po, 1, 1, 0, 1;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{96}, {97}, {98}, {99}, {100}, {101}, {102}, {103}, {104}, {105}, {106}, {107}, {108}, {109}, {110}, {111}, {112}, {113}, {114}, {115}, {116}, {117}, {118}, {119}, {120}, {121}, {122}, {123}, {124}, {125}, {126}, {127}}}, a2, b1, po, 1, 1, 0, 1;\n",
+            "add.s64 b1, b1, 1152;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{96}, {97}, {98}, {99}, {100}, {101}, {102}, {103}, {104}, {105}, {106}, {107}, {108}, {109}, {110}, {111}, {112}, {113}, {114}, {115}, {116}, {117}, {118}, {119}, {120}, {121}, {122}, {123}, {124}, {125}, {126}, {127}}}, a3, b1, po, 1, 1, 0, 1;\n",
             "wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n}}"
         )
     };
@@ -150,7 +167,7 @@ macro_rules! mma_impl {
             }
             #[cfg(wgmma)]
             #[inline(always)]
-            unsafe fn wgmma_pv_64x256_k32(o: &mut [[f32; 4]; 32], desc_a: u64, desc_b: u64) {
+            unsafe fn wgmma_pv_64x256_k64(o: &mut [[f32; 4]; 32], desc_a: u64, desc_b0: u64, desc_b1: u64) {
                 unsafe {
                     asm!(wgmma_pv_asm!($name),
                          inout(reg32) o[0][0], inout(reg32) o[0][1], inout(reg32) o[0][2], inout(reg32) o[0][3],
@@ -185,20 +202,22 @@ macro_rules! mma_impl {
                          inout(reg32) o[29][0], inout(reg32) o[29][1], inout(reg32) o[29][2], inout(reg32) o[29][3],
                          inout(reg32) o[30][0], inout(reg32) o[30][1], inout(reg32) o[30][2], inout(reg32) o[30][3],
                          inout(reg32) o[31][0], inout(reg32) o[31][1], inout(reg32) o[31][2], inout(reg32) o[31][3],
-                         in(reg64) desc_a, in(reg64) desc_b, options(nostack));
+                         in(reg64) desc_a, in(reg64) desc_b0, in(reg64) desc_b1, options(nostack));
                 }
             }
             #[cfg(wgmma)]
             #[inline(always)]
-            unsafe fn wgmma_64x16_k576(desc_a: u64, desc_b: u64) -> [[f32; 4]; 2] {
-                let (d0, d1, d2, d3, d4, d5, d6, d7): (f32, f32, f32, f32, f32, f32, f32, f32);
+            unsafe fn wgmma_64x32_k576(desc_a: u64, desc_b: u64) -> [[f32; 4]; 4] {
+                let mut d = [[0.0f32; 4]; 4];
                 unsafe {
                     asm!(wgmma_k576_asm!($name),
-                         out(reg32) d0, out(reg32) d1, out(reg32) d2, out(reg32) d3,
-                         out(reg32) d4, out(reg32) d5, out(reg32) d6, out(reg32) d7,
+                         out(reg32) d[0][0], out(reg32) d[0][1], out(reg32) d[0][2], out(reg32) d[0][3],
+                         out(reg32) d[1][0], out(reg32) d[1][1], out(reg32) d[1][2], out(reg32) d[1][3],
+                         out(reg32) d[2][0], out(reg32) d[2][1], out(reg32) d[2][2], out(reg32) d[2][3],
+                         out(reg32) d[3][0], out(reg32) d[3][1], out(reg32) d[3][2], out(reg32) d[3][3],
                          in(reg64) desc_a, in(reg64) desc_b, options(nostack));
                 }
-                [[d0, d1, d2, d3], [d4, d5, d6, d7]]
+                d
             }
             #[inline(always)]
             fn pack2(lo: f32, hi: f32) -> u32 {

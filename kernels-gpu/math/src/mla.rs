@@ -17,10 +17,11 @@
 //! Keys arrive in slots of 32 rows through a ring of slot buffers (a tile is one or two slots).
 //! Two shapes: *narrow* (16 rows: up to 16 heads x 1 token; memory-bound: 64-key tiles, a ring
 //! of 5 slots so that 3 are in flight during a tile's math; each warp 8 keys and 64 output
-//! columns) and *wide* (64 rows: compute-bound: 32-key tiles, a ring of 3; each warp 16 x 16
-//! scores and 32 x 128 outputs).
+//! columns) and *wide* (64 rows: compute-bound: 64-key tiles, a ring of 4 (two slots in flight);
+//! each warp 16 x 32 scores and 32 x 128 outputs, or on sm_90a each warpgroup 64 x 32 scores and
+//! 64 x 256 outputs on `wgmma`).
 
-use crate::prefill::{MLA_QK, MLA_V, ROW_PAD};
+use crate::prefill::{MLA_QK, MLA_V};
 
 pub const THREADS: u32 = 256;
 pub const WARPS: u32 = THREADS / 32;
@@ -78,7 +79,7 @@ pub const SLOT_KEYS: u32 = 32;
 pub const TABLE_BYTES: u32 = SLOT_KEYS * 8 + 16;
 
 pub const NARROW: MlaShape = MlaShape { block_m: 16, block_n: 64, ring: 5, s_row_tiles: 1, pv_row_groups: 1 };
-pub const WIDE: MlaShape = MlaShape { block_m: 64, block_n: 32, ring: 3, s_row_tiles: 4, pv_row_groups: 2 };
+pub const WIDE: MlaShape = MlaShape { block_m: 64, block_n: 64, ring: 4, s_row_tiles: 4, pv_row_groups: 2 };
 
 /// The shape for requests of up to `rows` query rows (heads x query tokens): narrow up to 16
 /// rows (one tile; more would re-read every K tile per 16 rows), else wide.
@@ -91,16 +92,17 @@ pub const fn shape_for_rows(rows: u32) -> MlaShape {
 }
 
 /// Byte offsets in dynamic shared memory: Q (`block_m` rows) and the ring of K slots
-/// (`SLOT_KEYS` rows each) in the [`swizzled`] layout, P `[block_m][block_n + pad]` (16-bit), the
-/// published row maxima `[key_groups][block_m]` f32 (reused for the denominators at the end),
-/// the slots' address tables.
+/// (`SLOT_KEYS` rows each) in the [`swizzled`] layout, P (`block_m x block_n`, 16-bit, in the
+/// [`p_offset`] layout), the published row maxima `[key_groups][block_m]` f32 (reused for the
+/// denominators at the end), the slots' address tables.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MlaLayout {
     pub q: u32,
     pub k: u32,
     pub k_slot: u32,
     pub p: u32,
-    pub p_pitch: u32,
+    /// Bytes between P's 8-row groups.
+    pub p_group: u32,
     pub row_max: u32,
     pub table: u32,
     pub total: u32,
@@ -121,16 +123,24 @@ pub const fn swizzled(row: u32, chunk: u32) -> u32 {
     (row / 8) * GROUP_BYTES + (chunk / 8) * 1024 + (row % 8) * 128 + ((chunk % 8) ^ (row % 8)) * 16
 }
 
+/// Byte offset of P's (row, key), `p_group` bytes between 8-row groups: 8 x 8 "core matrices"
+/// of 128 contiguous bytes, consecutive along the keys (`wgmma`'s no-swizzle K-major layout:
+/// leading offset 128, stride `p_group`). Every `ldmatrix` (one core matrix) and every warp's
+/// 4-byte stores of its score fragments are free of bank conflicts.
+pub const fn p_offset(row: u32, key: u32, p_group: u32) -> u32 {
+    (row / 8) * p_group + (key / 8) * 128 + (row % 8) * 16 + (key % 8) * 2
+}
+
 pub const fn shared_layout(s: MlaShape) -> MlaLayout {
     let q = 0;
     let k = q + s.block_m * MLA_QK * 2;
     let k_slot = SLOT_KEYS * MLA_QK * 2;
     let p = k + s.ring * k_slot;
-    let p_pitch = (s.block_n + ROW_PAD) * 2;
-    let row_max = p + s.block_m * p_pitch;
+    let p_group = s.block_n * 16;
+    let row_max = p + s.block_m * s.block_n * 2;
     let table = row_max + s.key_groups() * s.block_m * 4;
     let total = table + s.tables() * TABLE_BYTES;
-    MlaLayout { q, k, k_slot, p, p_pitch, row_max, table, total }
+    MlaLayout { q, k, k_slot, p, p_group, row_max, table, total }
 }
 
 #[cfg(test)]
@@ -156,8 +166,7 @@ mod tests {
             }
             // wgmma descriptors: Q and the slots 1024-byte aligned, addresses within 14 bits >> 4.
             assert!(l.k.is_multiple_of(1024) && l.k_slot.is_multiple_of(1024) && l.total < 1 << 18);
-            // An odd multiple of 16 bytes: the 8 rows of an ldmatrix of P hit 8 bank groups.
-            assert!((l.p_pitch / 16) % 2 == 1);
+
         }
     }
 
