@@ -10,17 +10,17 @@
 //! being the first 512 columns of the K rows already in shared memory. Each latent row is read
 //! from global memory once per CTA.
 
-use crate::device::{atomic_or_global, dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any};
+use crate::device::{atomic_add_global, atomic_or_global, dynamic_shared, fence_device, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any};
 use crate::mma::{
     cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_pinned, ldmatrix_x4_trans, shared_addr, st_shared_f32,
     st_shared_u32, st_shared_u64, MmaHalf,
 };
-use crate::prefill::{work_item, KvSource, RowOut};
-use crate::vec_io::load_u32_nc;
+use crate::prefill::{work_item, KvSource, RowOut, Work};
+use crate::vec_io::{load16_cg, load_u32_cg, load_u32_nc, store4, store8, store_f32};
 use attn_math::mla::{self, p_offset, shared_layout, swizzled, GROUP_BYTES, ROW_CHUNKS, SLOT_KEYS, TABLE_BYTES, THREADS};
 use attn_math::params::PrefillParams;
 use attn_math::prefill::{MLA_QK, MLA_V};
-use attn_math::softmax::{exp2, OnlineSoftmax};
+use attn_math::softmax::{combine_lse, exp2, partial_weight, OnlineSoftmax};
 use attn_math::status::BLOCK_OUT_OF_RANGE;
 
 /// 16-column k-steps of a 576-wide row.
@@ -221,6 +221,9 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
     let n_slots = if end > begin { (end - begin).div_ceil(SLOT_KEYS) } else { 0 };
     let spt = shape.slots_per_tile();
     let n_tiles = n_slots.div_ceil(spt);
+    // Slots the tiles cover: a last tile's second slot past the keys is zero-filled all the same
+    // (its weights are 0, but 0 x NaN in uninitialised shared memory is NaN).
+    let tile_slots = n_tiles * spt;
     // Slots issued before the first tile; each tile then issues `spt` more.
     let pre = shape.ring - spt;
 
@@ -239,7 +242,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
         }
     };
     let fill = |j: u32, loc: i64| {
-        if j < n_slots {
+        if j < tile_slots {
             let key = begin + j * SLOT_KEYS + lane;
             let ka = if key < end { src.addresses(p, key, loc, 2).0 } else { 0 };
             unsafe { st_shared_u64(table(j) + lane * 8, ka) };
@@ -253,9 +256,9 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
             }
         }
     };
-    // Issues slot j's copy (if it exists) as one commit group.
+    // Issues slot j's copy (if a tile covers it) as one commit group.
     let issue = |j: u32| {
-        if j < n_slots {
+        if j < tile_slots {
             unsafe { copy_slot(slot_buf(j), table(j), p.q) };
         }
         cp_async_commit();
@@ -504,4 +507,65 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
             });
         }
     });
+    if !WIDE && num_splits > 1 && p.split_counters != 0 {
+        unsafe { merge_if_last::<Q>(p, &w, num_splits, smem + layout.row_max) };
+    }
+}
+
+/// The narrow shape's split-K merge, fused: after its partials are written, each split counts
+/// itself in the request's counter, and the last one reads every split's partial rows (from L2)
+/// and writes the request's output rows and LSEs with the weights of
+/// `attn_math::softmax::combine_lse`, as the merge kernel would; it then resets the counter for
+/// the next launch. `flag`: a shared-memory word. 16 threads a row, 4 columns each per pass.
+#[inline(always)]
+unsafe fn merge_if_last<Q: MmaHalf>(p: &PrefillParams, w: &Work, num_splits: u32, flag: u32) {
+    let tid = thread_idx_x();
+    let counter = p.split_counters + w.req as u64 * 4;
+    // Release: every thread's partial stores, then one count per CTA.
+    fence_device();
+    sync_threads();
+    if tid == 0 {
+        let done_before = unsafe { atomic_add_global(counter, 1) };
+        unsafe { st_shared_u32(flag, (done_before == num_splits - 1) as u32) };
+    }
+    sync_threads();
+    if unsafe { ld_shared_u32(flag) } == 0 {
+        return;
+    }
+    // Acquire: the other splits' partials are visible from here on.
+    fence_device();
+    if tid == 0 {
+        unsafe { store4(counter, 0) };
+    }
+    const { assert!(THREADS == 16 * mla::NARROW.block_m) };
+    let (r, lane16) = (tid / 16, tid % 16);
+    if r >= w.live {
+        return;
+    }
+    let row = unsafe { w.row(p, r) };
+    let base = unsafe { load_u32_nc(p.req_partial_base + w.req as u64 * 4) } as u64;
+    let t = (row.token - w.q_start) as u64;
+    let index = |s: u32| base + (s as u64 * w.q_len as u64 + t) * p.num_q_heads as u64 + row.head as u64;
+    let lse = |s: u32| f32::from_bits(unsafe { load_u32_cg(p.partial_lse + index(s) * 4) });
+    let lses = (0..num_splits).map(lse);
+    let (total_lse, max, sum) = combine_lse(lses, f32::NEG_INFINITY);
+    let out = p.out + (row.token as u64 * p.out_token_stride + row.head as u64 * p.out_head_stride) * 2;
+    static_for::<{ (MLA_V / 64) as usize }>(|i| {
+        let col = 4 * (lane16 + 16 * i as u32);
+        let mut acc = [0.0f32; 4];
+        let mut s = 0;
+        while s < num_splits {
+            // A zero weight skips its partial (an empty split).
+            let wgt = partial_weight(lse(s), max, sum);
+            if wgt != 0.0 {
+                let v = unsafe { load16_cg(p.partial_out + (index(s) * MLA_V as u64 + col as u64) * 4) };
+                static_for::<4>(|j| acc[j] = fma(wgt, f32::from_bits(v[j]), acc[j]));
+            }
+            s += 1;
+        }
+        unsafe { store8(out + col as u64 * 2, [Q::pack2(acc[0], acc[1]), Q::pack2(acc[2], acc[3])]) };
+    });
+    if lane16 == 0 && p.lse != 0 {
+        unsafe { store_f32(p.lse + (row.token as u64 * p.num_q_heads as u64 + row.head as u64) * 4, total_lse) };
+    }
 }
