@@ -311,16 +311,13 @@ pub struct DecodeWorkspace {
     req_num_splits: CudaSlice<u32>,
     req_partial_base: CudaSlice<u32>,
     token_request: CudaSlice<u32>,
-    /// One u32 per request, kept at zero between launches by the kernels that use it
-    /// (`PrefillParams::split_counters`).
-    split_counters: CudaSlice<u32>,
     head_size: usize,
 }
 
 impl DecodeWorkspace {
     /// Bytes [`new`](Self::new) allocates.
     pub fn bytes(partial_rows: usize, head_size: usize, max_items: usize, max_reqs: usize, max_tokens: usize) -> usize {
-        4 * (partial_rows * (head_size + 1) + 4 * max_items + 3 * max_reqs + max_tokens)
+        4 * (partial_rows * (head_size + 1) + 4 * max_items + 2 * max_reqs + max_tokens)
     }
 
     /// A workspace for up to `max_reqs` requests and `max_tokens` query tokens; `partial_rows`
@@ -335,7 +332,6 @@ impl DecodeWorkspace {
             req_num_splits: stream.alloc_zeros(max_reqs.max(1))?,
             req_partial_base: stream.alloc_zeros(max_reqs.max(1))?,
             token_request: stream.alloc_zeros(max_tokens.max(1))?,
-            split_counters: stream.alloc_zeros(max_reqs.max(1))?,
             head_size,
         })
     }
@@ -367,9 +363,6 @@ pub(crate) struct TcKernel {
     pub shape: TcShape,
     /// Threads per CTA.
     pub threads: u32,
-    /// The kernel merges a request's splits itself (its last split; `split_counters`): no merge
-    /// kernel follows.
-    pub fused_merge: bool,
     /// Query heads per kv head (MLA: every head).
     pub group: u32,
     /// CTAs the split plan aims at.
@@ -422,7 +415,7 @@ pub(crate) fn decode_tc_kernel(
     let resident = dev.resident_ctas(&name, attn_math::prefill::THREADS, smem)?;
     let target = waves * dev.sm_count() as u64 * resident as u64;
     let shape = TcShape::attention(d as u32, d as u32, kernel.keys_split(), fp8, num_kv_heads as u32);
-    Ok(TcKernel { kernel, name, smem, shape, threads: attn_math::prefill::THREADS, fused_merge: false, group, target })
+    Ok(TcKernel { kernel, name, smem, shape, threads: attn_math::prefill::THREADS, group, target })
 }
 
 /// A split plan already on the device (a CUDA-graph step's, [`crate::forward`]): its arrays,
@@ -452,7 +445,6 @@ impl DevicePlan {
             token_request: self.token_request,
             partial_out: ws.partial_out.device_ptr_mut(stream).0,
             partial_lse: ws.partial_lse.device_ptr_mut(stream).0,
-            split_counters: ws.split_counters.device_ptr_mut(stream).0,
         }
     }
 }
@@ -679,7 +671,6 @@ pub(crate) fn paged_decode_from(
             v_row: 0,
             _pad: 0,
             plan: 0,
-            split_counters: 0,
         };
         let tc = tc.as_ref().expect("a tensor-core batch");
         let (items, tp) = match launch {
@@ -708,7 +699,6 @@ pub(crate) struct WorkspacePtrs {
     pub token_request: u64,
     pub partial_out: u64,
     pub partial_lse: u64,
-    pub split_counters: u64,
 }
 
 impl DecodeWorkspace {
@@ -738,17 +728,11 @@ impl DecodeWorkspace {
             token_request: self.token_request.device_ptr(stream).0,
             partial_out: self.partial_out.device_ptr_mut(stream).0,
             partial_lse: self.partial_lse.device_ptr_mut(stream).0,
-            split_counters: self.split_counters.device_ptr_mut(stream).0,
         })
     }
 
     pub(crate) fn head_size(&self) -> usize {
         self.head_size
-    }
-
-    /// Requests the split counters cover.
-    pub(crate) fn max_reqs(&self) -> usize {
-        self.split_counters.len()
     }
 }
 

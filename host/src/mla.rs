@@ -91,21 +91,18 @@ pub fn mla_attention(
 pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usize, max_q: u32) -> Result<TcKernel> {
     let rows = max_q * hq as u32;
     let attention_form = fp8 || std::env::var("ATTN_MLA_KERNEL").is_ok_and(|v| v == "attention");
-    let (name, smem, shape, threads, fused_merge) = if attention_form {
+    let (name, smem, shape, threads) = if attention_form {
         let keys = rows <= block_m(MLA_QK, mla_v_slice(true), true, fp8);
         let v_slice = mla_v_slice(keys);
         let slices = MLA_V / v_slice;
         let name = format!("mla_{}{}_{}", q_dtype.kernel_name(), if fp8 { "_fp8" } else { "" }, if keys { "keys" } else { "rows" });
         let smem = shared_layout_mla(MLA_QK, v_slice, keys, fp8, true).total;
-        (name, smem, TcShape::attention(MLA_QK, v_slice, keys, fp8, slices), THREADS, false)
+        (name, smem, TcShape::attention(MLA_QK, v_slice, keys, fp8, slices), THREADS)
     } else {
         let s = mla::shape_for_rows(rows);
         let name = format!("mla_{}_{}", q_dtype.kernel_name(), if s == mla::NARROW { "narrow" } else { "wide" });
         let shape = TcShape { block_m: s.block_m, block_n: s.block_n, ctas_per_item: 1 };
-        // The narrow kernel merges a request's splits in its last split (`ATTN_MLA_FUSED_MERGE=0`:
-        // the merge kernel instead, for comparison).
-        let fused = s == mla::NARROW && std::env::var("ATTN_MLA_FUSED_MERGE").map_or(true, |v| v != "0");
-        (name, mla::shared_layout(s).total, shape, mla::THREADS, fused)
+        (name, mla::shared_layout(s).total, shape, mla::THREADS)
     };
     // One wave of resident CTAs (one per SM): measured on the H100 against two and four, whose
     // extra splits cost more (per-CTA start, partials, merge) than the tail they shorten
@@ -114,7 +111,7 @@ pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usi
     let waves = std::env::var("ATTN_MLA_WAVES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(measured).max(1);
     let resident = dev.resident_ctas(&name, threads, smem)?;
     let target = waves * dev.sm_count() as u64 * resident as u64;
-    Ok(TcKernel { kernel: DecodeKernel::Mla, name, smem, shape, threads, fused_merge, group: hq as u32, target })
+    Ok(TcKernel { kernel: DecodeKernel::Mla, name, smem, shape, threads, group: hq as u32, target })
 }
 
 /// [`mla_attention`] with its plan from `source`.
@@ -194,9 +191,6 @@ pub(crate) fn mla_attention_from(
             (plan, wp, None)
         }
     };
-    ensure(!tc.fused_merge || num_reqs <= ws.max_reqs(), "workspace", || {
-        format!("made for {} requests, the batch has {num_reqs}", ws.max_reqs())
-    })?;
     let (status_ptr, _o) = status.word.device_ptr_mut(stream);
     let lse = a.lse.as_ref().map_or(0, |l| l.ptr);
     let strides = spec.strides();
@@ -240,13 +234,12 @@ pub(crate) fn mla_attention_from(
         v_row: MLA_V,
         _pad: 0,
         plan: fixed.map_or(0, |dp| dp.header),
-        split_counters: if tc.fused_merge { wp.split_counters } else { 0 },
     };
     let items = fixed.map_or(plan.items.len() / 2, |dp| dp.capacity_items);
     let ctas = items * slices as usize;
     ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
     dev.launch_pdl(stream, &tc.name, (ctas as u32, 1, 1), tc.threads, tc.smem, p)?;
-    if !tc.fused_merge && fixed.map_or(plan.needs_merge(), |dp| dp.needs_merge) {
+    if fixed.map_or(plan.needs_merge(), |dp| dp.needs_merge) {
         launch_merge(dev, stream, &wp, a.query_start_loc.ptr, (&a.out, &a.out_rows), lse, 0, q_dtype)?;
     }
     Ok(plan)

@@ -45,21 +45,6 @@ pub fn vote_any(x: bool) -> bool {
     r != 0
 }
 
-/// Atomically adds `v` to a global u32 and returns the old value (relaxed, device scope).
-#[inline(always)]
-pub unsafe fn atomic_add_global(addr: u64, v: u32) -> u32 {
-    let old: u32;
-    unsafe { asm!("atom.global.add.u32 {0}, [{1}], {2};", out(reg32) old, in(reg64) addr, in(reg32) v, options(nostack)) };
-    old
-}
-
-/// A device-scope fence (`__threadfence`): this thread's writes before it are seen by every
-/// thread that sees its writes after it, and its reads after it see what others published.
-#[inline(always)]
-pub fn fence_device() {
-    unsafe { asm!("fence.acq_rel.gpu;", options(nostack)) }
-}
-
 /// Atomically OR `bits` into a global u32 (no return value: a reduction).
 #[inline(always)]
 pub unsafe fn atomic_or_global(addr: u64, bits: u32) {

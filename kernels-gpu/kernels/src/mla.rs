@@ -10,17 +10,17 @@
 //! being the first 512 columns of the K rows already in shared memory. Each latent row is read
 //! from global memory once per CTA.
 
-use crate::device::{atomic_add_global, atomic_or_global, dynamic_shared, fence_device, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any};
+use crate::device::{atomic_or_global, dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any};
 use crate::mma::{
-    cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_pinned, ldmatrix_x4_trans, shared_addr, st_shared_f32,
-    st_shared_u32, st_shared_u64, MmaHalf,
+    cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_pinned,
+    ldmatrix_x4_trans, shared_addr, st_shared_f32, st_shared_u32, st_shared_u64, MmaHalf,
 };
-use crate::prefill::{work_item, KvSource, RowOut, Work};
-use crate::vec_io::{load16_cg, load_u32_cg, load_u32_nc, store4, store8, store_f32};
+use crate::prefill::{work_item, KvSource, RowOut};
+use crate::vec_io::load_u32_nc;
 use attn_math::mla::{self, p_offset, shared_layout, swizzled, GROUP_BYTES, ROW_CHUNKS, SLOT_KEYS, TABLE_BYTES, THREADS};
 use attn_math::params::PrefillParams;
 use attn_math::prefill::{MLA_QK, MLA_V};
-use attn_math::softmax::{combine_lse, exp2, partial_weight, OnlineSoftmax};
+use attn_math::softmax::{exp2, OnlineSoftmax};
 use attn_math::status::BLOCK_OUT_OF_RANGE;
 
 /// 16-column k-steps of a 576-wide row.
@@ -193,7 +193,13 @@ unsafe fn copy_queries(dst: u32, rows: u32, src: impl Fn(u32) -> u64) {
 pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
     // Programmatic dependent launch: wait for the cache write before reading anything.
     pdl_prologue();
-    let shape = const { if WIDE { mla::WIDE } else { mla::NARROW } };
+    let shape = const {
+        if WIDE {
+            mla::WIDE
+        } else {
+            mla::NARROW
+        }
+    };
     let (bm, bn) = (shape.block_m, shape.block_n);
     let (kg, kw, cg, cw) = (shape.key_groups(), shape.keys_per_warp(), shape.col_groups(), shape.cols_per_warp());
     // Wide on sm_90a: P V on `wgmma` too; a warpgroup covers the 64 rows x 256 columns, each of
@@ -323,9 +329,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
             cp_async_wait::<2>();
         }
         sync_threads();
-        static_for::<{ K_STEPS as usize / 2 }>(|i| {
-            static_for::<2>(|j| q_frag[2 * i + j] = unsafe { ldmatrix_x4_pinned(q_at(2 * i + j)) })
-        });
+        static_for::<{ K_STEPS as usize / 2 }>(|i| static_for::<2>(|j| q_frag[2 * i + j] = unsafe { ldmatrix_x4_pinned(q_at(2 * i + j)) }));
     }
 
     let mut tile = 0;
@@ -507,65 +511,4 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
             });
         }
     });
-    if !WIDE && num_splits > 1 && p.split_counters != 0 {
-        unsafe { merge_if_last::<Q>(p, &w, num_splits, smem + layout.row_max) };
-    }
-}
-
-/// The narrow shape's split-K merge, fused: after its partials are written, each split counts
-/// itself in the request's counter, and the last one reads every split's partial rows (from L2)
-/// and writes the request's output rows and LSEs with the weights of
-/// `attn_math::softmax::combine_lse`, as the merge kernel would; it then resets the counter for
-/// the next launch. `flag`: a shared-memory word. 16 threads a row, 4 columns each per pass.
-#[inline(always)]
-unsafe fn merge_if_last<Q: MmaHalf>(p: &PrefillParams, w: &Work, num_splits: u32, flag: u32) {
-    let tid = thread_idx_x();
-    let counter = p.split_counters + w.req as u64 * 4;
-    // Release: every thread's partial stores, then one count per CTA.
-    fence_device();
-    sync_threads();
-    if tid == 0 {
-        let done_before = unsafe { atomic_add_global(counter, 1) };
-        unsafe { st_shared_u32(flag, (done_before == num_splits - 1) as u32) };
-    }
-    sync_threads();
-    if unsafe { ld_shared_u32(flag) } == 0 {
-        return;
-    }
-    // Acquire: the other splits' partials are visible from here on.
-    fence_device();
-    if tid == 0 {
-        unsafe { store4(counter, 0) };
-    }
-    const { assert!(THREADS == 16 * mla::NARROW.block_m) };
-    let (r, lane16) = (tid / 16, tid % 16);
-    if r >= w.live {
-        return;
-    }
-    let row = unsafe { w.row(p, r) };
-    let base = unsafe { load_u32_nc(p.req_partial_base + w.req as u64 * 4) } as u64;
-    let t = (row.token - w.q_start) as u64;
-    let index = |s: u32| base + (s as u64 * w.q_len as u64 + t) * p.num_q_heads as u64 + row.head as u64;
-    let lse = |s: u32| f32::from_bits(unsafe { load_u32_cg(p.partial_lse + index(s) * 4) });
-    let lses = (0..num_splits).map(lse);
-    let (total_lse, max, sum) = combine_lse(lses, f32::NEG_INFINITY);
-    let out = p.out + (row.token as u64 * p.out_token_stride + row.head as u64 * p.out_head_stride) * 2;
-    static_for::<{ (MLA_V / 64) as usize }>(|i| {
-        let col = 4 * (lane16 + 16 * i as u32);
-        let mut acc = [0.0f32; 4];
-        let mut s = 0;
-        while s < num_splits {
-            // A zero weight skips its partial (an empty split).
-            let wgt = partial_weight(lse(s), max, sum);
-            if wgt != 0.0 {
-                let v = unsafe { load16_cg(p.partial_out + (index(s) * MLA_V as u64 + col as u64) * 4) };
-                static_for::<4>(|j| acc[j] = fma(wgt, f32::from_bits(v[j]), acc[j]));
-            }
-            s += 1;
-        }
-        unsafe { store8(out + col as u64 * 2, [Q::pack2(acc[0], acc[1]), Q::pack2(acc[2], acc[3])]) };
-    });
-    if lane16 == 0 && p.lse != 0 {
-        unsafe { store_f32(p.lse + (row.token as u64 * p.num_q_heads as u64 + row.head as u64) * 4, total_lse) };
-    }
 }

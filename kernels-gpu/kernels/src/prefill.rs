@@ -81,7 +81,13 @@ impl KvSource {
 /// zero-fill (`fallback`, a valid address, is named then but not read). Thread `tid` copies
 /// chunks `tid + i * NT` (row-major), which [`convert_fp8_rows`] relies on.
 #[inline(always)]
-pub(crate) unsafe fn copy_rows_async<const ROWS: usize, const NT: u32>(dst: u32, chunks: u32, pitch: u32, fallback: u64, src: impl Fn(u32) -> u64) {
+pub(crate) unsafe fn copy_rows_async<const ROWS: usize, const NT: u32>(
+    dst: u32,
+    chunks: u32,
+    pitch: u32,
+    fallback: u64,
+    src: impl Fn(u32) -> u64,
+) {
     let passes = (ROWS as u32 * chunks).div_ceil(NT);
     let tid = thread_idx_x();
     // A plain loop (no register array is indexed): MLA rows take up to 36 passes.

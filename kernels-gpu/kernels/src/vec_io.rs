@@ -27,27 +27,6 @@ pub unsafe fn load16(addr: u64) -> [u32; 4] {
     [a, b, c, d]
 }
 
-/// 16 bytes from global memory through L2 only (`.cg`): data other CTAs of the same kernel
-/// wrote (after a fence), which this SM's L1 may hold stale.
-#[inline(always)]
-pub unsafe fn load16_cg(addr: u64) -> [u32; 4] {
-    let (a, b, c, d): (u32, u32, u32, u32);
-    unsafe {
-        asm!("ld.global.cg.v4.u32 {{{0}, {1}, {2}, {3}}}, [{4}];",
-             out(reg32) a, out(reg32) b, out(reg32) c, out(reg32) d, in(reg64) addr,
-             options(readonly, nostack));
-    }
-    [a, b, c, d]
-}
-
-/// A u32 from global memory through L2 only (see [`load16_cg`]).
-#[inline(always)]
-pub unsafe fn load_u32_cg(addr: u64) -> u32 {
-    let r: u32;
-    unsafe { asm!("ld.global.cg.u32 {0}, [{1}];", out(reg32) r, in(reg64) addr, options(readonly, nostack)) };
-    r
-}
-
 #[inline(always)]
 pub unsafe fn store16(addr: u64, v: [u32; 4]) {
     unsafe {

@@ -166,7 +166,6 @@ mod tests {
             }
             // wgmma descriptors: Q and the slots 1024-byte aligned, addresses within 14 bits >> 4.
             assert!(l.k.is_multiple_of(1024) && l.k_slot.is_multiple_of(1024) && l.total < 1 << 18);
-
         }
     }
 

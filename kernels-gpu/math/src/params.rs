@@ -230,8 +230,4 @@ pub struct PrefillParams {
     /// The grid covers the most items a step can have; the items past the step's are
     /// [`NO_WORK`]. 0 = no such plan.
     pub plan: u64,
-    /// MLA's narrow kernel: one u32 per request, zero between launches. The splits of a request
-    /// count themselves here and the last one merges them (no merge kernel); it resets the count.
-    /// 0 = the host launches the merge.
-    pub split_counters: u64,
 }
