@@ -10,6 +10,7 @@
 //! - *values*: the `block_m x 512` output is cut into `pv_row_groups` row groups times
 //!   `WARPS / pv_row_groups` column groups; a warp keeps its part of O in registers and adds
 //!   P V, V being the first 512 columns of the same shared K tile.
+//!
 //! Every warp derives the running max of the rows it needs from the published maxima with the
 //! same operations, so the rescale factors agree without another exchange; the denominators are
 //! summed per key group and added up once at the end.
