@@ -2,13 +2,18 @@
 //! memory by warps that each own a slice of the output (`attn_math::mla` describes the CTA's
 //! two warp grids and the shapes).
 //!
-//! Per tile: the K rows (576 columns) land in shared memory through the same `cp.async`
-//! pipeline and address tables as the attention kernel's ([`crate::prefill`]); each warp
+//! Per tile: the K rows (576 columns) land in shared memory in 32-row slots through a ring of
+//! `cp.async` groups, their addresses looked up a tile ahead into per-slot tables; each warp
 //! scores its 16 rows x its keys, masks, publishes its rows' maxima (barrier), turns its scores
 //! into weights under the tile's row maxima and stores them as 16-bit P (barrier); then each
 //! warp rescales its accumulators by the same maxima and adds P V for its rows and columns, V
 //! being the first 512 columns of the K rows already in shared memory. Each latent row is read
 //! from global memory once per CTA.
+//!
+//! Q and K rows sit in `wgmma`'s 128-byte-swizzled K-major layout (`attn_math::mla::swizzled`):
+//! on sm_90a the wide shape's warpgroups compute Q K^T (m64n32k16) and P V (m64n64k16, V read
+//! N-major from the same rows, P from a no-swizzle tile) on `wgmma`; elsewhere, and for the
+//! narrow shape, `mma.sync` with `ldmatrix` (conflict-free in that layout) does both.
 
 use crate::device::{atomic_or_global, dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any};
 use crate::mma::{
