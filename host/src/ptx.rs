@@ -6,6 +6,7 @@
 //! that runs it, the device loads the SASS: no driver JIT. The JIT of the prefill module alone
 //! took 23-30 s on a fresh H100 machine. Elsewhere (a newer GPU, or if the driver refuses the
 //! cubin) it loads the PTX and the driver JIT-compiles it; `ATTN_FORCE_PTX_JIT=1` forces that.
+//! `ATTN_PTX_TARGET=sm_80` picks the Ampere module on a newer GPU (to test its code paths there).
 
 /// The kernel families (one PTX module each). Must match xtask's `FAMILIES`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,8 +85,16 @@ pub(crate) const TARGETS: &[PtxTarget] = &[
     target!("sm_80", 80, u32::MAX, 89),
 ];
 
+/// The target a device of capability `cc` uses: the best that runs there, or the one named by
+/// `ATTN_PTX_TARGET` if it runs there (e.g. `sm_80` on an H100: the Ampere code paths, JIT-compiled,
+/// for testing them on the GPU we have).
 pub(crate) fn target_for(cc: u32) -> Option<&'static PtxTarget> {
-    TARGETS.iter().find(|m| (m.min_cc..=m.max_cc).contains(&cc))
+    let runs = |m: &&PtxTarget| (m.min_cc..=m.max_cc).contains(&cc);
+    let forced = std::env::var("ATTN_PTX_TARGET").ok();
+    match forced.as_deref() {
+        Some(name) => TARGETS.iter().filter(runs).find(|m| m.name == name),
+        None => TARGETS.iter().find(runs),
+    }
 }
 
 pub(crate) fn available_targets() -> String {
