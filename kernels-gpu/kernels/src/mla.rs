@@ -22,7 +22,7 @@ use crate::mma::{
 };
 use crate::prefill::{work_item, KvSource, RowOut};
 use crate::vec_io::load_u32_nc;
-use attn_math::mla::{self, p_offset, shared_layout, swizzled, GROUP_BYTES, ROW_CHUNKS, SLOT_KEYS, TABLE_BYTES, THREADS};
+use attn_math::mla::{self, p_offset, shared_layout, swizzled, ROW_CHUNKS, SLOT_KEYS, TABLE_BYTES, THREADS};
 use attn_math::params::PrefillParams;
 use attn_math::prefill::{MLA_QK, MLA_V};
 use attn_math::softmax::{exp2, OnlineSoftmax};
@@ -90,8 +90,8 @@ fn wide_scores<Q: MmaHalf>(
     #[cfg(wgmma)]
     {
         const { assert!(mla::WIDE.keys_per_warp() == 32 && mla::WIDE.s_row_tiles == 4) };
-        let a = crate::mma::wgmma_desc(q, 16, GROUP_BYTES, true);
-        let b = crate::mma::wgmma_desc(slot + swizzled(key_row, 0), 16, GROUP_BYTES, true);
+        let a = crate::mma::wgmma_desc(q, 16, mla::GROUP_BYTES, true);
+        let b = crate::mma::wgmma_desc(slot + swizzled(key_row, 0), 16, mla::GROUP_BYTES, true);
         unsafe { Q::wgmma_64x32_k576(a, b) }
     }
     #[cfg(not(wgmma))]
@@ -110,8 +110,8 @@ unsafe fn wide_pv<Q: MmaHalf>(o: &mut [[f32; 4]; 32], p: u32, p_group: u32, v0: 
     {
         const { assert!(mla::WIDE.block_n == 2 * SLOT_KEYS && mla::WIDE.block_m == 64) };
         let a = crate::mma::wgmma_desc(p, 128, p_group, false);
-        let b0 = crate::mma::wgmma_desc(v0, 1024, GROUP_BYTES, true);
-        let b1 = crate::mma::wgmma_desc(v1, 1024, GROUP_BYTES, true);
+        let b0 = crate::mma::wgmma_desc(v0, 1024, mla::GROUP_BYTES, true);
+        let b1 = crate::mma::wgmma_desc(v1, 1024, mla::GROUP_BYTES, true);
         unsafe { Q::wgmma_pv_64x256_k64(o, a, b0, b1) };
     }
     #[cfg(not(wgmma))]
@@ -171,7 +171,7 @@ fn accumulate_pv<Q: MmaHalf>(
 /// reads one table entry.
 #[inline(always)]
 unsafe fn copy_slot(dst: u32, table: u32, fallback: u64) {
-    const { assert!(THREADS == 8 * SLOT_KEYS && ROW_CHUNKS % 8 == 0) };
+    const { assert!(THREADS == 8 * SLOT_KEYS && ROW_CHUNKS.is_multiple_of(8)) };
     let tid = thread_idx_x();
     let (r, c0) = (tid / 8, tid % 8);
     let src = unsafe { ld_shared_u64(table + r * 8) };
