@@ -275,8 +275,8 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
         cp_async_commit();
     };
 
-    // Prologue: the tables of the slots issued before and at the first tile, the queries,
-    // `pre` slots in flight (the queries join the first group).
+    // Prologue: the tables of the slots issued before and at the first tile, the queries (a
+    // commit group of their own), then `pre` slots in flight.
     if warp < shape.ring {
         fill(warp, locate(warp));
     }
@@ -286,7 +286,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
         p.q + (row.token as u64 * p.q_token_stride + row.head as u64 * p.q_head_stride) * 2
     };
     unsafe { copy_queries(smem + layout.q, bm, q_row) };
-    // The queries are a commit group of their own, so that narrow can wait for them alone.
+    // Narrow waits for the queries alone (to hold them in registers before the first tile).
     cp_async_commit();
     static_for::<4>(|j| {
         if (j as u32) < pre {
@@ -294,9 +294,9 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
         }
     });
 
-    // The score phase's grid: 16 rows x `kw` keys; the value phase's: `mt` row tiles x `cw` columns.
-    // Score warps: consecutive warps take consecutive row tiles (a warpgroup's 4 warps make the
-    // 64 rows of one `wgmma`), then the key groups.
+    // Score phase: each warp 16 rows x `kw` keys; consecutive warps take consecutive row tiles (a
+    // warpgroup's 4 warps make the 64 rows of one `wgmma`), then the key groups. Value phase:
+    // each warp `mt` row tiles x `cw` columns.
     let key_group = warp / shape.s_row_tiles;
     let (s_row0, key_off) = ((warp % shape.s_row_tiles) * 16, key_group * kw);
     let (pv_row0, col0) = if wgmma_pv { (16 * (warp % 4), (warp / 4) * cw) } else { ((warp / cg) * mt as u32 * 16, (warp % cg) * cw) };
