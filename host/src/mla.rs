@@ -2,14 +2,11 @@
 //! the query, attention is multi-query over one 576-wide head (512 compressed KV + 64 rope)
 //! whose value is the first 512 columns of the same row.
 //!
-//! 16-bit caches run on the MLA kernel (`mla_<q>_{narrow,wide}`, geometry in `attn_math::mla`):
-//! a CTA of 8 warps copies each cached row once into shared memory, computes Q K^T once per
-//! tile, and shares the weights P through shared memory with warps that each own a slice of
-//! the 512 output columns. Up to 16 query rows per request (heads x query tokens) take the
-//! narrow shape (16 rows, memory-bound), more take 64-row tiles (wide, compute-bound).
-//! FP8 caches run on the tensor-core attention kernel in its MLA form
-//! (`mla_<q>_fp8_{keys,rows}`), which converts the rows in shared memory; its two CTAs per tile
-//! produce 256 of the 512 output columns each.
+//! Runs on the MLA kernel (`mla_<q>[_fp8]_{narrow,wide}`, geometry in `attn_math::mla`): a CTA
+//! of 8 warps copies each cached row once into shared memory (FP8 rows converted there), computes
+//! Q K^T once per tile, and shares the weights P through shared memory with warps that each own a
+//! slice of the 512 output columns. Up to 16 query rows per request (heads x query tokens) take
+//! the narrow shape (16 rows, memory-bound), more take 64-row tiles (wide, compute-bound).
 //! Split-K, its plan and the merge are the decode path's (`DecodeWorkspace`, allocated with head
 //! size 512). Query lengths are free: multi-token prediction (causal among the new tokens) and
 //! chunked prefill in latent form.
@@ -84,13 +81,13 @@ pub fn mla_attention(
 
 /// The MLA kernel for `max_q` query tokens per request of `hq` heads, and its CTA target.
 ///
-/// 16-bit caches run on the MLA kernel (`mla_<q>_{narrow,wide}`, `attn_math::mla`); FP8 caches
-/// on the attention kernel's MLA form (`mla_<q>_fp8_{keys,rows}`), which converts the rows in
-/// shared memory. `ATTN_MLA_KERNEL=attention` sends 16-bit caches there too (for comparison),
-/// and `ATTN_MLA_WAVES` overrides the waves of CTAs the split plan aims at.
+/// The MLA kernel (`mla_<q>[_fp8]_{narrow,wide}`, `attn_math::mla`; FP8 caches are converted
+/// slot by slot in shared memory). `ATTN_MLA_KERNEL=attention` runs the tensor-core attention
+/// kernel's MLA form instead (`mla_<q>[_fp8]_{keys,rows}`, the first design, for comparison), and
+/// `ATTN_MLA_WAVES` overrides the waves of CTAs the split plan aims at.
 pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usize, max_q: u32) -> Result<TcKernel> {
     let rows = max_q * hq as u32;
-    let attention_form = fp8 || std::env::var("ATTN_MLA_KERNEL").is_ok_and(|v| v == "attention");
+    let attention_form = std::env::var("ATTN_MLA_KERNEL").is_ok_and(|v| v == "attention");
     let (name, smem, shape, threads) = if attention_form {
         let keys = rows <= block_m(MLA_QK, mla_v_slice(true), true, fp8);
         let v_slice = mla_v_slice(keys);
@@ -100,9 +97,10 @@ pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usi
         (name, smem, TcShape::attention(MLA_QK, v_slice, keys, fp8, slices), THREADS)
     } else {
         let s = mla::shape_for_rows(rows);
-        let name = format!("mla_{}_{}", q_dtype.kernel_name(), if s == mla::NARROW { "narrow" } else { "wide" });
+        let fp8_tag = if fp8 { "_fp8" } else { "" };
+        let name = format!("mla_{}{fp8_tag}_{}", q_dtype.kernel_name(), if s == mla::NARROW { "narrow" } else { "wide" });
         let shape = TcShape { block_m: s.block_m, block_n: s.block_n, ctas_per_item: 1 };
-        (name, mla::shared_layout(s).total, shape, mla::THREADS)
+        (name, mla::shared_layout(s, fp8).total, shape, mla::THREADS)
     };
     // One wave of resident CTAs (one per SM): measured on the H100 against two and four, whose
     // extra splits cost more (per-CTA start, partials, merge) than the tail they shorten

@@ -453,7 +453,7 @@ fn main() -> Result<()> {
 
 /// MLA decode over the latent cache: bf16, context 4096, block size 64, scattered block tables.
 /// Bytes = the latent cache read once; FLOPs = 2 * heads * context * (576 + 512) per token.
-fn mla_row(b: &Bench, heads: usize, batch: usize, context: usize, status: &mut DeviceStatus) -> Result<Row> {
+fn mla_row<C: Element>(b: &Bench, heads: usize, batch: usize, context: usize, status: &mut DeviceStatus) -> Result<Row> {
     use host::decode::{AttnOptions, DecodeBatch, DecodeWorkspace, SplitMode};
     use host::layout::MlaCacheSpec;
     use host::mla::{mla_attention, MlaArgs};
@@ -462,7 +462,9 @@ fn mla_row(b: &Bench, heads: usize, batch: usize, context: usize, status: &mut D
     let blocks_per_req = context.div_ceil(block_size);
     let num_blocks = batch * blocks_per_req;
     let spec = MlaCacheSpec::deepseek(num_blocks, block_size)?;
-    let cache = random_device::<bf16>(s, spec.num_elements(), 31)?;
+    let cache = random_device::<C>(s, spec.num_elements(), 31)?;
+    let fp8 = C::DTYPE == host::DType::Fp8E4m3;
+    let scale = s.clone_htod(&[0.05f32])?;
     let block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 32).into_iter().map(|x| x as i32).collect();
     let seq_lens = vec![context as i32; batch];
     let qsl: Vec<i32> = (0..=batch as i32).collect();
@@ -489,7 +491,8 @@ fn mla_row(b: &Bench, heads: usize, batch: usize, context: usize, status: &mut D
                 out: DevOut::new(&mut out, s),
                 out_rows,
                 lse: None,
-                scales: None,
+                // MLA's one scale, passed as both.
+                scales: fp8.then(|| KvScales { k: DevIn::new(&scale, s), v: DevIn::new(&scale, s) }),
             },
             &batch_meta,
             AttnOptions::new(576).softmax_scale,
@@ -501,10 +504,10 @@ fn mla_row(b: &Bench, heads: usize, batch: usize, context: usize, status: &mut D
         Ok(())
     })?;
     status.check(s)?;
-    let bytes = (batch * context * 576 * 2) as f64;
+    let bytes = (batch * context * 576 * C::DTYPE.size_bytes()) as f64;
     let flops = 2.0 * (heads * context * (576 + 512) * batch) as f64;
     let mut row = Row {
-        name: "mla_attention bf16 latent".into(),
+        name: format!("mla_attention bf16 q, {} latent", C::DTYPE.kernel_name()),
         shape: format!("{heads} heads x batch {batch} x {context}, bs64 (chunk {chunk})"),
         median_us: us,
         bytes,
@@ -519,7 +522,11 @@ fn mla_row(b: &Bench, heads: usize, batch: usize, context: usize, status: &mut D
 
 fn mla_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {
     for (heads, batch) in [(16, 64), (16, 128), (128, 64), (128, 128)] {
-        rows.push(mla_row(b, heads, batch, 4096, status)?);
+        rows.push(mla_row::<bf16>(b, heads, batch, 4096, status)?);
+    }
+    // The FP8 cache: half the bytes at 16 heads; the conversion's cost at 128.
+    for (heads, batch) in [(16, 64), (16, 128), (128, 64)] {
+        rows.push(mla_row::<Fp8E4m3>(b, heads, batch, 4096, status)?);
     }
     Ok(())
 }

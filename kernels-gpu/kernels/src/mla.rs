@@ -13,15 +13,18 @@
 //! Q and K rows sit in `wgmma`'s 128-byte-swizzled K-major layout (`attn_math::mla::swizzled`):
 //! on sm_90a the wide shape's warpgroups compute Q K^T (m64n32k16) and P V (m64n64k16, V read
 //! N-major from the same rows, P from a no-swizzle tile) on `wgmma`; elsewhere, and for the
-//! narrow shape, `mma.sync` with `ldmatrix` (conflict-free in that layout) does both.
+//! narrow shape, `mma.sync` with `ldmatrix` (conflict-free in that layout) does both. An FP8
+//! cache's raw rows land in the ring as they are and are converted, a tile's slots at a time,
+//! into 16-bit slots of Q's type before the math (the scales folded into the score and output
+//! factors).
 
 use crate::device::{atomic_or_global, dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any};
 use crate::mma::{
-    cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_pinned,
-    ldmatrix_x4_trans, shared_addr, st_shared_f32, st_shared_u32, st_shared_u64, MmaHalf,
+    cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ld_shared_v4, ldmatrix_x4,
+    ldmatrix_x4_pinned, ldmatrix_x4_trans, shared_addr, st_shared_f32, st_shared_u32, st_shared_u64, st_shared_v4, MmaHalf,
 };
 use crate::prefill::{work_item, KvSource, RowOut};
-use crate::vec_io::load_u32_nc;
+use crate::vec_io::{load_f32_nc, load_u32_nc};
 use attn_math::mla::{self, p_offset, shared_layout, swizzled, ROW_CHUNKS, SLOT_KEYS, TABLE_BYTES, THREADS};
 use attn_math::params::PrefillParams;
 use attn_math::prefill::{MLA_QK, MLA_V};
@@ -181,6 +184,41 @@ unsafe fn copy_slot(dst: u32, table: u32, fallback: u64) {
     static_for::<{ (ROW_CHUNKS / 8) as usize }>(|i| unsafe { cp_async_16(to + i as u32 * 1024, from + i as u64 * step, bytes) });
 }
 
+/// [`copy_slot`] for an FP8 cache: the 32 raw rows of 576 bytes, row after row, at `dst`.
+#[inline(always)]
+unsafe fn copy_slot_fp8(dst: u32, table: u32, fallback: u64) {
+    const RAW_CHUNKS: u32 = MLA_QK / 16;
+    let tid = thread_idx_x();
+    let (r, c0) = (tid / 8, tid % 8);
+    let src = unsafe { ld_shared_u64(table + r * 8) };
+    let (from, bytes, step) = if src != 0 { (src + c0 as u64 * 16, 16, 128) } else { (fallback, 0, 0) };
+    static_for::<{ RAW_CHUNKS.div_ceil(8) as usize }>(|i| {
+        if c0 + 8 * (i as u32) < RAW_CHUNKS {
+            unsafe { cp_async_16(dst + r * MLA_QK + (c0 + 8 * i as u32) * 16, from + i as u64 * step, bytes) };
+        }
+    });
+}
+
+/// Converts an FP8 slot's raw rows (at `raw`) into the 16-bit [`swizzled`] slot at `dst`,
+/// exactly (the unpack scale is folded into the k/v scales). Every thread of the CTA takes part;
+/// the raw copies must have landed and a barrier must follow.
+#[inline(always)]
+unsafe fn convert_slot_fp8<Q: MmaHalf>(raw: u32, dst: u32) {
+    const RAW_CHUNKS: u32 = MLA_QK / 16;
+    let tid = thread_idx_x();
+    static_for::<{ (SLOT_KEYS * RAW_CHUNKS).div_ceil(THREADS) as usize }>(|i| {
+        let idx = tid + i as u32 * THREADS;
+        if idx < SLOT_KEYS * RAW_CHUNKS {
+            let (r, c) = (idx / RAW_CHUNKS, idx % RAW_CHUNKS);
+            let v = unsafe { ld_shared_v4(raw + r * MLA_QK + c * 16) };
+            let mut h = [0u32; 8];
+            static_for::<8>(|j| h[j] = Q::from_fp8x2((v[j / 2] >> (16 * (j % 2))) & 0xffff));
+            unsafe { st_shared_v4(dst + swizzled(r, 2 * c), [h[0], h[1], h[2], h[3]]) };
+            unsafe { st_shared_v4(dst + swizzled(r, 2 * c + 1), [h[4], h[5], h[6], h[7]]) };
+        }
+    });
+}
+
 /// Copies `rows` query rows (`src(r)`: row r's address) into the [`swizzled`] layout at `dst`.
 #[inline(always)]
 unsafe fn copy_queries(dst: u32, rows: u32, src: impl Fn(u32) -> u64) {
@@ -193,9 +231,10 @@ unsafe fn copy_queries(dst: u32, rows: u32, src: impl Fn(u32) -> u64) {
     }
 }
 
-/// The kernel; `WIDE` picks the shape (`attn_math::mla::{NARROW, WIDE}`). 16-bit caches.
+/// The kernel; `WIDE` picks the shape (`attn_math::mla::{NARROW, WIDE}`); `FP8`: an FP8 E4M3
+/// cache (with `p.k_scale`), converted to Q's type slot by slot in shared memory.
 #[inline(always)]
-pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
+pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &PrefillParams) {
     // Programmatic dependent launch: wait for the cache write before reading anything.
     pdl_prologue();
     let shape = const {
@@ -216,7 +255,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
     // Memory-bound (narrow): the next copy goes out before waiting, with a barrier at the end of
     // the tile; compute-bound (wide): wait, barrier, then copy into the slot just freed.
     let early_issue = !WIDE;
-    let layout = shared_layout(shape);
+    let layout = shared_layout(shape, FP8);
     let tid = thread_idx_x();
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
@@ -239,7 +278,17 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
     let pre = shape.ring - spt;
 
     let smem = shared_addr(dynamic_shared::<u8>());
+    // Where slot j lands (raw FP8 rows, or already 16-bit), and where the math reads the current
+    // tile's slot i (`slot0`: the tile's first).
     let slot_buf = |j: u32| smem + layout.k + (j % shape.ring) * layout.k_slot;
+    let tile_buf = |slot0: u32, i: u32| if FP8 { smem + layout.converted + i * layout.converted_slot } else { slot_buf(slot0 + i) };
+    // FP8: dequantisation folds into the score scale (k) and the output factor (v).
+    let (k_scale, v_scale) = if FP8 {
+        let unpack = Q::FP8_UNPACK_SCALE;
+        (unsafe { load_f32_nc(p.k_scale) } * unpack, unsafe { load_f32_nc(p.v_scale) } * unpack)
+    } else {
+        (1.0, 1.0)
+    };
     let table = |j: u32| smem + layout.table + (j % shape.tables()) * TABLE_BYTES;
     let flag = |j: u32| table(j) + SLOT_KEYS * 8;
     // Address tables: one warp a slot, one lane a key; the block-table load (`locate`) a tile
@@ -255,7 +304,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
     let fill = |j: u32, loc: i64| {
         if j < tile_slots {
             let key = begin + j * SLOT_KEYS + lane;
-            let ka = if key < end { src.addresses(p, key, loc, 2).0 } else { 0 };
+            let ka = if key < end { src.addresses(p, key, loc, if FP8 { 1 } else { 2 }).0 } else { 0 };
             unsafe { st_shared_u64(table(j) + lane * 8, ka) };
             let bad = key < end && ka == 0;
             if bad {
@@ -270,7 +319,11 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
     // Issues slot j's copy (if a tile covers it) as one commit group.
     let issue = |j: u32| {
         if j < tile_slots {
-            unsafe { copy_slot(slot_buf(j), table(j), p.q) };
+            if FP8 {
+                unsafe { copy_slot_fp8(slot_buf(j), table(j), p.q) };
+            } else {
+                unsafe { copy_slot(slot_buf(j), table(j), p.q) };
+            }
         }
         cp_async_commit();
     };
@@ -319,7 +372,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
         });
         m
     };
-    let mult = p.scale_log2;
+    let mult = p.scale_log2 * k_scale;
     // Score-phase state (this warp's keys' share of the denominators) and value-phase maxima.
     let mut s_state = [OnlineSoftmax::EMPTY; 2];
     let mut o_state = [[OnlineSoftmax::EMPTY; 2]; 2];
@@ -373,14 +426,28 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
             });
         }
         let slot0 = spt * tile;
+        if FP8 {
+            // The tile's raw slots into 16-bit ones (read by `wgmma` on the wide shape).
+            static_for::<2>(|i| {
+                if (i as u32) < spt {
+                    unsafe { convert_slot_fp8::<Q>(slot_buf(slot0 + i as u32), tile_buf(slot0, i as u32)) };
+                }
+            });
+            #[cfg(wgmma)]
+            if WIDE {
+                crate::mma::fence_proxy_async_shared();
+            }
+            sync_threads();
+        }
 
         // Scores, masked where the tile crosses a boundary; this warp's row maxima published.
         let my_slot = slot0 + key_off / SLOT_KEYS;
+        let my_buf = tile_buf(slot0, key_off / SLOT_KEYS);
         let mut s = if WIDE {
-            let k_at = |rows: u32, chunks: u32| slot_buf(my_slot) + swizzled(k_lane.0 + rows, k_lane.1 + chunks);
-            wide_scores::<Q>(nkt, |ks| unsafe { ldmatrix_x4(q_at(ks)) }, k_at, smem + layout.q, slot_buf(my_slot), key_off % SLOT_KEYS)
+            let k_at = |rows: u32, chunks: u32| my_buf + swizzled(k_lane.0 + rows, k_lane.1 + chunks);
+            wide_scores::<Q>(nkt, |ks| unsafe { ldmatrix_x4(q_at(ks)) }, k_at, smem + layout.q, my_buf, key_off % SLOT_KEYS)
         } else {
-            let k_at = |rows: u32, chunks: u32| slot_buf(my_slot) + swizzled(k_lane.0 + rows, k_lane.1 + chunks);
+            let k_at = |rows: u32, chunks: u32| my_buf + swizzled(k_lane.0 + rows, k_lane.1 + chunks);
             scores::<Q, true>(nkt, |ks| q_frag[ks], k_at)
         };
         let first = begin + tile * bn + key_off;
@@ -463,10 +530,10 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
                 });
             }
         });
-        let v_at = |kk: u32, dp: u32| slot_buf(slot0 + kk / 2) + swizzled(v_lane.0 + 16 * (kk % 2), v_lane.1 + 2 * dp);
+        let v_at = |kk: u32, dp: u32| tile_buf(slot0, kk / 2) + swizzled(v_lane.0 + 16 * (kk % 2), v_lane.1 + 2 * dp);
         if wgmma_pv {
             let atom = (col0 / 64) * 1024;
-            unsafe { wide_pv::<Q>(&mut o[0], smem + layout.p, layout.p_group, slot_buf(slot0) + atom, slot_buf(slot0 + 1) + atom) };
+            unsafe { wide_pv::<Q>(&mut o[0], smem + layout.p, layout.p_group, tile_buf(slot0, 0) + atom, tile_buf(slot0, 1) + atom) };
         } else {
             accumulate_pv::<Q>(&mut o, mt, nct, bn as usize, p_at, v_at);
         }
@@ -507,7 +574,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool>(p: &PrefillParams) {
                 });
                 let state = OnlineSoftmax { max: o_state[m][h].max, sum };
                 let row = unsafe { w.row(p, r) };
-                let out = unsafe { RowOut::new::<{ MLA_V as usize }>(p, &w, &row, state, num_splits, t4 == 0 && col0 == 0, 1.0) };
+                let out = unsafe { RowOut::new::<{ MLA_V as usize }>(p, &w, &row, state, num_splits, t4 == 0 && col0 == 0, v_scale) };
                 static_for::<32>(|n| {
                     if n < nct {
                         unsafe { out.store_pair::<Q>(col0 + n as u32 * 8 + 2 * t4, o[m][n][2 * h], o[m][n][2 * h + 1]) };

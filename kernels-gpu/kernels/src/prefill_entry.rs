@@ -84,24 +84,26 @@ mla_kernels!(F16, F16, "f16", "", false);
 mla_kernels!(Bf16, F16, "bf16", "_fp8", true);
 mla_kernels!(F16, F16, "f16", "_fp8", true);
 
-// MLA on its own kernel (16-bit caches): Q K^T once per tile, P shared by warps owning output
-// columns. `mla_<q>_{narrow,wide}` (shapes in `attn_math::mla`).
+// MLA on its own kernel: Q K^T once per tile, P shared by warps owning output columns.
+// `mla_<q>[_fp8]_{narrow,wide}` (shapes in `attn_math::mla`; `_fp8`: an FP8 E4M3 cache).
 macro_rules! mla_latent_kernels {
-    ($q:ident, $qname:literal) => {
+    ($q:ident, $qname:literal, $tag:literal, $fp8:literal) => {
         const _: () = {
-            #[unsafe(export_name = concat!("mla_", $qname, "_narrow"))]
+            #[unsafe(export_name = concat!("mla_", $qname, $tag, "_narrow"))]
             unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                unsafe { mla_attention::<$q, false>(&p) }
+                unsafe { mla_attention::<$q, false, $fp8>(&p) }
             }
         };
         const _: () = {
-            #[unsafe(export_name = concat!("mla_", $qname, "_wide"))]
+            #[unsafe(export_name = concat!("mla_", $qname, $tag, "_wide"))]
             unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                unsafe { mla_attention::<$q, true>(&p) }
+                unsafe { mla_attention::<$q, true, $fp8>(&p) }
             }
         };
     };
 }
 
-mla_latent_kernels!(Bf16, "bf16");
-mla_latent_kernels!(F16, "f16");
+mla_latent_kernels!(Bf16, "bf16", "", false);
+mla_latent_kernels!(F16, "f16", "", false);
+mla_latent_kernels!(Bf16, "bf16", "_fp8", true);
+mla_latent_kernels!(F16, "f16", "_fp8", true);
