@@ -16,6 +16,7 @@ use crate::dtype::DType;
 use crate::error::{ensure, Result};
 use crate::layout::{KvCacheSpec, RowsDesc};
 use crate::status::DeviceStatus;
+use attn_math::hopper_prefill;
 use attn_math::paging::CacheStrides;
 use attn_math::params::PrefillParams;
 use attn_math::prefill::{block_m, shared_layout, HEAD_SIZES, MIN_BLOCK_M, THREADS};
@@ -169,8 +170,35 @@ impl PrefillWorkspace {
     }
 }
 
-fn kernel_name(q: DType, fp8: bool, dk: usize, dv: usize) -> String {
-    format!("prefill_{}{}_dk{dk}_dv{dv}", q.kernel_name(), if fp8 { "_fp8" } else { "" })
+/// The kernel a prefill launch runs and its geometry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct PrefillKernel {
+    pub name: String,
+    pub block_m: u32,
+    pub threads: u32,
+    pub smem: u32,
+}
+
+/// Hopper's `wgmma` kernel (`prefill_wg_*`, in the sm_90a module) for 16-bit caches at head
+/// sizes 64 and 128 (QK = V), unless `ATTN_PREFILL_KERNEL=mma`; else the `mma.sync` kernel.
+pub(crate) fn prefill_kernel(dev: &AttnDevice, q: DType, fp8: bool, dk: usize, dv: usize) -> PrefillKernel {
+    let forced_mma = std::env::var("ATTN_PREFILL_KERNEL").is_ok_and(|v| v == "mma");
+    let hopper = dev.ptx_target() == "sm_90a" && !fp8 && dk == dv && hopper_prefill::HEAD_SIZES.contains(&(dk as u32)) && !forced_mma;
+    if hopper {
+        PrefillKernel {
+            name: format!("prefill_wg_{}_d{dk}", q.kernel_name()),
+            block_m: hopper_prefill::BLOCK_M,
+            threads: hopper_prefill::THREADS,
+            smem: hopper_prefill::shared_layout(dk as u32).total,
+        }
+    } else {
+        PrefillKernel {
+            name: format!("prefill_{}{}_dk{dk}_dv{dv}", q.kernel_name(), if fp8 { "_fp8" } else { "" }),
+            block_m: block_m(dk as u32, dv as u32, false, fp8),
+            threads: THREADS,
+            smem: shared_layout(dk as u32, dv as u32, false, fp8).total,
+        }
+    }
 }
 
 /// Checks a 16-bit tensor's rows: dtype, shape, 16-byte alignment, buffer length.
@@ -295,7 +323,8 @@ pub fn prefill(
     }
     let group = hq / num_kv_heads;
     let max_rows = (0..num_reqs).map(|r| (batch.query_start_loc[r + 1] - batch.query_start_loc[r]) as usize * group).max().unwrap_or(0);
-    let bm = block_m(dk as u32, dv as u32, false, fp8);
+    let kernel = prefill_kernel(dev, q_dtype, fp8, dk, dv);
+    let bm = kernel.block_m;
     ensure(max_rows <= bm as usize * 65536, "query_start_loc", || {
         format!("a request has {max_rows} query rows (tokens x {group} heads per kv head); a launch takes {}", bm as usize * 65536)
     })?;
@@ -345,7 +374,6 @@ pub fn prefill(
         causal: opts.causal as u32,
         ..PrefillParams::default()
     };
-    let smem = shared_layout(dk as u32, dv as u32, false, fp8).total;
-    dev.launch_pdl(stream, &kernel_name(q_dtype, fp8, dk, dv), ((plan.items.len() * num_kv_heads) as u32, 1, 1), THREADS, smem, p)?;
+    dev.launch_pdl(stream, &kernel.name, ((plan.items.len() * num_kv_heads) as u32, 1, 1), kernel.threads, kernel.smem, p)?;
     Ok(plan)
 }

@@ -22,6 +22,10 @@ mod mla;
 mod prefill;
 #[cfg(kernels = "prefill")]
 mod prefill_entry;
+#[cfg(all(kernels = "prefill", wgmma))]
+mod prefill_hopper;
+#[cfg(all(kernels = "prefill", wgmma))]
+mod wgmma;
 
 // Building blocks shared by the families; each family uses a part of them.
 #[allow(dead_code)]

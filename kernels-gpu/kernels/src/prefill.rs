@@ -76,6 +76,68 @@ impl KvSource {
     }
 }
 
+/// The address tables of a CTA's K/V tiles of `BN` keys (`begin..end`, `n_tiles` tiles): a ring
+/// of `slots` slots of `table_slot_bytes(BN)` bytes at `base`. One thread per key (threads
+/// `0..BN`) looks its block up (`locate`, a global load issued early) and later writes the K and
+/// V row addresses into the tile's slot (`fill`), so that the copies are a shared load and a
+/// `cp.async` per 16 bytes, with the block-table latency hidden behind a tile of math.
+#[derive(Clone, Copy)]
+pub(crate) struct KeyTables<const BN: usize> {
+    pub base: u32,
+    pub slots: u32,
+    pub begin: u32,
+    pub end: u32,
+    pub n_tiles: u32,
+    pub src: KvSource,
+    pub elem_bytes: u64,
+}
+
+impl<const BN: usize> KeyTables<BN> {
+    /// The slot of `tile`: an entry (K, V row addresses; 0 = not read) per key.
+    #[inline(always)]
+    pub fn table(&self, tile: u32) -> u32 {
+        self.base + (tile % self.slots) * table_slot_bytes(BN as u32)
+    }
+
+    /// The flags after the entries: one u32 per filling warp, non-zero when a key's block is bad.
+    #[inline(always)]
+    pub fn flags(&self, tile: u32) -> u32 {
+        self.table(tile) + BN as u32 * TABLE_ENTRY
+    }
+
+    /// This thread's key's lookup (block id, or packed row); -1 past the keys.
+    #[inline(always)]
+    pub unsafe fn locate(&self, p: &PrefillParams, tile: u32) -> i64 {
+        let tid = thread_idx_x();
+        let key = self.begin + tile * BN as u32 + tid;
+        if tile < self.n_tiles && tid < BN as u32 && key < self.end {
+            unsafe { self.src.locate(p, key) }
+        } else {
+            -1
+        }
+    }
+
+    /// Writes this thread's key's entry of `tile` from its lookup `loc`; a block outside the
+    /// cache raises the status bit and the warp's flag.
+    #[inline(always)]
+    pub unsafe fn fill(&self, p: &PrefillParams, tile: u32, loc: i64) {
+        let tid = thread_idx_x();
+        let key = self.begin + tile * BN as u32 + tid;
+        if tile < self.n_tiles && tid < BN as u32 {
+            let (ka, va) = if key < self.end { self.src.addresses(p, key, loc, self.elem_bytes) } else { (0, 0) };
+            unsafe { st_shared_u64x2(self.table(tile) + tid * TABLE_ENTRY, ka, va) };
+            let bad = key < self.end && ka == 0;
+            if bad {
+                unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
+            }
+            let any_bad = vote_any(bad);
+            if tid.is_multiple_of(32) {
+                unsafe { st_shared_u32(self.flags(tile) + (tid / 32) * 4, any_bad as u32) };
+            }
+        }
+    }
+}
+
 /// Copies `ROWS` rows of `chunks` 16-byte chunks into shared memory at `dst` (row pitch `pitch`
 /// bytes) asynchronously by the CTA's `NT` threads; `src(r)` is row r's address, 0 for a row to
 /// zero-fill (`fallback`, a valid address, is named then but not read). Thread `tid` copies
@@ -159,6 +221,23 @@ pub(crate) struct Work {
 }
 
 impl Work {
+    /// The keys `begin..end` the CTA attends, for rows at positions `min_pos..=max_pos`: its
+    /// split (keys per split: the launch's, or the device plan's header's), cut by causality
+    /// and the window.
+    #[inline(always)]
+    pub unsafe fn key_range(&self, p: &PrefillParams, min_pos: u32, max_pos: u32) -> (u32, u32) {
+        let chunk = if p.plan != 0 { unsafe { load_u32_nc(p.plan + 4) } } else { p.chunk };
+        let mut begin = if chunk > 0 { self.split * chunk } else { 0 };
+        let mut end = if chunk > 0 { (begin + chunk).min(self.seq_len) } else { self.seq_len };
+        if p.causal != 0 {
+            end = end.min(max_pos + 1);
+        }
+        if p.window > 0 {
+            begin = begin.max((min_pos + 1).saturating_sub(p.window));
+        }
+        (begin, end)
+    }
+
     #[inline(always)]
     pub unsafe fn row(&self, p: &PrefillParams, r: u32) -> RowInfo {
         let gr = self.row0 + r.min(self.live - 1);
@@ -356,15 +435,15 @@ fn accumulate_pv<Q: MmaHalf, const DV: usize, const KW: usize, const MT: usize>(
 /// weights `2^(s * mult - max)` and adds them to the denominators. `mult` is the factor left to
 /// apply to the scores (the softmax scale in base-2 units, or 1 when already applied).
 #[inline(always)]
-fn softmax_step<const DV: usize, const KW: usize>(
-    s: &mut [[f32; 4]; 8],
-    o: &mut [[f32; 4]; 32],
+pub(crate) fn softmax_step<const DV: usize, const KW: usize, const NB: usize, const NO: usize>(
+    s: &mut [[f32; 4]; NB],
+    o: &mut [[f32; 4]; NO],
     state: &mut [OnlineSoftmax; 2],
     mult: f32,
 ) {
     static_for::<2>(|h| {
         let mut m = f32::NEG_INFINITY;
-        static_for::<8>(|n| {
+        static_for::<NB>(|n| {
             if n < KW / 8 {
                 m = m.max(s[n][2 * h]).max(s[n][2 * h + 1]);
             }
@@ -374,7 +453,7 @@ fn softmax_step<const DV: usize, const KW: usize>(
         m = m.max(shfl_xor(m, 2));
         let factor = state[h].rescale_to(m * mult);
         if factor != 1.0 {
-            static_for::<32>(|n| {
+            static_for::<NO>(|n| {
                 if n < DV / 8 {
                     o[n][2 * h] *= factor;
                     o[n][2 * h + 1] *= factor;
@@ -384,7 +463,7 @@ fn softmax_step<const DV: usize, const KW: usize>(
         // A row that has seen nothing yet keeps max -inf: its weights are all 0.
         let neg_max = if state[h].max == f32::NEG_INFINITY { 0.0 } else { -state[h].max };
         let mut sum = 0.0;
-        static_for::<8>(|n| {
+        static_for::<NB>(|n| {
             if n < KW / 8 {
                 static_for::<2>(|e| {
                     let w = exp2(fma(s[n][2 * h + e], mult, neg_max));
@@ -395,6 +474,118 @@ fn softmax_step<const DV: usize, const KW: usize>(
         });
         state[h].sum += sum;
     });
+}
+
+/// What turns a tile's scores into logits: the features that need the scores scaled first
+/// (soft-cap, ALiBi), and the masks (the request's end, causality, the window, keys whose block
+/// is outside the cache).
+#[derive(Clone, Copy)]
+pub(crate) struct Logits {
+    score_scale: f32,
+    /// Scores are scaled inside the exponent's FMA unless a feature needs them scaled first.
+    prescale: bool,
+    softcap_log2: f32,
+    softcap_inv: f32,
+    alibi: bool,
+    causal: bool,
+    window: u32,
+    /// The CTA's last key + 1.
+    end: u32,
+}
+
+impl Logits {
+    #[inline(always)]
+    pub fn new(p: &PrefillParams, score_scale: f32, end: u32) -> Logits {
+        let prescale = p.softcap > 0.0 || p.alibi_slopes != 0 || score_scale <= 0.0;
+        Logits {
+            score_scale,
+            prescale,
+            softcap_log2: p.softcap * LOG2_E,
+            softcap_inv: if p.softcap > 0.0 { 1.0 / (p.softcap * LOG2_E) } else { 0.0 },
+            alibi: p.alibi_slopes != 0,
+            causal: p.causal != 0,
+            window: p.window,
+            end,
+        }
+    }
+
+    /// The factor the softmax step still applies to the logits.
+    #[inline(always)]
+    pub fn mult(&self) -> f32 {
+        if self.prescale {
+            1.0
+        } else {
+            self.score_scale
+        }
+    }
+
+    /// Turns the scores of `MT` row tiles x `KW` keys from key `kt` into logits, masked where
+    /// the tile crosses a boundary for rows `min_pos..=max_pos`. `flags`: the table slot's
+    /// `KW / 32` bad-block flags; `table`: the slot's entry for key `kt`.
+    #[inline(always)]
+    pub unsafe fn apply<const MT: usize, const NB: usize, const KW: usize>(
+        &self,
+        s: &mut [[[f32; 4]; NB]; MT],
+        rows: &[[RowInfo; 2]; MT],
+        kt: u32,
+        (min_pos, max_pos): (u32, u32),
+        flags: u32,
+        table: u32,
+    ) {
+        let t4 = thread_idx_x() % 4;
+        let key_of = |n: usize, e: usize| kt + n as u32 * 8 + 2 * t4 + (e % 2) as u32;
+        // Every element of the warp's score tiles: (row tile, column tile, register).
+        macro_rules! each {
+            (|$mt:ident, $n:ident, $e:ident| $body:expr) => {
+                static_for::<MT>(|$mt| {
+                    static_for::<NB>(|$n| {
+                        if $n < KW / 8 {
+                            static_for::<4>(|$e| $body)
+                        }
+                    })
+                })
+            };
+        }
+        if self.prescale {
+            each!(|mt, n, e| s[mt][n][e] *= self.score_scale);
+            if self.softcap_inv > 0.0 {
+                each!(|mt, n, e| s[mt][n][e] = self.softcap_log2 * tanh(s[mt][n][e] * self.softcap_inv));
+            }
+            if self.alibi {
+                each!(|mt, n, e| {
+                    let row = rows[mt][e / 2];
+                    s[mt][n][e] += row.slope_log2 * (key_of(n, e) as f32 - row.pos as f32);
+                });
+            }
+        }
+        let mut has_bad = false;
+        static_for::<4>(|i| {
+            if i < KW.div_ceil(32) {
+                has_bad |= unsafe { ld_shared_u32(flags + i as u32 * 4) } != 0;
+            }
+        });
+        let needs_mask = kt + KW as u32 > self.end
+            || (self.causal && kt + KW as u32 - 1 > min_pos)
+            || (self.window > 0 && kt + self.window <= max_pos)
+            || has_bad;
+        if needs_mask {
+            // Non-short-circuit `&`: a select per element, no branches.
+            each!(|mt, n, e| {
+                let row = rows[mt][e / 2];
+                let key = key_of(n, e);
+                let visible = (key < self.end) & (!self.causal | (key <= row.pos)) & ((self.window == 0) | (key + self.window > row.pos));
+                s[mt][n][e] = if visible { s[mt][n][e] } else { f32::NEG_INFINITY };
+            });
+            if has_bad {
+                each!(|mt, n, e| {
+                    let key = key_of(n, e);
+                    if key < self.end && unsafe { ld_shared_u64(table + (key - kt) * TABLE_ENTRY) } == 0 {
+                        s[mt][n][e] = f32::NEG_INFINITY;
+                    }
+                });
+            }
+        }
+    }
 }
 
 /// The kernel. `KEYS`: the decode shape (16 rows, keys split across warps), else the prefill
@@ -437,17 +628,7 @@ pub unsafe fn attention<
     };
     let (min_pos, max_pos) = unsafe { (w.row(p, 0).pos, w.row(p, w.live - 1).pos) };
 
-    // The keys this CTA attends: its split, cut by causality and the window.
-    // Keys per split: the launch's, or the device plan's header's.
-    let chunk = if p.plan != 0 { unsafe { load_u32_nc(p.plan + 4) } } else { p.chunk };
-    let mut begin = if chunk > 0 { w.split * chunk } else { 0 };
-    let mut end = if chunk > 0 { (begin + chunk).min(w.seq_len) } else { w.seq_len };
-    if p.causal != 0 {
-        end = end.min(max_pos + 1);
-    }
-    if p.window > 0 {
-        begin = begin.max((min_pos + 1).saturating_sub(p.window));
-    }
+    let (begin, end) = unsafe { w.key_range(p, min_pos, max_pos) };
     let n_tiles = if end > begin { (end - begin).div_ceil(BN as u32) } else { 0 };
 
     const { assert!(BN as u32 <= THREADS && KW == if KEYS { BN / WARPS as usize } else { BN }) };
@@ -478,34 +659,12 @@ pub unsafe fn attention<
         }
     };
     let v_pitch = if VK { (DK as u32 + ROW_PAD) * 2 } else { (DV as u32 + ROW_PAD) * 2 };
-    let table = |tile: u32| smem + layout.table + (tile % slots) * table_slot_bytes(BN as u32);
-    // Flags after the entries: one u32 per filling warp, non-zero when a key's block is bad.
-    let flags = |tile: u32| table(tile) + BN as u32 * TABLE_ENTRY;
+    let tables = KeyTables::<BN> { base: smem + layout.table, slots, begin, end, n_tiles, src, elem_bytes };
+    let table = |tile: u32| tables.table(tile);
+    let flags = |tile: u32| tables.flags(tile);
     let tile_keys = |tile: u32| begin + tile * BN as u32;
-    // One thread per key: the lookup's load (early) and the table entry (later).
-    let locate = |tile: u32| {
-        let key = tile_keys(tile) + tid;
-        if tile < n_tiles && tid < BN as u32 && key < end {
-            unsafe { src.locate(p, key) }
-        } else {
-            -1
-        }
-    };
-    let fill = |tile: u32, loc: i64| {
-        let key = tile_keys(tile) + tid;
-        if tile < n_tiles && tid < BN as u32 {
-            let (ka, va) = if key < end { src.addresses(p, key, loc, elem_bytes) } else { (0, 0) };
-            unsafe { st_shared_u64x2(table(tile) + tid * TABLE_ENTRY, ka, va) };
-            let bad = key < end && ka == 0;
-            if bad {
-                unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
-            }
-            let any_bad = vote_any(bad);
-            if lane == 0 {
-                unsafe { st_shared_u32(flags(tile) + warp * 4, any_bad as u32) };
-            }
-        }
-    };
+    let locate = |tile: u32| unsafe { tables.locate(p, tile) };
+    let fill = |tile: u32, loc: i64| unsafe { tables.fill(p, tile, loc) };
     let load_kv = |tile: u32| {
         let stage = tile % st;
         let t = table(tile);
@@ -566,11 +725,8 @@ pub unsafe fn attention<
         let r = warp_row0 + 16 * mt as u32 + g;
         unsafe { [w.row(p, r), w.row(p, r + 8)] }
     });
-    let softcap_inv = if p.softcap > 0.0 { 1.0 / (p.softcap * LOG2_E) } else { 0.0 };
-    let softcap_log2 = p.softcap * LOG2_E;
-    // Scores are scaled inside the exponent's FMA unless a feature needs them scaled first.
-    let prescale = p.softcap > 0.0 || p.alibi_slopes != 0 || score_scale <= 0.0;
-    let mult = if prescale { 1.0 } else { score_scale };
+    let logits = Logits::new(p, score_scale, end);
+    let mult = logits.mult();
 
     let mut state = [[OnlineSoftmax::EMPTY; 2]; MT];
     // Accumulators (DV / 8 column tiles of 8 used) and query fragments (DK / 16 k-steps used).
@@ -650,59 +806,11 @@ pub unsafe fn attention<
         let kt = tile_keys(tile) + key_off;
         {
             let mut s = scores::<M, DK, KW, MT>(|mt, ks| if q_in_regs { q_frag[ks] } else { load_q(mt, ks) }, k_tile(stage), key_off);
-            // Logits, masked where the tile crosses a boundary.
-            let key_of = |n: usize, e: usize| kt + n as u32 * 8 + 2 * t4 + (e % 2) as u32;
-            // Every element of the warp's score tiles: (row tile, column tile, register).
-            macro_rules! each {
-                (|$mt:ident, $n:ident, $e:ident| $body:expr) => {
-                    static_for::<2>(|$mt| {
-                        if $mt < MT {
-                            static_for::<8>(|$n| {
-                                if $n < KW / 8 {
-                                    static_for::<4>(|$e| $body)
-                                }
-                            })
-                        }
-                    })
-                };
-            }
-            if prescale {
-                each!(|mt, n, e| s[mt][n][e] *= score_scale);
-                if p.softcap > 0.0 {
-                    each!(|mt, n, e| s[mt][n][e] = softcap_log2 * tanh(s[mt][n][e] * softcap_inv));
-                }
-                if p.alibi_slopes != 0 {
-                    each!(|mt, n, e| {
-                        let row = rows[mt][e / 2];
-                        s[mt][n][e] += row.slope_log2 * (key_of(n, e) as f32 - row.pos as f32);
-                    });
-                }
-            }
-            let mut has_bad = false;
-            static_for::<4>(|i| {
-                if i < BN / 32 {
-                    has_bad |= unsafe { ld_shared_u32(flags(tile) + i as u32 * 4) } != 0;
-                }
-            });
-            let needs_mask = kt + KW as u32 > end
-                || (p.causal != 0 && kt + KW as u32 - 1 > min_pos)
-                || (p.window > 0 && kt + p.window <= max_pos)
-                || has_bad;
-            if needs_mask {
-                let t = table(tile) + key_off * TABLE_ENTRY;
-                each!(|mt, n, e| {
-                    let row = rows[mt][e / 2];
-                    let key = key_of(n, e);
-                    let visible = key < end
-                        && (p.causal == 0 || key <= row.pos)
-                        && (p.window == 0 || key + p.window > row.pos)
-                        && (!has_bad || unsafe { ld_shared_u64(t + (key - kt) * TABLE_ENTRY) } != 0);
-                    s[mt][n][e] = if visible { s[mt][n][e] } else { f32::NEG_INFINITY };
-                });
-            }
+            let tile_flags = flags(tile) + (key_off / 32) * 4;
+            unsafe { logits.apply::<MT, 8, KW>(&mut s, &rows, kt, (min_pos, max_pos), tile_flags, table(tile) + key_off * TABLE_ENTRY) };
             static_for::<2>(|mt| {
                 if mt < MT {
-                    softmax_step::<DV, KW>(&mut s[mt], &mut o[mt], &mut state[mt], mult);
+                    softmax_step::<DV, KW, 8, 32>(&mut s[mt], &mut o[mt], &mut state[mt], mult);
                 }
             });
             accumulate_pv::<M, DV, KW, MT>(&s, &mut o, v_tile(stage), v_pitch, key_off);

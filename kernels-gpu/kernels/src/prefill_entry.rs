@@ -56,6 +56,26 @@ prefill_kernels!(Bf16, "bf16": (64, 64), (96, 96), (128, 128), (256, 256), (192,
 decode_kernels!(F16, "f16": 64, 96, 128, 256);
 decode_kernels!(Bf16, "bf16": 64, 96, 128, 256);
 
+// Prefill on Hopper's warpgroup MMA (sm_90a only): `prefill_wg_<q>_d<head_size>`.
+#[cfg(wgmma)]
+macro_rules! prefill_hopper_kernels {
+    ($q:ident, $qname:literal: $($d:literal),*) => {
+        $(
+            const _: () = {
+                #[unsafe(export_name = concat!("prefill_wg_", $qname, "_d", $d))]
+                unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+                    unsafe { crate::prefill_hopper::prefill_hopper::<$q, $d>(&p) }
+                }
+            };
+        )*
+    };
+}
+
+#[cfg(wgmma)]
+prefill_hopper_kernels!(F16, "f16": 64, 128);
+#[cfg(wgmma)]
+prefill_hopper_kernels!(Bf16, "bf16": 64, 128);
+
 // MLA over the latent cache: QK 576, V = the first 512 columns of the same rows, produced in
 // 128-column slices by the CTAs of a tile. `mla_<q>[_fp8]_{keys,rows}`.
 macro_rules! mla_kernels {

@@ -13,6 +13,7 @@ extern crate std;
 
 pub mod decode;
 pub mod fp8;
+pub mod hopper_prefill;
 pub mod mla;
 pub mod paging;
 pub mod params;

@@ -1,0 +1,91 @@
+//! Launch geometry of the Hopper prefill kernels (`prefill_wg_<q>_d<head_size>`, sm_90a only),
+//! shared by the kernel and the host.
+//!
+//! A CTA has two warpgroups (8 warps); each owns 64 of the CTA's [`BLOCK_M`] query rows, so
+//! that one `wgmma` (m64) covers a warpgroup's rows. Per key tile of [`BLOCK_N`] keys a
+//! warpgroup computes S = Q K^T with `wgmma` from shared memory (Q and K both K-major), updates
+//! the online softmax in registers (the accumulator layout is `mma.sync`'s C layout per warp),
+//! and adds P V with P from registers (the C layout is the A layout) and V read N-major from the
+//! same K/V tile rows. Q, K and V tiles sit in the 128-byte-swizzled layout of [`swizzled`].
+
+/// Threads per CTA: two warpgroups.
+pub const THREADS: u32 = 256;
+/// Query rows per CTA: 64 per warpgroup.
+pub const BLOCK_M: u32 = 128;
+/// Keys per tile.
+pub const BLOCK_N: u32 = 128;
+/// K/V tiles in the `cp.async` pipeline (two: 64 KB a tile at head size 128).
+pub const STAGES: u32 = 2;
+/// Head sizes (QK = V) with Hopper prefill kernels: whole 128-byte swizzle atoms per row.
+pub const HEAD_SIZES: [u32; 2] = [64, 128];
+
+/// Bytes of a group of 8 rows of `d` 16-bit columns in the [`swizzled`] layout.
+pub const fn group_bytes(d: u32) -> u32 {
+    8 * d * 2
+}
+
+/// Byte offset of (row, 16-byte chunk) of rows of `d` 16-bit columns: groups of 8 rows
+/// ([`group_bytes`] apart), each `d / 64` atoms of 8 rows x 128 bytes (1024 bytes apart); within
+/// an atom, row r's chunk c sits at chunk `c ^ r`. This is `wgmma`'s 128-byte-swizzled layout:
+/// K-major for Q and K (stride = group bytes), N-major for V (leading = 1024, stride = group
+/// bytes); every 128 bytes of a row stay contiguous, so `cp.async` copies coalesce.
+pub const fn swizzled(d: u32, row: u32, chunk: u32) -> u32 {
+    (row / 8) * group_bytes(d) + (chunk / 8) * 1024 + (row % 8) * 128 + ((chunk % 8) ^ (row % 8)) * 16
+}
+
+/// Byte offsets in dynamic shared memory: Q (`BLOCK_M` rows), the K and V stages (`BLOCK_N`
+/// rows each), all 1024-byte aligned; then the key address tables (`STAGES + 1` slots of
+/// `table_slot_bytes(BLOCK_N)`, as in `attn_math::prefill`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HopperLayout {
+    pub q: u32,
+    pub k: u32,
+    pub v: u32,
+    pub stage: u32,
+    pub table: u32,
+    pub total: u32,
+}
+
+pub const fn shared_layout(d: u32) -> HopperLayout {
+    let q = 0;
+    let stage = BLOCK_N * d * 2;
+    let k = q + BLOCK_M * d * 2;
+    let v = k + STAGES * stage;
+    let table = v + STAGES * stage;
+    let total = table + (STAGES + 1) * crate::prefill::table_slot_bytes(BLOCK_N);
+    HopperLayout { q, k, v, stage, table, total }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_fits_and_aligns_the_swizzle_atoms() {
+        for d in HEAD_SIZES {
+            let l = shared_layout(d);
+            assert!(l.total <= 227 * 1024, "d{d}: {}", l.total);
+            for o in [l.q, l.k, l.v, l.stage] {
+                assert!(o.is_multiple_of(1024), "d{d}: {l:?}");
+            }
+            // wgmma descriptors hold addresses below 2^18.
+            assert!(l.total < 1 << 18);
+            const { assert!(BLOCK_N <= THREADS && BLOCK_M == 64 * (THREADS / 128)) };
+        }
+    }
+
+    #[test]
+    fn swizzled_layout_is_a_bijection_keeping_128_byte_runs() {
+        for d in HEAD_SIZES {
+            let chunks = d / 8;
+            let mut seen = std::vec![false; (16 * chunks) as usize];
+            for r in 0..16 {
+                for c in 0..chunks {
+                    let o = swizzled(d, r, c);
+                    assert_eq!(o / 128, swizzled(d, r, c - c % 8) / 128);
+                    assert!(!std::mem::replace(&mut seen[(o / 16) as usize], true));
+                }
+            }
+        }
+    }
+}
