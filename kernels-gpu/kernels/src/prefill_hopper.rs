@@ -19,10 +19,7 @@
 //! just read), so two stages suffice.
 
 use crate::device::{dynamic_shared, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x};
-use crate::mma::{
-    cp_async_16, cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_u64, ld_shared_v4, shared_addr, st_shared_u32,
-    st_shared_u64, wgmma_desc,
-};
+use crate::mma::{cp_async_16, cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_u64, shared_addr, wgmma_desc};
 use crate::prefill::{load_i32, softmax_step, work_item, KeyTables, KvSource, Logits, RowInfo, RowOut};
 use crate::vec_io::load_u32_nc;
 use crate::wgmma::WgmmaTiles;
