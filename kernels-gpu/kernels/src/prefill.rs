@@ -45,6 +45,17 @@ pub(crate) struct KvSource {
 }
 
 impl KvSource {
+    /// The keys of `w`'s request and kv head: its block-table row (paged) or first key row
+    /// (packed).
+    #[inline(always)]
+    pub unsafe fn of(p: &PrefillParams, w: &Work) -> KvSource {
+        KvSource {
+            block_row: if p.block_table != 0 { p.block_table + w.req as u64 * p.block_table_stride * 4 } else { 0 },
+            key_base: if p.block_table != 0 { 0 } else { (unsafe { load_i32(p.key_start_loc + w.req as u64 * 4) }) as u64 },
+            kv_head: w.kv_head as u64,
+        }
+    }
+
     /// The first half of a key's lookup (a global load, issued early): its block id (paged) or
     /// its row (packed).
     #[inline(always)]
@@ -621,11 +632,7 @@ pub unsafe fn attention<
     let bm = block_m(DK as u32, DV as u32, KEYS, FP8);
     const { assert!(MT == 1 || (MT == 2 && !KEYS)) };
     let Some(w) = (unsafe { work_item(p, bm, DV as u32) }) else { return };
-    let src = KvSource {
-        block_row: if p.block_table != 0 { p.block_table + w.req as u64 * p.block_table_stride * 4 } else { 0 },
-        key_base: if p.block_table != 0 { 0 } else { (unsafe { load_i32(p.key_start_loc + w.req as u64 * 4) }) as u64 },
-        kv_head: w.kv_head as u64,
-    };
+    let src = unsafe { KvSource::of(p, &w) };
     let (min_pos, max_pos) = unsafe { (w.row(p, 0).pos, w.row(p, w.live - 1).pos) };
 
     let (begin, end) = unsafe { w.key_range(p, min_pos, max_pos) };

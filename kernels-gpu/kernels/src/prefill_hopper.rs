@@ -20,7 +20,7 @@
 
 use crate::device::{dynamic_shared, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x};
 use crate::mma::{cp_async_16, cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_u64, shared_addr, wgmma_desc};
-use crate::prefill::{load_i32, softmax_step, work_item, KeyTables, KvSource, Logits, RowInfo, RowOut};
+use crate::prefill::{softmax_step, work_item, KeyTables, KvSource, Logits, RowInfo, RowOut};
 use crate::vec_io::load_u32_nc;
 use crate::wgmma::WgmmaTiles;
 use attn_math::hopper_prefill::{group_bytes, shared_layout, swizzled, BLOCK_M, BLOCK_N, STAGES, THREADS};
@@ -60,11 +60,7 @@ pub unsafe fn prefill_hopper<Q: WgmmaTiles, const D: usize>(p: &PrefillParams) {
     let (g, t4) = (lane / 4, lane % 4);
     let wg = warp / 4;
     let Some(w) = (unsafe { work_item(p, BLOCK_M, D as u32) }) else { return };
-    let src = KvSource {
-        block_row: if p.block_table != 0 { p.block_table + w.req as u64 * p.block_table_stride * 4 } else { 0 },
-        key_base: if p.block_table != 0 { 0 } else { (unsafe { load_i32(p.key_start_loc + w.req as u64 * 4) }) as u64 },
-        kv_head: w.kv_head as u64,
-    };
+    let src = unsafe { KvSource::of(p, &w) };
     let (min_pos, max_pos) = unsafe { (w.row(p, 0).pos, w.row(p, w.live - 1).pos) };
     let (begin, end) = unsafe { w.key_range(p, min_pos, max_pos) };
     let n_tiles = if end > begin { (end - begin).div_ceil(BLOCK_N) } else { 0 };

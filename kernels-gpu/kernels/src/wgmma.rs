@@ -95,8 +95,12 @@ macro_rules! pv_chain {
     };
 }
 
-/// `asm!` with the accumulator blocks `[$n]` of `$d` as `$dir` (out / inout) operands first.
+/// `asm!` with the accumulator blocks `[$n]` of `$d` as `$dir` (out / inout) operands first,
+/// then (`frags`) the A fragments `[$k]` of `$p` as inputs.
 macro_rules! with_acc {
+    ($tmpl:expr, $dir:ident $d:ident [$($n:literal)*], frags $p:ident [$($k:literal)*], $($rest:tt)*) => {
+        with_acc!($tmpl, $dir $d [$($n)*], $(in(reg32) $p[$k][0], in(reg32) $p[$k][1], in(reg32) $p[$k][2], in(reg32) $p[$k][3],)* $($rest)*)
+    };
     ($tmpl:expr, $dir:ident $d:ident [$($n:literal)*], $($rest:tt)*) => {
         asm!($tmpl, $($dir(reg32) $d[$n][0], $dir(reg32) $d[$n][1], $dir(reg32) $d[$n][2], $dir(reg32) $d[$n][3],)* $($rest)*)
     };
@@ -134,14 +138,7 @@ macro_rules! wgmma_tiles_impl {
                                             ["{32}, {33}, {34}, {35}", "{36}, {37}, {38}, {39}", "{40}, {41}, {42}, {43}", "{44}, {45}, {46}, {47}",
                                              "{48}, {49}, {50}, {51}", "{52}, {53}, {54}, {55}", "{56}, {57}, {58}, {59}", "{60}, {61}, {62}, {63}"]),
                                   inout o [0 1 2 3 4 5 6 7],
-                                  in(reg32) p[0][0], in(reg32) p[0][1], in(reg32) p[0][2], in(reg32) p[0][3],
-                                  in(reg32) p[1][0], in(reg32) p[1][1], in(reg32) p[1][2], in(reg32) p[1][3],
-                                  in(reg32) p[2][0], in(reg32) p[2][1], in(reg32) p[2][2], in(reg32) p[2][3],
-                                  in(reg32) p[3][0], in(reg32) p[3][1], in(reg32) p[3][2], in(reg32) p[3][3],
-                                  in(reg32) p[4][0], in(reg32) p[4][1], in(reg32) p[4][2], in(reg32) p[4][3],
-                                  in(reg32) p[5][0], in(reg32) p[5][1], in(reg32) p[5][2], in(reg32) p[5][3],
-                                  in(reg32) p[6][0], in(reg32) p[6][1], in(reg32) p[6][2], in(reg32) p[6][3],
-                                  in(reg32) p[7][0], in(reg32) p[7][1], in(reg32) p[7][2], in(reg32) p[7][3],
+                                  frags p [0 1 2 3 4 5 6 7],
                                   in(reg64) desc_v, options(nostack))
                     };
                 } else {
@@ -151,14 +148,7 @@ macro_rules! wgmma_tiles_impl {
                                             ["{64}, {65}, {66}, {67}", "{68}, {69}, {70}, {71}", "{72}, {73}, {74}, {75}", "{76}, {77}, {78}, {79}",
                                              "{80}, {81}, {82}, {83}", "{84}, {85}, {86}, {87}", "{88}, {89}, {90}, {91}", "{92}, {93}, {94}, {95}"]),
                                   inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15],
-                                  in(reg32) p[0][0], in(reg32) p[0][1], in(reg32) p[0][2], in(reg32) p[0][3],
-                                  in(reg32) p[1][0], in(reg32) p[1][1], in(reg32) p[1][2], in(reg32) p[1][3],
-                                  in(reg32) p[2][0], in(reg32) p[2][1], in(reg32) p[2][2], in(reg32) p[2][3],
-                                  in(reg32) p[3][0], in(reg32) p[3][1], in(reg32) p[3][2], in(reg32) p[3][3],
-                                  in(reg32) p[4][0], in(reg32) p[4][1], in(reg32) p[4][2], in(reg32) p[4][3],
-                                  in(reg32) p[5][0], in(reg32) p[5][1], in(reg32) p[5][2], in(reg32) p[5][3],
-                                  in(reg32) p[6][0], in(reg32) p[6][1], in(reg32) p[6][2], in(reg32) p[6][3],
-                                  in(reg32) p[7][0], in(reg32) p[7][1], in(reg32) p[7][2], in(reg32) p[7][3],
+                                  frags p [0 1 2 3 4 5 6 7],
                                   in(reg64) desc_v, options(nostack))
                     };
                 }
