@@ -8,6 +8,7 @@ mod common;
 use common::*;
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
+use host::batch_plan::{paged_decode_planned, BatchPlan};
 use host::cache_write::KvScales;
 use host::decode::{merge_attn_states, paged_decode, AttnOptions, DecodeArgs, DecodeBatch, DecodeWorkspace, MergeArgs, SplitMode};
 use host::{cpu, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
@@ -30,6 +31,8 @@ struct Case {
     split: SplitMode,
     /// Put a block id past the cache into one request's table.
     bad_block: bool,
+    /// Planned once with `BatchPlan` and run as two layers (the second checked).
+    planned: bool,
 }
 
 impl Case {
@@ -48,6 +51,7 @@ impl Case {
             sinks: false,
             split: SplitMode::Auto,
             bad_block: false,
+            planned: false,
         }
     }
 }
@@ -99,31 +103,39 @@ fn decode_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let mut lse_d: CudaSlice<f32> = upload(&stream, &vec![f32::NAN; (nt * hq).max(1)]);
     let mut ws = DecodeWorkspace::new(&stream, 4096 * hq, d, num_reqs, nt)?;
     let mut status = DeviceStatus::new(&stream)?;
-    let plan = paged_decode(
-        device(),
-        &stream,
-        DecodeArgs {
-            q: DevIn::new(&q_d, &stream),
-            q_rows,
-            cache: DevIn::new(&cache_d, &stream),
-            spec,
-            block_table: DevIn::new(&bt_d, &stream),
-            block_table_stride: stride,
-            seq_lens: DevIn::new(&sl_d, &stream),
-            query_start_loc: DevIn::new(&qsl_d, &stream),
-            out: DevOut::new(&mut out_d, &stream),
-            out_rows: q_rows,
-            lse: Some(DevOut::new(&mut lse_d, &stream)),
-            alibi_slopes: c.alibi.then(|| DevIn::new(&slopes_d, &stream)),
-            sinks: c.sinks.then(|| DevIn::new(&sinks_d, &stream)),
-            scales: fp8.then(|| KvScales { k: DevIn::new(&ks_d, &stream), v: DevIn::new(&vs_d, &stream) }),
-        },
-        &batch,
-        &opts,
-        c.split,
-        &mut ws,
-        &mut status,
-    )?;
+    macro_rules! args {
+        ($out:expr, $lse:expr) => {
+            DecodeArgs {
+                q: DevIn::new(&q_d, &stream),
+                q_rows,
+                cache: DevIn::new(&cache_d, &stream),
+                spec,
+                block_table: DevIn::new(&bt_d, &stream),
+                block_table_stride: stride,
+                seq_lens: DevIn::new(&sl_d, &stream),
+                query_start_loc: DevIn::new(&qsl_d, &stream),
+                out: DevOut::new($out, &stream),
+                out_rows: q_rows,
+                lse: Some(DevOut::new($lse, &stream)),
+                alibi_slopes: c.alibi.then(|| DevIn::new(&slopes_d, &stream)),
+                sinks: c.sinks.then(|| DevIn::new(&sinks_d, &stream)),
+                scales: fp8.then(|| KvScales { k: DevIn::new(&ks_d, &stream), v: DevIn::new(&vs_d, &stream) }),
+            }
+        };
+    }
+    let plan = if c.planned {
+        let mut bp = BatchPlan::new(&stream)?;
+        let (qt, ct) = (Q::DTYPE, C::DTYPE);
+        let plan = bp.plan_decode(device(), &batch, qt, ct, d, hq, c.kv_heads, c.split, &ws)?.clone();
+        let (mut scratch_out, mut scratch_lse) = (out_d.clone(), lse_d.clone());
+        // Two layers on one plan: the second output is the one checked.
+        for (out, lse) in [(&mut scratch_out, &mut scratch_lse), (&mut out_d, &mut lse_d)] {
+            paged_decode_planned(device(), &stream, args!(out, lse), &batch, &opts, &bp, &mut ws, &mut status)?;
+        }
+        plan
+    } else {
+        paged_decode(device(), &stream, args!(&mut out_d, &mut lse_d), &batch, &opts, c.split, &mut ws, &mut status)?
+    };
     let flags = status.take(&stream)?;
     let got: Vec<f64> = download(&stream, &out_d).iter().take(nt * hq * d).map(|x| x.to_f32() as f64).collect();
     let lse: Vec<f32> = download(&stream, &lse_d);
@@ -233,6 +245,8 @@ fn cases() -> Vec<(String, Case, &'static str)> {
         "f16_fp8",
     );
     push("bf16_bf16::split_fixed_1_deterministic".into(), Case { split: SplitMode::Fixed(1), ..Case::base(&lens) }, "bf16_bf16");
+    push("bf16_bf16::planned_two_layers".into(), Case { planned: true, sinks: true, ..Case::base(&[4096, 1, 333, 17, 2500]) }, "bf16_bf16");
+    push("bf16_fp8::planned_mtp_3".into(), Case { planned: true, q_lens: vec![3, 1, 3], ..Case::base(&[900, 1, 64]) }, "bf16_fp8");
     push("bf16_bf16::split_fixed_7".into(), Case { split: SplitMode::Fixed(7), sinks: true, ..Case::base(&lens) }, "bf16_bf16");
     push("bf16_bf16::one_long_among_short".into(), Case { ..Case::base(&[20000, 3, 5, 1, 2, 7, 9, 16]) }, "bf16_bf16");
     push("bf16_bf16::empty_requests".into(), Case { sinks: true, ..Case::base(&[0, 5, 0, 300]) }, "bf16_bf16");

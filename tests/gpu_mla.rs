@@ -1,13 +1,15 @@
 //! GPU MLA attention over the latent cache against the f64 CPU reference, on random data with
 //! poisoned outputs: 16/32/64/128 heads, lengths 1..=5000 (not multiples of 64 too), 1-4 query
 //! tokens (multi-token prediction, causal among them) and longer chunks, block sizes 64 and 16,
-//! the FP8 cache, forced and planned splits, empty requests and a bad block id.
+//! the FP8 cache, forced and planned splits, a plan made once for two layers (`BatchPlan`),
+//! empty requests and a bad block id.
 
 mod common;
 
 use common::*;
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
+use host::batch_plan::{mla_attention_planned, BatchPlan};
 use host::cache_write::KvScales;
 use host::decode::{AttnOptions, DecodeBatch, DecodeWorkspace, SplitMode};
 use host::layout::MlaCacheSpec;
@@ -23,6 +25,9 @@ struct Case {
     q_lens: Vec<i32>,
     split: SplitMode,
     bad_block: bool,
+    /// Planned once with `BatchPlan` and run as two layers (the second checked), not planned
+    /// by the call.
+    planned: bool,
 }
 
 impl Case {
@@ -34,6 +39,7 @@ impl Case {
             q_lens: seq_lens.iter().map(|&l| q_len.min(l)).collect(),
             split: SplitMode::Auto,
             bad_block: false,
+            planned: false,
         }
     }
 }
@@ -82,29 +88,54 @@ fn mla_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let mut ws = DecodeWorkspace::new(&stream, 4096 * hq, V, num_reqs, nt)?;
     let mut status = DeviceStatus::new(&stream)?;
     let batch = DecodeBatch { seq_lens: &c.seq_lens, query_start_loc: &qsl };
-    let plan = mla_attention(
-        device(),
-        &stream,
-        MlaArgs {
-            q: DevIn::new(&q_d, &stream),
-            q_rows,
-            cache: DevIn::new(&cache_d, &stream),
-            spec,
-            block_table: DevIn::new(&bt_d, &stream),
-            block_table_stride: stride,
-            seq_lens: DevIn::new(&sl_d, &stream),
-            query_start_loc: DevIn::new(&qsl_d, &stream),
-            out: DevOut::new(&mut out_d, &stream),
-            out_rows,
-            lse: Some(DevOut::new(&mut lse_d, &stream)),
-            scales: fp8.then(|| KvScales { k: DevIn::new(&scale_d, &stream), v: DevIn::new(&scale_d, &stream) }),
-        },
-        &batch,
-        opts.softmax_scale,
-        c.split,
-        &mut ws,
-        &mut status,
-    )?;
+    macro_rules! args {
+        ($out:expr, $lse:expr) => {
+            MlaArgs {
+                q: DevIn::new(&q_d, &stream),
+                q_rows,
+                cache: DevIn::new(&cache_d, &stream),
+                spec,
+                block_table: DevIn::new(&bt_d, &stream),
+                block_table_stride: stride,
+                seq_lens: DevIn::new(&sl_d, &stream),
+                query_start_loc: DevIn::new(&qsl_d, &stream),
+                out: DevOut::new($out, &stream),
+                out_rows,
+                lse: Some(DevOut::new($lse, &stream)),
+                scales: fp8.then(|| KvScales { k: DevIn::new(&scale_d, &stream), v: DevIn::new(&scale_d, &stream) }),
+            }
+        };
+    }
+    let plan = if c.planned {
+        let mut bp = BatchPlan::new(&stream)?;
+        let (qt, ct) = (Q::DTYPE, C::DTYPE);
+        let plan = bp.plan_mla(device(), &batch, qt, ct, hq, c.split, &ws)?.clone();
+        // A batch other than the planned one is refused before anything is launched.
+        let other_lens: Vec<i32> = c.seq_lens.iter().map(|&l| l + 1).collect();
+        let other = DecodeBatch { seq_lens: &other_lens, query_start_loc: &qsl };
+        let mut scratch_out = out_d.clone();
+        let mut scratch_lse = lse_d.clone();
+        match mla_attention_planned(
+            device(),
+            &stream,
+            args!(&mut scratch_out, &mut scratch_lse),
+            &other,
+            opts.softmax_scale,
+            &bp,
+            &mut ws,
+            &mut status,
+        ) {
+            Err(e) if e.to_string().contains("batch") => {}
+            r => return Err(format!("a batch other than the planned one gave {r:?}").into()),
+        }
+        // Two layers on one plan: the second output is the one checked.
+        for (out, lse) in [(&mut scratch_out, &mut scratch_lse), (&mut out_d, &mut lse_d)] {
+            mla_attention_planned(device(), &stream, args!(out, lse), &batch, opts.softmax_scale, &bp, &mut ws, &mut status)?;
+        }
+        plan
+    } else {
+        mla_attention(device(), &stream, args!(&mut out_d, &mut lse_d), &batch, opts.softmax_scale, c.split, &mut ws, &mut status)?
+    };
     let flags = status.take(&stream)?;
     if flags.block_out_of_range() != (want.bad_blocks > 0) {
         return Err(format!("status {flags:?}, reference skipped {} keys", want.bad_blocks).into());
@@ -156,6 +187,8 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("bf16::forced_split_1".into(), Case { split: SplitMode::Fixed(1), ..Case::new(16, &[3000, 10], 1) }, "bf16");
     push("bf16::forced_split_7".into(), Case { split: SplitMode::Fixed(7), ..Case::new(128, &[1000, 10], 1) }, "bf16");
     push("bf16::empty_requests".into(), Case { q_lens: vec![0, 1, 0, 2], ..Case::new(16, &[0, 50, 0, 2], 1) }, "bf16");
+    push("bf16::planned_heads_16".into(), Case { planned: true, ..Case::new(16, &[4096, 1, 700, 2048], 1) }, "bf16");
+    push("bf16::planned_heads_128_mtp_2".into(), Case { planned: true, ..Case::new(128, &[3, 900], 2) }, "bf16");
     push("bf16::bad_block_id".into(), Case { bad_block: true, ..Case::new(16, &[200, 40], 1) }, "bf16");
     v
 }

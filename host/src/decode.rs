@@ -13,9 +13,13 @@ use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
 use crate::layout::{KvCacheSpec, RowsDesc};
+use crate::metadata::plan_words::{append_plan, plan_words};
+use crate::metadata::Region;
 use crate::status::DeviceStatus;
 use attn_math::decode::{rows_per_cta, shared_bytes, HEAD_SIZES, THREADS};
-use attn_math::params::{DecodeMergeParams, DecodeParams, MergeStatesParams, PrefillParams};
+use attn_math::params::{
+    DecodeMergeParams, DecodeParams, MergeStatesParams, PrefillParams, MAX_MERGE_HEAD_SIZE, MERGE_SHARED_BYTES, MERGE_THREADS,
+};
 use attn_math::prefill::{block_m, block_n, shared_layout};
 use attn_math::softmax::LOG2_E;
 use attn_math::split::{num_splits, plan_chunk};
@@ -307,17 +311,20 @@ pub fn validate_batch(batch: &DecodeBatch<'_>, num_tokens: usize, block_size: us
 pub struct DecodeWorkspace {
     partial_out: CudaSlice<f32>,
     partial_lse: CudaSlice<f32>,
-    items: CudaSlice<u32>,
-    req_num_splits: CudaSlice<u32>,
-    req_partial_base: CudaSlice<u32>,
-    token_request: CudaSlice<u32>,
+    /// A call's plan, its arrays packed into one buffer (`metadata::plan_words`) that one
+    /// copy fills (four copies cost 2.6 us more a call on the H100, BENCHMARKS.md).
+    plan_device: CudaSlice<u32>,
+    plan_words: Vec<u32>,
+    max_items: usize,
+    max_reqs: usize,
+    max_tokens: usize,
     head_size: usize,
 }
 
 impl DecodeWorkspace {
-    /// Bytes [`new`](Self::new) allocates.
+    /// Device bytes [`new`](Self::new) allocates.
     pub fn bytes(partial_rows: usize, head_size: usize, max_items: usize, max_reqs: usize, max_tokens: usize) -> usize {
-        4 * (partial_rows * (head_size + 1) + 4 * max_items + 2 * max_reqs + max_tokens)
+        4 * (partial_rows * (head_size + 1) + plan_words(max_items, max_reqs, max_tokens))
     }
 
     /// A workspace for up to `max_reqs` requests and `max_tokens` query tokens; `partial_rows`
@@ -325,19 +332,46 @@ impl DecodeWorkspace {
     pub fn new(stream: &Arc<CudaStream>, partial_rows: usize, head_size: usize, max_reqs: usize, max_tokens: usize) -> Result<Self> {
         // Tensor-core items are two words, and MQA rows can take several row tiles.
         let max_items = 4 * (max_reqs + partial_rows);
+        let words = plan_words(max_items, max_reqs, max_tokens);
         Ok(DecodeWorkspace {
             partial_out: stream.alloc_zeros(partial_rows.max(1) * head_size)?,
             partial_lse: stream.alloc_zeros(partial_rows.max(1))?,
-            items: stream.alloc_zeros(max_items.max(1))?,
-            req_num_splits: stream.alloc_zeros(max_reqs.max(1))?,
-            req_partial_base: stream.alloc_zeros(max_reqs.max(1))?,
-            token_request: stream.alloc_zeros(max_tokens.max(1))?,
+            plan_device: stream.alloc_zeros(words)?,
+            plan_words: Vec::with_capacity(words),
+            max_items,
+            max_reqs,
+            max_tokens,
             head_size,
         })
     }
 
     pub fn partial_rows(&self) -> usize {
         self.partial_lse.len()
+    }
+
+    /// Whether a plan for a batch of `num_reqs` requests and `num_tokens` query tokens fits.
+    pub(crate) fn check_plan(&self, plan: &DecodePlan, num_reqs: usize, num_tokens: usize) -> Result<()> {
+        ensure(plan.items.len() <= self.max_items && plan.items.len() < i32::MAX as usize, "workspace", || {
+            format!("the plan has {} work items, the workspace holds {}", plan.items.len(), self.max_items)
+        })?;
+        ensure(plan.partial_rows <= self.partial_rows(), "workspace", || {
+            format!("the plan needs {} partial rows, the workspace holds {}", plan.partial_rows, self.partial_rows())
+        })?;
+        self.check_batch(num_reqs, num_tokens)?;
+        ensure(plan.req_num_splits.len() == num_reqs && plan.token_request.len() == num_tokens, "workspace", || {
+            format!(
+                "a plan of {} requests / {} tokens for a batch of {num_reqs} / {num_tokens}",
+                plan.req_num_splits.len(),
+                plan.token_request.len()
+            )
+        })
+    }
+
+    /// Whether a batch of `num_reqs` requests and `num_tokens` query tokens fits.
+    fn check_batch(&self, num_reqs: usize, num_tokens: usize) -> Result<()> {
+        ensure(num_reqs <= self.max_reqs && num_tokens <= self.max_tokens, "workspace", || {
+            format!("holds {} requests / {} tokens, the batch has {num_reqs} / {num_tokens}", self.max_reqs, self.max_tokens)
+        })
     }
 }
 
@@ -556,9 +590,7 @@ pub(crate) fn paged_decode_from(
         _ => (0, 0),
     };
     ensure(ws.head_size == d, "workspace", || format!("made for head_size {}, not {d}", ws.head_size))?;
-    ensure(ws.req_num_splits.len() >= num_reqs && ws.token_request.len() >= nt, "workspace", || {
-        format!("holds {} requests / {} tokens, the batch has {num_reqs} / {nt}", ws.req_num_splits.len(), ws.token_request.len())
-    })?;
+    ws.check_batch(num_reqs, nt)?;
     if num_reqs == 0 || nt == 0 {
         return Ok(DecodePlan::default());
     }
@@ -702,7 +734,7 @@ pub(crate) struct WorkspacePtrs {
 }
 
 impl DecodeWorkspace {
-    /// Uploads a plan's arrays (enqueued on `stream`) after checking they fit.
+    /// Uploads a plan's arrays (one copy enqueued on `stream`) after checking they fit.
     pub(crate) fn upload(
         &mut self,
         stream: &Arc<CudaStream>,
@@ -710,22 +742,23 @@ impl DecodeWorkspace {
         num_reqs: usize,
         num_tokens: usize,
     ) -> Result<WorkspacePtrs> {
-        ensure(plan.items.len() <= self.items.len() && plan.items.len() < i32::MAX as usize, "workspace", || {
-            format!("the plan has {} work items, the workspace holds {}", plan.items.len(), self.items.len())
-        })?;
-        ensure(plan.partial_rows <= self.partial_rows(), "workspace", || {
-            format!("the plan needs {} partial rows, the workspace holds {}", plan.partial_rows, self.partial_rows())
-        })?;
-        stream.memcpy_htod(&plan.items, &mut self.items.slice_mut(..plan.items.len()))?;
-        stream.memcpy_htod(&plan.req_num_splits, &mut self.req_num_splits.slice_mut(..num_reqs))?;
-        stream.memcpy_htod(&plan.req_partial_base, &mut self.req_partial_base.slice_mut(..num_reqs))?;
-        stream.memcpy_htod(&plan.token_request, &mut self.token_request.slice_mut(..num_tokens))?;
+        self.check_plan(plan, num_reqs, num_tokens)?;
+        let mut words = std::mem::take(&mut self.plan_words);
+        words.clear();
+        let r = append_plan(&mut words, plan);
+        // One pageable copy: the driver sends a small one with the stream's commands, which
+        // measured 8 us a call cheaper than a copy-engine transfer from pinned memory.
+        let uploaded = stream.memcpy_htod(&words[..], &mut self.plan_device.slice_mut(..words.len()));
+        self.plan_words = words;
+        uploaded?;
         // The buffers live as long as the workspace, which the caller keeps past the launches.
+        let base = self.plan_device.device_ptr(stream).0;
+        let at = |r: Region| base + r.byte_offset() as u64;
         Ok(WorkspacePtrs {
-            items: self.items.device_ptr(stream).0,
-            req_num_splits: self.req_num_splits.device_ptr(stream).0,
-            req_partial_base: self.req_partial_base.device_ptr(stream).0,
-            token_request: self.token_request.device_ptr(stream).0,
+            items: at(r.items),
+            req_num_splits: at(r.req_num_splits),
+            req_partial_base: at(r.req_partial_base),
+            token_request: at(r.token_request),
             partial_out: self.partial_out.device_ptr_mut(stream).0,
             partial_lse: self.partial_lse.device_ptr_mut(stream).0,
         })
@@ -750,6 +783,9 @@ pub(crate) fn launch_merge(
     dtype: DType,
 ) -> Result<()> {
     let (nt, hq, d) = (out_rows.num_tokens, out_rows.num_heads, out_rows.head_size);
+    ensure(d <= MAX_MERGE_HEAD_SIZE as usize && d.is_multiple_of(4), "out", || {
+        format!("head size {d}: the split-K merge takes multiples of 4 up to {MAX_MERGE_HEAD_SIZE}")
+    })?;
     let m = DecodeMergeParams {
         partial_out: wp.partial_out,
         partial_lse: wp.partial_lse,
@@ -766,7 +802,7 @@ pub(crate) fn launch_merge(
         num_q_heads: hq as u32,
         head_size: d as u32,
     };
-    dev.launch_pdl(stream, &format!("decode_merge_{}", dtype.kernel_name()), ((nt * hq) as u32, 1, 1), 128, 16 * d as u32, m)
+    dev.launch_pdl(stream, &format!("decode_merge_{}", dtype.kernel_name()), ((nt * hq) as u32, 1, 1), MERGE_THREADS, MERGE_SHARED_BYTES, m)
 }
 
 /// Inputs of [`merge_attn_states`]: two partial results of the same queries over disjoint keys.

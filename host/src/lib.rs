@@ -8,6 +8,7 @@
 //! - [`layout`]: the paged KV-cache layouts (vLLM FlashAttention, FlashInfer, HND variants, MLA).
 //! - [`cache_write`]: `reshape_and_cache` and `concat_and_cache_mla`.
 //! - [`decode`]: paged decode with split-K, and `merge_attn_states`.
+//! - [`batch_plan`]: a decode batch's split plan made once per step for every layer's call.
 //! - [`backend`]: the backend registry and per-model selection (with every refusal reason).
 //! - [`metadata`]: per-step metadata (checks, decode/prefill split, plans, one upload).
 //! - [`forward`]: one call per layer: cache write, then decode and prefill attention.
@@ -16,6 +17,7 @@
 //!   path for machines without a GPU.
 
 pub mod backend;
+pub mod batch_plan;
 pub mod buffer;
 pub mod cache_write;
 pub mod cpu;

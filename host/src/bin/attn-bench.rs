@@ -220,7 +220,9 @@ struct DecodeShape {
     block_size: usize,
 }
 
-fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, status: &mut DeviceStatus) -> Result<Row> {
+/// Paged decode; `planned` as in [`mla_row`].
+fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &mut DeviceStatus) -> Result<Row> {
+    use host::batch_plan::{paged_decode_planned, BatchPlan};
     use host::decode::{paged_decode, AttnOptions, DecodeArgs, DecodeBatch, DecodeWorkspace, SplitMode};
     let s = &b.stream;
     let blocks_per_req = sh.context.div_ceil(sh.block_size);
@@ -236,44 +238,46 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, status: &mut DeviceStatus
     let mut out: CudaSlice<bf16> = s.alloc_zeros(q_rows.required_len())?;
     let (bt, sl, ql) = (s.clone_htod(&block_table)?, s.clone_htod(&seq_lens)?, s.clone_htod(&qsl)?);
     let (ks, vs) = (s.clone_htod(&[0.05f32])?, s.clone_htod(&[0.05f32])?);
-    let mut ws = DecodeWorkspace::new(s, 64 * 1024 * sh.q_heads / sh.kv_heads * 8, sh.head_size, sh.batch, sh.batch)?;
+    // The size `DecodeWorkspace::new` suggests (an oversized one made later rows slower).
+    let partial_rows = 4 * dev().sm_count() as usize * 8 * sh.q_heads / sh.kv_heads;
+    let mut ws = DecodeWorkspace::new(s, partial_rows, sh.head_size, sh.batch, sh.batch)?;
     let fp8 = C::DTYPE == host::DType::Fp8E4m3;
     let opts = AttnOptions::new(sh.head_size);
     let batch = DecodeBatch { seq_lens: &seq_lens, query_start_loc: &qsl };
+    let mut bp = BatchPlan::new(s)?;
     let mut chunk = 0;
+    if planned {
+        let (qt, hd) = (host::DType::BF16, sh.head_size);
+        chunk = bp.plan_decode(dev(), &batch, qt, C::DTYPE, hd, sh.q_heads, sh.kv_heads, SplitMode::Auto, &ws)?.chunk;
+    }
     let us = b.time(|| {
-        let plan = paged_decode(
-            dev(),
-            s,
-            DecodeArgs {
-                q: DevIn::new(&q, s),
-                q_rows,
-                cache: DevIn::new(&cache, s),
-                spec,
-                block_table: DevIn::new(&bt, s),
-                block_table_stride: blocks_per_req,
-                seq_lens: DevIn::new(&sl, s),
-                query_start_loc: DevIn::new(&ql, s),
-                out: DevOut::new(&mut out, s),
-                out_rows: q_rows,
-                lse: None,
-                alibi_slopes: None,
-                sinks: None,
-                scales: fp8.then(|| KvScales { k: DevIn::new(&ks, s), v: DevIn::new(&vs, s) }),
-            },
-            &batch,
-            &opts,
-            SplitMode::Auto,
-            &mut ws,
-            status,
-        )?;
-        chunk = plan.chunk;
-        Ok(())
+        let args = DecodeArgs {
+            q: DevIn::new(&q, s),
+            q_rows,
+            cache: DevIn::new(&cache, s),
+            spec,
+            block_table: DevIn::new(&bt, s),
+            block_table_stride: blocks_per_req,
+            seq_lens: DevIn::new(&sl, s),
+            query_start_loc: DevIn::new(&ql, s),
+            out: DevOut::new(&mut out, s),
+            out_rows: q_rows,
+            lse: None,
+            alibi_slopes: None,
+            sinks: None,
+            scales: fp8.then(|| KvScales { k: DevIn::new(&ks, s), v: DevIn::new(&vs, s) }),
+        };
+        if planned {
+            paged_decode_planned(dev(), s, args, &batch, &opts, &bp, &mut ws, status)
+        } else {
+            chunk = paged_decode(dev(), s, args, &batch, &opts, SplitMode::Auto, &mut ws, status)?.chunk;
+            Ok(())
+        }
     })?;
     status.check(s)?;
     let kv_bytes = 2.0 * (sh.batch * sh.context * sh.kv_heads * sh.head_size) as f64 * std::mem::size_of::<C>() as f64;
     Ok(Row {
-        name: format!("paged_decode bf16 q, {} cache", C::DTYPE.kernel_name()),
+        name: format!("paged_decode{} bf16 q, {} cache", if planned { "_planned" } else { "" }, C::DTYPE.kernel_name()),
         shape: format!(
             "{}x{} {}q/{}kv d{} bs{} (chunk {chunk})",
             sh.batch, sh.context, sh.q_heads, sh.kv_heads, sh.head_size, sh.block_size
@@ -453,7 +457,16 @@ fn main() -> Result<()> {
 
 /// MLA decode over the latent cache: bf16, context 4096, block size 64, scattered block tables.
 /// Bytes = the latent cache read once; FLOPs = 2 * heads * context * (576 + 512) per token.
-fn mla_row<C: Element>(b: &Bench, heads: usize, batch: usize, context: usize, status: &mut DeviceStatus) -> Result<Row> {
+/// MLA decode; `planned`: the split plan made once ([`host::batch_plan`], as every layer of a
+/// step runs it), else planned and uploaded by each call.
+fn mla_row<C: Element>(
+    b: &Bench,
+    cache: &CudaSlice<C>,
+    (heads, batch, context): (usize, usize, usize),
+    planned: bool,
+    status: &mut DeviceStatus,
+) -> Result<Row> {
+    use host::batch_plan::{mla_attention_planned, BatchPlan};
     use host::decode::{AttnOptions, DecodeBatch, DecodeWorkspace, SplitMode};
     use host::layout::MlaCacheSpec;
     use host::mla::{mla_attention, MlaArgs};
@@ -462,7 +475,7 @@ fn mla_row<C: Element>(b: &Bench, heads: usize, batch: usize, context: usize, st
     let blocks_per_req = context.div_ceil(block_size);
     let num_blocks = batch * blocks_per_req;
     let spec = MlaCacheSpec::deepseek(num_blocks, block_size)?;
-    let cache = random_device::<C>(s, spec.num_elements(), 31)?;
+    let cache = cache.slice(..spec.num_elements());
     let fp8 = C::DTYPE == host::DType::Fp8E4m3;
     let scale = s.clone_htod(&[0.05f32])?;
     let block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 32).into_iter().map(|x| x as i32).collect();
@@ -472,42 +485,40 @@ fn mla_row<C: Element>(b: &Bench, heads: usize, batch: usize, context: usize, st
     let q = s.clone_htod(&random_values::<bf16>(q_rows.required_len(), 33, 1.0))?;
     let mut out: CudaSlice<bf16> = s.alloc_zeros(out_rows.required_len())?;
     let (bt, sl, ql) = (s.clone_htod(&block_table)?, s.clone_htod(&seq_lens)?, s.clone_htod(&qsl)?);
-    let mut ws = DecodeWorkspace::new(s, 64 * 1024 * heads, 512, batch, batch)?;
+    // The size `DecodeWorkspace::new` suggests (a 2-16 GB one made rows measured after it slower).
+    let mut ws = DecodeWorkspace::new(s, 4 * dev().sm_count() as usize * 8 * heads, 512, batch, batch)?;
     let batch_meta = DecodeBatch { seq_lens: &seq_lens, query_start_loc: &qsl };
-    let mut chunk = 0;
+    let mut bp = BatchPlan::new(s)?;
+    let mut chunk = bp.plan_mla(dev(), &batch_meta, host::DType::BF16, C::DTYPE, heads, SplitMode::Auto, &ws)?.chunk;
     let us = b.time(|| {
-        let plan = mla_attention(
-            dev(),
-            s,
-            MlaArgs {
-                q: DevIn::new(&q, s),
-                q_rows,
-                cache: DevIn::new(&cache, s),
-                spec,
-                block_table: DevIn::new(&bt, s),
-                block_table_stride: blocks_per_req,
-                seq_lens: DevIn::new(&sl, s),
-                query_start_loc: DevIn::new(&ql, s),
-                out: DevOut::new(&mut out, s),
-                out_rows,
-                lse: None,
-                // MLA's one scale, passed as both.
-                scales: fp8.then(|| KvScales { k: DevIn::new(&scale, s), v: DevIn::new(&scale, s) }),
-            },
-            &batch_meta,
-            AttnOptions::new(576).softmax_scale,
-            SplitMode::Auto,
-            &mut ws,
-            status,
-        )?;
-        chunk = plan.chunk;
-        Ok(())
+        let args = MlaArgs {
+            q: DevIn::new(&q, s),
+            q_rows,
+            cache: DevIn::new(&cache, s),
+            spec,
+            block_table: DevIn::new(&bt, s),
+            block_table_stride: blocks_per_req,
+            seq_lens: DevIn::new(&sl, s),
+            query_start_loc: DevIn::new(&ql, s),
+            out: DevOut::new(&mut out, s),
+            out_rows,
+            lse: None,
+            // MLA's one scale, passed as both.
+            scales: fp8.then(|| KvScales { k: DevIn::new(&scale, s), v: DevIn::new(&scale, s) }),
+        };
+        let scale = AttnOptions::new(576).softmax_scale;
+        if planned {
+            mla_attention_planned(dev(), s, args, &batch_meta, scale, &bp, &mut ws, status)
+        } else {
+            chunk = mla_attention(dev(), s, args, &batch_meta, scale, SplitMode::Auto, &mut ws, status)?.chunk;
+            Ok(())
+        }
     })?;
     status.check(s)?;
     let bytes = (batch * context * 576 * C::DTYPE.size_bytes()) as f64;
     let flops = 2.0 * (heads * context * (576 + 512) * batch) as f64;
     let mut row = Row {
-        name: format!("mla_attention bf16 q, {} latent", C::DTYPE.kernel_name()),
+        name: format!("mla_attention{} bf16 q, {} latent", if planned { "_planned" } else { "" }, C::DTYPE.kernel_name()),
         shape: format!("{heads} heads x batch {batch} x {context}, bs64 (chunk {chunk})"),
         median_us: us,
         bytes,
@@ -521,12 +532,24 @@ fn mla_row<C: Element>(b: &Bench, heads: usize, batch: usize, context: usize, st
 }
 
 fn mla_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {
-    for (heads, batch) in [(16, 64), (16, 128), (128, 64), (128, 128)] {
-        rows.push(mla_row::<bf16>(b, heads, batch, 4096, status)?);
+    // One cache for every row, as an engine allocates it once: rows measured on caches
+    // allocated one after another differed by up to 12% with where the allocation landed.
+    let (max_batch, context) = (128, 4096);
+    let rows_of = |bytes: usize| max_batch * context * 576 * bytes;
+    let cache = random_device::<bf16>(&b.stream, rows_of(1), 31)?;
+    for planned in [false, true] {
+        if !planned && std::env::var("ATTN_BENCH_PLANNED_ONLY").is_ok() {
+            continue;
+        }
+        for (heads, batch) in [(16, 64), (16, 128), (128, 64), (128, 128)] {
+            rows.push(mla_row::<bf16>(b, &cache, (heads, batch, context), planned, status)?);
+        }
     }
+    drop(cache);
+    let cache = random_device::<Fp8E4m3>(&b.stream, rows_of(1), 31)?;
     // The FP8 cache: half the bytes at 16 heads; the conversion's cost at 128.
     for (heads, batch) in [(16, 64), (16, 128), (128, 64)] {
-        rows.push(mla_row::<Fp8E4m3>(b, heads, batch, 4096, status)?);
+        rows.push(mla_row::<Fp8E4m3>(b, &cache, (heads, batch, context), false, status)?);
     }
     Ok(())
 }
@@ -534,13 +557,16 @@ fn mla_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result
 fn decode_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {
     let shape = |batch, context| DecodeShape { batch, context, q_heads: 32, kv_heads: 8, head_size: 128, block_size: 16 };
     for (batch, context) in [(64, 4096), (8, 32768), (256, 1024), (1, 131072)] {
-        rows.push(decode_row::<bf16>(b, &shape(batch, context), status)?);
-        rows.push(decode_row::<Fp8E4m3>(b, &shape(batch, context), status)?);
+        rows.push(decode_row::<bf16>(b, &shape(batch, context), false, status)?);
+        rows.push(decode_row::<Fp8E4m3>(b, &shape(batch, context), false, status)?);
+    }
+    for (batch, context) in [(64, 4096), (8, 32768), (256, 1024), (1, 131072)] {
+        rows.push(decode_row::<bf16>(b, &shape(batch, context), true, status)?);
     }
     // The CUDA-core kernel on the main shape, for comparison.
     {
         std::env::set_var("ATTN_DECODE_KERNEL", "cuda");
-        let mut r = decode_row::<bf16>(b, &shape(64, 4096), status)?;
+        let mut r = decode_row::<bf16>(b, &shape(64, 4096), false, status)?;
         std::env::remove_var("ATTN_DECODE_KERNEL");
         r.name = format!("{} (CUDA cores)", r.name);
         rows.push(r);
@@ -552,7 +578,7 @@ fn decode_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Res
         DecodeShape { kv_heads: 32, ..shape(64, 4096) },
         DecodeShape { kv_heads: 2, ..shape(64, 4096) },
     ] {
-        rows.push(decode_row::<bf16>(b, &sh, status)?);
+        rows.push(decode_row::<bf16>(b, &sh, false, status)?);
     }
     Ok(())
 }

@@ -9,10 +9,11 @@
 //! - the decode part's plan (items, splits, partial bases, token requests, header);
 //! - the prefix's plan (cascade steps).
 
-use crate::decode::{decode_tc_kernel, plan_decode_tc, DecodeBatch, DecodeKernel, DecodePlan, DevicePlan, SplitMode, TcKernel};
+use crate::decode::{decode_tc_kernel, plan_decode_tc, DecodeBatch, DecodeKernel, DevicePlan, SplitMode, TcKernel};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::Result;
+use crate::metadata::plan_words::{append, append_plan, PlanRegions};
 use crate::metadata::{upload, BatchSplit, CommonPrefix, Region, StepInput, ALIGN_WORDS};
 use crate::mla::mla_tc_kernel;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
@@ -23,16 +24,6 @@ use std::sync::Arc;
 pub(crate) enum PlanKind {
     Standard { head_size: usize, num_kv_heads: usize },
     Mla,
-}
-
-/// One plan's arrays in the buffer.
-#[derive(Clone, Copy, Debug)]
-struct PlanRegions {
-    items: Region,
-    req_num_splits: Region,
-    req_partial_base: Region,
-    token_request: Region,
-    header: Region,
 }
 
 /// The device arrays of a built step's plans.
@@ -60,24 +51,6 @@ pub(crate) struct StepPlanner {
     staging: PinnedHostSlice<u32>,
     device: CudaSlice<u32>,
     plans: StepPlans,
-}
-
-fn append(words: &mut Vec<u32>, values: impl IntoIterator<Item = u32>) -> Region {
-    let offset = words.len();
-    words.extend(values);
-    let r = Region { offset, len: words.len() - offset };
-    words.resize(words.len().next_multiple_of(ALIGN_WORDS), 0);
-    r
-}
-
-fn append_plan(words: &mut Vec<u32>, plan: &DecodePlan) -> PlanRegions {
-    PlanRegions {
-        items: append(words, plan.items.iter().copied()),
-        req_num_splits: append(words, plan.req_num_splits.iter().copied()),
-        req_partial_base: append(words, plan.req_partial_base.iter().copied()),
-        token_request: append(words, plan.token_request.iter().copied()),
-        header: append(words, [(plan.items.len() / 2) as u32, plan.chunk, 0, 0]),
-    }
 }
 
 impl StepPlanner {

@@ -30,6 +30,7 @@ mod builder;
 mod cascade;
 mod input;
 mod plan;
+pub(crate) mod plan_words;
 mod split;
 mod staging;
 mod tensor_core;

@@ -8,7 +8,7 @@ use crate::device::{block_dim_x, block_idx_x, dynamic_shared, fma, pdl_prologue,
 use crate::elem::HalfFloat;
 use crate::mma::{ld_shared_f32, shared_addr, st_shared_v4};
 use crate::vec_io::{load16, load_f32, load_f32_nc, load_u32_nc, store_f32, store_u16};
-use attn_math::params::{DecodeMergeParams, MergeStatesParams};
+use attn_math::params::{DecodeMergeParams, MergeStatesParams, MERGE_THREADS};
 use attn_math::softmax::{combine_lse, exp2, log2, partial_weight, LN_2, LOG2_E};
 
 #[inline(always)]
@@ -60,32 +60,36 @@ impl OutElem for F32Out {
     }
 }
 
-/// Pass 2 of split-K: one CTA of 4 warps per (token, head). Every warp finds the splits' max
-/// LSE and denominator (lanes stride over the splits); then warp w adds up splits w, w + 4, ...
-/// with each lane holding 4 consecutive dimensions (16-byte loads), and the four sums meet in
-/// shared memory. Requests with one split were written by pass 1 and are skipped.
+/// Pass 2 of split-K: one CTA of [`MERGE_THREADS`] per (token, head). Every warp finds the
+/// splits' max LSE and denominator (lanes stride over the splits); then the threads form split
+/// groups of `head_size / 4` (one 16-byte chunk of the row each): group g adds up splits g,
+/// g + groups, ..., and the groups' sums meet in shared memory (MLA's 512: one group, which
+/// stores its sums directly). Requests with one split were written by pass 1 and are skipped.
+/// Head sizes: multiples of 4 up to [`MAX_MERGE_HEAD_SIZE`].
 #[inline(always)]
 pub unsafe fn decode_merge<O: OutElem>(p: &DecodeMergeParams) {
-    // Programmatic dependent launch (sm_90a): the partials come from the kernel before.
-    pdl_prologue();
     let cta = block_idx_x();
     if cta >= p.num_tokens * p.num_q_heads {
         return;
     }
+    // The plan and the batch's metadata were on the device before pass 1 started, so they are
+    // read before waiting for it (programmatic dependent launch): only the partials' two
+    // round trips are left after the wait.
     let (token, head) = (cta / p.num_q_heads, cta % p.num_q_heads);
     let req = unsafe { load_u32_nc(p.token_request + token as u64 * 4) };
     let splits = unsafe { load_u32_nc(p.req_num_splits + req as u64 * 4) };
     if splits <= 1 {
         return; // written directly by pass 1
     }
-    let (warp, lane) = (thread_idx_x() / 32, lane());
+    let (tid, lane) = (thread_idx_x(), lane());
     let q_start = unsafe { load_u32_nc(p.query_start_loc + req as u64 * 4) };
     let q_len = unsafe { load_u32_nc(p.query_start_loc + req as u64 * 4 + 4) } - q_start;
     let base = unsafe { load_u32_nc(p.req_partial_base + req as u64 * 4) } as u64;
+    let sink = if p.sinks != 0 { unsafe { load_f32_nc(p.sinks + head as u64 * 4) } } else { f32::NEG_INFINITY };
+    pdl_prologue();
     let index = |s: u32| base + (s as u64 * q_len as u64 + (token - q_start) as u64) * p.num_q_heads as u64 + head as u64;
     // Partials were written by the previous kernel: plain (coherent) loads.
     let lse = |s: u32| unsafe { load_f32(p.partial_lse + index(s) * 4) };
-    let sink = if p.sinks != 0 { unsafe { load_f32_nc(p.sinks + head as u64 * 4) } } else { f32::NEG_INFINITY };
     let mut max = sink;
     let mut s = lane;
     while s < splits {
@@ -104,30 +108,47 @@ pub unsafe fn decode_merge<O: OutElem>(p: &DecodeMergeParams) {
     let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
     let partial = shared_addr(dynamic_shared::<f32>());
     let d = p.head_size;
-    let mut d0 = lane * 4;
-    while d0 < d {
-        let mut acc = [0.0f32; 4];
-        let mut s = warp;
-        while s < splits && inv != 0.0 {
-            // A zero weight skips its partial: an empty split's output may be anything.
-            let wgt = exp2((lse(s) - max) * LOG2_E) * inv;
-            if wgt != 0.0 {
-                let v = unsafe { load16(p.partial_out + (index(s) * d as u64 + d0 as u64) * 4) };
-                static_for::<4>(|i| acc[i] = fma(wgt, f32::from_bits(v[i]), acc[i]));
-            }
-            s += 4;
+    let chunks = d / 4;
+    let groups = MERGE_THREADS / chunks;
+    let (group, chunk) = (tid / chunks, tid % chunks);
+    let weight = |s: u32| exp2((lse(s) - max) * LOG2_E) * inv;
+    let row = |s: u32| p.partial_out + index(s) * d as u64 * 4 + chunk as u64 * 16;
+    let mut acc = [0.0f32; 4];
+    let mut add = |wgt: f32, v: [u32; 4]| {
+        // A zero weight skips its partial: an empty split's output may be anything.
+        if wgt != 0.0 {
+            static_for::<4>(|i| acc[i] = fma(wgt, f32::from_bits(v[i]), acc[i]));
         }
-        unsafe { st_shared_v4(partial + (warp * d + d0) * 4, acc.map(f32::to_bits)) };
-        d0 += 128;
+    };
+    let mut s = group;
+    while group < groups && inv != 0.0 && s < splits {
+        // Two splits at a time: both rows' loads go out before either sum.
+        let (w0, w1) = (weight(s), if s + groups < splits { weight(s + groups) } else { 0.0 });
+        let v0 = if w0 != 0.0 { unsafe { load16(row(s)) } } else { [0; 4] };
+        let v1 = if w1 != 0.0 { unsafe { load16(row(s + groups)) } } else { [0; 4] };
+        add(w0, v0);
+        add(w1, v1);
+        s += 2 * groups;
     }
-    sync_threads();
-    let mut i = thread_idx_x();
-    while i < d {
-        let mut o = 0.0;
-        static_for::<4>(|w| o += unsafe { ld_shared_f32(partial + (w as u32 * d + i) * 4) });
-        let addr = p.out + (token as u64 * p.out_token_stride + head as u64 * p.out_head_stride + i as u64) * O::BYTES;
-        unsafe { O::store(addr, o) };
-        i += 128;
+    let out = p.out + (token as u64 * p.out_token_stride + head as u64 * p.out_head_stride) * O::BYTES;
+    if groups == 1 {
+        static_for::<4>(|i| unsafe { O::store(out + (4 * chunk as u64 + i as u64) * O::BYTES, acc[i]) });
+    } else {
+        if group < groups {
+            unsafe { st_shared_v4(partial + (group * d + 4 * chunk) * 4, acc.map(f32::to_bits)) };
+        }
+        sync_threads();
+        let mut i = tid;
+        while i < d {
+            let mut o = 0.0;
+            let mut g = 0;
+            while g < groups {
+                o += unsafe { ld_shared_f32(partial + (g * d + i) * 4) };
+                g += 1;
+            }
+            unsafe { O::store(out + i as u64 * O::BYTES, o) };
+            i += MERGE_THREADS;
+        }
     }
     if thread_idx_x() == 0 && p.lse != 0 {
         let out_lse = if sum > 0.0 { max + log2(sum) * LN_2 } else { f32::NEG_INFINITY };

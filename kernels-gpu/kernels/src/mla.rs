@@ -235,8 +235,6 @@ unsafe fn copy_queries(dst: u32, rows: u32, src: impl Fn(u32) -> u64) {
 /// cache (with `p.k_scale`), converted to Q's type slot by slot in shared memory.
 #[inline(always)]
 pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &PrefillParams) {
-    // Programmatic dependent launch: wait for the cache write before reading anything.
-    pdl_prologue();
     let shape = const {
         if WIDE {
             mla::WIDE
@@ -341,6 +339,10 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &P
     unsafe { copy_queries(smem + layout.q, bm, q_row) };
     // Narrow waits for the queries alone (to hold them in registers before the first tile).
     cp_async_commit();
+    // Programmatic dependent launch: everything above (work item, block tables, queries) was
+    // on the device before the kernel ahead of this one started, so it overlaps that kernel's
+    // end; the cache rows wait for it (the cache write, or the previous layer's merge).
+    pdl_prologue();
     static_for::<4>(|j| {
         if (j as u32) < pre {
             issue(j as u32);

@@ -115,6 +115,14 @@ pub struct DecodeParams {
     pub group: u32,
 }
 
+/// Threads of a split-K merge CTA.
+pub const MERGE_THREADS: u32 = 128;
+/// The largest head size the split-K merge takes (MLA's 512: a 16-byte chunk a thread; any
+/// multiple of 4 up to this).
+pub const MAX_MERGE_HEAD_SIZE: u32 = 4 * MERGE_THREADS;
+/// Shared memory of a split-K merge CTA: a sum per thread and dimension chunk.
+pub const MERGE_SHARED_BYTES: u32 = 16 * MERGE_THREADS;
+
 /// Pass 2 of split-K: merge each multi-split request's partials (and the sink) into the output.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]

@@ -1,0 +1,198 @@
+//! A decode batch's split plan made and uploaded once, then used by every layer's call (vLLM's
+//! metadata builders, FlashMLA's `get_mla_metadata`): the layers launch with no planning and
+//! no copy, so each call's merge overlaps the next call's start (programmatic dependent
+//! launch), where a planning call ([`paged_decode`](crate::decode::paged_decode),
+//! [`mla_attention`](crate::mla::mla_attention)) puts a copy between them.
+//!
+//! ```no_run
+//! # fn demo(dev: &host::AttnDevice, stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+//! #         ws: &mut host::decode::DecodeWorkspace, status: &mut host::status::DeviceStatus,
+//! #         layers: Vec<host::mla::MlaArgs<'_>>, batch: host::decode::DecodeBatch<'_>) -> host::Result<()> {
+//! use host::batch_plan::{mla_attention_planned, BatchPlan};
+//! use host::{decode::SplitMode, DType};
+//! let mut plan = BatchPlan::new(stream)?; // once
+//! // Each step: plan the batch, then run every layer with it.
+//! plan.plan_mla(dev, &batch, DType::BF16, DType::BF16, 16, SplitMode::Auto, ws)?;
+//! for args in layers {
+//!     mla_attention_planned(dev, stream, args, &batch, 0.07, &plan, ws, status)?;
+//! }
+//! # Ok(()) }
+//! ```
+
+use crate::decode::{
+    decode_tc_kernel, paged_decode_from, plan_decode_tc, AttnOptions, DecodeArgs, DecodeBatch, DecodeKernel, DecodePlan, DecodeWorkspace,
+    DevicePlan, PlanSource, SplitMode, TcKernel,
+};
+use crate::device::AttnDevice;
+use crate::dtype::DType;
+use crate::error::{ensure, AttnError, Result};
+use crate::metadata::plan_words::append_plan;
+use crate::metadata::Region;
+use crate::mla::{mla_attention_from, mla_tc_kernel, MlaArgs};
+use crate::status::DeviceStatus;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use std::sync::Arc;
+
+/// One batch's plan on the device, remade each step by [`plan_mla`](Self::plan_mla) or
+/// [`plan_decode`](Self::plan_decode) (its buffer grows when a step needs more, and is reused
+/// otherwise). The batch a call passes must be the planned one; calls check it.
+pub struct BatchPlan {
+    stream: Arc<CudaStream>,
+    device: CudaSlice<u32>,
+    words: Vec<u32>,
+    planned: Option<Planned>,
+}
+
+struct Planned {
+    plan: DecodePlan,
+    device: DevicePlan,
+    seq_lens: Vec<i32>,
+    query_start_loc: Vec<i32>,
+    /// The workspace's partial rows when planned: a smaller one cannot take the plan.
+    partial_rows: usize,
+}
+
+impl BatchPlan {
+    pub fn new(stream: &Arc<CudaStream>) -> Result<Self> {
+        Ok(BatchPlan { stream: stream.clone(), device: stream.alloc_zeros(256)?, words: Vec::new(), planned: None })
+    }
+
+    /// Plans a batch of MLA decodes (`num_heads` query heads, `q_dtype` queries, a
+    /// `cache_dtype` latent cache) for [`mla_attention_planned`], and uploads it on the stream.
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan_mla(
+        &mut self,
+        dev: &AttnDevice,
+        batch: &DecodeBatch<'_>,
+        q_dtype: DType,
+        cache_dtype: DType,
+        num_heads: usize,
+        mode: SplitMode,
+        ws: &DecodeWorkspace,
+    ) -> Result<&DecodePlan> {
+        let tc = mla_tc_kernel(dev, q_dtype, cache_dtype == DType::Fp8E4m3, num_heads, max_query_len(batch)?)?;
+        self.plan_for(tc, batch, num_heads, DecodeKernel::Mla, mode, ws)
+    }
+
+    /// Plans a batch of paged decodes for [`paged_decode_planned`] (the tensor-core kernels),
+    /// and uploads it on the stream.
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan_decode(
+        &mut self,
+        dev: &AttnDevice,
+        batch: &DecodeBatch<'_>,
+        q_dtype: DType,
+        cache_dtype: DType,
+        head_size: usize,
+        num_q_heads: usize,
+        num_kv_heads: usize,
+        mode: SplitMode,
+        ws: &DecodeWorkspace,
+    ) -> Result<&DecodePlan> {
+        ensure(num_kv_heads > 0 && num_q_heads.is_multiple_of(num_kv_heads), "num_q_heads", || {
+            format!("{num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        })?;
+        let fp8 = cache_dtype == DType::Fp8E4m3;
+        let tc = decode_tc_kernel(dev, q_dtype, fp8, head_size, num_q_heads, num_kv_heads, max_query_len(batch)?)?;
+        let kernel = tc.kernel;
+        self.plan_for(tc, batch, num_q_heads, kernel, mode, ws)
+    }
+
+    fn plan_for(
+        &mut self,
+        tc: TcKernel,
+        batch: &DecodeBatch<'_>,
+        num_q_heads: usize,
+        kernel: DecodeKernel,
+        mode: SplitMode,
+        ws: &DecodeWorkspace,
+    ) -> Result<&DecodePlan> {
+        self.planned = None;
+        let plan = DecodePlan { kernel, ..plan_decode_tc(batch, num_q_heads, tc.group, tc.shape, tc.target, mode, ws.partial_rows()) };
+        ws.check_plan(&plan, batch.seq_lens.len(), batch.query_start_loc.last().map_or(0, |&n| n as usize))?;
+        let mut words = std::mem::take(&mut self.words);
+        words.clear();
+        let r = append_plan(&mut words, &plan);
+        if self.device.len() < words.len() {
+            self.device = self.stream.alloc_zeros(words.len().next_power_of_two())?;
+        }
+        // One pageable copy: the driver sends a small one with the stream's commands, which
+        // measured cheaper than a copy-engine transfer from pinned memory (BENCHMARKS.md).
+        let copied = self.stream.memcpy_htod(&words[..], &mut self.device.slice_mut(..words.len()));
+        self.words = words;
+        copied?;
+        let base = self.device.device_ptr(&self.stream).0;
+        let at = |r: Region| base + r.byte_offset() as u64;
+        let device = DevicePlan {
+            kernel: tc.name,
+            items: at(r.items),
+            req_num_splits: at(r.req_num_splits),
+            req_partial_base: at(r.req_partial_base),
+            token_request: at(r.token_request),
+            header: at(r.header),
+            capacity_items: plan.items.len() / 2,
+            needs_merge: plan.needs_merge(),
+        };
+        let planned = Planned {
+            plan,
+            device,
+            seq_lens: batch.seq_lens.to_vec(),
+            query_start_loc: batch.query_start_loc.to_vec(),
+            partial_rows: ws.partial_rows(),
+        };
+        Ok(&self.planned.insert(planned).plan)
+    }
+
+    /// The plan for `batch`, after checking it is the planned batch.
+    fn for_batch(&self, batch: &DecodeBatch<'_>, ws: &DecodeWorkspace) -> Result<&Planned> {
+        let Some(p) = self.planned.as_ref() else {
+            return Err(AttnError::InvalidArgument { arg: "plan", reason: "nothing planned yet (call plan_mla or plan_decode)".into() });
+        };
+        ensure(p.seq_lens == batch.seq_lens && p.query_start_loc == batch.query_start_loc, "batch", || {
+            "differs from the batch the plan was made for".into()
+        })?;
+        ensure(ws.partial_rows() >= p.partial_rows, "workspace", || {
+            format!("holds {} partial rows, the plan was made for {}", ws.partial_rows(), p.partial_rows)
+        })?;
+        Ok(p)
+    }
+}
+
+fn max_query_len(batch: &DecodeBatch<'_>) -> Result<u32> {
+    ensure(!batch.query_start_loc.is_empty(), "query_start_loc", || "is empty (it starts with 0)".into())?;
+    Ok(batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]).max(0) as u32).max().unwrap_or(1))
+}
+
+/// [`mla_attention`](crate::mla::mla_attention) with the plan made by
+/// [`BatchPlan::plan_mla`] for this `batch`: no planning, no copy.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_attention_planned(
+    dev: &AttnDevice,
+    stream: &Arc<CudaStream>,
+    a: MlaArgs<'_>,
+    batch: &DecodeBatch<'_>,
+    softmax_scale: f32,
+    plan: &BatchPlan,
+    ws: &mut DecodeWorkspace,
+    status: &mut DeviceStatus,
+) -> Result<()> {
+    let p = plan.for_batch(batch, ws)?;
+    mla_attention_from(dev, stream, a, batch, softmax_scale, PlanSource::Device(&p.device), ws, status).map(drop)
+}
+
+/// [`paged_decode`](crate::decode::paged_decode) with the plan made by
+/// [`BatchPlan::plan_decode`] for this `batch`: no planning, no copy.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_planned(
+    dev: &AttnDevice,
+    stream: &Arc<CudaStream>,
+    a: DecodeArgs<'_>,
+    batch: &DecodeBatch<'_>,
+    opts: &AttnOptions,
+    plan: &BatchPlan,
+    ws: &mut DecodeWorkspace,
+    status: &mut DeviceStatus,
+) -> Result<()> {
+    let p = plan.for_batch(batch, ws)?;
+    paged_decode_from(dev, stream, a, batch, opts, PlanSource::Device(&p.device), true, ws, status).map(drop)
+}
