@@ -29,7 +29,9 @@ use crate::error::{ensure, AttnError, Result};
 use crate::metadata::plan_words::append_plan;
 use crate::metadata::Region;
 use crate::mla::{mla_attention_from, mla_tc_kernel, MlaArgs};
+use crate::prefill::{validate_prefill_batch, PrefillBatch};
 use crate::status::DeviceStatus;
+use attn_math::decode::HEAD_SIZES;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 
@@ -70,7 +72,8 @@ impl BatchPlan {
         mode: SplitMode,
         ws: &DecodeWorkspace,
     ) -> Result<&DecodePlan> {
-        let tc = mla_tc_kernel(dev, q_dtype, cache_dtype == DType::Fp8E4m3, num_heads, max_query_len(batch)?)?;
+        let max_q = check_batch(batch, q_dtype, cache_dtype, num_heads)?;
+        let tc = mla_tc_kernel(dev, q_dtype, cache_dtype == DType::Fp8E4m3, num_heads, max_q)?;
         self.plan_for(tc, batch, num_heads, DecodeKernel::Mla, mode, ws)
     }
 
@@ -92,8 +95,10 @@ impl BatchPlan {
         ensure(num_kv_heads > 0 && num_q_heads.is_multiple_of(num_kv_heads), "num_q_heads", || {
             format!("{num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         })?;
+        let max_q = check_batch(batch, q_dtype, cache_dtype, num_q_heads)?;
+        ensure(HEAD_SIZES.contains(&(head_size as u32)), "head_size", || format!("{head_size} (decode takes {HEAD_SIZES:?})"))?;
         let fp8 = cache_dtype == DType::Fp8E4m3;
-        let tc = decode_tc_kernel(dev, q_dtype, fp8, head_size, num_q_heads, num_kv_heads, max_query_len(batch)?)?;
+        let tc = decode_tc_kernel(dev, q_dtype, fp8, head_size, num_q_heads, num_kv_heads, max_q)?;
         let kernel = tc.kernel;
         self.plan_for(tc, batch, num_q_heads, kernel, mode, ws)
     }
@@ -158,9 +163,17 @@ impl BatchPlan {
     }
 }
 
-fn max_query_len(batch: &DecodeBatch<'_>) -> Result<u32> {
-    ensure(!batch.query_start_loc.is_empty(), "query_start_loc", || "is empty (it starts with 0)".into())?;
-    Ok(batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]).max(0) as u32).max().unwrap_or(1))
+/// Checks what planning reads (the batch, the dtypes: the calls check the rest before any
+/// launch), and returns the most query tokens a request has.
+fn check_batch(batch: &DecodeBatch<'_>, q_dtype: DType, cache_dtype: DType, num_heads: usize) -> Result<u32> {
+    let qsl = batch.query_start_loc;
+    let num_tokens = qsl.last().map_or(0, |&n| n.max(0) as usize);
+    let pb = PrefillBatch { query_start_loc: qsl, seq_lens: batch.seq_lens, key_start_loc: None };
+    validate_prefill_batch(&pb, num_tokens, true, None)?;
+    ensure(matches!(q_dtype, DType::F16 | DType::BF16), "q_dtype", || format!("{q_dtype:?}: decode takes f16 or bf16 queries"))?;
+    ensure(cache_dtype == q_dtype || cache_dtype == DType::Fp8E4m3, "cache_dtype", || format!("{cache_dtype:?} with {q_dtype:?} queries"))?;
+    ensure(num_heads > 0, "num_heads", || "is 0".into())?;
+    Ok(qsl.windows(2).map(|w| (w[1] - w[0]) as u32).max().unwrap_or(1))
 }
 
 /// [`mla_attention`](crate::mla::mla_attention) with the plan made by
