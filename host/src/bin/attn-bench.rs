@@ -538,9 +538,6 @@ fn mla_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result
     let rows_of = |bytes: usize| max_batch * context * 576 * bytes;
     let cache = random_device::<bf16>(&b.stream, rows_of(1), 31)?;
     for planned in [false, true] {
-        if !planned && std::env::var("ATTN_BENCH_PLANNED_ONLY").is_ok() {
-            continue;
-        }
         for (heads, batch) in [(16, 64), (16, 128), (128, 64), (128, 128)] {
             rows.push(mla_row::<bf16>(b, &cache, (heads, batch, context), planned, status)?);
         }
