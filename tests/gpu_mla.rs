@@ -2,7 +2,8 @@
 //! poisoned outputs: 16/32/64/128 heads, lengths 1..=5000 (not multiples of 64 too), 1-4 query
 //! tokens (multi-token prediction, causal among them) and longer chunks, block sizes 64 and 16,
 //! the FP8 cache, forced and planned splits, a plan made once for two layers (`BatchPlan`),
-//! empty requests and a bad block id.
+//! splits combined in a thread-block cluster (sm_90a: 2, 3 and 8 splits, planned, FP8, MTP, a
+//! bad block id), empty requests and a bad block id.
 
 mod common;
 
@@ -28,6 +29,9 @@ struct Case {
     /// Planned once with `BatchPlan` and run as two layers (the second checked), not planned
     /// by the call.
     planned: bool,
+    /// The cluster size the plan must choose on the sm_90a module (splits combined in shared
+    /// memory, `DecodePlan::cluster`); `None`: not checked.
+    cluster: Option<u32>,
 }
 
 impl Case {
@@ -40,6 +44,7 @@ impl Case {
             split: SplitMode::Auto,
             bad_block: false,
             planned: false,
+            cluster: None,
         }
     }
 }
@@ -136,6 +141,11 @@ fn mla_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     } else {
         mla_attention(device(), &stream, args!(&mut out_d, &mut lse_d), &batch, opts.softmax_scale, c.split, &mut ws, &mut status)?
     };
+    if let Some(want) = c.cluster.filter(|_| device().ptx_target() == "sm_90a") {
+        if plan.cluster != want {
+            return Err(format!("plan cluster {}, expected {want} (splits {:?})", plan.cluster, plan.req_num_splits).into());
+        }
+    }
     let flags = status.take(&stream)?;
     if flags.block_out_of_range() != (want.bad_blocks > 0) {
         return Err(format!("status {flags:?}, reference skipped {} keys", want.bad_blocks).into());
@@ -189,6 +199,15 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("bf16::empty_requests".into(), Case { q_lens: vec![0, 1, 0, 2], ..Case::new(16, &[0, 50, 0, 2], 1) }, "bf16");
     push("bf16::planned_heads_16".into(), Case { planned: true, ..Case::new(16, &[4096, 1, 700, 2048], 1) }, "bf16");
     push("bf16::planned_heads_128_mtp_2".into(), Case { planned: true, ..Case::new(128, &[3, 900], 2) }, "bf16");
+    // Every request with the same number of splits: one thread-block cluster a request, the
+    // splits combined in shared memory (sm_90a).
+    let cluster = |n: u32, c: Case| Case { split: SplitMode::Fixed(n), cluster: Some(n), ..c };
+    push("bf16::cluster_3_heads_16".into(), cluster(3, Case::new(16, &[5000, 4990, 4097], 1)), "bf16");
+    push("bf16::cluster_2_mtp_4_heads_4".into(), cluster(2, Case::new(4, &[300, 280, 257], 4)), "bf16");
+    push("f16::cluster_2_planned".into(), Case { planned: true, ..cluster(2, Case::new(16, &[1000, 999, 1024], 1)) }, "f16");
+    push("bf16_fp8::cluster_8_heads_16".into(), cluster(8, Case::new(16, &[2000, 1900], 1)), "bf16_fp8");
+    push("bf16::cluster_2_bad_block_id".into(), Case { bad_block: true, ..cluster(2, Case::new(16, &[200, 190], 1)) }, "bf16");
+    push("bf16::no_cluster_uneven_splits".into(), Case { cluster: Some(0), ..Case::new(16, &[3000, 10], 1) }, "bf16");
     push("bf16::bad_block_id".into(), Case { bad_block: true, ..Case::new(16, &[200, 40], 1) }, "bf16");
     v
 }

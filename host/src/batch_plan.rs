@@ -28,7 +28,7 @@ use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
 use crate::metadata::plan_words::append_plan;
 use crate::metadata::Region;
-use crate::mla::{mla_attention_from, mla_tc_kernel, MlaArgs};
+use crate::mla::{mla_attention_from, mla_cluster, mla_tc_kernel, MlaArgs};
 use crate::prefill::{validate_prefill_batch, PrefillBatch};
 use crate::status::DeviceStatus;
 use attn_math::decode::HEAD_SIZES;
@@ -74,7 +74,7 @@ impl BatchPlan {
     ) -> Result<&DecodePlan> {
         let max_q = check_batch(batch, q_dtype, cache_dtype, num_heads)?;
         let tc = mla_tc_kernel(dev, q_dtype, cache_dtype == DType::Fp8E4m3, num_heads, max_q)?;
-        self.plan_for(tc, batch, num_heads, DecodeKernel::Mla, mode, ws)
+        self.plan_for(dev, tc, batch, num_heads, DecodeKernel::Mla, mode, ws)
     }
 
     /// Plans a batch of paged decodes for [`paged_decode_planned`] (the tensor-core kernels),
@@ -100,11 +100,13 @@ impl BatchPlan {
         let fp8 = cache_dtype == DType::Fp8E4m3;
         let tc = decode_tc_kernel(dev, q_dtype, fp8, head_size, num_q_heads, num_kv_heads, max_q)?;
         let kernel = tc.kernel;
-        self.plan_for(tc, batch, num_q_heads, kernel, mode, ws)
+        self.plan_for(dev, tc, batch, num_q_heads, kernel, mode, ws)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn plan_for(
         &mut self,
+        dev: &AttnDevice,
         tc: TcKernel,
         batch: &DecodeBatch<'_>,
         num_q_heads: usize,
@@ -113,7 +115,10 @@ impl BatchPlan {
         ws: &DecodeWorkspace,
     ) -> Result<&DecodePlan> {
         self.planned = None;
-        let plan = DecodePlan { kernel, ..plan_decode_tc(batch, num_q_heads, tc.group, tc.shape, tc.target, mode, ws.partial_rows()) };
+        let mut plan = DecodePlan { kernel, ..plan_decode_tc(batch, num_q_heads, tc.group, tc.shape, tc.target, mode, ws.partial_rows()) };
+        if kernel == DecodeKernel::Mla {
+            plan.cluster = mla_cluster(dev, &tc, &plan);
+        }
         ws.check_plan(&plan, batch.seq_lens.len(), batch.query_start_loc.last().map_or(0, |&n| n as usize))?;
         let mut words = std::mem::take(&mut self.words);
         words.clear();
@@ -137,6 +142,7 @@ impl BatchPlan {
             header: at(r.header),
             capacity_items: plan.items.len() / 2,
             needs_merge: plan.needs_merge(),
+            cluster: plan.cluster,
         };
         let planned = Planned {
             plan,

@@ -110,11 +110,14 @@ pub struct DecodePlan {
     pub token_request: Vec<u32>,
     /// Partial rows (head_size f32 each) the plan uses in the workspace.
     pub partial_rows: usize,
+    /// MLA on sm_90a: every request has this many splits (2..=8), run as one thread-block
+    /// cluster that combines them in shared memory (no partials, no merge kernel); 0 = off.
+    pub cluster: u32,
 }
 
 impl DecodePlan {
     pub fn needs_merge(&self) -> bool {
-        self.req_num_splits.iter().any(|&s| s > 1)
+        self.cluster <= 1 && self.req_num_splits.iter().any(|&s| s > 1)
     }
 }
 
@@ -468,6 +471,8 @@ pub(crate) struct DevicePlan {
     /// Whether the merge is launched: a graph's always (a replay's plan may split where the
     /// capture's did not), an eager step's when a request has several splits.
     pub needs_merge: bool,
+    /// [`DecodePlan::cluster`].
+    pub cluster: u32,
 }
 
 impl DevicePlan {
@@ -701,7 +706,7 @@ pub(crate) fn paged_decode_from(
             causal: causal as u32,
             v_slices: 0,
             v_row: 0,
-            _pad: 0,
+            cluster: 0,
             plan: 0,
         };
         let tc = tc.as_ref().expect("a tensor-core batch");
@@ -723,7 +728,9 @@ pub(crate) fn paged_decode_from(
     Ok(plan)
 }
 
-/// Device addresses of an uploaded plan in a [`DecodeWorkspace`].
+/// Device addresses of an uploaded plan in a [`DecodeWorkspace`]; all 0 for a launch that
+/// needs no plan on the device (its CTAs derive their items from their index).
+#[derive(Default)]
 pub(crate) struct WorkspacePtrs {
     pub items: u64,
     pub req_num_splits: u64,

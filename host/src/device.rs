@@ -29,6 +29,8 @@ pub struct AttnDevice {
     functions: Mutex<HashMap<String, CudaFunction>>,
     /// Resident CTAs per SM of (kernel, dynamic shared memory), from the driver.
     occupancy: Mutex<HashMap<(String, u32), u32>>,
+    /// `max_active_clusters` by (kernel, shared bytes, cluster size).
+    clusters: Mutex<HashMap<(String, u32, u32), u32>>,
 }
 
 impl AttnDevice {
@@ -66,6 +68,7 @@ impl AttnDevice {
             max_shared_optin,
             functions: Mutex::new(HashMap::new()),
             occupancy: Mutex::new(HashMap::new()),
+            clusters: Mutex::new(HashMap::new()),
         })
     }
 
@@ -175,6 +178,50 @@ impl AttnDevice {
         self.target.name == "sm_90a" && !std::env::var("ATTN_DISABLE_PDL").is_ok_and(|v| v == "1")
     }
 
+    /// How many clusters of `cluster` CTAs (of `block` threads, `smem` bytes) of kernel `name`
+    /// the GPU holds at once, as the driver computes it: clusters must fit within one GPC, so a
+    /// GPC whose SM count is not a multiple of the size leaves SMs idle (on the H100, clusters of
+    /// 4 one-CTA-per-SM kernels fit fewer CTAs than 128).
+    pub(crate) fn max_active_clusters(&self, name: &str, block: u32, smem: u32, cluster: u32) -> Result<u32> {
+        let key = (name.to_string(), smem, cluster);
+        if let Some(&n) = self.clusters.lock().expect("cluster cache").get(&key) {
+            return Ok(n);
+        }
+        use cudarc::driver::sys;
+        let f = self.function(name)?;
+        // SAFETY: a zeroed attribute is a valid plain-data value; we set its id and value.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attr.value.clusterDim.x = cluster;
+        attr.value.clusterDim.y = 1;
+        attr.value.clusterDim.z = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cluster,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: std::ptr::null_mut(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut n: std::ffi::c_int = 0;
+        self.ctx.bind_to_thread()?;
+        // SAFETY: `config` and `attr` outlive the call, `n` is written by it.
+        unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &config).result()? };
+        let n = n.max(0) as u32;
+        self.clusters.lock().expect("cluster cache").insert(key, n);
+        Ok(n)
+    }
+
+    /// Whether thread-block clusters may be used: the sm_90a module (the sm_80 one runs on any
+    /// GPU and has no cluster instructions).
+    pub(crate) fn clusters_enabled(&self) -> bool {
+        self.target.name == "sm_90a"
+    }
+
     /// [`launch`](Self::launch) with programmatic dependent launch: the kernel may start while
     /// the previous work on the stream finishes; it must wait for it (`griddepcontrol.wait`)
     /// before reading anything, as `pdl_prologue` does.
@@ -187,16 +234,45 @@ impl AttnDevice {
         smem: u32,
         params: P,
     ) -> Result<()> {
-        if !self.pdl_enabled() {
+        self.launch_ex(stream, name, grid, block, smem, 1, params)
+    }
+
+    /// [`launch_pdl`](Self::launch_pdl) in thread-block clusters of `cluster` CTAs along x
+    /// (1 = none; the grid's x must be a multiple; only where [`clusters_enabled`](Self::clusters_enabled)).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn launch_ex<P: Copy>(
+        &self,
+        stream: &CudaStream,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        cluster: u32,
+        params: P,
+    ) -> Result<()> {
+        let pdl = self.pdl_enabled();
+        if !pdl && cluster <= 1 {
             return self.launch(stream, name, grid, block, smem, params);
         }
+        debug_assert!(cluster <= 1 || (self.clusters_enabled() && grid.0.is_multiple_of(cluster)));
         use cudarc::driver::sys;
         let f = self.function(name)?;
         let mut params = KernelParams(params);
         // SAFETY: a zeroed attribute is a valid plain-data value; we set its id and value.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut n = 0;
+        if pdl {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        if cluster > 1 {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n].value.clusterDim.x = cluster;
+            attrs[n].value.clusterDim.y = 1;
+            attrs[n].value.clusterDim.z = 1;
+            n += 1;
+        }
         let config = sys::CUlaunchConfig {
             gridDimX: grid.0,
             gridDimY: grid.1,
@@ -206,12 +282,12 @@ impl AttnDevice {
             blockDimZ: 1,
             sharedMemBytes: smem,
             hStream: stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: n as u32,
         };
         let mut args = [&mut params as *mut KernelParams<P> as *mut std::ffi::c_void];
         self.ctx.bind_to_thread()?;
-        // SAFETY: as for `launch`; `config`, `attr` and `args` outlive the call.
+        // SAFETY: as for `launch`; `config`, `attrs` and `args` outlive the call.
         unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()).result()? };
         Ok(())
     }

@@ -15,7 +15,7 @@ use crate::buffer::{DevIn, DevOut};
 use crate::cache_write::KvScales;
 use crate::decode::{
     f32_values, launch_merge, plan_decode_tc, DecodeBatch, DecodeKernel, DecodePlan, DecodeWorkspace, PlanSource, SplitMode, TcKernel,
-    TcShape,
+    TcShape, WorkspacePtrs,
 };
 use crate::device::AttnDevice;
 use crate::dtype::DType;
@@ -112,6 +112,28 @@ pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usi
     Ok(TcKernel { kernel: DecodeKernel::Mla, name, smem, shape, threads, group: hq as u32, target })
 }
 
+/// The cluster size that combines a plan's splits in shared memory ([`DecodePlan::cluster`]),
+/// or 0 for the merge kernel. It takes the narrow kernel on the sm_90a module (thread-block
+/// clusters); a plan whose requests all have the same number of splits, 2 to 8 (the portable
+/// cluster size), so that consecutive CTAs are one request's splits; and clusters that all fit
+/// on the GPU at once (a cluster lives in one GPC: on the H100, 32 clusters of 4 did not fit and
+/// took 1.6x the merge kernel's time). On the H100 this saved the merge's 5 us at 16 heads x
+/// batch 64 (BENCHMARKS.md). `ATTN_MLA_CLUSTER=0` turns it off.
+pub(crate) fn mla_cluster(dev: &AttnDevice, tc: &TcKernel, plan: &DecodePlan) -> u32 {
+    let narrow = tc.shape.block_m == mla::NARROW.block_m && tc.name.ends_with("_narrow");
+    let off = std::env::var("ATTN_MLA_CLUSTER").is_ok_and(|v| v == "0");
+    let Some(&splits) = plan.req_num_splits.first() else { return 0 };
+    let uniform = plan.req_num_splits.iter().all(|&s| s == splits) && plan.row_groups == 1;
+    if !(dev.clusters_enabled() && narrow && !off && uniform && (2..=8).contains(&splits)) {
+        return 0;
+    }
+    let clusters = plan.req_num_splits.len() as u32;
+    match dev.max_active_clusters(&tc.name, tc.threads, tc.smem, splits) {
+        Ok(fit) if clusters <= fit => splits,
+        _ => 0,
+    }
+}
+
 /// [`mla_attention`] with its plan from `source`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn mla_attention_from(
@@ -181,14 +203,19 @@ pub(crate) fn mla_attention_from(
             (DecodePlan { kernel: DecodeKernel::Mla, ..DecodePlan::default() }, dp.workspace_ptrs(ws, stream), Some(dp))
         }
         PlanSource::Host(mode) => {
-            let plan = DecodePlan {
+            let mut plan = DecodePlan {
                 kernel: DecodeKernel::Mla,
                 ..plan_decode_tc(batch, hq, tc.group, tc.shape, tc.target, mode, ws.partial_rows())
             };
-            let wp = ws.upload(stream, &plan, num_reqs, nt)?;
+            plan.cluster = mla_cluster(dev, &tc, &plan);
+            // Clusters need no plan on the device: CTA i is split i % cluster of request
+            // i / cluster, and nothing is merged. Without the copy, the launch follows the
+            // kernel before it directly (programmatic dependent launch).
+            let wp = if plan.cluster > 1 { WorkspacePtrs::default() } else { ws.upload(stream, &plan, num_reqs, nt)? };
             (plan, wp, None)
         }
     };
+    let cluster = fixed.map_or(plan.cluster, |dp| dp.cluster);
     let (status_ptr, _o) = status.word.device_ptr_mut(stream);
     let lse = a.lse.as_ref().map_or(0, |l| l.ptr);
     let strides = spec.strides();
@@ -230,13 +257,13 @@ pub(crate) fn mla_attention_from(
         causal: 1,
         v_slices: slices,
         v_row: MLA_V,
-        _pad: 0,
+        cluster,
         plan: fixed.map_or(0, |dp| dp.header),
     };
     let items = fixed.map_or(plan.items.len() / 2, |dp| dp.capacity_items);
     let ctas = items * slices as usize;
     ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
-    dev.launch_pdl(stream, &tc.name, (ctas as u32, 1, 1), tc.threads, tc.smem, p)?;
+    dev.launch_ex(stream, &tc.name, (ctas as u32, 1, 1), tc.threads, tc.smem, cluster.max(1), p)?;
     if fixed.map_or(plan.needs_merge(), |dp| dp.needs_merge) {
         launch_merge(dev, stream, &wp, a.query_start_loc.ptr, (&a.out, &a.out_rows), lse, 0, q_dtype)?;
     }

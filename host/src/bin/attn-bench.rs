@@ -227,7 +227,14 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
     let s = &b.stream;
     let blocks_per_req = sh.context.div_ceil(sh.block_size);
     let num_blocks = sh.batch * blocks_per_req;
-    let spec = KvCacheSpec::new(KvLayout::FlashNhd, num_blocks, sh.block_size, sh.kv_heads, sh.head_size)?;
+    // `ATTN_BENCH_DECODE_LAYOUT=hnd|fi_nhd|fi_hnd`: another cache layout (experiments).
+    let layout = match std::env::var("ATTN_BENCH_DECODE_LAYOUT").as_deref() {
+        Ok("hnd") => KvLayout::FlashHnd,
+        Ok("fi_nhd") => KvLayout::FlashInferNhd,
+        Ok("fi_hnd") => KvLayout::FlashInferHnd,
+        _ => KvLayout::FlashNhd,
+    };
+    let spec = KvCacheSpec::new(layout, num_blocks, sh.block_size, sh.kv_heads, sh.head_size)?;
     let cache = random_device::<C>(s, spec.num_elements(), 11)?;
     // Scattered block tables: a random permutation of all blocks.
     let block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 12).into_iter().map(|x| x as i32).collect();
@@ -489,7 +496,8 @@ fn mla_row<C: Element>(
     let mut ws = DecodeWorkspace::new(s, 4 * dev().sm_count() as usize * 8 * heads, 512, batch, batch)?;
     let batch_meta = DecodeBatch { seq_lens: &seq_lens, query_start_loc: &qsl };
     let mut bp = BatchPlan::new(s)?;
-    let mut chunk = bp.plan_mla(dev(), &batch_meta, host::DType::BF16, C::DTYPE, heads, SplitMode::Auto, &ws)?.chunk;
+    let planned_once = bp.plan_mla(dev(), &batch_meta, host::DType::BF16, C::DTYPE, heads, SplitMode::Auto, &ws)?;
+    let (mut chunk, mut cluster) = (planned_once.chunk, planned_once.cluster);
     let us = b.time(|| {
         let args = MlaArgs {
             q: DevIn::new(&q, s),
@@ -510,7 +518,8 @@ fn mla_row<C: Element>(
         if planned {
             mla_attention_planned(dev(), s, args, &batch_meta, scale, &bp, &mut ws, status)
         } else {
-            chunk = mla_attention(dev(), s, args, &batch_meta, scale, SplitMode::Auto, &mut ws, status)?.chunk;
+            let plan = mla_attention(dev(), s, args, &batch_meta, scale, SplitMode::Auto, &mut ws, status)?;
+            (chunk, cluster) = (plan.chunk, plan.cluster);
             Ok(())
         }
     })?;
@@ -519,7 +528,10 @@ fn mla_row<C: Element>(
     let flops = 2.0 * (heads * context * (576 + 512) * batch) as f64;
     let mut row = Row {
         name: format!("mla_attention{} bf16 q, {} latent", if planned { "_planned" } else { "" }, C::DTYPE.kernel_name()),
-        shape: format!("{heads} heads x batch {batch} x {context}, bs64 (chunk {chunk})"),
+        shape: format!(
+            "{heads} heads x batch {batch} x {context}, bs64 (chunk {chunk}{})",
+            if cluster > 1 { format!(", cluster {cluster}") } else { String::new() }
+        ),
         median_us: us,
         bytes,
         flops: 0.0,
@@ -537,6 +549,17 @@ fn mla_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result
     let (max_batch, context) = (128, 4096);
     let rows_of = |bytes: usize| max_batch * context * 576 * bytes;
     let cache = random_device::<bf16>(&b.stream, rows_of(1), 31)?;
+    // `ATTN_BENCH_MLA_SHAPES=16x64x4096,16x128x2048`: planned bf16 rows of those heads x batch x
+    // context only (within the one cache's 128 x 4096 rows), for experiments.
+    if let Ok(list) = std::env::var("ATTN_BENCH_MLA_SHAPES") {
+        for item in list.split(',') {
+            let v: Vec<usize> = item.split('x').filter_map(|x| x.trim().parse().ok()).collect();
+            if v.len() == 3 && v[1] * v[2] <= max_batch * context {
+                rows.push(mla_row::<bf16>(b, &cache, (v[0], v[1], v[2]), true, status)?);
+            }
+        }
+        return Ok(());
+    }
     for planned in [false, true] {
         for (heads, batch) in [(16, 64), (16, 128), (128, 64), (128, 128)] {
             rows.push(mla_row::<bf16>(b, &cache, (heads, batch, context), planned, status)?);
@@ -553,6 +576,17 @@ fn mla_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result
 
 fn decode_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {
     let shape = |batch, context| DecodeShape { batch, context, q_heads: 32, kv_heads: 8, head_size: 128, block_size: 16 };
+    // `ATTN_BENCH_DECODE_SHAPES=64x4096,8x32768`: planned bf16 rows of those batch x context
+    // only (experiments).
+    if let Ok(list) = std::env::var("ATTN_BENCH_DECODE_SHAPES") {
+        for item in list.split(',') {
+            let v: Vec<usize> = item.split('x').filter_map(|x| x.trim().parse().ok()).collect();
+            if v.len() == 2 {
+                rows.push(decode_row::<bf16>(b, &shape(v[0], v[1]), true, status)?);
+            }
+        }
+        return Ok(());
+    }
     for (batch, context) in [(64, 4096), (8, 32768), (256, 1024), (1, 131072)] {
         rows.push(decode_row::<bf16>(b, &shape(batch, context), false, status)?);
         rows.push(decode_row::<Fp8E4m3>(b, &shape(batch, context), false, status)?);

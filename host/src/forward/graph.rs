@@ -209,6 +209,7 @@ impl GraphPlanner {
             // Launched at capture whatever that step's plan (requests with one split are
             // skipped by the merge kernel).
             needs_merge: true,
+            cluster: 0,
         }
     }
 }

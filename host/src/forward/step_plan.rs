@@ -151,6 +151,7 @@ impl StepPlanner {
             header: at(r.header),
             capacity_items: items,
             needs_merge,
+            cluster: 0,
         };
         let (pq, pl, sl) = cascade_regions.map_or((0, 0, 0), |(q, l, s)| (at(q), at(l), at(s)));
         self.plans = StepPlans {

@@ -10,6 +10,8 @@
 
 #[cfg(kernels = "cache_write")]
 mod cache_write;
+#[cfg(all(kernels = "prefill", wgmma))]
+mod cluster;
 #[cfg(kernels = "attention")]
 mod decode;
 #[cfg(kernels = "attention")]

@@ -560,6 +560,24 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &P
         }
     });
     sync_threads();
+    // Each row's state: the value phase's max and the score warps' summed denominators.
+    let row_state = |m: usize, h: usize| {
+        let r = pv_row0 + 16 * m as u32 + g + 8 * h as u32;
+        let mut sum = 0.0;
+        static_for::<8>(|i| {
+            if (i as u32) < kg {
+                sum += unsafe { ld_shared_f32(row_max(i as u32, r)) };
+            }
+        });
+        OnlineSoftmax { max: o_state[m][h].max, sum }
+    };
+    #[cfg(wgmma)]
+    if !WIDE && p.cluster > 1 {
+        // The ring is free now (every copy landed, every tile's reads passed the barrier).
+        let states = [row_state(0, 0), row_state(0, 1)];
+        unsafe { cluster_combine::<Q>(p, &w, smem + layout.k, &o[0], states, col0, v_scale) };
+        return;
+    }
     let num_splits = if p.req_num_splits != 0 { unsafe { load_u32_nc(p.req_num_splits + w.req as u64 * 4) } } else { 1 };
     static_for::<2>(|m| {
         if m < mt {
@@ -568,13 +586,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &P
                 if r >= w.live {
                     return;
                 }
-                let mut sum = 0.0;
-                static_for::<8>(|i| {
-                    if (i as u32) < kg {
-                        sum += unsafe { ld_shared_f32(row_max(i as u32, r)) };
-                    }
-                });
-                let state = OnlineSoftmax { max: o_state[m][h].max, sum };
+                let state = row_state(m, h);
                 let row = unsafe { w.row(p, r) };
                 let out = unsafe { RowOut::new::<{ MLA_V as usize }>(p, &w, &row, state, num_splits, t4 == 0 && col0 == 0, v_scale) };
                 static_for::<32>(|n| {
@@ -585,4 +597,86 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &P
             });
         }
     });
+}
+
+/// Output columns of a narrow warp: 8 accumulator tiles of 8 columns.
+#[cfg(wgmma)]
+const NARROW_TILES: usize = (mla::NARROW.cols_per_warp() / 8) as usize;
+
+/// The splits of one request, run by the CTAs of a cluster (rank = split), combined through
+/// distributed shared memory (narrow shape: every warp holds all 16 rows, `NARROW_TILES` tiles
+/// of 8 columns from `col0`). Each CTA publishes its unnormalised accumulators (`[tile][thread]`
+/// 16-byte entries: conflict-free, and every CTA's thread finds its own fragment at the same
+/// offset) and its rows' states at `publish`; after a cluster barrier, rank k combines the
+/// column tiles `n` with `n % ranks == k` from every rank under the merged row states and
+/// stores the output as a one-split request would (LSE from rank 0); a second barrier keeps
+/// every CTA's shared memory alive until all reads are done.
+#[cfg(wgmma)]
+#[inline(always)]
+unsafe fn cluster_combine<Q: MmaHalf>(
+    p: &PrefillParams,
+    w: &crate::prefill::Work,
+    publish: u32,
+    o: &[[f32; 4]; 32],
+    states: [OnlineSoftmax; 2],
+    col0: u32,
+    v_scale: f32,
+) {
+    use crate::cluster::{cluster_rank, cluster_sync, ld_cluster_v2, ld_cluster_v4, map_rank};
+    const THREAD_BYTES: u32 = 16;
+    let tid = thread_idx_x();
+    let (lane, warp) = (tid % 32, tid / 32);
+    let (g, t4) = (lane / 4, lane % 4);
+    let entry = |n: u32| publish + (n * THREADS + tid) * THREAD_BYTES;
+    let state_at = |r: u32| publish + NARROW_TILES as u32 * THREADS * THREAD_BYTES + r * 8;
+    static_for::<NARROW_TILES>(|n| unsafe { st_shared_v4(entry(n as u32), o[n].map(f32::to_bits)) });
+    if warp == 0 && t4 == 0 {
+        static_for::<2>(|h| unsafe {
+            st_shared_u64(state_at(g + 8 * h as u32), (states[h].sum.to_bits() as u64) << 32 | states[h].max.to_bits() as u64)
+        });
+    }
+    cluster_sync();
+    let (ranks, me) = (p.cluster, cluster_rank());
+    // Every rank's rows under the merged maxima: factor[rank][h].
+    let mut merged = [OnlineSoftmax::EMPTY; 2];
+    let mut factor = [[0.0f32; 2]; 8];
+    static_for::<8>(|j| {
+        if (j as u32) < ranks {
+            static_for::<2>(|h| {
+                let [max, sum] = unsafe { ld_cluster_v2(map_rank(state_at(g + 8 * h as u32), j as u32)) };
+                let other = OnlineSoftmax { max: f32::from_bits(max), sum: f32::from_bits(sum) };
+                let (a, b) = merged[h].merge(other);
+                // Earlier ranks' factors follow the merged max down.
+                static_for::<8>(|i| {
+                    if i < j {
+                        factor[i][h] *= a;
+                    }
+                });
+                factor[j][h] = b;
+            });
+        }
+    });
+    static_for::<2>(|h| {
+        let r = g + 8 * h as u32;
+        if r >= w.live {
+            return;
+        }
+        let row = unsafe { w.row(p, r) };
+        let out = unsafe { RowOut::new::<{ MLA_V as usize }>(p, w, &row, merged[h], 1, me == 0 && t4 == 0 && col0 == 0, v_scale) };
+        static_for::<NARROW_TILES>(|n| {
+            if n as u32 % ranks != me {
+                return;
+            }
+            let (mut a, mut b) = (0.0f32, 0.0f32);
+            static_for::<8>(|j| {
+                if (j as u32) < ranks {
+                    let v = unsafe { ld_cluster_v4(map_rank(entry(n as u32), j as u32)) };
+                    a = fma(factor[j][h], f32::from_bits(v[2 * h]), a);
+                    b = fma(factor[j][h], f32::from_bits(v[2 * h + 1]), b);
+                }
+            });
+            unsafe { out.store_pair::<Q>(col0 + n as u32 * 8 + 2 * t4, a, b) };
+        });
+    });
+    cluster_sync();
 }

@@ -332,9 +332,14 @@ pub(crate) unsafe fn work_item(p: &PrefillParams, bm: u32, dv: u32) -> Option<Wo
     let kv_heads = p.num_q_heads / p.group;
     let item_idx = cta / kv_heads;
     let kv_head = cta - item_idx * kv_heads;
-    let item = p.work_items + item_idx as u64 * 8;
-    let req = unsafe { load_u32_nc(item) };
-    let tile_split = unsafe { load_u32_nc(item + 4) };
+    let (req, tile_split) = if p.work_items != 0 {
+        let item = p.work_items + item_idx as u64 * 8;
+        unsafe { (load_u32_nc(item), load_u32_nc(item + 4)) }
+    } else {
+        // No plan on the device: `cluster` splits a request (row tile 0).
+        let splits = p.cluster.max(1);
+        (item_idx / splits, item_idx % splits)
+    };
     let (row_tile, split) = (tile_split >> 16, tile_split & 0xffff);
     let q_start = unsafe { load_i32(p.query_start_loc + req as u64 * 4) } as u32;
     let q_len = unsafe { load_i32(p.query_start_loc + req as u64 * 4 + 4) } as u32 - q_start;

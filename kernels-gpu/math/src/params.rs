@@ -209,7 +209,8 @@ pub struct PrefillParams {
     pub partial_lse: u64,
     pub req_num_splits: u64,
     pub req_partial_base: u64,
-    /// `[num_items][2]` u32: `request`, `row_tile << 16 | split`.
+    /// `[num_items][2]` u32: `request`, `row_tile << 16 | split`; or 0: item i is split
+    /// `i % cluster` of request `i / cluster` (`cluster` as below, at least 1), row tile 0.
     pub work_items: u64,
     pub alibi_slopes: u64,
     pub sinks: u64,
@@ -232,7 +233,11 @@ pub struct PrefillParams {
     pub v_slices: u32,
     /// Width of a split-K partial row (head_size_v x v_slices); 0 = head_size_v.
     pub v_row: u32,
-    pub _pad: u32,
+    /// MLA's narrow kernel on sm_90a: when > 1, the CTAs of a thread-block cluster of this size
+    /// are the splits of one request (every request has this many) and combine their results
+    /// through distributed shared memory, so no partials are written and no merge runs; 0 or 1
+    /// = off.
+    pub cluster: u32,
     /// A split plan on the device (CUDA-graph replays, whose arguments were fixed at capture):
     /// `[num_items, chunk]` u32, of which the kernel reads `chunk` in place of the field above.
     /// The grid covers the most items a step can have; the items past the step's are
