@@ -92,6 +92,30 @@ fn plan_chunk_auto_is_the_smallest_chunk_within_target() {
 }
 
 #[test]
+fn plans_that_need_no_device_copy() {
+    // Work items as `plan_decode_tc` makes them: `request, row_tile << 16 | split`.
+    let plan = |items: &[(u32, u32)], splits: &[u32], cluster: u32| DecodePlan {
+        items: items.iter().flat_map(|&(r, ts)| [r, ts]).collect(),
+        req_num_splits: splits.to_vec(),
+        cluster,
+        ..DecodePlan::default()
+    };
+    // One CTA per request: CTA i is request i, nothing to copy or merge.
+    let one = plan(&[(0, 0), (1, 0), (2, 0)], &[1, 1, 1], 0);
+    assert!(!one.needs_device_plan() && !one.needs_merge());
+    // A request with no query tokens has no item: CTA i is not request i any more.
+    assert!(plan(&[(1, 0), (3, 0)], &[1, 1, 1, 1], 0).needs_device_plan());
+    // Two row tiles, or a request with two splits: the items are needed.
+    assert!(plan(&[(0, 0), (0, 1 << 16), (1, 0)], &[1, 1], 0).needs_device_plan());
+    let split = plan(&[(0, 0), (0, 1), (1, 0)], &[2, 1], 0);
+    assert!(split.needs_device_plan() && split.needs_merge());
+    // A cluster plan: CTA i is split i % cluster of request i / cluster, combined in the cluster.
+    let cluster = plan(&[(0, 0), (0, 1), (1, 0), (1, 1)], &[2, 2], 2);
+    assert!(!cluster.needs_device_plan() && !cluster.needs_merge());
+    assert!(plan(&[(1, 0), (1, 1)], &[2, 2], 2).needs_device_plan());
+}
+
+#[test]
 fn plan_chunk_forced_splits() {
     let mut rng = SmallRng::seed_from_u64(12);
     for iter in 0..400 {

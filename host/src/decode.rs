@@ -119,6 +119,19 @@ impl DecodePlan {
     pub fn needs_merge(&self) -> bool {
         self.cluster <= 1 && self.req_num_splits.iter().any(|&s| s > 1)
     }
+
+    /// Whether the tensor-core kernels need the plan's arrays on the device. Not when the work
+    /// items are the ones CTAs derive from their index (`PrefillParams::work_items` 0): CTA i is
+    /// split `i % c` of request `i / c`, row tile 0, for every request, `c` being the cluster
+    /// size or 1 (one split, one row tile, at least one query token each). The call then copies
+    /// nothing, and its launch follows the kernel before it directly (programmatic dependent
+    /// launch).
+    pub fn needs_device_plan(&self) -> bool {
+        let per = self.cluster.max(1);
+        let implicit = self.items.len() == 2 * per as usize * self.req_num_splits.len()
+            && self.items.chunks(2).enumerate().all(|(i, it)| it[0] == i as u32 / per && it[1] == i as u32 % per);
+        !implicit
+    }
 }
 
 /// Plans a batch. `ctas_target` is how many CTAs fill the GPU a few times over.
@@ -618,7 +631,8 @@ pub(crate) fn paged_decode_from(
                 None => plan_decode(batch, hq, spec.num_kv_heads, d, dev.sm_count() as u64 * 8, mode, ws.partial_rows())?,
                 Some(tc) => DecodePlan { kernel, ..plan_decode_tc(batch, hq, tc.group, tc.shape, tc.target, mode, ws.partial_rows()) },
             };
-            let wp = ws.upload(stream, &plan, num_reqs, nt)?;
+            let wp =
+                if tc.is_some() && !plan.needs_device_plan() { WorkspacePtrs::default() } else { ws.upload(stream, &plan, num_reqs, nt)? };
             (plan, wp, Launch::Planned)
         }
     };

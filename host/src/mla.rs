@@ -208,10 +208,7 @@ pub(crate) fn mla_attention_from(
                 ..plan_decode_tc(batch, hq, tc.group, tc.shape, tc.target, mode, ws.partial_rows())
             };
             plan.cluster = mla_cluster(dev, &tc, &plan);
-            // Clusters need no plan on the device: CTA i is split i % cluster of request
-            // i / cluster, and nothing is merged. Without the copy, the launch follows the
-            // kernel before it directly (programmatic dependent launch).
-            let wp = if plan.cluster > 1 { WorkspacePtrs::default() } else { ws.upload(stream, &plan, num_reqs, nt)? };
+            let wp = if plan.needs_device_plan() { ws.upload(stream, &plan, num_reqs, nt)? } else { WorkspacePtrs::default() };
             (plan, wp, None)
         }
     };

@@ -628,9 +628,6 @@ pub unsafe fn attention<
 >(
     p: &PrefillParams,
 ) {
-    // Programmatic dependent launch (sm_90a): wait for the previous kernel (the cache write)
-    // before reading anything.
-    pdl_prologue();
     let tid = thread_idx_x();
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
@@ -721,6 +718,10 @@ pub unsafe fn attention<
     } else {
         unsafe { copy_rows_async::<128, THREADS>(smem, DK as u32 / 8, q_pitch, p.q, q_row) };
     }
+    // Programmatic dependent launch (sm_90a): everything above (work item, block tables,
+    // queries, scales) was on the device before the kernel ahead of this one started, so it
+    // overlaps that kernel's end; the cache rows wait for it (the cache write).
+    pdl_prologue();
     static_for::<3>(|j| {
         if (j as u32) < st - 1 {
             if (j as u32) < n_tiles {

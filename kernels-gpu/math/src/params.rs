@@ -209,8 +209,9 @@ pub struct PrefillParams {
     pub partial_lse: u64,
     pub req_num_splits: u64,
     pub req_partial_base: u64,
-    /// `[num_items][2]` u32: `request`, `row_tile << 16 | split`; or 0: item i is split
-    /// `i % cluster` of request `i / cluster` (`cluster` as below, at least 1), row tile 0.
+    /// `[num_items][2]` u32: `request`, `row_tile << 16 | split`; or 0 (no plan on the
+    /// device): item i is split `i % cluster` of request `i / cluster` (`cluster` as below, at
+    /// least 1), row tile 0.
     pub work_items: u64,
     pub alibi_slopes: u64,
     pub sinks: u64,
