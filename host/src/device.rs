@@ -189,12 +189,7 @@ impl AttnDevice {
         }
         use cudarc::driver::sys;
         let f = self.function(name)?;
-        // SAFETY: a zeroed attribute is a valid plain-data value; we set its id and value.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-        attr.value.clusterDim.x = cluster;
-        attr.value.clusterDim.y = 1;
-        attr.value.clusterDim.z = 1;
+        let mut attr = cluster_attribute(cluster);
         let config = sys::CUlaunchConfig {
             gridDimX: cluster,
             gridDimY: 1,
@@ -267,10 +262,7 @@ impl AttnDevice {
             n += 1;
         }
         if cluster > 1 {
-            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            attrs[n].value.clusterDim.x = cluster;
-            attrs[n].value.clusterDim.y = 1;
-            attrs[n].value.clusterDim.z = 1;
+            attrs[n] = cluster_attribute(cluster);
             n += 1;
         }
         let config = sys::CUlaunchConfig {
@@ -291,4 +283,16 @@ impl AttnDevice {
         unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()).result()? };
         Ok(())
     }
+}
+
+/// The launch attribute for thread-block clusters of `cluster` CTAs along x.
+fn cluster_attribute(cluster: u32) -> cudarc::driver::sys::CUlaunchAttribute {
+    use cudarc::driver::sys;
+    // SAFETY: a zeroed attribute is a valid plain-data value; we set its id and value.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = cluster;
+    attr.value.clusterDim.y = 1;
+    attr.value.clusterDim.z = 1;
+    attr
 }
