@@ -543,6 +543,12 @@ fn mla_row<C: Element>(
     Ok(row)
 }
 
+/// An experiment's shapes from environment variable `var`: `AxBxC,DxExF` as lists of numbers.
+fn env_shapes(var: &str) -> Option<Vec<Vec<usize>>> {
+    let list = std::env::var(var).ok()?;
+    Some(list.split(',').map(|item| item.split('x').filter_map(|x| x.trim().parse().ok()).collect()).collect())
+}
+
 fn mla_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {
     // One cache for every row, as an engine allocates it once: rows measured on caches
     // allocated one after another differed by up to 12% with where the allocation landed.
@@ -551,12 +557,9 @@ fn mla_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result
     let cache = random_device::<bf16>(&b.stream, rows_of(1), 31)?;
     // `ATTN_BENCH_MLA_SHAPES=16x64x4096,16x128x2048`: planned bf16 rows of those heads x batch x
     // context only (within the one cache's 128 x 4096 rows), for experiments.
-    if let Ok(list) = std::env::var("ATTN_BENCH_MLA_SHAPES") {
-        for item in list.split(',') {
-            let v: Vec<usize> = item.split('x').filter_map(|x| x.trim().parse().ok()).collect();
-            if v.len() == 3 && v[1] * v[2] <= max_batch * context {
-                rows.push(mla_row::<bf16>(b, &cache, (v[0], v[1], v[2]), true, status)?);
-            }
+    if let Some(shapes) = env_shapes("ATTN_BENCH_MLA_SHAPES") {
+        for v in shapes.iter().filter(|v| v.len() == 3 && v[1] * v[2] <= max_batch * context) {
+            rows.push(mla_row::<bf16>(b, &cache, (v[0], v[1], v[2]), true, status)?);
         }
         return Ok(());
     }
@@ -578,12 +581,9 @@ fn decode_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Res
     let shape = |batch, context| DecodeShape { batch, context, q_heads: 32, kv_heads: 8, head_size: 128, block_size: 16 };
     // `ATTN_BENCH_DECODE_SHAPES=64x4096,8x32768`: planned bf16 rows of those batch x context
     // only (experiments).
-    if let Ok(list) = std::env::var("ATTN_BENCH_DECODE_SHAPES") {
-        for item in list.split(',') {
-            let v: Vec<usize> = item.split('x').filter_map(|x| x.trim().parse().ok()).collect();
-            if v.len() == 2 {
-                rows.push(decode_row::<bf16>(b, &shape(v[0], v[1]), true, status)?);
-            }
+    if let Some(shapes) = env_shapes("ATTN_BENCH_DECODE_SHAPES") {
+        for v in shapes.iter().filter(|v| v.len() == 2) {
+            rows.push(decode_row::<bf16>(b, &shape(v[0], v[1]), true, status)?);
         }
         return Ok(());
     }
