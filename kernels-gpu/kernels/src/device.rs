@@ -34,6 +34,13 @@ pub fn sync_threads() {
     unsafe { asm!("bar.sync 0;", options(nostack)) }
 }
 
+/// Barrier for the 32 threads of the warp, with memory ordering among them (their shared-memory
+/// writes before it are visible to each other after it).
+#[inline(always)]
+pub fn sync_warp() {
+    unsafe { asm!("bar.warp.sync 0xffffffff;", options(nostack)) }
+}
+
 /// `vote.sync.any` over the full warp.
 #[inline(always)]
 pub fn vote_any(x: bool) -> bool {

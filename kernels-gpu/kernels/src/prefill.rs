@@ -17,7 +17,8 @@
 //! masked key by key, and the status word reports it.
 
 use crate::device::{
-    atomic_or_global, block_idx_x, dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, tanh, thread_idx_x, vote_any,
+    atomic_or_global, block_idx_x, dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, sync_warp, tanh, thread_idx_x,
+    vote_any,
 };
 use crate::mma::{
     cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32x2, ld_shared_u32, ld_shared_u64, ld_shared_v4, ldmatrix_x4,
@@ -147,12 +148,52 @@ impl<const BN: usize> KeyTables<BN> {
             }
         }
     }
+
+    /// [`Self::locate`] for a warp that keeps its own keys' entries: lane `l < kw` looks up key
+    /// `key_off + l` of `tile`.
+    #[inline(always)]
+    pub unsafe fn locate_warp(&self, p: &PrefillParams, tile: u32, key_off: u32, kw: u32) -> i64 {
+        let lane = thread_idx_x() % 32;
+        let key = self.begin + tile * BN as u32 + key_off + lane;
+        if tile < self.n_tiles && lane < kw && key < self.end {
+            unsafe { self.src.locate(p, key) }
+        } else {
+            -1
+        }
+    }
+
+    /// [`Self::fill`] for a warp that keeps its own keys' entries (`key_off .. key_off + kw` of
+    /// the slot, and flag `warp`), so that only the warp reads them: a warp barrier orders them.
+    #[inline(always)]
+    pub unsafe fn fill_warp(&self, p: &PrefillParams, tile: u32, key_off: u32, kw: u32, loc: i64) {
+        if tile >= self.n_tiles {
+            return;
+        }
+        let (warp, lane) = (thread_idx_x() / 32, thread_idx_x() % 32);
+        let i = key_off + lane;
+        let key = self.begin + tile * BN as u32 + i;
+        let mut bad = false;
+        if lane < kw {
+            let (ka, va) = if key < self.end { self.src.addresses(p, key, loc, self.elem_bytes) } else { (0, 0) };
+            unsafe { st_shared_u64x2(self.table(tile) + i * TABLE_ENTRY, ka, va) };
+            bad = key < self.end && ka == 0;
+            if bad {
+                unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
+            }
+        }
+        // The whole warp votes (lanes past `kw` with `false`).
+        let any_bad = vote_any(bad);
+        if lane == 0 {
+            unsafe { st_shared_u32(self.flags(tile) + warp * 4, any_bad as u32) };
+        }
+    }
 }
 
 /// Copies `ROWS` rows of `chunks` 16-byte chunks into shared memory at `dst` (row pitch `pitch`
-/// bytes) asynchronously by the CTA's `NT` threads; `src(r)` is row r's address, 0 for a row to
-/// zero-fill (`fallback`, a valid address, is named then but not read). Thread `tid` copies
-/// chunks `tid + i * NT` (row-major), which [`convert_fp8_rows`] relies on.
+/// bytes) asynchronously by `NT` threads (the CTA's, or a warp's: thread `tid % NT` of each
+/// group of `NT`); `src(r)` is row r's address, 0 for a row to zero-fill (`fallback`, a valid
+/// address, is named then but not read). Thread `t` copies chunks `t + i * NT` (row-major),
+/// which [`convert_fp8_rows`] relies on.
 #[inline(always)]
 pub(crate) unsafe fn copy_rows_async<const ROWS: usize, const NT: u32>(
     dst: u32,
@@ -162,7 +203,7 @@ pub(crate) unsafe fn copy_rows_async<const ROWS: usize, const NT: u32>(
     src: impl Fn(u32) -> u64,
 ) {
     let passes = (ROWS as u32 * chunks).div_ceil(NT);
-    let tid = thread_idx_x();
+    let tid = thread_idx_x() % NT;
     // A plain loop (no register array is indexed): MLA rows take up to 36 passes.
     let mut i = 0;
     while i < passes {
@@ -180,27 +221,41 @@ pub(crate) unsafe fn copy_rows_async<const ROWS: usize, const NT: u32>(
 
 /// Converts the FP8 rows this thread copied into `staging` (`D` bytes a row) into the 16-bit
 /// tile at `tile` (pitch `D + ROW_PAD` elements), exactly (the unpack scale is folded into the
-/// k/v scales). Only after `cp_async_wait` covers those copies; a barrier must follow.
+/// k/v scales); `NT` as in the copy. Only after `cp_async_wait` covers those copies; a barrier
+/// (of the threads that read the tile) must follow.
 #[inline(always)]
-unsafe fn convert_fp8_rows<Q: MmaHalf, const D: usize, const ROWS: usize>(staging: u32, tile: u32) {
+unsafe fn convert_fp8_rows<Q: MmaHalf, const D: usize, const ROWS: usize, const NT: u32>(staging: u32, tile: u32) {
     let chunks = D as u32 / 16;
-    let passes = (ROWS as u32 * chunks).div_ceil(THREADS);
+    let passes = (ROWS as u32 * chunks).div_ceil(NT);
     let pitch = (D as u32 + ROW_PAD) * 2;
-    let tid = thread_idx_x();
-    let mut i = 0;
-    while i < passes {
-        let idx = tid + i * THREADS;
+    let tid = thread_idx_x() % NT;
+    let at = |i: u32| {
+        let idx = tid + i * NT;
         let r = idx / chunks;
-        let c = idx - r * chunks;
-        if r < ROWS as u32 {
-            let raw = unsafe { ld_shared_v4(staging + r * D as u32 + c * 16) };
-            let mut half = [0u32; 8];
-            static_for::<8>(|j| half[j] = Q::from_fp8x2((raw[j / 2] >> (16 * (j % 2))) & 0xffff));
-            let at = tile + r * pitch + c * 32;
-            unsafe { st_shared_v4(at, [half[0], half[1], half[2], half[3]]) };
-            unsafe { st_shared_v4(at + 16, [half[4], half[5], half[6], half[7]]) };
-        }
-        i += 1;
+        (r < ROWS as u32, r, idx - r * chunks)
+    };
+    // Four chunks at a time, all loaded before any is stored: the loads cannot pass the stores
+    // (both shared memory), so one chunk at a time would wait a load latency per chunk.
+    let mut i0 = 0;
+    while i0 < passes {
+        let mut raw = [[0u32; 4]; 4];
+        static_for::<4>(|j| {
+            let (live, r, c) = at(i0 + j as u32);
+            if i0 + (j as u32) < passes && live {
+                raw[j] = unsafe { ld_shared_v4(staging + r * D as u32 + c * 16) };
+            }
+        });
+        static_for::<4>(|j| {
+            let (live, r, c) = at(i0 + j as u32);
+            if i0 + (j as u32) < passes && live {
+                let mut half = [0u32; 8];
+                static_for::<8>(|e| half[e] = Q::from_fp8x2((raw[j][e / 2] >> (16 * (e % 2))) & 0xffff));
+                let to = tile + r * pitch + c * 32;
+                unsafe { st_shared_v4(to, [half[0], half[1], half[2], half[3]]) };
+                unsafe { st_shared_v4(to + 16, [half[4], half[5], half[6], half[7]]) };
+            }
+        });
+        i0 += 4;
     }
 }
 
@@ -672,28 +727,58 @@ pub unsafe fn attention<
     let table = |tile: u32| tables.table(tile);
     let flags = |tile: u32| tables.flags(tile);
     let tile_keys = |tile: u32| begin + tile * BN as u32;
-    let locate = |tile: u32| unsafe { tables.locate(p, tile) };
-    let fill = |tile: u32, loc: i64| unsafe { tables.fill(p, tile, loc) };
+    // Keys split: each warp runs its own pipeline over its quarter of every tile (`key_off ..
+    // key_off + KW`): it looks up, copies, converts and reads only those rows, so the loop
+    // needs warp barriers only, and a warp whose data has landed never waits for another's.
+    let key_off = if KEYS { warp * KW as u32 } else { 0 };
+    let locate = |tile: u32| unsafe {
+        if KEYS {
+            tables.locate_warp(p, tile, key_off, KW as u32)
+        } else {
+            tables.locate(p, tile)
+        }
+    };
+    let fill = |tile: u32, loc: i64| unsafe {
+        if KEYS {
+            tables.fill_warp(p, tile, key_off, KW as u32, loc)
+        } else {
+            tables.fill(p, tile, loc)
+        }
+    };
+    // Row pitch and 16-byte chunks of a stage's K/V rows: FP8 staging rows, or 16-bit tiles.
+    let (k_pitch, v_pitch_st, k_chunks, v_chunks) = if FP8 {
+        (DK as u32, DV as u32, DK as u32 / 16, DV as u32 / 16)
+    } else {
+        ((DK as u32 + ROW_PAD) * 2, (DV as u32 + ROW_PAD) * 2, DK as u32 / 8, DV as u32 / 8)
+    };
     let load_kv = |tile: u32| {
         let stage = tile % st;
-        let t = table(tile);
-        let (k_dst, v_dst) = (smem + layout.k + stage * layout.k_stage, smem + layout.v + stage * layout.v_stage);
+        let t = table(tile) + key_off * TABLE_ENTRY;
+        let k_dst = smem + layout.k + stage * layout.k_stage + key_off * k_pitch;
+        let v_dst = smem + layout.v + stage * layout.v_stage + key_off * v_pitch_st;
         let k_src = |r: u32| unsafe { ld_shared_u64(t + r * TABLE_ENTRY) };
         let v_src = |r: u32| unsafe { ld_shared_u64(t + r * TABLE_ENTRY + 8) };
-        if FP8 {
-            unsafe {
-                copy_rows_async::<BN, THREADS>(k_dst, DK as u32 / 16, DK as u32, p.q, k_src);
+        unsafe {
+            if KEYS {
+                copy_rows_async::<KW, 32>(k_dst, k_chunks, k_pitch, p.q, k_src);
                 if !VK {
-                    copy_rows_async::<BN, THREADS>(v_dst, DV as u32 / 16, DV as u32, p.q, v_src);
+                    copy_rows_async::<KW, 32>(v_dst, v_chunks, v_pitch_st, p.q, v_src);
+                }
+            } else {
+                copy_rows_async::<BN, THREADS>(k_dst, k_chunks, k_pitch, p.q, k_src);
+                if !VK {
+                    copy_rows_async::<BN, THREADS>(v_dst, v_chunks, v_pitch_st, p.q, v_src);
                 }
             }
+        }
+    };
+    // The loop's barriers: the warp's own (keys split) or the CTA's. Tile 0's is the CTA's in
+    // both shapes: it publishes the queries, which every warp reads.
+    let tile_barrier = |tile: u32| {
+        if KEYS && tile > 0 {
+            sync_warp()
         } else {
-            unsafe {
-                copy_rows_async::<BN, THREADS>(k_dst, DK as u32 / 8, (DK as u32 + ROW_PAD) * 2, p.q, k_src);
-                if !VK {
-                    copy_rows_async::<BN, THREADS>(v_dst, DV as u32 / 8, (DV as u32 + ROW_PAD) * 2, p.q, v_src);
-                }
-            }
+            sync_threads()
         }
     };
 
@@ -733,7 +818,6 @@ pub unsafe fn attention<
 
     // Rows split across warps (prefill) or keys split across warps (decode).
     let warp_row0 = if KEYS { 0 } else { warp * 16 * MT as u32 };
-    let key_off = if KEYS { warp * (BN as u32 / WARPS) } else { 0 };
     let rows: [[RowInfo; 2]; MT] = core::array::from_fn(|mt| {
         let r = warp_row0 + 16 * mt as u32 + g;
         unsafe { [w.row(p, r), w.row(p, r + 8)] }
@@ -777,10 +861,10 @@ pub unsafe fn attention<
                 load_kv(next);
             }
             cp_async_commit();
-            if st == 3 {
-                cp_async_wait::<2>();
-            } else {
-                cp_async_wait::<1>();
+            match st {
+                4 => cp_async_wait::<3>(),
+                3 => cp_async_wait::<2>(),
+                _ => cp_async_wait::<1>(),
             }
         } else {
             // Compute-bound shapes: one barrier per tile. After it the tile is visible to every
@@ -799,15 +883,24 @@ pub unsafe fn attention<
         }
         let stage = tile % st;
         if FP8 {
+            let (k_raw, v_raw) = (smem + layout.k + stage * layout.k_stage, smem + layout.v + stage * layout.v_stage);
             unsafe {
-                convert_fp8_rows::<M, DK, BN>(smem + layout.k + stage * layout.k_stage, k_tile(stage));
-                if !VK {
-                    convert_fp8_rows::<M, DV, BN>(smem + layout.v + stage * layout.v_stage, v_tile(stage));
+                if KEYS {
+                    let (k_half, v_half) = (k_tile(stage) + key_off * (DK as u32 + ROW_PAD) * 2, v_tile(stage) + key_off * v_pitch);
+                    convert_fp8_rows::<M, DK, KW, 32>(k_raw + key_off * k_pitch, k_half);
+                    if !VK {
+                        convert_fp8_rows::<M, DV, KW, 32>(v_raw + key_off * v_pitch_st, v_half);
+                    }
+                } else {
+                    convert_fp8_rows::<M, DK, BN, THREADS>(k_raw, k_tile(stage));
+                    if !VK {
+                        convert_fp8_rows::<M, DV, BN, THREADS>(v_raw, v_tile(stage));
+                    }
                 }
             }
         }
         if early_issue {
-            sync_threads();
+            tile_barrier(tile);
         }
         if tile == 0 && q_in_regs {
             static_for::<16>(|ks| {
@@ -819,7 +912,8 @@ pub unsafe fn attention<
         let kt = tile_keys(tile) + key_off;
         {
             let mut s = scores::<M, DK, KW, MT>(|mt, ks| if q_in_regs { q_frag[ks] } else { load_q(mt, ks) }, k_tile(stage), key_off);
-            let tile_flags = flags(tile) + (key_off / 32) * 4;
+            // Keys split: the warp's own flag; else the slot's flags from the first.
+            let tile_flags = flags(tile) + if KEYS { warp * 4 } else { 0 };
             unsafe { logits.apply::<MT, 8, KW>(&mut s, &rows, kt, (min_pos, max_pos), tile_flags, table(tile) + key_off * TABLE_ENTRY) };
             static_for::<2>(|mt| {
                 if mt < MT {
@@ -830,8 +924,13 @@ pub unsafe fn attention<
         }
         fill(tile + st, ahead);
         if early_issue {
-            // Every warp is done with this stage (and table slot) before it is refilled.
-            sync_threads();
+            // Every warp (or this warp, keys split) is done with this stage and table slot
+            // before they are refilled.
+            if KEYS {
+                sync_warp()
+            } else {
+                sync_threads()
+            }
         }
         tile += 1;
     }
