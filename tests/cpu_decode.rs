@@ -7,7 +7,7 @@ use approx::assert_relative_eq;
 use half::bf16;
 use host::attn_math::decode::{max_rows_per_cta, rows_per_cta, HEAD_SIZES};
 use host::attn_math::softmax::{combine_lse, partial_weight, OnlineSoftmax};
-use host::attn_math::split::{ctas_for_chunk, num_splits, plan_chunk};
+use host::attn_math::split::{ctas_for_chunk, even_waves_chunk, num_splits, plan_chunk, EVEN_WAVES_MAX_SPLITS};
 use host::cpu::{self, DecodeRef, DecodeResult};
 use host::decode::{plan_decode, validate_batch, AttnOptions, DecodeBatch, DecodePlan, SplitMode, MAX_QUERY_LEN};
 use host::{AttnError, Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
@@ -88,6 +88,42 @@ fn plan_chunk_auto_is_the_smallest_chunk_within_target() {
             assert_eq!(chunk, top, "{ctx}: the target is unreachable, so one split per request");
         }
         assert!(chunk == lower || ctas(chunk - tile) > target, "{ctx}: chunk - tile also fits ({} CTAs)", ctas(chunk - tile));
+    }
+}
+
+#[test]
+fn even_waves_split_equal_requests_whose_last_round_is_mostly_empty() {
+    // 64 requests x 8 kv heads, one split each, on 396 slots (3 CTAs per SM): 1.3 rounds
+    // cost 2; three splits of 1408 keys make 3.9 rounds.
+    let lens = vec![4096u32; 64];
+    assert_eq!(even_waves_chunk(&lens, 8, 396, 64, 256, 4096), 1408);
+    // On 264 slots (2 per SM) 1.94 rounds are nearly full: one split stays.
+    assert_eq!(even_waves_chunk(&lens, 8, 264, 64, 256, 4096), 4096);
+    // 256 requests of 1024 keys on 396 slots: 5.2 rounds; two splits measured slower.
+    assert_eq!(even_waves_chunk(&[1024; 256], 8, 396, 64, 256, 1024), 1024);
+    // Fits in one round, already split, mixed lengths, no slots given: unchanged.
+    assert_eq!(even_waves_chunk(&lens[..40], 8, 396, 64, 256, 4096), 4096);
+    assert_eq!(even_waves_chunk(&lens, 8, 396, 64, 256, 2048), 2048);
+    let mixed: Vec<u32> = (0..64).map(|i| 1000 + 50 * i).collect();
+    assert_eq!(even_waves_chunk(&mixed, 8, 396, 64, 256, 4150), 4150);
+    assert_eq!(even_waves_chunk(&lens, 8, 0, 64, 256, 4096), 4096);
+
+    // Whatever it picks: whole tiles, at least the minimum, at most EVEN_WAVES_MAX_SPLITS
+    // splits, and never more rounds x chunk than one split per request.
+    let mut rng = SmallRng::seed_from_u64(13);
+    for iter in 0..400 {
+        let len = rng.random_range(1..=40_000u32);
+        let lens: Vec<u32> = (0..rng.random_range(1..=300)).map(|_| len - rng.random_range(0..=len / 5)).collect();
+        let (cps, slots) = (rng.random_range(1..=16u32), rng.random_range(1..=2000u64));
+        let tile = pick(&mut rng, &[16u32, 32, 64]);
+        let max_len = *lens.iter().max().unwrap();
+        let one = max_len.div_ceil(tile) * tile;
+        let chunk = even_waves_chunk(&lens, cps, slots, tile, 256, one);
+        let ctx = format!("iter {iter}: {} reqs of ~{len}, cps {cps}, slots {slots}, tile {tile}: chunk {chunk}", lens.len());
+        assert!(chunk.is_multiple_of(tile) && (chunk >= 256 || chunk == one), "{ctx}");
+        assert!(num_splits(max_len, chunk) <= EVEN_WAVES_MAX_SPLITS, "{ctx}");
+        let rounds = |c: u32| ctas_for_chunk(&lens, c, cps).div_ceil(slots) * c.min(max_len) as u64;
+        assert!(rounds(chunk) <= rounds(one), "{ctx}");
     }
 }
 

@@ -256,6 +256,20 @@ fn cases() -> Vec<(String, Case, &'static str)> {
         "bf16_bf16",
     );
     push("bf16_bf16::bad_block_id".into(), Case { bad_block: true, ..Case::base(&[100, 40]) }, "bf16_bf16");
+    // The FP8 decode shape (one query token, up to 16 rows per kv head) reads its fragments
+    // straight from the staged FP8 rows at head sizes 64 and 128: its features, masks and
+    // odd shapes, with bf16 queries (scaled into f16's range).
+    push("bf16_fp8::head_size_64".into(), Case { head_size: 64, ..Case::base(&lens) }, "bf16_fp8");
+    push(
+        "bf16_fp8::softcap_alibi_sinks_window".into(),
+        Case { softcap: Some(6.0), alibi: true, sinks: true, window: Some(300), ..Case::base(&lens) },
+        "bf16_fp8",
+    );
+    push("bf16_fp8::bad_block_id".into(), Case { bad_block: true, ..Case::base(&[100, 40]) }, "bf16_fp8");
+    push("bf16_fp8::block_size_64".into(), Case { block_size: 64, ..Case::base(&lens) }, "bf16_fp8");
+    push("bf16_fp8::gqa_32q_32kv".into(), Case { q_heads: 32, kv_heads: 32, ..Case::base(&[33, 2000]) }, "bf16_fp8");
+    push("bf16_fp8::gqa_16q_1kv".into(), Case { q_heads: 16, kv_heads: 1, ..Case::base(&[33, 2000]) }, "bf16_fp8");
+    push("bf16_fp8::split_fixed_7".into(), Case { split: SplitMode::Fixed(7), ..Case::base(&lens) }, "bf16_fp8");
     v
 }
 

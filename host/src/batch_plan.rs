@@ -115,7 +115,8 @@ impl BatchPlan {
         ws: &DecodeWorkspace,
     ) -> Result<&DecodePlan> {
         self.planned = None;
-        let mut plan = DecodePlan { kernel, ..plan_decode_tc(batch, num_q_heads, tc.group, tc.shape, tc.target, mode, ws.partial_rows()) };
+        let mut plan =
+            DecodePlan { kernel, ..plan_decode_tc(batch, num_q_heads, tc.group, tc.shape, tc.target, tc.slots, mode, ws.partial_rows()) };
         if kernel == DecodeKernel::Mla {
             plan.cluster = mla_cluster(dev, &tc, &plan);
         }

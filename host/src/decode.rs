@@ -22,7 +22,7 @@ use attn_math::params::{
 };
 use attn_math::prefill::{block_m, block_n, shared_layout};
 use attn_math::softmax::LOG2_E;
-use attn_math::split::{num_splits, plan_chunk};
+use attn_math::split::{even_waves_chunk, num_splits, plan_chunk, EVEN_WAVES_MAX_SPLITS};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
@@ -265,12 +265,16 @@ impl TcShape {
 
 /// Plans a batch for the tensor-core kernels: a chunk of whole key tiles, and work items
 /// `[request, row_tile << 16 | split]` (flattened in `items`). `group`: query heads per kv head.
+/// `slots`: the CTAs the GPU holds at once, for splitting batches of equal requests into even
+/// waves (`attn_math::split::even_waves_chunk`); 0 leaves that out.
+#[allow(clippy::too_many_arguments)]
 pub fn plan_decode_tc(
     batch: &DecodeBatch<'_>,
     num_q_heads: usize,
     group: u32,
     shape: TcShape,
     ctas_target: u64,
+    slots: u64,
     mode: SplitMode,
     partial_capacity: usize,
 ) -> DecodePlan {
@@ -283,6 +287,7 @@ pub fn plan_decode_tc(
         SplitMode::Fixed(n) => Some(n),
     };
     let chunk = plan_chunk(&lens, ctas_per_item * row_tiles, ctas_target, bn, MIN_CHUNK, forced);
+    let chunk = if forced.is_none() { even_waves_chunk(&lens, ctas_per_item * row_tiles, slots, bn, MIN_CHUNK, chunk) } else { chunk };
     let mut plan = plan_splits(&lens, &q_lens, num_q_heads, chunk, partial_capacity);
     plan.rows_per_cta = bm;
     plan.row_groups = row_tiles;
@@ -417,17 +422,21 @@ pub(crate) struct TcKernel {
     pub group: u32,
     /// CTAs the split plan aims at.
     pub target: u64,
+    /// CTAs the GPU holds at once (`plan_decode_tc`'s even waves); 0: not used.
+    pub slots: u64,
 }
 
 impl TcKernel {
     /// The most work items a plan of `num_reqs` requests of `q_len` query tokens can have
-    /// (`plan_decode_tc`: at most `target` CTAs unless one split per request is already more;
+    /// (`plan_decode_tc`: at most `target` CTAs unless one split per request is already more,
+    /// and then up to `EVEN_WAVES_MAX_SPLITS` splits each;
     /// `SplitMode::Fixed(n)`: `n` splits each at most).
     pub fn max_items(&self, num_reqs: usize, q_len: u32, mode: SplitMode) -> usize {
         let bm = self.shape.block_m;
         let per_split = num_reqs * (q_len * self.group).div_ceil(bm).max(1) as usize;
         match mode {
-            SplitMode::Auto => per_split.max((self.target / self.shape.ctas_per_item as u64) as usize),
+            // Even waves split each request up to EVEN_WAVES_MAX_SPLITS times.
+            SplitMode::Auto => (per_split * EVEN_WAVES_MAX_SPLITS as usize).max((self.target / self.shape.ctas_per_item as u64) as usize),
             SplitMode::Fixed(n) => per_split * n.max(1) as usize,
         }
     }
@@ -463,9 +472,10 @@ pub(crate) fn decode_tc_kernel(
     };
     let waves = std::env::var("ATTN_DECODE_WAVES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(measured).max(1);
     let resident = dev.resident_ctas(&name, attn_math::prefill::THREADS, smem)?;
-    let target = waves * dev.sm_count() as u64 * resident as u64;
+    let slots = dev.sm_count() as u64 * resident as u64;
+    let target = waves * slots;
     let shape = TcShape::attention(d as u32, d as u32, kernel.keys_split(), fp8, num_kv_heads as u32);
-    Ok(TcKernel { kernel, name, smem, shape, threads: attn_math::prefill::THREADS, group, target })
+    Ok(TcKernel { kernel, name, smem, shape, threads: attn_math::prefill::THREADS, group, target, slots })
 }
 
 /// A split plan already on the device (a CUDA-graph step's, [`crate::forward`]): its arrays,
@@ -629,7 +639,9 @@ pub(crate) fn paged_decode_from(
         PlanSource::Host(mode) => {
             let plan = match &tc {
                 None => plan_decode(batch, hq, spec.num_kv_heads, d, dev.sm_count() as u64 * 8, mode, ws.partial_rows())?,
-                Some(tc) => DecodePlan { kernel, ..plan_decode_tc(batch, hq, tc.group, tc.shape, tc.target, mode, ws.partial_rows()) },
+                Some(tc) => {
+                    DecodePlan { kernel, ..plan_decode_tc(batch, hq, tc.group, tc.shape, tc.target, tc.slots, mode, ws.partial_rows()) }
+                }
             };
             let wp =
                 if tc.is_some() && !plan.needs_device_plan() { WorkspacePtrs::default() } else { ws.upload(stream, &plan, num_reqs, nt)? };

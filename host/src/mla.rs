@@ -109,7 +109,8 @@ pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usi
     let waves = std::env::var("ATTN_MLA_WAVES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(measured).max(1);
     let resident = dev.resident_ctas(&name, threads, smem)?;
     let target = waves * dev.sm_count() as u64 * resident as u64;
-    Ok(TcKernel { kernel: DecodeKernel::Mla, name, smem, shape, threads, group: hq as u32, target })
+    // No even-waves splitting: the MLA plans were measured without it.
+    Ok(TcKernel { kernel: DecodeKernel::Mla, name, smem, shape, threads, group: hq as u32, target, slots: 0 })
 }
 
 /// The cluster size that combines a plan's splits in shared memory ([`DecodePlan::cluster`]),
@@ -205,7 +206,7 @@ pub(crate) fn mla_attention_from(
         PlanSource::Host(mode) => {
             let mut plan = DecodePlan {
                 kernel: DecodeKernel::Mla,
-                ..plan_decode_tc(batch, hq, tc.group, tc.shape, tc.target, mode, ws.partial_rows())
+                ..plan_decode_tc(batch, hq, tc.group, tc.shape, tc.target, tc.slots, mode, ws.partial_rows())
             };
             plan.cluster = mla_cluster(dev, &tc, &plan);
             let wp = if plan.needs_device_plan() { ws.upload(stream, &plan, num_reqs, nt)? } else { WorkspacePtrs::default() };

@@ -73,7 +73,37 @@ fn build_target(t: &GpuTarget, family: &str) -> Result<String, String> {
     let asm = target_dir.join("nvptx64-nvidia-cuda/release/deps/kernels_gpu.s");
     let text = std::fs::read_to_string(&asm).map_err(|e| format!("no PTX at {}: {e}", asm.display()))?;
     check_self_contained(&format!("{}/{family}", t.name), &text)?;
-    Ok(text)
+    Ok(with_launch_bounds(&text))
+}
+
+/// Kernels that must fit `min_ctas` CTAs of `threads` threads per SM, as (name prefix, name
+/// suffix, threads, min_ctas): decode from an FP8 cache at head sizes 64 and 128 (the
+/// kernels' `fp8_direct`), whose shared memory allows three CTAs per SM and whose registers
+/// would otherwise allow two. rustc has no launch-bounds attribute for nvptx, so the
+/// directives are added to the PTX here; `ptxas` then limits registers to fit.
+const LAUNCH_BOUNDS: &[(&str, &str, u32, u32)] = &[("decode_tc_", "_fp8_d64", 128, 3), ("decode_tc_", "_fp8_d128", 128, 3)];
+
+/// `ptx` with `.maxntid` / `.minnctapersm` after the parameter list of each kernel in
+/// [`LAUNCH_BOUNDS`].
+fn with_launch_bounds(ptx: &str) -> String {
+    let mut out = String::with_capacity(ptx.len() + 256);
+    let mut pending: Option<(u32, u32)> = None;
+    for line in ptx.lines() {
+        if let Some(name) = line.strip_prefix(".visible .entry ").and_then(|l| l.strip_suffix('(')) {
+            pending = LAUNCH_BOUNDS
+                .iter()
+                .find(|(pre, suf, _, _)| name.starts_with(pre) && name.ends_with(suf))
+                .map(|&(_, _, threads, ctas)| (threads, ctas));
+        }
+        if line == "{" {
+            if let Some((threads, ctas)) = pending.take() {
+                out.push_str(&format!(".maxntid {threads}, 1, 1\n.minnctapersm {ctas}\n"));
+            }
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
 }
 
 /// A module with an unresolved `.extern .func` would fail to load at run time.

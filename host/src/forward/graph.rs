@@ -149,7 +149,7 @@ impl GraphPlanner {
         self.seq_lens.resize(bn, 0);
         let batch = DecodeBatch { seq_lens: &self.seq_lens, query_start_loc: &self.query_start_loc };
         let tc = &self.tc;
-        let plan = plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, self.mode, self.partial_capacity);
+        let plan = plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.mode, self.partial_capacity);
         let items = plan.items.len() / 2;
         ensure(items <= self.capacity_items, "step", || {
             format!("its plan has {items} work items, the graph's grid {}: a planner bug", self.capacity_items)

@@ -118,7 +118,7 @@ impl StepPlanner {
             let tc = self.kernel(max_q)?;
             let lens = if cascade.is_some() { &suffix_lens[..nd] } else { &input.seq_lens[..nd] };
             let batch = DecodeBatch { seq_lens: lens, query_start_loc: qsl };
-            let plan = plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, self.mode, self.partial_capacity);
+            let plan = plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.mode, self.partial_capacity);
             decode = Some((append_plan(&mut words, &plan), tc.name, plan.items.len() / 2, plan.needs_merge()));
         }
         let mut prefix = None;
@@ -126,7 +126,7 @@ impl StepPlanner {
             let tc = self.kernel(nt as u32)?;
             let (lens, qsl) = ([p.tokens as i32], [0, nt as i32]);
             let batch = DecodeBatch { seq_lens: &lens, query_start_loc: &qsl };
-            let plan = plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, self.mode, self.partial_capacity);
+            let plan = plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.mode, self.partial_capacity);
             prefix = Some((append_plan(&mut words, &plan), tc.name, plan.items.len() / 2, plan.needs_merge()));
         }
         if self.staging.len() < words.len() {

@@ -16,6 +16,8 @@ mod cluster;
 mod decode;
 #[cfg(kernels = "attention")]
 mod entry;
+#[cfg(kernels = "prefill")]
+mod fp8_direct;
 #[cfg(kernels = "attention")]
 mod merge;
 #[cfg(kernels = "prefill")]

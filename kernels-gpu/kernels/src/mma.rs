@@ -318,6 +318,14 @@ pub fn cp_async_wait<const N: u32>() {
     unsafe { asm!("cp.async.wait_group {n};", n = const N, options(nostack)) }
 }
 
+/// `prmt.b32`: byte `i` of the result is byte `sel` nibble `i` of `b:a` (0-3: `a`, 4-7: `b`).
+#[inline(always)]
+pub fn byte_perm(a: u32, b: u32, sel: u32) -> u32 {
+    let r: u32;
+    unsafe { asm!("prmt.b32 {0}, {1}, {2}, {3};", out(reg32) r, in(reg32) a, in(reg32) b, in(reg32) sel, options(pure, nomem, nostack)) };
+    r
+}
+
 /// Two 16-bit values to shared memory.
 #[inline(always)]
 pub unsafe fn st_shared_u32(addr: u32, v: u32) {

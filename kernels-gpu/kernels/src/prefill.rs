@@ -20,13 +20,14 @@ use crate::device::{
     atomic_or_global, block_idx_x, dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, sync_warp, tanh, thread_idx_x,
     vote_any,
 };
+use crate::fp8_direct;
 use crate::mma::{
     cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32x2, ld_shared_u32, ld_shared_u64, ld_shared_v4, ldmatrix_x4,
-    ldmatrix_x4_trans, shared_addr, st_shared_f32x2, st_shared_u32, st_shared_u64x2, st_shared_v4, MmaHalf,
+    ldmatrix_x4_trans, shared_addr, st_shared_f32, st_shared_f32x2, st_shared_u32, st_shared_u64x2, st_shared_v4, MmaHalf,
 };
 use crate::vec_io::{load_f32_nc, load_u32_nc, store4, store8, store_f32};
 use attn_math::params::PrefillParams;
-use attn_math::prefill::{block_m, shared_layout_mla, stages, table_slot_bytes, ROW_PAD, TABLE_ENTRY, THREADS, WARPS};
+use attn_math::prefill::{block_m, fp8_direct, shared_layout_mla, stages, table_slot_bytes, ROW_PAD, TABLE_ENTRY, THREADS, WARPS};
 use attn_math::softmax::{exp2, OnlineSoftmax, LOG2_E};
 use attn_math::status::BLOCK_OUT_OF_RANGE;
 
@@ -202,6 +203,17 @@ pub(crate) unsafe fn copy_rows_async<const ROWS: usize, const NT: u32>(
     fallback: u64,
     src: impl Fn(u32) -> u64,
 ) {
+    unsafe { copy_rows_async_to::<ROWS, NT>(|r, c| dst + r * pitch + c * 16, chunks, fallback, src) }
+}
+
+/// [`copy_rows_async`] with chunk `c` of row `r` going to shared address `dst(r, c)`.
+#[inline(always)]
+pub(crate) unsafe fn copy_rows_async_to<const ROWS: usize, const NT: u32>(
+    dst: impl Fn(u32, u32) -> u32,
+    chunks: u32,
+    fallback: u64,
+    src: impl Fn(u32) -> u64,
+) {
     let passes = (ROWS as u32 * chunks).div_ceil(NT);
     let tid = thread_idx_x() % NT;
     // A plain loop (no register array is indexed): MLA rows take up to 36 passes.
@@ -213,7 +225,7 @@ pub(crate) unsafe fn copy_rows_async<const ROWS: usize, const NT: u32>(
         if r < ROWS as u32 {
             let a = src(r);
             let (from, bytes) = if a != 0 { (a + c as u64 * 16, 16) } else { (fallback, 0) };
-            unsafe { cp_async_16(dst + r * pitch + c * 16, from, bytes) };
+            unsafe { cp_async_16(dst(r, c), from, bytes) };
         }
         i += 1;
     }
@@ -700,6 +712,10 @@ pub unsafe fn attention<
     let slots = st + 1;
     let layout = shared_layout_mla(DK as u32, DV as u32, KEYS, FP8, VK);
     let elem_bytes = if FP8 { 1 } else { 2 };
+    // Decode from an FP8 cache at head size 64 or 128: fragments converted straight from the
+    // staged FP8 rows (`fp8_direct`), no 16-bit tiles.
+    let direct = fp8_direct(DK as u32, DV as u32, KEYS, FP8);
+    const { assert!(!(VK && fp8_direct(DK as u32, DV as u32, KEYS, FP8))) };
     // FP8: dequantisation folds into the score scale (k) and the output factor (v).
     let (k_scale, v_scale) = if FP8 {
         let unpack = M::FP8_UNPACK_SCALE;
@@ -759,7 +775,13 @@ pub unsafe fn attention<
         let k_src = |r: u32| unsafe { ld_shared_u64(t + r * TABLE_ENTRY) };
         let v_src = |r: u32| unsafe { ld_shared_u64(t + r * TABLE_ENTRY + 8) };
         unsafe {
-            if KEYS {
+            if direct {
+                // Swizzled rows (`fp8_direct`), at their row in the stage.
+                let (k_base, v_base) = (smem + layout.k + stage * layout.k_stage, smem + layout.v + stage * layout.v_stage);
+                let to = |base: u32| move |r: u32, c: u32| base + fp8_direct::swizzled(key_off + r, c * 16, DK as u32);
+                copy_rows_async_to::<KW, 32>(to(k_base), k_chunks, p.q, k_src);
+                copy_rows_async_to::<KW, 32>(to(v_base), v_chunks, p.q, v_src);
+            } else if KEYS {
                 copy_rows_async::<KW, 32>(k_dst, k_chunks, k_pitch, p.q, k_src);
                 if !VK {
                     copy_rows_async::<KW, 32>(v_dst, v_chunks, v_pitch_st, p.q, v_src);
@@ -785,7 +807,7 @@ pub unsafe fn attention<
     // Prologue: the address tables of the first `st` tiles; the queries; tiles 0 .. st - 2 in
     // flight (one commit group each, empty ones included, so that "all but st - 1 groups done"
     // always means "this tile is in").
-    static_for::<4>(|j| {
+    static_for::<5>(|j| {
         if (j as u32) < st {
             fill(j as u32, locate(j as u32));
         }
@@ -807,7 +829,7 @@ pub unsafe fn attention<
     // queries, scales) was on the device before the kernel ahead of this one started, so it
     // overlaps that kernel's end; the cache rows wait for it (the cache write).
     pdl_prologue();
-    static_for::<3>(|j| {
+    static_for::<4>(|j| {
         if (j as u32) < st - 1 {
             if (j as u32) < n_tiles {
                 load_kv(j as u32);
@@ -862,6 +884,7 @@ pub unsafe fn attention<
             }
             cp_async_commit();
             match st {
+                5 => cp_async_wait::<4>(),
                 4 => cp_async_wait::<3>(),
                 3 => cp_async_wait::<2>(),
                 _ => cp_async_wait::<1>(),
@@ -882,8 +905,8 @@ pub unsafe fn attention<
             cp_async_commit();
         }
         let stage = tile % st;
-        if FP8 {
-            let (k_raw, v_raw) = (smem + layout.k + stage * layout.k_stage, smem + layout.v + stage * layout.v_stage);
+        let (k_raw, v_raw) = (smem + layout.k + stage * layout.k_stage, smem + layout.v + stage * layout.v_stage);
+        if FP8 && !direct {
             unsafe {
                 if KEYS {
                     let (k_half, v_half) = (k_tile(stage) + key_off * (DK as u32 + ROW_PAD) * 2, v_tile(stage) + key_off * v_pitch);
@@ -902,7 +925,9 @@ pub unsafe fn attention<
         if early_issue {
             tile_barrier(tile);
         }
-        if tile == 0 && q_in_regs {
+        if tile == 0 && direct {
+            q_frag = unsafe { fp8_direct::query_fragments::<Q, M, DK>(smem, q_pitch, q_conv) };
+        } else if tile == 0 && q_in_regs {
             static_for::<16>(|ks| {
                 if ks < DK / 16 {
                     q_frag[ks] = load_q(0, ks);
@@ -911,7 +936,12 @@ pub unsafe fn attention<
         }
         let kt = tile_keys(tile) + key_off;
         {
-            let mut s = scores::<M, DK, KW, MT>(|mt, ks| if q_in_regs { q_frag[ks] } else { load_q(mt, ks) }, k_tile(stage), key_off);
+            let mut s = if direct {
+                // MT = 1 on the keys-split shape.
+                [unsafe { fp8_direct::scores::<M, DK>(&q_frag, k_raw, key_off) }; MT]
+            } else {
+                scores::<M, DK, KW, MT>(|mt, ks| if q_in_regs { q_frag[ks] } else { load_q(mt, ks) }, k_tile(stage), key_off)
+            };
             // Keys split: the warp's own flag; else the slot's flags from the first.
             let tile_flags = flags(tile) + if KEYS { warp * 4 } else { 0 };
             unsafe { logits.apply::<MT, 8, KW>(&mut s, &rows, kt, (min_pos, max_pos), tile_flags, table(tile) + key_off * TABLE_ENTRY) };
@@ -920,7 +950,11 @@ pub unsafe fn attention<
                     softmax_step::<DV, KW, 8, 32>(&mut s[mt], &mut o[mt], &mut state[mt], mult);
                 }
             });
-            accumulate_pv::<M, DV, KW, MT>(&s, &mut o, v_tile(stage), v_pitch, key_off);
+            if direct {
+                unsafe { fp8_direct::accumulate_pv::<M, DV>(&s[0], &mut o[0], v_raw, key_off) };
+            } else {
+                accumulate_pv::<M, DV, KW, MT>(&s, &mut o, v_tile(stage), v_pitch, key_off);
+            }
         }
         fill(tile + st, ahead);
         if early_issue {
@@ -939,7 +973,19 @@ pub unsafe fn attention<
     let num_splits = if p.req_num_splits != 0 { unsafe { load_u32_nc(p.req_num_splits + w.req as u64 * 4) } } else { 1 };
     if KEYS {
         unsafe {
-            finish_keys_split::<Q, DV>(p, &w, smem, layout.merge, layout.merge_pitch, layout.stats, state[0], &o[0], num_splits, v_scale)
+            finish_keys_split::<Q, DV>(
+                p,
+                &w,
+                smem,
+                layout.merge,
+                layout.merge_pitch,
+                layout.stats,
+                state[0],
+                &o[0],
+                num_splits,
+                v_scale,
+                direct,
+            )
         };
     } else {
         // The quad's partial sums, then the output (or the split's partial) per row.
@@ -980,6 +1026,7 @@ unsafe fn finish_keys_split<Q: MmaHalf, const DV: usize>(
     o: &[[f32; 4]; 32],
     num_splits: u32,
     v_scale: f32,
+    permuted: bool,
 ) {
     let tid = thread_idx_x();
     let (warp, lane) = (tid / 32, tid % 32);
@@ -1006,8 +1053,16 @@ unsafe fn finish_keys_split<Q: MmaHalf, const DV: usize>(
         let f = if state[h].max == f32::NEG_INFINITY { 0.0 } else { exp2(state[h].max - max) };
         static_for::<32>(|n| {
             if n < DV / 8 {
-                let col = n as u32 * 8 + 2 * t4;
-                unsafe { st_shared_f32x2(merge + ((warp * 16 + r) * pitch + col) * 4, o[n][2 * h] * f, o[n][2 * h + 1] * f) };
+                let row = merge + (warp * 16 + r) * pitch * 4;
+                if permuted {
+                    // `fp8_direct`'s accumulator columns.
+                    static_for::<2>(|e| unsafe {
+                        st_shared_f32(row + fp8_direct::out_col::<DV>(n as u32, e as u32) * 4, o[n][2 * h + e] * f)
+                    });
+                } else {
+                    let col = n as u32 * 8 + 2 * t4;
+                    unsafe { st_shared_f32x2(row + col * 4, o[n][2 * h] * f, o[n][2 * h + 1] * f) };
+                }
             }
         });
     });

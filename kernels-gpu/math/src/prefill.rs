@@ -71,12 +71,23 @@ pub const fn block_n(head_size_qk: u32, head_size_v: u32, keys_split: bool, fp8:
     }
 }
 
+/// Whether the kernel converts its MMA fragments straight from the staged FP8 rows (decode from
+/// an FP8 cache at head size 64 or 128; the kernels' `fp8_direct`), with no 16-bit tiles in
+/// shared memory.
+pub const fn fp8_direct(head_size_qk: u32, head_size_v: u32, keys_split: bool, fp8: bool) -> bool {
+    keys_split && fp8 && head_size_qk == head_size_v && (head_size_qk == 64 || head_size_qk == 128)
+}
+
 /// K/V tiles in flight (cp.async pipeline depth): 3 where shared memory allows two CTAs per SM
 /// with them (decode's 16-row CTAs; FP8 staging, half the bytes of a 16-bit tile; the prefill
-/// shape's 32-key tiles), else 2.
+/// shape's 32-key tiles), else 2. [`fp8_direct`] decode takes 4: its tiles carry half the bytes
+/// of a 16-bit one, and without the 16-bit tiles three CTAs per SM still fit (its kernels are
+/// built for three: `xtask`'s launch bounds).
 pub const fn stages(head_size_qk: u32, head_size_v: u32, keys_split: bool, fp8: bool) -> u32 {
     let two_row_tiles = m_tiles(head_size_qk, head_size_v, keys_split, fp8) == 2;
-    if (keys_split || fp8 || two_row_tiles) && head_size_qk <= 128 && head_size_v <= 128 {
+    if fp8_direct(head_size_qk, head_size_v, keys_split, fp8) {
+        4
+    } else if (keys_split || fp8 || two_row_tiles) && head_size_qk <= 128 && head_size_v <= 128 {
         3
     } else {
         2
@@ -93,7 +104,7 @@ pub struct SharedLayout {
     pub k_stage: u32,
     pub v: u32,
     pub v_stage: u32,
-    /// FP8 only: the converted 16-bit K and V tiles.
+    /// FP8 only (not [`fp8_direct`]): the converted 16-bit K and V tiles.
     pub k_tile: u32,
     pub v_tile: u32,
     pub table: u32,
@@ -117,7 +128,7 @@ pub const fn shared_layout_mla(dk: u32, dv: u32, keys_split: bool, fp8: bool, v_
     let (k_stage, v_stage) = if fp8 { (bn * dk, if v_in_k { 0 } else { bn * dv }) } else { (k_tile_bytes, v_tile_bytes) };
     let k = q_bytes;
     let v = k + st * k_stage;
-    let (k_tile, v_tile, tiles_end) = if fp8 {
+    let (k_tile, v_tile, tiles_end) = if fp8 && !fp8_direct(dk, dv, keys_split, fp8) {
         let k_tile = v + st * v_stage;
         (k_tile, k_tile + k_tile_bytes, k_tile + k_tile_bytes + v_tile_bytes)
     } else {
@@ -150,7 +161,11 @@ mod tests {
                     }
                 }
             }
-            assert!(2 * shared_layout(128, 128, true, fp8).total <= 226 * 1024);
+            assert!(2 * shared_layout(128, 128, true, fp8).total <= 226 * 1024, "{}", shared_layout(128, 128, true, fp8).total);
+            if fp8 {
+                // Three FP8 decode CTAs per SM (228 KiB, 1 KiB reserved per CTA).
+                assert!(3 * (shared_layout(128, 128, true, fp8).total + 1024) <= 228 * 1024);
+            }
             assert!(2 * shared_layout(128, 128, false, fp8).total <= 226 * 1024);
         }
     }
