@@ -4,9 +4,10 @@
 //! each sequence (chunked prefill, prefix caching) or not.
 //!
 //! The host cuts each request's query rows (token x query head of a kv head) into tiles of
-//! the kernel's `block_m` and orders the tiles by the keys they attend, longest first, so that a batch of
-//! mixed lengths keeps every SM busy to the end. One CTA per (tile, kv head), the kv heads of a
-//! tile adjacent in the grid.
+//! the kernel's `block_m` and orders the tiles by the keys they attend: requests by their
+//! longest tile, and each request's tiles longest first, so that a batch of mixed lengths keeps
+//! every SM busy to the end and the CTAs running at once share K/V in L2. One CTA per (tile,
+//! kv head), the kv heads of a tile adjacent in the grid.
 
 use crate::buffer::{DevIn, DevOut};
 use crate::cache_write::KvScales;
@@ -93,7 +94,7 @@ pub struct PrefillOptions {
     pub causal: bool,
 }
 
-/// The work of one launch: `[request, row_tile << 16 | split]` per CTA column, longest first.
+/// The work of one launch: `[request, row_tile << 16 | split]` per CTA column, in launch order.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PrefillPlan {
     pub items: Vec<[u32; 2]>,
@@ -101,7 +102,7 @@ pub struct PrefillPlan {
 
 /// Cuts every request into tiles of `block_m` query rows (the kernel's, from
 /// `attn_math::prefill::block_m`) and orders them by the keys they attend (an upper bound under
-/// causality), longest first.
+/// causality): requests longest first, and each request's tiles longest first.
 pub fn plan_prefill(batch: &PrefillBatch<'_>, group: usize, causal: bool, window: Option<u32>, block_m: u32) -> PrefillPlan {
     let mut tiles: Vec<(u64, [u32; 2])> = Vec::new();
     for r in 0..batch.seq_lens.len() {
@@ -118,8 +119,16 @@ pub fn plan_prefill(batch: &PrefillBatch<'_>, group: usize, causal: bool, window
             tiles.push((keys, [r as u32, (tile as u32) << 16]));
         }
     }
-    // Stable: equal tiles keep request order.
-    tiles.sort_by_key(|t| std::cmp::Reverse(t.0));
+    // Requests in the order of their longest tile, each request's tiles longest first: the
+    // longest tiles still start first, and the CTAs running at once take tiles of the same
+    // request, which share its K/V in L2 (8 x 2048 at head size 64: L2 hit rate 11% -> 74%).
+    let mut longest = std::collections::HashMap::new();
+    for &(keys, [req, _]) in &tiles {
+        let l = longest.entry(req).or_insert(0);
+        *l = keys.max(*l);
+    }
+    // Stable: equal requests keep their order.
+    tiles.sort_by_key(|&(keys, [req, _])| (std::cmp::Reverse(longest[&req]), req, std::cmp::Reverse(keys)));
     PrefillPlan { items: tiles.into_iter().map(|(_, i)| i).collect() }
 }
 
@@ -179,12 +188,21 @@ pub(crate) struct PrefillKernel {
     pub smem: u32,
 }
 
-/// Hopper's `wgmma` kernel (`prefill_wg_*`, in the sm_90a module) for 16-bit caches at head
-/// sizes 64 and 128 (QK = V), unless `ATTN_PREFILL_KERNEL=mma`; else the `mma.sync` kernel.
+/// Hopper's `wgmma` kernels (in the sm_90a module) for 16-bit caches at head sizes 64 and 128
+/// (QK = V): at 64 the pipelined one (`prefill_wgp_*`; `ATTN_PREFILL_KERNEL=wg` picks the
+/// other), at 128 `prefill_wg_*`. `ATTN_PREFILL_KERNEL=mma`, and every other case, the
+/// `mma.sync` kernel.
 pub(crate) fn prefill_kernel(dev: &AttnDevice, q: DType, fp8: bool, dk: usize, dv: usize) -> PrefillKernel {
-    let forced_mma = std::env::var("ATTN_PREFILL_KERNEL").is_ok_and(|v| v == "mma");
-    let hopper = dev.ptx_target() == "sm_90a" && !fp8 && dk == dv && hopper_prefill::HEAD_SIZES.contains(&(dk as u32)) && !forced_mma;
-    if hopper {
+    let forced = std::env::var("ATTN_PREFILL_KERNEL").unwrap_or_default();
+    let hopper = dev.ptx_target() == "sm_90a" && !fp8 && dk == dv && hopper_prefill::HEAD_SIZES.contains(&(dk as u32)) && forced != "mma";
+    if hopper && hopper_prefill::PIPE_HEAD_SIZES.contains(&(dk as u32)) && forced != "wg" {
+        PrefillKernel {
+            name: format!("prefill_wgp_{}_d{dk}", q.kernel_name()),
+            block_m: hopper_prefill::BLOCK_M,
+            threads: hopper_prefill::THREADS,
+            smem: hopper_prefill::pipelined_layout(dk as u32).total,
+        }
+    } else if hopper {
         PrefillKernel {
             name: format!("prefill_wg_{}_d{dk}", q.kernel_name()),
             block_m: hopper_prefill::BLOCK_M,

@@ -99,6 +99,12 @@ pub fn ptx_report() -> Result<(), String> {
             return Err(format!("ptxas failed on {}:\n{log}", path.display()));
         }
         let _ = std::fs::remove_file(out_file);
+        // `ptxas` serialising `wgmma` chains (C7510-C7520: an accumulator read in flight, too
+        // few registers, a divergent path) undoes what the Hopper prefill kernels are built for.
+        let serialised: Vec<&str> = log.lines().filter(|l| l.contains("wgmma.mma_async instructions are serialized")).collect();
+        if !serialised.is_empty() {
+            return Err(format!("{}/{family}: ptxas serialises wgmma:\n{}", t.name, serialised.join("\n")));
+        }
         println!("\n{}/{family} ({})", t.name, path.display());
         println!("{:<40} {:>5} {:>7} {:>7} {:>6} {:>6}", "kernel", "regs", "spillST", "spillLD", "stack", "smem");
         for r in parse(&log) {

@@ -372,6 +372,15 @@ fn prefill_row(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Resul
 
 fn prefill_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {
     let sh = |batch, q_len, q_heads, kv_heads, head_size| PrefillShape { batch, q_len, cached: 0, q_heads, kv_heads, head_size };
+    // `ATTN_BENCH_PREFILL_SHAPES=8x2048x32x32x64,8x512x32x8x128x8192`: rows of those batch x new
+    // tokens x q heads x kv heads x head size [x cached tokens] only (experiments).
+    if let Some(shapes) = env_shapes("ATTN_BENCH_PREFILL_SHAPES") {
+        for v in shapes.iter().filter(|v| v.len() == 5 || v.len() == 6) {
+            let shape = PrefillShape { cached: v.get(5).copied().unwrap_or(0), ..sh(v[0], v[1], v[2], v[3], v[4]) };
+            rows.push(prefill_row(b, &shape, status)?);
+        }
+        return Ok(());
+    }
     for shape in [
         sh(4, 4096, 32, 8, 128),
         sh(1, 16384, 32, 8, 128),

@@ -29,6 +29,8 @@ mod prefill_entry;
 #[cfg(all(kernels = "prefill", wgmma))]
 mod prefill_hopper;
 #[cfg(all(kernels = "prefill", wgmma))]
+mod prefill_pipelined;
+#[cfg(all(kernels = "prefill", wgmma))]
 mod wgmma;
 
 // Building blocks shared by the families; each family uses a part of them.

@@ -23,6 +23,12 @@ pub trait WgmmaTiles: MmaHalf {
     /// 128-byte-swizzled layout (`desc_v`: keys 0.., leading 1024, stride one 8-key group).
     /// Waits for the result.
     unsafe fn pv_64xd_k128<const D: usize>(o: &mut [[f32; 4]; 16], p: &[[u32; 4]; 8], desc_v: u64);
+    /// S = Q K^T over 64 keys (half a tile: `desc_k` names its first key), not waited for;
+    /// [`wait_scores64`] retires it.
+    unsafe fn scores_64x64_async<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8];
+    /// O += P V over 64 keys (`p[kk]`: keys 16kk..16kk+15 of the half tile at `desc_v`), not
+    /// waited for; [`wait_pv64`] retires it.
+    unsafe fn pv_64xd_k64_async<const D: usize>(o: &mut [[f32; 4]; 16], p: &[[u32; 4]; 4], desc_v: u64);
 }
 
 macro_rules! acc64 {
@@ -63,14 +69,50 @@ macro_rules! qk_atom {
 /// The S chain: one atom (head size 64) or two (128; the next atom is 1024 bytes on from the
 /// first, 1024 - 96 from the last k-step: 58 units of 16 bytes).
 macro_rules! qk_chain {
-    ($t:literal, $($more:tt)*) => {
+    ($t:literal, $wait:literal, $($more:tt)*) => {
         concat!(
             "{{\n.reg .pred pz, po;\n.reg .b32 zz;\n.reg .b64 da, db;\n",
             "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
             "mov.b64 da, {64};\nmov.b64 db, {65};\nwgmma.fence.sync.aligned;\n",
             qk_atom!($t, "pz"),
             $($more)*
-            "wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n}}"
+            "wgmma.commit_group.sync.aligned;\n", $wait, "}}"
+        )
+    };
+}
+
+/// One k-step of S over 64 keys (m64n64k16).
+macro_rules! qk64_step {
+    ($t:literal, $scale:literal) => {
+        concat!("wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{", acc32!(), "}}, da, db, ", $scale, ", 1, 1, 0, 0;\n")
+    };
+}
+
+/// [`qk_atom`] over 64 keys.
+macro_rules! qk64_atom {
+    ($t:literal, $first:literal) => {
+        concat!(
+            qk64_step!($t, $first),
+            "add.s64 da, da, 2;\nadd.s64 db, db, 2;\n",
+            qk64_step!($t, "po"),
+            "add.s64 da, da, 2;\nadd.s64 db, db, 2;\n",
+            qk64_step!($t, "po"),
+            "add.s64 da, da, 2;\nadd.s64 db, db, 2;\n",
+            qk64_step!($t, "po")
+        )
+    };
+}
+
+/// [`qk_chain`] over 64 keys (32 accumulators; the descriptors are operands 32 and 33).
+macro_rules! qk64_chain {
+    ($t:literal, $wait:literal, $($more:tt)*) => {
+        concat!(
+            "{{\n.reg .pred pz, po;\n.reg .b32 zz;\n.reg .b64 da, db;\n",
+            "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
+            "mov.b64 da, {32};\nmov.b64 db, {33};\nwgmma.fence.sync.aligned;\n",
+            qk64_atom!($t, "pz"),
+            $($more)*
+            "wgmma.commit_group.sync.aligned;\n", $wait, "}}"
         )
     };
 }
@@ -85,12 +127,12 @@ macro_rules! pv_step {
 /// The P V chain over 8 k-steps of 16 keys (V's descriptor + two 8-key groups each: `$inc`
 /// units of 16 bytes); `$desc`: the descriptor's operand; `$a`: each k-step's A registers.
 macro_rules! pv_chain {
-    ($t:literal, $n:literal, $acc:expr, $desc:literal, $inc:literal, [$($a:literal),*]) => {
+    ($t:literal, $wait:literal, $n:literal, $acc:expr, $desc:literal, $inc:literal, [$($a:literal),*]) => {
         concat!(
             "{{\n.reg .pred po;\n.reg .b32 zz;\n.reg .b64 db;\n",
             "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\nmov.b64 db, ", $desc, ";\nwgmma.fence.sync.aligned;\n",
             $(pv_step!($t, $n, $acc, $a), "add.s64 db, db, ", $inc, ";\n",)*
-            "wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n}}"
+            "wgmma.commit_group.sync.aligned;\n", $wait, "}}"
         )
     };
 }
@@ -106,50 +148,97 @@ macro_rules! with_acc {
     };
 }
 
+/// The body of S = Q K^T (`$wait`: the wait after the commit, or none).
+macro_rules! scores_body {
+    ($t:literal, $wait:literal, $desc_q:ident, $desc_k:ident) => {{
+        const { assert!(D == 64 || D == 128) };
+        let mut s = [[0.0f32; 4]; 16];
+        if D == 64 {
+            unsafe {
+                with_acc!(qk_chain!($t, $wait,), out s [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15],
+                          in(reg64) $desc_q, in(reg64) $desc_k, options(nostack))
+            };
+        } else {
+            unsafe {
+                with_acc!(qk_chain!($t, $wait, "add.s64 da, da, 58;\nadd.s64 db, db, 58;\n", qk_atom!($t, "po"),),
+                          out s [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15],
+                          in(reg64) $desc_q, in(reg64) $desc_k, options(nostack))
+            };
+        }
+        s
+    }};
+}
+
+/// The body of O += P V (`$wait`: the wait after the commit, or none).
+macro_rules! pv_body {
+    ($t:literal, $wait:literal, $o:ident, $p:ident, $desc_v:ident) => {{
+        const { assert!(D == 64 || D == 128) };
+        if D == 64 {
+            // 8-key groups of 1024 bytes: +2048 bytes a k-step.
+            unsafe {
+                with_acc!(pv_chain!($t, $wait, "64", acc32!(), "{64}", "128",
+                                    ["{32}, {33}, {34}, {35}", "{36}, {37}, {38}, {39}", "{40}, {41}, {42}, {43}", "{44}, {45}, {46}, {47}",
+                                     "{48}, {49}, {50}, {51}", "{52}, {53}, {54}, {55}", "{56}, {57}, {58}, {59}", "{60}, {61}, {62}, {63}"]),
+                          inout $o [0 1 2 3 4 5 6 7],
+                          frags $p [0 1 2 3 4 5 6 7],
+                          in(reg64) $desc_v, options(nostack))
+            };
+        } else {
+            // 8-key groups of 2048 bytes: +4096 bytes a k-step.
+            unsafe {
+                with_acc!(pv_chain!($t, $wait, "128", acc64!(), "{96}", "256",
+                                    ["{64}, {65}, {66}, {67}", "{68}, {69}, {70}, {71}", "{72}, {73}, {74}, {75}", "{76}, {77}, {78}, {79}",
+                                     "{80}, {81}, {82}, {83}", "{84}, {85}, {86}, {87}", "{88}, {89}, {90}, {91}", "{92}, {93}, {94}, {95}"]),
+                          inout $o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15],
+                          frags $p [0 1 2 3 4 5 6 7],
+                          in(reg64) $desc_v, options(nostack))
+            };
+        }
+    }};
+}
+
 macro_rules! wgmma_tiles_impl {
     ($ty:ty, $t:literal) => {
         impl WgmmaTiles for $ty {
             #[inline(always)]
             unsafe fn scores_64x128<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 16] {
+                scores_body!($t, "wgmma.wait_group.sync.aligned 0;\n", desc_q, desc_k)
+            }
+
+            #[inline(always)]
+            unsafe fn pv_64xd_k128<const D: usize>(o: &mut [[f32; 4]; 16], p: &[[u32; 4]; 8], desc_v: u64) {
+                pv_body!($t, "wgmma.wait_group.sync.aligned 0;\n", o, p, desc_v)
+            }
+
+            #[inline(always)]
+            unsafe fn scores_64x64_async<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8] {
                 const { assert!(D == 64 || D == 128) };
-                let mut s = [[0.0f32; 4]; 16];
+                let mut s = [[0.0f32; 4]; 8];
                 if D == 64 {
-                    unsafe {
-                        with_acc!(qk_chain!($t,), out s [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15],
-                                  in(reg64) desc_q, in(reg64) desc_k, options(nostack))
-                    };
+                    unsafe { with_acc!(qk64_chain!($t, "",), out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack)) };
                 } else {
                     unsafe {
-                        with_acc!(qk_chain!($t, "add.s64 da, da, 58;\nadd.s64 db, db, 58;\n", qk_atom!($t, "po"),),
-                                  out s [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15],
-                                  in(reg64) desc_q, in(reg64) desc_k, options(nostack))
+                        with_acc!(qk64_chain!($t, "", "add.s64 da, da, 58;\nadd.s64 db, db, 58;\n", qk64_atom!($t, "po"),),
+                                  out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack))
                     };
                 }
                 s
             }
 
             #[inline(always)]
-            unsafe fn pv_64xd_k128<const D: usize>(o: &mut [[f32; 4]; 16], p: &[[u32; 4]; 8], desc_v: u64) {
+            unsafe fn pv_64xd_k64_async<const D: usize>(o: &mut [[f32; 4]; 16], p: &[[u32; 4]; 4], desc_v: u64) {
                 const { assert!(D == 64 || D == 128) };
                 if D == 64 {
-                    // 8-key groups of 1024 bytes: +2048 bytes a k-step.
                     unsafe {
-                        with_acc!(pv_chain!($t, "64", acc32!(), "{64}", "128",
-                                            ["{32}, {33}, {34}, {35}", "{36}, {37}, {38}, {39}", "{40}, {41}, {42}, {43}", "{44}, {45}, {46}, {47}",
-                                             "{48}, {49}, {50}, {51}", "{52}, {53}, {54}, {55}", "{56}, {57}, {58}, {59}", "{60}, {61}, {62}, {63}"]),
-                                  inout o [0 1 2 3 4 5 6 7],
-                                  frags p [0 1 2 3 4 5 6 7],
-                                  in(reg64) desc_v, options(nostack))
+                        with_acc!(pv_chain!($t, "", "64", acc32!(), "{48}", "128",
+                                            ["{32}, {33}, {34}, {35}", "{36}, {37}, {38}, {39}", "{40}, {41}, {42}, {43}", "{44}, {45}, {46}, {47}"]),
+                                  inout o [0 1 2 3 4 5 6 7], frags p [0 1 2 3], in(reg64) desc_v, options(nostack))
                     };
                 } else {
-                    // 8-key groups of 2048 bytes: +4096 bytes a k-step.
                     unsafe {
-                        with_acc!(pv_chain!($t, "128", acc64!(), "{96}", "256",
-                                            ["{64}, {65}, {66}, {67}", "{68}, {69}, {70}, {71}", "{72}, {73}, {74}, {75}", "{76}, {77}, {78}, {79}",
-                                             "{80}, {81}, {82}, {83}", "{84}, {85}, {86}, {87}", "{88}, {89}, {90}, {91}", "{92}, {93}, {94}, {95}"]),
-                                  inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15],
-                                  frags p [0 1 2 3 4 5 6 7],
-                                  in(reg64) desc_v, options(nostack))
+                        with_acc!(pv_chain!($t, "", "128", acc64!(), "{80}", "256",
+                                            ["{64}, {65}, {66}, {67}", "{68}, {69}, {70}, {71}", "{72}, {73}, {74}, {75}", "{76}, {77}, {78}, {79}"]),
+                                  inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15], frags p [0 1 2 3], in(reg64) desc_v, options(nostack))
                     };
                 }
             }
@@ -159,3 +248,44 @@ macro_rules! wgmma_tiles_impl {
 
 wgmma_tiles_impl!(F16, "f16");
 wgmma_tiles_impl!(Bf16, "bf16");
+
+/// Waits until at most `N` committed chains are pending, and returns `s`, the accumulators of
+/// the S chain over 64 keys this retires, as new values copied after the wait. (With `s` as
+/// in-out operands LLVM copied them into the loop's registers before the wait, and `ptxas` then
+/// serialised every chain: C7514.)
+#[inline(always)]
+pub unsafe fn wait_scores64<const N: u32>(s: [[f32; 4]; 8]) -> [[f32; 4]; 8] {
+    let mut r = [[0.0f32; 4]; 8];
+    unsafe {
+        with_acc!(concat!("wgmma.wait_group.sync.aligned {n};\n", "mov.b32 {32}, {0};\nmov.b32 {33}, {1};\nmov.b32 {34}, {2};\nmov.b32 {35}, {3};\nmov.b32 {36}, {4};\nmov.b32 {37}, {5};\nmov.b32 {38}, {6};\nmov.b32 {39}, {7};\nmov.b32 {40}, {8};\nmov.b32 {41}, {9};\nmov.b32 {42}, {10};\nmov.b32 {43}, {11};\nmov.b32 {44}, {12};\nmov.b32 {45}, {13};\nmov.b32 {46}, {14};\nmov.b32 {47}, {15};\nmov.b32 {48}, {16};\nmov.b32 {49}, {17};\nmov.b32 {50}, {18};\nmov.b32 {51}, {19};\nmov.b32 {52}, {20};\nmov.b32 {53}, {21};\nmov.b32 {54}, {22};\nmov.b32 {55}, {23};\nmov.b32 {56}, {24};\nmov.b32 {57}, {25};\nmov.b32 {58}, {26};\nmov.b32 {59}, {27};\nmov.b32 {60}, {28};\nmov.b32 {61}, {29};\nmov.b32 {62}, {30};\nmov.b32 {63}, {31};\n"),
+                  in s [0 1 2 3 4 5 6 7],
+                  out(reg32) r[0][0], out(reg32) r[0][1], out(reg32) r[0][2], out(reg32) r[0][3],
+                  out(reg32) r[1][0], out(reg32) r[1][1], out(reg32) r[1][2], out(reg32) r[1][3],
+                  out(reg32) r[2][0], out(reg32) r[2][1], out(reg32) r[2][2], out(reg32) r[2][3],
+                  out(reg32) r[3][0], out(reg32) r[3][1], out(reg32) r[3][2], out(reg32) r[3][3],
+                  out(reg32) r[4][0], out(reg32) r[4][1], out(reg32) r[4][2], out(reg32) r[4][3],
+                  out(reg32) r[5][0], out(reg32) r[5][1], out(reg32) r[5][2], out(reg32) r[5][3],
+                  out(reg32) r[6][0], out(reg32) r[6][1], out(reg32) r[6][2], out(reg32) r[6][3],
+                  out(reg32) r[7][0], out(reg32) r[7][1], out(reg32) r[7][2], out(reg32) r[7][3],
+                  n = const N, options(nostack))
+    };
+    r
+}
+
+/// The same for a P V chain over 64 keys: its accumulators `o` (the first `D / 8` blocks) and
+/// its A fragments `p`, which the chain reads until it completes, are operands so that nothing
+/// touches them before.
+#[inline(always)]
+pub unsafe fn wait_pv64<const N: u32, const D: usize>(o: &mut [[f32; 4]; 16], p: &[[u32; 4]; 4]) {
+    const { assert!(D == 64 || D == 128) };
+    if D == 64 {
+        unsafe {
+            with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc32!(), ", {32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}"), inout o [0 1 2 3 4 5 6 7], frags p [0 1 2 3], n = const N, options(nostack))
+        };
+    } else {
+        unsafe {
+            with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc64!(), ", {64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}"),
+                      inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15], frags p [0 1 2 3], n = const N, options(nostack))
+        };
+    }
+}

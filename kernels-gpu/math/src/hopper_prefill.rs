@@ -56,14 +56,36 @@ pub const fn shared_layout(d: u32) -> HopperLayout {
     HopperLayout { q, k, v, stage, table, total }
 }
 
+/// The pipelined kernels (`prefill_wgp_<q>_d<head_size>`, head size 64): a warpgroup's S of
+/// the next half tile runs on the tensor cores while it takes the softmax of this one, and P V
+/// of a half tile during the next softmax. After the barrier of tile j the CTA copies K of
+/// j + 2 over K of j - 1 (K of j is still read by S of its second half) and V of j + 1 over V
+/// of j - 2 (P V of j - 1 may still run): three stages each.
+pub const PIPE_K_STAGES: u32 = 3;
+pub const PIPE_V_STAGES: u32 = 3;
+/// Address-table slots: tile j's (its masks), j + 1's and j + 2's (copies), j + 3's (filled).
+pub const PIPE_TABLE_SLOTS: u32 = 4;
+/// Head sizes with pipelined kernels.
+pub const PIPE_HEAD_SIZES: [u32; 1] = [64];
+
+/// Shared memory of the pipelined kernels: Q, the K and V stages, the address tables.
+pub const fn pipelined_layout(d: u32) -> HopperLayout {
+    let q = 0;
+    let stage = BLOCK_N * d * 2;
+    let k = q + BLOCK_M * d * 2;
+    let v = k + PIPE_K_STAGES * stage;
+    let table = v + PIPE_V_STAGES * stage;
+    let total = table + PIPE_TABLE_SLOTS * crate::prefill::table_slot_bytes(BLOCK_N);
+    HopperLayout { q, k, v, stage, table, total }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn layout_fits_and_aligns_the_swizzle_atoms() {
-        for d in HEAD_SIZES {
-            let l = shared_layout(d);
+        for (d, l) in HEAD_SIZES.map(|d| (d, shared_layout(d))).into_iter().chain(PIPE_HEAD_SIZES.map(|d| (d, pipelined_layout(d)))) {
             assert!(l.total <= 227 * 1024, "d{d}: {}", l.total);
             for o in [l.q, l.k, l.v, l.stage] {
                 assert!(o.is_multiple_of(1024), "d{d}: {l:?}");
