@@ -212,6 +212,26 @@ fn cases() -> Vec<(String, Case, &'static str)> {
         push(format!("bf16::head_size_{dk}"), Case { dk, dv, ..Case::base(&[17, 300, 129]) }, "bf16");
         push(format!("f16::head_size_{dk}_chunked"), Case { dk, dv, q_lens: Some(vec![5, 100, 33]), ..Case::base(&[17, 300, 129]) }, "f16");
     }
+    // Head size 64 runs its own kernel on Hopper (`prefill_wgp_*`, half tiles in flight): the
+    // lengths, 4097 keys (many tiles, the last partial), GQA 8, non-causal, every feature,
+    // block size 64 and a bad block id there too.
+    let d64 = |c: Case| Case { dk: 64, dv: 64, ..c };
+    push("bf16::d64_lengths_1_15_16_17_127_1000".into(), d64(Case::base(&lens)), "bf16");
+    push("f16::d64_length_4097_gqa8".into(), d64(Case { q_heads: 8, kv_heads: 1, ..Case::base(&[4097]) }), "f16");
+    push("bf16::d64_non_causal".into(), d64(Case { causal: false, ..Case::base(&[1, 17, 300]) }), "bf16");
+    push(
+        "bf16::d64_all_features_chunked".into(),
+        d64(Case {
+            softcap: Some(8.0),
+            alibi: true,
+            sinks: true,
+            window: Some(64),
+            q_lens: Some(vec![3, 100, 8]),
+            ..Case::base(&[40, 500, 8])
+        }),
+        "bf16",
+    );
+    push("bf16::d64_block_size_64_bad_block_id".into(), d64(Case { block_size: 64, bad_block: true, ..Case::base(&[100, 333]) }), "bf16");
     push(
         "bf16::mla_qk192_v128_packed".into(),
         Case { dk: 192, dv: 128, packed: true, q_heads: 16, kv_heads: 16, ..Case::base(&[1, 70, 300]) },

@@ -362,6 +362,13 @@ pub unsafe fn st_shared_u64(addr: u32, v: u64) {
 }
 
 #[inline(always)]
+pub unsafe fn ld_shared_u64x2(addr: u32) -> (u64, u64) {
+    let (a, b): (u64, u64);
+    unsafe { asm!("ld.shared.v2.u64 {{{0}, {1}}}, [{2}];", out(reg64) a, out(reg64) b, in(reg32) addr, options(readonly, nostack)) };
+    (a, b)
+}
+
+#[inline(always)]
 pub unsafe fn ld_shared_u64(addr: u32) -> u64 {
     let r: u64;
     unsafe { asm!("ld.shared.u64 {0}, [{1}];", out(reg64) r, in(reg32) addr, options(readonly, nostack)) };

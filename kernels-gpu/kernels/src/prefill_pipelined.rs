@@ -6,8 +6,8 @@
 //! warpgroup waits for each `wgmma` chain, and only the other warpgroup's work fills the tensor
 //! cores' idle time. Here a warpgroup works in half tiles of 64 keys (S of a half is 32
 //! registers a thread, so two fit beside O), and per key tile j it
-//! 1. passes the tile's barrier (K of j + 1 and V of j have landed),
-//! 2. issues S of j's second half, then the copies of K of j + 2 and V of j + 1,
+//! 1. passes the tile's barrier (K and V of j + 1 have landed),
+//! 2. issues S of j's second half, then the copies of K and V of j + 2,
 //! 3. retires P V of j - 1's second half, takes the softmax of j's first half, issues its P V,
 //! 4. retires S of j's second half and issues S of j + 1's first,
 //! 5. retires P V of j's first half, takes the softmax of j's second half, issues its P V,
@@ -23,7 +23,7 @@
 //! and spills: 282 against 327 TFLOP/s at 4 x 4096); it keeps [`crate::prefill_hopper`].
 
 use crate::device::{dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x};
-use crate::mma::{cp_async_16, cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_u64, shared_addr, wgmma_desc};
+use crate::mma::{cp_async_16, cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_u64x2, shared_addr, wgmma_desc};
 use crate::prefill::{work_item, KeyTables, KvSource, Logits, RowInfo, RowOut};
 use crate::vec_io::load_u32_nc;
 use crate::wgmma::{wait_pv64, wait_scores64, WgmmaTiles};
@@ -43,18 +43,35 @@ const BN: usize = BLOCK_N as usize;
 /// groups apart, so their shared-memory addresses and table entries differ by constants.
 #[inline(always)]
 unsafe fn copy_rows<const D: usize, const ROWS: u32, const NT: u32>(dst: u32, t: u32, fallback: u64, src: impl Fn(u32) -> u64) {
+    unsafe { copy_row_pairs::<D, ROWS, NT>([dst, dst], t, fallback, |r| (src(r), 0), false) }
+}
+
+/// [`copy_rows`] of two tiles at once (`dst[0]`, `dst[1]`; K and V) whose rows `src(r)` gives
+/// together, zero-filled together when the first is 0; only the first when `!both`.
+#[inline(always)]
+unsafe fn copy_row_pairs<const D: usize, const ROWS: u32, const NT: u32>(
+    dst: [u32; 2],
+    t: u32,
+    fallback: u64,
+    src: impl Fn(u32) -> (u64, u64),
+    both: bool,
+) {
     let chunks = D as u32 / 8;
     const { assert!(NT.is_multiple_of(D as u32 / 8) && (NT / (D as u32 / 8)).is_multiple_of(8) && ROWS.is_multiple_of(NT / (D as u32 / 8))) };
     let (c, r0) = (t % chunks, t / chunks);
     let step = NT / chunks;
-    let dst0 = dst + swizzled(D as u32, r0, c);
+    let off0 = swizzled(D as u32, r0, c);
     static_for::<16>(|i| {
         if (i as u32) < ROWS / step {
-            let r = r0 + i as u32 * step;
-            let a = src(r);
-            let (from, bytes) = if a != 0 { (a + c as u64 * 16, 16) } else { (fallback, 0) };
+            let (a, b) = src(r0 + i as u32 * step);
+            let valid = a != 0;
+            let bytes = if valid { 16 } else { 0 };
             // Rows `step` apart are `step / 8` groups apart.
-            unsafe { cp_async_16(dst0 + i as u32 * (step / 8) * group_bytes(D as u32), from, bytes) };
+            let off = off0 + i as u32 * (step / 8) * group_bytes(D as u32);
+            unsafe { cp_async_16(dst[0] + off, if valid { a + c as u64 * 16 } else { fallback }, bytes) };
+            if both {
+                unsafe { cp_async_16(dst[1] + off, if valid { b + c as u64 * 16 } else { fallback }, bytes) };
+            }
         }
     });
 }
@@ -126,17 +143,32 @@ pub unsafe fn prefill_pipelined<Q: WgmmaTiles, const D: usize>(p: &PrefillParams
     let gb = group_bytes(D as u32);
     let smem = shared_addr(dynamic_shared::<u8>());
     let tables = KeyTables::<BN> { base: smem + layout.table, slots: PIPE_TABLE_SLOTS, begin, end, n_tiles, src, elem_bytes: 2 };
-    let k_stage = |tile: u32| smem + layout.k + (tile % PIPE_K_STAGES) * layout.stage;
+    // Tile x sits in K stage x % 3 and V stage x % 4; a step takes its K stages' indices from
+    // one remainder (`k_stages`), not a division each.
+    const { assert!(PIPE_K_STAGES == 3 && PIPE_V_STAGES == 4) };
+    let k_stage = |slot: u32| smem + layout.k + slot * layout.stage;
     let v_stage = |tile: u32| smem + layout.v + (tile % PIPE_V_STAGES) * layout.stage;
-    // K (`v` false) or V of `tile`, copied by the whole CTA.
-    let copy_kv = |tile: u32, v: bool| {
-        let t = tables.table(tile) + if v { 8 } else { 0 };
-        let dst = if v { v_stage(tile) } else { k_stage(tile) };
-        unsafe { copy_rows::<D, BLOCK_N, THREADS>(dst, tid, p.q, |r| ld_shared_u64(t + r * TABLE_ENTRY)) };
+    let k_stages = |tile: u32| {
+        let next = |x: u32| if x == 2 { 0 } else { x + 1 };
+        let a = tile % 3;
+        (a, next(a), next(next(a)))
+    };
+    // K and V of `tile` (K into stage `k_slot`), copied by the whole CTA.
+    let copy_kv = |tile: u32, k_slot: u32| {
+        let t = tables.table(tile);
+        unsafe {
+            copy_row_pairs::<D, BLOCK_N, THREADS>(
+                [k_stage(k_slot), v_stage(tile)],
+                tid,
+                p.q,
+                |r| ld_shared_u64x2(t + r * TABLE_ENTRY),
+                true,
+            )
+        };
     };
 
-    // Prologue: the address tables of tiles 0..3; the queries, K and V of tile 0 and K of
-    // tile 1 in one commit group.
+    // Prologue: the address tables of tiles 0..3; the queries, K and V of tiles 0 and 1 in one
+    // commit group.
     static_for::<3>(|j| unsafe { tables.fill(p, j as u32, tables.locate(p, j as u32)) });
     sync_threads();
     let q_row = |r: u32| {
@@ -145,11 +177,10 @@ pub unsafe fn prefill_pipelined<Q: WgmmaTiles, const D: usize>(p: &PrefillParams
     };
     unsafe { copy_rows::<D, BLOCK_M, THREADS>(smem + layout.q, tid, p.q, q_row) };
     if n_tiles > 0 {
-        copy_kv(0, false);
-        copy_kv(0, true);
+        copy_kv(0, 0);
     }
     if n_tiles > 1 {
-        copy_kv(1, false);
+        copy_kv(1, 1);
     }
     cp_async_commit();
 
@@ -214,18 +245,16 @@ pub unsafe fn prefill_pipelined<Q: WgmmaTiles, const D: usize>(p: &PrefillParams
         macro_rules! step {
             ($j:expr, $last:literal) => {{
                 let j: u32 = $j;
-                // K of j + 1 and V of j have landed; every warp has retired S of j's first half
-                // and P V of j - 2, whose stages the copies below overwrite.
+                let (s0, s1, s2) = k_stages(j);
+                // K and V of j + 1 have landed; every warp has retired S of j - 1 and P V of
+                // j - 2, whose stages the copies below overwrite.
                 cp_async_wait::<0>();
                 fence_proxy_async_shared();
                 sync_threads();
-                let s_next = unsafe { Q::scores_64x64_async::<D>(q_desc, k_desc(half(k_stage(j), 1))) };
+                let s_next = unsafe { Q::scores_64x64_async::<D>(q_desc, k_desc(half(k_stage(s0), 1))) };
                 let ahead = unsafe { tables.locate(p, j + 3) };
                 if j + 2 < n_tiles {
-                    copy_kv(j + 2, false);
-                }
-                if j + 1 < n_tiles {
-                    copy_kv(j + 1, true);
+                    copy_kv(j + 2, s2);
                 }
                 cp_async_commit();
                 // In flight: P V of j - 1's second half, S of j's second half.
@@ -235,7 +264,7 @@ pub unsafe fn prefill_pipelined<Q: WgmmaTiles, const D: usize>(p: &PrefillParams
                 if $last {
                     softmax_pv!(j, 1, 0);
                 } else {
-                    let s_next = unsafe { Q::scores_64x64_async::<D>(q_desc, k_desc(half(k_stage(j + 1), 0))) };
+                    let s_next = unsafe { Q::scores_64x64_async::<D>(q_desc, k_desc(half(k_stage(s1), 0))) };
                     // In flight: P V of j's first half, S of j + 1's first half.
                     softmax_pv!(j, 1, 1);
                     // In flight: S of j + 1's first half, P V of j's second.

@@ -81,10 +81,23 @@ macro_rules! qk_chain {
     };
 }
 
-/// One k-step of S over 64 keys (m64n64k16).
+/// One k-step of S over 64 keys (m64n64k16). The descriptors are rebuilt from 32-bit halves
+/// each k-step, so that stepping them is a 32-bit add (their address field is in the low word
+/// and never carries out of it).
 macro_rules! qk64_step {
     ($t:literal, $scale:literal) => {
-        concat!("wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{", acc32!(), "}}, da, db, ", $scale, ", 1, 1, 0, 0;\n")
+        concat!(
+            "mov.b64 da, {{al, ah}};\nmov.b64 db, {{bl, bh}};\n",
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.",
+            $t,
+            ".",
+            $t,
+            " {{",
+            acc32!(),
+            "}}, da, db, ",
+            $scale,
+            ", 1, 1, 0, 0;\n"
+        )
     };
 }
 
@@ -93,11 +106,11 @@ macro_rules! qk64_atom {
     ($t:literal, $first:literal) => {
         concat!(
             qk64_step!($t, $first),
-            "add.s64 da, da, 2;\nadd.s64 db, db, 2;\n",
+            "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n",
             qk64_step!($t, "po"),
-            "add.s64 da, da, 2;\nadd.s64 db, db, 2;\n",
+            "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n",
             qk64_step!($t, "po"),
-            "add.s64 da, da, 2;\nadd.s64 db, db, 2;\n",
+            "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n",
             qk64_step!($t, "po")
         )
     };
@@ -107,11 +120,24 @@ macro_rules! qk64_atom {
 macro_rules! qk64_chain {
     ($t:literal, $wait:literal, $($more:tt)*) => {
         concat!(
-            "{{\n.reg .pred pz, po;\n.reg .b32 zz;\n.reg .b64 da, db;\n",
+            "{{\n.reg .pred pz, po;\n.reg .b32 zz, al, ah, bl, bh;\n.reg .b64 da, db;\n",
             "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
-            "mov.b64 da, {32};\nmov.b64 db, {33};\nwgmma.fence.sync.aligned;\n",
+            "mov.b64 {{al, ah}}, {32};\nmov.b64 {{bl, bh}}, {33};\nwgmma.fence.sync.aligned;\n",
             qk64_atom!($t, "pz"),
             $($more)*
+            "wgmma.commit_group.sync.aligned;\n", $wait, "}}"
+        )
+    };
+}
+
+/// [`pv_chain`] over 4 k-steps (64 keys), stepping V's descriptor by 32-bit adds as
+/// [`qk64_step`] does.
+macro_rules! pv64_chain {
+    ($t:literal, $wait:literal, $n:literal, $acc:expr, $desc:literal, $inc:literal, [$($a:literal),*]) => {
+        concat!(
+            "{{\n.reg .pred po;\n.reg .b32 zz, bl, bh;\n.reg .b64 db;\n",
+            "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\nmov.b64 {{bl, bh}}, ", $desc, ";\nwgmma.fence.sync.aligned;\n",
+            $("mov.b64 db, {{bl, bh}};\n", pv_step!($t, $n, $acc, $a), "add.s32 bl, bl, ", $inc, ";\n",)*
             "wgmma.commit_group.sync.aligned;\n", $wait, "}}"
         )
     };
@@ -218,7 +244,7 @@ macro_rules! wgmma_tiles_impl {
                     unsafe { with_acc!(qk64_chain!($t, "",), out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack)) };
                 } else {
                     unsafe {
-                        with_acc!(qk64_chain!($t, "", "add.s64 da, da, 58;\nadd.s64 db, db, 58;\n", qk64_atom!($t, "po"),),
+                        with_acc!(qk64_chain!($t, "", "add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n", qk64_atom!($t, "po"),),
                                   out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack))
                     };
                 }
@@ -230,13 +256,13 @@ macro_rules! wgmma_tiles_impl {
                 const { assert!(D == 64 || D == 128) };
                 if D == 64 {
                     unsafe {
-                        with_acc!(pv_chain!($t, "", "64", acc32!(), "{48}", "128",
+                        with_acc!(pv64_chain!($t, "", "64", acc32!(), "{48}", "128",
                                             ["{32}, {33}, {34}, {35}", "{36}, {37}, {38}, {39}", "{40}, {41}, {42}, {43}", "{44}, {45}, {46}, {47}"]),
                                   inout o [0 1 2 3 4 5 6 7], frags p [0 1 2 3], in(reg64) desc_v, options(nostack))
                     };
                 } else {
                     unsafe {
-                        with_acc!(pv_chain!($t, "", "128", acc64!(), "{80}", "256",
+                        with_acc!(pv64_chain!($t, "", "128", acc64!(), "{80}", "256",
                                             ["{64}, {65}, {66}, {67}", "{68}, {69}, {70}, {71}", "{72}, {73}, {74}, {75}", "{76}, {77}, {78}, {79}"]),
                                   inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15], frags p [0 1 2 3], in(reg64) desc_v, options(nostack))
                     };

@@ -58,11 +58,11 @@ pub const fn shared_layout(d: u32) -> HopperLayout {
 
 /// The pipelined kernels (`prefill_wgp_<q>_d<head_size>`, head size 64): a warpgroup's S of
 /// the next half tile runs on the tensor cores while it takes the softmax of this one, and P V
-/// of a half tile during the next softmax. After the barrier of tile j the CTA copies K of
-/// j + 2 over K of j - 1 (K of j is still read by S of its second half) and V of j + 1 over V
-/// of j - 2 (P V of j - 1 may still run): three stages each.
+/// of a half tile during the next softmax. After the barrier of tile j the CTA copies K and V
+/// of j + 2 (one table entry gives both rows): K over K of j - 1 (K of j is still read by S of
+/// its second half), V over V of j - 2 (P V of j - 1 may still run).
 pub const PIPE_K_STAGES: u32 = 3;
-pub const PIPE_V_STAGES: u32 = 3;
+pub const PIPE_V_STAGES: u32 = 4;
 /// Address-table slots: tile j's (its masks), j + 1's and j + 2's (copies), j + 3's (filled).
 pub const PIPE_TABLE_SLOTS: u32 = 4;
 /// Head sizes with pipelined kernels.
