@@ -46,13 +46,19 @@ pub struct HopperLayout {
     pub total: u32,
 }
 
+/// Shared memory of `prefill_wg_*`: `STAGES` K and V stages and `STAGES + 1` table slots.
 pub const fn shared_layout(d: u32) -> HopperLayout {
+    layout_of(d, STAGES, STAGES, STAGES + 1)
+}
+
+/// The layout with `k_stages` K stages, `v_stages` V stages and `table_slots` table slots.
+const fn layout_of(d: u32, k_stages: u32, v_stages: u32, table_slots: u32) -> HopperLayout {
     let q = 0;
     let stage = BLOCK_N * d * 2;
     let k = q + BLOCK_M * d * 2;
-    let v = k + STAGES * stage;
-    let table = v + STAGES * stage;
-    let total = table + (STAGES + 1) * crate::prefill::table_slot_bytes(BLOCK_N);
+    let v = k + k_stages * stage;
+    let table = v + v_stages * stage;
+    let total = table + table_slots * crate::prefill::table_slot_bytes(BLOCK_N);
     HopperLayout { q, k, v, stage, table, total }
 }
 
@@ -70,13 +76,7 @@ pub const PIPE_HEAD_SIZES: [u32; 1] = [64];
 
 /// Shared memory of the pipelined kernels: Q, the K and V stages, the address tables.
 pub const fn pipelined_layout(d: u32) -> HopperLayout {
-    let q = 0;
-    let stage = BLOCK_N * d * 2;
-    let k = q + BLOCK_M * d * 2;
-    let v = k + PIPE_K_STAGES * stage;
-    let table = v + PIPE_V_STAGES * stage;
-    let total = table + PIPE_TABLE_SLOTS * crate::prefill::table_slot_bytes(BLOCK_N);
-    HopperLayout { q, k, v, stage, table, total }
+    layout_of(d, PIPE_K_STAGES, PIPE_V_STAGES, PIPE_TABLE_SLOTS)
 }
 
 #[cfg(test)]
