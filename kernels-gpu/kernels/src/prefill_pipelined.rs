@@ -169,7 +169,10 @@ pub unsafe fn prefill_pipelined<Q: WgmmaTiles, const D: usize>(p: &PrefillParams
 
     // Prologue: the address tables of tiles 0..3; the queries, K and V of tiles 0 and 1 in one
     // commit group.
-    static_for::<3>(|j| unsafe { tables.fill(p, j as u32, tables.locate(p, j as u32)) });
+    // The three lookups first: a fill may raise the status word (a global atomic), which the
+    // next lookup's load could not pass, so interleaved they would take three load latencies.
+    let locs: [i64; 3] = core::array::from_fn(|j| unsafe { tables.locate(p, j as u32) });
+    static_for::<3>(|j| unsafe { tables.fill(p, j as u32, locs[j]) });
     sync_threads();
     let q_row = |r: u32| {
         let row = unsafe { w.row(p, r) };
