@@ -118,48 +118,59 @@ fn prefill_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let (bt_d, sl_d, qsl_d, ksl_d) = (up(&block_table), up(&c.seq_lens), up(&qsl), up(&ksl));
     let (slopes_d, sinks_d) = (upload(&stream, &slopes), upload(&stream, &sinks));
     let (ks_d, vs_d) = (upload(&stream, &[scales.0]), upload(&stream, &[scales.1]));
-    let mut out_d: CudaSlice<Q> = upload(&stream, &vec![poison::<Q>(); out_rows.required_len().max(1)]);
-    let mut lse_d: CudaSlice<f32> = upload(&stream, &vec![f32::NAN; (nt * hq).max(1)]);
     let mut ws = PrefillWorkspace::new(&stream, nt, num_reqs, hq / hkv)?;
     let mut status = DeviceStatus::new(&stream)?;
-    let kv = if c.packed {
-        PrefillKv::Packed {
-            k: DevIn::new(&k_d, &stream),
-            k_rows,
-            v: DevIn::new(&v_d, &stream),
-            v_rows,
-            key_start_loc: DevIn::new(&ksl_d, &stream),
-        }
-    } else {
-        PrefillKv::Paged {
-            cache: DevIn::new(&cache_d, &stream),
-            spec,
-            block_table: DevIn::new(&bt_d, &stream),
-            block_table_stride: stride,
-            seq_lens: DevIn::new(&sl_d, &stream),
+    // Twice with one workspace, the output poisoned again: the persistent kernel's work counter
+    // must be back at zero for the second launch.
+    let mut out_d: CudaSlice<Q>;
+    let mut lse_d: CudaSlice<f32>;
+    let mut runs = 0;
+    let plan = loop {
+        out_d = upload(&stream, &vec![poison::<Q>(); out_rows.required_len().max(1)]);
+        lse_d = upload(&stream, &vec![f32::NAN; (nt * hq).max(1)]);
+        let kv = if c.packed {
+            PrefillKv::Packed {
+                k: DevIn::new(&k_d, &stream),
+                k_rows,
+                v: DevIn::new(&v_d, &stream),
+                v_rows,
+                key_start_loc: DevIn::new(&ksl_d, &stream),
+            }
+        } else {
+            PrefillKv::Paged {
+                cache: DevIn::new(&cache_d, &stream),
+                spec,
+                block_table: DevIn::new(&bt_d, &stream),
+                block_table_stride: stride,
+                seq_lens: DevIn::new(&sl_d, &stream),
+            }
+        };
+        let batch = PrefillBatch { query_start_loc: &qsl, seq_lens: &c.seq_lens, key_start_loc: c.packed.then_some(&ksl[..]) };
+        let plan = prefill(
+            device(),
+            &stream,
+            PrefillArgs {
+                q: DevIn::new(&q_d, &stream),
+                q_rows,
+                kv,
+                query_start_loc: DevIn::new(&qsl_d, &stream),
+                out: DevOut::new(&mut out_d, &stream),
+                out_rows,
+                lse: Some(DevOut::new(&mut lse_d, &stream)),
+                alibi_slopes: c.alibi.then(|| DevIn::new(&slopes_d, &stream)),
+                sinks: c.sinks.then(|| DevIn::new(&sinks_d, &stream)),
+                scales: fp8.then(|| KvScales { k: DevIn::new(&ks_d, &stream), v: DevIn::new(&vs_d, &stream) }),
+            },
+            &batch,
+            &PrefillOptions { attn: opts, causal: c.causal },
+            &mut ws,
+            &mut status,
+        )?;
+        runs += 1;
+        if runs == 2 {
+            break plan;
         }
     };
-    let batch = PrefillBatch { query_start_loc: &qsl, seq_lens: &c.seq_lens, key_start_loc: c.packed.then_some(&ksl[..]) };
-    let plan = prefill(
-        device(),
-        &stream,
-        PrefillArgs {
-            q: DevIn::new(&q_d, &stream),
-            q_rows,
-            kv,
-            query_start_loc: DevIn::new(&qsl_d, &stream),
-            out: DevOut::new(&mut out_d, &stream),
-            out_rows,
-            lse: Some(DevOut::new(&mut lse_d, &stream)),
-            alibi_slopes: c.alibi.then(|| DevIn::new(&slopes_d, &stream)),
-            sinks: c.sinks.then(|| DevIn::new(&sinks_d, &stream)),
-            scales: fp8.then(|| KvScales { k: DevIn::new(&ks_d, &stream), v: DevIn::new(&vs_d, &stream) }),
-        },
-        &batch,
-        &PrefillOptions { attn: opts, causal: c.causal },
-        &mut ws,
-        &mut status,
-    )?;
     let flags = status.take(&stream)?;
     if flags.block_out_of_range() != (want.bad_blocks > 0) {
         return Err(format!("status {flags:?}, reference skipped {} keys", want.bad_blocks).into());

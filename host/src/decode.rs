@@ -734,6 +734,8 @@ pub(crate) fn paged_decode_from(
             v_row: 0,
             cluster: 0,
             plan: 0,
+            sched: 0,
+            ctas: 0,
         };
         let tc = tc.as_ref().expect("a tensor-core batch");
         let (items, tp) = match launch {

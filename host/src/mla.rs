@@ -257,6 +257,8 @@ pub(crate) fn mla_attention_from(
         v_row: MLA_V,
         cluster,
         plan: fixed.map_or(0, |dp| dp.header),
+        sched: 0,
+        ctas: 0,
     };
     let items = fixed.map_or(plan.items.len() / 2, |dp| dp.capacity_items);
     let ctas = items * slices as usize;

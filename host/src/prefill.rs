@@ -166,6 +166,9 @@ pub fn validate_prefill_batch(batch: &PrefillBatch<'_>, num_tokens: usize, causa
 /// Device memory for the plan. Allocate once for the largest batch.
 pub struct PrefillWorkspace {
     items: CudaSlice<u32>,
+    /// The persistent kernel's two counters (next CTA, CTAs done), zero between launches: the
+    /// kernel's last CTA zeroes them. A workspace serves one stream at a time.
+    sched: CudaSlice<u32>,
 }
 
 impl PrefillWorkspace {
@@ -175,7 +178,10 @@ impl PrefillWorkspace {
     }
 
     pub fn new(stream: &Arc<CudaStream>, max_tokens: usize, max_reqs: usize, group: usize) -> Result<Self> {
-        Ok(PrefillWorkspace { items: stream.alloc_zeros(2 * Self::max_tiles(max_tokens, max_reqs, group).max(1))? })
+        Ok(PrefillWorkspace {
+            items: stream.alloc_zeros(2 * Self::max_tiles(max_tokens, max_reqs, group).max(1))?,
+            sched: stream.alloc_zeros(2)?,
+        })
     }
 }
 
@@ -186,21 +192,32 @@ pub(crate) struct PrefillKernel {
     pub block_m: u32,
     pub threads: u32,
     pub smem: u32,
+    /// Persistent CTAs (at most one an SM, taking the plan's CTAs in turn from a counter).
+    pub persistent: bool,
 }
 
 /// Hopper's `wgmma` kernels (in the sm_90a module) for 16-bit caches at head sizes 64 and 128
-/// (QK = V): at 64 the pipelined one (`prefill_wgp_*`; `ATTN_PREFILL_KERNEL=wg` picks the
-/// other), at 128 `prefill_wg_*`. `ATTN_PREFILL_KERNEL=mma`, and every other case, the
-/// `mma.sync` kernel.
+/// (QK = V): at 64 the warp-specialised persistent one (`prefill_wgs_*`;
+/// `ATTN_PREFILL_KERNEL=wgp` picks the pipelined one, `wg` the first), at 128 `prefill_wg_*`.
+/// `ATTN_PREFILL_KERNEL=mma`, and every other case, the `mma.sync` kernel.
 pub(crate) fn prefill_kernel(dev: &AttnDevice, q: DType, fp8: bool, dk: usize, dv: usize) -> PrefillKernel {
     let forced = std::env::var("ATTN_PREFILL_KERNEL").unwrap_or_default();
     let hopper = dev.ptx_target() == "sm_90a" && !fp8 && dk == dv && hopper_prefill::HEAD_SIZES.contains(&(dk as u32)) && forced != "mma";
-    if hopper && hopper_prefill::PIPE_HEAD_SIZES.contains(&(dk as u32)) && forced != "wg" {
+    if hopper && hopper_prefill::WS_HEAD_SIZES.contains(&(dk as u32)) && forced != "wg" && forced != "wgp" {
+        PrefillKernel {
+            name: format!("prefill_wgs_{}_d{dk}", q.kernel_name()),
+            block_m: hopper_prefill::BLOCK_M,
+            threads: hopper_prefill::WS_THREADS,
+            smem: hopper_prefill::ws_layout(dk as u32).total,
+            persistent: true,
+        }
+    } else if hopper && hopper_prefill::PIPE_HEAD_SIZES.contains(&(dk as u32)) && forced != "wg" {
         PrefillKernel {
             name: format!("prefill_wgp_{}_d{dk}", q.kernel_name()),
             block_m: hopper_prefill::BLOCK_M,
             threads: hopper_prefill::THREADS,
             smem: hopper_prefill::pipelined_layout(dk as u32).total,
+            persistent: false,
         }
     } else if hopper {
         PrefillKernel {
@@ -208,6 +225,7 @@ pub(crate) fn prefill_kernel(dev: &AttnDevice, q: DType, fp8: bool, dk: usize, d
             block_m: hopper_prefill::BLOCK_M,
             threads: hopper_prefill::THREADS,
             smem: hopper_prefill::shared_layout(dk as u32).total,
+            persistent: false,
         }
     } else {
         PrefillKernel {
@@ -215,6 +233,7 @@ pub(crate) fn prefill_kernel(dev: &AttnDevice, q: DType, fp8: bool, dk: usize, d
             block_m: block_m(dk as u32, dv as u32, false, fp8),
             threads: THREADS,
             smem: shared_layout(dk as u32, dv as u32, false, fp8).total,
+            persistent: false,
         }
     }
 }
@@ -392,6 +411,9 @@ pub fn prefill(
         causal: opts.causal as u32,
         ..PrefillParams::default()
     };
-    dev.launch_pdl(stream, &kernel.name, ((plan.items.len() * num_kv_heads) as u32, 1, 1), kernel.threads, kernel.smem, p)?;
+    let ctas = (plan.items.len() * num_kv_heads) as u32;
+    let (sched_ptr, _o3) = ws.sched.device_ptr_mut(stream);
+    let (grid, p) = if kernel.persistent { (ctas.min(dev.sm_count()), PrefillParams { sched: sched_ptr, ctas, ..p }) } else { (ctas, p) };
+    dev.launch_pdl(stream, &kernel.name, (grid, 1, 1), kernel.threads, kernel.smem, p)?;
     Ok(plan)
 }

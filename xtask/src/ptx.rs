@@ -79,9 +79,15 @@ fn build_target(t: &GpuTarget, family: &str) -> Result<String, String> {
 /// Kernels that must fit `min_ctas` CTAs of `threads` threads per SM, as (name prefix, name
 /// suffix, threads, min_ctas): decode from an FP8 cache at head sizes 64 and 128 (the
 /// kernels' `fp8_direct`), whose shared memory allows three CTAs per SM and whose registers
-/// would otherwise allow two. rustc has no launch-bounds attribute for nvptx, so the
+/// would otherwise allow two; and the warp-specialised Hopper prefill. rustc has no launch-bounds attribute for nvptx, so the
 /// directives are added to the PTX here; `ptxas` then limits registers to fit.
-const LAUNCH_BOUNDS: &[(&str, &str, u32, u32)] = &[("decode_tc_", "_fp8_d64", 128, 3), ("decode_tc_", "_fp8_d128", 128, 3)];
+const LAUNCH_BOUNDS: &[(&str, &str, u32, u32)] = &[
+    ("decode_tc_", "_fp8_d64", 128, 3),
+    ("decode_tc_", "_fp8_d128", 128, 3),
+    // Three warpgroups (`attn_math::hopper_prefill::WS_THREADS`) start at 168 registers a
+    // thread; `setmaxnreg` then moves registers from the producer to the compute warps.
+    ("prefill_wgs_", "", 384, 1),
+];
 
 /// `ptx` with `.maxntid` / `.minnctapersm` after the parameter list of each kernel in
 /// [`LAUNCH_BOUNDS`].

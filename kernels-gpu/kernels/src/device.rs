@@ -58,6 +58,32 @@ pub unsafe fn atomic_or_global(addr: u64, bits: u32) {
     unsafe { asm!("red.global.or.b32 [{0}], {1};", in(reg64) addr, in(reg32) bits, options(nostack)) }
 }
 
+/// Atomically adds `v` to a global u32 and returns the value before.
+#[inline(always)]
+pub unsafe fn atomic_add_global(addr: u64, v: u32) -> u32 {
+    let old: u32;
+    unsafe { asm!("atom.global.add.u32 {0}, [{1}], {2};", out(reg32) old, in(reg64) addr, in(reg32) v, options(nostack)) };
+    old
+}
+
+/// Barrier `ID` (1..15) for `THREADS` threads (whole warps), with memory ordering among them.
+#[inline(always)]
+pub fn named_barrier<const ID: u32, const THREADS: u32>() {
+    unsafe { asm!("bar.sync {id}, {n};", id = const ID, n = const THREADS, options(nostack)) }
+}
+
+/// `setmaxnreg` (sm_90a): the executing warpgroup's registers a thread become `N`, taken from
+/// (`inc`) or given back to (`!inc`) the CTA's pool. Every thread of the warpgroup executes it.
+#[cfg(wgmma)]
+#[inline(always)]
+pub fn set_max_registers<const N: u32, const INC: bool>() {
+    if INC {
+        unsafe { asm!("setmaxnreg.inc.sync.aligned.u32 {n};", n = const N, options(nostack)) }
+    } else {
+        unsafe { asm!("setmaxnreg.dec.sync.aligned.u32 {n};", n = const N, options(nostack)) }
+    }
+}
+
 /// `shfl.sync.bfly`: the value of lane `lane ^ mask` (all 32 lanes take part).
 #[inline(always)]
 pub fn shfl_xor(x: f32, mask: u32) -> f32 {

@@ -18,6 +18,8 @@ mod decode;
 mod entry;
 #[cfg(kernels = "prefill")]
 mod fp8_direct;
+#[cfg(all(kernels = "prefill", wgmma))]
+mod mbarrier;
 #[cfg(kernels = "attention")]
 mod merge;
 #[cfg(kernels = "prefill")]
@@ -30,6 +32,8 @@ mod prefill_entry;
 mod prefill_hopper;
 #[cfg(all(kernels = "prefill", wgmma))]
 mod prefill_pipelined;
+#[cfg(all(kernels = "prefill", wgmma))]
+mod prefill_specialized;
 #[cfg(all(kernels = "prefill", wgmma))]
 mod wgmma;
 

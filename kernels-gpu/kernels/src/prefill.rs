@@ -299,6 +299,20 @@ pub(crate) struct Work {
 }
 
 impl Work {
+    /// The fields as words, for a CTA's threads to pass a work item through shared memory.
+    #[cfg(wgmma)]
+    #[inline(always)]
+    pub fn to_words(self) -> [u32; 10] {
+        [self.req, self.split, self.q_start, self.q_len, self.seq_len, self.row0, self.live, self.kv_head, self.slice, self.v_col0]
+    }
+
+    #[cfg(wgmma)]
+    #[inline(always)]
+    pub fn from_words(w: [u32; 10]) -> Work {
+        let [req, split, q_start, q_len, seq_len, row0, live, kv_head, slice, v_col0] = w;
+        Work { req, split, q_start, q_len, seq_len, row0, live, kv_head, slice, v_col0 }
+    }
+
     /// The keys `begin..end` the CTA attends, for rows at positions `min_pos..=max_pos`: its
     /// split (keys per split: the launch's, or the device plan's header's), cut by causality
     /// and the window.
@@ -390,12 +404,18 @@ impl RowOut {
 /// Reads the CTA's work item and the request's lengths; `None` when the tile has no rows.
 #[inline(always)]
 pub(crate) unsafe fn work_item(p: &PrefillParams, bm: u32, dv: u32) -> Option<Work> {
+    unsafe { work_item_at(p, block_idx_x(), bm, dv) }
+}
+
+/// [`work_item`] of the CTA at grid index `x` (persistent kernels take several in turn).
+#[inline(always)]
+pub(crate) unsafe fn work_item_at(p: &PrefillParams, x: u32, bm: u32, dv: u32) -> Option<Work> {
     // Grid x = (work item * kv heads + kv head) * V slices + slice: the slices and kv heads of
     // one tile run together (they share its K/V tiles in L2), and the items' longest-first
     // order holds across them.
     let slices = p.v_slices.max(1);
-    let cta = block_idx_x() / slices;
-    let slice = block_idx_x() - cta * slices;
+    let cta = x / slices;
+    let slice = x - cta * slices;
     let kv_heads = p.num_q_heads / p.group;
     let item_idx = cta / kv_heads;
     let kv_head = cta - item_idx * kv_heads;

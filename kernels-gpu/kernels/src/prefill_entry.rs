@@ -96,6 +96,26 @@ prefill_pipelined_kernels!(F16, "f16": 64);
 #[cfg(wgmma)]
 prefill_pipelined_kernels!(Bf16, "bf16": 64);
 
+// The same with a producer warpgroup, persistent CTAs: `prefill_wgs_<q>_d64`.
+#[cfg(wgmma)]
+macro_rules! prefill_specialized_kernels {
+    ($q:ident, $qname:literal: $($d:literal),*) => {
+        $(
+            const _: () = {
+                #[unsafe(export_name = concat!("prefill_wgs_", $qname, "_d", $d))]
+                unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+                    unsafe { crate::prefill_specialized::prefill_specialized::<$q, $d>(&p) }
+                }
+            };
+        )*
+    };
+}
+
+#[cfg(wgmma)]
+prefill_specialized_kernels!(F16, "f16": 64);
+#[cfg(wgmma)]
+prefill_specialized_kernels!(Bf16, "bf16": 64);
+
 // MLA over the latent cache: QK 576, V = the first 512 columns of the same rows, produced in
 // 128-column slices by the CTAs of a tile. `mla_<q>[_fp8]_{keys,rows}`.
 macro_rules! mla_kernels {

@@ -42,14 +42,14 @@ const BN: usize = BLOCK_N as usize;
 /// `t / (D / 8) + i * NT / (D / 8)`: the rows a thread copies are a whole number of 8-row
 /// groups apart, so their shared-memory addresses and table entries differ by constants.
 #[inline(always)]
-unsafe fn copy_rows<const D: usize, const ROWS: u32, const NT: u32>(dst: u32, t: u32, fallback: u64, src: impl Fn(u32) -> u64) {
+pub(crate) unsafe fn copy_rows<const D: usize, const ROWS: u32, const NT: u32>(dst: u32, t: u32, fallback: u64, src: impl Fn(u32) -> u64) {
     unsafe { copy_row_pairs::<D, ROWS, NT>([dst, dst], t, fallback, |r| (src(r), 0), false) }
 }
 
 /// [`copy_rows`] of two tiles at once (`dst[0]`, `dst[1]`; K and V) whose rows `src(r)` gives
 /// together, zero-filled together when the first is 0; only the first when `!both`.
 #[inline(always)]
-unsafe fn copy_row_pairs<const D: usize, const ROWS: u32, const NT: u32>(
+pub(crate) unsafe fn copy_row_pairs<const D: usize, const ROWS: u32, const NT: u32>(
     dst: [u32; 2],
     t: u32,
     fallback: u64,
@@ -80,7 +80,7 @@ unsafe fn copy_row_pairs<const D: usize, const ROWS: u32, const NT: u32>(
 /// values of each, then the quad's 4 lanes), as four independent chains so that the
 /// comparisons overlap.
 #[inline(always)]
-fn row_max<const NB: usize>(s: &[[f32; 4]; NB]) -> [f32; 2] {
+pub(crate) fn row_max<const NB: usize>(s: &[[f32; 4]; NB]) -> [f32; 2] {
     core::array::from_fn(|h| {
         let mut m = [f32::NEG_INFINITY; 4];
         static_for::<NB>(|n| {
@@ -95,7 +95,7 @@ fn row_max<const NB: usize>(s: &[[f32; 4]; NB]) -> [f32; 2] {
 /// Raises the row's running max to cover the block's `block_max` (base-2 units); returns the
 /// accumulator's rescale factor. Selects, no branches (an S chain is in flight).
 #[inline(always)]
-fn raise_max(st: &mut OnlineSoftmax, block_max: f32) -> f32 {
+pub(crate) fn raise_max(st: &mut OnlineSoftmax, block_max: f32) -> f32 {
     let new_max = st.max.max(block_max);
     // exp2(-inf) = 0 for a row that had seen nothing; a row that still sees nothing keeps 1.
     let factor = if new_max == f32::NEG_INFINITY { 1.0 } else { exp2(st.max - new_max) };
@@ -107,7 +107,7 @@ fn raise_max(st: &mut OnlineSoftmax, block_max: f32) -> f32 {
 /// The block's weights `2^(s * mult - max)` in place, added to the rows' denominators (four
 /// partial sums a row).
 #[inline(always)]
-fn weights<const NB: usize>(s: &mut [[f32; 4]; NB], state: &mut [OnlineSoftmax; 2], mult: f32) {
+pub(crate) fn weights<const NB: usize>(s: &mut [[f32; 4]; NB], state: &mut [OnlineSoftmax; 2], mult: f32) {
     static_for::<2>(|h| {
         // A row that has seen nothing yet keeps max -inf: its weights are all 0.
         let neg_max = if state[h].max == f32::NEG_INFINITY { 0.0 } else { -state[h].max };

@@ -79,6 +79,63 @@ pub const fn pipelined_layout(d: u32) -> HopperLayout {
     layout_of(d, PIPE_K_STAGES, PIPE_V_STAGES, PIPE_TABLE_SLOTS)
 }
 
+/// The warp-specialised kernels (`prefill_wgs_<q>_d<head_size>`, head size 64): the two
+/// warpgroups of [`THREADS`] compute (the schedule of the pipelined kernels), and a third, the
+/// producer, does every global load: it takes work items from a counter until none are left
+/// (the CTAs are persistent), looks up each tile's blocks and copies Q, K and V into rings of
+/// shared memory, each slot guarded by a pair of `mbarrier`s (filled, freed). So the next
+/// item's tables, queries and first tiles arrive while the current one finishes, and the
+/// compute warps issue no copies.
+pub const WS_THREADS: u32 = THREADS + 128;
+/// K/V stages (a stage: K then V of one tile, and its address table).
+pub const WS_STAGES: u32 = 4;
+/// Query buffers: the current item's and the next one's.
+pub const WS_Q_BUFFERS: u32 = 2;
+/// Registers a thread after `setmaxnreg`: compute and producer warpgroups. The CTA starts at
+/// 65536 / [`WS_THREADS`] (168) each; the producer gives up what the compute warps take:
+/// 2 x 128 x (232 - 168) <= 128 x (168 - 40).
+pub const WS_COMPUTE_REGS: u32 = 232;
+pub const WS_PRODUCER_REGS: u32 = 40;
+/// Head sizes with warp-specialised kernels.
+pub const WS_HEAD_SIZES: [u32; 1] = [64];
+/// u32 words of an item's descriptor in shared memory (what the producer decoded: status,
+/// the work item's fields, its key range, tiles and splits), padded to 16-byte loads.
+pub const WS_ITEM_WORDS: u32 = 16;
+
+/// Byte offsets of the warp-specialised kernels' shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WsLayout {
+    /// Query buffer b at `q + b * q_bytes`.
+    pub q: u32,
+    pub q_bytes: u32,
+    /// Stage s: K at `kv + s * 2 * tile`, V `tile` bytes after.
+    pub kv: u32,
+    pub tile: u32,
+    /// Address table of stage s at `table + s * table_slot_bytes(BLOCK_N)`.
+    pub table: u32,
+    /// Item descriptor of query buffer b at `item + b * 4 * WS_ITEM_WORDS`.
+    pub item: u32,
+    /// `mbarrier`s (8 bytes each): stage filled [WS_STAGES], stage freed [WS_STAGES], query
+    /// buffer filled [WS_Q_BUFFERS], query buffer freed [WS_Q_BUFFERS].
+    pub bars: u32,
+    /// The producer's scratch word (the item index it fetched, for its other threads).
+    pub scratch: u32,
+    pub total: u32,
+}
+
+pub const fn ws_layout(d: u32) -> WsLayout {
+    let q_bytes = BLOCK_M * d * 2;
+    let tile = BLOCK_N * d * 2;
+    let q = 0;
+    let kv = q + WS_Q_BUFFERS * q_bytes;
+    let table = kv + WS_STAGES * 2 * tile;
+    let item = table + WS_STAGES * crate::prefill::table_slot_bytes(BLOCK_N);
+    let bars = item + WS_Q_BUFFERS * 4 * WS_ITEM_WORDS;
+    let scratch = bars + 8 * 2 * (WS_STAGES + WS_Q_BUFFERS);
+    let total = scratch + 16;
+    WsLayout { q, q_bytes, kv, tile, table, item, bars, scratch, total }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -94,6 +151,22 @@ mod tests {
             assert!(l.total < 1 << 18);
             const { assert!(BLOCK_N <= THREADS && BLOCK_M == 64 * (THREADS / 128)) };
         }
+    }
+
+    #[test]
+    fn warp_specialised_layout_fits_and_aligns() {
+        for d in WS_HEAD_SIZES {
+            let l = ws_layout(d);
+            assert!(l.total <= 227 * 1024, "d{d}: {l:?}");
+            for o in [l.q, l.q_bytes, l.kv, l.tile] {
+                assert!(o.is_multiple_of(1024), "d{d}: {l:?}");
+            }
+            assert!(l.table.is_multiple_of(16) && l.item.is_multiple_of(16) && l.bars.is_multiple_of(8));
+        }
+        // setmaxnreg: the producer frees at least what the compute warps take, in steps of 8.
+        let start = (65536 / WS_THREADS) / 8 * 8;
+        assert!(THREADS * (WS_COMPUTE_REGS - start) <= 128 * (start - WS_PRODUCER_REGS));
+        assert!(WS_COMPUTE_REGS.is_multiple_of(8) && WS_PRODUCER_REGS.is_multiple_of(8) && WS_PRODUCER_REGS >= 24);
     }
 
     #[test]

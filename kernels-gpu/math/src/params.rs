@@ -244,4 +244,11 @@ pub struct PrefillParams {
     /// The grid covers the most items a step can have; the items past the step's are
     /// [`NO_WORK`]. 0 = no such plan.
     pub plan: u64,
+    /// Persistent kernels (`prefill_wgs_*`): two u32 in device memory, zero between launches:
+    /// the next CTA index to take (past the grid's own), and the CTAs that have finished (the
+    /// last one zeroes both). 0 for the other kernels.
+    pub sched: u64,
+    /// Persistent kernels: the CTAs of the plan (work items x kv heads), which the grid's CTAs
+    /// take in turn.
+    pub ctas: u32,
 }

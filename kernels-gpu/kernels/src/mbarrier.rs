@@ -1,0 +1,45 @@
+//! Shared-memory `mbarrier`s (sm_80+; phases tracked by parity) for the producer/consumer rings
+//! of the warp-specialised prefill kernel: a slot's "filled" barrier completes a phase when the
+//! producer's copies into it have landed, its "freed" barrier when every consumer is done with it.
+
+use core::arch::asm;
+
+/// Sets up the barrier at `bar` to complete a phase after `count` arrivals (current phase 0).
+/// The CTA must synchronise before another thread uses it.
+#[inline(always)]
+pub unsafe fn init(bar: u32, count: u32) {
+    unsafe { asm!("mbarrier.init.shared::cta.b64 [{0}], {1};", in(reg32) bar, in(reg32) count, options(nostack)) }
+}
+
+/// One arrival (release: this thread's earlier shared-memory writes are visible to a thread
+/// whose wait sees the phase complete).
+#[inline(always)]
+pub unsafe fn arrive(bar: u32) {
+    unsafe { asm!("mbarrier.arrive.shared::cta.b64 _, [{0}];", in(reg32) bar, options(nostack)) }
+}
+
+/// Holds the barrier's current phase open until this thread's `cp.async`s issued so far have
+/// landed (the pending count rises now and falls when they complete); the thread still
+/// [`arrive`]s as usual.
+#[inline(always)]
+pub unsafe fn arrive_on_copies(bar: u32) {
+    unsafe { asm!("cp.async.mbarrier.arrive.shared::cta.b64 [{0}];", in(reg32) bar, options(nostack)) }
+}
+
+/// Whether the phase of parity `parity` has completed (a fresh barrier counts the phase before
+/// its first, parity 1, as complete). `try_wait` may suspend the thread a while before it says no.
+#[inline(always)]
+pub unsafe fn try_wait(bar: u32, parity: u32) -> bool {
+    let done: u32;
+    unsafe {
+        asm!("{{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [{1}], {2}; selp.u32 {0}, 1, 0, p; }}",
+             out(reg32) done, in(reg32) bar, in(reg32) parity, options(nostack));
+    }
+    done != 0
+}
+
+/// Waits until the phase of parity `parity` has completed (acquire).
+#[inline(always)]
+pub unsafe fn wait(bar: u32, parity: u32) {
+    while !unsafe { try_wait(bar, parity) } {}
+}

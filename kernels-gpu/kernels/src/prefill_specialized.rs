@@ -1,0 +1,435 @@
+//! Hopper prefill with a producer warpgroup (`prefill_wgs_<q>_d64`, sm_90a; geometry in
+//! `attn_math::hopper_prefill::ws_layout`).
+//!
+//! The pipelined kernel ([`crate::prefill_pipelined`]) spends a quarter of its time at 8 x 2048
+//! outside its key loop: each CTA looks up its work item and first blocks, and waits for its
+//! first tiles, while nothing else runs on its SM; and its compute warps issue every copy. Here
+//! the CTA has a third warpgroup, the producer, and the CTAs are persistent:
+//! - the producer takes work items (the grid's own first, then from the counter at
+//!   `p.sched`), decodes each into a descriptor in shared memory, copies its queries into one of
+//!   two query buffers, and for each key tile looks up the blocks, writes the tile's address
+//!   table and copies K and V into a ring of [`WS_STAGES`] stages. Every buffer has a "filled"
+//!   `mbarrier` (the producer's `cp.async`s land, then it arrives) and a "freed" one (each
+//!   compute warp arrives when done with it);
+//! - the two compute warpgroups run the pipelined kernel's schedule on whatever the rings hold,
+//!   item after item; the next item's queries and first tiles are already there when one ends.
+//!
+//! `setmaxnreg` moves registers from the producer (which needs few) to the compute warps.
+
+use crate::device::{
+    atomic_add_global, atomic_or_global, block_idx_x, dynamic_shared, grid_dim_x, named_barrier, pdl_prologue, set_max_registers, shfl_xor,
+    static_for, sync_threads, thread_idx_x, vote_any,
+};
+use crate::mbarrier;
+use crate::mma::{
+    cp_async_wait, fence_proxy_async_shared, ld_shared_u64x2, ld_shared_v4, shared_addr, st_shared_u32, st_shared_u64x2, st_shared_v4,
+    wgmma_desc,
+};
+use crate::prefill::{work_item_at, KvSource, Logits, RowInfo, RowOut, Work};
+use crate::prefill_pipelined::{copy_row_pairs, copy_rows, raise_max, row_max, weights};
+use crate::vec_io::{load_u32_nc, store4};
+use crate::wgmma::{wait_pv64, wait_scores64, WgmmaTiles};
+use attn_math::hopper_prefill::{
+    group_bytes, ws_layout, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_Q_BUFFERS, WS_STAGES,
+};
+use attn_math::params::PrefillParams;
+use attn_math::prefill::{table_slot_bytes, TABLE_ENTRY};
+use attn_math::softmax::OnlineSoftmax;
+use attn_math::status::BLOCK_OUT_OF_RANGE;
+
+/// Threads of the producer warpgroup.
+const PRODUCERS: u32 = 128;
+/// Named barrier of the producer warpgroup (0 is the CTA's).
+const PRODUCER_BARRIER: u32 = 1;
+
+/// An item descriptor's first word.
+const ITEM_NONE: u32 = 0;
+const ITEM_WORK: u32 = 1;
+const ITEM_END: u32 = 2;
+
+/// The shared-memory rings, indexed by ring position (the CTA's key tiles counted across its
+/// items) or by item count.
+#[derive(Clone, Copy)]
+struct Rings {
+    smem: u32,
+    l: WsLayout,
+}
+
+impl Rings {
+    #[inline(always)]
+    fn stage(u: u32) -> u32 {
+        u % WS_STAGES
+    }
+
+    /// Parity of position `u`'s use of its stage (uses alternate phases).
+    #[inline(always)]
+    fn parity(u: u32) -> u32 {
+        (u / WS_STAGES) & 1
+    }
+
+    #[inline(always)]
+    fn k(&self, u: u32) -> u32 {
+        self.smem + self.l.kv + Self::stage(u) * 2 * self.l.tile
+    }
+
+    #[inline(always)]
+    fn v(&self, u: u32) -> u32 {
+        self.k(u) + self.l.tile
+    }
+
+    #[inline(always)]
+    fn table(&self, u: u32) -> u32 {
+        self.smem + self.l.table + Self::stage(u) * table_slot_bytes(BLOCK_N)
+    }
+
+    #[inline(always)]
+    fn filled(&self, u: u32) -> u32 {
+        self.smem + self.l.bars + 8 * Self::stage(u)
+    }
+
+    #[inline(always)]
+    fn freed(&self, u: u32) -> u32 {
+        self.smem + self.l.bars + 8 * (WS_STAGES + Self::stage(u))
+    }
+
+    #[inline(always)]
+    fn q(&self, k: u32) -> u32 {
+        self.smem + self.l.q + (k % WS_Q_BUFFERS) * self.l.q_bytes
+    }
+
+    #[inline(always)]
+    fn item(&self, k: u32) -> u32 {
+        self.smem + self.l.item + (k % WS_Q_BUFFERS) * 4 * WS_ITEM_WORDS
+    }
+
+    #[inline(always)]
+    fn q_filled(&self, k: u32) -> u32 {
+        self.smem + self.l.bars + 8 * (2 * WS_STAGES + k % WS_Q_BUFFERS)
+    }
+
+    #[inline(always)]
+    fn q_freed(&self, k: u32) -> u32 {
+        self.smem + self.l.bars + 8 * (2 * WS_STAGES + WS_Q_BUFFERS + k % WS_Q_BUFFERS)
+    }
+
+    #[inline(always)]
+    fn q_parity(k: u32) -> u32 {
+        (k / WS_Q_BUFFERS) & 1
+    }
+}
+
+/// A decoded item: the descriptor's words.
+#[derive(Clone, Copy)]
+struct Item {
+    status: u32,
+    work: Work,
+    begin: u32,
+    end: u32,
+    n_tiles: u32,
+    num_splits: u32,
+}
+
+impl Item {
+    /// Decodes grid index `x` (`ITEM_END` past the plan's CTAs).
+    #[inline(always)]
+    unsafe fn decode<const D: usize>(p: &PrefillParams, x: u32) -> [u32; 16] {
+        let mut d = [ITEM_NONE; 16];
+        if x >= p.ctas {
+            d[0] = ITEM_END;
+            return d;
+        }
+        let Some(w) = (unsafe { work_item_at(p, x, BLOCK_M, D as u32) }) else { return d };
+        let (min_pos, max_pos) = unsafe { (w.row(p, 0).pos, w.row(p, w.live - 1).pos) };
+        let (begin, end) = unsafe { w.key_range(p, min_pos, max_pos) };
+        d[0] = ITEM_WORK;
+        d[1..11].copy_from_slice(&w.to_words());
+        d[11] = begin;
+        d[12] = end;
+        d[13] = if end > begin { (end - begin).div_ceil(BLOCK_N) } else { 0 };
+        d[14] = if p.req_num_splits != 0 { unsafe { load_u32_nc(p.req_num_splits + w.req as u64 * 4) } } else { 1 };
+        d
+    }
+
+    #[inline(always)]
+    unsafe fn store(addr: u32, d: &[u32; 16]) {
+        static_for::<4>(|i| unsafe { st_shared_v4(addr + 16 * i as u32, [d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]]) });
+    }
+
+    #[inline(always)]
+    unsafe fn load(addr: u32) -> Item {
+        let mut d = [0u32; 16];
+        static_for::<4>(|i| d[4 * i..4 * i + 4].copy_from_slice(&unsafe { ld_shared_v4(addr + 16 * i as u32) }));
+        let mut w = [0u32; 10];
+        w.copy_from_slice(&d[1..11]);
+        Item { status: d[0], work: Work::from_words(w), begin: d[11], end: d[12], n_tiles: d[13], num_splits: d[14] }
+    }
+}
+
+/// The kernel for head size `D` (QK = V) and 16-bit Q, K, V of type `Q`.
+#[inline(always)]
+pub unsafe fn prefill_specialized<Q: WgmmaTiles, const D: usize>(p: &PrefillParams) {
+    // Programmatic dependent launch: wait for the cache write before reading anything.
+    pdl_prologue();
+    const { assert!(D == 64) };
+    let tid = thread_idx_x();
+    let rings = Rings { smem: shared_addr(dynamic_shared::<u8>()), l: ws_layout(D as u32) };
+    if tid == 0 {
+        for u in 0..WS_STAGES {
+            unsafe { mbarrier::init(rings.filled(u), PRODUCERS) };
+            unsafe { mbarrier::init(rings.freed(u), THREADS / 32) };
+        }
+        for k in 0..WS_Q_BUFFERS {
+            unsafe { mbarrier::init(rings.q_filled(k), PRODUCERS) };
+            unsafe { mbarrier::init(rings.q_freed(k), THREADS / 32) };
+        }
+    }
+    sync_threads();
+    if tid >= THREADS {
+        set_max_registers::<WS_PRODUCER_REGS, false>();
+        unsafe { produce::<D>(p, rings, tid - THREADS) };
+    } else {
+        set_max_registers::<WS_COMPUTE_REGS, true>();
+        unsafe { consume::<Q, D>(p, rings, tid) };
+    }
+}
+
+/// The producer warpgroup (`t`: its thread index): items, queries, tables and K/V tiles into
+/// the rings, until the items run out.
+#[inline(always)]
+unsafe fn produce<const D: usize>(p: &PrefillParams, rings: Rings, t: u32) {
+    let mut u = 0u32;
+    let mut k = 0u32;
+    loop {
+        unsafe { mbarrier::wait(rings.q_freed(k), Rings::q_parity(k) ^ 1) };
+        if t == 0 {
+            // The grid's own index first, then the counter's (which starts past the grid).
+            let x = if k == 0 { block_idx_x() } else { grid_dim_x() + unsafe { atomic_add_global(p.sched, 1) } };
+            unsafe { Item::store(rings.item(k), &Item::decode::<D>(p, x)) };
+        }
+        named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
+        let it = unsafe { Item::load(rings.item(k)) };
+        let w = it.work;
+        if it.status == ITEM_WORK && it.n_tiles > 0 {
+            let q_row = |r: u32| {
+                let gr = w.row0 + r.min(w.live - 1);
+                let tok = gr / p.group;
+                let head = w.kv_head * p.group + (gr - tok * p.group);
+                p.q + ((w.q_start + tok) as u64 * p.q_token_stride + head as u64 * p.q_head_stride) * 2
+            };
+            unsafe { copy_rows::<D, BLOCK_M, PRODUCERS>(rings.q(k), t, p.q, q_row) };
+        }
+        unsafe {
+            mbarrier::arrive_on_copies(rings.q_filled(k));
+            mbarrier::arrive(rings.q_filled(k));
+        }
+        if it.status == ITEM_END {
+            break;
+        }
+        if it.status == ITEM_WORK && it.n_tiles > 0 {
+            let src = unsafe { KvSource::of(p, &w) };
+            let key_of = |j: u32| it.begin + j * BLOCK_N + t;
+            let locate = |j: u32| if key_of(j) < it.end { unsafe { src.locate(p, key_of(j)) } } else { -1 };
+            let mut loc = locate(0);
+            let mut j = 0;
+            while j < it.n_tiles {
+                let table = rings.table(u);
+                unsafe { mbarrier::wait(rings.freed(u), Rings::parity(u) ^ 1) };
+                // This thread's key's entry and its warp's bad-block flag (as `KeyTables::fill`).
+                let key = key_of(j);
+                let (ka, va) = if key < it.end { src.addresses(p, key, loc, 2) } else { (0, 0) };
+                unsafe { st_shared_u64x2(table + t * TABLE_ENTRY, ka, va) };
+                let bad = key < it.end && ka == 0;
+                if bad {
+                    unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
+                }
+                let any_bad = vote_any(bad);
+                if t.is_multiple_of(32) {
+                    unsafe { st_shared_u32(table + BLOCK_N * TABLE_ENTRY + (t / 32) * 4, any_bad as u32) };
+                }
+                if j + 1 < it.n_tiles {
+                    loc = locate(j + 1);
+                }
+                named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
+                unsafe {
+                    copy_row_pairs::<D, BLOCK_N, PRODUCERS>(
+                        [rings.k(u), rings.v(u)],
+                        t,
+                        p.q,
+                        |r| ld_shared_u64x2(table + r * TABLE_ENTRY),
+                        true,
+                    );
+                    mbarrier::arrive_on_copies(rings.filled(u));
+                    mbarrier::arrive(rings.filled(u));
+                }
+                u += 1;
+                j += 1;
+            }
+        }
+        k += 1;
+    }
+    // The last CTA to finish zeroes the counters for the next launch (every other CTA has
+    // taken its last index by then).
+    if t == 0 && unsafe { atomic_add_global(p.sched + 4, 1) } == grid_dim_x() - 1 {
+        unsafe {
+            store4(p.sched, 0);
+            store4(p.sched + 4, 0);
+        }
+    }
+    cp_async_wait::<0>();
+}
+
+/// The compute warpgroups (`tid` < [`THREADS`]): the pipelined kernel's schedule over the
+/// rings, item after item.
+#[inline(always)]
+unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &PrefillParams, rings: Rings, tid: u32) {
+    let (warp, lane) = (tid / 32, tid % 32);
+    let (g, t4) = (lane / 4, lane % 4);
+    let wg = warp / 4;
+    let gb = group_bytes(D as u32);
+    let k_desc = |addr: u32| wgmma_desc(addr, 16, gb, true);
+    let v_desc = |addr: u32| wgmma_desc(addr, 1024, gb, true);
+    // Half tile `h` (keys 64h..64h+63) of a K or V stage.
+    let half = |stage: u32, h: u32| stage + h * 64 * D as u32 * 2;
+    // Tile `u` has landed and is visible to this thread's `wgmma`s.
+    let wait_filled = |u: u32| unsafe {
+        mbarrier::wait(rings.filled(u), Rings::parity(u));
+        fence_proxy_async_shared();
+    };
+    // This warp is done with `bar`'s buffer (its `wgmma`s that read it have retired).
+    let release = |bar: u32| {
+        if lane == 0 {
+            unsafe { mbarrier::arrive(bar) };
+        }
+    };
+    let mut u = 0u32;
+    let mut k = 0u32;
+    loop {
+        unsafe { mbarrier::wait(rings.q_filled(k), Rings::q_parity(k)) };
+        let it = unsafe { Item::load(rings.item(k)) };
+        if it.status == ITEM_END {
+            break;
+        }
+        if it.status != ITEM_WORK {
+            release(rings.q_freed(k));
+            k += 1;
+            continue;
+        }
+        let w = it.work;
+        let (end, n_tiles) = (it.end, it.n_tiles);
+        let warp_row0 = 16 * warp;
+        let rows: [[RowInfo; 2]; 1] = [unsafe { [w.row(p, warp_row0 + g), w.row(p, warp_row0 + g + 8)] }];
+        let warp_pos = unsafe { (w.row(p, warp_row0).pos, w.row(p, warp_row0 + 15).pos) };
+        let logits = Logits::new(p, p.scale_log2, end);
+        let mult = logits.mult();
+        let q_desc = wgmma_desc(rings.q(k) + 64 * wg * 2 * D as u32, 16, gb, true);
+
+        // The quad's partial sums, then the output (or the split's partial) per row. The item
+        // is read again from its descriptor rather than kept in registers through the loop.
+        let finish = |o: &[[f32; 4]; 16], state: [OnlineSoftmax; 2]| {
+            let it = unsafe { Item::load(rings.item(k)) };
+            let w = it.work;
+            static_for::<2>(|h| {
+                let mut st = state[h];
+                st.sum += shfl_xor(st.sum, 1);
+                st.sum += shfl_xor(st.sum, 2);
+                let r = warp_row0 + g + 8 * h as u32;
+                if r >= w.live {
+                    return;
+                }
+                let out = unsafe { RowOut::new::<D>(p, &w, &w.row(p, r), st, it.num_splits, t4 == 0, 1.0) };
+                static_for::<16>(|n| {
+                    if n < D / 8 {
+                        unsafe { out.store_pair::<Q>(n as u32 * 8 + 2 * t4, o[n][2 * h], o[n][2 * h + 1]) };
+                    }
+                });
+            });
+        };
+        if n_tiles == 0 {
+            finish(&[[0.0; 4]; 16], [OnlineSoftmax::EMPTY; 2]);
+        } else {
+            let mut state = [OnlineSoftmax::EMPTY; 2];
+            let mut o = [[0.0f32; 4]; 16];
+            // The weights of the previous half tile, read by its in-flight P V.
+            let mut pf = [[0u32; 4]; 4];
+            wait_filled(u);
+            // S of the current half tile, retired.
+            let mut s = unsafe { wait_scores64::<0>(Q::scores_64x64_async::<D>(q_desc, k_desc(half(rings.k(u), 0)))) };
+            // The softmax of half `h` of tile `j` (S in `s`, every chain before it retired but P V
+            // of the previous half, and `$next` in flight), then its P V issued.
+            macro_rules! softmax_pv {
+                ($j:expr, $h:literal, $wait_pv:literal) => {{
+                    let (j, h): (u32, u32) = ($j, $h);
+                    let uj = u + j;
+                    let mut st = [s];
+                    let kt = it.begin + j * BLOCK_N + 64 * h;
+                    let table = rings.table(uj);
+                    let (flags, table) = (table + BLOCK_N * TABLE_ENTRY + 8 * h, table + 64 * h * TABLE_ENTRY);
+                    unsafe { logits.apply::<1, 8, 64>(&mut st, &rows, kt, warp_pos, flags, table) };
+                    let [mut s_cur] = st;
+                    let m = row_max(&s_cur);
+                    // Retire P V of the previous half (O and its weights) before rescaling O.
+                    unsafe { wait_pv64::<$wait_pv, D>(&mut o, &pf) };
+                    if h == 0 && j > 0 {
+                        // P V of tile j - 1 has retired: its stage is free.
+                        release(rings.freed(uj - 1));
+                    }
+                    static_for::<2>(|r| {
+                        let factor = raise_max(&mut state[r], m[r] * mult);
+                        static_for::<16>(|n| {
+                            if n < D / 8 {
+                                o[n][2 * r] *= factor;
+                                o[n][2 * r + 1] *= factor;
+                            }
+                        });
+                    });
+                    weights(&mut s_cur, &mut state, mult);
+                    pf = core::array::from_fn(|kk| {
+                        [
+                            Q::pack2(s_cur[2 * kk][0], s_cur[2 * kk][1]),
+                            Q::pack2(s_cur[2 * kk][2], s_cur[2 * kk][3]),
+                            Q::pack2(s_cur[2 * kk + 1][0], s_cur[2 * kk + 1][1]),
+                            Q::pack2(s_cur[2 * kk + 1][2], s_cur[2 * kk + 1][3]),
+                        ]
+                    });
+                    unsafe { Q::pv_64xd_k64_async::<D>(&mut o, &pf, v_desc(half(rings.v(uj), h))) };
+                }};
+            }
+            // One tile `j` (`$last`: no next tile, so no S of its first half to run ahead).
+            macro_rules! step {
+                ($j:expr, $last:literal) => {{
+                    let j: u32 = $j;
+                    let uj = u + j;
+                    let s_next = unsafe { Q::scores_64x64_async::<D>(q_desc, k_desc(half(rings.k(uj), 1))) };
+                    // In flight: P V of j - 1's second half, S of j's second half.
+                    softmax_pv!(j, 0, 1);
+                    // In flight: S of j's second half, P V of its first.
+                    s = unsafe { wait_scores64::<1>(s_next) };
+                    if $last {
+                        softmax_pv!(j, 1, 0);
+                    } else {
+                        wait_filled(uj + 1);
+                        let s_next = unsafe { Q::scores_64x64_async::<D>(q_desc, k_desc(half(rings.k(uj + 1), 0))) };
+                        // In flight: P V of j's first half, S of j + 1's first half.
+                        softmax_pv!(j, 1, 1);
+                        // In flight: S of j + 1's first half, P V of j's second.
+                        s = unsafe { wait_scores64::<1>(s_next) };
+                    }
+                }};
+            }
+            let mut j = 0;
+            while j + 1 < n_tiles {
+                step!(j, false);
+                j += 1;
+            }
+            step!(n_tiles - 1, true);
+            let _ = s;
+            unsafe { wait_pv64::<0, D>(&mut o, &pf) };
+            release(rings.freed(u + n_tiles - 1));
+            finish(&o, state);
+        }
+        // The item's queries and descriptor are no longer read.
+        release(rings.q_freed(k));
+        u += n_tiles;
+        k += 1;
+    }
+}
