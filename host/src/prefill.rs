@@ -203,30 +203,21 @@ pub(crate) struct PrefillKernel {
 pub(crate) fn prefill_kernel(dev: &AttnDevice, q: DType, fp8: bool, dk: usize, dv: usize) -> PrefillKernel {
     let forced = std::env::var("ATTN_PREFILL_KERNEL").unwrap_or_default();
     let hopper = dev.ptx_target() == "sm_90a" && !fp8 && dk == dv && hopper_prefill::HEAD_SIZES.contains(&(dk as u32)) && forced != "mma";
-    if hopper && hopper_prefill::WS_HEAD_SIZES.contains(&(dk as u32)) && forced != "wg" && forced != "wgp" {
-        PrefillKernel {
-            name: format!("prefill_wgs_{}_d{dk}", q.kernel_name()),
-            block_m: hopper_prefill::BLOCK_M,
-            threads: hopper_prefill::WS_THREADS,
-            smem: hopper_prefill::ws_layout(dk as u32).total,
-            persistent: true,
-        }
-    } else if hopper && hopper_prefill::PIPE_HEAD_SIZES.contains(&(dk as u32)) && forced != "wg" {
-        PrefillKernel {
-            name: format!("prefill_wgp_{}_d{dk}", q.kernel_name()),
-            block_m: hopper_prefill::BLOCK_M,
-            threads: hopper_prefill::THREADS,
-            smem: hopper_prefill::pipelined_layout(dk as u32).total,
-            persistent: false,
-        }
+    // The three Hopper kernels differ in name, threads, shared memory and persistence.
+    let hopper_kernel = |kind: &str, threads: u32, smem: u32, persistent: bool| PrefillKernel {
+        name: format!("prefill_{kind}_{}_d{dk}", q.kernel_name()),
+        block_m: hopper_prefill::BLOCK_M,
+        threads,
+        smem,
+        persistent,
+    };
+    let d = dk as u32;
+    if hopper && hopper_prefill::WS_HEAD_SIZES.contains(&d) && forced != "wg" && forced != "wgp" {
+        hopper_kernel("wgs", hopper_prefill::WS_THREADS, hopper_prefill::ws_layout(d).total, true)
+    } else if hopper && hopper_prefill::PIPE_HEAD_SIZES.contains(&d) && forced != "wg" {
+        hopper_kernel("wgp", hopper_prefill::THREADS, hopper_prefill::pipelined_layout(d).total, false)
     } else if hopper {
-        PrefillKernel {
-            name: format!("prefill_wg_{}_d{dk}", q.kernel_name()),
-            block_m: hopper_prefill::BLOCK_M,
-            threads: hopper_prefill::THREADS,
-            smem: hopper_prefill::shared_layout(dk as u32).total,
-            persistent: false,
-        }
+        hopper_kernel("wg", hopper_prefill::THREADS, hopper_prefill::shared_layout(d).total, false)
     } else {
         PrefillKernel {
             name: format!("prefill_{}{}_dk{dk}_dv{dv}", q.kernel_name(), if fp8 { "_fp8" } else { "" }),
