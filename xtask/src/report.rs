@@ -78,10 +78,6 @@ fn stack_allowed(kernel: &str) -> u32 {
     SMALL_SPILLS_ALLOWED.iter().find(|(prefix, _)| kernel.starts_with(prefix)).map_or(0, |&(_, bytes)| bytes)
 }
 
-/// Kernels whose `wgmma` chains `ptxas` may serialise without failing the report (see the
-/// comment where it is checked).
-const SERIALISED_ALLOWED: &[&str] = &["'prefill_wgs_"];
-
 pub fn ptx_report() -> Result<(), String> {
     let ptxas = find_ptxas();
     let (mut spills, mut stack) = (0, 0);
@@ -105,12 +101,7 @@ pub fn ptx_report() -> Result<(), String> {
         let _ = std::fs::remove_file(out_file);
         // `ptxas` serialising `wgmma` chains (C7510-C7520: an accumulator read in flight, too
         // few registers, a divergent path) undoes what the Hopper prefill kernels are built for.
-        // Known exception: the warp-specialised kernels (`prefill_wgs_*`) are serialised (C7514)
-        // and still beat the pipelined ones by 20%; see BENCHMARKS.md (tenth session).
-        let serialised: Vec<&str> = log
-            .lines()
-            .filter(|l| l.contains("wgmma.mma_async instructions are serialized") && !SERIALISED_ALLOWED.iter().any(|k| l.contains(k)))
-            .collect();
+        let serialised: Vec<&str> = log.lines().filter(|l| l.contains("wgmma.mma_async instructions are serialized")).collect();
         if !serialised.is_empty() {
             return Err(format!("{}/{family}: ptxas serialises wgmma:\n{}", t.name, serialised.join("\n")));
         }

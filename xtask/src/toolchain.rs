@@ -24,7 +24,7 @@ pub const FAMILIES: &[&str] = &["cache_write", "attention", "prefill"];
 /// Every target the host embeds. Adding one is one line here (and the host picks it up by name).
 pub const TARGETS: &[GpuTarget] = &[
     GpuTarget { name: "sm_80", cpu: "sm_80", features: "+ptx70", cfgs: &[] },
-    GpuTarget { name: "sm_90a", cpu: "sm_90a", features: "+ptx80", cfgs: &["hw_fp8", "pdl", "wgmma"] },
+    GpuTarget { name: "sm_90a", cpu: "sm_90a", features: "+ptx80", cfgs: &["hw_fp8", "pdl", "wgmma", "l2_prefetch"] },
 ];
 
 /// A `Command` for the pinned nightly, cleared of what an outer cargo (running this xtask)

@@ -400,7 +400,7 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &PrefillParams, rings: Rings
                     let j: u32 = $j;
                     let uj = u + j;
                     let s_next = unsafe { Q::scores_64x64_async::<D>(q_desc, k_desc(half(rings.k(uj), 1))) };
-                    // In flight: P V of j - 1's second half, S of j's second half.
+                    // In flight: S of j's second half (P V of j - 1 retired at the end of its step).
                     softmax_pv!(j, 0, 1);
                     // In flight: S of j's second half, P V of its first.
                     s = unsafe { wait_scores64::<1>(s_next) };
@@ -411,8 +411,12 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &PrefillParams, rings: Rings
                         let s_next = unsafe { Q::scores_64x64_async::<D>(q_desc, k_desc(half(rings.k(uj + 1), 0))) };
                         // In flight: P V of j's first half, S of j + 1's first half.
                         softmax_pv!(j, 1, 1);
-                        // In flight: S of j + 1's first half, P V of j's second.
-                        s = unsafe { wait_scores64::<1>(s_next) };
+                        // In flight: S of j + 1's first half, P V of j's second. Both are
+                        // retired: with a P V chain in flight across the loop's back edge and O
+                        // read after the loop, `ptxas` serialised every chain of this kernel
+                        // (C7514). Waiting costs one P V's latency a tile, which the other
+                        // warpgroup's chains cover.
+                        s = unsafe { wait_scores64::<0>(s_next) };
                     }
                 }};
             }

@@ -93,9 +93,10 @@ pub const WS_STAGES: u32 = 4;
 pub const WS_Q_BUFFERS: u32 = 2;
 /// Registers a thread after `setmaxnreg`: compute and producer warpgroups. The CTA starts at
 /// 65536 / [`WS_THREADS`] (168) each; the producer gives up what the compute warps take:
-/// 2 x 128 x (232 - 168) <= 128 x (168 - 40).
-pub const WS_COMPUTE_REGS: u32 = 232;
-pub const WS_PRODUCER_REGS: u32 = 40;
+/// 2 x 128 x (224 - 168) <= 128 x (168 - 56). The compute warps use 197 (`ptxas`, eleventh
+/// session) and the producer spilled at 40.
+pub const WS_COMPUTE_REGS: u32 = 224;
+pub const WS_PRODUCER_REGS: u32 = 56;
 /// Head sizes with warp-specialised kernels.
 pub const WS_HEAD_SIZES: [u32; 1] = [64];
 /// u32 words of an item's descriptor in shared memory (what the producer decoded: status,
