@@ -223,7 +223,7 @@ fn cases() -> Vec<(String, Case, &'static str)> {
         push(format!("bf16::head_size_{dk}"), Case { dk, dv, ..Case::base(&[17, 300, 129]) }, "bf16");
         push(format!("f16::head_size_{dk}_chunked"), Case { dk, dv, q_lens: Some(vec![5, 100, 33]), ..Case::base(&[17, 300, 129]) }, "f16");
     }
-    // Head size 64 runs its own kernel on Hopper (`prefill_wgp_*`, half tiles in flight): the
+    // Head size 64 runs its own kernel on Hopper (`prefill_wgs_*`, persistent, half tiles in flight): the
     // lengths, 4097 keys (many tiles, the last partial), GQA 8, non-causal, every feature,
     // block size 64 and a bad block id there too.
     let d64 = |c: Case| Case { dk: 64, dv: 64, ..c };

@@ -19,6 +19,8 @@ mod entry;
 #[cfg(kernels = "prefill")]
 mod fp8_direct;
 #[cfg(all(kernels = "prefill", wgmma))]
+mod hopper_steps;
+#[cfg(all(kernels = "prefill", wgmma))]
 mod mbarrier;
 #[cfg(kernels = "attention")]
 mod merge;
@@ -30,8 +32,6 @@ mod prefill;
 mod prefill_entry;
 #[cfg(all(kernels = "prefill", wgmma))]
 mod prefill_hopper;
-#[cfg(all(kernels = "prefill", wgmma))]
-mod prefill_pipelined;
 #[cfg(all(kernels = "prefill", wgmma))]
 mod prefill_specialized;
 #[cfg(all(kernels = "prefill", wgmma))]

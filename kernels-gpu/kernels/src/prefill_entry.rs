@@ -76,26 +76,6 @@ prefill_hopper_kernels!(F16, "f16": 64, 128);
 #[cfg(wgmma)]
 prefill_hopper_kernels!(Bf16, "bf16": 64, 128);
 
-// The same with each warpgroup's products under its softmax: `prefill_wgp_<q>_d64`.
-#[cfg(wgmma)]
-macro_rules! prefill_pipelined_kernels {
-    ($q:ident, $qname:literal: $($d:literal),*) => {
-        $(
-            const _: () = {
-                #[unsafe(export_name = concat!("prefill_wgp_", $qname, "_d", $d))]
-                unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                    unsafe { crate::prefill_pipelined::prefill_pipelined::<$q, $d>(&p) }
-                }
-            };
-        )*
-    };
-}
-
-#[cfg(wgmma)]
-prefill_pipelined_kernels!(F16, "f16": 64);
-#[cfg(wgmma)]
-prefill_pipelined_kernels!(Bf16, "bf16": 64);
-
 // The same with a producer warpgroup, persistent CTAs: `prefill_wgs_<q>_d64`.
 #[cfg(wgmma)]
 macro_rules! prefill_specialized_kernels {

@@ -1,18 +1,34 @@
 //! Hopper prefill with a producer warpgroup (`prefill_wgs_<q>_d64`, sm_90a; geometry in
 //! `attn_math::hopper_prefill::ws_layout`).
 //!
-//! The pipelined kernel ([`crate::prefill_pipelined`]) spends a quarter of its time at 8 x 2048
-//! outside its key loop: each CTA looks up its work item and first blocks, and waits for its
-//! first tiles, while nothing else runs on its SM; and its compute warps issue every copy. Here
-//! the CTA has a third warpgroup, the producer, and the CTAs are persistent:
+//! A CTA of one kernel a work item spends a quarter of its time at 8 x 2048 outside its key
+//! loop (ninth session: looking up its work item and first blocks, waiting for its first tiles,
+//! while nothing else runs on its SM), and its compute warps issue every copy. Here the CTA
+//! has a third warpgroup, the producer, and the CTAs are persistent:
 //! - the producer takes work items (the grid's own first, then from the counter at
 //!   `p.sched`), decodes each into a descriptor in shared memory, copies its queries into one of
 //!   two query buffers, and for each key tile looks up the blocks, writes the tile's address
 //!   table and copies K and V into a ring of [`WS_STAGES`] stages. Every buffer has a "filled"
 //!   `mbarrier` (the producer's `cp.async`s land, then it arrives) and a "freed" one (each
 //!   compute warp arrives when done with it);
-//! - the two compute warpgroups run the pipelined kernel's schedule on whatever the rings hold,
-//!   item after item; the next item's queries and first tiles are already there when one ends.
+//! - the two compute warpgroups (64 query rows each) work on whatever the rings hold, item
+//!   after item; the next item's queries and first tiles are already there when one ends.
+//!
+//! A compute warpgroup works in half tiles of 64 keys (S of a half is 32 registers a thread, so
+//! two fit beside O) and keeps a chain of its own on the tensor cores while it takes each
+//! softmax. Per key tile j it
+//! 1. issues S of j's second half;
+//! 2. takes the softmax of j's first half (S retired at the end of the last step) and issues
+//!    its P V;
+//! 3. retires S of j's second half, waits until tile j + 1 has landed and issues S of its first
+//!    half;
+//! 4. retires P V of j's first half, takes the softmax of j's second half, issues its P V;
+//! 5. retires everything (S of j + 1's first half and P V of j's second).
+//!
+//! Nothing reads an in-flight chain's registers: the waits name them as operands
+//! ([`wait_scores64`] copies S out after the wait, [`wait_pv64`]), and no chain is in flight
+//! across the loop's back edge (step 5; with P V in flight there, `ptxas` serialised every
+//! chain, C7514). `cargo xtask ptx-report` fails if `ptxas` serialises the chains.
 //!
 //! `setmaxnreg` moves registers from the producer (which needs few) to the compute warps.
 
@@ -20,13 +36,13 @@ use crate::device::{
     atomic_add_global, atomic_or_global, block_idx_x, dynamic_shared, grid_dim_x, named_barrier, pdl_prologue, set_max_registers, shfl_xor,
     static_for, sync_threads, thread_idx_x, vote_any,
 };
+use crate::hopper_steps::{copy_row_pairs, copy_rows, raise_max, row_max, weights};
 use crate::mbarrier;
 use crate::mma::{
     cp_async_wait, fence_proxy_async_shared, ld_shared_u64x2, ld_shared_v4, shared_addr, st_shared_u32, st_shared_u64x2, st_shared_v4,
     wgmma_desc,
 };
 use crate::prefill::{work_item_at, KvSource, Logits, RowInfo, RowOut, Work};
-use crate::prefill_pipelined::{copy_row_pairs, copy_rows, raise_max, row_max, weights};
 use crate::vec_io::{load_u32_nc, store4};
 use crate::wgmma::{wait_pv64, wait_scores64, WgmmaTiles};
 use attn_math::hopper_prefill::{
@@ -278,7 +294,7 @@ unsafe fn produce<const D: usize>(p: &PrefillParams, rings: Rings, t: u32) {
     cp_async_wait::<0>();
 }
 
-/// The compute warpgroups (`tid` < [`THREADS`]): the pipelined kernel's schedule over the
+/// The compute warpgroups (`tid` < [`THREADS`]): the half-tile schedule (module docs) over the
 /// rings, item after item.
 #[inline(always)]
 unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &PrefillParams, rings: Rings, tid: u32) {

@@ -48,39 +48,17 @@ pub struct HopperLayout {
 
 /// Shared memory of `prefill_wg_*`: `STAGES` K and V stages and `STAGES + 1` table slots.
 pub const fn shared_layout(d: u32) -> HopperLayout {
-    layout_of(d, STAGES, STAGES, STAGES + 1)
-}
-
-/// The layout with `k_stages` K stages, `v_stages` V stages and `table_slots` table slots.
-const fn layout_of(d: u32, k_stages: u32, v_stages: u32, table_slots: u32) -> HopperLayout {
     let q = 0;
     let stage = BLOCK_N * d * 2;
     let k = q + BLOCK_M * d * 2;
-    let v = k + k_stages * stage;
-    let table = v + v_stages * stage;
-    let total = table + table_slots * crate::prefill::table_slot_bytes(BLOCK_N);
+    let v = k + STAGES * stage;
+    let table = v + STAGES * stage;
+    let total = table + (STAGES + 1) * crate::prefill::table_slot_bytes(BLOCK_N);
     HopperLayout { q, k, v, stage, table, total }
 }
 
-/// The pipelined kernels (`prefill_wgp_<q>_d<head_size>`, head size 64): a warpgroup's S of
-/// the next half tile runs on the tensor cores while it takes the softmax of this one, and P V
-/// of a half tile during the next softmax. After the barrier of tile j the CTA copies K and V
-/// of j + 2 (one table entry gives both rows): K over K of j - 1 (K of j is still read by S of
-/// its second half), V over V of j - 2 (P V of j - 1 may still run).
-pub const PIPE_K_STAGES: u32 = 3;
-pub const PIPE_V_STAGES: u32 = 4;
-/// Address-table slots: tile j's (its masks), j + 1's and j + 2's (copies), j + 3's (filled).
-pub const PIPE_TABLE_SLOTS: u32 = 4;
-/// Head sizes with pipelined kernels.
-pub const PIPE_HEAD_SIZES: [u32; 1] = [64];
-
-/// Shared memory of the pipelined kernels: Q, the K and V stages, the address tables.
-pub const fn pipelined_layout(d: u32) -> HopperLayout {
-    layout_of(d, PIPE_K_STAGES, PIPE_V_STAGES, PIPE_TABLE_SLOTS)
-}
-
 /// The warp-specialised kernels (`prefill_wgs_<q>_d<head_size>`, head size 64): the two
-/// warpgroups of [`THREADS`] compute (the schedule of the pipelined kernels), and a third, the
+/// warpgroups of [`THREADS`] compute (64 query rows each, in half tiles of 64 keys), and a third, the
 /// producer, does every global load: it takes work items from a counter until none are left
 /// (the CTAs are persistent), looks up each tile's blocks and copies Q, K and V into rings of
 /// shared memory, each slot guarded by a pair of `mbarrier`s (filled, freed). So the next
@@ -143,7 +121,7 @@ mod tests {
 
     #[test]
     fn layout_fits_and_aligns_the_swizzle_atoms() {
-        for (d, l) in HEAD_SIZES.map(|d| (d, shared_layout(d))).into_iter().chain(PIPE_HEAD_SIZES.map(|d| (d, pipelined_layout(d)))) {
+        for (d, l) in HEAD_SIZES.map(|d| (d, shared_layout(d))) {
             assert!(l.total <= 227 * 1024, "d{d}: {}", l.total);
             for o in [l.q, l.k, l.v, l.stage] {
                 assert!(o.is_multiple_of(1024), "d{d}: {l:?}");

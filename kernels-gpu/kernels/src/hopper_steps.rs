@@ -1,0 +1,95 @@
+//! The pieces of the warp-specialised Hopper prefill's key step ([`crate::prefill_specialized`]):
+//! rows copied into the swizzled `wgmma` layout, and the half-tile softmax (row max, rescale
+//! factor, weights), written for a 64-key S block of a thread's two rows.
+
+use crate::device::{fma, shfl_xor, static_for};
+use crate::mma::cp_async_16;
+use attn_math::hopper_prefill::{group_bytes, swizzled};
+use attn_math::softmax::{exp2, OnlineSoftmax};
+
+/// Copies `ROWS` rows of `D` 16-bit columns into the [`swizzled`] layout at `dst` by `NT`
+/// threads (`t`: this one's index among them); `src(r)`: row r's address, 0 to zero-fill
+/// (`fallback` named then, not read). Thread t always takes chunk `t % (D / 8)` of rows
+/// `t / (D / 8) + i * NT / (D / 8)`: the rows a thread copies are a whole number of 8-row
+/// groups apart, so their shared-memory addresses and table entries differ by constants.
+#[inline(always)]
+pub(crate) unsafe fn copy_rows<const D: usize, const ROWS: u32, const NT: u32>(dst: u32, t: u32, fallback: u64, src: impl Fn(u32) -> u64) {
+    unsafe { copy_row_pairs::<D, ROWS, NT>([dst, dst], t, fallback, |r| (src(r), 0), false) }
+}
+
+/// [`copy_rows`] of two tiles at once (`dst[0]`, `dst[1]`; K and V) whose rows `src(r)` gives
+/// together, zero-filled together when the first is 0; only the first when `!both`.
+#[inline(always)]
+pub(crate) unsafe fn copy_row_pairs<const D: usize, const ROWS: u32, const NT: u32>(
+    dst: [u32; 2],
+    t: u32,
+    fallback: u64,
+    src: impl Fn(u32) -> (u64, u64),
+    both: bool,
+) {
+    let chunks = D as u32 / 8;
+    const { assert!(NT.is_multiple_of(D as u32 / 8) && (NT / (D as u32 / 8)).is_multiple_of(8) && ROWS.is_multiple_of(NT / (D as u32 / 8))) };
+    let (c, r0) = (t % chunks, t / chunks);
+    let step = NT / chunks;
+    let off0 = swizzled(D as u32, r0, c);
+    static_for::<16>(|i| {
+        if (i as u32) < ROWS / step {
+            let (a, b) = src(r0 + i as u32 * step);
+            let valid = a != 0;
+            let bytes = if valid { 16 } else { 0 };
+            // Rows `step` apart are `step / 8` groups apart.
+            let off = off0 + i as u32 * (step / 8) * group_bytes(D as u32);
+            unsafe { cp_async_16(dst[0] + off, if valid { a + c as u64 * 16 } else { fallback }, bytes) };
+            if both {
+                unsafe { cp_async_16(dst[1] + off, if valid { b + c as u64 * 16 } else { fallback }, bytes) };
+            }
+        }
+    });
+}
+
+/// The max of each of a thread's two rows over a 64-row S block of `NB` column blocks (its
+/// values of each, then the quad's 4 lanes), as four independent chains so that the
+/// comparisons overlap.
+#[inline(always)]
+pub(crate) fn row_max<const NB: usize>(s: &[[f32; 4]; NB]) -> [f32; 2] {
+    core::array::from_fn(|h| {
+        let mut m = [f32::NEG_INFINITY; 4];
+        static_for::<NB>(|n| {
+            m[n % 4] = m[n % 4].max(s[n][2 * h]).max(s[n][2 * h + 1]);
+        });
+        let mut m = m[0].max(m[1]).max(m[2].max(m[3]));
+        m = m.max(shfl_xor(m, 1));
+        m.max(shfl_xor(m, 2))
+    })
+}
+
+/// Raises the row's running max to cover the block's `block_max` (base-2 units); returns the
+/// accumulator's rescale factor. Selects, no branches (an S chain is in flight).
+#[inline(always)]
+pub(crate) fn raise_max(st: &mut OnlineSoftmax, block_max: f32) -> f32 {
+    let new_max = st.max.max(block_max);
+    // exp2(-inf) = 0 for a row that had seen nothing; a row that still sees nothing keeps 1.
+    let factor = if new_max == f32::NEG_INFINITY { 1.0 } else { exp2(st.max - new_max) };
+    st.sum *= factor;
+    st.max = new_max;
+    factor
+}
+
+/// The block's weights `2^(s * mult - max)` in place, added to the rows' denominators (four
+/// partial sums a row).
+#[inline(always)]
+pub(crate) fn weights<const NB: usize>(s: &mut [[f32; 4]; NB], state: &mut [OnlineSoftmax; 2], mult: f32) {
+    static_for::<2>(|h| {
+        // A row that has seen nothing yet keeps max -inf: its weights are all 0.
+        let neg_max = if state[h].max == f32::NEG_INFINITY { 0.0 } else { -state[h].max };
+        let mut sum = [0.0f32; 4];
+        static_for::<NB>(|n| {
+            static_for::<2>(|e| {
+                let w = exp2(fma(s[n][2 * h + e], mult, neg_max));
+                s[n][2 * h + e] = w;
+                sum[n % 4] += w;
+            });
+        });
+        state[h].sum += (sum[0] + sum[1]) + (sum[2] + sum[3]);
+    });
+}
