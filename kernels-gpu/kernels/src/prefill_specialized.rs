@@ -336,6 +336,9 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &PrefillParams, rings: Rings
         let rows: [[RowInfo; 2]; 1] = [unsafe { [w.row(p, warp_row0 + g), w.row(p, warp_row0 + g + 8)] }];
         let warp_pos = unsafe { (w.row(p, warp_row0).pos, w.row(p, warp_row0 + 15).pos) };
         let logits = Logits::new(p, p.scale_log2, end);
+        // The last position this warpgroup's rows see (causal): keys past it are masked for all
+        // of them.
+        let wg_last_pos = if p.causal != 0 { unsafe { w.row(p, 64 * wg + 63).pos } } else { u32::MAX };
         let mult = logits.mult();
         let q_desc = wgmma_desc(rings.q(k) + 64 * wg * 2 * D as u32, 16, gb, true);
 
@@ -441,7 +444,14 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &PrefillParams, rings: Rings
                 step!(j, false);
                 j += 1;
             }
-            step!(n_tiles - 1, true);
+            // The last tile's second half is masked for every row of warpgroup 0 on an aligned
+            // diagonal (its rows end 64 positions before warpgroup 1's): it skips that half.
+            let j_last = n_tiles - 1;
+            if wg_last_pos < it.begin + j_last * BLOCK_N + 64 {
+                softmax_pv!(j_last, 0, 1);
+            } else {
+                step!(j_last, true);
+            }
             let _ = s;
             unsafe { wait_pv64::<0, D>(&mut o, &pf) };
             release(rings.freed(u + n_tiles - 1));
