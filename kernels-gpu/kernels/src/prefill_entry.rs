@@ -56,45 +56,32 @@ prefill_kernels!(Bf16, "bf16": (64, 64), (96, 96), (128, 128), (256, 256), (192,
 decode_kernels!(F16, "f16": 64, 96, 128, 256);
 decode_kernels!(Bf16, "bf16": 64, 96, 128, 256);
 
-// Prefill on Hopper's warpgroup MMA (sm_90a only): `prefill_wg_<q>_d<head_size>`.
+// Prefill on Hopper's warpgroup MMA (sm_90a only): `<prefix>_<q>_d<head_size>` running
+// `crate::$module::$func::<Q, D>`.
 #[cfg(wgmma)]
-macro_rules! prefill_hopper_kernels {
-    ($q:ident, $qname:literal: $($d:literal),*) => {
+macro_rules! prefill_wgmma_kernels {
+    ($prefix:literal, $module:ident::$func:ident, $q:ident, $qname:literal: $($d:literal),*) => {
         $(
             const _: () = {
-                #[unsafe(export_name = concat!("prefill_wg_", $qname, "_d", $d))]
+                #[unsafe(export_name = concat!($prefix, "_", $qname, "_d", $d))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                    unsafe { crate::prefill_hopper::prefill_hopper::<$q, $d>(&p) }
+                    unsafe { crate::$module::$func::<$q, $d>(&p) }
                 }
             };
         )*
     };
 }
 
+// One CTA a work item: `prefill_wg_<q>_d<head_size>`.
 #[cfg(wgmma)]
-prefill_hopper_kernels!(F16, "f16": 64, 128);
+prefill_wgmma_kernels!("prefill_wg", prefill_hopper::prefill_hopper, F16, "f16": 64, 128);
 #[cfg(wgmma)]
-prefill_hopper_kernels!(Bf16, "bf16": 64, 128);
-
-// The same with a producer warpgroup, persistent CTAs: `prefill_wgs_<q>_d64`.
+prefill_wgmma_kernels!("prefill_wg", prefill_hopper::prefill_hopper, Bf16, "bf16": 64, 128);
+// A producer warpgroup, persistent CTAs: `prefill_wgs_<q>_d64`.
 #[cfg(wgmma)]
-macro_rules! prefill_specialized_kernels {
-    ($q:ident, $qname:literal: $($d:literal),*) => {
-        $(
-            const _: () = {
-                #[unsafe(export_name = concat!("prefill_wgs_", $qname, "_d", $d))]
-                unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                    unsafe { crate::prefill_specialized::prefill_specialized::<$q, $d>(&p) }
-                }
-            };
-        )*
-    };
-}
-
+prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16": 64);
 #[cfg(wgmma)]
-prefill_specialized_kernels!(F16, "f16": 64);
-#[cfg(wgmma)]
-prefill_specialized_kernels!(Bf16, "bf16": 64);
+prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16": 64);
 
 // MLA over the latent cache: QK 576, V = the first 512 columns of the same rows, produced in
 // 128-column slices by the CTAs of a tile. `mla_<q>[_fp8]_{keys,rows}`.
