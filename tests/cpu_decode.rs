@@ -239,7 +239,7 @@ fn check_plan(
 
     // Chunk: the split planner's, doubled until the partials fit.
     let forced = match mode {
-        SplitMode::Auto => None,
+        SplitMode::Auto | SplitMode::StreamK => None,
         SplitMode::Fixed(n) => Some(n),
     };
     let base = plan_chunk(&lens, hkv as u32 * plan.row_groups, target, CHUNK_TILE, MIN_CHUNK, forced);
@@ -350,7 +350,7 @@ fn plan_decode_empty_requests_and_fixed_modes() {
                 assert!(p.chunk >= 5000 && !p.needs_merge(), "{mode:?}: {p:?}")
             }
             SplitMode::Fixed(4) => assert_eq!(p.req_num_splits[2], 4),
-            SplitMode::Auto => {}
+            SplitMode::Auto | SplitMode::StreamK => {}
             SplitMode::Fixed(_) => unreachable!(),
         }
     }

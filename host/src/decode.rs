@@ -9,6 +9,7 @@
 
 use crate::buffer::{DevIn, DevOut};
 use crate::cache_write::KvScales;
+use crate::decode_stream::{plan_stream, stream_wanted, StreamBatch, StreamPlan, MAX_STREAM_WORKERS};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
@@ -23,6 +24,7 @@ use attn_math::params::{
 use attn_math::prefill::{block_m, block_n, shared_layout};
 use attn_math::softmax::LOG2_E;
 use attn_math::split::{even_waves_chunk, num_splits, plan_chunk, EVEN_WAVES_MAX_SPLITS};
+use attn_math::stream::WARPS as STREAM_WARPS;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
@@ -58,6 +60,12 @@ pub enum SplitMode {
     /// sometimes fewer); `Fixed(1)` gives one split per request and results that do not depend
     /// on the rest of the batch (deterministic mode).
     Fixed(u32),
+    /// Stream-K (`crate::decode_stream`): a persistent grid cuts the batch's keys into equal
+    /// ranges per group of warps and merges cut requests in the kernel (no merge kernel).
+    /// Batches the kernel does not take (an empty request, more than 16 query rows per kv head,
+    /// head size 256, FP8 at 96) run as `Auto`. Opt-in while it is not faster than `Auto` on
+    /// the benchmark's shapes (BENCHMARKS.md); `ATTN_DECODE_STREAM=1` makes `Auto` use it too.
+    StreamK,
 }
 
 /// The batch's host-side metadata (the same numbers as the device buffers).
@@ -155,7 +163,7 @@ pub fn plan_decode(
     let row_groups = (max_q * group as u32).div_ceil(rows_per_cta);
     let lens: Vec<u32> = batch.seq_lens.iter().map(|&l| l as u32).collect();
     let forced = match mode {
-        SplitMode::Auto => None,
+        SplitMode::Auto | SplitMode::StreamK => None,
         SplitMode::Fixed(n) => Some(n),
     };
     let chunk = plan_chunk(&lens, (num_kv_heads as u32) * row_groups, ctas_target, CHUNK_TILE, MIN_CHUNK, forced);
@@ -283,7 +291,7 @@ pub fn plan_decode_tc(
     let TcShape { block_m: bm, block_n: bn, ctas_per_item } = shape;
     let row_tiles = (q_lens.iter().copied().max().unwrap_or(1) * group).div_ceil(bm).max(1);
     let forced = match mode {
-        SplitMode::Auto => None,
+        SplitMode::Auto | SplitMode::StreamK => None,
         SplitMode::Fixed(n) => Some(n),
     };
     let chunk = plan_chunk(&lens, ctas_per_item * row_tiles, ctas_target, bn, MIN_CHUNK, forced);
@@ -336,6 +344,10 @@ pub struct DecodeWorkspace {
     /// copy fills (four copies cost 2.6 us more a call on the H100, BENCHMARKS.md).
     plan_device: CudaSlice<u32>,
     plan_words: Vec<u32>,
+    /// Stream-K decode: a counter per warp (zero between launches), and the warps' starts of a
+    /// batch of unequal requests (`crate::decode_stream`).
+    stream_sched: CudaSlice<u32>,
+    stream_starts: CudaSlice<u32>,
     max_items: usize,
     max_reqs: usize,
     max_tokens: usize,
@@ -345,7 +357,7 @@ pub struct DecodeWorkspace {
 impl DecodeWorkspace {
     /// Device bytes [`new`](Self::new) allocates.
     pub fn bytes(partial_rows: usize, head_size: usize, max_items: usize, max_reqs: usize, max_tokens: usize) -> usize {
-        4 * (partial_rows * (head_size + 1) + plan_words(max_items, max_reqs, max_tokens))
+        4 * (partial_rows * (head_size + 1) + plan_words(max_items, max_reqs, max_tokens) + 3 * MAX_STREAM_WORKERS)
     }
 
     /// A workspace for up to `max_reqs` requests and `max_tokens` query tokens; `partial_rows`
@@ -359,6 +371,8 @@ impl DecodeWorkspace {
             partial_lse: stream.alloc_zeros(partial_rows.max(1))?,
             plan_device: stream.alloc_zeros(words)?,
             plan_words: Vec::with_capacity(words),
+            stream_sched: stream.alloc_zeros(MAX_STREAM_WORKERS)?,
+            stream_starts: stream.alloc_zeros(2 * MAX_STREAM_WORKERS)?,
             max_items,
             max_reqs,
             max_tokens,
@@ -368,6 +382,30 @@ impl DecodeWorkspace {
 
     pub fn partial_rows(&self) -> usize {
         self.partial_lse.len()
+    }
+
+    /// The partial buffers and the counters of a stream-K launch, with its warps' starts
+    /// uploaded (one small copy) when it has them and they are not on the device already.
+    pub(crate) fn stream_ptrs(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        plan: &StreamPlan,
+        starts: Option<u64>,
+    ) -> Result<(WorkspacePtrs, u64, u64)> {
+        let starts = match starts {
+            Some(ptr) => ptr,
+            None if plan.starts.is_empty() => 0,
+            None => {
+                stream.memcpy_htod(&plan.starts[..], &mut self.stream_starts.slice_mut(..plan.starts.len()))?;
+                self.stream_starts.device_ptr(stream).0
+            }
+        };
+        let wp = WorkspacePtrs {
+            partial_out: self.partial_out.device_ptr_mut(stream).0,
+            partial_lse: self.partial_lse.device_ptr_mut(stream).0,
+            ..WorkspacePtrs::default()
+        };
+        Ok((wp, self.stream_sched.device_ptr_mut(stream).0, starts))
     }
 
     /// Whether a plan for a batch of `num_reqs` requests and `num_tokens` query tokens fits.
@@ -436,7 +474,9 @@ impl TcKernel {
         let per_split = num_reqs * (q_len * self.group).div_ceil(bm).max(1) as usize;
         match mode {
             // Even waves split each request up to EVEN_WAVES_MAX_SPLITS times.
-            SplitMode::Auto => (per_split * EVEN_WAVES_MAX_SPLITS as usize).max((self.target / self.shape.ctas_per_item as u64) as usize),
+            SplitMode::Auto | SplitMode::StreamK => {
+                (per_split * EVEN_WAVES_MAX_SPLITS as usize).max((self.target / self.shape.ctas_per_item as u64) as usize)
+            }
             SplitMode::Fixed(n) => per_split * n.max(1) as usize,
         }
     }
@@ -496,6 +536,9 @@ pub(crate) struct DevicePlan {
     pub needs_merge: bool,
     /// [`DecodePlan::cluster`].
     pub cluster: u32,
+    /// A stream-K launch for the batch the plan was made for ([`crate::batch_plan`]), with its
+    /// warps' starts on the device (0: none needed).
+    pub stream: Option<(StreamPlan, u64)>,
 }
 
 impl DevicePlan {
@@ -630,7 +673,27 @@ pub(crate) fn paged_decode_from(
     let cuda_cores = causal && matches!(source, PlanSource::Host(_)) && DecodeKernel::cuda_cores_forced();
     let tc = if cuda_cores { None } else { Some(decode_tc_kernel(dev, q_dtype, fp8, d, hq, spec.num_kv_heads, max_q)?) };
     let kernel = tc.as_ref().map_or(DecodeKernel::CudaCores, |t| t.kernel);
+    // Stream-K (`crate::decode_stream`) where the batch allows it and the split mode is the
+    // planner's: eager calls plan it here, planned batches brought it along.
+    let window = opts.window.unwrap_or(0);
+    let stream_launch = match source {
+        PlanSource::Host(mode) if causal && kernel.keys_split() && stream_wanted(mode) => {
+            let sb = StreamBatch {
+                seq_lens: batch.seq_lens,
+                query_start_loc: batch.query_start_loc,
+                num_kv_heads: spec.num_kv_heads as u32,
+                group: (hq / spec.num_kv_heads) as u32,
+                window,
+            };
+            plan_stream(dev, q_dtype, fp8, d, &sb, ws.partial_rows(), mode)?.map(|sp| (sp, None))
+        }
+        PlanSource::Device(dp) if causal => {
+            dp.stream.as_ref().filter(|(sp, _)| sp.window == window).map(|(sp, at)| (sp.clone(), Some(*at)))
+        }
+        _ => None,
+    };
     let (plan, wp, launch) = match source {
+        _ if stream_launch.is_some() => (DecodePlan { kernel, ..DecodePlan::default() }, WorkspacePtrs::default(), Launch::Planned),
         PlanSource::Device(dp) => {
             let tc = tc.as_ref().expect("a device plan runs on tensor cores");
             ensure(dp.kernel == tc.name, "step", || format!("planned for {}, the batch runs {}", dp.kernel, tc.name))?;
@@ -736,7 +799,26 @@ pub(crate) fn paged_decode_from(
             plan: 0,
             sched: 0,
             ctas: 0,
+            ..PrefillParams::default()
         };
+        if let Some((sp, starts)) = &stream_launch {
+            let (wp, sched, starts) = ws.stream_ptrs(stream, sp, *starts)?;
+            let tp = PrefillParams {
+                partial_out: wp.partial_out,
+                partial_lse: wp.partial_lse,
+                sched,
+                stream_tiles: sp.tiles,
+                stream_pair_tiles: sp.pair_tiles,
+                stream_reqs: num_reqs as u32,
+                stream_rows: sp.rows,
+                stream_groups: sp.groups,
+                stream_starts: starts,
+                window: sp.window,
+                ..tp
+            };
+            dev.launch_pdl(stream, &sp.kernel, (sp.grid, 1, 1), 32 * STREAM_WARPS, sp.smem, tp)?;
+            return Ok(plan);
+        }
         let tc = tc.as_ref().expect("a tensor-core batch");
         let (items, tp) = match launch {
             Launch::Planned => (plan.items.len() / 2, tp),

@@ -22,6 +22,7 @@ pub mod buffer;
 pub mod cache_write;
 pub mod cpu;
 pub mod decode;
+pub mod decode_stream;
 pub mod device;
 pub mod dtype;
 pub mod error;

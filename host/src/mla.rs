@@ -259,6 +259,7 @@ pub(crate) fn mla_attention_from(
         plan: fixed.map_or(0, |dp| dp.header),
         sched: 0,
         ctas: 0,
+        ..PrefillParams::default()
     };
     let items = fixed.map_or(plan.items.len() / 2, |dp| dp.capacity_items);
     let ctas = items * slices as usize;

@@ -24,7 +24,11 @@ impl Family {
     pub fn of(kernel: &str) -> Family {
         if kernel.starts_with("reshape_and_cache_") || kernel.starts_with("concat_and_cache_mla_") {
             Family::CacheWrite
-        } else if kernel.starts_with("prefill_") || kernel.starts_with("decode_tc_") || kernel.starts_with("mla_") {
+        } else if kernel.starts_with("prefill_")
+            || kernel.starts_with("decode_tc_")
+            || kernel.starts_with("decode_st_")
+            || kernel.starts_with("mla_")
+        {
             Family::Prefill
         } else {
             Family::Attention

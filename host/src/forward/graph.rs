@@ -210,6 +210,7 @@ impl GraphPlanner {
             // skipped by the merge kernel).
             needs_merge: true,
             cluster: 0,
+            stream: None,
         }
     }
 }

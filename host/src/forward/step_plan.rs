@@ -152,6 +152,7 @@ impl StepPlanner {
             capacity_items: items,
             needs_merge,
             cluster: 0,
+            stream: None,
         };
         let (pq, pl, sl) = cascade_regions.map_or((0, 0, 0), |(q, l, s)| (at(q), at(l), at(s)));
         self.plans = StepPlans {

@@ -31,7 +31,7 @@ pub(crate) fn plan_decode_into(batch: &DecodeBatch<'_>, c: &PlanConfig, plan: &m
     lens.extend(batch.seq_lens.iter().map(|&l| l as u32));
     let max_len = lens.iter().copied().max().unwrap_or(0);
     let forced = match c.mode {
-        SplitMode::Auto => None,
+        SplitMode::Auto | SplitMode::StreamK => None,
         SplitMode::Fixed(k) => Some(k),
     };
     let mut chunk = if forced.is_none() && n as u64 * ctas_per_split as u64 > c.ctas_target() {

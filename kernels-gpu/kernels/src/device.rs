@@ -66,6 +66,16 @@ pub unsafe fn atomic_add_global(addr: u64, v: u32) -> u32 {
     old
 }
 
+/// [`atomic_add_global`] with acquire-release semantics at GPU scope: the writes this thread
+/// (and, through a barrier before it, its warp) made are released with it, and the writes of
+/// those that added before it are acquired.
+#[inline(always)]
+pub unsafe fn atomic_add_acq_rel_gpu(addr: u64, v: u32) -> u32 {
+    let old: u32;
+    unsafe { asm!("atom.acq_rel.gpu.global.add.u32 {0}, [{1}], {2};", out(reg32) old, in(reg64) addr, in(reg32) v, options(nostack)) };
+    old
+}
+
 /// Barrier `ID` (1..15) for `THREADS` threads (whole warps), with memory ordering among them.
 #[inline(always)]
 pub fn named_barrier<const ID: u32, const THREADS: u32>() {
@@ -90,6 +100,17 @@ pub fn shfl_xor(x: f32, mask: u32) -> f32 {
     let y: f32;
     unsafe {
         asm!("shfl.sync.bfly.b32 {0}, {1}, {2}, 0x1f, 0xffffffff;", out(reg32) y, in(reg32) x, in(reg32) mask,
+             options(nomem, nostack));
+    }
+    y
+}
+
+/// `shfl.sync.idx`: lane `src`'s value (all 32 lanes take part).
+#[inline(always)]
+pub fn shfl_idx(x: u32, src: u32) -> u32 {
+    let y: u32;
+    unsafe {
+        asm!("shfl.sync.idx.b32 {0}, {1}, {2}, 0x1f, 0xffffffff;", out(reg32) y, in(reg32) x, in(reg32) src,
              options(nomem, nostack));
     }
     y

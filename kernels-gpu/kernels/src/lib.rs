@@ -14,6 +14,8 @@ mod cache_write;
 mod cluster;
 #[cfg(kernels = "attention")]
 mod decode;
+#[cfg(kernels = "prefill")]
+mod decode_stream;
 #[cfg(kernels = "attention")]
 mod entry;
 #[cfg(kernels = "prefill")]

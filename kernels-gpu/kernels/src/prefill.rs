@@ -313,6 +313,13 @@ impl Work {
         Work { req, split, q_start, q_len, seq_len, row0, live, kv_head, slice, v_col0 }
     }
 
+    /// A decode pair's work: every row of request `req` for kv head `kv_head` (at most 16), all
+    /// its keys.
+    #[inline(always)]
+    pub fn decode_pair(req: u32, q_start: u32, q_len: u32, seq_len: u32, kv_head: u32, group: u32) -> Work {
+        Work { req, split: 0, q_start, q_len, seq_len, row0: 0, live: (q_len * group).clamp(1, 16), kv_head, slice: 0, v_col0: 0 }
+    }
+
     /// The keys `begin..end` the CTA attends, for rows at positions `min_pos..=max_pos`: its
     /// split (keys per split: the launch's, or the device plan's header's), cut by causality
     /// and the window.
@@ -447,7 +454,7 @@ pub(crate) unsafe fn work_item_at(p: &PrefillParams, x: u32, bm: u32, dv: u32) -
 /// S = Q K^T for a warp: `MT` tiles of 16 rows x `KW` keys starting at `key_off` of the K tile
 /// at `k_tile`; every K fragment feeds the `MT` row tiles. `q_frag(mt, ks)`: the A fragment.
 #[inline(always)]
-fn scores<Q: MmaHalf, const DK: usize, const KW: usize, const MT: usize>(
+pub(crate) fn scores<Q: MmaHalf, const DK: usize, const KW: usize, const MT: usize>(
     q_frag: impl Fn(usize, usize) -> [u32; 4],
     k_tile: u32,
     key_off: u32,
@@ -495,7 +502,7 @@ fn scores<Q: MmaHalf, const DK: usize, const KW: usize, const MT: usize>(
 /// the C layout of one mma is the A layout of the next) times the V rows `key_off..` of the tile
 /// at `v_tile` (row pitch `v_pitch` bytes); every V fragment feeds the `MT` row tiles.
 #[inline(always)]
-fn accumulate_pv<Q: MmaHalf, const DV: usize, const KW: usize, const MT: usize>(
+pub(crate) fn accumulate_pv<Q: MmaHalf, const DV: usize, const KW: usize, const MT: usize>(
     s: &[[[f32; 4]; 8]; MT],
     o: &mut [[[f32; 4]; 32]; MT],
     v_tile: u32,

@@ -56,6 +56,24 @@ prefill_kernels!(Bf16, "bf16": (64, 64), (96, 96), (128, 128), (256, 256), (192,
 decode_kernels!(F16, "f16": 64, 96, 128, 256);
 decode_kernels!(Bf16, "bf16": 64, 96, 128, 256);
 
+// Stream-K decode (`crate::decode_stream`): `decode_st_<q>_d<head_size>`, 16-bit caches, up to
+// 16 rows per kv head.
+macro_rules! stream_kernels {
+    ($q:ident, $qname:literal: $($d:literal),*) => {
+        $(
+            const _: () = {
+                #[unsafe(export_name = concat!("decode_st_", $qname, "_d", $d))]
+                unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+                    unsafe { crate::decode_stream::decode_stream::<$q, $d>(&p) }
+                }
+            };
+        )*
+    };
+}
+
+stream_kernels!(F16, "f16": 64, 96, 128);
+stream_kernels!(Bf16, "bf16": 64, 96, 128);
+
 // Prefill on Hopper's warpgroup MMA (sm_90a only): `<prefix>_<q>_d<head_size>` running
 // `crate::$module::$func::<Q, D>`.
 #[cfg(wgmma)]

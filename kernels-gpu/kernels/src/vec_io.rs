@@ -136,3 +136,11 @@ pub fn f32_to_f16_bits(x: f32) -> u16 {
     unsafe { asm!("cvt.rn.f16.f32 {0}, {1};", out(reg16) h, in(reg32) x, options(pure, nomem, nostack)) };
     h
 }
+
+/// An f32 through L2 only (`.cg`): data another SM wrote during this kernel, after an acquire.
+#[inline(always)]
+pub unsafe fn load_f32_cg(addr: u64) -> f32 {
+    let r: f32;
+    unsafe { asm!("ld.global.cg.f32 {0}, [{1}];", out(reg32) r, in(reg64) addr, options(readonly, nostack)) };
+    r
+}

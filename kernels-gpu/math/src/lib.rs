@@ -21,3 +21,4 @@ pub mod prefill;
 pub mod softmax;
 pub mod split;
 pub mod status;
+pub mod stream;
