@@ -687,9 +687,13 @@ pub(crate) fn paged_decode_from(
             };
             plan_stream(dev, q_dtype, fp8, d, &sb, ws.partial_rows(), mode)?.map(|sp| (sp, None))
         }
-        PlanSource::Device(dp) if causal => {
-            dp.stream.as_ref().filter(|(sp, _)| sp.window == window).map(|(sp, at)| (sp.clone(), Some(*at)))
-        }
+        // A planned stream launch needs the window it was laid out for, and partial room in
+        // this call's workspace (which may not be the one it was planned with).
+        PlanSource::Device(dp) if causal => dp
+            .stream
+            .as_ref()
+            .filter(|(sp, _)| sp.window == window && sp.partial_rows() <= ws.partial_rows())
+            .map(|(sp, at)| (sp.clone(), Some(*at))),
         _ => None,
     };
     let (plan, wp, launch) = match source {
