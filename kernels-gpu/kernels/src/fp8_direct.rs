@@ -38,24 +38,15 @@ pub(crate) fn out_col<const D: usize>(i: u32, e: u32) -> u32 {
 /// every k-step, in the permuted order of [`scores`], converted to `M` with factor `conv`.
 #[inline(always)]
 pub(crate) unsafe fn query_fragments<Q: MmaHalf, M: MmaHalf, const D: usize>(q: u32, pitch: u32, conv: f32) -> [[u32; 4]; 16] {
-    let g = thread_idx_x() % 32 / 4;
-    unsafe { query_fragments_from::<Q, M, D>(|h, off| ld_shared_v4(q + (g + 8 * h) * pitch + off), conv) }
-}
-
-/// [`query_fragments`] with `load(h, offset)` giving 16 bytes at byte `offset` of this thread's
-/// row g + 8h (from shared or global memory).
-#[inline(always)]
-pub(crate) unsafe fn query_fragments_from<Q: MmaHalf, M: MmaHalf, const D: usize>(
-    load: impl Fn(u32, u32) -> [u32; 4],
-    conv: f32,
-) -> [[u32; 4]; 16] {
-    let t4 = thread_idx_x() % 4;
+    let lane = thread_idx_x() % 32;
+    let (g, t4) = (lane / 4, lane % 4);
     // Row g and row g + 8: D/4 elements from t4 * D/4, i.e. D/2 bytes, D/32 16-byte loads.
     let mut words = [[0u32; 32]; 2];
     static_for::<2>(|h| {
+        let row = q + (g + 8 * h as u32) * pitch + t4 * (D as u32 / 4) * 2;
         static_for::<4>(|c| {
             if c < D / 32 {
-                let v = load(h as u32, t4 * (D as u32 / 4) * 2 + c as u32 * 16);
+                let v = unsafe { ld_shared_v4(row + c as u32 * 16) };
                 static_for::<4>(|j| words[h][4 * c + j] = v[j]);
             }
         });
