@@ -18,6 +18,7 @@ use crate::metadata::plan_words::{append_plan, plan_words};
 use crate::metadata::Region;
 use crate::status::DeviceStatus;
 use attn_math::decode::{rows_per_cta, shared_bytes, HEAD_SIZES, THREADS};
+use attn_math::keys_rows;
 use attn_math::params::{
     DecodeMergeParams, DecodeParams, MergeStatesParams, PrefillParams, MAX_MERGE_HEAD_SIZE, MERGE_SHARED_BYTES, MERGE_THREADS,
 };
@@ -495,11 +496,20 @@ pub(crate) fn decode_tc_kernel(
     let group = (hq / num_kv_heads) as u32;
     let kernel = DecodeKernel::tensor_cores(max_q * group);
     let fp8_tag = if fp8 { "_fp8" } else { "" };
+    // Up to 8 rows per kv head from a 16-bit cache: the same CTAs with the score tile transposed
+    // (`decode_kr_*`: keys on the MMA's rows; half the math per tile). `ATTN_DECODE_KR=0` keeps
+    // `decode_tc_*` (comparisons).
+    let keys_rows = kernel == DecodeKernel::TensorCoreKeys
+        && !fp8
+        && max_q * group <= keys_rows::MAX_ROWS
+        && std::env::var("ATTN_DECODE_KR").map_or(true, |v| v != "0");
     let name = match kernel {
+        DecodeKernel::TensorCoreKeys if keys_rows => format!("decode_kr_{}_d{d}", q_dtype.kernel_name()),
         DecodeKernel::TensorCoreKeys => format!("decode_tc_{}{fp8_tag}_d{d}", q_dtype.kernel_name()),
         _ => format!("prefill_{}{fp8_tag}_dk{d}_dv{d}", q_dtype.kernel_name()),
     };
-    let smem = shared_layout(d as u32, d as u32, kernel.keys_split(), fp8).total;
+    let smem =
+        if keys_rows { keys_rows::layout(d as u32).total } else { shared_layout(d as u32, d as u32, kernel.keys_split(), fp8).total };
     // Splits short enough to fill every SM, few enough that the per-CTA start (work item,
     // first address tables, pipeline fill) and the merge stay small: a number of waves of
     // resident CTAs measured per head size on the H100 (BENCHMARKS.md): one wave at d96/d128

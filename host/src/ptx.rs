@@ -27,6 +27,7 @@ impl Family {
         } else if kernel.starts_with("prefill_")
             || kernel.starts_with("decode_tc_")
             || kernel.starts_with("decode_st_")
+            || kernel.starts_with("decode_kr_")
             || kernel.starts_with("mla_")
         {
             Family::Prefill

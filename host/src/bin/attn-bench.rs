@@ -237,7 +237,12 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
     let spec = KvCacheSpec::new(layout, num_blocks, sh.block_size, sh.kv_heads, sh.head_size)?;
     let cache = random_device::<C>(s, spec.num_elements(), 11)?;
     // Scattered block tables: a random permutation of all blocks.
-    let block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 12).into_iter().map(|x| x as i32).collect();
+    let mut block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 12).into_iter().map(|x| x as i32).collect();
+    // `ATTN_BENCH_DECODE_HOT=N`: every table entry within the first N blocks, so the cache rows
+    // come from L2 and the row measures the kernel's own rate (experiments).
+    if let Some(hot) = std::env::var("ATTN_BENCH_DECODE_HOT").ok().and_then(|v| v.parse::<i32>().ok()) {
+        block_table.iter_mut().for_each(|b| *b %= hot);
+    }
     let seq_lens = vec![sh.context as i32; sh.batch];
     let qsl: Vec<i32> = (0..=sh.batch as i32).collect();
     let q_rows = RowsDesc::contiguous(sh.batch, sh.q_heads, sh.head_size);

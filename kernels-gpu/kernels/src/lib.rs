@@ -22,6 +22,8 @@ mod entry;
 mod fp8_direct;
 #[cfg(all(kernels = "prefill", wgmma))]
 mod hopper_steps;
+#[cfg(kernels = "prefill")]
+mod keys_rows;
 #[cfg(all(kernels = "prefill", wgmma))]
 mod mbarrier;
 #[cfg(kernels = "attention")]

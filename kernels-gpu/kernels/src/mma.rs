@@ -298,6 +298,29 @@ pub unsafe fn ldmatrix_x4_trans(addr: u32) -> [u32; 4] {
     [a, b, c, d]
 }
 
+/// `movmatrix.trans`: the 8x8 matrix of 16-bit values whose fragment (lane 4g + t: row g, cols
+/// 2t, 2t+1) is `x`, transposed: lane 4g + t receives (row 2t and 2t + 1, col g) of `x`'s matrix.
+/// One instruction where the PTX ISA has it (8.0 on the sm_90 targets, which are the ones built
+/// with `pdl`); two shuffles and a byte permute on sm_80's ISA 7.0.
+#[inline(always)]
+pub fn movmatrix_trans(x: u32) -> u32 {
+    #[cfg(pdl)]
+    {
+        let y: u32;
+        unsafe { asm!("movmatrix.sync.aligned.m8n8.trans.b16 {0}, {1};", out(reg32) y, in(reg32) x, options(nomem, nostack)) };
+        y
+    }
+    #[cfg(not(pdl))]
+    {
+        // (row 2t, col g) sits in lane 4 * 2t + g / 2, half g % 2; row 2t + 1 four lanes on.
+        let lane = crate::device::thread_idx_x() % 32;
+        let (g, t) = (lane / 4, lane % 4);
+        let a = crate::device::shfl_idx(x, 8 * t + g / 2);
+        let b = crate::device::shfl_idx(x, 8 * t + 4 + g / 2);
+        byte_perm(a, b, if g % 2 == 0 { 0x5410 } else { 0x7632 })
+    }
+}
+
 /// Copies 16 bytes from global `src` to shared `dst` asynchronously; only the first `src_bytes`
 /// (0 or 16) are read, the rest is zero-filled. Bypasses L1 (`.cg`).
 ///

@@ -629,6 +629,47 @@ impl Logits {
         }
     }
 
+    /// A score as a logit where a feature needs it scaled first: scaled, soft-capped, ALiBi.
+    #[inline(always)]
+    fn prescaled(&self, s: f32, key: u32, row: &RowInfo) -> f32 {
+        let mut x = s * self.score_scale;
+        if self.softcap_inv > 0.0 {
+            x = self.softcap_log2 * tanh(x * self.softcap_inv);
+        }
+        if self.alibi {
+            x += row.slope_log2 * (key as f32 - row.pos as f32);
+        }
+        x
+    }
+
+    /// Whether keys `kt .. kt + kw` cross a boundary of rows at `min_pos..=max_pos`: the end,
+    /// causality or the window.
+    #[inline(always)]
+    fn needs_mask(&self, kt: u32, kw: u32, (min_pos, max_pos): (u32, u32)) -> bool {
+        kt + kw > self.end || (self.causal && kt + kw - 1 > min_pos) || (self.window > 0 && kt + self.window <= max_pos)
+    }
+
+    /// Whether `row` sees `key` (non-short-circuit `&`: a select per element, no branches).
+    #[inline(always)]
+    fn visible(&self, key: u32, row: &RowInfo) -> bool {
+        (key < self.end) & (!self.causal | (key <= row.pos)) & ((self.window == 0) | (key + self.window > row.pos))
+    }
+
+    /// [`Self::apply`] for the keys-as-rows score fragment (`crate::keys_rows`): element e of
+    /// this thread is key `kt + g + 8 * (e / 2)` of row `rows[e % 2]`; `bad`: the warp's 16 keys
+    /// have no block in the cache.
+    #[inline(always)]
+    pub fn apply_keys_rows(&self, s: &mut [f32; 4], rows: &[RowInfo; 2], kt: u32, pos: (u32, u32), bad: bool) {
+        let g = (thread_idx_x() % 32) / 4;
+        let key_of = |e: usize| kt + g + 8 * (e / 2) as u32;
+        if self.prescale {
+            static_for::<4>(|e| s[e] = self.prescaled(s[e], key_of(e), &rows[e % 2]));
+        }
+        if self.needs_mask(kt, 16, pos) || bad {
+            static_for::<4>(|e| s[e] = if self.visible(key_of(e), &rows[e % 2]) & !bad { s[e] } else { f32::NEG_INFINITY });
+        }
+    }
+
     /// Turns the scores of `MT` row tiles x `KW` keys from key `kt` into logits, masked where
     /// the tile crosses a boundary for rows `min_pos..=max_pos`. `flags`: the table slot's
     /// `KW / 32` bad-block flags; `table`: the slot's entry for key `kt`.
@@ -657,16 +698,7 @@ impl Logits {
             };
         }
         if self.prescale {
-            each!(|mt, n, e| s[mt][n][e] *= self.score_scale);
-            if self.softcap_inv > 0.0 {
-                each!(|mt, n, e| s[mt][n][e] = self.softcap_log2 * tanh(s[mt][n][e] * self.softcap_inv));
-            }
-            if self.alibi {
-                each!(|mt, n, e| {
-                    let row = rows[mt][e / 2];
-                    s[mt][n][e] += row.slope_log2 * (key_of(n, e) as f32 - row.pos as f32);
-                });
-            }
+            each!(|mt, n, e| s[mt][n][e] = self.prescaled(s[mt][n][e], key_of(n, e), &rows[mt][e / 2]));
         }
         let mut has_bad = false;
         static_for::<4>(|i| {
@@ -674,17 +706,9 @@ impl Logits {
                 has_bad |= unsafe { ld_shared_u32(flags + i as u32 * 4) } != 0;
             }
         });
-        let needs_mask = kt + KW as u32 > self.end
-            || (self.causal && kt + KW as u32 - 1 > min_pos)
-            || (self.window > 0 && kt + self.window <= max_pos)
-            || has_bad;
-        if needs_mask {
-            // Non-short-circuit `&`: a select per element, no branches.
+        if self.needs_mask(kt, KW as u32, (min_pos, max_pos)) || has_bad {
             each!(|mt, n, e| {
-                let row = rows[mt][e / 2];
-                let key = key_of(n, e);
-                let visible = (key < self.end) & (!self.causal | (key <= row.pos)) & ((self.window == 0) | (key + self.window > row.pos));
-                s[mt][n][e] = if visible { s[mt][n][e] } else { f32::NEG_INFINITY };
+                s[mt][n][e] = if self.visible(key_of(n, e), &rows[mt][e / 2]) { s[mt][n][e] } else { f32::NEG_INFINITY };
             });
             if has_bad {
                 each!(|mt, n, e| {
@@ -1094,22 +1118,43 @@ unsafe fn finish_keys_split<Q: MmaHalf, const DV: usize>(
         });
     });
     sync_threads();
-    let (r, t8) = (tid / 8, tid % 8);
+    unsafe { store_merged_rows::<Q, DV, 16>(p, w, merge, pitch, stats, num_splits, v_scale) };
+}
+
+/// The keys-split epilogue's last step: the warps' partial rows (`R` rows each, f32 at
+/// `merge + ((warp * R + r) * pitch + col) * 4`, already at their common max) and (max, sum)
+/// pairs (`stats + (warp * R + r) * 8`) added up, `THREADS / R` threads per row, and each row
+/// written. After a barrier that publishes them.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(crate) unsafe fn store_merged_rows<Q: MmaHalf, const DV: usize, const R: u32>(
+    p: &PrefillParams,
+    w: &Work,
+    merge: u32,
+    pitch: u32,
+    stats: u32,
+    num_splits: u32,
+    v_scale: f32,
+) {
+    let tid = thread_idx_x();
+    let per_row = THREADS / R;
+    let (r, t) = (tid / per_row, tid % per_row);
     if r >= w.live {
         return;
     }
     let mut total = OnlineSoftmax::EMPTY;
     static_for::<4>(|wp| {
-        total.merge(stat(wp as u32, r));
+        let (max, sum) = unsafe { ld_shared_f32x2(stats + (wp as u32 * R + r) * 8) };
+        total.merge(OnlineSoftmax { max, sum });
     });
     let row = unsafe { w.row(p, r) };
-    let out = unsafe { RowOut::new::<DV>(p, w, &row, total, num_splits, t8 == 0, v_scale) };
+    let out = unsafe { RowOut::new::<DV>(p, w, &row, total, num_splits, t == 0, v_scale) };
     static_for::<16>(|i| {
-        if i < DV / 16 {
-            let col = 2 * (t8 + 8 * i as u32);
+        if (i as u32) < DV as u32 / (2 * per_row) {
+            let col = 2 * (t + per_row * i as u32);
             let (mut a, mut b) = (0.0, 0.0);
             static_for::<4>(|wp| {
-                let (x, y) = unsafe { ld_shared_f32x2(merge + ((wp as u32 * 16 + r) * pitch + col) * 4) };
+                let (x, y) = unsafe { ld_shared_f32x2(merge + ((wp as u32 * R + r) * pitch + col) * 4) };
                 a += x;
                 b += y;
             });

@@ -1,0 +1,331 @@
+//! Keys-as-rows paged decode (`decode_kr_<q>_d<head_size>`): the keys-split decode CTA of
+//! `crate::prefill` (same work items, splits and epilogue) with the score tile transposed, for
+//! up to 8 query rows per kv head (`attn_math::keys_rows`).
+//!
+//! Per 16-key slab a warp computes S^T = K Q^T (keys on the MMA's 16 rows, query rows on its 8
+//! columns), masks, runs the online softmax per column, turns P^T into the B operand of the next
+//! MMA with `movmatrix`, and adds O^T += V^T P^T (head dimensions on the rows). At GQA <= 8 that
+//! is half the MMAs, accumulators and softmax work of the 16-row S tile, so each tile's math
+//! holds the warp's copy pipeline up for less of the time.
+//!
+//! Each warp streams its own 16 keys of every 64-key tile through its own `cp.async` ring, with
+//! nothing but warp barriers in the loop. A slab of 16 keys lies in one cache block (block sizes
+//! are multiples of 16 and slabs start on multiples of 16), so a slab's rows are one block-table
+//! lookup away: the warp loads the block id of the slab it will copy next one iteration ahead,
+//! and the copy addresses are the block's base plus offsets computed once. A slab whose block is
+//! outside the cache is never read (zero-filled), masked, and reported in the status word.
+
+use crate::device::{atomic_or_global, dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, sync_warp, thread_idx_x};
+use crate::mma::{
+    cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32, ldmatrix_x4, ldmatrix_x4_trans, movmatrix_trans, shared_addr,
+    st_shared_f32, st_shared_f32x2, MmaHalf,
+};
+use crate::prefill::{store_merged_rows, work_item, KvSource, Logits, RowInfo};
+use crate::vec_io::load_u32_nc;
+use attn_math::keys_rows::{layout, row_pitch, stage_bytes, stages, MAX_ROWS, TILE_KEYS, WARP_KEYS};
+use attn_math::params::PrefillParams;
+use attn_math::prefill::block_m;
+use attn_math::softmax::{exp2, OnlineSoftmax};
+use attn_math::status::BLOCK_OUT_OF_RANGE;
+
+/// Waits until at most `stages - 1` of this thread's copy groups are in flight.
+#[inline(always)]
+fn wait_all_but(stages: u32) {
+    match stages {
+        6 => cp_async_wait::<5>(),
+        5 => cp_async_wait::<4>(),
+        4 => cp_async_wait::<3>(),
+        3 => cp_async_wait::<2>(),
+        _ => cp_async_wait::<1>(),
+    }
+}
+
+/// Where a warp's slabs come from and go: the block lookup, and each lane's share of a slab's
+/// 16-byte chunks (`CHUNKS` per lane per plane: row `(lane + 32 i) / (D / 8)`, column chunk the
+/// rest) as offsets from the slab's first K row and from the stage.
+struct SlabCopy<const D: usize> {
+    /// The request's block-table row.
+    block_row: u64,
+    /// log2 of the block size when it is a power of two, else 32.
+    bs_shift: u32,
+    /// Byte distance from a K row to its V row.
+    v_delta: u64,
+    /// Byte stride between the keys of a block.
+    token_bytes: u64,
+    /// Byte offset of (block 0, token 0, this kv head) in K.
+    head_base: u64,
+    block_bytes: u64,
+}
+
+impl<const D: usize> SlabCopy<D> {
+    const CHUNKS: usize = D / 16;
+
+    /// Lane's chunk `i`: (row in the slab, byte column).
+    #[inline(always)]
+    fn chunk(i: usize) -> (u32, u32) {
+        let lane = thread_idx_x() % 32;
+        let c = lane + 32 * i as u32;
+        (c / (D as u32 / 8), (c % (D as u32 / 8)) * 16)
+    }
+
+    /// Key `kb`'s (block index in the request, key within the block): a shift and a mask for
+    /// the usual power-of-two block sizes, a division otherwise.
+    #[inline(always)]
+    fn split_key(&self, p: &PrefillParams, kb: u32) -> (u32, u32) {
+        if self.bs_shift < 32 {
+            (kb >> self.bs_shift, kb & (p.block_size - 1))
+        } else {
+            (kb / p.block_size, kb % p.block_size)
+        }
+    }
+
+    /// The slab at key `kb` (a multiple of 16, below the request's end): its block id.
+    #[inline(always)]
+    unsafe fn block(&self, p: &PrefillParams, kb: u32) -> i64 {
+        let (index, _) = self.split_key(p, kb);
+        (unsafe { load_u32_nc(self.block_row + index as u64 * 4) }) as i32 as i64
+    }
+
+    /// Copies the slab at key `kb` (block `block`) into `stage`: K rows, then V rows. Rows at or
+    /// past `end`, and every row of a block outside the cache, are zero-filled (never read).
+    /// Returns whether the block is outside the cache.
+    #[inline(always)]
+    unsafe fn copy(&self, p: &PrefillParams, kb: u32, block: i64, end: u32, stage: u32) -> bool {
+        let bad = block < 0 || block as u64 >= p.num_blocks as u64;
+        let row0 = if bad {
+            p.k
+        } else {
+            p.k + self.head_base + block as u64 * self.block_bytes + self.split_key(p, kb).1 as u64 * self.token_bytes
+        };
+        let pitch = row_pitch(D as u32);
+        static_for::<16>(|i| {
+            if i < Self::CHUNKS {
+                let (r, col) = Self::chunk(i);
+                let live = !bad && kb + r < end;
+                let src = if live { row0 + r as u64 * self.token_bytes + col as u64 } else { p.k };
+                let bytes = if live { 16 } else { 0 };
+                let dst = stage + r * pitch + col;
+                unsafe {
+                    cp_async_16(dst, src, bytes);
+                    cp_async_16(dst + WARP_KEYS * pitch, src + if live { self.v_delta } else { 0 }, bytes);
+                }
+            }
+        });
+        bad
+    }
+}
+
+/// S^T = K Q^T for one slab: the K rows at `k` (16 x D, pitch `row_pitch(D)`) times the query
+/// fragments (`q[ks]`: the B operand of k-step `ks`, rows on its columns). Two accumulators
+/// halve the dependent chain.
+#[inline(always)]
+fn slab_scores<Q: MmaHalf, const D: usize>(q: &[[u32; 2]; 16], k: u32) -> [f32; 4] {
+    let lane = thread_idx_x() % 32;
+    let pitch = row_pitch(D as u32);
+    // Matrices: keys 0-7 / 8-15 (lanes 8-15 of each half) x dims 0-7 / 8-15 (lanes 16-31).
+    let base = k + ((lane % 8) + 8 * ((lane / 8) % 2)) * pitch + 16 * (lane / 16);
+    let mut acc = [[0.0f32; 4]; 2];
+    static_for::<16>(|ks| {
+        if ks < D / 16 {
+            let a = unsafe { ldmatrix_x4(base + ks as u32 * 32) };
+            acc[ks % 2] = Q::mma(a, q[ks][0], q[ks][1], acc[ks % 2]);
+        }
+    });
+    core::array::from_fn(|e| acc[0][e] + acc[1][e])
+}
+
+/// O^T += V^T P^T for one slab: `o[mt]` holds head dimensions `16 mt + g (+ 8)` of this thread's
+/// two rows; `p` the weights in the score layout (key g / g + 8, rows 2t4, 2t4 + 1).
+#[inline(always)]
+fn slab_pv<Q: MmaHalf, const D: usize>(p: &[f32; 4], o: &mut [[f32; 4]; 16], v: u32) {
+    let lane = thread_idx_x() % 32;
+    let pitch = row_pitch(D as u32);
+    // The B operand (keys x rows) is P^T's transpose per 8x8 block: (key g, rows 2t4..) becomes
+    // (rows g, keys 2t4..).
+    let b0 = movmatrix_trans(Q::pack2(p[0], p[1]));
+    let b1 = movmatrix_trans(Q::pack2(p[2], p[3]));
+    // Matrices: keys 0-7 x dims 0-7, keys 0-7 x dims 8-15, keys 8-15 x dims 0-7, keys 8-15 x
+    // dims 8-15, read transposed (dims on the A operand's rows).
+    let base = v + ((lane % 8) + 8 * (lane / 16)) * pitch + 16 * ((lane / 8) % 2);
+    static_for::<16>(|mt| {
+        if mt < D / 16 {
+            let a = unsafe { ldmatrix_x4_trans(base + mt as u32 * 32) };
+            o[mt] = Q::mma(a, b0, b1, o[mt]);
+        }
+    });
+}
+
+/// The online-softmax step for this thread's two rows (columns 2t4, 2t4 + 1 of the slab): the
+/// column max across the 8 lanes that share it, the accumulators' rescale, and the weights.
+/// Each lane keeps its own part of the denominators (added up after the loop).
+#[inline(always)]
+fn slab_softmax<const D: usize>(s: &mut [f32; 4], o: &mut [[f32; 4]; 16], state: &mut [OnlineSoftmax; 2], mult: f32) {
+    static_for::<2>(|h| {
+        let mut m = s[h].max(s[h + 2]);
+        m = m.max(shfl_xor(m, 4));
+        m = m.max(shfl_xor(m, 8));
+        m = m.max(shfl_xor(m, 16));
+        let factor = state[h].rescale_to(m * mult);
+        if factor != 1.0 {
+            static_for::<16>(|mt| {
+                if mt < D / 16 {
+                    o[mt][h] *= factor;
+                    o[mt][h + 2] *= factor;
+                }
+            });
+        }
+        let neg_max = if state[h].max == f32::NEG_INFINITY { 0.0 } else { -state[h].max };
+        static_for::<2>(|k| {
+            let w = exp2(fma(s[h + 2 * k], mult, neg_max));
+            s[h + 2 * k] = w;
+            state[h].sum += w;
+        });
+    });
+}
+
+/// The kernel: one CTA per (work item, kv head), as `decode_tc_*` (the host plans both alike).
+#[inline(always)]
+pub unsafe fn decode_keys_rows<Q: MmaHalf, const D: usize>(p: &PrefillParams) {
+    let tid = thread_idx_x();
+    let (warp, lane) = (tid / 32, tid % 32);
+    let (g, t4) = (lane / 4, lane % 4);
+    let Some(w) = (unsafe { work_item(p, block_m(D as u32, D as u32, true, false), D as u32) }) else { return };
+    let (min_pos, max_pos) = unsafe { (w.row(p, 0).pos, w.row(p, w.live - 1).pos) };
+    let (begin, end) = unsafe { w.key_range(p, min_pos, max_pos) };
+    // Slabs start on multiples of 16 (a window's first key may not: the mask covers the rest).
+    let begin = begin & !(WARP_KEYS - 1);
+    let n_tiles = if end > begin { (end - begin).div_ceil(TILE_KEYS) } else { 0 };
+    let slab_key = |tile: u32| begin + tile * TILE_KEYS + warp * WARP_KEYS;
+
+    let st = stages(D as u32);
+    let sb = stage_bytes(D as u32);
+    let smem = shared_addr(dynamic_shared::<u8>());
+    let ring = smem + warp * st * sb;
+    let strides = p.k_strides;
+    let copy = SlabCopy::<D> {
+        block_row: unsafe { KvSource::of(p, &w) }.block_row,
+        bs_shift: if p.block_size.is_power_of_two() { p.block_size.trailing_zeros() } else { 32 },
+        v_delta: p.v.wrapping_sub(p.k),
+        token_bytes: strides.token * 2,
+        head_base: strides.head * w.kv_head as u64 * 2,
+        block_bytes: strides.block * 2,
+    };
+    // The block id of a slab this warp copies (-1 past the keys: nothing to copy).
+    let lookup = |tile: u32| {
+        let kb = slab_key(tile);
+        if tile < n_tiles && kb < end {
+            unsafe { copy.block(p, kb) }
+        } else {
+            -1
+        }
+    };
+
+    // This thread's rows (columns 2t4, 2t4 + 1) and the query fragments: B operand of k-step ks
+    // = (dims 16 ks + 2t4.. and + 8, row g), from global memory (rows past `live` repeat the
+    // last one; they are never written).
+    let rows: [RowInfo; 2] = unsafe { [w.row(p, 2 * t4), w.row(p, 2 * t4 + 1)] };
+    let q_row = unsafe { w.row(p, g) };
+    let q_addr = p.q + (q_row.token as u64 * p.q_token_stride + q_row.head as u64 * p.q_head_stride) * 2;
+    let mut q = [[0u32; 2]; 16];
+    static_for::<16>(|ks| {
+        if ks < D / 16 {
+            let at = q_addr + ((16 * ks) as u64 + 2 * t4 as u64) * 2;
+            q[ks] = unsafe { [load_u32_nc(at), load_u32_nc(at + 16)] };
+        }
+    });
+    let mut ahead = [lookup(0), lookup(1)];
+
+    // The cache rows wait for the kernel before (the cache write); the work item, block ids and
+    // queries above overlap its end.
+    pdl_prologue();
+    let logits = Logits::new(p, p.scale_log2, end);
+    let mult = logits.mult();
+
+    // Copies in flight: slabs 0 .. st - 2 (one commit group each, empty ones included, so that
+    // "all but st - 1 groups done" always means "this slab is in").
+    let mut bad_ring = 0u32;
+    let mut issued = 0u32;
+    let issue = |tile: u32, block: i64, bad_ring: &mut u32| {
+        let kb = slab_key(tile);
+        if tile < n_tiles && kb < end {
+            let bad = unsafe { copy.copy(p, kb, block, end, ring + (tile % st) * sb) };
+            let bit = 1 << (tile % st);
+            *bad_ring = if bad { *bad_ring | bit } else { *bad_ring & !bit };
+            if bad && lane == 0 {
+                unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
+            }
+        }
+        cp_async_commit();
+    };
+    let mut next_lookup = 2;
+    while issued < st - 1 {
+        let block = ahead[0];
+        ahead = [ahead[1], lookup(next_lookup)];
+        next_lookup += 1;
+        issue(issued, block, &mut bad_ring);
+        issued += 1;
+    }
+
+    let mut state = [OnlineSoftmax::EMPTY; 2];
+    let mut o = [[0.0f32; 4]; 16];
+    let mut stage = ring;
+    let ring_end = ring + st * sb;
+    for tile in 0..n_tiles {
+        let block = ahead[0];
+        ahead = [ahead[1], lookup(next_lookup)];
+        next_lookup += 1;
+        issue(issued, block, &mut bad_ring);
+        issued += 1;
+        wait_all_but(st);
+        sync_warp();
+        let kb = slab_key(tile);
+        if kb < end {
+            let bad = bad_ring & (1 << (tile % st)) != 0;
+            let mut s = slab_scores::<Q, D>(&q, stage);
+            logits.apply_keys_rows(&mut s, &rows, kb, (min_pos, max_pos), bad);
+            slab_softmax::<D>(&mut s, &mut o, &mut state, mult);
+            slab_pv::<Q, D>(&s, &mut o, stage + WARP_KEYS * row_pitch(D as u32));
+        }
+        // The stage is refilled next iteration: every lane is done reading it.
+        sync_warp();
+        stage += sb;
+        if stage == ring_end {
+            stage = ring;
+        }
+    }
+    cp_async_wait::<0>();
+
+    // Epilogue: each warp's rows at the CTA's common max into the merge area (over the ring),
+    // then the rows added up and written.
+    let l = layout(D as u32);
+    let (merge, stats) = (smem + l.merge, smem + l.stats);
+    sync_threads();
+    static_for::<2>(|h| {
+        state[h].sum += shfl_xor(state[h].sum, 4);
+        state[h].sum += shfl_xor(state[h].sum, 8);
+        state[h].sum += shfl_xor(state[h].sum, 16);
+        if g == 0 {
+            unsafe { st_shared_f32x2(stats + (warp * MAX_ROWS + 2 * t4 + h as u32) * 8, state[h].max, state[h].sum) };
+        }
+    });
+    sync_threads();
+    static_for::<2>(|h| {
+        let r = 2 * t4 + h as u32;
+        let mut max = f32::NEG_INFINITY;
+        static_for::<4>(|wp| max = max.max(unsafe { ld_shared_f32(stats + (wp as u32 * MAX_ROWS + r) * 8) }));
+        let f = if state[h].max == f32::NEG_INFINITY { 0.0 } else { exp2(state[h].max - max) };
+        let row = merge + (warp * MAX_ROWS + r) * l.merge_pitch * 4;
+        static_for::<16>(|mt| {
+            if mt < D / 16 {
+                let dim = 16 * mt as u32 + g;
+                unsafe {
+                    st_shared_f32(row + dim * 4, o[mt][h] * f);
+                    st_shared_f32(row + (dim + 8) * 4, o[mt][h + 2] * f);
+                }
+            }
+        });
+    });
+    sync_threads();
+    let num_splits = if p.req_num_splits != 0 { unsafe { load_u32_nc(p.req_num_splits + w.req as u64 * 4) } } else { 1 };
+    unsafe { store_merged_rows::<Q, D, MAX_ROWS>(p, &w, merge, l.merge_pitch, stats, num_splits, 1.0) };
+}
