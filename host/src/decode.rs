@@ -496,20 +496,20 @@ pub(crate) fn decode_tc_kernel(
     let group = (hq / num_kv_heads) as u32;
     let kernel = DecodeKernel::tensor_cores(max_q * group);
     let fp8_tag = if fp8 { "_fp8" } else { "" };
-    // Up to 8 rows per kv head from a 16-bit cache: the same CTAs with the score tile transposed
+    // Up to 8 rows per kv head (FP8 caches at head sizes 64 and 128): the same CTAs with the score tile transposed
     // (`decode_kr_*`: keys on the MMA's rows; half the math per tile). `ATTN_DECODE_KR=0` keeps
     // `decode_tc_*` (comparisons).
     let keys_rows = kernel == DecodeKernel::TensorCoreKeys
-        && !fp8
+        && (!fp8 || keys_rows::FP8_HEAD_SIZES.contains(&(d as u32)))
         && max_q * group <= keys_rows::MAX_ROWS
         && std::env::var("ATTN_DECODE_KR").map_or(true, |v| v != "0");
     let name = match kernel {
-        DecodeKernel::TensorCoreKeys if keys_rows => format!("decode_kr_{}_d{d}", q_dtype.kernel_name()),
+        DecodeKernel::TensorCoreKeys if keys_rows => format!("decode_kr_{}{fp8_tag}_d{d}", q_dtype.kernel_name()),
         DecodeKernel::TensorCoreKeys => format!("decode_tc_{}{fp8_tag}_d{d}", q_dtype.kernel_name()),
         _ => format!("prefill_{}{fp8_tag}_dk{d}_dv{d}", q_dtype.kernel_name()),
     };
     let smem =
-        if keys_rows { keys_rows::layout(d as u32).total } else { shared_layout(d as u32, d as u32, kernel.keys_split(), fp8).total };
+        if keys_rows { keys_rows::layout(d as u32, fp8).total } else { shared_layout(d as u32, d as u32, kernel.keys_split(), fp8).total };
     // Splits short enough to fill every SM, few enough that the per-CTA start (work item,
     // first address tables, pipeline fill) and the merge stay small: a number of waves of
     // resident CTAs measured per head size on the H100 (BENCHMARKS.md): one wave at d96/d128

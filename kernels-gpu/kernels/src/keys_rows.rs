@@ -1,4 +1,4 @@
-//! Keys-as-rows paged decode (`decode_kr_<q>_d<head_size>`): the keys-split decode CTA of
+//! Keys-as-rows paged decode (`decode_kr_<q>[_fp8]_d<head_size>`): the keys-split decode CTA of
 //! `crate::prefill` (same work items, splits and epilogue) with the score tile transposed, for
 //! up to 8 query rows per kv head (`attn_math::keys_rows`).
 //!
@@ -14,15 +14,21 @@
 //! lookup away: the warp loads the block id of the slab it will copy next one iteration ahead,
 //! and the copy addresses are the block's base plus offsets computed once. A slab whose block is
 //! outside the cache is never read (zero-filled), masked, and reported in the status word.
+//!
+//! Two slab formats ([`SlabFormat`]): 16-bit rows in padded shared memory read with `ldmatrix`
+//! ([`HalfRows`]), and FP8 rows (head sizes 64 and 128) whose fragments are converted straight
+//! from swizzled shared memory ([`Fp8Rows`], `crate::fp8_direct`'s permuted head dimensions
+//! applied to the transposed tile).
 
 use crate::device::{atomic_or_global, dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, sync_warp, thread_idx_x};
+use crate::fp8_direct::swizzled;
 use crate::mma::{
-    cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32, ldmatrix_x4, ldmatrix_x4_trans, movmatrix_trans, shared_addr,
-    st_shared_f32, st_shared_f32x2, MmaHalf,
+    byte_perm, cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ld_shared_v4, ldmatrix_x4,
+    ldmatrix_x4_trans, movmatrix_trans, shared_addr, st_shared_f32, st_shared_f32x2, MmaHalf,
 };
 use crate::prefill::{store_merged_rows, work_item, KvSource, Logits, RowInfo};
-use crate::vec_io::load_u32_nc;
-use attn_math::keys_rows::{layout, row_pitch, stage_bytes, stages, MAX_ROWS, TILE_KEYS, WARP_KEYS};
+use crate::vec_io::{load8_nc, load_f32_nc, load_u32_nc};
+use attn_math::keys_rows::{layout, plane_bytes, row_pitch, stage_bytes, stages, MAX_ROWS, TILE_KEYS, WARP_KEYS};
 use attn_math::params::PrefillParams;
 use attn_math::prefill::block_m;
 use attn_math::softmax::{exp2, OnlineSoftmax};
@@ -43,7 +49,7 @@ fn wait_all_but(stages: u32) {
 /// Where a warp's slabs come from and go: the block lookup, and each lane's share of a slab's
 /// 16-byte chunks (`CHUNKS` per lane per plane: row `(lane + 32 i) / (D / 8)`, column chunk the
 /// rest) as offsets from the slab's first K row and from the stage.
-struct SlabCopy<const D: usize> {
+struct SlabCopy<F: SlabFormat<D>, const D: usize> {
     /// The request's block-table row.
     block_row: u64,
     /// log2 of the block size when it is a power of two, else 32.
@@ -55,17 +61,20 @@ struct SlabCopy<const D: usize> {
     /// Byte offset of (block 0, token 0, this kv head) in K.
     head_base: u64,
     block_bytes: u64,
+    format: core::marker::PhantomData<F>,
 }
 
-impl<const D: usize> SlabCopy<D> {
-    const CHUNKS: usize = D / 16;
+impl<F: SlabFormat<D>, const D: usize> SlabCopy<F, D> {
+    /// 16-byte chunks of a row, and a lane's chunks of a plane.
+    const ROW_CHUNKS: u32 = D as u32 * F::ELEM_BYTES / 16;
+    const CHUNKS: usize = (WARP_KEYS * Self::ROW_CHUNKS / 32) as usize;
 
     /// Lane's chunk `i`: (row in the slab, byte column).
     #[inline(always)]
     fn chunk(i: usize) -> (u32, u32) {
         let lane = thread_idx_x() % 32;
         let c = lane + 32 * i as u32;
-        (c / (D as u32 / 8), (c % (D as u32 / 8)) * 16)
+        (c / Self::ROW_CHUNKS, (c % Self::ROW_CHUNKS) * 16)
     }
 
     /// Key `kb`'s (block index in the request, key within the block): a shift and a mask for
@@ -97,17 +106,17 @@ impl<const D: usize> SlabCopy<D> {
         } else {
             p.k + self.head_base + block as u64 * self.block_bytes + self.split_key(p, kb).1 as u64 * self.token_bytes
         };
-        let pitch = row_pitch(D as u32);
+        let plane = plane_bytes(D as u32, F::ELEM_BYTES == 1);
         static_for::<16>(|i| {
             if i < Self::CHUNKS {
                 let (r, col) = Self::chunk(i);
                 let live = !bad && kb + r < end;
                 let src = if live { row0 + r as u64 * self.token_bytes + col as u64 } else { p.k };
                 let bytes = if live { 16 } else { 0 };
-                let dst = stage + r * pitch + col;
+                let dst = stage + F::at(r, col);
                 unsafe {
                     cp_async_16(dst, src, bytes);
-                    cp_async_16(dst + WARP_KEYS * pitch, src + if live { self.v_delta } else { 0 }, bytes);
+                    cp_async_16(dst + plane, src + if live { self.v_delta } else { 0 }, bytes);
                 }
             }
         });
@@ -115,44 +124,194 @@ impl<const D: usize> SlabCopy<D> {
     }
 }
 
-/// S^T = K Q^T for one slab: the K rows at `k` (16 x D, pitch `row_pitch(D)`) times the query
-/// fragments (`q[ks]`: the B operand of k-step `ks`, rows on its columns). Two accumulators
-/// halve the dependent chain.
-#[inline(always)]
-fn slab_scores<Q: MmaHalf, const D: usize>(q: &[[u32; 2]; 16], k: u32) -> [f32; 4] {
-    let lane = thread_idx_x() % 32;
-    let pitch = row_pitch(D as u32);
-    // Matrices: keys 0-7 / 8-15 (lanes 8-15 of each half) x dims 0-7 / 8-15 (lanes 16-31).
-    let base = k + ((lane % 8) + 8 * ((lane / 8) % 2)) * pitch + 16 * (lane / 16);
-    let mut acc = [[0.0f32; 4]; 2];
-    static_for::<16>(|ks| {
-        if ks < D / 16 {
-            let a = unsafe { ldmatrix_x4(base + ks as u32 * 32) };
-            acc[ks % 2] = Q::mma(a, q[ks][0], q[ks][1], acc[ks % 2]);
-        }
-    });
-    core::array::from_fn(|e| acc[0][e] + acc[1][e])
+/// How a cache format's slabs are staged and turned into MMA fragments. `M` is the tensor
+/// cores' input type; the accumulator m-tile `mt`, row `r` (0..16) of O^T holds head dimension
+/// `dim(mt, r)`.
+trait SlabFormat<const D: usize> {
+    type M: MmaHalf;
+    const ELEM_BYTES: u32;
+    /// Byte offset of (row, byte column) in a staged plane of 16 rows.
+    fn at(r: u32, col: u32) -> u32;
+    /// The query B fragments of every k-step for query row `g` at `q` (16-bit `Q`), in the
+    /// order [`Self::scores`] takes the head dimensions, times `conv` when `Q` is not `M`.
+    unsafe fn queries<Q: MmaHalf>(q: u64, conv: f32) -> [[u32; 2]; 16];
+    /// S^T = K Q^T for the K plane at `k`. Two accumulators halve the dependent chain.
+    unsafe fn scores(q: &[[u32; 2]; 16], k: u32) -> [f32; 4];
+    /// O^T += V^T P^T for the V plane at `v`; `b` is P^T's B operand.
+    unsafe fn pv(b: [u32; 2], o: &mut [[f32; 4]; 16], v: u32);
+    fn dim(mt: u32, r: u32) -> u32;
 }
 
-/// O^T += V^T P^T for one slab: `o[mt]` holds head dimensions `16 mt + g (+ 8)` of this thread's
-/// two rows; `p` the weights in the score layout (key g / g + 8, rows 2t4, 2t4 + 1).
+/// A 16-bit query element pair as `M`.
 #[inline(always)]
-fn slab_pv<Q: MmaHalf, const D: usize>(p: &[f32; 4], o: &mut [[f32; 4]; 16], v: u32) {
-    let lane = thread_idx_x() % 32;
-    let pitch = row_pitch(D as u32);
-    // The B operand (keys x rows) is P^T's transpose per 8x8 block: (key g, rows 2t4..) becomes
-    // (rows g, keys 2t4..).
-    let b0 = movmatrix_trans(Q::pack2(p[0], p[1]));
-    let b1 = movmatrix_trans(Q::pack2(p[2], p[3]));
-    // Matrices: keys 0-7 x dims 0-7, keys 0-7 x dims 8-15, keys 8-15 x dims 0-7, keys 8-15 x
-    // dims 8-15, read transposed (dims on the A operand's rows).
-    let base = v + ((lane % 8) + 8 * (lane / 16)) * pitch + 16 * ((lane / 8) % 2);
-    static_for::<16>(|mt| {
-        if mt < D / 16 {
-            let a = unsafe { ldmatrix_x4_trans(base + mt as u32 * 32) };
-            o[mt] = Q::mma(a, b0, b1, o[mt]);
+fn convert<Q: MmaHalf, M: MmaHalf>(w: u32, conv: f32) -> u32 {
+    if Q::IS_BF16 == M::IS_BF16 {
+        w
+    } else {
+        let (lo, hi) = Q::unpack2(w);
+        M::pack2(lo * conv, hi * conv)
+    }
+}
+
+/// 16-bit rows, padded, read with `ldmatrix`; k-step `ks` is head dimensions `16 ks ..`.
+struct HalfRows<Q>(core::marker::PhantomData<Q>);
+
+impl<Q: MmaHalf, const D: usize> SlabFormat<D> for HalfRows<Q> {
+    type M = Q;
+    const ELEM_BYTES: u32 = 2;
+
+    #[inline(always)]
+    fn at(r: u32, col: u32) -> u32 {
+        r * row_pitch(D as u32) + col
+    }
+
+    #[inline(always)]
+    unsafe fn queries<Q2: MmaHalf>(q: u64, _: f32) -> [[u32; 2]; 16] {
+        let t4 = thread_idx_x() % 4;
+        let mut f = [[0u32; 2]; 16];
+        static_for::<16>(|ks| {
+            if ks < D / 16 {
+                let at = q + ((16 * ks) as u64 + 2 * t4 as u64) * 2;
+                f[ks] = unsafe { [load_u32_nc(at), load_u32_nc(at + 16)] };
+            }
+        });
+        f
+    }
+
+    #[inline(always)]
+    unsafe fn scores(q: &[[u32; 2]; 16], k: u32) -> [f32; 4] {
+        let lane = thread_idx_x() % 32;
+        // Matrices: keys 0-7 / 8-15 (lanes 8-15 of each half) x dims 0-7 / 8-15 (lanes 16-31).
+        let base = k + <Self as SlabFormat<D>>::at((lane % 8) + 8 * ((lane / 8) % 2), 16 * (lane / 16));
+        let mut acc = [[0.0f32; 4]; 2];
+        static_for::<16>(|ks| {
+            if ks < D / 16 {
+                let a = unsafe { ldmatrix_x4(base + ks as u32 * 32) };
+                acc[ks % 2] = Q::mma(a, q[ks][0], q[ks][1], acc[ks % 2]);
+            }
+        });
+        core::array::from_fn(|e| acc[0][e] + acc[1][e])
+    }
+
+    #[inline(always)]
+    unsafe fn pv(b: [u32; 2], o: &mut [[f32; 4]; 16], v: u32) {
+        let lane = thread_idx_x() % 32;
+        // Matrices: keys 0-7 x dims 0-7, keys 0-7 x dims 8-15, keys 8-15 x dims 0-7, keys 8-15 x
+        // dims 8-15, read transposed (dims on the A operand's rows).
+        let base = v + <Self as SlabFormat<D>>::at((lane % 8) + 8 * (lane / 16), 16 * ((lane / 8) % 2));
+        static_for::<16>(|mt| {
+            if mt < D / 16 {
+                let a = unsafe { ldmatrix_x4_trans(base + mt as u32 * 32) };
+                o[mt] = Q::mma(a, b[0], b[1], o[mt]);
+            }
+        });
+    }
+
+    #[inline(always)]
+    fn dim(mt: u32, r: u32) -> u32 {
+        16 * mt + r
+    }
+}
+
+/// FP8 E4M3 rows (head sizes 64 and 128), swizzled in 16-byte units; fragments converted to
+/// f16 in registers. The head dimensions are permuted so that each thread's bytes are runs:
+/// - S^T: k-step `ks` of thread t4 takes dimensions `t4 * D/4 + 4 ks ..+ 4` (its k slots 2t4,
+///   2t4 + 1, 2t4 + 8, 2t4 + 9), one run of D/4 bytes per key;
+/// - O^T: m-tile `mt`, row `r` is dimension `r * D/16 + mt`, one run of D/16 bytes per (key, r).
+struct Fp8Rows;
+
+impl Fp8Rows {
+    /// The D/16-byte run of `key`'s row from dimension `r * D/16`, as words (4 m-tiles each).
+    #[inline(always)]
+    unsafe fn v_run<const D: usize>(v: u32, key: u32, r: u32) -> [u32; 2] {
+        let at = v + swizzled(key, r * (D as u32 / 16), D as u32);
+        if D == 128 {
+            let w = unsafe { ld_shared_u64(at) };
+            [w as u32, (w >> 32) as u32]
+        } else {
+            [unsafe { ld_shared_u32(at) }, 0]
         }
-    });
+    }
+}
+
+impl<const D: usize> SlabFormat<D> for Fp8Rows {
+    type M = crate::elem::F16;
+    const ELEM_BYTES: u32 = 1;
+
+    #[inline(always)]
+    fn at(r: u32, col: u32) -> u32 {
+        swizzled(r, col, D as u32)
+    }
+
+    #[inline(always)]
+    unsafe fn queries<Q: MmaHalf>(q: u64, conv: f32) -> [[u32; 2]; 16] {
+        let t4 = thread_idx_x() % 4;
+        let mut f = [[0u32; 2]; 16];
+        static_for::<16>(|ks| {
+            if ks < D / 16 {
+                let w = unsafe { load8_nc(q + (t4 as u64 * (D as u64 / 4) + 4 * ks as u64) * 2) };
+                f[ks] = [convert::<Q, Self::M>(w[0], conv), convert::<Q, Self::M>(w[1], conv)];
+            }
+        });
+        f
+    }
+
+    #[inline(always)]
+    unsafe fn scores(q: &[[u32; 2]; 16], k: u32) -> [f32; 4] {
+        let lane = thread_idx_x() % 32;
+        let (g, t4) = (lane / 4, lane % 4);
+        // Keys g and g + 8: D/4 bytes each from t4 * D/4.
+        let mut run = [[0u32; 8]; 2];
+        static_for::<2>(|j| {
+            static_for::<2>(|c| {
+                if c < D / 64 {
+                    let w = unsafe { ld_shared_v4(k + swizzled(g + 8 * j as u32, t4 * (D as u32 / 4) + c as u32 * 16, D as u32)) };
+                    static_for::<4>(|i| run[j][4 * c + i] = w[i]);
+                }
+            });
+        });
+        let mut acc = [[0.0f32; 4]; 2];
+        static_for::<16>(|ks| {
+            if ks < D / 16 {
+                let cvt = |w: u32| Self::M::from_fp8x2(w);
+                let (w0, w1) = (run[0][ks], run[1][ks]);
+                let a = [cvt(w0 & 0xffff), cvt(w1 & 0xffff), cvt(w0 >> 16), cvt(w1 >> 16)];
+                acc[ks % 2] = Self::M::mma(a, q[ks][0], q[ks][1], acc[ks % 2]);
+            }
+        });
+        core::array::from_fn(|e| acc[0][e] + acc[1][e])
+    }
+
+    #[inline(always)]
+    unsafe fn pv(b: [u32; 2], o: &mut [[f32; 4]; 16], v: u32) {
+        let lane = thread_idx_x() % 32;
+        let (g, t4) = (lane / 4, lane % 4);
+        // Keys 2t4, 2t4 + 1, 2t4 + 8, 2t4 + 9 (A's k slots), rows g and g + 8.
+        let mut run = [[[0u32; 2]; 2]; 4];
+        static_for::<4>(|kk| {
+            let key = 2 * t4 + (kk % 2) as u32 + 8 * (kk / 2) as u32;
+            static_for::<2>(|h| run[kk][h] = unsafe { Self::v_run::<D>(v, key, g + 8 * h as u32) });
+        });
+        static_for::<2>(|m| {
+            if m < D / 64 {
+                // Byte d of word m is m-tile 4m + d: (key, key + 1) pairs of bytes 0, 1 and 2, 3.
+                let pairs = |x: u32, y: u32| [byte_perm(x, y, 0x5140), byte_perm(x, y, 0x7362)];
+                let a_lo = [pairs(run[0][0][m], run[1][0][m]), pairs(run[0][1][m], run[1][1][m])];
+                let a_hi = [pairs(run[2][0][m], run[3][0][m]), pairs(run[2][1][m], run[3][1][m])];
+                static_for::<4>(|d| {
+                    let pick = |w: [u32; 2]| Self::M::from_fp8x2((w[d / 2] >> (16 * (d % 2) as u32)) & 0xffff);
+                    let a = [pick(a_lo[0]), pick(a_lo[1]), pick(a_hi[0]), pick(a_hi[1])];
+                    let mt = 4 * m + d;
+                    o[mt] = Self::M::mma(a, b[0], b[1], o[mt]);
+                });
+            }
+        });
+    }
+
+    #[inline(always)]
+    fn dim(mt: u32, r: u32) -> u32 {
+        r * (D as u32 / 16) + mt
+    }
 }
 
 /// The online-softmax step for this thread's two rows (columns 2t4, 2t4 + 1 of the slab): the
@@ -184,12 +343,14 @@ fn slab_softmax<const D: usize>(s: &mut [f32; 4], o: &mut [[f32; 4]; 16], state:
 }
 
 /// The kernel: one CTA per (work item, kv head), as `decode_tc_*` (the host plans both alike).
+/// `Q`: the queries' type; `F`: the cache's slab format.
 #[inline(always)]
-pub unsafe fn decode_keys_rows<Q: MmaHalf, const D: usize>(p: &PrefillParams) {
+unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize>(p: &PrefillParams) {
     let tid = thread_idx_x();
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
-    let Some(w) = (unsafe { work_item(p, block_m(D as u32, D as u32, true, false), D as u32) }) else { return };
+    let fp8 = F::ELEM_BYTES == 1;
+    let Some(w) = (unsafe { work_item(p, block_m(D as u32, D as u32, true, fp8), D as u32) }) else { return };
     let (min_pos, max_pos) = unsafe { (w.row(p, 0).pos, w.row(p, w.live - 1).pos) };
     let (begin, end) = unsafe { w.key_range(p, min_pos, max_pos) };
     // Slabs start on multiples of 16 (a window's first key may not: the mask covers the rest).
@@ -197,18 +358,19 @@ pub unsafe fn decode_keys_rows<Q: MmaHalf, const D: usize>(p: &PrefillParams) {
     let n_tiles = if end > begin { (end - begin).div_ceil(TILE_KEYS) } else { 0 };
     let slab_key = |tile: u32| begin + tile * TILE_KEYS + warp * WARP_KEYS;
 
-    let st = stages(D as u32);
-    let sb = stage_bytes(D as u32);
+    let st = stages(D as u32, fp8);
+    let sb = stage_bytes(D as u32, fp8);
     let smem = shared_addr(dynamic_shared::<u8>());
     let ring = smem + warp * st * sb;
-    let strides = p.k_strides;
-    let copy = SlabCopy::<D> {
+    let (strides, eb) = (p.k_strides, F::ELEM_BYTES as u64);
+    let copy = SlabCopy::<F, D> {
         block_row: unsafe { KvSource::of(p, &w) }.block_row,
         bs_shift: if p.block_size.is_power_of_two() { p.block_size.trailing_zeros() } else { 32 },
         v_delta: p.v.wrapping_sub(p.k),
-        token_bytes: strides.token * 2,
-        head_base: strides.head * w.kv_head as u64 * 2,
-        block_bytes: strides.block * 2,
+        token_bytes: strides.token * eb,
+        head_base: strides.head * w.kv_head as u64 * eb,
+        block_bytes: strides.block * eb,
+        format: core::marker::PhantomData,
     };
     // The block id of a slab this warp copies (-1 past the keys: nothing to copy).
     let lookup = |tile: u32| {
@@ -220,25 +382,26 @@ pub unsafe fn decode_keys_rows<Q: MmaHalf, const D: usize>(p: &PrefillParams) {
         }
     };
 
-    // This thread's rows (columns 2t4, 2t4 + 1) and the query fragments: B operand of k-step ks
-    // = (dims 16 ks + 2t4.. and + 8, row g), from global memory (rows past `live` repeat the
-    // last one; they are never written).
+    // This thread's rows (columns 2t4, 2t4 + 1) and the query fragments of row g (rows past
+    // `live` repeat the last one; they are never written). FP8: the scales fold into the score
+    // scale (k) and the output factor (v); bf16 queries go to f16 scaled by 2^-8.
     let rows: [RowInfo; 2] = unsafe { [w.row(p, 2 * t4), w.row(p, 2 * t4 + 1)] };
     let q_row = unsafe { w.row(p, g) };
     let q_addr = p.q + (q_row.token as u64 * p.q_token_stride + q_row.head as u64 * p.q_head_stride) * 2;
-    let mut q = [[0u32; 2]; 16];
-    static_for::<16>(|ks| {
-        if ks < D / 16 {
-            let at = q_addr + ((16 * ks) as u64 + 2 * t4 as u64) * 2;
-            q[ks] = unsafe { [load_u32_nc(at), load_u32_nc(at + 16)] };
-        }
-    });
+    let q_conv = if Q::IS_BF16 == F::M::IS_BF16 { 1.0 } else { 1.0 / 256.0 };
+    let q = unsafe { F::queries::<Q>(q_addr, q_conv) };
+    let (k_scale, v_scale) = if fp8 {
+        let unpack = F::M::FP8_UNPACK_SCALE;
+        (unsafe { load_f32_nc(p.k_scale) } * unpack, unsafe { load_f32_nc(p.v_scale) } * unpack)
+    } else {
+        (1.0, 1.0)
+    };
     let mut ahead = [lookup(0), lookup(1)];
 
     // The cache rows wait for the kernel before (the cache write); the work item, block ids and
     // queries above overlap its end.
     pdl_prologue();
-    let logits = Logits::new(p, p.scale_log2, end);
+    let logits = Logits::new(p, p.scale_log2 * k_scale / q_conv, end);
     let mult = logits.mult();
 
     // Copies in flight: slabs 0 .. st - 2 (one commit group each, empty ones included, so that
@@ -281,10 +444,13 @@ pub unsafe fn decode_keys_rows<Q: MmaHalf, const D: usize>(p: &PrefillParams) {
         let kb = slab_key(tile);
         if kb < end {
             let bad = bad_ring & (1 << (tile % st)) != 0;
-            let mut s = slab_scores::<Q, D>(&q, stage);
+            let mut s = unsafe { F::scores(&q, stage) };
             logits.apply_keys_rows(&mut s, &rows, kb, (min_pos, max_pos), bad);
             slab_softmax::<D>(&mut s, &mut o, &mut state, mult);
-            slab_pv::<Q, D>(&s, &mut o, stage + WARP_KEYS * row_pitch(D as u32));
+            // P^T as the B operand: each 8x8 block (key g, rows 2t4..) transposed to (row g,
+            // keys 2t4..).
+            let b = [movmatrix_trans(F::M::pack2(s[0], s[1])), movmatrix_trans(F::M::pack2(s[2], s[3]))];
+            unsafe { F::pv(b, &mut o, stage + plane_bytes(D as u32, fp8)) };
         }
         // The stage is refilled next iteration: every lane is done reading it.
         sync_warp();
@@ -297,7 +463,7 @@ pub unsafe fn decode_keys_rows<Q: MmaHalf, const D: usize>(p: &PrefillParams) {
 
     // Epilogue: each warp's rows at the CTA's common max into the merge area (over the ring),
     // then the rows added up and written.
-    let l = layout(D as u32);
+    let l = layout(D as u32, fp8);
     let (merge, stats) = (smem + l.merge, smem + l.stats);
     sync_threads();
     static_for::<2>(|h| {
@@ -317,15 +483,26 @@ pub unsafe fn decode_keys_rows<Q: MmaHalf, const D: usize>(p: &PrefillParams) {
         let row = merge + (warp * MAX_ROWS + r) * l.merge_pitch * 4;
         static_for::<16>(|mt| {
             if mt < D / 16 {
-                let dim = 16 * mt as u32 + g;
                 unsafe {
-                    st_shared_f32(row + dim * 4, o[mt][h] * f);
-                    st_shared_f32(row + (dim + 8) * 4, o[mt][h + 2] * f);
+                    st_shared_f32(row + F::dim(mt as u32, g) * 4, o[mt][h] * f);
+                    st_shared_f32(row + F::dim(mt as u32, g + 8) * 4, o[mt][h + 2] * f);
                 }
             }
         });
     });
     sync_threads();
     let num_splits = if p.req_num_splits != 0 { unsafe { load_u32_nc(p.req_num_splits + w.req as u64 * 4) } } else { 1 };
-    unsafe { store_merged_rows::<Q, D, MAX_ROWS>(p, &w, merge, l.merge_pitch, stats, num_splits, 1.0) };
+    unsafe { store_merged_rows::<Q, D, MAX_ROWS>(p, &w, merge, l.merge_pitch, stats, num_splits, v_scale) };
+}
+
+/// A 16-bit cache (`decode_kr_<q>_d<d>`).
+#[inline(always)]
+pub unsafe fn decode_keys_rows_half<Q: MmaHalf, const D: usize>(p: &PrefillParams) {
+    unsafe { decode_keys_rows::<Q, HalfRows<Q>, D>(p) }
+}
+
+/// An FP8 E4M3 cache (`decode_kr_<q>_fp8_d<d>`, head sizes 64 and 128).
+#[inline(always)]
+pub unsafe fn decode_keys_rows_fp8<Q: MmaHalf, const D: usize>(p: &PrefillParams) {
+    unsafe { decode_keys_rows::<Q, Fp8Rows, D>(p) }
 }

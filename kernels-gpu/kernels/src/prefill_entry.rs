@@ -74,23 +74,31 @@ macro_rules! stream_kernels {
 stream_kernels!(F16, "f16": 64, 96, 128);
 stream_kernels!(Bf16, "bf16": 64, 96, 128);
 
-// Keys-as-rows decode (`crate::keys_rows`): `decode_kr_<q>_d<head_size>`, 16-bit caches, up to
-// 8 rows per kv head.
+// Keys-as-rows decode (`crate::keys_rows`), up to 8 rows per kv head:
+// `decode_kr_<q>_d<head_size>` (16-bit caches) and `decode_kr_<q>_fp8_d<head_size>`.
 macro_rules! keys_rows_kernels {
-    ($q:ident, $qname:literal: $($d:literal),*) => {
+    ($q:ident, $qname:literal: $($d:literal),*; fp8: $($d8:literal),*) => {
         $(
             const _: () = {
                 #[unsafe(export_name = concat!("decode_kr_", $qname, "_d", $d))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                    unsafe { crate::keys_rows::decode_keys_rows::<$q, $d>(&p) }
+                    unsafe { crate::keys_rows::decode_keys_rows_half::<$q, $d>(&p) }
+                }
+            };
+        )*
+        $(
+            const _: () = {
+                #[unsafe(export_name = concat!("decode_kr_", $qname, "_fp8_d", $d8))]
+                unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+                    unsafe { crate::keys_rows::decode_keys_rows_fp8::<$q, $d8>(&p) }
                 }
             };
         )*
     };
 }
 
-keys_rows_kernels!(F16, "f16": 64, 96, 128, 256);
-keys_rows_kernels!(Bf16, "bf16": 64, 96, 128, 256);
+keys_rows_kernels!(F16, "f16": 64, 96, 128, 256; fp8: 64, 128);
+keys_rows_kernels!(Bf16, "bf16": 64, 96, 128, 256; fp8: 64, 128);
 
 // Prefill on Hopper's warpgroup MMA (sm_90a only): `<prefix>_<q>_d<head_size>` running
 // `crate::$module::$func::<Q, D>`.

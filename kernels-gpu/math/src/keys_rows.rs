@@ -14,23 +14,45 @@ pub const WARP_KEYS: u32 = 16;
 /// Keys of a CTA's tile (every warp's 16).
 pub const TILE_KEYS: u32 = WARP_KEYS * WARPS;
 
-/// Bytes of one staged row (padded so that `ldmatrix`'s 8 rows fall in different banks).
+/// Bytes of one staged 16-bit row (padded so that `ldmatrix`'s 8 rows fall in different banks).
 pub const fn row_pitch(d: u32) -> u32 {
     (d + ROW_PAD) * 2
 }
 
-/// Bytes of one warp's stage: its 16 K rows, then its 16 V rows.
-pub const fn stage_bytes(d: u32) -> u32 {
-    2 * WARP_KEYS * row_pitch(d)
+/// Bytes of one warp's 16 staged K (or V) rows: padded 16-bit rows, or swizzled FP8 rows.
+pub const fn plane_bytes(d: u32, fp8: bool) -> u32 {
+    if fp8 {
+        WARP_KEYS * d
+    } else {
+        WARP_KEYS * row_pitch(d)
+    }
 }
 
-/// A warp's pipeline depth: as many stages as fit in about 104 KiB per CTA (two CTAs per SM) up
-/// to head size 128, at most 6; three at 256 (one CTA per SM).
-pub const fn stages(d: u32) -> u32 {
-    if d > 128 {
+/// Bytes of one warp's stage: its K plane, then its V plane.
+pub const fn stage_bytes(d: u32, fp8: bool) -> u32 {
+    2 * plane_bytes(d, fp8)
+}
+
+/// CTAs per SM the kernels are built for: three from an FP8 cache (`xtask`'s launch bounds cap
+/// their registers), else two (one at head size 256).
+pub const fn ctas_per_sm(d: u32, fp8: bool) -> u32 {
+    if fp8 {
+        3
+    } else if d > 128 {
+        1
+    } else {
+        2
+    }
+}
+
+/// A warp's pipeline depth: as many stages as fit the CTA's share of shared memory (104 KiB of
+/// two, 72 KiB of three), at most 6; three at 16-bit head size 256 (one CTA per SM).
+pub const fn stages(d: u32, fp8: bool) -> u32 {
+    if !fp8 && d > 128 {
         return 3;
     }
-    let s = 106_496 / (WARPS * stage_bytes(d));
+    let budget = if ctas_per_sm(d, fp8) == 3 { 73_728 } else { 106_496 };
+    let s = budget / (WARPS * stage_bytes(d, fp8));
     if s > 6 {
         6
     } else {
@@ -50,13 +72,17 @@ pub struct Layout {
     pub total: u32,
 }
 
-pub const fn layout(d: u32) -> Layout {
-    let ring = WARPS * stages(d) * stage_bytes(d);
+pub const fn layout(d: u32, fp8: bool) -> Layout {
+    let ring = WARPS * stages(d, fp8) * stage_bytes(d, fp8);
     let merge_pitch = d + 8;
     let stats = WARPS * MAX_ROWS * merge_pitch * 4;
     let merge_end = stats + WARPS * MAX_ROWS * 8;
     Layout { ring: 0, merge: 0, merge_pitch, stats, total: if merge_end > ring { merge_end } else { ring } }
 }
+
+/// The head sizes an FP8 cache runs at (its fragments need runs of D/4 and D/16 bytes in
+/// 16-byte units).
+pub const FP8_HEAD_SIZES: [u32; 2] = [64, 128];
 
 #[cfg(test)]
 mod tests {
@@ -64,14 +90,15 @@ mod tests {
     use crate::prefill::DECODE_HEAD_SIZES;
 
     #[test]
-    fn two_ctas_per_sm_up_to_head_size_128() {
-        for d in DECODE_HEAD_SIZES {
-            let l = layout(d);
-            assert!(stages(d) >= 3, "d{d}");
-            assert!(l.total <= 227 * 1024, "d{d}: {}", l.total);
-            assert!(l.stats.is_multiple_of(16) && stage_bytes(d).is_multiple_of(16));
-            if d <= 128 {
-                assert!(2 * (l.total + 1024) <= 228 * 1024, "d{d}: {}", l.total);
+    fn ctas_fit_per_sm() {
+        for (fp8, sizes) in [(false, &DECODE_HEAD_SIZES[..]), (true, &FP8_HEAD_SIZES[..])] {
+            for &d in sizes {
+                let l = layout(d, fp8);
+                assert!(stages(d, fp8) >= 3, "d{d}");
+                assert!(l.stats.is_multiple_of(16) && stage_bytes(d, fp8).is_multiple_of(16));
+                // 228 KiB per SM, 1 KiB reserved per CTA; 227 KiB per CTA at most.
+                assert!(l.total <= 227 * 1024, "d{d}: {}", l.total);
+                assert!(ctas_per_sm(d, fp8) * (l.total + 1024) <= 228 * 1024, "d{d} fp8 {fp8}: {}", l.total);
             }
         }
     }
