@@ -216,6 +216,8 @@ pub enum DecodeKernel {
     CudaCores,
     /// Tensor cores, 16 query rows per CTA and the keys of each tile split across its warps
     /// (`decode_tc_<q>[_fp8]_d<d>`): up to 16 rows (query tokens x query heads) per kv head.
+    /// Up to 8 rows run the same CTAs with the score tile transposed (`decode_kr_*`, keys on
+    /// the MMA's rows: `attn_math::keys_rows`), from 16-bit caches and FP8 at head sizes 64/128.
     TensorCoreKeys,
     /// Tensor cores, 64 rows per CTA (the prefill kernel): more rows per kv head (MQA).
     TensorCoreRows,
@@ -296,7 +298,13 @@ pub fn plan_decode_tc(
         SplitMode::Fixed(n) => Some(n),
     };
     let chunk = plan_chunk(&lens, ctas_per_item * row_tiles, ctas_target, bn, MIN_CHUNK, forced);
-    let chunk = if forced.is_none() { even_waves_chunk(&lens, ctas_per_item * row_tiles, slots, bn, MIN_CHUNK, chunk) } else { chunk };
+    // `ATTN_DECODE_EVEN_WAVES=0` leaves the even waves out (a tuning knob for the benchmark).
+    let even_waves = std::env::var("ATTN_DECODE_EVEN_WAVES").map_or(true, |v| v != "0");
+    let chunk = if forced.is_none() && even_waves {
+        even_waves_chunk(&lens, ctas_per_item * row_tiles, slots, bn, MIN_CHUNK, chunk)
+    } else {
+        chunk
+    };
     let mut plan = plan_splits(&lens, &q_lens, num_q_heads, chunk, partial_capacity);
     plan.rows_per_cta = bm;
     plan.row_groups = row_tiles;
