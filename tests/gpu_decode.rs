@@ -266,6 +266,9 @@ fn cases() -> Vec<(String, Case, &'static str)> {
         "bf16_fp8",
     );
     push("bf16_fp8::bad_block_id".into(), Case { bad_block: true, ..Case::base(&[100, 40]) }, "bf16_fp8");
+    // A request of 2048 keys or more takes the deep-pipeline FP8 kernels (`keys_rows::FP8_LONG_KEYS`).
+    push("bf16_fp8::long_bad_block_id".into(), Case { bad_block: true, ..Case::base(&[2048, 40]) }, "bf16_fp8");
+    push("f16_fp8::long_planned_sinks".into(), Case { planned: true, sinks: true, ..Case::base(&[3000, 1, 2047]) }, "f16_fp8");
     push("bf16_fp8::block_size_64".into(), Case { block_size: 64, ..Case::base(&lens) }, "bf16_fp8");
     push("bf16_fp8::gqa_32q_32kv".into(), Case { q_heads: 32, kv_heads: 32, ..Case::base(&[33, 2000]) }, "bf16_fp8");
     push("bf16_fp8::gqa_16q_1kv".into(), Case { q_heads: 16, kv_heads: 1, ..Case::base(&[33, 2000]) }, "bf16_fp8");

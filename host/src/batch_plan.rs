@@ -20,8 +20,8 @@
 //! ```
 
 use crate::decode::{
-    decode_tc_kernel, paged_decode_from, plan_decode_tc, AttnOptions, DecodeArgs, DecodeBatch, DecodeKernel, DecodePlan, DecodeWorkspace,
-    DevicePlan, PlanSource, SplitMode, TcKernel,
+    decode_tc_kernel, max_len, paged_decode_from, plan_decode_tc, AttnOptions, DecodeArgs, DecodeBatch, DecodeKernel, DecodePlan,
+    DecodeWorkspace, DevicePlan, PlanSource, SplitMode, TcKernel,
 };
 use crate::decode_stream::{plan_stream, StreamBatch, StreamPlan};
 use crate::device::AttnDevice;
@@ -99,7 +99,7 @@ impl BatchPlan {
         let max_q = check_batch(batch, q_dtype, cache_dtype, num_q_heads)?;
         ensure(HEAD_SIZES.contains(&(head_size as u32)), "head_size", || format!("{head_size} (decode takes {HEAD_SIZES:?})"))?;
         let fp8 = cache_dtype == DType::Fp8E4m3;
-        let tc = decode_tc_kernel(dev, q_dtype, fp8, head_size, num_q_heads, num_kv_heads, max_q)?;
+        let tc = decode_tc_kernel(dev, q_dtype, fp8, head_size, num_q_heads, num_kv_heads, max_q, max_len(batch.seq_lens))?;
         let kernel = tc.kernel;
         // Stream-K for the batch as the eager call would run it, laid out without a window
         // (a layer with one runs the split-K plan below).

@@ -491,7 +491,14 @@ impl TcKernel {
     }
 }
 
-/// The tensor-core decode kernel for `max_q` query tokens per request, and its CTA target.
+/// The longest request's keys (0 for an empty batch or negative lengths).
+pub(crate) fn max_len(seq_lens: &[i32]) -> u32 {
+    seq_lens.iter().copied().max().unwrap_or(0).max(0) as u32
+}
+
+/// The tensor-core decode kernel for `max_q` query tokens per request (`max_len` keys in the
+/// longest), and its CTA target.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn decode_tc_kernel(
     dev: &AttnDevice,
     q_dtype: DType,
@@ -500,6 +507,7 @@ pub(crate) fn decode_tc_kernel(
     hq: usize,
     num_kv_heads: usize,
     max_q: u32,
+    max_len: u32,
 ) -> Result<TcKernel> {
     let group = (hq / num_kv_heads) as u32;
     let kernel = DecodeKernel::tensor_cores(max_q * group);
@@ -511,13 +519,19 @@ pub(crate) fn decode_tc_kernel(
         && (!fp8 || keys_rows::FP8_HEAD_SIZES.contains(&(d as u32)))
         && max_q * group <= keys_rows::MAX_ROWS
         && std::env::var("ATTN_DECODE_KR").map_or(true, |v| v != "0");
+    let long = max_len >= keys_rows::FP8_LONG_KEYS;
     let name = match kernel {
+        // FP8 batches with long requests: the deep-pipeline kernels (`keys_rows::FP8_LONG_KEYS`).
+        DecodeKernel::TensorCoreKeys if keys_rows && fp8 && long => format!("decode_kr_{}_fp8_long_d{d}", q_dtype.kernel_name()),
         DecodeKernel::TensorCoreKeys if keys_rows => format!("decode_kr_{}{fp8_tag}_d{d}", q_dtype.kernel_name()),
         DecodeKernel::TensorCoreKeys => format!("decode_tc_{}{fp8_tag}_d{d}", q_dtype.kernel_name()),
         _ => format!("prefill_{}{fp8_tag}_dk{d}_dv{d}", q_dtype.kernel_name()),
     };
-    let smem =
-        if keys_rows { keys_rows::layout(d as u32, fp8).total } else { shared_layout(d as u32, d as u32, kernel.keys_split(), fp8).total };
+    let smem = if keys_rows {
+        keys_rows::layout(d as u32, fp8, keys_rows::ctas_per_sm(d as u32, fp8, long)).total
+    } else {
+        shared_layout(d as u32, d as u32, kernel.keys_split(), fp8).total
+    };
     // Splits short enough to fill every SM, few enough that the per-CTA start (work item,
     // first address tables, pipeline fill) and the merge stay small: a number of waves of
     // resident CTAs measured per head size on the H100 (BENCHMARKS.md): one wave at d96/d128
@@ -689,7 +703,14 @@ pub(crate) fn paged_decode_from(
     // A graph step's plan is made for the tensor cores; `ATTN_DECODE_KERNEL=cuda` picks the
     // CUDA-core kernel for eager calls.
     let cuda_cores = causal && matches!(source, PlanSource::Host(_)) && DecodeKernel::cuda_cores_forced();
-    let tc = if cuda_cores { None } else { Some(decode_tc_kernel(dev, q_dtype, fp8, d, hq, spec.num_kv_heads, max_q)?) };
+    // The kernel variant that depends on the lengths (FP8's deep pipeline) is the plan's for a
+    // device plan (a graph's runs whatever lengths its steps have).
+    let planned_len = match source {
+        PlanSource::Device(dp) if dp.kernel.contains("_fp8_long_") => u32::MAX,
+        PlanSource::Device(_) => 0,
+        PlanSource::Host(_) => max_len(batch.seq_lens),
+    };
+    let tc = if cuda_cores { None } else { Some(decode_tc_kernel(dev, q_dtype, fp8, d, hq, spec.num_kv_heads, max_q, planned_len)?) };
     let kernel = tc.as_ref().map_or(DecodeKernel::CudaCores, |t| t.kernel);
     // Stream-K (`crate::decode_stream`) where the batch allows it and the split mode is the
     // planner's: eager calls plan it here, planned batches brought it along.

@@ -154,7 +154,9 @@ impl GpuExec {
         let fp8 = m.cache_dtype == DType::Fp8E4m3;
         let q = bucket.query_len as u32;
         let tc = match spec {
-            CacheSpec::Paged(_) => decode_tc_kernel(&self.dev, m.q_dtype, fp8, m.head_size, m.num_q_heads, m.num_kv_heads, q)?,
+            // A graph runs whatever lengths its steps have: FP8 caches take the deep-pipeline
+            // kernels (`keys_rows::FP8_LONG_KEYS`), made for the long contexts graphs serve.
+            CacheSpec::Paged(_) => decode_tc_kernel(&self.dev, m.q_dtype, fp8, m.head_size, m.num_q_heads, m.num_kv_heads, q, u32::MAX)?,
             CacheSpec::Mla(_) => mla_tc_kernel(&self.dev, m.q_dtype, fp8, m.num_q_heads, q)?,
         };
         GraphPlanner::new(bucket, tc, config.split_mode, m.num_q_heads, config.max_blocks_per_req(), self.decode_ws.partial_rows())

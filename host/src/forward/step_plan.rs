@@ -9,7 +9,7 @@
 //! - the decode part's plan (items, splits, partial bases, token requests, header);
 //! - the prefix's plan (cascade steps).
 
-use crate::decode::{decode_tc_kernel, plan_decode_tc, DecodeBatch, DecodeKernel, DevicePlan, SplitMode, TcKernel};
+use crate::decode::{decode_tc_kernel, max_len, plan_decode_tc, DecodeBatch, DecodeKernel, DevicePlan, SplitMode, TcKernel};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::Result;
@@ -86,10 +86,10 @@ impl StepPlanner {
         })
     }
 
-    fn kernel(&self, max_q: u32) -> Result<TcKernel> {
+    fn kernel(&self, max_q: u32, lens: &[i32]) -> Result<TcKernel> {
         match self.kind {
             PlanKind::Standard { head_size, num_kv_heads } => {
-                decode_tc_kernel(&self.dev, self.q_dtype, self.fp8, head_size, self.num_q_heads, num_kv_heads, max_q)
+                decode_tc_kernel(&self.dev, self.q_dtype, self.fp8, head_size, self.num_q_heads, num_kv_heads, max_q, max_len(lens))
             }
             PlanKind::Mla => mla_tc_kernel(&self.dev, self.q_dtype, self.fp8, self.num_q_heads, max_q),
         }
@@ -115,16 +115,16 @@ impl StepPlanner {
         let cuda_cores = matches!(self.kind, PlanKind::Standard { .. }) && DecodeKernel::cuda_cores_forced();
         if nd > 0 && !cuda_cores {
             let max_q = qsl.windows(2).map(|w| (w[1] - w[0]) as u32).max().unwrap_or(1);
-            let tc = self.kernel(max_q)?;
             let lens = if cascade.is_some() { &suffix_lens[..nd] } else { &input.seq_lens[..nd] };
+            let tc = self.kernel(max_q, lens)?;
             let batch = DecodeBatch { seq_lens: lens, query_start_loc: qsl };
             let plan = plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.mode, self.partial_capacity);
             decode = Some((append_plan(&mut words, &plan), tc.name, plan.items.len() / 2, plan.needs_merge()));
         }
         let mut prefix = None;
         if let Some(p) = cascade {
-            let tc = self.kernel(nt as u32)?;
             let (lens, qsl) = ([p.tokens as i32], [0, nt as i32]);
+            let tc = self.kernel(nt as u32, &lens)?;
             let batch = DecodeBatch { seq_lens: &lens, query_start_loc: &qsl };
             let plan = plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.mode, self.partial_capacity);
             prefix = Some((append_plan(&mut words, &plan), tc.name, plan.items.len() / 2, plan.needs_merge()));

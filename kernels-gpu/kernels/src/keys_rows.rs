@@ -28,7 +28,7 @@ use crate::mma::{
 };
 use crate::prefill::{store_merged_rows, work_item, KvSource, Logits, RowInfo};
 use crate::vec_io::{load8_nc, load_f32_nc, load_u32_nc};
-use attn_math::keys_rows::{layout, plane_bytes, row_pitch, stage_bytes, stages, MAX_ROWS, TILE_KEYS, WARP_KEYS};
+use attn_math::keys_rows::{ctas_per_sm, layout, plane_bytes, row_pitch, stage_bytes, stages, MAX_ROWS, TILE_KEYS, WARP_KEYS};
 use attn_math::params::PrefillParams;
 use attn_math::prefill::block_m;
 use attn_math::softmax::{exp2, OnlineSoftmax};
@@ -343,9 +343,9 @@ fn slab_softmax<const D: usize>(s: &mut [f32; 4], o: &mut [[f32; 4]; 16], state:
 }
 
 /// The kernel: one CTA per (work item, kv head), as `decode_tc_*` (the host plans both alike).
-/// `Q`: the queries' type; `F`: the cache's slab format.
+/// `Q`: the queries' type; `F`: the cache's slab format; `LONG`: the FP8 deep-pipeline variant.
 #[inline(always)]
-unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize>(p: &PrefillParams) {
+unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const LONG: bool>(p: &PrefillParams) {
     let tid = thread_idx_x();
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
@@ -358,7 +358,8 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize>(p: &Pre
     let n_tiles = if end > begin { (end - begin).div_ceil(TILE_KEYS) } else { 0 };
     let slab_key = |tile: u32| begin + tile * TILE_KEYS + warp * WARP_KEYS;
 
-    let st = stages(D as u32, fp8);
+    let ctas = ctas_per_sm(D as u32, fp8, LONG);
+    let st = stages(D as u32, fp8, ctas);
     let sb = stage_bytes(D as u32, fp8);
     let smem = shared_addr(dynamic_shared::<u8>());
     let ring = smem + warp * st * sb;
@@ -463,7 +464,7 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize>(p: &Pre
 
     // Epilogue: each warp's rows at the CTA's common max into the merge area (over the ring),
     // then the rows added up and written.
-    let l = layout(D as u32, fp8);
+    let l = layout(D as u32, fp8, ctas);
     let (merge, stats) = (smem + l.merge, smem + l.stats);
     sync_threads();
     static_for::<2>(|h| {
@@ -498,11 +499,12 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize>(p: &Pre
 /// A 16-bit cache (`decode_kr_<q>_d<d>`).
 #[inline(always)]
 pub unsafe fn decode_keys_rows_half<Q: MmaHalf, const D: usize>(p: &PrefillParams) {
-    unsafe { decode_keys_rows::<Q, HalfRows<Q>, D>(p) }
+    unsafe { decode_keys_rows::<Q, HalfRows<Q>, D, false>(p) }
 }
 
-/// An FP8 E4M3 cache (`decode_kr_<q>_fp8_d<d>`, head sizes 64 and 128).
+/// An FP8 E4M3 cache (head sizes 64 and 128): `LONG` the deep-pipeline kernels
+/// (`decode_kr_<q>_fp8_long_d<d>`), else the three-CTA ones (`decode_kr_<q>_fp8_d<d>`).
 #[inline(always)]
-pub unsafe fn decode_keys_rows_fp8<Q: MmaHalf, const D: usize>(p: &PrefillParams) {
-    unsafe { decode_keys_rows::<Q, Fp8Rows, D>(p) }
+pub unsafe fn decode_keys_rows_fp8<Q: MmaHalf, const D: usize, const LONG: bool>(p: &PrefillParams) {
+    unsafe { decode_keys_rows::<Q, Fp8Rows, D, LONG>(p) }
 }

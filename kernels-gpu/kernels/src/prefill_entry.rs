@@ -75,7 +75,7 @@ stream_kernels!(F16, "f16": 64, 96, 128);
 stream_kernels!(Bf16, "bf16": 64, 96, 128);
 
 // Keys-as-rows decode (`crate::keys_rows`), up to 8 rows per kv head:
-// `decode_kr_<q>_d<head_size>` (16-bit caches) and `decode_kr_<q>_fp8_d<head_size>`.
+// `decode_kr_<q>_d<head_size>` (16-bit caches) and `decode_kr_<q>_fp8[_long]_d<head_size>`.
 macro_rules! keys_rows_kernels {
     ($q:ident, $qname:literal: $($d:literal),*; fp8: $($d8:literal),*) => {
         $(
@@ -90,7 +90,13 @@ macro_rules! keys_rows_kernels {
             const _: () = {
                 #[unsafe(export_name = concat!("decode_kr_", $qname, "_fp8_d", $d8))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                    unsafe { crate::keys_rows::decode_keys_rows_fp8::<$q, $d8>(&p) }
+                    unsafe { crate::keys_rows::decode_keys_rows_fp8::<$q, $d8, false>(&p) }
+                }
+            };
+            const _: () = {
+                #[unsafe(export_name = concat!("decode_kr_", $qname, "_fp8_long_d", $d8))]
+                unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+                    unsafe { crate::keys_rows::decode_keys_rows_fp8::<$q, $d8, true>(&p) }
                 }
             };
         )*

@@ -33,25 +33,33 @@ pub const fn stage_bytes(d: u32, fp8: bool) -> u32 {
     2 * plane_bytes(d, fp8)
 }
 
-/// CTAs per SM the kernels are built for: three from an FP8 cache (`xtask`'s launch bounds cap
-/// their registers), else two (one at head size 256).
-pub const fn ctas_per_sm(d: u32, fp8: bool) -> u32 {
-    if fp8 {
+/// An FP8 batch whose longest request has at least this many keys runs the deep-pipeline FP8
+/// kernels (`decode_kr_<q>_fp8_long_d<d>`: two CTAs per SM, six stages); shorter ones the
+/// three-CTA kernels (four stages), whose CTAs start and drain beside more neighbours. Measured
+/// on the H100 (BENCHMARKS.md): 64 x 4096 201 us deep against 211-214 us; 256 x 1024 211 us deep
+/// against 204 us.
+pub const FP8_LONG_KEYS: u32 = 2048;
+
+/// CTAs per SM a kernel is built for: two (one at 16-bit head size 256); three for the FP8
+/// kernels of short batches (`xtask`'s launch bounds cap their registers).
+pub const fn ctas_per_sm(d: u32, fp8: bool, long: bool) -> u32 {
+    if fp8 && !long {
         3
-    } else if d > 128 {
+    } else if !fp8 && d > 128 {
         1
     } else {
         2
     }
 }
 
-/// A warp's pipeline depth: as many stages as fit the CTA's share of shared memory (104 KiB of
-/// two, 72 KiB of three), at most 6; three at 16-bit head size 256 (one CTA per SM).
-pub const fn stages(d: u32, fp8: bool) -> u32 {
-    if !fp8 && d > 128 {
+/// A warp's pipeline depth for `ctas` CTAs per SM: as many stages as fit the CTA's share of
+/// shared memory (104 KiB of two, 72 KiB of three), at most 6; three at 16-bit head size 256
+/// (one CTA per SM).
+pub const fn stages(d: u32, fp8: bool, ctas: u32) -> u32 {
+    if ctas == 1 {
         return 3;
     }
-    let budget = if ctas_per_sm(d, fp8) == 3 { 73_728 } else { 106_496 };
+    let budget = if ctas == 3 { 73_728 } else { 106_496 };
     let s = budget / (WARPS * stage_bytes(d, fp8));
     if s > 6 {
         6
@@ -72,8 +80,8 @@ pub struct Layout {
     pub total: u32,
 }
 
-pub const fn layout(d: u32, fp8: bool) -> Layout {
-    let ring = WARPS * stages(d, fp8) * stage_bytes(d, fp8);
+pub const fn layout(d: u32, fp8: bool, ctas: u32) -> Layout {
+    let ring = WARPS * stages(d, fp8, ctas) * stage_bytes(d, fp8);
     let merge_pitch = d + 8;
     let stats = WARPS * MAX_ROWS * merge_pitch * 4;
     let merge_end = stats + WARPS * MAX_ROWS * 8;
@@ -93,13 +101,18 @@ mod tests {
     fn ctas_fit_per_sm() {
         for (fp8, sizes) in [(false, &DECODE_HEAD_SIZES[..]), (true, &FP8_HEAD_SIZES[..])] {
             for &d in sizes {
-                let l = layout(d, fp8);
-                assert!(stages(d, fp8) >= 3, "d{d}");
-                assert!(l.stats.is_multiple_of(16) && stage_bytes(d, fp8).is_multiple_of(16));
-                // 228 KiB per SM, 1 KiB reserved per CTA; 227 KiB per CTA at most.
-                assert!(l.total <= 227 * 1024, "d{d}: {}", l.total);
-                assert!(ctas_per_sm(d, fp8) * (l.total + 1024) <= 228 * 1024, "d{d} fp8 {fp8}: {}", l.total);
+                for long in [false, true] {
+                    let ctas = ctas_per_sm(d, fp8, long);
+                    let l = layout(d, fp8, ctas);
+                    assert!(stages(d, fp8, ctas) >= 3, "d{d}");
+                    assert!(l.stats.is_multiple_of(16) && stage_bytes(d, fp8).is_multiple_of(16));
+                    // 228 KiB per SM, 1 KiB reserved per CTA; 227 KiB per CTA at most.
+                    assert!(l.total <= 227 * 1024, "d{d}: {}", l.total);
+                    assert!(ctas * (l.total + 1024) <= 228 * 1024, "d{d} fp8 {fp8}: {}", l.total);
+                }
             }
         }
+        assert_eq!(stages(128, true, ctas_per_sm(128, true, true)), 6);
+        assert_eq!(stages(128, true, ctas_per_sm(128, true, false)), 4);
     }
 }
