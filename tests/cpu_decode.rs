@@ -152,6 +152,56 @@ fn plans_that_need_no_device_copy() {
 }
 
 #[test]
+fn uniform_splits_are_derived_from_the_cta_index() {
+    use host::decode::{plan_decode_tc, TcShape};
+    let shape = TcShape::attention(128, 128, true, false, 8);
+    let plan_for = |lens: &[i32], q_lens: &[i32], mode| {
+        let mut qsl = vec![0];
+        q_lens.iter().for_each(|q| qsl.push(qsl.last().unwrap() + q));
+        let batch = DecodeBatch { seq_lens: lens, query_start_loc: &qsl };
+        (plan_decode_tc(&batch, 32, 4, shape, 264, 264, mode, 1 << 20), qsl)
+    };
+    // Equal requests in equal splits: CTA i is split i % 4 of request i / 4, and request r's
+    // partial rows start at 4 x num_q_heads x query_start_loc[r] (what the kernel computes).
+    let (plan, qsl) = plan_for(&[3001; 6], &[1, 2, 1, 2, 2, 1], SplitMode::Fixed(4));
+    assert_eq!(plan.uniform_splits(), Some(4));
+    for (r, &base) in plan.req_partial_base.iter().enumerate() {
+        assert_eq!(base, 4 * 32 * qsl[r] as u32, "request {r}");
+    }
+    // Unequal splits, or one split each: not uniform.
+    assert_eq!(plan_for(&[3001, 1000], &[1, 1], SplitMode::Fixed(4)).0.uniform_splits(), None);
+    assert_eq!(plan_for(&[3001; 3], &[1; 3], SplitMode::Fixed(1)).0.uniform_splits(), None);
+}
+
+#[test]
+fn merge_counters_are_distinct_and_fit_the_workspace() {
+    use host::attn_math::params::merge_counter_index;
+    use host::decode::{plan_decode_tc, TcShape};
+    let mut rng = SmallRng::seed_from_u64(21);
+    for iter in 0..300 {
+        let lens: Vec<i32> = random_lens(&mut rng).into_iter().map(|l| l as i32).collect();
+        let (kv_heads, group) = (pick(&mut rng, &[1u32, 2, 8, 16]), pick(&mut rng, &[1u32, 2, 4, 8]));
+        let q_lens: Vec<i32> = lens.iter().map(|_| rng.random_range(1..=(8 / group) as i32)).collect();
+        let mut qsl = vec![0];
+        q_lens.iter().for_each(|q| qsl.push(qsl.last().unwrap() + q));
+        let batch = DecodeBatch { seq_lens: &lens, query_start_loc: &qsl };
+        let hq = (kv_heads * group) as usize;
+        let mode = if rng.random_bool(0.5) { SplitMode::Auto } else { SplitMode::Fixed(rng.random_range(1..40)) };
+        let capacity = rng.random_range(1..200_000usize);
+        let shape = TcShape::attention(128, 128, true, false, kv_heads);
+        let plan = plan_decode_tc(&batch, hq, group, shape, 264, 264, mode, capacity);
+        let mut seen = std::collections::HashSet::new();
+        for (r, &splits) in plan.req_num_splits.iter().enumerate().filter(|(_, &s)| s > 1) {
+            for h in 0..kv_heads {
+                let i = merge_counter_index(plan.req_partial_base[r] as u64, hq as u32, group, h);
+                assert!(seen.insert(i), "iter {iter}: request {r} kv head {h}: counter {i} taken ({splits} splits)");
+                assert!((i as usize) < plan.partial_rows / 2 + 1 && plan.partial_rows <= capacity, "iter {iter}: counter {i}");
+            }
+        }
+    }
+}
+
+#[test]
 fn plan_chunk_forced_splits() {
     let mut rng = SmallRng::seed_from_u64(12);
     for iter in 0..400 {

@@ -256,6 +256,27 @@ fn cases() -> Vec<(String, Case, &'static str)> {
         "bf16_bf16",
     );
     push("bf16_bf16::bad_block_id".into(), Case { bad_block: true, ..Case::base(&[100, 40]) }, "bf16_bf16");
+    // Equal splits per request: the keys-rows kernels derive the items and partial rows from
+    // the CTA index (nothing uploaded) and merge in pass 1; speculative tokens move the
+    // partial bases, a window empties most splits, FP8 takes the deep kernel.
+    push("bf16_bf16::uniform_splits_sinks".into(), Case { split: SplitMode::Fixed(4), sinks: true, ..Case::base(&[3001; 6]) }, "bf16_bf16");
+    push(
+        "f16_f16::uniform_splits_spec_2".into(),
+        Case { split: SplitMode::Fixed(3), q_lens: vec![2; 5], alibi: true, ..Case::base(&[1500; 5]) },
+        "f16_f16",
+    );
+    push(
+        "bf16_bf16::uniform_splits_window_empties".into(),
+        Case { split: SplitMode::Fixed(8), window: Some(20), sinks: true, ..Case::base(&[5000, 5000, 5000]) },
+        "bf16_bf16",
+    );
+    push("bf16_fp8::uniform_splits_long".into(), Case { split: SplitMode::Fixed(5), sinks: true, ..Case::base(&[2500; 4]) }, "bf16_fp8");
+    push(
+        "bf16_bf16::uniform_splits_d256".into(),
+        Case { split: SplitMode::Fixed(2), head_size: 256, ..Case::base(&[700; 3]) },
+        "bf16_bf16",
+    );
+    push("bf16_bf16::uniform_splits_d96".into(), Case { split: SplitMode::Fixed(6), head_size: 96, ..Case::base(&[900; 3]) }, "bf16_bf16");
     // The FP8 decode shape (one query token, up to 16 rows per kv head) reads its fragments
     // straight from the staged FP8 rows at head sizes 64 and 128: its features, masks and
     // odd shapes, with bf16 queries (scaled into f16's range).

@@ -135,6 +135,20 @@ impl DecodePlan {
     /// size or 1 (one split, one row tile, at least one query token each). The call then copies
     /// nothing, and its launch follows the kernel before it directly (programmatic dependent
     /// launch).
+    /// The splits of every request when they are all the same (more than one), and the work
+    /// items are the ones a CTA derives from its index with `PrefillParams::uniform_splits`
+    /// (split `i % n` of request `i / n`, row tile 0; partial rows in request order, so request
+    /// r's start at `n * num_q_heads * query_start_loc[r]`).
+    pub fn uniform_splits(&self) -> Option<u32> {
+        let n = *self.req_num_splits.first()?;
+        let uniform = n > 1
+            && self.cluster <= 1
+            && self.req_num_splits.iter().all(|&s| s == n)
+            && self.items.len() == 2 * n as usize * self.req_num_splits.len()
+            && self.items.chunks(2).enumerate().all(|(i, it)| it[0] == i as u32 / n && it[1] == i as u32 % n);
+        uniform.then_some(n)
+    }
+
     pub fn needs_device_plan(&self) -> bool {
         let per = self.cluster.max(1);
         let implicit = self.items.len() == 2 * per as usize * self.req_num_splits.len()
@@ -357,6 +371,9 @@ pub struct DecodeWorkspace {
     /// batch of unequal requests (`crate::decode_stream`).
     stream_sched: CudaSlice<u32>,
     stream_starts: CudaSlice<u32>,
+    /// Split-K merged in pass 1: an arrival counter per split work item (zero between launches;
+    /// `attn_math::params::merge_counter_index`, below `partial_rows / 2`).
+    merge_counters: CudaSlice<u32>,
     max_items: usize,
     max_reqs: usize,
     max_tokens: usize,
@@ -366,7 +383,10 @@ pub struct DecodeWorkspace {
 impl DecodeWorkspace {
     /// Device bytes [`new`](Self::new) allocates.
     pub fn bytes(partial_rows: usize, head_size: usize, max_items: usize, max_reqs: usize, max_tokens: usize) -> usize {
-        4 * (partial_rows * (head_size + 1) + plan_words(max_items, max_reqs, max_tokens) + 3 * MAX_STREAM_WORKERS)
+        4 * (partial_rows * (head_size + 1)
+            + plan_words(max_items, max_reqs, max_tokens)
+            + 3 * MAX_STREAM_WORKERS
+            + merge_counters(partial_rows))
     }
 
     /// A workspace for up to `max_reqs` requests and `max_tokens` query tokens; `partial_rows`
@@ -382,6 +402,7 @@ impl DecodeWorkspace {
             plan_words: Vec::with_capacity(words),
             stream_sched: stream.alloc_zeros(MAX_STREAM_WORKERS)?,
             stream_starts: stream.alloc_zeros(2 * MAX_STREAM_WORKERS)?,
+            merge_counters: stream.alloc_zeros(merge_counters(partial_rows))?,
             max_items,
             max_reqs,
             max_tokens,
@@ -391,6 +412,20 @@ impl DecodeWorkspace {
 
     pub fn partial_rows(&self) -> usize {
         self.partial_lse.len()
+    }
+
+    /// The partial buffers alone: a plan the kernel derives from its CTA index (uniform splits).
+    fn partials_ptrs(&mut self, stream: &Arc<CudaStream>) -> WorkspacePtrs {
+        WorkspacePtrs {
+            partial_out: self.partial_out.device_ptr_mut(stream).0,
+            partial_lse: self.partial_lse.device_ptr_mut(stream).0,
+            ..WorkspacePtrs::default()
+        }
+    }
+
+    /// The counters of split-K merged in pass 1.
+    pub(crate) fn merge_counters_ptr(&mut self, stream: &Arc<CudaStream>) -> u64 {
+        self.merge_counters.device_ptr_mut(stream).0
     }
 
     /// The partial buffers and the counters of a stream-K launch, with its warps' starts
@@ -471,6 +506,9 @@ pub(crate) struct TcKernel {
     pub target: u64,
     /// CTAs the GPU holds at once (`plan_decode_tc`'s even waves); 0: not used.
     pub slots: u64,
+    /// The kernel merges its splits itself (`decode_kr_*`: the last CTA of a work item, through
+    /// the workspace's counters): no merge kernel, and a plan of uniform splits stays on the host.
+    pub fused_merge: bool,
 }
 
 impl TcKernel {
@@ -547,7 +585,7 @@ pub(crate) fn decode_tc_kernel(
     let slots = dev.sm_count() as u64 * resident as u64;
     let target = waves * slots;
     let shape = TcShape::attention(d as u32, d as u32, kernel.keys_split(), fp8, num_kv_heads as u32);
-    Ok(TcKernel { kernel, name, smem, shape, threads: attn_math::prefill::THREADS, group, target, slots })
+    Ok(TcKernel { kernel, name, smem, shape, threads: attn_math::prefill::THREADS, group, target, slots, fused_merge: keys_rows })
 }
 
 /// A split plan already on the device (a CUDA-graph step's, [`crate::forward`]): its arrays,
@@ -749,8 +787,16 @@ pub(crate) fn paged_decode_from(
                     DecodePlan { kernel, ..plan_decode_tc(batch, hq, tc.group, tc.shape, tc.target, tc.slots, mode, ws.partial_rows()) }
                 }
             };
-            let wp =
-                if tc.is_some() && !plan.needs_device_plan() { WorkspacePtrs::default() } else { ws.upload(stream, &plan, num_reqs, nt)? };
+            let fused = tc.as_ref().is_some_and(|t| t.fused_merge);
+            let wp = if tc.is_some() && !plan.needs_device_plan() {
+                WorkspacePtrs::default()
+            } else if fused && plan.uniform_splits().is_some() {
+                // Derived from the CTA index and merged in pass 1: only the partials' room.
+                ws.check_plan(&plan, num_reqs, nt)?;
+                ws.partials_ptrs(stream)
+            } else {
+                ws.upload(stream, &plan, num_reqs, nt)?
+            };
             (plan, wp, Launch::Planned)
         }
     };
@@ -864,9 +910,13 @@ pub(crate) fn paged_decode_from(
         }
         let tc = tc.as_ref().expect("a tensor-core batch");
         let (items, tp) = match launch {
-            Launch::Planned => (plan.items.len() / 2, tp),
+            Launch::Planned => {
+                let uniform = if wp.items == 0 { plan.uniform_splits().unwrap_or(0) } else { 0 };
+                (plan.items.len() / 2, PrefillParams { uniform_splits: uniform, ..tp })
+            }
             Launch::Fixed(dp) => (dp.capacity_items, PrefillParams { chunk: 0, plan: dp.header, ..tp }),
         };
+        let tp = if tc.fused_merge { PrefillParams { merge_counters: ws.merge_counters_ptr(stream), ..tp } } else { tp };
         let ctas = items * spec.num_kv_heads;
         ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
         dev.launch_pdl(stream, &tc.name, (ctas as u32, 1, 1), tc.threads, tc.smem, tp)?;
@@ -875,10 +925,15 @@ pub(crate) fn paged_decode_from(
         Launch::Planned => plan.needs_merge(),
         Launch::Fixed(dp) => dp.needs_merge,
     };
-    if merge {
+    if merge && !tc.as_ref().is_some_and(|t| t.fused_merge) {
         launch_merge(dev, stream, &wp, a.query_start_loc.ptr, (&a.out, &a.out_rows), lse_ptr, sinks, q_dtype)?;
     }
     Ok(plan)
+}
+
+/// Counters a workspace of `partial_rows` rows needs for split-K merged in pass 1.
+fn merge_counters(partial_rows: usize) -> usize {
+    partial_rows / 2 + 1
 }
 
 /// Device addresses of an uploaded plan in a [`DecodeWorkspace`]; all 0 for a launch that

@@ -258,9 +258,11 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
     let batch = DecodeBatch { seq_lens: &seq_lens, query_start_loc: &qsl };
     let mut bp = BatchPlan::new(s)?;
     let mut chunk = 0;
+    // `ATTN_BENCH_DECODE_SPLITS=n`: n splits a request (experiments; the planner's otherwise).
+    let mode = std::env::var("ATTN_BENCH_DECODE_SPLITS").ok().and_then(|v| v.parse().ok()).map_or(SplitMode::Auto, SplitMode::Fixed);
     if planned {
         let (qt, hd) = (host::DType::BF16, sh.head_size);
-        chunk = bp.plan_decode(dev(), &batch, qt, C::DTYPE, hd, sh.q_heads, sh.kv_heads, SplitMode::Auto, &ws)?.chunk;
+        chunk = bp.plan_decode(dev(), &batch, qt, C::DTYPE, hd, sh.q_heads, sh.kv_heads, mode, &ws)?.chunk;
     }
     let us = b.time(|| {
         let args = DecodeArgs {
@@ -282,7 +284,7 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
         if planned {
             paged_decode_planned(dev(), s, args, &batch, &opts, &bp, &mut ws, status)
         } else {
-            chunk = paged_decode(dev(), s, args, &batch, &opts, SplitMode::Auto, &mut ws, status)?.chunk;
+            chunk = paged_decode(dev(), s, args, &batch, &opts, mode, &mut ws, status)?.chunk;
             Ok(())
         }
     })?;

@@ -27,6 +27,7 @@ use crate::mma::{
     ldmatrix_x4_trans, movmatrix_trans, shared_addr, st_shared_f32, st_shared_f32x2, MmaHalf,
 };
 use crate::prefill::{store_merged_rows, work_item, KvSource, Logits, RowInfo};
+use crate::split_merge::merge_item_splits;
 use crate::vec_io::{load8_nc, load_f32_nc, load_u32_nc};
 use attn_math::keys_rows::{ctas_per_sm, layout, plane_bytes, row_pitch, stage_bytes, stages, MAX_ROWS, TILE_KEYS, WARP_KEYS};
 use attn_math::params::PrefillParams;
@@ -492,8 +493,12 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
         });
     });
     sync_threads();
-    let num_splits = if p.req_num_splits != 0 { unsafe { load_u32_nc(p.req_num_splits + w.req as u64 * 4) } } else { 1 };
+    let num_splits = unsafe { w.num_splits(p) };
     unsafe { store_merged_rows::<Q, D, MAX_ROWS>(p, &w, merge, l.merge_pitch, stats, num_splits, v_scale) };
+    if num_splits > 1 && p.merge_counters != 0 {
+        // The merge area is free now: its first word carries the "last to arrive" flag.
+        unsafe { merge_item_splits::<Q, D, MAX_ROWS>(p, &w, num_splits, merge) };
+    }
 }
 
 /// A 16-bit cache (`decode_kr_<q>_d<d>`).

@@ -38,6 +38,8 @@ mod prefill_entry;
 mod prefill_hopper;
 #[cfg(all(kernels = "prefill", wgmma))]
 mod prefill_specialized;
+#[cfg(kernels = "prefill")]
+mod split_merge;
 #[cfg(all(kernels = "prefill", wgmma))]
 mod wgmma;
 

@@ -578,7 +578,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &P
         unsafe { cluster_combine::<Q>(p, &w, smem + layout.k, &o[0], states, col0, v_scale) };
         return;
     }
-    let num_splits = if p.req_num_splits != 0 { unsafe { load_u32_nc(p.req_num_splits + w.req as u64 * 4) } } else { 1 };
+    let num_splits = unsafe { w.num_splits(p) };
     static_for::<2>(|m| {
         if m < mt {
             static_for::<2>(|h| {

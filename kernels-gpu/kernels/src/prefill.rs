@@ -337,6 +337,28 @@ impl Work {
         (begin, end)
     }
 
+    /// The request's splits: the plan's, or `uniform_splits` with no plan on the device (1 when
+    /// neither: a request with one split writes its output directly).
+    #[inline(always)]
+    pub unsafe fn num_splits(&self, p: &PrefillParams) -> u32 {
+        if p.req_num_splits != 0 {
+            unsafe { load_u32_nc(p.req_num_splits + self.req as u64 * 4) }
+        } else {
+            p.uniform_splits.max(1)
+        }
+    }
+
+    /// The first partial row of the request (split-K): the plan's, or with uniform splits and
+    /// no plan on the device, `uniform_splits` rows per query row of the requests before.
+    #[inline(always)]
+    pub unsafe fn partial_base(&self, p: &PrefillParams) -> u64 {
+        if p.req_partial_base != 0 {
+            (unsafe { load_u32_nc(p.req_partial_base + self.req as u64 * 4) }) as u64
+        } else {
+            p.uniform_splits as u64 * p.num_q_heads as u64 * self.q_start as u64
+        }
+    }
+
     #[inline(always)]
     pub unsafe fn row(&self, p: &PrefillParams, r: u32) -> RowInfo {
         let gr = self.row0 + r.min(self.live - 1);
@@ -385,7 +407,7 @@ impl RowOut {
             let addr = p.out + (row.token as u64 * p.out_token_stride + row.head as u64 * p.out_head_stride + w.v_col0 as u64) * 2;
             RowOut { addr, partial: false, inv: if st.sum > 0.0 { v_scale * scale / st.sum } else { 0.0 } }
         } else {
-            let base = unsafe { load_u32_nc(p.req_partial_base + w.req as u64 * 4) } as u64;
+            let base = unsafe { w.partial_base(p) };
             let t = (row.token - w.q_start) as u64;
             let index = base + (w.split as u64 * w.q_len as u64 + t) * p.num_q_heads as u64 + row.head as u64;
             if write_lse && w.slice == 0 {
@@ -430,8 +452,8 @@ pub(crate) unsafe fn work_item_at(p: &PrefillParams, x: u32, bm: u32, dv: u32) -
         let item = p.work_items + item_idx as u64 * 8;
         unsafe { (load_u32_nc(item), load_u32_nc(item + 4)) }
     } else {
-        // No plan on the device: `cluster` splits a request (row tile 0).
-        let splits = p.cluster.max(1);
+        // No plan on the device: `uniform_splits` or `cluster` splits a request (row tile 0).
+        let splits = if p.uniform_splits > 1 { p.uniform_splits } else { p.cluster.max(1) };
         (item_idx / splits, item_idx % splits)
     };
     let (row_tile, split) = (tile_split >> 16, tile_split & 0xffff);
@@ -1021,7 +1043,7 @@ pub unsafe fn attention<
     }
     cp_async_wait::<0>();
 
-    let num_splits = if p.req_num_splits != 0 { unsafe { load_u32_nc(p.req_num_splits + w.req as u64 * 4) } } else { 1 };
+    let num_splits = unsafe { w.num_splits(p) };
     if KEYS {
         unsafe {
             finish_keys_split::<Q, DV>(

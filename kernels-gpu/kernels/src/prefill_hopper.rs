@@ -21,7 +21,6 @@
 use crate::device::{dynamic_shared, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x};
 use crate::mma::{cp_async_16, cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_u64, shared_addr, wgmma_desc};
 use crate::prefill::{softmax_step, work_item, KeyTables, KvSource, Logits, RowInfo, RowOut};
-use crate::vec_io::load_u32_nc;
 use crate::wgmma::WgmmaTiles;
 use attn_math::hopper_prefill::{group_bytes, shared_layout, swizzled, BLOCK_M, BLOCK_N, STAGES, THREADS};
 use attn_math::params::PrefillParams;
@@ -175,7 +174,7 @@ pub unsafe fn prefill_hopper<Q: WgmmaTiles, const D: usize>(p: &PrefillParams) {
         unsafe { Q::pv_64xd_k128::<D>(&mut o, &pf, v_desc(n_tiles - 1)) };
     }
 
-    let num_splits = if p.req_num_splits != 0 { unsafe { load_u32_nc(p.req_num_splits + w.req as u64 * 4) } } else { 1 };
+    let num_splits = unsafe { w.num_splits(p) };
     // The quad's partial sums, then the output (or the split's partial) per row. (Staging the
     // rows in shared memory for 16-byte stores measured no faster on the H100.)
     static_for::<2>(|h| {

@@ -43,7 +43,7 @@ use crate::mma::{
     wgmma_desc,
 };
 use crate::prefill::{work_item_at, KvSource, Logits, RowInfo, RowOut, Work};
-use crate::vec_io::{load_u32_nc, store4};
+use crate::vec_io::store4;
 use crate::wgmma::{wait_pv64, wait_scores64, WgmmaTiles};
 use attn_math::hopper_prefill::{
     group_bytes, ws_layout, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_Q_BUFFERS, WS_STAGES,
@@ -162,7 +162,7 @@ impl Item {
         d[11] = begin;
         d[12] = end;
         d[13] = if end > begin { (end - begin).div_ceil(BLOCK_N) } else { 0 };
-        d[14] = if p.req_num_splits != 0 { unsafe { load_u32_nc(p.req_num_splits + w.req as u64 * 4) } } else { 1 };
+        d[14] = unsafe { w.num_splits(p) };
         d
     }
 

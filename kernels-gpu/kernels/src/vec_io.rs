@@ -137,6 +137,17 @@ pub fn f32_to_f16_bits(x: f32) -> u16 {
     h
 }
 
+/// 16 bytes through L2 only (`.cg`): data another SM wrote during this kernel, after an acquire.
+#[inline(always)]
+pub unsafe fn load16_cg(addr: u64) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    unsafe {
+        asm!("ld.global.cg.v4.u32 {{{0}, {1}, {2}, {3}}}, [{4}];",
+            out(reg32) a, out(reg32) b, out(reg32) c, out(reg32) d, in(reg64) addr, options(readonly, nostack));
+    }
+    [a, b, c, d]
+}
+
 /// An f32 through L2 only (`.cg`): data another SM wrote during this kernel, after an acquire.
 #[inline(always)]
 pub unsafe fn load_f32_cg(addr: u64) -> f32 {

@@ -266,4 +266,22 @@ pub struct PrefillParams {
     /// makes range ends fall on request ends).
     pub stream_groups: u32,
     pub stream_starts: u64,
+    /// Split-K merged inside pass 1 (`decode_kr_*`): a u32 arrival counter per split work item
+    /// (zero between launches, [`merge_counter_index`]); the CTA that arrives last combines
+    /// the item's partials into the output, so no merge kernel runs. 0 = the merge kernel's job.
+    pub merge_counters: u64,
+    /// With no plan on the device (`work_items` 0): every request has this many splits (item i
+    /// is split `i % n` of request `i / n`), and request r's partial rows start at
+    /// `n * num_q_heads * query_start_loc[r]`. 0 or 1 = `cluster`'s rule.
+    pub uniform_splits: u32,
+}
+
+/// The arrival counter of a split work item (kv head `kv_head` of a request whose partial rows
+/// start at `partial_base`, a multiple of `num_q_heads`): distinct for every such pair, because
+/// a split request holds at least 2 x num_q_heads partial rows, and below
+/// `partial_rows / (2 * group)` for a workspace of `partial_rows` rows.
+#[inline(always)]
+pub fn merge_counter_index(partial_base: u64, num_q_heads: u32, group: u32, kv_head: u32) -> u64 {
+    let kv_heads = (num_q_heads / group) as u64;
+    partial_base / (2 * num_q_heads as u64) * kv_heads + kv_head as u64
 }
