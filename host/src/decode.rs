@@ -129,12 +129,6 @@ impl DecodePlan {
         self.cluster <= 1 && self.req_num_splits.iter().any(|&s| s > 1)
     }
 
-    /// Whether the tensor-core kernels need the plan's arrays on the device. Not when the work
-    /// items are the ones CTAs derive from their index (`PrefillParams::work_items` 0): CTA i is
-    /// split `i % c` of request `i / c`, row tile 0, for every request, `c` being the cluster
-    /// size or 1 (one split, one row tile, at least one query token each). The call then copies
-    /// nothing, and its launch follows the kernel before it directly (programmatic dependent
-    /// launch).
     /// The splits of every request when they are all the same (more than one), and the work
     /// items are the ones a CTA derives from its index with `PrefillParams::uniform_splits`
     /// (split `i % n` of request `i / n`, row tile 0; partial rows in request order, so request
@@ -149,6 +143,12 @@ impl DecodePlan {
         uniform.then_some(n)
     }
 
+    /// Whether the tensor-core kernels need the plan's arrays on the device. Not when the work
+    /// items are the ones CTAs derive from their index (`PrefillParams::work_items` 0): CTA i is
+    /// split `i % c` of request `i / c`, row tile 0, for every request, `c` being the cluster
+    /// size or 1 (one split, one row tile, at least one query token each). The call then copies
+    /// nothing, and its launch follows the kernel before it directly (programmatic dependent
+    /// launch).
     pub fn needs_device_plan(&self) -> bool {
         let per = self.cluster.max(1);
         let implicit = self.items.len() == 2 * per as usize * self.req_num_splits.len()
@@ -645,6 +645,14 @@ enum Launch<'p> {
 /// Paged decode: validates everything, plans, uploads the plan, launches pass 1 and (when a
 /// request has several splits) the merge. Enqueued on `stream`; block ids outside the cache are
 /// skipped and raise `BLOCK_OUT_OF_RANGE` in `status`.
+///
+/// Ordering on Hopper (programmatic dependent launch, `ATTN_DISABLE_PDL=1` turns it off): the
+/// kernel may start while the kernel launched just before it on `stream` still runs, and reads
+/// the queries, block tables, sequence lengths and, on the keys-as-rows kernels, the cache rows
+/// of each request's context before its new tokens (positions below `seq_len - q_len`) before
+/// waiting for it. Those must have been written before that kernel started, as they are in an
+/// engine step (QKV projection, then the cache write of the new tokens, then decode). The new
+/// tokens' rows are read, and everything is written, after the wait.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode(
     dev: &AttnDevice,

@@ -162,3 +162,24 @@ pub fn pdl_prologue() {
 #[cfg(not(pdl))]
 #[inline(always)]
 pub fn pdl_prologue() {}
+
+/// Programmatic dependent launch, in two halves for kernels that read old data before waiting:
+/// lets the next dependent grid start launching (into SM slots this grid frees) now.
+#[inline(always)]
+pub fn pdl_launch_dependents() {
+    #[cfg(pdl)]
+    unsafe {
+        asm!("griddepcontrol.launch_dependents;", options(nostack))
+    }
+}
+
+/// Waits until the grid this one depends on has finished and its writes are visible. Every
+/// CTA calls it before it writes anything or exits, so that this grid's completion implies
+/// the one before (a grid whose CTAs all skipped it could finish first).
+#[inline(always)]
+pub fn pdl_wait() {
+    #[cfg(pdl)]
+    unsafe {
+        asm!("griddepcontrol.wait;", options(nostack))
+    }
+}

@@ -20,7 +20,9 @@
 //! from swizzled shared memory ([`Fp8Rows`], `crate::fp8_direct`'s permuted head dimensions
 //! applied to the transposed tile).
 
-use crate::device::{atomic_or_global, dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, sync_warp, thread_idx_x};
+use crate::device::{
+    atomic_or_global, dynamic_shared, fma, pdl_launch_dependents, pdl_wait, shfl_xor, static_for, sync_threads, sync_warp, thread_idx_x,
+};
 use crate::fp8_direct::swizzled;
 use crate::mma::{
     byte_perm, cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ld_shared_v4, ldmatrix_x4,
@@ -351,7 +353,13 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
     let fp8 = F::ELEM_BYTES == 1;
-    let Some(w) = (unsafe { work_item(p, block_m(D as u32, D as u32, true, fp8), D as u32) }) else { return };
+    // Programmatic dependent launch, split: the next kernel may take the SM slots this grid
+    // frees from now on, and this grid waits for the one before only where it must (below).
+    pdl_launch_dependents();
+    let Some(w) = (unsafe { work_item(p, block_m(D as u32, D as u32, true, fp8), D as u32) }) else {
+        pdl_wait();
+        return;
+    };
     let (min_pos, max_pos) = unsafe { (w.row(p, 0).pos, w.row(p, w.live - 1).pos) };
     let (begin, end) = unsafe { w.key_range(p, min_pos, max_pos) };
     // Slabs start on multiples of 16 (a window's first key may not: the mask covers the rest).
@@ -400,25 +408,33 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     };
     let mut ahead = [lookup(0), lookup(1)];
 
-    // The cache rows wait for the kernel before (the cache write); the work item, block ids and
-    // queries above overlap its end.
-    pdl_prologue();
+    // What is read before waiting for the kernel before (in an engine, this step's cache
+    // write): the work item, block ids, queries, and the cache rows of the request's context
+    // before its new tokens (`fresh`), all written before that kernel started. The rows of the
+    // new tokens, and every write (outputs, partials, counters, the status word), come after
+    // the wait. So a call streams its context while the kernel before drains, and the next
+    // call's CTAs stream theirs in the slots this call's early finishers leave.
+    let fresh = w.seq_len.saturating_sub(w.q_len);
+    let mut waited = false;
     let logits = Logits::new(p, p.scale_log2 * k_scale / q_conv, end);
     let mult = logits.mult();
 
     // Copies in flight: slabs 0 .. st - 2 (one commit group each, empty ones included, so that
     // "all but st - 1 groups done" always means "this slab is in").
     let mut bad_ring = 0u32;
+    let mut any_bad = false;
     let mut issued = 0u32;
-    let issue = |tile: u32, block: i64, bad_ring: &mut u32| {
+    let mut issue = |tile: u32, block: i64, bad_ring: &mut u32| {
         let kb = slab_key(tile);
         if tile < n_tiles && kb < end {
+            if !waited && kb + WARP_KEYS > fresh {
+                pdl_wait();
+                waited = true;
+            }
             let bad = unsafe { copy.copy(p, kb, block, end, ring + (tile % st) * sb) };
             let bit = 1 << (tile % st);
             *bad_ring = if bad { *bad_ring | bit } else { *bad_ring & !bit };
-            if bad && lane == 0 {
-                unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
-            }
+            any_bad |= bad;
         }
         cp_async_commit();
     };
@@ -462,6 +478,12 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
         }
     }
     cp_async_wait::<0>();
+    if !waited {
+        pdl_wait();
+    }
+    if any_bad && lane == 0 {
+        unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
+    }
 
     // Epilogue: each warp's rows at the CTA's common max into the merge area (over the ring),
     // then the rows added up and written.
