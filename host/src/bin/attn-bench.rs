@@ -610,6 +610,20 @@ fn decode_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Res
     for (batch, context) in [(64, 4096), (8, 32768), (256, 1024), (1, 131072)] {
         rows.push(decode_row::<bf16>(b, &shape(batch, context), true, status)?);
     }
+    // Each call alone: without programmatic dependent launch, a call neither starts while the
+    // one before drains nor lets the next one's CTAs stream in the slots it frees at its end
+    // (as in an engine step whose next kernel is not launched with PDL).
+    std::env::set_var("ATTN_DISABLE_PDL", "1");
+    for (batch, context) in [(64, 4096), (8, 32768), (256, 1024), (1, 131072)] {
+        for mut r in [
+            decode_row::<bf16>(b, &shape(batch, context), false, status)?,
+            decode_row::<Fp8E4m3>(b, &shape(batch, context), false, status)?,
+        ] {
+            r.name += " (no PDL)";
+            rows.push(r);
+        }
+    }
+    std::env::remove_var("ATTN_DISABLE_PDL");
     // The CUDA-core kernel on the main shape, for comparison.
     {
         std::env::set_var("ATTN_DECODE_KERNEL", "cuda");

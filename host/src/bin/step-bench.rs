@@ -271,6 +271,14 @@ fn graph_bench(
         us: kernel_us,
         note: format!("per layer, events around each layer; replay / kernels = {:.3}", per(graph_us) / kernel_us),
     });
+    // The decode's rate inside a step: a layer's K and V bytes over its replayed time (which
+    // also holds the layer's cache write), so neighbouring layers' decodes never overlap.
+    let kv_bytes = (2 * 2 * n * context * HKV * D) as f64; // bf16 K and V
+    lines.push(Line {
+        name: format!("graph step: decode GB/s ({shape})"),
+        us: kv_bytes / (per(graph_us) * 1e3),
+        note: "K and V bytes of a layer / replayed time per layer (cache write included), GB/s".into(),
+    });
     Ok(())
 }
 
@@ -302,8 +310,15 @@ fn main() -> Result<()> {
         cascade_bench(&dev, &stream, quick, &mut lines)?;
     }
     if want("graph") {
-        graph_bench(&dev, &stream, 64, 2048, quick, &mut lines)?;
-        graph_bench(&dev, &stream, 8, 512, quick, &mut lines)?;
+        // `STEP_BENCH_GRAPH_SHAPES=64x4096,8x512`: other (batch x context) steps.
+        let shapes = std::env::var("STEP_BENCH_GRAPH_SHAPES").unwrap_or_else(|_| "64x2048,8x512".into());
+        for shape in shapes.split(',') {
+            let parsed = shape.split_once('x').and_then(|(n, c)| Some((n.trim().parse().ok()?, c.trim().parse().ok()?)));
+            let Some((n, context)) = parsed else {
+                return Err(host::AttnError::InvalidArgument { arg: "STEP_BENCH_GRAPH_SHAPES", reason: format!("bad shape {shape:?}") });
+            };
+            graph_bench(&dev, &stream, n, context, quick, &mut lines)?;
+        }
     }
     let mut json = String::from("[\n");
     for (i, l) in lines.iter().enumerate() {
