@@ -153,15 +153,11 @@ pub fn fma(a: f32, b: f32, c: f32) -> f32 {
 /// Programmatic dependent launch (sm_90): waits until the grid this one depends on has finished
 /// and its writes are visible, then lets the next dependent grid start launching. Kernels call
 /// it first thing, before reading anything; launched without the PDL attribute it is a no-op.
-#[cfg(pdl)]
 #[inline(always)]
 pub fn pdl_prologue() {
-    unsafe { asm!("griddepcontrol.wait;", "griddepcontrol.launch_dependents;", options(nostack)) }
+    pdl_wait();
+    pdl_launch_dependents();
 }
-
-#[cfg(not(pdl))]
-#[inline(always)]
-pub fn pdl_prologue() {}
 
 /// Programmatic dependent launch, in two halves for kernels that read old data before waiting:
 /// lets the next dependent grid start launching (into SM slots this grid frees) now.
