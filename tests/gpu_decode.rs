@@ -159,6 +159,126 @@ fn decode_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     Ok(())
 }
 
+/// Decode right after the cache write of its new tokens, as in an engine step: on Hopper the
+/// decode starts while the write drains (programmatic dependent launch) and reads each
+/// request's older context before waiting for it. The new tokens' slots hold NaN until the
+/// write lands; they are the write's last tokens, behind a long run of filler tokens into spare
+/// blocks, so a decode that read them too early would return NaN. The window is a few
+/// microseconds, so the test is probabilistic. With the wait removed from `decode_kr`, 2 of 3
+/// runs of 8 rounds failed, hence 20 rounds, each re-poisoned.
+fn after_cache_write_case(q_len: i32, salt: u64) -> TestResult {
+    use host::cache_write::{reshape_and_cache, KvWrite};
+    let mut rng = rng(salt);
+    let stream = new_stream();
+    let (d, hq, hkv, bs) = (128, 32, 8, 16);
+    let num_reqs = 96;
+    let seq_lens: Vec<i32> = (0..num_reqs).map(|_| rng.random_range(q_len..=48)).collect();
+    let filler = if quick() { 8192 } else { 32768 };
+    let BlockTables { table, stride, num_blocks } = scattered_block_tables(&mut rng, &seq_lens, bs, filler / bs, false);
+    let spec = KvCacheSpec::new(KvLayout::FlashNhd, num_blocks, bs, hkv, d)?;
+    let used: std::collections::HashSet<i32> = table.iter().copied().filter(|&b| b >= 0).collect();
+    let spare: Vec<i64> = (0..num_blocks as i64).filter(|b| !used.contains(&(*b as i32))).collect();
+    // Slots written by the cache write: the filler's, then every request's new tokens.
+    let mut slots: Vec<i64> = spare.iter().flat_map(|&b| (0..bs as i64).map(move |t| b * bs as i64 + t)).collect();
+    let mut new_slots = Vec::new();
+    for (r, &len) in seq_lens.iter().enumerate() {
+        for pos in (len - q_len) as usize..len as usize {
+            new_slots.push(table[r * stride + pos / bs] as i64 * bs as i64 + (pos % bs) as i64);
+        }
+    }
+    slots.extend(&new_slots);
+    let tokens = slots.len();
+    let kv_rows = RowsDesc::contiguous(tokens, hkv, d);
+    let qsl: Vec<i32> = (0..=num_reqs as i32).map(|r| r * q_len).collect();
+    let nt = (num_reqs as i32 * q_len) as usize;
+    let q_rows = RowsDesc::contiguous(nt, hq, d);
+    let batch = DecodeBatch { seq_lens: &seq_lens, query_start_loc: &qsl };
+    let opts = AttnOptions::new(d);
+    let rounds = if quick() { 3 } else { 20 };
+    for round in 0..rounds {
+        let q: Vec<bf16> = random_vec(&mut rng, q_rows.required_len(), 1.0);
+        let (k_new, v_new): (Vec<bf16>, Vec<bf16>) =
+            (random_vec(&mut rng, kv_rows.required_len(), 1.0), random_vec(&mut rng, kv_rows.required_len(), 1.0));
+        let mut cache: Vec<bf16> = random_vec(&mut rng, spec.num_elements(), 1.0);
+        let mut poisoned = cache.clone();
+        // The filler lands in blocks no request reads: only the new tokens matter here.
+        for (j, &slot) in new_slots.iter().enumerate() {
+            let i = tokens - new_slots.len() + j;
+            let (block, t) = (slot as usize / bs, slot as usize % bs);
+            for h in 0..hkv {
+                for x in 0..d {
+                    let src = kv_rows.offset(i, h, x);
+                    cache[spec.offset(0, block, t, h, x)] = k_new[src];
+                    cache[spec.offset(1, block, t, h, x)] = v_new[src];
+                    poisoned[spec.offset(0, block, t, h, x)] = poison::<bf16>();
+                    poisoned[spec.offset(1, block, t, h, x)] = poison::<bf16>();
+                }
+            }
+        }
+        let want = cpu::paged_decode(&cpu::DecodeRef {
+            q: &q,
+            q_rows,
+            cache: &cache,
+            spec,
+            block_table: &table,
+            block_table_stride: stride,
+            batch,
+            opts,
+            alibi_slopes: None,
+            sinks: None,
+            scales: None,
+        })?;
+        let up = |v: &[i32]| upload(&stream, v);
+        let (q_d, bt_d, sl_d, qsl_d) = (upload(&stream, &q), up(&table), up(&seq_lens), up(&qsl));
+        let (k_d, v_d, slots_d) = (upload(&stream, &k_new), upload(&stream, &v_new), upload(&stream, &slots));
+        let mut cache_d = upload(&stream, &poisoned);
+        let mut out_d: CudaSlice<bf16> = upload(&stream, &vec![poison::<bf16>(); q_rows.required_len()]);
+        let mut ws = DecodeWorkspace::new(&stream, 4096 * hq, d, num_reqs, nt)?;
+        let mut status = DeviceStatus::new(&stream)?;
+        // Planned first, so that nothing is copied between the two kernels.
+        let mut bp = BatchPlan::new(&stream)?;
+        bp.plan_decode(device(), &batch, bf16::DTYPE, bf16::DTYPE, d, hq, hkv, SplitMode::Auto, &ws)?;
+        let write = KvWrite {
+            key: DevIn::new(&k_d, &stream),
+            key_rows: kv_rows,
+            value: DevIn::new(&v_d, &stream),
+            value_rows: kv_rows,
+            slot_mapping: DevIn::new(&slots_d, &stream),
+            cache: DevOut::new(&mut cache_d, &stream),
+            spec,
+            scales: None,
+        };
+        reshape_and_cache(device(), &stream, write, &mut status)?;
+        let args = DecodeArgs {
+            q: DevIn::new(&q_d, &stream),
+            q_rows,
+            cache: DevIn::new(&cache_d, &stream),
+            spec,
+            block_table: DevIn::new(&bt_d, &stream),
+            block_table_stride: stride,
+            seq_lens: DevIn::new(&sl_d, &stream),
+            query_start_loc: DevIn::new(&qsl_d, &stream),
+            out: DevOut::new(&mut out_d, &stream),
+            out_rows: q_rows,
+            lse: None,
+            alibi_slopes: None,
+            sinks: None,
+            scales: None,
+        };
+        paged_decode_planned(device(), &stream, args, &batch, &opts, &bp, &mut ws, &mut status)?;
+        status.check(&stream)?;
+        let got: Vec<f64> = download(&stream, &out_d).iter().map(|x| x.to_f32() as f64).collect();
+        if let Some(i) = got.iter().position(|x| !x.is_finite()) {
+            return Err(format!("round {round}: output element {i} is {} (a new token read before its write?)", got[i]).into());
+        }
+        let err = rel_error(&got, &want.out);
+        if err > tolerance(bf16::DTYPE) {
+            return Err(format!("round {round}: relative error {err:.2e}").into());
+        }
+    }
+    Ok(())
+}
+
 /// Two random partial results merged on the GPU against the CPU merge, with some rows empty on
 /// one side (LSE -inf).
 fn merge_case<T: Element>(tokens: usize, heads: usize, d: usize, salt: u64) -> TestResult {
@@ -355,6 +475,8 @@ fn main() {
         };
         trials.push(Trial::test(format!("decode::{name}"), f));
     }
+    trials.push(Trial::test("decode::after_cache_write", || after_cache_write_case(1, 7001)));
+    trials.push(Trial::test("decode::after_cache_write_spec_3", || after_cache_write_case(3, 7002)));
     trials.push(Trial::test("merge_attn_states::bf16", || merge_case::<bf16>(37, 8, 128, 1)));
     trials.push(Trial::test("merge_attn_states::f16", || merge_case::<f16>(5, 3, 64, 2)));
     trials.push(Trial::test("merge_attn_states::f32", || merge_case::<f32>(64, 4, 256, 3)));
