@@ -3,7 +3,7 @@
 
 use half::{bf16, f16};
 use host::cpu::{concat_and_cache_mla, reshape_and_cache, WriteReport};
-use host::{AttnError, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc};
+use host::{AttnError, BadSlot, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -131,10 +131,11 @@ fn random_elems<T: Element>(rng: &mut SmallRng, len: usize, range: f32) -> Vec<T
     (0..len).map(|_| T::from_f32(rng.random_range(-range..range))).collect()
 }
 
-/// What the cache should hold for source element `x` (`scale` only matters for FP8).
+/// What the cache should hold for source element `x` (`scale` only matters for FP8: vLLM's
+/// `x / scale`, one f32 division, then the conversion).
 fn expected_store<C: Element>(x: f32, scale: f32) -> C {
     if C::DTYPE == Fp8E4m3::DTYPE {
-        C::from_f32(x * (1.0 / scale))
+        C::from_f32(x / scale)
     } else {
         C::from_f32(x)
     }
@@ -149,7 +150,12 @@ fn random_slots(rng: &mut SmallRng, num_slots: usize, num_valid: usize, num_padd
     slots.extend((0..num_padding).map(|i| -1 - (i as i64) * 3));
     slots.extend((0..num_oob).map(|i| (num_slots + i * 5) as i64));
     slots.shuffle(rng);
-    (slots, WriteReport { written: num_valid, padding: num_padding, out_of_range: num_oob })
+    let first_out_of_range = slots.iter().position(|&s| s >= num_slots as i64).map(|token| BadSlot {
+        token: token as u32,
+        slot: slots[token],
+        num_slots: num_slots as u64,
+    });
+    (slots, WriteReport { written: num_valid, padding: num_padding, out_of_range: num_oob, first_out_of_range })
 }
 
 /// A slot that `slots` does not use, appended past `num_tokens` as a trap: it must be ignored.

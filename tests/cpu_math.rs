@@ -193,16 +193,129 @@ fn e4m3_encodes_random_values_to_nearest_even_saturating() {
     }
 }
 
+/// vLLM's FP8 quantisation from the definitions, independent of the library: `x / scale` as one
+/// f32 division, then the nearest of the 256 codes decoded by [`ref_decode`] (ties to the even
+/// code, magnitudes past 448 saturated to it, the sign kept; NaN to a NaN code).
+fn ref_quantize(table: &[f64], x: f32, scale: f32) -> u8 {
+    ref_encode(table, x / scale)
+}
+
+/// Scales as engines calibrate them (vLLM's default 1.0, amax / 448 of typical activations),
+/// and some with no short binary expansion, whose reciprocal is inexact.
+const SCALES: [f32; 11] = [0.05, 0.03, 1.0, 0.5, 4.0, 0.037, 0.0173, 0.1, 3.3, 1e-3, 0.0234375];
+
+/// Asserts the library's quantisation equals the reference byte for byte.
+fn check_quantize(table: &[f64], x: f32, scale: f32) {
+    let (got, want) = (quantize_e4m3(x, scale), ref_quantize(table, x, scale));
+    if (x / scale).is_nan() {
+        assert!(e4m3_to_f32(got).is_nan(), "quantize_e4m3({x:e}, {scale:e}) = {got:#04x}, expected a NaN code");
+    } else {
+        assert_eq!(
+            got,
+            want,
+            "quantize_e4m3({x:e}, {scale:e}): got {got:#04x} ({}), expected {want:#04x} ({})",
+            ref_decode(got),
+            ref_decode(want)
+        );
+    }
+}
+
 #[test]
-fn quantize_e4m3_divides_by_the_scale() {
+fn quantize_e4m3_divides_by_the_scale_as_vllm() {
+    let table = positive_table();
     let mut rng = SmallRng::seed_from_u64(7);
-    for inv_scale in [1.0f32, 0.5, 4.0, 1.0 / 0.037, 1e-3] {
-        for x in random_f32s(&mut rng, 3_000) {
-            assert_eq!(quantize_e4m3(x, inv_scale), f32_to_e4m3(x * inv_scale), "quantize_e4m3({x:e}, {inv_scale:e})");
+    for scale in SCALES {
+        // Every code's value, the midpoints around it and their f32 neighbours, times the
+        // scale: the inputs whose quotient lands on or next to a rounding boundary.
+        for code in 0..=MAX_CODE {
+            let v = ref_decode(code);
+            let next = table.get(code as usize + 1).copied().unwrap_or(512.0);
+            for y in [v, (v + next) / 2.0] {
+                let x = (y * f64::from(scale)) as f32;
+                for x in [x, f32::from_bits(x.to_bits() + 1), f32::from_bits(x.to_bits().saturating_sub(1))] {
+                    check_quantize(&table, x, scale);
+                    check_quantize(&table, -x, scale);
+                }
+            }
+        }
+        for x in random_f32s(&mut rng, 30_000) {
+            check_quantize(&table, x, scale);
+        }
+        // Random values over the cache's range at this scale (a random cache write's inputs).
+        for _ in 0..30_000 {
+            check_quantize(&table, rng.random_range(-500.0f32..500.0) * scale, scale);
         }
     }
-    assert_eq!(quantize_e4m3(1000.0, 0.5), f32_to_e4m3(500.0));
-    assert_eq!(quantize_e4m3(3.0, 0.5), 0x3c); // 1.5
+    assert_eq!(quantize_e4m3(1000.0, 2.0), f32_to_e4m3(500.0));
+    assert_eq!(quantize_e4m3(3.0, 2.0), 0x3c); // 1.5
+}
+
+/// The reason the quantisation divides: at scale 0.03, `1 / 0.03` rounds up in f32, so for
+/// bf16 inputs `x * (1 / 0.03)` lands on or past a midpoint between two E4M3 values where
+/// `x / 0.03` lies just below it, one E4M3 step apart (about 0.8% of values). (At 0.05 the
+/// reciprocal rounds to exactly 20 and the two agree.)
+#[test]
+fn quantize_e4m3_is_not_multiplication_by_the_reciprocal() {
+    let table = positive_table();
+    let mut rng = SmallRng::seed_from_u64(0x05);
+    let scale = 0.03f32;
+    let mut random_bf16 = || bf16_bits_to_f32(f32_to_bf16_bits(rng.random_range(-15.0f32..15.0)));
+    let inv = 1.0 / scale;
+    let mut differ = 0;
+    for _ in 0..200_000 {
+        let x = random_bf16();
+        if f32_to_e4m3(x * inv) != ref_quantize(&table, x, scale) {
+            differ += 1;
+            assert_eq!(quantize_e4m3(x, scale), ref_quantize(&table, x, scale), "quantize_e4m3({x:e}, {scale})");
+        }
+    }
+    assert!(differ > 0, "no input told division from multiplication by the reciprocal");
+}
+
+/// The CPU cache write (the CPU backend's path and the GPU tests' reference) stores vLLM's bytes:
+/// bf16 and f32 sources over the cache's range at each scale, every byte against
+/// [`ref_quantize`].
+#[test]
+fn cpu_fp8_cache_write_matches_vllm_bytes() {
+    use host::cpu::reshape_and_cache;
+    use host::{Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
+    let table = positive_table();
+    let mut rng = SmallRng::seed_from_u64(0x448);
+    let (tokens, heads, dim) = (64usize, 4usize, 64usize);
+    let spec = KvCacheSpec::new(KvLayout::FlashNhd, tokens / 16, 16, heads, dim).expect("valid spec");
+    let rows = RowsDesc::contiguous(tokens, heads, dim);
+    let slots: Vec<i64> = (0..tokens as i64).collect();
+    for (k_scale, v_scale) in [(0.05f32, 0.03f32), (0.037, 1.0), (3.3, 0.0173)] {
+        fn check<T: Element>(table: &[f64], rng: &mut SmallRng, c: (&KvCacheSpec, RowsDesc, &[i64]), scales: (f32, f32)) {
+            let (spec, rows, slots) = c;
+            let mut random = |scale: f32| -> Vec<T> {
+                (0..rows.required_len()).map(|_| T::from_f32(rng.random_range(-500.0f32..500.0) * scale)).collect()
+            };
+            let (key, value) = (random(scales.0), random(scales.1));
+            let mut cache = vec![Fp8E4m3(0x7f); spec.num_elements()];
+            reshape_and_cache(&key, rows, &value, rows, slots, &mut cache, spec, Some(scales)).expect("valid write");
+            for token in 0..rows.num_tokens {
+                for head in 0..rows.num_heads {
+                    for d in 0..rows.head_size {
+                        let (block, offset) = (token / spec.block_size, token % spec.block_size);
+                        for (plane, src, scale) in [(0, &key, scales.0), (1, &value, scales.1)] {
+                            let x = src[rows.offset(token, head, d)].to_f32();
+                            let got = cache[spec.offset(plane, block, offset, head, d)].0;
+                            let want = ref_quantize(table, x, scale);
+                            assert_eq!(
+                                got,
+                                want,
+                                "{:?} plane {plane}, x = {x:e}, scale {scale}: got {got:#04x}, want {want:#04x}",
+                                T::DTYPE
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        check::<half::bf16>(&table, &mut rng, (&spec, rows, &slots), (k_scale, v_scale));
+        check::<f32>(&table, &mut rng, (&spec, rows, &slots), (k_scale, v_scale));
+    }
 }
 
 #[test]

@@ -1,13 +1,14 @@
 //! GPU cache writes against the CPU reference, bit for bit: every layout x (source, cache)
-//! dtype, random inputs, strided sources, odd token counts, padding slots, slots past the cache,
-//! and guard zones around the cache that must stay untouched.
+//! dtype, random inputs, strided sources, odd token counts, padding slots, slots past the cache
+//! (and the one the status block names), and guard zones around the cache that must stay
+//! untouched. FP8 writes are also checked against vLLM's quantisation written out here.
 
 mod common;
 
 use common::*;
 use half::{bf16, f16};
 use host::cache_write::{concat_and_cache_mla, reshape_and_cache, KvScales, KvWrite, MlaWrite};
-use host::{cpu, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc};
+use host::{cpu, AttnError, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc, StatusFlags};
 use libtest_mimic::Trial;
 use rand::seq::SliceRandom;
 use rand::Rng;
@@ -49,6 +50,31 @@ fn slot_mapping(rng: &mut impl Rng, tokens: usize, num_slots: usize, padding: bo
         }
     }
     slots
+}
+
+/// The status after a write that met `report.out_of_range` slots past the cache: the bit, and a
+/// recorded offence that names one of them (any: warps race for the record).
+fn check_slot_status(flags: StatusFlags, report: &cpu::WriteReport, slots: &[i64], num_slots: usize) -> TestResult {
+    if flags.slot_out_of_range() != (report.out_of_range > 0) {
+        return Err(format!("status {flags:?}, but the reference saw {} out-of-range slots", report.out_of_range).into());
+    }
+    if report.out_of_range == 0 {
+        return match flags.into_result() {
+            Ok(()) => Ok(()),
+            Err(e) => Err(format!("status {flags:?} ({e}) after a write with every slot in range").into()),
+        };
+    }
+    let Some(first) = flags.first_bad_slot() else {
+        return Err(format!("status {flags:?}: the bit without the offending slot").into());
+    };
+    let named = slots.get(first.token as usize).copied();
+    if named != Some(first.slot) || first.slot < num_slots as i64 || first.num_slots != num_slots as u64 {
+        return Err(format!("status names {first:?}, but slot_mapping[{}] = {named:?} (cache of {num_slots} slots)", first.token).into());
+    }
+    match flags.into_result() {
+        Err(AttnError::SlotOutOfRange { first: Some(f) }) if f == first => Ok(()),
+        other => Err(format!("into_result gave {other:?} for {flags:?}").into()),
+    }
 }
 
 /// Bit pattern of an element, for exact comparison (NaN poison included).
@@ -111,10 +137,7 @@ fn kv_case<T: Element + std::fmt::Debug, C: Element + std::fmt::Debug>(layout: K
     if !bad.is_empty() {
         return Err(format!("cache differs from the CPU reference (guard = {GUARD}):\n{}", bad.join("\n")).into());
     }
-    if flags.slot_out_of_range() != (report.out_of_range > 0) {
-        return Err(format!("status {flags:?}, but the reference saw {} out-of-range slots", report.out_of_range).into());
-    }
-    Ok(())
+    check_slot_status(flags, &report, &slots, spec.num_slots())
 }
 
 fn mla_case<T: Element + std::fmt::Debug, C: Element + std::fmt::Debug>(tokens: usize, block_size: usize, salt: u64) -> TestResult {
@@ -169,8 +192,121 @@ fn mla_case<T: Element + std::fmt::Debug, C: Element + std::fmt::Debug>(tokens: 
     if !bad.is_empty() {
         return Err(format!("MLA cache differs from the CPU reference:\n{}", bad.join("\n")).into());
     }
-    if flags.slot_out_of_range() != (report.out_of_range > 0) {
-        return Err(format!("status {flags:?}, but the reference saw {} out-of-range slots", report.out_of_range).into());
+    check_slot_status(flags, &report, &slots, spec.num_slots())
+}
+
+/// E4M3 from its definition: sign, 4 exponent bits (bias 7), 3 mantissa bits, exponent 0
+/// subnormal (`m * 2^-9`), `S.1111.111` NaN.
+fn e4m3_value(code: u8) -> f64 {
+    let (exp, mant) = (i32::from((code >> 3) & 0xf), f64::from(code & 7));
+    let mag = if exp == 0 { mant * 2f64.powi(-9) } else { (1.0 + mant / 8.0) * 2f64.powi(exp - 7) };
+    if code & 0x80 != 0 {
+        -mag
+    } else {
+        mag
+    }
+}
+
+/// vLLM's FP8 quantisation of a finite `x`, written from the definitions: `x / scale` as one f32
+/// division, then the finite E4M3 value nearest to it (ties to the even code), saturated at
+/// ±448, with the quotient's sign.
+fn vllm_fp8(x: f32, scale: f32) -> u8 {
+    let y = x / scale;
+    let mag = f64::from(y.abs()).min(448.0);
+    let mut best = 0u8;
+    for code in 1..=0x7eu8 {
+        let (d, d_best) = ((e4m3_value(code) - mag).abs(), (e4m3_value(best) - mag).abs());
+        if d < d_best || (d == d_best && code % 2 == 0) {
+            best = code;
+        }
+    }
+    best | if y.is_sign_negative() { 0x80 } else { 0 }
+}
+
+/// FP8 cache bytes against [`vllm_fp8`] (not the CPU path): `reshape_and_cache` with K and V
+/// scales `scales` and `concat_and_cache_mla` with the K scale, inputs spread over the cache's
+/// range (a few past ±448 after the division, to saturate).
+fn fp8_vllm_case<T: Element>(scales: (f32, f32), salt: u64) -> TestResult {
+    let mut rng = rng(salt);
+    let stream = new_stream();
+    let (tokens, heads, head_size, block_size) = (96usize, 4usize, 128usize, 16usize);
+    let spec = KvCacheSpec::new(KvLayout::FlashNhd, tokens / block_size + 2, block_size, heads, head_size)?;
+    let rows = RowsDesc::contiguous(tokens, heads, head_size);
+    let key: Vec<T> = random_vec(&mut rng, rows.required_len(), 460.0 * scales.0);
+    let value: Vec<T> = random_vec(&mut rng, rows.required_len(), 460.0 * scales.1);
+    let slots = slot_mapping(&mut rng, tokens, spec.num_slots(), false, false);
+    let key_d = upload(&stream, &key);
+    let value_d = upload(&stream, &value);
+    let slots_d = upload(&stream, &slots);
+    let mut cache_d = upload(&stream, &vec![poison::<Fp8E4m3>(); spec.num_elements()]);
+    let scale_d = (upload(&stream, &[scales.0]), upload(&stream, &[scales.1]));
+    let mut status = DeviceStatus::new(&stream)?;
+    let w = KvWrite {
+        key: DevIn::new(&key_d, &stream),
+        key_rows: rows,
+        value: DevIn::new(&value_d, &stream),
+        value_rows: rows,
+        slot_mapping: DevIn::new(&slots_d, &stream),
+        cache: DevOut::new(&mut cache_d, &stream),
+        spec,
+        scales: Some(KvScales { k: DevIn::new(&scale_d.0, &stream), v: DevIn::new(&scale_d.1, &stream) }),
+    };
+    reshape_and_cache(device(), &stream, w, &mut status)?;
+    status.check(&stream)?;
+    let got = download(&stream, &cache_d);
+    let mut bad = Vec::new();
+    for (token, &slot) in slots.iter().enumerate() {
+        let (block, offset) = (slot as usize / block_size, slot as usize % block_size);
+        for head in 0..heads {
+            for dim in 0..head_size {
+                for (plane, src, scale) in [(0, &key, scales.0), (1, &value, scales.1)] {
+                    let x = src[rows.offset(token, head, dim)].to_f32();
+                    let (g, want) = (got[spec.offset(plane, block, offset, head, dim)].0, vllm_fp8(x, scale));
+                    if g != want && bad.len() < 10 {
+                        bad.push(format!(
+                            "plane {plane} token {token} head {head} dim {dim}: x = {x:e}, scale {scale}: {g:#04x}, vLLM {want:#04x}"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    if !bad.is_empty() {
+        return Err(format!("FP8 K/V cache differs from x / scale quantised:\n{}", bad.join("\n")).into());
+    }
+
+    let mla = MlaCacheSpec::deepseek(tokens / block_size + 2, block_size)?;
+    let width = mla.row_width();
+    let src: Vec<T> = random_vec(&mut rng, tokens * width, 460.0 * scales.0);
+    let kv_c_d = upload(&stream, &src);
+    let k_pe_d = upload(&stream, &src[mla.latent_dim..]);
+    let mut mla_d = upload(&stream, &vec![poison::<Fp8E4m3>(); mla.num_elements()]);
+    let w = MlaWrite {
+        kv_c: DevIn::new(&kv_c_d, &stream),
+        kv_c_token_stride: width,
+        k_pe: DevIn::new(&k_pe_d, &stream),
+        k_pe_token_stride: width,
+        num_tokens: tokens,
+        slot_mapping: DevIn::new(&slots_d, &stream),
+        cache: DevOut::new(&mut mla_d, &stream),
+        spec: mla,
+        scale: Some(DevIn::new(&scale_d.0, &stream)),
+    };
+    concat_and_cache_mla(device(), &stream, w, &mut status)?;
+    status.check(&stream)?;
+    let got = download(&stream, &mla_d);
+    for (token, &slot) in slots.iter().enumerate() {
+        let (block, offset) = (slot as usize / block_size, slot as usize % block_size);
+        for col in 0..width {
+            let x = src[token * width + col].to_f32();
+            let (g, want) = (got[mla.offset(block, offset, col)].0, vllm_fp8(x, scales.0));
+            if g != want && bad.len() < 10 {
+                bad.push(format!("token {token} column {col}: x = {x:e}, scale {}: {g:#04x}, vLLM {want:#04x}", scales.0));
+            }
+        }
+    }
+    if !bad.is_empty() {
+        return Err(format!("FP8 MLA cache differs from x / scale quantised:\n{}", bad.join("\n")).into());
     }
     Ok(())
 }
@@ -214,6 +350,19 @@ fn main() {
             let s = salt;
             (format!("t{tokens}_bs{block_size}"), move || mla_case::<S, C>(tokens, block_size, s))
         });
+    }
+    // vLLM's quantisation: 0.05 (whose reciprocal is exactly 20 in f32), 0.03 (where
+    // multiplying by the reciprocal differs for about 0.8% of bf16 inputs) and others.
+    for scales in [(0.05f32, 0.05f32), (0.03, 0.05), (0.037, 1.0), (3.3, 0.0173)] {
+        for (name, f) in [
+            ("f16", fp8_vllm_case::<f16> as fn((f32, f32), u64) -> TestResult),
+            ("bf16", fp8_vllm_case::<bf16>),
+            ("f32", fp8_vllm_case::<f32>),
+        ] {
+            salt += 1;
+            let s = salt;
+            trials.push(Trial::test(format!("fp8_matches_vllm::{name}::k{}_v{}", scales.0, scales.1), move || f(scales, s)));
+        }
     }
     run_gpu_trials(trials)
 }

@@ -5,14 +5,14 @@
 //! see [`write_token`]. Slots are checked against the
 //! cache's capacity; a slot past the end raises `SLOT_OUT_OF_RANGE` and writes nothing.
 
-use crate::device::{atomic_or_global, block_dim_x, block_idx_x, pdl_prologue, thread_idx_x};
+use crate::device::{block_dim_x, block_idx_x, pdl_prologue, thread_idx_x};
 use crate::elem::{Bf16, HalfFloat, F16};
+use crate::status::report_bad_slot;
 use crate::vec_io::{load16_nc, load_f32_nc, load_i64_nc, store16, store4, store8};
 #[cfg(not(hw_fp8))]
 use attn_math::fp8::quantize_e4m3;
 use attn_math::paging::{resolve_slot, SlotTarget};
 use attn_math::params::{CacheWriteParams, MlaCacheWriteParams};
-use attn_math::status::SLOT_OUT_OF_RANGE;
 
 /// How 16 bytes of source elements become cache elements.
 trait VecWriter {
@@ -24,7 +24,7 @@ trait VecWriter {
     const ELEMS: u32 = 16 / Self::SRC_ELEM_BYTES;
     /// Whether the writer needs the (device-resident) scale.
     const SCALED: bool;
-    unsafe fn store(addr: u64, v: [u32; 4], inv_scale: f32);
+    unsafe fn store(addr: u64, v: [u32; 4], scale: f32);
 }
 
 /// Same dtype in and out: a plain 16-byte copy.
@@ -39,17 +39,21 @@ impl<const ELEM_BYTES: u32> VecWriter for Copy16<ELEM_BYTES> {
     }
 }
 
-/// Two values scaled and quantised to FP8, packed as `lo | hi << 8`.
+/// Two values divided by the scale and quantised to FP8, packed as `lo | hi << 8`. vLLM
+/// divides (a correctly rounded `x / scale`); multiplying by `1 / scale` instead rounds twice
+/// and lands some values one E4M3 step away.
 #[inline(always)]
-fn quantize_pair(lo: f32, hi: f32, inv_scale: f32) -> u32 {
+fn quantize_pair(lo: f32, hi: f32, scale: f32) -> u32 {
     #[cfg(hw_fp8)]
     {
-        // sm_89+: one instruction, same rounding and saturation as `attn_math::fp8`.
-        crate::vec_io::e4m3x2(lo * inv_scale, hi * inv_scale)
+        // sm_89+: the conversion is one instruction, with the rounding and saturation of
+        // `attn_math::fp8`; `/` on f32 is `div.rn.f32` here (no fast-math), as in
+        // `quantize_e4m3`.
+        crate::vec_io::e4m3x2(lo / scale, hi / scale)
     }
     #[cfg(not(hw_fp8))]
     {
-        quantize_e4m3(lo, inv_scale) as u32 | (quantize_e4m3(hi, inv_scale) as u32) << 8
+        quantize_e4m3(lo, scale) as u32 | (quantize_e4m3(hi, scale) as u32) << 8
     }
 }
 
@@ -60,10 +64,10 @@ impl<H: HalfFloat> VecWriter for HalfToFp8<H> {
     const CACHE_ELEM_BYTES: u32 = 1;
     const SCALED: bool = true;
     #[inline(always)]
-    unsafe fn store(addr: u64, v: [u32; 4], inv_scale: f32) {
+    unsafe fn store(addr: u64, v: [u32; 4], scale: f32) {
         let q = |w: u32| {
             let (lo, hi) = H::unpack2(w);
-            quantize_pair(lo, hi, inv_scale)
+            quantize_pair(lo, hi, scale)
         };
         unsafe { store8(addr, [q(v[0]) | q(v[1]) << 16, q(v[2]) | q(v[3]) << 16]) }
     }
@@ -75,9 +79,9 @@ impl VecWriter for F32ToFp8 {
     const CACHE_ELEM_BYTES: u32 = 1;
     const SCALED: bool = true;
     #[inline(always)]
-    unsafe fn store(addr: u64, v: [u32; 4], inv_scale: f32) {
+    unsafe fn store(addr: u64, v: [u32; 4], scale: f32) {
         let f = f32::from_bits;
-        let word = quantize_pair(f(v[0]), f(v[1]), inv_scale) | quantize_pair(f(v[2]), f(v[3]), inv_scale) << 16;
+        let word = quantize_pair(f(v[0]), f(v[1]), scale) | quantize_pair(f(v[2]), f(v[3]), scale) << 16;
         unsafe { store4(addr, word) }
     }
 }
@@ -117,11 +121,11 @@ macro_rules! for_tensors {
     }};
 }
 
-/// `1 / *scale` for FP8 writers, 1 otherwise (the scale pointer is then null).
+/// `*scale` for FP8 writers, 1 otherwise (the scale pointer is then null).
 #[inline(always)]
-unsafe fn inverse_scale<W: VecWriter>(scale: u64) -> f32 {
+unsafe fn load_scale<W: VecWriter>(scale: u64) -> f32 {
     if W::SCALED {
-        1.0 / unsafe { load_f32_nc(scale) }
+        unsafe { load_f32_nc(scale) }
     } else {
         1.0
     }
@@ -143,7 +147,7 @@ fn warp_and_lane() -> (u32, u32) {
 #[inline(always)]
 unsafe fn write_token<W: VecWriter, const TENSORS: usize>(
     p: TokenRow,
-    inv_scale: [f32; TENSORS],
+    scale: [f32; TENSORS],
     src_addr: impl Fn(u32) -> [u64; TENSORS],
     dst_addr: impl Fn(u32, u64, u64) -> [u64; TENSORS],
 ) {
@@ -165,7 +169,7 @@ unsafe fn write_token<W: VecWriter, const TENSORS: usize>(
             SlotTarget::Padding => return,
             SlotTarget::OutOfRange => {
                 if p.lane == 0 {
-                    unsafe { atomic_or_global(p.status, SLOT_OUT_OF_RANGE) };
+                    unsafe { report_bad_slot(p.status, p.token, slot, p.num_slots) };
                 }
                 return;
             }
@@ -175,7 +179,7 @@ unsafe fn write_token<W: VecWriter, const TENSORS: usize>(
             if v < p.vecs {
                 let dst = dst_addr(v, block, offset);
                 for_tensors!(|T| {
-                    unsafe { W::store(dst[T], data[U][T], inv_scale[T]) };
+                    unsafe { W::store(dst[T], data[U][T], scale[T]) };
                 });
             }
         });
@@ -215,7 +219,7 @@ unsafe fn reshape_and_cache<W: VecWriter>(p: &CacheWriteParams) {
     let token = token as u64;
     let src_bytes = W::SRC_ELEM_BYTES as u64;
     let cache_bytes = W::CACHE_ELEM_BYTES as u64;
-    let inv_scale = unsafe { [inverse_scale::<W>(p.k_scale), inverse_scale::<W>(p.v_scale)] };
+    let scale = unsafe { [load_scale::<W>(p.k_scale), load_scale::<W>(p.v_scale)] };
     let head_dim = |v: u32| {
         let head = v / vecs_per_head;
         (head as u64, ((v - head * vecs_per_head) * W::ELEMS) as u64)
@@ -223,7 +227,7 @@ unsafe fn reshape_and_cache<W: VecWriter>(p: &CacheWriteParams) {
     unsafe {
         write_token::<W, 2>(
             row,
-            inv_scale,
+            scale,
             |v| {
                 let (head, dim) = head_dim(v);
                 [
@@ -261,11 +265,11 @@ unsafe fn concat_and_cache_mla<W: VecWriter>(p: &MlaCacheWriteParams) {
     let token = token as u64;
     let src_bytes = W::SRC_ELEM_BYTES as u64;
     let cache_bytes = W::CACHE_ELEM_BYTES as u64;
-    let inv_scale = unsafe { [inverse_scale::<W>(p.scale)] };
+    let scale = unsafe { [load_scale::<W>(p.scale)] };
     unsafe {
         write_token::<W, 1>(
             row,
-            inv_scale,
+            scale,
             |v| {
                 [if v < latent_vecs {
                     p.kv_c + (token * p.kv_c_token_stride + (v * W::ELEMS) as u64) * src_bytes

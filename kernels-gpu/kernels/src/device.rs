@@ -58,6 +58,17 @@ pub unsafe fn atomic_or_global(addr: u64, bits: u32) {
     unsafe { asm!("red.global.or.b32 [{0}], {1};", in(reg64) addr, in(reg32) bits, options(nostack)) }
 }
 
+/// Atomically replaces a global u32 with `new` if it equals `expected`; returns the value before.
+#[inline(always)]
+pub unsafe fn atomic_cas_global(addr: u64, expected: u32, new: u32) -> u32 {
+    let old: u32;
+    unsafe {
+        asm!("atom.global.cas.b32 {0}, [{1}], {2}, {3};", out(reg32) old, in(reg64) addr, in(reg32) expected, in(reg32) new,
+             options(nostack));
+    }
+    old
+}
+
 /// Atomically adds `v` to a global u32 and returns the value before.
 #[inline(always)]
 pub unsafe fn atomic_add_global(addr: u64, v: u32) -> u32 {

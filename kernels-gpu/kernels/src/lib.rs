@@ -51,6 +51,8 @@ mod elem;
 #[allow(dead_code)]
 mod mma;
 #[allow(dead_code)]
+mod status;
+#[allow(dead_code)]
 mod vec_io;
 
 #[panic_handler]

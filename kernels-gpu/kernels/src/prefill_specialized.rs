@@ -39,8 +39,7 @@ use crate::device::{
 use crate::hopper_steps::{copy_row_pairs, copy_rows, raise_max, row_max, weights};
 use crate::mbarrier;
 use crate::mma::{
-    cp_async_wait, fence_proxy_async_shared, ld_shared_u64x2, ld_shared_v4, shared_addr, st_shared_u32, st_shared_u64x2, st_shared_v4,
-    wgmma_desc,
+    fence_proxy_async_shared, ld_shared_u64x2, ld_shared_v4, shared_addr, st_shared_u32, st_shared_u64x2, st_shared_v4, wgmma_desc,
 };
 use crate::prefill::{work_item_at, KvSource, Logits, RowInfo, RowOut, Work};
 use crate::vec_io::store4;
@@ -291,7 +290,23 @@ unsafe fn produce<const D: usize>(p: &PrefillParams, rings: Rings, t: u32) {
             store4(p.sched + 4, 0);
         }
     }
-    cp_async_wait::<0>();
+    // Before exiting, wait for the last phase this thread arrived on at every "filled"
+    // barrier. Its earlier phases it has seen complete through its own waits (a "freed" phase
+    // completes only after every compute warp waited on the "filled" phase before it); these
+    // last ones were still open, held by its `cp.async`s (the END item's query phase counts
+    // all of them), so the thread left with copies in flight and phases it had arrived on
+    // not yet complete: synccheck's "missing wait". (A `cp.async.wait_group` drains nothing
+    // here: the copies are never committed to a group.) The compute warps wait on the same
+    // phases, so the CTA ends no later; the key loop is unchanged. Nothing arrives after
+    // these phases, so each barrier is in that phase or just past it and the parity names it.
+    unsafe {
+        for i in 0..WS_Q_BUFFERS.min(k + 1) {
+            mbarrier::wait(rings.q_filled(k - i), Rings::q_parity(k - i));
+        }
+        for v in u.saturating_sub(WS_STAGES)..u {
+            mbarrier::wait(rings.filled(v), Rings::parity(v));
+        }
+    }
 }
 
 /// The compute warpgroups (`tid` < [`THREADS`]): the half-tile schedule (module docs) over the

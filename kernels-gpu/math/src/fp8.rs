@@ -55,10 +55,12 @@ pub fn e4m3_to_f32(b: u8) -> f32 {
     f32::from_bits(mag.to_bits() | sign)
 }
 
-/// Quantise a value for an FP8 cache with a per-tensor scale: `x / scale`, saturated.
+/// Quantise a value for an FP8 cache with a per-tensor scale: `x / scale` (one correctly
+/// rounded f32 division, as vLLM; not `x * (1 / scale)`, which rounds twice), then
+/// [`f32_to_e4m3`].
 #[inline(always)]
-pub fn quantize_e4m3(x: f32, inv_scale: f32) -> u8 {
-    f32_to_e4m3(x * inv_scale)
+pub fn quantize_e4m3(x: f32, scale: f32) -> u8 {
+    f32_to_e4m3(x / scale)
 }
 
 /// f32 -> bf16 bits, round to nearest even (NaN kept quiet).

@@ -24,7 +24,7 @@ pub struct CacheWriteParams {
     /// Device f32 scalars (FP8 caches only; 0 otherwise): stored value = x / scale.
     pub k_scale: u64,
     pub v_scale: u64,
-    /// Device u32 status word (see [`crate::status`]).
+    /// Device status block, `STATUS_WORDS` u32 (see [`crate::status`]).
     pub status: u64,
     /// `num_blocks * block_size`: slots at or past this are refused.
     pub num_slots: u64,

@@ -5,19 +5,21 @@
 //! smallest chunk (a multiple of `tile`) whose CTA count does not exceed the target, found by
 //! binary search. A request that fits in one chunk writes its output directly.
 
-/// Splits of a request of `len` tokens with chunks of `chunk` tokens (an empty request: 1).
+/// Splits of a request of `len` tokens with chunks of `chunk` tokens (an empty request: 1; a
+/// chunk of 0 counts as 1).
 #[inline(always)]
 pub fn num_splits(len: u32, chunk: u32) -> u32 {
     if len == 0 {
         1
     } else {
-        len.div_ceil(chunk)
+        len.div_ceil(chunk.max(1))
     }
 }
 
 /// CTAs a chunk size gives: `ctas_per_split` per split of every request.
 pub fn ctas_for_chunk(seq_lens: &[u32], chunk: u32, ctas_per_split: u32) -> u64 {
-    seq_lens.iter().map(|&l| num_splits(l, chunk) as u64).sum::<u64>() * ctas_per_split as u64
+    // Saturating: the callers compare it with a target, and a count past u64 is past any target.
+    seq_lens.iter().map(|&l| num_splits(l, chunk) as u64).fold(0u64, |a, s| a.saturating_add(s)).saturating_mul(ctas_per_split as u64)
 }
 
 /// The chunk size (tokens per split) for a batch.
@@ -27,24 +29,27 @@ pub fn ctas_for_chunk(seq_lens: &[u32], chunk: u32, ctas_per_split: u32) -> u64 
 /// - otherwise the smallest multiple of `tile` whose CTA count stays within `target_ctas`
 ///   (typically 2 waves of the GPU); never smaller than `min_chunk` (splits shorter than that
 ///   cost more in merging than they gain).
+///
+/// A `tile` of 0 counts as 1; chunks saturate at `u32::MAX` rather than wrap.
 pub fn plan_chunk(seq_lens: &[u32], ctas_per_split: u32, target_ctas: u64, tile: u32, min_chunk: u32, forced_splits: Option<u32>) -> u32 {
+    let tile = tile.max(1);
     let max_len = seq_lens.iter().copied().max().unwrap_or(0).max(1);
     let tiles_max = max_len.div_ceil(tile);
     if let Some(n) = forced_splits {
-        return tiles_max.div_ceil(n.max(1)).max(1) * tile;
+        return (tiles_max.div_ceil(n.max(1)).max(1)).saturating_mul(tile);
     }
     // Smallest k (chunk = k tiles) with ctas <= target; the CTA count only falls as k grows.
     // If even one split per request is over the target, that is the best there is.
     let (mut lo, mut hi) = (min_chunk.div_ceil(tile).clamp(1, tiles_max), tiles_max);
     while lo < hi {
         let mid = lo + (hi - lo) / 2;
-        if ctas_for_chunk(seq_lens, mid * tile, ctas_per_split) <= target_ctas {
+        if ctas_for_chunk(seq_lens, mid.saturating_mul(tile), ctas_per_split) <= target_ctas {
             hi = mid;
         } else {
             lo = mid + 1;
         }
     }
-    lo * tile
+    lo.saturating_mul(tile)
 }
 
 /// Most splits [`even_waves_chunk`] gives a request.
@@ -75,15 +80,16 @@ pub fn even_waves_chunk(seq_lens: &[u32], ctas_per_split: u32, slots: u64, tile:
     if ctas_for_chunk(seq_lens, chunk, ctas_per_split) <= slots {
         return chunk;
     }
+    let tile = tile.max(1);
     let tiles_max = max_len.div_ceil(tile);
     let cost = |c: u32| {
         let rounds = ctas_for_chunk(seq_lens, c, ctas_per_split).div_ceil(slots);
         let merge = if c < max_len { MERGE_KEYS } else { 0 };
-        rounds * (c.min(max_len) as u64 + CTA_START_KEYS) + merge
+        rounds.saturating_mul(c.min(max_len) as u64 + CTA_START_KEYS).saturating_add(merge)
     };
     let mut best = chunk;
     for n in 2..=EVEN_WAVES_MAX_SPLITS {
-        let c = tiles_max.div_ceil(n) * tile;
+        let c = tiles_max.div_ceil(n).saturating_mul(tile);
         if c < min_chunk || c >= max_len {
             continue;
         }
