@@ -4,17 +4,21 @@
 //! metadata, its own caches), every layer, and the caches must end bit for bit equal. Padding
 //! rows (requests past the step's) must come out finite. Standard attention (GQA, one and two
 //! query tokens) and MLA; refusals of steps a graph cannot take.
+//!
+//! A graph holds what it captured: the captured layers' buffers are `SharedBuf`s, and a borrowed
+//! one is refused, as are other calls whose memory the graph would not hold; a graph replays
+//! correctly after its Attention and the engine's handles to its buffers are dropped.
 
 mod common;
 
 use common::*;
-use cudarc::driver::{CudaSlice, CudaStream, CudaView};
+use cudarc::driver::CudaStream;
 use half::bf16;
 use host::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
-use host::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, GraphBucket, LayerIo, NewKv};
+use host::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, GraphBucket, LayerIo, NewKv, StepMetadata};
 use host::metadata::StepInput;
-use host::{AttnError, DType, DevIn, DevOut, KvLayout, RowsDesc};
-use libtest_mimic::Trial;
+use host::{AttnError, DType, DevIn, DevOut, KvLayout, RowsDesc, SharedBuf};
+use libtest_mimic::{Failed, Trial};
 use rand::seq::SliceRandom;
 use rand::Rng;
 use std::sync::Arc;
@@ -60,19 +64,11 @@ impl Case {
     }
 }
 
-/// One layer's tensors over a fused input buffer of `rows` tokens.
-fn layer<'a>(
-    c: &Case,
-    stream: &'a Arc<CudaStream>,
-    (input, k, v): (&'a CudaSlice<bf16>, &'a CudaView<'a, bf16>, &'a CudaView<'a, bf16>),
-    rows: usize,
-    cache: &'a mut CudaSlice<bf16>,
-    out: &'a mut CudaSlice<bf16>,
-) -> LayerIo<'a> {
+/// One layer's tensors: `q`, `k` and `v` are views of a fused input buffer of `rows` tokens.
+fn layer<'a>(c: &Case, rows: usize, (q, k, v): (DevIn<'a>, DevIn<'a>, DevIn<'a>), cache: DevOut<'a>, out: DevOut<'a>) -> LayerIo<'a> {
     let w = c.widths();
     let width = w.q + w.k + w.v;
     let q_rows = RowsDesc { num_tokens: rows, num_heads: c.hq, head_size: w.q_head, token_stride: width, head_stride: w.q_head };
-    let (k, v) = (DevIn::new(k, stream), DevIn::new(v, stream));
     let new_kv = if c.mla {
         NewKv::Mla { kv_c: k, kv_c_token_stride: width, k_pe: v, k_pe_token_stride: width }
     } else {
@@ -80,21 +76,25 @@ fn layer<'a>(
         NewKv::Standard { k, k_rows: kv_rows, v, v_rows: kv_rows }
     };
     let out_rows = RowsDesc::contiguous(rows, c.hq, w.out / c.hq);
-    LayerIo::Gpu(GpuLayer {
-        q: DevIn::new(input, stream),
-        q_rows,
-        new_kv,
-        cache: DevOut::new(cache, stream),
-        out: DevOut::new(out, stream),
-        out_rows,
-        alibi_slopes: None,
-        sinks: None,
-        kv_scales: None,
-    })
+    LayerIo::Gpu(GpuLayer { q, q_rows, new_kv, cache, out, out_rows, alibi_slopes: None, sinks: None, kv_scales: None })
+}
+
+/// A layer as a graph captures it: every buffer a `SharedBuf`, held by the graph.
+fn shared_layer<'a>(
+    c: &Case,
+    stream: &'a Arc<CudaStream>,
+    input: &'a SharedBuf<bf16>,
+    cache: &'a SharedBuf<bf16>,
+    out: &'a SharedBuf<bf16>,
+) -> Result<LayerIo<'a>, AttnError> {
+    let w = c.widths();
+    let qkv = (DevIn::shared(input, stream), DevIn::shared_range(input, w.q.., stream)?, DevIn::shared_range(input, w.q + w.k.., stream)?);
+    Ok(layer(c, c.bucket.num_tokens(), qkv, DevOut::shared(cache, stream), DevOut::shared(out, stream)))
 }
 
 /// A step's batch: `n` requests of the bucket's query length with random lengths (short ones,
 /// ones at the limit, long ones that split) over blocks drawn without repeats from the cache.
+#[derive(Clone)]
 struct Step {
     qsl: Vec<i32>,
     seq_lens: Vec<i32>,
@@ -131,18 +131,51 @@ fn random_step(rng: &mut rand::rngs::SmallRng, c: &Case, n: usize, num_blocks: u
     Step { qsl, seq_lens, block_table, stride, slots }
 }
 
+/// A case's model: its backend and configuration (limits of its bucket), and the cache's blocks.
+struct CaseModel {
+    sel: host::backend::Selection,
+    config: ForwardConfig,
+    num_blocks: usize,
+}
+
+impl CaseModel {
+    fn new(c: &Case, dev: &Arc<host::AttnDevice>) -> Result<CaseModel, Failed> {
+        let model = c.model();
+        let sel = select_backend_no_env(&model, &DeviceInfo::from_device(dev), None)?;
+        let (bn, rows) = (c.bucket.num_reqs, c.bucket.num_tokens());
+        let num_blocks = bn * c.max_len.div_ceil(16) + 64;
+        let limits = ForwardLimits { max_num_tokens: rows, max_num_reqs: bn, max_model_len: c.max_len };
+        let mut config = ForwardConfig::new(model, num_blocks, limits);
+        config.decode_threshold = c.bucket.query_len;
+        Ok(CaseModel { sel, config, num_blocks })
+    }
+
+    fn attention(&self, dev: &Arc<host::AttnDevice>, stream: &Arc<CudaStream>) -> Result<Attention, AttnError> {
+        Attention::new(&self.sel, self.config, Some(GpuHandles { dev: dev.clone(), stream: stream.clone() }))
+    }
+}
+
+fn build(step: &mut StepMetadata, st: &Step, num_blocks: usize) -> Result<(), AttnError> {
+    let input = StepInput {
+        query_start_loc: &st.qsl,
+        seq_lens: &st.seq_lens,
+        block_table: &st.block_table,
+        block_table_stride: st.stride,
+        slot_mapping: &st.slots,
+        num_actual_tokens: *st.qsl.last().expect("start locations") as usize,
+        num_blocks,
+        block_size: 16,
+    };
+    step.build(&input).map(|_| ())
+}
+
 fn graph_case(c: Case, salt: u64) -> TestResult {
     let mut rng = rng(salt);
     let dev = arc_device();
     let stream = dev.context().new_stream()?;
-    let model = c.model();
-    let sel = select_backend_no_env(&model, &DeviceInfo::from_device(&dev), None)?;
-    let (bn, rows) = (c.bucket.num_reqs, c.bucket.num_tokens());
-    let num_blocks = bn * c.max_len.div_ceil(16) + 64;
-    let limits = ForwardLimits { max_num_tokens: rows, max_num_reqs: bn, max_model_len: c.max_len };
-    let mut config = ForwardConfig::new(model, num_blocks, limits);
-    config.decode_threshold = c.bucket.query_len;
-    let mut attn = Attention::new(&sel, config, Some(GpuHandles { dev: dev.clone(), stream: stream.clone() }))?;
+    let model = CaseModel::new(&c, &dev)?;
+    let (bn, rows, num_blocks) = (c.bucket.num_reqs, c.bucket.num_tokens(), model.num_blocks);
+    let mut attn = model.attention(&dev, &stream)?;
     let mut eager = attn.new_step_metadata()?;
     let mut gstep = attn.new_graph_step(c.bucket)?;
     let spec = attn.cache_spec();
@@ -150,11 +183,12 @@ fn graph_case(c: Case, salt: u64) -> TestResult {
     // Both paths start from the same random caches (so any length reads real values).
     let init: Vec<bf16> = random_vec(&mut rng, spec.num_elements(), 1.0);
     let mut caches_e: Vec<_> = (0..c.layers).map(|_| upload(&stream, &init)).collect();
-    let mut caches_g: Vec<_> = (0..c.layers).map(|_| upload(&stream, &init)).collect();
+    // What the graph captures is shared: it holds a handle to each.
+    let caches_g: Vec<_> = (0..c.layers).map(|_| SharedBuf::new(upload(&stream, &init))).collect();
     let w = c.widths();
     let width = w.q + w.k + w.v;
-    let mut in_g = upload(&stream, &random_vec::<bf16>(&mut rng, rows * width, 1.0));
-    let mut outs_g: Vec<_> = (0..c.layers).map(|_| upload(&stream, &vec![poison::<bf16>(); rows * w.out])).collect();
+    let in_g = SharedBuf::new(upload(&stream, &random_vec::<bf16>(&mut rng, rows * width, 1.0)));
+    let outs_g: Vec<_> = (0..c.layers).map(|_| SharedBuf::new(upload(&stream, &vec![poison::<bf16>(); rows * w.out]))).collect();
     let mut graph = None;
     let mut worst = 0.0f64;
 
@@ -176,18 +210,18 @@ fn graph_case(c: Case, salt: u64) -> TestResult {
         gstep.build(&input)?;
         let data: Vec<bf16> = random_vec(&mut rng, nt * width, 1.0);
         let in_e = upload(&stream, &data);
-        stream.memcpy_htod(&data, &mut in_g.slice_mut(..nt * width))?;
+        in_g.write_from_host(&stream, &data)?;
 
         let mut outs_e: Vec<_> = (0..c.layers).map(|_| upload(&stream, &vec![poison::<bf16>(); nt * w.out])).collect();
         let (k_e, v_e) = (in_e.slice(w.q..), in_e.slice(w.q + w.k..));
         for (cache, out) in caches_e.iter_mut().zip(&mut outs_e) {
-            attn.forward(&eager, layer(&c, &stream, (&in_e, &k_e, &v_e), nt, cache, out))?;
+            let qkv = (DevIn::new(&in_e, &stream), DevIn::new(&k_e, &stream), DevIn::new(&v_e, &stream));
+            attn.forward(&eager, layer(&c, nt, qkv, DevOut::new(cache, &stream), DevOut::new(out, &stream)))?;
         }
         if graph.is_none() {
             graph = Some(attn.capture(&gstep, |a| {
-                let (k_g, v_g) = (in_g.slice(w.q..), in_g.slice(w.q + w.k..));
-                for (cache, out) in caches_g.iter_mut().zip(&mut outs_g) {
-                    a.forward(&gstep, layer(&c, &stream, (&in_g, &k_g, &v_g), rows, cache, out))?;
+                for (cache, out) in caches_g.iter().zip(&outs_g) {
+                    a.forward(&gstep, shared_layer(&c, &stream, &in_g, cache, out)?)?;
                 }
                 Ok(())
             })?);
@@ -196,7 +230,7 @@ fn graph_case(c: Case, salt: u64) -> TestResult {
         attn.check_status()?;
 
         for l in 0..c.layers {
-            let (got, want) = (download(&stream, &outs_g[l]), download(&stream, &outs_e[l]));
+            let (got, want) = (download(&stream, outs_g[l].as_cuda_slice()), download(&stream, &outs_e[l]));
             let g: Vec<f64> = got[..nt * w.out].iter().map(|x| x.to_f32() as f64).collect();
             let e: Vec<f64> = want.iter().map(|x| x.to_f32() as f64).collect();
             let err = rel_error(&g, &e);
@@ -210,7 +244,8 @@ fn graph_case(c: Case, salt: u64) -> TestResult {
         }
     }
     for l in 0..c.layers {
-        let mismatched = bitwise_mismatches(&download(&stream, &caches_g[l]), &download(&stream, &caches_e[l]), |x| x.to_bits() as u64);
+        let got = download(&stream, caches_g[l].as_cuda_slice());
+        let mismatched = bitwise_mismatches(&got, &download(&stream, &caches_e[l]), |x| x.to_bits() as u64);
         if !mismatched.is_empty() {
             return Err(format!("layer {l}: caches differ: {mismatched:?}").into());
         }
@@ -269,6 +304,174 @@ fn refusals() -> TestResult {
     expect("the cpu backend", "backend", cpu_attn.new_graph_step(GraphBucket::decode(2)).map(|_| ()))
 }
 
+/// What a capture refuses, naming the argument, before the refused call enqueues anything: a
+/// layer with a borrowed (not shared) buffer, a `forward` with another step, another Attention's
+/// `forward` or a step's `build` on the stream being captured, making a step inside the
+/// capture; and a replay with a step other than the captured one. The Attention captures and
+/// replays fine after all of them.
+fn capture_refusals() -> TestResult {
+    let mut rng = rng(7100);
+    let dev = arc_device();
+    let stream = dev.context().new_stream()?;
+    let c = Case { mla: false, hq: 8, hkv: 2, d: 128, bucket: GraphBucket::decode(2), layers: 1, steps: 1, max_len: 256 };
+    let model = CaseModel::new(&c, &dev)?;
+    let mut attn = model.attention(&dev, &stream)?;
+    // A second model on the same stream (a draft model, say).
+    let mut other = model.attention(&dev, &stream)?;
+    let (mut gstep, mut eager, mut other_step) = (attn.new_graph_step(c.bucket)?, attn.new_step_metadata()?, other.new_step_metadata()?);
+    let st = random_step(&mut rng, &c, 2, model.num_blocks);
+    for step in [&mut gstep, &mut eager, &mut other_step] {
+        build(step, &st, model.num_blocks)?;
+    }
+    let w = c.widths();
+    let rows = c.bucket.num_tokens();
+    let input = SharedBuf::new(upload(&stream, &random_vec::<bf16>(&mut rng, rows * (w.q + w.k + w.v), 1.0)));
+    let cache = SharedBuf::new(upload(&stream, &random_vec::<bf16>(&mut rng, attn.cache_spec().num_elements(), 1.0)));
+    let out = SharedBuf::new(upload(&stream, &vec![poison::<bf16>(); rows * w.out]));
+    let mut plain_cache = upload(&stream, &vec![bf16::ZERO; cache.len()]);
+    let mut plain_out = upload(&stream, &vec![bf16::ZERO; out.len()]);
+    let expect = |what: &str, arg: &str, r: Result<(), AttnError>| -> TestResult {
+        match r {
+            Err(AttnError::InvalidArgument { arg: a, reason }) if a == arg => {
+                eprintln!("{what}: refused `{a}`: {reason}");
+                Ok(())
+            }
+            other => Err(format!("{what}: expected a refusal of `{arg}`, got {other:?}").into()),
+        }
+    };
+    let qkv = || -> Result<_, AttnError> {
+        Ok((
+            DevIn::shared(&input, &stream),
+            DevIn::shared_range(&input, w.q.., &stream)?,
+            DevIn::shared_range(&input, w.q + w.k.., &stream)?,
+        ))
+    };
+
+    let r = attn.capture(&gstep, |a| {
+        a.forward(&gstep, layer(&c, rows, qkv()?, DevOut::new(&mut plain_cache, &stream), DevOut::shared(&out, &stream)))
+    });
+    expect("a borrowed cache", "cache", r.map(|_| ()))?;
+    let r = attn.capture(&gstep, |a| {
+        a.forward(&gstep, layer(&c, rows, qkv()?, DevOut::shared(&cache, &stream), DevOut::new(&mut plain_out, &stream)))
+    });
+    expect("a borrowed output", "out", r.map(|_| ()))?;
+    let r = attn.capture(&gstep, |a| {
+        let (_, k, v) = qkv()?;
+        let q = DevIn::new(input.as_cuda_slice(), &stream);
+        a.forward(&gstep, layer(&c, rows, (q, k, v), DevOut::shared(&cache, &stream), DevOut::shared(&out, &stream)))
+    });
+    expect("a borrowed query", "q", r.map(|_| ()))?;
+    let r = attn.capture(&gstep, |a| a.forward(&eager, shared_layer(&c, &stream, &input, &cache, &out)?));
+    expect("a forward with an eager step", "step", r.map(|_| ()))?;
+    let r = attn.capture(&gstep, |_| other.forward(&other_step, shared_layer(&c, &stream, &input, &cache, &out)?));
+    expect("another Attention's forward on the captured stream", "stream", r.map(|_| ()))?;
+    let r = attn.capture(&gstep, |_| build(&mut other_step, &st, model.num_blocks));
+    expect("a step's build on the captured stream", "stream", r.map(|_| ()))?;
+    let r = attn.capture(&gstep, |a| a.new_step_metadata().map(|_| ()));
+    expect("a step made inside the capture", "capture", r.map(|_| ()))?;
+    expect("a range past the buffer", "range", DevIn::shared_range(&input, ..input.len() + 1, &stream).map(|_| ()))?;
+    expect("a host write past the buffer", "src", out.write_from_host(&stream, &vec![bf16::ZERO; out.len() + 1]))?;
+
+    // Nothing above left the stream capturing, or the Attention unable to capture.
+    let graph = attn.capture(&gstep, |a| a.forward(&gstep, shared_layer(&c, &stream, &input, &cache, &out)?))?;
+    let mut gstep2 = attn.new_graph_step(c.bucket)?;
+    build(&mut gstep2, &st, model.num_blocks)?;
+    expect("a replay with another graph step of the bucket", "step", graph.replay(&gstep2))?;
+    expect("a replay with an eager step", "step", graph.replay(&eager))?;
+    graph.replay(&gstep)?;
+    attn.check_status()?;
+    let got = download(&stream, out.as_cuda_slice());
+    if let Some(i) = got.iter().position(|x| !x.to_f32().is_finite()) {
+        return Err(format!("output element {i} is {:?} after the replay", got[i]).into());
+    }
+    Ok(())
+}
+
+/// The graph keeps what it uses: capture, drop the Attention, its eager step and every handle
+/// to the captured buffers (inputs, caches, outputs) but one clone of the last layer's output,
+/// reallocate (poison) as much memory as was dropped, then replay over several steps, the graph
+/// step rebuilt before each. Each replay's output must match a separate Attention's eager run
+/// of the same steps (its own caches, from the same start). Meant to run under
+/// compute-sanitizer memcheck too: a replay touching freed memory fails it.
+fn graph_outlives_its_owners() -> TestResult {
+    let mut rng = rng(7200);
+    let dev = arc_device();
+    let stream = dev.context().new_stream()?;
+    let c = Case { mla: false, hq: 16, hkv: 4, d: 128, bucket: GraphBucket::decode(4), layers: 2, steps: 8, max_len: 1200 };
+    let model = CaseModel::new(&c, &dev)?;
+    let (w, bn, rows) = (c.widths(), c.bucket.num_reqs, c.bucket.num_tokens());
+    let width = w.q + w.k + w.v;
+    let num_blocks = model.num_blocks;
+
+    let mut attn = model.attention(&dev, &stream)?;
+    let spec = attn.cache_spec();
+    let init: Vec<bf16> = random_vec(&mut rng, spec.num_elements(), 1.0);
+    let data: Vec<bf16> = random_vec(&mut rng, rows * width, 1.0);
+    let mut gstep = attn.new_graph_step(c.bucket)?;
+    let eager = attn.new_step_metadata()?;
+    let first = random_step(&mut rng, &c, bn, num_blocks);
+    build(&mut gstep, &first, num_blocks)?;
+
+    let caches_g: Vec<_> = (0..c.layers).map(|_| SharedBuf::new(upload(&stream, &init))).collect();
+    let in_g = SharedBuf::new(upload(&stream, &data));
+    let outs_g: Vec<_> = (0..c.layers).map(|_| SharedBuf::new(upload(&stream, &vec![poison::<bf16>(); rows * w.out]))).collect();
+    let graph = attn.capture(&gstep, |a| {
+        for (cache, out) in caches_g.iter().zip(&outs_g) {
+            a.forward(&gstep, shared_layer(&c, &stream, &in_g, cache, out)?)?;
+        }
+        Ok(())
+    })?;
+    let reader = outs_g[c.layers - 1].clone();
+    drop((attn, eager, caches_g, in_g, outs_g));
+    stream.synchronize()?;
+    // Were anything freed, these would likely take its place (and the replays clobber them).
+    let decoys: Vec<_> = (0..c.layers)
+        .flat_map(|_| {
+            [upload(&stream, &vec![poison::<bf16>(); spec.num_elements()]), upload(&stream, &vec![poison::<bf16>(); rows * w.out])]
+        })
+        .chain([upload(&stream, &vec![poison::<bf16>(); rows * width])])
+        .collect();
+
+    // The reference: another Attention, eager, its own caches from the same start.
+    let mut reference = model.attention(&dev, &stream)?;
+    let mut ref_step = reference.new_step_metadata()?;
+    let mut caches_e: Vec<_> = (0..c.layers).map(|_| upload(&stream, &init)).collect();
+    for s in 0..c.steps {
+        let n = if s == 0 { bn } else { rng.random_range(1..=bn) };
+        let st = if s == 0 { first.clone() } else { random_step(&mut rng, &c, n, num_blocks) };
+        let nt = st.qsl[n] as usize;
+        build(&mut gstep, &st, num_blocks)?;
+        graph.replay(&gstep)?;
+        build(&mut ref_step, &st, num_blocks)?;
+        let in_e = upload(&stream, &data[..nt * width]);
+        let (k_e, v_e) = (in_e.slice(w.q..), in_e.slice(w.q + w.k..));
+        let mut out_e = upload(&stream, &vec![poison::<bf16>(); nt * w.out]);
+        for cache in caches_e.iter_mut() {
+            let qkv = (DevIn::new(&in_e, &stream), DevIn::new(&k_e, &stream), DevIn::new(&v_e, &stream));
+            reference.forward(&ref_step, layer(&c, nt, qkv, DevOut::new(cache, &stream), DevOut::new(&mut out_e, &stream)))?;
+        }
+        reference.check_status()?;
+        let (got, want) = (download(&stream, reader.as_cuda_slice()), download(&stream, &out_e));
+        let g: Vec<f64> = got[..nt * w.out].iter().map(|x| x.to_f32() as f64).collect();
+        let e: Vec<f64> = want.iter().map(|x| x.to_f32() as f64).collect();
+        let err = rel_error(&g, &e);
+        if err.is_nan() || err > tolerance(DType::BF16) {
+            return Err(format!("replay {s} ({n} requests, lengths {:?}): rel error {err:.3e} against eager", st.seq_lens).into());
+        }
+        if let Some(i) = got[nt * w.out..].iter().position(|x| !x.to_f32().is_finite()) {
+            return Err(format!("replay {s}: padding output element {i} is {:?}", got[nt * w.out + i]).into());
+        }
+    }
+    let poisoned = decoys.iter().all(|d| download(&stream, d).iter().all(|x| x.to_bits() == poison::<bf16>().to_bits()));
+    if !poisoned {
+        return Err("memory allocated after the drops was written: the graph used freed memory".into());
+    }
+    drop(graph);
+    drop(gstep);
+    stream.synchronize()?;
+    Ok(())
+}
+
 fn main() {
     let std = |hq, hkv, d, bucket, steps, max_len| Case { mla: false, hq, hkv, d, bucket, layers: 2, steps, max_len };
     let mut cases = vec![
@@ -287,5 +490,7 @@ fn main() {
         .map(|(i, (name, c))| Trial::test(format!("graph::{name}"), move || graph_case(c, 7000 + i as u64)))
         .collect();
     trials.push(Trial::test("graph::refusals", refusals));
+    trials.push(Trial::test("graph::capture_refusals", capture_refusals));
+    trials.push(Trial::test("graph::outlives_its_owners", graph_outlives_its_owners));
     run_gpu_trials(trials)
 }

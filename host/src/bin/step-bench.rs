@@ -11,12 +11,12 @@
 //! `step-bench [--quick] [--json PATH] [--only cascade|graph] [--event-tracking]`.
 
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::CudaStream;
 use half::bf16;
 use host::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
 use host::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, GraphBucket, LayerIo, NewKv, StepMetadata};
 use host::metadata::{CascadeMode, StepInput};
-use host::{AttnDevice, DType, DevIn, DevOut, KvLayout, Result, RowsDesc};
+use host::{AttnDevice, DType, DevIn, DevOut, KvLayout, Result, RowsDesc, SharedBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -105,32 +105,34 @@ impl Batch {
     }
 }
 
-/// A model's per-step buffers: the fused q/k/v rows and the output.
+/// A model's per-step buffers: the fused q/k/v rows and the output. Shared, as an engine that
+/// captures graphs keeps them: a graph holds what it captured.
 struct Io {
-    qkv: CudaSlice<bf16>,
-    out: CudaSlice<bf16>,
+    qkv: SharedBuf<bf16>,
+    out: SharedBuf<bf16>,
     rows: usize,
 }
 
 impl Io {
     fn new(stream: &Arc<CudaStream>, rows: usize) -> Result<Io> {
-        let qkv = stream.clone_htod(&values(rows * (HQ + 2 * HKV) * D, 7))?;
-        Ok(Io { qkv, out: stream.alloc_zeros(rows * HQ * D)?, rows })
+        let qkv = SharedBuf::new(stream.clone_htod(&values(rows * (HQ + 2 * HKV) * D, 7))?);
+        Ok(Io { qkv, out: SharedBuf::new(stream.alloc_zeros(rows * HQ * D)?), rows })
     }
 
     /// One layer over `cache`.
-    fn forward(&mut self, attn: &mut Attention, step: &StepMetadata, cache: &mut CudaSlice<bf16>, stream: &Arc<CudaStream>) -> Result<()> {
+    fn forward(&self, attn: &mut Attention, step: &StepMetadata, cache: &SharedBuf<bf16>, stream: &Arc<CudaStream>) -> Result<()> {
         let width = (HQ + 2 * HKV) * D;
-        let (k, v) = (self.qkv.slice(HQ * D..), self.qkv.slice((HQ + HKV) * D..));
+        let k = DevIn::shared_range(&self.qkv, HQ * D.., stream)?;
+        let v = DevIn::shared_range(&self.qkv, (HQ + HKV) * D.., stream)?;
         let kv_rows = RowsDesc { num_tokens: self.rows, num_heads: HKV, head_size: D, token_stride: width, head_stride: D };
         attn.forward(
             step,
             LayerIo::Gpu(GpuLayer {
-                q: DevIn::new(&self.qkv, stream),
+                q: DevIn::shared(&self.qkv, stream),
                 q_rows: RowsDesc { num_tokens: self.rows, num_heads: HQ, head_size: D, token_stride: width, head_stride: D },
-                new_kv: NewKv::Standard { k: DevIn::new(&k, stream), k_rows: kv_rows, v: DevIn::new(&v, stream), v_rows: kv_rows },
-                cache: DevOut::new(cache, stream),
-                out: DevOut::new(&mut self.out, stream),
+                new_kv: NewKv::Standard { k, k_rows: kv_rows, v, v_rows: kv_rows },
+                cache: DevOut::shared(cache, stream),
+                out: DevOut::shared(&self.out, stream),
                 out_rows: RowsDesc::contiguous(self.rows, HQ, D),
                 alibi_slopes: None,
                 sinks: None,
@@ -163,20 +165,20 @@ fn cascade_bench(dev: &Arc<AttnDevice>, stream: &Arc<CudaStream>, quick: bool, l
     let (n, prefix, own) = (64, 4096, 256);
     let batch = Batch::new(n, prefix, own);
     let limits = ForwardLimits { max_num_tokens: n, max_num_reqs: n, max_model_len: prefix + own };
-    let mut io = Io::new(stream, n)?;
+    let io = Io::new(stream, n)?;
     let reps = if quick { 20 } else { 100 };
     let mut results = Vec::new();
     for mode in [CascadeMode::Off, CascadeMode::On] {
         let mut attn = attention(dev, stream, batch.num_blocks, limits, mode)?;
-        let mut cache = stream.clone_htod(&values(attn.cache_spec().num_elements(), 3))?;
+        let cache = SharedBuf::new(stream.clone_htod(&values(attn.cache_spec().num_elements(), 3))?);
         let mut step = attn.new_step_metadata()?;
         step.build(&batch.input())?;
-        let us = time(stream, 10, reps, 10, || io.forward(&mut attn, &step, &mut cache, stream))?;
+        let us = time(stream, 10, reps, 10, || io.forward(&mut attn, &step, &cache, stream))?;
         attn.check_status()?;
         // The GPU's own time (events around the layer's kernels): host-bound if well below `us`.
         attn.set_timing(true);
         for _ in 0..reps {
-            io.forward(&mut attn, &step, &mut cache, stream)?;
+            io.forward(&mut attn, &step, &cache, stream)?;
         }
         let t = attn.take_times()?;
         attn.set_timing(false);
@@ -214,9 +216,9 @@ fn graph_bench(
     let mut caches = Vec::with_capacity(layers);
     let init = values(attn.cache_spec().num_elements(), 5);
     for _ in 0..layers {
-        caches.push(stream.clone_htod(&init)?);
+        caches.push(SharedBuf::new(stream.clone_htod(&init)?));
     }
-    let mut io = Io::new(stream, n)?;
+    let io = Io::new(stream, n)?;
     let mut eager = attn.new_step_metadata()?;
     let mut graph_step = attn.new_graph_step(GraphBucket::decode(n))?;
     let t = Instant::now();
@@ -228,7 +230,7 @@ fn graph_bench(
     let reps = if quick { 10 } else { 30 };
 
     let mut step_eager = || -> Result<()> {
-        for cache in caches.iter_mut() {
+        for cache in &caches {
             io.forward(&mut attn, &eager, cache, stream)?;
         }
         Ok(())
@@ -238,7 +240,7 @@ fn graph_bench(
     attn.set_timing(true);
     let _ = attn.take_times()?;
     for _ in 0..3 {
-        for cache in caches.iter_mut() {
+        for cache in &caches {
             io.forward(&mut attn, &eager, cache, stream)?;
         }
     }
@@ -247,7 +249,7 @@ fn graph_bench(
     let kernel_us = (times.cache_write + times.attention).as_secs_f64() * 1e6 / times.layers as f64;
 
     let graph = attn.capture(&graph_step, |a| {
-        for cache in caches.iter_mut() {
+        for cache in &caches {
             io.forward(a, &graph_step, cache, stream)?;
         }
         Ok(())

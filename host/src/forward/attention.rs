@@ -4,7 +4,7 @@
 use super::config::ForwardConfig;
 use super::cpu_exec::forward_cpu;
 use super::gpu_exec::GpuExec;
-use super::graph::{capture_stream, new_step_graph, GraphBucket, StepGraph};
+use super::graph::{capture_stream, refuse_foreign_capture, Capture, CaptureInProgress, GraphBucket, StepGraph};
 use super::io::{CacheSpec, LayerIo};
 use super::step::StepMetadata;
 use super::timing::{PhaseTimes, Timer};
@@ -37,6 +37,8 @@ pub struct Attention {
     backend: &'static BackendSpec,
     exec: Exec,
     timer: Timer,
+    /// Set while [`capture`](Attention::capture) records: what the graph will hold.
+    capturing: Option<Capture>,
 }
 
 impl Attention {
@@ -75,7 +77,8 @@ impl Attention {
             _ => return Err(AttnError::MissingKernel { what: "forward on this backend", missing: "its executor in host::forward" }),
         };
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-        Ok(Attention { id: NEXT_ID.fetch_add(1, Ordering::Relaxed), config, spec, backend, exec, timer: Timer::default() })
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        Ok(Attention { id, config, spec, backend, exec, timer: Timer::default(), capturing: None })
     }
 
     pub fn backend(&self) -> &'static BackendSpec {
@@ -108,6 +111,7 @@ impl Attention {
     /// Per-step metadata for this model (allocated once, rebuilt every step with
     /// [`StepMetadata::build`]); on the GPU its upload buffers are sized for `config.limits`.
     pub fn new_step_metadata(&self) -> Result<StepMetadata> {
+        self.refuse_while_capturing()?;
         match &self.exec {
             Exec::Cpu => Ok(StepMetadata::new(self.id, self.config, None, None, None)),
             Exec::Gpu(g) => {
@@ -132,6 +136,7 @@ impl Attention {
         let Exec::Gpu(g) = &self.exec else {
             return Err(AttnError::invalid("backend", format!("\"{}\" has no CUDA graphs (graph support: {support})", self.backend.name)));
         };
+        self.refuse_while_capturing()?;
         ensure(support != GraphSupport::Never, "backend", || format!("\"{}\" declares no CUDA-graph support", self.backend.name))?;
         let l = &self.config.limits;
         ensure(bucket.num_reqs <= l.max_num_reqs && bucket.num_tokens() <= l.max_num_tokens, "bucket", || {
@@ -153,15 +158,37 @@ impl Attention {
     /// [`forward`](Self::forward) with `step`, and the engine's own kernels between them) into a
     /// CUDA graph for `step`'s bucket. `step` must be a built graph step of this Attention; the
     /// capture runs nothing. Timing is off during the capture.
+    ///
+    /// The graph replays on the memory the recorded calls used, so it holds all of it (see
+    /// [`StepGraph`]): the step's device buffer, this Attention's workspaces and status words,
+    /// and every buffer a recorded `forward` takes, which must therefore be a
+    /// [`SharedBuf`](crate::buffer::SharedBuf) ([`DevIn::shared`](crate::DevIn::shared),
+    /// [`DevOut::shared`](crate::DevOut::shared), or their `shared_range`s for parts of one
+    /// buffer): a borrowed one is refused, naming the argument, before anything is enqueued.
+    /// Also refused while recording: a `forward` with another step, making steps, and another
+    /// Attention's `forward` or a step's `build` on the stream being captured (the graph would
+    /// not hold their memory). The engine's own kernels are its own to keep alive.
     pub fn capture(&mut self, step: &StepMetadata, record: impl FnOnce(&mut Attention) -> Result<()>) -> Result<StepGraph> {
         ensure(step.owner == self.id, "step", || "was made by another Attention".into())?;
         let bucket = step.graph_bucket().ok_or_else(|| AttnError::invalid("step", "is not a graph step (use new_graph_step)"))?;
         ensure(step.is_built(), "step", || "must be built before the capture".into())?;
-        let stream = self.stream().cloned().ok_or_else(|| AttnError::invalid("backend", "captures need a GPU backend"))?;
-        let timing = std::mem::replace(&mut self.timer.enabled, false);
+        let Exec::Gpu(g) = &self.exec else { return Err(AttnError::invalid("backend", "captures need a GPU backend")) };
+        self.refuse_while_capturing()?;
+        let stream = g.stream.clone();
+        let capture = Capture::new(step, g.keep_alive(), self.timer.enabled)?;
+        // Timing events recorded into the graph would be this Attention's (freed with it).
+        self.timer.enabled = false;
+        self.capturing = Some(capture);
+        let in_progress = CaptureInProgress::begin();
         let graph = capture_stream(&stream, || record(self));
-        self.timer.enabled = timing;
-        Ok(new_step_graph(graph?, self.id, bucket))
+        drop(in_progress);
+        let capture = self.capturing.take().expect("set above");
+        self.timer.enabled = capture.timing_after;
+        Ok(capture.into_graph(graph?, stream, self.id, bucket))
+    }
+
+    fn refuse_while_capturing(&self) -> Result<()> {
+        ensure(self.capturing.is_none(), "capture", || "is recording: this call cannot be made inside it".into())
     }
 
     /// One layer of one step: writes the step's new K/V into `layer.cache` at the step's slots,
@@ -182,6 +209,10 @@ impl Attention {
                 forward_cpu(&self.config, &self.spec, step, l, &mut self.timer)
             }
             (Exec::Gpu(g), LayerIo::Gpu(l)) => {
+                match &mut self.capturing {
+                    Some(capture) => capture.take(step, &l)?,
+                    None => refuse_foreign_capture(&g.stream, "stream", "another Attention's forward")?,
+                }
                 validate_layer(&self.config, &self.spec, step, stride, &l)?;
                 match &self.spec {
                     CacheSpec::Paged(spec) => g.forward(&self.config, spec, step, l, &mut self.timer),
@@ -200,9 +231,13 @@ impl Attention {
         }
     }
 
-    /// Measure each layer's cache write and attention from now on (events on the GPU).
+    /// Measure each layer's cache write and attention from now on (events on the GPU). Inside a
+    /// [`capture`](Self::capture), from its end.
     pub fn set_timing(&mut self, on: bool) {
-        self.timer.enabled = on;
+        match &mut self.capturing {
+            Some(capture) => capture.timing_after = on,
+            None => self.timer.enabled = on,
+        }
     }
 
     /// The times measured since the last call (on the GPU this waits for the layers enqueued).

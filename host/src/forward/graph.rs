@@ -17,14 +17,22 @@
 //!
 //! Inside the captured region `forward` copies nothing, allocates nothing, waits for nothing and
 //! decides nothing from the step's contents.
+//!
+//! A graph replays its kernels on the addresses they were captured with, long after the calls
+//! that recorded them returned: so the [`StepGraph`] owns a share of all that memory (see its
+//! doc), and a recorded layer's buffers must be [`SharedBuf`](crate::buffer::SharedBuf)s, whose
+//! handles it takes. A borrowed buffer is refused at the recorded call, naming the argument.
 
+use super::io::{GpuLayer, NewKv};
 use super::step::StepMetadata;
+use crate::buffer::KeepAlive;
 use crate::decode::{plan_decode_tc, DecodeBatch, DevicePlan, SplitMode, TcKernel};
 use crate::error::{ensure, AttnError, Result};
 use crate::metadata::{validate, BatchSplit, Region, StagingLayout, StagingSizes, StepInput, ALIGN_WORDS};
 use attn_math::params::NO_WORK;
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus};
 use cudarc::driver::{CudaGraph, CudaStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// The batch a graph is captured for: up to `num_reqs` decode requests of exactly `query_len`
@@ -200,6 +208,7 @@ impl GraphPlanner {
         let l = &self.layout;
         DevicePlan {
             kernel: self.tc.name.clone(),
+            layer: self.tc.layer,
             items: at(l.work_items),
             req_num_splits: at(l.req_num_splits),
             req_partial_base: at(l.req_partial_base),
@@ -217,10 +226,23 @@ impl GraphPlanner {
 
 /// A captured step ([`Attention::capture`](super::Attention::capture)): replay it after each
 /// [`StepMetadata::build`] of its graph step.
+///
+/// The kernels it replays use device memory by address, so it holds a handle to every piece
+/// of it, and none is freed while it lives: the graph step's device buffer (its arrays and
+/// split plan), the capturing `Attention`'s workspaces, merge counters and status words, its
+/// device (the loaded kernels), and the caller's buffers the recorded layers took (as
+/// [`SharedBuf`](crate::buffer::SharedBuf)s). Dropping the `Attention`, the step or the
+/// caller's handles first is fine; the memory goes with the graph. Dropping the graph waits for
+/// its stream, so no replay is running when what it held is freed.
 pub struct StepGraph {
     graph: CudaGraph,
+    stream: Arc<CudaStream>,
     owner: u64,
     bucket: GraphBucket,
+    /// The graph step's device buffer, which identifies the step [`replay`](Self::replay) takes.
+    step: KeepAlive,
+    /// The library's memory and the caller's buffers the captured kernels use: held, never read.
+    _held: Vec<KeepAlive>,
 }
 
 impl StepGraph {
@@ -229,15 +251,60 @@ impl StepGraph {
     }
 
     /// Enqueues the captured work on the stream it was captured on, reading `step`'s device
-    /// buffer (the one it was captured with: its last [`build`](StepMetadata::build) is what
-    /// runs). Nothing waits.
+    /// buffer. `step` must be the graph step it was captured with: its last
+    /// [`build`](StepMetadata::build) is what runs. Nothing waits.
     pub fn replay(&self, step: &StepMetadata) -> Result<()> {
-        ensure(step.owner == self.owner && step.graph_bucket() == Some(self.bucket), "step", || {
-            "is not the graph step this graph was captured with".into()
-        })?;
+        let same = step.owner == self.owner && step.graph_bucket() == Some(self.bucket) && step.is_device(&self.step);
+        ensure(same, "step", || "is not the graph step this graph was captured with".into())?;
         ensure(step.is_built(), "step", || "was not built (its last build failed)".into())?;
         Ok(self.graph.launch()?)
     }
+}
+
+impl Drop for StepGraph {
+    fn drop(&mut self) {
+        // The handles are released after this (field drops): wait for the replays in flight,
+        // which may use memory that only this graph still holds. A failure here leaves nothing
+        // to do but release them.
+        let _ = self.stream.synchronize();
+    }
+}
+
+/// Captures in progress ([`Attention::capture`](super::Attention::capture)) in this process.
+/// While there are none, the library's calls need not ask the driver whether their stream is
+/// being captured.
+static CAPTURES: AtomicUsize = AtomicUsize::new(0);
+
+/// Counts one capture in progress while alive.
+pub(crate) struct CaptureInProgress(());
+
+impl CaptureInProgress {
+    pub(crate) fn begin() -> Self {
+        CAPTURES.fetch_add(1, Ordering::SeqCst);
+        CaptureInProgress(())
+    }
+}
+
+impl Drop for CaptureInProgress {
+    fn drop(&mut self) {
+        CAPTURES.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Refuses (naming `arg`) work for `stream` while it is being captured by a capture that would
+/// not hold that work's memory: another `Attention`'s, on a shared stream. One atomic load when
+/// no capture is in progress.
+pub(crate) fn refuse_foreign_capture(stream: &CudaStream, arg: &'static str, what: &str) -> Result<()> {
+    if CAPTURES.load(Ordering::SeqCst) == 0 {
+        return Ok(());
+    }
+    let status = stream.capture_status()?;
+    ensure(status == CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE, arg, || {
+        format!(
+            "{what} cannot run while its stream is being captured into a graph that would not keep its memory \
+             alive (record only the capturing Attention's forward calls, with its graph step)"
+        )
+    })
 }
 
 /// Captures what `record` enqueues on `stream` into a graph: thread-local capture (any
@@ -263,6 +330,68 @@ pub(crate) fn capture_stream(stream: &Arc<CudaStream>, record: impl FnOnce() -> 
     result
 }
 
-pub(crate) fn new_step_graph(graph: CudaGraph, owner: u64, bucket: GraphBucket) -> StepGraph {
-    StepGraph { graph, owner, bucket }
+/// What a capture collects: the step being captured (its device buffer's handle) and a handle
+/// to every buffer the recorded calls take.
+pub(crate) struct Capture {
+    step: KeepAlive,
+    held: Vec<KeepAlive>,
+    /// Whether the Attention times its layers after the capture (off during it).
+    pub(crate) timing_after: bool,
+}
+
+const NOT_SHARED: &str = "a buffer captured into a graph must be a SharedBuf (DevIn::shared, DevOut::shared), \
+                          so that the graph keeps it alive";
+
+impl Capture {
+    /// A capture of `step` (a graph step), holding `library`: the capturing executor's memory.
+    pub(crate) fn new(step: &StepMetadata, library: Vec<KeepAlive>, timing_after: bool) -> Result<Self> {
+        let step = step.device_keep_alive().ok_or_else(|| AttnError::invalid("step", "has no device buffer"))?;
+        Ok(Capture { step, held: library, timing_after })
+    }
+
+    /// Checks that a recorded layer runs the captured step on buffers the graph can hold, and
+    /// takes a handle to each; refuses (naming the argument) before anything is enqueued.
+    pub(crate) fn take(&mut self, step: &StepMetadata, layer: &GpuLayer<'_>) -> Result<()> {
+        ensure(step.is_device(&self.step), "step", || {
+            "is not the graph step being captured: a graph replays the step it was captured with".into()
+        })?;
+        let mut held = Vec::with_capacity(9);
+        let mut need = |arg: &'static str, keep: Option<&KeepAlive>| -> Result<()> {
+            held.push(keep.cloned().ok_or_else(|| AttnError::invalid(arg, NOT_SHARED))?);
+            Ok(())
+        };
+        need("q", layer.q.keep_alive())?;
+        match &layer.new_kv {
+            NewKv::Standard { k, v, .. } => {
+                need("k", k.keep_alive())?;
+                need("v", v.keep_alive())?;
+            }
+            NewKv::Mla { kv_c, k_pe, .. } => {
+                need("kv_c", kv_c.keep_alive())?;
+                need("k_pe", k_pe.keep_alive())?;
+            }
+        }
+        need("cache", layer.cache.keep_alive())?;
+        need("out", layer.out.keep_alive())?;
+        if let Some(b) = &layer.alibi_slopes {
+            need("alibi_slopes", b.keep_alive())?;
+        }
+        if let Some(b) = &layer.sinks {
+            need("sinks", b.keep_alive())?;
+        }
+        if let Some((k, v)) = &layer.kv_scales {
+            need("kv_scales", k.keep_alive())?;
+            need("kv_scales", v.keep_alive())?;
+        }
+        self.held.append(&mut held);
+        Ok(())
+    }
+
+    /// The graph, holding what the capture collected (each buffer once).
+    pub(crate) fn into_graph(self, graph: CudaGraph, stream: Arc<CudaStream>, owner: u64, bucket: GraphBucket) -> StepGraph {
+        let Capture { step, mut held, .. } = self;
+        held.sort_by_key(|k| Arc::as_ptr(k).cast::<()>());
+        held.dedup_by(|a, b| Arc::ptr_eq(a, b));
+        StepGraph { graph, stream, owner, bucket, step, _held: held }
+    }
 }

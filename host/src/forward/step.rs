@@ -3,8 +3,10 @@
 //! (on the GPU) uploaded in one copy by the existing builder ([`crate::metadata`]).
 
 use super::config::ForwardConfig;
-use super::graph::{GraphBucket, GraphPlanner};
+use super::graph::{refuse_foreign_capture, GraphBucket, GraphPlanner};
+use super::held::Held;
 use super::step_plan::{StepPlanner, StepPlans};
+use crate::buffer::KeepAlive;
 use crate::decode::DevicePlan;
 use crate::error::{ensure, Result};
 use crate::metadata::{
@@ -35,7 +37,8 @@ pub struct StepMetadata {
     /// each request's length past it.
     cascade: Option<CommonPrefix>,
     cascade_suffix_lens: Vec<i32>,
-    device: Option<DeviceStep>,
+    /// Shared with the graphs captured with this step, which read it at every replay.
+    device: Option<Held<DeviceStep>>,
     /// The tensor-core step's split plans (and cascade arrays), on the GPU.
     step_planner: Option<StepPlanner>,
 }
@@ -100,7 +103,7 @@ impl StepMetadata {
             slot_mapping: Vec::new(),
             cascade: None,
             cascade_suffix_lens: Vec::new(),
-            device,
+            device: device.map(Held::new),
             step_planner: None,
         }
     }
@@ -111,10 +114,14 @@ impl StepMetadata {
     /// After an error the metadata holds no step (`forward` refuses it) until a build succeeds.
     pub fn build(&mut self, input: &StepInput<'_>) -> Result<BatchSplit> {
         self.built = false;
+        if let Some(dev) = &self.device {
+            // The upload would be recorded into a graph that does not hold this step.
+            refuse_foreign_capture(&dev.stream, "stream", "a step's build")?;
+        }
         self.check_limits(input)?;
         if let Planner::Graph(g) = &mut self.planner {
             self.split = g.build(input)?;
-            let dev = self.device.as_mut().expect("a graph step has a device part");
+            let dev = &mut **self.device.as_mut().expect("a graph step has a device part");
             upload(&dev.stream, &mut dev.staging, &mut dev.words, g.words())?;
             dev.layout = *g.layout();
             let (qsl, seq_lens) = g.padded();
@@ -131,7 +138,7 @@ impl StepMetadata {
         match &mut self.planner {
             Planner::TensorCore(builder) => {
                 let step = builder.build(input)?;
-                let dev = self.device.as_mut().expect("a tensor-core step has a device part");
+                let dev = &mut **self.device.as_mut().expect("a tensor-core step has a device part");
                 upload(&dev.stream, &mut dev.staging, &mut dev.words, step.words)?;
                 dev.layout = *step.layout;
                 self.cascade = None;
@@ -273,7 +280,18 @@ impl StepMetadata {
     }
 
     pub(crate) fn device_step(&self) -> Option<&DeviceStep> {
-        self.device.as_ref()
+        self.device.as_deref()
+    }
+
+    /// A handle keeping the step's device buffer alive (a graph captured with it reads it).
+    pub(crate) fn device_keep_alive(&self) -> Option<KeepAlive> {
+        self.device.as_ref().map(Held::keep_alive)
+    }
+
+    /// Whether `handle` is this step's [`device_keep_alive`](Self::device_keep_alive): the step
+    /// a graph was captured with.
+    pub(crate) fn is_device(&self, handle: &KeepAlive) -> bool {
+        self.device.as_ref().is_some_and(|d| d.is(handle))
     }
 
     /// The split plans (and cascade arrays) made for this step, if its backend plans per step.
