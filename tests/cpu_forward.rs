@@ -640,14 +640,62 @@ fn step_refusals_name_the_argument() {
     let mut wrong_cache = s.input();
     wrong_cache.num_blocks = NB * 2;
     assert_eq!(arg_of(meta.build(&wrong_cache)), "num_blocks");
+}
 
-    // An empty request in the decode part is refused by forward (decode takes 1..=8 tokens).
-    let empty =
-        Small { qsl: vec![0, 0, 1, 6], seq_lens: vec![3, 4, 5], block_table: vec![3, 0, 2, 0, 0, 1], slots: vec![11, 0, 1, 2, 3, 4] };
-    let input = StepInput { block_table_stride: 2, ..empty.input() };
-    meta.build(&input).unwrap();
-    assert_eq!(arg_of(attn.forward(&meta, LayerIo::Cpu(b.layer()))), "query_start_loc");
-    assert!(b.untouched());
+/// A request with no query tokens this step is an empty decode: `build` takes it and so does
+/// `forward`, which attends nothing for it and gives the other requests what they get without it.
+#[test]
+fn empty_requests_are_decodes_for_build_and_forward() {
+    let run = |s: &Small| {
+        let (mut attn, mut meta, mut b) = small_attention();
+        let split = meta.build(&StepInput { block_table_stride: 2, ..s.input() }).unwrap();
+        attn.forward(&meta, LayerIo::Cpu(b.layer())).unwrap();
+        (split, b.out)
+    };
+    let (_, want) = run(&Small::new());
+    // The empty request first, between the decode and the prefill, and alone in the decode part.
+    let cases = [
+        Small { qsl: vec![0, 0, 1, 6], seq_lens: vec![3, 4, 5], block_table: vec![3, 0, 2, 0, 0, 1], slots: vec![11, 0, 1, 2, 3, 4] },
+        Small { qsl: vec![0, 1, 1, 6], seq_lens: vec![4, 3, 5], block_table: vec![2, 0, 3, 0, 0, 1], slots: vec![11, 0, 1, 2, 3, 4] },
+    ];
+    for (i, s) in cases.iter().enumerate() {
+        let (split, got) = run(s);
+        assert_eq!((split.num_decodes, split.num_prefills), (2, 1), "case {i}");
+        assert_eq!(got, want, "case {i}: the empty request changes nothing else");
+    }
+    let alone = Small { qsl: vec![0, 0, 5], seq_lens: vec![3, 5], block_table: vec![3, 0, 0, 1], slots: vec![0, 1, 2, 3, 4, -1] };
+    let (mut attn, mut meta, mut b) = small_attention();
+    assert_eq!(meta.build(&StepInput { num_actual_tokens: 5, ..alone.input() }).unwrap().num_decodes, 1);
+    attn.forward(&meta, LayerIo::Cpu(b.layer())).unwrap();
+    assert!(b.out[..5 * HQ * D].iter().all(|&x| (x - 1.0).abs() < 1e-6), "the prefill sees only its own keys, V = 1");
+    assert!(b.out[5 * HQ * D..].iter().all(|&x| x == -3.0), "the padding row is left as it is");
+}
+
+/// A used block-table entry outside the cache is refused by `build`, before any layer runs,
+/// naming the request, the entry and the value; entries past a request's used blocks are
+/// padding and may hold anything.
+#[test]
+fn block_ids_outside_the_cache_are_refused_at_build() {
+    let (mut attn, mut meta, mut b) = small_attention();
+    for (entry, value) in [(2, 9001), (3, -1), (3, NB as i32), (0, i32::MIN)] {
+        let mut s = Small::new();
+        s.block_table[entry] = value;
+        match meta.build(&s.input()) {
+            Err(AttnError::InvalidArgument { arg: "block_table", reason }) => {
+                let (r, e) = (entry / 2, entry % 2);
+                let want = format!("request {r} entry {e} is block {value}, the cache has {NB} blocks");
+                assert!(reason.contains(&want), "entry {entry} = {value}: {reason}");
+            }
+            other => panic!("entry {entry} = {value}: expected a block_table refusal, got {other:?}"),
+        }
+        assert_eq!(arg_of(attn.forward(&meta, LayerIo::Cpu(b.layer()))), "step");
+        assert!(b.untouched());
+    }
+    // The decode (length 4, block size 4) uses one block: its second entry is padding.
+    let mut s = Small::new();
+    s.block_table[1] = 9001;
+    meta.build(&s.input()).unwrap();
+    attn.forward(&meta, LayerIo::Cpu(b.layer())).unwrap();
 }
 
 #[test]

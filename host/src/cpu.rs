@@ -3,7 +3,7 @@
 
 use crate::cache_write::{check_kv_shapes, check_mla_shapes, check_write_dtypes};
 use crate::dtype::Element;
-use crate::error::Result;
+use crate::error::{ensure, BadBlock, BadSlot, Result};
 use crate::layout::{KvCacheSpec, MlaCacheSpec, RowsDesc};
 use attn_math::paging::{resolve_slot, SlotTarget};
 
@@ -14,13 +14,19 @@ pub struct WriteReport {
     pub padding: usize,
     /// Tokens whose slot was past the cache (not written; the GPU raises `SLOT_OUT_OF_RANGE`).
     pub out_of_range: usize,
+    /// The first of them (the lowest token).
+    pub first_out_of_range: Option<BadSlot>,
 }
 
 impl WriteReport {
-    fn count(&mut self, target: SlotTarget) -> Option<(usize, usize)> {
-        match target {
+    /// Counts token `token`'s slot and returns where it goes, if anywhere.
+    fn count(&mut self, token: usize, slot: i64, block_size: usize, num_slots: usize) -> Option<(usize, usize)> {
+        match resolve_slot(slot, block_size as u32, num_slots as u64) {
             SlotTarget::Padding => self.padding += 1,
-            SlotTarget::OutOfRange => self.out_of_range += 1,
+            SlotTarget::OutOfRange => {
+                self.out_of_range += 1;
+                self.first_out_of_range.get_or_insert(BadSlot { token: token as u32, slot, num_slots: num_slots as u64 });
+            }
             SlotTarget::At { block, offset } => {
                 self.written += 1;
                 return Some((block as usize, offset as usize));
@@ -30,10 +36,12 @@ impl WriteReport {
     }
 }
 
-/// Cache-element value of `x`: a plain conversion, or `x / scale` quantised for an FP8 cache.
+/// Cache-element value of `x`: a plain conversion, or `x / scale` quantised for an FP8 cache
+/// (one f32 division, then E4M3 rounding: `attn_math::fp8::quantize_e4m3`, as vLLM and the
+/// kernels).
 fn store<C: Element>(x: f32, scale: f32) -> C {
     if C::DTYPE == crate::dtype::DType::Fp8E4m3 {
-        C::from_f32(x * (1.0 / scale))
+        C::from_f32(x / scale)
     } else {
         C::from_f32(x)
     }
@@ -56,7 +64,7 @@ pub fn reshape_and_cache<T: Element, C: Element>(
     let (k_scale, v_scale) = scales.unwrap_or((1.0, 1.0));
     let mut report = WriteReport::default();
     for (token, &slot) in slot_mapping.iter().take(key_rows.num_tokens).enumerate() {
-        let Some((block, offset)) = report.count(resolve_slot(slot, spec.block_size as u32, spec.num_slots() as u64)) else { continue };
+        let Some((block, offset)) = report.count(token, slot, spec.block_size, spec.num_slots()) else { continue };
         for head in 0..spec.num_kv_heads {
             for dim in 0..spec.head_size {
                 cache[spec.offset(0, block, offset, head, dim)] = store(key[key_rows.offset(token, head, dim)].to_f32(), k_scale);
@@ -85,7 +93,7 @@ pub fn concat_and_cache_mla<T: Element, C: Element>(
     let scale = scale.unwrap_or(1.0);
     let mut report = WriteReport::default();
     for (token, &slot) in slot_mapping.iter().take(num_tokens).enumerate() {
-        let Some((block, offset)) = report.count(resolve_slot(slot, spec.block_size as u32, spec.num_slots() as u64)) else { continue };
+        let Some((block, offset)) = report.count(token, slot, spec.block_size, spec.num_slots()) else { continue };
         for col in 0..spec.latent_dim {
             cache[spec.offset(block, offset, col)] = store(kv_c[token * kv_c_token_stride + col].to_f32(), scale);
         }
@@ -119,6 +127,8 @@ pub struct DecodeResult {
     pub lse: Vec<f64>,
     /// Keys skipped because their block id was outside the cache.
     pub bad_blocks: usize,
+    /// The first such block-table entry met (requests in order, then keys).
+    pub first_bad_block: Option<BadBlock>,
 }
 
 /// CPU paged decode: every query token of every request against its visible keys (causal among
@@ -127,6 +137,7 @@ pub fn paged_decode<Q: Element, C: Element>(a: &DecodeRef<'_, Q, C>) -> Result<D
     crate::decode::validate_batch(&a.batch, a.q_rows.num_tokens, a.spec.block_size, a.block_table_stride)?;
     let kv = KvRef::Paged { cache: a.cache, spec: a.spec, block_table: a.block_table, block_table_stride: a.block_table_stride };
     let (q_rows, d) = (a.q_rows, a.q_rows.head_size);
+    check_inputs(a.q, &q_rows, &kv, a.batch.seq_lens, d, [("alibi_slopes", a.alibi_slopes), ("sinks", a.sinks)])?;
     attention(
         |t, h, dim| a.q[q_rows.offset(t, h, dim)].to_f32() as f64,
         &kv,
@@ -158,6 +169,25 @@ impl<C: Element> KvRef<'_, C> {
             KvRef::Packed { k_rows, .. } => k_rows.num_heads,
             KvRef::Mla { .. } => 1,
         }
+    }
+
+    /// Key `t` of request `r`'s block-table entry, if its block id is outside the cache.
+    fn bad_block(&self, r: usize, t: usize) -> Option<BadBlock> {
+        let (block_table, stride, block_size, num_blocks) = match *self {
+            KvRef::Paged { spec, block_table, block_table_stride, .. } => {
+                (block_table, block_table_stride, spec.block_size, spec.num_blocks)
+            }
+            KvRef::Mla { spec, block_table, block_table_stride, .. } => (block_table, block_table_stride, spec.block_size, spec.num_blocks),
+            KvRef::Packed { .. } => return None,
+        };
+        let entry = t / block_size;
+        let block = block_table[r * stride + entry];
+        (block < 0 || block as usize >= num_blocks).then_some(BadBlock {
+            request: r as u32,
+            entry: entry as u32,
+            block: block as i64,
+            num_blocks: num_blocks as u64,
+        })
     }
 
     /// Key `t` of request `r`, head `kvh`: (k element at dim, v element at dim), or `None` when
@@ -213,6 +243,7 @@ pub fn prefill<Q: Element, C: Element>(a: &PrefillRef<'_, Q, C>) -> Result<Decod
     let q_rows = a.q_rows;
     let batch = crate::prefill::PrefillBatch { query_start_loc: a.query_start_loc, seq_lens: a.seq_lens, key_start_loc: None };
     crate::prefill::validate_prefill_batch(&batch, q_rows.num_tokens, a.causal, None)?;
+    check_inputs(a.q, &q_rows, &a.kv, a.seq_lens, a.head_size_v, [("alibi_slopes", a.alibi_slopes), ("sinks", a.sinks)])?;
     attention(
         |t, h, dim| a.q[q_rows.offset(t, h, dim)].to_f32() as f64,
         &a.kv,
@@ -225,6 +256,74 @@ pub fn prefill<Q: Element, C: Element>(a: &PrefillRef<'_, Q, C>) -> Result<Decod
         a.sinks,
         a.scales,
     )
+}
+
+/// What the CPU attention reads, checked before it reads anything (for start locations and
+/// lengths already validated): the queries' rows inside their buffer; a valid cache spec, a
+/// cache that holds it and block-table rows that hold each request's blocks, or packed K/V
+/// rows that hold each request's keys; key and value rows at least as wide as the head sizes
+/// read; the per-head inputs; an output whose size fits a usize.
+fn check_inputs<Q, C>(
+    q: &[Q],
+    q_rows: &RowsDesc,
+    kv: &KvRef<'_, C>,
+    seq_lens: &[i32],
+    dv: usize,
+    per_head: [(&'static str, Option<&[f32]>); 2],
+) -> Result<()> {
+    q_rows.validate("q")?;
+    ensure(q.len() >= q_rows.required_len(), "q", || format!("buffer of {} elements is too small for {q_rows:?}", q.len()))?;
+    let (nt, hq, dk) = (q_rows.num_tokens, q_rows.num_heads, q_rows.head_size);
+    // A positive head size bounds the tokens x heads (the LSE's size) by the queries' buffer.
+    ensure(dk > 0, "q", || "head size 0".into())?;
+    let table = |table: &[i32], stride: usize, block_size: usize| {
+        let need = crate::prefill::block_table_reach(seq_lens, block_size, stride);
+        ensure(table.len() >= need, "block_table", || format!("has {} entries, the requests' blocks reach {need}", table.len()))
+    };
+    match *kv {
+        KvRef::Paged { cache, spec, block_table, block_table_stride } => {
+            spec.validate("spec")?;
+            ensure(dk <= spec.head_size && dv <= spec.head_size, "q", || {
+                format!("head sizes {dk} / {dv} past the cache's {}", spec.head_size)
+            })?;
+            ensure(cache.len() >= spec.num_elements(), "cache", || {
+                format!("buffer of {} elements is smaller than the layout's", cache.len())
+            })?;
+            table(block_table, block_table_stride, spec.block_size)?;
+        }
+        KvRef::Mla { cache, spec, block_table, block_table_stride } => {
+            spec.validate("spec")?;
+            ensure(dk <= spec.row_width() && dv <= spec.row_width(), "q", || {
+                format!("head sizes {dk} / {dv} past the latent rows of {}", spec.row_width())
+            })?;
+            ensure(cache.len() >= spec.num_elements(), "cache", || {
+                format!("buffer of {} elements is smaller than the layout's", cache.len())
+            })?;
+            table(block_table, block_table_stride, spec.block_size)?;
+        }
+        KvRef::Packed { k, k_rows, v, v_rows, key_start_loc } => {
+            for (arg, buf, rows, d) in [("k", k, k_rows, dk), ("v", v, v_rows, dv)] {
+                rows.validate(arg)?;
+                ensure(buf.len() >= rows.required_len(), arg, || format!("buffer of {} elements is too small for {rows:?}", buf.len()))?;
+                ensure(rows.head_size >= d && rows.num_heads == k_rows.num_heads && rows.num_tokens == k_rows.num_tokens, arg, || {
+                    format!("rows {rows:?} do not hold head size {d} or differ from k's {k_rows:?}")
+                })?;
+            }
+            ensure(key_start_loc.len() > seq_lens.len(), "key_start_loc", || format!("has {} entries", key_start_loc.len()))?;
+            for (r, &len) in seq_lens.iter().enumerate() {
+                let start = key_start_loc[r];
+                ensure(start >= 0 && start as u64 + len.max(0) as u64 <= k_rows.num_tokens as u64, "key_start_loc", || {
+                    format!("request {r}'s {len} keys from row {start} are past k's {} rows", k_rows.num_tokens)
+                })?;
+            }
+        }
+    }
+    for (arg, values) in per_head {
+        if let Some(values) = values {
+            ensure(values.len() >= hq, arg, || format!("{} values for {hq} heads", values.len()))?;
+        }
+    }
+    ensure(nt.checked_mul(hq).and_then(|x| x.checked_mul(dv)).is_some(), "head_size_v", || format!("{nt} x {hq} x {dv} outputs"))
 }
 
 /// The attention every CPU op is made of: each query token of each request against its
@@ -248,7 +347,8 @@ fn attention<C: Element>(
     let group = hq / hkv;
     let (ks, vs) = scales.map_or((1.0, 1.0), |(k, v)| (k as f64, v as f64));
     let scale = opts.softmax_scale as f64;
-    let mut res = DecodeResult { out: vec![0.0; nt * hq * dv], lse: vec![f64::NEG_INFINITY; nt * hq], bad_blocks: 0 };
+    let mut res =
+        DecodeResult { out: vec![0.0; nt * hq * dv], lse: vec![f64::NEG_INFINITY; nt * hq], bad_blocks: 0, first_bad_block: None };
     for r in 0..seq_lens.len() {
         let (q0, q1) = (query_start_loc[r] as usize, query_start_loc[r + 1] as usize);
         let len = seq_lens[r].max(0) as usize;
@@ -263,6 +363,9 @@ fn attention<C: Element>(
                 for t in first..last {
                     let Some((k, v)) = kv.key(r, t, kvh) else {
                         res.bad_blocks += 1;
+                        if res.first_bad_block.is_none() {
+                            res.first_bad_block = kv.bad_block(r, t);
+                        }
                         continue;
                     };
                     let dot: f64 = (0..dk).map(|dim| q(token, h, dim) * k(dim) * ks).sum();

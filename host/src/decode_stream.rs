@@ -75,14 +75,18 @@ pub struct StreamBatch<'a> {
 /// work, would then be longer than what the line saves: those batches stay on split-K).
 pub fn layout_line(b: &StreamBatch<'_>, groups: u32, max_shares: Option<u32>) -> Option<(u32, u32, u32, u32, Vec<u32>)> {
     let n = b.seq_lens.len();
-    if n == 0 || groups == 0 || b.seq_lens.iter().any(|&l| l <= 0) {
+    if n == 0 || groups == 0 || b.group == 0 || b.query_start_loc.len() != n + 1 || b.seq_lens.iter().any(|&l| l <= 0) {
         return None;
     }
-    let q_len = |r: usize| (b.query_start_loc[r + 1] - b.query_start_loc[r]) as u32;
+    // In i64, so that no pair of start locations wraps; a request without query tokens (or
+    // with a negative count) has no rows for the kernel to write: such batches stay on split-K.
+    let qsl = b.query_start_loc;
+    let q_lens: Vec<i64> = (0..n).map(|r| qsl[r + 1] as i64 - qsl[r] as i64).collect();
+    if q_lens.iter().any(|&q| q <= 0 || q * b.group as i64 > 16) {
+        return None;
+    }
+    let q_len = |r: usize| q_lens[r] as u32;
     let rows = (0..n).map(|r| q_len(r) * b.group).max().unwrap_or(0);
-    if rows > 16 {
-        return None;
-    }
     let tiles: Vec<u32> = (0..n).map(|r| pair_tiles(b.seq_lens[r] as u32, q_len(r), b.window).1).collect();
     let total: u64 = tiles.iter().map(|&t| t as u64).sum::<u64>();
     if total == 0 || total > u32::MAX as u64 / 2 {
@@ -106,12 +110,15 @@ pub fn layout_line(b: &StreamBatch<'_>, groups: u32, max_shares: Option<u32>) ->
 /// and a merge on each side (measured on the H100: 64 x 4096 on 132 groups 90%, on 128 groups
 /// the 66 x 4096 figure, 94%).
 pub fn aligned_groups(requests: u32, groups: u32) -> u32 {
+    if requests == 0 || groups == 0 {
+        return groups;
+    }
     let aligned = if requests <= groups {
         groups / requests * requests
     } else {
         (1..=groups).rev().find(|g| requests.is_multiple_of(*g)).unwrap_or(1)
     };
-    if aligned * 16 >= groups * 15 {
+    if aligned as u64 * 16 >= groups as u64 * 15 {
         aligned
     } else {
         groups
@@ -129,7 +136,7 @@ pub fn group_starts(req_tiles: &[u32], total: u32, groups: u32) -> Vec<u32> {
     for w in 0..groups {
         let x = range_begin(w, total, groups);
         // Move on while the request ends at or before x (and a later one exists).
-        while r + 1 < req_tiles.len() && before + req_tiles[r] <= x {
+        while r + 1 < req_tiles.len() && before as u64 + req_tiles[r] as u64 <= x as u64 {
             before += req_tiles[r];
             r += 1;
         }

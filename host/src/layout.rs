@@ -5,7 +5,7 @@
 //! (K or V, block, token, head, dim). Kernels get the same numbers through
 //! [`attn_math::paging::CacheStrides`].
 
-use crate::error::{ensure, Result};
+use crate::error::{ensure, AttnError, Result};
 use attn_math::paging::CacheStrides;
 
 /// `[num_tokens, num_heads, head_size]` rows with arbitrary token and head strides (in elements),
@@ -22,33 +22,53 @@ pub struct RowsDesc {
 impl RowsDesc {
     /// Densely packed rows.
     pub fn contiguous(num_tokens: usize, num_heads: usize, head_size: usize) -> Self {
-        RowsDesc { num_tokens, num_heads, head_size, token_stride: num_heads * head_size, head_stride: head_size }
+        // Saturating: rows too large for a usize are refused by `validate` (and by every op).
+        RowsDesc { num_tokens, num_heads, head_size, token_stride: num_heads.saturating_mul(head_size), head_stride: head_size }
     }
 
-    /// Elements a buffer must hold for every addressed element to be inside it.
-    pub fn required_len(&self) -> usize {
+    /// Elements a buffer must hold for every addressed element to be inside it, or `None` when
+    /// that does not fit in a `usize` (no buffer can hold such rows).
+    pub fn checked_required_len(&self) -> Option<usize> {
         if self.num_tokens == 0 || self.num_heads == 0 || self.head_size == 0 {
-            return 0;
+            return Some(0);
         }
-        (self.num_tokens - 1) * self.token_stride + (self.num_heads - 1) * self.head_stride + self.head_size
+        let tokens = (self.num_tokens - 1).checked_mul(self.token_stride)?;
+        let heads = (self.num_heads - 1).checked_mul(self.head_stride)?;
+        tokens.checked_add(heads)?.checked_add(self.head_size)
     }
 
-    /// Element offset of (token, head, dim).
+    /// [`checked_required_len`](Self::checked_required_len), saturating at `usize::MAX` when it
+    /// overflows, so that a length check against it refuses the rows instead of passing a
+    /// wrapped size.
+    pub fn required_len(&self) -> usize {
+        self.checked_required_len().unwrap_or(usize::MAX)
+    }
+
+    /// Element offset of (token, head, dim): exact for an element of rows that pass
+    /// [`validate`](Self::validate), saturating (never wrapping) otherwise.
     pub fn offset(&self, token: usize, head: usize, dim: usize) -> usize {
-        token * self.token_stride + head * self.head_stride + dim
+        token.saturating_mul(self.token_stride).saturating_add(head.saturating_mul(self.head_stride)).saturating_add(dim)
     }
 
-    /// Refuses rows whose heads overlap (a write from them would be ambiguous) or whose shape is
-    /// not what `arg` must have.
-    pub(crate) fn validate(&self, arg: &'static str) -> Result<()> {
+    /// Refuses rows whose heads overlap (a write from them would be ambiguous), and rows whose
+    /// size (the elements they span, or tokens x heads) does not fit in a `usize`. `arg` names
+    /// the tensor in the error.
+    pub fn validate(&self, arg: &'static str) -> Result<()> {
         ensure(self.head_stride >= self.head_size || self.num_heads <= 1, arg, || {
             format!("head_stride {} is smaller than head_size {}", self.head_stride, self.head_size)
         })?;
-        ensure(
-            self.token_stride >= self.num_heads.saturating_sub(1) * self.head_stride + self.head_size || self.num_tokens <= 1,
-            arg,
-            || format!("token_stride {} overlaps the previous token's {} heads", self.token_stride, self.num_heads),
-        )
+        // One token's heads span this many elements (`None`: more than a usize holds).
+        let token_span = (self.num_heads.saturating_sub(1)).checked_mul(self.head_stride).and_then(|h| h.checked_add(self.head_size));
+        ensure(self.num_tokens <= 1 || token_span.is_some_and(|span| self.token_stride >= span), arg, || {
+            format!("token_stride {} overlaps the previous token's {} heads", self.token_stride, self.num_heads)
+        })?;
+        let rows = self.num_tokens.checked_mul(self.num_heads);
+        ensure(self.checked_required_len().is_some() && rows.is_some(), arg, || {
+            format!(
+                "{} tokens x {} heads of {} with strides ({}, {}) span more elements than a usize holds",
+                self.num_tokens, self.num_heads, self.head_size, self.token_stride, self.head_stride
+            )
+        })
     }
 }
 
@@ -85,12 +105,47 @@ pub struct KvCacheSpec {
 }
 
 impl KvCacheSpec {
+    /// A checked spec: every size positive and every size derived from them (elements, slots,
+    /// strides) representable (see [`validate`](Self::validate)).
     pub fn new(layout: KvLayout, num_blocks: usize, block_size: usize, num_kv_heads: usize, head_size: usize) -> Result<Self> {
-        ensure(num_blocks > 0, "num_blocks", || "must be positive".into())?;
-        ensure(block_size > 0 && block_size <= u32::MAX as usize, "block_size", || format!("{block_size} is out of range"))?;
-        ensure(num_kv_heads > 0, "num_kv_heads", || "must be positive".into())?;
-        ensure(head_size > 0, "head_size", || "must be positive".into())?;
-        Ok(KvCacheSpec { layout, num_blocks, block_size, num_kv_heads, head_size })
+        let spec = KvCacheSpec { layout, num_blocks, block_size, num_kv_heads, head_size };
+        spec.check().map_err(|(field, reason)| AttnError::invalid(field, reason))?;
+        Ok(spec)
+    }
+
+    /// What [`new`](Self::new) checks, for a spec built field by field (the fields are public):
+    /// positive sizes, a block size, heads and head size that fit the kernels' u32 parameters,
+    /// at most `u32::MAX` blocks, and a cache whose elements (K and V) and slots fit in a
+    /// `usize`, so that [`num_elements`](Self::num_elements), [`num_slots`](Self::num_slots),
+    /// [`kv_origins`](Self::kv_origins) and [`strides`](Self::strides) are exact. Every op that
+    /// takes a spec calls it before using the sizes. The error names `arg` (the op's argument)
+    /// and, in its reason, the field and its value.
+    pub fn validate(&self, arg: &'static str) -> Result<()> {
+        self.check().map_err(|(field, reason)| AttnError::invalid(arg, format!("{field} {reason}")))
+    }
+
+    /// The first field [`validate`](Self::validate) refuses, with why.
+    fn check(&self) -> std::result::Result<(), (&'static str, String)> {
+        let (n, b, h, d) = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_size);
+        let max = u32::MAX as usize;
+        let range = |field, v: usize| if v > 0 && v <= max { Ok(()) } else { Err((field, format!("{v} is out of range 1..={max}"))) };
+        range("num_blocks", n)?;
+        range("block_size", b)?;
+        range("num_kv_heads", h)?;
+        range("head_size", d)?;
+        match self.checked_num_elements() {
+            Some(_) => Ok(()),
+            None => Err(("num_blocks", format!("{n} blocks of {b} tokens x {h} heads x {d} (K and V) exceed a usize of elements"))),
+        }
+    }
+
+    /// Elements in the whole cache (K and V), or `None` when they do not fit in a `usize`.
+    pub fn checked_num_elements(&self) -> Option<usize> {
+        let shape = self.shape();
+        if shape.contains(&0) {
+            return Some(0);
+        }
+        shape.iter().try_fold(1usize, |acc, &x| acc.checked_mul(x))
     }
 
     /// The tensor shape, outermost first.
@@ -104,43 +159,48 @@ impl KvCacheSpec {
         }
     }
 
-    /// Elements in the whole cache (K and V).
+    /// Elements in the whole cache (K and V). Exact for a spec that passes
+    /// [`validate`](Self::validate); saturates at `usize::MAX` otherwise, so that no buffer
+    /// passes a length check against an unvalidated spec whose size overflows.
     pub fn num_elements(&self) -> usize {
-        self.shape().iter().product()
+        self.checked_num_elements().unwrap_or(usize::MAX)
     }
 
-    /// Token slots: `num_blocks * block_size`.
+    /// Token slots: `num_blocks * block_size` (exact for a valid spec, else saturating).
     pub fn num_slots(&self) -> usize {
-        self.num_blocks * self.block_size
+        self.num_blocks.saturating_mul(self.block_size)
     }
 
-    /// Element offsets of the K and V planes' origins.
+    /// Element offsets of the K and V planes' origins (exact for a valid spec, else saturating).
     pub fn kv_origins(&self) -> (usize, usize) {
-        let per_block = self.block_size * self.num_kv_heads * self.head_size;
+        let per_block = self.block_size.saturating_mul(self.num_kv_heads).saturating_mul(self.head_size);
         match self.layout {
-            KvLayout::FlashNhd | KvLayout::FlashHnd => (0, self.num_blocks * per_block),
+            KvLayout::FlashNhd | KvLayout::FlashHnd => (0, self.num_blocks.saturating_mul(per_block)),
             KvLayout::FlashInferNhd | KvLayout::FlashInferHnd => (0, per_block),
         }
     }
 
-    /// Element strides (block, token, head) shared by K and V.
+    /// Element strides (block, token, head) shared by K and V (exact for a valid spec, else
+    /// saturating).
     pub fn strides(&self) -> CacheStrides {
         let (b, h, d) = (self.block_size as u64, self.num_kv_heads as u64, self.head_size as u64);
+        let per_block = b.saturating_mul(h).saturating_mul(d);
         let block = match self.layout {
-            KvLayout::FlashNhd | KvLayout::FlashHnd => b * h * d,
-            KvLayout::FlashInferNhd | KvLayout::FlashInferHnd => 2 * b * h * d,
+            KvLayout::FlashNhd | KvLayout::FlashHnd => per_block,
+            KvLayout::FlashInferNhd | KvLayout::FlashInferHnd => per_block.saturating_mul(2),
         };
         if self.layout.heads_before_tokens() {
-            CacheStrides { block, token: d, head: b * d }
+            CacheStrides { block, token: d, head: b.saturating_mul(d) }
         } else {
-            CacheStrides { block, token: h * d, head: d }
+            CacheStrides { block, token: h.saturating_mul(d), head: d }
         }
     }
 
-    /// Element offset of (plane: 0 = K, 1 = V; block; token in block; head; dim).
+    /// Element offset of (plane: 0 = K, 1 = V; block; token in block; head; dim): exact for an
+    /// element of a valid spec, saturating (never wrapping) otherwise.
     pub fn offset(&self, plane: usize, block: usize, token: usize, head: usize, dim: usize) -> usize {
         let origin = if plane == 0 { self.kv_origins().0 } else { self.kv_origins().1 };
-        origin + self.strides().offset(block as u64, token as u64, head as u64, dim as u64) as usize
+        origin.saturating_add(saturating_offset(&self.strides(), block, token, head, dim))
     }
 }
 
@@ -157,11 +217,48 @@ impl MlaCacheSpec {
     pub const DEEPSEEK_LATENT: usize = 512;
     pub const DEEPSEEK_ROPE: usize = 64;
 
+    /// A checked spec (see [`validate`](Self::validate)).
     pub fn new(num_blocks: usize, block_size: usize, latent_dim: usize, rope_dim: usize) -> Result<Self> {
-        ensure(num_blocks > 0, "num_blocks", || "must be positive".into())?;
-        ensure(block_size > 0 && block_size <= u32::MAX as usize, "block_size", || format!("{block_size} is out of range"))?;
-        ensure(latent_dim > 0, "latent_dim", || "must be positive".into())?;
-        Ok(MlaCacheSpec { num_blocks, block_size, latent_dim, rope_dim })
+        let spec = MlaCacheSpec { num_blocks, block_size, latent_dim, rope_dim };
+        spec.check().map_err(|(field, reason)| AttnError::invalid(field, reason))?;
+        Ok(spec)
+    }
+
+    /// What [`new`](Self::new) checks, for a spec built field by field: positive sizes (the
+    /// rope part may be empty), block size and row width that fit the kernels' u32 parameters,
+    /// at most `u32::MAX` blocks, and a cache whose elements and slots fit in a `usize`. Every
+    /// op that takes a spec calls it before using the sizes. The error names `arg` (the op's
+    /// argument) and, in its reason, the field and its value.
+    pub fn validate(&self, arg: &'static str) -> Result<()> {
+        self.check().map_err(|(field, reason)| AttnError::invalid(arg, format!("{field} {reason}")))
+    }
+
+    /// The first field [`validate`](Self::validate) refuses, with why.
+    fn check(&self) -> std::result::Result<(), (&'static str, String)> {
+        let (n, b) = (self.num_blocks, self.block_size);
+        let max = u32::MAX as usize;
+        let range = |field, v: usize| if v > 0 && v <= max { Ok(()) } else { Err((field, format!("{v} is out of range 1..={max}"))) };
+        range("num_blocks", n)?;
+        range("block_size", b)?;
+        if self.latent_dim == 0 {
+            return Err(("latent_dim", "must be positive".into()));
+        }
+        if self.latent_dim.checked_add(self.rope_dim).is_none_or(|w| w > max) {
+            return Err(("rope_dim", format!("{}: latent_dim {} + rope_dim is out of range", self.rope_dim, self.latent_dim)));
+        }
+        match self.checked_num_elements() {
+            Some(_) => Ok(()),
+            None => Err(("num_blocks", format!("{n} blocks of {b} rows of {} exceed a usize of elements", self.row_width()))),
+        }
+    }
+
+    /// Elements in the cache, or `None` when they do not fit in a `usize`.
+    pub fn checked_num_elements(&self) -> Option<usize> {
+        let width = self.latent_dim.checked_add(self.rope_dim)?;
+        if self.num_blocks == 0 || self.block_size == 0 || width == 0 {
+            return Some(0);
+        }
+        self.num_blocks.checked_mul(self.block_size)?.checked_mul(width)
     }
 
     /// DeepSeek-V2/V3's 512 + 64.
@@ -169,29 +266,44 @@ impl MlaCacheSpec {
         Self::new(num_blocks, block_size, Self::DEEPSEEK_LATENT, Self::DEEPSEEK_ROPE)
     }
 
+    /// `latent_dim + rope_dim` (saturating for an invalid spec).
     pub fn row_width(&self) -> usize {
-        self.latent_dim + self.rope_dim
+        self.latent_dim.saturating_add(self.rope_dim)
     }
 
     pub fn shape(&self) -> [usize; 3] {
         [self.num_blocks, self.block_size, self.row_width()]
     }
 
+    /// Elements in the cache: exact for a spec that passes [`validate`](Self::validate),
+    /// saturating at `usize::MAX` otherwise (no buffer passes a length check against it).
     pub fn num_elements(&self) -> usize {
-        self.shape().iter().product()
+        self.checked_num_elements().unwrap_or(usize::MAX)
     }
 
+    /// Token slots: `num_blocks * block_size` (exact for a valid spec, else saturating).
     pub fn num_slots(&self) -> usize {
-        self.num_blocks * self.block_size
+        self.num_blocks.saturating_mul(self.block_size)
     }
 
     pub fn strides(&self) -> CacheStrides {
         let w = self.row_width() as u64;
-        CacheStrides { block: self.block_size as u64 * w, token: w, head: 0 }
+        CacheStrides { block: (self.block_size as u64).saturating_mul(w), token: w, head: 0 }
     }
 
-    /// Element offset of (block, token in block, column).
+    /// Element offset of (block, token in block, column): exact for an element of a valid spec,
+    /// saturating (never wrapping) otherwise.
     pub fn offset(&self, block: usize, token: usize, col: usize) -> usize {
-        self.strides().offset(block as u64, token as u64, 0, col as u64) as usize
+        saturating_offset(&self.strides(), block, token, 0, col)
     }
+}
+
+/// `CacheStrides::offset` without wrapping: saturates at `usize::MAX`.
+fn saturating_offset(s: &CacheStrides, block: usize, token: usize, head: usize, dim: usize) -> usize {
+    let at = (block as u64)
+        .saturating_mul(s.block)
+        .saturating_add((token as u64).saturating_mul(s.token))
+        .saturating_add((head as u64).saturating_mul(s.head))
+        .saturating_add(dim as u64);
+    usize::try_from(at).unwrap_or(usize::MAX)
 }

@@ -310,7 +310,7 @@ fn gather_latents<C: Element>(
 /// Writes a CPU result (f64, `[tokens, hq, dv]`) into `out` from row `first_token`.
 fn store<T: Element>(out: &mut [T], rows: &RowsDesc, first_token: usize, hq: usize, dv: usize, res: &DecodeResult) -> Result<()> {
     if res.bad_blocks > 0 {
-        return Err(AttnError::BlockOutOfRange);
+        return Err(AttnError::BlockOutOfRange { first: res.first_bad_block });
     }
     for (i, row) in res.out.chunks_exact(dv).enumerate() {
         let (t, h) = (first_token + i / hq, i % hq);
@@ -324,7 +324,7 @@ fn store<T: Element>(out: &mut [T], rows: &RowsDesc, first_token: usize, hq: usi
 
 fn check_report(report: WriteReport) -> Result<()> {
     if report.out_of_range > 0 {
-        Err(AttnError::SlotOutOfRange)
+        Err(AttnError::SlotOutOfRange { first: report.first_out_of_range })
     } else {
         Ok(())
     }

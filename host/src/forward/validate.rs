@@ -6,6 +6,7 @@ use super::host_buf::{HostIn, HostOut};
 use super::io::{CacheSpec, Layer, NewKv};
 use super::step::StepMetadata;
 use crate::buffer::{DevIn, DevOut};
+use crate::cache_write::latent_rows_len;
 use crate::decode::{validate_batch, DecodeBatch};
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
@@ -136,7 +137,8 @@ fn check_rows(arg: &'static str, b: &impl Buf, rows: &RowsDesc, dtype: DType, he
 fn check_latent(arg: &'static str, b: &impl Buf, stride: usize, dtype: DType, dim: usize, nt: usize) -> Result<()> {
     ensure(b.buf_dtype() == dtype, arg, || format!("dtype {:?}, expected the model's {dtype:?}", b.buf_dtype()))?;
     ensure(stride >= dim || nt <= 1, arg, || format!("token stride {stride} is smaller than its row of {dim}"))?;
-    let needed = if nt == 0 { 0 } else { (nt - 1) * stride + dim };
+    let needed = latent_rows_len(nt, stride, dim)
+        .ok_or_else(|| AttnError::invalid(arg, format!("{nt} rows of {dim}, {stride} apart, span more elements than a usize holds")))?;
     ensure(b.buf_len() >= needed, arg, || {
         format!("buffer of {} elements is too small for {nt} rows of {dim} ({needed} needed)", b.buf_len())
     })

@@ -20,7 +20,8 @@ pub(crate) fn plan_decode_into(batch: &DecodeBatch<'_>, c: &PlanConfig, plan: &m
     let qsl = batch.query_start_loc;
     let q_len = |r: usize| (qsl[r + 1] - qsl[r]) as u32;
     let group = (c.num_q_heads / c.num_kv_heads) as u32;
-    let max_q = (0..n).map(q_len).max().unwrap_or(1);
+    // As in `plan_decode`: a part of empty requests plans as one query token a request.
+    let max_q = (0..n).map(q_len).max().unwrap_or(1).max(1);
     let mut rows = rows_per_cta(max_q * group, c.head_size as u32);
     if let Some(cap) = std::env::var("ATTN_DECODE_MAX_ROWS_PER_CTA").ok().and_then(|v| v.parse::<u32>().ok()) {
         rows = rows.min(cap.max(1).next_power_of_two());
@@ -42,19 +43,20 @@ pub(crate) fn plan_decode_into(batch: &DecodeBatch<'_>, c: &PlanConfig, plan: &m
         plan_chunk(lens, ctas_per_split, c.ctas_target(), CHUNK_TILE, MIN_CHUNK, forced)
     };
     let one_split = |chunk: u32| chunk >= max_len;
+    // As in `plan_decode`: partial bases are u32, and the row count is taken without wrapping.
+    let capacity = c.partial_capacity.min(u32::MAX as usize);
+    let q_lens = (0..n).map(q_len);
     loop {
         if one_split(chunk) {
             break; // no partials, every split count 1
         }
-        let rows: usize = lens
-            .iter()
-            .map(|&l| num_splits(l, chunk))
-            .zip((0..n).map(q_len))
-            .filter(|(s, _)| *s > 1)
-            .map(|(s, q)| (s * q) as usize * c.num_q_heads)
-            .sum();
+        let rows = lens.iter().zip(q_lens.clone()).try_fold(0usize, |acc, (&l, q)| {
+            let s = num_splits(l, chunk);
+            let rows = if s > 1 { (s as usize).checked_mul(q as usize)?.checked_mul(c.num_q_heads)? } else { 0 };
+            acc.checked_add(rows)
+        });
         let splits_ok = lens.iter().all(|&l| num_splits(l, chunk) <= 0xffff);
-        if rows <= c.partial_capacity && splits_ok {
+        if rows.is_some_and(|rows| rows <= capacity) && splits_ok {
             break;
         }
         chunk = chunk.saturating_mul(2);
@@ -76,7 +78,7 @@ pub(crate) fn plan_decode_into(batch: &DecodeBatch<'_>, c: &PlanConfig, plan: &m
             plan.req_num_splits.push(splits);
             plan.req_partial_base.push(plan.partial_rows as u32);
             if splits > 1 {
-                plan.partial_rows += (splits * q) as usize * c.num_q_heads;
+                plan.partial_rows += splits as usize * q as usize * c.num_q_heads;
             }
             plan.items.extend((0..splits).map(|s| (r as u32) << 16 | s));
         }

@@ -17,15 +17,16 @@ pub struct Region {
 
 impl Region {
     pub fn range(&self) -> Range<usize> {
-        self.offset..self.offset + self.len
+        self.offset..self.end()
     }
 
+    /// `offset + len` (saturating: a region past a usize is in no buffer).
     pub fn end(&self) -> usize {
-        self.offset + self.len
+        self.offset.saturating_add(self.len)
     }
 
     pub fn byte_offset(&self) -> usize {
-        self.offset * 4
+        self.offset.saturating_mul(4)
     }
 
     /// This array's words in `words`.
@@ -80,11 +81,12 @@ pub struct StagingSizes {
 }
 
 fn align_up(words: usize) -> usize {
-    words.next_multiple_of(ALIGN_WORDS)
+    words.checked_next_multiple_of(ALIGN_WORDS).unwrap_or(usize::MAX)
 }
 
 impl StagingLayout {
-    /// The layout of arrays of these sizes.
+    /// The layout of arrays of these sizes (sizes past a usize saturate: such a layout fits in
+    /// no buffer, and a step that validates never has one).
     pub fn new(s: &StagingSizes) -> Self {
         let mut at = 0;
         let mut next = |len: usize| {
@@ -92,11 +94,11 @@ impl StagingLayout {
             at = align_up(r.end());
             r
         };
-        let query_start_loc = next(s.num_reqs + 1);
+        let query_start_loc = next(s.num_reqs.saturating_add(1));
         let seq_lens = next(s.num_reqs);
-        let block_table = next(s.num_reqs * s.block_table_stride);
-        let slot_mapping = next(2 * s.num_actual_tokens);
-        let prefill_query_start_loc = next(s.num_prefills + 1);
+        let block_table = next(s.num_reqs.saturating_mul(s.block_table_stride));
+        let slot_mapping = next(s.num_actual_tokens.saturating_mul(2));
+        let prefill_query_start_loc = next(s.num_prefills.saturating_add(1));
         let work_items = next(s.num_work_items);
         let req_num_splits = next(s.num_decodes);
         let req_partial_base = next(s.num_decodes);
@@ -132,7 +134,7 @@ impl StagingLayout {
     }
 
     pub fn total_bytes(&self) -> usize {
-        self.total_words * 4
+        self.total_words.saturating_mul(4)
     }
 
     /// Every array with its name, in buffer order.
@@ -152,13 +154,14 @@ impl StagingLayout {
 
     /// The prefill part's `seq_lens` (a suffix of `seq_lens`: 4-byte aligned only).
     pub fn prefill_seq_lens(&self) -> Region {
-        Region { offset: self.seq_lens.offset + self.num_decodes, len: self.seq_lens.len - self.num_decodes }
+        let skip = self.num_decodes.min(self.seq_lens.len);
+        Region { offset: self.seq_lens.offset.saturating_add(skip), len: self.seq_lens.len - skip }
     }
 
     /// The prefill part's block-table rows (a suffix of `block_table`: 4-byte aligned only).
     pub fn prefill_block_table(&self) -> Region {
-        let skip = self.num_decodes * self.block_table_stride;
-        Region { offset: self.block_table.offset + skip, len: self.block_table.len - skip }
+        let skip = self.num_decodes.saturating_mul(self.block_table_stride).min(self.block_table.len);
+        Region { offset: self.block_table.offset.saturating_add(skip), len: self.block_table.len - skip }
     }
 }
 

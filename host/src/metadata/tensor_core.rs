@@ -8,6 +8,9 @@ use crate::decode::{plan_decode, DecodeBatch, DecodePlan, SplitMode, MAX_QUERY_L
 use crate::error::{ensure, Result};
 use attn_math::decode::HEAD_SIZES;
 
+/// The most query heads a [`PlanConfig`] takes.
+pub(crate) const MAX_PLAN_HEADS: usize = 1 << 16;
+
 /// The model and GPU numbers a step's plan depends on (fixed for a run).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PlanConfig {
@@ -24,7 +27,8 @@ pub struct PlanConfig {
 }
 
 impl PlanConfig {
-    /// Refuses numbers the decode kernels do not take, naming the argument.
+    /// Refuses numbers the decode kernels do not take, naming the argument (among them more
+    /// than 65536 query heads, which keeps the plan's row counts inside its u32 arithmetic).
     pub fn validate(&self) -> Result<()> {
         let t = self.decode_threshold;
         ensure((1..=MAX_QUERY_LEN).contains(&t), "decode_threshold", || format!("{t} (decode takes 1..={MAX_QUERY_LEN} query tokens)"))?;
@@ -32,6 +36,8 @@ impl PlanConfig {
         ensure(self.num_q_heads > 0 && self.num_q_heads.is_multiple_of(self.num_kv_heads), "num_q_heads", || {
             format!("{} is not a positive multiple of num_kv_heads {}", self.num_q_heads, self.num_kv_heads)
         })?;
+        // Bounds the plan's row counts (query tokens x heads) well inside its u32 arithmetic.
+        ensure(self.num_q_heads <= MAX_PLAN_HEADS, "num_q_heads", || format!("{} exceeds {MAX_PLAN_HEADS}", self.num_q_heads))?;
         ensure(HEAD_SIZES.contains(&(self.head_size as u32)), "head_size", || {
             format!("{} (kernels exist for {HEAD_SIZES:?})", self.head_size)
         })?;
@@ -41,7 +47,7 @@ impl PlanConfig {
 
     /// CTAs the decode plan aims at.
     pub fn ctas_target(&self) -> u64 {
-        self.sm_count as u64 * 8
+        (self.sm_count as u64).saturating_mul(8)
     }
 }
 

@@ -38,11 +38,11 @@ pub(crate) fn validate_query_start_loc(input: &StepInput<'_>) -> Result<()> {
 }
 
 fn validate_seq_lens(input: &StepInput<'_>) -> Result<()> {
-    let qsl = input.query_start_loc;
     for (r, &len) in input.seq_lens.iter().enumerate() {
-        let q = qsl[r + 1] - qsl[r];
+        // In i64: `validate_query_start_loc` ran first, but no pair of i32s may wrap here.
+        let q = input.query_len(r);
         ensure(len >= 0, "seq_lens", || format!("request {r} has negative length {len}"))?;
-        ensure(q == 0 || len >= q, "seq_lens", || format!("request {r} has length {len} < its {q} query tokens"))?;
+        ensure(q == 0 || len as i64 >= q, "seq_lens", || format!("request {r} has length {len} < its {q} query tokens"))?;
     }
     Ok(())
 }
