@@ -325,9 +325,13 @@ fn cascade_step_from_a_step_input() {
 // 3. Cascade = plain (f64 reference)
 // ---------------------------------------------------------------------------------------------
 
-/// Max |got - want| over max |want| (the absolute error when the reference is all zeros).
+/// Max |got - want| over max |want| (the absolute error when the reference is all zeros); NaN
+/// when either has a NaN (`f64::max` alone would drop it).
 fn max_rel_error(got: &[f64], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len());
+    if got.iter().chain(want).any(|x| x.is_nan()) {
+        return f64::NAN;
+    }
     let scale = want.iter().fold(0.0f64, |m, w| m.max(w.abs()));
     let err = got.iter().zip(want).fold(0.0f64, |m, (g, w)| m.max((g - w).abs()));
     if scale == 0.0 {

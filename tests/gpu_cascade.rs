@@ -122,7 +122,7 @@ fn cascade_case(c: Case, salt: u64) -> TestResult {
     for (r, w) in qsl.windows(2).enumerate() {
         let span = w[0] as usize * c.hq * c.d..w[1] as usize * c.hq * c.d;
         let err = rel_error(&got[span.clone()], &want[span]);
-        if err.is_nan() || err > tolerance(DType::BF16) {
+        if !within(err, tolerance(DType::BF16)) {
             return Err(format!("request {r} ({:?}): cascade vs plain rel error {err:.3e}", c.reqs[r]).into());
         }
     }

@@ -213,7 +213,7 @@ fn forward_case<T: HostElement + std::fmt::Debug, C: HostElement + std::fmt::Deb
             let g: Vec<f64> = got[span.clone()].iter().map(|x| x.to_f32() as f64).collect();
             let w: Vec<f64> = out_h[span].iter().map(|x| x.to_f32() as f64).collect();
             let err = rel_error(&g, &w);
-            if err.is_nan() || err > tolerance(T::DTYPE) {
+            if !within(err, tolerance(T::DTYPE)) {
                 return Err(format!("step {s} request {id} (batch row {b}): rel error {err:.3e}").into());
             }
         }

@@ -7,10 +7,10 @@
 //! ```no_run
 //! # fn demo(dev: &host::AttnDevice, stream: &std::sync::Arc<cudarc::driver::CudaStream>,
 //! #         ws: &mut host::decode::DecodeWorkspace, status: &mut host::status::DeviceStatus,
-//! #         layers: Vec<host::mla::MlaArgs<'_>>, batch: host::decode::DecodeBatch<'_>) -> host::Result<()> {
+//! #         layers: Vec<host::mla::MlaArgs<'_>>, batch: host::BatchMetadata) -> host::Result<()> {
 //! use host::batch_plan::{mla_attention_planned, BatchPlan};
 //! use host::{decode::SplitMode, DType};
-//! let mut plan = BatchPlan::new(stream)?; // once
+//! let mut plan = BatchPlan::new(stream)?; // once, for this stream
 //! // Each step: plan the batch, then run every layer with it.
 //! plan.plan_mla(dev, &batch, DType::BF16, DType::BF16, 16, SplitMode::Auto, ws)?;
 //! for args in layers {
@@ -19,6 +19,7 @@
 //! # Ok(()) }
 //! ```
 
+use crate::batch::BatchMetadata;
 use crate::decode::{
     decode_tc_kernel, max_len, paged_decode_from, plan_decode_tc, AttnOptions, DecodeArgs, DecodeBatch, DecodeKernel, DecodePlan,
     DecodeWorkspace, DevicePlan, PlanSource, SplitMode, TcKernel,
@@ -27,18 +28,23 @@ use crate::decode_stream::{plan_stream, StreamBatch, StreamPlan};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
+use crate::forward::graph::refuse_foreign_capture;
 use crate::metadata::plan_words::append_plan;
 use crate::metadata::Region;
 use crate::mla::{mla_attention_from, mla_cluster, mla_tc_kernel, MlaArgs};
 use crate::prefill::{validate_prefill_batch, PrefillBatch};
 use crate::status::DeviceStatus;
+use crate::stream_check::check_stream;
 use attn_math::decode::HEAD_SIZES;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 
 /// One batch's plan on the device, remade each step by [`plan_mla`](Self::plan_mla) or
 /// [`plan_decode`](Self::plan_decode) (its buffer grows when a step needs more, and is reused
-/// otherwise). The batch a call passes must be the planned one; calls check it.
+/// otherwise). What its offsets depend on is checked by every call that uses it: the batch
+/// (the planned one), the kernel (which names the dtypes, the cache format and the head size),
+/// the heads, the workspace's room, and the stream (the plan's, the workspace's and the
+/// batch's must be the call's).
 pub struct BatchPlan {
     stream: Arc<CudaStream>,
     device: CudaSlice<u32>,
@@ -66,13 +72,15 @@ impl BatchPlan {
     pub fn plan_mla(
         &mut self,
         dev: &AttnDevice,
-        batch: &DecodeBatch<'_>,
+        batch: &BatchMetadata,
         q_dtype: DType,
         cache_dtype: DType,
         num_heads: usize,
         mode: SplitMode,
         ws: &DecodeWorkspace,
     ) -> Result<&DecodePlan> {
+        self.check_streams(batch, ws)?;
+        let batch = &batch.decode_batch();
         let max_q = check_batch(batch, q_dtype, cache_dtype, num_heads)?;
         let tc = mla_tc_kernel(dev, q_dtype, cache_dtype == DType::Fp8E4m3, num_heads, max_q)?;
         self.plan_for(dev, tc, batch, num_heads, DecodeKernel::Mla, mode, ws, None)
@@ -84,7 +92,7 @@ impl BatchPlan {
     pub fn plan_decode(
         &mut self,
         dev: &AttnDevice,
-        batch: &DecodeBatch<'_>,
+        batch: &BatchMetadata,
         q_dtype: DType,
         cache_dtype: DType,
         head_size: usize,
@@ -93,6 +101,8 @@ impl BatchPlan {
         mode: SplitMode,
         ws: &DecodeWorkspace,
     ) -> Result<&DecodePlan> {
+        self.check_streams(batch, ws)?;
+        let batch = &batch.decode_batch();
         ensure(num_kv_heads > 0 && num_q_heads.is_multiple_of(num_kv_heads), "num_q_heads", || {
             format!("{num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         })?;
@@ -157,6 +167,7 @@ impl BatchPlan {
         let at = |r: Region| base + r.byte_offset() as u64;
         let device = DevicePlan {
             kernel: tc.name,
+            layer: tc.layer,
             items: at(r.items),
             req_num_splits: at(r.req_num_splits),
             req_partial_base: at(r.req_partial_base),
@@ -180,8 +191,17 @@ impl BatchPlan {
         Ok(&self.planned.insert(planned).plan)
     }
 
-    /// The plan for `batch`, after checking it is the planned batch.
-    fn for_batch(&self, batch: &DecodeBatch<'_>, ws: &DecodeWorkspace) -> Result<&Planned> {
+    /// Refuses a batch or workspace of another stream than the plan's.
+    fn check_streams(&self, batch: &BatchMetadata, ws: &DecodeWorkspace) -> Result<()> {
+        check_stream("batch", batch.stream(), &self.stream)?;
+        ws.check_stream(&self.stream)
+    }
+
+    /// The plan for `batch`, after checking it is the planned batch, on the call's stream.
+    fn for_batch(&self, stream: &Arc<CudaStream>, batch: &BatchMetadata, ws: &DecodeWorkspace) -> Result<&Planned> {
+        check_stream("plan", &self.stream, stream)?;
+        self.check_streams(batch, ws)?;
+        let batch = &batch.decode_batch();
         let Some(p) = self.planned.as_ref() else {
             return Err(AttnError::InvalidArgument { arg: "plan", reason: "nothing planned yet (call plan_mla or plan_decode)".into() });
         };
@@ -205,7 +225,13 @@ fn check_batch(batch: &DecodeBatch<'_>, q_dtype: DType, cache_dtype: DType, num_
     ensure(matches!(q_dtype, DType::F16 | DType::BF16), "q_dtype", || format!("{q_dtype:?}: decode takes f16 or bf16 queries"))?;
     ensure(cache_dtype == q_dtype || cache_dtype == DType::Fp8E4m3, "cache_dtype", || format!("{cache_dtype:?} with {q_dtype:?} queries"))?;
     ensure(num_heads > 0, "num_heads", || "is 0".into())?;
-    Ok(qsl.windows(2).map(|w| (w[1] - w[0]) as u32).max().unwrap_or(1))
+    // Validated: the start locations do not decrease from 0, so no difference wraps.
+    let max_q = qsl.windows(2).map(|w| (w[1] - w[0]) as u32).max().unwrap_or(1);
+    // The kernels count a request's query rows (tokens x heads) in a u32.
+    ensure(max_q as u64 * num_heads as u64 <= u32::MAX as u64, "query_start_loc", || {
+        format!("a request has {max_q} query tokens x {num_heads} heads, more rows than a launch counts")
+    })?;
+    Ok(max_q)
 }
 
 /// [`mla_attention`](crate::mla::mla_attention) with the plan made by
@@ -215,14 +241,16 @@ pub fn mla_attention_planned(
     dev: &AttnDevice,
     stream: &Arc<CudaStream>,
     a: MlaArgs<'_>,
-    batch: &DecodeBatch<'_>,
+    batch: &BatchMetadata,
     softmax_scale: f32,
     plan: &BatchPlan,
     ws: &mut DecodeWorkspace,
     status: &mut DeviceStatus,
 ) -> Result<()> {
-    let p = plan.for_batch(batch, ws)?;
-    mla_attention_from(dev, stream, a, batch, softmax_scale, PlanSource::Device(&p.device), ws, status).map(drop)
+    refuse_foreign_capture(stream, "stream", "mla_attention_planned")?;
+    let p = plan.for_batch(stream, batch, ws)?;
+    let meta = batch.device(stream)?;
+    mla_attention_from(dev, stream, a, &batch.decode_batch(), meta, softmax_scale, PlanSource::Device(&p.device), ws, status).map(drop)
 }
 
 /// [`paged_decode`](crate::decode::paged_decode) with the plan made by
@@ -232,12 +260,14 @@ pub fn paged_decode_planned(
     dev: &AttnDevice,
     stream: &Arc<CudaStream>,
     a: DecodeArgs<'_>,
-    batch: &DecodeBatch<'_>,
+    batch: &BatchMetadata,
     opts: &AttnOptions,
     plan: &BatchPlan,
     ws: &mut DecodeWorkspace,
     status: &mut DeviceStatus,
 ) -> Result<()> {
-    let p = plan.for_batch(batch, ws)?;
-    paged_decode_from(dev, stream, a, batch, opts, PlanSource::Device(&p.device), true, ws, status).map(drop)
+    refuse_foreign_capture(stream, "stream", "paged_decode_planned")?;
+    let p = plan.for_batch(stream, batch, ws)?;
+    let meta = batch.device(stream)?;
+    paged_decode_from(dev, stream, a, &batch.decode_batch(), meta, opts, PlanSource::Device(&p.device), true, ws, status).map(drop)
 }

@@ -6,6 +6,7 @@ use crate::buffer::{DevIn, DevOut};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
+use crate::forward::graph::refuse_foreign_capture;
 use crate::layout::{KvCacheSpec, MlaCacheSpec, RowsDesc};
 use crate::status::DeviceStatus;
 use attn_math::params::{CacheWriteParams, MlaCacheWriteParams};
@@ -73,6 +74,7 @@ pub(crate) fn check_kv_shapes(
     cache_len: usize,
     spec: &KvCacheSpec,
 ) -> Result<()> {
+    spec.validate("spec")?;
     for (arg, rows, len) in [("key", key_rows, key_len), ("value", value_rows, value_len)] {
         rows.validate(arg)?;
         ensure(rows.num_heads == spec.num_kv_heads, arg, || format!("has {} heads, the cache {}", rows.num_heads, spec.num_kv_heads))?;
@@ -108,7 +110,10 @@ fn check_vector_alignment(arg: &'static str, ptr: u64, strides: &[usize], elem_b
 /// data beat a flat grid-stride loop over vectors (see BENCHMARKS.md).
 fn grid_for(num_tokens: usize) -> Result<(u32, u32, u32)> {
     let blocks = num_tokens.div_ceil((THREADS / 32) as usize);
-    ensure(blocks <= i32::MAX as usize, "num_tokens", || format!("{num_tokens} tokens exceed one launch"))?;
+    // The kernels take the token count as a u32.
+    ensure(blocks <= i32::MAX as usize && num_tokens <= u32::MAX as usize, "num_tokens", || {
+        format!("{num_tokens} tokens exceed one launch")
+    })?;
     Ok((blocks as u32, 1, 1))
 }
 
@@ -127,6 +132,12 @@ fn scale_ptr(s: Option<&DevIn<'_>>, arg: &'static str) -> Result<u64> {
 /// Writes K and V rows into the paged cache at their slots. Enqueued on `stream`; bad slots
 /// raise [`DeviceStatus`] bits and are skipped.
 pub fn reshape_and_cache(dev: &AttnDevice, stream: &CudaStream, w: KvWrite<'_>, status: &mut DeviceStatus) -> Result<()> {
+    refuse_foreign_capture(stream, "stream", "reshape_and_cache")?;
+    reshape_and_cache_from(dev, stream, w, status)
+}
+
+/// [`reshape_and_cache`] for `forward`, which may be recording its own graph.
+pub(crate) fn reshape_and_cache_from(dev: &AttnDevice, stream: &CudaStream, w: KvWrite<'_>, status: &mut DeviceStatus) -> Result<()> {
     let (src, cache) = (w.key.dtype, w.cache.dtype);
     check_write_dtypes(src, w.value.dtype, cache, w.scales.is_some())?;
     ensure(w.slot_mapping.dtype == DType::I64, "slot_mapping", || format!("must be i64, got {:?}", w.slot_mapping.dtype))?;
@@ -177,6 +188,12 @@ pub fn reshape_and_cache(dev: &AttnDevice, stream: &CudaStream, w: KvWrite<'_>, 
 
 /// Writes MLA latent rows (`kv_c` then `k_pe`, one row per token) into the MLA cache.
 pub fn concat_and_cache_mla(dev: &AttnDevice, stream: &CudaStream, w: MlaWrite<'_>, status: &mut DeviceStatus) -> Result<()> {
+    refuse_foreign_capture(stream, "stream", "concat_and_cache_mla")?;
+    concat_and_cache_mla_from(dev, stream, w, status)
+}
+
+/// [`concat_and_cache_mla`] for `forward`, which may be recording its own graph.
+pub(crate) fn concat_and_cache_mla_from(dev: &AttnDevice, stream: &CudaStream, w: MlaWrite<'_>, status: &mut DeviceStatus) -> Result<()> {
     let (src, cache) = (w.kv_c.dtype, w.cache.dtype);
     check_write_dtypes(src, w.k_pe.dtype, cache, w.scale.is_some())?;
     ensure(w.slot_mapping.dtype == DType::I64, "slot_mapping", || format!("must be i64, got {:?}", w.slot_mapping.dtype))?;
@@ -223,6 +240,14 @@ pub fn concat_and_cache_mla(dev: &AttnDevice, stream: &CudaStream, w: MlaWrite<'
     dev.launch_pdl(stream, &name, grid, THREADS, 0, p)
 }
 
+/// Elements `num_tokens` rows of `dim`, `stride` apart, span (`None` when that overflows).
+pub(crate) fn latent_rows_len(num_tokens: usize, stride: usize, dim: usize) -> Option<usize> {
+    if num_tokens == 0 {
+        return Some(0);
+    }
+    (num_tokens - 1).checked_mul(stride)?.checked_add(dim)
+}
+
 /// Shape checks of the MLA write shared by the GPU and CPU paths.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn check_mla_shapes(
@@ -235,9 +260,12 @@ pub(crate) fn check_mla_shapes(
     cache_len: usize,
     spec: &MlaCacheSpec,
 ) -> Result<()> {
+    spec.validate("spec")?;
     for (arg, len, stride, dim) in [("kv_c", kv_c_len, kv_c_stride, spec.latent_dim), ("k_pe", k_pe_len, k_pe_stride, spec.rope_dim)] {
         ensure(stride >= dim || num_tokens <= 1, arg, || format!("token stride {stride} is smaller than its row of {dim}"))?;
-        let needed = if num_tokens == 0 { 0 } else { (num_tokens - 1) * stride + dim };
+        let needed = latent_rows_len(num_tokens, stride, dim).ok_or_else(|| {
+            AttnError::invalid(arg, format!("{num_tokens} rows of {dim}, {stride} apart, span more elements than a usize holds"))
+        })?;
         ensure(len >= needed, arg, || format!("buffer of {len} elements is too small for {num_tokens} rows ({needed} needed)"))?;
     }
     ensure(slots_len >= num_tokens, "slot_mapping", || format!("has {slots_len} entries for {num_tokens} tokens"))?;

@@ -7,16 +7,19 @@
 //! directly, the others go through the workspace and the merge kernel. The plan is uploaded into
 //! a caller-owned [`DecodeWorkspace`]; nothing is allocated per call.
 
+use crate::batch::{BatchMetadata, DeviceBatch};
 use crate::buffer::{DevIn, DevOut};
 use crate::cache_write::KvScales;
 use crate::decode_stream::{plan_stream, stream_wanted, StreamBatch, StreamPlan, MAX_STREAM_WORKERS};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
+use crate::forward::graph::refuse_foreign_capture;
 use crate::layout::{KvCacheSpec, RowsDesc};
 use crate::metadata::plan_words::{append_plan, plan_words};
-use crate::metadata::Region;
+use crate::metadata::{Region, ALIGN_WORDS};
 use crate::status::DeviceStatus;
+use crate::stream_check::check_stream;
 use attn_math::decode::{rows_per_cta, shared_bytes, HEAD_SIZES, THREADS};
 use attn_math::keys_rows;
 use attn_math::params::{
@@ -69,7 +72,8 @@ pub enum SplitMode {
     StreamK,
 }
 
-/// The batch's host-side metadata (the same numbers as the device buffers).
+/// A batch's host-side metadata, as the planners take it. The ops take a
+/// [`BatchMetadata`](crate::batch::BatchMetadata), which holds these and their device copy.
 #[derive(Clone, Copy, Debug)]
 pub struct DecodeBatch<'a> {
     /// `[num_reqs]` context lengths, new tokens included.
@@ -89,9 +93,6 @@ pub struct DecodeArgs<'a> {
     /// `[num_reqs, block_table_stride]` i32.
     pub block_table: DevIn<'a>,
     pub block_table_stride: usize,
-    /// `[num_reqs]` i32 and `[num_reqs + 1]` i32: device copies of [`DecodeBatch`].
-    pub seq_lens: DevIn<'a>,
-    pub query_start_loc: DevIn<'a>,
     /// `[num_tokens, num_q_heads, head_size]`, the dtype of `q`.
     pub out: DevOut<'a>,
     pub out_rows: RowsDesc,
@@ -157,7 +158,10 @@ impl DecodePlan {
     }
 }
 
-/// Plans a batch. `ctas_target` is how many CTAs fill the GPU a few times over.
+/// Plans a batch. `ctas_target` is how many CTAs fill the GPU a few times over. Refuses (naming
+/// the argument) heads that are not a positive multiple of the kv heads, start locations that
+/// are not `num_reqs + 1` non-decreasing entries from 0, negative lengths, more requests than
+/// the work items encode (65535) and more query rows per kv head than a launch takes (2^31).
 pub fn plan_decode(
     batch: &DecodeBatch<'_>,
     num_q_heads: usize,
@@ -167,21 +171,33 @@ pub fn plan_decode(
     mode: SplitMode,
     partial_capacity: usize,
 ) -> Result<DecodePlan> {
+    ensure(num_kv_heads > 0 && num_kv_heads <= u32::MAX as usize, "num_kv_heads", || format!("{num_kv_heads} is out of range"))?;
+    ensure(num_q_heads > 0 && num_q_heads.is_multiple_of(num_kv_heads), "num_q_heads", || {
+        format!("{num_q_heads} is not a positive multiple of num_kv_heads {num_kv_heads}")
+    })?;
+    let q_lens = plan_query_lens(batch)?;
+    let n = q_lens.len();
+    ensure(n < 1 << 16, "seq_lens", || format!("{n} requests exceed the 65535 a launch takes"))?;
     let group = num_q_heads / num_kv_heads;
-    let q_lens: Vec<u32> = batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).collect();
-    let max_q = q_lens.iter().copied().max().unwrap_or(1);
-    let mut rows_per_cta = rows_per_cta(max_q * group as u32, head_size as u32);
+    // An empty batch (or one of empty requests) plans as one query token a request.
+    let max_q = q_lens.iter().copied().max().unwrap_or(1).max(1);
+    let max_rows = (max_q as u64).saturating_mul(group as u64);
+    ensure(max_rows <= 1 << 31, "query_start_loc", || {
+        format!("{max_q} query tokens x {group} heads per kv head exceed the 2^31 rows a launch takes")
+    })?;
+    let mut rows_per_cta = rows_per_cta(max_rows as u32, head_size as u32);
     // Tuning knob: cap the rows per CTA (more CTAs, fewer registers each).
     if let Some(cap) = std::env::var("ATTN_DECODE_MAX_ROWS_PER_CTA").ok().and_then(|v| v.parse::<u32>().ok()) {
         rows_per_cta = rows_per_cta.min(cap.max(1).next_power_of_two());
     }
-    let row_groups = (max_q * group as u32).div_ceil(rows_per_cta);
+    let row_groups = (max_rows as u32).div_ceil(rows_per_cta);
     let lens: Vec<u32> = batch.seq_lens.iter().map(|&l| l as u32).collect();
     let forced = match mode {
         SplitMode::Auto | SplitMode::StreamK => None,
         SplitMode::Fixed(n) => Some(n),
     };
-    let chunk = plan_chunk(&lens, (num_kv_heads as u32) * row_groups, ctas_target, CHUNK_TILE, MIN_CHUNK, forced);
+    let ctas_per_split = (num_kv_heads as u32).saturating_mul(row_groups);
+    let chunk = plan_chunk(&lens, ctas_per_split, ctas_target, CHUNK_TILE, MIN_CHUNK, forced);
     let mut plan = plan_splits(&lens, &q_lens, num_q_heads, chunk, partial_capacity);
     plan.rows_per_cta = rows_per_cta;
     plan.row_groups = row_groups;
@@ -191,20 +207,46 @@ pub fn plan_decode(
     Ok(plan)
 }
 
+/// Each request's query tokens, after checking what planning reads: `num_reqs + 1`
+/// non-decreasing start locations from 0 (differences taken in i64, so that no pair of i32s
+/// wraps) and non-negative lengths.
+fn plan_query_lens(batch: &DecodeBatch<'_>) -> Result<Vec<u32>> {
+    let (qsl, n) = (batch.query_start_loc, batch.seq_lens.len());
+    ensure(qsl.len() == n + 1, "query_start_loc", || format!("has {} entries for {n} requests (needs {})", qsl.len(), n + 1))?;
+    ensure(qsl[0] == 0, "query_start_loc", || format!("starts at {}, not 0", qsl[0]))?;
+    let mut q_lens = Vec::with_capacity(n);
+    for r in 0..n {
+        let q = qsl[r + 1] as i64 - qsl[r] as i64;
+        ensure(q >= 0, "query_start_loc", || format!("decreases at request {r} ({} -> {})", qsl[r], qsl[r + 1]))?;
+        let len = batch.seq_lens[r];
+        ensure(len >= 0, "seq_lens", || format!("request {r} has negative length {len}"))?;
+        q_lens.push(q as u32);
+    }
+    Ok(q_lens)
+}
+
+/// Partial rows (head_size f32 each) the splits of a chunk size need: `splits x q_len x
+/// num_q_heads` for every request split more than once; `None` when that overflows a usize.
+fn partial_rows_for(lens: &[u32], q_lens: &[u32], num_q_heads: usize, chunk: u32) -> Option<usize> {
+    lens.iter().zip(q_lens).try_fold(0usize, |acc, (&l, &q)| {
+        let s = num_splits(l, chunk);
+        let rows = if s > 1 { (s as usize).checked_mul(q as usize)?.checked_mul(num_q_heads)? } else { 0 };
+        acc.checked_add(rows)
+    })
+}
+
 /// The splits of every request for a chunk size, grown until the partials fit the workspace
 /// (one split each always fits: it needs none): chunk, splits, partial bases, token requests.
-/// `items` is left to the caller.
-fn plan_splits(lens: &[u32], q_lens: &[u32], num_q_heads: usize, mut chunk: u32, partial_capacity: usize) -> DecodePlan {
+/// `items` is left to the caller. Partial bases are u32, so at most `u32::MAX` rows of the
+/// capacity are used.
+fn plan_splits(lens: &[u32], q_lens: &[u32], num_q_heads: usize, chunk: u32, partial_capacity: usize) -> DecodePlan {
+    let capacity = partial_capacity.min(u32::MAX as usize);
+    let mut chunk = chunk.max(1);
     loop {
-        let rows: usize = lens
-            .iter()
-            .map(|&l| num_splits(l, chunk))
-            .zip(q_lens)
-            .filter(|(s, _)| *s > 1)
-            .map(|(s, &q)| (s * q) as usize * num_q_heads)
-            .sum();
+        let fits = partial_rows_for(lens, q_lens, num_q_heads, chunk).is_some_and(|rows| rows <= capacity);
         let splits_ok = lens.iter().all(|&l| num_splits(l, chunk) <= 0xffff);
-        if rows <= partial_capacity && splits_ok {
+        // A chunk of u32::MAX keys gives every request one split (no partials): it always fits.
+        if (fits && splits_ok) || chunk == u32::MAX {
             break;
         }
         chunk = chunk.saturating_mul(2);
@@ -215,7 +257,8 @@ fn plan_splits(lens: &[u32], q_lens: &[u32], num_q_heads: usize, mut chunk: u32,
         plan.req_num_splits.push(splits);
         plan.req_partial_base.push(plan.partial_rows as u32);
         if splits > 1 {
-            plan.partial_rows += (splits * q) as usize * num_q_heads;
+            // In range: the loop above checked that the sum fits the capacity.
+            plan.partial_rows += splits as usize * q as usize * num_q_heads;
         }
         plan.token_request.extend(std::iter::repeat_n(r as u32, q as usize));
     }
@@ -292,6 +335,11 @@ impl TcShape {
 /// `[request, row_tile << 16 | split]` (flattened in `items`). `group`: query heads per kv head.
 /// `slots`: the CTAs the GPU holds at once, for splitting batches of equal requests into even
 /// waves (`attn_math::split::even_waves_chunk`); 0 leaves that out.
+///
+/// Never panics: it takes the batch as given (decreasing start locations count as empty
+/// requests, negative lengths as 0, a zero tile size as 1). Row tiles are encoded in 16 bits, so
+/// a request gets at most 65536 of them: the callers refuse batches with more rows
+/// ([`crate::mla::mla_attention`], [`validate_batch`]) before planning.
 #[allow(clippy::too_many_arguments)]
 pub fn plan_decode_tc(
     batch: &DecodeBatch<'_>,
@@ -303,27 +351,29 @@ pub fn plan_decode_tc(
     mode: SplitMode,
     partial_capacity: usize,
 ) -> DecodePlan {
-    let q_lens: Vec<u32> = batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).collect();
-    let lens: Vec<u32> = batch.seq_lens.iter().map(|&l| l as u32).collect();
-    let TcShape { block_m: bm, block_n: bn, ctas_per_item } = shape;
-    let row_tiles = (q_lens.iter().copied().max().unwrap_or(1) * group).div_ceil(bm).max(1);
+    let n = batch.seq_lens.len().min(batch.query_start_loc.len().saturating_sub(1));
+    let qsl = batch.query_start_loc;
+    let q_lens: Vec<u32> = (0..n).map(|r| (qsl[r + 1] as i64 - qsl[r] as i64).clamp(0, u32::MAX as i64) as u32).collect();
+    let lens: Vec<u32> = batch.seq_lens[..n].iter().map(|&l| l.max(0) as u32).collect();
+    let TcShape { block_m, block_n, ctas_per_item } = shape;
+    let (bm, bn) = (block_m.max(1), block_n.max(1));
+    // A request's row tiles, in 16 bits (see above).
+    let tiles_of = |q: u32| (q as u64 * group as u64).div_ceil(bm as u64).min(1 << 16) as u32;
+    let row_tiles = tiles_of(q_lens.iter().copied().max().unwrap_or(1)).max(1);
     let forced = match mode {
         SplitMode::Auto | SplitMode::StreamK => None,
         SplitMode::Fixed(n) => Some(n),
     };
-    let chunk = plan_chunk(&lens, ctas_per_item * row_tiles, ctas_target, bn, MIN_CHUNK, forced);
+    let ctas_per_split = ctas_per_item.saturating_mul(row_tiles);
+    let chunk = plan_chunk(&lens, ctas_per_split, ctas_target, bn, MIN_CHUNK, forced);
     // `ATTN_DECODE_EVEN_WAVES=0` leaves the even waves out (a tuning knob for the benchmark).
     let even_waves = std::env::var("ATTN_DECODE_EVEN_WAVES").map_or(true, |v| v != "0");
-    let chunk = if forced.is_none() && even_waves {
-        even_waves_chunk(&lens, ctas_per_item * row_tiles, slots, bn, MIN_CHUNK, chunk)
-    } else {
-        chunk
-    };
+    let chunk = if forced.is_none() && even_waves { even_waves_chunk(&lens, ctas_per_split, slots, bn, MIN_CHUNK, chunk) } else { chunk };
     let mut plan = plan_splits(&lens, &q_lens, num_q_heads, chunk, partial_capacity);
     plan.rows_per_cta = bm;
     plan.row_groups = row_tiles;
     for (r, (&splits, &q)) in plan.req_num_splits.iter().zip(&q_lens).enumerate() {
-        for tile in 0..(q * group).div_ceil(bm) {
+        for tile in 0..tiles_of(q) {
             for s in 0..splits {
                 plan.items.extend([r as u32, tile << 16 | s]);
             }
@@ -332,25 +382,27 @@ pub fn plan_decode_tc(
     plan
 }
 
-/// Checks host metadata: sorted start locations that cover the tokens, 1..=8 queries per
-/// request, lengths that hold their queries and fit the block table.
+/// Checks host metadata: sorted start locations that cover the tokens, 0..=8 queries per
+/// request (a request with none is an empty decode: it attends nothing and writes nothing, as
+/// in [`crate::metadata::is_decode`]), non-negative lengths that hold their queries and fit the
+/// block table, a positive block size. Differences of start locations are taken in i64, so no
+/// pair of i32s wraps.
 pub fn validate_batch(batch: &DecodeBatch<'_>, num_tokens: usize, block_size: usize, block_table_stride: usize) -> Result<()> {
     let n = batch.seq_lens.len();
-    ensure(batch.query_start_loc.len() == n + 1, "query_start_loc", || {
-        format!("has {} entries for {n} requests (needs {})", batch.query_start_loc.len(), n + 1)
-    })?;
-    ensure(batch.query_start_loc[0] == 0, "query_start_loc", || format!("starts at {}, not 0", batch.query_start_loc[0]))?;
-    ensure(batch.query_start_loc[n] as usize == num_tokens, "query_start_loc", || {
-        format!("ends at {}, but q has {num_tokens} tokens", batch.query_start_loc[n])
-    })?;
+    let qsl = batch.query_start_loc;
+    ensure(block_size > 0, "block_size", || "must be at least 1".into())?;
+    ensure(qsl.len() == n + 1, "query_start_loc", || format!("has {} entries for {n} requests (needs {})", qsl.len(), n + 1))?;
+    ensure(qsl[0] == 0, "query_start_loc", || format!("starts at {}, not 0", qsl[0]))?;
+    ensure(qsl[n] as i64 == num_tokens as i64, "query_start_loc", || format!("ends at {}, but q has {num_tokens} tokens", qsl[n]))?;
     ensure(n < 1 << 16, "seq_lens", || format!("{n} requests exceed the 65535 a launch takes"))?;
     for r in 0..n {
-        let q = batch.query_start_loc[r + 1] - batch.query_start_loc[r];
-        ensure((1..=MAX_QUERY_LEN as i32).contains(&q), "query_start_loc", || {
-            format!("request {r} has {q} query tokens (decode takes 1..={MAX_QUERY_LEN})")
+        let q = qsl[r + 1] as i64 - qsl[r] as i64;
+        ensure((0..=MAX_QUERY_LEN as i64).contains(&q), "query_start_loc", || {
+            format!("request {r} has {q} query tokens ({} -> {}; decode takes 0..={MAX_QUERY_LEN})", qsl[r], qsl[r + 1])
         })?;
         let len = batch.seq_lens[r];
-        ensure(len == 0 || len >= q, "seq_lens", || format!("request {r} has length {len} < its {q} query tokens"))?;
+        ensure(len >= 0, "seq_lens", || format!("request {r} has negative length {len}"))?;
+        ensure(len == 0 || len as i64 >= q, "seq_lens", || format!("request {r} has length {len} < its {q} query tokens"))?;
         let blocks = (len as usize).div_ceil(block_size);
         ensure(blocks <= block_table_stride, "block_table", || {
             format!("request {r} needs {blocks} blocks, rows hold {block_table_stride}")
@@ -378,20 +430,33 @@ pub struct DecodeWorkspace {
     max_reqs: usize,
     max_tokens: usize,
     head_size: usize,
+    /// The stream every call that uses this workspace runs on (`crate::stream_check`).
+    stream: Arc<CudaStream>,
 }
 
 impl DecodeWorkspace {
     /// Device bytes [`new`](Self::new) allocates.
+    /// Device bytes [`new`](Self::new) allocates (saturating: sizes that overflow are ones
+    /// `new` refuses).
     pub fn bytes(partial_rows: usize, head_size: usize, max_items: usize, max_reqs: usize, max_tokens: usize) -> usize {
-        4 * (partial_rows * (head_size + 1)
-            + plan_words(max_items, max_reqs, max_tokens)
-            + 3 * MAX_STREAM_WORKERS
-            + merge_counters(partial_rows))
+        let padded = |n: usize| (n as u128).next_multiple_of(ALIGN_WORDS as u128);
+        let plan = padded(max_items) + 2 * padded(max_reqs) + padded(max_tokens) + padded(4);
+        let rows = partial_rows as u128;
+        let total = rows * (head_size as u128 + 1) + plan + 3 * MAX_STREAM_WORKERS as u128 + rows / 2 + 1;
+        usize::try_from(4 * total).unwrap_or(usize::MAX)
     }
 
     /// A workspace for up to `max_reqs` requests and `max_tokens` query tokens; `partial_rows`
     /// bounds the split-K partials (a good size: `4 * sm_count * 8 * num_q_heads / num_kv_heads`).
+    /// Every call that uses it must run on `stream`: one workspace per stream.
     pub fn new(stream: &Arc<CudaStream>, partial_rows: usize, head_size: usize, max_reqs: usize, max_tokens: usize) -> Result<Self> {
+        // The kernels index partial rows, items and tokens with 32-bit words.
+        for (arg, n) in [("partial_rows", partial_rows), ("head_size", head_size), ("max_reqs", max_reqs), ("max_tokens", max_tokens)] {
+            ensure(n <= i32::MAX as usize, arg, || format!("{n} is past what a launch indexes ({})", i32::MAX))?;
+        }
+        ensure(partial_rows.max(1).checked_mul(head_size).is_some_and(|n| n <= u32::MAX as usize), "partial_rows", || {
+            format!("{partial_rows} rows of {head_size} floats are past what a launch indexes")
+        })?;
         // Tensor-core items are two words, and MQA rows can take several row tiles.
         let max_items = 4 * (max_reqs + partial_rows);
         let words = plan_words(max_items, max_reqs, max_tokens);
@@ -407,7 +472,13 @@ impl DecodeWorkspace {
             max_reqs,
             max_tokens,
             head_size,
+            stream: stream.clone(),
         })
+    }
+
+    /// Refuses a call on another stream than the workspace's.
+    pub(crate) fn check_stream(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        check_stream("workspace", &self.stream, stream)
     }
 
     pub fn partial_rows(&self) -> usize {
@@ -491,11 +562,23 @@ pub(crate) fn optional_f32(buf: &Option<DevIn<'_>>, arg: &'static str, len: usiz
     buf.as_ref().map_or(Ok(0), |b| f32_values(b, arg, len))
 }
 
+/// The heads and head size of a layer, which a plan's offsets depend on: a request's partial
+/// rows are `splits x query tokens x num_q_heads` rows of `head_size` floats, and a launch has
+/// one CTA per work item and kv head. A plan used with more heads would index past its partials.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LayerShape {
+    pub num_q_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_size: usize,
+}
+
 /// A tensor-core kernel for a kind of batch, and the CTA count its split plans aim at.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct TcKernel {
     pub kernel: DecodeKernel,
     pub name: String,
+    /// The layer it runs (MLA: one kv head of the latent width).
+    pub layer: LayerShape,
     pub smem: u32,
     pub shape: TcShape,
     /// Threads per CTA.
@@ -585,7 +668,8 @@ pub(crate) fn decode_tc_kernel(
     let slots = dev.sm_count() as u64 * resident as u64;
     let target = waves * slots;
     let shape = TcShape::attention(d as u32, d as u32, kernel.keys_split(), fp8, num_kv_heads as u32);
-    Ok(TcKernel { kernel, name, smem, shape, threads: attn_math::prefill::THREADS, group, target, slots, fused_merge: keys_rows })
+    let layer = LayerShape { num_q_heads: hq, num_kv_heads, head_size: d };
+    Ok(TcKernel { kernel, name, layer, smem, shape, threads: attn_math::prefill::THREADS, group, target, slots, fused_merge: keys_rows })
 }
 
 /// A split plan already on the device (a CUDA-graph step's, [`crate::forward`]): its arrays,
@@ -595,6 +679,8 @@ pub(crate) fn decode_tc_kernel(
 pub(crate) struct DevicePlan {
     /// The kernel it was planned for (`TcKernel::name`).
     pub kernel: String,
+    /// The layer shape its offsets were computed for (its kernel's).
+    pub layer: LayerShape,
     pub items: u64,
     pub req_num_splits: u64,
     pub req_partial_base: u64,
@@ -612,6 +698,13 @@ pub(crate) struct DevicePlan {
 }
 
 impl DevicePlan {
+    /// Refuses a call whose kernel (which names the dtypes, cache format and head size) or
+    /// layer shape is not the one planned.
+    pub(crate) fn check_layer(&self, tc: &TcKernel) -> Result<()> {
+        ensure(self.kernel == tc.name, "plan", || format!("was made for kernel {}, the call runs {}", self.kernel, tc.name))?;
+        ensure(self.layer == tc.layer, "plan", || format!("was made for {:?}, the call has {:?}", self.layer, tc.layer))
+    }
+
     pub(crate) fn workspace_ptrs(&self, ws: &mut DecodeWorkspace, stream: &Arc<CudaStream>) -> WorkspacePtrs {
         WorkspacePtrs {
             items: self.items,
@@ -653,29 +746,37 @@ enum Launch<'p> {
 /// waiting for it. Those must have been written before that kernel started, as they are in an
 /// engine step (QKV projection, then the cache write of the new tokens, then decode). The new
 /// tokens' rows are read, and everything is written, after the wait.
+///
+/// Caller's part (docs/soundness.md): `batch`, `ws` (and a plan) must have been made on
+/// `stream`; the contents of the caller's buffers and their ordering are the caller's, the
+/// bounds of every access are the library's.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode(
     dev: &AttnDevice,
     stream: &Arc<CudaStream>,
     a: DecodeArgs<'_>,
-    batch: &DecodeBatch<'_>,
+    batch: &BatchMetadata,
     opts: &AttnOptions,
     mode: SplitMode,
     ws: &mut DecodeWorkspace,
     status: &mut DeviceStatus,
 ) -> Result<DecodePlan> {
-    paged_decode_from(dev, stream, a, batch, opts, PlanSource::Host(mode), true, ws, status)
+    refuse_foreign_capture(stream, "stream", "paged_decode")?;
+    let meta = batch.device(stream)?;
+    paged_decode_from(dev, stream, a, &batch.decode_batch(), meta, opts, PlanSource::Host(mode), true, ws, status)
 }
 
 /// [`paged_decode`] with its plan from `source`. Not `causal`: every query token sees every key
 /// and a request takes any number of them (cascade's shared prefix: all the batch's tokens as
-/// one request), on the tensor cores.
+/// one request), on the tensor cores. `meta` is the device copy of `batch`, uploaded by the
+/// library from it (a [`BatchMetadata`], or `forward`'s step buffer).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_decode_from(
     dev: &AttnDevice,
     stream: &Arc<CudaStream>,
     a: DecodeArgs<'_>,
     batch: &DecodeBatch<'_>,
+    meta: DeviceBatch<'_>,
     opts: &AttnOptions,
     source: PlanSource<'_>,
     causal: bool,
@@ -683,6 +784,8 @@ pub(crate) fn paged_decode_from(
     status: &mut DeviceStatus,
 ) -> Result<DecodePlan> {
     let spec = &a.spec;
+    // Its fields are public: a spec built without `KvCacheSpec::new` is checked here.
+    spec.validate("spec")?;
     let (nt, hq, d) = (a.q_rows.num_tokens, a.q_rows.num_heads, a.q_rows.head_size);
     let q_dtype = a.q.dtype;
     let cache_dtype = a.cache.dtype;
@@ -714,6 +817,10 @@ pub(crate) fn paged_decode_from(
     ensure(a.cache.len >= spec.num_elements(), "cache", || {
         format!("buffer of {} elements is smaller than the layout's {}", a.cache.len, spec.num_elements())
     })?;
+    // The kernels copy cache rows 16 bytes at a time (`cp.async`): a misaligned one faults,
+    // which loses the CUDA context.
+    ensure(a.cache.ptr.is_multiple_of(16), "cache", || format!("address {:#x} is not 16-byte aligned", a.cache.ptr))?;
+    ws.check_stream(stream)?;
     let num_reqs = batch.seq_lens.len();
     if causal {
         validate_batch(batch, nt, spec.block_size, a.block_table_stride)?;
@@ -725,10 +832,7 @@ pub(crate) fn paged_decode_from(
     ensure(a.block_table.dtype == DType::I32 && a.block_table.len >= need, "block_table", || {
         format!("must hold {need} i32 ({num_reqs} rows of {}), got {} x {:?}", a.block_table_stride, a.block_table.len, a.block_table.dtype)
     })?;
-    ensure(a.seq_lens.dtype == DType::I32 && a.seq_lens.len >= num_reqs, "seq_lens", || format!("device copy must be {num_reqs} i32"))?;
-    ensure(a.query_start_loc.dtype == DType::I32 && a.query_start_loc.len > num_reqs, "query_start_loc", || {
-        format!("device copy must be {} i32", num_reqs + 1)
-    })?;
+    meta.check(num_reqs)?;
     if let Some(l) = &a.lse {
         ensure(l.dtype == DType::F32 && l.len >= nt * hq, "lse", || format!("must be {nt} x {hq} f32"))?;
     }
@@ -785,7 +889,7 @@ pub(crate) fn paged_decode_from(
         _ if stream_launch.is_some() => (DecodePlan { kernel, ..DecodePlan::default() }, WorkspacePtrs::default(), Launch::Planned),
         PlanSource::Device(dp) => {
             let tc = tc.as_ref().expect("a device plan runs on tensor cores");
-            ensure(dp.kernel == tc.name, "step", || format!("planned for {}, the batch runs {}", dp.kernel, tc.name))?;
+            dp.check_layer(tc)?;
             (DecodePlan { kernel, ..DecodePlan::default() }, dp.workspace_ptrs(ws, stream), Launch::Fixed(dp))
         }
         PlanSource::Host(mode) => {
@@ -823,8 +927,8 @@ pub(crate) fn paged_decode_from(
         cache_strides: spec.strides(),
         block_table: a.block_table.ptr,
         block_table_stride: a.block_table_stride as u64,
-        seq_lens: a.seq_lens.ptr,
-        query_start_loc: a.query_start_loc.ptr,
+        seq_lens: meta.seq_lens.ptr,
+        query_start_loc: meta.query_start_loc.ptr,
         out: a.out.ptr,
         out_token_stride: a.out_rows.token_stride as u64,
         out_head_stride: a.out_rows.head_stride as u64,
@@ -934,7 +1038,7 @@ pub(crate) fn paged_decode_from(
         Launch::Fixed(dp) => dp.needs_merge,
     };
     if merge && !tc.as_ref().is_some_and(|t| t.fused_merge) {
-        launch_merge(dev, stream, &wp, a.query_start_loc.ptr, (&a.out, &a.out_rows), lse_ptr, sinks, q_dtype)?;
+        launch_merge(dev, stream, &wp, meta.query_start_loc.ptr, (&a.out, &a.out_rows), lse_ptr, sinks, q_dtype)?;
     }
     Ok(plan)
 }
@@ -1046,23 +1150,31 @@ pub struct MergeArgs<'a> {
 /// `out = merge(prefix, suffix)` weighted by their LSEs; an empty side (LSE -inf) contributes
 /// nothing. f16, bf16 or f32 outputs.
 pub fn merge_attn_states(dev: &AttnDevice, stream: &CudaStream, a: MergeArgs<'_>) -> Result<()> {
+    refuse_foreign_capture(stream, "stream", "merge_attn_states")?;
+    merge_attn_states_from(dev, stream, a)
+}
+
+/// [`merge_attn_states`] for `forward`, which may be recording its own graph.
+pub(crate) fn merge_attn_states_from(dev: &AttnDevice, stream: &CudaStream, a: MergeArgs<'_>) -> Result<()> {
     let dt = a.out.dtype;
     ensure(matches!(dt, DType::F16 | DType::BF16 | DType::F32), "out", || format!("dtype {dt:?}"))?;
     let r = a.rows;
-    r.validate("rows")?;
+    let (out_need, lse_need) = merge_attn_states_sizes(&r, a.lse_strides)?;
     for (arg, b) in [("prefix_out", &a.prefix_out), ("suffix_out", &a.suffix_out)] {
-        ensure(b.dtype == dt && b.len >= r.required_len(), arg, || format!("must be {:?} with {} elements", dt, r.required_len()))?;
+        ensure(b.dtype == dt && b.len >= out_need, arg, || {
+            format!("must be {dt:?} with {out_need} elements, got {} x {:?}", b.len, b.dtype)
+        })?;
     }
-    ensure(a.out.len >= r.required_len(), "out", || format!("buffer of {} elements is too small", a.out.len))?;
-    let lse_need = if r.num_tokens == 0 { 0 } else { (r.num_tokens - 1) * a.lse_strides.0 + (r.num_heads - 1) * a.lse_strides.1 + 1 };
-    for (arg, b) in [("prefix_lse", Some(&a.prefix_lse)), ("suffix_lse", Some(&a.suffix_lse))] {
-        let b = b.expect("present");
-        ensure(b.dtype == DType::F32 && b.len >= lse_need, arg, || format!("must be f32 with {lse_need} elements"))?;
+    ensure(a.out.len >= out_need, "out", || format!("buffer of {} elements is too small ({out_need} needed)", a.out.len))?;
+    for (arg, b) in [("prefix_lse", &a.prefix_lse), ("suffix_lse", &a.suffix_lse)] {
+        ensure(b.dtype == DType::F32 && b.len >= lse_need, arg, || {
+            format!("must be f32 with {lse_need} elements, got {} x {:?}", b.len, b.dtype)
+        })?;
     }
     if let Some(l) = &a.out_lse {
         ensure(l.dtype == DType::F32 && l.len >= lse_need, "out_lse", || format!("must be f32 with {lse_need} elements"))?;
     }
-    if r.num_tokens == 0 {
+    if r.num_tokens == 0 || r.num_heads == 0 || r.head_size == 0 {
         return Ok(());
     }
     let p = MergeStatesParams {
@@ -1080,6 +1192,30 @@ pub fn merge_attn_states(dev: &AttnDevice, stream: &CudaStream, a: MergeArgs<'_>
         num_heads: r.num_heads as u32,
         head_size: r.head_size as u32,
     };
+    // In range: `merge_attn_states_sizes` bounds tokens x heads by u32::MAX.
     let warps = (r.num_tokens * r.num_heads) as u32;
     dev.launch(stream, &format!("merge_attn_states_{}", dt.kernel_name()), (warps.div_ceil(8), 1, 1), 256, 0, p)
+}
+
+/// What [`merge_attn_states`] checks of its shape before looking at the buffers: rows that
+/// [`RowsDesc::validate`] takes (arg `rows`), at most `u32::MAX` (token, head) rows and a head
+/// size that fits a u32 (the kernel's parameters), and LSE strides whose last element fits a
+/// usize (arg `lse_strides`). Returns the elements each output buffer and each LSE buffer must
+/// hold (0 and 0 for rows with no tokens or no heads).
+pub fn merge_attn_states_sizes(rows: &RowsDesc, lse_strides: (usize, usize)) -> Result<(usize, usize)> {
+    rows.validate("rows")?;
+    let (nt, nh) = (rows.num_tokens, rows.num_heads);
+    // `validate` checked that tokens x heads fits a usize.
+    ensure(nt * nh <= u32::MAX as usize && rows.head_size <= u32::MAX as usize, "rows", || {
+        format!("{nt} tokens x {nh} heads of {} exceed the kernel's u32 sizes", rows.head_size)
+    })?;
+    if nt == 0 || nh == 0 {
+        return Ok((rows.required_len(), 0));
+    }
+    let last = (nt - 1).checked_mul(lse_strides.0).and_then(|t| (nh - 1).checked_mul(lse_strides.1).and_then(|h| t.checked_add(h)));
+    let lse_need = last.and_then(|l| l.checked_add(1));
+    let lse_need = lse_need.ok_or_else(|| {
+        crate::error::AttnError::invalid("lse_strides", format!("{lse_strides:?} over {nt} tokens x {nh} heads overflow a usize"))
+    })?;
+    Ok((rows.required_len(), lse_need))
 }

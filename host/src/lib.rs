@@ -8,6 +8,8 @@
 //! - [`layout`]: the paged KV-cache layouts (vLLM FlashAttention, FlashInfer, HND variants, MLA).
 //! - [`cache_write`]: `reshape_and_cache` and `concat_and_cache_mla`.
 //! - [`decode`]: paged decode with split-K, and `merge_attn_states`.
+//! - [`batch`]: a batch's request metadata, checked and uploaded by the library (the device
+//!   copy the kernels index with always equals the host copy the call was checked against).
 //! - [`batch_plan`]: a decode batch's split plan made once per step for every layer's call.
 //! - [`backend`]: the backend registry and per-model selection (with every refusal reason).
 //! - [`metadata`]: per-step metadata (checks, decode/prefill split, plans, one upload).
@@ -17,6 +19,7 @@
 //!   path for machines without a GPU.
 
 pub mod backend;
+pub mod batch;
 pub mod batch_plan;
 pub mod buffer;
 pub mod cache_write;
@@ -34,11 +37,13 @@ pub mod prefill;
 mod ptx;
 pub mod sim;
 pub mod status;
+mod stream_check;
 
 pub use attn_math;
-pub use buffer::{DevIn, DevOut};
+pub use batch::BatchMetadata;
+pub use buffer::{DevIn, DevOut, SharedBuf};
 pub use device::AttnDevice;
 pub use dtype::{DType, Element, Fp8E4m3};
-pub use error::{AttnError, Result};
+pub use error::{AttnError, BadBlock, BadSlot, Result};
 pub use layout::{KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc};
-pub use status::{DeviceStatus, StatusFlags};
+pub use status::{DeviceStatus, Offence, StatusFlags};

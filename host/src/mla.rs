@@ -11,15 +11,17 @@
 //! size 512). Query lengths are free: multi-token prediction (causal among the new tokens) and
 //! chunked prefill in latent form.
 
+use crate::batch::{BatchMetadata, DeviceBatch};
 use crate::buffer::{DevIn, DevOut};
 use crate::cache_write::KvScales;
 use crate::decode::{
-    f32_values, launch_merge, plan_decode_tc, DecodeBatch, DecodeKernel, DecodePlan, DecodeWorkspace, PlanSource, SplitMode, TcKernel,
-    TcShape, WorkspacePtrs,
+    f32_values, launch_merge, plan_decode_tc, DecodeBatch, DecodeKernel, DecodePlan, DecodeWorkspace, LayerShape, PlanSource, SplitMode,
+    TcKernel, TcShape, WorkspacePtrs,
 };
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
+use crate::forward::graph::refuse_foreign_capture;
 use crate::layout::{MlaCacheSpec, RowsDesc};
 use crate::prefill::{validate_prefill_batch, PrefillBatch};
 use crate::status::DeviceStatus;
@@ -41,9 +43,6 @@ pub struct MlaArgs<'a> {
     /// `[num_reqs, block_table_stride]` i32.
     pub block_table: DevIn<'a>,
     pub block_table_stride: usize,
-    /// `[num_reqs]` i32 and `[num_reqs + 1]` i32: device copies of the batch.
-    pub seq_lens: DevIn<'a>,
-    pub query_start_loc: DevIn<'a>,
     /// `[num_tokens, num_heads, 512]`, the dtype of q.
     pub out: DevOut<'a>,
     pub out_rows: RowsDesc,
@@ -65,18 +64,25 @@ fn check_rows(arg: &'static str, ptr: u64, rows: &RowsDesc, len: usize, width: u
 /// MLA attention: validates everything, plans the splits, uploads the plan, launches the
 /// attention kernel and (for requests with several splits) the merge. Enqueued on `stream`;
 /// block ids outside the cache are never read and raise `BLOCK_OUT_OF_RANGE` in `status`.
+/// Ordering on Hopper as [`paged_decode`](crate::decode::paged_decode)'s.
+///
+/// Caller's part (docs/soundness.md): `batch`, `ws` (and a plan) must have been made on
+/// `stream`; the contents of the caller's buffers and their ordering are the caller's, the
+/// bounds of every access are the library's.
 #[allow(clippy::too_many_arguments)]
 pub fn mla_attention(
     dev: &AttnDevice,
     stream: &Arc<CudaStream>,
     a: MlaArgs<'_>,
-    batch: &DecodeBatch<'_>,
+    batch: &BatchMetadata,
     softmax_scale: f32,
     mode: SplitMode,
     ws: &mut DecodeWorkspace,
     status: &mut DeviceStatus,
 ) -> Result<DecodePlan> {
-    mla_attention_from(dev, stream, a, batch, softmax_scale, PlanSource::Host(mode), ws, status)
+    refuse_foreign_capture(stream, "stream", "mla_attention")?;
+    let meta = batch.device(stream)?;
+    mla_attention_from(dev, stream, a, &batch.decode_batch(), meta, softmax_scale, PlanSource::Host(mode), ws, status)
 }
 
 /// The MLA kernel for `max_q` query tokens per request of `hq` heads, and its CTA target.
@@ -110,7 +116,8 @@ pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usi
     let resident = dev.resident_ctas(&name, threads, smem)?;
     let target = waves * dev.sm_count() as u64 * resident as u64;
     // No even-waves splitting: the MLA plans were measured without it.
-    Ok(TcKernel { kernel: DecodeKernel::Mla, name, smem, shape, threads, group: hq as u32, target, slots: 0, fused_merge: false })
+    let layer = LayerShape { num_q_heads: hq, num_kv_heads: 1, head_size: MLA_V as usize };
+    Ok(TcKernel { kernel: DecodeKernel::Mla, name, layer, smem, shape, threads, group: hq as u32, target, slots: 0, fused_merge: false })
 }
 
 /// The cluster size that combines a plan's splits in shared memory ([`DecodePlan::cluster`]),
@@ -135,13 +142,15 @@ pub(crate) fn mla_cluster(dev: &AttnDevice, tc: &TcKernel, plan: &DecodePlan) ->
     }
 }
 
-/// [`mla_attention`] with its plan from `source`.
+/// [`mla_attention`] with its plan from `source`; `meta` is the device copy of `batch`, uploaded
+/// by the library from it.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn mla_attention_from(
     dev: &AttnDevice,
     stream: &Arc<CudaStream>,
     a: MlaArgs<'_>,
     batch: &DecodeBatch<'_>,
+    meta: DeviceBatch<'_>,
     softmax_scale: f32,
     source: PlanSource<'_>,
     ws: &mut DecodeWorkspace,
@@ -151,6 +160,8 @@ pub(crate) fn mla_attention_from(
     let (nt, hq) = (a.q_rows.num_tokens, a.q_rows.num_heads);
     let q_dtype = a.q.dtype;
     ensure(matches!(q_dtype, DType::F16 | DType::BF16), "q", || format!("dtype {q_dtype:?}: MLA takes f16 or bf16 queries"))?;
+    // The fields are public: sizes (elements, slots, strides) are exact only for a valid spec.
+    spec.validate("spec")?;
     ensure(spec.row_width() == MLA_QK as usize, "spec", || format!("latent rows of {} (the MLA kernels take 512 + 64)", spec.row_width()))?;
     ensure(spec.latent_dim == MLA_V as usize, "spec", || format!("latent_dim {} (the MLA kernels take 512)", spec.latent_dim))?;
     ensure(spec.block_size.is_multiple_of(16), "block_size", || format!("{} is not a multiple of 16", spec.block_size))?;
@@ -175,10 +186,8 @@ pub(crate) fn mla_attention_from(
     ensure(a.block_table.dtype == DType::I32 && a.block_table.len >= need, "block_table", || {
         format!("must hold {need} i32 ({num_reqs} rows of {}), got {} x {:?}", a.block_table_stride, a.block_table.len, a.block_table.dtype)
     })?;
-    ensure(a.seq_lens.dtype == DType::I32 && a.seq_lens.len >= num_reqs, "seq_lens", || format!("device copy must be {num_reqs} i32"))?;
-    ensure(a.query_start_loc.dtype == DType::I32 && a.query_start_loc.len > num_reqs, "query_start_loc", || {
-        format!("device copy must be {} i32", num_reqs + 1)
-    })?;
+    meta.check(num_reqs)?;
+    ws.check_stream(stream)?;
     if let Some(l) = &a.lse {
         ensure(l.dtype == DType::F32 && l.len >= nt * hq, "lse", || format!("must be {nt} x {hq} f32"))?;
     }
@@ -200,7 +209,7 @@ pub(crate) fn mla_attention_from(
     let slices = tc.shape.ctas_per_item;
     let (plan, wp, fixed) = match source {
         PlanSource::Device(dp) => {
-            ensure(dp.kernel == tc.name, "step", || format!("planned for {}, the batch runs {}", dp.kernel, tc.name))?;
+            dp.check_layer(&tc)?;
             (DecodePlan { kernel: DecodeKernel::Mla, ..DecodePlan::default() }, dp.workspace_ptrs(ws, stream), Some(dp))
         }
         PlanSource::Host(mode) => {
@@ -227,9 +236,9 @@ pub(crate) fn mla_attention_from(
         v_strides: strides,
         block_table: a.block_table.ptr,
         block_table_stride: a.block_table_stride as u64,
-        seq_lens: a.seq_lens.ptr,
+        seq_lens: meta.seq_lens.ptr,
         key_start_loc: 0,
-        query_start_loc: a.query_start_loc.ptr,
+        query_start_loc: meta.query_start_loc.ptr,
         out: a.out.ptr,
         out_token_stride: a.out_rows.token_stride as u64,
         out_head_stride: a.out_rows.head_stride as u64,
@@ -266,7 +275,7 @@ pub(crate) fn mla_attention_from(
     ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
     dev.launch_ex(stream, &tc.name, (ctas as u32, 1, 1), tc.threads, tc.smem, cluster.max(1), p)?;
     if fixed.map_or(plan.needs_merge(), |dp| dp.needs_merge) {
-        launch_merge(dev, stream, &wp, a.query_start_loc.ptr, (&a.out, &a.out_rows), lse, 0, q_dtype)?;
+        launch_merge(dev, stream, &wp, meta.query_start_loc.ptr, (&a.out, &a.out_rows), lse, 0, q_dtype)?;
     }
     Ok(plan)
 }

@@ -9,14 +9,17 @@
 //! every SM busy to the end and the CTAs running at once share K/V in L2. One CTA per (tile,
 //! kv head), the kv heads of a tile adjacent in the grid.
 
+use crate::batch::{BatchMetadata, DeviceBatch};
 use crate::buffer::{DevIn, DevOut};
 use crate::cache_write::KvScales;
 use crate::decode::{f32_values, optional_f32, AttnOptions};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
+use crate::forward::graph::refuse_foreign_capture;
 use crate::layout::{KvCacheSpec, RowsDesc};
 use crate::status::DeviceStatus;
+use crate::stream_check::check_stream;
 use attn_math::hopper_prefill;
 use attn_math::paging::CacheStrides;
 use attn_math::params::PrefillParams;
@@ -34,19 +37,11 @@ pub enum PrefillKv<'a> {
         /// `[num_reqs, block_table_stride]` i32.
         block_table: DevIn<'a>,
         block_table_stride: usize,
-        /// `[num_reqs]` i32: device copy of [`PrefillBatch::seq_lens`].
-        seq_lens: DevIn<'a>,
     },
     /// Packed `[total_keys, num_kv_heads, head_size]` tensors; request r's keys are rows
-    /// `key_start_loc[r]..key_start_loc[r + 1]`.
-    Packed {
-        k: DevIn<'a>,
-        k_rows: RowsDesc,
-        v: DevIn<'a>,
-        v_rows: RowsDesc,
-        /// `[num_reqs + 1]` i32: device copy of [`PrefillBatch::key_start_loc`].
-        key_start_loc: DevIn<'a>,
-    },
+    /// `key_start_loc[r]..key_start_loc[r + 1]` (the batch's
+    /// [`key_start_loc`](crate::batch::BatchMetadata::with_key_start_loc)).
+    Packed { k: DevIn<'a>, k_rows: RowsDesc, v: DevIn<'a>, v_rows: RowsDesc },
 }
 
 /// Device inputs and outputs of [`prefill`].
@@ -55,8 +50,6 @@ pub struct PrefillArgs<'a> {
     pub q: DevIn<'a>,
     pub q_rows: RowsDesc,
     pub kv: PrefillKv<'a>,
-    /// `[num_reqs + 1]` i32: device copy of [`PrefillBatch::query_start_loc`].
-    pub query_start_loc: DevIn<'a>,
     /// `[num_tokens, num_q_heads, head_size_v]`, the dtype of q.
     pub out: DevOut<'a>,
     pub out_rows: RowsDesc,
@@ -70,11 +63,14 @@ pub struct PrefillArgs<'a> {
 /// Block-table entries the kernels may read: up to request r's last used block in its row
 /// (`r * stride + ceil(seq_len / block_size)`), so a table that is a view into a wider one (a
 /// cascade suffix's rows start past the shared blocks) need not hold full rows at its end.
+/// Saturates at `usize::MAX` (no table is that long) rather than wrapping.
 pub(crate) fn block_table_reach(seq_lens: &[i32], block_size: usize, stride: usize) -> usize {
-    seq_lens.iter().enumerate().map(|(r, &l)| r * stride + (l.max(0) as usize).div_ceil(block_size.max(1))).max().unwrap_or(0)
+    let used = |l: i32| (l.max(0) as usize).div_ceil(block_size.max(1));
+    seq_lens.iter().enumerate().map(|(r, &l)| r.saturating_mul(stride).saturating_add(used(l))).max().unwrap_or(0)
 }
 
-/// The batch's host-side metadata.
+/// A batch's host-side metadata, as the planner takes it. [`prefill`] takes a
+/// [`BatchMetadata`], which holds these and their device copy.
 #[derive(Clone, Copy, Debug)]
 pub struct PrefillBatch<'a> {
     /// `[num_reqs + 1]`, from 0 to num_tokens.
@@ -104,12 +100,18 @@ pub struct PrefillPlan {
 /// `attn_math::prefill::block_m`) and orders them by the keys they attend (an upper bound under
 /// causality): requests longest first, and each request's tiles longest first.
 pub fn plan_prefill(batch: &PrefillBatch<'_>, group: usize, causal: bool, window: Option<u32>, block_m: u32) -> PrefillPlan {
+    // Takes the batch as given without panicking: decreasing start locations count as empty
+    // requests, a zero group or tile as 1. `prefill` refuses requests of more than 65536 tiles
+    // (the item's 16-bit tile index) before planning.
+    let (group, block_m) = (group.max(1), block_m.max(1));
+    let qsl = batch.query_start_loc;
+    let n = batch.seq_lens.len().min(qsl.len().saturating_sub(1));
     let mut tiles: Vec<(u64, [u32; 2])> = Vec::new();
-    for r in 0..batch.seq_lens.len() {
-        let q_len = (batch.query_start_loc[r + 1] - batch.query_start_loc[r]) as u64;
+    for r in 0..n {
+        let q_len = (qsl[r + 1] as i64 - qsl[r] as i64).max(0) as u64;
         let seq_len = batch.seq_lens[r].max(0) as u64;
-        let rows = q_len * group as u64;
-        for tile in 0..rows.div_ceil(block_m as u64) {
+        let rows = q_len.saturating_mul(group as u64);
+        for tile in 0..rows.div_ceil(block_m as u64).min(1 << 16) {
             let last_token = ((tile + 1) * block_m as u64).min(rows).div_ceil(group as u64);
             let first_token = tile * block_m as u64 / group as u64;
             let mut keys = if causal { (seq_len + last_token).saturating_sub(q_len) } else { seq_len };
@@ -134,19 +136,25 @@ pub fn plan_prefill(batch: &PrefillBatch<'_>, group: usize, causal: bool, window
 
 /// Checks host metadata: start locations that cover the tokens, lengths that hold their
 /// queries (causal) and fit the block table (paged).
+///
+/// `paged` is `(block_size, block_table_stride)`; a block size of 0 is refused. Differences of
+/// start locations are taken in i64, so no pair of i32s wraps.
 pub fn validate_prefill_batch(batch: &PrefillBatch<'_>, num_tokens: usize, causal: bool, paged: Option<(usize, usize)>) -> Result<()> {
     let n = batch.seq_lens.len();
     let qsl = batch.query_start_loc;
+    if let Some((block_size, _)) = paged {
+        ensure(block_size > 0, "block_size", || "must be at least 1".into())?;
+    }
     ensure(qsl.len() == n + 1, "query_start_loc", || format!("has {} entries for {n} requests (needs {})", qsl.len(), n + 1))?;
     ensure(qsl[0] == 0, "query_start_loc", || format!("starts at {}, not 0", qsl[0]))?;
-    ensure(qsl[n] as usize == num_tokens, "query_start_loc", || format!("ends at {}, but q has {num_tokens} tokens", qsl[n]))?;
+    ensure(qsl[n] as i64 == num_tokens as i64, "query_start_loc", || format!("ends at {}, but q has {num_tokens} tokens", qsl[n]))?;
     ensure(n < 1 << 31, "seq_lens", || format!("{n} requests"))?;
     for r in 0..n {
-        let q = qsl[r + 1] - qsl[r];
+        let q = qsl[r + 1] as i64 - qsl[r] as i64;
         ensure(q >= 0, "query_start_loc", || format!("decreases at request {r} ({} -> {})", qsl[r], qsl[r + 1]))?;
         let len = batch.seq_lens[r];
         ensure(len >= 0, "seq_lens", || format!("request {r} has length {len}"))?;
-        ensure(!causal || len == 0 || len >= q, "seq_lens", || format!("request {r} has length {len} < its {q} query tokens"))?;
+        ensure(!causal || len == 0 || len as i64 >= q, "seq_lens", || format!("request {r} has length {len} < its {q} query tokens"))?;
         if let Some((block_size, stride)) = paged {
             let blocks = (len as usize).div_ceil(block_size);
             ensure(blocks <= stride, "block_table", || format!("request {r} needs {blocks} blocks, rows hold {stride}"))?;
@@ -155,8 +163,9 @@ pub fn validate_prefill_batch(batch: &PrefillBatch<'_>, num_tokens: usize, causa
     if let Some(ksl) = batch.key_start_loc {
         ensure(ksl.len() == n + 1 && ksl[0] == 0, "key_start_loc", || format!("must have {} entries starting at 0", n + 1))?;
         for r in 0..n {
-            ensure(ksl[r + 1] - ksl[r] == batch.seq_lens[r], "key_start_loc", || {
-                format!("request {r} spans {} keys, seq_lens says {}", ksl[r + 1] - ksl[r], batch.seq_lens[r])
+            let keys = ksl[r + 1] as i64 - ksl[r] as i64;
+            ensure(keys == batch.seq_lens[r] as i64, "key_start_loc", || {
+                format!("request {r} spans {keys} keys ({} -> {}), seq_lens says {}", ksl[r], ksl[r + 1], batch.seq_lens[r])
             })?;
         }
     }
@@ -169,18 +178,27 @@ pub struct PrefillWorkspace {
     /// The persistent kernel's two counters (next CTA, CTAs done), zero between launches: the
     /// kernel's last CTA zeroes them. A workspace serves one stream at a time.
     sched: CudaSlice<u32>,
+    /// The stream every call that uses this workspace runs on (`crate::stream_check`).
+    stream: Arc<CudaStream>,
 }
 
 impl PrefillWorkspace {
     /// Query-row tiles a batch of `max_tokens` tokens in `max_reqs` requests can need.
+    /// (Saturating: sizes that overflow are ones [`new`](Self::new) refuses.)
     pub fn max_tiles(max_tokens: usize, max_reqs: usize, group: usize) -> usize {
-        (max_tokens * group).div_ceil(MIN_BLOCK_M as usize) + max_reqs
+        max_tokens.saturating_mul(group).div_ceil(MIN_BLOCK_M as usize).saturating_add(max_reqs)
     }
 
+    /// A workspace for calls on `stream` (one workspace per stream).
     pub fn new(stream: &Arc<CudaStream>, max_tokens: usize, max_reqs: usize, group: usize) -> Result<Self> {
+        let tiles = Self::max_tiles(max_tokens, max_reqs, group);
+        ensure(tiles <= (i32::MAX / 2) as usize, "max_tokens", || {
+            format!("{max_tokens} tokens x {group} heads per kv head in {max_reqs} requests need {tiles} tiles, past what a launch indexes")
+        })?;
         Ok(PrefillWorkspace {
             items: stream.alloc_zeros(2 * Self::max_tiles(max_tokens, max_reqs, group).max(1))?,
             sched: stream.alloc_zeros(2)?,
+            stream: stream.clone(),
         })
     }
 }
@@ -239,17 +257,41 @@ fn check_rows(arg: &'static str, b: &DevIn<'_>, rows: &RowsDesc, dtype: DType) -
 
 /// Prefill attention: validates everything, plans, uploads the plan, launches. Enqueued on
 /// `stream`; block ids outside the cache are never read and raise `BLOCK_OUT_OF_RANGE` in
-/// `status` (the keys read as zeros).
+/// `status` (the keys read as zeros). Ordering on Hopper as [`paged_decode`](crate::decode::paged_decode)'s
+/// (metadata and queries are read before the wait for the kernel before).
+///
+/// Caller's part (docs/soundness.md): `batch`, `ws` (and a plan) must have been made on
+/// `stream`; the contents of the caller's buffers and their ordering are the caller's, the
+/// bounds of every access are the library's.
 #[allow(clippy::too_many_arguments)]
 pub fn prefill(
     dev: &AttnDevice,
     stream: &Arc<CudaStream>,
     a: PrefillArgs<'_>,
-    batch: &PrefillBatch<'_>,
+    batch: &BatchMetadata,
     opts: &PrefillOptions,
     ws: &mut PrefillWorkspace,
     status: &mut DeviceStatus,
 ) -> Result<PrefillPlan> {
+    refuse_foreign_capture(stream, "stream", "prefill")?;
+    let meta = batch.device(stream)?;
+    prefill_from(dev, stream, a, &batch.prefill_batch(), meta, opts, ws, status)
+}
+
+/// [`prefill`] with the device copy `meta` of `batch`, uploaded by the library from it (a
+/// [`BatchMetadata`], or `forward`'s step buffer).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn prefill_from(
+    dev: &AttnDevice,
+    stream: &Arc<CudaStream>,
+    a: PrefillArgs<'_>,
+    batch: &PrefillBatch<'_>,
+    meta: DeviceBatch<'_>,
+    opts: &PrefillOptions,
+    ws: &mut PrefillWorkspace,
+    status: &mut DeviceStatus,
+) -> Result<PrefillPlan> {
+    check_stream("workspace", &ws.stream, stream)?;
     let (nt, hq, dk) = (a.q_rows.num_tokens, a.q_rows.num_heads, a.q_rows.head_size);
     let dv = a.out_rows.head_size;
     let q_dtype = a.q.dtype;
@@ -278,7 +320,8 @@ pub fn prefill(
     let (k_ptr, v_ptr, k_strides, v_strides, num_kv_heads, block_table, bt_stride, seq_lens_ptr, ksl_ptr, num_blocks, block_size) = match &a
         .kv
     {
-        PrefillKv::Paged { cache, spec, block_table, block_table_stride, seq_lens } => {
+        PrefillKv::Paged { cache, spec, block_table, block_table_stride } => {
+            spec.validate("spec")?;
             ensure(cache.dtype == q_dtype || cache.dtype == DType::Fp8E4m3, "cache", || {
                 format!("dtype {:?} with {q_dtype:?} queries (takes the queries' dtype or fp8 e4m3)", cache.dtype)
             })?;
@@ -294,7 +337,6 @@ pub fn prefill(
             ensure(block_table.dtype == DType::I32 && block_table.len >= need, "block_table", || {
                 format!("must hold {need} i32 ({num_reqs} rows of {block_table_stride}), got {} x {:?}", block_table.len, block_table.dtype)
             })?;
-            ensure(seq_lens.dtype == DType::I32 && seq_lens.len >= num_reqs, "seq_lens", || format!("device copy must be {num_reqs} i32"))?;
             let (ko, vo) = spec.kv_origins();
             let strides = spec.strides();
             (
@@ -305,13 +347,13 @@ pub fn prefill(
                 spec.num_kv_heads,
                 block_table.ptr,
                 *block_table_stride as u64,
-                seq_lens.ptr,
+                meta.seq_lens.ptr,
                 0,
                 spec.num_blocks as u32,
                 spec.block_size as u32,
             )
         }
-        PrefillKv::Packed { k, k_rows, v, v_rows, key_start_loc } => {
+        PrefillKv::Packed { k, k_rows, v, v_rows } => {
             ensure(a.scales.is_none(), "scales", || "packed K/V take the queries' dtype; scales are for an fp8 cache".into())?;
             check_rows("k", k, k_rows, q_dtype)?;
             check_rows("v", v, v_rows, q_dtype)?;
@@ -326,19 +368,17 @@ pub fn prefill(
             ensure(ksl[num_reqs] as usize <= k_rows.num_tokens, "key_start_loc", || {
                 format!("ends at {}, but k has {} rows", ksl[num_reqs], k_rows.num_tokens)
             })?;
-            ensure(key_start_loc.dtype == DType::I32 && key_start_loc.len > num_reqs, "key_start_loc", || {
-                format!("device copy must be {} i32", num_reqs + 1)
+            let ksl_ptr = meta.key_start_loc.as_ref().map(|k| k.ptr).ok_or_else(|| {
+                crate::error::AttnError::invalid("key_start_loc", "the batch's device copy has none (BatchMetadata::with_key_start_loc)")
             })?;
             let strides = |r: &RowsDesc| CacheStrides { block: 0, token: r.token_stride as u64, head: r.head_stride as u64 };
-            (k.ptr, v.ptr, strides(k_rows), strides(v_rows), k_rows.num_heads, 0, 0, 0, key_start_loc.ptr, 0, 1)
+            (k.ptr, v.ptr, strides(k_rows), strides(v_rows), k_rows.num_heads, 0, 0, 0, ksl_ptr, 0, 1)
         }
     };
     ensure(num_kv_heads > 0 && hq.is_multiple_of(num_kv_heads), "num_q_heads", || {
         format!("{hq} is not a multiple of num_kv_heads {num_kv_heads}")
     })?;
-    ensure(a.query_start_loc.dtype == DType::I32 && a.query_start_loc.len > num_reqs, "query_start_loc", || {
-        format!("device copy must be {} i32", num_reqs + 1)
-    })?;
+    meta.check(num_reqs)?;
     if let Some(l) = &a.lse {
         ensure(l.dtype == DType::F32 && l.len >= nt * hq, "lse", || format!("must be {nt} x {hq} f32"))?;
     }
@@ -378,7 +418,7 @@ pub fn prefill(
         block_table_stride: bt_stride,
         seq_lens: seq_lens_ptr,
         key_start_loc: ksl_ptr,
-        query_start_loc: a.query_start_loc.ptr,
+        query_start_loc: meta.query_start_loc.ptr,
         out: a.out.ptr,
         out_token_stride: a.out_rows.token_stride as u64,
         out_head_stride: a.out_rows.head_stride as u64,

@@ -13,13 +13,70 @@ pub fn rel_error(got: &[f64], want: &[f64]) -> f64 {
     }
 }
 
-/// Relative error allowed for outputs of a dtype.
+/// Relative error allowed for outputs of a dtype. Compare with [`within`]: `err > tol` passes
+/// a NaN.
 pub fn tolerance(dtype: DType) -> f64 {
     match dtype {
         DType::BF16 => 1e-2,
         DType::F16 => 3e-3,
         _ => 1e-5,
     }
+}
+
+/// Whether `err` is at most `tol`: false for a NaN, which every comparison must fail on.
+pub fn within(err: f64, tol: f64) -> bool {
+    err <= tol
+}
+
+/// Relative error allowed for one output row ([`max_row_error`]): twice [`tolerance`]. A row's
+/// error is the rounding of its own elements (the output and the softmax weights, each a few
+/// thousandths relative in bf16), measured over one head's columns instead of the whole
+/// output, so the worst of many rows sits above the global figure.
+pub fn row_tolerance(dtype: DType) -> f64 {
+    2.0 * tolerance(dtype)
+}
+
+/// The worst row of an output: its index and ‖got_row − want_row‖ / max(‖want_row‖, 1e-30).
+#[derive(Clone, Copy, Debug)]
+pub struct RowError {
+    pub row: usize,
+    pub err: f64,
+}
+
+impl RowError {
+    /// Whether the worst row is within `tol` (never for a NaN).
+    pub fn within(&self, tol: f64) -> bool {
+        self.err <= tol
+    }
+}
+
+/// Each row's relative error ‖got_row − want_row‖ / max(‖want_row‖, 1e-30), rows of `row_len`
+/// (for attention: one (token, head) output vector each). NaN where either row has one; a row
+/// whose reference is zero (nothing attended) is measured absolutely.
+pub fn row_errors<'a>(got: &'a [f64], want: &'a [f64], row_len: usize) -> impl Iterator<Item = f64> + 'a {
+    assert_eq!(got.len(), want.len(), "output lengths differ");
+    assert!(row_len > 0 && got.len().is_multiple_of(row_len), "{} elements are not rows of {row_len}", got.len());
+    got.chunks(row_len).zip(want.chunks(row_len)).map(|(g, w)| {
+        let num: f64 = g.iter().zip(w).map(|(g, w)| (g - w) * (g - w)).sum();
+        let den: f64 = w.iter().map(|w| w * w).sum();
+        num.sqrt() / den.sqrt().max(1e-30)
+    })
+}
+
+/// The worst row of [`row_errors`]. One global norm averages over every row, so a row that is
+/// wrong alone (one key masked wrongly at a long context) barely moves it; the worst row does
+/// not. The first row with a NaN is returned as the worst.
+pub fn max_row_error(got: &[f64], want: &[f64], row_len: usize) -> RowError {
+    let mut worst = RowError { row: 0, err: 0.0 };
+    for (row, err) in row_errors(got, want, row_len).enumerate() {
+        if err.is_nan() {
+            return RowError { row, err };
+        }
+        if err > worst.err {
+            worst = RowError { row, err };
+        }
+    }
+    worst
 }
 
 /// Checks GPU LSEs (`[tokens, heads]`) against the reference: -inf exactly where the reference

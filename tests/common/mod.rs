@@ -3,8 +3,11 @@
 #![allow(dead_code)]
 
 mod compare;
+mod masking;
 #[allow(unused_imports)]
-pub use compare::{check_lse, rel_error, tolerance};
+pub use compare::{check_lse, max_row_error, rel_error, row_errors, row_tolerance, tolerance, within, RowError};
+#[allow(unused_imports)]
+pub use masking::{plant_edge_markers, MarkedRequest};
 
 use cudarc::driver::{CudaSlice, CudaStream};
 use host::{AttnDevice, Element};
@@ -121,4 +124,50 @@ pub fn scattered_block_tables(rng: &mut SmallRng, seq_lens: &[i32], block_size: 
         table[r * stride + 1] = num_blocks as i32 + 5;
     }
     BlockTables { table, stride, num_blocks }
+}
+
+/// The status after an attention call whose reference skipped `want.bad_blocks` keys: the bit,
+/// and a recorded offence that names a bad entry of `block_table` (`stride` per request) as it
+/// is, with the cache's `num_blocks`; `into_result` must report it. `unrecorded_ok`: the kernel
+/// may raise the bit without a record (the attention kernels do: see `kernels/src/status.rs`).
+pub fn check_block_status(
+    flags: host::StatusFlags,
+    want: &host::cpu::DecodeResult,
+    block_table: &[i32],
+    stride: usize,
+    num_blocks: usize,
+    unrecorded_ok: bool,
+) -> Result<(), String> {
+    use host::AttnError;
+    if flags.block_out_of_range() != (want.bad_blocks > 0) {
+        return Err(format!("status {flags:?}, reference skipped {} keys", want.bad_blocks));
+    }
+    let first = match (flags.first_bad_block(), want.bad_blocks) {
+        (None, 0) => return if flags.first.is_none() { Ok(()) } else { Err(format!("status {flags:?} records an offence")) },
+        (None, _) if unrecorded_ok && flags.first.is_none() => return Ok(()),
+        (None, _) => return Err(format!("status {flags:?}: the bit without the offending block-table entry")),
+        (Some(b), _) => b,
+    };
+    let at = first.request as usize * stride + first.entry as usize;
+    let held = ((first.entry as usize) < stride).then(|| block_table.get(at).copied()).flatten();
+    let outside = first.block < 0 || first.block >= num_blocks as i64;
+    if held.map(i64::from) != Some(first.block) || !outside || first.num_blocks != num_blocks as u64 {
+        return Err(format!("status names {first:?}, but that entry holds {held:?} (cache of {num_blocks} blocks)"));
+    }
+    if let Some(cpu_first) = want.first_bad_block.filter(|_| want.bad_blocks > 0) {
+        // Only one entry is bad in the tests' tables: every kernel must name the reference's.
+        let bad_entries = block_table.iter().filter(|&&b| b >= num_blocks as i32 || b < -1).count();
+        if bad_entries == 1 && cpu_first != first {
+            return Err(format!("status names {first:?}, the reference met {cpu_first:?}"));
+        }
+    }
+    let message = match flags.into_result() {
+        Err(e @ AttnError::BlockOutOfRange { first: Some(f) }) if f == first => e.to_string(),
+        other => return Err(format!("into_result gave {other:?} for {flags:?}")),
+    };
+    let expected = format!("block id {} at request {}, block-table entry {}", first.block, first.request, first.entry);
+    if !message.contains(&expected) {
+        return Err(format!("error message {message:?} does not say {expected:?}"));
+    }
+    Ok(())
 }

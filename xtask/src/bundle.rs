@@ -8,7 +8,8 @@ use std::path::Path;
 use std::process::Command;
 
 /// Test targets (in `tests/`) that need a GPU; the bundle runs these.
-const GPU_TESTS: &[&str] = &["gpu_cache_write", "gpu_decode", "gpu_prefill", "gpu_forward", "gpu_mla", "gpu_graph", "gpu_cascade"];
+const GPU_TESTS: &[&str] =
+    &["gpu_cache_write", "gpu_decode", "gpu_soundness", "gpu_prefill", "gpu_forward", "gpu_mla", "gpu_graph", "gpu_cascade"];
 const BENCH_BIN: &str = "attn-bench";
 const SIM_BIN: &str = "engine-sim";
 const STEP_BIN: &str = "step-bench";
@@ -16,22 +17,61 @@ const STEP_BIN: &str = "step-bench";
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs every GPU test, the benchmark, then the engine simulator. Needs only an NVIDIA driver.
 #   bundle/run.sh                 tests, benchmark (JSON to $OUT/bench.json if OUT is set), engine-sim
-#   SANITIZE=1 bundle/run.sh      also runs each GPU test under compute-sanitizer (memcheck)
+#   SANITIZE=1 bundle/run.sh      also runs each GPU test under compute-sanitizer: memcheck,
+#                                 racecheck and synccheck (ATTN_TEST_QUICK=1: a smaller matrix;
+#                                 any finding fails the run)
+#   SANITIZE=only bundle/run.sh   only the sanitizer runs (no plain test runs; BENCH, STEP and SIM
+#                                 default to 0)
+#   SANITIZE_TOOLS="synccheck"    these compute-sanitizer tools (default "memcheck racecheck synccheck")
+#   SANITIZE_TIMEOUT=540          seconds per sanitizer run (one tool over one test binary)
 #   BENCH_ARGS="--quick" bundle/run.sh   extra benchmark arguments
 #   TESTS="gpu_prefill" bundle/run.sh    only these test binaries (TESTS=none: no tests)
+#   TEST_ARGS="d64 --test-threads 1"     arguments to every test binary (a name filter: one case)
 #   BENCH=0 bundle/run.sh                no benchmark
 #   STEP=0 bundle/run.sh                 no step benchmark (cascade, CUDA graphs; STEP_ARGS="--quick")
 #   SIM=0 bundle/run.sh                  no engine-sim (SIM_ARGS="--model llama": its arguments)
+# A sanitizer pass over every binary with every tool takes longer than one 10-minute command:
+# run one tool (SANITIZE_TOOLS) over one binary (TESTS) at a time, e.g.
+#   SANITIZE=only SANITIZE_TOOLS=synccheck TESTS=gpu_prefill bundle/run.sh
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 status=0
+sanitize=${SANITIZE:-0}
+if [ "$sanitize" = only ]; then
+  BENCH=${BENCH:-0} STEP=${STEP:-0} SIM=${SIM:-0}
+fi
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+# One tool over one test binary; a finding exits 99 (--error-exitcode), a run past the time
+# limit 124.
+sanitize_run() {
+  local tool=$1 t=$2 opts rc
+  case $tool in
+    memcheck) opts=(--tool memcheck) ;;
+    racecheck) opts=(--tool racecheck --racecheck-report all) ;;
+    synccheck) opts=(--tool synccheck) ;;
+    *) opts=(--tool "$tool") ;;
+  esac
+  echo "== compute-sanitizer ${opts[*]} $(basename "$t")"
+  ATTN_TEST_QUICK=1 timeout "${SANITIZE_TIMEOUT:-540}" "$sanitizer" "${opts[@]}" --error-exitcode 99 --print-limit 20 \
+    "$t" ${TEST_ARGS:-}
+  rc=$?
+  if [ $rc = 0 ]; then
+    echo "== compute-sanitizer $tool $(basename "$t"): clean"
+  else
+    echo "== compute-sanitizer $tool $(basename "$t"): FAILED (exit $rc; 99: findings, 124: timed out)"
+    status=1
+  fi
+}
 for t in "$here"/tests/*; do
   case " ${TESTS:-$(basename "$t")} " in *" $(basename "$t") "*) ;; *) continue ;; esac
-  echo "== $(basename "$t")"
-  timeout 300 "$t" || status=1
-  if [ "${SANITIZE:-0}" = 1 ]; then
-    echo "== compute-sanitizer $(basename "$t")"
-    ATTN_TEST_QUICK=1 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 "$t" || status=1
+  if [ "$sanitize" != only ]; then
+    echo "== $(basename "$t")"
+    timeout 300 "$t" ${TEST_ARGS:-} || status=1
+  fi
+  if [ "$sanitize" != 0 ]; then
+    for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+      sanitize_run "$tool" "$t"
+    done
   fi
 done
 if [ "${BENCH:-1}" != 0 ]; then

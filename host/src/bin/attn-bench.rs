@@ -8,7 +8,9 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use host::cache_write::{concat_and_cache_mla, reshape_and_cache, KvScales, KvWrite, MlaWrite};
-use host::{AttnDevice, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, Result, RowsDesc};
+use host::{
+    AttnDevice, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, Result, RowsDesc,
+};
 use std::sync::Arc;
 
 struct Row {
@@ -223,7 +225,7 @@ struct DecodeShape {
 /// Paged decode; `planned` as in [`mla_row`].
 fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &mut DeviceStatus) -> Result<Row> {
     use host::batch_plan::{paged_decode_planned, BatchPlan};
-    use host::decode::{paged_decode, AttnOptions, DecodeArgs, DecodeBatch, DecodeWorkspace, SplitMode};
+    use host::decode::{paged_decode, AttnOptions, DecodeArgs, DecodeWorkspace, SplitMode};
     let s = &b.stream;
     let blocks_per_req = sh.context.div_ceil(sh.block_size);
     let num_blocks = sh.batch * blocks_per_req;
@@ -248,14 +250,14 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
     let q_rows = RowsDesc::contiguous(sh.batch, sh.q_heads, sh.head_size);
     let q = s.clone_htod(&random_values::<bf16>(q_rows.required_len(), 13, 1.0))?;
     let mut out: CudaSlice<bf16> = s.alloc_zeros(q_rows.required_len())?;
-    let (bt, sl, ql) = (s.clone_htod(&block_table)?, s.clone_htod(&seq_lens)?, s.clone_htod(&qsl)?);
+    let bt = s.clone_htod(&block_table)?;
     let (ks, vs) = (s.clone_htod(&[0.05f32])?, s.clone_htod(&[0.05f32])?);
     // The size `DecodeWorkspace::new` suggests (an oversized one made later rows slower).
     let partial_rows = 4 * dev().sm_count() as usize * 8 * sh.q_heads / sh.kv_heads;
     let mut ws = DecodeWorkspace::new(s, partial_rows, sh.head_size, sh.batch, sh.batch)?;
     let fp8 = C::DTYPE == host::DType::Fp8E4m3;
     let opts = AttnOptions::new(sh.head_size);
-    let batch = DecodeBatch { seq_lens: &seq_lens, query_start_loc: &qsl };
+    let batch = BatchMetadata::new(s, &seq_lens, &qsl)?;
     let mut bp = BatchPlan::new(s)?;
     let mut chunk = 0;
     // `ATTN_BENCH_DECODE_SPLITS=n`: n splits a request (experiments; the planner's otherwise).
@@ -272,8 +274,6 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
             spec,
             block_table: DevIn::new(&bt, s),
             block_table_stride: blocks_per_req,
-            seq_lens: DevIn::new(&sl, s),
-            query_start_loc: DevIn::new(&ql, s),
             out: DevOut::new(&mut out, s),
             out_rows: q_rows,
             lse: None,
@@ -317,7 +317,7 @@ struct PrefillShape {
 /// head_size * attended pairs.
 fn prefill_row(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Result<Row> {
     use host::decode::AttnOptions;
-    use host::prefill::{prefill, PrefillArgs, PrefillBatch, PrefillKv, PrefillOptions, PrefillWorkspace};
+    use host::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
     let s = &b.stream;
     let block_size = 16;
     let seq = sh.cached + sh.q_len;
@@ -332,10 +332,10 @@ fn prefill_row(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Resul
     let q_rows = RowsDesc::contiguous(nt, sh.q_heads, sh.head_size);
     let q = random_device::<bf16>(s, q_rows.required_len(), 23)?;
     let mut out: CudaSlice<bf16> = s.alloc_zeros(q_rows.required_len())?;
-    let (bt, sl, ql) = (s.clone_htod(&block_table)?, s.clone_htod(&seq_lens)?, s.clone_htod(&qsl)?);
+    let bt = s.clone_htod(&block_table)?;
     let mut ws = PrefillWorkspace::new(s, nt, sh.batch, sh.q_heads / sh.kv_heads)?;
     let opts = PrefillOptions { attn: AttnOptions::new(sh.head_size), causal: true };
-    let batch = PrefillBatch { query_start_loc: &qsl, seq_lens: &seq_lens, key_start_loc: None };
+    let batch = BatchMetadata::new(s, &seq_lens, &qsl)?;
     let us = b.time(|| {
         prefill(
             dev(),
@@ -348,9 +348,7 @@ fn prefill_row(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Resul
                     spec,
                     block_table: DevIn::new(&bt, s),
                     block_table_stride: blocks_per_req,
-                    seq_lens: DevIn::new(&sl, s),
                 },
-                query_start_loc: DevIn::new(&ql, s),
                 out: DevOut::new(&mut out, s),
                 out_rows: q_rows,
                 lse: None,
@@ -490,7 +488,7 @@ fn mla_row<C: Element>(
     status: &mut DeviceStatus,
 ) -> Result<Row> {
     use host::batch_plan::{mla_attention_planned, BatchPlan};
-    use host::decode::{AttnOptions, DecodeBatch, DecodeWorkspace, SplitMode};
+    use host::decode::{AttnOptions, DecodeWorkspace, SplitMode};
     use host::layout::MlaCacheSpec;
     use host::mla::{mla_attention, MlaArgs};
     let s = &b.stream;
@@ -507,10 +505,10 @@ fn mla_row<C: Element>(
     let (q_rows, out_rows) = (RowsDesc::contiguous(batch, heads, 576), RowsDesc::contiguous(batch, heads, 512));
     let q = s.clone_htod(&random_values::<bf16>(q_rows.required_len(), 33, 1.0))?;
     let mut out: CudaSlice<bf16> = s.alloc_zeros(out_rows.required_len())?;
-    let (bt, sl, ql) = (s.clone_htod(&block_table)?, s.clone_htod(&seq_lens)?, s.clone_htod(&qsl)?);
+    let bt = s.clone_htod(&block_table)?;
     // The size `DecodeWorkspace::new` suggests (a 2-16 GB one made rows measured after it slower).
     let mut ws = DecodeWorkspace::new(s, 4 * dev().sm_count() as usize * 8 * heads, 512, batch, batch)?;
-    let batch_meta = DecodeBatch { seq_lens: &seq_lens, query_start_loc: &qsl };
+    let batch_meta = BatchMetadata::new(s, &seq_lens, &qsl)?;
     let mut bp = BatchPlan::new(s)?;
     let planned_once = bp.plan_mla(dev(), &batch_meta, host::DType::BF16, C::DTYPE, heads, SplitMode::Auto, &ws)?;
     let (mut chunk, mut cluster) = (planned_once.chunk, planned_once.cluster);
@@ -522,8 +520,6 @@ fn mla_row<C: Element>(
             spec,
             block_table: DevIn::new(&bt, s),
             block_table_stride: blocks_per_req,
-            seq_lens: DevIn::new(&sl, s),
-            query_start_loc: DevIn::new(&ql, s),
             out: DevOut::new(&mut out, s),
             out_rows,
             lse: None,

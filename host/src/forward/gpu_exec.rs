@@ -6,24 +6,26 @@
 use super::cascade_exec::CascadeScratch;
 use super::config::ForwardConfig;
 use super::graph::{GraphBucket, GraphPlanner};
+use super::held::Held;
 use super::io::CacheSpec;
 use super::io::{GpuLayer, Layer, NewKv};
 use super::step::{DeviceStep, StepMetadata};
 use super::step_plan::{PlanKind, StepPlanner};
 use super::timing::Timer;
 use super::validate::Parts;
-use crate::buffer::DevIn;
-use crate::cache_write::{concat_and_cache_mla, reshape_and_cache, KvScales, KvWrite, MlaWrite};
+use crate::batch::DeviceBatch;
+use crate::buffer::{DevIn, KeepAlive};
+use crate::cache_write::{concat_and_cache_mla_from, reshape_and_cache_from, KvScales, KvWrite, MlaWrite};
 use crate::decode::{
-    decode_tc_kernel, merge_attn_states, paged_decode_from, DecodeArgs, DecodeBatch, DecodeWorkspace, MergeArgs, PlanSource, SplitMode,
+    decode_tc_kernel, merge_attn_states_from, paged_decode_from, DecodeArgs, DecodeBatch, DecodeWorkspace, MergeArgs, PlanSource, SplitMode,
 };
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
 use crate::layout::{KvCacheSpec, MlaCacheSpec, RowsDesc};
 use crate::metadata::{CascadeMode, PlanConfig, StagingLayout, StagingSizes};
-use crate::mla::{mla_attention, mla_attention_from, mla_tc_kernel, MlaArgs};
-use crate::prefill::{prefill, PrefillArgs, PrefillBatch, PrefillKv, PrefillOptions, PrefillWorkspace};
+use crate::mla::{mla_attention_from, mla_tc_kernel, MlaArgs};
+use crate::prefill::{prefill_from, PrefillArgs, PrefillBatch, PrefillKv, PrefillOptions, PrefillWorkspace};
 use crate::status::DeviceStatus;
 use cudarc::driver::{CudaEvent, CudaStream};
 use std::sync::Arc;
@@ -33,15 +35,20 @@ use std::sync::Arc;
 pub(crate) const MAX_PREFILL_ROWS: usize = 16 * 65536;
 
 /// The device, stream, workspaces and status word of a GPU [`Attention`](super::Attention).
+///
+/// What a captured graph's kernels use is [`Held`]: a graph takes a handle to each
+/// ([`keep_alive`](Self::keep_alive)), so that dropping the `Attention` frees none of it while
+/// the graph lives. The cascade scratch is not: it grows (reallocates), and graph steps never
+/// cascade.
 pub(crate) struct GpuExec {
     pub(crate) dev: Arc<AttnDevice>,
     pub(crate) stream: Arc<CudaStream>,
-    decode_ws: DecodeWorkspace,
-    prefill_ws: PrefillWorkspace,
+    decode_ws: Held<DecodeWorkspace>,
+    prefill_ws: Held<PrefillWorkspace>,
     cascade_scratch: CascadeScratch,
     /// Cascade's shared prefix runs here, beside the suffixes on the main stream.
-    side: Option<SideStream>,
-    pub(crate) status: DeviceStatus,
+    side: Held<Option<SideStream>>,
+    status: Held<DeviceStatus>,
 }
 
 /// A second stream with its own split-K workspace and status word (so that nothing the two
@@ -72,7 +79,7 @@ impl SideStream {
 impl GpuExec {
     /// Waits for both streams and reports what the kernels refused (see `DeviceStatus`).
     pub(crate) fn check_status(&mut self) -> Result<()> {
-        if let Some(side) = &mut self.side {
+        if let Some(side) = &mut *self.side {
             side.status.check(&side.stream)?;
         }
         self.status.check(&self.stream)
@@ -110,7 +117,21 @@ impl GpuExec {
             _ if !standard => None,
             _ => Some(SideStream::new(&stream, partial_rows, v_width, l.max_num_reqs, l.max_num_tokens)?),
         };
-        Ok(GpuExec { dev, stream, decode_ws, prefill_ws, cascade_scratch: CascadeScratch::default(), side, status })
+        Ok(GpuExec {
+            dev,
+            stream,
+            decode_ws: Held::new(decode_ws),
+            prefill_ws: Held::new(prefill_ws),
+            cascade_scratch: CascadeScratch::default(),
+            side: Held::new(side),
+            status: Held::new(status),
+        })
+    }
+
+    /// Handles to everything of this executor a captured graph uses (the device, whose modules
+    /// hold the kernels; the workspaces, merge counters and status words): the graph keeps them.
+    pub(crate) fn keep_alive(&self) -> Vec<KeepAlive> {
+        vec![self.dev.clone(), self.decode_ws.keep_alive(), self.prefill_ws.keep_alive(), self.side.keep_alive(), self.status.keep_alive()]
     }
 
     /// The metadata builder's config (its checks and split; its decode plan is skipped).
@@ -223,7 +244,7 @@ impl GpuExec {
             spec: *spec,
             scales: scales(),
         };
-        reshape_and_cache(&self.dev, stream, write, &mut self.status)?;
+        reshape_and_cache_from(&self.dev, stream, write, &mut self.status)?;
         let written = timer.mark(Some(stream))?;
 
         let cache = cache.as_input();
@@ -271,8 +292,6 @@ impl GpuExec {
                     spec: *spec,
                     block_table: part.block_table.tail(skip),
                     block_table_stride: stride,
-                    seq_lens: if cascade.is_some() { suffix_lens(0, nd) } else { part.seq_lens },
-                    query_start_loc: part.query_start_loc,
                     out: target.tail_mut(0),
                     out_rows: RowsDesc { num_tokens: ndt, ..out_rows },
                     lse: target_lse.as_mut().map(|l| l.tail_mut(0)),
@@ -280,8 +299,14 @@ impl GpuExec {
                     sinks: sinks.as_ref().map(|b| b.tail(0)),
                     scales: scales(),
                 };
+                let meta = DeviceBatch {
+                    seq_lens: if cascade.is_some() { suffix_lens(0, nd) } else { part.seq_lens },
+                    query_start_loc: part.query_start_loc,
+                    key_start_loc: None,
+                };
                 let source = graph_plan.as_ref().map_or(PlanSource::Host(config.split_mode), PlanSource::Device);
-                paged_decode_from(&self.dev, stream, args, &batch, &config.opts, source, true, &mut self.decode_ws, &mut self.status)?;
+                let (opts, ws) = (&config.opts, &mut self.decode_ws);
+                paged_decode_from(&self.dev, stream, args, &batch, meta, opts, source, true, ws, &mut self.status)?;
             }
             if np > 0 {
                 let part = views.prefills(np);
@@ -297,9 +322,7 @@ impl GpuExec {
                         spec: *spec,
                         block_table: part.block_table.tail(skip),
                         block_table_stride: stride,
-                        seq_lens: if cascade.is_some() { suffix_lens(nd, np) } else { part.seq_lens },
                     },
-                    query_start_loc: part.query_start_loc,
                     out: target.tail_mut(ndt * out_rows.token_stride),
                     out_rows: RowsDesc { num_tokens: npt, ..out_rows },
                     lse: target_lse.as_mut().map(|l| l.tail_mut(ndt * hq)),
@@ -307,8 +330,13 @@ impl GpuExec {
                     sinks: sinks.as_ref().map(|b| b.tail(0)),
                     scales: scales(),
                 };
+                let meta = DeviceBatch {
+                    seq_lens: if cascade.is_some() { suffix_lens(nd, np) } else { part.seq_lens },
+                    query_start_loc: part.query_start_loc,
+                    key_start_loc: None,
+                };
                 let opts = PrefillOptions { attn: config.opts, causal: true };
-                prefill(&self.dev, stream, args, &batch, &opts, &mut self.prefill_ws, &mut self.status)?;
+                prefill_from(&self.dev, stream, args, &batch, meta, &opts, &mut self.prefill_ws, &mut self.status)?;
             }
         }
         if let (Some(prefix), Some(t), Some(cp)) = (cascade, &targets, cascade_plans) {
@@ -322,8 +350,6 @@ impl GpuExec {
                 spec: *spec,
                 block_table: views.first_row(),
                 block_table_stride: stride,
-                seq_lens: DevIn::owned(cp.prefix_seq_len, 1, DType::I32),
-                query_start_loc: DevIn::owned(cp.prefix_query_start_loc, 2, DType::I32),
                 out: prefix_out,
                 out_rows: all_out_rows,
                 lse: Some(prefix_lse),
@@ -334,8 +360,14 @@ impl GpuExec {
             let (lens, qsl) = ([prefix.tokens as i32], [0, nt as i32]);
             let batch = DecodeBatch { seq_lens: &lens, query_start_loc: &qsl };
             let source = cp.prefix.as_ref().map_or(PlanSource::Host(SplitMode::Auto), PlanSource::Device);
+            let meta = DeviceBatch {
+                seq_lens: DevIn::owned(cp.prefix_seq_len, 1, DType::I32),
+                query_start_loc: DevIn::owned(cp.prefix_query_start_loc, 2, DType::I32),
+                key_start_loc: None,
+            };
             let side = self.side.as_mut().expect("cascade configs have a side stream");
-            paged_decode_from(&self.dev, &side.stream, args, &batch, &config.opts, source, false, &mut side.ws, &mut side.status)?;
+            let (opts, ws) = (&config.opts, &mut side.ws);
+            paged_decode_from(&self.dev, &side.stream, args, &batch, meta, opts, source, false, ws, &mut side.status)?;
             side.join.record(&side.stream)?;
             stream.wait(&side.join)?;
             let [prefix_out, prefix_lse, suffix_out, suffix_lse] = t.partials();
@@ -349,7 +381,7 @@ impl GpuExec {
                 rows: all_out_rows,
                 lse_strides: (hq, 1),
             };
-            merge_attn_states(&self.dev, stream, merge)?;
+            merge_attn_states_from(&self.dev, stream, merge)?;
         }
         let end = timer.mark(Some(stream))?;
         timer.layer([start, written, end]);
@@ -401,7 +433,7 @@ impl GpuExec {
             spec: *spec,
             scale: kv_scales.as_ref().map(|(k, _)| k.tail(0)),
         };
-        concat_and_cache_mla(&self.dev, stream, write, &mut self.status)?;
+        concat_and_cache_mla_from(&self.dev, stream, write, &mut self.status)?;
         let written = timer.mark(Some(stream))?;
 
         let cache = cache.as_input();
@@ -415,15 +447,15 @@ impl GpuExec {
                 spec: *spec,
                 block_table: part.block_table,
                 block_table_stride: stride,
-                seq_lens: part.seq_lens,
-                query_start_loc: part.query_start_loc,
                 out: out.tail_mut(0),
                 out_rows: RowsDesc { num_tokens: ndt, ..out_rows },
                 lse: None,
                 scales: scales(),
             };
+            let meta = DeviceBatch { seq_lens: part.seq_lens, query_start_loc: part.query_start_loc, key_start_loc: None };
             let source = graph_plan.as_ref().map_or(PlanSource::Host(config.split_mode), PlanSource::Device);
-            mla_attention_from(&self.dev, stream, args, &parts.decode, scale, source, &mut self.decode_ws, &mut self.status)?;
+            let ws = &mut self.decode_ws;
+            mla_attention_from(&self.dev, stream, args, &parts.decode, meta, scale, source, ws, &mut self.status)?;
         }
         if np > 0 {
             let part = views.prefills(np);
@@ -434,15 +466,15 @@ impl GpuExec {
                 spec: *spec,
                 block_table: part.block_table,
                 block_table_stride: stride,
-                seq_lens: part.seq_lens,
-                query_start_loc: part.query_start_loc,
                 out: out.tail_mut(ndt * out_rows.token_stride),
                 out_rows: RowsDesc { num_tokens: npt, ..out_rows },
                 lse: None,
                 scales: scales(),
             };
             let batch = DecodeBatch { seq_lens: parts.prefill.seq_lens, query_start_loc: parts.prefill.query_start_loc };
-            mla_attention(&self.dev, stream, args, &batch, scale, config.split_mode, &mut self.decode_ws, &mut self.status)?;
+            let meta = DeviceBatch { seq_lens: part.seq_lens, query_start_loc: part.query_start_loc, key_start_loc: None };
+            let (source, ws) = (PlanSource::Host(config.split_mode), &mut self.decode_ws);
+            mla_attention_from(&self.dev, stream, args, &batch, meta, scale, source, ws, &mut self.status)?;
         }
         let end = timer.mark(Some(stream))?;
         timer.layer([start, written, end]);

@@ -119,7 +119,7 @@ impl StepPlanner {
             let tc = self.kernel(max_q, lens)?;
             let batch = DecodeBatch { seq_lens: lens, query_start_loc: qsl };
             let plan = plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.mode, self.partial_capacity);
-            decode = Some((append_plan(&mut words, &plan), tc.name, plan.items.len() / 2, plan.needs_merge()));
+            decode = Some((append_plan(&mut words, &plan), tc, plan.items.len() / 2, plan.needs_merge()));
         }
         let mut prefix = None;
         if let Some(p) = cascade {
@@ -127,7 +127,7 @@ impl StepPlanner {
             let tc = self.kernel(nt as u32, &lens)?;
             let batch = DecodeBatch { seq_lens: &lens, query_start_loc: &qsl };
             let plan = plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.mode, self.partial_capacity);
-            prefix = Some((append_plan(&mut words, &plan), tc.name, plan.items.len() / 2, plan.needs_merge()));
+            prefix = Some((append_plan(&mut words, &plan), tc, plan.items.len() / 2, plan.needs_merge()));
         }
         if self.staging.len() < words.len() {
             // A step larger than any before: grow both buffers (eager steps only; the copy out
@@ -142,8 +142,9 @@ impl StepPlanner {
         uploaded?;
         let base = self.device.device_ptr(&self.stream).0;
         let at = |r: Region| base + r.byte_offset() as u64;
-        let device_plan = |(r, kernel, items, needs_merge): (PlanRegions, String, usize, bool)| DevicePlan {
-            kernel,
+        let device_plan = |(r, tc, items, needs_merge): (PlanRegions, TcKernel, usize, bool)| DevicePlan {
+            kernel: tc.name,
+            layer: tc.layer,
             items: at(r.items),
             req_num_splits: at(r.req_num_splits),
             req_partial_base: at(r.req_partial_base),

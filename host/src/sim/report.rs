@@ -121,11 +121,23 @@ impl SimReport {
         }
     }
 
-    /// One line about the run about to start.
+    /// What the checks can find. The CPU backend computes attention with the reference's own
+    /// code, so there a check finds only what differs before that code: which rows reached the
+    /// cache, the block tables, positions and batch layout.
+    pub fn check_scope(&self) -> &'static str {
+        if self.on_gpu {
+            "the backend's attention and bookkeeping"
+        } else {
+            "bookkeeping only: the CPU backend runs the reference's attention code, so its arithmetic is not checked"
+        }
+    }
+
+    /// One line about the run about to start (two on the CPU backend: what its checks cover).
     pub fn header(&self) -> String {
         let place = if self.on_gpu { "GPU" } else { "CPU (host::cpu, the reference implementation)" };
+        let scope = if self.on_gpu { String::new() } else { format!("\n   checks: {}", self.check_scope()) };
         format!(
-            "== {} [{}]: {}\n   backend {} on the {place}; {} of {} layers, {} blocks per layer ({} of KV cache); {} requests",
+            "== {} [{}]: {}\n   backend {} on the {place}; {} of {} layers, {} blocks per layer ({} of KV cache); {} requests{scope}",
             self.model,
             self.backend,
             self.model_config,
@@ -181,7 +193,8 @@ impl SimReport {
             "  check against the CPU reference: none made".to_string()
         } else {
             format!(
-                "  check against the CPU reference: {} comparisons ({} query tokens) in layers {:?}, max rel error {:.2e} (tolerance {:.0e}) in {:.2} s: {}",
+                "  check against the CPU reference ({}): {} comparisons ({} query tokens) in layers {:?}, max rel error {:.2e} (tolerance {:.0e}) in {:.2} s: {}",
+                self.check_scope(),
                 c.comparisons,
                 c.tokens,
                 self.check_layers,

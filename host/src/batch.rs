@@ -1,0 +1,240 @@
+//! A batch's request metadata as the attention ops take it: the host arrays the library plans
+//! and checks with, and the device copy the kernels index with, uploaded by the library itself
+//! from those host arrays.
+//!
+//! Why a type of its own: the kernels use `query_start_loc`, `seq_lens` and `key_start_loc`
+//! as row and key indices. A device copy handed in by the caller could say something other than
+//! the host copy the call was checked against (a longer request, a later start), and the kernels
+//! would then read or write past the buffers the host checked. [`BatchMetadata`] makes the two
+//! copies one value: no safe code can change one without the other. `forward` needs none of
+//! this: its [`StepMetadata`](crate::forward::StepMetadata) uploads its own arrays the same way.
+
+use crate::buffer::DevIn;
+use crate::decode::DecodeBatch;
+use crate::dtype::DType;
+use crate::error::{ensure, Result};
+use crate::prefill::PrefillBatch;
+use crate::stream_check::check_stream;
+use cudarc::driver::{CudaSlice, CudaStream};
+use std::sync::Arc;
+
+/// Request metadata of one batch, host and device copies, on one stream.
+///
+/// The ops take no device metadata of the caller's: an argument block that would carry one
+/// does not compile.
+///
+/// ```compile_fail
+/// # fn f(start_locations: host::DevIn<'_>, a: host::decode::DecodeArgs<'_>) {
+/// let a = host::decode::DecodeArgs { query_start_loc: start_locations, ..a };
+/// # }
+/// ```
+///
+/// ```no_run
+/// # fn demo(stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> host::Result<()> {
+/// use host::batch::BatchMetadata;
+/// // Two requests: 1 new token over 40 keys, 3 new tokens over 3 keys.
+/// let mut batch = BatchMetadata::new(stream, &[40, 3], &[0, 1, 4])?;
+/// // Next step: the same buffer, new contents (it grows when a batch needs more).
+/// batch.update(&[41, 4], &[0, 1, 2], None)?;
+/// # Ok(()) }
+/// ```
+pub struct BatchMetadata {
+    stream: Arc<CudaStream>,
+    seq_lens: Vec<i32>,
+    query_start_loc: Vec<i32>,
+    key_start_loc: Option<Vec<i32>>,
+    /// `seq_lens`, then `query_start_loc`, then `key_start_loc` when present.
+    device: CudaSlice<i32>,
+    words: Vec<i32>,
+}
+
+/// The device copies of a batch's arrays, as the kernels get them: uploaded by the library from
+/// the host arrays the call checked (from a [`BatchMetadata`], or `forward`'s step buffer).
+pub(crate) struct DeviceBatch<'a> {
+    pub seq_lens: DevIn<'a>,
+    pub query_start_loc: DevIn<'a>,
+    /// Packed K/V prefill only.
+    pub key_start_loc: Option<DevIn<'a>>,
+}
+
+impl std::fmt::Debug for BatchMetadata {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchMetadata")
+            .field("seq_lens", &self.seq_lens)
+            .field("query_start_loc", &self.query_start_loc)
+            .field("key_start_loc", &self.key_start_loc)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DeviceBatch<'_> {
+    /// Checks that the device arrays hold `num_reqs` requests (they are the library's own
+    /// uploads of the host arrays, so this guards the library's bookkeeping).
+    pub(crate) fn check(&self, num_reqs: usize) -> Result<()> {
+        let ok = |b: &DevIn<'_>, len: usize| b.dtype == DType::I32 && b.len >= len;
+        ensure(ok(&self.seq_lens, num_reqs), "seq_lens", || format!("device copy must be {num_reqs} i32"))?;
+        ensure(ok(&self.query_start_loc, num_reqs + 1), "query_start_loc", || format!("device copy must be {} i32", num_reqs + 1))?;
+        match &self.key_start_loc {
+            Some(k) => ensure(ok(k, num_reqs + 1), "key_start_loc", || format!("device copy must be {} i32", num_reqs + 1)),
+            None => Ok(()),
+        }
+    }
+}
+
+impl BatchMetadata {
+    /// Checks the arrays (see [`update`](Self::update)) and uploads them on `stream`, the
+    /// stream every op that takes this batch must run on.
+    pub fn new(stream: &Arc<CudaStream>, seq_lens: &[i32], query_start_loc: &[i32]) -> Result<Self> {
+        let mut b = BatchMetadata {
+            stream: stream.clone(),
+            seq_lens: Vec::new(),
+            query_start_loc: Vec::new(),
+            key_start_loc: None,
+            device: stream.alloc_zeros(2 * seq_lens.len() + 2)?,
+            words: Vec::new(),
+        };
+        b.update(seq_lens, query_start_loc, None)?;
+        Ok(b)
+    }
+
+    /// A batch of packed K/V prefills: request r's keys are rows
+    /// `key_start_loc[r]..key_start_loc[r + 1]` of the packed tensors.
+    pub fn with_key_start_loc(stream: &Arc<CudaStream>, seq_lens: &[i32], query_start_loc: &[i32], key_start_loc: &[i32]) -> Result<Self> {
+        let mut b = Self::new(stream, seq_lens, query_start_loc)?;
+        b.update(seq_lens, query_start_loc, Some(key_start_loc))?;
+        Ok(b)
+    }
+
+    /// Replaces the batch (one copy, enqueued on the batch's stream after the work already
+    /// enqueued there, so earlier launches still read the earlier batch). Checked here: one
+    /// length per request, `query_start_loc` of `num_reqs + 1` entries from 0 and never
+    /// decreasing, no negative length, and `key_start_loc` (when given) from 0 with steps equal
+    /// to the lengths. What depends on the layer (tokens, block-table width, the queries a
+    /// kernel takes per request) is checked by each op.
+    pub fn update(&mut self, seq_lens: &[i32], query_start_loc: &[i32], key_start_loc: Option<&[i32]>) -> Result<()> {
+        check_arrays(seq_lens, query_start_loc, key_start_loc)?;
+        self.words.clear();
+        self.words.extend_from_slice(seq_lens);
+        self.words.extend_from_slice(query_start_loc);
+        if let Some(k) = key_start_loc {
+            self.words.extend_from_slice(k);
+        }
+        if self.device.len() < self.words.len() {
+            self.device = self.stream.alloc_zeros(self.words.len().next_power_of_two())?;
+        }
+        // A copy that failed to enqueue leaves the device contents unknown: the batch becomes
+        // empty on the host too, so that no launch uses the two copies together.
+        let copied = self.stream.memcpy_htod(&self.words[..], &mut self.device.slice_mut(..self.words.len()));
+        if let Err(e) = copied {
+            self.seq_lens.clear();
+            self.query_start_loc.clear();
+            self.query_start_loc.push(0);
+            self.key_start_loc = None;
+            return Err(e.into());
+        }
+        self.seq_lens.clear();
+        self.seq_lens.extend_from_slice(seq_lens);
+        self.query_start_loc.clear();
+        self.query_start_loc.extend_from_slice(query_start_loc);
+        self.key_start_loc = key_start_loc.map(<[i32]>::to_vec);
+        Ok(())
+    }
+
+    pub fn num_reqs(&self) -> usize {
+        self.seq_lens.len()
+    }
+
+    /// Query tokens of the batch (`query_start_loc`'s last entry).
+    pub fn num_tokens(&self) -> usize {
+        self.query_start_loc.last().map_or(0, |&n| n as usize)
+    }
+
+    pub fn seq_lens(&self) -> &[i32] {
+        &self.seq_lens
+    }
+
+    pub fn query_start_loc(&self) -> &[i32] {
+        &self.query_start_loc
+    }
+
+    pub fn key_start_loc(&self) -> Option<&[i32]> {
+        self.key_start_loc.as_deref()
+    }
+
+    /// The stream the batch was uploaded on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The host arrays, as decode plans them.
+    pub fn decode_batch(&self) -> DecodeBatch<'_> {
+        DecodeBatch { seq_lens: &self.seq_lens, query_start_loc: &self.query_start_loc }
+    }
+
+    /// The host arrays, as prefill plans them.
+    pub fn prefill_batch(&self) -> PrefillBatch<'_> {
+        PrefillBatch { query_start_loc: &self.query_start_loc, seq_lens: &self.seq_lens, key_start_loc: self.key_start_loc.as_deref() }
+    }
+
+    /// The device copies, for a launch on `stream` (which must be the batch's).
+    pub(crate) fn device(&self, stream: &Arc<CudaStream>) -> Result<DeviceBatch<'_>> {
+        check_stream("batch", &self.stream, stream)?;
+        #[cfg(debug_assertions)]
+        self.verify_device_copy()?;
+        let n = self.seq_lens.len();
+        // Taken without cudarc's per-use events: every use is on the batch's own stream.
+        let base = DevIn::owned(self.device_base(), self.device.len(), DType::I32);
+        let at = |offset: usize, len: usize| DevIn::owned(base.ptr + 4 * offset as u64, len, DType::I32);
+        Ok(DeviceBatch {
+            seq_lens: at(0, n),
+            query_start_loc: at(n, n + 1),
+            key_start_loc: self.key_start_loc.as_ref().map(|_| at(2 * n + 1, n + 1)),
+        })
+    }
+
+    /// Checked mode (debug builds): reads the device copy back and compares it with the host
+    /// arrays before a launch uses them. It synchronises the stream, so it is skipped while the
+    /// stream is being captured into a graph.
+    #[cfg(debug_assertions)]
+    fn verify_device_copy(&self) -> Result<()> {
+        use cudarc::driver::sys::CUstreamCaptureStatus;
+        if self.stream.capture_status()? != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            return Ok(());
+        }
+        let n = self.seq_lens.len() + self.query_start_loc.len() + self.key_start_loc.as_ref().map_or(0, Vec::len);
+        let mut back = vec![0i32; n];
+        self.stream.memcpy_dtoh(&self.device.slice(..n), &mut back)?;
+        self.stream.synchronize()?;
+        let host = self.seq_lens.iter().chain(&self.query_start_loc).chain(self.key_start_loc.iter().flatten());
+        match back.iter().zip(host).position(|(d, h)| d != h) {
+            None => Ok(()),
+            Some(i) => Err(crate::error::AttnError::invalid("batch", format!("device copy differs from the host arrays at word {i}"))),
+        }
+    }
+
+    fn device_base(&self) -> u64 {
+        use cudarc::driver::DevicePtr;
+        self.device.device_ptr(&self.stream).0
+    }
+}
+
+/// The structural checks of [`BatchMetadata::update`], with 64-bit arithmetic throughout.
+fn check_arrays(seq_lens: &[i32], qsl: &[i32], ksl: Option<&[i32]>) -> Result<()> {
+    let n = seq_lens.len();
+    ensure(qsl.len() == n + 1, "query_start_loc", || format!("has {} entries for {n} requests (needs {})", qsl.len(), n + 1))?;
+    ensure(qsl[0] == 0, "query_start_loc", || format!("starts at {}, not 0", qsl[0]))?;
+    for r in 0..n {
+        ensure(qsl[r + 1] >= qsl[r], "query_start_loc", || format!("decreases at request {r} ({} -> {})", qsl[r], qsl[r + 1]))?;
+        ensure(seq_lens[r] >= 0, "seq_lens", || format!("request {r} has length {}", seq_lens[r]))?;
+    }
+    if let Some(k) = ksl {
+        ensure(k.len() == n + 1 && k[0] == 0, "key_start_loc", || format!("must have {} entries starting at 0, has {}", n + 1, k.len()))?;
+        for r in 0..n {
+            let step = k[r + 1] as i64 - k[r] as i64;
+            ensure(step == seq_lens[r] as i64, "key_start_loc", || {
+                format!("request {r} spans {step} key rows but has length {}", seq_lens[r])
+            })?;
+        }
+    }
+    Ok(())
+}
