@@ -312,22 +312,59 @@ pub(crate) fn refuse_foreign_capture(stream: &CudaStream, arg: &'static str, wha
 /// cross-stream event tracking off for the duration (one stream needs none, and its event
 /// waits would break the capture).
 pub(crate) fn capture_stream(stream: &Arc<CudaStream>, record: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
-    let ctx = stream.context();
-    let tracking = ctx.is_event_tracking();
-    // SAFETY: only this stream is used while tracking is off; it is restored below.
-    unsafe { ctx.disable_event_tracking() };
-    let result = (|| {
+    let _tracking_off = TrackingOff::begin(stream);
+    (|| {
         stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
         let recorded = record();
         let graph = stream.end_capture(CUgraphInstantiate_flags(0));
         recorded?;
         graph?.ok_or_else(|| AttnError::invalid("record", "captured nothing"))
-    })();
-    if tracking {
-        // SAFETY: restores the context's earlier setting.
-        unsafe { ctx.enable_event_tracking() };
+    })()
+}
+
+/// Event tracking is a setting of the whole context: with captures in several threads at once,
+/// the first one to end must not turn it back on under the others (their next event wait on an
+/// uncaptured stream would invalidate their capture). Off while any capture runs, restored by
+/// the last one to end.
+struct TrackingOff {
+    ctx: Arc<cudarc::driver::CudaContext>,
+}
+
+/// Per context (its handle): captures in progress, and whether tracking was on before the first.
+static TRACKING_OFF: std::sync::Mutex<Vec<(usize, usize, bool)>> = std::sync::Mutex::new(Vec::new());
+
+impl TrackingOff {
+    fn begin(stream: &Arc<CudaStream>) -> Self {
+        let ctx = stream.context().clone();
+        let key = ctx.cu_ctx() as usize;
+        let mut all = TRACKING_OFF.lock().unwrap_or_else(|e| e.into_inner());
+        match all.iter_mut().find(|e| e.0 == key) {
+            Some(e) => e.1 += 1,
+            None => {
+                all.push((key, 1, ctx.is_event_tracking()));
+                // SAFETY: a capture uses only its own stream while tracking is off; restored by
+                // the last capture's `drop`.
+                unsafe { ctx.disable_event_tracking() };
+            }
+        }
+        TrackingOff { ctx }
     }
-    result
+}
+
+impl Drop for TrackingOff {
+    fn drop(&mut self) {
+        let key = self.ctx.cu_ctx() as usize;
+        let mut all = TRACKING_OFF.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(i) = all.iter().position(|e| e.0 == key) else { return };
+        all[i].1 -= 1;
+        if all[i].1 == 0 {
+            let (_, _, was_on) = all.swap_remove(i);
+            if was_on {
+                // SAFETY: restores the context's setting from before the first capture.
+                unsafe { self.ctx.enable_event_tracking() };
+            }
+        }
+    }
 }
 
 /// What a capture collects: the step being captured (its device buffer's handle) and a handle
