@@ -128,8 +128,8 @@ pub fn bundle() -> Result<(), String> {
     let script = out.join("run.sh");
     std::fs::write(&script, RUN_SH).map_err(|e| e.to_string())?;
     run(Command::new("chmod").arg("+x").arg(&script))?;
-    // The same folder compressed (the embedded PTX compresses ~5x): what the device tool
-    // carries, since its working tree is limited to 64 MiB.
+    // The same folder compressed (the embedded PTX compresses ~5x): what is copied to a GPU
+    // machine, small enough to travel with the source tree.
     let dist = root.join("bundle-dist");
     let _ = std::fs::remove_dir_all(&dist);
     std::fs::create_dir_all(&dist).map_err(|e| e.to_string())?;
