@@ -135,7 +135,7 @@ pub fn bundle() -> Result<(), String> {
     std::fs::create_dir_all(&dist).map_err(|e| e.to_string())?;
     // xz with a 64 MiB window: every binary embeds the same PTX and SASS (~37 MB each), and a
     // window longer than a binary finds the repeats across files (7 MB; xz's default 8 MiB
-    // window gave 30 MB, which with the tree passed the device's 64 MiB carry limit).
+    // window gave 30 MB).
     run(Command::new("tar").current_dir(&root).env("XZ_OPT", "--lzma2=preset=6,dict=64MiB -T0").args([
         "cJf",
         "bundle-dist/bundle.tar.xz",
