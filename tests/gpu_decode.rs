@@ -169,19 +169,7 @@ fn decode_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
         .into());
     }
     // Row by row too: one row wrong alone (a key masked wrongly) hardly moves the global norm.
-    let worst = max_row_error(&got, &want.out, d);
-    if !worst.within(row_tolerance(Q::DTYPE)) {
-        return Err(format!(
-            "row relative error {:.2e} > {:.0e} at token {}, head {} (plan: chunk {}, {} items)",
-            worst.err,
-            row_tolerance(Q::DTYPE),
-            worst.row / hq,
-            worst.row % hq,
-            plan.chunk,
-            plan.items.len()
-        )
-        .into());
-    }
+    check_rows(&got, &want.out, d, hq, Q::DTYPE).map_err(|e| format!("{e} (plan: chunk {}, {} items)", plan.chunk, plan.items.len()))?;
     check_lse(&lse[..nt * hq], &want.lse[..nt * hq], hq)?;
     check_block_status(flags, &want, &block_table, stride, num_blocks, true)?;
     Ok(())

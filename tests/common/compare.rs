@@ -63,6 +63,22 @@ pub fn row_errors<'a>(got: &'a [f64], want: &'a [f64], row_len: usize) -> impl I
     })
 }
 
+/// Fails unless every row of `got` (rows of `row_len`, `heads` rows a token) is within the row
+/// tolerance of `dtype`, naming the worst row's token and head.
+pub fn check_rows(got: &[f64], want: &[f64], row_len: usize, heads: usize, dtype: DType) -> Result<(), String> {
+    let worst = max_row_error(got, want, row_len);
+    match worst.within(row_tolerance(dtype)) {
+        true => Ok(()),
+        false => Err(format!(
+            "row relative error {:.2e} > {:.0e} at token {}, head {}",
+            worst.err,
+            row_tolerance(dtype),
+            worst.row / heads,
+            worst.row % heads
+        )),
+    }
+}
+
 /// The worst row of [`row_errors`]. One global norm averages over every row, so a row that is
 /// wrong alone (one key masked wrongly at a long context) barely moves it; the worst row does
 /// not. The first row with a NaN is returned as the worst.

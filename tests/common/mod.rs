@@ -5,7 +5,7 @@
 mod compare;
 mod masking;
 #[allow(unused_imports)]
-pub use compare::{check_lse, max_row_error, rel_error, row_errors, row_tolerance, tolerance, within, RowError};
+pub use compare::{check_lse, check_rows, max_row_error, rel_error, row_errors, row_tolerance, tolerance, within, RowError};
 #[allow(unused_imports)]
 pub use masking::{plant_edge_markers, MarkedRequest};
 

@@ -2,7 +2,7 @@
 //! `attn_math::hopper_prefill::ws_layout`).
 //!
 //! A CTA of one kernel a work item spends a quarter of its time at 8 x 2048 outside its key
-//! loop (ninth session: looking up its work item and first blocks, waiting for its first tiles,
+//! loop (measured at 8 x 2048: looking up its work item and first blocks, waiting for its first tiles,
 //! while nothing else runs on its SM), and its compute warps issue every copy. Here the CTA
 //! has a third warpgroup, the producer, and the CTAs are persistent:
 //! - the producer takes work items (the grid's own first, then from the counter at

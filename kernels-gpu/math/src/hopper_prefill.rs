@@ -71,8 +71,8 @@ pub const WS_STAGES: u32 = 4;
 pub const WS_Q_BUFFERS: u32 = 2;
 /// Registers a thread after `setmaxnreg`: compute and producer warpgroups. The CTA starts at
 /// 65536 / [`WS_THREADS`] (168) each; the producer gives up what the compute warps take:
-/// 2 x 128 x (224 - 168) <= 128 x (168 - 56). The compute warps use 197 (`ptxas`, eleventh
-/// session) and the producer spilled at 40.
+/// 2 x 128 x (224 - 168) <= 128 x (168 - 56). The compute warps use 197 (`ptxas`, at the
+/// time of writing) and the producer spilled at 40.
 pub const WS_COMPUTE_REGS: u32 = 224;
 pub const WS_PRODUCER_REGS: u32 = 56;
 /// Head sizes with warp-specialised kernels.
