@@ -172,6 +172,7 @@ fn decode_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     check_rows(&got, &want.out, d, hq, Q::DTYPE).map_err(|e| format!("{e} (plan: chunk {}, {} items)", plan.chunk, plan.items.len()))?;
     check_lse(&lse[..nt * hq], &want.lse[..nt * hq], hq)?;
     check_block_status(flags, &want, &block_table, stride, num_blocks, true)?;
+    check_found_bad_block(&meta, &bt_d, &stream, stride, c.block_size, num_blocks, &want)?;
     Ok(())
 }
 

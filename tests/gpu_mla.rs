@@ -150,6 +150,7 @@ fn mla_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     }
     let flags = status.take(&stream)?;
     check_block_status(flags, &want, &block_table, stride, spec.num_blocks, true)?;
+    check_found_bad_block(&batch, &bt_d, &stream, stride, c.block_size, spec.num_blocks, &want)?;
     let got: Vec<f64> = download(&stream, &out_d).iter().take(nt * hq * V).map(|x| x.to_f32() as f64).collect();
     if let Some(i) = got.iter().position(|x| !x.is_finite()) {
         return Err(format!(

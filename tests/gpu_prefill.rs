@@ -187,6 +187,7 @@ fn prefill_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     };
     let flags = status.take(&stream)?;
     check_block_status(flags, &want, &block_table, stride, num_blocks, true)?;
+    check_found_bad_block(&batch, &bt_d, &stream, stride, c.block_size, num_blocks, &want)?;
     let mut got: Vec<f64> = download(&stream, &out_d).iter().take(nt * hq * dv).map(|x| x.to_f32() as f64).collect();
     let mut lse: Vec<f32> = download(&stream, &lse_d);
     let mut want = want;

@@ -12,7 +12,7 @@
 use crate::buffer::DevIn;
 use crate::decode::DecodeBatch;
 use crate::dtype::DType;
-use crate::error::{ensure, Result};
+use crate::error::{ensure, BadBlock, Result};
 use crate::prefill::PrefillBatch;
 use crate::stream_check::check_stream;
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -79,6 +79,48 @@ impl DeviceBatch<'_> {
             None => Ok(()),
         }
     }
+}
+
+impl BatchMetadata {
+    /// Finds the block-table entry behind a `BlockOutOfRange` error that the GPU attention
+    /// kernels raised without a record (they raise the status bit alone): the first entry, in
+    /// request order, that a call over this batch covers (request r's first
+    /// `ceil(seq_lens[r] / block_size)`) and that is not a block of a `num_blocks`-block cache.
+    /// Copies those rows of `block_table` (`[num_reqs, block_table_stride]` i32) back and
+    /// waits for the batch's stream. `None`: every covered entry is inside the cache (the table
+    /// changed since, or a sliding window skipped the offending block).
+    pub fn find_bad_block(
+        &self,
+        block_table: &DevIn<'_>,
+        block_table_stride: usize,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Result<Option<BadBlock>> {
+        ensure(block_table.dtype == DType::I32, "block_table", || format!("must be i32, is {:?}", block_table.dtype))?;
+        ensure(block_size > 0, "block_size", || "must be positive".to_string())?;
+        let reach = crate::prefill::block_table_reach(&self.seq_lens, block_size, block_table_stride);
+        ensure(block_table.len >= reach, "block_table", || format!("holds {} entries, the batch covers {reach}", block_table.len))?;
+        let mut host = vec![0i32; reach];
+        if reach > 0 {
+            // SAFETY: `host` holds `reach` i32s and the device buffer at least as many (checked
+            // above); the copy is ordered on the batch's stream and waited for before `host`
+            // is read.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut host, block_table.ptr, self.stream.cu_stream()) }?;
+            self.stream.synchronize()?;
+        }
+        Ok(first_bad_block(&host, block_table_stride, &self.seq_lens, block_size, num_blocks))
+    }
+}
+
+/// The first entry of `table` (rows of `stride`) among each request's first
+/// `ceil(seq_lens[r] / block_size)` that is not a block of a `num_blocks`-block cache.
+pub(crate) fn first_bad_block(table: &[i32], stride: usize, seq_lens: &[i32], block_size: usize, num_blocks: usize) -> Option<BadBlock> {
+    seq_lens.iter().enumerate().find_map(|(r, &len)| {
+        let used = (len.max(0) as usize).div_ceil(block_size.max(1)).min(stride);
+        let row = table.get(r * stride..r * stride + used)?;
+        let entry = row.iter().position(|&b| b < 0 || b as usize >= num_blocks)?;
+        Some(BadBlock { request: r as u32, entry: entry as u32, block: row[entry] as i64, num_blocks: num_blocks as u64 })
+    })
 }
 
 impl BatchMetadata {
@@ -237,4 +279,26 @@ fn check_arrays(seq_lens: &[i32], qsl: &[i32], ksl: Option<&[i32]>) -> Result<()
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_bad_block_names_the_first_covered_offender() {
+        // Rows of 3; blocks of 16; a cache of 8 blocks.
+        let table = [0, 1, 99, /* r1 */ 2, -5, 7, /* r2 */ 3, 8, 4];
+        // Request 0 covers 2 entries (its 99 is unused); request 1's second entry is -5.
+        assert_eq!(
+            first_bad_block(&table, 3, &[20, 17, 40], 16, 8),
+            Some(BadBlock { request: 1, entry: 1, block: -5, num_blocks: 8 })
+        );
+        // With request 0 covering all three entries, its 99 comes first.
+        assert_eq!(first_bad_block(&table, 3, &[48, 17, 40], 16, 8).map(|b| (b.request, b.entry, b.block)), Some((0, 2, 99)));
+        // Nothing covered is outside: empty requests cover nothing.
+        assert_eq!(first_bad_block(&table, 3, &[32, 0, 16], 16, 8), None);
+        // A short table (fewer rows than requests) is never indexed past its end.
+        assert_eq!(first_bad_block(&table[..3], 3, &[16, 48], 16, 8), None);
+    }
 }

@@ -18,7 +18,9 @@ pub enum AttnError {
     SlotOutOfRange { first: Option<BadSlot> },
     /// A kernel met block-table entries outside the cache (it read nothing from them). `first`:
     /// the first such entry, when it was recorded: the CPU path records it; the GPU attention
-    /// kernels raise the status bit alone (recording it cost registers in their key loops).
+    /// kernels raise the status bit alone (recording it cost registers in their key loops), and
+    /// [`BatchMetadata::find_bad_block`](crate::batch::BatchMetadata::find_bad_block) names it.
+    /// `forward` refuses such entries before launch, naming request and entry.
     #[error("{}; those blocks were not read", describe_block(first))]
     BlockOutOfRange { first: Option<BadBlock> },
     /// No embedded kernel module runs on this GPU.
@@ -57,7 +59,7 @@ fn describe_block(first: &Option<BadBlock>) -> String {
             "block id {} at request {}, block-table entry {} is outside the cache's {} blocks",
             b.block, b.request, b.entry, b.num_blocks
         ),
-        None => "block_table had entries outside the cache".to_string(),
+        None => "block_table had entries outside the cache (BatchMetadata::find_bad_block names the first)".to_string(),
     }
 }
 

@@ -130,6 +130,29 @@ pub fn scattered_block_tables(rng: &mut SmallRng, seq_lens: &[i32], block_size: 
 /// and a recorded offence that names a bad entry of `block_table` (`stride` per request) as it
 /// is, with the cache's `num_blocks`; `into_result` must report it. `unrecorded_ok`: the kernel
 /// may raise the bit without a record (the attention kernels do: see `kernels/src/status.rs`).
+/// When the reference skipped keys of bad blocks and the kernels raised the status bit without a
+/// record, [`host::batch::BatchMetadata::find_bad_block`] must name the reference's first one.
+pub fn check_found_bad_block(
+    batch: &host::batch::BatchMetadata,
+    block_table: &CudaSlice<i32>,
+    stream: &Arc<CudaStream>,
+    stride: usize,
+    block_size: usize,
+    num_blocks: usize,
+    want: &host::cpu::DecodeResult,
+) -> Result<(), String> {
+    if want.bad_blocks == 0 {
+        return Ok(());
+    }
+    let found = batch
+        .find_bad_block(&host::DevIn::new(block_table, stream), stride, block_size, num_blocks)
+        .map_err(|e| format!("find_bad_block: {e}"))?;
+    if found != want.first_bad_block {
+        return Err(format!("find_bad_block names {found:?}, the reference met {:?}", want.first_bad_block));
+    }
+    Ok(())
+}
+
 pub fn check_block_status(
     flags: host::StatusFlags,
     want: &host::cpu::DecodeResult,

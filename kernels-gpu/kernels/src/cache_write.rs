@@ -299,17 +299,17 @@ unsafe fn concat_and_cache_mla<W: VecWriter>(p: &MlaCacheWriteParams) {
     let src_bytes = W::SRC_ELEM_BYTES as u64;
     let cache_bytes = W::CACHE_ELEM_BYTES as u64;
     let scale = unsafe { [load_scale::<W>(p.scale)] };
+    // Row bases once per token, so that a vector's address is a select and an add: computed per
+    // vector from the strides, they were a third of the FP8 write's instructions.
+    let vec_bytes = W::ELEMS as u64 * src_bytes;
+    let latent = p.kv_c + token * p.kv_c_token_stride * src_bytes;
+    // Biased so that vector v of the row (v >= latent_vecs) is at `rope + v * vec_bytes`.
+    let rope = (p.k_pe + token * p.k_pe_token_stride * src_bytes).wrapping_sub(latent_vecs as u64 * vec_bytes);
     unsafe {
         write_token::<W, 1>(
             row,
             scale,
-            |v| {
-                [if v < latent_vecs {
-                    p.kv_c + (token * p.kv_c_token_stride + (v * W::ELEMS) as u64) * src_bytes
-                } else {
-                    p.k_pe + (token * p.k_pe_token_stride + ((v - latent_vecs) * W::ELEMS) as u64) * src_bytes
-                }]
-            },
+            |v| [(if v < latent_vecs { latent } else { rope }).wrapping_add(v as u64 * vec_bytes)],
             |v, block, offset| [p.cache + p.cache_strides.offset(block, offset, 0, (v * W::ELEMS) as u64) * cache_bytes],
         )
     }

@@ -18,12 +18,12 @@ pub unsafe fn arrive(bar: u32) {
     unsafe { asm!("mbarrier.arrive.shared::cta.b64 _, [{0}];", in(reg32) bar, options(nostack)) }
 }
 
-/// Holds the barrier's current phase open until this thread's `cp.async`s issued so far have
-/// landed (the pending count rises now and falls when they complete); the thread still
-/// [`arrive`]s as usual.
+/// One arrival, made asynchronously once every `cp.async` this thread issued so far has landed
+/// (`.noinc`: the pending count is not raised first, so the barrier's count includes these
+/// arrivals). A thread with no copies in flight arrives at once.
 #[inline(always)]
-pub unsafe fn arrive_on_copies(bar: u32) {
-    unsafe { asm!("cp.async.mbarrier.arrive.shared::cta.b64 [{0}];", in(reg32) bar, options(nostack)) }
+pub unsafe fn arrive_when_copies_land(bar: u32) {
+    unsafe { asm!("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [{0}];", in(reg32) bar, options(nostack)) }
 }
 
 /// Whether the phase of parity `parity` has completed (a fresh barrier counts the phase before

@@ -54,6 +54,10 @@ use attn_math::status::BLOCK_OUT_OF_RANGE;
 
 /// Threads of the producer warpgroup.
 const PRODUCERS: u32 = 128;
+/// Arrivals that complete a "filled" phase: one per producer when its copies have landed
+/// (`cp.async.mbarrier.arrive.noinc`), and producer 0's plain arrive, whose release publishes
+/// what the producers stored into shared memory with ordinary stores (item, table, flags).
+const FILLED_ARRIVALS: u32 = PRODUCERS + 1;
 /// Named barrier of the producer warpgroup (0 is the CTA's).
 const PRODUCER_BARRIER: u32 = 1;
 
@@ -190,11 +194,11 @@ pub unsafe fn prefill_specialized<Q: WgmmaTiles, const D: usize>(p: &PrefillPara
     let rings = Rings { smem: shared_addr(dynamic_shared::<u8>()), l: ws_layout(D as u32) };
     if tid == 0 {
         for u in 0..WS_STAGES {
-            unsafe { mbarrier::init(rings.filled(u), PRODUCERS) };
+            unsafe { mbarrier::init(rings.filled(u), FILLED_ARRIVALS) };
             unsafe { mbarrier::init(rings.freed(u), THREADS / 32) };
         }
         for k in 0..WS_Q_BUFFERS {
-            unsafe { mbarrier::init(rings.q_filled(k), PRODUCERS) };
+            unsafe { mbarrier::init(rings.q_filled(k), FILLED_ARRIVALS) };
             unsafe { mbarrier::init(rings.q_freed(k), THREADS / 32) };
         }
     }
@@ -234,8 +238,11 @@ unsafe fn produce<const D: usize>(p: &PrefillParams, rings: Rings, t: u32) {
             unsafe { copy_rows::<D, BLOCK_M, PRODUCERS>(rings.q(k), t, p.q, q_row) };
         }
         unsafe {
-            mbarrier::arrive_on_copies(rings.q_filled(k));
-            mbarrier::arrive(rings.q_filled(k));
+            mbarrier::arrive_when_copies_land(rings.q_filled(k));
+            if t == 0 {
+                // Publishes the item descriptor this thread stored.
+                mbarrier::arrive(rings.q_filled(k));
+            }
         }
         if it.status == ITEM_END {
             break;
@@ -273,8 +280,12 @@ unsafe fn produce<const D: usize>(p: &PrefillParams, rings: Rings, t: u32) {
                         |r| ld_shared_u64x2(table + r * TABLE_ENTRY),
                         true,
                     );
-                    mbarrier::arrive_on_copies(rings.filled(u));
-                    mbarrier::arrive(rings.filled(u));
+                    mbarrier::arrive_when_copies_land(rings.filled(u));
+                    if t == 0 {
+                        // Publishes every producer's table entry and flag (stored before
+                        // the named barrier above).
+                        mbarrier::arrive(rings.filled(u));
+                    }
                 }
                 u += 1;
                 j += 1;
