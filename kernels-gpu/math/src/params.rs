@@ -193,21 +193,6 @@ pub struct PrefillParams {
     /// Persistent kernels: the CTAs of the plan (work items x kv heads), which the grid's CTAs
     /// take in turn.
     pub ctas: u32,
-    /// Stream-K decode (`decode_st_*`, [`crate::stream`]): the tiles of the line (0 for the
-    /// other kernels). `sched` then holds a counter per warp (zero between launches), and the
-    /// partials go to `partial_out` / `partial_lse` in slots of `stream_rows` rows.
-    pub stream_tiles: u32,
-    /// The tiles of every pair when they are all equal (a warp finds its start by division);
-    /// 0 when they are not, and `stream_starts` holds `[request, tiles of the requests before]`
-    /// (one pair's worth) per warp.
-    pub stream_pair_tiles: u32,
-    pub stream_reqs: u32,
-    /// Rows of a partial slot: the batch's most query rows per pair.
-    pub stream_rows: u32,
-    /// The groups the line is cut among (at most the grid's warps / kv heads; fewer when that
-    /// makes range ends fall on request ends).
-    pub stream_groups: u32,
-    pub stream_starts: u64,
     /// Split-K merged inside pass 1 (`decode_kr_*`): a u32 arrival counter per split work item
     /// (zero between launches, [`merge_counter_index`]); the CTA that arrives last combines
     /// the item's partials into the output, so no merge kernel runs. 0 = the merge kernel's job.
