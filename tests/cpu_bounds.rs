@@ -3,7 +3,7 @@
 //! overflow an i32, negative lengths, a block size of 0 and heads of 0 are refused with an error
 //! naming the argument, never accepted with a wrapped size and never a panic.
 
-use host::decode::{merge_attn_states_sizes, plan_decode, plan_decode_tc, validate_batch, DecodeBatch, SplitMode, TcShape};
+use host::decode::{merge_attn_states_sizes, plan_decode_tc, validate_batch, DecodeBatch, SplitMode, TcShape};
 use host::prefill::{plan_prefill, validate_prefill_batch, PrefillBatch};
 use host::{AttnError, KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc};
 
@@ -106,15 +106,6 @@ fn start_locations_are_compared_without_wrapping() {
     // Negative lengths, even with no query tokens.
     let batch = DecodeBatch { seq_lens: &[-5], query_start_loc: &[0, 0] };
     assert_eq!(arg_of(validate_batch(&batch, 0, 16, 4)), "seq_lens");
-    // The planners refuse what the validators refuse.
-    let batch = DecodeBatch { seq_lens: &[10, 10], query_start_loc: &[0, 5, 2] };
-    assert_eq!(arg_of(plan_decode(&batch, 4, 4, 128, 64, SplitMode::Auto, 1024)), "query_start_loc");
-    let batch = DecodeBatch { seq_lens: &[10, -1], query_start_loc: &[0, 1, 2] };
-    assert_eq!(arg_of(plan_decode(&batch, 4, 4, 128, 64, SplitMode::Auto, 1024)), "seq_lens");
-    let batch = DecodeBatch { seq_lens: &[10], query_start_loc: &[0, 1] };
-    assert_eq!(arg_of(plan_decode(&batch, 4, 0, 128, 64, SplitMode::Auto, 1024)), "num_kv_heads");
-    assert_eq!(arg_of(plan_decode(&batch, 0, 4, 128, 64, SplitMode::Auto, 1024)), "num_q_heads");
-    assert_eq!(arg_of(plan_decode(&batch, 6, 4, 128, 64, SplitMode::Auto, 1024)), "num_q_heads");
     // The infallible planners take such batches without panicking: decreasing start locations
     // are empty requests.
     let batch = DecodeBatch { seq_lens: &[10, -7], query_start_loc: &[0, 3, i32::MIN] };
@@ -139,11 +130,12 @@ fn empty_requests_pass_decode_validation() {
     // No query tokens this step: attends nothing, writes nothing (as `metadata::is_decode`).
     let batch = DecodeBatch { seq_lens: &[7, 0, 3], query_start_loc: &[0, 1, 1, 1] };
     validate_batch(&batch, 1, 16, 1).unwrap();
-    let plan = plan_decode(&batch, 4, 2, 64, 64, SplitMode::Auto, 1024).unwrap();
+    let shape = TcShape::attention(64, 64, true, false, 2);
+    let plan = plan_decode_tc(&batch, 4, 2, shape, 64, 0, SplitMode::Auto, 1024);
     assert_eq!((plan.req_num_splits.len(), plan.token_request.as_slice()), (3, &[0u32][..]));
     let all_empty = DecodeBatch { seq_lens: &[7, 9], query_start_loc: &[0, 0, 0] };
     validate_batch(&all_empty, 0, 16, 1).unwrap();
-    let plan = plan_decode(&all_empty, 4, 2, 64, 64, SplitMode::Auto, 1024).unwrap();
+    let plan = plan_decode_tc(&all_empty, 4, 2, shape, 64, 0, SplitMode::Auto, 1024);
     assert!(plan.row_groups >= 1 && plan.partial_rows == 0 && plan.token_request.is_empty(), "{plan:?}");
     let bad = DecodeBatch { seq_lens: &[7], query_start_loc: &[0, 9] };
     assert_eq!(arg_of(validate_batch(&bad, 9, 16, 1)), "query_start_loc");
@@ -155,8 +147,10 @@ fn empty_requests_pass_decode_validation() {
 fn split_plans_count_partial_rows_without_wrapping() {
     let q = 1i32 << 22;
     let batch = DecodeBatch { seq_lens: &[2 * q], query_start_loc: &[0, q] };
+    // Row tiles of 2^16 rows: 64 for the request, so the work items stay small.
+    let shape = TcShape { block_m: 1 << 16, block_n: 16, ctas_per_item: 1 };
     for capacity in [usize::MAX, 1 << 33, 1 << 31, 5 << 22] {
-        let plan = plan_decode(&batch, 1, 1, 128, 64, SplitMode::Fixed(1024), capacity).unwrap();
+        let plan = plan_decode_tc(&batch, 1, 1, shape, 64, 0, SplitMode::Fixed(1024), capacity);
         let splits = plan.req_num_splits[0] as usize;
         let want = if splits > 1 { splits * q as usize } else { 0 };
         assert_eq!(plan.partial_rows, want, "capacity {capacity}: {} splits", splits);

@@ -5,11 +5,11 @@
 
 use approx::assert_relative_eq;
 use half::bf16;
-use host::attn_math::decode::{max_rows_per_cta, rows_per_cta, HEAD_SIZES};
+use host::attn_math::decode::HEAD_SIZES;
 use host::attn_math::softmax::{combine_lse, partial_weight, OnlineSoftmax};
 use host::attn_math::split::{ctas_for_chunk, even_waves_chunk, num_splits, plan_chunk, EVEN_WAVES_MAX_SPLITS};
 use host::cpu::{self, DecodeRef, DecodeResult};
-use host::decode::{plan_decode, validate_batch, AttnOptions, DecodeBatch, DecodePlan, SplitMode, MAX_QUERY_LEN};
+use host::decode::{plan_decode_tc, validate_batch, AttnOptions, DecodeBatch, DecodePlan, SplitMode, TcShape, MAX_QUERY_LEN};
 use host::{AttnError, Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
@@ -17,8 +17,7 @@ use rand::{Rng, SeedableRng};
 
 const NEG_INF: f32 = f32::NEG_INFINITY;
 
-/// Mirrors `host::decode`'s private planning constants (tile of a chunk, smallest auto chunk).
-const CHUNK_TILE: u32 = 16;
+/// Mirrors `host::decode`'s private planning constant (smallest auto chunk).
 const MIN_CHUNK: u32 = 256;
 
 fn pick<T: Copy>(rng: &mut SmallRng, xs: &[T]) -> T {
@@ -153,7 +152,6 @@ fn plans_that_need_no_device_copy() {
 
 #[test]
 fn uniform_splits_are_derived_from_the_cta_index() {
-    use host::decode::{plan_decode_tc, TcShape};
     let shape = TcShape::attention(128, 128, true, false, 8);
     let plan_for = |lens: &[i32], q_lens: &[i32], mode| {
         let mut qsl = vec![0];
@@ -176,7 +174,6 @@ fn uniform_splits_are_derived_from_the_cta_index() {
 #[test]
 fn merge_counters_are_distinct_and_fit_the_workspace() {
     use host::attn_math::params::merge_counter_index;
-    use host::decode::{plan_decode_tc, TcShape};
     let mut rng = SmallRng::seed_from_u64(21);
     for iter in 0..300 {
         let lens: Vec<i32> = random_lens(&mut rng).into_iter().map(|l| l as i32).collect();
@@ -233,7 +230,7 @@ fn plan_chunk_forced_splits() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 2. host::decode::plan_decode
+// 2. host::decode::plan_decode_tc
 // ---------------------------------------------------------------------------------------------
 
 fn q_lens_of(qsl: &[i32]) -> Vec<u32> {
@@ -260,39 +257,40 @@ fn partial_need(lens: &[u32], q_lens: &[u32], num_q_heads: usize, chunk: u32) ->
     (rows, lens.iter().map(|&l| num_splits(l, chunk)).max().unwrap_or(1))
 }
 
+/// The keys-split shape (16 rows, 64 keys a tile) with a CTA per kv head.
+fn keys_shape(num_kv_heads: usize) -> TcShape {
+    TcShape::attention(128, 128, true, false, num_kv_heads as u32)
+}
+
+/// Checks a plan of `plan_decode_tc` made with no even waves (`slots` 0).
 #[allow(clippy::too_many_arguments)]
 fn check_plan(
     plan: &DecodePlan,
     seq_lens: &[i32],
     qsl: &[i32],
     hq: usize,
-    hkv: usize,
-    head_size: usize,
+    group: u32,
+    shape: TcShape,
     target: u64,
     mode: SplitMode,
     capacity: usize,
 ) {
-    let ctx = format!("lens {seq_lens:?} qsl {qsl:?} hq {hq} hkv {hkv} d {head_size} target {target} {mode:?} cap {capacity}: {plan:?}");
+    let ctx = format!("lens {seq_lens:?} qsl {qsl:?} hq {hq} group {group} {shape:?} target {target} {mode:?} cap {capacity}: {plan:?}");
     let ctx = if ctx.len() > 2000 { format!("{}...", &ctx[..2000]) } else { ctx };
     let lens: Vec<u32> = seq_lens.iter().map(|&l| l as u32).collect();
     let q_lens = q_lens_of(qsl);
-    let group = (hq / hkv) as u32;
-    let rows = q_lens.iter().copied().max().unwrap() * group;
+    let tiles_of = |q: u32| (q * group).div_ceil(shape.block_m);
 
-    // Rows per CTA and row groups.
-    assert!(plan.rows_per_cta.is_power_of_two() && plan.rows_per_cta <= max_rows_per_cta(head_size as u32), "{ctx}");
-    if std::env::var_os("ATTN_DECODE_MAX_ROWS_PER_CTA").is_none() {
-        assert_eq!(plan.rows_per_cta, rows_per_cta(rows, head_size as u32), "{ctx}");
-    }
-    assert_eq!(plan.row_groups, rows.div_ceil(plan.rows_per_cta), "{ctx}");
-    assert!(plan.row_groups * plan.rows_per_cta >= rows, "{ctx}");
+    // Rows per CTA and the row tiles of the request with the most rows.
+    let row_tiles = tiles_of(q_lens.iter().copied().max().unwrap()).max(1);
+    assert_eq!((plan.rows_per_cta, plan.row_groups), (shape.block_m, row_tiles), "{ctx}");
 
     // Chunk: the split planner's, doubled until the partials fit.
     let forced = match mode {
-        SplitMode::Auto | SplitMode::StreamK => None,
+        SplitMode::Auto => None,
         SplitMode::Fixed(n) => Some(n),
     };
-    let base = plan_chunk(&lens, hkv as u32 * plan.row_groups, target, CHUNK_TILE, MIN_CHUNK, forced);
+    let base = plan_chunk(&lens, shape.ctas_per_item * row_tiles, target, shape.block_n, MIN_CHUNK, forced);
     assert!(plan.chunk >= base && plan.chunk.is_multiple_of(base) && (plan.chunk / base).is_power_of_two(), "{ctx}: base chunk {base}");
     let (need, most) = partial_need(&lens, &q_lens, hq, plan.chunk);
     assert!(need <= capacity && most <= 0xffff, "{ctx}: needs {need} rows, {most} splits");
@@ -301,7 +299,7 @@ fn check_plan(
         assert!(need > capacity || most > 0xffff, "{ctx}: half the chunk would fit too");
     }
 
-    // Per request: splits, partial bases, work items, token -> request.
+    // Per request: splits, partial bases, work items (row tile by row tile), token -> request.
     assert_eq!(plan.req_num_splits.len(), lens.len(), "{ctx}");
     let mut base_rows = 0usize;
     let mut items = Vec::new();
@@ -316,7 +314,9 @@ fn check_plan(
         if splits > 1 {
             base_rows += (splits * q) as usize * hq;
         }
-        items.extend((0..splits).map(|s| (r as u32) << 16 | s));
+        for tile in 0..tiles_of(q) {
+            items.extend((0..splits).flat_map(|s| [r as u32, tile << 16 | s]));
+        }
         token_request.extend(std::iter::repeat_n(r as u32, q as usize));
     }
     assert_eq!(plan.partial_rows, base_rows, "{ctx}");
@@ -328,7 +328,7 @@ fn check_plan(
 }
 
 #[test]
-fn plan_decode_random_batches() {
+fn plan_decode_tc_random_batches() {
     let mut rng = SmallRng::seed_from_u64(20);
     for _ in 0..300 {
         let num_reqs = rng.random_range(1..40);
@@ -342,14 +342,18 @@ fn plan_decode_random_batches() {
         }
         let qsl = start_locs(&q_lens);
         let hkv = pick(&mut rng, &[1usize, 2, 4, 8]);
-        let hq = hkv * pick(&mut rng, &[1usize, 2, 4, 8]);
-        let head_size = pick(&mut rng, &HEAD_SIZES) as usize;
+        let group = pick(&mut rng, &[1u32, 2, 4, 8]);
+        let hq = hkv * group as usize;
+        let d = pick(&mut rng, &HEAD_SIZES);
+        // The keys-split shape, or the prefill shape for more rows per kv head.
+        let keys = q_lens.iter().all(|&q| q as u32 * group <= 16);
+        let shape = TcShape::attention(d, d, keys, rng.random_bool(0.5), hkv as u32);
         let target = rng.random_range(1..=4000u64);
         let mode = if rng.random_bool(0.7) { SplitMode::Auto } else { SplitMode::Fixed(rng.random_range(1..=64)) };
         let capacity = pick(&mut rng, &[0usize, 1, 17, 500, 5000, 100_000, usize::MAX]);
         let batch = DecodeBatch { seq_lens: &seq_lens, query_start_loc: &qsl };
-        let plan = plan_decode(&batch, hq, hkv, head_size, target, mode, capacity).unwrap();
-        check_plan(&plan, &seq_lens, &qsl, hq, hkv, head_size, target, mode, capacity);
+        let plan = plan_decode_tc(&batch, hq, group, shape, target, 0, mode, capacity);
+        check_plan(&plan, &seq_lens, &qsl, hq, group, shape, target, mode, capacity);
         if capacity == 0 {
             assert!(plan.req_num_splits.iter().all(|&s| s == 1) && !plan.needs_merge());
         }
@@ -357,72 +361,76 @@ fn plan_decode_random_batches() {
 }
 
 #[test]
-fn plan_decode_small_workspace_forces_bigger_chunks() {
+fn plan_decode_tc_small_workspace_forces_bigger_chunks() {
     // 4 requests of 10000 tokens, 8 q heads over 1 kv head, a CTA budget that never binds: the
     // planner's chunk is the minimum (256 -> 40 splits, 4 * 40 * 8 = 1280 partial rows).
     let seq_lens = [10_000; 4];
     let qsl = [0, 1, 2, 3, 4];
     let batch = DecodeBatch { seq_lens: &seq_lens, query_start_loc: &qsl };
-    let plan = |cap| plan_decode(&batch, 8, 1, 128, 1 << 30, SplitMode::Auto, cap).unwrap();
+    let shape = keys_shape(1);
+    let plan = |cap| plan_decode_tc(&batch, 8, 8, shape, 1 << 30, 0, SplitMode::Auto, cap);
     for (cap, chunk, splits) in [(usize::MAX, 256, 40), (1280, 256, 40), (1279, 512, 20), (320, 1024, 10), (319, 2048, 5), (0, 16384, 1)] {
         let p = plan(cap);
         assert_eq!((p.chunk, p.req_num_splits[0]), (chunk, splits), "capacity {cap}");
         assert_eq!(p.partial_rows, if splits > 1 { 4 * splits as usize * 8 } else { 0 }, "capacity {cap}");
-        check_plan(&p, &seq_lens, &qsl, 8, 1, 128, 1 << 30, SplitMode::Auto, cap);
+        check_plan(&p, &seq_lens, &qsl, 8, 8, shape, 1 << 30, SplitMode::Auto, cap);
     }
     // A short request (one split) takes no partial rows and does not push the chunk up.
     let seq_lens = [10_000, 100, 10_000, 0];
     let qsl = [0, 2, 3, 11, 12];
     let batch = DecodeBatch { seq_lens: &seq_lens, query_start_loc: &qsl };
-    let p = plan_decode(&batch, 4, 2, 64, 1 << 30, SplitMode::Auto, 4000).unwrap();
-    check_plan(&p, &seq_lens, &qsl, 4, 2, 64, 1 << 30, SplitMode::Auto, 4000);
+    let shape = keys_shape(2);
+    let p = plan_decode_tc(&batch, 4, 2, shape, 1 << 30, 0, SplitMode::Auto, 4000);
+    check_plan(&p, &seq_lens, &qsl, 4, 2, shape, 1 << 30, SplitMode::Auto, 4000);
     assert_eq!(p.req_num_splits, [40, 1, 40, 1]);
     assert_eq!(p.req_partial_base, [0, 320, 320, 1600]);
     assert_eq!(p.partial_rows, 40 * 2 * 4 + 40 * 8 * 4);
     assert_eq!(p.token_request, [0, 0, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3]);
-    // max_q 8 x group 2 = 16 rows: 8 per CTA for head size 64, two row groups.
-    if std::env::var_os("ATTN_DECODE_MAX_ROWS_PER_CTA").is_none() {
-        assert_eq!((p.rows_per_cta, p.row_groups), (8, 2));
-    }
+    // max_q 8 x group 2 = 16 rows: one row tile of 16.
+    assert_eq!((p.rows_per_cta, p.row_groups), (16, 1));
 }
 
 #[test]
-fn plan_decode_empty_requests_and_fixed_modes() {
+fn plan_decode_tc_empty_requests_and_fixed_modes() {
     let seq_lens = [0, 0, 5000, 1];
     let qsl = [0, 1, 2, 3, 4];
     let batch = DecodeBatch { seq_lens: &seq_lens, query_start_loc: &qsl };
+    let shape = keys_shape(1);
     for mode in [SplitMode::Auto, SplitMode::Fixed(1), SplitMode::Fixed(4), SplitMode::Fixed(0)] {
-        let p = plan_decode(&batch, 2, 1, 128, 1 << 20, mode, usize::MAX).unwrap();
-        check_plan(&p, &seq_lens, &qsl, 2, 1, 128, 1 << 20, mode, usize::MAX);
+        let p = plan_decode_tc(&batch, 2, 2, shape, 1 << 20, 0, mode, usize::MAX);
+        check_plan(&p, &seq_lens, &qsl, 2, 2, shape, 1 << 20, mode, usize::MAX);
         assert_eq!((p.req_num_splits[0], p.req_num_splits[1], p.req_num_splits[3]), (1, 1, 1), "{mode:?}");
         match mode {
             SplitMode::Fixed(1) | SplitMode::Fixed(0) => {
                 assert!(p.chunk >= 5000 && !p.needs_merge(), "{mode:?}: {p:?}")
             }
             SplitMode::Fixed(4) => assert_eq!(p.req_num_splits[2], 4),
-            SplitMode::Auto | SplitMode::StreamK => {}
+            SplitMode::Auto => {}
             SplitMode::Fixed(_) => unreachable!(),
         }
     }
     // Fixed(1) is the same plan whatever else is in the batch (deterministic mode).
-    let alone = plan_decode(&DecodeBatch { seq_lens: &[5000], query_start_loc: &[0, 1] }, 2, 1, 128, 64, SplitMode::Fixed(1), 0).unwrap();
-    let with_others = plan_decode(&batch, 2, 1, 128, 64, SplitMode::Fixed(1), 0).unwrap();
+    let single = DecodeBatch { seq_lens: &[5000], query_start_loc: &[0, 1] };
+    let alone = plan_decode_tc(&single, 2, 2, shape, 64, 0, SplitMode::Fixed(1), 0);
+    let with_others = plan_decode_tc(&batch, 2, 2, shape, 64, 0, SplitMode::Fixed(1), 0);
     assert_eq!((alone.chunk, alone.req_num_splits[0]), (with_others.chunk, with_others.req_num_splits[2]));
     // A batch of only empty requests.
-    let p = plan_decode(&DecodeBatch { seq_lens: &[0, 0], query_start_loc: &[0, 1, 2] }, 4, 4, 64, 1, SplitMode::Auto, 0).unwrap();
-    assert_eq!((p.items.as_slice(), p.req_num_splits.as_slice()), (&[0u32, 1 << 16][..], &[1u32, 1][..]));
+    let empty = DecodeBatch { seq_lens: &[0, 0], query_start_loc: &[0, 1, 2] };
+    let p = plan_decode_tc(&empty, 4, 1, keys_shape(4), 1, 0, SplitMode::Auto, 0);
+    assert_eq!((p.items.as_slice(), p.req_num_splits.as_slice()), (&[0u32, 0, 1, 0][..], &[1u32, 1][..]));
 }
 
 #[test]
-fn plan_decode_caps_splits_per_request() {
+fn plan_decode_tc_caps_splits_per_request() {
     // Fixed(200000) over 2M tokens would be 125000 splits of 16 tokens: items hold a 16-bit split
     // index, so the plan doubles the chunk to 32 (62500 splits).
     let seq_lens = [2_000_000, 3];
     let qsl = [0, 1, 2];
     let batch = DecodeBatch { seq_lens: &seq_lens, query_start_loc: &qsl };
     let mode = SplitMode::Fixed(200_000);
-    let p = plan_decode(&batch, 1, 1, 64, 1, mode, usize::MAX).unwrap();
-    check_plan(&p, &seq_lens, &qsl, 1, 1, 64, 1, mode, usize::MAX);
+    let shape = TcShape { block_m: 16, block_n: 16, ctas_per_item: 1 };
+    let p = plan_decode_tc(&batch, 1, 1, shape, 1, 0, mode, usize::MAX);
+    check_plan(&p, &seq_lens, &qsl, 1, 1, shape, 1, mode, usize::MAX);
     assert_eq!((p.chunk, p.req_num_splits.as_slice()), (32, &[62_500u32, 1][..]));
 }
 

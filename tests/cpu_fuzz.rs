@@ -13,10 +13,7 @@
 
 use host::attn_math::split::{ctas_for_chunk, even_waves_chunk, num_splits, plan_chunk};
 use host::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
-use host::decode::{
-    merge_attn_states_sizes, plan_decode, plan_decode_tc, validate_batch, DecodeBatch, DecodePlan, SplitMode, TcShape, MAX_QUERY_LEN,
-};
-use host::decode_stream::{aligned_groups, group_starts, layout_line, StreamBatch};
+use host::decode::{merge_attn_states_sizes, plan_decode_tc, validate_batch, DecodeBatch, DecodePlan, SplitMode, TcShape, MAX_QUERY_LEN};
 use host::forward::{Attention, CacheSpec, CpuLayer, ForwardConfig, ForwardLimits, LayerIo, NewKv};
 use host::metadata::{
     build_tensor_core_metadata, common_prefix, decode_first_order, pack, split_decodes, use_cascade, validate, CascadeMode, CascadeStep,
@@ -151,11 +148,10 @@ fn size(rng: &mut SmallRng, small: std::ops::Range<usize>) -> usize {
 }
 
 fn mode(rng: &mut SmallRng) -> SplitMode {
-    match rng.random_range(0..6) {
-        0 => SplitMode::StreamK,
-        1 => SplitMode::Fixed(0),
-        2 => SplitMode::Fixed(rng.random_range(1..70)),
-        3 => SplitMode::Fixed(1),
+    match rng.random_range(0..5) {
+        0 => SplitMode::Fixed(0),
+        1 => SplitMode::Fixed(rng.random_range(1..70)),
+        2 => SplitMode::Fixed(1),
         _ => SplitMode::Auto,
     }
 }
@@ -398,7 +394,6 @@ struct DecodeCase {
     block_size: usize,
     stride: usize,
     heads: (usize, usize),
-    head_size: usize,
     target: u64,
     mode: SplitMode,
     capacity: usize,
@@ -408,8 +403,9 @@ struct DecodeCase {
     groups: u32,
 }
 
-/// Work items, splits, partial bases and token requests of a plan within the batch.
-fn check_plan(p: &DecodePlan, q_lens: &[u64], num_q_heads: usize, capacity: usize, tc: Option<(u32, u32)>) -> Result<(), String> {
+/// Work items (`request, row_tile << 16 | split` for `group` query heads per kv head and `bm`
+/// rows a tile), splits, partial bases and token requests of a plan within the batch.
+fn check_plan(p: &DecodePlan, q_lens: &[u64], num_q_heads: usize, capacity: usize, (group, bm): (u32, u32)) -> Result<(), String> {
     let n = q_lens.len();
     check!(p.req_num_splits.len() == n && p.req_partial_base.len() == n, "{} split counts for {n} requests", p.req_num_splits.len());
     check!(p.token_request.len() as u64 == q_lens.iter().sum::<u64>(), "{} token requests", p.token_request.len());
@@ -425,22 +421,12 @@ fn check_plan(p: &DecodePlan, q_lens: &[u64], num_q_heads: usize, capacity: usiz
         }
     }
     check!(rows == p.partial_rows as u128, "the plan says {} partial rows, its splits need {rows}", p.partial_rows);
-    match tc {
-        None => {
-            for &it in &p.items {
-                let (r, s) = ((it >> 16) as usize, it & 0xffff);
-                check!(r < n && s < p.req_num_splits[r], "item {it:#x}");
-            }
-        }
-        Some((group, bm)) => {
-            check!(p.items.len().is_multiple_of(2), "odd items");
-            for it in p.items.chunks(2) {
-                let (r, tile, s) = (it[0] as usize, it[1] >> 16, it[1] & 0xffff);
-                check!(r < n && s < p.req_num_splits[r], "item {it:?}");
-                let tiles = (q_lens[r] as u128 * group as u128).div_ceil(bm.max(1) as u128);
-                check!((tile as u128) < tiles, "item {it:?}: request {r} has {tiles} row tiles");
-            }
-        }
+    check!(p.items.len().is_multiple_of(2), "odd items");
+    for it in p.items.chunks(2) {
+        let (r, tile, s) = (it[0] as usize, it[1] >> 16, it[1] & 0xffff);
+        check!(r < n && s < p.req_num_splits[r], "item {it:?}");
+        let tiles = (q_lens[r] as u128 * group as u128).div_ceil(bm.max(1) as u128);
+        check!((tile as u128) < tiles, "item {it:?}: request {r} has {tiles} row tiles");
     }
     Ok(())
 }
@@ -468,7 +454,6 @@ fn decode_validators_and_planners() {
                 block_size: size(rng, 1..33),
                 stride: size(rng, 0..200),
                 heads: (hq, hkv),
-                head_size: [64, 96, 128, 256, 0, 7][rng.random_range(0..6)],
                 target: [0, 1, 132 * 8, u64::MAX][rng.random_range(0..4)],
                 mode: mode(rng),
                 capacity: if rng.random_bool(0.2) { wild_usize(rng) } else { rng.random_range(0..5000) },
@@ -496,36 +481,15 @@ fn decode_validators_and_planners() {
             if !plannable(&c.qsl, n) {
                 return Ok(());
             }
-            let (hq, hkv) = c.heads;
-            let p = plan_decode(&batch, hq, hkv, c.head_size, c.target, c.mode, c.capacity);
-            named(&p)?;
-            if let Ok(p) = &p {
-                check!(tokens.is_some() && c.seq_lens.iter().all(|&l| l >= 0), "plan_decode took an invalid batch");
-                check!(hkv > 0 && hq > 0 && hq % hkv == 0, "plan_decode took heads {hq} / {hkv}");
-                check!(p.rows_per_cta >= 1 && p.row_groups >= 1 && p.chunk >= 1, "plan_decode geometry {p:?}");
-                check_plan(p, &q_lens, hq, c.capacity, None)?;
-            } else if v.is_ok() && hkv > 0 && hkv <= u32::MAX as usize && hq > 0 && hq % hkv == 0 && (hq / hkv) <= 1 << 27 {
-                return Err(format!("validate_batch took the batch, plan_decode refused it: {p:?}"));
-            }
+            let (hq, _hkv) = c.heads;
             // The infallible planners, over batches they can hold in memory.
             let lens_small = c.seq_lens.iter().all(|&l| l <= 1 << 16);
             let forced_small = !matches!(c.mode, SplitMode::Fixed(k) if k > 64);
             if tokens.is_some_and(|t| t <= 64) && lens_small && forced_small && hq <= 1 << 12 {
                 let p = plan_decode_tc(&batch, hq, c.group, c.shape, c.target, c.slots, c.mode, c.capacity);
                 let q: Vec<u64> = q_lens.clone();
-                check_plan(&p, &q, hq, c.capacity, Some((c.group, c.shape.block_m)))?;
+                check_plan(&p, &q, hq, c.capacity, (c.group, c.shape.block_m))?;
             }
-            let sb = StreamBatch { seq_lens: &c.seq_lens, query_start_loc: &c.qsl, num_kv_heads: hkv as u32, group: c.group, window: 0 };
-            if let Some((total, _pair, rows, groups, starts)) = layout_line(&sb, c.groups, Some(4)) {
-                check!(rows <= 16 && groups >= 1 && total >= 1, "stream layout {total} {rows} {groups}");
-                check!(starts.is_empty() || starts.len() == 2 * groups as usize, "{} starts for {groups} groups", starts.len());
-                check!(starts.chunks(2).all(|s| (s[0] as usize) < n), "a group starts in no request");
-            }
-            let _ = aligned_groups(n as u32, c.groups);
-            let tiles: Vec<u32> = c.seq_lens.iter().map(|&l| l as u32).collect();
-            let total = tiles.iter().map(|&t| t as u64).sum::<u64>().min(u32::MAX as u64) as u32;
-            let starts = group_starts(&tiles, total, c.groups.min(512));
-            check!(starts.chunks(2).all(|s| (s[0] as usize) < n.max(1)), "group_starts out of the batch");
             // The split math.
             let lens: Vec<u32> = c.seq_lens.iter().map(|&l| l as u32).collect();
             let chunk = plan_chunk(&lens, c.shape.ctas_per_item, c.target, c.shape.block_n, c.shape.block_m, Some(c.groups));
@@ -853,15 +817,7 @@ fn step(rng: &mut SmallRng, shape: &StepShape) -> StepCase {
         slots,
         num_blocks,
         block_size,
-        config: PlanConfig {
-            decode_threshold: threshold,
-            num_q_heads: 8,
-            num_kv_heads: 2,
-            head_size: 128,
-            sm_count: 132,
-            mode: SplitMode::Auto,
-            partial_capacity: 4096,
-        },
+        config: PlanConfig { decode_threshold: threshold, num_q_heads: 8, num_kv_heads: 2, head_size: 128 },
     };
     if rng.random_bool(0.4) {
         match rng.random_range(0..12) {
@@ -886,11 +842,7 @@ fn step(rng: &mut SmallRng, shape: &StepShape) -> StepCase {
                 c.config.num_q_heads = wild_usize(rng);
                 c.config.num_kv_heads = size(rng, 0..4);
             }
-            9 => {
-                c.config.mode = mode(rng);
-                c.config.partial_capacity = wild_usize(rng);
-                c.config.sm_count = size(rng, 0..200);
-            }
+            9 => c.config.head_size = [0, 7, 64, 96, 256, 512][rng.random_range(0..6)],
             10 => c.config.decode_threshold = size(rng, 0..10),
             _ => {
                 c.qsl.pop();
@@ -962,32 +914,22 @@ fn step_metadata_is_checked_split_and_planned_in_range() {
                 num_actual_tokens: c.num_actual_tokens,
                 num_decodes: c.config.num_kv_heads,
                 num_prefills: c.config.num_q_heads,
-                num_work_items: c.config.partial_capacity,
-                num_decode_tokens: c.config.sm_count,
+                num_work_items: c.num_blocks,
+                num_decode_tokens: c.block_size,
             };
             let layout = StagingLayout::new(&sizes);
             check!(layout.regions().iter().all(|(_, r)| r.end() <= layout.total_words), "a region past the layout's end");
             let _ = (layout.prefill_seq_lens(), layout.prefill_block_table(), layout.total_bytes());
             // The builders agree with each other and stay in range.
             let cfg = c.config;
-            let meta = build_tensor_core_metadata(
-                &input,
-                threshold,
-                cfg.num_q_heads,
-                cfg.num_kv_heads,
-                cfg.head_size,
-                cfg.sm_count,
-                cfg.mode,
-                cfg.partial_capacity,
-            );
+            let meta = build_tensor_core_metadata(&input, threshold, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_size);
             named(&meta)?;
             if let Ok(m) = &meta {
                 check!(v.is_ok(), "the builder took a step validate refuses");
-                let s = m.split;
-                let q_lens: Vec<u64> = c.qsl[..=s.num_decodes].windows(2).map(|w| (w[1] - w[0]) as u64).collect();
-                if s.num_decodes > 0 {
-                    check_plan(&m.decode.plan, &q_lens, cfg.num_q_heads, cfg.partial_capacity, None)?;
-                }
+                let (s, p) = (m.split, &m.decode.plan);
+                // The decode part is not planned: a zero split count and partial base a decode.
+                check!(p.items.is_empty() && p.token_request.is_empty() && p.partial_rows == 0, "a planned decode part {p:?}");
+                check!(p.req_num_splits == vec![0; s.num_decodes] && p.req_partial_base == vec![0; s.num_decodes], "decode part {p:?}");
                 check!(m.prefill.query_start_loc.len() == s.num_prefills + 1, "prefill part");
             }
             if let Ok(mut builder) = MetadataBuilder::new(cfg) {

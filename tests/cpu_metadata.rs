@@ -5,7 +5,7 @@
 //! and `MetadataBuilder` against the free functions.
 
 use host::attn_math::decode::HEAD_SIZES;
-use host::decode::{plan_decode, DecodeBatch, DecodePlan, SplitMode};
+use host::decode::DecodePlan;
 use host::metadata::{
     build_tensor_core_metadata, decode_first_order, pack, pack_into, split_decodes, validate, BatchSplit, MetadataBuilder, PlanConfig,
     Region, StagingLayout, StepInput, TensorCoreMetadata, ALIGN_WORDS,
@@ -152,23 +152,11 @@ fn random_config(rng: &mut SmallRng) -> PlanConfig {
         num_q_heads: num_kv_heads * pick(rng, &[1usize, 2, 4, 8]),
         num_kv_heads,
         head_size: pick(rng, &HEAD_SIZES) as usize,
-        sm_count: pick(rng, &[1usize, 8, 108, 132]),
-        mode: if rng.random_bool(0.7) { SplitMode::Auto } else { SplitMode::Fixed(rng.random_range(1..6)) },
-        partial_capacity: pick(rng, &[0usize, 64, 4096, 1 << 20]),
     }
 }
 
 fn build(b: &Batch, c: &PlanConfig) -> host::Result<TensorCoreMetadata> {
-    build_tensor_core_metadata(
-        &b.input(),
-        c.decode_threshold,
-        c.num_q_heads,
-        c.num_kv_heads,
-        c.head_size,
-        c.sm_count,
-        c.mode,
-        c.partial_capacity,
-    )
+    build_tensor_core_metadata(&b.input(), c.decode_threshold, c.num_q_heads, c.num_kv_heads, c.head_size)
 }
 
 fn arg_of<T: std::fmt::Debug>(r: host::Result<T>) -> &'static str {
@@ -230,19 +218,14 @@ fn ref_split(b: &Batch, threshold: usize) -> Result<BatchSplit, usize> {
     })
 }
 
-/// The metadata, part by part with plain loops (the decode plan from `plan_decode` on the
-/// decode requests alone, as their own batch).
+/// The metadata, part by part with plain loops (the decode part not planned: a zero split
+/// count and partial base a decode request).
 fn ref_metadata(b: &Batch, c: &PlanConfig) -> TensorCoreMetadata {
     let split = ref_split(b, c.decode_threshold).expect("ordered");
     let nd = split.num_decodes;
     let mut m = TensorCoreMetadata { split, num_actual_tokens: b.num_actual_tokens, ..Default::default() };
-    if nd > 0 {
-        let dec_qsl: Vec<i32> = b.qsl[..=nd].to_vec();
-        let dec_lens: Vec<i32> = b.seq_lens[..nd].to_vec();
-        let batch = DecodeBatch { seq_lens: &dec_lens, query_start_loc: &dec_qsl };
-        m.decode.plan =
-            plan_decode(&batch, c.num_q_heads, c.num_kv_heads, c.head_size, c.sm_count as u64 * 8, c.mode, c.partial_capacity).unwrap();
-    }
+    m.decode.plan.req_num_splits = vec![0; nd];
+    m.decode.plan.req_partial_base = vec![0; nd];
     for r in 0..nd {
         m.decode.max_query_len = m.decode.max_query_len.max(b.q_len(r) as usize);
         m.decode.max_seq_len = m.decode.max_seq_len.max(b.seq_lens[r] as usize);
@@ -322,7 +305,7 @@ fn masked(words: &[u32], layout: &StagingLayout, b: &Batch) -> Vec<u32> {
 fn random_batches_match_the_reference() {
     let mut rng = SmallRng::seed_from_u64(1);
     let mut stale = vec![0xdead_beef_u32; 1 << 16];
-    let (mut with_decodes, mut with_prefills, mut with_empty, mut grown) = (0, 0, 0, 0);
+    let (mut with_decodes, mut with_prefills, mut with_empty) = (0, 0, 0);
     for _ in 0..120 {
         let c = random_config(&mut rng);
         let mut builder = MetadataBuilder::new(c).unwrap();
@@ -341,7 +324,7 @@ fn random_batches_match_the_reference() {
             assert_eq!(m, want, "{what}");
             let plan = &m.decode.plan;
             assert_eq!(plan.req_num_splits.len(), split.num_decodes, "{what}");
-            assert_eq!(plan.token_request.len(), split.num_decode_tokens, "{what}");
+            assert!(plan.items.is_empty() && plan.token_request.is_empty(), "{what}");
 
             let (words, layout) = pack(&m, &b.input());
             check_packed(&words, &layout, &b, &m, &what);
@@ -360,23 +343,17 @@ fn random_batches_match_the_reference() {
             with_decodes += (split.num_decodes > 0) as usize;
             with_prefills += (split.num_prefills > 0) as usize;
             with_empty += (0..b.n()).any(|r| b.q_len(r) == 0) as usize;
-            grown += plan.req_num_splits.iter().any(|&s| s > 1) as usize;
         }
     }
-    assert!(
-        with_decodes > 100 && with_prefills > 100 && with_empty > 50 && grown > 20,
-        "{with_decodes} {with_prefills} {with_empty} {grown}"
-    );
+    assert!(with_decodes > 100 && with_prefills > 100 && with_empty > 50, "{with_decodes} {with_prefills} {with_empty}");
 }
 
 #[test]
-fn many_decodes_and_split_plans_match_plan_decode() {
-    // Large decode batches (every request over the CTA target: one split each) and small ones
-    // with long contexts (many splits, the chunk grown to the workspace) through the builder.
+fn many_decodes_match_the_free_functions() {
+    // Large decode batches and small ones with long contexts through the builder.
     let mut rng = SmallRng::seed_from_u64(2);
     for i in 0..200 {
-        let capacity = pick(&mut rng, &[0usize, 128, 2048, 1 << 16]);
-        let c = PlanConfig { partial_capacity: capacity, ..random_config(&mut rng) };
+        let c = random_config(&mut rng);
         let n = if i % 2 == 0 { rng.random_range(100..400) } else { rng.random_range(1..12) };
         let reqs: Vec<Req> = (0..n)
             .map(|_| {
@@ -397,15 +374,7 @@ fn many_decodes_and_split_plans_match_plan_decode() {
 
 #[test]
 fn edge_batches() {
-    let c = PlanConfig {
-        decode_threshold: 4,
-        num_q_heads: 32,
-        num_kv_heads: 8,
-        head_size: 128,
-        sm_count: 132,
-        mode: SplitMode::Auto,
-        partial_capacity: 4096,
-    };
+    let c = PlanConfig { decode_threshold: 4, num_q_heads: 32, num_kv_heads: 8, head_size: 128 };
     let mut rng = SmallRng::seed_from_u64(3);
     for reqs in [
         vec![],                                     // no requests at all
@@ -527,15 +496,7 @@ fn small_batch() -> Batch {
 fn refused(b: &Batch, arg: &str, case: &str) {
     assert_eq!(ref_validate(b), Some(arg), "{case}: the reference disagrees");
     assert_eq!(arg_of(validate(&b.input())), arg, "{case}");
-    let c = PlanConfig {
-        decode_threshold: 2,
-        num_q_heads: 8,
-        num_kv_heads: 2,
-        head_size: 64,
-        sm_count: 4,
-        mode: SplitMode::Auto,
-        partial_capacity: 1024,
-    };
+    let c = PlanConfig { decode_threshold: 2, num_q_heads: 8, num_kv_heads: 2, head_size: 64 };
     let free = build(b, &c).unwrap_err().to_string();
     assert!(free.contains(&format!("`{arg}`")), "{case}: {free}");
     let mut builder = MetadataBuilder::new(c).unwrap();
@@ -654,15 +615,7 @@ fn random_corruptions_are_refused_like_the_reference() {
 #[test]
 fn config_refusals_name_their_argument() {
     let b = small_batch();
-    let base = PlanConfig {
-        decode_threshold: 2,
-        num_q_heads: 8,
-        num_kv_heads: 2,
-        head_size: 64,
-        sm_count: 4,
-        mode: SplitMode::Auto,
-        partial_capacity: 1024,
-    };
+    let base = PlanConfig { decode_threshold: 2, num_q_heads: 8, num_kv_heads: 2, head_size: 64 };
     for (c, arg) in [
         (PlanConfig { decode_threshold: 0, ..base }, "decode_threshold"),
         (PlanConfig { decode_threshold: 9, ..base }, "decode_threshold"),
@@ -670,8 +623,6 @@ fn config_refusals_name_their_argument() {
         (PlanConfig { num_q_heads: 7, ..base }, "num_q_heads"),
         (PlanConfig { num_q_heads: 0, ..base }, "num_q_heads"),
         (PlanConfig { head_size: 80, ..base }, "head_size"),
-        (PlanConfig { sm_count: 0, ..base }, "sm_count"),
-        (PlanConfig { mode: SplitMode::Fixed(0), ..base }, "mode"),
     ] {
         assert_eq!(arg_of(build(&b, &c)), arg, "{c:?}");
         assert_eq!(arg_of(MetadataBuilder::new(c)), arg, "{c:?}");
@@ -683,15 +634,7 @@ fn builder_recovers_after_a_refusal() {
     let ok = small_batch();
     let mut bad = ok.clone();
     bad.slots[0] = -3;
-    let c = PlanConfig {
-        decode_threshold: 2,
-        num_q_heads: 8,
-        num_kv_heads: 2,
-        head_size: 64,
-        sm_count: 4,
-        mode: SplitMode::Auto,
-        partial_capacity: 1024,
-    };
+    let c = PlanConfig { decode_threshold: 2, num_q_heads: 8, num_kv_heads: 2, head_size: 64 };
     let mut builder = MetadataBuilder::new(c).unwrap();
     let first = builder.build(&ok.input()).unwrap().words.to_vec();
     assert_eq!(arg_of(builder.build(&bad.input())), "slot_mapping");
@@ -727,40 +670,6 @@ fn layout_of_sizes() {
     assert_eq!(layout.slot_mapping.byte_offset() % 8, 0);
     assert_eq!(layout.prefill_seq_lens(), Region { offset: 6, len: 1 });
     assert_eq!(layout.prefill_block_table(), Region { offset: 18, len: 5 });
-}
-
-/// `without_decode_plan`: the same checks, split and arrays, and an empty decode plan (no work
-/// items packed), for callers that plan decode themselves.
-#[test]
-fn builder_without_decode_plan_packs_no_plan() {
-    let c = PlanConfig {
-        decode_threshold: 4,
-        num_q_heads: 32,
-        num_kv_heads: 8,
-        head_size: 128,
-        sm_count: 132,
-        mode: SplitMode::Auto,
-        partial_capacity: 4096,
-    };
-    let mut rng = SmallRng::seed_from_u64(11);
-    let b = assemble(&mut rng, &[(1, 17), (3, 3000), (2, 40), (9, 9), (300, 1000)], 16);
-    let with = build(&b, &c).unwrap();
-    let mut builder = MetadataBuilder::new(c).unwrap().without_decode_plan();
-    let built = builder.build(&b.input()).unwrap();
-    assert_eq!(built.metadata.split, with.split);
-    assert_eq!(built.metadata.prefill, with.prefill);
-    assert!(built.metadata.decode.plan.items.is_empty() && built.layout.work_items.len == 0);
-    for (name, r) in built.layout.regions().into_iter().take(5) {
-        let (_, layout) = pack(&with, &b.input());
-        let want = layout.regions().into_iter().find(|(n, _)| *n == name).unwrap().1;
-        assert_eq!(r.len, want.len, "{name}");
-    }
-    assert_eq!(built.layout.seq_lens.of(built.words), b.input().seq_lens.iter().map(|&l| l as u32).collect::<Vec<_>>());
-    // Refusals are the same.
-    let mut bad = b.input();
-    let slots = vec![1i64 << 40; bad.num_actual_tokens];
-    bad.slot_mapping = &slots;
-    assert!(matches!(builder.build(&bad), Err(host::AttnError::InvalidArgument { arg: "slot_mapping", .. })));
 }
 
 // ---------------------------------------------------------------------------------------------

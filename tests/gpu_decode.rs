@@ -437,50 +437,6 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("bf16_fp8::gqa_32q_32kv".into(), Case { q_heads: 32, kv_heads: 32, ..Case::base(&[33, 2000]) }, "bf16_fp8");
     push("bf16_fp8::gqa_16q_1kv".into(), Case { q_heads: 16, kv_heads: 1, ..Case::base(&[33, 2000]) }, "bf16_fp8");
     push("bf16_fp8::split_fixed_7".into(), Case { split: SplitMode::Fixed(7), ..Case::base(&lens) }, "bf16_fp8");
-    // Stream-K (`SplitMode::StreamK`, `host::decode_stream`): unequal lengths (each group's start
-    // from the host), equal ones (found by division), speculative tokens, a window, head size 64,
-    // ALiBi, the sink, planned batches, one request cut among many groups; FP8 runs as Auto.
-    let many: Vec<i32> = (0..96).map(|i| 1 + (i * 7919 % 1500)).collect();
-    push("bf16_bf16::stream_many_requests".into(), Case { sinks: true, split: SplitMode::StreamK, ..Case::base(&many) }, "bf16_bf16");
-    push("bf16_fp8::stream_many_requests".into(), Case { sinks: true, split: SplitMode::StreamK, ..Case::base(&many) }, "bf16_fp8");
-    push("f16_f16::stream_uniform_64x600".into(), Case { split: SplitMode::StreamK, ..Case::base(&[600; 64]) }, "f16_f16");
-    push(
-        "bf16_bf16::stream_spec_window".into(),
-        Case {
-            q_lens: (0..96).map(|i| 1 + i % 4).collect(),
-            window: Some(200),
-            split: SplitMode::StreamK,
-            ..Case::base(&many.iter().map(|l| l + 8).collect::<Vec<_>>())
-        },
-        "bf16_bf16",
-    );
-    push(
-        "f16_f16::stream_head_size_64".into(),
-        Case { head_size: 64, alibi: true, split: SplitMode::StreamK, ..Case::base(&many) },
-        "f16_f16",
-    );
-    push("bf16_bf16::stream_head_size_96".into(), Case { head_size: 96, split: SplitMode::StreamK, ..Case::base(&many) }, "bf16_bf16");
-    push(
-        "bf16_bf16::stream_one_long_among_short".into(),
-        Case { sinks: true, split: SplitMode::StreamK, ..Case::base(&[20000, 3, 5, 1, 2, 7, 9, 16]) },
-        "bf16_bf16",
-    );
-    push("bf16_bf16::stream_bad_block_id".into(), Case { bad_block: true, split: SplitMode::StreamK, ..Case::base(&many) }, "bf16_bf16");
-    push(
-        "bf16_bf16::stream_empty_request_runs_split_k".into(),
-        Case { split: SplitMode::StreamK, ..Case::base(&[0, 5, 0, 300]) },
-        "bf16_bf16",
-    );
-    push(
-        "bf16_bf16::stream_planned".into(),
-        Case { planned: true, softcap: Some(7.0), split: SplitMode::StreamK, ..Case::base(&many) },
-        "bf16_bf16",
-    );
-    push(
-        "bf16_bf16::stream_gqa_8q_8kv".into(),
-        Case { q_heads: 8, kv_heads: 8, split: SplitMode::StreamK, ..Case::base(&many) },
-        "bf16_bf16",
-    );
     // One request of 20000 keys under a sliding window, every row with two dominant keys at
     // its mask's edges (the first key of its window, its own position) and the keys just
     // outside them as strong: one key too many or too few at either edge moves every row far
@@ -492,7 +448,6 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("bf16_bf16::long_window_edges_spec_4".into(), edges(4, 3001), "bf16_bf16");
     push("f16_f16::long_window_edges_d64_gqa8".into(), Case { head_size: 64, q_heads: 16, kv_heads: 2, ..edges(1, 2050) }, "f16_f16");
     push("bf16_bf16::long_window_edges_split_7".into(), Case { split: SplitMode::Fixed(7), ..edges(3, 9000) }, "bf16_bf16");
-    push("bf16_bf16::stream_long_window_edges".into(), Case { split: SplitMode::StreamK, ..edges(2, 5003) }, "bf16_bf16");
     v
 }
 

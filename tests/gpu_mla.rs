@@ -140,9 +140,8 @@ fn mla_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
         mla_attention(device(), &stream, args!(&mut out_d, &mut lse_d), &batch, opts.softmax_scale, c.split, &mut ws, &mut status)?
     };
     // The cluster size a plan must choose: on the sm_90a module, with the MLA kernel and its
-    // clusters left on (`ATTN_MLA_KERNEL=attention` and `ATTN_MLA_CLUSTER=0` choose none).
-    let overridden =
-        std::env::var("ATTN_MLA_KERNEL").is_ok_and(|v| v == "attention") || std::env::var("ATTN_MLA_CLUSTER").is_ok_and(|v| v == "0");
+    // clusters left on (`ATTN_MLA_CLUSTER=0` chooses none).
+    let overridden = std::env::var("ATTN_MLA_CLUSTER").is_ok_and(|v| v == "0");
     if let Some(want) = c.cluster.filter(|_| device().ptx_target() == "sm_90a" && !overridden) {
         if plan.cluster != want {
             return Err(format!("plan cluster {}, expected {want} (splits {:?})", plan.cluster, plan.req_num_splits).into());

@@ -24,7 +24,6 @@ use crate::decode::{
     decode_tc_kernel, max_len, paged_decode_from, plan_decode_tc, AttnOptions, DecodeArgs, DecodeBatch, DecodeKernel, DecodePlan,
     DecodeWorkspace, DevicePlan, PlanSource, SplitMode, TcKernel,
 };
-use crate::decode_stream::{plan_stream, StreamBatch, StreamPlan};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
@@ -83,7 +82,7 @@ impl BatchPlan {
         let batch = &batch.decode_batch();
         let max_q = check_batch(batch, q_dtype, cache_dtype, num_heads)?;
         let tc = mla_tc_kernel(dev, q_dtype, cache_dtype == DType::Fp8E4m3, num_heads, max_q)?;
-        self.plan_for(dev, tc, batch, num_heads, DecodeKernel::Mla, mode, ws, None)
+        self.plan_for(dev, tc, batch, num_heads, DecodeKernel::Mla, mode, ws)
     }
 
     /// Plans a batch of paged decodes for [`paged_decode_planned`] (the tensor-core kernels),
@@ -111,21 +110,7 @@ impl BatchPlan {
         let fp8 = cache_dtype == DType::Fp8E4m3;
         let tc = decode_tc_kernel(dev, q_dtype, fp8, head_size, num_q_heads, num_kv_heads, max_q, max_len(batch.seq_lens))?;
         let kernel = tc.kernel;
-        // Stream-K for the batch as the eager call would run it, laid out without a window
-        // (a layer with one runs the split-K plan below).
-        let stream = if kernel.keys_split() {
-            let sb = StreamBatch {
-                seq_lens: batch.seq_lens,
-                query_start_loc: batch.query_start_loc,
-                num_kv_heads: num_kv_heads as u32,
-                group: (num_q_heads / num_kv_heads) as u32,
-                window: 0,
-            };
-            plan_stream(dev, q_dtype, fp8, head_size, &sb, ws.partial_rows(), mode)?
-        } else {
-            None
-        };
-        self.plan_for(dev, tc, batch, num_q_heads, kernel, mode, ws, stream)
+        self.plan_for(dev, tc, batch, num_q_heads, kernel, mode, ws)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -138,7 +123,6 @@ impl BatchPlan {
         kernel: DecodeKernel,
         mode: SplitMode,
         ws: &DecodeWorkspace,
-        stream: Option<StreamPlan>,
     ) -> Result<&DecodePlan> {
         self.planned = None;
         let mut plan =
@@ -150,11 +134,6 @@ impl BatchPlan {
         let mut words = std::mem::take(&mut self.words);
         words.clear();
         let r = append_plan(&mut words, &plan);
-        // The stream warps' starts after the plan's arrays.
-        let starts_at = words.len();
-        if let Some(sp) = &stream {
-            words.extend_from_slice(&sp.starts);
-        }
         if self.device.len() < words.len() {
             self.device = self.stream.alloc_zeros(words.len().next_power_of_two())?;
         }
@@ -176,10 +155,6 @@ impl BatchPlan {
             capacity_items: plan.items.len() / 2,
             needs_merge: plan.needs_merge(),
             cluster: plan.cluster,
-            stream: stream.map(|sp| {
-                let starts = if sp.starts.is_empty() { 0 } else { base + 4 * starts_at as u64 };
-                (sp, starts)
-            }),
         };
         let planned = Planned {
             plan,

@@ -10,7 +10,6 @@
 use crate::batch::{BatchMetadata, DeviceBatch};
 use crate::buffer::{DevIn, DevOut};
 use crate::cache_write::KvScales;
-use crate::decode_stream::{plan_stream, stream_wanted, StreamBatch, StreamPlan, MAX_STREAM_WORKERS};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
@@ -20,15 +19,12 @@ use crate::metadata::plan_words::{append_plan, plan_words};
 use crate::metadata::{Region, ALIGN_WORDS};
 use crate::status::DeviceStatus;
 use crate::stream_check::check_stream;
-use attn_math::decode::{rows_per_cta, shared_bytes, HEAD_SIZES, THREADS};
+use attn_math::decode::HEAD_SIZES;
 use attn_math::keys_rows;
-use attn_math::params::{
-    DecodeMergeParams, DecodeParams, MergeStatesParams, PrefillParams, MAX_MERGE_HEAD_SIZE, MERGE_SHARED_BYTES, MERGE_THREADS,
-};
+use attn_math::params::{DecodeMergeParams, MergeStatesParams, PrefillParams, MAX_MERGE_HEAD_SIZE, MERGE_SHARED_BYTES, MERGE_THREADS};
 use attn_math::prefill::{block_m, block_n, shared_layout};
 use attn_math::softmax::LOG2_E;
 use attn_math::split::{even_waves_chunk, num_splits, plan_chunk, EVEN_WAVES_MAX_SPLITS};
-use attn_math::stream::WARPS as STREAM_WARPS;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
@@ -36,7 +32,6 @@ use std::sync::Arc;
 pub const MAX_QUERY_LEN: usize = 8;
 /// Splits shorter than this cost more in merging than they gain.
 pub(crate) const MIN_CHUNK: u32 = 256;
-pub(crate) const CHUNK_TILE: u32 = 16;
 
 /// Attention options of a layer.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -64,12 +59,6 @@ pub enum SplitMode {
     /// sometimes fewer); `Fixed(1)` gives one split per request and results that do not depend
     /// on the rest of the batch (deterministic mode).
     Fixed(u32),
-    /// Stream-K (`crate::decode_stream`): a persistent grid cuts the batch's keys into equal
-    /// ranges per group of warps and merges cut requests in the kernel (no merge kernel).
-    /// Batches the kernel does not take (an empty request, more than 16 query rows per kv head,
-    /// head size 256, FP8 at 96) run as `Auto`. Opt-in while it is not faster than `Auto` on
-    /// the benchmark's shapes (BENCHMARKS.md); `ATTN_DECODE_STREAM=1` makes `Auto` use it too.
-    StreamK,
 }
 
 /// A batch's host-side metadata, as the planners take it. The ops take a
@@ -110,9 +99,10 @@ pub struct DecodeArgs<'a> {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DecodePlan {
     pub chunk: u32,
+    /// Query rows per CTA, and the row tiles of the request with the most rows.
     pub rows_per_cta: u32,
     pub row_groups: u32,
-    /// CUDA cores: `request << 16 | split`; tensor cores: `request, row_tile << 16 | split`.
+    /// `request, row_tile << 16 | split` per work item.
     pub items: Vec<u32>,
     pub kernel: DecodeKernel,
     pub req_num_splits: Vec<u32>,
@@ -158,73 +148,6 @@ impl DecodePlan {
     }
 }
 
-/// Plans a batch. `ctas_target` is how many CTAs fill the GPU a few times over. Refuses (naming
-/// the argument) heads that are not a positive multiple of the kv heads, start locations that
-/// are not `num_reqs + 1` non-decreasing entries from 0, negative lengths, more requests than
-/// the work items encode (65535) and more query rows per kv head than a launch takes (2^31).
-pub fn plan_decode(
-    batch: &DecodeBatch<'_>,
-    num_q_heads: usize,
-    num_kv_heads: usize,
-    head_size: usize,
-    ctas_target: u64,
-    mode: SplitMode,
-    partial_capacity: usize,
-) -> Result<DecodePlan> {
-    ensure(num_kv_heads > 0 && num_kv_heads <= u32::MAX as usize, "num_kv_heads", || format!("{num_kv_heads} is out of range"))?;
-    ensure(num_q_heads > 0 && num_q_heads.is_multiple_of(num_kv_heads), "num_q_heads", || {
-        format!("{num_q_heads} is not a positive multiple of num_kv_heads {num_kv_heads}")
-    })?;
-    let q_lens = plan_query_lens(batch)?;
-    let n = q_lens.len();
-    ensure(n < 1 << 16, "seq_lens", || format!("{n} requests exceed the 65535 a launch takes"))?;
-    let group = num_q_heads / num_kv_heads;
-    // An empty batch (or one of empty requests) plans as one query token a request.
-    let max_q = q_lens.iter().copied().max().unwrap_or(1).max(1);
-    let max_rows = (max_q as u64).saturating_mul(group as u64);
-    ensure(max_rows <= 1 << 31, "query_start_loc", || {
-        format!("{max_q} query tokens x {group} heads per kv head exceed the 2^31 rows a launch takes")
-    })?;
-    let mut rows_per_cta = rows_per_cta(max_rows as u32, head_size as u32);
-    // Tuning knob: cap the rows per CTA (more CTAs, fewer registers each).
-    if let Some(cap) = std::env::var("ATTN_DECODE_MAX_ROWS_PER_CTA").ok().and_then(|v| v.parse::<u32>().ok()) {
-        rows_per_cta = rows_per_cta.min(cap.max(1).next_power_of_two());
-    }
-    let row_groups = (max_rows as u32).div_ceil(rows_per_cta);
-    let lens: Vec<u32> = batch.seq_lens.iter().map(|&l| l as u32).collect();
-    let forced = match mode {
-        SplitMode::Auto | SplitMode::StreamK => None,
-        SplitMode::Fixed(n) => Some(n),
-    };
-    let ctas_per_split = (num_kv_heads as u32).saturating_mul(row_groups);
-    let chunk = plan_chunk(&lens, ctas_per_split, ctas_target, CHUNK_TILE, MIN_CHUNK, forced);
-    let mut plan = plan_splits(&lens, &q_lens, num_q_heads, chunk, partial_capacity);
-    plan.rows_per_cta = rows_per_cta;
-    plan.row_groups = row_groups;
-    for (r, &splits) in plan.req_num_splits.iter().enumerate() {
-        plan.items.extend((0..splits).map(|s| (r as u32) << 16 | s));
-    }
-    Ok(plan)
-}
-
-/// Each request's query tokens, after checking what planning reads: `num_reqs + 1`
-/// non-decreasing start locations from 0 (differences taken in i64, so that no pair of i32s
-/// wraps) and non-negative lengths.
-fn plan_query_lens(batch: &DecodeBatch<'_>) -> Result<Vec<u32>> {
-    let (qsl, n) = (batch.query_start_loc, batch.seq_lens.len());
-    ensure(qsl.len() == n + 1, "query_start_loc", || format!("has {} entries for {n} requests (needs {})", qsl.len(), n + 1))?;
-    ensure(qsl[0] == 0, "query_start_loc", || format!("starts at {}, not 0", qsl[0]))?;
-    let mut q_lens = Vec::with_capacity(n);
-    for r in 0..n {
-        let q = qsl[r + 1] as i64 - qsl[r] as i64;
-        ensure(q >= 0, "query_start_loc", || format!("decreases at request {r} ({} -> {})", qsl[r], qsl[r + 1]))?;
-        let len = batch.seq_lens[r];
-        ensure(len >= 0, "seq_lens", || format!("request {r} has negative length {len}"))?;
-        q_lens.push(q as u32);
-    }
-    Ok(q_lens)
-}
-
 /// Partial rows (head_size f32 each) the splits of a chunk size need: `splits x q_len x
 /// num_q_heads` for every request split more than once; `None` when that overflows a usize.
 fn partial_rows_for(lens: &[u32], q_lens: &[u32], num_q_heads: usize, chunk: u32) -> Option<usize> {
@@ -268,13 +191,11 @@ fn plan_splits(lens: &[u32], q_lens: &[u32], num_q_heads: usize, chunk: u32, par
 /// Which kernel runs a decode batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum DecodeKernel {
-    /// CUDA cores (`decode_<q>_<cache>_d<d>_r<rows>`), on request (`ATTN_DECODE_KERNEL=cuda`).
-    #[default]
-    CudaCores,
     /// Tensor cores, 16 query rows per CTA and the keys of each tile split across its warps
     /// (`decode_tc_<q>[_fp8]_d<d>`): up to 16 rows (query tokens x query heads) per kv head.
     /// Up to 8 rows run the same CTAs with the score tile transposed (`decode_kr_*`, keys on
     /// the MMA's rows: `attn_math::keys_rows`), from 16-bit caches and FP8 at head sizes 64/128.
+    #[default]
     TensorCoreKeys,
     /// Tensor cores, 64 rows per CTA (the prefill kernel): more rows per kv head (MQA).
     TensorCoreRows,
@@ -283,15 +204,6 @@ pub enum DecodeKernel {
 }
 
 impl DecodeKernel {
-    /// The kernel for a batch: tensor cores, or CUDA cores when `ATTN_DECODE_KERNEL=cuda`.
-    pub fn choose(rows_per_kv_head: u32) -> DecodeKernel {
-        if Self::cuda_cores_forced() {
-            DecodeKernel::CudaCores
-        } else {
-            Self::tensor_cores(rows_per_kv_head)
-        }
-    }
-
     /// The tensor-core shape for a batch: keys split across warps up to 16 rows per kv head.
     pub fn tensor_cores(rows_per_kv_head: u32) -> DecodeKernel {
         if rows_per_kv_head <= block_m(0, 0, true, false) {
@@ -299,11 +211,6 @@ impl DecodeKernel {
         } else {
             DecodeKernel::TensorCoreRows
         }
-    }
-
-    /// `ATTN_DECODE_KERNEL=cuda`: eager decode on the CUDA-core kernel.
-    pub fn cuda_cores_forced() -> bool {
-        std::env::var("ATTN_DECODE_KERNEL").is_ok_and(|v| v == "cuda")
     }
 
     pub fn keys_split(self) -> bool {
@@ -361,7 +268,7 @@ pub fn plan_decode_tc(
     let tiles_of = |q: u32| (q as u64 * group as u64).div_ceil(bm as u64).min(1 << 16) as u32;
     let row_tiles = tiles_of(q_lens.iter().copied().max().unwrap_or(1)).max(1);
     let forced = match mode {
-        SplitMode::Auto | SplitMode::StreamK => None,
+        SplitMode::Auto => None,
         SplitMode::Fixed(n) => Some(n),
     };
     let ctas_per_split = ctas_per_item.saturating_mul(row_tiles);
@@ -419,10 +326,6 @@ pub struct DecodeWorkspace {
     /// copy fills (four copies cost 2.6 us more a call on the H100, BENCHMARKS.md).
     plan_device: CudaSlice<u32>,
     plan_words: Vec<u32>,
-    /// Stream-K decode: a counter per warp (zero between launches), and the warps' starts of a
-    /// batch of unequal requests (`crate::decode_stream`).
-    stream_sched: CudaSlice<u32>,
-    stream_starts: CudaSlice<u32>,
     /// Split-K merged in pass 1: an arrival counter per split work item (zero between launches;
     /// `attn_math::params::merge_counter_index`, below `partial_rows / 2`).
     merge_counters: CudaSlice<u32>,
@@ -442,7 +345,7 @@ impl DecodeWorkspace {
         let padded = |n: usize| (n as u128).next_multiple_of(ALIGN_WORDS as u128);
         let plan = padded(max_items) + 2 * padded(max_reqs) + padded(max_tokens) + padded(4);
         let rows = partial_rows as u128;
-        let total = rows * (head_size as u128 + 1) + plan + 3 * MAX_STREAM_WORKERS as u128 + rows / 2 + 1;
+        let total = rows * (head_size as u128 + 1) + plan + rows / 2 + 1;
         usize::try_from(4 * total).unwrap_or(usize::MAX)
     }
 
@@ -465,8 +368,6 @@ impl DecodeWorkspace {
             partial_lse: stream.alloc_zeros(partial_rows.max(1))?,
             plan_device: stream.alloc_zeros(words)?,
             plan_words: Vec::with_capacity(words),
-            stream_sched: stream.alloc_zeros(MAX_STREAM_WORKERS)?,
-            stream_starts: stream.alloc_zeros(2 * MAX_STREAM_WORKERS)?,
             merge_counters: stream.alloc_zeros(merge_counters(partial_rows))?,
             max_items,
             max_reqs,
@@ -499,30 +400,6 @@ impl DecodeWorkspace {
         self.merge_counters.device_ptr_mut(stream).0
     }
 
-    /// The partial buffers and the counters of a stream-K launch, with its warps' starts
-    /// uploaded (one small copy) when it has them and they are not on the device already.
-    pub(crate) fn stream_ptrs(
-        &mut self,
-        stream: &Arc<CudaStream>,
-        plan: &StreamPlan,
-        starts: Option<u64>,
-    ) -> Result<(WorkspacePtrs, u64, u64)> {
-        let starts = match starts {
-            Some(ptr) => ptr,
-            None if plan.starts.is_empty() => 0,
-            None => {
-                stream.memcpy_htod(&plan.starts[..], &mut self.stream_starts.slice_mut(..plan.starts.len()))?;
-                self.stream_starts.device_ptr(stream).0
-            }
-        };
-        let wp = WorkspacePtrs {
-            partial_out: self.partial_out.device_ptr_mut(stream).0,
-            partial_lse: self.partial_lse.device_ptr_mut(stream).0,
-            ..WorkspacePtrs::default()
-        };
-        Ok((wp, self.stream_sched.device_ptr_mut(stream).0, starts))
-    }
-
     /// Whether a plan for a batch of `num_reqs` requests and `num_tokens` query tokens fits.
     pub(crate) fn check_plan(&self, plan: &DecodePlan, num_reqs: usize, num_tokens: usize) -> Result<()> {
         ensure(plan.items.len() <= self.max_items && plan.items.len() < i32::MAX as usize, "workspace", || {
@@ -547,10 +424,6 @@ impl DecodeWorkspace {
             format!("holds {} requests / {} tokens, the batch has {num_reqs} / {num_tokens}", self.max_reqs, self.max_tokens)
         })
     }
-}
-
-fn kernel_name(q: DType, cache: DType, head_size: usize, rows: u32) -> String {
-    format!("decode_{}_{}_d{head_size}_r{rows}", q.kernel_name(), cache.kernel_name())
 }
 
 pub(crate) fn f32_values(b: &DevIn<'_>, arg: &'static str, len: usize) -> Result<u64> {
@@ -604,9 +477,7 @@ impl TcKernel {
         let per_split = num_reqs * (q_len * self.group).div_ceil(bm).max(1) as usize;
         match mode {
             // Even waves split each request up to EVEN_WAVES_MAX_SPLITS times.
-            SplitMode::Auto | SplitMode::StreamK => {
-                (per_split * EVEN_WAVES_MAX_SPLITS as usize).max((self.target / self.shape.ctas_per_item as u64) as usize)
-            }
+            SplitMode::Auto => (per_split * EVEN_WAVES_MAX_SPLITS as usize).max((self.target / self.shape.ctas_per_item as u64) as usize),
             SplitMode::Fixed(n) => per_split * n.max(1) as usize,
         }
     }
@@ -634,12 +505,10 @@ pub(crate) fn decode_tc_kernel(
     let kernel = DecodeKernel::tensor_cores(max_q * group);
     let fp8_tag = if fp8 { "_fp8" } else { "" };
     // Up to 8 rows per kv head (FP8 caches at head sizes 64 and 128): the same CTAs with the score tile transposed
-    // (`decode_kr_*`: keys on the MMA's rows; half the math per tile). `ATTN_DECODE_KR=0` keeps
-    // `decode_tc_*` (comparisons).
+    // (`decode_kr_*`: keys on the MMA's rows; half the math per tile).
     let keys_rows = kernel == DecodeKernel::TensorCoreKeys
         && (!fp8 || keys_rows::FP8_HEAD_SIZES.contains(&(d as u32)))
-        && max_q * group <= keys_rows::MAX_ROWS
-        && std::env::var("ATTN_DECODE_KR").map_or(true, |v| v != "0");
+        && max_q * group <= keys_rows::MAX_ROWS;
     let long = max_len >= keys_rows::FP8_LONG_KEYS;
     let name = match kernel {
         // FP8 batches with long requests: the deep-pipeline kernels (`keys_rows::FP8_LONG_KEYS`).
@@ -692,9 +561,6 @@ pub(crate) struct DevicePlan {
     pub needs_merge: bool,
     /// [`DecodePlan::cluster`].
     pub cluster: u32,
-    /// A stream-K launch for the batch the plan was made for ([`crate::batch_plan`]), with its
-    /// warps' starts on the device (0: none needed).
-    pub stream: Option<(StreamPlan, u64)>,
 }
 
 impl DevicePlan {
@@ -850,9 +716,6 @@ pub(crate) fn paged_decode_from(
 
     let max_q = batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).max().unwrap_or(1);
     let fp8 = cache_dtype == DType::Fp8E4m3;
-    // A graph step's plan is made for the tensor cores; `ATTN_DECODE_KERNEL=cuda` picks the
-    // CUDA-core kernel for eager calls.
-    let cuda_cores = causal && matches!(source, PlanSource::Host(_)) && DecodeKernel::cuda_cores_forced();
     // The kernel variant that depends on the lengths (FP8's deep pipeline) is the plan's for a
     // device plan (a graph's runs whatever lengths its steps have).
     let planned_len = match source {
@@ -860,49 +723,18 @@ pub(crate) fn paged_decode_from(
         PlanSource::Device(_) => 0,
         PlanSource::Host(_) => max_len(batch.seq_lens),
     };
-    let tc = if cuda_cores { None } else { Some(decode_tc_kernel(dev, q_dtype, fp8, d, hq, spec.num_kv_heads, max_q, planned_len)?) };
-    let kernel = tc.as_ref().map_or(DecodeKernel::CudaCores, |t| t.kernel);
-    // Stream-K (`crate::decode_stream`) where the batch allows it and the split mode is the
-    // planner's: eager calls plan it here, planned batches brought it along.
-    let window = opts.window.unwrap_or(0);
-    let stream_launch = match source {
-        PlanSource::Host(mode) if causal && kernel.keys_split() && stream_wanted(mode) => {
-            let sb = StreamBatch {
-                seq_lens: batch.seq_lens,
-                query_start_loc: batch.query_start_loc,
-                num_kv_heads: spec.num_kv_heads as u32,
-                group: (hq / spec.num_kv_heads) as u32,
-                window,
-            };
-            plan_stream(dev, q_dtype, fp8, d, &sb, ws.partial_rows(), mode)?.map(|sp| (sp, None))
-        }
-        // A planned stream launch needs the window it was laid out for, and partial room in
-        // this call's workspace (which may not be the one it was planned with).
-        PlanSource::Device(dp) if causal => dp
-            .stream
-            .as_ref()
-            .filter(|(sp, _)| sp.window == window && sp.partial_rows() <= ws.partial_rows())
-            .map(|(sp, at)| (sp.clone(), Some(*at))),
-        _ => None,
-    };
+    let tc = decode_tc_kernel(dev, q_dtype, fp8, d, hq, spec.num_kv_heads, max_q, planned_len)?;
+    let kernel = tc.kernel;
     let (plan, wp, launch) = match source {
-        _ if stream_launch.is_some() => (DecodePlan { kernel, ..DecodePlan::default() }, WorkspacePtrs::default(), Launch::Planned),
         PlanSource::Device(dp) => {
-            let tc = tc.as_ref().expect("a device plan runs on tensor cores");
-            dp.check_layer(tc)?;
+            dp.check_layer(&tc)?;
             (DecodePlan { kernel, ..DecodePlan::default() }, dp.workspace_ptrs(ws, stream), Launch::Fixed(dp))
         }
         PlanSource::Host(mode) => {
-            let plan = match &tc {
-                None => plan_decode(batch, hq, spec.num_kv_heads, d, dev.sm_count() as u64 * 8, mode, ws.partial_rows())?,
-                Some(tc) => {
-                    DecodePlan { kernel, ..plan_decode_tc(batch, hq, tc.group, tc.shape, tc.target, tc.slots, mode, ws.partial_rows()) }
-                }
-            };
-            let fused = tc.as_ref().is_some_and(|t| t.fused_merge);
-            let wp = if tc.is_some() && !plan.needs_device_plan() {
+            let plan = DecodePlan { kernel, ..plan_decode_tc(batch, hq, tc.group, tc.shape, tc.target, tc.slots, mode, ws.partial_rows()) };
+            let wp = if !plan.needs_device_plan() {
                 WorkspacePtrs::default()
-            } else if fused && plan.uniform_splits().is_some() {
+            } else if tc.fused_merge && plan.uniform_splits().is_some() {
                 // Derived from the CTA index and merged in pass 1: only the partials' room.
                 ws.check_plan(&plan, num_reqs, nt)?;
                 ws.partials_ptrs(stream)
@@ -912,32 +744,32 @@ pub(crate) fn paged_decode_from(
             (plan, wp, Launch::Planned)
         }
     };
-    let (items_ptr, splits_ptr, base_ptr, pout_ptr, plse_ptr) =
-        (wp.items, wp.req_num_splits, wp.req_partial_base, wp.partial_out, wp.partial_lse);
     let (status_ptr, _o7) = status.word.device_ptr_mut(stream);
     let (k_origin, v_origin) = spec.kv_origins();
     let cb = cache_dtype.size_bytes() as u64;
     let lse_ptr = a.lse.as_ref().map_or(0, |l| l.ptr);
-    let p = DecodeParams {
+    let tp = PrefillParams {
         q: a.q.ptr,
         q_token_stride: a.q_rows.token_stride as u64,
         q_head_stride: a.q_rows.head_stride as u64,
-        k_cache: a.cache.ptr + k_origin as u64 * cb,
-        v_cache: a.cache.ptr + v_origin as u64 * cb,
-        cache_strides: spec.strides(),
+        k: a.cache.ptr + k_origin as u64 * cb,
+        v: a.cache.ptr + v_origin as u64 * cb,
+        k_strides: spec.strides(),
+        v_strides: spec.strides(),
         block_table: a.block_table.ptr,
         block_table_stride: a.block_table_stride as u64,
         seq_lens: meta.seq_lens.ptr,
+        key_start_loc: 0,
         query_start_loc: meta.query_start_loc.ptr,
         out: a.out.ptr,
         out_token_stride: a.out_rows.token_stride as u64,
         out_head_stride: a.out_rows.head_stride as u64,
         lse: lse_ptr,
-        partial_out: pout_ptr,
-        partial_lse: plse_ptr,
-        work_items: items_ptr,
-        req_num_splits: splits_ptr,
-        req_partial_base: base_ptr,
+        partial_out: wp.partial_out,
+        partial_lse: wp.partial_lse,
+        req_num_splits: wp.req_num_splits,
+        req_partial_base: wp.req_partial_base,
+        work_items: wp.items,
         alibi_slopes: alibi,
         sinks,
         k_scale,
@@ -951,93 +783,31 @@ pub(crate) fn paged_decode_from(
         chunk: plan.chunk,
         num_q_heads: hq as u32,
         group: (hq / spec.num_kv_heads) as u32,
+        causal: causal as u32,
+        v_slices: 0,
+        v_row: 0,
+        cluster: 0,
+        plan: 0,
+        sched: 0,
+        ctas: 0,
+        ..PrefillParams::default()
     };
-    if kernel == DecodeKernel::CudaCores {
-        let smem = shared_bytes(plan.rows_per_cta as usize, d) as u32;
-        ensure(plan.items.len() <= 65535, "workspace", || format!("{} work items exceed a launch's 65535", plan.items.len()))?;
-        let grid = (plan.row_groups, plan.items.len() as u32, spec.num_kv_heads as u32);
-        dev.launch(stream, &kernel_name(q_dtype, cache_dtype, d, plan.rows_per_cta), grid, THREADS, smem, p)?;
-    } else {
-        let tp = PrefillParams {
-            q: p.q,
-            q_token_stride: p.q_token_stride,
-            q_head_stride: p.q_head_stride,
-            k: p.k_cache,
-            v: p.v_cache,
-            k_strides: p.cache_strides,
-            v_strides: p.cache_strides,
-            block_table: p.block_table,
-            block_table_stride: p.block_table_stride,
-            seq_lens: p.seq_lens,
-            key_start_loc: 0,
-            query_start_loc: p.query_start_loc,
-            out: p.out,
-            out_token_stride: p.out_token_stride,
-            out_head_stride: p.out_head_stride,
-            lse: p.lse,
-            partial_out: p.partial_out,
-            partial_lse: p.partial_lse,
-            req_num_splits: p.req_num_splits,
-            req_partial_base: p.req_partial_base,
-            work_items: p.work_items,
-            alibi_slopes: p.alibi_slopes,
-            sinks: p.sinks,
-            k_scale: p.k_scale,
-            v_scale: p.v_scale,
-            status: p.status,
-            scale_log2: p.scale_log2,
-            softcap: p.softcap,
-            window: p.window,
-            num_blocks: p.num_blocks,
-            block_size: p.block_size,
-            chunk: p.chunk,
-            num_q_heads: p.num_q_heads,
-            group: p.group,
-            causal: causal as u32,
-            v_slices: 0,
-            v_row: 0,
-            cluster: 0,
-            plan: 0,
-            sched: 0,
-            ctas: 0,
-            ..PrefillParams::default()
-        };
-        if let Some((sp, starts)) = &stream_launch {
-            let (wp, sched, starts) = ws.stream_ptrs(stream, sp, *starts)?;
-            let tp = PrefillParams {
-                partial_out: wp.partial_out,
-                partial_lse: wp.partial_lse,
-                sched,
-                stream_tiles: sp.tiles,
-                stream_pair_tiles: sp.pair_tiles,
-                stream_reqs: num_reqs as u32,
-                stream_rows: sp.rows,
-                stream_groups: sp.groups,
-                stream_starts: starts,
-                window: sp.window,
-                ..tp
-            };
-            dev.launch_pdl(stream, &sp.kernel, (sp.grid, 1, 1), 32 * STREAM_WARPS, sp.smem, tp)?;
-            return Ok(plan);
+    let (items, tp) = match launch {
+        Launch::Planned => {
+            let uniform = if wp.items == 0 { plan.uniform_splits().unwrap_or(0) } else { 0 };
+            (plan.items.len() / 2, PrefillParams { uniform_splits: uniform, ..tp })
         }
-        let tc = tc.as_ref().expect("a tensor-core batch");
-        let (items, tp) = match launch {
-            Launch::Planned => {
-                let uniform = if wp.items == 0 { plan.uniform_splits().unwrap_or(0) } else { 0 };
-                (plan.items.len() / 2, PrefillParams { uniform_splits: uniform, ..tp })
-            }
-            Launch::Fixed(dp) => (dp.capacity_items, PrefillParams { chunk: 0, plan: dp.header, ..tp }),
-        };
-        let tp = if tc.fused_merge { PrefillParams { merge_counters: ws.merge_counters_ptr(stream), ..tp } } else { tp };
-        let ctas = items * spec.num_kv_heads;
-        ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
-        dev.launch_pdl(stream, &tc.name, (ctas as u32, 1, 1), tc.threads, tc.smem, tp)?;
-    }
+        Launch::Fixed(dp) => (dp.capacity_items, PrefillParams { chunk: 0, plan: dp.header, ..tp }),
+    };
+    let tp = if tc.fused_merge { PrefillParams { merge_counters: ws.merge_counters_ptr(stream), ..tp } } else { tp };
+    let ctas = items * spec.num_kv_heads;
+    ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
+    dev.launch_pdl(stream, &tc.name, (ctas as u32, 1, 1), tc.threads, tc.smem, tp)?;
     let merge = match launch {
         Launch::Planned => plan.needs_merge(),
         Launch::Fixed(dp) => dp.needs_merge,
     };
-    if merge && !tc.as_ref().is_some_and(|t| t.fused_merge) {
+    if merge && !tc.fused_merge {
         launch_merge(dev, stream, &wp, meta.query_start_loc.ptr, (&a.out, &a.out_rows), lse_ptr, sinks, q_dtype)?;
     }
     Ok(plan)

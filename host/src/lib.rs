@@ -12,7 +12,7 @@
 //!   copy the kernels index with always equals the host copy the call was checked against).
 //! - [`batch_plan`]: a decode batch's split plan made once per step for every layer's call.
 //! - [`backend`]: the backend registry and per-model selection (with every refusal reason).
-//! - [`metadata`]: per-step metadata (checks, decode/prefill split, plans, one upload).
+//! - [`metadata`]: per-step metadata (checks, decode/prefill split, one upload).
 //! - [`forward`]: one call per layer: cache write, then decode and prefill attention.
 //! - [`sim`]: a simulated serving engine around `forward` (the `engine-sim` binary).
 //! - [`cpu`]: the CPU implementation of every op: the reference the tests compare with, and the
@@ -25,7 +25,6 @@ pub mod buffer;
 pub mod cache_write;
 pub mod cpu;
 pub mod decode;
-pub mod decode_stream;
 pub mod device;
 pub mod dtype;
 pub mod error;

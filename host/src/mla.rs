@@ -27,7 +27,7 @@ use crate::prefill::{validate_prefill_batch, PrefillBatch};
 use crate::status::DeviceStatus;
 use attn_math::mla;
 use attn_math::params::PrefillParams;
-use attn_math::prefill::{block_m, mla_v_slice, shared_layout_mla, MLA_QK, MLA_V, THREADS};
+use attn_math::prefill::{MLA_QK, MLA_V};
 use attn_math::softmax::LOG2_E;
 use cudarc::driver::{CudaStream, DevicePtrMut};
 use std::sync::Arc;
@@ -88,31 +88,18 @@ pub fn mla_attention(
 /// The MLA kernel for `max_q` query tokens per request of `hq` heads, and its CTA target.
 ///
 /// The MLA kernel (`mla_<q>[_fp8]_{narrow,wide}`, `attn_math::mla`; FP8 caches are converted
-/// slot by slot in shared memory). `ATTN_MLA_KERNEL=attention` runs the tensor-core attention
-/// kernel's MLA form instead (`mla_<q>[_fp8]_{keys,rows}`, the first design, for comparison), and
-/// `ATTN_MLA_WAVES` overrides the waves of CTAs the split plan aims at.
+/// slot by slot in shared memory). `ATTN_MLA_WAVES` overrides the waves of CTAs the split plan
+/// aims at.
 pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usize, max_q: u32) -> Result<TcKernel> {
-    let rows = max_q * hq as u32;
-    let attention_form = std::env::var("ATTN_MLA_KERNEL").is_ok_and(|v| v == "attention");
-    let (name, smem, shape, threads) = if attention_form {
-        let keys = rows <= block_m(MLA_QK, mla_v_slice(true), true, fp8);
-        let v_slice = mla_v_slice(keys);
-        let slices = MLA_V / v_slice;
-        let name = format!("mla_{}{}_{}", q_dtype.kernel_name(), if fp8 { "_fp8" } else { "" }, if keys { "keys" } else { "rows" });
-        let smem = shared_layout_mla(MLA_QK, v_slice, keys, fp8, true).total;
-        (name, smem, TcShape::attention(MLA_QK, v_slice, keys, fp8, slices), THREADS)
-    } else {
-        let s = mla::shape_for_rows(rows);
-        let fp8_tag = if fp8 { "_fp8" } else { "" };
-        let name = format!("mla_{}{fp8_tag}_{}", q_dtype.kernel_name(), if s == mla::NARROW { "narrow" } else { "wide" });
-        let shape = TcShape { block_m: s.block_m, block_n: s.block_n, ctas_per_item: 1 };
-        (name, mla::shared_layout(s, fp8).total, shape, mla::THREADS)
-    };
+    let s = mla::shape_for_rows(max_q * hq as u32);
+    let fp8_tag = if fp8 { "_fp8" } else { "" };
+    let name = format!("mla_{}{fp8_tag}_{}", q_dtype.kernel_name(), if s == mla::NARROW { "narrow" } else { "wide" });
+    let shape = TcShape { block_m: s.block_m, block_n: s.block_n, ctas_per_item: 1 };
+    let (smem, threads) = (mla::shared_layout(s, fp8).total, mla::THREADS);
     // One wave of resident CTAs (one per SM): measured on the H100 against two and four, whose
     // extra splits cost more (per-CTA start, partials, merge) than the tail they shorten
-    // (BENCHMARKS.md). The attention form keeps its measured two.
-    let measured = if attention_form { 2 } else { 1 };
-    let waves = std::env::var("ATTN_MLA_WAVES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(measured).max(1);
+    // (BENCHMARKS.md).
+    let waves = std::env::var("ATTN_MLA_WAVES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(1).max(1);
     let resident = dev.resident_ctas(&name, threads, smem)?;
     let target = waves * dev.sm_count() as u64 * resident as u64;
     // No even-waves splitting: the MLA plans were measured without it.

@@ -215,12 +215,10 @@ pub(crate) struct PrefillKernel {
 }
 
 /// Hopper's `wgmma` kernels (in the sm_90a module) for 16-bit caches at head sizes 64 and 128
-/// (QK = V): at 64 the warp-specialised persistent one (`prefill_wgs_*`;
-/// `ATTN_PREFILL_KERNEL=wg` picks the first Hopper kernel), at 128 `prefill_wg_*`.
-/// `ATTN_PREFILL_KERNEL=mma`, and every other case, the `mma.sync` kernel.
+/// (QK = V): at 64 the warp-specialised persistent one (`prefill_wgs_*`), at 128
+/// `prefill_wg_*`. Every other case runs the `mma.sync` kernel.
 pub(crate) fn prefill_kernel(dev: &AttnDevice, q: DType, fp8: bool, dk: usize, dv: usize) -> PrefillKernel {
-    let forced = std::env::var("ATTN_PREFILL_KERNEL").unwrap_or_default();
-    let hopper = dev.ptx_target() == "sm_90a" && !fp8 && dk == dv && hopper_prefill::HEAD_SIZES.contains(&(dk as u32)) && forced != "mma";
+    let hopper = dev.ptx_target() == "sm_90a" && !fp8 && dk == dv && hopper_prefill::HEAD_SIZES.contains(&(dk as u32));
     // The two Hopper kernels differ in name, threads, shared memory and persistence.
     let hopper_kernel = |kind: &str, threads: u32, smem: u32, persistent: bool| PrefillKernel {
         name: format!("prefill_{kind}_{}_d{dk}", q.kernel_name()),
@@ -230,7 +228,7 @@ pub(crate) fn prefill_kernel(dev: &AttnDevice, q: DType, fp8: bool, dk: usize, d
         persistent,
     };
     let d = dk as u32;
-    if hopper && hopper_prefill::WS_HEAD_SIZES.contains(&d) && forced != "wg" {
+    if hopper && hopper_prefill::WS_HEAD_SIZES.contains(&d) {
         hopper_kernel("wgs", hopper_prefill::WS_THREADS, hopper_prefill::ws_layout(d).total, true)
     } else if hopper {
         hopper_kernel("wg", hopper_prefill::THREADS, hopper_prefill::shared_layout(d).total, false)

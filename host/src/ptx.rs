@@ -12,7 +12,9 @@
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Family {
     CacheWrite = 0,
+    /// The split-K merge (`decode_merge_*`) and `merge_attn_states_*`.
     Attention = 1,
+    /// The tensor-core attention kernels (prefill, decode) and the MLA kernels.
     Prefill = 2,
 }
 
@@ -26,7 +28,6 @@ impl Family {
             Family::CacheWrite
         } else if kernel.starts_with("prefill_")
             || kernel.starts_with("decode_tc_")
-            || kernel.starts_with("decode_st_")
             || kernel.starts_with("decode_kr_")
             || kernel.starts_with("mla_")
         {

@@ -66,15 +66,13 @@ fn parse(report: &str) -> Vec<Row> {
 }
 
 /// Kernels known to spill a few registers, with the most stack they may use. The prefill shape
-/// holds 128 f32 accumulators per thread (two 16-row tiles at head size 128, or one at 256, or
-/// MLA's 256-column V slice);
+/// holds 128 f32 accumulators per thread (two 16-row tiles at head size 128, or one at 256), and
+/// the MLA kernels' FP8 narrow shape spills as little;
 /// ptxas parks a few words of row bookkeeping on the stack before the key loop and reloads them
 /// in the epilogue (8-64 bytes; `nvdisasm` shows no local access inside the loop at head size
 /// 128). Anything else with a stack frame fails the report: that is how a register array that
 /// went to local memory shows (see BENCHMARKS.md, cache writes).
-/// Stream-K decode (`decode_st_*_d128`) parks two words on sm_80 only (its sm_90a build has none);
-/// two local loads sit in its loop there, on a target with no GPU to measure it on.
-const SMALL_SPILLS_ALLOWED: &[(&str, u32)] = &[("prefill_", 64), ("mla_", 64), ("decode_st_", 8)];
+const SMALL_SPILLS_ALLOWED: &[(&str, u32)] = &[("prefill_", 64), ("mla_", 64)];
 
 fn stack_allowed(kernel: &str) -> u32 {
     SMALL_SPILLS_ALLOWED.iter().find(|(prefix, _)| kernel.starts_with(prefix)).map_or(0, |&(_, bytes)| bytes)

@@ -620,14 +620,6 @@ fn decode_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Res
         }
     }
     std::env::remove_var("ATTN_DISABLE_PDL");
-    // The CUDA-core kernel on the main shape, for comparison.
-    {
-        std::env::set_var("ATTN_DECODE_KERNEL", "cuda");
-        let mut r = decode_row::<bf16>(b, &shape(64, 4096), false, status)?;
-        std::env::remove_var("ATTN_DECODE_KERNEL");
-        r.name = format!("{} (CUDA cores)", r.name);
-        rows.push(r);
-    }
     for sh in [
         DecodeShape { head_size: 64, ..shape(64, 4096) },
         DecodeShape { head_size: 256, ..shape(64, 4096) },

@@ -1,11 +1,10 @@
-//! CPU micro-benchmark of per-step metadata: validate + split + plan + pack for 256 decode
+//! CPU micro-benchmark of per-step metadata: validate + split + pack for 256 decode
 //! requests (context lengths 100..8000, block size 16), the target being 20 us a step.
 //!
 //! `metadata-bench [--runs N] [--reqs N]` (build with `--release`). Prints the median and
 //! percentiles of one build, for the free functions (`build_tensor_core_metadata` + `pack`,
 //! allocating) and for `MetadataBuilder` (buffers reused), after a warm-up.
 
-use host::decode::{plan_decode, DecodeBatch, SplitMode};
 use host::metadata::{build_tensor_core_metadata, pack, pack_into, split_decodes, validate, MetadataBuilder, PlanConfig, StepInput};
 use std::hint::black_box;
 use std::time::Instant;
@@ -104,15 +103,7 @@ fn main() {
         }
     }
     // Llama-3-8B-like layer on an H100.
-    let config = PlanConfig {
-        decode_threshold: 1,
-        num_q_heads: 32,
-        num_kv_heads: 8,
-        head_size: 128,
-        sm_count: 132,
-        mode: SplitMode::Auto,
-        partial_capacity: 4 * 132 * 8 * 32 / 8,
-    };
+    let config = PlanConfig { decode_threshold: 1, num_q_heads: 32, num_kv_heads: 8, head_size: 128 };
     let step = Step::decodes(num_reqs, &mut SplitMix(0x5eed));
     let input = step.input();
     let c = config;
@@ -127,25 +118,15 @@ fn main() {
         return;
     }
     let free = measure(runs, || {
-        let meta = build_tensor_core_metadata(
-            black_box(&input),
-            c.decode_threshold,
-            c.num_q_heads,
-            c.num_kv_heads,
-            c.head_size,
-            c.sm_count,
-            c.mode,
-            c.partial_capacity,
-        )
-        .expect("valid step");
+        let meta = build_tensor_core_metadata(black_box(&input), c.decode_threshold, c.num_q_heads, c.num_kv_heads, c.head_size)
+            .expect("valid step");
         black_box(pack(&meta, &input));
     });
     let reused = measure(runs, || {
         black_box(builder.build(black_box(&input)).expect("valid step").words.len());
     });
     // Where the time goes: each stage alone (reused buffers where it has any).
-    let meta = build_tensor_core_metadata(&input, 1, 32, 8, 128, 132, SplitMode::Auto, c.partial_capacity).expect("valid step");
-    let batch = DecodeBatch { seq_lens: &step.seq_lens, query_start_loc: &step.query_start_loc };
+    let meta = build_tensor_core_metadata(&input, 1, 32, 8, 128).expect("valid step");
     let mut words = Vec::new();
     let stages = [
         ("validate", measure(runs, || validate(black_box(&input)).expect("valid step"))),
@@ -153,12 +134,6 @@ fn main() {
             "split_decodes",
             measure(runs, || {
                 black_box(split_decodes(black_box(&input), 1).expect("ordered"));
-            }),
-        ),
-        (
-            "plan_decode",
-            measure(runs, || {
-                drop(black_box(plan_decode(black_box(&batch), 32, 8, 128, c.ctas_target(), c.mode, c.partial_capacity).expect("plan")))
             }),
         ),
         (
@@ -170,11 +145,9 @@ fn main() {
     ];
     let built = builder.build(&input).expect("valid step");
     println!(
-        "metadata for {num_reqs} decode requests (lengths 100..{MAX_LEN}, block size {BLOCK_SIZE}, stride {}): {} words packed, {} work items, chunk {}",
+        "metadata for {num_reqs} decode requests (lengths 100..{MAX_LEN}, block size {BLOCK_SIZE}, stride {}): {} words packed",
         step.stride,
         built.words.len(),
-        built.metadata.decode.plan.items.len(),
-        built.metadata.decode.plan.chunk,
     );
     println!("median of {runs} builds after warm-up (p10 / median / p90, microseconds):");
     for (name, [p10, p50, p90]) in [("build_tensor_core_metadata + pack", free), ("MetadataBuilder::build (reused)", reused)] {

@@ -116,8 +116,8 @@ impl Attention {
             Exec::Cpu => Ok(StepMetadata::new(self.id, self.config, None, None, None)),
             Exec::Gpu(g) => {
                 // The builder checks, splits and packs; decode is planned for the tensor cores
-                // by the step's own planner, so the builder's CUDA-core plan is skipped.
-                let builder = MetadataBuilder::new(g.plan_config(&self.config))?.without_decode_plan();
+                // by the step's own planner.
+                let builder = MetadataBuilder::new(g.plan_config(&self.config))?;
                 let plans = g.step_planner(&self.config, &self.spec)?;
                 Ok(StepMetadata::new(self.id, self.config, Some(builder), Some(g.device_step(&self.config)?), Some(plans)))
             }

@@ -134,21 +134,13 @@ impl GpuExec {
         vec![self.dev.clone(), self.decode_ws.keep_alive(), self.prefill_ws.keep_alive(), self.side.keep_alive(), self.status.keep_alive()]
     }
 
-    /// The metadata builder's config (its checks and split; its decode plan is skipped).
+    /// The metadata builder's config (its checks and split).
     pub(crate) fn plan_config(&self, config: &ForwardConfig) -> PlanConfig {
         let m = &config.model;
-        // The config must name a head size the CUDA-core kernels have (the builder validates
-        // it), though its plan is skipped: an MLA model's 576-wide rows take 128.
+        // The config must name a head size the decode kernels have (the builder validates it):
+        // an MLA model's 576-wide rows take 128.
         let head_size = if matches!(m.kind, crate::backend::AttentionKind::Mla) { 128 } else { m.head_size };
-        PlanConfig {
-            decode_threshold: config.decode_threshold,
-            num_q_heads: m.num_q_heads,
-            num_kv_heads: m.num_kv_heads,
-            head_size,
-            sm_count: self.dev.sm_count() as usize,
-            mode: config.split_mode,
-            partial_capacity: self.decode_ws.partial_rows(),
-        }
+        PlanConfig { decode_threshold: config.decode_threshold, num_q_heads: m.num_q_heads, num_kv_heads: m.num_kv_heads, head_size }
     }
 
     /// The step's device buffers, sized for the largest step.

@@ -219,7 +219,6 @@ impl GraphPlanner {
             // skipped by the merge kernel).
             needs_merge: true,
             cluster: 0,
-            stream: None,
         }
     }
 }

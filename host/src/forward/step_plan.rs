@@ -9,7 +9,7 @@
 //! - the decode part's plan (items, splits, partial bases, token requests, header);
 //! - the prefix's plan (cascade steps).
 
-use crate::decode::{decode_tc_kernel, max_len, plan_decode_tc, DecodeBatch, DecodeKernel, DevicePlan, SplitMode, TcKernel};
+use crate::decode::{decode_tc_kernel, max_len, plan_decode_tc, DecodeBatch, DevicePlan, SplitMode, TcKernel};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::Result;
@@ -96,8 +96,7 @@ impl StepPlanner {
     }
 
     /// Plans a validated step (decodes first) and uploads the plans: the decode part's (over
-    /// the suffix lengths when `cascade` has a prefix) and the prefix's. With
-    /// `ATTN_DECODE_KERNEL=cuda` the decode part is planned per layer instead (no plan here).
+    /// the suffix lengths when `cascade` has a prefix) and the prefix's.
     pub(crate) fn build(&mut self, input: &StepInput<'_>, split: BatchSplit, cascade: Option<CommonPrefix>) -> Result<&StepPlans> {
         let (nd, nt) = (split.num_decodes, input.num_actual_tokens);
         let mut words = std::mem::take(&mut self.words);
@@ -112,8 +111,7 @@ impl StepPlanner {
         });
         let qsl = &input.query_start_loc[..=nd];
         let mut decode = None;
-        let cuda_cores = matches!(self.kind, PlanKind::Standard { .. }) && DecodeKernel::cuda_cores_forced();
-        if nd > 0 && !cuda_cores {
+        if nd > 0 {
             let max_q = qsl.windows(2).map(|w| (w[1] - w[0]) as u32).max().unwrap_or(1);
             let lens = if cascade.is_some() { &suffix_lens[..nd] } else { &input.seq_lens[..nd] };
             let tc = self.kernel(max_q, lens)?;
@@ -153,7 +151,6 @@ impl StepPlanner {
             capacity_items: items,
             needs_merge,
             cluster: 0,
-            stream: None,
         };
         let (pq, pl, sl) = cascade_regions.map_or((0, 0, 0), |(q, l, s)| (at(q), at(l), at(s)));
         self.plans = StepPlans {

@@ -2,11 +2,9 @@
 //! so a step allocates nothing once the buffers have grown to the largest step.
 
 use super::input::{blocks_for, StepInput};
-use super::plan::plan_decode_into;
 use super::split::{is_decode, BatchSplit};
 use super::staging::{pack_into, pack_words, StagingLayout};
-use super::tensor_core::{build_into, clear_plan, fill_into, PlanConfig, TensorCoreMetadata};
-use crate::decode::{plan_decode, DecodePlan};
+use super::tensor_core::{build_into, fill_into, PlanConfig, TensorCoreMetadata};
 use crate::error::Result;
 
 /// One step's result, borrowed from the builder until its next build.
@@ -18,47 +16,28 @@ pub struct BuiltStep<'b> {
     pub words: &'b [u32],
 }
 
-/// Builds metadata step after step (validate, split, plan, pack) into vectors it reuses, with
+/// Builds metadata step after step (validate, split, pack) into vectors it reuses, with
 /// exactly the results (metadata, words and errors) of
 /// [`build_tensor_core_metadata`](super::build_tensor_core_metadata) followed by
 /// [`pack`](super::pack).
 ///
 /// How it is faster: the block-id and slot range checks run while the arrays are copied (one
-/// pass over them instead of two), only the blocks a request uses are read, and the decode plan
-/// is written into reused vectors with `plan_decode`'s divisions skipped where they cannot
-/// change it. Whenever this path finds anything wrong it hands the step to the plain path
-/// (`validate`, `split_decodes`, `plan_decode`, `pack`), which names the error.
+/// pass over them instead of two), and only the blocks a request uses are read. Whenever this
+/// path finds anything wrong it hands the step to the plain path (`validate`, `split_decodes`,
+/// `pack`), which names the error.
 #[derive(Clone, Debug)]
 pub struct MetadataBuilder {
     config: PlanConfig,
     metadata: TensorCoreMetadata,
     layout: StagingLayout,
     words: Vec<u32>,
-    lens: Vec<u32>,
-    /// Whether the CUDA-core decode plan is made (`without_decode_plan` turns it off).
-    decode_plan: bool,
 }
 
 impl MetadataBuilder {
     /// Refuses a config the decode kernels do not take (naming the argument).
     pub fn new(config: PlanConfig) -> Result<Self> {
         config.validate()?;
-        Ok(MetadataBuilder {
-            config,
-            metadata: TensorCoreMetadata::default(),
-            layout: StagingLayout::default(),
-            words: Vec::new(),
-            lens: Vec::new(),
-            decode_plan: true,
-        })
-    }
-
-    /// A builder that leaves the decode plan empty (no work items; zeros for each decode's
-    /// splits and partial base): for callers that plan decode themselves (`host::forward` plans
-    /// for the tensor cores per step).
-    pub fn without_decode_plan(mut self) -> Self {
-        self.decode_plan = false;
-        self
+        Ok(MetadataBuilder { config, metadata: TensorCoreMetadata::default(), layout: StagingLayout::default(), words: Vec::new() })
     }
 
     pub fn config(&self) -> &PlanConfig {
@@ -81,15 +60,7 @@ impl MetadataBuilder {
 
     /// The plain path: the free functions' steps, into the reused buffers.
     fn build_plain(&mut self, input: &StepInput<'_>) -> Result<()> {
-        let decode_plan = self.decode_plan;
-        build_into(&mut self.metadata, input, &self.config, |batch, c, out| {
-            if decode_plan {
-                *out = plan_decode(batch, c.num_q_heads, c.num_kv_heads, c.head_size, c.ctas_target(), c.mode, c.partial_capacity)?;
-            } else {
-                no_plan(out, batch.seq_lens.len());
-            }
-            Ok(())
-        })?;
+        build_into(&mut self.metadata, input, &self.config)?;
         self.layout = pack_into(&self.metadata, input, &mut self.words);
         Ok(())
     }
@@ -97,18 +68,7 @@ impl MetadataBuilder {
     /// The fast path; `false` if it found anything wrong (then nothing it wrote counts).
     fn build_fast(&mut self, input: &StepInput<'_>) -> bool {
         let Some(split) = quick_checks(input, self.config.decode_threshold) else { return false };
-        let (lens, decode_plan) = (&mut self.lens, self.decode_plan);
-        let filled = fill_into(&mut self.metadata, input, split, &self.config, |batch, c, out| {
-            if decode_plan {
-                plan_decode_into(batch, c, out, lens);
-            } else {
-                no_plan(out, batch.seq_lens.len());
-            }
-            Ok(())
-        });
-        if filled.is_err() {
-            return false;
-        }
+        fill_into(&mut self.metadata, input, split);
         match pack_words::<true>(&self.metadata, input, &mut self.words) {
             Some(layout) => {
                 self.layout = layout;
@@ -117,14 +77,6 @@ impl MetadataBuilder {
             None => false,
         }
     }
-}
-
-/// The plan of a builder made `without_decode_plan`: no work items, and zeros (not planned) for
-/// each of the `num_decodes` requests' splits and partial bases.
-fn no_plan(plan: &mut DecodePlan, num_decodes: usize) {
-    clear_plan(plan);
-    plan.req_num_splits.resize(num_decodes, 0);
-    plan.req_partial_base.resize(num_decodes, 0);
 }
 
 /// Everything `validate` and `split_decodes` check except the block-id and slot ranges (those

@@ -1,12 +1,11 @@
 //! Per-step attention metadata, CPU side (vLLM's metadata builders): what the engine fills each
 //! step ([`StepInput`]), checked ([`validate`]), split into decodes and prefills
-//! ([`split_decodes`], [`decode_first_order`]), planned for the `tensor-core` backend
+//! ([`split_decodes`], [`decode_first_order`]), gathered for the `tensor-core` backend
 //! ([`build_tensor_core_metadata`]) and packed into one buffer ([`pack`]) that one copy from
 //! pinned memory moves to the GPU ([`upload`]). [`MetadataBuilder`] does it all step after step
 //! without allocating.
 //!
 //! ```
-//! use host::decode::SplitMode;
 //! use host::metadata::{build_tensor_core_metadata, pack, validate, StepInput};
 //!
 //! // Two decodes (1 and 2 query tokens), then a prefill of 5; block size 16, 8 blocks.
@@ -18,7 +17,7 @@
 //!     slot_mapping: &slots, num_actual_tokens: 8, num_blocks: 8, block_size: 16,
 //! };
 //! validate(&step).unwrap();
-//! let meta = build_tensor_core_metadata(&step, 2, 32, 8, 128, 132, SplitMode::Auto, 4096).unwrap();
+//! let meta = build_tensor_core_metadata(&step, 2, 32, 8, 128).unwrap();
 //! assert_eq!((meta.split.num_decodes, meta.split.num_decode_tokens, meta.split.num_prefill_tokens), (2, 3, 5));
 //! assert_eq!(meta.prefill.query_start_loc, [0, 5]);
 //! let (words, layout) = pack(&meta, &step);
@@ -29,7 +28,6 @@
 mod builder;
 mod cascade;
 mod input;
-mod plan;
 pub(crate) mod plan_words;
 mod split;
 mod staging;

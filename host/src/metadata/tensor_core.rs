@@ -1,17 +1,18 @@
-//! [`TensorCoreMetadata`]: one step's metadata for the `tensor-core` backend, its decode part
-//! planned by [`crate::decode::plan_decode`].
+//! [`TensorCoreMetadata`]: one step's metadata for the `tensor-core` backend. Its decode part's
+//! split plan is left to the decode calls, which plan for their kernel
+//! ([`crate::batch_plan::BatchPlan`], `forward`'s step planner).
 
 use super::input::StepInput;
 use super::split::{split_decodes, BatchSplit};
 use super::validate::validate;
-use crate::decode::{plan_decode, DecodeBatch, DecodePlan, SplitMode, MAX_QUERY_LEN};
+use crate::decode::{DecodePlan, MAX_QUERY_LEN};
 use crate::error::{ensure, Result};
 use attn_math::decode::HEAD_SIZES;
 
 /// The most query heads a [`PlanConfig`] takes.
 pub(crate) const MAX_PLAN_HEADS: usize = 1 << 16;
 
-/// The model and GPU numbers a step's plan depends on (fixed for a run).
+/// The model numbers a step's metadata is checked against (fixed for a run).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PlanConfig {
     /// Requests with at most this many query tokens are decodes (1..=[`MAX_QUERY_LEN`]).
@@ -19,16 +20,12 @@ pub struct PlanConfig {
     pub num_q_heads: usize,
     pub num_kv_heads: usize,
     pub head_size: usize,
-    /// The GPU's SMs: the decode plan aims at `sm_count * 8` CTAs.
-    pub sm_count: usize,
-    pub mode: SplitMode,
-    /// Split-K partial rows the decode workspace holds (`DecodeWorkspace::partial_rows`).
-    pub partial_capacity: usize,
 }
 
 impl PlanConfig {
     /// Refuses numbers the decode kernels do not take, naming the argument (among them more
-    /// than 65536 query heads, which keeps the plan's row counts inside its u32 arithmetic).
+    /// than 65536 query heads, which keeps the decode plans' row counts inside their u32
+    /// arithmetic).
     pub fn validate(&self) -> Result<()> {
         let t = self.decode_threshold;
         ensure((1..=MAX_QUERY_LEN).contains(&t), "decode_threshold", || format!("{t} (decode takes 1..={MAX_QUERY_LEN} query tokens)"))?;
@@ -41,20 +38,15 @@ impl PlanConfig {
         ensure(HEAD_SIZES.contains(&(self.head_size as u32)), "head_size", || {
             format!("{} (kernels exist for {HEAD_SIZES:?})", self.head_size)
         })?;
-        ensure(self.sm_count > 0, "sm_count", || "must be at least 1".into())?;
-        ensure(!matches!(self.mode, SplitMode::Fixed(0)), "mode", || "SplitMode::Fixed(0): at least one split".into())
-    }
-
-    /// CTAs the decode plan aims at.
-    pub fn ctas_target(&self) -> u64 {
-        (self.sm_count as u64).saturating_mul(8)
+        Ok(())
     }
 }
 
 /// The decode requests `0..num_decodes` (tokens `0..num_decode_tokens`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DecodePart {
-    /// Their split-K plan (empty when there are none).
+    /// Not planned here (the decode calls plan for their kernel): no work items and no token
+    /// requests, and a zero for each decode's splits and partial base.
     pub plan: DecodePlan,
     pub max_query_len: usize,
     pub max_seq_len: usize,
@@ -91,64 +83,41 @@ impl TensorCoreMetadata {
     }
 }
 
-/// Validates the step ([`validate`](super::validate)), splits it (it must be ordered decodes
-/// first: [`split_decodes`]) and plans its decode part with [`plan_decode`] for
-/// `sm_count * 8` CTAs.
-#[allow(clippy::too_many_arguments)]
+/// Validates the step ([`validate`](super::validate)) and splits it (it must be ordered decodes
+/// first: [`split_decodes`]).
 pub fn build_tensor_core_metadata(
     input: &StepInput<'_>,
     decode_threshold: usize,
     num_q_heads: usize,
     num_kv_heads: usize,
     head_size: usize,
-    sm_count: usize,
-    mode: SplitMode,
-    partial_capacity: usize,
 ) -> Result<TensorCoreMetadata> {
-    let config = PlanConfig { decode_threshold, num_q_heads, num_kv_heads, head_size, sm_count, mode, partial_capacity };
+    let config = PlanConfig { decode_threshold, num_q_heads, num_kv_heads, head_size };
     let mut meta = TensorCoreMetadata::default();
-    build_into(&mut meta, input, &config, |batch, c, out| {
-        *out = plan_decode(batch, c.num_q_heads, c.num_kv_heads, c.head_size, c.ctas_target(), c.mode, c.partial_capacity)?;
-        Ok(())
-    })?;
+    build_into(&mut meta, input, &config)?;
     Ok(meta)
 }
 
-/// Fills `meta` for `input`, reusing its vectors; `plan` plans the decode part into the
-/// `DecodePlan` it is given (called only when there are decodes).
-pub(crate) fn build_into(
-    meta: &mut TensorCoreMetadata,
-    input: &StepInput<'_>,
-    config: &PlanConfig,
-    plan: impl FnOnce(&DecodeBatch<'_>, &PlanConfig, &mut DecodePlan) -> Result<()>,
-) -> Result<()> {
+/// Fills `meta` for `input`, reusing its vectors.
+pub(crate) fn build_into(meta: &mut TensorCoreMetadata, input: &StepInput<'_>, config: &PlanConfig) -> Result<()> {
     config.validate()?;
     validate(input)?;
     let split = split_decodes(input, config.decode_threshold)?;
     let nd = split.num_decodes;
     ensure(nd < 1 << 16, "seq_lens", || format!("{nd} decode requests exceed the 65535 a launch takes"))?;
-    fill_into(meta, input, split, config, plan)
+    fill_into(meta, input, split);
+    Ok(())
 }
 
 /// The part of [`build_into`] after the checks and the split: fills `meta` for a valid step.
-pub(crate) fn fill_into(
-    meta: &mut TensorCoreMetadata,
-    input: &StepInput<'_>,
-    split: BatchSplit,
-    config: &PlanConfig,
-    plan: impl FnOnce(&DecodeBatch<'_>, &PlanConfig, &mut DecodePlan) -> Result<()>,
-) -> Result<()> {
+pub(crate) fn fill_into(meta: &mut TensorCoreMetadata, input: &StepInput<'_>, split: BatchSplit) {
     let nd = split.num_decodes;
     let (qsl, seq_lens) = (input.query_start_loc, input.seq_lens);
     meta.split = split;
     meta.num_actual_tokens = input.num_actual_tokens;
 
     (meta.decode.max_query_len, meta.decode.max_seq_len) = part_maxima(&qsl[..=nd], &seq_lens[..nd]);
-    if nd > 0 {
-        plan(&DecodeBatch { seq_lens: &seq_lens[..nd], query_start_loc: &qsl[..=nd] }, config, &mut meta.decode.plan)?;
-    } else {
-        clear_plan(&mut meta.decode.plan);
-    }
+    no_plan(&mut meta.decode.plan, nd);
 
     let p = &mut meta.prefill;
     let base = qsl[nd];
@@ -157,7 +126,6 @@ pub(crate) fn fill_into(
     p.seq_lens.clear();
     p.seq_lens.extend_from_slice(&seq_lens[nd..]);
     (p.max_query_len, p.max_seq_len) = part_maxima(&qsl[nd..], &seq_lens[nd..]);
-    Ok(())
 }
 
 /// `(max query length, max sequence length)` of a part (0 for an empty one).
@@ -167,8 +135,16 @@ fn part_maxima(qsl: &[i32], seq_lens: &[i32]) -> (usize, usize) {
     (max_q.max(0) as usize, max_len.max(0) as usize)
 }
 
+/// The decode part's plan (see [`DecodePart::plan`]) for `num_decodes` requests, in `plan`'s
+/// vectors.
+fn no_plan(plan: &mut DecodePlan, num_decodes: usize) {
+    clear_plan(plan);
+    plan.req_num_splits.resize(num_decodes, 0);
+    plan.req_partial_base.resize(num_decodes, 0);
+}
+
 /// An empty plan that keeps its vectors' memory.
-pub(crate) fn clear_plan(plan: &mut DecodePlan) {
+fn clear_plan(plan: &mut DecodePlan) {
     plan.chunk = 0;
     plan.rows_per_cta = 0;
     plan.row_groups = 0;

@@ -13,10 +13,6 @@ mod cache_write;
 #[cfg(all(kernels = "prefill", wgmma))]
 mod cluster;
 #[cfg(kernels = "attention")]
-mod decode;
-#[cfg(kernels = "prefill")]
-mod decode_stream;
-#[cfg(kernels = "attention")]
 mod entry;
 #[cfg(kernels = "prefill")]
 mod fp8_direct;

@@ -313,13 +313,6 @@ impl Work {
         Work { req, split, q_start, q_len, seq_len, row0, live, kv_head, slice, v_col0 }
     }
 
-    /// A decode pair's work: every row of request `req` for kv head `kv_head` (at most 16), all
-    /// its keys.
-    #[inline(always)]
-    pub fn decode_pair(req: u32, q_start: u32, q_len: u32, seq_len: u32, kv_head: u32, group: u32) -> Work {
-        Work { req, split: 0, q_start, q_len, seq_len, row0: 0, live: (q_len * group).clamp(1, 16), kv_head, slice: 0, v_col0: 0 }
-    }
-
     /// The keys `begin..end` the CTA attends, for rows at positions `min_pos..=max_pos`: its
     /// split (keys per split: the launch's, or the device plan's header's), cut by causality
     /// and the window.
@@ -753,6 +746,8 @@ impl Logits {
 /// `MT`: 16-row tiles per warp (2 on the prefill shape up to head size 128: each K/V fragment
 /// read from shared memory feeds twice the MMAs, and the two tiles' chains interleave).
 /// `VK` (MLA): V is columns `slice * DV ..` of each K row, read from the K tile; no V copies.
+/// No entry point sets it (MLA runs on its own kernel, `crate::mla`); its branches stay because
+/// taking them out reorders the registers of other instances' PTX.
 #[inline(always)]
 pub unsafe fn attention<
     Q: MmaHalf,

@@ -6,7 +6,7 @@ use crate::elem::{Bf16, F16};
 use crate::mla::mla_attention;
 use crate::prefill::attention;
 use attn_math::params::PrefillParams;
-use attn_math::prefill::{block_n, m_tiles, mla_v_slice, MLA_QK, WARPS};
+use attn_math::prefill::{block_n, m_tiles, WARPS};
 
 macro_rules! prefill_kernels {
     ($q:ident, $qname:literal: $(($dk:literal, $dv:literal)),*) => {
@@ -56,24 +56,6 @@ prefill_kernels!(Bf16, "bf16": (64, 64), (96, 96), (128, 128), (256, 256), (192,
 decode_kernels!(F16, "f16": 64, 96, 128, 256);
 decode_kernels!(Bf16, "bf16": 64, 96, 128, 256);
 
-// Stream-K decode (`crate::decode_stream`): `decode_st_<q>_d<head_size>`, 16-bit caches, up to
-// 16 rows per kv head.
-macro_rules! stream_kernels {
-    ($q:ident, $qname:literal: $($d:literal),*) => {
-        $(
-            const _: () = {
-                #[unsafe(export_name = concat!("decode_st_", $qname, "_d", $d))]
-                unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                    unsafe { crate::decode_stream::decode_stream::<$q, $d>(&p) }
-                }
-            };
-        )*
-    };
-}
-
-stream_kernels!(F16, "f16": 64, 96, 128);
-stream_kernels!(Bf16, "bf16": 64, 96, 128);
-
 // Keys-as-rows decode (`crate::keys_rows`), up to 8 rows per kv head:
 // `decode_kr_<q>_d<head_size>` (16-bit caches) and `decode_kr_<q>_fp8[_long]_d<head_size>`.
 macro_rules! keys_rows_kernels {
@@ -122,44 +104,16 @@ macro_rules! prefill_wgmma_kernels {
     };
 }
 
-// One CTA a work item: `prefill_wg_<q>_d<head_size>`.
+// One CTA a work item: `prefill_wg_<q>_d128`.
 #[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wg", prefill_hopper::prefill_hopper, F16, "f16": 64, 128);
+prefill_wgmma_kernels!("prefill_wg", prefill_hopper::prefill_hopper, F16, "f16": 128);
 #[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wg", prefill_hopper::prefill_hopper, Bf16, "bf16": 64, 128);
+prefill_wgmma_kernels!("prefill_wg", prefill_hopper::prefill_hopper, Bf16, "bf16": 128);
 // A producer warpgroup, persistent CTAs: `prefill_wgs_<q>_d64`.
 #[cfg(wgmma)]
 prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16": 64);
 #[cfg(wgmma)]
 prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16": 64);
-
-// MLA over the latent cache: QK 576, V = the first 512 columns of the same rows, produced in
-// 128-column slices by the CTAs of a tile. `mla_<q>[_fp8]_{keys,rows}`.
-macro_rules! mla_kernels {
-    ($q:ident, $m:ident, $qname:literal, $tag:literal, $fp8:literal) => {
-        const _: () = {
-            #[unsafe(export_name = concat!("mla_", $qname, $tag, "_keys"))]
-            unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                const BN: usize = block_n(MLA_QK, mla_v_slice(true), true, $fp8) as usize;
-                const DV: usize = mla_v_slice(true) as usize;
-                unsafe { attention::<$q, $m, { MLA_QK as usize }, DV, BN, { BN / WARPS as usize }, true, $fp8, 1, true>(&p) }
-            }
-        };
-        const _: () = {
-            #[unsafe(export_name = concat!("mla_", $qname, $tag, "_rows"))]
-            unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                const BN: usize = block_n(MLA_QK, mla_v_slice(false), false, $fp8) as usize;
-                const DV: usize = mla_v_slice(false) as usize;
-                unsafe { attention::<$q, $m, { MLA_QK as usize }, DV, BN, BN, false, $fp8, 1, true>(&p) }
-            }
-        };
-    };
-}
-
-mla_kernels!(Bf16, Bf16, "bf16", "", false);
-mla_kernels!(F16, F16, "f16", "", false);
-mla_kernels!(Bf16, F16, "bf16", "_fp8", true);
-mla_kernels!(F16, F16, "f16", "_fp8", true);
 
 // MLA on its own kernel: Q K^T once per tile, P shared by warps owning output columns.
 // `mla_<q>[_fp8]_{narrow,wide}` (shapes in `attn_math::mla`; `_fp8`: an FP8 E4M3 cache).

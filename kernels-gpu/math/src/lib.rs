@@ -22,4 +22,3 @@ pub mod prefill;
 pub mod softmax;
 pub mod split;
 pub mod status;
-pub mod stream;

@@ -56,65 +56,6 @@ pub struct MlaCacheWriteParams {
     pub block_size: u32,
 }
 
-/// Paged decode, pass 1 of split-K: one CTA per (work item = request and split, kv head, group
-/// of query rows). A request's query rows are its `q_len` tokens x the `group` query heads of a
-/// kv head, row = token * group + head-in-group.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub struct DecodeParams {
-    /// `[num_tokens, num_q_heads, head_size]` with the given strides (elements).
-    pub q: u64,
-    pub q_token_stride: u64,
-    pub q_head_stride: u64,
-    pub k_cache: u64,
-    pub v_cache: u64,
-    /// Shared by K and V (element strides).
-    pub cache_strides: CacheStrides,
-    /// `[num_reqs, block_table_stride]` i32.
-    pub block_table: u64,
-    pub block_table_stride: u64,
-    /// `[num_reqs]` i32: context length including the new tokens.
-    pub seq_lens: u64,
-    /// `[num_reqs + 1]` i32.
-    pub query_start_loc: u64,
-    /// `[num_tokens, num_q_heads, head_size]` output, same dtype as q.
-    pub out: u64,
-    pub out_token_stride: u64,
-    pub out_head_stride: u64,
-    /// `[num_tokens, num_q_heads]` f32 natural-log LSE, or 0.
-    pub lse: u64,
-    /// Split-K workspace: partial outputs (f32, head_size each) and LSEs, indexed by
-    /// `req_partial_base[r] + (split * q_len + token_in_req) * num_q_heads + head`.
-    pub partial_out: u64,
-    pub partial_lse: u64,
-    /// `[num_items]` u32: `request << 16 | split`.
-    pub work_items: u64,
-    /// `[num_reqs]` u32 each.
-    pub req_num_splits: u64,
-    pub req_partial_base: u64,
-    /// `[num_q_heads]` f32, or 0.
-    pub alibi_slopes: u64,
-    /// `[num_q_heads]` f32 (natural-log logits), or 0.
-    pub sinks: u64,
-    /// Device f32 scalars for an FP8 cache, or 0.
-    pub k_scale: u64,
-    pub v_scale: u64,
-    pub status: u64,
-    /// softmax scale * log2(e).
-    pub scale_log2: f32,
-    /// Logit soft-cap (tanh), 0 = off.
-    pub softcap: f32,
-    /// Sliding window (the query sees the last `window` keys, itself included), 0 = off.
-    pub window: u32,
-    pub num_blocks: u32,
-    pub block_size: u32,
-    /// Tokens per split.
-    pub chunk: u32,
-    pub num_q_heads: u32,
-    /// Query heads per kv head.
-    pub group: u32,
-}
-
 /// Threads of a split-K merge CTA.
 pub const MERGE_THREADS: u32 = 128;
 /// The largest head size the split-K merge takes (MLA's 512: a 16-byte chunk a thread; any
@@ -204,7 +145,8 @@ pub struct PrefillParams {
     pub out_head_stride: u64,
     /// `[num_tokens, num_q_heads]` f32 natural-log LSE, or 0.
     pub lse: u64,
-    /// Split-K workspace, as in [`DecodeParams`] (head_size_v f32 per partial row).
+    /// Split-K workspace: partial outputs (f32, head_size_v each; `v_row` when set) and LSEs,
+    /// indexed by `req_partial_base[r] + (split * q_len + token_in_req) * num_q_heads + head`.
     pub partial_out: u64,
     pub partial_lse: u64,
     pub req_num_splits: u64,
@@ -251,21 +193,6 @@ pub struct PrefillParams {
     /// Persistent kernels: the CTAs of the plan (work items x kv heads), which the grid's CTAs
     /// take in turn.
     pub ctas: u32,
-    /// Stream-K decode (`decode_st_*`, [`crate::stream`]): the tiles of the line (0 for the
-    /// other kernels). `sched` then holds a counter per warp (zero between launches), and the
-    /// partials go to `partial_out` / `partial_lse` in slots of `stream_rows` rows.
-    pub stream_tiles: u32,
-    /// The tiles of every pair when they are all equal (a warp finds its start by division);
-    /// 0 when they are not, and `stream_starts` holds `[request, tiles of the requests before]`
-    /// (one pair's worth) per warp.
-    pub stream_pair_tiles: u32,
-    pub stream_reqs: u32,
-    /// Rows of a partial slot: the batch's most query rows per pair.
-    pub stream_rows: u32,
-    /// The groups the line is cut among (at most the grid's warps / kv heads; fewer when that
-    /// makes range ends fall on request ends).
-    pub stream_groups: u32,
-    pub stream_starts: u64,
     /// Split-K merged inside pass 1 (`decode_kr_*`): a u32 arrival counter per split work item
     /// (zero between launches, [`merge_counter_index`]); the CTA that arrives last combines
     /// the item's partials into the output, so no merge kernel runs. 0 = the merge kernel's job.

@@ -27,12 +27,6 @@ pub const HEAD_SIZES: [(u32, u32); 5] = [(64, 64), (96, 96), (128, 128), (256, 2
 /// MLA's latent row: 512 compressed KV + 64 rope; V is its first 512 columns.
 pub const MLA_QK: u32 = 576;
 pub const MLA_V: u32 = 512;
-/// V columns one MLA CTA produces (the CTAs of a tile split the 512): 256, so that each Q K^T
-/// is recomputed by 2 CTAs, not 4 (128 accumulators a thread still fit).
-pub const fn mla_v_slice(keys_split: bool) -> u32 {
-    let _ = keys_split;
-    256
-}
 /// Head sizes with decode (keys-split) kernels.
 pub const DECODE_HEAD_SIZES: [u32; 4] = [64, 96, 128, 256];
 
