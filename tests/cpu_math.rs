@@ -274,7 +274,7 @@ fn quantize_e4m3_is_not_multiplication_by_the_reciprocal() {
 
 /// The GPU cache writes divide by the scale without `div.rn.f32`: `q0 = x * (1 / scale)`, then
 /// one Markstein correction `q0 - (q0 * scale - x) * (1 / scale)` in two FMAs, keeping `q0` when
-/// the result is NaN (`ScaleDiv` in the kernels' `cache_write.rs`, for scales in
+/// the result is NaN (`ScaleDiv` in the kernels' `cache_write/writers.rs`, for scales in
 /// `[2^-60, 2^60]`). The same steps here (f32 `mul_add` is one rounding, as `fma.rn.f32`) must
 /// give the E4M3 bytes of `x / scale` for every f16 and bf16 input and random f32s (NaN, inf,
 /// zeros and subnormals included) over scales spread across that range. A release run over

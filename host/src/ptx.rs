@@ -3,7 +3,7 @@
 //! Each target has one module per kernel family; the device loads a family on first use.
 //!
 //! Next to each PTX module is its SASS (`.cubin`, assembled by `ptxas` for the target). On a GPU
-//! that runs it, the device loads the SASS: no driver JIT. The JIT of the prefill module alone
+//! that runs it, the device loads the SASS: no driver JIT. The JIT of the attention module alone
 //! took 23-30 s on a fresh H100 machine. Elsewhere (a newer GPU, or if the driver refuses the
 //! cubin) it loads the PTX and the driver JIT-compiles it; `ATTN_FORCE_PTX_JIT=1` forces that.
 //! `ATTN_PTX_TARGET=sm_80` picks the Ampere module on a newer GPU (to test its code paths there).
@@ -13,13 +13,14 @@
 pub(crate) enum Family {
     CacheWrite = 0,
     /// The split-K merge (`decode_merge_*`) and `merge_attn_states_*`.
-    Attention = 1,
-    /// The tensor-core attention kernels (prefill, decode) and the MLA kernels.
-    Prefill = 2,
+    Merge = 1,
+    /// The attention kernels: tensor-core prefill and decode, keys-as-rows decode, the Hopper
+    /// prefill kernels and MLA.
+    Attention = 2,
 }
 
 pub(crate) const NUM_FAMILIES: usize = 3;
-pub(crate) const ALL_FAMILIES: [Family; NUM_FAMILIES] = [Family::CacheWrite, Family::Attention, Family::Prefill];
+pub(crate) const ALL_FAMILIES: [Family; NUM_FAMILIES] = [Family::CacheWrite, Family::Merge, Family::Attention];
 
 impl Family {
     /// The family a kernel entry point belongs to, from its name.
@@ -31,9 +32,9 @@ impl Family {
             || kernel.starts_with("decode_kr_")
             || kernel.starts_with("mla_")
         {
-            Family::Prefill
-        } else {
             Family::Attention
+        } else {
+            Family::Merge
         }
     }
 }
@@ -60,13 +61,13 @@ macro_rules! target {
             name: $name,
             modules: [
                 include_str!(concat!("../ptx/", $name, "/cache_write.ptx")),
+                include_str!(concat!("../ptx/", $name, "/merge.ptx")),
                 include_str!(concat!("../ptx/", $name, "/attention.ptx")),
-                include_str!(concat!("../ptx/", $name, "/prefill.ptx")),
             ],
             cubins: [
                 include_bytes!(concat!("../ptx/", $name, "/cache_write.cubin")),
+                include_bytes!(concat!("../ptx/", $name, "/merge.cubin")),
                 include_bytes!(concat!("../ptx/", $name, "/attention.cubin")),
-                include_bytes!(concat!("../ptx/", $name, "/prefill.cubin")),
             ],
             min_cc: $min,
             max_cc: $max,

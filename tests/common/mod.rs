@@ -129,7 +129,7 @@ pub fn scattered_block_tables(rng: &mut SmallRng, seq_lens: &[i32], block_size: 
 /// The status after an attention call whose reference skipped `want.bad_blocks` keys: the bit,
 /// and a recorded offence that names a bad entry of `block_table` (`stride` per request) as it
 /// is, with the cache's `num_blocks`; `into_result` must report it. `unrecorded_ok`: the kernel
-/// may raise the bit without a record (the attention kernels do: see `kernels/src/status.rs`).
+/// may raise the bit without a record (the attention kernels do: see `kernels/src/blocks/status.rs`).
 /// When the reference skipped keys of bad blocks and the kernels raised the status bit without a
 /// record, [`host::batch::BatchMetadata::find_bad_block`] must name the reference's first one.
 pub fn check_found_bad_block(

@@ -19,7 +19,7 @@ pub struct GpuTarget {
 
 /// Kernel families: each is built into its own PTX module per target (`host/ptx/<target>/<family>.ptx`),
 /// which the host loads on first use. Must match `host/src/ptx.rs`.
-pub const FAMILIES: &[&str] = &["cache_write", "attention", "prefill"];
+pub const FAMILIES: &[&str] = &["cache_write", "merge", "attention"];
 
 /// Every target the host embeds. Adding one is one line here (and the host picks it up by name).
 pub const TARGETS: &[GpuTarget] = &[

@@ -18,10 +18,13 @@
 //! both before the barrier), the second the next V (the stage of the previous V, which it has
 //! just read), so two stages suffice.
 
-use crate::device::{dynamic_shared, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x};
-use crate::mma::{cp_async_16, cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_u64, shared_addr, wgmma_desc};
-use crate::prefill::{softmax_step, work_item, KeyTables, KvSource, Logits, RowInfo, RowOut};
-use crate::wgmma::WgmmaTiles;
+use crate::attention::kv::{KeyTables, KvSource};
+use crate::attention::logits::{softmax_step, Logits};
+use crate::attention::output::RowOut;
+use crate::attention::work::{work_item, RowInfo};
+use crate::blocks::device::{dynamic_shared, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x};
+use crate::blocks::mma::{cp_async_16, cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_u64, shared_addr, wgmma_desc};
+use crate::blocks::wgmma::WgmmaTiles;
 use attn_math::hopper_prefill::{group_bytes, shared_layout, swizzled, BLOCK_M, BLOCK_N, STAGES, THREADS};
 use attn_math::params::PrefillParams;
 use attn_math::prefill::TABLE_ENTRY;

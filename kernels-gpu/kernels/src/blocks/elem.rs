@@ -1,7 +1,7 @@
 //! Element formats the attention kernels read and write, as 8-element chunks: queries and
 //! outputs in f16/bf16, caches in f16/bf16 (16 bytes a chunk) or FP8 E4M3 (8 bytes a chunk).
 
-use crate::vec_io::{bf16x2_to_f32, f16x2_to_f32, f32_to_f16_bits, load16_nc, load8_nc, store_u16};
+use crate::blocks::vec_io::{bf16x2_to_f32, f16x2_to_f32, f32_to_f16_bits, load16_nc, load8_nc, store_u16};
 use attn_math::fp8::f32_to_bf16_bits;
 
 /// Query / output element (16-bit float).

@@ -1,6 +1,6 @@
 //! Keys-as-rows paged decode (`decode_kr_<q>[_fp8]_d<head_size>`): the keys-split decode CTA of
-//! `crate::prefill` (same work items, splits and epilogue) with the score tile transposed, for
-//! up to 8 query rows per kv head (`attn_math::keys_rows`).
+//! `crate::attention::mainloop` (same work items, splits and epilogue) with the score tile
+//! transposed, for up to 8 query rows per kv head (`attn_math::keys_rows`).
 //!
 //! Per 16-key slab a warp computes S^T = K Q^T (keys on the MMA's 16 rows, query rows on its 8
 //! columns), masks, runs the online softmax per column, turns P^T into the B operand of the next
@@ -17,20 +17,23 @@
 //!
 //! Two slab formats ([`SlabFormat`]): 16-bit rows in padded shared memory read with `ldmatrix`
 //! ([`HalfRows`]), and FP8 rows (head sizes 64 and 128) whose fragments are converted straight
-//! from swizzled shared memory ([`Fp8Rows`], `crate::fp8_direct`'s permuted head dimensions
-//! applied to the transposed tile).
+//! from swizzled shared memory ([`Fp8Rows`], `crate::attention::fp8_direct`'s permuted head
+//! dimensions applied to the transposed tile).
 
-use crate::device::{
+use crate::attention::fp8_direct::swizzled;
+use crate::attention::kv::KvSource;
+use crate::attention::logits::Logits;
+use crate::attention::output::store_merged_rows;
+use crate::attention::work::{work_item, RowInfo};
+use crate::blocks::device::{
     atomic_or_global, dynamic_shared, fma, pdl_launch_dependents, pdl_wait, shfl_xor, static_for, sync_threads, sync_warp, thread_idx_x,
 };
-use crate::fp8_direct::swizzled;
-use crate::mma::{
+use crate::blocks::mma::{
     byte_perm, cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ld_shared_v4, ldmatrix_x4,
     ldmatrix_x4_trans, movmatrix_trans, shared_addr, st_shared_f32, st_shared_f32x2, MmaHalf,
 };
-use crate::prefill::{store_merged_rows, work_item, KvSource, Logits, RowInfo};
-use crate::split_merge::merge_item_splits;
-use crate::vec_io::{load8_nc, load_f32_nc, load_u32_nc};
+use crate::blocks::vec_io::{load8_nc, load_f32_nc, load_u32_nc};
+use crate::merge::split_merge::merge_item_splits;
 use attn_math::keys_rows::{ctas_per_sm, layout, plane_bytes, row_pitch, stage_bytes, stages, MAX_ROWS, TILE_KEYS, WARP_KEYS};
 use attn_math::params::PrefillParams;
 use attn_math::prefill::block_m;
@@ -238,7 +241,7 @@ impl Fp8Rows {
 }
 
 impl<const D: usize> SlabFormat<D> for Fp8Rows {
-    type M = crate::elem::F16;
+    type M = crate::blocks::elem::F16;
     const ELEM_BYTES: u32 = 1;
 
     #[inline(always)]

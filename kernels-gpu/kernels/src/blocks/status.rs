@@ -6,8 +6,8 @@
 //! request and entry there, inlined or as a call, took registers (and in some kernels spills)
 //! in their key loops even though it never runs there.
 
-use crate::device::{atomic_cas_global, atomic_or_global};
-use crate::vec_io::{store4, store8};
+use crate::blocks::device::{atomic_cas_global, atomic_or_global};
+use crate::blocks::vec_io::{store4, store8};
 use attn_math::status::{SLOT_OUT_OF_RANGE, STATUS_CLAIMED, STATUS_ENTRY, STATUS_LIMIT, STATUS_VALUE, STATUS_WHERE};
 
 #[inline(always)]

@@ -1,10 +1,11 @@
 //! Entry points of the tensor-core attention kernels: `prefill_<dtype>[_fp8]_dk<qk>_dv<v>` (rows
 //! split across warps) and `decode_tc_<dtype>[_fp8]_d<head_size>` (keys split across warps);
-//! `_fp8`: an FP8 E4M3 cache. The host builds the same names (host/src/prefill.rs, decode.rs).
+//! `_fp8`: an FP8 E4M3 cache; the keys-as-rows decode kernels, the Hopper prefill kernels and the
+//! MLA kernels. The host builds the same names (host/src/prefill.rs, decode.rs, mla.rs).
 
-use crate::elem::{Bf16, F16};
-use crate::mla::mla_attention;
-use crate::prefill::attention;
+use crate::attention::mainloop::attention;
+use crate::attention::mla::kernel::mla_attention;
+use crate::blocks::elem::{Bf16, F16};
 use attn_math::params::PrefillParams;
 use attn_math::prefill::{block_n, m_tiles, WARPS};
 
@@ -56,7 +57,7 @@ prefill_kernels!(Bf16, "bf16": (64, 64), (96, 96), (128, 128), (256, 256), (192,
 decode_kernels!(F16, "f16": 64, 96, 128, 256);
 decode_kernels!(Bf16, "bf16": 64, 96, 128, 256);
 
-// Keys-as-rows decode (`crate::keys_rows`), up to 8 rows per kv head:
+// Keys-as-rows decode (`crate::attention::keys_rows`), up to 8 rows per kv head:
 // `decode_kr_<q>_d<head_size>` (16-bit caches) and `decode_kr_<q>_fp8[_long]_d<head_size>`.
 macro_rules! keys_rows_kernels {
     ($q:ident, $qname:literal: $($d:literal),*; fp8: $($d8:literal),*) => {
@@ -64,7 +65,7 @@ macro_rules! keys_rows_kernels {
             const _: () = {
                 #[unsafe(export_name = concat!("decode_kr_", $qname, "_d", $d))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                    unsafe { crate::keys_rows::decode_keys_rows_half::<$q, $d>(&p) }
+                    unsafe { crate::attention::keys_rows::decode_keys_rows_half::<$q, $d>(&p) }
                 }
             };
         )*
@@ -72,13 +73,13 @@ macro_rules! keys_rows_kernels {
             const _: () = {
                 #[unsafe(export_name = concat!("decode_kr_", $qname, "_fp8_d", $d8))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                    unsafe { crate::keys_rows::decode_keys_rows_fp8::<$q, $d8, false>(&p) }
+                    unsafe { crate::attention::keys_rows::decode_keys_rows_fp8::<$q, $d8, false>(&p) }
                 }
             };
             const _: () = {
                 #[unsafe(export_name = concat!("decode_kr_", $qname, "_fp8_long_d", $d8))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                    unsafe { crate::keys_rows::decode_keys_rows_fp8::<$q, $d8, true>(&p) }
+                    unsafe { crate::attention::keys_rows::decode_keys_rows_fp8::<$q, $d8, true>(&p) }
                 }
             };
         )*
@@ -89,7 +90,7 @@ keys_rows_kernels!(F16, "f16": 64, 96, 128, 256; fp8: 64, 128);
 keys_rows_kernels!(Bf16, "bf16": 64, 96, 128, 256; fp8: 64, 128);
 
 // Prefill on Hopper's warpgroup MMA (sm_90a only): `<prefix>_<q>_d<head_size>` running
-// `crate::$module::$func::<Q, D>`.
+// `crate::attention::hopper::$module::$func::<Q, D>`.
 #[cfg(wgmma)]
 macro_rules! prefill_wgmma_kernels {
     ($prefix:literal, $module:ident::$func:ident, $q:ident, $qname:literal: $($d:literal),*) => {
@@ -97,7 +98,7 @@ macro_rules! prefill_wgmma_kernels {
             const _: () = {
                 #[unsafe(export_name = concat!($prefix, "_", $qname, "_d", $d))]
                 unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                    unsafe { crate::$module::$func::<$q, $d>(&p) }
+                    unsafe { crate::attention::hopper::$module::$func::<$q, $d>(&p) }
                 }
             };
         )*

@@ -1,12 +1,14 @@
 //! Split-K's merge inside pass 1, for the keys-split decode kernels: the CTA of a work item
 //! that finishes last combines the item's partials, so a split batch is one launch, not two
-//! (`attn_math::params::PrefillParams::merge_counters`). The merge kernel (`crate::merge`'s
-//! `decode_merge`) stays for the other kernels; both weigh partials by their LSEs the same way.
+//! (`attn_math::params::PrefillParams::merge_counters`). The merge kernel
+//! (`crate::merge::lse_merge`'s `decode_merge`) stays for the other kernels; both weigh partials
+//! by their LSEs the same way. Built into the attention family, whose kernels call it.
 
-use crate::device::{atomic_add_acq_rel_gpu, static_for, sync_threads, thread_idx_x};
-use crate::mma::{ld_shared_u32, st_shared_u32, MmaHalf};
-use crate::prefill::{RowOut, Work};
-use crate::vec_io::{load16_cg, load_f32_cg, store4};
+use crate::attention::output::RowOut;
+use crate::attention::work::Work;
+use crate::blocks::device::{atomic_add_acq_rel_gpu, static_for, sync_threads, thread_idx_x};
+use crate::blocks::mma::{ld_shared_u32, st_shared_u32, MmaHalf};
+use crate::blocks::vec_io::{load16_cg, load_f32_cg, store4};
 use attn_math::params::{merge_counter_index, PrefillParams};
 use attn_math::prefill::THREADS;
 use attn_math::softmax::{OnlineSoftmax, LOG2_E};

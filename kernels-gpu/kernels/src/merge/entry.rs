@@ -1,8 +1,8 @@
 //! Entry points of the merge kernels: `decode_merge_<out>` (split-K's pass 2) and
 //! `merge_attn_states_<dtype>`. The host builds the same names (host/src/decode.rs).
 
-use crate::elem::{Bf16, F16};
-use crate::merge::{decode_merge, merge_states, F32Out, Half};
+use crate::blocks::elem::{Bf16, F16};
+use crate::merge::lse_merge::{decode_merge, merge_states, F32Out, Half};
 use attn_math::params::{DecodeMergeParams, MergeStatesParams};
 
 macro_rules! merge_kernels {

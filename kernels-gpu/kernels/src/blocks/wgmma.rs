@@ -8,8 +8,8 @@
 //! (8 columns); the A registers of P V take `mma.sync`'s A layout, so P is packed from S exactly
 //! as on the `mma.sync` path.
 
-use crate::elem::{Bf16, F16};
-use crate::mma::MmaHalf;
+use crate::blocks::elem::{Bf16, F16};
+use crate::blocks::mma::MmaHalf;
 use core::arch::asm;
 
 /// The warpgroup matrix products of the Hopper prefill kernel.

@@ -16,8 +16,8 @@
 //! `u ^ (L % 8)`) so that the eight threads of a shared-memory phase, which read different keys'
 //! runs at the same offsets, hit different banks.
 
-use crate::device::{static_for, thread_idx_x};
-use crate::mma::{byte_perm, ld_shared_u64, ld_shared_v4, MmaHalf};
+use crate::blocks::device::{static_for, thread_idx_x};
+use crate::blocks::mma::{byte_perm, ld_shared_u64, ld_shared_v4, MmaHalf};
 
 /// Byte offset of byte `b` of row `r` (rows of `d` FP8 bytes) in a swizzled stage.
 #[inline(always)]

@@ -1,235 +1,25 @@
-//! MLA latent attention on tensor cores: Q K^T once per key tile, P shared through shared
-//! memory by warps that each own a slice of the output (`attn_math::mla` describes the CTA's
-//! two warp grids and the shapes).
-//!
-//! Per tile: the K rows (576 columns) land in shared memory in 32-row slots through a ring of
-//! `cp.async` groups, their addresses looked up a tile ahead into per-slot tables; each warp
-//! scores its 16 rows x its keys, masks, publishes its rows' maxima (barrier), turns its scores
-//! into weights under the tile's row maxima and stores them as 16-bit P (barrier); then each
-//! warp rescales its accumulators by the same maxima and adds P V for its rows and columns, V
-//! being the first 512 columns of the K rows already in shared memory. Each latent row is read
-//! from global memory once per CTA.
-//!
-//! Q and K rows sit in `wgmma`'s 128-byte-swizzled K-major layout (`attn_math::mla::swizzled`):
-//! on sm_90a the wide shape's warpgroups compute Q K^T (m64n32k16) and P V (m64n64k16, V read
-//! N-major from the same rows, P from a no-swizzle tile) on `wgmma`; elsewhere, and for the
-//! narrow shape, `mma.sync` with `ldmatrix` (conflict-free in that layout) does both. An FP8
-//! cache's raw rows land in the ring as they are and are converted, a tile's slots at a time,
-//! into 16-bit slots of Q's type before the math (the scales folded into the score and output
-//! factors).
+//! The MLA kernel (module docs of [`crate::attention::mla`]).
 
-use crate::device::{atomic_or_global, dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any};
-use crate::mma::{
-    cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ld_shared_v4, ldmatrix_x4,
-    ldmatrix_x4_pinned, ldmatrix_x4_trans, shared_addr, st_shared_f32, st_shared_u32, st_shared_u64, st_shared_v4, MmaHalf,
+#[cfg(wgmma)]
+use super::combine::cluster_combine;
+use super::slots::{convert_slot_fp8, copy_queries, copy_slot, copy_slot_fp8};
+use super::tile::{accumulate_pv, score_k_lane, scores, wide_pv, wide_scores, K_STEPS};
+use crate::attention::kv::KvSource;
+use crate::attention::output::RowOut;
+use crate::attention::work::work_item;
+use crate::blocks::device::{
+    atomic_or_global, dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any,
 };
-use crate::prefill::{work_item, KvSource, RowOut};
-use crate::vec_io::{load_f32_nc, load_u32_nc};
-use attn_math::mla::{self, p_offset, shared_layout, swizzled, ROW_CHUNKS, SLOT_KEYS, TABLE_BYTES, THREADS};
+use crate::blocks::mma::{
+    cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_pinned, shared_addr,
+    st_shared_f32, st_shared_u32, st_shared_u64, MmaHalf,
+};
+use crate::blocks::vec_io::{load_f32_nc, load_u32_nc};
+use attn_math::mla::{self, p_offset, shared_layout, swizzled, SLOT_KEYS, TABLE_BYTES};
 use attn_math::params::PrefillParams;
-use attn_math::prefill::{MLA_QK, MLA_V};
+use attn_math::prefill::MLA_V;
 use attn_math::softmax::{exp2, OnlineSoftmax};
 use attn_math::status::BLOCK_OUT_OF_RANGE;
-
-/// 16-column k-steps of a 576-wide row.
-const K_STEPS: u32 = MLA_QK / 16;
-
-/// S = Q K^T for one warp: 16 query rows times `nkt * 8` keys, over all 576 columns. `q(ks)`:
-/// the query fragment of k-step `ks`; `k_at(rows, chunks)`: this lane's `ldmatrix` address in the
-/// K slot, `rows` and `chunks` past its own (see [`score_k_lane`]). Two k-steps per iteration, in
-/// two accumulator chains; `UNROLL`: fully unrolled (so that `q` may index a register array).
-#[inline(always)]
-fn scores<Q: MmaHalf, const UNROLL: bool>(nkt: usize, q: impl Fn(usize) -> [u32; 4], k_at: impl Fn(u32, u32) -> u32) -> [[f32; 4]; 4] {
-    let mut even = [[0.0f32; 4]; 4];
-    let mut odd = [[0.0f32; 4]; 4];
-    let mut step = |ks: usize| {
-        let (a0, a1) = (q(ks), q(ks + 1));
-        let ks = ks as u32;
-        if nkt == 1 {
-            // 8 keys x 32 columns: matrices 0, 1 are k-step ks, 2, 3 are ks + 1.
-            let b = unsafe { ldmatrix_x4(k_at(0, 2 * ks)) };
-            even[0] = Q::mma(a0, b[0], b[1], even[0]);
-            odd[0] = Q::mma(a1, b[2], b[3], odd[0]);
-        } else {
-            // 16 keys x 16 columns per load: matrices 0, 1 are keys 0-7, 2, 3 keys 8-15.
-            static_for::<2>(|np| {
-                if np < nkt / 2 {
-                    let b0 = unsafe { ldmatrix_x4(k_at(16 * np as u32, 2 * ks)) };
-                    let b1 = unsafe { ldmatrix_x4(k_at(16 * np as u32, 2 * ks + 2)) };
-                    even[2 * np] = Q::mma(a0, b0[0], b0[1], even[2 * np]);
-                    even[2 * np + 1] = Q::mma(a0, b0[2], b0[3], even[2 * np + 1]);
-                    odd[2 * np] = Q::mma(a1, b1[0], b1[1], odd[2 * np]);
-                    odd[2 * np + 1] = Q::mma(a1, b1[2], b1[3], odd[2 * np + 1]);
-                }
-            });
-        }
-    };
-    if UNROLL {
-        static_for::<{ K_STEPS as usize / 2 }>(|i| step(2 * i));
-    } else {
-        let mut ks = 0;
-        while ks < K_STEPS as usize {
-            step(ks);
-            ks += 2;
-        }
-    }
-    static_for::<4>(|n| static_for::<4>(|e| even[n][e] += odd[n][e]));
-    even
-}
-
-/// The wide shape's scores of this warp (16 rows x `nkt * 8` keys): on sm_90a the warpgroup's
-/// `wgmma` over its 64 rows (Q at `q`) and 32 keys (rows `key_row..` of the slot at `slot`); else
-/// `mma.sync` (`q_frag`, `k_at` as for [`scores`]).
-#[inline(always)]
-#[allow(unused_variables)]
-fn wide_scores<Q: MmaHalf>(
-    nkt: usize,
-    q_frag: impl Fn(usize) -> [u32; 4],
-    k_at: impl Fn(u32, u32) -> u32,
-    q: u32,
-    slot: u32,
-    key_row: u32,
-) -> [[f32; 4]; 4] {
-    #[cfg(wgmma)]
-    {
-        const { assert!(mla::WIDE.keys_per_warp() == 32 && mla::WIDE.s_row_tiles == 4) };
-        let a = crate::mma::wgmma_desc(q, 16, mla::GROUP_BYTES, true);
-        let b = crate::mma::wgmma_desc(slot + swizzled(key_row, 0), 16, mla::GROUP_BYTES, true);
-        unsafe { Q::wgmma_64x32_k576(a, b) }
-    }
-    #[cfg(not(wgmma))]
-    {
-        scores::<Q, true>(nkt, q_frag, k_at)
-    }
-}
-
-/// The wide shape's `O += P V` on sm_90a: the warpgroup's 64 rows x 256 columns over the tile's
-/// 64 keys, P at `p` (8-row groups `p_group` bytes apart), V's keys 0-31 and 32-63 from the slots
-/// at `v0` and `v1` (their first 64-column atom of the warpgroup's columns).
-#[inline(always)]
-#[allow(unused_variables)]
-unsafe fn wide_pv<Q: MmaHalf>(o: &mut [[f32; 4]; 32], p: u32, p_group: u32, v0: u32, v1: u32) {
-    #[cfg(wgmma)]
-    {
-        const { assert!(mla::WIDE.block_n == 2 * SLOT_KEYS && mla::WIDE.block_m == 64) };
-        let a = crate::mma::wgmma_desc(p, 128, p_group, false);
-        let b0 = crate::mma::wgmma_desc(v0, 1024, mla::GROUP_BYTES, true);
-        let b1 = crate::mma::wgmma_desc(v1, 1024, mla::GROUP_BYTES, true);
-        unsafe { Q::wgmma_pv_64x256_k64(o, a, b0, b1) };
-    }
-    #[cfg(not(wgmma))]
-    unreachable!()
-}
-
-/// This lane's (row, chunk) for [`scores`]' K loads from a slot, its warp's keys starting at row
-/// `key_row`: 8-key loads span 4 chunks (2 k-steps), 16-key loads 2 (1 k-step).
-#[inline(always)]
-fn score_k_lane(nkt: usize, lane: u32, key_row: u32) -> (u32, u32) {
-    if nkt == 1 {
-        (key_row + lane % 8, lane / 8)
-    } else {
-        (key_row + lane % 8 + 8 * (lane / 16), (lane / 8) % 2)
-    }
-}
-
-/// O += P V for one warp: `mt` 16-row tiles of P (`p_at(m, kk)`: this lane's `ldmatrix` address
-/// for row tile m, keys `16 kk ..`) times the tile's `bn` keys of V, `nct * 8` columns. `v_at(kk, dp)`:
-/// this lane's transposed `ldmatrix` address for keys `16 kk ..` and the warp's columns
-/// `16 dp ..`.
-#[inline(always)]
-fn accumulate_pv<Q: MmaHalf>(
-    o: &mut [[[f32; 4]; 32]; 2],
-    mt: usize,
-    nct: usize,
-    bn: usize,
-    p_at: impl Fn(u32, u32) -> u32,
-    v_at: impl Fn(u32, u32) -> u32,
-) {
-    static_for::<4>(|kk| {
-        if kk < bn / 16 {
-            let mut a = [[0u32; 4]; 2];
-            static_for::<2>(|m| {
-                if m < mt {
-                    a[m] = unsafe { ldmatrix_x4(p_at(m as u32, kk as u32)) };
-                }
-            });
-            static_for::<8>(|dp| {
-                if dp < nct / 2 {
-                    let b = unsafe { ldmatrix_x4_trans(v_at(kk as u32, dp as u32)) };
-                    static_for::<2>(|m| {
-                        if m < mt {
-                            o[m][2 * dp] = Q::mma(a[m], b[0], b[1], o[m][2 * dp]);
-                            o[m][2 * dp + 1] = Q::mma(a[m], b[2], b[3], o[m][2 * dp + 1]);
-                        }
-                    });
-                }
-            });
-        }
-    });
-}
-
-/// Copies a slot's 32 rows (their addresses in the table at `table`; 0: zero-fill, `fallback`
-/// named but not read) into the slot buffer at `dst` ([`swizzled`] layout). A warp copies 4 rows x
-/// 8 chunks per instruction (128 contiguous bytes of each row: whole cache lines); a thread
-/// reads one table entry.
-#[inline(always)]
-unsafe fn copy_slot(dst: u32, table: u32, fallback: u64) {
-    const { assert!(THREADS == 8 * SLOT_KEYS && ROW_CHUNKS.is_multiple_of(8)) };
-    let tid = thread_idx_x();
-    let (r, c0) = (tid / 8, tid % 8);
-    let src = unsafe { ld_shared_u64(table + r * 8) };
-    let (from, bytes, step) = if src != 0 { (src + c0 as u64 * 16, 16, 128) } else { (fallback, 0, 0) };
-    let to = dst + swizzled(r, c0);
-    // Chunks c0 + 8 i: the same place in the next 1024-byte atom.
-    static_for::<{ (ROW_CHUNKS / 8) as usize }>(|i| unsafe { cp_async_16(to + i as u32 * 1024, from + i as u64 * step, bytes) });
-}
-
-/// [`copy_slot`] for an FP8 cache: the 32 raw rows of 576 bytes, row after row, at `dst`.
-#[inline(always)]
-unsafe fn copy_slot_fp8(dst: u32, table: u32, fallback: u64) {
-    const RAW_CHUNKS: u32 = MLA_QK / 16;
-    let tid = thread_idx_x();
-    let (r, c0) = (tid / 8, tid % 8);
-    let src = unsafe { ld_shared_u64(table + r * 8) };
-    let (from, bytes, step) = if src != 0 { (src + c0 as u64 * 16, 16, 128) } else { (fallback, 0, 0) };
-    static_for::<{ RAW_CHUNKS.div_ceil(8) as usize }>(|i| {
-        if c0 + 8 * (i as u32) < RAW_CHUNKS {
-            unsafe { cp_async_16(dst + r * MLA_QK + (c0 + 8 * i as u32) * 16, from + i as u64 * step, bytes) };
-        }
-    });
-}
-
-/// Converts an FP8 slot's raw rows (at `raw`) into the 16-bit [`swizzled`] slot at `dst`,
-/// exactly (the unpack scale is folded into the k/v scales). Every thread of the CTA takes part;
-/// the raw copies must have landed and a barrier must follow.
-#[inline(always)]
-unsafe fn convert_slot_fp8<Q: MmaHalf>(raw: u32, dst: u32) {
-    const RAW_CHUNKS: u32 = MLA_QK / 16;
-    let tid = thread_idx_x();
-    static_for::<{ (SLOT_KEYS * RAW_CHUNKS).div_ceil(THREADS) as usize }>(|i| {
-        let idx = tid + i as u32 * THREADS;
-        if idx < SLOT_KEYS * RAW_CHUNKS {
-            let (r, c) = (idx / RAW_CHUNKS, idx % RAW_CHUNKS);
-            let v = unsafe { ld_shared_v4(raw + r * MLA_QK + c * 16) };
-            let mut h = [0u32; 8];
-            static_for::<8>(|j| h[j] = Q::from_fp8x2((v[j / 2] >> (16 * (j % 2))) & 0xffff));
-            unsafe { st_shared_v4(dst + swizzled(r, 2 * c), [h[0], h[1], h[2], h[3]]) };
-            unsafe { st_shared_v4(dst + swizzled(r, 2 * c + 1), [h[4], h[5], h[6], h[7]]) };
-        }
-    });
-}
-
-/// Copies `rows` query rows (`src(r)`: row r's address) into the [`swizzled`] layout at `dst`.
-#[inline(always)]
-unsafe fn copy_queries(dst: u32, rows: u32, src: impl Fn(u32) -> u64) {
-    let tid = thread_idx_x();
-    let mut idx = tid;
-    while idx < rows * ROW_CHUNKS {
-        let (r, c) = (idx / ROW_CHUNKS, idx % ROW_CHUNKS);
-        unsafe { cp_async_16(dst + swizzled(r, c), src(r) + c as u64 * 16, 16) };
-        idx += THREADS;
-    }
-}
 
 /// The kernel; `WIDE` picks the shape (`attn_math::mla::{NARROW, WIDE}`); `FP8`: an FP8 E4M3
 /// cache (with `p.k_scale`), converted to Q's type slot by slot in shared memory.
@@ -419,7 +209,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &P
             }
             // The tile (and the queries) are read by `wgmma`, through the async proxy.
             #[cfg(wgmma)]
-            crate::mma::fence_proxy_async_shared();
+            crate::blocks::mma::fence_proxy_async_shared();
             sync_threads();
             static_for::<2>(|i| {
                 if (i as u32) < spt {
@@ -437,7 +227,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &P
             });
             #[cfg(wgmma)]
             if WIDE {
-                crate::mma::fence_proxy_async_shared();
+                crate::blocks::mma::fence_proxy_async_shared();
             }
             sync_threads();
         }
@@ -511,7 +301,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &P
         // P is read by `wgmma` (the async proxy) on the wide shape.
         #[cfg(wgmma)]
         if wgmma_pv {
-            crate::mma::fence_proxy_async_shared();
+            crate::blocks::mma::fence_proxy_async_shared();
         }
         sync_threads();
 
@@ -597,86 +387,4 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &P
             });
         }
     });
-}
-
-/// Output columns of a narrow warp: 8 accumulator tiles of 8 columns.
-#[cfg(wgmma)]
-const NARROW_TILES: usize = (mla::NARROW.cols_per_warp() / 8) as usize;
-
-/// The splits of one request, run by the CTAs of a cluster (rank = split), combined through
-/// distributed shared memory (narrow shape: every warp holds all 16 rows, `NARROW_TILES` tiles
-/// of 8 columns from `col0`). Each CTA publishes its unnormalised accumulators (`[tile][thread]`
-/// 16-byte entries: conflict-free, and every CTA's thread finds its own fragment at the same
-/// offset) and its rows' states at `publish`; after a cluster barrier, rank k combines the
-/// column tiles `n` with `n % ranks == k` from every rank under the merged row states and
-/// stores the output as a one-split request would (LSE from rank 0); a second barrier keeps
-/// every CTA's shared memory alive until all reads are done.
-#[cfg(wgmma)]
-#[inline(always)]
-unsafe fn cluster_combine<Q: MmaHalf>(
-    p: &PrefillParams,
-    w: &crate::prefill::Work,
-    publish: u32,
-    o: &[[f32; 4]; 32],
-    states: [OnlineSoftmax; 2],
-    col0: u32,
-    v_scale: f32,
-) {
-    use crate::cluster::{cluster_rank, cluster_sync, ld_cluster_v2, ld_cluster_v4, map_rank};
-    const THREAD_BYTES: u32 = 16;
-    let tid = thread_idx_x();
-    let (lane, warp) = (tid % 32, tid / 32);
-    let (g, t4) = (lane / 4, lane % 4);
-    let entry = |n: u32| publish + (n * THREADS + tid) * THREAD_BYTES;
-    let state_at = |r: u32| publish + NARROW_TILES as u32 * THREADS * THREAD_BYTES + r * 8;
-    static_for::<NARROW_TILES>(|n| unsafe { st_shared_v4(entry(n as u32), o[n].map(f32::to_bits)) });
-    if warp == 0 && t4 == 0 {
-        static_for::<2>(|h| unsafe {
-            st_shared_u64(state_at(g + 8 * h as u32), (states[h].sum.to_bits() as u64) << 32 | states[h].max.to_bits() as u64)
-        });
-    }
-    cluster_sync();
-    let (ranks, me) = (p.cluster, cluster_rank());
-    // Every rank's rows under the merged maxima: factor[rank][h].
-    let mut merged = [OnlineSoftmax::EMPTY; 2];
-    let mut factor = [[0.0f32; 2]; 8];
-    static_for::<8>(|j| {
-        if (j as u32) < ranks {
-            static_for::<2>(|h| {
-                let [max, sum] = unsafe { ld_cluster_v2(map_rank(state_at(g + 8 * h as u32), j as u32)) };
-                let other = OnlineSoftmax { max: f32::from_bits(max), sum: f32::from_bits(sum) };
-                let (a, b) = merged[h].merge(other);
-                // Earlier ranks' factors follow the merged max down.
-                static_for::<8>(|i| {
-                    if i < j {
-                        factor[i][h] *= a;
-                    }
-                });
-                factor[j][h] = b;
-            });
-        }
-    });
-    static_for::<2>(|h| {
-        let r = g + 8 * h as u32;
-        if r >= w.live {
-            return;
-        }
-        let row = unsafe { w.row(p, r) };
-        let out = unsafe { RowOut::new::<{ MLA_V as usize }>(p, w, &row, merged[h], 1, me == 0 && t4 == 0 && col0 == 0, v_scale) };
-        static_for::<NARROW_TILES>(|n| {
-            if n as u32 % ranks != me {
-                return;
-            }
-            let (mut a, mut b) = (0.0f32, 0.0f32);
-            static_for::<8>(|j| {
-                if (j as u32) < ranks {
-                    let v = unsafe { ld_cluster_v4(map_rank(entry(n as u32), j as u32)) };
-                    a = fma(factor[j][h], f32::from_bits(v[2 * h]), a);
-                    b = fma(factor[j][h], f32::from_bits(v[2 * h + 1]), b);
-                }
-            });
-            unsafe { out.store_pair::<Q>(col0 + n as u32 * 8 + 2 * t4, a, b) };
-        });
-    });
-    cluster_sync();
 }

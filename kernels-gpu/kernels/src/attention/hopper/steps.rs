@@ -1,9 +1,10 @@
-//! The pieces of the warp-specialised Hopper prefill's key step ([`crate::prefill_specialized`]):
-//! rows copied into the swizzled `wgmma` layout, and the half-tile softmax (row max, rescale
-//! factor, weights), written for a 64-key S block of a thread's two rows.
+//! The pieces of the warp-specialised Hopper prefill's key step
+//! ([`crate::attention::hopper::prefill_specialized`]): rows copied into the swizzled `wgmma`
+//! layout, and the half-tile softmax (row max, rescale factor, weights), written for a 64-key S
+//! block of a thread's two rows.
 
-use crate::device::{fma, shfl_xor, static_for};
-use crate::mma::cp_async_16;
+use crate::blocks::device::{fma, shfl_xor, static_for};
+use crate::blocks::mma::cp_async_16;
 use attn_math::hopper_prefill::{group_bytes, swizzled};
 use attn_math::softmax::{exp2, OnlineSoftmax};
 

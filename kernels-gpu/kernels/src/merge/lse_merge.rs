@@ -4,10 +4,12 @@
 //! walk the head dimension. The weights come from `attn_math::softmax::combine_lse`, the same
 //! code the CPU reference runs.
 
-use crate::device::{block_dim_x, block_idx_x, dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x};
-use crate::elem::HalfFloat;
-use crate::mma::{ld_shared_f32, shared_addr, st_shared_v4};
-use crate::vec_io::{load16, load_f32, load_f32_nc, load_u32_nc, store_f32, store_u16};
+use crate::blocks::device::{
+    block_dim_x, block_idx_x, dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x,
+};
+use crate::blocks::elem::HalfFloat;
+use crate::blocks::mma::{ld_shared_f32, shared_addr, st_shared_v4};
+use crate::blocks::vec_io::{load16, load_f32, load_f32_nc, load_u32_nc, store_f32, store_u16};
 use attn_math::params::{DecodeMergeParams, MergeStatesParams, MERGE_THREADS};
 use attn_math::softmax::{combine_lse, exp2, log2, partial_weight, LN_2, LOG2_E};
 

@@ -6,8 +6,8 @@
 //! (k 2t, 2t+1; n g), b1 = (k 2t + 8..; n g); C (16x8) c0, c1 = (row g; cols 2t, 2t+1), c2, c3 =
 //! (row g + 8; same cols). Each register holds two 16-bit values, the lower column in the low half.
 
-use crate::elem::{fp8x2_to_f16x2, Bf16, CacheFormat, Fp8Cache, HalfFloat, F16};
-use crate::vec_io::f16x2_to_f32;
+use crate::blocks::elem::{fp8x2_to_f16x2, Bf16, CacheFormat, Fp8Cache, HalfFloat, F16};
+use crate::blocks::vec_io::f16x2_to_f32;
 use core::arch::asm;
 
 /// A 16-bit float type the tensor cores take.
@@ -313,10 +313,10 @@ pub fn movmatrix_trans(x: u32) -> u32 {
     #[cfg(not(pdl))]
     {
         // (row 2t, col g) sits in lane 4 * 2t + g / 2, half g % 2; row 2t + 1 four lanes on.
-        let lane = crate::device::thread_idx_x() % 32;
+        let lane = crate::blocks::device::thread_idx_x() % 32;
         let (g, t) = (lane / 4, lane % 4);
-        let a = crate::device::shfl_idx(x, 8 * t + g / 2);
-        let b = crate::device::shfl_idx(x, 8 * t + 4 + g / 2);
+        let a = crate::blocks::device::shfl_idx(x, 8 * t + g / 2);
+        let b = crate::blocks::device::shfl_idx(x, 8 * t + 4 + g / 2);
         byte_perm(a, b, if g % 2 == 0 { 0x5410 } else { 0x7632 })
     }
 }

@@ -32,18 +32,21 @@
 //!
 //! `setmaxnreg` moves registers from the producer (which needs few) to the compute warps.
 
-use crate::device::{
+use crate::attention::hopper::steps::{copy_row_pairs, copy_rows, raise_max, row_max, weights};
+use crate::attention::kv::KvSource;
+use crate::attention::logits::Logits;
+use crate::attention::output::RowOut;
+use crate::attention::work::{work_item_at, RowInfo, Work};
+use crate::blocks::device::{
     atomic_add_global, atomic_or_global, block_idx_x, dynamic_shared, grid_dim_x, named_barrier, pdl_prologue, set_max_registers, shfl_xor,
     static_for, sync_threads, thread_idx_x, vote_any,
 };
-use crate::hopper_steps::{copy_row_pairs, copy_rows, raise_max, row_max, weights};
-use crate::mbarrier;
-use crate::mma::{
+use crate::blocks::mbarrier;
+use crate::blocks::mma::{
     fence_proxy_async_shared, ld_shared_u64x2, ld_shared_v4, shared_addr, st_shared_u32, st_shared_u64x2, st_shared_v4, wgmma_desc,
 };
-use crate::prefill::{work_item_at, KvSource, Logits, RowInfo, RowOut, Work};
-use crate::vec_io::store4;
-use crate::wgmma::{wait_pv64, wait_scores64, WgmmaTiles};
+use crate::blocks::vec_io::store4;
+use crate::blocks::wgmma::{wait_pv64, wait_scores64, WgmmaTiles};
 use attn_math::hopper_prefill::{
     group_bytes, ws_layout, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_Q_BUFFERS, WS_STAGES,
 };

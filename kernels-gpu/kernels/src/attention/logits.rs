@@ -1,0 +1,191 @@
+//! From a tile's scores to softmax weights: the logits (scale, soft-cap, ALiBi, masks) and the
+//! online-softmax step of a warp's rows.
+
+use crate::attention::work::RowInfo;
+use crate::blocks::device::{fma, shfl_xor, static_for, tanh, thread_idx_x};
+use crate::blocks::mma::{ld_shared_u32, ld_shared_u64};
+use attn_math::params::PrefillParams;
+use attn_math::prefill::TABLE_ENTRY;
+use attn_math::softmax::{exp2, OnlineSoftmax, LOG2_E};
+
+/// The online-softmax step of a warp's two rows per thread (h = 0: row g, 1: row g + 8) over
+/// `KW` scores each: raises the running max, rescales the accumulators, turns the scores into
+/// weights `2^(s * mult - max)` and adds them to the denominators. `mult` is the factor left to
+/// apply to the scores (the softmax scale in base-2 units, or 1 when already applied).
+#[inline(always)]
+pub(crate) fn softmax_step<const DV: usize, const KW: usize, const NB: usize, const NO: usize>(
+    s: &mut [[f32; 4]; NB],
+    o: &mut [[f32; 4]; NO],
+    state: &mut [OnlineSoftmax; 2],
+    mult: f32,
+) {
+    static_for::<2>(|h| {
+        let mut m = f32::NEG_INFINITY;
+        static_for::<NB>(|n| {
+            if n < KW / 8 {
+                m = m.max(s[n][2 * h]).max(s[n][2 * h + 1]);
+            }
+        });
+        // The 4 lanes of a quad share a row.
+        m = m.max(shfl_xor(m, 1));
+        m = m.max(shfl_xor(m, 2));
+        let factor = state[h].rescale_to(m * mult);
+        if factor != 1.0 {
+            static_for::<NO>(|n| {
+                if n < DV / 8 {
+                    o[n][2 * h] *= factor;
+                    o[n][2 * h + 1] *= factor;
+                }
+            });
+        }
+        // A row that has seen nothing yet keeps max -inf: its weights are all 0.
+        let neg_max = if state[h].max == f32::NEG_INFINITY { 0.0 } else { -state[h].max };
+        let mut sum = 0.0;
+        static_for::<NB>(|n| {
+            if n < KW / 8 {
+                static_for::<2>(|e| {
+                    let w = exp2(fma(s[n][2 * h + e], mult, neg_max));
+                    s[n][2 * h + e] = w;
+                    sum += w;
+                });
+            }
+        });
+        state[h].sum += sum;
+    });
+}
+
+/// What turns a tile's scores into logits: the features that need the scores scaled first
+/// (soft-cap, ALiBi), and the masks (the request's end, causality, the window, keys whose block
+/// is outside the cache).
+#[derive(Clone, Copy)]
+pub(crate) struct Logits {
+    score_scale: f32,
+    /// Scores are scaled inside the exponent's FMA unless a feature needs them scaled first.
+    prescale: bool,
+    softcap_log2: f32,
+    softcap_inv: f32,
+    alibi: bool,
+    causal: bool,
+    window: u32,
+    /// The CTA's last key + 1.
+    end: u32,
+}
+
+impl Logits {
+    #[inline(always)]
+    pub fn new(p: &PrefillParams, score_scale: f32, end: u32) -> Logits {
+        let prescale = p.softcap > 0.0 || p.alibi_slopes != 0 || score_scale <= 0.0;
+        Logits {
+            score_scale,
+            prescale,
+            softcap_log2: p.softcap * LOG2_E,
+            softcap_inv: if p.softcap > 0.0 { 1.0 / (p.softcap * LOG2_E) } else { 0.0 },
+            alibi: p.alibi_slopes != 0,
+            causal: p.causal != 0,
+            window: p.window,
+            end,
+        }
+    }
+
+    /// The factor the softmax step still applies to the logits.
+    #[inline(always)]
+    pub fn mult(&self) -> f32 {
+        if self.prescale {
+            1.0
+        } else {
+            self.score_scale
+        }
+    }
+
+    /// A score as a logit where a feature needs it scaled first: scaled, soft-capped, ALiBi.
+    #[inline(always)]
+    fn prescaled(&self, s: f32, key: u32, row: &RowInfo) -> f32 {
+        let mut x = s * self.score_scale;
+        if self.softcap_inv > 0.0 {
+            x = self.softcap_log2 * tanh(x * self.softcap_inv);
+        }
+        if self.alibi {
+            x += row.slope_log2 * (key as f32 - row.pos as f32);
+        }
+        x
+    }
+
+    /// Whether keys `kt .. kt + kw` cross a boundary of rows at `min_pos..=max_pos`: the end,
+    /// causality or the window.
+    #[inline(always)]
+    fn needs_mask(&self, kt: u32, kw: u32, (min_pos, max_pos): (u32, u32)) -> bool {
+        kt + kw > self.end || (self.causal && kt + kw - 1 > min_pos) || (self.window > 0 && kt + self.window <= max_pos)
+    }
+
+    /// Whether `row` sees `key` (non-short-circuit `&`: a select per element, no branches).
+    #[inline(always)]
+    fn visible(&self, key: u32, row: &RowInfo) -> bool {
+        (key < self.end) & (!self.causal | (key <= row.pos)) & ((self.window == 0) | (key + self.window > row.pos))
+    }
+
+    /// [`Self::apply`] for the keys-as-rows score fragment (`crate::attention::keys_rows`): element e of
+    /// this thread is key `kt + g + 8 * (e / 2)` of row `rows[e % 2]`; `bad`: the warp's 16 keys
+    /// have no block in the cache.
+    #[inline(always)]
+    pub fn apply_keys_rows(&self, s: &mut [f32; 4], rows: &[RowInfo; 2], kt: u32, pos: (u32, u32), bad: bool) {
+        let g = (thread_idx_x() % 32) / 4;
+        let key_of = |e: usize| kt + g + 8 * (e / 2) as u32;
+        if self.prescale {
+            static_for::<4>(|e| s[e] = self.prescaled(s[e], key_of(e), &rows[e % 2]));
+        }
+        if self.needs_mask(kt, 16, pos) || bad {
+            static_for::<4>(|e| s[e] = if self.visible(key_of(e), &rows[e % 2]) & !bad { s[e] } else { f32::NEG_INFINITY });
+        }
+    }
+
+    /// Turns the scores of `MT` row tiles x `KW` keys from key `kt` into logits, masked where
+    /// the tile crosses a boundary for rows `min_pos..=max_pos`. `flags`: the table slot's
+    /// `KW / 32` bad-block flags; `table`: the slot's entry for key `kt`.
+    #[inline(always)]
+    pub unsafe fn apply<const MT: usize, const NB: usize, const KW: usize>(
+        &self,
+        s: &mut [[[f32; 4]; NB]; MT],
+        rows: &[[RowInfo; 2]; MT],
+        kt: u32,
+        (min_pos, max_pos): (u32, u32),
+        flags: u32,
+        table: u32,
+    ) {
+        let t4 = thread_idx_x() % 4;
+        let key_of = |n: usize, e: usize| kt + n as u32 * 8 + 2 * t4 + (e % 2) as u32;
+        // Every element of the warp's score tiles: (row tile, column tile, register).
+        macro_rules! each {
+            (|$mt:ident, $n:ident, $e:ident| $body:expr) => {
+                static_for::<MT>(|$mt| {
+                    static_for::<NB>(|$n| {
+                        if $n < KW / 8 {
+                            static_for::<4>(|$e| $body)
+                        }
+                    })
+                })
+            };
+        }
+        if self.prescale {
+            each!(|mt, n, e| s[mt][n][e] = self.prescaled(s[mt][n][e], key_of(n, e), &rows[mt][e / 2]));
+        }
+        let mut has_bad = false;
+        static_for::<4>(|i| {
+            if i < KW.div_ceil(32) {
+                has_bad |= unsafe { ld_shared_u32(flags + i as u32 * 4) } != 0;
+            }
+        });
+        if self.needs_mask(kt, KW as u32, (min_pos, max_pos)) || has_bad {
+            each!(|mt, n, e| {
+                s[mt][n][e] = if self.visible(key_of(n, e), &rows[mt][e / 2]) { s[mt][n][e] } else { f32::NEG_INFINITY };
+            });
+            if has_bad {
+                each!(|mt, n, e| {
+                    let key = key_of(n, e);
+                    if key < self.end && unsafe { ld_shared_u64(table + (key - kt) * TABLE_ENTRY) } == 0 {
+                        s[mt][n][e] = f32::NEG_INFINITY;
+                    }
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,28 @@
+//! MLA latent attention on tensor cores: Q K^T once per key tile, P shared through shared
+//! memory by warps that each own a slice of the output (`attn_math::mla` describes the CTA's
+//! two warp grids and the shapes).
+//!
+//! Per tile: the K rows (576 columns) land in shared memory in 32-row slots through a ring of
+//! `cp.async` groups, their addresses looked up a tile ahead into per-slot tables; each warp
+//! scores its 16 rows x its keys, masks, publishes its rows' maxima (barrier), turns its scores
+//! into weights under the tile's row maxima and stores them as 16-bit P (barrier); then each
+//! warp rescales its accumulators by the same maxima and adds P V for its rows and columns, V
+//! being the first 512 columns of the K rows already in shared memory. Each latent row is read
+//! from global memory once per CTA.
+//!
+//! Q and K rows sit in `wgmma`'s 128-byte-swizzled K-major layout (`attn_math::mla::swizzled`):
+//! on sm_90a the wide shape's warpgroups compute Q K^T (m64n32k16) and P V (m64n64k16, V read
+//! N-major from the same rows, P from a no-swizzle tile) on `wgmma`; elsewhere, and for the
+//! narrow shape, `mma.sync` with `ldmatrix` (conflict-free in that layout) does both. An FP8
+//! cache's raw rows land in the ring as they are and are converted, a tile's slots at a time,
+//! into 16-bit slots of Q's type before the math (the scales folded into the score and output
+//! factors).
+//!
+//! [`kernel`] is the kernel; [`tile`] its matrix products, [`slots`] its copies into the
+//! swizzled slots, and [`combine`] (sm_90a) the cluster combine of a request's splits.
+
+#[cfg(wgmma)]
+mod combine;
+pub(crate) mod kernel;
+mod slots;
+mod tile;

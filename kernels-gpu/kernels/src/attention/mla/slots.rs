@@ -1,0 +1,70 @@
+//! The MLA kernel's copies into shared memory: a slot's K rows (16-bit, or raw FP8 and then
+//! converted) and the query rows, in the swizzled layout (`attn_math::mla::swizzled`).
+
+use crate::blocks::device::{static_for, thread_idx_x};
+use crate::blocks::mma::{cp_async_16, ld_shared_u64, ld_shared_v4, st_shared_v4, MmaHalf};
+use attn_math::mla::{swizzled, ROW_CHUNKS, SLOT_KEYS, THREADS};
+use attn_math::prefill::MLA_QK;
+
+/// Copies a slot's 32 rows (their addresses in the table at `table`; 0: zero-fill, `fallback`
+/// named but not read) into the slot buffer at `dst` ([`swizzled`] layout). A warp copies 4 rows x
+/// 8 chunks per instruction (128 contiguous bytes of each row: whole cache lines); a thread
+/// reads one table entry.
+#[inline(always)]
+pub(super) unsafe fn copy_slot(dst: u32, table: u32, fallback: u64) {
+    const { assert!(THREADS == 8 * SLOT_KEYS && ROW_CHUNKS.is_multiple_of(8)) };
+    let tid = thread_idx_x();
+    let (r, c0) = (tid / 8, tid % 8);
+    let src = unsafe { ld_shared_u64(table + r * 8) };
+    let (from, bytes, step) = if src != 0 { (src + c0 as u64 * 16, 16, 128) } else { (fallback, 0, 0) };
+    let to = dst + swizzled(r, c0);
+    // Chunks c0 + 8 i: the same place in the next 1024-byte atom.
+    static_for::<{ (ROW_CHUNKS / 8) as usize }>(|i| unsafe { cp_async_16(to + i as u32 * 1024, from + i as u64 * step, bytes) });
+}
+
+/// [`copy_slot`] for an FP8 cache: the 32 raw rows of 576 bytes, row after row, at `dst`.
+#[inline(always)]
+pub(super) unsafe fn copy_slot_fp8(dst: u32, table: u32, fallback: u64) {
+    const RAW_CHUNKS: u32 = MLA_QK / 16;
+    let tid = thread_idx_x();
+    let (r, c0) = (tid / 8, tid % 8);
+    let src = unsafe { ld_shared_u64(table + r * 8) };
+    let (from, bytes, step) = if src != 0 { (src + c0 as u64 * 16, 16, 128) } else { (fallback, 0, 0) };
+    static_for::<{ RAW_CHUNKS.div_ceil(8) as usize }>(|i| {
+        if c0 + 8 * (i as u32) < RAW_CHUNKS {
+            unsafe { cp_async_16(dst + r * MLA_QK + (c0 + 8 * i as u32) * 16, from + i as u64 * step, bytes) };
+        }
+    });
+}
+
+/// Converts an FP8 slot's raw rows (at `raw`) into the 16-bit [`swizzled`] slot at `dst`,
+/// exactly (the unpack scale is folded into the k/v scales). Every thread of the CTA takes part;
+/// the raw copies must have landed and a barrier must follow.
+#[inline(always)]
+pub(super) unsafe fn convert_slot_fp8<Q: MmaHalf>(raw: u32, dst: u32) {
+    const RAW_CHUNKS: u32 = MLA_QK / 16;
+    let tid = thread_idx_x();
+    static_for::<{ (SLOT_KEYS * RAW_CHUNKS).div_ceil(THREADS) as usize }>(|i| {
+        let idx = tid + i as u32 * THREADS;
+        if idx < SLOT_KEYS * RAW_CHUNKS {
+            let (r, c) = (idx / RAW_CHUNKS, idx % RAW_CHUNKS);
+            let v = unsafe { ld_shared_v4(raw + r * MLA_QK + c * 16) };
+            let mut h = [0u32; 8];
+            static_for::<8>(|j| h[j] = Q::from_fp8x2((v[j / 2] >> (16 * (j % 2))) & 0xffff));
+            unsafe { st_shared_v4(dst + swizzled(r, 2 * c), [h[0], h[1], h[2], h[3]]) };
+            unsafe { st_shared_v4(dst + swizzled(r, 2 * c + 1), [h[4], h[5], h[6], h[7]]) };
+        }
+    });
+}
+
+/// Copies `rows` query rows (`src(r)`: row r's address) into the [`swizzled`] layout at `dst`.
+#[inline(always)]
+pub(super) unsafe fn copy_queries(dst: u32, rows: u32, src: impl Fn(u32) -> u64) {
+    let tid = thread_idx_x();
+    let mut idx = tid;
+    while idx < rows * ROW_CHUNKS {
+        let (r, c) = (idx / ROW_CHUNKS, idx % ROW_CHUNKS);
+        unsafe { cp_async_16(dst + swizzled(r, c), src(r) + c as u64 * 16, 16) };
+        idx += THREADS;
+    }
+}

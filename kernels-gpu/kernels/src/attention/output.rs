@@ -1,0 +1,169 @@
+//! Where finished rows go: the output or the split-K workspace ([`RowOut`]), and the keys-split
+//! epilogue that adds up the four warps' partial rows before writing them.
+
+use crate::attention::fp8_direct;
+use crate::attention::work::{RowInfo, Work};
+use crate::blocks::device::{shfl_xor, static_for, sync_threads, thread_idx_x};
+use crate::blocks::mma::{ld_shared_f32x2, st_shared_f32, st_shared_f32x2, MmaHalf};
+use crate::blocks::vec_io::{load_f32_nc, store4, store8, store_f32};
+use attn_math::params::PrefillParams;
+use attn_math::prefill::THREADS;
+use attn_math::softmax::{exp2, OnlineSoftmax, LOG2_E};
+
+/// Where a finished row goes: the output (one split) or the split-K workspace, and the factor
+/// its accumulator takes. Writes the row's LSE when `write_lse`.
+#[derive(Clone, Copy)]
+pub(crate) struct RowOut {
+    addr: u64,
+    partial: bool,
+    inv: f32,
+}
+
+impl RowOut {
+    #[inline(always)]
+    pub unsafe fn new<const DV: usize>(
+        p: &PrefillParams,
+        w: &Work,
+        row: &RowInfo,
+        st: OnlineSoftmax,
+        num_splits: u32,
+        write_lse: bool,
+        v_scale: f32,
+    ) -> RowOut {
+        if num_splits == 1 {
+            let mut scale = 1.0;
+            let mut st = st;
+            if p.sinks != 0 {
+                let sink = (unsafe { load_f32_nc(p.sinks + row.head as u64 * 4) }) * LOG2_E;
+                scale = st.merge(OnlineSoftmax { max: sink, sum: 1.0 }).0;
+            }
+            if write_lse && w.slice == 0 && p.lse != 0 {
+                unsafe { store_f32(p.lse + (row.token as u64 * p.num_q_heads as u64 + row.head as u64) * 4, st.lse()) };
+            }
+            let addr = p.out + (row.token as u64 * p.out_token_stride + row.head as u64 * p.out_head_stride + w.v_col0 as u64) * 2;
+            RowOut { addr, partial: false, inv: if st.sum > 0.0 { v_scale * scale / st.sum } else { 0.0 } }
+        } else {
+            let base = unsafe { w.partial_base(p) };
+            let t = (row.token - w.q_start) as u64;
+            let index = base + (w.split as u64 * w.q_len as u64 + t) * p.num_q_heads as u64 + row.head as u64;
+            if write_lse && w.slice == 0 {
+                unsafe { store_f32(p.partial_lse + index * 4, st.lse()) };
+            }
+            let row_width = if p.v_row != 0 { p.v_row as u64 } else { DV as u64 };
+            let addr = p.partial_out + (index * row_width + w.v_col0 as u64) * 4;
+            RowOut { addr, partial: true, inv: if st.sum > 0.0 { v_scale / st.sum } else { 0.0 } }
+        }
+    }
+
+    /// Columns `col`, `col + 1` (unnormalised accumulator values).
+    #[inline(always)]
+    pub unsafe fn store_pair<Q: MmaHalf>(&self, col: u32, a: f32, b: f32) {
+        if self.partial {
+            unsafe { store8(self.addr + col as u64 * 4, [(a * self.inv).to_bits(), (b * self.inv).to_bits()]) };
+        } else {
+            unsafe { store4(self.addr + col as u64 * 2, Q::pack2(a * self.inv, b * self.inv)) };
+        }
+    }
+}
+
+/// Keys-split epilogue: the four warps hold partial states of the same 16 rows; each publishes
+/// its (max, sum), rescales its accumulators to the common max and stores them, then all threads
+/// add the four up, 8 threads per row, and write the rows.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) unsafe fn finish_keys_split<Q: MmaHalf, const DV: usize>(
+    p: &PrefillParams,
+    w: &Work,
+    smem: u32,
+    merge: u32,
+    pitch: u32,
+    stats: u32,
+    mut state: [OnlineSoftmax; 2],
+    o: &[[f32; 4]; 32],
+    num_splits: u32,
+    v_scale: f32,
+    permuted: bool,
+) {
+    let tid = thread_idx_x();
+    let (warp, lane) = (tid / 32, tid % 32);
+    let (g, t4) = (lane / 4, lane % 4);
+    let (merge, stats) = (smem + merge, smem + stats);
+    let stat = |wp: u32, r: u32| unsafe {
+        let (max, sum) = ld_shared_f32x2(stats + (wp * 16 + r) * 8);
+        OnlineSoftmax { max, sum }
+    };
+    // The K/V stages are free once every warp is past the loop.
+    sync_threads();
+    static_for::<2>(|h| {
+        state[h].sum += shfl_xor(state[h].sum, 1);
+        state[h].sum += shfl_xor(state[h].sum, 2);
+        if t4 == 0 {
+            unsafe { st_shared_f32x2(stats + (warp * 16 + g + 8 * h as u32) * 8, state[h].max, state[h].sum) };
+        }
+    });
+    sync_threads();
+    static_for::<2>(|h| {
+        let r = g + 8 * h as u32;
+        let mut max = f32::NEG_INFINITY;
+        static_for::<4>(|wp| max = max.max(stat(wp as u32, r).max));
+        let f = if state[h].max == f32::NEG_INFINITY { 0.0 } else { exp2(state[h].max - max) };
+        static_for::<32>(|n| {
+            if n < DV / 8 {
+                let row = merge + (warp * 16 + r) * pitch * 4;
+                if permuted {
+                    // `fp8_direct`'s accumulator columns.
+                    static_for::<2>(|e| unsafe {
+                        st_shared_f32(row + fp8_direct::out_col::<DV>(n as u32, e as u32) * 4, o[n][2 * h + e] * f)
+                    });
+                } else {
+                    let col = n as u32 * 8 + 2 * t4;
+                    unsafe { st_shared_f32x2(row + col * 4, o[n][2 * h] * f, o[n][2 * h + 1] * f) };
+                }
+            }
+        });
+    });
+    sync_threads();
+    unsafe { store_merged_rows::<Q, DV, 16>(p, w, merge, pitch, stats, num_splits, v_scale) };
+}
+
+/// The keys-split epilogue's last step: the warps' partial rows (`R` rows each, f32 at
+/// `merge + ((warp * R + r) * pitch + col) * 4`, already at their common max) and (max, sum)
+/// pairs (`stats + (warp * R + r) * 8`) added up, `THREADS / R` threads per row, and each row
+/// written. After a barrier that publishes them.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(crate) unsafe fn store_merged_rows<Q: MmaHalf, const DV: usize, const R: u32>(
+    p: &PrefillParams,
+    w: &Work,
+    merge: u32,
+    pitch: u32,
+    stats: u32,
+    num_splits: u32,
+    v_scale: f32,
+) {
+    let tid = thread_idx_x();
+    let per_row = THREADS / R;
+    let (r, t) = (tid / per_row, tid % per_row);
+    if r >= w.live {
+        return;
+    }
+    let mut total = OnlineSoftmax::EMPTY;
+    static_for::<4>(|wp| {
+        let (max, sum) = unsafe { ld_shared_f32x2(stats + (wp as u32 * R + r) * 8) };
+        total.merge(OnlineSoftmax { max, sum });
+    });
+    let row = unsafe { w.row(p, r) };
+    let out = unsafe { RowOut::new::<DV>(p, w, &row, total, num_splits, t == 0, v_scale) };
+    static_for::<16>(|i| {
+        if (i as u32) < DV as u32 / (2 * per_row) {
+            let col = 2 * (t + per_row * i as u32);
+            let (mut a, mut b) = (0.0, 0.0);
+            static_for::<4>(|wp| {
+                let (x, y) = unsafe { ld_shared_f32x2(merge + ((wp as u32 * R + r) * pitch + col) * 4) };
+                a += x;
+                b += y;
+            });
+            unsafe { out.store_pair::<Q>(col, a, b) };
+        }
+    });
+}
