@@ -36,11 +36,7 @@ pub struct AttnDevice {
 impl AttnDevice {
     /// Whether a CUDA driver is installed and sees at least one GPU (never panics).
     pub fn driver_available() -> bool {
-        // SAFETY: only probes for the shared library.
-        if !unsafe { cudarc::driver::sys::is_culib_present() } {
-            return false;
-        }
-        matches!(CudaContext::device_count(), Ok(n) if n > 0)
+        driver_library_present() && matches!(CudaContext::device_count(), Ok(n) if n > 0)
     }
 
     /// Opens GPU `ordinal` (its primary context) and loads the kernels.
@@ -295,4 +291,14 @@ fn cluster_attribute(cluster: u32) -> cudarc::driver::sys::CUlaunchAttribute {
     attr.value.clusterDim.y = 1;
     attr.value.clusterDim.z = 1;
     attr
+}
+
+/// Whether the CUDA driver's shared library can be opened. cudarc's own probe exists only when it
+/// loads the library itself (`dynamic-loading`); when another crate in the graph made it link
+/// the library (`dynamic-linking`), the process would not have started without it, and opening
+/// it again succeeds. Without the library, cudarc's first driver call would panic.
+fn driver_library_present() -> bool {
+    let names: &[&str] = if cfg!(windows) { &["nvcuda.dll"] } else { &["libcuda.so.1", "libcuda.so"] };
+    // SAFETY: loading the driver library runs its initialisers, as cudarc's own loading does.
+    names.iter().any(|name| unsafe { libloading::Library::new(*name) }.is_ok())
 }
