@@ -107,7 +107,7 @@ fn check_vector_alignment(arg: &'static str, ptr: u64, strides: &[usize], elem_b
 
 /// One warp per token, `THREADS / 32` tokens per block. Many short blocks rather than a
 /// persistent grid: measured on the H100, a warp per token with its slot loaded alongside its
-/// data beat a flat grid-stride loop over vectors (see BENCHMARKS.md).
+/// data beat a flat grid-stride loop over vectors (see docs/cache-writes.md).
 fn grid_for(num_tokens: usize) -> Result<(u32, u32, u32)> {
     let blocks = num_tokens.div_ceil((THREADS / 32) as usize);
     // The kernels take the token count as a u32.

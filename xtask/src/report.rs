@@ -71,7 +71,7 @@ fn parse(report: &str) -> Vec<Row> {
 /// ptxas parks a few words of row bookkeeping on the stack before the key loop and reloads them
 /// in the epilogue (8-64 bytes; `nvdisasm` shows no local access inside the loop at head size
 /// 128). Anything else with a stack frame fails the report: that is how a register array that
-/// went to local memory shows (see BENCHMARKS.md, cache writes).
+/// went to local memory shows (see docs/cache-writes.md).
 const SMALL_SPILLS_ALLOWED: &[(&str, u32)] = &[("prefill_", 64), ("mla_", 64)];
 
 fn stack_allowed(kernel: &str) -> u32 {

@@ -36,7 +36,7 @@ pub const fn stage_bytes(d: u32, fp8: bool) -> u32 {
 /// An FP8 batch whose longest request has at least this many keys runs the deep-pipeline FP8
 /// kernels (`decode_kr_<q>_fp8_long_d<d>`: two CTAs per SM, six stages); shorter ones the
 /// three-CTA kernels (four stages), whose CTAs start and drain beside more neighbours. Measured
-/// on the H100 (BENCHMARKS.md): 64 x 4096 201 us deep against 211-214 us; 256 x 1024 211 us deep
+/// on the H100 (docs/decode.md): 64 x 4096 201 us deep against 211-214 us; 256 x 1024 211 us deep
 /// against 204 us.
 pub const FP8_LONG_KEYS: u32 = 2048;
 
