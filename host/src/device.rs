@@ -42,7 +42,7 @@ impl AttnDevice {
     /// Opens GPU `ordinal` (its primary context) and loads the kernels.
     pub fn new(ordinal: usize) -> Result<Self> {
         if !Self::driver_available() {
-            return Err(AttnError::invalid("ordinal", format!("no CUDA driver or no GPU (asked for GPU {ordinal})")));
+            return Err(AttnError::NoDevice(format!("asked for GPU {ordinal}")));
         }
         Self::from_context(CudaContext::new(ordinal)?)
     }

@@ -5,7 +5,11 @@ use crate::dtype::DType;
 pub type Result<T> = std::result::Result<T, AttnError>;
 
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum AttnError {
+    /// No CUDA driver library, or it sees no GPU (or not the one asked for).
+    #[error("no CUDA driver or no GPU ({0})")]
+    NoDevice(String),
     /// A shape, length or count that does not fit the operation.
     #[error("invalid argument `{arg}`: {reason}")]
     InvalidArgument { arg: &'static str, reason: String },
