@@ -290,10 +290,7 @@ mod tests {
         // Rows of 3; blocks of 16; a cache of 8 blocks.
         let table = [0, 1, 99, /* r1 */ 2, -5, 7, /* r2 */ 3, 8, 4];
         // Request 0 covers 2 entries (its 99 is unused); request 1's second entry is -5.
-        assert_eq!(
-            first_bad_block(&table, 3, &[20, 17, 40], 16, 8),
-            Some(BadBlock { request: 1, entry: 1, block: -5, num_blocks: 8 })
-        );
+        assert_eq!(first_bad_block(&table, 3, &[20, 17, 40], 16, 8), Some(BadBlock { request: 1, entry: 1, block: -5, num_blocks: 8 }));
         // With request 0 covering all three entries, its 99 comes first.
         assert_eq!(first_bad_block(&table, 3, &[48, 17, 40], 16, 8).map(|b| (b.request, b.entry, b.block)), Some((0, 2, 99)));
         // Nothing covered is outside: empty requests cover nothing.

@@ -22,7 +22,7 @@
 use crate::batch::BatchMetadata;
 use crate::decode::{
     decode_tc_kernel, max_len, paged_decode_from, plan_decode_tc, AttnOptions, DecodeArgs, DecodeBatch, DecodeKernel, DecodePlan,
-    DecodeWorkspace, DevicePlan, PlanSource, SplitMode, TcKernel,
+    DecodeWorkspace, DevicePlan, PlanOptions, PlanSource, TcKernel,
 };
 use crate::device::AttnDevice;
 use crate::dtype::DType;
@@ -75,14 +75,15 @@ impl BatchPlan {
         q_dtype: DType,
         cache_dtype: DType,
         num_heads: usize,
-        mode: SplitMode,
+        plan: impl Into<PlanOptions>,
         ws: &DecodeWorkspace,
     ) -> Result<&DecodePlan> {
+        let plan = plan.into();
         self.check_streams(batch, ws)?;
         let batch = &batch.decode_batch();
         let max_q = check_batch(batch, q_dtype, cache_dtype, num_heads)?;
-        let tc = mla_tc_kernel(dev, q_dtype, cache_dtype == DType::Fp8E4m3, num_heads, max_q)?;
-        self.plan_for(dev, tc, batch, num_heads, DecodeKernel::Mla, mode, ws)
+        let tc = mla_tc_kernel(dev, q_dtype, cache_dtype == DType::Fp8E4m3, num_heads, max_q, &plan.tuning)?;
+        self.plan_for(dev, tc, batch, num_heads, DecodeKernel::Mla, plan, ws)
     }
 
     /// Plans a batch of paged decodes for [`paged_decode_planned`] (the tensor-core kernels),
@@ -97,9 +98,10 @@ impl BatchPlan {
         head_size: usize,
         num_q_heads: usize,
         num_kv_heads: usize,
-        mode: SplitMode,
+        plan: impl Into<PlanOptions>,
         ws: &DecodeWorkspace,
     ) -> Result<&DecodePlan> {
+        let plan = plan.into();
         self.check_streams(batch, ws)?;
         let batch = &batch.decode_batch();
         ensure(num_kv_heads > 0 && num_q_heads.is_multiple_of(num_kv_heads), "num_q_heads", || {
@@ -108,9 +110,9 @@ impl BatchPlan {
         let max_q = check_batch(batch, q_dtype, cache_dtype, num_q_heads)?;
         ensure(HEAD_SIZES.contains(&(head_size as u32)), "head_size", || format!("{head_size} (decode takes {HEAD_SIZES:?})"))?;
         let fp8 = cache_dtype == DType::Fp8E4m3;
-        let tc = decode_tc_kernel(dev, q_dtype, fp8, head_size, num_q_heads, num_kv_heads, max_q, max_len(batch.seq_lens))?;
+        let tc = decode_tc_kernel(dev, q_dtype, fp8, head_size, num_q_heads, num_kv_heads, max_q, max_len(batch.seq_lens), &plan.tuning)?;
         let kernel = tc.kernel;
-        self.plan_for(dev, tc, batch, num_q_heads, kernel, mode, ws)
+        self.plan_for(dev, tc, batch, num_q_heads, kernel, plan, ws)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -121,14 +123,15 @@ impl BatchPlan {
         batch: &DecodeBatch<'_>,
         num_q_heads: usize,
         kernel: DecodeKernel,
-        mode: SplitMode,
+        options: PlanOptions,
         ws: &DecodeWorkspace,
     ) -> Result<&DecodePlan> {
         self.planned = None;
+        let split = options.split;
         let mut plan =
-            DecodePlan { kernel, ..plan_decode_tc(batch, num_q_heads, tc.group, tc.shape, tc.target, tc.slots, mode, ws.partial_rows()) };
+            DecodePlan { kernel, ..plan_decode_tc(batch, num_q_heads, tc.group, tc.shape, tc.target, tc.slots, split, ws.partial_rows()) };
         if kernel == DecodeKernel::Mla {
-            plan.cluster = mla_cluster(dev, &tc, &plan);
+            plan.cluster = mla_cluster(dev, &tc, &plan, &options.tuning);
         }
         ws.check_plan(&plan, batch.seq_lens.len(), batch.query_start_loc.last().map_or(0, |&n| n as usize))?;
         let mut words = std::mem::take(&mut self.words);

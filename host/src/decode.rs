@@ -28,6 +28,8 @@ use attn_math::split::{even_waves_chunk, num_splits, plan_chunk, EVEN_WAVES_MAX_
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
+pub use crate::plan_options::{PlanOptions, SplitMode, Tuning};
+
 /// Query tokens per request that decode takes (speculative decoding: causal among them).
 pub const MAX_QUERY_LEN: usize = 8;
 /// Splits shorter than this cost more in merging than they gain.
@@ -47,18 +49,6 @@ impl AttnOptions {
     pub fn new(head_size: usize) -> Self {
         AttnOptions { softmax_scale: 1.0 / (head_size as f32).sqrt(), window: None, softcap: None }
     }
-}
-
-/// How decode splits the keys.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum SplitMode {
-    /// Planned per batch from the SM count, the batch and the lengths.
-    #[default]
-    Auto,
-    /// The longest request is split into at most `n` chunks of whole 16-token tiles (so
-    /// sometimes fewer); `Fixed(1)` gives one split per request and results that do not depend
-    /// on the rest of the batch (deterministic mode).
-    Fixed(u32),
 }
 
 /// A batch's host-side metadata, as the planners take it. The ops take a
@@ -241,7 +231,7 @@ impl TcShape {
 /// Plans a batch for the tensor-core kernels: a chunk of whole key tiles, and work items
 /// `[request, row_tile << 16 | split]` (flattened in `items`). `group`: query heads per kv head.
 /// `slots`: the CTAs the GPU holds at once, for splitting batches of equal requests into even
-/// waves (`attn_math::split::even_waves_chunk`); 0 leaves that out.
+/// waves (`attn_math::split::even_waves_chunk`); 0 leaves that out ([`TcKernel::slots`]).
 ///
 /// Never panics: it takes the batch as given (decreasing start locations count as empty
 /// requests, negative lengths as 0, a zero tile size as 1). Row tiles are encoded in 16 bits, so
@@ -273,9 +263,7 @@ pub fn plan_decode_tc(
     };
     let ctas_per_split = ctas_per_item.saturating_mul(row_tiles);
     let chunk = plan_chunk(&lens, ctas_per_split, ctas_target, bn, MIN_CHUNK, forced);
-    // `ATTN_DECODE_EVEN_WAVES=0` leaves the even waves out (a tuning knob for the benchmark).
-    let even_waves = std::env::var("ATTN_DECODE_EVEN_WAVES").map_or(true, |v| v != "0");
-    let chunk = if forced.is_none() && even_waves { even_waves_chunk(&lens, ctas_per_split, slots, bn, MIN_CHUNK, chunk) } else { chunk };
+    let chunk = if forced.is_none() { even_waves_chunk(&lens, ctas_per_split, slots, bn, MIN_CHUNK, chunk) } else { chunk };
     let mut plan = plan_splits(&lens, &q_lens, num_q_heads, chunk, partial_capacity);
     plan.rows_per_cta = bm;
     plan.row_groups = row_tiles;
@@ -460,7 +448,8 @@ pub(crate) struct TcKernel {
     pub group: u32,
     /// CTAs the split plan aims at.
     pub target: u64,
-    /// CTAs the GPU holds at once (`plan_decode_tc`'s even waves); 0: not used.
+    /// CTAs the GPU holds at once (`plan_decode_tc`'s even waves); 0: no even waves (MLA, or
+    /// [`Tuning::decode_even_waves`] off).
     pub slots: u64,
     /// The kernel merges its splits itself (`decode_kr_*`: the last CTA of a work item, through
     /// the workspace's counters): no merge kernel, and a plan of uniform splits stays on the host.
@@ -489,7 +478,7 @@ pub(crate) fn max_len(seq_lens: &[i32]) -> u32 {
 }
 
 /// The tensor-core decode kernel for `max_q` query tokens per request (`max_len` keys in the
-/// longest), and its CTA target.
+/// longest), and its CTA target under `tuning`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn decode_tc_kernel(
     dev: &AttnDevice,
@@ -500,6 +489,7 @@ pub(crate) fn decode_tc_kernel(
     num_kv_heads: usize,
     max_q: u32,
     max_len: u32,
+    tuning: &Tuning,
 ) -> Result<TcKernel> {
     let group = (hq / num_kv_heads) as u32;
     let kernel = DecodeKernel::tensor_cores(max_q * group);
@@ -532,10 +522,12 @@ pub(crate) fn decode_tc_kernel(
         65..=128 => 1,
         _ => 2,
     };
-    let waves = std::env::var("ATTN_DECODE_WAVES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(measured).max(1);
+    let waves = tuning.decode_waves.unwrap_or(measured).max(1);
     let resident = dev.resident_ctas(&name, attn_math::prefill::THREADS, smem)?;
     let slots = dev.sm_count() as u64 * resident as u64;
     let target = waves * slots;
+    // No slots: `plan_decode_tc` leaves the even waves out.
+    let slots = if tuning.decode_even_waves { slots } else { 0 };
     let shape = TcShape::attention(d as u32, d as u32, kernel.keys_split(), fp8, num_kv_heads as u32);
     let layer = LayerShape { num_q_heads: hq, num_kv_heads, head_size: d };
     Ok(TcKernel { kernel, name, layer, smem, shape, threads: attn_math::prefill::THREADS, group, target, slots, fused_merge: keys_rows })
@@ -588,7 +580,7 @@ impl DevicePlan {
 /// are the same whatever the plan).
 #[derive(Clone, Copy)]
 pub(crate) enum PlanSource<'p> {
-    Host(SplitMode),
+    Host(PlanOptions),
     Device(&'p DevicePlan),
 }
 
@@ -623,13 +615,13 @@ pub fn paged_decode(
     a: DecodeArgs<'_>,
     batch: &BatchMetadata,
     opts: &AttnOptions,
-    mode: SplitMode,
+    plan: impl Into<PlanOptions>,
     ws: &mut DecodeWorkspace,
     status: &mut DeviceStatus,
 ) -> Result<DecodePlan> {
     refuse_foreign_capture(stream, "stream", "paged_decode")?;
     let meta = batch.device(stream)?;
-    paged_decode_from(dev, stream, a, &batch.decode_batch(), meta, opts, PlanSource::Host(mode), true, ws, status)
+    paged_decode_from(dev, stream, a, &batch.decode_batch(), meta, opts, PlanSource::Host(plan.into()), true, ws, status)
 }
 
 /// [`paged_decode`] with its plan from `source`. Not `causal`: every query token sees every key
@@ -723,15 +715,22 @@ pub(crate) fn paged_decode_from(
         PlanSource::Device(_) => 0,
         PlanSource::Host(_) => max_len(batch.seq_lens),
     };
-    let tc = decode_tc_kernel(dev, q_dtype, fp8, d, hq, spec.num_kv_heads, max_q, planned_len)?;
+    // A device plan's kernel was chosen when it was planned; the tuning changes only the CTA
+    // target and the even waves, which it does not use.
+    let tuning = match source {
+        PlanSource::Host(p) => p.tuning,
+        PlanSource::Device(_) => Tuning::DEFAULT,
+    };
+    let tc = decode_tc_kernel(dev, q_dtype, fp8, d, hq, spec.num_kv_heads, max_q, planned_len, &tuning)?;
     let kernel = tc.kernel;
     let (plan, wp, launch) = match source {
         PlanSource::Device(dp) => {
             dp.check_layer(&tc)?;
             (DecodePlan { kernel, ..DecodePlan::default() }, dp.workspace_ptrs(ws, stream), Launch::Fixed(dp))
         }
-        PlanSource::Host(mode) => {
-            let plan = DecodePlan { kernel, ..plan_decode_tc(batch, hq, tc.group, tc.shape, tc.target, tc.slots, mode, ws.partial_rows()) };
+        PlanSource::Host(p) => {
+            let plan =
+                DecodePlan { kernel, ..plan_decode_tc(batch, hq, tc.group, tc.shape, tc.target, tc.slots, p.split, ws.partial_rows()) };
             let wp = if !plan.needs_device_plan() {
                 WorkspacePtrs::default()
             } else if tc.fused_merge && plan.uniform_splits().is_some() {

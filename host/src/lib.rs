@@ -11,6 +11,7 @@
 //! - [`batch`]: a batch's request metadata, checked and uploaded by the library (the device
 //!   copy the kernels index with always equals the host copy the call was checked against).
 //! - [`batch_plan`]: a decode batch's split plan made once per step for every layer's call.
+//! - [`plan_options`]: how split plans are made (`SplitMode`, and the planners' `Tuning`).
 //! - [`backend`]: the backend registry and per-model selection (with every refusal reason).
 //! - [`metadata`]: per-step metadata (checks, decode/prefill split, one upload).
 //! - [`forward`]: one call per layer: cache write, then decode and prefill attention.
@@ -32,6 +33,7 @@ pub mod forward;
 pub mod layout;
 pub mod metadata;
 pub mod mla;
+pub mod plan_options;
 pub mod prefill;
 mod ptx;
 pub mod sim;
@@ -45,4 +47,5 @@ pub use device::AttnDevice;
 pub use dtype::{DType, Element, Fp8E4m3};
 pub use error::{AttnError, BadBlock, BadSlot, Result};
 pub use layout::{KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc};
+pub use plan_options::{PlanOptions, SplitMode, Tuning};
 pub use status::{DeviceStatus, Offence, StatusFlags};

@@ -15,8 +15,8 @@ use crate::batch::{BatchMetadata, DeviceBatch};
 use crate::buffer::{DevIn, DevOut};
 use crate::cache_write::KvScales;
 use crate::decode::{
-    f32_values, launch_merge, plan_decode_tc, DecodeBatch, DecodeKernel, DecodePlan, DecodeWorkspace, LayerShape, PlanSource, SplitMode,
-    TcKernel, TcShape, WorkspacePtrs,
+    f32_values, launch_merge, plan_decode_tc, DecodeBatch, DecodeKernel, DecodePlan, DecodeWorkspace, LayerShape, PlanOptions, PlanSource,
+    TcKernel, TcShape, Tuning, WorkspacePtrs,
 };
 use crate::device::AttnDevice;
 use crate::dtype::DType;
@@ -76,21 +76,20 @@ pub fn mla_attention(
     a: MlaArgs<'_>,
     batch: &BatchMetadata,
     softmax_scale: f32,
-    mode: SplitMode,
+    plan: impl Into<PlanOptions>,
     ws: &mut DecodeWorkspace,
     status: &mut DeviceStatus,
 ) -> Result<DecodePlan> {
     refuse_foreign_capture(stream, "stream", "mla_attention")?;
     let meta = batch.device(stream)?;
-    mla_attention_from(dev, stream, a, &batch.decode_batch(), meta, softmax_scale, PlanSource::Host(mode), ws, status)
+    mla_attention_from(dev, stream, a, &batch.decode_batch(), meta, softmax_scale, PlanSource::Host(plan.into()), ws, status)
 }
 
 /// The MLA kernel for `max_q` query tokens per request of `hq` heads, and its CTA target.
 ///
 /// The MLA kernel (`mla_<q>[_fp8]_{narrow,wide}`, `attn_math::mla`; FP8 caches are converted
-/// slot by slot in shared memory). `ATTN_MLA_WAVES` overrides the waves of CTAs the split plan
-/// aims at.
-pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usize, max_q: u32) -> Result<TcKernel> {
+/// slot by slot in shared memory). The split plan aims at [`Tuning::mla_waves`] waves of CTAs.
+pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usize, max_q: u32, tuning: &Tuning) -> Result<TcKernel> {
     let s = mla::shape_for_rows(max_q * hq as u32);
     let fp8_tag = if fp8 { "_fp8" } else { "" };
     let name = format!("mla_{}{fp8_tag}_{}", q_dtype.kernel_name(), if s == mla::NARROW { "narrow" } else { "wide" });
@@ -99,7 +98,7 @@ pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usi
     // One wave of resident CTAs (one per SM): measured on the H100 against two and four, whose
     // extra splits cost more (per-CTA start, partials, merge) than the tail they shorten
     // (BENCHMARKS.md).
-    let waves = std::env::var("ATTN_MLA_WAVES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(1).max(1);
+    let waves = tuning.mla_waves.max(1);
     let resident = dev.resident_ctas(&name, threads, smem)?;
     let target = waves * dev.sm_count() as u64 * resident as u64;
     // No even-waves splitting: the MLA plans were measured without it.
@@ -113,10 +112,10 @@ pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usi
 /// cluster size), so that consecutive CTAs are one request's splits; and clusters that all fit
 /// on the GPU at once (a cluster lives in one GPC: on the H100, 32 clusters of 4 did not fit and
 /// took 1.6x the merge kernel's time). On the H100 this saved the merge's 5 us at 16 heads x
-/// batch 64 (BENCHMARKS.md). `ATTN_MLA_CLUSTER=0` turns it off.
-pub(crate) fn mla_cluster(dev: &AttnDevice, tc: &TcKernel, plan: &DecodePlan) -> u32 {
+/// batch 64 (BENCHMARKS.md). [`Tuning::mla_clusters`] off turns it off.
+pub(crate) fn mla_cluster(dev: &AttnDevice, tc: &TcKernel, plan: &DecodePlan, tuning: &Tuning) -> u32 {
     let narrow = tc.shape.block_m == mla::NARROW.block_m && tc.name.ends_with("_narrow");
-    let off = std::env::var("ATTN_MLA_CLUSTER").is_ok_and(|v| v == "0");
+    let off = !tuning.mla_clusters;
     let Some(&splits) = plan.req_num_splits.first() else { return 0 };
     let uniform = plan.req_num_splits.iter().all(|&s| s == splits) && plan.row_groups == 1;
     if !(dev.clusters_enabled() && narrow && !off && uniform && (2..=8).contains(&splits)) {
@@ -188,7 +187,13 @@ pub(crate) fn mla_attention_from(
     }
 
     let max_q = batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).max().unwrap_or(1);
-    let tc = mla_tc_kernel(dev, q_dtype, fp8, hq, max_q)?;
+    // A device plan's kernel was chosen when it was planned; the tuning changes only the CTA
+    // target and the clusters, which are the plan's.
+    let tuning = match source {
+        PlanSource::Host(p) => p.tuning,
+        PlanSource::Device(_) => Tuning::DEFAULT,
+    };
+    let tc = mla_tc_kernel(dev, q_dtype, fp8, hq, max_q, &tuning)?;
     let rows_per_tile = tc.shape.block_m as usize;
     ensure(max_q as usize * hq <= rows_per_tile << 16, "query_start_loc", || {
         format!("a request has {} query rows (tokens x heads); a launch takes {}", max_q as usize * hq, rows_per_tile << 16)
@@ -199,12 +204,12 @@ pub(crate) fn mla_attention_from(
             dp.check_layer(&tc)?;
             (DecodePlan { kernel: DecodeKernel::Mla, ..DecodePlan::default() }, dp.workspace_ptrs(ws, stream), Some(dp))
         }
-        PlanSource::Host(mode) => {
+        PlanSource::Host(p) => {
             let mut plan = DecodePlan {
                 kernel: DecodeKernel::Mla,
-                ..plan_decode_tc(batch, hq, tc.group, tc.shape, tc.target, tc.slots, mode, ws.partial_rows())
+                ..plan_decode_tc(batch, hq, tc.group, tc.shape, tc.target, tc.slots, p.split, ws.partial_rows())
             };
-            plan.cluster = mla_cluster(dev, &tc, &plan);
+            plan.cluster = mla_cluster(dev, &tc, &plan, &p.tuning);
             let wp = if plan.needs_device_plan() { ws.upload(stream, &plan, num_reqs, nt)? } else { WorkspacePtrs::default() };
             (plan, wp, None)
         }

@@ -9,7 +9,7 @@
 //! - the decode part's plan (items, splits, partial bases, token requests, header);
 //! - the prefix's plan (cascade steps).
 
-use crate::decode::{decode_tc_kernel, max_len, plan_decode_tc, DecodeBatch, DevicePlan, SplitMode, TcKernel};
+use crate::decode::{decode_tc_kernel, max_len, plan_decode_tc, DecodeBatch, DevicePlan, PlanOptions, TcKernel};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::Result;
@@ -45,7 +45,7 @@ pub(crate) struct StepPlanner {
     q_dtype: DType,
     fp8: bool,
     num_q_heads: usize,
-    mode: SplitMode,
+    plan: PlanOptions,
     partial_capacity: usize,
     words: Vec<u32>,
     staging: PinnedHostSlice<u32>,
@@ -62,7 +62,7 @@ impl StepPlanner {
         q_dtype: DType,
         fp8: bool,
         num_q_heads: usize,
-        mode: SplitMode,
+        plan: PlanOptions,
         partial_capacity: usize,
         initial_words: usize,
     ) -> Result<Self> {
@@ -77,7 +77,7 @@ impl StepPlanner {
             q_dtype,
             fp8,
             num_q_heads,
-            mode,
+            plan,
             partial_capacity,
             words: Vec::with_capacity(n),
             staging,
@@ -87,11 +87,12 @@ impl StepPlanner {
     }
 
     fn kernel(&self, max_q: u32, lens: &[i32]) -> Result<TcKernel> {
+        let tuning = &self.plan.tuning;
         match self.kind {
             PlanKind::Standard { head_size, num_kv_heads } => {
-                decode_tc_kernel(&self.dev, self.q_dtype, self.fp8, head_size, self.num_q_heads, num_kv_heads, max_q, max_len(lens))
+                decode_tc_kernel(&self.dev, self.q_dtype, self.fp8, head_size, self.num_q_heads, num_kv_heads, max_q, max_len(lens), tuning)
             }
-            PlanKind::Mla => mla_tc_kernel(&self.dev, self.q_dtype, self.fp8, self.num_q_heads, max_q),
+            PlanKind::Mla => mla_tc_kernel(&self.dev, self.q_dtype, self.fp8, self.num_q_heads, max_q, tuning),
         }
     }
 
@@ -116,7 +117,8 @@ impl StepPlanner {
             let lens = if cascade.is_some() { &suffix_lens[..nd] } else { &input.seq_lens[..nd] };
             let tc = self.kernel(max_q, lens)?;
             let batch = DecodeBatch { seq_lens: lens, query_start_loc: qsl };
-            let plan = plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.mode, self.partial_capacity);
+            let plan =
+                plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.plan.split, self.partial_capacity);
             decode = Some((append_plan(&mut words, &plan), tc, plan.items.len() / 2, plan.needs_merge()));
         }
         let mut prefix = None;
@@ -124,7 +126,8 @@ impl StepPlanner {
             let (lens, qsl) = ([p.tokens as i32], [0, nt as i32]);
             let tc = self.kernel(nt as u32, &lens)?;
             let batch = DecodeBatch { seq_lens: &lens, query_start_loc: &qsl };
-            let plan = plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.mode, self.partial_capacity);
+            let plan =
+                plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.plan.split, self.partial_capacity);
             prefix = Some((append_plan(&mut words, &plan), tc, plan.items.len() / 2, plan.needs_merge()));
         }
         if self.staging.len() < words.len() {
