@@ -148,7 +148,7 @@ impl BatchPlan {
         let base = self.device.device_ptr(&self.stream).0;
         let at = |r: Region| base + r.byte_offset() as u64;
         let device = DevicePlan {
-            kernel: tc.name,
+            kernel: tc.id,
             layer: tc.layer,
             items: at(r.items),
             req_num_splits: at(r.req_num_splits),

@@ -14,6 +14,7 @@ use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
 use crate::forward::graph::refuse_foreign_capture;
+use crate::kernels::KernelId;
 use crate::layout::{KvCacheSpec, RowsDesc};
 use crate::metadata::plan_words::{append_plan, plan_words};
 use crate::metadata::{Region, ALIGN_WORDS};
@@ -437,7 +438,7 @@ pub(crate) struct LayerShape {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct TcKernel {
     pub kernel: DecodeKernel,
-    pub name: String,
+    pub id: KernelId,
     /// The layer it runs (MLA: one kv head of the latent width).
     pub layer: LayerShape,
     pub smem: u32,
@@ -492,45 +493,54 @@ pub(crate) fn decode_tc_kernel(
     tuning: &Tuning,
 ) -> Result<TcKernel> {
     let group = (hq / num_kv_heads) as u32;
-    let kernel = DecodeKernel::tensor_cores(max_q * group);
-    let fp8_tag = if fp8 { "_fp8" } else { "" };
-    // Up to 8 rows per kv head (FP8 caches at head sizes 64 and 128): the same CTAs with the score tile transposed
-    // (`decode_kr_*`: keys on the MMA's rows; half the math per tile).
-    let keys_rows = kernel == DecodeKernel::TensorCoreKeys
-        && (!fp8 || keys_rows::FP8_HEAD_SIZES.contains(&(d as u32)))
-        && max_q * group <= keys_rows::MAX_ROWS;
-    let long = max_len >= keys_rows::FP8_LONG_KEYS;
-    let name = match kernel {
-        // FP8 batches with long requests: the deep-pipeline kernels (`keys_rows::FP8_LONG_KEYS`).
-        DecodeKernel::TensorCoreKeys if keys_rows && fp8 && long => format!("decode_kr_{}_fp8_long_d{d}", q_dtype.kernel_name()),
-        DecodeKernel::TensorCoreKeys if keys_rows => format!("decode_kr_{}{fp8_tag}_d{d}", q_dtype.kernel_name()),
-        DecodeKernel::TensorCoreKeys => format!("decode_tc_{}{fp8_tag}_d{d}", q_dtype.kernel_name()),
-        _ => format!("prefill_{}{fp8_tag}_dk{d}_dv{d}", q_dtype.kernel_name()),
-    };
-    let smem = if keys_rows {
-        keys_rows::layout(d as u32, fp8, keys_rows::ctas_per_sm(d as u32, fp8, long)).total
-    } else {
-        shared_layout(d as u32, d as u32, kernel.keys_split(), fp8).total
-    };
-    // Splits short enough to fill every SM, few enough that the per-CTA start (work item,
-    // first address tables, pipeline fill) and the merge stay small: a number of waves of
-    // resident CTAs measured per head size on the H100 (BENCHMARKS.md): one wave at d96/d128
-    // (2 CTAs per SM), two at d256 (1 per SM), four at d64 (short tiles: more CTAs in flight).
-    // `ATTN_DECODE_WAVES` overrides it (a tuning knob for the benchmark).
-    let measured = match d {
-        0..=64 => 4,
-        65..=128 => 1,
-        _ => 2,
-    };
-    let waves = tuning.decode_waves.unwrap_or(measured).max(1);
-    let resident = dev.resident_ctas(&name, attn_math::prefill::THREADS, smem)?;
+    let (kernel, id, smem) = decode_kernel_id(q_dtype, fp8, d as u32, group, max_q, max_len);
+    let waves = tuning.decode_waves.unwrap_or(measured_waves(d as u32)).max(1);
+    let resident = dev.resident_ctas(id, attn_math::prefill::THREADS, smem)?;
     let slots = dev.sm_count() as u64 * resident as u64;
     let target = waves * slots;
     // No slots: `plan_decode_tc` leaves the even waves out.
     let slots = if tuning.decode_even_waves { slots } else { 0 };
     let shape = TcShape::attention(d as u32, d as u32, kernel.keys_split(), fp8, num_kv_heads as u32);
     let layer = LayerShape { num_q_heads: hq, num_kv_heads, head_size: d };
-    Ok(TcKernel { kernel, name, layer, smem, shape, threads: attn_math::prefill::THREADS, group, target, slots, fused_merge: keys_rows })
+    // The keys-as-rows kernels merge their splits themselves.
+    let fused_merge = matches!(id, KernelId::DecodeKr { .. });
+    Ok(TcKernel { kernel, id, layer, smem, shape, threads: attn_math::prefill::THREADS, group, target, slots, fused_merge })
+}
+
+/// The tensor-core decode kernel for `group` query heads per kv head at head size `d`, `max_q`
+/// query tokens per request and `max_len` keys in the longest, and its shared memory.
+pub(crate) fn decode_kernel_id(q: DType, fp8: bool, d: u32, group: u32, max_q: u32, max_len: u32) -> (DecodeKernel, KernelId, u32) {
+    let kernel = DecodeKernel::tensor_cores(max_q * group);
+    // Up to 8 rows per kv head (FP8 caches at head sizes 64 and 128): the same CTAs with the
+    // score tile transposed (`decode_kr_*`: keys on the MMA's rows; half the math per tile).
+    let keys_rows =
+        kernel == DecodeKernel::TensorCoreKeys && (!fp8 || keys_rows::FP8_HEAD_SIZES.contains(&d)) && max_q * group <= keys_rows::MAX_ROWS;
+    let long = max_len >= keys_rows::FP8_LONG_KEYS;
+    let id = match kernel {
+        // FP8 batches with long requests: the deep-pipeline kernels (`keys_rows::FP8_LONG_KEYS`).
+        DecodeKernel::TensorCoreKeys if keys_rows => KernelId::DecodeKr { q, fp8, long: fp8 && long, head_size: d },
+        DecodeKernel::TensorCoreKeys => KernelId::DecodeTc { q, fp8, head_size: d },
+        _ => KernelId::Prefill { q, fp8, head_size_qk: d, head_size_v: d },
+    };
+    let smem = if keys_rows {
+        keys_rows::layout(d, fp8, keys_rows::ctas_per_sm(d, fp8, long)).total
+    } else {
+        shared_layout(d, d, kernel.keys_split(), fp8).total
+    };
+    (kernel, id, smem)
+}
+
+/// Waves of resident CTAs a decode plan aims at by default: splits short enough to fill every
+/// SM, few enough that the per-CTA start (work item, first address tables, pipeline fill) and
+/// the merge stay small, measured per head size on the H100 (BENCHMARKS.md): one wave at
+/// d96/d128 (2 CTAs per SM), two at d256 (1 per SM), four at d64 (short tiles: more CTAs in
+/// flight). [`Tuning::decode_waves`] overrides it.
+pub(crate) fn measured_waves(d: u32) -> u64 {
+    match d {
+        0..=64 => 4,
+        65..=128 => 1,
+        _ => 2,
+    }
 }
 
 /// A split plan already on the device (a CUDA-graph step's, [`crate::forward`]): its arrays,
@@ -538,8 +548,8 @@ pub(crate) fn decode_tc_kernel(
 /// `capacity_items` whatever the step's plan.
 #[derive(Clone, Debug)]
 pub(crate) struct DevicePlan {
-    /// The kernel it was planned for (`TcKernel::name`).
-    pub kernel: String,
+    /// The kernel it was planned for (`TcKernel::id`).
+    pub kernel: KernelId,
     /// The layer shape its offsets were computed for (its kernel's).
     pub layer: LayerShape,
     pub items: u64,
@@ -559,7 +569,7 @@ impl DevicePlan {
     /// Refuses a call whose kernel (which names the dtypes, cache format and head size) or
     /// layer shape is not the one planned.
     pub(crate) fn check_layer(&self, tc: &TcKernel) -> Result<()> {
-        ensure(self.kernel == tc.name, "plan", || format!("was made for kernel {}, the call runs {}", self.kernel, tc.name))?;
+        ensure(self.kernel == tc.id, "plan", || format!("was made for kernel {}, the call runs {}", self.kernel, tc.id))?;
         ensure(self.layer == tc.layer, "plan", || format!("was made for {:?}, the call has {:?}", self.layer, tc.layer))
     }
 
@@ -711,7 +721,7 @@ pub(crate) fn paged_decode_from(
     // The kernel variant that depends on the lengths (FP8's deep pipeline) is the plan's for a
     // device plan (a graph's runs whatever lengths its steps have).
     let planned_len = match source {
-        PlanSource::Device(dp) if dp.kernel.contains("_fp8_long_") => u32::MAX,
+        PlanSource::Device(dp) if matches!(dp.kernel, KernelId::DecodeKr { long: true, .. }) => u32::MAX,
         PlanSource::Device(_) => 0,
         PlanSource::Host(_) => max_len(batch.seq_lens),
     };
@@ -801,7 +811,7 @@ pub(crate) fn paged_decode_from(
     let tp = if tc.fused_merge { PrefillParams { merge_counters: ws.merge_counters_ptr(stream), ..tp } } else { tp };
     let ctas = items * spec.num_kv_heads;
     ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
-    dev.launch_pdl(stream, &tc.name, (ctas as u32, 1, 1), tc.threads, tc.smem, tp)?;
+    dev.launch_pdl(stream, tc.id, (ctas as u32, 1, 1), tc.threads, tc.smem, tp)?;
     let merge = match launch {
         Launch::Planned => plan.needs_merge(),
         Launch::Fixed(dp) => dp.needs_merge,
@@ -898,7 +908,7 @@ pub(crate) fn launch_merge(
         num_q_heads: hq as u32,
         head_size: d as u32,
     };
-    dev.launch_pdl(stream, &format!("decode_merge_{}", dtype.kernel_name()), ((nt * hq) as u32, 1, 1), MERGE_THREADS, MERGE_SHARED_BYTES, m)
+    dev.launch_pdl(stream, KernelId::DecodeMerge { out: dtype }, ((nt * hq) as u32, 1, 1), MERGE_THREADS, MERGE_SHARED_BYTES, m)
 }
 
 /// Inputs of [`merge_attn_states`]: two partial results of the same queries over disjoint keys.
@@ -963,7 +973,7 @@ pub(crate) fn merge_attn_states_from(dev: &AttnDevice, stream: &CudaStream, a: M
     };
     // In range: `merge_attn_states_sizes` bounds tokens x heads by u32::MAX.
     let warps = (r.num_tokens * r.num_heads) as u32;
-    dev.launch(stream, &format!("merge_attn_states_{}", dt.kernel_name()), (warps.div_ceil(8), 1, 1), 256, 0, p)
+    dev.launch(stream, KernelId::MergeAttnStates { out: dt }, (warps.div_ceil(8), 1, 1), 256, 0, p)
 }
 
 /// What [`merge_attn_states`] checks of its shape before looking at the buffers: rows that
@@ -987,4 +997,45 @@ pub fn merge_attn_states_sizes(rows: &RowsDesc, lse_strides: (usize, usize)) -> 
         crate::error::AttnError::invalid("lse_strides", format!("{lse_strides:?} over {nt} tokens x {nh} heads overflow a usize"))
     })?;
     Ok((rows.required_len(), lse_need))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The decode kernel of each kind of batch: keys as rows up to 8 rows per kv head (FP8 at
+    /// head sizes 64 and 128 only, the deep pipeline from `FP8_LONG_KEYS` keys), keys split
+    /// across warps up to 16, the prefill kernel above.
+    #[test]
+    fn decode_kernel_choice() {
+        let name = |fp8, d, group, max_q, max_len| decode_kernel_id(DType::BF16, fp8, d, group, max_q, max_len).1.entry_name();
+        let long = keys_rows::FP8_LONG_KEYS;
+        assert_eq!(name(false, 128, 4, 1, 100), "decode_kr_bf16_d128");
+        assert_eq!(name(false, 128, 4, 1, long), "decode_kr_bf16_d128");
+        assert_eq!(name(false, 256, 8, 1, 100), "decode_kr_bf16_d256");
+        assert_eq!(name(true, 128, 4, 2, long - 1), "decode_kr_bf16_fp8_d128");
+        assert_eq!(name(true, 64, 4, 2, long), "decode_kr_bf16_fp8_long_d64");
+        assert_eq!(name(true, 96, 4, 1, long), "decode_tc_bf16_fp8_d96");
+        assert_eq!(name(false, 128, 4, 3, 100), "decode_tc_bf16_d128");
+        assert_eq!(name(true, 128, 16, 1, long), "decode_tc_bf16_fp8_d128");
+        assert_eq!(name(false, 128, 8, 3, 100), "prefill_bf16_dk128_dv128");
+        assert_eq!(name(true, 64, 32, 1, long), "prefill_bf16_fp8_dk64_dv64");
+        let f16 = decode_kernel_id(DType::F16, false, 96, 2, 1, 10);
+        assert_eq!(f16.1.entry_name(), "decode_kr_f16_d96");
+        assert_eq!(f16.0, DecodeKernel::TensorCoreKeys);
+
+        // Shared memory: the keys-as-rows layout for its CTAs per SM, else the tile kernel's.
+        let (kernel, _, smem) = decode_kernel_id(DType::BF16, true, 128, 4, 1, long);
+        assert_eq!(kernel, DecodeKernel::TensorCoreKeys);
+        assert_eq!(smem, keys_rows::layout(128, true, keys_rows::ctas_per_sm(128, true, true)).total);
+        let (kernel, _, smem) = decode_kernel_id(DType::BF16, false, 128, 4, 3, 100);
+        assert_eq!((kernel, smem), (DecodeKernel::TensorCoreKeys, shared_layout(128, 128, true, false).total));
+        let (kernel, _, smem) = decode_kernel_id(DType::BF16, false, 128, 32, 1, 100);
+        assert_eq!((kernel, smem), (DecodeKernel::TensorCoreRows, shared_layout(128, 128, false, false).total));
+    }
+
+    #[test]
+    fn measured_waves_by_head_size() {
+        assert_eq!([64, 96, 128, 256].map(measured_waves), [4, 1, 1, 2]);
+    }
 }

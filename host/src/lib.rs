@@ -12,6 +12,7 @@
 //!   copy the kernels index with always equals the host copy the call was checked against).
 //! - [`batch_plan`]: a decode batch's split plan made once per step for every layer's call.
 //! - [`plan_options`]: how split plans are made (`SplitMode`, and the planners' `Tuning`).
+//! - [`kernels`]: [`kernels::KernelId`], every kernel the host launches, and its PTX entry name.
 //! - [`backend`]: the backend registry and per-model selection (with every refusal reason).
 //! - [`metadata`]: per-step metadata (checks, decode/prefill split, one upload).
 //! - [`forward`]: one call per layer: cache write, then decode and prefill attention.
@@ -30,6 +31,7 @@ pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod forward;
+pub mod kernels;
 pub mod layout;
 pub mod metadata;
 pub mod mla;

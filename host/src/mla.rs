@@ -22,6 +22,7 @@ use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
 use crate::forward::graph::refuse_foreign_capture;
+use crate::kernels::{KernelId, MlaTile};
 use crate::layout::{MlaCacheSpec, RowsDesc};
 use crate::prefill::{validate_prefill_batch, PrefillBatch};
 use crate::status::DeviceStatus;
@@ -90,20 +91,25 @@ pub fn mla_attention(
 /// The MLA kernel (`mla_<q>[_fp8]_{narrow,wide}`, `attn_math::mla`; FP8 caches are converted
 /// slot by slot in shared memory). The split plan aims at [`Tuning::mla_waves`] waves of CTAs.
 pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usize, max_q: u32, tuning: &Tuning) -> Result<TcKernel> {
-    let s = mla::shape_for_rows(max_q * hq as u32);
-    let fp8_tag = if fp8 { "_fp8" } else { "" };
-    let name = format!("mla_{}{fp8_tag}_{}", q_dtype.kernel_name(), if s == mla::NARROW { "narrow" } else { "wide" });
+    let (id, s) = mla_kernel_id(q_dtype, fp8, max_q * hq as u32);
     let shape = TcShape { block_m: s.block_m, block_n: s.block_n, ctas_per_item: 1 };
     let (smem, threads) = (mla::shared_layout(s, fp8).total, mla::THREADS);
     // One wave of resident CTAs (one per SM): measured on the H100 against two and four, whose
     // extra splits cost more (per-CTA start, partials, merge) than the tail they shorten
     // (BENCHMARKS.md).
     let waves = tuning.mla_waves.max(1);
-    let resident = dev.resident_ctas(&name, threads, smem)?;
+    let resident = dev.resident_ctas(id, threads, smem)?;
     let target = waves * dev.sm_count() as u64 * resident as u64;
     // No even-waves splitting: the MLA plans were measured without it.
     let layer = LayerShape { num_q_heads: hq, num_kv_heads: 1, head_size: MLA_V as usize };
-    Ok(TcKernel { kernel: DecodeKernel::Mla, name, layer, smem, shape, threads, group: hq as u32, target, slots: 0, fused_merge: false })
+    Ok(TcKernel { kernel: DecodeKernel::Mla, id, layer, smem, shape, threads, group: hq as u32, target, slots: 0, fused_merge: false })
+}
+
+/// The MLA kernel for requests of at most `rows` query rows (tokens x heads), and its shape:
+/// up to 16 rows the narrow one.
+pub(crate) fn mla_kernel_id(q: DType, fp8: bool, rows: u32) -> (KernelId, mla::MlaShape) {
+    let s = mla::shape_for_rows(rows);
+    (KernelId::Mla { q, fp8, tile: if s == mla::NARROW { MlaTile::Narrow } else { MlaTile::Wide } }, s)
 }
 
 /// The cluster size that combines a plan's splits in shared memory ([`DecodePlan::cluster`]),
@@ -114,7 +120,7 @@ pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usi
 /// took 1.6x the merge kernel's time). On the H100 this saved the merge's 5 us at 16 heads x
 /// batch 64 (BENCHMARKS.md). [`Tuning::mla_clusters`] off turns it off.
 pub(crate) fn mla_cluster(dev: &AttnDevice, tc: &TcKernel, plan: &DecodePlan, tuning: &Tuning) -> u32 {
-    let narrow = tc.shape.block_m == mla::NARROW.block_m && tc.name.ends_with("_narrow");
+    let narrow = tc.shape.block_m == mla::NARROW.block_m && matches!(tc.id, KernelId::Mla { tile: MlaTile::Narrow, .. });
     let off = !tuning.mla_clusters;
     let Some(&splits) = plan.req_num_splits.first() else { return 0 };
     let uniform = plan.req_num_splits.iter().all(|&s| s == splits) && plan.row_groups == 1;
@@ -122,7 +128,7 @@ pub(crate) fn mla_cluster(dev: &AttnDevice, tc: &TcKernel, plan: &DecodePlan, tu
         return 0;
     }
     let clusters = plan.req_num_splits.len() as u32;
-    match dev.max_active_clusters(&tc.name, tc.threads, tc.smem, splits) {
+    match dev.max_active_clusters(tc.id, tc.threads, tc.smem, splits) {
         Ok(fit) if clusters <= fit => splits,
         _ => 0,
     }
@@ -265,9 +271,25 @@ pub(crate) fn mla_attention_from(
     let items = fixed.map_or(plan.items.len() / 2, |dp| dp.capacity_items);
     let ctas = items * slices as usize;
     ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
-    dev.launch_ex(stream, &tc.name, (ctas as u32, 1, 1), tc.threads, tc.smem, cluster.max(1), p)?;
+    dev.launch_ex(stream, tc.id, (ctas as u32, 1, 1), tc.threads, tc.smem, cluster.max(1), p)?;
     if fixed.map_or(plan.needs_merge(), |dp| dp.needs_merge) {
         launch_merge(dev, stream, &wp, meta.query_start_loc.ptr, (&a.out, &a.out_rows), lse, 0, q_dtype)?;
     }
     Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mla_kernel_choice() {
+        let name = |q, fp8, rows| mla_kernel_id(q, fp8, rows).0.entry_name();
+        assert_eq!(name(DType::BF16, false, 16), "mla_bf16_narrow");
+        assert_eq!(name(DType::BF16, true, 1), "mla_bf16_fp8_narrow");
+        assert_eq!(name(DType::F16, false, 17), "mla_f16_wide");
+        assert_eq!(name(DType::F16, true, 128), "mla_f16_fp8_wide");
+        assert_eq!(mla_kernel_id(DType::BF16, false, 16).1, mla::NARROW);
+        assert_eq!(mla_kernel_id(DType::BF16, false, 64).1, mla::WIDE);
+    }
 }

@@ -17,6 +17,7 @@ use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
 use crate::forward::graph::refuse_foreign_capture;
+use crate::kernels::KernelId;
 use crate::layout::{KvCacheSpec, RowsDesc};
 use crate::status::DeviceStatus;
 use crate::stream_check::check_stream;
@@ -206,7 +207,7 @@ impl PrefillWorkspace {
 /// The kernel a prefill launch runs and its geometry.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct PrefillKernel {
-    pub name: String,
+    pub id: KernelId,
     pub block_m: u32,
     pub threads: u32,
     pub smem: u32,
@@ -214,14 +215,15 @@ pub(crate) struct PrefillKernel {
     pub persistent: bool,
 }
 
-/// Hopper's `wgmma` kernels (in the sm_90a module) for 16-bit caches at head sizes 64 and 128
-/// (QK = V): at 64 the warp-specialised persistent one (`prefill_wgs_*`), at 128
-/// `prefill_wg_*`. Every other case runs the `mma.sync` kernel.
-pub(crate) fn prefill_kernel(dev: &AttnDevice, q: DType, fp8: bool, dk: usize, dv: usize) -> PrefillKernel {
-    let hopper = dev.ptx_target() == "sm_90a" && !fp8 && dk == dv && hopper_prefill::HEAD_SIZES.contains(&(dk as u32));
-    // The two Hopper kernels differ in name, threads, shared memory and persistence.
-    let hopper_kernel = |kind: &str, threads: u32, smem: u32, persistent: bool| PrefillKernel {
-        name: format!("prefill_{kind}_{}_d{dk}", q.kernel_name()),
+/// The prefill kernel of the module `target` (`AttnDevice::ptx_target`): Hopper's `wgmma`
+/// kernels (in the sm_90a module) for 16-bit caches at head sizes 64 and 128 (QK = V): at 64
+/// the warp-specialised persistent one (`prefill_wgs_*`), at 128 `prefill_wg_*`. Every other
+/// case runs the `mma.sync` kernel.
+pub(crate) fn prefill_kernel(target: &str, q: DType, fp8: bool, dk: usize, dv: usize) -> PrefillKernel {
+    let hopper = target == "sm_90a" && !fp8 && dk == dv && hopper_prefill::HEAD_SIZES.contains(&(dk as u32));
+    // The two Hopper kernels differ in id, threads, shared memory and persistence.
+    let hopper_kernel = |id: KernelId, threads: u32, smem: u32, persistent: bool| PrefillKernel {
+        id,
         block_m: hopper_prefill::BLOCK_M,
         threads,
         smem,
@@ -229,12 +231,12 @@ pub(crate) fn prefill_kernel(dev: &AttnDevice, q: DType, fp8: bool, dk: usize, d
     };
     let d = dk as u32;
     if hopper && hopper_prefill::WS_HEAD_SIZES.contains(&d) {
-        hopper_kernel("wgs", hopper_prefill::WS_THREADS, hopper_prefill::ws_layout(d).total, true)
+        hopper_kernel(KernelId::PrefillWgs { q, head_size: d }, hopper_prefill::WS_THREADS, hopper_prefill::ws_layout(d).total, true)
     } else if hopper {
-        hopper_kernel("wg", hopper_prefill::THREADS, hopper_prefill::shared_layout(d).total, false)
+        hopper_kernel(KernelId::PrefillWg { q, head_size: d }, hopper_prefill::THREADS, hopper_prefill::shared_layout(d).total, false)
     } else {
         PrefillKernel {
-            name: format!("prefill_{}{}_dk{dk}_dv{dv}", q.kernel_name(), if fp8 { "_fp8" } else { "" }),
+            id: KernelId::Prefill { q, fp8, head_size_qk: dk as u32, head_size_v: dv as u32 },
             block_m: block_m(dk as u32, dv as u32, false, fp8),
             threads: THREADS,
             smem: shared_layout(dk as u32, dv as u32, false, fp8).total,
@@ -387,7 +389,7 @@ pub(crate) fn prefill_from(
     }
     let group = hq / num_kv_heads;
     let max_rows = (0..num_reqs).map(|r| (batch.query_start_loc[r + 1] - batch.query_start_loc[r]) as usize * group).max().unwrap_or(0);
-    let kernel = prefill_kernel(dev, q_dtype, fp8, dk, dv);
+    let kernel = prefill_kernel(dev.ptx_target(), q_dtype, fp8, dk, dv);
     let bm = kernel.block_m;
     ensure(max_rows <= bm as usize * 65536, "query_start_loc", || {
         format!("a request has {max_rows} query rows (tokens x {group} heads per kv head); a launch takes {}", bm as usize * 65536)
@@ -441,6 +443,33 @@ pub(crate) fn prefill_from(
     let ctas = (plan.items.len() * num_kv_heads) as u32;
     let (sched_ptr, _o3) = ws.sched.device_ptr_mut(stream);
     let (grid, p) = if kernel.persistent { (ctas.min(dev.sm_count()), PrefillParams { sched: sched_ptr, ctas, ..p }) } else { (ctas, p) };
-    dev.launch_pdl(stream, &kernel.name, (grid, 1, 1), kernel.threads, kernel.smem, p)?;
+    dev.launch_pdl(stream, kernel.id, (grid, 1, 1), kernel.threads, kernel.smem, p)?;
     Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernel each module runs: `wgmma` on sm_90a for 16-bit caches at 64 (persistent) and
+    /// 128, the `mma.sync` kernel for everything else.
+    #[test]
+    fn prefill_kernel_choice() {
+        let name = |target, q, fp8, dk, dv| prefill_kernel(target, q, fp8, dk, dv).id.entry_name();
+        let (bf16, f16) = (DType::BF16, DType::F16);
+        assert_eq!(name("sm_90a", bf16, false, 64, 64), "prefill_wgs_bf16_d64");
+        assert_eq!(name("sm_90a", f16, false, 128, 128), "prefill_wg_f16_d128");
+        assert_eq!(name("sm_90a", bf16, true, 128, 128), "prefill_bf16_fp8_dk128_dv128");
+        assert_eq!(name("sm_90a", bf16, false, 96, 96), "prefill_bf16_dk96_dv96");
+        assert_eq!(name("sm_90a", bf16, false, 192, 128), "prefill_bf16_dk192_dv128");
+        assert_eq!(name("sm_80", bf16, false, 64, 64), "prefill_bf16_dk64_dv64");
+        assert_eq!(name("sm_80", f16, true, 256, 256), "prefill_f16_fp8_dk256_dv256");
+        let wgs = prefill_kernel("sm_90a", bf16, false, 64, 64);
+        assert!(wgs.persistent && wgs.block_m == hopper_prefill::BLOCK_M && wgs.threads == hopper_prefill::WS_THREADS);
+        let wg = prefill_kernel("sm_90a", bf16, false, 128, 128);
+        assert!(!wg.persistent && wg.threads == hopper_prefill::THREADS);
+        let mma = prefill_kernel("sm_80", bf16, false, 128, 128);
+        assert_eq!((mma.block_m, mma.threads, mma.persistent), (block_m(128, 128, false, false), THREADS, false));
+        assert_eq!(mma.smem, shared_layout(128, 128, false, false).total);
+    }
 }

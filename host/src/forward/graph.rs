@@ -207,7 +207,7 @@ impl GraphPlanner {
         let at = |r: Region| base + r.byte_offset() as u64;
         let l = &self.layout;
         DevicePlan {
-            kernel: self.tc.name.clone(),
+            kernel: self.tc.id,
             layer: self.tc.layer,
             items: at(l.work_items),
             req_num_splits: at(l.req_num_splits),

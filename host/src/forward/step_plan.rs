@@ -144,7 +144,7 @@ impl StepPlanner {
         let base = self.device.device_ptr(&self.stream).0;
         let at = |r: Region| base + r.byte_offset() as u64;
         let device_plan = |(r, tc, items, needs_merge): (PlanRegions, TcKernel, usize, bool)| DevicePlan {
-            kernel: tc.name,
+            kernel: tc.id,
             layer: tc.layer,
             items: at(r.items),
             req_num_splits: at(r.req_num_splits),
