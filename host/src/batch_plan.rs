@@ -21,7 +21,7 @@
 
 use crate::batch::BatchMetadata;
 use crate::decode::{
-    decode_tc_kernel, max_len, paged_decode_from, plan_decode_tc, AttnOptions, DecodeArgs, DecodeBatch, DecodeKernel, DecodePlan,
+    decode_tc_kernel, max_len, paged_decode_from, plan_launch, AttnOptions, DecodeArgs, DecodeBatch, DecodeKernel, DecodePlan,
     DecodeWorkspace, DevicePlan, PlanOptions, PlanSource, TcKernel,
 };
 use crate::device::AttnDevice;
@@ -83,7 +83,7 @@ impl BatchPlan {
         let batch = &batch.decode_batch();
         let max_q = check_batch(batch, q_dtype, cache_dtype, num_heads)?;
         let tc = mla_tc_kernel(dev, q_dtype, cache_dtype == DType::Fp8E4m3, num_heads, max_q, &plan.tuning)?;
-        self.plan_for(dev, tc, batch, num_heads, DecodeKernel::Mla, plan, ws)
+        self.plan_for(dev, tc, batch, plan, ws)
     }
 
     /// Plans a batch of paged decodes for [`paged_decode_planned`] (the tensor-core kernels),
@@ -111,28 +111,22 @@ impl BatchPlan {
         ensure(HEAD_SIZES.contains(&(head_size as u32)), "head_size", || format!("{head_size} (decode takes {HEAD_SIZES:?})"))?;
         let fp8 = cache_dtype == DType::Fp8E4m3;
         let tc = decode_tc_kernel(dev, q_dtype, fp8, head_size, num_q_heads, num_kv_heads, max_q, max_len(batch.seq_lens), &plan.tuning)?;
-        let kernel = tc.kernel;
-        self.plan_for(dev, tc, batch, num_q_heads, kernel, plan, ws)
+        self.plan_for(dev, tc, batch, plan, ws)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn plan_for(
         &mut self,
         dev: &AttnDevice,
         tc: TcKernel,
         batch: &DecodeBatch<'_>,
-        num_q_heads: usize,
-        kernel: DecodeKernel,
         options: PlanOptions,
         ws: &DecodeWorkspace,
     ) -> Result<&DecodePlan> {
         self.planned = None;
-        let split = options.split;
-        let mut plan =
-            DecodePlan { kernel, ..plan_decode_tc(batch, num_q_heads, tc.group, tc.shape, tc.target, tc.slots, split, ws.partial_rows()) };
-        if kernel == DecodeKernel::Mla {
-            plan.cluster = mla_cluster(dev, &tc, &plan, &options.tuning);
-        }
+        // MLA's plans may run their splits as thread-block clusters.
+        let mla = tc.kernel == DecodeKernel::Mla;
+        let cluster = |plan: &DecodePlan, tuning: &_| if mla { mla_cluster(dev, &tc, plan, tuning) } else { 0 };
+        let plan = plan_launch(tc, batch, PlanSource::Host(options), ws.partial_rows(), cluster)?.plan;
         ws.check_plan(&plan, batch.seq_lens.len(), batch.query_start_loc.last().map_or(0, |&n| n as usize))?;
         let mut words = std::mem::take(&mut self.words);
         words.clear();

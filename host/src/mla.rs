@@ -15,8 +15,8 @@ use crate::batch::{BatchMetadata, DeviceBatch};
 use crate::buffer::{DevIn, DevOut};
 use crate::cache_write::KvScales;
 use crate::decode::{
-    f32_values, launch_merge, plan_decode_tc, DecodeBatch, DecodeKernel, DecodePlan, DecodeWorkspace, LayerShape, PlanOptions, PlanSource,
-    TcKernel, TcShape, Tuning, WorkspacePtrs,
+    f32_values, launch_merge, plan_launch, DecodeBatch, DecodeKernel, DecodePlan, DecodeWorkspace, LayerShape, PlanOptions, PlanSource,
+    TcKernel, TcShape, Tuning,
 };
 use crate::device::AttnDevice;
 use crate::dtype::DType;
@@ -205,22 +205,9 @@ pub(crate) fn mla_attention_from(
         format!("a request has {} query rows (tokens x heads); a launch takes {}", max_q as usize * hq, rows_per_tile << 16)
     })?;
     let slices = tc.shape.ctas_per_item;
-    let (plan, wp, fixed) = match source {
-        PlanSource::Device(dp) => {
-            dp.check_layer(&tc)?;
-            (DecodePlan { kernel: DecodeKernel::Mla, ..DecodePlan::default() }, dp.workspace_ptrs(ws, stream), Some(dp))
-        }
-        PlanSource::Host(p) => {
-            let mut plan = DecodePlan {
-                kernel: DecodeKernel::Mla,
-                ..plan_decode_tc(batch, hq, tc.group, tc.shape, tc.target, tc.slots, p.split, ws.partial_rows())
-            };
-            plan.cluster = mla_cluster(dev, &tc, &plan, &p.tuning);
-            let wp = if plan.needs_device_plan() { ws.upload(stream, &plan, num_reqs, nt)? } else { WorkspacePtrs::default() };
-            (plan, wp, None)
-        }
-    };
-    let cluster = fixed.map_or(plan.cluster, |dp| dp.cluster);
+    let lp = plan_launch(tc, batch, source, ws.partial_rows(), |plan, t| mla_cluster(dev, &tc, plan, t))?;
+    let wp = ws.arrays(stream, &lp, num_reqs, nt)?;
+    let cluster = lp.cluster;
     let (status_ptr, _o) = status.word.device_ptr_mut(stream);
     let lse = a.lse.as_ref().map_or(0, |l| l.ptr);
     let strides = spec.strides();
@@ -256,26 +243,25 @@ pub(crate) fn mla_attention_from(
         window: 0,
         num_blocks: spec.num_blocks as u32,
         block_size: spec.block_size as u32,
-        chunk: plan.chunk,
+        chunk: lp.chunk,
         num_q_heads: hq as u32,
         group: hq as u32,
         causal: 1,
         v_slices: slices,
         v_row: MLA_V,
         cluster,
-        plan: fixed.map_or(0, |dp| dp.header),
+        plan: lp.header,
         sched: 0,
         ctas: 0,
         ..PrefillParams::default()
     };
-    let items = fixed.map_or(plan.items.len() / 2, |dp| dp.capacity_items);
-    let ctas = items * slices as usize;
+    let ctas = lp.ctas();
     ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
     dev.launch_ex(stream, tc.id, (ctas as u32, 1, 1), tc.threads, tc.smem, cluster.max(1), p)?;
-    if fixed.map_or(plan.needs_merge(), |dp| dp.needs_merge) {
+    if lp.merge {
         launch_merge(dev, stream, &wp, meta.query_start_loc.ptr, (&a.out, &a.out_rows), lse, 0, q_dtype)?;
     }
-    Ok(plan)
+    Ok(lp.plan)
 }
 
 #[cfg(test)]
