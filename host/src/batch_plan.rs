@@ -19,21 +19,19 @@
 //! # Ok(()) }
 //! ```
 
-use crate::batch::BatchMetadata;
+use crate::batch::{validate_prefill_batch, BatchMetadata, DecodeBatch, PrefillBatch};
 use crate::decode::{
-    decode_tc_kernel, max_len, paged_decode_from, plan_launch, AttnOptions, DecodeArgs, DecodeBatch, DecodeKernel, DecodePlan,
-    DecodeWorkspace, DevicePlan, PlanOptions, PlanSource, TcKernel,
+    append_plan, decode_tc_kernel, max_len, paged_decode_from, plan_launch, DecodeArgs, DecodeKernel, DecodePlan, DecodeWorkspace,
+    DevicePlan, PlanSource, TcKernel,
 };
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
-use crate::forward::graph::refuse_foreign_capture;
-use crate::metadata::plan_words::append_plan;
-use crate::metadata::Region;
 use crate::mla::{mla_attention_from, mla_cluster, mla_tc_kernel, MlaArgs};
-use crate::prefill::{validate_prefill_batch, PrefillBatch};
+use crate::options::{AttnOptions, PlanOptions};
 use crate::status::DeviceStatus;
-use crate::stream_check::check_stream;
+use crate::stream_check::{check_stream, refuse_foreign_capture};
+use crate::words::Region;
 use attn_math::decode::HEAD_SIZES;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;

@@ -6,10 +6,10 @@ use crate::buffer::{DevIn, DevOut};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
-use crate::forward::graph::refuse_foreign_capture;
 use crate::kernels::KernelId;
 use crate::layout::{KvCacheSpec, MlaCacheSpec, RowsDesc};
 use crate::status::DeviceStatus;
+use crate::stream_check::refuse_foreign_capture;
 use attn_math::params::{CacheWriteParams, MlaCacheWriteParams};
 use cudarc::driver::{CudaStream, DevicePtrMut};
 

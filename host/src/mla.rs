@@ -11,21 +11,18 @@
 //! size 512). Query lengths are free: multi-token prediction (causal among the new tokens) and
 //! chunked prefill in latent form.
 
-use crate::batch::{BatchMetadata, DeviceBatch};
-use crate::buffer::{DevIn, DevOut};
+use crate::batch::{block_table_reach, validate_prefill_batch, BatchMetadata, DecodeBatch, DeviceBatch, PrefillBatch};
+use crate::buffer::{f32_values, DevIn, DevOut};
 use crate::cache_write::KvScales;
-use crate::decode::{
-    f32_values, launch_merge, plan_launch, DecodeBatch, DecodeKernel, DecodePlan, DecodeWorkspace, LayerShape, PlanOptions, PlanSource,
-    TcKernel, TcShape, Tuning,
-};
+use crate::decode::{launch_merge, plan_launch, DecodeKernel, DecodePlan, DecodeWorkspace, LayerShape, PlanSource, TcKernel, TcShape};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
-use crate::forward::graph::refuse_foreign_capture;
 use crate::kernels::{KernelId, MlaTile};
 use crate::layout::{MlaCacheSpec, RowsDesc};
-use crate::prefill::{validate_prefill_batch, PrefillBatch};
+use crate::options::{PlanOptions, Tuning};
 use crate::status::DeviceStatus;
+use crate::stream_check::refuse_foreign_capture;
 use attn_math::mla;
 use attn_math::params::PrefillParams;
 use attn_math::prefill::{MLA_QK, MLA_V};
@@ -174,7 +171,7 @@ pub(crate) fn mla_attention_from(
     ensure(num_reqs < 1 << 16, "seq_lens", || format!("{num_reqs} requests exceed the 65535 a launch takes"))?;
     let pb = PrefillBatch { query_start_loc: batch.query_start_loc, seq_lens: batch.seq_lens, key_start_loc: None };
     validate_prefill_batch(&pb, nt, true, Some((spec.block_size, a.block_table_stride)))?;
-    let need = crate::prefill::block_table_reach(batch.seq_lens, spec.block_size, a.block_table_stride);
+    let need = block_table_reach(batch.seq_lens, spec.block_size, a.block_table_stride);
     ensure(a.block_table.dtype == DType::I32 && a.block_table.len >= need, "block_table", || {
         format!("must hold {need} i32 ({num_reqs} rows of {}), got {} x {:?}", a.block_table_stride, a.block_table.len, a.block_table.dtype)
     })?;

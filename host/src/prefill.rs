@@ -9,18 +9,16 @@
 //! every SM busy to the end and the CTAs running at once share K/V in L2. One CTA per (tile,
 //! kv head), the kv heads of a tile adjacent in the grid.
 
-use crate::batch::{BatchMetadata, DeviceBatch};
-use crate::buffer::{DevIn, DevOut};
+use crate::batch::{block_table_reach, BatchMetadata, DeviceBatch};
+use crate::buffer::{f32_values, optional_f32, DevIn, DevOut};
 use crate::cache_write::KvScales;
-use crate::decode::{f32_values, optional_f32, AttnOptions};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
-use crate::forward::graph::refuse_foreign_capture;
 use crate::kernels::KernelId;
 use crate::layout::{KvCacheSpec, RowsDesc};
 use crate::status::DeviceStatus;
-use crate::stream_check::check_stream;
+use crate::stream_check::{check_stream, refuse_foreign_capture};
 use attn_math::hopper_prefill;
 use attn_math::paging::CacheStrides;
 use attn_math::params::PrefillParams;
@@ -28,6 +26,9 @@ use attn_math::prefill::{block_m, shared_layout, HEAD_SIZES, MIN_BLOCK_M, THREAD
 use attn_math::softmax::LOG2_E;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
+
+pub use crate::batch::{validate_prefill_batch, PrefillBatch};
+pub use crate::options::AttnOptions;
 
 /// Where keys and values come from.
 pub enum PrefillKv<'a> {
@@ -59,27 +60,6 @@ pub struct PrefillArgs<'a> {
     pub alibi_slopes: Option<DevIn<'a>>,
     pub sinks: Option<DevIn<'a>>,
     pub scales: Option<KvScales<'a>>,
-}
-
-/// Block-table entries the kernels may read: up to request r's last used block in its row
-/// (`r * stride + ceil(seq_len / block_size)`), so a table that is a view into a wider one (a
-/// cascade suffix's rows start past the shared blocks) need not hold full rows at its end.
-/// Saturates at `usize::MAX` (no table is that long) rather than wrapping.
-pub(crate) fn block_table_reach(seq_lens: &[i32], block_size: usize, stride: usize) -> usize {
-    let used = |l: i32| (l.max(0) as usize).div_ceil(block_size.max(1));
-    seq_lens.iter().enumerate().map(|(r, &l)| r.saturating_mul(stride).saturating_add(used(l))).max().unwrap_or(0)
-}
-
-/// A batch's host-side metadata, as the planner takes it. [`prefill`] takes a
-/// [`BatchMetadata`], which holds these and their device copy.
-#[derive(Clone, Copy, Debug)]
-pub struct PrefillBatch<'a> {
-    /// `[num_reqs + 1]`, from 0 to num_tokens.
-    pub query_start_loc: &'a [i32],
-    /// `[num_reqs]` keys per request (cached context + new tokens).
-    pub seq_lens: &'a [i32],
-    /// Packed K/V only: `[num_reqs + 1]` key rows (`cu_seqlens_k`), consistent with `seq_lens`.
-    pub key_start_loc: Option<&'a [i32]>,
 }
 
 /// Options of a prefill call.
@@ -133,44 +113,6 @@ pub fn plan_prefill(batch: &PrefillBatch<'_>, group: usize, causal: bool, window
     // Stable: equal requests keep their order.
     tiles.sort_by_key(|&(keys, [req, _])| (std::cmp::Reverse(longest[&req]), req, std::cmp::Reverse(keys)));
     PrefillPlan { items: tiles.into_iter().map(|(_, i)| i).collect() }
-}
-
-/// Checks host metadata: start locations that cover the tokens, lengths that hold their
-/// queries (causal) and fit the block table (paged).
-///
-/// `paged` is `(block_size, block_table_stride)`; a block size of 0 is refused. Differences of
-/// start locations are taken in i64, so no pair of i32s wraps.
-pub fn validate_prefill_batch(batch: &PrefillBatch<'_>, num_tokens: usize, causal: bool, paged: Option<(usize, usize)>) -> Result<()> {
-    let n = batch.seq_lens.len();
-    let qsl = batch.query_start_loc;
-    if let Some((block_size, _)) = paged {
-        ensure(block_size > 0, "block_size", || "must be at least 1".into())?;
-    }
-    ensure(qsl.len() == n + 1, "query_start_loc", || format!("has {} entries for {n} requests (needs {})", qsl.len(), n + 1))?;
-    ensure(qsl[0] == 0, "query_start_loc", || format!("starts at {}, not 0", qsl[0]))?;
-    ensure(qsl[n] as i64 == num_tokens as i64, "query_start_loc", || format!("ends at {}, but q has {num_tokens} tokens", qsl[n]))?;
-    ensure(n < 1 << 31, "seq_lens", || format!("{n} requests"))?;
-    for r in 0..n {
-        let q = qsl[r + 1] as i64 - qsl[r] as i64;
-        ensure(q >= 0, "query_start_loc", || format!("decreases at request {r} ({} -> {})", qsl[r], qsl[r + 1]))?;
-        let len = batch.seq_lens[r];
-        ensure(len >= 0, "seq_lens", || format!("request {r} has length {len}"))?;
-        ensure(!causal || len == 0 || len as i64 >= q, "seq_lens", || format!("request {r} has length {len} < its {q} query tokens"))?;
-        if let Some((block_size, stride)) = paged {
-            let blocks = (len as usize).div_ceil(block_size);
-            ensure(blocks <= stride, "block_table", || format!("request {r} needs {blocks} blocks, rows hold {stride}"))?;
-        }
-    }
-    if let Some(ksl) = batch.key_start_loc {
-        ensure(ksl.len() == n + 1 && ksl[0] == 0, "key_start_loc", || format!("must have {} entries starting at 0", n + 1))?;
-        for r in 0..n {
-            let keys = ksl[r + 1] as i64 - ksl[r] as i64;
-            ensure(keys == batch.seq_lens[r] as i64, "key_start_loc", || {
-                format!("request {r} spans {keys} keys ({} -> {}), seq_lens says {}", ksl[r], ksl[r + 1], batch.seq_lens[r])
-            })?;
-        }
-    }
-    Ok(())
 }
 
 /// Device memory for the plan. Allocate once for the largest batch.

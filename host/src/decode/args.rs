@@ -1,9 +1,8 @@
-//! What a paged decode call takes: its buffers ([`DecodeArgs`]), the batch as the planners
-//! take it ([`DecodeBatch`]) and the layer's options ([`AttnOptions`]), and their checks.
+//! What a paged decode call takes ([`DecodeArgs`]: its buffers), and the checks of a call.
 
 use super::workspace::DecodeWorkspace;
-use crate::batch::DeviceBatch;
-use crate::buffer::{DevIn, DevOut};
+use crate::batch::{block_table_reach, validate_batch, validate_prefill_batch, DecodeBatch, DeviceBatch, PrefillBatch};
+use crate::buffer::{f32_values, optional_f32, DevIn, DevOut};
 use crate::cache_write::KvScales;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
@@ -11,35 +10,6 @@ use crate::layout::{KvCacheSpec, RowsDesc};
 use attn_math::decode::HEAD_SIZES;
 use cudarc::driver::CudaStream;
 use std::sync::Arc;
-
-/// Query tokens per request that decode takes (speculative decoding: causal among them).
-pub const MAX_QUERY_LEN: usize = 8;
-
-/// Attention options of a layer.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AttnOptions {
-    pub softmax_scale: f32,
-    /// Sliding window: each query sees its last `window` keys (itself included).
-    pub window: Option<u32>,
-    /// Logit soft-cap: `cap * tanh(logit / cap)`.
-    pub softcap: Option<f32>,
-}
-
-impl AttnOptions {
-    pub fn new(head_size: usize) -> Self {
-        AttnOptions { softmax_scale: 1.0 / (head_size as f32).sqrt(), window: None, softcap: None }
-    }
-}
-
-/// A batch's host-side metadata, as the planners take it. The ops take a
-/// [`BatchMetadata`](crate::batch::BatchMetadata), which holds these and their device copy.
-#[derive(Clone, Copy, Debug)]
-pub struct DecodeBatch<'a> {
-    /// `[num_reqs]` context lengths, new tokens included.
-    pub seq_lens: &'a [i32],
-    /// `[num_reqs + 1]`, starting at 0.
-    pub query_start_loc: &'a [i32],
-}
 
 /// Device inputs and outputs of [`paged_decode`](super::paged_decode).
 pub struct DecodeArgs<'a> {
@@ -63,44 +33,6 @@ pub struct DecodeArgs<'a> {
     pub sinks: Option<DevIn<'a>>,
     /// Required for an FP8 cache.
     pub scales: Option<KvScales<'a>>,
-}
-
-/// Checks host metadata: sorted start locations that cover the tokens, 0..=8 queries per
-/// request (a request with none is an empty decode: it attends nothing and writes nothing, as
-/// in [`crate::metadata::is_decode`]), non-negative lengths that hold their queries and fit the
-/// block table, a positive block size. Differences of start locations are taken in i64, so no
-/// pair of i32s wraps.
-pub fn validate_batch(batch: &DecodeBatch<'_>, num_tokens: usize, block_size: usize, block_table_stride: usize) -> Result<()> {
-    let n = batch.seq_lens.len();
-    let qsl = batch.query_start_loc;
-    ensure(block_size > 0, "block_size", || "must be at least 1".into())?;
-    ensure(qsl.len() == n + 1, "query_start_loc", || format!("has {} entries for {n} requests (needs {})", qsl.len(), n + 1))?;
-    ensure(qsl[0] == 0, "query_start_loc", || format!("starts at {}, not 0", qsl[0]))?;
-    ensure(qsl[n] as i64 == num_tokens as i64, "query_start_loc", || format!("ends at {}, but q has {num_tokens} tokens", qsl[n]))?;
-    ensure(n < 1 << 16, "seq_lens", || format!("{n} requests exceed the 65535 a launch takes"))?;
-    for r in 0..n {
-        let q = qsl[r + 1] as i64 - qsl[r] as i64;
-        ensure((0..=MAX_QUERY_LEN as i64).contains(&q), "query_start_loc", || {
-            format!("request {r} has {q} query tokens ({} -> {}; decode takes 0..={MAX_QUERY_LEN})", qsl[r], qsl[r + 1])
-        })?;
-        let len = batch.seq_lens[r];
-        ensure(len >= 0, "seq_lens", || format!("request {r} has negative length {len}"))?;
-        ensure(len == 0 || len as i64 >= q, "seq_lens", || format!("request {r} has length {len} < its {q} query tokens"))?;
-        let blocks = (len as usize).div_ceil(block_size);
-        ensure(blocks <= block_table_stride, "block_table", || {
-            format!("request {r} needs {blocks} blocks, rows hold {block_table_stride}")
-        })?;
-    }
-    Ok(())
-}
-
-pub(crate) fn f32_values(b: &DevIn<'_>, arg: &'static str, len: usize) -> Result<u64> {
-    ensure(b.dtype == DType::F32 && b.len >= len, arg, || format!("must be {len} f32 values, got {} x {:?}", b.len, b.dtype))?;
-    Ok(b.ptr)
-}
-
-pub(crate) fn optional_f32(buf: &Option<DevIn<'_>>, arg: &'static str, len: usize) -> Result<u64> {
-    buf.as_ref().map_or(Ok(0), |b| f32_values(b, arg, len))
 }
 
 /// The optional buffers' addresses of a checked call (0: none).
@@ -165,10 +97,10 @@ pub(super) fn check_args(
     if causal {
         validate_batch(batch, nt, spec.block_size, a.block_table_stride)?;
     } else {
-        let pb = crate::prefill::PrefillBatch { query_start_loc: batch.query_start_loc, seq_lens: batch.seq_lens, key_start_loc: None };
-        crate::prefill::validate_prefill_batch(&pb, nt, false, Some((spec.block_size, a.block_table_stride)))?;
+        let pb = PrefillBatch { query_start_loc: batch.query_start_loc, seq_lens: batch.seq_lens, key_start_loc: None };
+        validate_prefill_batch(&pb, nt, false, Some((spec.block_size, a.block_table_stride)))?;
     }
-    let need = crate::prefill::block_table_reach(batch.seq_lens, spec.block_size, a.block_table_stride);
+    let need = block_table_reach(batch.seq_lens, spec.block_size, a.block_table_stride);
     ensure(a.block_table.dtype == DType::I32 && a.block_table.len >= need, "block_table", || {
         format!("must hold {need} i32 ({num_reqs} rows of {}), got {} x {:?}", a.block_table_stride, a.block_table.len, a.block_table.dtype)
     })?;

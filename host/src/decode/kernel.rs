@@ -6,7 +6,7 @@ use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::KernelId;
-use crate::plan_options::{SplitMode, Tuning};
+use crate::options::{SplitMode, Tuning};
 use attn_math::keys_rows;
 use attn_math::prefill::{block_m, block_n, shared_layout};
 use attn_math::split::EVEN_WAVES_MAX_SPLITS;

@@ -1,18 +1,18 @@
 //! [`paged_decode`]: checks the call ([`super::args`]), plans its launch ([`super::plan`]) and
 //! runs it: the attention kernel on the plan, then the merge when one follows.
 
-use super::args::{check_args, AttnOptions, CheckedArgs, DecodeArgs, DecodeBatch};
+use super::args::{check_args, CheckedArgs, DecodeArgs};
 use super::merge::launch_merge;
 use super::plan::{call_kernel, plan_launch, LaunchPlan, PlanSource};
 use super::split::DecodePlan;
 use super::workspace::DecodeWorkspace;
-use crate::batch::{BatchMetadata, DeviceBatch};
+use crate::batch::{BatchMetadata, DecodeBatch, DeviceBatch};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
-use crate::forward::graph::refuse_foreign_capture;
-use crate::plan_options::PlanOptions;
+use crate::options::{AttnOptions, PlanOptions};
 use crate::status::DeviceStatus;
+use crate::stream_check::refuse_foreign_capture;
 use attn_math::params::PrefillParams;
 use attn_math::softmax::LOG2_E;
 use cudarc::driver::{CudaStream, DevicePtrMut};

@@ -3,14 +3,14 @@
 //! kernel finds the plan's arrays, and whether the merge kernel follows. Nothing here touches
 //! the device but the occupancy queries of the kernel's choice.
 
-use super::args::DecodeBatch;
 use super::kernel::{decode_tc_kernel, max_len, LayerShape, TcKernel};
 use super::split::{plan_decode_tc, DecodePlan};
+use crate::batch::DecodeBatch;
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
 use crate::kernels::KernelId;
-use crate::plan_options::{PlanOptions, Tuning};
+use crate::options::{PlanOptions, Tuning};
 
 /// A split plan already on the device (a CUDA-graph step's, [`crate::forward`]): its arrays,
 /// and the header `[num_items, chunk]` the kernel reads, so that its grid can cover
@@ -195,7 +195,7 @@ pub(crate) fn call_kernel(
 mod tests {
     use super::super::kernel::{DecodeKernel, TcShape};
     use super::*;
-    use crate::plan_options::SplitMode;
+    use crate::options::SplitMode;
 
     /// A kernel of the keys-as-rows shape for 32 query heads over 8 kv heads at d128.
     fn kernel(fused_merge: bool) -> TcKernel {

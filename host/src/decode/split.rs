@@ -1,9 +1,9 @@
 //! The split-K plan of a batch ([`plan_decode_tc`]): one chunk of whole key tiles for the
 //! batch, each request's splits and partial rows, and the work items of the grid.
 
-use super::args::DecodeBatch;
 use super::kernel::{DecodeKernel, TcShape};
-use crate::plan_options::SplitMode;
+use crate::batch::DecodeBatch;
+use crate::options::SplitMode;
 use attn_math::split::{even_waves_chunk, num_splits, plan_chunk};
 
 /// Splits shorter than this cost more in merging than they gain.

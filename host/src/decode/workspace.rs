@@ -2,11 +2,11 @@
 //! that merge their splits themselves) and of a call's uploaded plan.
 
 use super::plan::{LaunchPlan, PlanArrays};
+use super::plan_words::{append_plan, plan_words};
 use super::split::DecodePlan;
 use crate::error::{ensure, Result};
-use crate::metadata::plan_words::{append_plan, plan_words};
-use crate::metadata::{Region, ALIGN_WORDS};
 use crate::stream_check::check_stream;
+use crate::words::{Region, ALIGN_WORDS};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
@@ -14,7 +14,7 @@ use std::sync::Arc;
 pub struct DecodeWorkspace {
     partial_out: CudaSlice<f32>,
     partial_lse: CudaSlice<f32>,
-    /// A call's plan, its arrays packed into one buffer (`metadata::plan_words`) that one
+    /// A call's plan, its arrays packed into one buffer (`plan_words`) that one
     /// copy fills (four copies cost 2.6 us more a call on the H100, BENCHMARKS.md).
     plan_device: CudaSlice<u32>,
     plan_words: Vec<u32>,

@@ -3,11 +3,12 @@
 
 use super::io::CacheSpec;
 use crate::backend::{AttentionKind, ModelConfig};
-use crate::decode::{AttnOptions, PlanOptions, SplitMode, Tuning, MAX_QUERY_LEN};
+use crate::batch::MAX_QUERY_LEN;
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
 use crate::layout::{KvCacheSpec, MlaCacheSpec};
 use crate::metadata::CascadeMode;
+use crate::options::{AttnOptions, PlanOptions, SplitMode, Tuning};
 
 /// The largest step an [`Attention`](super::Attention) takes (its GPU workspaces and upload
 /// buffers are sized for it once).

@@ -5,7 +5,7 @@
 
 use super::cascade_exec::CascadeScratch;
 use super::config::ForwardConfig;
-use super::graph::{GraphBucket, GraphPlanner};
+use super::graph_plan::{GraphBucket, GraphPlanner};
 use super::held::Held;
 use super::io::CacheSpec;
 use super::io::{GpuLayer, Layer, NewKv};
@@ -13,20 +13,18 @@ use super::step::{DeviceStep, StepMetadata};
 use super::step_plan::{PlanKind, StepPlanner};
 use super::timing::Timer;
 use super::validate::Parts;
-use crate::batch::DeviceBatch;
+use crate::batch::{DecodeBatch, DeviceBatch, PrefillBatch};
 use crate::buffer::{DevIn, KeepAlive};
 use crate::cache_write::{concat_and_cache_mla_from, reshape_and_cache_from, KvScales, KvWrite, MlaWrite};
-use crate::decode::{
-    decode_tc_kernel, merge_attn_states_from, paged_decode_from, DecodeArgs, DecodeBatch, DecodeWorkspace, MergeArgs, PlanOptions,
-    PlanSource, SplitMode,
-};
+use crate::decode::{decode_tc_kernel, merge_attn_states_from, paged_decode_from, DecodeArgs, DecodeWorkspace, MergeArgs, PlanSource};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
 use crate::layout::{KvCacheSpec, MlaCacheSpec, RowsDesc};
 use crate::metadata::{CascadeMode, PlanConfig, StagingLayout, StagingSizes};
 use crate::mla::{mla_attention_from, mla_tc_kernel, MlaArgs};
-use crate::prefill::{prefill_from, PrefillArgs, PrefillBatch, PrefillKv, PrefillOptions, PrefillWorkspace};
+use crate::options::{PlanOptions, SplitMode};
+use crate::prefill::{prefill_from, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
 use crate::status::DeviceStatus;
 use cudarc::driver::{CudaEvent, CudaStream};
 use std::sync::Arc;

@@ -9,13 +9,15 @@
 //! - the decode part's plan (items, splits, partial bases, token requests, header);
 //! - the prefix's plan (cascade steps).
 
-use crate::decode::{decode_tc_kernel, max_len, plan_decode_tc, DecodeBatch, DevicePlan, PlanOptions, TcKernel};
+use crate::batch::DecodeBatch;
+use crate::decode::{append_plan, decode_tc_kernel, max_len, plan_decode_tc, DevicePlan, PlanRegions, TcKernel};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::metadata::plan_words::{append, append_plan, PlanRegions};
-use crate::metadata::{upload, BatchSplit, CommonPrefix, Region, StepInput, ALIGN_WORDS};
+use crate::metadata::{upload, BatchSplit, CommonPrefix, StepInput};
 use crate::mla::mla_tc_kernel;
+use crate::options::PlanOptions;
+use crate::words::{append, Region, ALIGN_WORDS};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 use std::sync::Arc;
 

@@ -1,8 +1,25 @@
-//! What a decode or MLA split plan is made with, besides the batch and the layer: how to split
-//! ([`SplitMode`]) and the planners' tuning knobs ([`Tuning`]). Passed where a plan is made
-//! ([`paged_decode`](crate::decode::paged_decode), [`mla_attention`](crate::mla::mla_attention),
-//! [`BatchPlan`](crate::batch_plan::BatchPlan)), or held by
-//! [`ForwardConfig`](crate::forward::ForwardConfig) for `forward`'s plans.
+//! The options of the attention calls: a layer's ([`AttnOptions`]), and what a decode or MLA
+//! split plan is made with besides the batch and the layer ([`PlanOptions`]): how to split
+//! ([`SplitMode`]) and the planners' tuning knobs ([`Tuning`]). Plan options are passed where a
+//! plan is made ([`paged_decode`](crate::decode::paged_decode),
+//! [`mla_attention`](crate::mla::mla_attention), [`BatchPlan`](crate::batch_plan::BatchPlan)),
+//! or held by [`ForwardConfig`](crate::forward::ForwardConfig) for `forward`'s plans.
+
+/// Attention options of a layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnOptions {
+    pub softmax_scale: f32,
+    /// Sliding window: each query sees its last `window` keys (itself included).
+    pub window: Option<u32>,
+    /// Logit soft-cap: `cap * tanh(logit / cap)`.
+    pub softcap: Option<f32>,
+}
+
+impl AttnOptions {
+    pub fn new(head_size: usize) -> Self {
+        AttnOptions { softmax_scale: 1.0 / (head_size as f32).sqrt(), window: None, softcap: None }
+    }
+}
 
 /// How decode splits the keys.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
