@@ -3,7 +3,7 @@
 //! tokens (multi-token prediction, causal among them) and longer chunks, block sizes 64 and 16,
 //! the FP8 cache, forced and planned splits, a plan made once for two layers (`BatchPlan`),
 //! splits combined in a thread-block cluster (sm_90a: 2, 3 and 8 splits, planned, FP8, MTP, a
-//! bad block id), empty requests and a bad block id.
+//! bad block id; none with `Tuning::mla_clusters` off), empty requests and a bad block id.
 
 mod common;
 
@@ -12,7 +12,7 @@ use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
 use host::batch_plan::{mla_attention_planned, BatchPlan};
 use host::cache_write::KvScales;
-use host::decode::{AttnOptions, DecodeWorkspace, SplitMode};
+use host::decode::{AttnOptions, DecodeWorkspace, PlanOptions, SplitMode, Tuning};
 use host::layout::MlaCacheSpec;
 use host::mla::{mla_attention, MlaArgs};
 use host::{cpu, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, RowsDesc};
@@ -25,6 +25,8 @@ struct Case {
     seq_lens: Vec<i32>,
     q_lens: Vec<i32>,
     split: SplitMode,
+    /// The planner's knobs (the defaults, or MLA clusters off).
+    tuning: Tuning,
     bad_block: bool,
     /// Planned once with `BatchPlan` and run as two layers (the second checked), not planned
     /// by the call.
@@ -42,6 +44,7 @@ impl Case {
             seq_lens: seq_lens.to_vec(),
             q_lens: seq_lens.iter().map(|&l| q_len.min(l)).collect(),
             split: SplitMode::Auto,
+            tuning: Tuning::DEFAULT,
             bad_block: false,
             planned: false,
             cluster: None,
@@ -109,10 +112,11 @@ fn mla_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
             }
         };
     }
+    let plan_options = PlanOptions { split: c.split, tuning: c.tuning };
     let plan = if c.planned {
         let mut bp = BatchPlan::new(&stream)?;
         let (qt, ct) = (Q::DTYPE, C::DTYPE);
-        let plan = bp.plan_mla(device(), &batch, qt, ct, hq, c.split, &ws)?.clone();
+        let plan = bp.plan_mla(device(), &batch, qt, ct, hq, plan_options, &ws)?.clone();
         // A batch other than the planned one is refused before anything is launched.
         let other_lens: Vec<i32> = c.seq_lens.iter().map(|&l| l + 1).collect();
         let other = BatchMetadata::new(&stream, &other_lens, &qsl)?;
@@ -137,12 +141,11 @@ fn mla_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
         }
         plan
     } else {
-        mla_attention(device(), &stream, args!(&mut out_d, &mut lse_d), &batch, opts.softmax_scale, c.split, &mut ws, &mut status)?
+        mla_attention(device(), &stream, args!(&mut out_d, &mut lse_d), &batch, opts.softmax_scale, plan_options, &mut ws, &mut status)?
     };
-    // The cluster size a plan must choose: on the sm_90a module, with the MLA kernel and its
-    // clusters left on (`ATTN_MLA_CLUSTER=0` chooses none).
-    let overridden = std::env::var("ATTN_MLA_CLUSTER").is_ok_and(|v| v == "0");
-    if let Some(want) = c.cluster.filter(|_| device().ptx_target() == "sm_90a" && !overridden) {
+    // The cluster size a plan must choose on the sm_90a module (`Tuning::mla_clusters` off
+    // chooses none).
+    if let Some(want) = c.cluster.filter(|_| device().ptx_target() == "sm_90a") {
         if plan.cluster != want {
             return Err(format!("plan cluster {}, expected {want} (splits {:?})", plan.cluster, plan.req_num_splits).into());
         }
@@ -210,6 +213,17 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("f16::cluster_2_planned".into(), Case { planned: true, ..cluster(2, Case::new(16, &[1000, 999, 1024], 1)) }, "f16");
     push("bf16_fp8::cluster_8_heads_16".into(), cluster(8, Case::new(16, &[2000, 1900], 1)), "bf16_fp8");
     push("bf16::cluster_2_bad_block_id".into(), Case { bad_block: true, ..cluster(2, Case::new(16, &[200, 190], 1)) }, "bf16");
+    let off = Tuning { mla_clusters: false, ..Tuning::DEFAULT };
+    push(
+        "bf16::cluster_3_tuned_off".into(),
+        Case { tuning: off, cluster: Some(0), ..cluster(3, Case::new(16, &[5000, 4990, 4097], 1)) },
+        "bf16",
+    );
+    push(
+        "bf16::cluster_2_planned_tuned_off".into(),
+        Case { planned: true, tuning: off, cluster: Some(0), ..cluster(2, Case::new(16, &[1000, 999, 1024], 1)) },
+        "bf16",
+    );
     push("bf16::no_cluster_uneven_splits".into(), Case { cluster: Some(0), ..Case::new(16, &[3000, 10], 1) }, "bf16");
     push("bf16::bad_block_id".into(), Case { bad_block: true, ..Case::new(16, &[200, 40], 1) }, "bf16");
     v

@@ -8,15 +8,117 @@
 //! would then read or write past the buffers the host checked. [`BatchMetadata`] makes the two
 //! copies one value: no safe code can change one without the other. `forward` needs none of
 //! this: its [`StepMetadata`](crate::forward::StepMetadata) uploads its own arrays the same way.
+//!
+//! The host arrays alone, as the planners and checks take them: [`DecodeBatch`] and
+//! [`PrefillBatch`], checked by [`validate_batch`] and [`validate_prefill_batch`].
 
 use crate::buffer::DevIn;
-use crate::decode::DecodeBatch;
 use crate::dtype::DType;
 use crate::error::{ensure, BadBlock, Result};
-use crate::prefill::PrefillBatch;
 use crate::stream_check::check_stream;
 use cudarc::driver::{CudaSlice, CudaStream};
 use std::sync::Arc;
+
+/// Query tokens per request that decode takes (speculative decoding: causal among them).
+pub const MAX_QUERY_LEN: usize = 8;
+
+/// A batch's host-side metadata, as the decode planners take it. The ops take a
+/// [`BatchMetadata`], which holds these and their device copy.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeBatch<'a> {
+    /// `[num_reqs]` context lengths, new tokens included.
+    pub seq_lens: &'a [i32],
+    /// `[num_reqs + 1]`, starting at 0.
+    pub query_start_loc: &'a [i32],
+}
+
+/// A batch's host-side metadata, as the prefill planner takes it. The ops take a
+/// [`BatchMetadata`], which holds these and their device copy.
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillBatch<'a> {
+    /// `[num_reqs + 1]`, from 0 to num_tokens.
+    pub query_start_loc: &'a [i32],
+    /// `[num_reqs]` keys per request (cached context + new tokens).
+    pub seq_lens: &'a [i32],
+    /// Packed K/V only: `[num_reqs + 1]` key rows (`cu_seqlens_k`), consistent with `seq_lens`.
+    pub key_start_loc: Option<&'a [i32]>,
+}
+
+/// Checks host metadata: sorted start locations that cover the tokens, 0..=8 queries per
+/// request (a request with none is an empty decode: it attends nothing and writes nothing, as
+/// in [`crate::metadata::is_decode`]), non-negative lengths that hold their queries and fit the
+/// block table, a positive block size. Differences of start locations are taken in i64, so no
+/// pair of i32s wraps.
+pub fn validate_batch(batch: &DecodeBatch<'_>, num_tokens: usize, block_size: usize, block_table_stride: usize) -> Result<()> {
+    let n = batch.seq_lens.len();
+    let qsl = batch.query_start_loc;
+    ensure(block_size > 0, "block_size", || "must be at least 1".into())?;
+    ensure(qsl.len() == n + 1, "query_start_loc", || format!("has {} entries for {n} requests (needs {})", qsl.len(), n + 1))?;
+    ensure(qsl[0] == 0, "query_start_loc", || format!("starts at {}, not 0", qsl[0]))?;
+    ensure(qsl[n] as i64 == num_tokens as i64, "query_start_loc", || format!("ends at {}, but q has {num_tokens} tokens", qsl[n]))?;
+    ensure(n < 1 << 16, "seq_lens", || format!("{n} requests exceed the 65535 a launch takes"))?;
+    for r in 0..n {
+        let q = qsl[r + 1] as i64 - qsl[r] as i64;
+        ensure((0..=MAX_QUERY_LEN as i64).contains(&q), "query_start_loc", || {
+            format!("request {r} has {q} query tokens ({} -> {}; decode takes 0..={MAX_QUERY_LEN})", qsl[r], qsl[r + 1])
+        })?;
+        let len = batch.seq_lens[r];
+        ensure(len >= 0, "seq_lens", || format!("request {r} has negative length {len}"))?;
+        ensure(len == 0 || len as i64 >= q, "seq_lens", || format!("request {r} has length {len} < its {q} query tokens"))?;
+        let blocks = (len as usize).div_ceil(block_size);
+        ensure(blocks <= block_table_stride, "block_table", || {
+            format!("request {r} needs {blocks} blocks, rows hold {block_table_stride}")
+        })?;
+    }
+    Ok(())
+}
+
+/// Checks host metadata: start locations that cover the tokens, lengths that hold their
+/// queries (causal) and fit the block table (paged).
+///
+/// `paged` is `(block_size, block_table_stride)`; a block size of 0 is refused. Differences of
+/// start locations are taken in i64, so no pair of i32s wraps.
+pub fn validate_prefill_batch(batch: &PrefillBatch<'_>, num_tokens: usize, causal: bool, paged: Option<(usize, usize)>) -> Result<()> {
+    let n = batch.seq_lens.len();
+    let qsl = batch.query_start_loc;
+    if let Some((block_size, _)) = paged {
+        ensure(block_size > 0, "block_size", || "must be at least 1".into())?;
+    }
+    ensure(qsl.len() == n + 1, "query_start_loc", || format!("has {} entries for {n} requests (needs {})", qsl.len(), n + 1))?;
+    ensure(qsl[0] == 0, "query_start_loc", || format!("starts at {}, not 0", qsl[0]))?;
+    ensure(qsl[n] as i64 == num_tokens as i64, "query_start_loc", || format!("ends at {}, but q has {num_tokens} tokens", qsl[n]))?;
+    ensure(n < 1 << 31, "seq_lens", || format!("{n} requests"))?;
+    for r in 0..n {
+        let q = qsl[r + 1] as i64 - qsl[r] as i64;
+        ensure(q >= 0, "query_start_loc", || format!("decreases at request {r} ({} -> {})", qsl[r], qsl[r + 1]))?;
+        let len = batch.seq_lens[r];
+        ensure(len >= 0, "seq_lens", || format!("request {r} has length {len}"))?;
+        ensure(!causal || len == 0 || len as i64 >= q, "seq_lens", || format!("request {r} has length {len} < its {q} query tokens"))?;
+        if let Some((block_size, stride)) = paged {
+            let blocks = (len as usize).div_ceil(block_size);
+            ensure(blocks <= stride, "block_table", || format!("request {r} needs {blocks} blocks, rows hold {stride}"))?;
+        }
+    }
+    if let Some(ksl) = batch.key_start_loc {
+        ensure(ksl.len() == n + 1 && ksl[0] == 0, "key_start_loc", || format!("must have {} entries starting at 0", n + 1))?;
+        for r in 0..n {
+            let keys = ksl[r + 1] as i64 - ksl[r] as i64;
+            ensure(keys == batch.seq_lens[r] as i64, "key_start_loc", || {
+                format!("request {r} spans {keys} keys ({} -> {}), seq_lens says {}", ksl[r], ksl[r + 1], batch.seq_lens[r])
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// Block-table entries the kernels may read: up to request r's last used block in its row
+/// (`r * stride + ceil(seq_len / block_size)`), so a table that is a view into a wider one (a
+/// cascade suffix's rows start past the shared blocks) need not hold full rows at its end.
+/// Saturates at `usize::MAX` (no table is that long) rather than wrapping.
+pub(crate) fn block_table_reach(seq_lens: &[i32], block_size: usize, stride: usize) -> usize {
+    let used = |l: i32| (l.max(0) as usize).div_ceil(block_size.max(1));
+    seq_lens.iter().enumerate().map(|(r, &l)| r.saturating_mul(stride).saturating_add(used(l))).max().unwrap_or(0)
+}
 
 /// Request metadata of one batch, host and device copies, on one stream.
 ///
@@ -98,7 +200,7 @@ impl BatchMetadata {
     ) -> Result<Option<BadBlock>> {
         ensure(block_table.dtype == DType::I32, "block_table", || format!("must be i32, is {:?}", block_table.dtype))?;
         ensure(block_size > 0, "block_size", || "must be positive".to_string())?;
-        let reach = crate::prefill::block_table_reach(&self.seq_lens, block_size, block_table_stride);
+        let reach = block_table_reach(&self.seq_lens, block_size, block_table_stride);
         ensure(block_table.len >= reach, "block_table", || format!("holds {} entries, the batch covers {reach}", block_table.len))?;
         let mut host = vec![0i32; reach];
         if reach > 0 {

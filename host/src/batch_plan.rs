@@ -19,21 +19,19 @@
 //! # Ok(()) }
 //! ```
 
-use crate::batch::BatchMetadata;
+use crate::batch::{validate_prefill_batch, BatchMetadata, DecodeBatch, PrefillBatch};
 use crate::decode::{
-    decode_tc_kernel, max_len, paged_decode_from, plan_decode_tc, AttnOptions, DecodeArgs, DecodeBatch, DecodeKernel, DecodePlan,
-    DecodeWorkspace, DevicePlan, PlanSource, SplitMode, TcKernel,
+    append_plan, decode_tc_kernel, max_len, paged_decode_from, plan_launch, DecodeArgs, DecodeKernel, DecodePlan, DecodeWorkspace,
+    DevicePlan, PlanSource, TcKernel,
 };
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
-use crate::forward::graph::refuse_foreign_capture;
-use crate::metadata::plan_words::append_plan;
-use crate::metadata::Region;
 use crate::mla::{mla_attention_from, mla_cluster, mla_tc_kernel, MlaArgs};
-use crate::prefill::{validate_prefill_batch, PrefillBatch};
+use crate::options::{AttnOptions, PlanOptions};
 use crate::status::DeviceStatus;
-use crate::stream_check::check_stream;
+use crate::stream_check::{check_stream, refuse_foreign_capture};
+use crate::words::Region;
 use attn_math::decode::HEAD_SIZES;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
@@ -75,14 +73,15 @@ impl BatchPlan {
         q_dtype: DType,
         cache_dtype: DType,
         num_heads: usize,
-        mode: SplitMode,
+        plan: impl Into<PlanOptions>,
         ws: &DecodeWorkspace,
     ) -> Result<&DecodePlan> {
+        let plan = plan.into();
         self.check_streams(batch, ws)?;
         let batch = &batch.decode_batch();
         let max_q = check_batch(batch, q_dtype, cache_dtype, num_heads)?;
-        let tc = mla_tc_kernel(dev, q_dtype, cache_dtype == DType::Fp8E4m3, num_heads, max_q)?;
-        self.plan_for(dev, tc, batch, num_heads, DecodeKernel::Mla, mode, ws)
+        let tc = mla_tc_kernel(dev, q_dtype, cache_dtype == DType::Fp8E4m3, num_heads, max_q, &plan.tuning)?;
+        self.plan_for(dev, tc, batch, plan, ws)
     }
 
     /// Plans a batch of paged decodes for [`paged_decode_planned`] (the tensor-core kernels),
@@ -97,9 +96,10 @@ impl BatchPlan {
         head_size: usize,
         num_q_heads: usize,
         num_kv_heads: usize,
-        mode: SplitMode,
+        plan: impl Into<PlanOptions>,
         ws: &DecodeWorkspace,
     ) -> Result<&DecodePlan> {
+        let plan = plan.into();
         self.check_streams(batch, ws)?;
         let batch = &batch.decode_batch();
         ensure(num_kv_heads > 0 && num_q_heads.is_multiple_of(num_kv_heads), "num_q_heads", || {
@@ -108,28 +108,23 @@ impl BatchPlan {
         let max_q = check_batch(batch, q_dtype, cache_dtype, num_q_heads)?;
         ensure(HEAD_SIZES.contains(&(head_size as u32)), "head_size", || format!("{head_size} (decode takes {HEAD_SIZES:?})"))?;
         let fp8 = cache_dtype == DType::Fp8E4m3;
-        let tc = decode_tc_kernel(dev, q_dtype, fp8, head_size, num_q_heads, num_kv_heads, max_q, max_len(batch.seq_lens))?;
-        let kernel = tc.kernel;
-        self.plan_for(dev, tc, batch, num_q_heads, kernel, mode, ws)
+        let tc = decode_tc_kernel(dev, q_dtype, fp8, head_size, num_q_heads, num_kv_heads, max_q, max_len(batch.seq_lens), &plan.tuning)?;
+        self.plan_for(dev, tc, batch, plan, ws)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn plan_for(
         &mut self,
         dev: &AttnDevice,
         tc: TcKernel,
         batch: &DecodeBatch<'_>,
-        num_q_heads: usize,
-        kernel: DecodeKernel,
-        mode: SplitMode,
+        options: PlanOptions,
         ws: &DecodeWorkspace,
     ) -> Result<&DecodePlan> {
         self.planned = None;
-        let mut plan =
-            DecodePlan { kernel, ..plan_decode_tc(batch, num_q_heads, tc.group, tc.shape, tc.target, tc.slots, mode, ws.partial_rows()) };
-        if kernel == DecodeKernel::Mla {
-            plan.cluster = mla_cluster(dev, &tc, &plan);
-        }
+        // MLA's plans may run their splits as thread-block clusters.
+        let mla = tc.kernel == DecodeKernel::Mla;
+        let cluster = |plan: &DecodePlan, tuning: &_| if mla { mla_cluster(dev, &tc, plan, tuning) } else { 0 };
+        let plan = plan_launch(tc, batch, PlanSource::Host(options), ws.partial_rows(), cluster)?.plan;
         ws.check_plan(&plan, batch.seq_lens.len(), batch.query_start_loc.last().map_or(0, |&n| n as usize))?;
         let mut words = std::mem::take(&mut self.words);
         words.clear();
@@ -145,7 +140,7 @@ impl BatchPlan {
         let base = self.device.device_ptr(&self.stream).0;
         let at = |r: Region| base + r.byte_offset() as u64;
         let device = DevicePlan {
-            kernel: tc.name,
+            kernel: tc.id,
             layer: tc.layer,
             items: at(r.items),
             req_num_splits: at(r.req_num_splits),

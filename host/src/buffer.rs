@@ -8,7 +8,7 @@
 //! memory is freed only when the last handle, the graph's included, is dropped.
 
 use crate::dtype::{DType, Element};
-use crate::error::{AttnError, Result};
+use crate::error::{ensure, AttnError, Result};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use std::any::Any;
 use std::ops::{Bound, Range, RangeBounds};
@@ -287,6 +287,18 @@ impl DevOut<'_> {
     pub(crate) fn as_input(&self) -> DevIn<'_> {
         DevIn { ptr: self.ptr, len: self.len, dtype: self.dtype, _order: SyncOnDrop::Sync(None), keep: None }
     }
+}
+
+/// The address of `len` f32 values in `b` (refused, naming `arg`, if it holds fewer or another
+/// dtype).
+pub(crate) fn f32_values(b: &DevIn<'_>, arg: &'static str, len: usize) -> Result<u64> {
+    ensure(b.dtype == DType::F32 && b.len >= len, arg, || format!("must be {len} f32 values, got {} x {:?}", b.len, b.dtype))?;
+    Ok(b.ptr)
+}
+
+/// [`f32_values`] of an optional buffer; 0 for none.
+pub(crate) fn optional_f32(buf: &Option<DevIn<'_>>, arg: &'static str, len: usize) -> Result<u64> {
+    buf.as_ref().map_or(Ok(0), |b| f32_values(b, arg, len))
 }
 
 #[cfg(test)]

@@ -6,9 +6,10 @@ use crate::buffer::{DevIn, DevOut};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
-use crate::forward::graph::refuse_foreign_capture;
+use crate::kernels::KernelId;
 use crate::layout::{KvCacheSpec, MlaCacheSpec, RowsDesc};
 use crate::status::DeviceStatus;
+use crate::stream_check::refuse_foreign_capture;
 use attn_math::params::{CacheWriteParams, MlaCacheWriteParams};
 use cudarc::driver::{CudaStream, DevicePtrMut};
 
@@ -153,7 +154,7 @@ pub(crate) fn reshape_and_cache_from(dev: &AttnDevice, stream: &CudaStream, w: K
     if num_tokens == 0 {
         return Ok(());
     }
-    let name = format!("reshape_and_cache_{}_{}", src.kernel_name(), cache.kernel_name());
+    let kernel = KernelId::ReshapeAndCache { src, fp8: cache == DType::Fp8E4m3 };
     let grid = grid_for(num_tokens)?;
     let (k_origin, v_origin) = w.spec.kv_origins();
     let strides = w.spec.strides();
@@ -183,7 +184,7 @@ pub(crate) fn reshape_and_cache_from(dev: &AttnDevice, stream: &CudaStream, w: K
         head_size: w.spec.head_size as u32,
         block_size: w.spec.block_size as u32,
     };
-    dev.launch_pdl(stream, &name, grid, THREADS, 0, p)
+    dev.launch_pdl(stream, kernel, grid, THREADS, 0, p)
 }
 
 /// Writes MLA latent rows (`kv_c` then `k_pe`, one row per token) into the MLA cache.
@@ -217,7 +218,7 @@ pub(crate) fn concat_and_cache_mla_from(dev: &AttnDevice, stream: &CudaStream, w
     if w.num_tokens == 0 {
         return Ok(());
     }
-    let name = format!("concat_and_cache_mla_{}_{}", src.kernel_name(), cache.kernel_name());
+    let kernel = KernelId::ConcatAndCacheMla { src, fp8: cache == DType::Fp8E4m3 };
     let grid = grid_for(w.num_tokens)?;
     let scale = if cache == DType::Fp8E4m3 { scale_ptr(w.scale.as_ref(), "scale")? } else { 0 };
     let (status_ptr, _status_order) = status.word.device_ptr_mut(stream);
@@ -237,7 +238,7 @@ pub(crate) fn concat_and_cache_mla_from(dev: &AttnDevice, stream: &CudaStream, w
         rope_dim: w.spec.rope_dim as u32,
         block_size: w.spec.block_size as u32,
     };
-    dev.launch_pdl(stream, &name, grid, THREADS, 0, p)
+    dev.launch_pdl(stream, kernel, grid, THREADS, 0, p)
 }
 
 /// Elements `num_tokens` rows of `dim`, `stride` apart, span (`None` when that overflows).

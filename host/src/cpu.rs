@@ -112,8 +112,8 @@ pub struct DecodeRef<'a, Q, C> {
     pub spec: KvCacheSpec,
     pub block_table: &'a [i32],
     pub block_table_stride: usize,
-    pub batch: crate::decode::DecodeBatch<'a>,
-    pub opts: crate::decode::AttnOptions,
+    pub batch: crate::batch::DecodeBatch<'a>,
+    pub opts: crate::options::AttnOptions,
     pub alibi_slopes: Option<&'a [f32]>,
     pub sinks: Option<&'a [f32]>,
     /// (k_scale, v_scale) for an FP8 cache.
@@ -134,7 +134,7 @@ pub struct DecodeResult {
 /// CPU paged decode: every query token of every request against its visible keys (causal among
 /// the request's query tokens, the sliding window, soft-cap, ALiBi, sinks), in f64.
 pub fn paged_decode<Q: Element, C: Element>(a: &DecodeRef<'_, Q, C>) -> Result<DecodeResult> {
-    crate::decode::validate_batch(&a.batch, a.q_rows.num_tokens, a.spec.block_size, a.block_table_stride)?;
+    crate::batch::validate_batch(&a.batch, a.q_rows.num_tokens, a.spec.block_size, a.block_table_stride)?;
     let kv = KvRef::Paged { cache: a.cache, spec: a.spec, block_table: a.block_table, block_table_stride: a.block_table_stride };
     let (q_rows, d) = (a.q_rows, a.q_rows.head_size);
     check_inputs(a.q, &q_rows, &kv, a.batch.seq_lens, d, [("alibi_slopes", a.alibi_slopes), ("sinks", a.sinks)])?;
@@ -232,7 +232,7 @@ pub struct PrefillRef<'a, Q, C> {
     pub query_start_loc: &'a [i32],
     pub seq_lens: &'a [i32],
     pub causal: bool,
-    pub opts: crate::decode::AttnOptions,
+    pub opts: crate::options::AttnOptions,
     pub alibi_slopes: Option<&'a [f32]>,
     pub sinks: Option<&'a [f32]>,
     pub scales: Option<(f32, f32)>,
@@ -241,8 +241,8 @@ pub struct PrefillRef<'a, Q, C> {
 /// CPU varlen prefill (paged or packed K/V, causal aligned to the end or not), in f64.
 pub fn prefill<Q: Element, C: Element>(a: &PrefillRef<'_, Q, C>) -> Result<DecodeResult> {
     let q_rows = a.q_rows;
-    let batch = crate::prefill::PrefillBatch { query_start_loc: a.query_start_loc, seq_lens: a.seq_lens, key_start_loc: None };
-    crate::prefill::validate_prefill_batch(&batch, q_rows.num_tokens, a.causal, None)?;
+    let batch = crate::batch::PrefillBatch { query_start_loc: a.query_start_loc, seq_lens: a.seq_lens, key_start_loc: None };
+    crate::batch::validate_prefill_batch(&batch, q_rows.num_tokens, a.causal, None)?;
     check_inputs(a.q, &q_rows, &a.kv, a.seq_lens, a.head_size_v, [("alibi_slopes", a.alibi_slopes), ("sinks", a.sinks)])?;
     attention(
         |t, h, dim| a.q[q_rows.offset(t, h, dim)].to_f32() as f64,
@@ -277,7 +277,7 @@ fn check_inputs<Q, C>(
     // A positive head size bounds the tokens x heads (the LSE's size) by the queries' buffer.
     ensure(dk > 0, "q", || "head size 0".into())?;
     let table = |table: &[i32], stride: usize, block_size: usize| {
-        let need = crate::prefill::block_table_reach(seq_lens, block_size, stride);
+        let need = crate::batch::block_table_reach(seq_lens, block_size, stride);
         ensure(table.len() >= need, "block_table", || format!("has {} entries, the requests' blocks reach {need}", table.len()))
     };
     match *kv {
@@ -336,7 +336,7 @@ fn attention<C: Element>(
     seq_lens: &[i32],
     dims: (usize, usize, usize, usize),
     causal: bool,
-    opts: &crate::decode::AttnOptions,
+    opts: &crate::options::AttnOptions,
     alibi_slopes: Option<&[f32]>,
     sinks: Option<&[f32]>,
     scales: Option<(f32, f32)>,

@@ -2,6 +2,7 @@
 //! once), and kernel launches on the caller's stream.
 
 use crate::error::{AttnError, Result};
+use crate::kernels::KernelId;
 use crate::ptx::{available_targets, target_for, Family, PtxTarget, ALL_FAMILIES, NUM_FAMILIES};
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
@@ -26,11 +27,11 @@ pub struct AttnDevice {
     sm_count: u32,
     /// The most dynamic shared memory a CTA may opt in to.
     max_shared_optin: i32,
-    functions: Mutex<HashMap<String, CudaFunction>>,
+    functions: Mutex<HashMap<KernelId, CudaFunction>>,
     /// Resident CTAs per SM of (kernel, dynamic shared memory), from the driver.
-    occupancy: Mutex<HashMap<(String, u32), u32>>,
+    occupancy: Mutex<HashMap<(KernelId, u32), u32>>,
     /// `max_active_clusters` by (kernel, shared bytes, cluster size).
-    clusters: Mutex<HashMap<(String, u32, u32), u32>>,
+    clusters: Mutex<HashMap<(KernelId, u32, u32), u32>>,
 }
 
 impl AttnDevice {
@@ -123,46 +124,46 @@ impl AttnDevice {
         self.sass_for(Family::CacheWrite).is_some()
     }
 
-    pub(crate) fn function(&self, name: &str) -> Result<CudaFunction> {
+    pub(crate) fn function(&self, kernel: KernelId) -> Result<CudaFunction> {
         let mut cache = self.functions.lock().expect("function cache poisoned");
-        if let Some(f) = cache.get(name) {
+        if let Some(f) = cache.get(&kernel) {
             return Ok(f.clone());
         }
-        let f = self.module(Family::of(name))?.load_function(name)?;
+        let f = self.module(kernel.family())?.load_function(&kernel.entry_name())?;
         // Kernels size their shared memory at launch; allow them what the device allows (the
         // default cap is 48 KiB).
         f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.max_shared_optin)?;
-        cache.insert(name.to_string(), f.clone());
+        cache.insert(kernel, f.clone());
         Ok(f)
     }
 
-    /// Enqueues `name<<<grid, block, smem, stream>>>(params)`. No synchronisation.
+    /// Enqueues `kernel<<<grid, block, smem, stream>>>(params)`. No synchronisation.
     pub(crate) fn launch<P: Copy>(
         &self,
         stream: &CudaStream,
-        name: &str,
+        kernel: KernelId,
         grid: (u32, u32, u32),
         block: u32,
         smem: u32,
         params: P,
     ) -> Result<()> {
-        let f = self.function(name)?;
+        let f = self.function(kernel)?;
         let params = KernelParams(params);
         let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
         // SAFETY: every pointer in `params` was validated by the calling op against the length of
-        // the buffer it came from, and the kernel named `name` takes exactly this block.
+        // the buffer it came from, and `kernel` takes exactly this block.
         unsafe { stream.launch_builder(&f).arg(&params).launch(cfg)? };
         Ok(())
     }
 
     /// How many CTAs of `block` threads and `smem` bytes of dynamic shared memory of kernel
-    /// `name` one SM holds at once (registers and shared memory), as the driver computes it.
-    pub(crate) fn resident_ctas(&self, name: &str, block: u32, smem: u32) -> Result<u32> {
-        let key = (name.to_string(), smem);
+    /// `kernel` one SM holds at once (registers and shared memory), as the driver computes it.
+    pub(crate) fn resident_ctas(&self, kernel: KernelId, block: u32, smem: u32) -> Result<u32> {
+        let key = (kernel, smem);
         if let Some(&n) = self.occupancy.lock().expect("occupancy cache").get(&key) {
             return Ok(n);
         }
-        let n = self.function(name)?.occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)?.max(1);
+        let n = self.function(kernel)?.occupancy_max_active_blocks_per_multiprocessor(block, smem as usize, None)?.max(1);
         self.occupancy.lock().expect("occupancy cache").insert(key, n);
         Ok(n)
     }
@@ -174,17 +175,17 @@ impl AttnDevice {
         self.target.name == "sm_90a" && !std::env::var("ATTN_DISABLE_PDL").is_ok_and(|v| v == "1")
     }
 
-    /// How many clusters of `cluster` CTAs (of `block` threads, `smem` bytes) of kernel `name`
+    /// How many clusters of `cluster` CTAs (of `block` threads, `smem` bytes) of `kernel`
     /// the GPU holds at once, as the driver computes it: clusters must fit within one GPC, so a
     /// GPC whose SM count is not a multiple of the size leaves SMs idle (on the H100, clusters of
     /// 4 one-CTA-per-SM kernels fit fewer CTAs than 128).
-    pub(crate) fn max_active_clusters(&self, name: &str, block: u32, smem: u32, cluster: u32) -> Result<u32> {
-        let key = (name.to_string(), smem, cluster);
+    pub(crate) fn max_active_clusters(&self, kernel: KernelId, block: u32, smem: u32, cluster: u32) -> Result<u32> {
+        let key = (kernel, smem, cluster);
         if let Some(&n) = self.clusters.lock().expect("cluster cache").get(&key) {
             return Ok(n);
         }
         use cudarc::driver::sys;
-        let f = self.function(name)?;
+        let f = self.function(kernel)?;
         let mut attr = cluster_attribute(cluster);
         let config = sys::CUlaunchConfig {
             gridDimX: cluster,
@@ -219,13 +220,13 @@ impl AttnDevice {
     pub(crate) fn launch_pdl<P: Copy>(
         &self,
         stream: &CudaStream,
-        name: &str,
+        kernel: KernelId,
         grid: (u32, u32, u32),
         block: u32,
         smem: u32,
         params: P,
     ) -> Result<()> {
-        self.launch_ex(stream, name, grid, block, smem, 1, params)
+        self.launch_ex(stream, kernel, grid, block, smem, 1, params)
     }
 
     /// [`launch_pdl`](Self::launch_pdl) in thread-block clusters of `cluster` CTAs along x
@@ -234,7 +235,7 @@ impl AttnDevice {
     pub(crate) fn launch_ex<P: Copy>(
         &self,
         stream: &CudaStream,
-        name: &str,
+        kernel: KernelId,
         grid: (u32, u32, u32),
         block: u32,
         smem: u32,
@@ -243,11 +244,11 @@ impl AttnDevice {
     ) -> Result<()> {
         let pdl = self.pdl_enabled();
         if !pdl && cluster <= 1 {
-            return self.launch(stream, name, grid, block, smem, params);
+            return self.launch(stream, kernel, grid, block, smem, params);
         }
         debug_assert!(cluster <= 1 || (self.clusters_enabled() && grid.0.is_multiple_of(cluster)));
         use cudarc::driver::sys;
-        let f = self.function(name)?;
+        let f = self.function(kernel)?;
         let mut params = KernelParams(params);
         // SAFETY: a zeroed attribute is a valid plain-data value; we set its id and value.
         let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };

@@ -11,6 +11,9 @@
 //! - [`batch`]: a batch's request metadata, checked and uploaded by the library (the device
 //!   copy the kernels index with always equals the host copy the call was checked against).
 //! - [`batch_plan`]: a decode batch's split plan made once per step for every layer's call.
+//! - [`options`]: the options of the attention calls (`AttnOptions`) and of their split plans
+//!   (`SplitMode`, and the planners' `Tuning`).
+//! - [`kernels`]: [`kernels::KernelId`], every kernel the host launches, and its PTX entry name.
 //! - [`backend`]: the backend registry and per-model selection (with every refusal reason).
 //! - [`metadata`]: per-step metadata (checks, decode/prefill split, one upload).
 //! - [`forward`]: one call per layer: cache write, then decode and prefill attention.
@@ -29,14 +32,17 @@ pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod forward;
+pub mod kernels;
 pub mod layout;
 pub mod metadata;
 pub mod mla;
+pub mod options;
 pub mod prefill;
 mod ptx;
 pub mod sim;
 pub mod status;
 mod stream_check;
+mod words;
 
 pub use attn_math;
 pub use batch::BatchMetadata;
@@ -45,4 +51,5 @@ pub use device::AttnDevice;
 pub use dtype::{DType, Element, Fp8E4m3};
 pub use error::{AttnError, BadBlock, BadSlot, Result};
 pub use layout::{KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc};
+pub use options::{AttnOptions, PlanOptions, SplitMode, Tuning};
 pub use status::{DeviceStatus, Offence, StatusFlags};

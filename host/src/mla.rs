@@ -11,20 +11,18 @@
 //! size 512). Query lengths are free: multi-token prediction (causal among the new tokens) and
 //! chunked prefill in latent form.
 
-use crate::batch::{BatchMetadata, DeviceBatch};
-use crate::buffer::{DevIn, DevOut};
+use crate::batch::{block_table_reach, validate_prefill_batch, BatchMetadata, DecodeBatch, DeviceBatch, PrefillBatch};
+use crate::buffer::{f32_values, DevIn, DevOut};
 use crate::cache_write::KvScales;
-use crate::decode::{
-    f32_values, launch_merge, plan_decode_tc, DecodeBatch, DecodeKernel, DecodePlan, DecodeWorkspace, LayerShape, PlanSource, SplitMode,
-    TcKernel, TcShape, WorkspacePtrs,
-};
+use crate::decode::{launch_merge, plan_launch, DecodeKernel, DecodePlan, DecodeWorkspace, LayerShape, PlanSource, TcKernel, TcShape};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
-use crate::forward::graph::refuse_foreign_capture;
+use crate::kernels::{KernelId, MlaTile};
 use crate::layout::{MlaCacheSpec, RowsDesc};
-use crate::prefill::{validate_prefill_batch, PrefillBatch};
+use crate::options::{PlanOptions, Tuning};
 use crate::status::DeviceStatus;
+use crate::stream_check::refuse_foreign_capture;
 use attn_math::mla;
 use attn_math::params::PrefillParams;
 use attn_math::prefill::{MLA_QK, MLA_V};
@@ -76,35 +74,39 @@ pub fn mla_attention(
     a: MlaArgs<'_>,
     batch: &BatchMetadata,
     softmax_scale: f32,
-    mode: SplitMode,
+    plan: impl Into<PlanOptions>,
     ws: &mut DecodeWorkspace,
     status: &mut DeviceStatus,
 ) -> Result<DecodePlan> {
     refuse_foreign_capture(stream, "stream", "mla_attention")?;
     let meta = batch.device(stream)?;
-    mla_attention_from(dev, stream, a, &batch.decode_batch(), meta, softmax_scale, PlanSource::Host(mode), ws, status)
+    mla_attention_from(dev, stream, a, &batch.decode_batch(), meta, softmax_scale, PlanSource::Host(plan.into()), ws, status)
 }
 
 /// The MLA kernel for `max_q` query tokens per request of `hq` heads, and its CTA target.
 ///
 /// The MLA kernel (`mla_<q>[_fp8]_{narrow,wide}`, `attn_math::mla`; FP8 caches are converted
-/// slot by slot in shared memory). `ATTN_MLA_WAVES` overrides the waves of CTAs the split plan
-/// aims at.
-pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usize, max_q: u32) -> Result<TcKernel> {
-    let s = mla::shape_for_rows(max_q * hq as u32);
-    let fp8_tag = if fp8 { "_fp8" } else { "" };
-    let name = format!("mla_{}{fp8_tag}_{}", q_dtype.kernel_name(), if s == mla::NARROW { "narrow" } else { "wide" });
+/// slot by slot in shared memory). The split plan aims at [`Tuning::mla_waves`] waves of CTAs.
+pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usize, max_q: u32, tuning: &Tuning) -> Result<TcKernel> {
+    let (id, s) = mla_kernel_id(q_dtype, fp8, max_q * hq as u32);
     let shape = TcShape { block_m: s.block_m, block_n: s.block_n, ctas_per_item: 1 };
     let (smem, threads) = (mla::shared_layout(s, fp8).total, mla::THREADS);
     // One wave of resident CTAs (one per SM): measured on the H100 against two and four, whose
     // extra splits cost more (per-CTA start, partials, merge) than the tail they shorten
     // (BENCHMARKS.md).
-    let waves = std::env::var("ATTN_MLA_WAVES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(1).max(1);
-    let resident = dev.resident_ctas(&name, threads, smem)?;
+    let waves = tuning.mla_waves.max(1);
+    let resident = dev.resident_ctas(id, threads, smem)?;
     let target = waves * dev.sm_count() as u64 * resident as u64;
     // No even-waves splitting: the MLA plans were measured without it.
     let layer = LayerShape { num_q_heads: hq, num_kv_heads: 1, head_size: MLA_V as usize };
-    Ok(TcKernel { kernel: DecodeKernel::Mla, name, layer, smem, shape, threads, group: hq as u32, target, slots: 0, fused_merge: false })
+    Ok(TcKernel { kernel: DecodeKernel::Mla, id, layer, smem, shape, threads, group: hq as u32, target, slots: 0, fused_merge: false })
+}
+
+/// The MLA kernel for requests of at most `rows` query rows (tokens x heads), and its shape:
+/// up to 16 rows the narrow one.
+pub(crate) fn mla_kernel_id(q: DType, fp8: bool, rows: u32) -> (KernelId, mla::MlaShape) {
+    let s = mla::shape_for_rows(rows);
+    (KernelId::Mla { q, fp8, tile: if s == mla::NARROW { MlaTile::Narrow } else { MlaTile::Wide } }, s)
 }
 
 /// The cluster size that combines a plan's splits in shared memory ([`DecodePlan::cluster`]),
@@ -113,17 +115,17 @@ pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usi
 /// cluster size), so that consecutive CTAs are one request's splits; and clusters that all fit
 /// on the GPU at once (a cluster lives in one GPC: on the H100, 32 clusters of 4 did not fit and
 /// took 1.6x the merge kernel's time). On the H100 this saved the merge's 5 us at 16 heads x
-/// batch 64 (BENCHMARKS.md). `ATTN_MLA_CLUSTER=0` turns it off.
-pub(crate) fn mla_cluster(dev: &AttnDevice, tc: &TcKernel, plan: &DecodePlan) -> u32 {
-    let narrow = tc.shape.block_m == mla::NARROW.block_m && tc.name.ends_with("_narrow");
-    let off = std::env::var("ATTN_MLA_CLUSTER").is_ok_and(|v| v == "0");
+/// batch 64 (BENCHMARKS.md). [`Tuning::mla_clusters`] off turns it off.
+pub(crate) fn mla_cluster(dev: &AttnDevice, tc: &TcKernel, plan: &DecodePlan, tuning: &Tuning) -> u32 {
+    let narrow = tc.shape.block_m == mla::NARROW.block_m && matches!(tc.id, KernelId::Mla { tile: MlaTile::Narrow, .. });
+    let off = !tuning.mla_clusters;
     let Some(&splits) = plan.req_num_splits.first() else { return 0 };
     let uniform = plan.req_num_splits.iter().all(|&s| s == splits) && plan.row_groups == 1;
     if !(dev.clusters_enabled() && narrow && !off && uniform && (2..=8).contains(&splits)) {
         return 0;
     }
     let clusters = plan.req_num_splits.len() as u32;
-    match dev.max_active_clusters(&tc.name, tc.threads, tc.smem, splits) {
+    match dev.max_active_clusters(tc.id, tc.threads, tc.smem, splits) {
         Ok(fit) if clusters <= fit => splits,
         _ => 0,
     }
@@ -169,7 +171,7 @@ pub(crate) fn mla_attention_from(
     ensure(num_reqs < 1 << 16, "seq_lens", || format!("{num_reqs} requests exceed the 65535 a launch takes"))?;
     let pb = PrefillBatch { query_start_loc: batch.query_start_loc, seq_lens: batch.seq_lens, key_start_loc: None };
     validate_prefill_batch(&pb, nt, true, Some((spec.block_size, a.block_table_stride)))?;
-    let need = crate::prefill::block_table_reach(batch.seq_lens, spec.block_size, a.block_table_stride);
+    let need = block_table_reach(batch.seq_lens, spec.block_size, a.block_table_stride);
     ensure(a.block_table.dtype == DType::I32 && a.block_table.len >= need, "block_table", || {
         format!("must hold {need} i32 ({num_reqs} rows of {}), got {} x {:?}", a.block_table_stride, a.block_table.len, a.block_table.dtype)
     })?;
@@ -188,28 +190,21 @@ pub(crate) fn mla_attention_from(
     }
 
     let max_q = batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).max().unwrap_or(1);
-    let tc = mla_tc_kernel(dev, q_dtype, fp8, hq, max_q)?;
+    // A device plan's kernel was chosen when it was planned; the tuning changes only the CTA
+    // target and the clusters, which are the plan's.
+    let tuning = match source {
+        PlanSource::Host(p) => p.tuning,
+        PlanSource::Device(_) => Tuning::DEFAULT,
+    };
+    let tc = mla_tc_kernel(dev, q_dtype, fp8, hq, max_q, &tuning)?;
     let rows_per_tile = tc.shape.block_m as usize;
     ensure(max_q as usize * hq <= rows_per_tile << 16, "query_start_loc", || {
         format!("a request has {} query rows (tokens x heads); a launch takes {}", max_q as usize * hq, rows_per_tile << 16)
     })?;
     let slices = tc.shape.ctas_per_item;
-    let (plan, wp, fixed) = match source {
-        PlanSource::Device(dp) => {
-            dp.check_layer(&tc)?;
-            (DecodePlan { kernel: DecodeKernel::Mla, ..DecodePlan::default() }, dp.workspace_ptrs(ws, stream), Some(dp))
-        }
-        PlanSource::Host(mode) => {
-            let mut plan = DecodePlan {
-                kernel: DecodeKernel::Mla,
-                ..plan_decode_tc(batch, hq, tc.group, tc.shape, tc.target, tc.slots, mode, ws.partial_rows())
-            };
-            plan.cluster = mla_cluster(dev, &tc, &plan);
-            let wp = if plan.needs_device_plan() { ws.upload(stream, &plan, num_reqs, nt)? } else { WorkspacePtrs::default() };
-            (plan, wp, None)
-        }
-    };
-    let cluster = fixed.map_or(plan.cluster, |dp| dp.cluster);
+    let lp = plan_launch(tc, batch, source, ws.partial_rows(), |plan, t| mla_cluster(dev, &tc, plan, t))?;
+    let wp = ws.arrays(stream, &lp, num_reqs, nt)?;
+    let cluster = lp.cluster;
     let (status_ptr, _o) = status.word.device_ptr_mut(stream);
     let lse = a.lse.as_ref().map_or(0, |l| l.ptr);
     let strides = spec.strides();
@@ -245,24 +240,39 @@ pub(crate) fn mla_attention_from(
         window: 0,
         num_blocks: spec.num_blocks as u32,
         block_size: spec.block_size as u32,
-        chunk: plan.chunk,
+        chunk: lp.chunk,
         num_q_heads: hq as u32,
         group: hq as u32,
         causal: 1,
         v_slices: slices,
         v_row: MLA_V,
         cluster,
-        plan: fixed.map_or(0, |dp| dp.header),
+        plan: lp.header,
         sched: 0,
         ctas: 0,
         ..PrefillParams::default()
     };
-    let items = fixed.map_or(plan.items.len() / 2, |dp| dp.capacity_items);
-    let ctas = items * slices as usize;
+    let ctas = lp.ctas();
     ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
-    dev.launch_ex(stream, &tc.name, (ctas as u32, 1, 1), tc.threads, tc.smem, cluster.max(1), p)?;
-    if fixed.map_or(plan.needs_merge(), |dp| dp.needs_merge) {
+    dev.launch_ex(stream, tc.id, (ctas as u32, 1, 1), tc.threads, tc.smem, cluster.max(1), p)?;
+    if lp.merge {
         launch_merge(dev, stream, &wp, meta.query_start_loc.ptr, (&a.out, &a.out_rows), lse, 0, q_dtype)?;
     }
-    Ok(plan)
+    Ok(lp.plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mla_kernel_choice() {
+        let name = |q, fp8, rows| mla_kernel_id(q, fp8, rows).0.entry_name();
+        assert_eq!(name(DType::BF16, false, 16), "mla_bf16_narrow");
+        assert_eq!(name(DType::BF16, true, 1), "mla_bf16_fp8_narrow");
+        assert_eq!(name(DType::F16, false, 17), "mla_f16_wide");
+        assert_eq!(name(DType::F16, true, 128), "mla_f16_fp8_wide");
+        assert_eq!(mla_kernel_id(DType::BF16, false, 16).1, mla::NARROW);
+        assert_eq!(mla_kernel_id(DType::BF16, false, 64).1, mla::WIDE);
+    }
 }

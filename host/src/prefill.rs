@@ -9,17 +9,16 @@
 //! every SM busy to the end and the CTAs running at once share K/V in L2. One CTA per (tile,
 //! kv head), the kv heads of a tile adjacent in the grid.
 
-use crate::batch::{BatchMetadata, DeviceBatch};
-use crate::buffer::{DevIn, DevOut};
+use crate::batch::{block_table_reach, BatchMetadata, DeviceBatch};
+use crate::buffer::{f32_values, optional_f32, DevIn, DevOut};
 use crate::cache_write::KvScales;
-use crate::decode::{f32_values, optional_f32, AttnOptions};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
-use crate::forward::graph::refuse_foreign_capture;
+use crate::kernels::KernelId;
 use crate::layout::{KvCacheSpec, RowsDesc};
 use crate::status::DeviceStatus;
-use crate::stream_check::check_stream;
+use crate::stream_check::{check_stream, refuse_foreign_capture};
 use attn_math::hopper_prefill;
 use attn_math::paging::CacheStrides;
 use attn_math::params::PrefillParams;
@@ -27,6 +26,9 @@ use attn_math::prefill::{block_m, shared_layout, HEAD_SIZES, MIN_BLOCK_M, THREAD
 use attn_math::softmax::LOG2_E;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
+
+pub use crate::batch::{validate_prefill_batch, PrefillBatch};
+pub use crate::options::AttnOptions;
 
 /// Where keys and values come from.
 pub enum PrefillKv<'a> {
@@ -58,27 +60,6 @@ pub struct PrefillArgs<'a> {
     pub alibi_slopes: Option<DevIn<'a>>,
     pub sinks: Option<DevIn<'a>>,
     pub scales: Option<KvScales<'a>>,
-}
-
-/// Block-table entries the kernels may read: up to request r's last used block in its row
-/// (`r * stride + ceil(seq_len / block_size)`), so a table that is a view into a wider one (a
-/// cascade suffix's rows start past the shared blocks) need not hold full rows at its end.
-/// Saturates at `usize::MAX` (no table is that long) rather than wrapping.
-pub(crate) fn block_table_reach(seq_lens: &[i32], block_size: usize, stride: usize) -> usize {
-    let used = |l: i32| (l.max(0) as usize).div_ceil(block_size.max(1));
-    seq_lens.iter().enumerate().map(|(r, &l)| r.saturating_mul(stride).saturating_add(used(l))).max().unwrap_or(0)
-}
-
-/// A batch's host-side metadata, as the planner takes it. [`prefill`] takes a
-/// [`BatchMetadata`], which holds these and their device copy.
-#[derive(Clone, Copy, Debug)]
-pub struct PrefillBatch<'a> {
-    /// `[num_reqs + 1]`, from 0 to num_tokens.
-    pub query_start_loc: &'a [i32],
-    /// `[num_reqs]` keys per request (cached context + new tokens).
-    pub seq_lens: &'a [i32],
-    /// Packed K/V only: `[num_reqs + 1]` key rows (`cu_seqlens_k`), consistent with `seq_lens`.
-    pub key_start_loc: Option<&'a [i32]>,
 }
 
 /// Options of a prefill call.
@@ -134,44 +115,6 @@ pub fn plan_prefill(batch: &PrefillBatch<'_>, group: usize, causal: bool, window
     PrefillPlan { items: tiles.into_iter().map(|(_, i)| i).collect() }
 }
 
-/// Checks host metadata: start locations that cover the tokens, lengths that hold their
-/// queries (causal) and fit the block table (paged).
-///
-/// `paged` is `(block_size, block_table_stride)`; a block size of 0 is refused. Differences of
-/// start locations are taken in i64, so no pair of i32s wraps.
-pub fn validate_prefill_batch(batch: &PrefillBatch<'_>, num_tokens: usize, causal: bool, paged: Option<(usize, usize)>) -> Result<()> {
-    let n = batch.seq_lens.len();
-    let qsl = batch.query_start_loc;
-    if let Some((block_size, _)) = paged {
-        ensure(block_size > 0, "block_size", || "must be at least 1".into())?;
-    }
-    ensure(qsl.len() == n + 1, "query_start_loc", || format!("has {} entries for {n} requests (needs {})", qsl.len(), n + 1))?;
-    ensure(qsl[0] == 0, "query_start_loc", || format!("starts at {}, not 0", qsl[0]))?;
-    ensure(qsl[n] as i64 == num_tokens as i64, "query_start_loc", || format!("ends at {}, but q has {num_tokens} tokens", qsl[n]))?;
-    ensure(n < 1 << 31, "seq_lens", || format!("{n} requests"))?;
-    for r in 0..n {
-        let q = qsl[r + 1] as i64 - qsl[r] as i64;
-        ensure(q >= 0, "query_start_loc", || format!("decreases at request {r} ({} -> {})", qsl[r], qsl[r + 1]))?;
-        let len = batch.seq_lens[r];
-        ensure(len >= 0, "seq_lens", || format!("request {r} has length {len}"))?;
-        ensure(!causal || len == 0 || len as i64 >= q, "seq_lens", || format!("request {r} has length {len} < its {q} query tokens"))?;
-        if let Some((block_size, stride)) = paged {
-            let blocks = (len as usize).div_ceil(block_size);
-            ensure(blocks <= stride, "block_table", || format!("request {r} needs {blocks} blocks, rows hold {stride}"))?;
-        }
-    }
-    if let Some(ksl) = batch.key_start_loc {
-        ensure(ksl.len() == n + 1 && ksl[0] == 0, "key_start_loc", || format!("must have {} entries starting at 0", n + 1))?;
-        for r in 0..n {
-            let keys = ksl[r + 1] as i64 - ksl[r] as i64;
-            ensure(keys == batch.seq_lens[r] as i64, "key_start_loc", || {
-                format!("request {r} spans {keys} keys ({} -> {}), seq_lens says {}", ksl[r], ksl[r + 1], batch.seq_lens[r])
-            })?;
-        }
-    }
-    Ok(())
-}
-
 /// Device memory for the plan. Allocate once for the largest batch.
 pub struct PrefillWorkspace {
     items: CudaSlice<u32>,
@@ -206,7 +149,7 @@ impl PrefillWorkspace {
 /// The kernel a prefill launch runs and its geometry.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct PrefillKernel {
-    pub name: String,
+    pub id: KernelId,
     pub block_m: u32,
     pub threads: u32,
     pub smem: u32,
@@ -214,14 +157,15 @@ pub(crate) struct PrefillKernel {
     pub persistent: bool,
 }
 
-/// Hopper's `wgmma` kernels (in the sm_90a module) for 16-bit caches at head sizes 64 and 128
-/// (QK = V): at 64 the warp-specialised persistent one (`prefill_wgs_*`), at 128
-/// `prefill_wg_*`. Every other case runs the `mma.sync` kernel.
-pub(crate) fn prefill_kernel(dev: &AttnDevice, q: DType, fp8: bool, dk: usize, dv: usize) -> PrefillKernel {
-    let hopper = dev.ptx_target() == "sm_90a" && !fp8 && dk == dv && hopper_prefill::HEAD_SIZES.contains(&(dk as u32));
-    // The two Hopper kernels differ in name, threads, shared memory and persistence.
-    let hopper_kernel = |kind: &str, threads: u32, smem: u32, persistent: bool| PrefillKernel {
-        name: format!("prefill_{kind}_{}_d{dk}", q.kernel_name()),
+/// The prefill kernel of the module `target` (`AttnDevice::ptx_target`): Hopper's `wgmma`
+/// kernels (in the sm_90a module) for 16-bit caches at head sizes 64 and 128 (QK = V): at 64
+/// the warp-specialised persistent one (`prefill_wgs_*`), at 128 `prefill_wg_*`. Every other
+/// case runs the `mma.sync` kernel.
+pub(crate) fn prefill_kernel(target: &str, q: DType, fp8: bool, dk: usize, dv: usize) -> PrefillKernel {
+    let hopper = target == "sm_90a" && !fp8 && dk == dv && hopper_prefill::HEAD_SIZES.contains(&(dk as u32));
+    // The two Hopper kernels differ in id, threads, shared memory and persistence.
+    let hopper_kernel = |id: KernelId, threads: u32, smem: u32, persistent: bool| PrefillKernel {
+        id,
         block_m: hopper_prefill::BLOCK_M,
         threads,
         smem,
@@ -229,12 +173,12 @@ pub(crate) fn prefill_kernel(dev: &AttnDevice, q: DType, fp8: bool, dk: usize, d
     };
     let d = dk as u32;
     if hopper && hopper_prefill::WS_HEAD_SIZES.contains(&d) {
-        hopper_kernel("wgs", hopper_prefill::WS_THREADS, hopper_prefill::ws_layout(d).total, true)
+        hopper_kernel(KernelId::PrefillWgs { q, head_size: d }, hopper_prefill::WS_THREADS, hopper_prefill::ws_layout(d).total, true)
     } else if hopper {
-        hopper_kernel("wg", hopper_prefill::THREADS, hopper_prefill::shared_layout(d).total, false)
+        hopper_kernel(KernelId::PrefillWg { q, head_size: d }, hopper_prefill::THREADS, hopper_prefill::shared_layout(d).total, false)
     } else {
         PrefillKernel {
-            name: format!("prefill_{}{}_dk{dk}_dv{dv}", q.kernel_name(), if fp8 { "_fp8" } else { "" }),
+            id: KernelId::Prefill { q, fp8, head_size_qk: dk as u32, head_size_v: dv as u32 },
             block_m: block_m(dk as u32, dv as u32, false, fp8),
             threads: THREADS,
             smem: shared_layout(dk as u32, dv as u32, false, fp8).total,
@@ -387,7 +331,7 @@ pub(crate) fn prefill_from(
     }
     let group = hq / num_kv_heads;
     let max_rows = (0..num_reqs).map(|r| (batch.query_start_loc[r + 1] - batch.query_start_loc[r]) as usize * group).max().unwrap_or(0);
-    let kernel = prefill_kernel(dev, q_dtype, fp8, dk, dv);
+    let kernel = prefill_kernel(dev.ptx_target(), q_dtype, fp8, dk, dv);
     let bm = kernel.block_m;
     ensure(max_rows <= bm as usize * 65536, "query_start_loc", || {
         format!("a request has {max_rows} query rows (tokens x {group} heads per kv head); a launch takes {}", bm as usize * 65536)
@@ -441,6 +385,33 @@ pub(crate) fn prefill_from(
     let ctas = (plan.items.len() * num_kv_heads) as u32;
     let (sched_ptr, _o3) = ws.sched.device_ptr_mut(stream);
     let (grid, p) = if kernel.persistent { (ctas.min(dev.sm_count()), PrefillParams { sched: sched_ptr, ctas, ..p }) } else { (ctas, p) };
-    dev.launch_pdl(stream, &kernel.name, (grid, 1, 1), kernel.threads, kernel.smem, p)?;
+    dev.launch_pdl(stream, kernel.id, (grid, 1, 1), kernel.threads, kernel.smem, p)?;
     Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernel each module runs: `wgmma` on sm_90a for 16-bit caches at 64 (persistent) and
+    /// 128, the `mma.sync` kernel for everything else.
+    #[test]
+    fn prefill_kernel_choice() {
+        let name = |target, q, fp8, dk, dv| prefill_kernel(target, q, fp8, dk, dv).id.entry_name();
+        let (bf16, f16) = (DType::BF16, DType::F16);
+        assert_eq!(name("sm_90a", bf16, false, 64, 64), "prefill_wgs_bf16_d64");
+        assert_eq!(name("sm_90a", f16, false, 128, 128), "prefill_wg_f16_d128");
+        assert_eq!(name("sm_90a", bf16, true, 128, 128), "prefill_bf16_fp8_dk128_dv128");
+        assert_eq!(name("sm_90a", bf16, false, 96, 96), "prefill_bf16_dk96_dv96");
+        assert_eq!(name("sm_90a", bf16, false, 192, 128), "prefill_bf16_dk192_dv128");
+        assert_eq!(name("sm_80", bf16, false, 64, 64), "prefill_bf16_dk64_dv64");
+        assert_eq!(name("sm_80", f16, true, 256, 256), "prefill_f16_fp8_dk256_dv256");
+        let wgs = prefill_kernel("sm_90a", bf16, false, 64, 64);
+        assert!(wgs.persistent && wgs.block_m == hopper_prefill::BLOCK_M && wgs.threads == hopper_prefill::WS_THREADS);
+        let wg = prefill_kernel("sm_90a", bf16, false, 128, 128);
+        assert!(!wg.persistent && wg.threads == hopper_prefill::THREADS);
+        let mma = prefill_kernel("sm_80", bf16, false, 128, 128);
+        assert_eq!((mma.block_m, mma.threads, mma.persistent), (block_m(128, 128, false, false), THREADS, false));
+        assert_eq!(mma.smem, shared_layout(128, 128, false, false).total);
+    }
 }

@@ -22,23 +22,6 @@ pub(crate) enum Family {
 pub(crate) const NUM_FAMILIES: usize = 3;
 pub(crate) const ALL_FAMILIES: [Family; NUM_FAMILIES] = [Family::CacheWrite, Family::Merge, Family::Attention];
 
-impl Family {
-    /// The family a kernel entry point belongs to, from its name.
-    pub fn of(kernel: &str) -> Family {
-        if kernel.starts_with("reshape_and_cache_") || kernel.starts_with("concat_and_cache_mla_") {
-            Family::CacheWrite
-        } else if kernel.starts_with("prefill_")
-            || kernel.starts_with("decode_tc_")
-            || kernel.starts_with("decode_kr_")
-            || kernel.starts_with("mla_")
-        {
-            Family::Attention
-        } else {
-            Family::Merge
-        }
-    }
-}
-
 /// One target's modules and the compute capabilities it runs on.
 pub(crate) struct PtxTarget {
     pub name: &'static str,

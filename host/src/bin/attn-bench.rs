@@ -2,14 +2,19 @@
 //! prints a table (and JSON with `--json PATH`): shape, median time over CUDA-event timings
 //! after warm-up, GB/s (bytes read + written), and the fraction of the copy ceiling.
 //!
-//! `attn-bench [--json PATH] [--quick] [--only cache|decode|prefill|mla]`
+//! `attn-bench [--json PATH] [--quick] [--only cache|decode|prefill|mla] [TUNING]`
+//!
+//! The split planners' knobs (`host::options::Tuning`; the measured defaults otherwise):
+//! `--decode-waves N` (waves of resident CTAs a decode plan aims at), `--no-decode-even-waves`,
+//! `--mla-waves N`, `--no-mla-clusters`.
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use host::cache_write::{concat_and_cache_mla, reshape_and_cache, KvScales, KvWrite, MlaWrite};
 use host::{
-    AttnDevice, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, Result, RowsDesc,
+    AttnDevice, AttnError, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, PlanOptions,
+    Result, RowsDesc, SplitMode, Tuning,
 };
 use std::sync::Arc;
 
@@ -39,6 +44,8 @@ struct Bench {
     /// Launches between one pair of events: back-to-back launches keep the GPU fed, so the
     /// host's launch cost does not land inside the timed region.
     batch: usize,
+    /// The split planners' knobs (`--decode-waves` and the others).
+    tuning: Tuning,
 }
 
 impl Bench {
@@ -225,7 +232,7 @@ struct DecodeShape {
 /// Paged decode; `planned` as in [`mla_row`].
 fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &mut DeviceStatus) -> Result<Row> {
     use host::batch_plan::{paged_decode_planned, BatchPlan};
-    use host::decode::{paged_decode, AttnOptions, DecodeArgs, DecodeWorkspace, SplitMode};
+    use host::decode::{paged_decode, AttnOptions, DecodeArgs, DecodeWorkspace};
     let s = &b.stream;
     let blocks_per_req = sh.context.div_ceil(sh.block_size);
     let num_blocks = sh.batch * blocks_per_req;
@@ -261,7 +268,8 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
     let mut bp = BatchPlan::new(s)?;
     let mut chunk = 0;
     // `ATTN_BENCH_DECODE_SPLITS=n`: n splits a request (experiments; the planner's otherwise).
-    let mode = std::env::var("ATTN_BENCH_DECODE_SPLITS").ok().and_then(|v| v.parse().ok()).map_or(SplitMode::Auto, SplitMode::Fixed);
+    let split = std::env::var("ATTN_BENCH_DECODE_SPLITS").ok().and_then(|v| v.parse().ok()).map_or(SplitMode::Auto, SplitMode::Fixed);
+    let mode = PlanOptions { split, tuning: b.tuning };
     if planned {
         let (qt, hd) = (host::DType::BF16, sh.head_size);
         chunk = bp.plan_decode(dev(), &batch, qt, C::DTYPE, hd, sh.q_heads, sh.kv_heads, mode, &ws)?.chunk;
@@ -427,6 +435,23 @@ fn dev() -> &'static AttnDevice {
     DEV.get_or_init(|| AttnDevice::new(0).expect("open GPU 0"))
 }
 
+/// The split planners' knobs from the command line (see the module doc).
+fn tuning_flags(args: &[String]) -> Result<Tuning> {
+    let waves = |flag: &'static str| -> Result<Option<u64>> {
+        let Some(i) = args.iter().position(|a| a == flag) else { return Ok(None) };
+        let v = args.get(i + 1).and_then(|v| v.parse::<u64>().ok());
+        v.map(Some).ok_or_else(|| AttnError::InvalidArgument { arg: flag, reason: "takes a number of waves".into() })
+    };
+    let on = |flag: &str| !args.iter().any(|a| a == flag);
+    let d = Tuning::DEFAULT;
+    Ok(Tuning {
+        decode_waves: waves("--decode-waves")?.or(d.decode_waves),
+        decode_even_waves: on("--no-decode-even-waves"),
+        mla_waves: waves("--mla-waves")?.unwrap_or(d.mla_waves),
+        mla_clusters: on("--no-mla-clusters"),
+    })
+}
+
 fn json_string(s: &str) -> String {
     format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""))
 }
@@ -435,6 +460,7 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let json_path = args.iter().position(|a| a == "--json").and_then(|i| args.get(i + 1)).cloned();
     let quick = args.iter().any(|a| a == "--quick");
+    let tuning = tuning_flags(&args)?;
     if !AttnDevice::driver_available() {
         eprintln!("attn-bench: no CUDA driver or GPU; nothing to measure");
         std::process::exit(2);
@@ -453,7 +479,7 @@ fn main() -> Result<()> {
     // The bench owns every buffer and uses one stream: cudarc's cross-stream event tracking
     // would only add host work between launches.
     unsafe { d.context().disable_event_tracking() };
-    let b = Bench { stream: stream.clone(), warmup: if quick { 5 } else { 20 }, reps: if quick { 10 } else { 50 }, batch: 10 };
+    let b = Bench { stream: stream.clone(), warmup: if quick { 5 } else { 20 }, reps: if quick { 10 } else { 50 }, batch: 10, tuning };
     let mut status = DeviceStatus::new(&stream)?;
 
     let ceiling = copy_row(&b, 1 << 30)?;
@@ -488,7 +514,7 @@ fn mla_row<C: Element>(
     status: &mut DeviceStatus,
 ) -> Result<Row> {
     use host::batch_plan::{mla_attention_planned, BatchPlan};
-    use host::decode::{AttnOptions, DecodeWorkspace, SplitMode};
+    use host::decode::{AttnOptions, DecodeWorkspace};
     use host::layout::MlaCacheSpec;
     use host::mla::{mla_attention, MlaArgs};
     let s = &b.stream;
@@ -510,7 +536,8 @@ fn mla_row<C: Element>(
     let mut ws = DecodeWorkspace::new(s, 4 * dev().sm_count() as usize * 8 * heads, 512, batch, batch)?;
     let batch_meta = BatchMetadata::new(s, &seq_lens, &qsl)?;
     let mut bp = BatchPlan::new(s)?;
-    let planned_once = bp.plan_mla(dev(), &batch_meta, host::DType::BF16, C::DTYPE, heads, SplitMode::Auto, &ws)?;
+    let mode = PlanOptions { split: SplitMode::Auto, tuning: b.tuning };
+    let planned_once = bp.plan_mla(dev(), &batch_meta, host::DType::BF16, C::DTYPE, heads, mode, &ws)?;
     let (mut chunk, mut cluster) = (planned_once.chunk, planned_once.cluster);
     let us = b.time(|| {
         let args = MlaArgs {
@@ -530,7 +557,7 @@ fn mla_row<C: Element>(
         if planned {
             mla_attention_planned(dev(), s, args, &batch_meta, scale, &bp, &mut ws, status)
         } else {
-            let plan = mla_attention(dev(), s, args, &batch_meta, scale, SplitMode::Auto, &mut ws, status)?;
+            let plan = mla_attention(dev(), s, args, &batch_meta, scale, mode, &mut ws, status)?;
             (chunk, cluster) = (plan.chunk, plan.cluster);
             Ok(())
         }

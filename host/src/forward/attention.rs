@@ -4,7 +4,8 @@
 use super::config::ForwardConfig;
 use super::cpu_exec::forward_cpu;
 use super::gpu_exec::GpuExec;
-use super::graph::{capture_stream, refuse_foreign_capture, Capture, CaptureInProgress, GraphBucket, StepGraph};
+use super::graph::{capture_stream, Capture, StepGraph};
+use super::graph_plan::GraphBucket;
 use super::io::{CacheSpec, LayerIo};
 use super::step::StepMetadata;
 use super::timing::{PhaseTimes, Timer};
@@ -13,6 +14,7 @@ use crate::backend::{refusal_reasons, BackendSpec, DeviceInfo, GraphSupport, Sel
 use crate::device::AttnDevice;
 use crate::error::{ensure, AttnError, Result};
 use crate::metadata::MetadataBuilder;
+use crate::stream_check::{refuse_foreign_capture, CaptureInProgress};
 use cudarc::driver::CudaStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

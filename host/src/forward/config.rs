@@ -3,11 +3,12 @@
 
 use super::io::CacheSpec;
 use crate::backend::{AttentionKind, ModelConfig};
-use crate::decode::{AttnOptions, SplitMode, MAX_QUERY_LEN};
+use crate::batch::MAX_QUERY_LEN;
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
 use crate::layout::{KvCacheSpec, MlaCacheSpec};
 use crate::metadata::CascadeMode;
+use crate::options::{AttnOptions, PlanOptions, SplitMode, Tuning};
 
 /// The largest step an [`Attention`](super::Attention) takes (its GPU workspaces and upload
 /// buffers are sized for it once).
@@ -36,6 +37,8 @@ pub struct ForwardConfig {
     pub decode_threshold: usize,
     /// How decode splits long contexts (`SplitMode::Fixed(1)`: batch-independent results).
     pub split_mode: SplitMode,
+    /// The split planners' tuning knobs (the measured defaults unless benchmarking).
+    pub tuning: Tuning,
     /// Cascade attention for a prefix of blocks every request shares (`tensor-core` only; not
     /// with a sliding window, ALiBi or sinks): decided per step by
     /// [`use_cascade`](crate::metadata::use_cascade), or forced on or off. `Auto` stays off with
@@ -54,6 +57,7 @@ impl ForwardConfig {
             opts: AttnOptions::new(model.head_size),
             decode_threshold: 1,
             split_mode: SplitMode::Auto,
+            tuning: Tuning::DEFAULT,
             cascade: CascadeMode::Auto,
             limits,
         }
@@ -75,6 +79,12 @@ impl ForwardConfig {
                 Ok(CacheSpec::Mla(MlaCacheSpec::new(self.num_blocks, m.block_size, m.head_size - rope, rope)?))
             }
         }
+    }
+
+    /// The options of the decode and MLA split plans: [`split_mode`](Self::split_mode) and
+    /// [`tuning`](Self::tuning).
+    pub fn plan_options(&self) -> PlanOptions {
+        PlanOptions { split: self.split_mode, tuning: self.tuning }
     }
 
     /// Blocks a request's row of the block table may need.

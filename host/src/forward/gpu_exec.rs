@@ -5,7 +5,7 @@
 
 use super::cascade_exec::CascadeScratch;
 use super::config::ForwardConfig;
-use super::graph::{GraphBucket, GraphPlanner};
+use super::graph_plan::{GraphBucket, GraphPlanner};
 use super::held::Held;
 use super::io::CacheSpec;
 use super::io::{GpuLayer, Layer, NewKv};
@@ -13,19 +13,18 @@ use super::step::{DeviceStep, StepMetadata};
 use super::step_plan::{PlanKind, StepPlanner};
 use super::timing::Timer;
 use super::validate::Parts;
-use crate::batch::DeviceBatch;
+use crate::batch::{DecodeBatch, DeviceBatch, PrefillBatch};
 use crate::buffer::{DevIn, KeepAlive};
 use crate::cache_write::{concat_and_cache_mla_from, reshape_and_cache_from, KvScales, KvWrite, MlaWrite};
-use crate::decode::{
-    decode_tc_kernel, merge_attn_states_from, paged_decode_from, DecodeArgs, DecodeBatch, DecodeWorkspace, MergeArgs, PlanSource, SplitMode,
-};
+use crate::decode::{decode_tc_kernel, merge_attn_states_from, paged_decode_from, DecodeArgs, DecodeWorkspace, MergeArgs, PlanSource};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
 use crate::layout::{KvCacheSpec, MlaCacheSpec, RowsDesc};
 use crate::metadata::{CascadeMode, PlanConfig, StagingLayout, StagingSizes};
 use crate::mla::{mla_attention_from, mla_tc_kernel, MlaArgs};
-use crate::prefill::{prefill_from, PrefillArgs, PrefillBatch, PrefillKv, PrefillOptions, PrefillWorkspace};
+use crate::options::{PlanOptions, SplitMode};
+use crate::prefill::{prefill_from, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
 use crate::status::DeviceStatus;
 use cudarc::driver::{CudaEvent, CudaStream};
 use std::sync::Arc;
@@ -165,12 +164,12 @@ impl GpuExec {
     pub(crate) fn graph_planner(&self, config: &ForwardConfig, spec: &CacheSpec, bucket: GraphBucket) -> Result<GraphPlanner> {
         let m = &config.model;
         let fp8 = m.cache_dtype == DType::Fp8E4m3;
-        let q = bucket.query_len as u32;
+        let (q, t) = (bucket.query_len as u32, &config.tuning);
         let tc = match spec {
             // A graph runs whatever lengths its steps have: FP8 caches take the deep-pipeline
             // kernels (`keys_rows::FP8_LONG_KEYS`), made for the long contexts graphs serve.
-            CacheSpec::Paged(_) => decode_tc_kernel(&self.dev, m.q_dtype, fp8, m.head_size, m.num_q_heads, m.num_kv_heads, q, u32::MAX)?,
-            CacheSpec::Mla(_) => mla_tc_kernel(&self.dev, m.q_dtype, fp8, m.num_q_heads, q)?,
+            CacheSpec::Paged(_) => decode_tc_kernel(&self.dev, m.q_dtype, fp8, m.head_size, m.num_q_heads, m.num_kv_heads, q, u32::MAX, t)?,
+            CacheSpec::Mla(_) => mla_tc_kernel(&self.dev, m.q_dtype, fp8, m.num_q_heads, q, t)?,
         };
         GraphPlanner::new(bucket, tc, config.split_mode, m.num_q_heads, config.max_blocks_per_req(), self.decode_ws.partial_rows())
     }
@@ -186,7 +185,8 @@ impl GpuExec {
         let words = 4096 + 8 * l.max_num_reqs + 2 * l.max_num_tokens;
         let fp8 = m.cache_dtype == DType::Fp8E4m3;
         let partial = self.decode_ws.partial_rows();
-        StepPlanner::new(self.dev.clone(), self.stream.clone(), kind, m.q_dtype, fp8, m.num_q_heads, config.split_mode, partial, words)
+        let plan = config.plan_options();
+        StepPlanner::new(self.dev.clone(), self.stream.clone(), kind, m.q_dtype, fp8, m.num_q_heads, plan, partial, words)
     }
 
     /// A graph step's device buffer.
@@ -296,7 +296,7 @@ impl GpuExec {
                     query_start_loc: part.query_start_loc,
                     key_start_loc: None,
                 };
-                let source = graph_plan.as_ref().map_or(PlanSource::Host(config.split_mode), PlanSource::Device);
+                let source = graph_plan.as_ref().map_or(PlanSource::Host(config.plan_options()), PlanSource::Device);
                 let (opts, ws) = (&config.opts, &mut self.decode_ws);
                 paged_decode_from(&self.dev, stream, args, &batch, meta, opts, source, true, ws, &mut self.status)?;
             }
@@ -351,7 +351,8 @@ impl GpuExec {
             };
             let (lens, qsl) = ([prefix.tokens as i32], [0, nt as i32]);
             let batch = DecodeBatch { seq_lens: &lens, query_start_loc: &qsl };
-            let source = cp.prefix.as_ref().map_or(PlanSource::Host(SplitMode::Auto), PlanSource::Device);
+            let auto = PlanOptions { split: SplitMode::Auto, tuning: config.tuning };
+            let source = cp.prefix.as_ref().map_or(PlanSource::Host(auto), PlanSource::Device);
             let meta = DeviceBatch {
                 seq_lens: DevIn::owned(cp.prefix_seq_len, 1, DType::I32),
                 query_start_loc: DevIn::owned(cp.prefix_query_start_loc, 2, DType::I32),
@@ -445,7 +446,7 @@ impl GpuExec {
                 scales: scales(),
             };
             let meta = DeviceBatch { seq_lens: part.seq_lens, query_start_loc: part.query_start_loc, key_start_loc: None };
-            let source = graph_plan.as_ref().map_or(PlanSource::Host(config.split_mode), PlanSource::Device);
+            let source = graph_plan.as_ref().map_or(PlanSource::Host(config.plan_options()), PlanSource::Device);
             let ws = &mut self.decode_ws;
             mla_attention_from(&self.dev, stream, args, &parts.decode, meta, scale, source, ws, &mut self.status)?;
         }
@@ -465,7 +466,7 @@ impl GpuExec {
             };
             let batch = DecodeBatch { seq_lens: parts.prefill.seq_lens, query_start_loc: parts.prefill.query_start_loc };
             let meta = DeviceBatch { seq_lens: part.seq_lens, query_start_loc: part.query_start_loc, key_start_loc: None };
-            let (source, ws) = (PlanSource::Host(config.split_mode), &mut self.decode_ws);
+            let (source, ws) = (PlanSource::Host(config.plan_options()), &mut self.decode_ws);
             mla_attention_from(&self.dev, stream, args, &batch, meta, scale, source, ws, &mut self.status)?;
         }
         let end = timer.mark(Some(stream))?;

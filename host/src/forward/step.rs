@@ -3,7 +3,7 @@
 //! (on the GPU) uploaded in one copy by the existing builder ([`crate::metadata`]).
 
 use super::config::ForwardConfig;
-use super::graph::{refuse_foreign_capture, GraphBucket, GraphPlanner};
+use super::graph_plan::{GraphBucket, GraphPlanner};
 use super::held::Held;
 use super::step_plan::{StepPlanner, StepPlans};
 use crate::buffer::KeepAlive;
@@ -13,6 +13,7 @@ use crate::metadata::{
     split_decodes, upload, use_cascade, validate, BatchSplit, CascadeMode, CascadeStep, CommonPrefix, MetadataBuilder, StagingLayout,
     StepInput,
 };
+use crate::stream_check::refuse_foreign_capture;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 use std::sync::Arc;
 
@@ -146,7 +147,7 @@ impl StepMetadata {
                 let standard = matches!(c.model.kind, crate::backend::AttentionKind::Standard);
                 // Whether Auto picks cascade depends on the rest of the batch, so the
                 // deterministic mode (`SplitMode::Fixed(1)`) keeps it off unless forced on.
-                let deterministic = c.split_mode == crate::decode::SplitMode::Fixed(1) && c.cascade == CascadeMode::Auto;
+                let deterministic = c.split_mode == crate::options::SplitMode::Fixed(1) && c.cascade == CascadeMode::Auto;
                 if standard && c.cascade != CascadeMode::Off && c.opts.window.is_none() && !deterministic {
                     let m = &self.config.model;
                     let shared = CascadeStep::new(input, m.num_q_heads / m.num_kv_heads);

@@ -9,13 +9,15 @@
 //! - the decode part's plan (items, splits, partial bases, token requests, header);
 //! - the prefix's plan (cascade steps).
 
-use crate::decode::{decode_tc_kernel, max_len, plan_decode_tc, DecodeBatch, DevicePlan, SplitMode, TcKernel};
+use crate::batch::DecodeBatch;
+use crate::decode::{append_plan, decode_tc_kernel, max_len, plan_decode_tc, DevicePlan, PlanRegions, TcKernel};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::metadata::plan_words::{append, append_plan, PlanRegions};
-use crate::metadata::{upload, BatchSplit, CommonPrefix, Region, StepInput, ALIGN_WORDS};
+use crate::metadata::{upload, BatchSplit, CommonPrefix, StepInput};
 use crate::mla::mla_tc_kernel;
+use crate::options::PlanOptions;
+use crate::words::{append, Region, ALIGN_WORDS};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 use std::sync::Arc;
 
@@ -45,7 +47,7 @@ pub(crate) struct StepPlanner {
     q_dtype: DType,
     fp8: bool,
     num_q_heads: usize,
-    mode: SplitMode,
+    plan: PlanOptions,
     partial_capacity: usize,
     words: Vec<u32>,
     staging: PinnedHostSlice<u32>,
@@ -62,7 +64,7 @@ impl StepPlanner {
         q_dtype: DType,
         fp8: bool,
         num_q_heads: usize,
-        mode: SplitMode,
+        plan: PlanOptions,
         partial_capacity: usize,
         initial_words: usize,
     ) -> Result<Self> {
@@ -77,7 +79,7 @@ impl StepPlanner {
             q_dtype,
             fp8,
             num_q_heads,
-            mode,
+            plan,
             partial_capacity,
             words: Vec::with_capacity(n),
             staging,
@@ -87,11 +89,12 @@ impl StepPlanner {
     }
 
     fn kernel(&self, max_q: u32, lens: &[i32]) -> Result<TcKernel> {
+        let tuning = &self.plan.tuning;
         match self.kind {
             PlanKind::Standard { head_size, num_kv_heads } => {
-                decode_tc_kernel(&self.dev, self.q_dtype, self.fp8, head_size, self.num_q_heads, num_kv_heads, max_q, max_len(lens))
+                decode_tc_kernel(&self.dev, self.q_dtype, self.fp8, head_size, self.num_q_heads, num_kv_heads, max_q, max_len(lens), tuning)
             }
-            PlanKind::Mla => mla_tc_kernel(&self.dev, self.q_dtype, self.fp8, self.num_q_heads, max_q),
+            PlanKind::Mla => mla_tc_kernel(&self.dev, self.q_dtype, self.fp8, self.num_q_heads, max_q, tuning),
         }
     }
 
@@ -116,7 +119,8 @@ impl StepPlanner {
             let lens = if cascade.is_some() { &suffix_lens[..nd] } else { &input.seq_lens[..nd] };
             let tc = self.kernel(max_q, lens)?;
             let batch = DecodeBatch { seq_lens: lens, query_start_loc: qsl };
-            let plan = plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.mode, self.partial_capacity);
+            let plan =
+                plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.plan.split, self.partial_capacity);
             decode = Some((append_plan(&mut words, &plan), tc, plan.items.len() / 2, plan.needs_merge()));
         }
         let mut prefix = None;
@@ -124,7 +128,8 @@ impl StepPlanner {
             let (lens, qsl) = ([p.tokens as i32], [0, nt as i32]);
             let tc = self.kernel(nt as u32, &lens)?;
             let batch = DecodeBatch { seq_lens: &lens, query_start_loc: &qsl };
-            let plan = plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.mode, self.partial_capacity);
+            let plan =
+                plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.plan.split, self.partial_capacity);
             prefix = Some((append_plan(&mut words, &plan), tc, plan.items.len() / 2, plan.needs_merge()));
         }
         if self.staging.len() < words.len() {
@@ -141,7 +146,7 @@ impl StepPlanner {
         let base = self.device.device_ptr(&self.stream).0;
         let at = |r: Region| base + r.byte_offset() as u64;
         let device_plan = |(r, tc, items, needs_merge): (PlanRegions, TcKernel, usize, bool)| DevicePlan {
-            kernel: tc.name,
+            kernel: tc.id,
             layer: tc.layer,
             items: at(r.items),
             req_num_splits: at(r.req_num_splits),

@@ -5,13 +5,12 @@ use super::config::ForwardConfig;
 use super::host_buf::{HostIn, HostOut};
 use super::io::{CacheSpec, Layer, NewKv};
 use super::step::StepMetadata;
+use crate::batch::{validate_batch, validate_prefill_batch, DecodeBatch, PrefillBatch};
 use crate::buffer::{DevIn, DevOut};
 use crate::cache_write::latent_rows_len;
-use crate::decode::{validate_batch, DecodeBatch};
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
 use crate::layout::RowsDesc;
-use crate::prefill::{validate_prefill_batch, PrefillBatch};
 
 /// A buffer's dtype and length in elements, wherever it lives.
 pub(crate) trait Buf {

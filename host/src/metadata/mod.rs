@@ -28,13 +28,13 @@
 mod builder;
 mod cascade;
 mod input;
-pub(crate) mod plan_words;
 mod split;
 mod staging;
 mod tensor_core;
 mod upload;
 mod validate;
 
+pub use crate::words::{Region, ALIGN_WORDS};
 pub use builder::{BuiltStep, MetadataBuilder};
 pub use cascade::{
     common_prefix, use_cascade, CascadeMode, CascadeStep, CommonPrefix, MAX_CASCADE_ROWS_PER_REQ, MIN_CASCADE_PREFIX_TOKENS,
@@ -42,7 +42,7 @@ pub use cascade::{
 };
 pub use input::StepInput;
 pub use split::{decode_first_order, is_decode, split_decodes, BatchSplit};
-pub use staging::{pack, pack_into, Region, StagingLayout, StagingSizes, ALIGN_WORDS};
+pub use staging::{pack, pack_into, StagingLayout, StagingSizes};
 pub use tensor_core::{build_tensor_core_metadata, DecodePart, PlanConfig, PrefillPart, TensorCoreMetadata};
 pub use upload::upload;
 pub use validate::validate;

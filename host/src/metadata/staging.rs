@@ -3,37 +3,7 @@
 
 use super::input::{blocks_for, StepInput};
 use super::tensor_core::TensorCoreMetadata;
-use std::ops::Range;
-
-/// Arrays start at multiples of this many words (16 bytes).
-pub const ALIGN_WORDS: usize = 4;
-
-/// Where one array lies in the words: `len` words from `offset`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Region {
-    pub offset: usize,
-    pub len: usize,
-}
-
-impl Region {
-    pub fn range(&self) -> Range<usize> {
-        self.offset..self.end()
-    }
-
-    /// `offset + len` (saturating: a region past a usize is in no buffer).
-    pub fn end(&self) -> usize {
-        self.offset.saturating_add(self.len)
-    }
-
-    pub fn byte_offset(&self) -> usize {
-        self.offset.saturating_mul(4)
-    }
-
-    /// This array's words in `words`.
-    pub fn of<'w>(&self, words: &'w [u32]) -> &'w [u32] {
-        &words[self.range()]
-    }
-}
+use crate::words::{Region, ALIGN_WORDS};
 
 /// Where [`pack`] put each array (offsets and lengths in u32 words from the buffer's start;
 /// every offset a multiple of [`ALIGN_WORDS`], the gaps zero).

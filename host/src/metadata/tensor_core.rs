@@ -5,7 +5,8 @@
 use super::input::StepInput;
 use super::split::{split_decodes, BatchSplit};
 use super::validate::validate;
-use crate::decode::{DecodePlan, MAX_QUERY_LEN};
+use crate::batch::MAX_QUERY_LEN;
+use crate::decode::DecodePlan;
 use crate::error::{ensure, Result};
 use attn_math::decode::HEAD_SIZES;
 

@@ -11,10 +11,10 @@ use super::model::SimModel;
 use super::rng::SplitMix;
 use super::scheduler::Batch;
 use crate::cpu::{self, KvRef, PrefillRef};
-use crate::decode::AttnOptions;
 use crate::dtype::{DType, Element};
 use crate::error::Result;
 use crate::layout::RowsDesc;
+use crate::options::AttnOptions;
 use std::collections::HashMap;
 
 /// `sqrt(sum (got - want)^2 / sum want^2)` (the absolute norm when `want` is all zeros).

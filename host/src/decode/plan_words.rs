@@ -1,9 +1,9 @@
 //! A split plan's arrays packed into one word buffer (each array at a 16-byte-aligned offset),
-//! so that one copy moves the whole plan: a step's plans ([`crate::forward`]) and a direct
-//! call's ([`crate::decode::DecodeWorkspace`]).
+//! so that one copy moves the whole plan: a step's plans ([`crate::forward`]), a
+//! [`BatchPlan`](crate::batch_plan::BatchPlan)'s and a direct call's ([`super::DecodeWorkspace`]).
 
-use super::{Region, ALIGN_WORDS};
-use crate::decode::DecodePlan;
+use super::split::DecodePlan;
+use crate::words::{append, Region, ALIGN_WORDS};
 
 /// One plan's arrays in a word buffer.
 #[derive(Clone, Copy, Debug)]
@@ -20,15 +20,6 @@ pub(crate) struct PlanRegions {
 pub(crate) fn plan_words(items: usize, reqs: usize, tokens: usize) -> usize {
     let padded = |n: usize| n.next_multiple_of(ALIGN_WORDS);
     padded(items) + 2 * padded(reqs) + padded(tokens) + padded(4)
-}
-
-/// Appends `values` at the end of `words`, then pads to the next aligned offset.
-pub(crate) fn append(words: &mut Vec<u32>, values: impl IntoIterator<Item = u32>) -> Region {
-    let offset = words.len();
-    words.extend(values);
-    let r = Region { offset, len: words.len() - offset };
-    words.resize(words.len().next_multiple_of(ALIGN_WORDS), 0);
-    r
 }
 
 pub(crate) fn append_plan(words: &mut Vec<u32>, plan: &DecodePlan) -> PlanRegions {

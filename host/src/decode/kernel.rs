@@ -1,0 +1,222 @@
+//! The kernel a decode batch runs ([`TcKernel`]): chosen from the layer's shape and the
+//! batch's query and key lengths, with the CTA target of its split plans from the device's
+//! occupancy and the [`Tuning`].
+
+use crate::device::AttnDevice;
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::kernels::KernelId;
+use crate::options::{SplitMode, Tuning};
+use attn_math::keys_rows;
+use attn_math::prefill::{block_m, block_n, shared_layout};
+use attn_math::split::EVEN_WAVES_MAX_SPLITS;
+
+/// Which kernel runs a decode batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DecodeKernel {
+    /// Tensor cores, 16 query rows per CTA and the keys of each tile split across its warps
+    /// (`decode_tc_<q>[_fp8]_d<d>`): up to 16 rows (query tokens x query heads) per kv head.
+    /// Up to 8 rows run the same CTAs with the score tile transposed (`decode_kr_*`, keys on
+    /// the MMA's rows: `attn_math::keys_rows`), from 16-bit caches and FP8 at head sizes 64/128.
+    #[default]
+    TensorCoreKeys,
+    /// Tensor cores, 64 rows per CTA (the prefill kernel): more rows per kv head (MQA).
+    TensorCoreRows,
+    /// MLA's latent attention (`host::mla::mla_attention`; its plans carry this tag).
+    Mla,
+}
+
+impl DecodeKernel {
+    /// The tensor-core shape for a batch: keys split across warps up to 16 rows per kv head.
+    pub fn tensor_cores(rows_per_kv_head: u32) -> DecodeKernel {
+        if rows_per_kv_head <= block_m(0, 0, true, false) {
+            DecodeKernel::TensorCoreKeys
+        } else {
+            DecodeKernel::TensorCoreRows
+        }
+    }
+
+    pub fn keys_split(self) -> bool {
+        self == DecodeKernel::TensorCoreKeys
+    }
+}
+
+/// What the tensor-core planner needs of a kernel: its query rows and keys per tile, and the
+/// CTAs of one work item (kv heads x MLA's V slices).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcShape {
+    pub block_m: u32,
+    pub block_n: u32,
+    pub ctas_per_item: u32,
+}
+
+impl TcShape {
+    /// The attention kernel's shape for these head sizes, CTA shape and cache format.
+    pub const fn attention(head_size_qk: u32, head_size_v: u32, keys_split: bool, fp8: bool, ctas_per_item: u32) -> TcShape {
+        TcShape {
+            block_m: block_m(head_size_qk, head_size_v, keys_split, fp8),
+            block_n: block_n(head_size_qk, head_size_v, keys_split, fp8),
+            ctas_per_item,
+        }
+    }
+}
+
+/// The heads and head size of a layer, which a plan's offsets depend on: a request's partial
+/// rows are `splits x query tokens x num_q_heads` rows of `head_size` floats, and a launch has
+/// one CTA per work item and kv head. A plan used with more heads would index past its partials.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LayerShape {
+    pub num_q_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_size: usize,
+}
+
+/// A tensor-core kernel for a kind of batch, and the CTA count its split plans aim at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct TcKernel {
+    pub kernel: DecodeKernel,
+    pub id: KernelId,
+    /// The layer it runs (MLA: one kv head of the latent width).
+    pub layer: LayerShape,
+    pub smem: u32,
+    pub shape: TcShape,
+    /// Threads per CTA.
+    pub threads: u32,
+    /// Query heads per kv head (MLA: every head).
+    pub group: u32,
+    /// CTAs the split plan aims at.
+    pub target: u64,
+    /// CTAs the GPU holds at once (`plan_decode_tc`'s even waves); 0: no even waves (MLA, or
+    /// [`Tuning::decode_even_waves`] off).
+    pub slots: u64,
+    /// The kernel merges its splits itself (`decode_kr_*`: the last CTA of a work item, through
+    /// the workspace's counters): no merge kernel, and a plan of uniform splits stays on the host.
+    pub fused_merge: bool,
+}
+
+impl TcKernel {
+    /// The most work items a plan of `num_reqs` requests of `q_len` query tokens can have
+    /// (`plan_decode_tc`: at most `target` CTAs unless one split per request is already more,
+    /// and then up to `EVEN_WAVES_MAX_SPLITS` splits each;
+    /// `SplitMode::Fixed(n)`: `n` splits each at most).
+    pub fn max_items(&self, num_reqs: usize, q_len: u32, mode: SplitMode) -> usize {
+        let bm = self.shape.block_m;
+        let per_split = num_reqs * (q_len * self.group).div_ceil(bm).max(1) as usize;
+        match mode {
+            // Even waves split each request up to EVEN_WAVES_MAX_SPLITS times.
+            SplitMode::Auto => (per_split * EVEN_WAVES_MAX_SPLITS as usize).max((self.target / self.shape.ctas_per_item as u64) as usize),
+            SplitMode::Fixed(n) => per_split * n.max(1) as usize,
+        }
+    }
+}
+
+/// The longest request's keys (0 for an empty batch or negative lengths).
+pub(crate) fn max_len(seq_lens: &[i32]) -> u32 {
+    seq_lens.iter().copied().max().unwrap_or(0).max(0) as u32
+}
+
+/// The tensor-core decode kernel for `max_q` query tokens per request (`max_len` keys in the
+/// longest), and its CTA target under `tuning`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn decode_tc_kernel(
+    dev: &AttnDevice,
+    q_dtype: DType,
+    fp8: bool,
+    d: usize,
+    hq: usize,
+    num_kv_heads: usize,
+    max_q: u32,
+    max_len: u32,
+    tuning: &Tuning,
+) -> Result<TcKernel> {
+    let group = (hq / num_kv_heads) as u32;
+    let (kernel, id, smem) = decode_kernel_id(q_dtype, fp8, d as u32, group, max_q, max_len);
+    let waves = tuning.decode_waves.unwrap_or(measured_waves(d as u32)).max(1);
+    let resident = dev.resident_ctas(id, attn_math::prefill::THREADS, smem)?;
+    let slots = dev.sm_count() as u64 * resident as u64;
+    let target = waves * slots;
+    // No slots: `plan_decode_tc` leaves the even waves out.
+    let slots = if tuning.decode_even_waves { slots } else { 0 };
+    let shape = TcShape::attention(d as u32, d as u32, kernel.keys_split(), fp8, num_kv_heads as u32);
+    let layer = LayerShape { num_q_heads: hq, num_kv_heads, head_size: d };
+    // The keys-as-rows kernels merge their splits themselves.
+    let fused_merge = matches!(id, KernelId::DecodeKr { .. });
+    Ok(TcKernel { kernel, id, layer, smem, shape, threads: attn_math::prefill::THREADS, group, target, slots, fused_merge })
+}
+
+/// The tensor-core decode kernel for `group` query heads per kv head at head size `d`, `max_q`
+/// query tokens per request and `max_len` keys in the longest, and its shared memory.
+pub(crate) fn decode_kernel_id(q: DType, fp8: bool, d: u32, group: u32, max_q: u32, max_len: u32) -> (DecodeKernel, KernelId, u32) {
+    let kernel = DecodeKernel::tensor_cores(max_q * group);
+    // Up to 8 rows per kv head (FP8 caches at head sizes 64 and 128): the same CTAs with the
+    // score tile transposed (`decode_kr_*`: keys on the MMA's rows; half the math per tile).
+    let keys_rows =
+        kernel == DecodeKernel::TensorCoreKeys && (!fp8 || keys_rows::FP8_HEAD_SIZES.contains(&d)) && max_q * group <= keys_rows::MAX_ROWS;
+    let long = max_len >= keys_rows::FP8_LONG_KEYS;
+    let id = match kernel {
+        // FP8 batches with long requests: the deep-pipeline kernels (`keys_rows::FP8_LONG_KEYS`).
+        DecodeKernel::TensorCoreKeys if keys_rows => KernelId::DecodeKr { q, fp8, long: fp8 && long, head_size: d },
+        DecodeKernel::TensorCoreKeys => KernelId::DecodeTc { q, fp8, head_size: d },
+        _ => KernelId::Prefill { q, fp8, head_size_qk: d, head_size_v: d },
+    };
+    let smem = if keys_rows {
+        keys_rows::layout(d, fp8, keys_rows::ctas_per_sm(d, fp8, long)).total
+    } else {
+        shared_layout(d, d, kernel.keys_split(), fp8).total
+    };
+    (kernel, id, smem)
+}
+
+/// Waves of resident CTAs a decode plan aims at by default: splits short enough to fill every
+/// SM, few enough that the per-CTA start (work item, first address tables, pipeline fill) and
+/// the merge stay small, measured per head size on the H100 (BENCHMARKS.md): one wave at
+/// d96/d128 (2 CTAs per SM), two at d256 (1 per SM), four at d64 (short tiles: more CTAs in
+/// flight). [`Tuning::decode_waves`] overrides it.
+pub(crate) fn measured_waves(d: u32) -> u64 {
+    match d {
+        0..=64 => 4,
+        65..=128 => 1,
+        _ => 2,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The decode kernel of each kind of batch: keys as rows up to 8 rows per kv head (FP8 at
+    /// head sizes 64 and 128 only, the deep pipeline from `FP8_LONG_KEYS` keys), keys split
+    /// across warps up to 16, the prefill kernel above.
+    #[test]
+    fn decode_kernel_choice() {
+        let name = |fp8, d, group, max_q, max_len| decode_kernel_id(DType::BF16, fp8, d, group, max_q, max_len).1.entry_name();
+        let long = keys_rows::FP8_LONG_KEYS;
+        assert_eq!(name(false, 128, 4, 1, 100), "decode_kr_bf16_d128");
+        assert_eq!(name(false, 128, 4, 1, long), "decode_kr_bf16_d128");
+        assert_eq!(name(false, 256, 8, 1, 100), "decode_kr_bf16_d256");
+        assert_eq!(name(true, 128, 4, 2, long - 1), "decode_kr_bf16_fp8_d128");
+        assert_eq!(name(true, 64, 4, 2, long), "decode_kr_bf16_fp8_long_d64");
+        assert_eq!(name(true, 96, 4, 1, long), "decode_tc_bf16_fp8_d96");
+        assert_eq!(name(false, 128, 4, 3, 100), "decode_tc_bf16_d128");
+        assert_eq!(name(true, 128, 16, 1, long), "decode_tc_bf16_fp8_d128");
+        assert_eq!(name(false, 128, 8, 3, 100), "prefill_bf16_dk128_dv128");
+        assert_eq!(name(true, 64, 32, 1, long), "prefill_bf16_fp8_dk64_dv64");
+        let f16 = decode_kernel_id(DType::F16, false, 96, 2, 1, 10);
+        assert_eq!(f16.1.entry_name(), "decode_kr_f16_d96");
+        assert_eq!(f16.0, DecodeKernel::TensorCoreKeys);
+
+        // Shared memory: the keys-as-rows layout for its CTAs per SM, else the tile kernel's.
+        let (kernel, _, smem) = decode_kernel_id(DType::BF16, true, 128, 4, 1, long);
+        assert_eq!(kernel, DecodeKernel::TensorCoreKeys);
+        assert_eq!(smem, keys_rows::layout(128, true, keys_rows::ctas_per_sm(128, true, true)).total);
+        let (kernel, _, smem) = decode_kernel_id(DType::BF16, false, 128, 4, 3, 100);
+        assert_eq!((kernel, smem), (DecodeKernel::TensorCoreKeys, shared_layout(128, 128, true, false).total));
+        let (kernel, _, smem) = decode_kernel_id(DType::BF16, false, 128, 32, 1, 100);
+        assert_eq!((kernel, smem), (DecodeKernel::TensorCoreRows, shared_layout(128, 128, false, false).total));
+    }
+
+    #[test]
+    fn measured_waves_by_head_size() {
+        assert_eq!([64, 96, 128, 256].map(measured_waves), [4, 1, 1, 2]);
+    }
+}

@@ -1,0 +1,159 @@
+//! [`paged_decode`]: checks the call ([`super::args`]), plans its launch ([`super::plan`]) and
+//! runs it: the attention kernel on the plan, then the merge when one follows.
+
+use super::args::{check_args, CheckedArgs, DecodeArgs};
+use super::merge::launch_merge;
+use super::plan::{call_kernel, plan_launch, LaunchPlan, PlanSource};
+use super::split::DecodePlan;
+use super::workspace::DecodeWorkspace;
+use crate::batch::{BatchMetadata, DecodeBatch, DeviceBatch};
+use crate::device::AttnDevice;
+use crate::dtype::DType;
+use crate::error::{ensure, Result};
+use crate::options::{AttnOptions, PlanOptions};
+use crate::status::DeviceStatus;
+use crate::stream_check::refuse_foreign_capture;
+use attn_math::params::PrefillParams;
+use attn_math::softmax::LOG2_E;
+use cudarc::driver::{CudaStream, DevicePtrMut};
+use std::sync::Arc;
+
+/// Paged decode: validates everything, plans, uploads the plan, launches pass 1 and (when a
+/// request has several splits) the merge. Enqueued on `stream`; block ids outside the cache are
+/// skipped and raise `BLOCK_OUT_OF_RANGE` in `status`.
+///
+/// Ordering on Hopper (programmatic dependent launch, `ATTN_DISABLE_PDL=1` turns it off): the
+/// kernel may start while the kernel launched just before it on `stream` still runs, and reads
+/// the queries, block tables, sequence lengths and, on the keys-as-rows kernels, the cache rows
+/// of each request's context before its new tokens (positions below `seq_len - q_len`) before
+/// waiting for it. Those must have been written before that kernel started, as they are in an
+/// engine step (QKV projection, then the cache write of the new tokens, then decode). The new
+/// tokens' rows are read, and everything is written, after the wait.
+///
+/// Caller's part (docs/soundness.md): `batch`, `ws` (and a plan) must have been made on
+/// `stream`; the contents of the caller's buffers and their ordering are the caller's, the
+/// bounds of every access are the library's.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode(
+    dev: &AttnDevice,
+    stream: &Arc<CudaStream>,
+    a: DecodeArgs<'_>,
+    batch: &BatchMetadata,
+    opts: &AttnOptions,
+    plan: impl Into<PlanOptions>,
+    ws: &mut DecodeWorkspace,
+    status: &mut DeviceStatus,
+) -> Result<DecodePlan> {
+    refuse_foreign_capture(stream, "stream", "paged_decode")?;
+    let meta = batch.device(stream)?;
+    paged_decode_from(dev, stream, a, &batch.decode_batch(), meta, opts, PlanSource::Host(plan.into()), true, ws, status)
+}
+
+/// [`paged_decode`] with its plan from `source`. Not `causal`: every query token sees every key
+/// and a request takes any number of them (cascade's shared prefix: all the batch's tokens as
+/// one request), on the tensor cores. `meta` is the device copy of `batch`, uploaded by the
+/// library from it (a [`BatchMetadata`], or `forward`'s step buffer).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn paged_decode_from(
+    dev: &AttnDevice,
+    stream: &Arc<CudaStream>,
+    a: DecodeArgs<'_>,
+    batch: &DecodeBatch<'_>,
+    meta: DeviceBatch<'_>,
+    opts: &AttnOptions,
+    source: PlanSource<'_>,
+    causal: bool,
+    ws: &mut DecodeWorkspace,
+    status: &mut DeviceStatus,
+) -> Result<DecodePlan> {
+    let checked = check_args(&a, batch, &meta, causal, ws, stream)?;
+    let num_reqs = batch.seq_lens.len();
+    let (nt, hq, d) = (a.q_rows.num_tokens, a.q_rows.num_heads, a.q_rows.head_size);
+    if num_reqs == 0 || nt == 0 {
+        return Ok(DecodePlan::default());
+    }
+    let fp8 = a.cache.dtype == DType::Fp8E4m3;
+    let tc = call_kernel(dev, a.q.dtype, fp8, d, hq, a.spec.num_kv_heads, batch, source)?;
+    let lp = plan_launch(tc, batch, source, ws.partial_rows(), |_, _| 0)?;
+    run(dev, stream, &a, (&meta, num_reqs), opts, causal, &lp, &checked, ws, status)?;
+    Ok(lp.plan)
+}
+
+/// Runs a planned launch on the call's checked buffers: finds the plan's arrays (uploading the
+/// plan when it goes through the workspace), fills the kernel's parameters, launches it, then
+/// the merge when one follows.
+#[allow(clippy::too_many_arguments)]
+fn run(
+    dev: &AttnDevice,
+    stream: &Arc<CudaStream>,
+    a: &DecodeArgs<'_>,
+    (meta, num_reqs): (&DeviceBatch<'_>, usize),
+    opts: &AttnOptions,
+    causal: bool,
+    lp: &LaunchPlan<'_>,
+    checked: &CheckedArgs,
+    ws: &mut DecodeWorkspace,
+    status: &mut DeviceStatus,
+) -> Result<()> {
+    let (spec, tc) = (&a.spec, &lp.kernel);
+    let (nt, hq) = (a.q_rows.num_tokens, a.q_rows.num_heads);
+    let (q_dtype, cache_dtype) = (a.q.dtype, a.cache.dtype);
+    let wp = ws.arrays(stream, lp, num_reqs, nt)?;
+    let (status_ptr, _o7) = status.word.device_ptr_mut(stream);
+    let (k_origin, v_origin) = spec.kv_origins();
+    let cb = cache_dtype.size_bytes() as u64;
+    let lse_ptr = a.lse.as_ref().map_or(0, |l| l.ptr);
+    let tp = PrefillParams {
+        q: a.q.ptr,
+        q_token_stride: a.q_rows.token_stride as u64,
+        q_head_stride: a.q_rows.head_stride as u64,
+        k: a.cache.ptr + k_origin as u64 * cb,
+        v: a.cache.ptr + v_origin as u64 * cb,
+        k_strides: spec.strides(),
+        v_strides: spec.strides(),
+        block_table: a.block_table.ptr,
+        block_table_stride: a.block_table_stride as u64,
+        seq_lens: meta.seq_lens.ptr,
+        key_start_loc: 0,
+        query_start_loc: meta.query_start_loc.ptr,
+        out: a.out.ptr,
+        out_token_stride: a.out_rows.token_stride as u64,
+        out_head_stride: a.out_rows.head_stride as u64,
+        lse: lse_ptr,
+        partial_out: wp.partial_out,
+        partial_lse: wp.partial_lse,
+        req_num_splits: wp.req_num_splits,
+        req_partial_base: wp.req_partial_base,
+        work_items: wp.items,
+        alibi_slopes: checked.alibi,
+        sinks: checked.sinks,
+        k_scale: checked.k_scale,
+        v_scale: checked.v_scale,
+        status: status_ptr,
+        scale_log2: opts.softmax_scale * LOG2_E,
+        softcap: opts.softcap.unwrap_or(0.0),
+        window: opts.window.unwrap_or(0),
+        num_blocks: spec.num_blocks as u32,
+        block_size: spec.block_size as u32,
+        chunk: lp.chunk,
+        num_q_heads: hq as u32,
+        group: (hq / spec.num_kv_heads) as u32,
+        causal: causal as u32,
+        v_slices: 0,
+        v_row: 0,
+        cluster: 0,
+        plan: lp.header,
+        sched: 0,
+        ctas: 0,
+        uniform_splits: lp.uniform_splits,
+        ..PrefillParams::default()
+    };
+    let tp = if tc.fused_merge { PrefillParams { merge_counters: ws.merge_counters_ptr(stream), ..tp } } else { tp };
+    let ctas = lp.ctas();
+    ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
+    dev.launch_pdl(stream, tc.id, (ctas as u32, 1, 1), tc.threads, tc.smem, tp)?;
+    if lp.merge {
+        launch_merge(dev, stream, &wp, meta.query_start_loc.ptr, (&a.out, &a.out_rows), lse_ptr, checked.sinks, q_dtype)?;
+    }
+    Ok(())
+}

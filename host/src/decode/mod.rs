@@ -1,0 +1,42 @@
+//! Paged decode attention with two-pass split-K (flash-decoding), and the public LSE merge
+//! `merge_attn_states`.
+//!
+//! The host plans each batch from its host-side metadata (`seq_lens`, `query_start_loc`): one
+//! chunk size for the batch (`attn_math::split::plan_chunk`), so long requests get many splits
+//! and short ones few and the CTAs fill the GPU; requests with one split write their output
+//! directly, the others go through the workspace and the merge kernel. The plan is uploaded into
+//! a caller-owned [`DecodeWorkspace`]; nothing is allocated per call.
+//!
+//! - `args`: what a call takes and its checks (the batch's host arrays and their checks are
+//!   [`crate::batch`]'s, re-exported here);
+//! - `kernel`: the kernel a batch runs and the CTA target of its plans;
+//! - `split`: the batch's split-K plan;
+//! - `plan`: a call's launch, planned (kernel, grid, where the plan's arrays are, the merge);
+//! - `workspace`: the split-K partials and the uploaded plan (`plan_words`: the plan packed
+//!   for one copy);
+//! - `launch`: [`paged_decode`], which checks, plans and runs;
+//! - `merge`: split-K's pass 2 and [`merge_attn_states`].
+
+mod args;
+mod kernel;
+mod launch;
+mod merge;
+mod plan;
+mod plan_words;
+mod split;
+mod workspace;
+
+pub use crate::batch::{validate_batch, DecodeBatch, MAX_QUERY_LEN};
+pub use crate::options::{AttnOptions, PlanOptions, SplitMode, Tuning};
+pub use args::DecodeArgs;
+pub use kernel::{DecodeKernel, TcShape};
+pub use launch::paged_decode;
+pub use merge::{merge_attn_states, merge_attn_states_sizes, MergeArgs};
+pub use split::{plan_decode_tc, DecodePlan};
+pub use workspace::DecodeWorkspace;
+
+pub(crate) use kernel::{decode_tc_kernel, max_len, LayerShape, TcKernel};
+pub(crate) use launch::paged_decode_from;
+pub(crate) use merge::{launch_merge, merge_attn_states_from};
+pub(crate) use plan::{plan_launch, DevicePlan, PlanSource};
+pub(crate) use plan_words::{append_plan, PlanRegions};

@@ -1,0 +1,211 @@
+//! [`KernelId`]: every kernel the host launches, by what tells the kernels apart (family, types,
+//! head sizes, pipeline). Plans and launches carry a `KernelId`; its PTX entry name
+//! ([`KernelId::entry_name`], the name the kernels' export macros give it) is made only where
+//! the device looks the function up in its module.
+
+use crate::dtype::DType;
+use crate::ptx::Family;
+use attn_math::{decode, hopper_prefill, keys_rows, prefill};
+use std::fmt;
+
+/// The MLA kernel's two CTA shapes (`attn_math::mla::NARROW`, `WIDE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MlaTile {
+    /// 16 query rows a tile (memory-bound decode).
+    Narrow,
+    /// 64 query rows a tile (many heads, compute-bound).
+    Wide,
+}
+
+/// A kernel the host launches. `q`, `src` and `out` are the 16-bit (or f32) types of queries,
+/// sources and outputs; `fp8`: an FP8 E4M3 cache (else the cache has the query's or source's
+/// type). [`KernelId::all`] lists every one the committed modules export.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelId {
+    /// `reshape_and_cache_<src>_<cache>`: K/V rows into the paged cache.
+    ReshapeAndCache { src: DType, fp8: bool },
+    /// `concat_and_cache_mla_<src>_<cache>`: MLA latent rows into the latent cache.
+    ConcatAndCacheMla { src: DType, fp8: bool },
+    /// `decode_merge_<out>`: pass 2 of split-K.
+    DecodeMerge { out: DType },
+    /// `merge_attn_states_<out>`.
+    MergeAttnStates { out: DType },
+    /// `decode_tc_<q>[_fp8]_d<d>`: tensor-core decode, keys split across warps.
+    DecodeTc { q: DType, fp8: bool, head_size: u32 },
+    /// `decode_kr_<q>[_fp8][_long]_d<d>`: the keys-as-rows decode (`attn_math::keys_rows`);
+    /// `long` (FP8 only): the deep-pipeline form for long contexts.
+    DecodeKr { q: DType, fp8: bool, long: bool, head_size: u32 },
+    /// `prefill_<q>[_fp8]_dk<qk>_dv<v>`: the `mma.sync` attention-tile kernel.
+    Prefill { q: DType, fp8: bool, head_size_qk: u32, head_size_v: u32 },
+    /// `prefill_wg_<q>_d<d>`: Hopper's `wgmma` prefill (sm_90a).
+    PrefillWg { q: DType, head_size: u32 },
+    /// `prefill_wgs_<q>_d<d>`: Hopper's warp-specialised persistent prefill (sm_90a).
+    PrefillWgs { q: DType, head_size: u32 },
+    /// `mla_<q>[_fp8]_{narrow,wide}`: MLA's latent attention.
+    Mla { q: DType, fp8: bool, tile: MlaTile },
+}
+
+impl KernelId {
+    /// The kernel's PTX entry name, as the kernels' export macros spell it.
+    pub fn entry_name(&self) -> String {
+        let fp8 = |on: bool| if on { "_fp8" } else { "" };
+        let cache = |src: DType, on: bool| if on { DType::Fp8E4m3.kernel_name() } else { src.kernel_name() };
+        match *self {
+            KernelId::ReshapeAndCache { src, fp8 } => format!("reshape_and_cache_{}_{}", src.kernel_name(), cache(src, fp8)),
+            KernelId::ConcatAndCacheMla { src, fp8 } => format!("concat_and_cache_mla_{}_{}", src.kernel_name(), cache(src, fp8)),
+            KernelId::DecodeMerge { out } => format!("decode_merge_{}", out.kernel_name()),
+            KernelId::MergeAttnStates { out } => format!("merge_attn_states_{}", out.kernel_name()),
+            KernelId::DecodeTc { q, fp8: f, head_size: d } => format!("decode_tc_{}{}_d{d}", q.kernel_name(), fp8(f)),
+            KernelId::DecodeKr { q, fp8: f, long, head_size: d } => {
+                format!("decode_kr_{}{}{}_d{d}", q.kernel_name(), fp8(f), if long { "_long" } else { "" })
+            }
+            KernelId::Prefill { q, fp8: f, head_size_qk: dk, head_size_v: dv } => {
+                format!("prefill_{}{}_dk{dk}_dv{dv}", q.kernel_name(), fp8(f))
+            }
+            KernelId::PrefillWg { q, head_size: d } => format!("prefill_wg_{}_d{d}", q.kernel_name()),
+            KernelId::PrefillWgs { q, head_size: d } => format!("prefill_wgs_{}_d{d}", q.kernel_name()),
+            KernelId::Mla { q, fp8: f, tile } => {
+                format!("mla_{}{}_{}", q.kernel_name(), fp8(f), if tile == MlaTile::Narrow { "narrow" } else { "wide" })
+            }
+        }
+    }
+
+    /// The module (kernel family) that holds the kernel.
+    pub(crate) fn family(&self) -> Family {
+        match self {
+            KernelId::ReshapeAndCache { .. } | KernelId::ConcatAndCacheMla { .. } => Family::CacheWrite,
+            KernelId::DecodeMerge { .. } | KernelId::MergeAttnStates { .. } => Family::Merge,
+            KernelId::DecodeTc { .. }
+            | KernelId::DecodeKr { .. }
+            | KernelId::Prefill { .. }
+            | KernelId::PrefillWg { .. }
+            | KernelId::PrefillWgs { .. }
+            | KernelId::Mla { .. } => Family::Attention,
+        }
+    }
+
+    /// Whether only the sm_90a module has it (Hopper's `wgmma` prefill kernels).
+    pub fn hopper_only(&self) -> bool {
+        matches!(self, KernelId::PrefillWg { .. } | KernelId::PrefillWgs { .. })
+    }
+
+    /// Every kernel the modules export (those of [`hopper_only`](Self::hopper_only) in the
+    /// sm_90a one only).
+    pub fn all() -> Vec<KernelId> {
+        const HALF: [DType; 2] = [DType::F16, DType::BF16];
+        const FLOAT: [DType; 3] = [DType::F16, DType::BF16, DType::F32];
+        let mut v = Vec::new();
+        for src in FLOAT {
+            for fp8 in [false, true] {
+                v.push(KernelId::ReshapeAndCache { src, fp8 });
+                v.push(KernelId::ConcatAndCacheMla { src, fp8 });
+            }
+            v.push(KernelId::DecodeMerge { out: src });
+            v.push(KernelId::MergeAttnStates { out: src });
+        }
+        for q in HALF {
+            for fp8 in [false, true] {
+                for head_size in decode::HEAD_SIZES {
+                    v.push(KernelId::DecodeTc { q, fp8, head_size });
+                    if !fp8 || keys_rows::FP8_HEAD_SIZES.contains(&head_size) {
+                        v.push(KernelId::DecodeKr { q, fp8, long: false, head_size });
+                    }
+                    if fp8 && keys_rows::FP8_HEAD_SIZES.contains(&head_size) {
+                        v.push(KernelId::DecodeKr { q, fp8, long: true, head_size });
+                    }
+                }
+                // FP8 caches are paged, whose K and V have one head size.
+                for (dk, dv) in prefill::HEAD_SIZES.into_iter().filter(|&(dk, dv)| !fp8 || dk == dv) {
+                    v.push(KernelId::Prefill { q, fp8, head_size_qk: dk, head_size_v: dv });
+                }
+                for tile in [MlaTile::Narrow, MlaTile::Wide] {
+                    v.push(KernelId::Mla { q, fp8, tile });
+                }
+            }
+            for head_size in hopper_prefill::HEAD_SIZES {
+                v.push(if hopper_prefill::WS_HEAD_SIZES.contains(&head_size) {
+                    KernelId::PrefillWgs { q, head_size }
+                } else {
+                    KernelId::PrefillWg { q, head_size }
+                });
+            }
+        }
+        v
+    }
+}
+
+impl fmt::Display for KernelId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.entry_name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ptx::{ALL_FAMILIES, TARGETS};
+    use std::collections::BTreeSet;
+
+    /// The `.entry` names of a committed PTX module, read from the repository.
+    fn entries(target: &str, family: Family) -> BTreeSet<String> {
+        let file = match family {
+            Family::CacheWrite => "cache_write",
+            Family::Merge => "merge",
+            Family::Attention => "attention",
+        };
+        let path = format!("{}/ptx/{target}/{file}.ptx", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        text.lines()
+            .filter_map(|l| l.trim_start().strip_prefix(".visible .entry ").or_else(|| l.trim_start().strip_prefix(".entry ")))
+            .map(|rest| rest.split(|c: char| c == '(' || c.is_whitespace()).next().unwrap_or("").to_string())
+            .collect()
+    }
+
+    /// Every id names an entry of its family's module in every target that should have it,
+    /// and every entry of the committed modules is some id's: a renamed, moved or new export
+    /// fails here rather than at a launch on the GPU.
+    #[test]
+    fn every_kernel_id_is_an_entry_of_the_committed_ptx() {
+        let all = KernelId::all();
+        let names: BTreeSet<String> = all.iter().map(KernelId::entry_name).collect();
+        assert_eq!(names.len(), all.len(), "two ids share a name");
+        for target in TARGETS {
+            for family in ALL_FAMILIES {
+                let found = entries(target.name, family);
+                assert!(!found.is_empty(), "{} {family:?}: no .entry found", target.name);
+                let want: BTreeSet<String> = all
+                    .iter()
+                    .filter(|id| id.family() == family && (!id.hopper_only() || target.name == "sm_90a"))
+                    .map(KernelId::entry_name)
+                    .collect();
+                let missing: Vec<_> = want.difference(&found).collect();
+                assert!(missing.is_empty(), "{} {family:?}: ids with no entry: {missing:?}", target.name);
+                let unknown: Vec<_> = found.difference(&want).collect();
+                assert!(unknown.is_empty(), "{} {family:?}: entries no id names: {unknown:?}", target.name);
+            }
+        }
+    }
+
+    #[test]
+    fn entry_names() {
+        let (f16, bf16) = (DType::F16, DType::BF16);
+        let cases = [
+            (KernelId::ReshapeAndCache { src: DType::F32, fp8: true }, "reshape_and_cache_f32_fp8"),
+            (KernelId::ConcatAndCacheMla { src: bf16, fp8: false }, "concat_and_cache_mla_bf16_bf16"),
+            (KernelId::DecodeMerge { out: f16 }, "decode_merge_f16"),
+            (KernelId::MergeAttnStates { out: DType::F32 }, "merge_attn_states_f32"),
+            (KernelId::DecodeTc { q: bf16, fp8: true, head_size: 96 }, "decode_tc_bf16_fp8_d96"),
+            (KernelId::DecodeKr { q: f16, fp8: false, long: false, head_size: 256 }, "decode_kr_f16_d256"),
+            (KernelId::DecodeKr { q: bf16, fp8: true, long: true, head_size: 64 }, "decode_kr_bf16_fp8_long_d64"),
+            (KernelId::Prefill { q: f16, fp8: false, head_size_qk: 192, head_size_v: 128 }, "prefill_f16_dk192_dv128"),
+            (KernelId::PrefillWg { q: bf16, head_size: 128 }, "prefill_wg_bf16_d128"),
+            (KernelId::PrefillWgs { q: f16, head_size: 64 }, "prefill_wgs_f16_d64"),
+            (KernelId::Mla { q: bf16, fp8: true, tile: MlaTile::Narrow }, "mla_bf16_fp8_narrow"),
+            (KernelId::Mla { q: f16, fp8: false, tile: MlaTile::Wide }, "mla_f16_wide"),
+        ];
+        for (id, name) in cases {
+            assert_eq!(id.entry_name(), name);
+            assert_eq!(id.to_string(), name);
+        }
+    }
+}

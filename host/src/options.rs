@@ -1,0 +1,91 @@
+//! The options of the attention calls: a layer's ([`AttnOptions`]), and what a decode or MLA
+//! split plan is made with besides the batch and the layer ([`PlanOptions`]): how to split
+//! ([`SplitMode`]) and the planners' tuning knobs ([`Tuning`]). Plan options are passed where a
+//! plan is made ([`paged_decode`](crate::decode::paged_decode),
+//! [`mla_attention`](crate::mla::mla_attention), [`BatchPlan`](crate::batch_plan::BatchPlan)),
+//! or held by [`ForwardConfig`](crate::forward::ForwardConfig) for `forward`'s plans.
+
+/// Attention options of a layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnOptions {
+    pub softmax_scale: f32,
+    /// Sliding window: each query sees its last `window` keys (itself included).
+    pub window: Option<u32>,
+    /// Logit soft-cap: `cap * tanh(logit / cap)`.
+    pub softcap: Option<f32>,
+}
+
+impl AttnOptions {
+    pub fn new(head_size: usize) -> Self {
+        AttnOptions { softmax_scale: 1.0 / (head_size as f32).sqrt(), window: None, softcap: None }
+    }
+}
+
+/// How decode splits the keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SplitMode {
+    /// Planned per batch from the SM count, the batch and the lengths.
+    #[default]
+    Auto,
+    /// The longest request is split into at most `n` chunks of whole 16-token tiles (so
+    /// sometimes fewer); `Fixed(1)` gives one split per request and results that do not depend
+    /// on the rest of the batch (deterministic mode).
+    Fixed(u32),
+}
+
+/// The split planners' tuning knobs. The defaults are the values measured on the H100
+/// (BENCHMARKS.md, docs/decode.md, docs/mla.md); the benchmark (`attn-bench`) sets the others.
+/// They change how a batch is split, never a result beyond rounding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// Waves of resident CTAs a tensor-core decode plan aims at (`SplitMode::Auto`); `None`:
+    /// the measured value for the head size (4 at d64, 1 at d96 and d128, 2 at d256). 0 counts
+    /// as 1.
+    pub decode_waves: Option<u64>,
+    /// Splits batches of requests of about equal length into even waves of CTAs
+    /// (`attn_math::split::even_waves_chunk`; tensor-core decode, `SplitMode::Auto`).
+    pub decode_even_waves: bool,
+    /// Waves of resident CTAs an MLA plan aims at (`SplitMode::Auto`; 0 counts as 1).
+    pub mla_waves: u64,
+    /// MLA on sm_90a: a request's splits as one thread-block cluster that combines them in
+    /// shared memory, where the plan allows it ([`DecodePlan::cluster`](crate::decode::DecodePlan::cluster)).
+    pub mla_clusters: bool,
+}
+
+impl Tuning {
+    /// The measured defaults.
+    pub const DEFAULT: Tuning = Tuning { decode_waves: None, decode_even_waves: true, mla_waves: 1, mla_clusters: true };
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning::DEFAULT
+    }
+}
+
+/// The options of a split plan (FlashInfer's `plan` arguments): how to split, and the tuning.
+/// A [`SplitMode`] converts into one with the default tuning.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct PlanOptions {
+    pub split: SplitMode,
+    pub tuning: Tuning,
+}
+
+impl From<SplitMode> for PlanOptions {
+    fn from(split: SplitMode) -> Self {
+        PlanOptions { split, tuning: Tuning::DEFAULT }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_the_measured_values() {
+        let t = Tuning::default();
+        assert_eq!(t, Tuning { decode_waves: None, decode_even_waves: true, mla_waves: 1, mla_clusters: true });
+        assert_eq!(PlanOptions::from(SplitMode::Fixed(3)), PlanOptions { split: SplitMode::Fixed(3), tuning: t });
+        assert_eq!(PlanOptions::default().split, SplitMode::Auto);
+    }
+}
