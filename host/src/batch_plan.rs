@@ -133,7 +133,7 @@ impl BatchPlan {
             self.device = self.stream.alloc_zeros(words.len().next_power_of_two())?;
         }
         // One pageable copy: the driver sends a small one with the stream's commands, which
-        // measured cheaper than a copy-engine transfer from pinned memory (BENCHMARKS.md).
+        // measured cheaper than a copy-engine transfer from pinned memory (docs/decode.md).
         let copied = self.stream.memcpy_htod(&words[..], &mut self.device.slice_mut(..words.len()));
         self.words = words;
         copied?;

@@ -93,7 +93,7 @@ pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usi
     let (smem, threads) = (mla::shared_layout(s, fp8).total, mla::THREADS);
     // One wave of resident CTAs (one per SM): measured on the H100 against two and four, whose
     // extra splits cost more (per-CTA start, partials, merge) than the tail they shorten
-    // (BENCHMARKS.md).
+    // (docs/mla.md).
     let waves = tuning.mla_waves.max(1);
     let resident = dev.resident_ctas(id, threads, smem)?;
     let target = waves * dev.sm_count() as u64 * resident as u64;
@@ -115,7 +115,7 @@ pub(crate) fn mla_kernel_id(q: DType, fp8: bool, rows: u32) -> (KernelId, mla::M
 /// cluster size), so that consecutive CTAs are one request's splits; and clusters that all fit
 /// on the GPU at once (a cluster lives in one GPC: on the H100, 32 clusters of 4 did not fit and
 /// took 1.6x the merge kernel's time). On the H100 this saved the merge's 5 us at 16 heads x
-/// batch 64 (BENCHMARKS.md). [`Tuning::mla_clusters`] off turns it off.
+/// batch 64 (docs/mla.md). [`Tuning::mla_clusters`] off turns it off.
 pub(crate) fn mla_cluster(dev: &AttnDevice, tc: &TcKernel, plan: &DecodePlan, tuning: &Tuning) -> u32 {
     let narrow = tc.shape.block_m == mla::NARROW.block_m && matches!(tc.id, KernelId::Mla { tile: MlaTile::Narrow, .. });
     let off = !tuning.mla_clusters;

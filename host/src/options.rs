@@ -34,7 +34,7 @@ pub enum SplitMode {
 }
 
 /// The split planners' tuning knobs. The defaults are the values measured on the H100
-/// (BENCHMARKS.md, docs/decode.md, docs/mla.md); the benchmark (`attn-bench`) sets the others.
+/// (docs/decode.md, docs/mla.md); the benchmark (`attn-bench`) sets the others.
 /// They change how a batch is split, never a result beyond rounding.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Tuning {

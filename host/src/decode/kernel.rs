@@ -169,7 +169,7 @@ pub(crate) fn decode_kernel_id(q: DType, fp8: bool, d: u32, group: u32, max_q: u
 
 /// Waves of resident CTAs a decode plan aims at by default: splits short enough to fill every
 /// SM, few enough that the per-CTA start (work item, first address tables, pipeline fill) and
-/// the merge stay small, measured per head size on the H100 (BENCHMARKS.md): one wave at
+/// the merge stay small, measured per head size on the H100 (docs/decode.md): one wave at
 /// d96/d128 (2 CTAs per SM), two at d256 (1 per SM), four at d64 (short tiles: more CTAs in
 /// flight). [`Tuning::decode_waves`] overrides it.
 pub(crate) fn measured_waves(d: u32) -> u64 {

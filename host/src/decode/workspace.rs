@@ -15,7 +15,7 @@ pub struct DecodeWorkspace {
     partial_out: CudaSlice<f32>,
     partial_lse: CudaSlice<f32>,
     /// A call's plan, its arrays packed into one buffer (`plan_words`) that one
-    /// copy fills (four copies cost 2.6 us more a call on the H100, BENCHMARKS.md).
+    /// copy fills (one copy instead of four saved about 3 us a call on the H100, docs/decode.md).
     plan_device: CudaSlice<u32>,
     plan_words: Vec<u32>,
     /// Split-K merged in pass 1: an arrival counter per split work item (zero between launches;
