@@ -101,7 +101,7 @@ impl AttnDevice {
         let m = match self.sass_for(family) {
             // A driver that refuses the cubin (too old for the ptxas that made it) still
             // JIT-compiles the PTX.
-            Some(cubin) => self.ctx.load_module(Ptx::from_binary(cubin.to_vec())).or_else(|_| self.load_ptx(family))?,
+            Some(cubin) => self.ctx.load_module(Ptx::from_binary(cubin)).or_else(|_| self.load_ptx(family))?,
             None => self.load_ptx(family)?,
         };
         *slot = Some(m.clone());
@@ -109,19 +109,19 @@ impl AttnDevice {
     }
 
     fn load_ptx(&self, family: Family) -> std::result::Result<Arc<CudaModule>, cudarc::driver::DriverError> {
-        self.ctx.load_module(Ptx::from_src(self.target.modules[family as usize]))
+        self.ctx.load_module(Ptx::from_src(self.target.module(family)))
     }
 
     /// The family's SASS, when this GPU runs it and `ATTN_FORCE_PTX_JIT` is not `1`.
-    fn sass_for(&self, family: Family) -> Option<&'static [u8]> {
-        let (major, minor) = self.compute_capability;
-        let forced_jit = std::env::var("ATTN_FORCE_PTX_JIT").is_ok_and(|v| v == "1");
-        (!forced_jit && self.target.runs_sass((major * 10 + minor) as u32)).then(|| self.target.cubins[family as usize])
+    fn sass_for(&self, family: Family) -> Option<Vec<u8>> {
+        self.loads_sass().then(|| self.target.cubin(family))
     }
 
     /// Whether the kernels load as SASS built ahead of time (else the driver JIT-compiles PTX).
     pub fn loads_sass(&self) -> bool {
-        self.sass_for(Family::CacheWrite).is_some()
+        let (major, minor) = self.compute_capability;
+        let forced_jit = std::env::var("ATTN_FORCE_PTX_JIT").is_ok_and(|v| v == "1");
+        !forced_jit && self.target.runs_sass((major * 10 + minor) as u32)
     }
 
     pub(crate) fn function(&self, kernel: KernelId) -> Result<CudaFunction> {

@@ -1,6 +1,8 @@
 //! The kernels, built to PTX by `cargo xtask build-ptx` and committed under `host/ptx/`, embedded
 //! here so that an engine depending on this crate needs neither nightly Rust nor the CUDA toolkit.
-//! Each target has one module per kernel family; the device loads a family on first use.
+//! Each target has one module per kernel family; the device loads a family on first use. The
+//! build script deflates the modules of the targets the features select (`sm80`, `sm90a`), and
+//! a module is inflated when a device loads it.
 //!
 //! Next to each PTX module is its SASS (`.cubin`, assembled by `ptxas` for the target). On a GPU
 //! that runs it, the device loads the SASS: no driver JIT. The JIT of the attention module alone
@@ -25,10 +27,10 @@ pub(crate) const ALL_FAMILIES: [Family; NUM_FAMILIES] = [Family::CacheWrite, Fam
 /// One target's modules and the compute capabilities it runs on.
 pub(crate) struct PtxTarget {
     pub name: &'static str,
-    /// Indexed by `Family as usize`.
-    pub modules: [&'static str; NUM_FAMILIES],
-    /// The same modules assembled by `ptxas` for this target.
-    pub cubins: [&'static [u8]; NUM_FAMILIES],
+    /// One PTX module per [`Family`], deflated by the build script.
+    modules: [&'static [u8]; NUM_FAMILIES],
+    /// The same modules assembled by `ptxas` for this target, deflated.
+    cubins: [&'static [u8]; NUM_FAMILIES],
     /// Compute capabilities that run the cubins: the target's own, and newer minor versions of
     /// the same major where the architecture allows it (sm_80 SASS runs on 8.6 and 8.9).
     pub sass_min_cc: u32,
@@ -38,20 +40,20 @@ pub(crate) struct PtxTarget {
     pub max_cc: u32,
 }
 
+#[allow(unused_macros)] // with neither target feature
+macro_rules! embedded {
+    ($name:literal, $file:literal) => {
+        include_bytes!(concat!(env!("OUT_DIR"), "/", $name, "/", $file, ".deflate"))
+    };
+}
+
+#[allow(unused_macros)]
 macro_rules! target {
     ($name:literal, $min:expr, $max:expr, $sass_max:expr) => {
         PtxTarget {
             name: $name,
-            modules: [
-                include_str!(concat!("../ptx/", $name, "/cache_write.ptx")),
-                include_str!(concat!("../ptx/", $name, "/merge.ptx")),
-                include_str!(concat!("../ptx/", $name, "/attention.ptx")),
-            ],
-            cubins: [
-                include_bytes!(concat!("../ptx/", $name, "/cache_write.cubin")),
-                include_bytes!(concat!("../ptx/", $name, "/merge.cubin")),
-                include_bytes!(concat!("../ptx/", $name, "/attention.cubin")),
-            ],
+            modules: [embedded!($name, "cache_write.ptx"), embedded!($name, "merge.ptx"), embedded!($name, "attention.ptx")],
+            cubins: [embedded!($name, "cache_write.cubin"), embedded!($name, "merge.cubin"), embedded!($name, "attention.cubin")],
             min_cc: $min,
             max_cc: $max,
             sass_min_cc: $min,
@@ -60,18 +62,37 @@ macro_rules! target {
     };
 }
 
+/// Inflates a module the build script deflated (from the crate's own files: it cannot fail
+/// unless the build is corrupt).
+fn inflate(packed: &[u8]) -> Vec<u8> {
+    miniz_oxide::inflate::decompress_to_vec(packed).expect("an embedded kernel module does not inflate: the build is corrupt")
+}
+
 impl PtxTarget {
     /// Whether a device of compute capability `cc` runs this target's SASS.
     pub fn runs_sass(&self, cc: u32) -> bool {
         (self.sass_min_cc..=self.sass_max_cc).contains(&cc)
     }
+
+    /// The family's PTX text.
+    pub fn module(&self, family: Family) -> String {
+        String::from_utf8(inflate(self.modules[family as usize])).expect("embedded PTX is ASCII")
+    }
+
+    /// The family's SASS (a cubin).
+    pub fn cubin(&self, family: Family) -> Vec<u8> {
+        inflate(self.cubins[family as usize])
+    }
 }
 
 /// Best first: the first target whose range holds the device's capability is used.
+/// The targets the `sm90a` and `sm80` features select.
 pub(crate) const TARGETS: &[PtxTarget] = &[
     // sm_90a code uses Hopper-only instructions and runs on compute capability 9.0 exactly.
+    #[cfg(feature = "sm90a")]
     target!("sm_90a", 90, 90, 90),
     // Ampere SASS runs on 8.x; its PTX is JIT-compiled by the driver for every newer GPU.
+    #[cfg(feature = "sm80")]
     target!("sm_80", 80, u32::MAX, 89),
 ];
 
