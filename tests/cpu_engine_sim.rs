@@ -6,7 +6,7 @@
 //! On the CPU backend the sim's check (`host::sim::check`) compares `host::cpu` with itself:
 //! the backend and the reference run the same attention code, so these runs check the
 //! bookkeeping only (which rows reach the cache, block tables, positions, the batch layout),
-//! not the attention arithmetic; the GPU tests and tests/cpu_forward.rs (its own per-request
+//! not the attention arithmetic; the GPU tests and tests/cpu_forward/ (its own per-request
 //! reference) cover that. The run says so in its output.
 
 use host::backend::{select_backend_no_env, DeviceInfo};

@@ -440,9 +440,10 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     // One request of 20000 keys under a sliding window, every row with two dominant keys at
     // its mask's edges (the first key of its window, its own position) and the keys just
     // outside them as strong: one key too many or too few at either edge moves every row far
-    // past the tolerance (`common::masking`; tests/cpu_decode.rs checks that it does). The
-    // windows start inside a block; speculative tokens move each row's edges by one; 8 rows
-    // per kv head take the keys-as-rows kernel, with its splits merged in the kernel.
+    // past the tolerance (`common::masking`; tests/cpu_decode/edge_markers.rs checks that it
+    // does). The windows start inside a block; speculative tokens move each row's edges by
+    // one; 8 rows per kv head take the keys-as-rows kernel, with its splits merged in the
+    // kernel.
     let edges = |q_len: i32, window: u32| Case { q_lens: vec![q_len], window: Some(window), edge_markers: true, ..Case::base(&[20000]) };
     push("bf16_bf16::long_window_edges".into(), edges(1, 4093), "bf16_bf16");
     push("bf16_bf16::long_window_edges_spec_4".into(), edges(4, 3001), "bf16_bf16");

@@ -319,8 +319,8 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     // sliding window, every row with two dominant keys at its mask's edges (the first key of
     // its window, its own position) and the keys just outside them as strong: one key too many
     // or too few at either edge moves every row far past the tolerance (`common::masking`;
-    // tests/cpu_decode.rs checks that it does). Windows and chunks start inside blocks and
-    // tiles; d64 runs `prefill_wgs_*` on Hopper.
+    // tests/cpu_decode/edge_markers.rs checks that it does). Windows and chunks start inside
+    // blocks and tiles; d64 runs `prefill_wgs_*` on Hopper.
     let edges = |q_len: i32, window: u32| Case {
         q_heads: 4,
         kv_heads: 1,

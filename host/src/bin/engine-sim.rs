@@ -14,29 +14,234 @@
 //!  [--layers N] [--requests N] [--steps N] [--max-running N] [--token-budget N]
 //!  [--prompt MIN:MAX] [--gen MIN:MAX] [--blocks N] [--check-every N] [--check-layers A,B]
 //!  [--check-reqs N] [--check-tokens N] [--progress-every N] [--decode-threshold N] [--seed N]`
+//! (`--help` describes each; flags not given take the preset's value for where the backend
+//! runs, `SimConfig::cpu_default` or `SimConfig::gpu_default`).
 
-use host::backend::{select_backend, select_backend_no_env, DeviceInfo, Selection};
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser, ValueEnum};
+use host::backend::{find_backend, select_backend, select_backend_no_env, DeviceInfo, Selection};
 use host::forward::GpuHandles;
 use host::sim::{run_sim, SimConfig, SimError, SimModel};
 use host::{AttnDevice, AttnError, DType};
-use std::collections::HashMap;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-const USAGE: &str = "usage: engine-sim [--model llama|deepseek|both] [--backend NAME] [--dtype bf16|f16|f32] [--layers N] \
-[--requests N] [--steps N] [--max-running N] [--token-budget N] [--prompt MIN:MAX] [--gen MIN:MAX] [--blocks N] \
-[--check-every N] [--check-layers A,B] [--check-reqs N] [--check-tokens N] [--progress-every N] [--decode-threshold N] [--seed N]";
+/// A simulated serving engine: a Llama-3-8B-like model and a DeepSeek-like MLA model served to a
+/// deterministic stream of requests by a chunked-prefill scheduler, every step's mixed batch
+/// through `host::forward` on every layer, a sample checked against the CPU reference.
+///
+/// Flags not given take the preset's value for where the backend runs (listed below).
+#[derive(Parser, Debug)]
+#[command(name = "engine-sim", after_long_help = presets_help())]
+struct Cli {
+    /// The model to serve (both: one after the other).
+    #[arg(long, value_enum, default_value_t = ModelChoice::Both)]
+    model: ModelChoice,
+    /// A backend by its registry name (tensor-core, mla, cpu); else `ATTN_BACKEND`, else the
+    /// automatic choice.
+    #[arg(long, value_name = "NAME", value_parser = backend_name)]
+    backend: Option<String>,
+    /// The activations' and the cache's dtype.
+    #[arg(long, value_enum, default_value_t = DtypeChoice::Bf16)]
+    dtype: DtypeChoice,
+    /// Layers run, at most the model's (32 Llama, 27 DeepSeek); default: the preset's (2 on
+    /// the CPU, the model's on a GPU).
+    #[arg(long, value_name = "N", value_parser = at_least(1))]
+    layers: Option<usize>,
+    /// Requests in the stream.
+    #[arg(long, value_name = "N", value_parser = at_least(1))]
+    requests: Option<usize>,
+    /// Stop after this many steps even if requests remain.
+    #[arg(long, value_name = "N", value_parser = at_least(1))]
+    steps: Option<usize>,
+    /// Requests running at once.
+    #[arg(long, value_name = "N", value_parser = at_least(1))]
+    max_running: Option<usize>,
+    /// Tokens a step computes (chunked prefill fills what decodes leave); at least
+    /// --max-running.
+    #[arg(long, value_name = "N", value_parser = at_least(1))]
+    token_budget: Option<usize>,
+    /// Prompt lengths, drawn from MIN..=MAX (1 <= MIN <= MAX).
+    #[arg(long, value_name = "MIN:MAX", value_parser = len_range)]
+    prompt: Option<(usize, usize)>,
+    /// Generation lengths, drawn from MIN..=MAX (1 <= MIN <= MAX).
+    #[arg(long, value_name = "MIN:MAX", value_parser = len_range)]
+    gen: Option<(usize, usize)>,
+    /// Cache blocks per layer; default: three quarters of what --max-running requests of the
+    /// longest length take.
+    #[arg(long, value_name = "N", value_parser = at_least(1))]
+    blocks: Option<usize>,
+    /// Check against the CPU reference every this many steps (0: never).
+    #[arg(long, value_name = "N")]
+    check_every: Option<usize>,
+    /// The layers checked, a comma-separated list below the layer count; default: the first
+    /// and the last.
+    #[arg(long, value_name = "A,B", value_delimiter = ',', num_args = 1)]
+    check_layers: Option<Vec<usize>>,
+    /// Requests checked in a checked step.
+    #[arg(long, value_name = "N")]
+    check_reqs: Option<usize>,
+    /// Query tokens checked per checked request.
+    #[arg(long, value_name = "N")]
+    check_tokens: Option<usize>,
+    /// A progress line every this many steps (0: none).
+    #[arg(long, value_name = "N")]
+    progress_every: Option<usize>,
+    /// Requests of at most this many query tokens are decodes.
+    #[arg(long, value_name = "N")]
+    decode_threshold: Option<usize>,
+    /// The request stream's and the activations' seed.
+    #[arg(long, value_name = "N")]
+    seed: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum ModelChoice {
+    /// Llama-3-8B-like: 32 query heads over 8 kv heads of 128, 32 layers.
+    Llama,
+    /// DeepSeek-V2-Lite-like: MLA, 16 heads over one 512 + 64 latent, 27 layers.
+    Deepseek,
+    /// Llama, then DeepSeek.
+    Both,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum DtypeChoice {
+    Bf16,
+    F16,
+    F32,
+}
+
+/// A parser of counts of at least `min`.
+fn at_least(min: usize) -> impl Fn(&str) -> Result<usize, String> + Clone + Send + Sync + 'static {
+    move |v| match v.parse::<usize>() {
+        Ok(n) if n >= min => Ok(n),
+        Ok(n) => Err(format!("{n} is below {min}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// `MIN:MAX` with 1 <= MIN <= MAX.
+fn len_range(v: &str) -> Result<(usize, usize), String> {
+    let bad = || format!("expected MIN:MAX with 1 <= MIN <= MAX, got {v:?}");
+    let (a, b) = v.split_once(':').ok_or_else(bad)?;
+    let (a, b) = (a.trim().parse::<usize>().map_err(|_| bad())?, b.trim().parse::<usize>().map_err(|_| bad())?);
+    if a == 0 || a > b {
+        return Err(bad());
+    }
+    Ok((a, b))
+}
+
+/// A registered backend's name (as `host::backend::find_backend` reads it).
+fn backend_name(v: &str) -> Result<String, String> {
+    match find_backend(v) {
+        Some(b) => Ok(b.name.to_string()),
+        None => Err(format!("no backend {v:?}; known backends: {}", host::backend::backend_names().join(", "))),
+    }
+}
+
+/// The two presets, for `--help`.
+fn presets_help() -> String {
+    let line = |what: &str, c: &SimConfig| {
+        let layers = c.num_layers.map_or("the model's".to_string(), |n| n.to_string());
+        let w = &c.workload;
+        format!(
+            "  {what}: --layers {layers}, --requests {}, --steps {}, --max-running {}, --token-budget {}, --prompt {}:{}, --gen {}:{}, \
+             --check-every {}, --check-reqs {}, --check-tokens {}, --progress-every {}, --decode-threshold {}, --seed {}",
+            w.num_requests,
+            c.max_steps,
+            c.max_running,
+            c.token_budget,
+            w.prompt_len.0,
+            w.prompt_len.1,
+            w.gen_len.0,
+            w.gen_len.1,
+            c.check_every,
+            c.check_reqs,
+            c.check_tokens,
+            c.progress_every,
+            c.decode_threshold,
+            c.seed
+        )
+    };
+    format!(
+        "Presets (where the backend runs):\n{}\n{}",
+        line("CPU backend", &SimConfig::cpu_default()),
+        line("GPU backend", &SimConfig::gpu_default())
+    )
+}
+
+impl Cli {
+    fn dtype(&self) -> DType {
+        match self.dtype {
+            DtypeChoice::Bf16 => DType::BF16,
+            DtypeChoice::F16 => DType::F16,
+            DtypeChoice::F32 => DType::F32,
+        }
+    }
+
+    fn models(&self) -> Vec<SimModel> {
+        let dtype = self.dtype();
+        match self.model {
+            ModelChoice::Llama => vec![SimModel::llama3_8b(dtype)],
+            ModelChoice::Deepseek => vec![SimModel::deepseek_v2_lite(dtype)],
+            ModelChoice::Both => vec![SimModel::llama3_8b(dtype), SimModel::deepseek_v2_lite(dtype)],
+        }
+    }
+
+    /// What the flags' types cannot say: the layers against the models', the checked layers
+    /// against the layers, the token budget against the running requests.
+    fn check(&self) -> Result<(), clap::Error> {
+        let error = |msg: String| Err(Cli::command().error(ErrorKind::ValueValidation, msg));
+        let fewest = self.models().into_iter().min_by_key(|m| m.num_layers).expect("a model");
+        if let Some(n) = self.layers.filter(|&n| n > fewest.num_layers) {
+            return error(format!("invalid value '{n}' for '--layers <N>': {} has {} layers", fewest.name, fewest.num_layers));
+        }
+        let layers = self.layers.unwrap_or(fewest.num_layers);
+        if let Some(l) = self.check_layers.iter().flatten().find(|&&l| l >= layers) {
+            let of = if self.layers.is_some() { "given by --layers".to_string() } else { format!("of {}", fewest.name) };
+            return error(format!("invalid value for '--check-layers <A,B>': layer {l} is past the {layers} layers {of}"));
+        }
+        if let (Some(budget), Some(running)) = (self.token_budget, self.max_running) {
+            if budget < running {
+                return error(format!("'--token-budget {budget}' is below '--max-running {running}'"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The preset for where the backend runs, with the flags applied.
+    fn sim_config(&self, on_gpu: bool) -> SimConfig {
+        let mut c = if on_gpu { SimConfig::gpu_default() } else { SimConfig::cpu_default() };
+        c.num_layers = self.layers.or(c.num_layers);
+        if let Some(n) = self.requests {
+            c.workload.num_requests = n;
+            c.workload.initial = c.workload.initial.min(n);
+        }
+        c.max_steps = self.steps.unwrap_or(c.max_steps);
+        c.max_running = self.max_running.unwrap_or(c.max_running);
+        c.token_budget = self.token_budget.unwrap_or(c.token_budget);
+        c.workload.prompt_len = self.prompt.unwrap_or(c.workload.prompt_len);
+        c.workload.gen_len = self.gen.unwrap_or(c.workload.gen_len);
+        c.num_blocks = self.blocks.or(c.num_blocks);
+        c.check_every = self.check_every.unwrap_or(c.check_every);
+        c.check_layers = self.check_layers.clone().or(c.check_layers);
+        c.check_reqs = self.check_reqs.unwrap_or(c.check_reqs);
+        c.check_tokens = self.check_tokens.unwrap_or(c.check_tokens);
+        c.progress_every = self.progress_every.unwrap_or(c.progress_every);
+        c.decode_threshold = self.decode_threshold.unwrap_or(c.decode_threshold);
+        c.seed = self.seed.unwrap_or(c.seed);
+        c
+    }
+}
 
 fn main() -> ExitCode {
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("engine-sim: {e}\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
-    match run(&args) {
+    let cli = Cli::parse();
+    if let Err(e) = cli.check() {
+        e.exit();
+    }
+    match run(&cli) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(e) => {
@@ -44,110 +249,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-type Args = HashMap<String, String>;
-
-const FLAGS: &[&str] = &[
-    "model",
-    "backend",
-    "dtype",
-    "layers",
-    "requests",
-    "steps",
-    "max-running",
-    "token-budget",
-    "prompt",
-    "gen",
-    "blocks",
-    "check-every",
-    "check-layers",
-    "check-reqs",
-    "check-tokens",
-    "progress-every",
-    "decode-threshold",
-    "seed",
-];
-
-fn parse_args() -> Result<Args, String> {
-    let mut args = Args::new();
-    let mut it = std::env::args().skip(1);
-    while let Some(a) = it.next() {
-        if a == "-h" || a == "--help" {
-            println!("{USAGE}");
-            std::process::exit(0);
-        }
-        let name = a.strip_prefix("--").filter(|n| FLAGS.contains(n)).ok_or_else(|| format!("unknown argument {a:?}"))?;
-        let value = it.next().ok_or_else(|| format!("--{name} needs a value"))?;
-        args.insert(name.to_string(), value);
-    }
-    Ok(args)
-}
-
-fn num(args: &Args, name: &str) -> Result<Option<usize>, String> {
-    args.get(name).map(|v| v.parse::<usize>().map_err(|_| format!("--{name} {v:?}: not a number"))).transpose()
-}
-
-fn range(args: &Args, name: &str) -> Result<Option<(usize, usize)>, String> {
-    let Some(v) = args.get(name) else { return Ok(None) };
-    let bad = || format!("--{name} {v:?}: expected MIN:MAX with 1 <= MIN <= MAX");
-    let (a, b) = v.split_once(':').ok_or_else(bad)?;
-    let (a, b) = (a.parse::<usize>().map_err(|_| bad())?, b.parse::<usize>().map_err(|_| bad())?);
-    if a == 0 || a > b {
-        return Err(bad());
-    }
-    Ok(Some((a, b)))
-}
-
-/// The preset for where the backend runs, with the flags applied.
-fn sim_config(args: &Args, on_gpu: bool) -> Result<SimConfig, String> {
-    let mut c = if on_gpu { SimConfig::gpu_default() } else { SimConfig::cpu_default() };
-    if let Some(n) = num(args, "layers")? {
-        c.num_layers = Some(n);
-    }
-    if let Some(n) = num(args, "requests")? {
-        c.workload.num_requests = n;
-        c.workload.initial = c.workload.initial.min(n);
-    }
-    if let Some(n) = num(args, "steps")? {
-        c.max_steps = n;
-    }
-    if let Some(n) = num(args, "max-running")? {
-        c.max_running = n;
-    }
-    if let Some(n) = num(args, "token-budget")? {
-        c.token_budget = n;
-    }
-    if let Some(r) = range(args, "prompt")? {
-        c.workload.prompt_len = r;
-    }
-    if let Some(r) = range(args, "gen")? {
-        c.workload.gen_len = r;
-    }
-    c.num_blocks = num(args, "blocks")?.or(c.num_blocks);
-    if let Some(n) = num(args, "check-every")? {
-        c.check_every = n;
-    }
-    if let Some(v) = args.get("check-layers") {
-        let layers: Result<Vec<usize>, _> = v.split(',').map(|x| x.trim().parse::<usize>()).collect();
-        c.check_layers = Some(layers.map_err(|_| format!("--check-layers {v:?}: expected a list like 0,31"))?);
-    }
-    if let Some(n) = num(args, "check-reqs")? {
-        c.check_reqs = n;
-    }
-    if let Some(n) = num(args, "check-tokens")? {
-        c.check_tokens = n;
-    }
-    if let Some(n) = num(args, "progress-every")? {
-        c.progress_every = n;
-    }
-    if let Some(n) = num(args, "decode-threshold")? {
-        c.decode_threshold = n;
-    }
-    if let Some(n) = num(args, "seed")? {
-        c.seed = n as u64;
-    }
-    Ok(c)
 }
 
 /// Opens GPU 0 if there is one (and loads its kernels), else says the run is on the CPU.
@@ -176,24 +277,13 @@ fn open_device() -> Result<(DeviceInfo, Option<GpuHandles>), Box<dyn std::error:
     Ok((info, Some(GpuHandles { dev: Arc::new(dev), stream })))
 }
 
-fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
-    let dtype = match args.get("dtype").map(String::as_str).unwrap_or("bf16") {
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        "f32" => DType::F32,
-        other => return Err(format!("--dtype {other:?}: bf16, f16 or f32").into()),
-    };
-    let models = match args.get("model").map(String::as_str).unwrap_or("both") {
-        "llama" => vec![SimModel::llama3_8b(dtype)],
-        "deepseek" => vec![SimModel::deepseek_v2_lite(dtype)],
-        "both" => vec![SimModel::llama3_8b(dtype), SimModel::deepseek_v2_lite(dtype)],
-        other => return Err(format!("--model {other:?}: llama, deepseek or both").into()),
-    };
+fn run(cli: &Cli) -> Result<bool, Box<dyn std::error::Error>> {
+    let models = cli.models();
     let (device, gpu) = open_device()?;
     let mut all_ok = true;
     for model in &models {
         println!();
-        let selection = match select_backend(&model.config, &device, args.get("backend").map(String::as_str)) {
+        let selection = match select_backend(&model.config, &device, cli.backend.as_deref()) {
             Ok(s) => s,
             Err(e) => {
                 println!("== {}: no backend: {e}", model.name);
@@ -202,12 +292,12 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
             }
         };
         describe_choice(model, &selection);
-        let mut result = run_one(model, &selection, gpu.clone(), args);
+        let mut result = run_one(model, &selection, gpu.clone(), cli);
         if let Err(SimError::Attn(e @ AttnError::MissingKernel { .. })) = &result {
             // MLA on a GPU: its kernels are missing; run the configuration on the CPU instead.
             println!("   {e}\n   -> running {} on the CPU backend instead [cpu, not GPU figures]", model.name);
             let cpu = select_backend_no_env(&model.config, &DeviceInfo::no_gpu(), Some("cpu"))?;
-            result = run_one(model, &cpu, None, args);
+            result = run_one(model, &cpu, None, cli);
         }
         match result {
             Ok(report) => all_ok &= report.passed(),
@@ -220,8 +310,8 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
     Ok(all_ok)
 }
 
-fn run_one(model: &SimModel, selection: &Selection, gpu: Option<GpuHandles>, args: &Args) -> Result<host::sim::SimReport, SimError> {
-    let cfg = sim_config(args, selection.backend.needs_gpu).map_err(SimError::Config)?;
+fn run_one(model: &SimModel, selection: &Selection, gpu: Option<GpuHandles>, cli: &Cli) -> Result<host::sim::SimReport, SimError> {
+    let cfg = cli.sim_config(selection.backend.needs_gpu);
     let mut out = std::io::stdout();
     run_sim(model, &cfg, selection, gpu, &mut out)
 }
@@ -236,5 +326,58 @@ fn describe_choice(model: &SimModel, s: &Selection) {
     for r in &s.refused {
         let reasons: Vec<String> = r.reasons.iter().map(ToString::to_string).collect();
         println!("   refused \"{}\": {}", r.backend.name, reasons.join("; "));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        let cli = Cli::try_parse_from(std::iter::once("engine-sim").chain(args.iter().copied()))?;
+        cli.check().map(|()| cli)
+    }
+
+    #[test]
+    fn command_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn flags_take_both_spellings_and_override_the_preset() {
+        let cli =
+            parse(&["--layers=2", "--model", "llama", "--prompt=8:16", "--check-layers", "0,1", "--seed=7", "--backend=CPU"]).unwrap();
+        let c = cli.sim_config(true);
+        assert_eq!((c.num_layers, c.workload.prompt_len, c.check_layers.as_deref(), c.seed), (Some(2), (8, 16), Some(&[0, 1][..]), 7));
+        assert_eq!(c.token_budget, SimConfig::gpu_default().token_budget);
+        assert_eq!(cli.backend.as_deref(), Some("cpu"));
+        assert_eq!(cli.models().len(), 1);
+        assert_eq!(parse(&[]).unwrap().sim_config(false).num_layers, SimConfig::cpu_default().num_layers);
+    }
+
+    #[test]
+    fn bad_values_are_usage_errors() {
+        for args in [
+            &["--layers", "99"][..],
+            &["--layers", "30"],
+            &["--layers", "0"],
+            &["--model", "llama", "--layers", "33"],
+            &["--layers", "x"],
+            &["--model", "gpt"],
+            &["--dtype", "fp8"],
+            &["--backend", "nope"],
+            &["--prompt", "0:4"],
+            &["--gen", "9:3"],
+            &["--check-layers", "0,a"],
+            &["--layers", "4", "--check-layers", "0,4"],
+            &["--model", "deepseek", "--check-layers", "27"],
+            &["--max-running", "8", "--token-budget", "4"],
+            &["--steps"],
+            &["--layer", "2"],
+        ] {
+            let e = parse(args).unwrap_err();
+            assert_eq!(e.exit_code(), 2, "{args:?}: {e}");
+        }
+        assert!(parse(&["--model", "llama", "--layers", "32", "--check-layers", "31"]).is_ok());
     }
 }

@@ -1,10 +1,11 @@
 //! CPU micro-benchmark of per-step metadata: validate + split + pack for 256 decode
 //! requests (context lengths 100..8000, block size 16), the target being 20 us a step.
 //!
-//! `metadata-bench [--runs N] [--reqs N]` (build with `--release`). Prints the median and
-//! percentiles of one build, for the free functions (`build_tensor_core_metadata` + `pack`,
-//! allocating) and for `MetadataBuilder` (buffers reused), after a warm-up.
+//! `metadata-bench [--runs N] [--reqs N] [--builder-only]` (build with `--release`). Prints the
+//! median and percentiles of one build, for the free functions (`build_tensor_core_metadata` +
+//! `pack`, allocating) and for `MetadataBuilder` (buffers reused), after a warm-up.
 
+use clap::Parser;
 use host::metadata::{build_tensor_core_metadata, pack, pack_into, split_decodes, validate, MetadataBuilder, PlanConfig, StepInput};
 use std::hint::black_box;
 use std::time::Instant;
@@ -84,24 +85,34 @@ fn measure(runs: usize, mut f: impl FnMut()) -> [f64; 3] {
     [us[runs / 10], us[runs / 2], us[runs * 9 / 10]]
 }
 
-fn main() {
-    let mut args = std::env::args().skip(1);
-    let (mut runs, mut num_reqs, mut builder_only) = (10_000usize, 256usize, false);
-    while let Some(a) = args.next() {
-        if a == "--builder-only" {
-            builder_only = true;
-            continue;
-        }
-        let value = args.next().and_then(|v| v.parse().ok());
-        match (a.as_str(), value) {
-            ("--runs", Some(v)) if v >= 1000 => runs = v,
-            ("--reqs", Some(v)) if v >= 1 => num_reqs = v,
-            _ => {
-                eprintln!("usage: metadata-bench [--runs N (>= 1000)] [--reqs N] [--builder-only]");
-                std::process::exit(2);
-            }
-        }
+/// CPU micro-benchmark of per-step metadata: validate + split + pack for decode requests
+/// (context lengths 100..8000, block size 16), the target being 20 us a step. Build with
+/// `--release`.
+#[derive(Parser, Debug)]
+#[command(name = "metadata-bench")]
+struct Cli {
+    /// Timed builds per measurement (after as many warm-up builds, at most 2000).
+    #[arg(long, value_name = "N", default_value_t = 10_000, value_parser = at_least(1000))]
+    runs: usize,
+    /// Decode requests in the step.
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = at_least(1))]
+    reqs: usize,
+    /// Only the reused builder, one line (for profilers).
+    #[arg(long)]
+    builder_only: bool,
+}
+
+/// A parser of counts of at least `min`.
+fn at_least(min: usize) -> impl Fn(&str) -> Result<usize, String> + Clone + Send + Sync + 'static {
+    move |v| match v.parse::<usize>() {
+        Ok(n) if n >= min => Ok(n),
+        Ok(n) => Err(format!("{n} is below {min}")),
+        Err(e) => Err(e.to_string()),
     }
+}
+
+fn main() {
+    let Cli { runs, reqs: num_reqs, builder_only } = Cli::parse();
     // Llama-3-8B-like layer on an H100.
     let config = PlanConfig { decode_threshold: 1, num_q_heads: 32, num_kv_heads: 8, head_size: 128 };
     let step = Step::decodes(num_reqs, &mut SplitMix(0x5eed));
@@ -158,4 +169,21 @@ fn main() {
         println!("  {name:<36} {p10:8.2} {p50:8.2} {p90:8.2}");
     }
     println!("median_us {:.2} (MetadataBuilder; target <= 20)", reused[1]);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn command_is_well_formed_and_checks_its_ranges() {
+        Cli::command().debug_assert();
+        let parse = |args: &[&str]| Cli::try_parse_from(std::iter::once("metadata-bench").chain(args.iter().copied()));
+        let cli = parse(&["--runs=2000", "--reqs", "8", "--builder-only"]).unwrap();
+        assert_eq!((cli.runs, cli.reqs, cli.builder_only), (2000, 8, true));
+        for args in [&["--runs", "999"][..], &["--reqs=0"], &["--reqs", "x"], &["--runs"]] {
+            assert_eq!(parse(args).unwrap_err().exit_code(), 2, "{args:?}");
+        }
+    }
 }

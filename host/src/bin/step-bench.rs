@@ -8,8 +8,9 @@
 //!   around each layer's kernels in a GPU-bound eager run).
 //!
 //! Times are medians over CUDA-event timings after warm-up.
-//! `step-bench [--quick] [--json PATH] [--only cascade|graph] [--event-tracking]`.
+//! `step-bench [--quick] [--json PATH] [--only cascade|graph] [--event-tracking]` (`--help`).
 
+use clap::{CommandFactory, Parser, ValueEnum};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaStream;
 use half::bf16;
@@ -17,6 +18,9 @@ use host::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
 use host::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, GraphBucket, LayerIo, NewKv, StepMetadata};
 use host::metadata::{CascadeMode, StepInput};
 use host::{AttnDevice, DType, DevIn, DevOut, KvLayout, Result, RowsDesc, SharedBuf};
+use serde::Serialize;
+use std::io;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -284,10 +288,102 @@ fn graph_bench(
     Ok(())
 }
 
+/// A decode step of 32 layers, eagerly and from a CUDA graph (`--only graph`), and a cascade
+/// layer against the plain path (`--only cascade`); times are medians over CUDA-event timings
+/// after warm-up.
+#[derive(Parser, Debug)]
+#[command(
+    name = "step-bench",
+    after_long_help = "Environment variable: STEP_BENCH_GRAPH_SHAPES=64x4096,8x512: the graph part's steps (batch x context; \
+default 64x2048,8x512)."
+)]
+struct Cli {
+    /// Fewer timed repetitions.
+    #[arg(long)]
+    quick: bool,
+    /// Also write the lines as JSON to PATH.
+    #[arg(long, value_name = "PATH")]
+    json: Option<PathBuf>,
+    /// Only this part.
+    #[arg(long, value_enum, value_name = "PART")]
+    only: Option<Part>,
+    /// Keep cudarc's cross-stream event tracking on (off by default: the bench owns every
+    /// buffer).
+    #[arg(long)]
+    event_tracking: bool,
+}
+
+/// A part of the benchmark (`--only`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Part {
+    /// A cascade layer against the plain path.
+    Cascade,
+    /// A decode step, eager against replayed from a CUDA graph.
+    Graph,
+}
+
+/// `STEP_BENCH_GRAPH_SHAPES`: the graph part's (batch, context) steps.
+fn graph_shapes() -> std::result::Result<Vec<(usize, usize)>, String> {
+    let shapes = std::env::var("STEP_BENCH_GRAPH_SHAPES").unwrap_or_else(|_| "64x2048,8x512".into());
+    shapes
+        .split(',')
+        .map(|shape| {
+            let parsed = shape.split_once('x').and_then(|(n, c)| Some((n.trim().parse().ok()?, c.trim().parse().ok()?)));
+            parsed.filter(|&(n, c)| n > 0 && c > 0).ok_or_else(|| format!("STEP_BENCH_GRAPH_SHAPES: bad shape {shape:?} (BATCHxCONTEXT)"))
+        })
+        .collect()
+}
+
+/// The JSON file: an array of `{"name", "value", "note"}`, one a line.
+#[derive(Serialize)]
+struct JsonLine<'a> {
+    name: &'a str,
+    value: f64,
+    note: &'a str,
+}
+
+/// JSON with each element of the top array on an indented line of its own, `": "` and `", "`
+/// between an object's keys and values.
+struct LinePerElement;
+
+impl serde_json::ser::Formatter for LinePerElement {
+    fn begin_array_value<W: ?Sized + io::Write>(&mut self, w: &mut W, first: bool) -> io::Result<()> {
+        w.write_all(if first { b"\n  " } else { b",\n  " })
+    }
+
+    fn end_array<W: ?Sized + io::Write>(&mut self, w: &mut W) -> io::Result<()> {
+        w.write_all(b"\n]")
+    }
+
+    fn begin_object_key<W: ?Sized + io::Write>(&mut self, w: &mut W, first: bool) -> io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
+    }
+
+    fn begin_object_value<W: ?Sized + io::Write>(&mut self, w: &mut W) -> io::Result<()> {
+        w.write_all(b": ")
+    }
+}
+
+fn json_text(lines: &[Line]) -> serde_json::Result<Vec<u8>> {
+    let items: Vec<JsonLine> = lines.iter().map(|l| JsonLine { name: &l.name, value: (l.us * 1e3).round() / 1e3, note: &l.note }).collect();
+    let mut text = Vec::new();
+    items.serialize(&mut serde_json::Serializer::with_formatter(&mut text, LinePerElement))?;
+    text.push(b'\n');
+    Ok(text)
+}
+
 fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let quick = args.iter().any(|a| a == "--quick");
-    let json_path = args.iter().position(|a| a == "--json").and_then(|i| args.get(i + 1)).cloned();
+    let cli = Cli::parse();
+    let want = |part: Part| cli.only.is_none_or(|o| o == part);
+    // Checked before the device is opened, as the flags are.
+    let shapes = match want(Part::Graph).then(graph_shapes).transpose() {
+        Ok(shapes) => shapes.unwrap_or_default(),
+        Err(e) => Cli::command().error(clap::error::ErrorKind::ValueValidation, e).exit(),
+    };
     if !AttnDevice::driver_available() {
         eprintln!("step-bench: no CUDA driver or GPU; nothing to measure");
         std::process::exit(2);
@@ -297,40 +393,60 @@ fn main() -> Result<()> {
     // As in attn-bench: the bench owns every buffer, so cudarc's cross-stream event tracking
     // (an event wait and record per buffer per call) would only add host work between launches.
     // `forward` orders its own second stream (cascade) with explicit events.
-    let untracked = !args.iter().any(|a| a == "--event-tracking");
+    let untracked = !cli.event_tracking;
     if untracked {
         // SAFETY: every buffer here is used on `stream` only (and `forward`'s side stream, which
         // it orders itself).
         unsafe { dev.context().disable_event_tracking() };
     }
     println!("device: {}, cudarc event tracking {}", dev.context().name()?, if untracked { "off" } else { "on (--event-tracking)" });
-    // `--only cascade|graph`: one part.
-    let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)).cloned();
-    let want = |part: &str| only.as_deref().is_none_or(|o| o == part);
     let mut lines = Vec::new();
-    if want("cascade") {
-        cascade_bench(&dev, &stream, quick, &mut lines)?;
+    if want(Part::Cascade) {
+        cascade_bench(&dev, &stream, cli.quick, &mut lines)?;
     }
-    if want("graph") {
-        // `STEP_BENCH_GRAPH_SHAPES=64x4096,8x512`: other (batch x context) steps.
-        let shapes = std::env::var("STEP_BENCH_GRAPH_SHAPES").unwrap_or_else(|_| "64x2048,8x512".into());
-        for shape in shapes.split(',') {
-            let parsed = shape.split_once('x').and_then(|(n, c)| Some((n.trim().parse().ok()?, c.trim().parse().ok()?)));
-            let Some((n, context)) = parsed else {
-                return Err(host::AttnError::InvalidArgument { arg: "STEP_BENCH_GRAPH_SHAPES", reason: format!("bad shape {shape:?}") });
-            };
-            graph_bench(&dev, &stream, n, context, quick, &mut lines)?;
-        }
+    for (n, context) in shapes {
+        graph_bench(&dev, &stream, n, context, cli.quick, &mut lines)?;
     }
-    let mut json = String::from("[\n");
-    for (i, l) in lines.iter().enumerate() {
+    for l in &lines {
         println!("{:<55} {:>10.2}  {}", l.name, l.us, l.note);
-        let sep = if i + 1 < lines.len() { "," } else { "" };
-        json.push_str(&format!("  {{\"name\": {:?}, \"value\": {:.3}, \"note\": {:?}}}{sep}\n", l.name, l.us, l.note));
     }
-    json.push_str("]\n");
-    if let Some(p) = json_path {
-        std::fs::write(&p, json).unwrap_or_else(|e| panic!("writing {p}: {e}"));
+    if let Some(p) = &cli.json {
+        let text = json_text(&lines).unwrap_or_else(|e| panic!("JSON of the lines: {e}"));
+        std::fs::write(p, text).unwrap_or_else(|e| panic!("writing {}: {e}", p.display()));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> std::result::Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("step-bench").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn command_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn flags_take_both_spellings() {
+        let cli = parse(&["--json=s.json", "--only=graph", "--quick"]).unwrap();
+        assert_eq!((cli.json.as_deref(), cli.only, cli.quick), (Some(std::path::Path::new("s.json")), Some(Part::Graph), true));
+        assert_eq!(parse(&["--only", "cascade"]).unwrap().only, Some(Part::Cascade));
+        for args in [&["--only", "graphs"][..], &["--json"], &["--quick=1"], &["--reps", "3"]] {
+            assert_eq!(parse(args).unwrap_err().exit_code(), 2, "{args:?}");
+        }
+    }
+
+    #[test]
+    fn json_keeps_the_stored_files_shape() {
+        let line = |name: &str, us, note: &str| Line { name: name.into(), us, note: note.into() };
+        let text = String::from_utf8(json_text(&[line("cascade: \"plain\"", 238.95712, "a"), line("b", 3.0, "x\\y")]).unwrap()).unwrap();
+        assert_eq!(
+            text,
+            "[\n  {\"name\": \"cascade: \\\"plain\\\"\", \"value\": 238.957, \"note\": \"a\"},\n  {\"name\": \"b\", \"value\": 3.0, \"note\": \"x\\\\y\"}\n]\n"
+        );
+    }
 }

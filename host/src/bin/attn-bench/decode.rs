@@ -1,0 +1,142 @@
+//! `--only decode`: paged decode over a scattered cache, per call and planned once, with and
+//! without programmatic dependent launch, and other head sizes, block sizes and groups.
+
+use crate::bench::{dev, env_shapes, random_device, random_slots, random_values, Bench, Row};
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use host::cache_write::KvScales;
+use host::{BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, PlanOptions, Result, RowsDesc, SplitMode};
+
+struct DecodeShape {
+    batch: usize,
+    context: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    head_size: usize,
+    block_size: usize,
+}
+
+/// Paged decode; `planned`: the split plan made once ([`host::batch_plan`], as every layer of a
+/// step runs it), else planned and uploaded by each call.
+fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &mut DeviceStatus) -> Result<Row> {
+    use host::batch_plan::{paged_decode_planned, BatchPlan};
+    use host::decode::{paged_decode, AttnOptions, DecodeArgs, DecodeWorkspace};
+    let s = &b.stream;
+    let blocks_per_req = sh.context.div_ceil(sh.block_size);
+    let num_blocks = sh.batch * blocks_per_req;
+    // `ATTN_BENCH_DECODE_LAYOUT=hnd|fi_nhd|fi_hnd`: another cache layout (experiments).
+    let layout = match std::env::var("ATTN_BENCH_DECODE_LAYOUT").as_deref() {
+        Ok("hnd") => KvLayout::FlashHnd,
+        Ok("fi_nhd") => KvLayout::FlashInferNhd,
+        Ok("fi_hnd") => KvLayout::FlashInferHnd,
+        _ => KvLayout::FlashNhd,
+    };
+    let spec = KvCacheSpec::new(layout, num_blocks, sh.block_size, sh.kv_heads, sh.head_size)?;
+    let cache = random_device::<C>(s, spec.num_elements(), 11)?;
+    // Scattered block tables: a random permutation of all blocks.
+    let mut block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 12).into_iter().map(|x| x as i32).collect();
+    // `ATTN_BENCH_DECODE_HOT=N`: every table entry within the first N blocks, so the cache rows
+    // come from L2 and the row measures the kernel's own rate (experiments).
+    if let Some(hot) = std::env::var("ATTN_BENCH_DECODE_HOT").ok().and_then(|v| v.parse::<i32>().ok()) {
+        block_table.iter_mut().for_each(|b| *b %= hot);
+    }
+    let seq_lens = vec![sh.context as i32; sh.batch];
+    let qsl: Vec<i32> = (0..=sh.batch as i32).collect();
+    let q_rows = RowsDesc::contiguous(sh.batch, sh.q_heads, sh.head_size);
+    let q = s.clone_htod(&random_values::<bf16>(q_rows.required_len(), 13, 1.0))?;
+    let mut out: CudaSlice<bf16> = s.alloc_zeros(q_rows.required_len())?;
+    let bt = s.clone_htod(&block_table)?;
+    let (ks, vs) = (s.clone_htod(&[0.05f32])?, s.clone_htod(&[0.05f32])?);
+    // The size `DecodeWorkspace::new` suggests (an oversized one made later rows slower).
+    let partial_rows = 4 * dev().sm_count() as usize * 8 * sh.q_heads / sh.kv_heads;
+    let mut ws = DecodeWorkspace::new(s, partial_rows, sh.head_size, sh.batch, sh.batch)?;
+    let fp8 = C::DTYPE == host::DType::Fp8E4m3;
+    let opts = AttnOptions::new(sh.head_size);
+    let batch = BatchMetadata::new(s, &seq_lens, &qsl)?;
+    let mut bp = BatchPlan::new(s)?;
+    let mut chunk = 0;
+    // `ATTN_BENCH_DECODE_SPLITS=n`: n splits a request (experiments; the planner's otherwise).
+    let split = std::env::var("ATTN_BENCH_DECODE_SPLITS").ok().and_then(|v| v.parse().ok()).map_or(SplitMode::Auto, SplitMode::Fixed);
+    let mode = PlanOptions { split, tuning: b.tuning };
+    if planned {
+        let (qt, hd) = (host::DType::BF16, sh.head_size);
+        chunk = bp.plan_decode(dev(), &batch, qt, C::DTYPE, hd, sh.q_heads, sh.kv_heads, mode, &ws)?.chunk;
+    }
+    let us = b.time(|| {
+        let args = DecodeArgs {
+            q: DevIn::new(&q, s),
+            q_rows,
+            cache: DevIn::new(&cache, s),
+            spec,
+            block_table: DevIn::new(&bt, s),
+            block_table_stride: blocks_per_req,
+            out: DevOut::new(&mut out, s),
+            out_rows: q_rows,
+            lse: None,
+            alibi_slopes: None,
+            sinks: None,
+            scales: fp8.then(|| KvScales { k: DevIn::new(&ks, s), v: DevIn::new(&vs, s) }),
+        };
+        if planned {
+            paged_decode_planned(dev(), s, args, &batch, &opts, &bp, &mut ws, status)
+        } else {
+            chunk = paged_decode(dev(), s, args, &batch, &opts, mode, &mut ws, status)?.chunk;
+            Ok(())
+        }
+    })?;
+    status.check(s)?;
+    let kv_bytes = 2.0 * (sh.batch * sh.context * sh.kv_heads * sh.head_size) as f64 * std::mem::size_of::<C>() as f64;
+    Ok(Row {
+        name: format!("paged_decode{} bf16 q, {} cache", if planned { "_planned" } else { "" }, C::DTYPE.kernel_name()),
+        shape: format!(
+            "{}x{} {}q/{}kv d{} bs{} (chunk {chunk})",
+            sh.batch, sh.context, sh.q_heads, sh.kv_heads, sh.head_size, sh.block_size
+        ),
+        median_us: us,
+        bytes: kv_bytes,
+        flops: 0.0,
+    })
+}
+
+pub fn decode_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {
+    let shape = |batch, context| DecodeShape { batch, context, q_heads: 32, kv_heads: 8, head_size: 128, block_size: 16 };
+    // `ATTN_BENCH_DECODE_SHAPES=64x4096,8x32768`: planned bf16 rows of those batch x context
+    // only (experiments).
+    if let Some(shapes) = env_shapes("ATTN_BENCH_DECODE_SHAPES") {
+        for v in shapes.iter().filter(|v| v.len() == 2) {
+            rows.push(decode_row::<bf16>(b, &shape(v[0], v[1]), true, status)?);
+        }
+        return Ok(());
+    }
+    for (batch, context) in [(64, 4096), (8, 32768), (256, 1024), (1, 131072)] {
+        rows.push(decode_row::<bf16>(b, &shape(batch, context), false, status)?);
+        rows.push(decode_row::<Fp8E4m3>(b, &shape(batch, context), false, status)?);
+    }
+    for (batch, context) in [(64, 4096), (8, 32768), (256, 1024), (1, 131072)] {
+        rows.push(decode_row::<bf16>(b, &shape(batch, context), true, status)?);
+    }
+    // Each call alone: without programmatic dependent launch, a call neither starts while the
+    // one before drains nor lets the next one's CTAs stream in the slots it frees at its end
+    // (as in an engine step whose next kernel is not launched with PDL).
+    std::env::set_var("ATTN_DISABLE_PDL", "1");
+    for (batch, context) in [(64, 4096), (8, 32768), (256, 1024), (1, 131072)] {
+        for mut r in [
+            decode_row::<bf16>(b, &shape(batch, context), false, status)?,
+            decode_row::<Fp8E4m3>(b, &shape(batch, context), false, status)?,
+        ] {
+            r.name += " (no PDL)";
+            rows.push(r);
+        }
+    }
+    std::env::remove_var("ATTN_DISABLE_PDL");
+    for sh in [
+        DecodeShape { head_size: 64, ..shape(64, 4096) },
+        DecodeShape { head_size: 256, ..shape(64, 4096) },
+        DecodeShape { block_size: 64, ..shape(64, 4096) },
+        DecodeShape { kv_heads: 32, ..shape(64, 4096) },
+        DecodeShape { kv_heads: 2, ..shape(64, 4096) },
+    ] {
+        rows.push(decode_row::<bf16>(b, &sh, false, status)?);
+    }
+    Ok(())
+}

@@ -1,0 +1,115 @@
+//! `--only mla`: MLA decode over the latent cache, bf16 and FP8, per call and planned once.
+
+use crate::bench::{dev, env_shapes, random_device, random_slots, random_values, Bench, Row};
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use host::cache_write::KvScales;
+use host::{BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, PlanOptions, Result, RowsDesc, SplitMode};
+
+/// MLA decode over the latent cache: bf16, context 4096, block size 64, scattered block tables.
+/// Bytes = the latent cache read once; FLOPs = 2 * heads * context * (576 + 512) per token.
+/// MLA decode; `planned`: the split plan made once ([`host::batch_plan`], as every layer of a
+/// step runs it), else planned and uploaded by each call.
+fn mla_row<C: Element>(
+    b: &Bench,
+    cache: &CudaSlice<C>,
+    (heads, batch, context): (usize, usize, usize),
+    planned: bool,
+    status: &mut DeviceStatus,
+) -> Result<Row> {
+    use host::batch_plan::{mla_attention_planned, BatchPlan};
+    use host::decode::{AttnOptions, DecodeWorkspace};
+    use host::layout::MlaCacheSpec;
+    use host::mla::{mla_attention, MlaArgs};
+    let s = &b.stream;
+    let block_size = 64;
+    let blocks_per_req = context.div_ceil(block_size);
+    let num_blocks = batch * blocks_per_req;
+    let spec = MlaCacheSpec::deepseek(num_blocks, block_size)?;
+    let cache = cache.slice(..spec.num_elements());
+    let fp8 = C::DTYPE == host::DType::Fp8E4m3;
+    let scale = s.clone_htod(&[0.05f32])?;
+    let block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 32).into_iter().map(|x| x as i32).collect();
+    let seq_lens = vec![context as i32; batch];
+    let qsl: Vec<i32> = (0..=batch as i32).collect();
+    let (q_rows, out_rows) = (RowsDesc::contiguous(batch, heads, 576), RowsDesc::contiguous(batch, heads, 512));
+    let q = s.clone_htod(&random_values::<bf16>(q_rows.required_len(), 33, 1.0))?;
+    let mut out: CudaSlice<bf16> = s.alloc_zeros(out_rows.required_len())?;
+    let bt = s.clone_htod(&block_table)?;
+    // The size `DecodeWorkspace::new` suggests (a 2-16 GB one made rows measured after it slower).
+    let mut ws = DecodeWorkspace::new(s, 4 * dev().sm_count() as usize * 8 * heads, 512, batch, batch)?;
+    let batch_meta = BatchMetadata::new(s, &seq_lens, &qsl)?;
+    let mut bp = BatchPlan::new(s)?;
+    let mode = PlanOptions { split: SplitMode::Auto, tuning: b.tuning };
+    let planned_once = bp.plan_mla(dev(), &batch_meta, host::DType::BF16, C::DTYPE, heads, mode, &ws)?;
+    let (mut chunk, mut cluster) = (planned_once.chunk, planned_once.cluster);
+    let us = b.time(|| {
+        let args = MlaArgs {
+            q: DevIn::new(&q, s),
+            q_rows,
+            cache: DevIn::new(&cache, s),
+            spec,
+            block_table: DevIn::new(&bt, s),
+            block_table_stride: blocks_per_req,
+            out: DevOut::new(&mut out, s),
+            out_rows,
+            lse: None,
+            // MLA's one scale, passed as both.
+            scales: fp8.then(|| KvScales { k: DevIn::new(&scale, s), v: DevIn::new(&scale, s) }),
+        };
+        let scale = AttnOptions::new(576).softmax_scale;
+        if planned {
+            mla_attention_planned(dev(), s, args, &batch_meta, scale, &bp, &mut ws, status)
+        } else {
+            let plan = mla_attention(dev(), s, args, &batch_meta, scale, mode, &mut ws, status)?;
+            (chunk, cluster) = (plan.chunk, plan.cluster);
+            Ok(())
+        }
+    })?;
+    status.check(s)?;
+    let bytes = (batch * context * 576 * C::DTYPE.size_bytes()) as f64;
+    let flops = 2.0 * (heads * context * (576 + 512) * batch) as f64;
+    let mut row = Row {
+        name: format!("mla_attention{} bf16 q, {} latent", if planned { "_planned" } else { "" }, C::DTYPE.kernel_name()),
+        shape: format!(
+            "{heads} heads x batch {batch} x {context}, bs64 (chunk {chunk}{})",
+            if cluster > 1 { format!(", cluster {cluster}") } else { String::new() }
+        ),
+        median_us: us,
+        bytes,
+        flops: 0.0,
+    };
+    // 16 heads is memory-bound (GB/s), 128 heads compute-bound (TFLOP/s).
+    if heads > 16 {
+        row.flops = flops;
+    }
+    Ok(row)
+}
+
+pub fn mla_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {
+    // One cache for every row, as an engine allocates it once: rows measured on caches
+    // allocated one after another differed by up to 12% with where the allocation landed.
+    let (max_batch, context) = (128, 4096);
+    let rows_of = |bytes: usize| max_batch * context * 576 * bytes;
+    let cache = random_device::<bf16>(&b.stream, rows_of(1), 31)?;
+    // `ATTN_BENCH_MLA_SHAPES=16x64x4096,16x128x2048`: planned bf16 rows of those heads x batch x
+    // context only (within the one cache's 128 x 4096 rows), for experiments.
+    if let Some(shapes) = env_shapes("ATTN_BENCH_MLA_SHAPES") {
+        for v in shapes.iter().filter(|v| v.len() == 3 && v[1] * v[2] <= max_batch * context) {
+            rows.push(mla_row::<bf16>(b, &cache, (v[0], v[1], v[2]), true, status)?);
+        }
+        return Ok(());
+    }
+    for planned in [false, true] {
+        for (heads, batch) in [(16, 64), (16, 128), (128, 64), (128, 128)] {
+            rows.push(mla_row::<bf16>(b, &cache, (heads, batch, context), planned, status)?);
+        }
+    }
+    drop(cache);
+    let cache = random_device::<Fp8E4m3>(&b.stream, rows_of(1), 31)?;
+    // The FP8 cache: half the bytes at 16 heads; the conversion's cost at 128.
+    for (heads, batch) in [(16, 64), (16, 128), (128, 64)] {
+        rows.push(mla_row::<Fp8E4m3>(b, &cache, (heads, batch, context), false, status)?);
+    }
+    Ok(())
+}

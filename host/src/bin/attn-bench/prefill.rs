@@ -1,0 +1,102 @@
+//! `--only prefill`: causal paged prefill (compute-bound rows, against the matmul rate).
+
+use crate::bench::{dev, env_shapes, random_device, random_slots, Bench, Row};
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use host::{BatchMetadata, DevIn, DevOut, DeviceStatus, KvCacheSpec, KvLayout, Result, RowsDesc};
+
+struct PrefillShape {
+    batch: usize,
+    /// New tokens per request.
+    q_len: usize,
+    /// Cached tokens before them.
+    cached: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    head_size: usize,
+}
+
+/// Causal paged prefill, bf16, block size 16, scattered block tables. FLOPs = 4 * q_heads *
+/// head_size * attended pairs.
+fn prefill_row(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Result<Row> {
+    use host::decode::AttnOptions;
+    use host::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
+    let s = &b.stream;
+    let block_size = 16;
+    let seq = sh.cached + sh.q_len;
+    let blocks_per_req = seq.div_ceil(block_size);
+    let num_blocks = sh.batch * blocks_per_req;
+    let spec = KvCacheSpec::new(KvLayout::FlashNhd, num_blocks, block_size, sh.kv_heads, sh.head_size)?;
+    let cache = random_device::<bf16>(s, spec.num_elements(), 21)?;
+    let block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 22).into_iter().map(|x| x as i32).collect();
+    let seq_lens = vec![seq as i32; sh.batch];
+    let qsl: Vec<i32> = (0..=sh.batch).map(|r| (r * sh.q_len) as i32).collect();
+    let nt = sh.batch * sh.q_len;
+    let q_rows = RowsDesc::contiguous(nt, sh.q_heads, sh.head_size);
+    let q = random_device::<bf16>(s, q_rows.required_len(), 23)?;
+    let mut out: CudaSlice<bf16> = s.alloc_zeros(q_rows.required_len())?;
+    let bt = s.clone_htod(&block_table)?;
+    let mut ws = PrefillWorkspace::new(s, nt, sh.batch, sh.q_heads / sh.kv_heads)?;
+    let opts = PrefillOptions { attn: AttnOptions::new(sh.head_size), causal: true };
+    let batch = BatchMetadata::new(s, &seq_lens, &qsl)?;
+    let us = b.time(|| {
+        prefill(
+            dev(),
+            s,
+            PrefillArgs {
+                q: DevIn::new(&q, s),
+                q_rows,
+                kv: PrefillKv::Paged {
+                    cache: DevIn::new(&cache, s),
+                    spec,
+                    block_table: DevIn::new(&bt, s),
+                    block_table_stride: blocks_per_req,
+                },
+                out: DevOut::new(&mut out, s),
+                out_rows: q_rows,
+                lse: None,
+                alibi_slopes: None,
+                sinks: None,
+                scales: None,
+            },
+            &batch,
+            &opts,
+            &mut ws,
+            status,
+        )?;
+        Ok(())
+    })?;
+    status.check(s)?;
+    // Query i (0-based among the new tokens) attends cached + i + 1 keys.
+    let pairs = sh.batch as f64 * (sh.q_len as f64 * sh.cached as f64 + (sh.q_len * (sh.q_len + 1) / 2) as f64);
+    Ok(Row {
+        name: "prefill bf16 causal, paged bs16".into(),
+        shape: format!("{}x{} (+{} cached) {}q/{}kv d{}", sh.batch, sh.q_len, sh.cached, sh.q_heads, sh.kv_heads, sh.head_size),
+        median_us: us,
+        bytes: 0.0,
+        flops: 4.0 * (sh.q_heads * sh.head_size) as f64 * pairs,
+    })
+}
+
+pub fn prefill_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {
+    let sh = |batch, q_len, q_heads, kv_heads, head_size| PrefillShape { batch, q_len, cached: 0, q_heads, kv_heads, head_size };
+    // `ATTN_BENCH_PREFILL_SHAPES=8x2048x32x32x64,8x512x32x8x128x8192`: rows of those batch x new
+    // tokens x q heads x kv heads x head size [x cached tokens] only (experiments).
+    if let Some(shapes) = env_shapes("ATTN_BENCH_PREFILL_SHAPES") {
+        for v in shapes.iter().filter(|v| v.len() == 5 || v.len() == 6) {
+            let shape = PrefillShape { cached: v.get(5).copied().unwrap_or(0), ..sh(v[0], v[1], v[2], v[3], v[4]) };
+            rows.push(prefill_row(b, &shape, status)?);
+        }
+        return Ok(());
+    }
+    for shape in [
+        sh(4, 4096, 32, 8, 128),
+        sh(1, 16384, 32, 8, 128),
+        sh(8, 2048, 32, 32, 64),
+        sh(2, 8192, 64, 8, 128),
+        PrefillShape { cached: 8192, ..sh(8, 512, 32, 8, 128) },
+    ] {
+        rows.push(prefill_row(b, &shape, status)?);
+    }
+    Ok(())
+}
