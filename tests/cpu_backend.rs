@@ -1,14 +1,14 @@
-//! CPU tests of backend registry and selection (`host::backend`), on simulated devices: the
+//! CPU tests of backend registry and selection (`attn_rs::backend`), on simulated devices: the
 //! automatic choice per model and GPU generation, overrides, every refusal reason, and the
 //! `describe` report. The environment is never read or written here (the `_no_env` variants
 //! take the override explicitly), except to compare `select_backend` with them.
 
-use host::backend::{
+use attn_rs::backend::{
     backend_names, config_reasons, describe_no_env, find_backend, priorities, refusal_reasons, select_backend, select_backend_no_env,
     AttentionKind, BackendSpec, BlockSizes, CacheDTypeRule, CcRange, ComputeCapability, DeviceInfo, Feature, Features, GraphSupport,
     HeadSizes, ModelConfig, OverrideSource, Reason, CPU, MLA, OVERRIDE_ENV, REGISTRY, TENSOR_CORE,
 };
-use host::{AttnError, DType, KvLayout};
+use attn_rs::{AttnError, DType, KvLayout};
 
 const SM70: DeviceInfo = DeviceInfo::gpu(7, 0);
 const SM80: DeviceInfo = DeviceInfo::gpu(8, 0);
@@ -25,19 +25,19 @@ fn deepseek() -> ModelConfig {
     ModelConfig::mla(128, DType::BF16, 64)
 }
 
-fn auto(config: &ModelConfig, device: &DeviceInfo) -> host::Result<host::backend::Selection> {
+fn auto(config: &ModelConfig, device: &DeviceInfo) -> attn_rs::Result<attn_rs::backend::Selection> {
     select_backend_no_env(config, device, None)
 }
 
 /// The `reason` text of a `backend` `InvalidArgument` error.
-fn backend_error(result: host::Result<host::backend::Selection>) -> String {
+fn backend_error(result: attn_rs::Result<attn_rs::backend::Selection>) -> String {
     match result {
         Err(AttnError::InvalidArgument { arg: "backend", reason }) => reason,
         other => panic!("expected a `backend` InvalidArgument error, got {other:?}"),
     }
 }
 
-fn names(refused: &[host::backend::Refusal]) -> Vec<&'static str> {
+fn names(refused: &[attn_rs::backend::Refusal]) -> Vec<&'static str> {
     refused.iter().map(|r| r.backend.name).collect()
 }
 
@@ -63,7 +63,7 @@ fn specs_are_what_the_kernels_take() {
     assert_eq!(TENSOR_CORE.compute_capability, CcRange::from(ComputeCapability::SM_80));
     assert_eq!(TENSOR_CORE.head_sizes, HeadSizes::List(&[64, 96, 128, 256]));
     // The decode kernels exist for exactly these head sizes.
-    let kernel_sizes: Vec<usize> = host::attn_math::decode::HEAD_SIZES.iter().map(|&d| d as usize).collect();
+    let kernel_sizes: Vec<usize> = attn_rs::attn_math::decode::HEAD_SIZES.iter().map(|&d| d as usize).collect();
     assert_eq!(HeadSizes::List(&[64, 96, 128, 256]), TENSOR_CORE.head_sizes);
     assert_eq!(kernel_sizes, [64, 96, 128, 256]);
     assert_eq!(TENSOR_CORE.layouts, KvLayout::ALL);
@@ -148,7 +148,7 @@ fn select_backend_reads_no_override_when_the_environment_has_none() {
     if std::env::var_os(OVERRIDE_ENV).is_some() {
         return; // Not this test's to judge: the environment chooses.
     }
-    assert_eq!(host::backend::override_from_env(), None);
+    assert_eq!(attn_rs::backend::override_from_env(), None);
     for device in [SM70, SM80, SM90, NO_GPU] {
         for config in [llama(), deepseek()] {
             assert_eq!(select_backend(&config, &device, None).unwrap(), auto(&config, &device).unwrap());

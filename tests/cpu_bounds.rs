@@ -3,11 +3,11 @@
 //! overflow an i32, negative lengths, a block size of 0 and heads of 0 are refused with an error
 //! naming the argument, never accepted with a wrapped size and never a panic.
 
-use host::decode::{merge_attn_states_sizes, plan_decode_tc, validate_batch, DecodeBatch, SplitMode, TcShape};
-use host::prefill::{plan_prefill, validate_prefill_batch, PrefillBatch};
-use host::{AttnError, KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc};
+use attn_rs::decode::{merge_attn_states_sizes, plan_decode_tc, validate_batch, DecodeBatch, SplitMode, TcShape};
+use attn_rs::prefill::{plan_prefill, validate_prefill_batch, PrefillBatch};
+use attn_rs::{AttnError, KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc};
 
-fn arg_of<T>(r: host::Result<T>) -> String {
+fn arg_of<T>(r: attn_rs::Result<T>) -> String {
     match r {
         Err(AttnError::InvalidArgument { arg, .. }) | Err(AttnError::UnsupportedDType { arg, .. }) => arg.to_string(),
         Err(e) => format!("other error: {e}"),
@@ -40,7 +40,7 @@ fn rows_whose_span_overflows_are_refused() {
     let slots = [0i64, 1, 2, 3, 4];
     let value_rows = RowsDesc::contiguous(5, 1, 64);
     let value = vec![1f32; value_rows.required_len()];
-    let r = host::cpu::reshape_and_cache(&key, WRAPPING_ROWS, &value, value_rows, &slots, &mut cache, &spec, None);
+    let r = attn_rs::cpu::reshape_and_cache(&key, WRAPPING_ROWS, &value, value_rows, &slots, &mut cache, &spec, None);
     assert_eq!(arg_of(r), "key");
     assert!(cache.iter().all(|&x| x == 0.0));
 }
@@ -56,7 +56,7 @@ fn cache_specs_whose_sizes_overflow_are_refused() {
     assert_eq!(arg_of(KvCacheSpec::new(spec.layout, spec.num_blocks, 16, 1, 8)), "num_blocks");
     let (key, rows) = (vec![1f32; 8], RowsDesc::contiguous(1, 1, 8));
     let mut cache = vec![0f32; 256];
-    let r = host::cpu::reshape_and_cache(&key, rows, &key, rows, &[1 << 40], &mut cache, &spec, None);
+    let r = attn_rs::cpu::reshape_and_cache(&key, rows, &key, rows, &[1 << 40], &mut cache, &spec, None);
     assert_eq!(arg_of(r), "spec");
     assert!(cache.iter().all(|&x| x == 0.0));
     // Every field within u32 but their product past a usize.
@@ -65,7 +65,7 @@ fn cache_specs_whose_sizes_overflow_are_refused() {
     // A spec built field by field with a block size of 0, or no heads.
     for bad in [KvCacheSpec { block_size: 0, ..spec }, KvCacheSpec { num_blocks: 4, num_kv_heads: 0, ..spec }] {
         let mut cache = vec![0f32; 1024];
-        let r = host::cpu::reshape_and_cache(&key, rows, &key, rows, &[0], &mut cache, &bad, None);
+        let r = attn_rs::cpu::reshape_and_cache(&key, rows, &key, rows, &[0], &mut cache, &bad, None);
         assert_eq!(arg_of(r), "spec", "{bad:?}");
     }
     assert_eq!(arg_of(KvCacheSpec::new(KvLayout::FlashNhd, 4, 0, 1, 8)), "block_size");
@@ -78,11 +78,11 @@ fn cache_specs_whose_sizes_overflow_are_refused() {
     assert_eq!(arg_of(MlaCacheSpec::new(4, 16, 512, usize::MAX)), "rope_dim");
     let (kv_c, k_pe) = (vec![1f32; 512], vec![1f32; 64]);
     let mut cache = vec![0f32; 16 * 576];
-    let r = host::cpu::concat_and_cache_mla(&kv_c, 512, &k_pe, 64, 1, &[1 << 40], &mut cache, &mla, None);
+    let r = attn_rs::cpu::concat_and_cache_mla(&kv_c, 512, &k_pe, 64, 1, &[1 << 40], &mut cache, &mla, None);
     assert_eq!(arg_of(r), "spec");
     let ok = MlaCacheSpec::new(1, 16, 512, 64).unwrap();
     // Latent rows 2^62 apart: (5 - 1) * 2^62 + 512 wraps to 512.
-    let r = host::cpu::concat_and_cache_mla(&kv_c, 1 << 62, &k_pe, 64, 5, &[0, 1, 2, 3, 4], &mut cache, &ok, None);
+    let r = attn_rs::cpu::concat_and_cache_mla(&kv_c, 1 << 62, &k_pe, 64, 5, &[0, 1, 2, 3, 4], &mut cache, &ok, None);
     assert_eq!(arg_of(r), "kv_c");
     assert!(cache.iter().all(|&x| x == 0.0));
 }
@@ -164,14 +164,14 @@ fn split_plans_count_partial_rows_without_wrapping() {
 /// (they indexed past the slices before).
 #[test]
 fn cpu_attention_ops_refuse_short_inputs() {
-    use host::cpu::{DecodeRef, KvRef, PrefillRef};
+    use attn_rs::cpu::{DecodeRef, KvRef, PrefillRef};
     let spec = KvCacheSpec::new(KvLayout::FlashNhd, 4, 4, 1, 8).unwrap();
     let cache = vec![0.5f32; spec.num_elements()];
     let q = vec![0.5f32; 2 * 8];
-    let opts = host::decode::AttnOptions::new(8);
+    let opts = attn_rs::decode::AttnOptions::new(8);
     let batch = DecodeBatch { seq_lens: &[8, 8], query_start_loc: &[0, 1, 2] };
     let decode = |q: &[f32], block_table: &[i32], slopes: Option<&[f32]>| {
-        host::cpu::paged_decode::<f32, f32>(&DecodeRef {
+        attn_rs::cpu::paged_decode::<f32, f32>(&DecodeRef {
             q,
             q_rows: RowsDesc::contiguous(2, 1, 8),
             cache: &cache,
@@ -192,7 +192,7 @@ fn cpu_attention_ops_refuse_short_inputs() {
     // Packed keys: request 1's 8 keys from row 8 need 16 rows, k has 12.
     let k_rows = RowsDesc::contiguous(12, 1, 8);
     let k = vec![0.5f32; 12 * 8];
-    let r = host::cpu::prefill::<f32, f32>(&PrefillRef {
+    let r = attn_rs::cpu::prefill::<f32, f32>(&PrefillRef {
         q: &q,
         q_rows: RowsDesc::contiguous(2, 1, 8),
         kv: KvRef::Packed { k: &k, k_rows, v: &k, v_rows: k_rows, key_start_loc: &[0, 8, 16] },

@@ -1,8 +1,8 @@
 //! CPU tests of `attn_math`: the FP8 E4M3 and bf16 conversions and the paged-cache slot math,
 //! checked against independent reference formulas.
 
-use host::attn_math::fp8::{bf16_bits_to_f32, e4m3_to_f32, f32_to_bf16_bits, f32_to_e4m3, quantize_e4m3, E4M3_MAX};
-use host::attn_math::paging::{resolve_slot, CacheStrides, SlotTarget};
+use attn_rs::attn_math::fp8::{bf16_bits_to_f32, e4m3_to_f32, f32_to_bf16_bits, f32_to_e4m3, quantize_e4m3, E4M3_MAX};
+use attn_rs::attn_math::paging::{resolve_slot, CacheStrides, SlotTarget};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -309,8 +309,8 @@ fn fp8_scale_division_matches_vllm() {
 /// [`ref_quantize`].
 #[test]
 fn cpu_fp8_cache_write_matches_vllm_bytes() {
-    use host::cpu::reshape_and_cache;
-    use host::{Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
+    use attn_rs::cpu::reshape_and_cache;
+    use attn_rs::{Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
     let table = positive_table();
     let mut rng = SmallRng::seed_from_u64(0x448);
     let (tokens, heads, dim) = (64usize, 4usize, 64usize);

@@ -7,8 +7,8 @@ mod common;
 
 use common::*;
 use half::{bf16, f16};
-use host::cache_write::{concat_and_cache_mla, reshape_and_cache, KvScales, KvWrite, MlaWrite};
-use host::{cpu, AttnError, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc, StatusFlags};
+use attn_rs::cache_write::{concat_and_cache_mla, reshape_and_cache, KvScales, KvWrite, MlaWrite};
+use attn_rs::{cpu, AttnError, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc, StatusFlags};
 use libtest_mimic::Trial;
 use rand::seq::SliceRandom;
 use rand::Rng;
@@ -92,7 +92,7 @@ fn kv_case<T: Element + std::fmt::Debug, C: Element + std::fmt::Debug>(layout: K
     let num_blocks = (c.tokens + 3 * c.block_size) / c.block_size + 2;
     let spec = KvCacheSpec::new(layout, num_blocks, c.block_size, c.heads, c.head_size)?;
     let rows = RowsDesc { token_stride: c.heads * c.head_size + c.row_pad, ..RowsDesc::contiguous(c.tokens, c.heads, c.head_size) };
-    let fp8 = C::DTYPE == host::DType::Fp8E4m3;
+    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
     // FP8 values up to ~2x past the saturation point, to exercise it.
     let range = if fp8 { 900.0 } else { 4.0 };
     let key: Vec<T> = random_vec(&mut rng, rows.required_len().max(1), range);
@@ -144,7 +144,7 @@ fn mla_case<T: Element + std::fmt::Debug, C: Element + std::fmt::Debug>(tokens: 
     let mut rng = rng(salt);
     let stream = new_stream();
     let spec = MlaCacheSpec::deepseek(tokens / block_size + 3, block_size)?;
-    let fp8 = C::DTYPE == host::DType::Fp8E4m3;
+    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
     let range = if fp8 { 900.0 } else { 4.0 };
     // kv_c and k_pe as slices of one wider projection output (row stride 576 + 64).
     let stride = spec.row_width() + 64;

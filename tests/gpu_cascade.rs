@@ -9,10 +9,10 @@ mod common;
 
 use common::*;
 use half::bf16;
-use host::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
-use host::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, LayerIo, NewKv};
-use host::metadata::{CascadeMode, StepInput};
-use host::{DType, DevIn, DevOut, KvLayout, RowsDesc};
+use attn_rs::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
+use attn_rs::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, LayerIo, NewKv};
+use attn_rs::metadata::{CascadeMode, StepInput};
+use attn_rs::{DType, DevIn, DevOut, KvLayout, RowsDesc};
 use libtest_mimic::Trial;
 use rand::seq::SliceRandom;
 

@@ -8,10 +8,10 @@ mod common;
 use common::*;
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
-use host::batch_plan::{paged_decode_planned, BatchPlan};
-use host::cache_write::KvScales;
-use host::decode::{merge_attn_states, paged_decode, AttnOptions, DecodeArgs, DecodeBatch, DecodeWorkspace, MergeArgs, SplitMode};
-use host::{cpu, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
+use attn_rs::batch_plan::{paged_decode_planned, BatchPlan};
+use attn_rs::cache_write::KvScales;
+use attn_rs::decode::{merge_attn_states, paged_decode, AttnOptions, DecodeArgs, DecodeBatch, DecodeWorkspace, MergeArgs, SplitMode};
+use attn_rs::{cpu, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
 use libtest_mimic::Trial;
 use rand::Rng;
 
@@ -63,7 +63,7 @@ impl Case {
 fn decode_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let mut rng = rng(salt);
     let stream = new_stream();
-    let fp8 = C::DTYPE == host::DType::Fp8E4m3;
+    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
     let (d, hq) = (c.head_size, c.q_heads);
     let num_reqs = c.seq_lens.len();
     let BlockTables { table: block_table, stride, num_blocks } =
@@ -184,7 +184,7 @@ fn decode_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
 /// microseconds, so the test is probabilistic. With the wait removed from `decode_kr`, 2 of 3
 /// runs of 8 rounds failed, hence 20 rounds, each re-poisoned.
 fn after_cache_write_case(q_len: i32, salt: u64) -> TestResult {
-    use host::cache_write::{reshape_and_cache, KvWrite};
+    use attn_rs::cache_write::{reshape_and_cache, KvWrite};
     let mut rng = rng(salt);
     let stream = new_stream();
     let (d, hq, hkv, bs) = (128, 32, 8, 16);

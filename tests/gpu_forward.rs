@@ -8,10 +8,10 @@ mod common;
 
 use common::*;
 use half::{bf16, f16};
-use host::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig};
-use host::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, HostElement, LayerIo, NewKv};
-use host::metadata::{is_decode, StepInput};
-use host::{AttnError, DType, DevIn, DevOut, Fp8E4m3, KvLayout, RowsDesc};
+use attn_rs::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig};
+use attn_rs::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, HostElement, LayerIo, NewKv};
+use attn_rs::metadata::{is_decode, StepInput};
+use attn_rs::{AttnError, DType, DevIn, DevOut, Fp8E4m3, KvLayout, RowsDesc};
 use libtest_mimic::Trial;
 use rand::seq::SliceRandom;
 use rand::Rng;

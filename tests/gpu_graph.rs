@@ -14,10 +14,10 @@ mod common;
 use common::*;
 use cudarc::driver::CudaStream;
 use half::bf16;
-use host::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
-use host::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, GraphBucket, LayerIo, NewKv, StepMetadata};
-use host::metadata::StepInput;
-use host::{AttnError, DType, DevIn, DevOut, KvLayout, RowsDesc, SharedBuf};
+use attn_rs::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
+use attn_rs::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, GraphBucket, LayerIo, NewKv, StepMetadata};
+use attn_rs::metadata::StepInput;
+use attn_rs::{AttnError, DType, DevIn, DevOut, KvLayout, RowsDesc, SharedBuf};
 use libtest_mimic::{Failed, Trial};
 use rand::seq::SliceRandom;
 use rand::Rng;
@@ -133,13 +133,13 @@ fn random_step(rng: &mut rand::rngs::SmallRng, c: &Case, n: usize, num_blocks: u
 
 /// A case's model: its backend and configuration (limits of its bucket), and the cache's blocks.
 struct CaseModel {
-    sel: host::backend::Selection,
+    sel: attn_rs::backend::Selection,
     config: ForwardConfig,
     num_blocks: usize,
 }
 
 impl CaseModel {
-    fn new(c: &Case, dev: &Arc<host::AttnDevice>) -> Result<CaseModel, Failed> {
+    fn new(c: &Case, dev: &Arc<attn_rs::AttnDevice>) -> Result<CaseModel, Failed> {
         let model = c.model();
         let sel = select_backend_no_env(&model, &DeviceInfo::from_device(dev), None)?;
         let (bn, rows) = (c.bucket.num_reqs, c.bucket.num_tokens());
@@ -150,7 +150,7 @@ impl CaseModel {
         Ok(CaseModel { sel, config, num_blocks })
     }
 
-    fn attention(&self, dev: &Arc<host::AttnDevice>, stream: &Arc<CudaStream>) -> Result<Attention, AttnError> {
+    fn attention(&self, dev: &Arc<attn_rs::AttnDevice>, stream: &Arc<CudaStream>) -> Result<Attention, AttnError> {
         Attention::new(&self.sel, self.config, Some(GpuHandles { dev: dev.clone(), stream: stream.clone() }))
     }
 }
@@ -275,7 +275,7 @@ fn refusals() -> TestResult {
         attn.new_graph_step(GraphBucket { num_reqs: 2, query_len: 2 }).map(|_| ()),
     )?;
     let mut g = attn.new_graph_step(GraphBucket::decode(2))?;
-    let build = |g: &mut host::forward::StepMetadata, qsl: &[i32], lens: &[i32], slots: &[i64]| {
+    let build = |g: &mut attn_rs::forward::StepMetadata, qsl: &[i32], lens: &[i32], slots: &[i64]| {
         let table = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12];
         g.build(&StepInput {
             query_start_loc: qsl,

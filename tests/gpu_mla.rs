@@ -10,12 +10,12 @@ mod common;
 use common::*;
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
-use host::batch_plan::{mla_attention_planned, BatchPlan};
-use host::cache_write::KvScales;
-use host::decode::{AttnOptions, DecodeWorkspace, PlanOptions, SplitMode, Tuning};
-use host::layout::MlaCacheSpec;
-use host::mla::{mla_attention, MlaArgs};
-use host::{cpu, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, RowsDesc};
+use attn_rs::batch_plan::{mla_attention_planned, BatchPlan};
+use attn_rs::cache_write::KvScales;
+use attn_rs::decode::{AttnOptions, DecodeWorkspace, PlanOptions, SplitMode, Tuning};
+use attn_rs::layout::MlaCacheSpec;
+use attn_rs::mla::{mla_attention, MlaArgs};
+use attn_rs::{cpu, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, RowsDesc};
 use libtest_mimic::Trial;
 
 #[derive(Clone, Debug)]
@@ -58,7 +58,7 @@ const V: usize = 512;
 fn mla_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let mut rng = rng(salt);
     let stream = new_stream();
-    let fp8 = C::DTYPE == host::DType::Fp8E4m3;
+    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
     let (hq, num_reqs) = (c.heads, c.seq_lens.len());
     let BlockTables { table: block_table, stride, num_blocks } =
         scattered_block_tables(&mut rng, &c.seq_lens, c.block_size, 2, c.bad_block);

@@ -8,10 +8,10 @@ mod common;
 use common::*;
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
-use host::cache_write::KvScales;
-use host::decode::AttnOptions;
-use host::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
-use host::{cpu, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
+use attn_rs::cache_write::KvScales;
+use attn_rs::decode::AttnOptions;
+use attn_rs::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
+use attn_rs::{cpu, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
 use libtest_mimic::Trial;
 use rand::Rng;
 
@@ -63,7 +63,7 @@ impl Case {
 }
 
 fn prefill_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
-    let fp8 = C::DTYPE == host::DType::Fp8E4m3;
+    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
     let scales = (0.05f32, 0.03f32);
     let mut rng = rng(salt);
     let stream = new_stream();

@@ -9,11 +9,11 @@ mod common;
 use common::*;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
-use host::batch_plan::{paged_decode_planned, BatchPlan};
-use host::cache_write::KvScales;
-use host::decode::{paged_decode, AttnOptions, DecodeArgs, DecodeWorkspace, SplitMode};
-use host::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
-use host::{AttnError, BatchMetadata, DType, DevIn, DevOut, DeviceStatus, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
+use attn_rs::batch_plan::{paged_decode_planned, BatchPlan};
+use attn_rs::cache_write::KvScales;
+use attn_rs::decode::{paged_decode, AttnOptions, DecodeArgs, DecodeWorkspace, SplitMode};
+use attn_rs::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
+use attn_rs::{AttnError, BatchMetadata, DType, DevIn, DevOut, DeviceStatus, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
 use libtest_mimic::Trial;
 use std::sync::Arc;
 
@@ -86,7 +86,7 @@ impl Setup {
 }
 
 /// Fails unless `r` is an invalid-argument error naming `arg` whose reason contains `what`.
-fn refused<T: std::fmt::Debug>(r: host::Result<T>, arg: &str, what: &str) -> TestResult {
+fn refused<T: std::fmt::Debug>(r: attn_rs::Result<T>, arg: &str, what: &str) -> TestResult {
     match r {
         Err(AttnError::InvalidArgument { arg: a, reason }) if a == arg && reason.contains(what) => Ok(()),
         other => Err(format!("expected a refusal of `{arg}` ({what}), got {other:?}").into()),

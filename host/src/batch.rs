@@ -126,14 +126,14 @@ pub(crate) fn block_table_reach(seq_lens: &[i32], block_size: usize, stride: usi
 /// does not compile.
 ///
 /// ```compile_fail
-/// # fn f(start_locations: host::DevIn<'_>, a: host::decode::DecodeArgs<'_>) {
-/// let a = host::decode::DecodeArgs { query_start_loc: start_locations, ..a };
+/// # fn f(start_locations: attn_rs::DevIn<'_>, a: attn_rs::decode::DecodeArgs<'_>) {
+/// let a = attn_rs::decode::DecodeArgs { query_start_loc: start_locations, ..a };
 /// # }
 /// ```
 ///
 /// ```no_run
-/// # fn demo(stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> host::Result<()> {
-/// use host::batch::BatchMetadata;
+/// # fn demo(stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> attn_rs::Result<()> {
+/// use attn_rs::batch::BatchMetadata;
 /// // Two requests: 1 new token over 40 keys, 3 new tokens over 3 keys.
 /// let mut batch = BatchMetadata::new(stream, &[40, 3], &[0, 1, 4])?;
 /// // Next step: the same buffer, new contents (it grows when a batch needs more).

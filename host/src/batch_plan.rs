@@ -5,11 +5,11 @@
 //! [`mla_attention`](crate::mla::mla_attention)) puts a copy between them.
 //!
 //! ```no_run
-//! # fn demo(dev: &host::AttnDevice, stream: &std::sync::Arc<cudarc::driver::CudaStream>,
-//! #         ws: &mut host::decode::DecodeWorkspace, status: &mut host::status::DeviceStatus,
-//! #         layers: Vec<host::mla::MlaArgs<'_>>, batch: host::BatchMetadata) -> host::Result<()> {
-//! use host::batch_plan::{mla_attention_planned, BatchPlan};
-//! use host::{decode::SplitMode, DType};
+//! # fn demo(dev: &attn_rs::AttnDevice, stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+//! #         ws: &mut attn_rs::decode::DecodeWorkspace, status: &mut attn_rs::status::DeviceStatus,
+//! #         layers: Vec<attn_rs::mla::MlaArgs<'_>>, batch: attn_rs::BatchMetadata) -> attn_rs::Result<()> {
+//! use attn_rs::batch_plan::{mla_attention_planned, BatchPlan};
+//! use attn_rs::{decode::SplitMode, DType};
 //! let mut plan = BatchPlan::new(stream)?; // once, for this stream
 //! // Each step: plan the batch, then run every layer with it.
 //! plan.plan_mla(dev, &batch, DType::BF16, DType::BF16, 16, SplitMode::Auto, ws)?;

@@ -1,6 +1,6 @@
 //! How the tests compare a result with the f64 reference (no GPU needed).
 
-use host::DType;
+use attn_rs::DType;
 
 /// ‖got − want‖ / ‖want‖ (the plain norm of the difference when the reference is all zeros).
 pub fn rel_error(got: &[f64], want: &[f64]) -> f64 {

@@ -18,7 +18,7 @@
 //! the other keys of the bands are near 0 for neighbours (orthogonal) and spread about
 //! `12 * sqrt(2 / d)` for the rest; random keys elsewhere keep logits of a few tenths.
 
-use host::{Element, RowsDesc};
+use attn_rs::{Element, RowsDesc};
 use rand::rngs::SmallRng;
 use rand::Rng;
 

@@ -10,7 +10,7 @@ pub use compare::{check_lse, check_rows, max_row_error, rel_error, row_errors, r
 pub use masking::{plant_edge_markers, MarkedRequest};
 
 use cudarc::driver::{CudaSlice, CudaStream};
-use host::{AttnDevice, Element};
+use attn_rs::{AttnDevice, Element};
 use libtest_mimic::{Arguments, Failed, Trial};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -131,21 +131,21 @@ pub fn scattered_block_tables(rng: &mut SmallRng, seq_lens: &[i32], block_size: 
 /// is, with the cache's `num_blocks`; `into_result` must report it. `unrecorded_ok`: the kernel
 /// may raise the bit without a record (the attention kernels do: see `kernels/src/blocks/status.rs`).
 /// When the reference skipped keys of bad blocks and the kernels raised the status bit without a
-/// record, [`host::batch::BatchMetadata::find_bad_block`] must name the reference's first one.
+/// record, [`attn_rs::batch::BatchMetadata::find_bad_block`] must name the reference's first one.
 pub fn check_found_bad_block(
-    batch: &host::batch::BatchMetadata,
+    batch: &attn_rs::batch::BatchMetadata,
     block_table: &CudaSlice<i32>,
     stream: &Arc<CudaStream>,
     stride: usize,
     block_size: usize,
     num_blocks: usize,
-    want: &host::cpu::DecodeResult,
+    want: &attn_rs::cpu::DecodeResult,
 ) -> Result<(), String> {
     if want.bad_blocks == 0 {
         return Ok(());
     }
     let found = batch
-        .find_bad_block(&host::DevIn::new(block_table, stream), stride, block_size, num_blocks)
+        .find_bad_block(&attn_rs::DevIn::new(block_table, stream), stride, block_size, num_blocks)
         .map_err(|e| format!("find_bad_block: {e}"))?;
     if found != want.first_bad_block {
         return Err(format!("find_bad_block names {found:?}, the reference met {:?}", want.first_bad_block));
@@ -154,14 +154,14 @@ pub fn check_found_bad_block(
 }
 
 pub fn check_block_status(
-    flags: host::StatusFlags,
-    want: &host::cpu::DecodeResult,
+    flags: attn_rs::StatusFlags,
+    want: &attn_rs::cpu::DecodeResult,
     block_table: &[i32],
     stride: usize,
     num_blocks: usize,
     unrecorded_ok: bool,
 ) -> Result<(), String> {
-    use host::AttnError;
+    use attn_rs::AttnError;
     if flags.block_out_of_range() != (want.bad_blocks > 0) {
         return Err(format!("status {flags:?}, reference skipped {} keys", want.bad_blocks));
     }

@@ -1,7 +1,7 @@
 //! CPU tests of cascade attention and of merging attention shares by LSE (no GPU):
-//! `host::metadata::common_prefix` against a naive reference (identical, diverging and capped
+//! `attn_rs::metadata::common_prefix` against a naive reference (identical, diverging and capped
 //! prefixes, odd input, random tables), `use_cascade`'s thresholds on each side, and, with the
-//! f64 reference (`host::cpu`), that the decompositions are exact: shared prefix (all query
+//! f64 reference (`attn_rs::cpu`), that the decompositions are exact: shared prefix (all query
 //! tokens of the batch as one non-causal request) merged with each request's own suffix equals
 //! plain attention, and a decode's context split in two shares (context parallel) merged by LSE
 //! equals the whole.

@@ -4,10 +4,10 @@
 
 use crate::{pick, start_locs};
 use half::bf16;
-use host::cpu::{self, DecodeRef, DecodeResult, KvRef, PrefillRef};
-use host::decode::{AttnOptions, DecodeBatch, MAX_QUERY_LEN};
-use host::metadata::{common_prefix, CommonPrefix, StepInput};
-use host::{Element, KvCacheSpec, KvLayout, RowsDesc};
+use attn_rs::cpu::{self, DecodeRef, DecodeResult, KvRef, PrefillRef};
+use attn_rs::decode::{AttnOptions, DecodeBatch, MAX_QUERY_LEN};
+use attn_rs::metadata::{common_prefix, CommonPrefix, StepInput};
+use attn_rs::{Element, KvCacheSpec, KvLayout, RowsDesc};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -161,7 +161,7 @@ fn check_cascade<C: Element>(rng: &mut SmallRng, prefix_blocks: usize, reqs: &[(
         num_blocks,
         block_size: bs,
     };
-    host::metadata::validate(&input).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+    attn_rs::metadata::validate(&input).unwrap_or_else(|e| panic!("{ctx}: {e}"));
     let found = common_prefix(&input);
     if n > 1 {
         assert_eq!(found, CommonPrefix { blocks: prefix_blocks, tokens: prefix_blocks * bs }, "{ctx}");

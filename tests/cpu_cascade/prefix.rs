@@ -2,7 +2,7 @@
 //! thresholds.
 
 use crate::pick;
-use host::metadata::{
+use attn_rs::metadata::{
     common_prefix, use_cascade, CascadeMode, CascadeStep, CommonPrefix, StepInput, MAX_CASCADE_ROWS_PER_REQ, MIN_CASCADE_PREFIX_TOKENS,
     MIN_CASCADE_REQS,
 };

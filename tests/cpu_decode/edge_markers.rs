@@ -4,9 +4,9 @@
 use crate::reference::random_q;
 use crate::{compare, masking};
 use half::bf16;
-use host::cpu::{self, DecodeResult};
-use host::decode::AttnOptions;
-use host::RowsDesc;
+use attn_rs::cpu::{self, DecodeResult};
+use attn_rs::decode::AttnOptions;
+use attn_rs::RowsDesc;
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 
@@ -52,7 +52,7 @@ fn packed_reference(
 #[test]
 fn edge_markers_make_one_key_masking_errors_visible_in_every_row() {
     let mut rng = SmallRng::seed_from_u64(58);
-    let floor = 5.0 * compare::row_tolerance(host::DType::BF16);
+    let floor = 5.0 * compare::row_tolerance(attn_rs::DType::BF16);
     let shapes =
         [(1, 4093, 128), (4, 3001, 128), (3, 9000, 128), (2, 5003, 128), (1, 2050, 64), (128, 181, 64), (200, 257, 64), (96, 150, 128)];
     for (q_len, window, d) in shapes {

@@ -1,12 +1,12 @@
 //! CPU tests of decode (no GPU): the split-K planning math (`attn_math::split`), the host's batch
-//! plan and validation (`host::decode`), the online softmax and LSE combination
+//! plan and validation (`attn_rs::decode`), the online softmax and LSE combination
 //! (`attn_math::softmax`), and properties of the CPU reference `cpu::paged_decode` checked
 //! against an explicit f64 softmax-attention written here.
 //!
 //! By part: [`split`], [`plan`] (and validation), [`softmax`], [`reference`] (`cpu::paged_decode`),
 //! [`edge_markers`] (the GPU tests' masking inputs).
 
-use host::AttnError;
+use attn_rs::AttnError;
 use rand::rngs::SmallRng;
 use rand::Rng;
 
@@ -37,7 +37,7 @@ fn start_locs(q_lens: &[usize]) -> Vec<i32> {
     locs
 }
 
-fn refused_arg(r: host::Result<()>) -> &'static str {
+fn refused_arg(r: attn_rs::Result<()>) -> &'static str {
     match r {
         Err(AttnError::InvalidArgument { arg, .. }) => arg,
         other => panic!("expected InvalidArgument, got {other:?}"),

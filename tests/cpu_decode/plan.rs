@@ -1,14 +1,14 @@
-//! `host::decode::plan_decode_tc` on random batches, small workspaces, empty requests, fixed
-//! modes and the split cap; `host::decode::validate_batch`'s refusals.
+//! `attn_rs::decode::plan_decode_tc` on random batches, small workspaces, empty requests, fixed
+//! modes and the split cap; `attn_rs::decode::validate_batch`'s refusals.
 
 use crate::{pick, refused_arg, start_locs};
-use host::attn_math::decode::HEAD_SIZES;
-use host::attn_math::split::{num_splits, plan_chunk};
-use host::decode::{plan_decode_tc, validate_batch, DecodeBatch, DecodePlan, SplitMode, TcShape, MAX_QUERY_LEN};
+use attn_rs::attn_math::decode::HEAD_SIZES;
+use attn_rs::attn_math::split::{num_splits, plan_chunk};
+use attn_rs::decode::{plan_decode_tc, validate_batch, DecodeBatch, DecodePlan, SplitMode, TcShape, MAX_QUERY_LEN};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-/// Mirrors `host::decode`'s private planning constant (smallest auto chunk).
+/// Mirrors `attn_rs::decode`'s private planning constant (smallest auto chunk).
 const MIN_CHUNK: u32 = 256;
 
 fn q_lens_of(qsl: &[i32]) -> Vec<u32> {

@@ -4,9 +4,9 @@
 use crate::{logsumexp, pick, refused_arg, start_locs};
 use approx::assert_relative_eq;
 use half::bf16;
-use host::cpu::{self, DecodeRef, DecodeResult};
-use host::decode::{AttnOptions, DecodeBatch, MAX_QUERY_LEN};
-use host::{Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
+use attn_rs::cpu::{self, DecodeRef, DecodeResult};
+use attn_rs::decode::{AttnOptions, DecodeBatch, MAX_QUERY_LEN};
+use attn_rs::{Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};

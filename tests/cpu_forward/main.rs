@@ -1,4 +1,4 @@
-//! CPU tests of `host::forward` on the `cpu` backend: multi-step mixed batches (decodes first,
+//! CPU tests of `attn_rs::forward` on the `cpu` backend: multi-step mixed batches (decodes first,
 //! then chunked prefills, scattered blocks, strided fused-QKV rows, padding rows) against a
 //! straightforward per-request reference written here (each request's keys and values kept in
 //! order, attention token by token in f64), for standard attention (GQA, layouts, dtypes,
@@ -12,10 +12,10 @@
 mod compare;
 use compare::{rel_error, tolerance};
 use half::{bf16, f16};
-use host::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig};
-use host::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, HostElement, LayerIo, NewKv};
-use host::metadata::{is_decode, StepInput};
-use host::{DType, KvLayout, RowsDesc};
+use attn_rs::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig};
+use attn_rs::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, HostElement, LayerIo, NewKv};
+use attn_rs::metadata::{is_decode, StepInput};
+use attn_rs::{DType, KvLayout, RowsDesc};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};

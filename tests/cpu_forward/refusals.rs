@@ -3,13 +3,13 @@
 //! GPU and FP8 caches' scales.
 
 use half::bf16;
-use host::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig, Selection, CPU, MLA, TENSOR_CORE};
-use host::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, LayerIo, NewKv, StepMetadata};
-use host::metadata::StepInput;
-use host::{AttnError, DType, KvLayout, RowsDesc};
+use attn_rs::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig, Selection, CPU, MLA, TENSOR_CORE};
+use attn_rs::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, LayerIo, NewKv, StepMetadata};
+use attn_rs::metadata::StepInput;
+use attn_rs::{AttnError, DType, KvLayout, RowsDesc};
 
 /// The argument an error names.
-fn arg_of<T>(r: host::Result<T>) -> String {
+fn arg_of<T>(r: attn_rs::Result<T>) -> String {
     match r {
         Err(AttnError::InvalidArgument { arg, .. }) | Err(AttnError::UnsupportedDType { arg, .. }) => arg.to_string(),
         Err(e) => format!("other error: {e}"),
@@ -392,7 +392,7 @@ fn fp8_caches_take_their_scales() {
     let mut out = vec![bf16::from_f32(-3.0); nt * HQ * D];
     let scales = ([1.0f32 / 64.0], [1.0f32 / 32.0]);
     // One layer of the small step on a bf16-query model whose cache is `C`.
-    let run = |cache_dtype: DType, cache: host::forward::HostOut<'_>, out: &mut [bf16], scales: Option<(&[f32], &[f32])>| {
+    let run = |cache_dtype: DType, cache: attn_rs::forward::HostOut<'_>, out: &mut [bf16], scales: Option<(&[f32], &[f32])>| {
         let model = ModelConfig { cache_dtype, ..ModelConfig::standard(HQ, HKV, D, DType::BF16, BS, KvLayout::FlashNhd) };
         let mut attn = Attention::new(&cpu_selection(&model), ForwardConfig::new(model, NB, limits()), None).unwrap();
         let mut meta = attn.new_step_metadata().unwrap();
@@ -417,8 +417,8 @@ fn fp8_caches_take_their_scales() {
             }),
         )
     };
-    let len = host::KvCacheSpec::new(KvLayout::FlashNhd, NB, BS, HKV, D).unwrap().num_elements();
-    let mut cache = vec![host::Fp8E4m3::default(); len];
+    let len = attn_rs::KvCacheSpec::new(KvLayout::FlashNhd, NB, BS, HKV, D).unwrap().num_elements();
+    let mut cache = vec![attn_rs::Fp8E4m3::default(); len];
     assert_eq!(arg_of(run(DType::Fp8E4m3, cache.as_mut_slice().into(), &mut out, None)), "kv_scales");
     run(DType::Fp8E4m3, cache.as_mut_slice().into(), &mut out, Some((&scales.0, &scales.1))).unwrap();
     assert!(out[HQ * D..].iter().all(|x| (x.to_f32() - 1.0).abs() < 1e-6), "the prefill sees only V = 1");

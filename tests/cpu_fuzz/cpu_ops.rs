@@ -1,8 +1,8 @@
 //! The CPU attention ops (`cpu::paged_decode`, `cpu::prefill`).
 
 use crate::{batch, fuzz, named, size, wild_i32, wild_usize};
-use host::decode::DecodeBatch;
-use host::{KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc};
+use attn_rs::decode::DecodeBatch;
+use attn_rs::{KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc};
 use rand::Rng;
 use std::fmt::Debug;
 
@@ -86,14 +86,14 @@ fn cpu_attention_ops_check_what_they_read() {
             let (slopes, sinks) = (vec![0.1f32; c.per_head.0], vec![0.0f32; c.per_head.1]);
             let (slopes, sinks) =
                 (c.per_head.0.is_multiple_of(2).then_some(&slopes[..]), c.per_head.1.is_multiple_of(2).then_some(&sinks[..]));
-            let opts = host::decode::AttnOptions::new(8);
-            let rows = |r: &host::cpu::DecodeResult, dv: usize| -> Result<(), String> {
+            let opts = attn_rs::decode::AttnOptions::new(8);
+            let rows = |r: &attn_rs::cpu::DecodeResult, dv: usize| -> Result<(), String> {
                 let (nt, hq) = (c.q_rows.num_tokens, c.q_rows.num_heads);
                 check!(r.out.len() == nt * hq * dv && r.lse.len() == nt * hq, "{} outputs for {nt} x {hq} x {dv}", r.out.len());
                 Ok(())
             };
             let batch = DecodeBatch { seq_lens: &c.seq_lens, query_start_loc: &c.qsl };
-            let d = host::cpu::paged_decode::<f32, f32>(&host::cpu::DecodeRef {
+            let d = attn_rs::cpu::paged_decode::<f32, f32>(&attn_rs::cpu::DecodeRef {
                 q: &q,
                 q_rows: c.q_rows,
                 cache: &cache,
@@ -113,9 +113,9 @@ fn cpu_attention_ops_check_what_they_read() {
             }
             let packed_rows = RowsDesc::contiguous(*c.key_start_loc.last().unwrap_or(&0) as usize, c.spec.num_kv_heads, c.spec.head_size);
             let kvs = [
-                host::cpu::KvRef::Paged { cache: &cache, spec: c.spec, block_table: &c.block_table, block_table_stride: c.stride },
-                host::cpu::KvRef::Mla { cache: &cache, spec: c.mla, block_table: &c.block_table, block_table_stride: c.stride },
-                host::cpu::KvRef::Packed {
+                attn_rs::cpu::KvRef::Paged { cache: &cache, spec: c.spec, block_table: &c.block_table, block_table_stride: c.stride },
+                attn_rs::cpu::KvRef::Mla { cache: &cache, spec: c.mla, block_table: &c.block_table, block_table_stride: c.stride },
+                attn_rs::cpu::KvRef::Packed {
                     k: &cache,
                     k_rows: packed_rows,
                     v: &cache,
@@ -124,7 +124,7 @@ fn cpu_attention_ops_check_what_they_read() {
                 },
             ];
             for kv in kvs {
-                let p = host::cpu::prefill::<f32, f32>(&host::cpu::PrefillRef {
+                let p = attn_rs::cpu::prefill::<f32, f32>(&attn_rs::cpu::PrefillRef {
                     q: &q,
                     q_rows: c.q_rows,
                     kv,

@@ -1,8 +1,8 @@
 //! Rows and cache specs: `RowsDesc`'s sizes, the cache specs and the CPU cache writes.
 
 use crate::{fuzz, named, size, wild_usize};
-use host::decode::merge_attn_states_sizes;
-use host::{KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc};
+use attn_rs::decode::merge_attn_states_sizes;
+use attn_rs::{KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc};
 use rand::Rng;
 use std::fmt::Debug;
 
@@ -145,7 +145,7 @@ fn cache_specs_and_writes_stay_in_range() {
             }
             // A write into it.
             let (key, mut cache) = (vec![1f32; c.key_len], vec![0f32; c.cache_len]);
-            let w = host::cpu::reshape_and_cache(&key, c.key_rows, &key, c.key_rows, &c.slots, &mut cache, &s, None);
+            let w = attn_rs::cpu::reshape_and_cache(&key, c.key_rows, &key, c.key_rows, &c.slots, &mut cache, &s, None);
             named(&w)?;
             if let Ok(rep) = w {
                 check!(v.is_ok(), "an invalid spec took a write");
@@ -167,7 +167,7 @@ fn cache_specs_and_writes_stay_in_range() {
             check!(v.is_ok() || m.num_elements() == usize::MAX || exact <= usize::MAX as u128, "an invalid MLA spec's size wraps");
             let kv_c = vec![1f32; c.key_len];
             let w =
-                host::cpu::concat_and_cache_mla(&kv_c, c.latent_stride, &kv_c, m.rope_dim, c.num_tokens, &c.slots, &mut cache, &m, None);
+                attn_rs::cpu::concat_and_cache_mla(&kv_c, c.latent_stride, &kv_c, m.rope_dim, c.num_tokens, &c.slots, &mut cache, &m, None);
             named(&w)?;
             if w.is_ok() {
                 check!(v.is_ok() && c.cache_len as u128 >= exact, "an MLA write into a short or invalid cache");

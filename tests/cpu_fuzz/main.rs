@@ -1,5 +1,5 @@
 //! Property checks over random and adversarial inputs: every public validator, planner and
-//! metadata builder, the CPU cache writes and `host::forward` on the `cpu` backend get numbers
+//! metadata builder, the CPU cache writes and `attn_rs::forward` on the `cpu` backend get numbers
 //! at the edges (i32::MIN/MAX, usize::MAX, strides of 2^62, negative lengths, unsorted start
 //! locations, zero sizes, block size 0, no heads, empty batches, huge block counts) mixed into
 //! mostly valid inputs. Each must give `Ok` with results in range (checked against sizes
@@ -11,8 +11,8 @@
 //! hundred cases. Planners allocate in proportion to the batch's tokens, so batches of more than
 //! 2^20 tokens go to the validators only.
 
-use host::decode::SplitMode;
-use host::AttnError;
+use attn_rs::decode::SplitMode;
+use attn_rs::AttnError;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::fmt::Debug;
@@ -83,7 +83,7 @@ macro_rules! check {
 }
 
 /// An error that names an argument (not a panic, not a driver error).
-fn named<T>(r: &host::Result<T>) -> Result<(), String> {
+fn named<T>(r: &attn_rs::Result<T>) -> Result<(), String> {
     match r {
         Ok(_) | Err(AttnError::InvalidArgument { .. }) | Err(AttnError::UnsupportedDType { .. }) => Ok(()),
         Err(e) => Err(format!("an unnamed error: {e}")),

@@ -2,14 +2,14 @@
 //! `forward` on the CPU backend after `build`.
 
 use crate::{fuzz, named, size, valid_tokens, wild_i32, wild_usize};
-use host::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
-use host::decode::MAX_QUERY_LEN;
-use host::forward::{Attention, CacheSpec, CpuLayer, ForwardConfig, ForwardLimits, LayerIo, NewKv};
-use host::metadata::{
+use attn_rs::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
+use attn_rs::decode::MAX_QUERY_LEN;
+use attn_rs::forward::{Attention, CacheSpec, CpuLayer, ForwardConfig, ForwardLimits, LayerIo, NewKv};
+use attn_rs::metadata::{
     build_tensor_core_metadata, common_prefix, decode_first_order, pack, split_decodes, use_cascade, validate, CascadeMode, CascadeStep,
     MetadataBuilder, PlanConfig, StagingLayout, StagingSizes, StepInput,
 };
-use host::{AttnError, DType, KvLayout, RowsDesc};
+use attn_rs::{AttnError, DType, KvLayout, RowsDesc};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::fmt::Debug;

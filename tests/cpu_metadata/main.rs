@@ -1,4 +1,4 @@
-//! CPU tests of the per-step metadata (`host::metadata`): validation and its refusals (each
+//! CPU tests of the per-step metadata (`attn_rs::metadata`): validation and its refusals (each
 //! naming its argument), the decode/prefill split and the decode-first order, the tensor-core
 //! metadata and the packed staging words, all against straightforward references written here
 //! on random batches (decodes of 1..=threshold query tokens, long prefills, empty requests),
@@ -7,9 +7,9 @@
 //! Here: the batches and the references; by part: [`valid`] (valid batches), [`order`] (the
 //! decode-first and prefill plan orders), [`refusals`].
 
-use host::attn_math::decode::HEAD_SIZES;
-use host::metadata::{build_tensor_core_metadata, BatchSplit, PlanConfig, StagingLayout, StepInput, TensorCoreMetadata, ALIGN_WORDS};
-use host::AttnError;
+use attn_rs::attn_math::decode::HEAD_SIZES;
+use attn_rs::metadata::{build_tensor_core_metadata, BatchSplit, PlanConfig, StagingLayout, StepInput, TensorCoreMetadata, ALIGN_WORDS};
+use attn_rs::AttnError;
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::Rng;
@@ -158,11 +158,11 @@ fn random_config(rng: &mut SmallRng) -> PlanConfig {
     }
 }
 
-fn build(b: &Batch, c: &PlanConfig) -> host::Result<TensorCoreMetadata> {
+fn build(b: &Batch, c: &PlanConfig) -> attn_rs::Result<TensorCoreMetadata> {
     build_tensor_core_metadata(&b.input(), c.decode_threshold, c.num_q_heads, c.num_kv_heads, c.head_size)
 }
 
-fn arg_of<T: std::fmt::Debug>(r: host::Result<T>) -> &'static str {
+fn arg_of<T: std::fmt::Debug>(r: attn_rs::Result<T>) -> &'static str {
     match r {
         Err(AttnError::InvalidArgument { arg, .. }) => arg,
         other => panic!("expected an InvalidArgument refusal, got {other:?}"),

@@ -1,7 +1,7 @@
 //! Orders: `decode_first_order` (a stable partition) and `plan_prefill`'s order of row tiles.
 
 use crate::{assemble, pick, random_reqs, ref_split, Batch};
-use host::metadata::{decode_first_order, split_decodes, validate};
+use attn_rs::metadata::{decode_first_order, split_decodes, validate};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -53,7 +53,7 @@ fn decode_first_order_is_a_stable_partition() {
 /// longest first.
 #[test]
 fn prefill_plan_takes_requests_by_longest_tile_and_their_tiles_longest_first() {
-    use host::prefill::{plan_prefill, PrefillBatch};
+    use attn_rs::prefill::{plan_prefill, PrefillBatch};
     let mut rng = SmallRng::seed_from_u64(41);
     for case in 0..200 {
         let n = rng.random_range(1..12);

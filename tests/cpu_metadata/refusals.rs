@@ -2,7 +2,7 @@
 //! argument, like the reference on random corruptions; the builder recovers after one.
 
 use crate::{arg_of, assemble, build, pick, random_config, random_reqs, ref_validate, Batch};
-use host::metadata::{validate, MetadataBuilder, PlanConfig, Region, StagingLayout};
+use attn_rs::metadata::{validate, MetadataBuilder, PlanConfig, Region, StagingLayout};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -168,7 +168,7 @@ fn builder_recovers_after_a_refusal() {
 
 #[test]
 fn layout_of_sizes() {
-    let layout = StagingLayout::new(&host::metadata::StagingSizes {
+    let layout = StagingLayout::new(&attn_rs::metadata::StagingSizes {
         num_reqs: 3,
         block_table_stride: 5,
         num_actual_tokens: 7,

@@ -2,9 +2,9 @@
 //! references.
 
 use crate::{arg_of, assemble, build, check_packed, masked, pick, random_config, random_reqs, ref_metadata, ref_split, ref_validate, Req};
-use host::decode::DecodePlan;
-use host::metadata::{pack, pack_into, split_decodes, validate, BatchSplit, MetadataBuilder, PlanConfig, StepInput};
-use host::{AttnError, KvCacheSpec, KvLayout};
+use attn_rs::decode::DecodePlan;
+use attn_rs::metadata::{pack, pack_into, split_decodes, validate, BatchSplit, MetadataBuilder, PlanConfig, StepInput};
+use attn_rs::{AttnError, KvCacheSpec, KvLayout};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

@@ -97,7 +97,7 @@ exit $status
 /// Paths of the test executables cargo builds for `targets`, from its JSON messages.
 fn test_executables(root: &Path, targets: &[&str]) -> Result<Vec<(String, String)>, String> {
     let mut cmd = Command::new(env!("CARGO"));
-    cmd.current_dir(root).args(["test", "--release", "--locked", "-p", "host", "--no-run", "--message-format=json"]);
+    cmd.current_dir(root).args(["test", "--release", "--locked", "-p", "attn-rs", "--no-run", "--message-format=json"]);
     for t in targets {
         cmd.args(["--test", t]);
     }
@@ -123,7 +123,7 @@ pub fn bundle() -> Result<(), String> {
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(out.join("tests")).map_err(|e| e.to_string())?;
     for bin in [BENCH_BIN, STEP_BIN, SIM_BIN] {
-        run(Command::new(env!("CARGO")).current_dir(&root).args(["build", "--release", "--locked", "-p", "host", "--bin", bin]))?;
+        run(Command::new(env!("CARGO")).current_dir(&root).args(["build", "--release", "--locked", "-p", "attn-rs", "--bin", bin]))?;
         std::fs::copy(root.join("target/release").join(bin), out.join(bin)).map_err(|e| e.to_string())?;
     }
     for (name, exe) in test_executables(&root, GPU_TESTS)? {
@@ -152,6 +152,6 @@ pub fn bundle() -> Result<(), String> {
 pub fn bench(args: &[String]) -> Result<(), String> {
     run(Command::new(env!("CARGO"))
         .current_dir(repo_root())
-        .args(["run", "--release", "--locked", "-p", "host", "--bin", BENCH_BIN, "--"])
+        .args(["run", "--release", "--locked", "-p", "attn-rs", "--bin", BENCH_BIN, "--"])
         .args(args))
 }

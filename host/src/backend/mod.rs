@@ -11,8 +11,8 @@
 //! place in [`priorities`].
 //!
 //! ```
-//! use host::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
-//! use host::{DType, KvLayout};
+//! use attn_rs::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
+//! use attn_rs::{DType, KvLayout};
 //!
 //! let llama = ModelConfig::standard(32, 8, 128, DType::BF16, 16, KvLayout::FlashNhd);
 //! let chosen = select_backend_no_env(&llama, &DeviceInfo::gpu(8, 0), None).unwrap();

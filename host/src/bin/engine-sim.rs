@@ -1,7 +1,7 @@
 //! The main job: a simulated serving engine. A Llama-3-8B-like model and a DeepSeek-like MLA
 //! model, each served to a deterministic stream of requests (varied prompt and generation
 //! lengths, arriving and finishing) by a chunked-prefill scheduler with a block allocator; every
-//! step's mixed batch goes through `host::forward` on every layer (random activations: there is
+//! step's mixed batch goes through `attn_rs::forward` on every layer (random activations: there is
 //! no model), a sample is checked against the CPU reference, and a progress line and a summary
 //! (tokens/s, each step's time split into metadata, cache write and attention) are printed.
 //!
@@ -19,17 +19,17 @@
 
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser, ValueEnum};
-use host::backend::{find_backend, select_backend, select_backend_no_env, DeviceInfo, Selection};
-use host::forward::GpuHandles;
-use host::sim::{run_sim, SimConfig, SimError, SimModel};
-use host::{AttnDevice, AttnError, DType};
+use attn_rs::backend::{find_backend, select_backend, select_backend_no_env, DeviceInfo, Selection};
+use attn_rs::forward::GpuHandles;
+use attn_rs::sim::{run_sim, SimConfig, SimError, SimModel};
+use attn_rs::{AttnDevice, AttnError, DType};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
 /// A simulated serving engine: a Llama-3-8B-like model and a DeepSeek-like MLA model served to a
 /// deterministic stream of requests by a chunked-prefill scheduler, every step's mixed batch
-/// through `host::forward` on every layer, a sample checked against the CPU reference.
+/// through `attn_rs::forward` on every layer, a sample checked against the CPU reference.
 ///
 /// Flags not given take the preset's value for where the backend runs (listed below).
 #[derive(Parser, Debug)]
@@ -133,11 +133,11 @@ fn len_range(v: &str) -> Result<(usize, usize), String> {
     Ok((a, b))
 }
 
-/// A registered backend's name (as `host::backend::find_backend` reads it).
+/// A registered backend's name (as `attn_rs::backend::find_backend` reads it).
 fn backend_name(v: &str) -> Result<String, String> {
     match find_backend(v) {
         Some(b) => Ok(b.name.to_string()),
-        None => Err(format!("no backend {v:?}; known backends: {}", host::backend::backend_names().join(", "))),
+        None => Err(format!("no backend {v:?}; known backends: {}", attn_rs::backend::backend_names().join(", "))),
     }
 }
 
@@ -255,7 +255,7 @@ fn main() -> ExitCode {
 fn open_device() -> Result<(DeviceInfo, Option<GpuHandles>), Box<dyn std::error::Error>> {
     if !AttnDevice::driver_available() {
         println!(
-            "engine-sim: no CUDA driver or GPU here: running on the CPU backend (host::cpu, the f64 reference \
+            "engine-sim: no CUDA driver or GPU here: running on the CPU backend (attn_rs::cpu, the f64 reference \
              implementation) with small sizes; throughput figures are the CPU reference's, not a GPU's"
         );
         return Ok((DeviceInfo::no_gpu(), None));
@@ -310,7 +310,7 @@ fn run(cli: &Cli) -> Result<bool, Box<dyn std::error::Error>> {
     Ok(all_ok)
 }
 
-fn run_one(model: &SimModel, selection: &Selection, gpu: Option<GpuHandles>, cli: &Cli) -> Result<host::sim::SimReport, SimError> {
+fn run_one(model: &SimModel, selection: &Selection, gpu: Option<GpuHandles>, cli: &Cli) -> Result<attn_rs::sim::SimReport, SimError> {
     let cfg = cli.sim_config(selection.backend.needs_gpu);
     let mut out = std::io::stdout();
     run_sim(model, &cfg, selection, gpu, &mut out)

@@ -6,7 +6,7 @@
 //! `pack`, allocating) and for `MetadataBuilder` (buffers reused), after a warm-up.
 
 use clap::Parser;
-use host::metadata::{build_tensor_core_metadata, pack, pack_into, split_decodes, validate, MetadataBuilder, PlanConfig, StepInput};
+use attn_rs::metadata::{build_tensor_core_metadata, pack, pack_into, split_decodes, validate, MetadataBuilder, PlanConfig, StepInput};
 use std::hint::black_box;
 use std::time::Instant;
 

@@ -1,4 +1,4 @@
-//! Step-level benchmark of `host::forward` (what an engine calls), in two parts:
+//! Step-level benchmark of `attn_rs::forward` (what an engine calls), in two parts:
 //!
 //! - cascade: 64 decode requests sharing a 4096-token prefix, each with 256 tokens of its own
 //!   (its new one included), 32q/8kv, d128, bf16: one layer's `forward` (cache write and
@@ -14,10 +14,10 @@ use clap::{CommandFactory, Parser, ValueEnum};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaStream;
 use half::bf16;
-use host::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
-use host::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, GraphBucket, LayerIo, NewKv, StepMetadata};
-use host::metadata::{CascadeMode, StepInput};
-use host::{AttnDevice, DType, DevIn, DevOut, KvLayout, Result, RowsDesc, SharedBuf};
+use attn_rs::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
+use attn_rs::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, GraphBucket, LayerIo, NewKv, StepMetadata};
+use attn_rs::metadata::{CascadeMode, StepInput};
+use attn_rs::{AttnDevice, DType, DevIn, DevOut, KvLayout, Result, RowsDesc, SharedBuf};
 use serde::Serialize;
 use std::io;
 use std::path::PathBuf;

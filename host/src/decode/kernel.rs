@@ -22,7 +22,7 @@ pub enum DecodeKernel {
     TensorCoreKeys,
     /// Tensor cores, 64 rows per CTA (the prefill kernel): more rows per kv head (MQA).
     TensorCoreRows,
-    /// MLA's latent attention (`host::mla::mla_attention`; its plans carry this tag).
+    /// MLA's latent attention (`attn_rs::mla::mla_attention`; its plans carry this tag).
     Mla,
 }
 

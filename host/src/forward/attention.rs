@@ -76,7 +76,7 @@ impl Attention {
                 let gpu = gpu.ok_or_else(|| AttnError::invalid("gpu", "backend \"mla\" runs on a GPU: pass its device and stream"))?;
                 Exec::Gpu(Box::new(GpuExec::new(gpu.dev, gpu.stream, &config)?))
             }
-            _ => return Err(AttnError::MissingKernel { what: "forward on this backend", missing: "its executor in host::forward" }),
+            _ => return Err(AttnError::MissingKernel { what: "forward on this backend", missing: "its executor in attn_rs::forward" }),
         };
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);

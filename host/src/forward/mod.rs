@@ -21,10 +21,10 @@
 //! An FP8 cache takes each layer's `kv_scales`.
 //!
 //! ```
-//! use host::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
-//! use host::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, LayerIo, NewKv};
-//! use host::metadata::StepInput;
-//! use host::{DType, KvLayout, RowsDesc};
+//! use attn_rs::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
+//! use attn_rs::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, LayerIo, NewKv};
+//! use attn_rs::metadata::StepInput;
+//! use attn_rs::{DType, KvLayout, RowsDesc};
 //!
 //! // 4 query heads over 2 kv heads of 8, f32, blocks of 4 tokens; 8 blocks per layer.
 //! let model = ModelConfig::standard(4, 2, 8, DType::F32, 4, KvLayout::FlashNhd);

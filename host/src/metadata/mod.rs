@@ -6,7 +6,7 @@
 //! without allocating.
 //!
 //! ```
-//! use host::metadata::{build_tensor_core_metadata, pack, validate, StepInput};
+//! use attn_rs::metadata::{build_tensor_core_metadata, pack, validate, StepInput};
 //!
 //! // Two decodes (1 and 2 query tokens), then a prefill of 5; block size 16, 8 blocks.
 //! let (qsl, seq_lens) = ([0, 1, 3, 8], [17, 2, 5]);

@@ -134,7 +134,7 @@ impl SimReport {
 
     /// One line about the run about to start (two on the CPU backend: what its checks cover).
     pub fn header(&self) -> String {
-        let place = if self.on_gpu { "GPU" } else { "CPU (host::cpu, the reference implementation)" };
+        let place = if self.on_gpu { "GPU" } else { "CPU (attn_rs::cpu, the reference implementation)" };
         let scope = if self.on_gpu { String::new() } else { format!("\n   checks: {}", self.check_scope()) };
         format!(
             "== {} [{}]: {}\n   backend {} on the {place}; {} of {} layers, {} blocks per layer ({} of KV cache); {} requests{scope}",

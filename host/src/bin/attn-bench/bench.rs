@@ -3,7 +3,7 @@
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream};
-use host::{AttnDevice, Element, Result, Tuning};
+use attn_rs::{AttnDevice, Element, Result, Tuning};
 use std::sync::Arc;
 
 /// One measured kernel (a line of the table, a row of the JSON).

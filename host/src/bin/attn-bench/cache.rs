@@ -4,8 +4,8 @@
 use crate::bench::{copy_row, dev, random_slots, random_values, Bench, Row};
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use host::cache_write::{concat_and_cache_mla, reshape_and_cache, KvScales, KvWrite, MlaWrite};
-use host::{DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, Result, RowsDesc};
+use attn_rs::cache_write::{concat_and_cache_mla, reshape_and_cache, KvScales, KvWrite, MlaWrite};
+use attn_rs::{DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, Result, RowsDesc};
 
 /// How the benchmark's slot mapping places tokens in the cache.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -40,7 +40,7 @@ fn kv_write_row<C: Element>(
     };
     let mut cache: CudaSlice<C> = s.alloc_zeros(spec.num_elements())?;
     let (ks, vs) = (s.clone_htod(&[0.5f32])?, s.clone_htod(&[0.5f32])?);
-    let fp8 = C::DTYPE == host::DType::Fp8E4m3;
+    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
     let us = b.time(|| {
         let w = KvWrite {
             key: DevIn::new(&key, s),
@@ -76,7 +76,7 @@ fn mla_write_row<C: Element>(b: &Bench, tokens: usize, block_size: usize, status
     let slots = s.clone_htod(&random_slots(tokens, spec.num_slots(), 6))?;
     let mut cache: CudaSlice<C> = s.alloc_zeros(spec.num_elements())?;
     let scale = s.clone_htod(&[0.5f32])?;
-    let fp8 = C::DTYPE == host::DType::Fp8E4m3;
+    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
     let us = b.time(|| {
         let w = MlaWrite {
             kv_c: DevIn::new(&kv_c, s),

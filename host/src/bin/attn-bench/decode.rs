@@ -4,8 +4,8 @@
 use crate::bench::{dev, env_shapes, random_device, random_slots, random_values, Bench, Row};
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use host::cache_write::KvScales;
-use host::{BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, PlanOptions, Result, RowsDesc, SplitMode};
+use attn_rs::cache_write::KvScales;
+use attn_rs::{BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, PlanOptions, Result, RowsDesc, SplitMode};
 
 struct DecodeShape {
     batch: usize,
@@ -16,11 +16,11 @@ struct DecodeShape {
     block_size: usize,
 }
 
-/// Paged decode; `planned`: the split plan made once ([`host::batch_plan`], as every layer of a
+/// Paged decode; `planned`: the split plan made once ([`attn_rs::batch_plan`], as every layer of a
 /// step runs it), else planned and uploaded by each call.
 fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &mut DeviceStatus) -> Result<Row> {
-    use host::batch_plan::{paged_decode_planned, BatchPlan};
-    use host::decode::{paged_decode, AttnOptions, DecodeArgs, DecodeWorkspace};
+    use attn_rs::batch_plan::{paged_decode_planned, BatchPlan};
+    use attn_rs::decode::{paged_decode, AttnOptions, DecodeArgs, DecodeWorkspace};
     let s = &b.stream;
     let blocks_per_req = sh.context.div_ceil(sh.block_size);
     let num_blocks = sh.batch * blocks_per_req;
@@ -50,7 +50,7 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
     // The size `DecodeWorkspace::new` suggests (an oversized one made later rows slower).
     let partial_rows = 4 * dev().sm_count() as usize * 8 * sh.q_heads / sh.kv_heads;
     let mut ws = DecodeWorkspace::new(s, partial_rows, sh.head_size, sh.batch, sh.batch)?;
-    let fp8 = C::DTYPE == host::DType::Fp8E4m3;
+    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
     let opts = AttnOptions::new(sh.head_size);
     let batch = BatchMetadata::new(s, &seq_lens, &qsl)?;
     let mut bp = BatchPlan::new(s)?;
@@ -59,7 +59,7 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
     let split = std::env::var("ATTN_BENCH_DECODE_SPLITS").ok().and_then(|v| v.parse().ok()).map_or(SplitMode::Auto, SplitMode::Fixed);
     let mode = PlanOptions { split, tuning: b.tuning };
     if planned {
-        let (qt, hd) = (host::DType::BF16, sh.head_size);
+        let (qt, hd) = (attn_rs::DType::BF16, sh.head_size);
         chunk = bp.plan_decode(dev(), &batch, qt, C::DTYPE, hd, sh.q_heads, sh.kv_heads, mode, &ws)?.chunk;
     }
     let us = b.time(|| {

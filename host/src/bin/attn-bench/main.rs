@@ -4,7 +4,7 @@
 //!
 //! `attn-bench [--json PATH] [--quick] [--only cache|decode|prefill|mla] [TUNING]`
 //!
-//! The split planners' knobs (`host::options::Tuning`; the measured defaults otherwise):
+//! The split planners' knobs (`attn_rs::options::Tuning`; the measured defaults otherwise):
 //! `--decode-waves N` (waves of resident CTAs a decode plan aims at), `--no-decode-even-waves`,
 //! `--mla-waves N`, `--no-mla-clusters`.
 //!
@@ -20,7 +20,7 @@ mod report;
 
 use bench::{copy_row, dev, Bench};
 use clap::{Parser, ValueEnum};
-use host::{AttnDevice, DeviceStatus, Result, Tuning};
+use attn_rs::{AttnDevice, DeviceStatus, Result, Tuning};
 use std::path::PathBuf;
 
 /// Measures the device-to-device copy ceiling, then each kernel (cache writes, decode, prefill,

@@ -3,12 +3,12 @@
 use crate::bench::{dev, env_shapes, random_device, random_slots, random_values, Bench, Row};
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use host::cache_write::KvScales;
-use host::{BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, PlanOptions, Result, RowsDesc, SplitMode};
+use attn_rs::cache_write::KvScales;
+use attn_rs::{BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, PlanOptions, Result, RowsDesc, SplitMode};
 
 /// MLA decode over the latent cache: bf16, context 4096, block size 64, scattered block tables.
 /// Bytes = the latent cache read once; FLOPs = 2 * heads * context * (576 + 512) per token.
-/// MLA decode; `planned`: the split plan made once ([`host::batch_plan`], as every layer of a
+/// MLA decode; `planned`: the split plan made once ([`attn_rs::batch_plan`], as every layer of a
 /// step runs it), else planned and uploaded by each call.
 fn mla_row<C: Element>(
     b: &Bench,
@@ -17,17 +17,17 @@ fn mla_row<C: Element>(
     planned: bool,
     status: &mut DeviceStatus,
 ) -> Result<Row> {
-    use host::batch_plan::{mla_attention_planned, BatchPlan};
-    use host::decode::{AttnOptions, DecodeWorkspace};
-    use host::layout::MlaCacheSpec;
-    use host::mla::{mla_attention, MlaArgs};
+    use attn_rs::batch_plan::{mla_attention_planned, BatchPlan};
+    use attn_rs::decode::{AttnOptions, DecodeWorkspace};
+    use attn_rs::layout::MlaCacheSpec;
+    use attn_rs::mla::{mla_attention, MlaArgs};
     let s = &b.stream;
     let block_size = 64;
     let blocks_per_req = context.div_ceil(block_size);
     let num_blocks = batch * blocks_per_req;
     let spec = MlaCacheSpec::deepseek(num_blocks, block_size)?;
     let cache = cache.slice(..spec.num_elements());
-    let fp8 = C::DTYPE == host::DType::Fp8E4m3;
+    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
     let scale = s.clone_htod(&[0.05f32])?;
     let block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 32).into_iter().map(|x| x as i32).collect();
     let seq_lens = vec![context as i32; batch];
@@ -41,7 +41,7 @@ fn mla_row<C: Element>(
     let batch_meta = BatchMetadata::new(s, &seq_lens, &qsl)?;
     let mut bp = BatchPlan::new(s)?;
     let mode = PlanOptions { split: SplitMode::Auto, tuning: b.tuning };
-    let planned_once = bp.plan_mla(dev(), &batch_meta, host::DType::BF16, C::DTYPE, heads, mode, &ws)?;
+    let planned_once = bp.plan_mla(dev(), &batch_meta, attn_rs::DType::BF16, C::DTYPE, heads, mode, &ws)?;
     let (mut chunk, mut cluster) = (planned_once.chunk, planned_once.cluster);
     let us = b.time(|| {
         let args = MlaArgs {

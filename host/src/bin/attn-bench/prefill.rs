@@ -3,7 +3,7 @@
 use crate::bench::{dev, env_shapes, random_device, random_slots, Bench, Row};
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use host::{BatchMetadata, DevIn, DevOut, DeviceStatus, KvCacheSpec, KvLayout, Result, RowsDesc};
+use attn_rs::{BatchMetadata, DevIn, DevOut, DeviceStatus, KvCacheSpec, KvLayout, Result, RowsDesc};
 
 struct PrefillShape {
     batch: usize,
@@ -19,8 +19,8 @@ struct PrefillShape {
 /// Causal paged prefill, bf16, block size 16, scattered block tables. FLOPs = 4 * q_heads *
 /// head_size * attended pairs.
 fn prefill_row(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Result<Row> {
-    use host::decode::AttnOptions;
-    use host::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
+    use attn_rs::decode::AttnOptions;
+    use attn_rs::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
     let s = &b.stream;
     let block_size = 16;
     let seq = sh.cached + sh.q_len;

@@ -6,7 +6,7 @@
 //! last two.
 
 use crate::bench::{Row, MATMUL_TFLOPS};
-use host::{AttnError, Result};
+use attn_rs::{AttnError, Result};
 use serde::Serialize;
 use std::io;
 use std::path::Path;
