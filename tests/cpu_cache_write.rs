@@ -1,9 +1,9 @@
 //! CPU tests of the paged-cache layouts and of the CPU cache writes (`reshape_and_cache`,
 //! `concat_and_cache_mla`), against an independent row-major model of each layout.
 
-use half::{bf16, f16};
 use attn_rs::cpu::{concat_and_cache_mla, reshape_and_cache, WriteReport};
 use attn_rs::{AttnError, BadSlot, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc};
+use half::{bf16, f16};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};

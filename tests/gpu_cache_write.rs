@@ -5,10 +5,10 @@
 
 mod common;
 
-use common::*;
-use half::{bf16, f16};
 use attn_rs::cache_write::{concat_and_cache_mla, reshape_and_cache, KvScales, KvWrite, MlaWrite};
 use attn_rs::{cpu, AttnError, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc, StatusFlags};
+use common::*;
+use half::{bf16, f16};
 use libtest_mimic::Trial;
 use rand::seq::SliceRandom;
 use rand::Rng;

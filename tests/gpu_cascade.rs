@@ -7,12 +7,12 @@
 
 mod common;
 
-use common::*;
-use half::bf16;
 use attn_rs::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
 use attn_rs::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, LayerIo, NewKv};
 use attn_rs::metadata::{CascadeMode, StepInput};
 use attn_rs::{DType, DevIn, DevOut, KvLayout, RowsDesc};
+use common::*;
+use half::bf16;
 use libtest_mimic::Trial;
 use rand::seq::SliceRandom;
 

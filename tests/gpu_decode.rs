@@ -5,13 +5,13 @@
 
 mod common;
 
-use common::*;
-use cudarc::driver::CudaSlice;
-use half::{bf16, f16};
 use attn_rs::batch_plan::{paged_decode_planned, BatchPlan};
 use attn_rs::cache_write::KvScales;
 use attn_rs::decode::{merge_attn_states, paged_decode, AttnOptions, DecodeArgs, DecodeBatch, DecodeWorkspace, MergeArgs, SplitMode};
 use attn_rs::{cpu, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
+use common::*;
+use cudarc::driver::CudaSlice;
+use half::{bf16, f16};
 use libtest_mimic::Trial;
 use rand::Rng;
 

@@ -6,12 +6,12 @@
 
 mod common;
 
-use common::*;
-use half::{bf16, f16};
 use attn_rs::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig};
 use attn_rs::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, HostElement, LayerIo, NewKv};
 use attn_rs::metadata::{is_decode, StepInput};
 use attn_rs::{AttnError, DType, DevIn, DevOut, Fp8E4m3, KvLayout, RowsDesc};
+use common::*;
+use half::{bf16, f16};
 use libtest_mimic::Trial;
 use rand::seq::SliceRandom;
 use rand::Rng;

@@ -11,13 +11,13 @@
 
 mod common;
 
-use common::*;
-use cudarc::driver::CudaStream;
-use half::bf16;
 use attn_rs::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
 use attn_rs::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, GraphBucket, LayerIo, NewKv, StepMetadata};
 use attn_rs::metadata::StepInput;
 use attn_rs::{AttnError, DType, DevIn, DevOut, KvLayout, RowsDesc, SharedBuf};
+use common::*;
+use cudarc::driver::CudaStream;
+use half::bf16;
 use libtest_mimic::{Failed, Trial};
 use rand::seq::SliceRandom;
 use rand::Rng;

@@ -7,15 +7,15 @@
 
 mod common;
 
-use common::*;
-use cudarc::driver::CudaSlice;
-use half::{bf16, f16};
 use attn_rs::batch_plan::{mla_attention_planned, BatchPlan};
 use attn_rs::cache_write::KvScales;
 use attn_rs::decode::{AttnOptions, DecodeWorkspace, PlanOptions, SplitMode, Tuning};
 use attn_rs::layout::MlaCacheSpec;
 use attn_rs::mla::{mla_attention, MlaArgs};
 use attn_rs::{cpu, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, RowsDesc};
+use common::*;
+use cudarc::driver::CudaSlice;
+use half::{bf16, f16};
 use libtest_mimic::Trial;
 
 #[derive(Clone, Debug)]

@@ -9,8 +9,8 @@ pub use compare::{check_lse, check_rows, max_row_error, rel_error, row_errors, r
 #[allow(unused_imports)]
 pub use masking::{plant_edge_markers, MarkedRequest};
 
-use cudarc::driver::{CudaSlice, CudaStream};
 use attn_rs::{AttnDevice, Element};
+use cudarc::driver::{CudaSlice, CudaStream};
 use libtest_mimic::{Arguments, Failed, Trial};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};

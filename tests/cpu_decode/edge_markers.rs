@@ -3,10 +3,10 @@
 
 use crate::reference::random_q;
 use crate::{compare, masking};
-use half::bf16;
 use attn_rs::cpu::{self, DecodeResult};
 use attn_rs::decode::AttnOptions;
 use attn_rs::RowsDesc;
+use half::bf16;
 use rand::rngs::SmallRng;
 use rand::SeedableRng;
 

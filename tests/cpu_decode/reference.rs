@@ -3,10 +3,10 @@
 
 use crate::{logsumexp, pick, refused_arg, start_locs};
 use approx::assert_relative_eq;
-use half::bf16;
 use attn_rs::cpu::{self, DecodeRef, DecodeResult};
 use attn_rs::decode::{AttnOptions, DecodeBatch, MAX_QUERY_LEN};
 use attn_rs::{Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
+use half::bf16;
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};

@@ -10,12 +10,12 @@
 #[allow(dead_code)]
 #[path = "../common/compare.rs"]
 mod compare;
-use compare::{rel_error, tolerance};
-use half::{bf16, f16};
 use attn_rs::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig};
 use attn_rs::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, HostElement, LayerIo, NewKv};
 use attn_rs::metadata::{is_decode, StepInput};
 use attn_rs::{DType, KvLayout, RowsDesc};
+use compare::{rel_error, tolerance};
+use half::{bf16, f16};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};

@@ -2,11 +2,11 @@
 //! anything is written; empty requests, block ids outside the cache, GPU backends without a
 //! GPU and FP8 caches' scales.
 
-use half::bf16;
 use attn_rs::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig, Selection, CPU, MLA, TENSOR_CORE};
 use attn_rs::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, LayerIo, NewKv, StepMetadata};
 use attn_rs::metadata::StepInput;
 use attn_rs::{AttnError, DType, KvLayout, RowsDesc};
+use half::bf16;
 
 /// The argument an error names.
 fn arg_of<T>(r: attn_rs::Result<T>) -> String {

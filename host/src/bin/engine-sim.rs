@@ -17,12 +17,12 @@
 //! (`--help` describes each; flags not given take the preset's value for where the backend
 //! runs, `SimConfig::cpu_default` or `SimConfig::gpu_default`).
 
-use clap::error::ErrorKind;
-use clap::{CommandFactory, Parser, ValueEnum};
 use attn_rs::backend::{find_backend, select_backend, select_backend_no_env, DeviceInfo, Selection};
 use attn_rs::forward::GpuHandles;
 use attn_rs::sim::{run_sim, SimConfig, SimError, SimModel};
 use attn_rs::{AttnDevice, AttnError, DType};
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser, ValueEnum};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;

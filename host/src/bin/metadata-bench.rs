@@ -5,8 +5,8 @@
 //! median and percentiles of one build, for the free functions (`build_tensor_core_metadata` +
 //! `pack`, allocating) and for `MetadataBuilder` (buffers reused), after a warm-up.
 
-use clap::Parser;
 use attn_rs::metadata::{build_tensor_core_metadata, pack, pack_into, split_decodes, validate, MetadataBuilder, PlanConfig, StepInput};
+use clap::Parser;
 use std::hint::black_box;
 use std::time::Instant;
 

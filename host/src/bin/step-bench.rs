@@ -10,14 +10,14 @@
 //! Times are medians over CUDA-event timings after warm-up.
 //! `step-bench [--quick] [--json PATH] [--only cascade|graph] [--event-tracking]` (`--help`).
 
-use clap::{CommandFactory, Parser, ValueEnum};
-use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::CudaStream;
-use half::bf16;
 use attn_rs::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
 use attn_rs::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, GraphBucket, LayerIo, NewKv, StepMetadata};
 use attn_rs::metadata::{CascadeMode, StepInput};
 use attn_rs::{AttnDevice, DType, DevIn, DevOut, KvLayout, Result, RowsDesc, SharedBuf};
+use clap::{CommandFactory, Parser, ValueEnum};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::CudaStream;
+use half::bf16;
 use serde::Serialize;
 use std::io;
 use std::path::PathBuf;

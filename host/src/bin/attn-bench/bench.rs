@@ -1,9 +1,9 @@
 //! What every group of rows shares: the timing loop, a row, the device, random inputs and the
 //! copy ceiling.
 
+use attn_rs::{AttnDevice, Element, Result, Tuning};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream};
-use attn_rs::{AttnDevice, Element, Result, Tuning};
 use std::sync::Arc;
 
 /// One measured kernel (a line of the table, a row of the JSON).

@@ -2,10 +2,10 @@
 //! copy of the same size.
 
 use crate::bench::{copy_row, dev, random_slots, random_values, Bench, Row};
-use cudarc::driver::CudaSlice;
-use half::bf16;
 use attn_rs::cache_write::{concat_and_cache_mla, reshape_and_cache, KvScales, KvWrite, MlaWrite};
 use attn_rs::{DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, Result, RowsDesc};
+use cudarc::driver::CudaSlice;
+use half::bf16;
 
 /// How the benchmark's slot mapping places tokens in the cache.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -2,10 +2,12 @@
 //! without programmatic dependent launch, and other head sizes, block sizes and groups.
 
 use crate::bench::{dev, env_shapes, random_device, random_slots, random_values, Bench, Row};
+use attn_rs::cache_write::KvScales;
+use attn_rs::{
+    BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, PlanOptions, Result, RowsDesc, SplitMode,
+};
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use attn_rs::cache_write::KvScales;
-use attn_rs::{BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, PlanOptions, Result, RowsDesc, SplitMode};
 
 struct DecodeShape {
     batch: usize,

@@ -18,9 +18,9 @@ mod mla;
 mod prefill;
 mod report;
 
+use attn_rs::{AttnDevice, DeviceStatus, Result, Tuning};
 use bench::{copy_row, dev, Bench};
 use clap::{Parser, ValueEnum};
-use attn_rs::{AttnDevice, DeviceStatus, Result, Tuning};
 use std::path::PathBuf;
 
 /// Measures the device-to-device copy ceiling, then each kernel (cache writes, decode, prefill,

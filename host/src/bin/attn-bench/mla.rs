@@ -1,10 +1,10 @@
 //! `--only mla`: MLA decode over the latent cache, bf16 and FP8, per call and planned once.
 
 use crate::bench::{dev, env_shapes, random_device, random_slots, random_values, Bench, Row};
-use cudarc::driver::CudaSlice;
-use half::bf16;
 use attn_rs::cache_write::KvScales;
 use attn_rs::{BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, PlanOptions, Result, RowsDesc, SplitMode};
+use cudarc::driver::CudaSlice;
+use half::bf16;
 
 /// MLA decode over the latent cache: bf16, context 4096, block size 64, scattered block tables.
 /// Bytes = the latent cache read once; FLOPs = 2 * heads * context * (576 + 512) per token.

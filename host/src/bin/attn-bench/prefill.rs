@@ -1,9 +1,9 @@
 //! `--only prefill`: causal paged prefill (compute-bound rows, against the matmul rate).
 
 use crate::bench::{dev, env_shapes, random_device, random_slots, Bench, Row};
+use attn_rs::{BatchMetadata, DevIn, DevOut, DeviceStatus, KvCacheSpec, KvLayout, Result, RowsDesc};
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use attn_rs::{BatchMetadata, DevIn, DevOut, DeviceStatus, KvCacheSpec, KvLayout, Result, RowsDesc};
 
 struct PrefillShape {
     batch: usize,
