@@ -3,23 +3,39 @@
 //! `_fp8`: an FP8 E4M3 cache; the keys-as-rows decode kernels, the Hopper prefill kernels and the
 //! MLA kernels. The host builds the same names (host/src/prefill.rs, decode.rs, mla.rs).
 
+use crate::attention::config::{AttnConfig, Bits16, Fp8E4M3};
 use crate::attention::mainloop::attention;
 use crate::attention::mla::kernel::mla_attention;
 use crate::blocks::elem::{Bf16, F16};
 use attn_math::params::PrefillParams;
-use attn_math::prefill::{block_n, m_tiles, WARPS};
+
+/// A kernel `$name` running [`attention`] for a config of queries `$q`, tensor-core inputs `$m`,
+/// cache `$cache`, head sizes `$dk` / `$dv` and shape `$keys` (the rest of the shape follows:
+/// [`AttnConfig`]'s defaults).
+macro_rules! attention_kernel {
+    ($name:expr, $q:ident, $m:ident, $cache:ident, $dk:literal, $dv:literal, keys_split: $keys:literal) => {
+        const _: () = {
+            struct Config;
+            impl AttnConfig for Config {
+                type Q = $q;
+                type M = $m;
+                type Cache = $cache;
+                const DK: usize = $dk;
+                const DV: usize = $dv;
+                const KEYS: bool = $keys;
+            }
+            #[unsafe(export_name = $name)]
+            unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+                unsafe { attention::<Config, { Config::MT }>(&p) }
+            }
+        };
+    };
+}
 
 macro_rules! prefill_kernels {
     ($q:ident, $qname:literal: $(($dk:literal, $dv:literal)),*) => {
         $(
-            const _: () = {
-                #[unsafe(export_name = concat!("prefill_", $qname, "_dk", $dk, "_dv", $dv))]
-                unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                    const BN: usize = block_n($dk, $dv, false, false) as usize;
-                    const MT: usize = m_tiles($dk, $dv, false, false) as usize;
-                    unsafe { attention::<$q, $q, $dk, $dv, BN, BN, false, false, MT, false>(&p) }
-                }
-            };
+            attention_kernel!(concat!("prefill_", $qname, "_dk", $dk, "_dv", $dv), $q, $q, Bits16, $dk, $dv, keys_split: false);
         )*
     };
 }
@@ -27,27 +43,9 @@ macro_rules! prefill_kernels {
 macro_rules! decode_kernels {
     ($q:ident, $qname:literal: $($d:literal),*) => {
         $(
-            const _: () = {
-                #[unsafe(export_name = concat!("decode_tc_", $qname, "_d", $d))]
-                unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                    const BN: usize = block_n($d, $d, true, false) as usize;
-                    unsafe { attention::<$q, $q, $d, $d, BN, { BN / WARPS as usize }, true, false, 1, false>(&p) }
-                }
-            };
-            const _: () = {
-                #[unsafe(export_name = concat!("decode_tc_", $qname, "_fp8_d", $d))]
-                unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                    const BN: usize = block_n($d, $d, true, true) as usize;
-                    unsafe { attention::<$q, F16, $d, $d, BN, { BN / WARPS as usize }, true, true, 1, false>(&p) }
-                }
-            };
-            const _: () = {
-                #[unsafe(export_name = concat!("prefill_", $qname, "_fp8_dk", $d, "_dv", $d))]
-                unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
-                    const BN: usize = block_n($d, $d, false, true) as usize;
-                    unsafe { attention::<$q, F16, $d, $d, BN, BN, false, true, 1, false>(&p) }
-                }
-            };
+            attention_kernel!(concat!("decode_tc_", $qname, "_d", $d), $q, $q, Bits16, $d, $d, keys_split: true);
+            attention_kernel!(concat!("decode_tc_", $qname, "_fp8_d", $d), $q, F16, Fp8E4M3, $d, $d, keys_split: true);
+            attention_kernel!(concat!("prefill_", $qname, "_fp8_dk", $d, "_dv", $d), $q, F16, Fp8E4M3, $d, $d, keys_split: false);
         )*
     };
 }

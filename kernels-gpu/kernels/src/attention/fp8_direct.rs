@@ -16,7 +16,9 @@
 //! `u ^ (L % 8)`) so that the eight threads of a shared-memory phase, which read different keys'
 //! runs at the same offsets, hit different banks.
 
+use crate::attention::config::AttnConfig;
 use crate::blocks::device::{static_for, thread_idx_x};
+use crate::blocks::elem::HalfFloat;
 use crate::blocks::mma::{byte_perm, ld_shared_u64, ld_shared_v4, MmaHalf};
 
 /// Byte offset of byte `b` of row `r` (rows of `d` FP8 bytes) in a swizzled stage.
@@ -29,39 +31,39 @@ pub(crate) fn swizzled(r: u32, b: u32, d: u32) -> u32 {
 
 /// The output column of accumulator tile `i`, register pair element `e` (0, 1) of this thread.
 #[inline(always)]
-pub(crate) fn out_col<const D: usize>(i: u32, e: u32) -> u32 {
+pub(crate) fn out_col<C: AttnConfig>(i: u32, e: u32) -> u32 {
     let t4 = thread_idx_x() % 4;
-    (2 * t4 + e) * (D as u32 / 8) + i
+    (2 * t4 + e) * (C::DV as u32 / 8) + i
 }
 
 /// The query A fragments of the warp's 16 rows (at `q`, 16-bit, row pitch `pitch` bytes) for
-/// every k-step, in the permuted order of [`scores`], converted to `M` with factor `conv`.
+/// every k-step, in the permuted order of [`scores`], converted to `C::M` with factor `conv`.
 #[inline(always)]
-pub(crate) unsafe fn query_fragments<Q: MmaHalf, M: MmaHalf, const D: usize>(q: u32, pitch: u32, conv: f32) -> [[u32; 4]; 16] {
+pub(crate) unsafe fn query_fragments<C: AttnConfig>(q: u32, pitch: u32, conv: f32) -> [[u32; 4]; 16] {
     let lane = thread_idx_x() % 32;
     let (g, t4) = (lane / 4, lane % 4);
     // Row g and row g + 8: D/4 elements from t4 * D/4, i.e. D/2 bytes, D/32 16-byte loads.
     let mut words = [[0u32; 32]; 2];
     static_for::<2>(|h| {
-        let row = q + (g + 8 * h as u32) * pitch + t4 * (D as u32 / 4) * 2;
+        let row = q + (g + 8 * h as u32) * pitch + t4 * (C::DK as u32 / 4) * 2;
         static_for::<4>(|c| {
-            if c < D / 32 {
+            if c < C::DK / 32 {
                 let v = unsafe { ld_shared_v4(row + c as u32 * 16) };
                 static_for::<4>(|j| words[h][4 * c + j] = v[j]);
             }
         });
     });
     let convert = |w: u32| {
-        if Q::IS_BF16 == M::IS_BF16 {
+        if C::Q::IS_BF16 == C::M::IS_BF16 {
             w
         } else {
-            let (lo, hi) = Q::unpack2(w);
-            M::pack2(lo * conv, hi * conv)
+            let (lo, hi) = C::Q::unpack2(w);
+            C::M::pack2(lo * conv, hi * conv)
         }
     };
     let mut f = [[0u32; 4]; 16];
     static_for::<16>(|ks| {
-        if ks < D / 16 {
+        if ks < C::DK / 16 {
             // Elements 4 ks, 4 ks + 1 (k slots 2t4, 2t4+1) and 4 ks + 2, + 3 (2t4+8, 2t4+9).
             f[ks] = [convert(words[0][2 * ks]), convert(words[1][2 * ks]), convert(words[0][2 * ks + 1]), convert(words[1][2 * ks + 1])];
         }
@@ -72,7 +74,7 @@ pub(crate) unsafe fn query_fragments<Q: MmaHalf, M: MmaHalf, const D: usize>(q: 
 /// S = Q K^T for the warp's 16 keys `key_off ..` of the swizzled FP8 stage at `k_raw`: two
 /// column tiles of 8 keys, each a chain of D/16 MMAs.
 #[inline(always)]
-pub(crate) unsafe fn scores<M: MmaHalf, const D: usize>(q: &[[u32; 4]; 16], k_raw: u32, key_off: u32) -> [[f32; 4]; 8] {
+pub(crate) unsafe fn scores<C: AttnConfig>(q: &[[u32; 4]; 16], k_raw: u32, key_off: u32) -> [[f32; 4]; 8] {
     let lane = thread_idx_x() % 32;
     let (g, t4) = (lane / 4, lane % 4);
     let mut s = [[0.0f32; 4]; 8];
@@ -81,17 +83,17 @@ pub(crate) unsafe fn scores<M: MmaHalf, const D: usize>(q: &[[u32; 4]; 16], k_ra
     static_for::<2>(|j| {
         let r = key_off + 8 * j as u32 + g;
         static_for::<2>(|c| {
-            if c < D / 64 {
-                let v = unsafe { ld_shared_v4(k_raw + swizzled(r, t4 * (D as u32 / 4) + c as u32 * 16, D as u32)) };
+            if c < C::DK / 64 {
+                let v = unsafe { ld_shared_v4(k_raw + swizzled(r, t4 * (C::DK as u32 / 4) + c as u32 * 16, C::DK as u32)) };
                 static_for::<4>(|w| run[j][4 * c + w] = v[w]);
             }
         });
     });
     static_for::<16>(|ks| {
-        if ks < D / 16 {
+        if ks < C::DK / 16 {
             static_for::<2>(|j| {
                 let w = run[j][ks];
-                s[j] = M::mma(q[ks], M::from_fp8x2(w & 0xffff), M::from_fp8x2(w >> 16), s[j]);
+                s[j] = C::M::mma(q[ks], C::M::from_fp8x2(w & 0xffff), C::M::from_fp8x2(w >> 16), s[j]);
             });
         }
     });
@@ -101,16 +103,16 @@ pub(crate) unsafe fn scores<M: MmaHalf, const D: usize>(q: &[[u32; 4]; 16], k_ra
 /// O += P V for the warp's 16 keys `key_off ..` of the swizzled FP8 stage at `v_raw`; P is in
 /// the score registers, O's columns are permuted (see [`out_col`]).
 #[inline(always)]
-pub(crate) unsafe fn accumulate_pv<M: MmaHalf, const D: usize>(s: &[[f32; 4]; 8], o: &mut [[f32; 4]; 32], v_raw: u32, key_off: u32) {
+pub(crate) unsafe fn accumulate_pv<C: AttnConfig>(s: &[[f32; 4]; 8], o: &mut [[f32; 4]; 32], v_raw: u32, key_off: u32) {
     let lane = thread_idx_x() % 32;
     let (g, t4) = (lane / 4, lane % 4);
-    let a = [M::pack2(s[0][0], s[0][1]), M::pack2(s[0][2], s[0][3]), M::pack2(s[1][0], s[1][1]), M::pack2(s[1][2], s[1][3])];
+    let a = [C::M::pack2(s[0][0], s[0][1]), C::M::pack2(s[0][2], s[0][3]), C::M::pack2(s[1][0], s[1][1]), C::M::pack2(s[1][2], s[1][3])];
     // Keys 2t4, 2t4 + 1 (b0) and 2t4 + 8, 2t4 + 9 (b1): D/8 bytes each from g * D/8.
     let mut run = [[0u32; 4]; 4];
     static_for::<4>(|k| {
         let r = key_off + 2 * t4 + (k % 2) as u32 + 8 * (k / 2) as u32;
-        let at = v_raw + swizzled(r, g * (D as u32 / 8), D as u32);
-        if D == 128 {
+        let at = v_raw + swizzled(r, g * (C::DV as u32 / 8), C::DV as u32);
+        if C::DV == 128 {
             run[k] = unsafe { ld_shared_v4(at) };
         } else {
             let v = unsafe { ld_shared_u64(at) };
@@ -120,17 +122,17 @@ pub(crate) unsafe fn accumulate_pv<M: MmaHalf, const D: usize>(s: &[[f32; 4]; 8]
     });
     // Word m of the runs holds dimensions 4m .. 4m + 4 of the thread's slice: tiles 4m .. 4m + 4.
     static_for::<4>(|m| {
-        if m < D / 32 {
+        if m < C::DV / 32 {
             // (key 2t4, key 2t4 + 1) byte pairs of dimensions 4m, 4m + 1 and 4m + 2, 4m + 3.
             let low = [byte_perm(run[0][m], run[1][m], 0x5140), byte_perm(run[2][m], run[3][m], 0x5140)];
             let high = [byte_perm(run[0][m], run[1][m], 0x7362), byte_perm(run[2][m], run[3][m], 0x7362)];
             static_for::<4>(|d| {
                 let pairs = if d < 2 { low } else { high };
                 let shift = 16 * (d % 2) as u32;
-                let b0 = M::from_fp8x2((pairs[0] >> shift) & 0xffff);
-                let b1 = M::from_fp8x2((pairs[1] >> shift) & 0xffff);
+                let b0 = C::M::from_fp8x2((pairs[0] >> shift) & 0xffff);
+                let b1 = C::M::from_fp8x2((pairs[1] >> shift) & 0xffff);
                 let i = 4 * m + d;
-                o[i] = M::mma(a, b0, b1, o[i]);
+                o[i] = C::M::mma(a, b0, b1, o[i]);
             });
         }
     });

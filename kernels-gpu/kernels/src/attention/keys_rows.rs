@@ -20,6 +20,7 @@
 //! from swizzled shared memory ([`Fp8Rows`], `crate::attention::fp8_direct`'s permuted head
 //! dimensions applied to the transposed tile).
 
+use crate::attention::config::{AttnConfig, Bits16, CacheFormat, Fp8E4M3};
 use crate::attention::fp8_direct::swizzled;
 use crate::attention::kv::KvSource;
 use crate::attention::logits::Logits;
@@ -32,7 +33,7 @@ use crate::blocks::mma::{
     byte_perm, cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ld_shared_v4, ldmatrix_x4,
     ldmatrix_x4_trans, movmatrix_trans, shared_addr, st_shared_f32, st_shared_f32x2, MmaHalf,
 };
-use crate::blocks::vec_io::{load8_nc, load_f32_nc, load_u32_nc};
+use crate::blocks::vec_io::{load8_nc, load_u32_nc};
 use crate::merge::split_merge::merge_item_splits;
 use attn_math::keys_rows::{ctas_per_sm, layout, plane_bytes, row_pitch, stage_bytes, stages, MAX_ROWS, TILE_KEYS, WARP_KEYS};
 use attn_math::params::PrefillParams;
@@ -72,7 +73,7 @@ struct SlabCopy<F: SlabFormat<D>, const D: usize> {
 
 impl<F: SlabFormat<D>, const D: usize> SlabCopy<F, D> {
     /// 16-byte chunks of a row, and a lane's chunks of a plane.
-    const ROW_CHUNKS: u32 = D as u32 * F::ELEM_BYTES / 16;
+    const ROW_CHUNKS: u32 = D as u32 * F::Cache::ELEM_BYTES / 16;
     const CHUNKS: usize = (WARP_KEYS * Self::ROW_CHUNKS / 32) as usize;
 
     /// Lane's chunk `i`: (row in the slab, byte column).
@@ -112,7 +113,7 @@ impl<F: SlabFormat<D>, const D: usize> SlabCopy<F, D> {
         } else {
             p.k + self.head_base + block as u64 * self.block_bytes + self.split_key(p, kb).1 as u64 * self.token_bytes
         };
-        let plane = plane_bytes(D as u32, F::ELEM_BYTES == 1);
+        let plane = plane_bytes(D as u32, F::Cache::FP8);
         static_for::<16>(|i| {
             if i < Self::CHUNKS {
                 let (r, col) = Self::chunk(i);
@@ -135,7 +136,8 @@ impl<F: SlabFormat<D>, const D: usize> SlabCopy<F, D> {
 /// `dim(mt, r)`.
 trait SlabFormat<const D: usize> {
     type M: MmaHalf;
-    const ELEM_BYTES: u32;
+    /// The cache rows the slabs hold.
+    type Cache: CacheFormat;
     /// Byte offset of (row, byte column) in a staged plane of 16 rows.
     fn at(r: u32, col: u32) -> u32;
     /// The query B fragments of every k-step for query row `g` at `q` (16-bit `Q`), in the
@@ -164,7 +166,7 @@ struct HalfRows<Q>(core::marker::PhantomData<Q>);
 
 impl<Q: MmaHalf, const D: usize> SlabFormat<D> for HalfRows<Q> {
     type M = Q;
-    const ELEM_BYTES: u32 = 2;
+    type Cache = Bits16;
 
     #[inline(always)]
     fn at(r: u32, col: u32) -> u32 {
@@ -242,7 +244,7 @@ impl Fp8Rows {
 
 impl<const D: usize> SlabFormat<D> for Fp8Rows {
     type M = crate::blocks::elem::F16;
-    const ELEM_BYTES: u32 = 1;
+    type Cache = Fp8E4M3;
 
     #[inline(always)]
     fn at(r: u32, col: u32) -> u32 {
@@ -355,7 +357,7 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     let tid = thread_idx_x();
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
-    let fp8 = F::ELEM_BYTES == 1;
+    let fp8 = F::Cache::FP8;
     // Programmatic dependent launch, split: the next kernel may take the SM slots this grid
     // frees from now on, and this grid waits for the one before only where it must (below).
     pdl_launch_dependents();
@@ -375,7 +377,7 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     let sb = stage_bytes(D as u32, fp8);
     let smem = shared_addr(dynamic_shared::<u8>());
     let ring = smem + warp * st * sb;
-    let (strides, eb) = (p.k_strides, F::ELEM_BYTES as u64);
+    let (strides, eb) = (p.k_strides, F::Cache::ELEM_BYTES as u64);
     let copy = SlabCopy::<F, D> {
         block_row: unsafe { KvSource::of(p, &w) }.block_row,
         bs_shift: if p.block_size.is_power_of_two() { p.block_size.trailing_zeros() } else { 32 },
@@ -403,12 +405,7 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     let q_addr = p.q + (q_row.token as u64 * p.q_token_stride + q_row.head as u64 * p.q_head_stride) * 2;
     let q_conv = if Q::IS_BF16 == F::M::IS_BF16 { 1.0 } else { 1.0 / 256.0 };
     let q = unsafe { F::queries::<Q>(q_addr, q_conv) };
-    let (k_scale, v_scale) = if fp8 {
-        let unpack = F::M::FP8_UNPACK_SCALE;
-        (unsafe { load_f32_nc(p.k_scale) } * unpack, unsafe { load_f32_nc(p.v_scale) } * unpack)
-    } else {
-        (1.0, 1.0)
-    };
+    let (k_scale, v_scale) = unsafe { F::Cache::scales::<F::M>(p) };
     let mut ahead = [lookup(0), lookup(1)];
 
     // What is read before waiting for the kernel before (in an engine, this step's cache
@@ -519,11 +516,24 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     });
     sync_threads();
     let num_splits = unsafe { w.num_splits(p) };
-    unsafe { store_merged_rows::<Q, D, MAX_ROWS>(p, &w, merge, l.merge_pitch, stats, num_splits, v_scale) };
+    unsafe { store_merged_rows::<KeysRows<Q, F, D>, MAX_ROWS>(p, &w, merge, l.merge_pitch, stats, num_splits, v_scale) };
     if num_splits > 1 && p.merge_counters != 0 {
         // The merge area is free now: its first word carries the "last to arrive" flag.
         unsafe { merge_item_splits::<Q, D, MAX_ROWS>(p, &w, num_splits, merge) };
     }
+}
+
+/// What the helpers shared with `crate::attention::mainloop` see of these kernels
+/// ([`AttnConfig`]): its keys-split decode shape, with the cache format of `F`.
+struct KeysRows<Q, F, const D: usize>(core::marker::PhantomData<(Q, F)>);
+
+impl<Q: MmaHalf, F: SlabFormat<D>, const D: usize> AttnConfig for KeysRows<Q, F, D> {
+    type Q = Q;
+    type M = F::M;
+    type Cache = F::Cache;
+    const DK: usize = D;
+    const DV: usize = D;
+    const KEYS: bool = true;
 }
 
 /// A 16-bit cache (`decode_kr_<q>_d<d>`).

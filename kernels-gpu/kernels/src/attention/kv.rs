@@ -2,12 +2,14 @@
 //! cache's block-table row, or packed K/V), the per-tile address tables filled one pipeline stage
 //! ahead, the asynchronous row copies, and the conversion of staged FP8 rows to 16-bit tiles.
 
+use crate::attention::config::{AttnConfig, Plane};
 use crate::attention::work::{load_i32, Work};
 use crate::blocks::device::{atomic_or_global, static_for, thread_idx_x, vote_any};
 use crate::blocks::mma::{cp_async_16, ld_shared_v4, st_shared_u32, st_shared_u64x2, st_shared_v4, MmaHalf};
 use attn_math::params::PrefillParams;
 use attn_math::prefill::{table_slot_bytes, ROW_PAD, TABLE_ENTRY};
 use attn_math::status::BLOCK_OUT_OF_RANGE;
+use core::marker::PhantomData;
 
 /// Where the CTA's keys come from.
 #[derive(Clone, Copy)]
@@ -62,13 +64,12 @@ impl KvSource {
     }
 }
 
-/// The address tables of a CTA's K/V tiles of `BN` keys (`begin..end`, `n_tiles` tiles): a ring
-/// of `slots` slots of `table_slot_bytes(BN)` bytes at `base`. One thread per key (threads
-/// `0..BN`) looks its block up (`locate`, a global load issued early) and later writes the K and
+/// The address tables of a CTA's K/V tiles of `C::BN` keys (`begin..end`, `n_tiles` tiles): a
+/// ring of `slots` slots of `table_slot_bytes(C::BN)` bytes at `base`. One thread per key
+/// (threads `0..C::BN`) looks its block up (`locate`, a global load issued early) and later writes the K and
 /// V row addresses into the tile's slot (`fill`), so that the copies are a shared load and a
 /// `cp.async` per 16 bytes, with the block-table latency hidden behind a tile of math.
-#[derive(Clone, Copy)]
-pub(crate) struct KeyTables<const BN: usize> {
+pub(crate) struct KeyTables<C> {
     pub base: u32,
     pub slots: u32,
     pub begin: u32,
@@ -76,27 +77,38 @@ pub(crate) struct KeyTables<const BN: usize> {
     pub n_tiles: u32,
     pub src: KvSource,
     pub elem_bytes: u64,
+    pub config: PhantomData<C>,
 }
 
-impl<const BN: usize> KeyTables<BN> {
+// By hand: a derive would require `C: Copy`.
+impl<C> Clone for KeyTables<C> {
+    #[inline(always)]
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<C> Copy for KeyTables<C> {}
+
+impl<C: AttnConfig> KeyTables<C> {
     /// The slot of `tile`: an entry (K, V row addresses; 0 = not read) per key.
     #[inline(always)]
     pub fn table(&self, tile: u32) -> u32 {
-        self.base + (tile % self.slots) * table_slot_bytes(BN as u32)
+        self.base + (tile % self.slots) * table_slot_bytes(C::BN as u32)
     }
 
     /// The flags after the entries: one u32 per filling warp, non-zero when a key's block is bad.
     #[inline(always)]
     pub fn flags(&self, tile: u32) -> u32 {
-        self.table(tile) + BN as u32 * TABLE_ENTRY
+        self.table(tile) + C::BN as u32 * TABLE_ENTRY
     }
 
     /// This thread's key's lookup (block id, or packed row); -1 past the keys.
     #[inline(always)]
     pub unsafe fn locate(&self, p: &PrefillParams, tile: u32) -> i64 {
         let tid = thread_idx_x();
-        let key = self.begin + tile * BN as u32 + tid;
-        if tile < self.n_tiles && tid < BN as u32 && key < self.end {
+        let key = self.begin + tile * C::BN as u32 + tid;
+        if tile < self.n_tiles && tid < C::BN as u32 && key < self.end {
             unsafe { self.src.locate(p, key) }
         } else {
             -1
@@ -108,8 +120,8 @@ impl<const BN: usize> KeyTables<BN> {
     #[inline(always)]
     pub unsafe fn fill(&self, p: &PrefillParams, tile: u32, loc: i64) {
         let tid = thread_idx_x();
-        let key = self.begin + tile * BN as u32 + tid;
-        if tile < self.n_tiles && tid < BN as u32 {
+        let key = self.begin + tile * C::BN as u32 + tid;
+        if tile < self.n_tiles && tid < C::BN as u32 {
             let (ka, va) = if key < self.end { self.src.addresses(p, key, loc, self.elem_bytes) } else { (0, 0) };
             unsafe { st_shared_u64x2(self.table(tile) + tid * TABLE_ENTRY, ka, va) };
             let bad = key < self.end && ka == 0;
@@ -128,7 +140,7 @@ impl<const BN: usize> KeyTables<BN> {
     #[inline(always)]
     pub unsafe fn locate_warp(&self, p: &PrefillParams, tile: u32, key_off: u32, kw: u32) -> i64 {
         let lane = thread_idx_x() % 32;
-        let key = self.begin + tile * BN as u32 + key_off + lane;
+        let key = self.begin + tile * C::BN as u32 + key_off + lane;
         if tile < self.n_tiles && lane < kw && key < self.end {
             unsafe { self.src.locate(p, key) }
         } else {
@@ -145,7 +157,7 @@ impl<const BN: usize> KeyTables<BN> {
         }
         let (warp, lane) = (thread_idx_x() / 32, thread_idx_x() % 32);
         let i = key_off + lane;
-        let key = self.begin + tile * BN as u32 + i;
+        let key = self.begin + tile * C::BN as u32 + i;
         let mut bad = false;
         if lane < kw {
             let (ka, va) = if key < self.end { self.src.addresses(p, key, loc, self.elem_bytes) } else { (0, 0) };
@@ -163,31 +175,26 @@ impl<const BN: usize> KeyTables<BN> {
     }
 }
 
-/// Copies `ROWS` rows of `chunks` 16-byte chunks into shared memory at `dst` (row pitch `pitch`
+/// Copies `rows` rows of `chunks` 16-byte chunks into shared memory at `dst` (row pitch `pitch`
 /// bytes) asynchronously by `NT` threads (the CTA's, or a warp's: thread `tid % NT` of each
 /// group of `NT`); `src(r)` is row r's address, 0 for a row to zero-fill (`fallback`, a valid
 /// address, is named then but not read). Thread `t` copies chunks `t + i * NT` (row-major),
-/// which [`convert_fp8_rows`] relies on.
+/// which [`Plane::convert_fp8`] relies on.
 #[inline(always)]
-pub(crate) unsafe fn copy_rows_async<const ROWS: usize, const NT: u32>(
-    dst: u32,
-    chunks: u32,
-    pitch: u32,
-    fallback: u64,
-    src: impl Fn(u32) -> u64,
-) {
-    unsafe { copy_rows_async_to::<ROWS, NT>(|r, c| dst + r * pitch + c * 16, chunks, fallback, src) }
+pub(crate) unsafe fn copy_rows_async<const NT: u32>(rows: u32, dst: u32, chunks: u32, pitch: u32, fallback: u64, src: impl Fn(u32) -> u64) {
+    unsafe { copy_rows_async_to::<NT>(rows, |r, c| dst + r * pitch + c * 16, chunks, fallback, src) }
 }
 
 /// [`copy_rows_async`] with chunk `c` of row `r` going to shared address `dst(r, c)`.
 #[inline(always)]
-pub(crate) unsafe fn copy_rows_async_to<const ROWS: usize, const NT: u32>(
+pub(crate) unsafe fn copy_rows_async_to<const NT: u32>(
+    rows: u32,
     dst: impl Fn(u32, u32) -> u32,
     chunks: u32,
     fallback: u64,
     src: impl Fn(u32) -> u64,
 ) {
-    let passes = (ROWS as u32 * chunks).div_ceil(NT);
+    let passes = (rows * chunks).div_ceil(NT);
     let tid = thread_idx_x() % NT;
     // A plain loop (no register array is indexed): MLA rows take up to 36 passes.
     let mut i = 0;
@@ -195,7 +202,7 @@ pub(crate) unsafe fn copy_rows_async_to<const ROWS: usize, const NT: u32>(
         let idx = tid + i * NT;
         let r = idx / chunks;
         let c = idx - r * chunks;
-        if r < ROWS as u32 {
+        if r < rows {
             let a = src(r);
             let (from, bytes) = if a != 0 { (a + c as u64 * 16, 16) } else { (fallback, 0) };
             unsafe { cp_async_16(dst(r, c), from, bytes) };
@@ -204,42 +211,44 @@ pub(crate) unsafe fn copy_rows_async_to<const ROWS: usize, const NT: u32>(
     }
 }
 
-/// Converts the FP8 rows this thread copied into `staging` (`D` bytes a row) into the 16-bit
-/// tile at `tile` (pitch `D + ROW_PAD` elements), exactly (the unpack scale is folded into the
-/// k/v scales); `NT` as in the copy. Only after `cp_async_wait` covers those copies; a barrier
-/// (of the threads that read the tile) must follow.
-#[inline(always)]
-pub(super) unsafe fn convert_fp8_rows<Q: MmaHalf, const D: usize, const ROWS: usize, const NT: u32>(staging: u32, tile: u32) {
-    let chunks = D as u32 / 16;
-    let passes = (ROWS as u32 * chunks).div_ceil(NT);
-    let pitch = (D as u32 + ROW_PAD) * 2;
-    let tid = thread_idx_x() % NT;
-    let at = |i: u32| {
-        let idx = tid + i * NT;
-        let r = idx / chunks;
-        (r < ROWS as u32, r, idx - r * chunks)
-    };
-    // Four chunks at a time, all loaded before any is stored: the loads cannot pass the stores
-    // (both shared memory), so one chunk at a time would wait a load latency per chunk.
-    let mut i0 = 0;
-    while i0 < passes {
-        let mut raw = [[0u32; 4]; 4];
-        static_for::<4>(|j| {
-            let (live, r, c) = at(i0 + j as u32);
-            if i0 + (j as u32) < passes && live {
-                raw[j] = unsafe { ld_shared_v4(staging + r * D as u32 + c * 16) };
-            }
-        });
-        static_for::<4>(|j| {
-            let (live, r, c) = at(i0 + j as u32);
-            if i0 + (j as u32) < passes && live {
-                let mut half = [0u32; 8];
-                static_for::<8>(|e| half[e] = Q::from_fp8x2((raw[j][e / 2] >> (16 * (e % 2))) & 0xffff));
-                let to = tile + r * pitch + c * 32;
-                unsafe { st_shared_v4(to, [half[0], half[1], half[2], half[3]]) };
-                unsafe { st_shared_v4(to + 16, [half[4], half[5], half[6], half[7]]) };
-            }
-        });
-        i0 += 4;
+impl<C: AttnConfig, const V: bool> Plane<C, V> {
+    /// Converts the FP8 rows of this plane (`D` bytes a row, `ROWS` rows) this thread copied into
+    /// `staging` into the `C::M` tile at `tile` (pitch `D + ROW_PAD` elements), exactly (the unpack
+    /// scale is folded into the k/v scales); `NT` as in the copy. Only after `cp_async_wait` covers
+    /// those copies; a barrier (of the threads that read the tile) must follow.
+    #[inline(always)]
+    pub(super) unsafe fn convert_fp8(staging: u32, tile: u32) {
+        let chunks = Self::D as u32 / 16;
+        let passes = (Self::ROWS as u32 * chunks).div_ceil(Self::NT);
+        let pitch = (Self::D as u32 + ROW_PAD) * 2;
+        let tid = thread_idx_x() % Self::NT;
+        let at = |i: u32| {
+            let idx = tid + i * Self::NT;
+            let r = idx / chunks;
+            (r < Self::ROWS as u32, r, idx - r * chunks)
+        };
+        // Four chunks at a time, all loaded before any is stored: the loads cannot pass the stores
+        // (both shared memory), so one chunk at a time would wait a load latency per chunk.
+        let mut i0 = 0;
+        while i0 < passes {
+            let mut raw = [[0u32; 4]; 4];
+            static_for::<4>(|j| {
+                let (live, r, c) = at(i0 + j as u32);
+                if i0 + (j as u32) < passes && live {
+                    raw[j] = unsafe { ld_shared_v4(staging + r * Self::D as u32 + c * 16) };
+                }
+            });
+            static_for::<4>(|j| {
+                let (live, r, c) = at(i0 + j as u32);
+                if i0 + (j as u32) < passes && live {
+                    let mut half = [0u32; 8];
+                    static_for::<8>(|e| half[e] = C::M::from_fp8x2((raw[j][e / 2] >> (16 * (e % 2))) & 0xffff));
+                    let to = tile + r * pitch + c * 32;
+                    unsafe { st_shared_v4(to, [half[0], half[1], half[2], half[3]]) };
+                    unsafe { st_shared_v4(to + 16, [half[4], half[5], half[6], half[7]]) };
+                }
+            });
+            i0 += 4;
+        }
     }
 }

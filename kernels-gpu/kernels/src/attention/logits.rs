@@ -1,19 +1,21 @@
-//! From a tile's scores to softmax weights: the logits (scale, soft-cap, ALiBi, masks) and the
-//! online-softmax step of a warp's rows.
+//! From a tile's scores to softmax weights: the logits (the attention variant of
+//! `crate::attention::variants`: scale, soft-cap, ALiBi, masks) and the online-softmax step of a
+//! warp's rows.
 
+use crate::attention::config::AttnConfig;
+use crate::attention::variants::{Alibi, BadBlocks, BadSlab, Causal, Chain, KeyEnd, LogitsPolicy, Scale, SlidingWindow, SoftCap};
 use crate::attention::work::RowInfo;
-use crate::blocks::device::{fma, shfl_xor, static_for, tanh, thread_idx_x};
-use crate::blocks::mma::{ld_shared_u32, ld_shared_u64};
+use crate::blocks::device::{fma, shfl_xor, static_for, thread_idx_x};
+use crate::blocks::mma::ld_shared_u32;
 use attn_math::params::PrefillParams;
-use attn_math::prefill::TABLE_ENTRY;
-use attn_math::softmax::{exp2, OnlineSoftmax, LOG2_E};
+use attn_math::softmax::{exp2, OnlineSoftmax};
 
 /// The online-softmax step of a warp's two rows per thread (h = 0: row g, 1: row g + 8) over
-/// `KW` scores each: raises the running max, rescales the accumulators, turns the scores into
+/// `C::KW` scores each (and `C::DV` accumulator columns): raises the running max, rescales the accumulators, turns the scores into
 /// weights `2^(s * mult - max)` and adds them to the denominators. `mult` is the factor left to
 /// apply to the scores (the softmax scale in base-2 units, or 1 when already applied).
 #[inline(always)]
-pub(crate) fn softmax_step<const DV: usize, const KW: usize, const NB: usize, const NO: usize>(
+pub(crate) fn softmax_step<C: AttnConfig, const NB: usize, const NO: usize>(
     s: &mut [[f32; 4]; NB],
     o: &mut [[f32; 4]; NO],
     state: &mut [OnlineSoftmax; 2],
@@ -22,7 +24,7 @@ pub(crate) fn softmax_step<const DV: usize, const KW: usize, const NB: usize, co
     static_for::<2>(|h| {
         let mut m = f32::NEG_INFINITY;
         static_for::<NB>(|n| {
-            if n < KW / 8 {
+            if n < C::KW / 8 {
                 m = m.max(s[n][2 * h]).max(s[n][2 * h + 1]);
             }
         });
@@ -32,7 +34,7 @@ pub(crate) fn softmax_step<const DV: usize, const KW: usize, const NB: usize, co
         let factor = state[h].rescale_to(m * mult);
         if factor != 1.0 {
             static_for::<NO>(|n| {
-                if n < DV / 8 {
+                if n < C::DV / 8 {
                     o[n][2 * h] *= factor;
                     o[n][2 * h + 1] *= factor;
                 }
@@ -42,7 +44,7 @@ pub(crate) fn softmax_step<const DV: usize, const KW: usize, const NB: usize, co
         let neg_max = if state[h].max == f32::NEG_INFINITY { 0.0 } else { -state[h].max };
         let mut sum = 0.0;
         static_for::<NB>(|n| {
-            if n < KW / 8 {
+            if n < C::KW / 8 {
                 static_for::<2>(|e| {
                     let w = exp2(fma(s[n][2 * h + e], mult, neg_max));
                     s[n][2 * h + e] = w;
@@ -54,21 +56,18 @@ pub(crate) fn softmax_step<const DV: usize, const KW: usize, const NB: usize, co
     });
 }
 
-/// What turns a tile's scores into logits: the features that need the scores scaled first
-/// (soft-cap, ALiBi), and the masks (the request's end, causality, the window, keys whose block
-/// is outside the cache).
+/// What turns a tile's scores into logits: the variant's pieces with this launch's parameters.
+/// Scores are scaled inside the exponent's FMA ([`Self::mult`]) unless a transform needs them
+/// scaled first (`prescale`).
 #[derive(Clone, Copy)]
 pub(crate) struct Logits {
-    score_scale: f32,
-    /// Scores are scaled inside the exponent's FMA unless a feature needs them scaled first.
+    scale: Scale,
     prescale: bool,
-    softcap_log2: f32,
-    softcap_inv: f32,
-    alibi: bool,
-    causal: bool,
-    window: u32,
-    /// The CTA's last key + 1.
-    end: u32,
+    softcap: SoftCap,
+    alibi: Alibi,
+    causal: Causal,
+    window: SlidingWindow,
+    end: KeyEnd,
 }
 
 impl Logits {
@@ -76,14 +75,13 @@ impl Logits {
     pub fn new(p: &PrefillParams, score_scale: f32, end: u32) -> Logits {
         let prescale = p.softcap > 0.0 || p.alibi_slopes != 0 || score_scale <= 0.0;
         Logits {
-            score_scale,
+            scale: Scale(score_scale),
             prescale,
-            softcap_log2: p.softcap * LOG2_E,
-            softcap_inv: if p.softcap > 0.0 { 1.0 / (p.softcap * LOG2_E) } else { 0.0 },
-            alibi: p.alibi_slopes != 0,
-            causal: p.causal != 0,
-            window: p.window,
-            end,
+            softcap: SoftCap::new(p.softcap),
+            alibi: Alibi { on: p.alibi_slopes != 0 },
+            causal: Causal { on: p.causal != 0 },
+            window: SlidingWindow { window: p.window },
+            end: KeyEnd { end },
         }
     }
 
@@ -93,34 +91,22 @@ impl Logits {
         if self.prescale {
             1.0
         } else {
-            self.score_scale
+            self.scale.0
         }
     }
 
-    /// A score as a logit where a feature needs it scaled first: scaled, soft-capped, ALiBi.
+    /// What a score becomes where `prescale`: scaled, soft-capped, ALiBi.
     #[inline(always)]
     fn prescaled(&self, s: f32, key: u32, row: &RowInfo) -> f32 {
-        let mut x = s * self.score_scale;
-        if self.softcap_inv > 0.0 {
-            x = self.softcap_log2 * tanh(x * self.softcap_inv);
-        }
-        if self.alibi {
-            x += row.slope_log2 * (key as f32 - row.pos as f32);
-        }
-        x
+        let x = self.scale.transform(s, key, row);
+        let x = self.softcap.transform(x, key, row);
+        self.alibi.transform(x, key, row)
     }
 
-    /// Whether keys `kt .. kt + kw` cross a boundary of rows at `min_pos..=max_pos`: the end,
-    /// causality or the window.
+    /// The keys a row sees: the CTA's, causality, the window.
     #[inline(always)]
-    fn needs_mask(&self, kt: u32, kw: u32, (min_pos, max_pos): (u32, u32)) -> bool {
-        kt + kw > self.end || (self.causal && kt + kw - 1 > min_pos) || (self.window > 0 && kt + self.window <= max_pos)
-    }
-
-    /// Whether `row` sees `key` (non-short-circuit `&`: a select per element, no branches).
-    #[inline(always)]
-    fn visible(&self, key: u32, row: &RowInfo) -> bool {
-        (key < self.end) & (!self.causal | (key <= row.pos)) & ((self.window == 0) | (key + self.window > row.pos))
+    fn mask(&self) -> impl LogitsPolicy {
+        Chain(Chain(self.end, self.causal), self.window)
     }
 
     /// [`Self::apply`] for the keys-as-rows score fragment (`crate::attention::keys_rows`): element e of
@@ -133,16 +119,19 @@ impl Logits {
         if self.prescale {
             static_for::<4>(|e| s[e] = self.prescaled(s[e], key_of(e), &rows[e % 2]));
         }
-        if self.needs_mask(kt, 16, pos) || bad {
-            static_for::<4>(|e| s[e] = if self.visible(key_of(e), &rows[e % 2]) & !bad { s[e] } else { f32::NEG_INFINITY });
+        if self.mask().crosses(kt, 16, pos) || BadSlab(bad).crosses(kt, 16, pos) {
+            static_for::<4>(|e| {
+                let (key, row) = (key_of(e), &rows[e % 2]);
+                s[e] = if self.mask().visible(key, row) & BadSlab(bad).visible(key, row) { s[e] } else { f32::NEG_INFINITY }
+            });
         }
     }
 
-    /// Turns the scores of `MT` row tiles x `KW` keys from key `kt` into logits, masked where
+    /// Turns the scores of `MT` row tiles x `C::KW` keys from key `kt` into logits, masked where
     /// the tile crosses a boundary for rows `min_pos..=max_pos`. `flags`: the table slot's
-    /// `KW / 32` bad-block flags; `table`: the slot's entry for key `kt`.
+    /// `C::KW / 32` bad-block flags; `table`: the slot's entry for key `kt`.
     #[inline(always)]
-    pub unsafe fn apply<const MT: usize, const NB: usize, const KW: usize>(
+    pub unsafe fn apply<C: AttnConfig, const MT: usize, const NB: usize>(
         &self,
         s: &mut [[[f32; 4]; NB]; MT],
         rows: &[[RowInfo; 2]; MT],
@@ -158,7 +147,7 @@ impl Logits {
             (|$mt:ident, $n:ident, $e:ident| $body:expr) => {
                 static_for::<MT>(|$mt| {
                     static_for::<NB>(|$n| {
-                        if $n < KW / 8 {
+                        if $n < C::KW / 8 {
                             static_for::<4>(|$e| $body)
                         }
                     })
@@ -170,18 +159,19 @@ impl Logits {
         }
         let mut has_bad = false;
         static_for::<4>(|i| {
-            if i < KW.div_ceil(32) {
+            if i < C::KW.div_ceil(32) {
                 has_bad |= unsafe { ld_shared_u32(flags + i as u32 * 4) } != 0;
             }
         });
-        if self.needs_mask(kt, KW as u32, (min_pos, max_pos)) || has_bad {
+        if self.mask().crosses(kt, C::KW as u32, (min_pos, max_pos))
+            || unsafe { BadBlocks::new(has_bad, table, kt, self.end.end) }.crosses(kt, C::KW as u32, (min_pos, max_pos))
+        {
             each!(|mt, n, e| {
-                s[mt][n][e] = if self.visible(key_of(n, e), &rows[mt][e / 2]) { s[mt][n][e] } else { f32::NEG_INFINITY };
+                s[mt][n][e] = if self.mask().visible(key_of(n, e), &rows[mt][e / 2]) { s[mt][n][e] } else { f32::NEG_INFINITY };
             });
             if has_bad {
                 each!(|mt, n, e| {
-                    let key = key_of(n, e);
-                    if key < self.end && unsafe { ld_shared_u64(table + (key - kt) * TABLE_ENTRY) } == 0 {
+                    if unsafe { BadBlocks::new(has_bad, table, kt, self.end.end) }.hidden(key_of(n, e)) {
                         s[mt][n][e] = f32::NEG_INFINITY;
                     }
                 });

@@ -16,117 +16,90 @@
 //! A key whose block id is outside the cache gets no address: it is never read, its tile is
 //! masked key by key, and the status word reports it.
 
+use crate::attention::config::{AttnConfig, CacheFormat};
 use crate::attention::fp8_direct;
-use crate::attention::kv::{convert_fp8_rows, copy_rows_async, copy_rows_async_to, KeyTables, KvSource};
+use crate::attention::kv::{copy_rows_async, copy_rows_async_to, KeyTables, KvSource};
 use crate::attention::logits::{softmax_step, Logits};
 use crate::attention::output::{finish_keys_split, RowOut};
 use crate::attention::tile_mma::{accumulate_pv, scores};
 use crate::attention::work::{work_item, RowInfo};
 use crate::blocks::device::{dynamic_shared, pdl_prologue, shfl_xor, static_for, sync_threads, sync_warp, thread_idx_x};
+use crate::blocks::elem::HalfFloat;
 use crate::blocks::mma::{cp_async_commit, cp_async_wait, ld_shared_u64, ldmatrix_x4, shared_addr, MmaHalf};
-use crate::blocks::vec_io::load_f32_nc;
 use attn_math::params::PrefillParams;
 use attn_math::prefill::{block_m, fp8_direct, shared_layout_mla, stages, ROW_PAD, TABLE_ENTRY, THREADS, WARPS};
 use attn_math::softmax::OnlineSoftmax;
+use core::marker::PhantomData;
 
-/// The kernel. `KEYS`: the decode shape (16 rows, keys split across warps), else the prefill
-/// shape (64 rows, rows split across warps).
-/// `KW` = the keys of a tile one warp takes: `BN / WARPS` (keys split) or `BN`. `FP8`: the cache
-/// is FP8 E4M3 (with `p.k_scale` / `p.v_scale`), staged raw and converted in shared memory.
-/// `M`: the tensor cores' input type: `Q`, or f16 for an FP8 cache (one conversion instruction
-/// per pair, and exact; bf16 queries are scaled by 2^-8 into f16's range, undone in the scores).
-/// `MT`: 16-row tiles per warp (2 on the prefill shape up to head size 128: each K/V fragment
-/// read from shared memory feeds twice the MMAs, and the two tiles' chains interleave).
-/// `VK` (MLA): V is columns `slice * DV ..` of each K row, read from the K tile; no V copies.
-/// No entry point sets it (MLA runs on its own kernel, `crate::attention::mla`); its branches stay because
-/// taking them out reorders the registers of other instances' PTX.
+/// The kernel for config `C` ([`AttnConfig`]: the types, the cache format, the head sizes and
+/// the shape, decode or prefill). `MT` is `C::MT`, the 16-row tiles per warp: it sizes the
+/// accumulator arrays, which an associated const of `C` cannot (`crate::attention::config`).
 #[inline(always)]
-pub unsafe fn attention<
-    Q: MmaHalf,
-    M: MmaHalf,
-    const DK: usize,
-    const DV: usize,
-    const BN: usize,
-    const KW: usize,
-    const KEYS: bool,
-    const FP8: bool,
-    const MT: usize,
-    const VK: bool,
->(
-    p: &PrefillParams,
-) {
+pub unsafe fn attention<C: AttnConfig, const MT: usize>(p: &PrefillParams) {
     let tid = thread_idx_x();
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
-    let bm = block_m(DK as u32, DV as u32, KEYS, FP8);
-    const { assert!(MT == 1 || (MT == 2 && !KEYS)) };
-    let Some(w) = (unsafe { work_item(p, bm, DV as u32) }) else { return };
+    let bm = block_m(C::DK as u32, C::DV as u32, C::KEYS, C::Cache::FP8);
+    const { assert!(MT == C::MT && (MT == 1 || (MT == 2 && !C::KEYS))) };
+    let Some(w) = (unsafe { work_item(p, bm, C::DV as u32) }) else { return };
     let src = unsafe { KvSource::of(p, &w) };
     let (min_pos, max_pos) = unsafe { (w.row(p, 0).pos, w.row(p, w.live - 1).pos) };
 
     let (begin, end) = unsafe { w.key_range(p, min_pos, max_pos) };
-    let n_tiles = if end > begin { (end - begin).div_ceil(BN as u32) } else { 0 };
+    let n_tiles = if end > begin { (end - begin).div_ceil(C::BN as u32) } else { 0 };
 
-    const { assert!(BN as u32 <= THREADS && KW == if KEYS { BN / WARPS as usize } else { BN }) };
-    let st = stages(DK as u32, DV as u32, KEYS, FP8);
+    const { assert!(C::BN as u32 <= THREADS && C::KW == if C::KEYS { C::BN / WARPS as usize } else { C::BN }) };
+    let st = stages(C::DK as u32, C::DV as u32, C::KEYS, C::Cache::FP8);
     let slots = st + 1;
-    let layout = shared_layout_mla(DK as u32, DV as u32, KEYS, FP8, VK);
-    let elem_bytes = if FP8 { 1 } else { 2 };
+    let layout = shared_layout_mla(C::DK as u32, C::DV as u32, C::KEYS, C::Cache::FP8, C::VK);
+    let elem_bytes = C::Cache::ELEM_BYTES as u64;
     // Decode from an FP8 cache at head size 64 or 128: fragments converted straight from the
     // staged FP8 rows (`fp8_direct`), no 16-bit tiles.
-    let direct = fp8_direct(DK as u32, DV as u32, KEYS, FP8);
-    const { assert!(!(VK && fp8_direct(DK as u32, DV as u32, KEYS, FP8))) };
+    let direct = fp8_direct(C::DK as u32, C::DV as u32, C::KEYS, C::Cache::FP8);
+    const { assert!(!(C::VK && fp8_direct(C::DK as u32, C::DV as u32, C::KEYS, C::Cache::FP8))) };
     // FP8: dequantisation folds into the score scale (k) and the output factor (v).
-    let (k_scale, v_scale) = if FP8 {
-        let unpack = M::FP8_UNPACK_SCALE;
-        (unsafe { load_f32_nc(p.k_scale) } * unpack, unsafe { load_f32_nc(p.v_scale) } * unpack)
-    } else {
-        (1.0, 1.0)
-    };
+    let (k_scale, v_scale) = unsafe { C::Cache::scales::<C::M>(p) };
     // Queries converted from Q to M are scaled by `q_conv` (2^-8 from bf16 to f16).
-    let q_conv = if Q::IS_BF16 == M::IS_BF16 { 1.0 } else { 1.0 / 256.0 };
+    let q_conv = if C::Q::IS_BF16 == C::M::IS_BF16 { 1.0 } else { 1.0 / 256.0 };
     let score_scale = p.scale_log2 * k_scale / q_conv;
     let smem = shared_addr(dynamic_shared::<u8>());
     // Where a stage's 16-bit K and V tiles are read by the math.
-    let k_tile = |stage: u32| if FP8 { smem + layout.k_tile } else { smem + layout.k + stage * layout.k_stage };
+    let k_tile = |stage: u32| if C::Cache::CONVERTS { smem + layout.k_tile } else { smem + layout.k + stage * layout.k_stage };
     let v_tile = |stage: u32| {
-        if VK {
+        if C::VK {
             k_tile(stage) + w.v_col0 * 2
-        } else if FP8 {
+        } else if C::Cache::CONVERTS {
             smem + layout.v_tile
         } else {
             smem + layout.v + stage * layout.v_stage
         }
     };
-    let v_pitch = if VK { (DK as u32 + ROW_PAD) * 2 } else { (DV as u32 + ROW_PAD) * 2 };
-    let tables = KeyTables::<BN> { base: smem + layout.table, slots, begin, end, n_tiles, src, elem_bytes };
+    let v_pitch = if C::VK { (C::DK as u32 + ROW_PAD) * 2 } else { (C::DV as u32 + ROW_PAD) * 2 };
+    let tables = KeyTables::<C> { base: smem + layout.table, slots, begin, end, n_tiles, src, elem_bytes, config: PhantomData };
     let table = |tile: u32| tables.table(tile);
     let flags = |tile: u32| tables.flags(tile);
-    let tile_keys = |tile: u32| begin + tile * BN as u32;
+    let tile_keys = |tile: u32| begin + tile * C::BN as u32;
     // Keys split: each warp runs its own pipeline over its quarter of every tile (`key_off ..
     // key_off + KW`): it looks up, copies, converts and reads only those rows, so the loop
     // needs warp barriers only, and a warp whose data has landed never waits for another's.
-    let key_off = if KEYS { warp * KW as u32 } else { 0 };
+    let key_off = if C::KEYS { warp * C::KW as u32 } else { 0 };
     let locate = |tile: u32| unsafe {
-        if KEYS {
-            tables.locate_warp(p, tile, key_off, KW as u32)
+        if C::KEYS {
+            tables.locate_warp(p, tile, key_off, C::KW as u32)
         } else {
             tables.locate(p, tile)
         }
     };
     let fill = |tile: u32, loc: i64| unsafe {
-        if KEYS {
-            tables.fill_warp(p, tile, key_off, KW as u32, loc)
+        if C::KEYS {
+            tables.fill_warp(p, tile, key_off, C::KW as u32, loc)
         } else {
             tables.fill(p, tile, loc)
         }
     };
     // Row pitch and 16-byte chunks of a stage's K/V rows: FP8 staging rows, or 16-bit tiles.
-    let (k_pitch, v_pitch_st, k_chunks, v_chunks) = if FP8 {
-        (DK as u32, DV as u32, DK as u32 / 16, DV as u32 / 16)
-    } else {
-        ((DK as u32 + ROW_PAD) * 2, (DV as u32 + ROW_PAD) * 2, DK as u32 / 8, DV as u32 / 8)
-    };
+    let (k_pitch, v_pitch_st) = (C::Cache::staged_pitch(C::DK as u32), C::Cache::staged_pitch(C::DV as u32));
+    let (k_chunks, v_chunks) = (C::Cache::staged_chunks(C::DK as u32), C::Cache::staged_chunks(C::DV as u32));
     let load_kv = |tile: u32| {
         let stage = tile % st;
         let t = table(tile) + key_off * TABLE_ENTRY;
@@ -138,18 +111,18 @@ pub unsafe fn attention<
             if direct {
                 // Swizzled rows (`fp8_direct`), at their row in the stage.
                 let (k_base, v_base) = (smem + layout.k + stage * layout.k_stage, smem + layout.v + stage * layout.v_stage);
-                let to = |base: u32| move |r: u32, c: u32| base + fp8_direct::swizzled(key_off + r, c * 16, DK as u32);
-                copy_rows_async_to::<KW, 32>(to(k_base), k_chunks, p.q, k_src);
-                copy_rows_async_to::<KW, 32>(to(v_base), v_chunks, p.q, v_src);
-            } else if KEYS {
-                copy_rows_async::<KW, 32>(k_dst, k_chunks, k_pitch, p.q, k_src);
-                if !VK {
-                    copy_rows_async::<KW, 32>(v_dst, v_chunks, v_pitch_st, p.q, v_src);
+                let to = |base: u32| move |r: u32, c: u32| base + fp8_direct::swizzled(key_off + r, c * 16, C::DK as u32);
+                copy_rows_async_to::<32>(C::KW as u32, to(k_base), k_chunks, p.q, k_src);
+                copy_rows_async_to::<32>(C::KW as u32, to(v_base), v_chunks, p.q, v_src);
+            } else if C::KEYS {
+                copy_rows_async::<32>(C::KW as u32, k_dst, k_chunks, k_pitch, p.q, k_src);
+                if !C::VK {
+                    copy_rows_async::<32>(C::KW as u32, v_dst, v_chunks, v_pitch_st, p.q, v_src);
                 }
             } else {
-                copy_rows_async::<BN, THREADS>(k_dst, k_chunks, k_pitch, p.q, k_src);
-                if !VK {
-                    copy_rows_async::<BN, THREADS>(v_dst, v_chunks, v_pitch_st, p.q, v_src);
+                copy_rows_async::<THREADS>(C::BN as u32, k_dst, k_chunks, k_pitch, p.q, k_src);
+                if !C::VK {
+                    copy_rows_async::<THREADS>(C::BN as u32, v_dst, v_chunks, v_pitch_st, p.q, v_src);
                 }
             }
         }
@@ -157,7 +130,7 @@ pub unsafe fn attention<
     // The loop's barriers: the warp's own (keys split) or the CTA's. Tile 0's is the CTA's in
     // both shapes: it publishes the queries, which every warp reads.
     let tile_barrier = |tile: u32| {
-        if KEYS && tile > 0 {
+        if C::KEYS && tile > 0 {
             sync_warp()
         } else {
             sync_threads()
@@ -177,13 +150,13 @@ pub unsafe fn attention<
         let row = unsafe { w.row(p, r) };
         p.q + (row.token as u64 * p.q_token_stride + row.head as u64 * p.q_head_stride) * 2
     };
-    let q_pitch = (DK as u32 + ROW_PAD) * 2;
-    if KEYS {
-        unsafe { copy_rows_async::<16, THREADS>(smem, DK as u32 / 8, q_pitch, p.q, q_row) };
+    let q_pitch = (C::DK as u32 + ROW_PAD) * 2;
+    if C::KEYS {
+        unsafe { copy_rows_async::<THREADS>(16, smem, C::DK as u32 / 8, q_pitch, p.q, q_row) };
     } else if MT == 1 {
-        unsafe { copy_rows_async::<64, THREADS>(smem, DK as u32 / 8, q_pitch, p.q, q_row) };
+        unsafe { copy_rows_async::<THREADS>(64, smem, C::DK as u32 / 8, q_pitch, p.q, q_row) };
     } else {
-        unsafe { copy_rows_async::<128, THREADS>(smem, DK as u32 / 8, q_pitch, p.q, q_row) };
+        unsafe { copy_rows_async::<THREADS>(128, smem, C::DK as u32 / 8, q_pitch, p.q, q_row) };
     }
     // Programmatic dependent launch (sm_90a): everything above (work item, block tables,
     // queries, scales) was on the device before the kernel ahead of this one started, so it
@@ -199,7 +172,7 @@ pub unsafe fn attention<
     });
 
     // Rows split across warps (prefill) or keys split across warps (decode).
-    let warp_row0 = if KEYS { 0 } else { warp * 16 * MT as u32 };
+    let warp_row0 = if C::KEYS { 0 } else { warp * 16 * MT as u32 };
     let rows: [[RowInfo; 2]; MT] = core::array::from_fn(|mt| {
         let r = warp_row0 + 16 * mt as u32 + g;
         unsafe { [w.row(p, r), w.row(p, r + 8)] }
@@ -214,23 +187,23 @@ pub unsafe fn attention<
     // The query fragments stay in registers up to head size 192; at 256 (64 registers), and on
     // the FP8 prefill shape (whose conversion needs registers too), they would push the
     // accumulators into local memory, so they are re-read from shared memory each tile.
-    let q_in_regs = MT == 1 && DK <= 192 && !(FP8 && !KEYS);
+    let q_in_regs = MT == 1 && C::DK <= 192 && !(C::Cache::CONVERTS && !C::KEYS);
     let q_base = smem + (warp_row0 + (lane % 8) + 8 * ((lane / 8) % 2)) * q_pitch + 16 * (lane / 16);
 
     // Query fragment `ks` of row tile `mt` from shared memory, in the tensor cores' type.
     let load_q = |mt: usize, ks: usize| {
         let mut f = unsafe { ldmatrix_x4(q_base + mt as u32 * 16 * q_pitch + ks as u32 * 32) };
-        if Q::IS_BF16 != M::IS_BF16 {
+        if C::Q::IS_BF16 != C::M::IS_BF16 {
             static_for::<4>(|i| {
-                let (lo, hi) = Q::unpack2(f[i]);
-                f[i] = M::pack2(lo * q_conv, hi * q_conv);
+                let (lo, hi) = C::Q::unpack2(f[i]);
+                f[i] = C::M::pack2(lo * q_conv, hi * q_conv);
             });
         }
         f
     };
     // Decode (memory-bound) and the FP8 cache (converted between two barriers anyway) issue
     // each copy before waiting; prefill waits first and needs one barrier per tile.
-    let early_issue = KEYS || FP8;
+    let early_issue = C::KEYS || C::Cache::CONVERTS;
     let mut tile = 0;
     while tile < n_tiles {
         // The lookup for tile + st starts now and lands in the table after this tile's math.
@@ -266,18 +239,18 @@ pub unsafe fn attention<
         }
         let stage = tile % st;
         let (k_raw, v_raw) = (smem + layout.k + stage * layout.k_stage, smem + layout.v + stage * layout.v_stage);
-        if FP8 && !direct {
+        if C::Cache::CONVERTS && !direct {
             unsafe {
-                if KEYS {
-                    let (k_half, v_half) = (k_tile(stage) + key_off * (DK as u32 + ROW_PAD) * 2, v_tile(stage) + key_off * v_pitch);
-                    convert_fp8_rows::<M, DK, KW, 32>(k_raw + key_off * k_pitch, k_half);
-                    if !VK {
-                        convert_fp8_rows::<M, DV, KW, 32>(v_raw + key_off * v_pitch_st, v_half);
+                if C::KEYS {
+                    let (k_half, v_half) = (k_tile(stage) + key_off * (C::DK as u32 + ROW_PAD) * 2, v_tile(stage) + key_off * v_pitch);
+                    C::Cache::convert::<C, false>(k_raw + key_off * k_pitch, k_half);
+                    if !C::VK {
+                        C::Cache::convert::<C, true>(v_raw + key_off * v_pitch_st, v_half);
                     }
                 } else {
-                    convert_fp8_rows::<M, DK, BN, THREADS>(k_raw, k_tile(stage));
-                    if !VK {
-                        convert_fp8_rows::<M, DV, BN, THREADS>(v_raw, v_tile(stage));
+                    C::Cache::convert::<C, false>(k_raw, k_tile(stage));
+                    if !C::VK {
+                        C::Cache::convert::<C, true>(v_raw, v_tile(stage));
                     }
                 }
             }
@@ -286,10 +259,10 @@ pub unsafe fn attention<
             tile_barrier(tile);
         }
         if tile == 0 && direct {
-            q_frag = unsafe { fp8_direct::query_fragments::<Q, M, DK>(smem, q_pitch, q_conv) };
+            q_frag = unsafe { fp8_direct::query_fragments::<C>(smem, q_pitch, q_conv) };
         } else if tile == 0 && q_in_regs {
             static_for::<16>(|ks| {
-                if ks < DK / 16 {
+                if ks < C::DK / 16 {
                     q_frag[ks] = load_q(0, ks);
                 }
             });
@@ -298,29 +271,29 @@ pub unsafe fn attention<
         {
             let mut s = if direct {
                 // MT = 1 on the keys-split shape.
-                [unsafe { fp8_direct::scores::<M, DK>(&q_frag, k_raw, key_off) }; MT]
+                [unsafe { fp8_direct::scores::<C>(&q_frag, k_raw, key_off) }; MT]
             } else {
-                scores::<M, DK, KW, MT>(|mt, ks| if q_in_regs { q_frag[ks] } else { load_q(mt, ks) }, k_tile(stage), key_off)
+                scores::<C, MT>(|mt, ks| if q_in_regs { q_frag[ks] } else { load_q(mt, ks) }, k_tile(stage), key_off)
             };
             // Keys split: the warp's own flag; else the slot's flags from the first.
-            let tile_flags = flags(tile) + if KEYS { warp * 4 } else { 0 };
-            unsafe { logits.apply::<MT, 8, KW>(&mut s, &rows, kt, (min_pos, max_pos), tile_flags, table(tile) + key_off * TABLE_ENTRY) };
+            let tile_flags = flags(tile) + if C::KEYS { warp * 4 } else { 0 };
+            unsafe { logits.apply::<C, MT, 8>(&mut s, &rows, kt, (min_pos, max_pos), tile_flags, table(tile) + key_off * TABLE_ENTRY) };
             static_for::<2>(|mt| {
                 if mt < MT {
-                    softmax_step::<DV, KW, 8, 32>(&mut s[mt], &mut o[mt], &mut state[mt], mult);
+                    softmax_step::<C, 8, 32>(&mut s[mt], &mut o[mt], &mut state[mt], mult);
                 }
             });
             if direct {
-                unsafe { fp8_direct::accumulate_pv::<M, DV>(&s[0], &mut o[0], v_raw, key_off) };
+                unsafe { fp8_direct::accumulate_pv::<C>(&s[0], &mut o[0], v_raw, key_off) };
             } else {
-                accumulate_pv::<M, DV, KW, MT>(&s, &mut o, v_tile(stage), v_pitch, key_off);
+                accumulate_pv::<C, MT>(&s, &mut o, v_tile(stage), v_pitch, key_off);
             }
         }
         fill(tile + st, ahead);
         if early_issue {
             // Every warp (or this warp, keys split) is done with this stage and table slot
             // before they are refilled.
-            if KEYS {
+            if C::KEYS {
                 sync_warp()
             } else {
                 sync_threads()
@@ -331,9 +304,9 @@ pub unsafe fn attention<
     cp_async_wait::<0>();
 
     let num_splits = unsafe { w.num_splits(p) };
-    if KEYS {
+    if C::KEYS {
         unsafe {
-            finish_keys_split::<Q, DV>(
+            finish_keys_split::<C>(
                 p,
                 &w,
                 smem,
@@ -360,10 +333,10 @@ pub unsafe fn attention<
             if warp_row0 + 16 * mt as u32 + g + 8 * h as u32 >= w.live {
                 return;
             }
-            let out = unsafe { RowOut::new::<DV>(p, &w, &rows[mt][h], st, num_splits, t4 == 0, v_scale) };
+            let out = unsafe { RowOut::new(p, &w, &rows[mt][h], st, num_splits, t4 == 0, v_scale, C::DV) };
             static_for::<32>(|n| {
-                if n < DV / 8 {
-                    unsafe { out.store_pair::<Q>(n as u32 * 8 + 2 * t4, o[mt][n][2 * h], o[mt][n][2 * h + 1]) };
+                if n < C::DV / 8 {
+                    unsafe { out.store_pair::<C::Q>(n as u32 * 8 + 2 * t4, o[mt][n][2 * h], o[mt][n][2 * h + 1]) };
                 }
             });
         });

@@ -17,6 +17,7 @@
 //! [`hopper`] (`prefill_wg_*`, `prefill_wgs_*`). [`entry`] exports them all. The split-K merge
 //! inside pass 1 is `crate::merge::split_merge`.
 
+pub(crate) mod config;
 mod entry;
 pub(crate) mod fp8_direct;
 #[cfg(wgmma)]
@@ -28,4 +29,5 @@ mod mainloop;
 mod mla;
 pub(crate) mod output;
 mod tile_mma;
+pub(crate) mod variants;
 pub(crate) mod work;

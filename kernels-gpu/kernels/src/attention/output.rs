@@ -1,17 +1,20 @@
 //! Where finished rows go: the output or the split-K workspace ([`RowOut`]), and the keys-split
 //! epilogue that adds up the four warps' partial rows before writing them.
 
+use crate::attention::config::AttnConfig;
 use crate::attention::fp8_direct;
+use crate::attention::variants::Sinks;
 use crate::attention::work::{RowInfo, Work};
 use crate::blocks::device::{shfl_xor, static_for, sync_threads, thread_idx_x};
 use crate::blocks::mma::{ld_shared_f32x2, st_shared_f32, st_shared_f32x2, MmaHalf};
-use crate::blocks::vec_io::{load_f32_nc, store4, store8, store_f32};
+use crate::blocks::vec_io::{store4, store8, store_f32};
 use attn_math::params::PrefillParams;
 use attn_math::prefill::THREADS;
-use attn_math::softmax::{exp2, OnlineSoftmax, LOG2_E};
+use attn_math::softmax::{exp2, OnlineSoftmax};
 
 /// Where a finished row goes: the output (one split) or the split-K workspace, and the factor
-/// its accumulator takes. Writes the row's LSE when `write_lse`.
+/// its accumulator takes. Writes the row's LSE when `write_lse`. `dv`: the row's width (without
+/// `p.v_row`).
 #[derive(Clone, Copy)]
 pub(crate) struct RowOut {
     addr: u64,
@@ -21,7 +24,8 @@ pub(crate) struct RowOut {
 
 impl RowOut {
     #[inline(always)]
-    pub unsafe fn new<const DV: usize>(
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn new(
         p: &PrefillParams,
         w: &Work,
         row: &RowInfo,
@@ -29,13 +33,14 @@ impl RowOut {
         num_splits: u32,
         write_lse: bool,
         v_scale: f32,
+        dv: usize,
     ) -> RowOut {
         if num_splits == 1 {
             let mut scale = 1.0;
             let mut st = st;
-            if p.sinks != 0 {
-                let sink = (unsafe { load_f32_nc(p.sinks + row.head as u64 * 4) }) * LOG2_E;
-                scale = st.merge(OnlineSoftmax { max: sink, sum: 1.0 }).0;
+            let sinks = Sinks::of(p);
+            if sinks.on() {
+                scale = unsafe { sinks.fold(&mut st, row.head) };
             }
             if write_lse && w.slice == 0 && p.lse != 0 {
                 unsafe { store_f32(p.lse + (row.token as u64 * p.num_q_heads as u64 + row.head as u64) * 4, st.lse()) };
@@ -49,7 +54,7 @@ impl RowOut {
             if write_lse && w.slice == 0 {
                 unsafe { store_f32(p.partial_lse + index * 4, st.lse()) };
             }
-            let row_width = if p.v_row != 0 { p.v_row as u64 } else { DV as u64 };
+            let row_width = if p.v_row != 0 { p.v_row as u64 } else { dv as u64 };
             let addr = p.partial_out + (index * row_width + w.v_col0 as u64) * 4;
             RowOut { addr, partial: true, inv: if st.sum > 0.0 { v_scale / st.sum } else { 0.0 } }
         }
@@ -71,7 +76,7 @@ impl RowOut {
 /// add the four up, 8 threads per row, and write the rows.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub(super) unsafe fn finish_keys_split<Q: MmaHalf, const DV: usize>(
+pub(super) unsafe fn finish_keys_split<C: AttnConfig>(
     p: &PrefillParams,
     w: &Work,
     smem: u32,
@@ -108,12 +113,12 @@ pub(super) unsafe fn finish_keys_split<Q: MmaHalf, const DV: usize>(
         static_for::<4>(|wp| max = max.max(stat(wp as u32, r).max));
         let f = if state[h].max == f32::NEG_INFINITY { 0.0 } else { exp2(state[h].max - max) };
         static_for::<32>(|n| {
-            if n < DV / 8 {
+            if n < C::DV / 8 {
                 let row = merge + (warp * 16 + r) * pitch * 4;
                 if permuted {
                     // `fp8_direct`'s accumulator columns.
                     static_for::<2>(|e| unsafe {
-                        st_shared_f32(row + fp8_direct::out_col::<DV>(n as u32, e as u32) * 4, o[n][2 * h + e] * f)
+                        st_shared_f32(row + fp8_direct::out_col::<C>(n as u32, e as u32) * 4, o[n][2 * h + e] * f)
                     });
                 } else {
                     let col = n as u32 * 8 + 2 * t4;
@@ -123,16 +128,17 @@ pub(super) unsafe fn finish_keys_split<Q: MmaHalf, const DV: usize>(
         });
     });
     sync_threads();
-    unsafe { store_merged_rows::<Q, DV, 16>(p, w, merge, pitch, stats, num_splits, v_scale) };
+    unsafe { store_merged_rows::<C, 16>(p, w, merge, pitch, stats, num_splits, v_scale) };
 }
 
-/// The keys-split epilogue's last step: the warps' partial rows (`R` rows each, f32 at
+/// The keys-split epilogue's last step: the warps' partial rows (`R` rows of `C::DV` columns
+/// each, f32 at
 /// `merge + ((warp * R + r) * pitch + col) * 4`, already at their common max) and (max, sum)
 /// pairs (`stats + (warp * R + r) * 8`) added up, `THREADS / R` threads per row, and each row
 /// written. After a barrier that publishes them.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub(crate) unsafe fn store_merged_rows<Q: MmaHalf, const DV: usize, const R: u32>(
+pub(crate) unsafe fn store_merged_rows<C: AttnConfig, const R: u32>(
     p: &PrefillParams,
     w: &Work,
     merge: u32,
@@ -153,9 +159,9 @@ pub(crate) unsafe fn store_merged_rows<Q: MmaHalf, const DV: usize, const R: u32
         total.merge(OnlineSoftmax { max, sum });
     });
     let row = unsafe { w.row(p, r) };
-    let out = unsafe { RowOut::new::<DV>(p, w, &row, total, num_splits, t == 0, v_scale) };
+    let out = unsafe { RowOut::new(p, w, &row, total, num_splits, t == 0, v_scale, C::DV) };
     static_for::<16>(|i| {
-        if (i as u32) < DV as u32 / (2 * per_row) {
+        if (i as u32) < C::DV as u32 / (2 * per_row) {
             let col = 2 * (t + per_row * i as u32);
             let (mut a, mut b) = (0.0, 0.0);
             static_for::<4>(|wp| {
@@ -163,7 +169,7 @@ pub(crate) unsafe fn store_merged_rows<Q: MmaHalf, const DV: usize, const R: u32
                 a += x;
                 b += y;
             });
-            unsafe { out.store_pair::<Q>(col, a, b) };
+            unsafe { out.store_pair::<C::Q>(col, a, b) };
         }
     });
 }

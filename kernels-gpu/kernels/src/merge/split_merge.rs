@@ -76,7 +76,7 @@ pub(crate) unsafe fn merge_item_splits<Q: MmaHalf, const DV: usize, const R: u32
         });
         s0 += 4;
     }
-    let out = unsafe { RowOut::new::<DV>(p, w, &row, state, 1, t == 0, 1.0) };
+    let out = unsafe { RowOut::new(p, w, &row, state, 1, t == 0, 1.0, DV) };
     static_for::<4>(|i| {
         let c = t + per_row * i as u32;
         if i as u32 * per_row < chunks && c < chunks {

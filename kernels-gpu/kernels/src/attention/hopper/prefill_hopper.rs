@@ -18,6 +18,7 @@
 //! both before the barrier), the second the next V (the stage of the previous V, which it has
 //! just read), so two stages suffice.
 
+use crate::attention::hopper::Wgmma;
 use crate::attention::kv::{KeyTables, KvSource};
 use crate::attention::logits::{softmax_step, Logits};
 use crate::attention::output::RowOut;
@@ -29,8 +30,12 @@ use attn_math::hopper_prefill::{group_bytes, shared_layout, swizzled, BLOCK_M, B
 use attn_math::params::PrefillParams;
 use attn_math::prefill::TABLE_ENTRY;
 use attn_math::softmax::OnlineSoftmax;
+use core::marker::PhantomData;
 
 const BN: usize = BLOCK_N as usize;
+
+/// The shape the shared helpers see: whole tiles.
+type Config<Q, const D: usize> = Wgmma<Q, D, BN>;
 
 /// Copies 128 rows (a Q or K/V tile) of `D` 16-bit columns into the [`swizzled`] layout at
 /// `dst` by `NT` threads (`t`: this one's index among them); `src(r)`: row r's address, 0 to
@@ -70,7 +75,16 @@ pub unsafe fn prefill_hopper<Q: WgmmaTiles, const D: usize>(p: &PrefillParams) {
     let layout = shared_layout(D as u32);
     let gb = group_bytes(D as u32);
     let smem = shared_addr(dynamic_shared::<u8>());
-    let tables = KeyTables::<BN> { base: smem + layout.table, slots: STAGES + 1, begin, end, n_tiles, src, elem_bytes: 2 };
+    let tables = KeyTables::<Config<Q, D>> {
+        base: smem + layout.table,
+        slots: STAGES + 1,
+        begin,
+        end,
+        n_tiles,
+        src,
+        elem_bytes: 2,
+        config: PhantomData,
+    };
     let k_stage = |tile: u32| smem + layout.k + (tile % STAGES) * layout.stage;
     let v_stage = |tile: u32| smem + layout.v + (tile % STAGES) * layout.stage;
     // Half a tile's copies, by one warpgroup: K (the first) or V (the second).
@@ -117,8 +131,8 @@ pub unsafe fn prefill_hopper<Q: WgmmaTiles, const D: usize>(p: &PrefillParams) {
     let scores_to_weights = |tile: u32, o: &mut [[f32; 4]; 16], state: &mut [OnlineSoftmax; 2]| {
         let kt = begin + tile * BLOCK_N;
         let mut s = [unsafe { Q::scores_64x128::<D>(q_desc, wgmma_desc(k_stage(tile), 16, gb, true)) }];
-        unsafe { logits.apply::<1, 16, BN>(&mut s, &rows, kt, warp_pos, tables.flags(tile), tables.table(tile)) };
-        softmax_step::<D, BN, 16, 16>(&mut s[0], o, state, mult);
+        unsafe { logits.apply::<Config<Q, D>, 1, 16>(&mut s, &rows, kt, warp_pos, tables.flags(tile), tables.table(tile)) };
+        softmax_step::<Config<Q, D>, 16, 16>(&mut s[0], o, state, mult);
         let s = &s[0];
         let pf: [[u32; 4]; 8] = core::array::from_fn(|kk| {
             [
@@ -187,7 +201,7 @@ pub unsafe fn prefill_hopper<Q: WgmmaTiles, const D: usize>(p: &PrefillParams) {
         if warp_row0 + g + 8 * h as u32 >= w.live {
             return;
         }
-        let out = unsafe { RowOut::new::<D>(p, &w, &rows[0][h], st, num_splits, t4 == 0, 1.0) };
+        let out = unsafe { RowOut::new(p, &w, &rows[0][h], st, num_splits, t4 == 0, 1.0, D) };
         static_for::<16>(|n| {
             if n < D / 8 {
                 unsafe { out.store_pair::<Q>(n as u32 * 8 + 2 * t4, o[n][2 * h], o[n][2 * h + 1]) };

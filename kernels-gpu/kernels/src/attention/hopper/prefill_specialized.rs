@@ -33,6 +33,7 @@
 //! `setmaxnreg` moves registers from the producer (which needs few) to the compute warps.
 
 use crate::attention::hopper::steps::{copy_row_pairs, copy_rows, raise_max, row_max, weights};
+use crate::attention::hopper::Wgmma;
 use crate::attention::kv::KvSource;
 use crate::attention::logits::Logits;
 use crate::attention::output::RowOut;
@@ -384,7 +385,7 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &PrefillParams, rings: Rings
                 if r >= w.live {
                     return;
                 }
-                let out = unsafe { RowOut::new::<D>(p, &w, &w.row(p, r), st, it.num_splits, t4 == 0, 1.0) };
+                let out = unsafe { RowOut::new(p, &w, &w.row(p, r), st, it.num_splits, t4 == 0, 1.0, D) };
                 static_for::<16>(|n| {
                     if n < D / 8 {
                         unsafe { out.store_pair::<Q>(n as u32 * 8 + 2 * t4, o[n][2 * h], o[n][2 * h + 1]) };
@@ -412,7 +413,7 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &PrefillParams, rings: Rings
                     let kt = it.begin + j * BLOCK_N + 64 * h;
                     let table = rings.table(uj);
                     let (flags, table) = (table + BLOCK_N * TABLE_ENTRY + 8 * h, table + 64 * h * TABLE_ENTRY);
-                    unsafe { logits.apply::<1, 8, 64>(&mut st, &rows, kt, warp_pos, flags, table) };
+                    unsafe { logits.apply::<Wgmma<Q, D, 64>, 1, 8>(&mut st, &rows, kt, warp_pos, flags, table) };
                     let [mut s_cur] = st;
                     let m = row_max(&s_cur);
                     // Retire P V of the previous half (O and its weights) before rescaling O.
