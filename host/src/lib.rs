@@ -21,6 +21,7 @@
 //! - [`cpu`]: the CPU implementation of every op: the reference the tests compare with, and the
 //!   path for machines without a GPU.
 
+mod attn_params;
 pub mod backend;
 pub mod batch;
 pub mod batch_plan;

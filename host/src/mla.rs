@@ -11,6 +11,7 @@
 //! size 512). Query lengths are free: multi-token prediction (causal among the new tokens) and
 //! chunked prefill in latent form.
 
+use crate::attn_params;
 use crate::batch::{block_table_reach, validate_prefill_batch, BatchMetadata, DecodeBatch, DeviceBatch, PrefillBatch};
 use crate::buffer::{f32_values, DevIn, DevOut};
 use crate::cache_write::KvScales;
@@ -24,9 +25,8 @@ use crate::options::{PlanOptions, Tuning};
 use crate::status::DeviceStatus;
 use crate::stream_check::refuse_foreign_capture;
 use attn_math::mla;
-use attn_math::params::PrefillParams;
+use attn_math::params::{AttnParams, Fp8Scales, Mask, MlaParams, PerHead, Schedule, Shape, VariantParams};
 use attn_math::prefill::{MLA_QK, MLA_V};
-use attn_math::softmax::LOG2_E;
 use cudarc::driver::{CudaStream, DevicePtrMut};
 use std::sync::Arc;
 
@@ -206,57 +206,33 @@ pub(crate) fn mla_attention_from(
     let wp = ws.arrays(stream, &lp, num_reqs, nt)?;
     let cluster = lp.cluster;
     let (status_ptr, _o) = status.word.device_ptr_mut(stream);
-    let lse = a.lse.as_ref().map_or(0, |l| l.ptr);
     let strides = spec.strides();
-    let p = PrefillParams {
-        q: a.q.ptr,
-        q_token_stride: a.q_rows.token_stride as u64,
-        q_head_stride: a.q_rows.head_stride as u64,
-        k: a.cache.ptr,
-        v: a.cache.ptr,
-        k_strides: strides,
-        v_strides: strides,
-        block_table: a.block_table.ptr,
-        block_table_stride: a.block_table_stride as u64,
-        seq_lens: meta.seq_lens.ptr,
-        key_start_loc: 0,
-        query_start_loc: meta.query_start_loc.ptr,
-        out: a.out.ptr,
-        out_token_stride: a.out_rows.token_stride as u64,
-        out_head_stride: a.out_rows.head_stride as u64,
-        lse,
-        partial_out: wp.partial_out,
-        partial_lse: wp.partial_lse,
-        req_num_splits: wp.req_num_splits,
-        req_partial_base: wp.req_partial_base,
-        work_items: wp.items,
-        alibi_slopes: 0,
-        sinks: 0,
-        k_scale,
-        v_scale,
+    let output = attn_params::output(&a.out, &a.out_rows, a.lse.as_ref());
+    let p = AttnParams {
+        qkv: attn_params::qkv(&a.q, &a.q_rows, (a.cache.ptr, strides), (a.cache.ptr, strides)),
+        batch: attn_params::paged_batch(&a.block_table, a.block_table_stride, &meta),
+        output,
+        split: wp.split_k(),
+        per_head: PerHead::default(),
+        fp8: Fp8Scales { k_scale, v_scale },
         status: status_ptr,
-        scale_log2: softmax_scale * LOG2_E,
-        softcap: 0.0,
-        window: 0,
-        num_blocks: spec.num_blocks as u32,
-        block_size: spec.block_size as u32,
-        chunk: lp.chunk,
-        num_q_heads: hq as u32,
-        group: hq as u32,
-        causal: 1,
-        v_slices: slices,
-        v_row: MLA_V,
-        cluster,
-        plan: lp.header,
-        sched: 0,
-        ctas: 0,
-        ..PrefillParams::default()
+        variant: VariantParams::new(softmax_scale, None, None),
+        shape: Shape {
+            num_blocks: spec.num_blocks as u32,
+            block_size: spec.block_size as u32,
+            chunk: lp.chunk,
+            num_q_heads: hq as u32,
+            group: hq as u32,
+        },
+        mask: Mask { causal: 1 },
+        mla: MlaParams { v_slices: slices, v_row: MLA_V, cluster },
+        schedule: Schedule { plan: lp.header, ..Schedule::default() },
     };
     let ctas = lp.ctas();
     ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
     dev.launch_ex(stream, tc.id, (ctas as u32, 1, 1), tc.threads, tc.smem, cluster.max(1), p)?;
     if lp.merge {
-        launch_merge(dev, stream, &wp, meta.query_start_loc.ptr, (&a.out, &a.out_rows), lse, 0, q_dtype)?;
+        launch_merge(dev, stream, &wp, meta.query_start_loc.ptr, (&a.out, &a.out_rows), output.lse, 0, q_dtype)?;
     }
     Ok(lp.plan)
 }

@@ -9,6 +9,7 @@
 //! every SM busy to the end and the CTAs running at once share K/V in L2. One CTA per (tile,
 //! kv head), the kv heads of a tile adjacent in the grid.
 
+use crate::attn_params;
 use crate::batch::{block_table_reach, BatchMetadata, DeviceBatch};
 use crate::buffer::{f32_values, optional_f32, DevIn, DevOut};
 use crate::cache_write::KvScales;
@@ -21,9 +22,8 @@ use crate::status::DeviceStatus;
 use crate::stream_check::{check_stream, refuse_foreign_capture};
 use attn_math::hopper_prefill;
 use attn_math::paging::CacheStrides;
-use attn_math::params::PrefillParams;
+use attn_math::params::{AttnParams, BatchMeta, Fp8Scales, Mask, MlaParams, PerHead, Schedule, Shape, SplitK, VariantParams};
 use attn_math::prefill::{block_m, shared_layout, HEAD_SIZES, MIN_BLOCK_M, THREADS};
-use attn_math::softmax::LOG2_E;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
@@ -259,9 +259,7 @@ pub(crate) fn prefill_from(
         _ => (0, 0),
     };
 
-    let (k_ptr, v_ptr, k_strides, v_strides, num_kv_heads, block_table, bt_stride, seq_lens_ptr, ksl_ptr, num_blocks, block_size) = match &a
-        .kv
-    {
+    let (k, v, num_kv_heads, kv_batch, num_blocks, block_size) = match &a.kv {
         PrefillKv::Paged { cache, spec, block_table, block_table_stride } => {
             spec.validate("spec")?;
             ensure(cache.dtype == q_dtype || cache.dtype == DType::Fp8E4m3, "cache", || {
@@ -279,21 +277,9 @@ pub(crate) fn prefill_from(
             ensure(block_table.dtype == DType::I32 && block_table.len >= need, "block_table", || {
                 format!("must hold {need} i32 ({num_reqs} rows of {block_table_stride}), got {} x {:?}", block_table.len, block_table.dtype)
             })?;
-            let (ko, vo) = spec.kv_origins();
-            let strides = spec.strides();
-            (
-                cache.ptr + ko as u64 * cache.dtype.size_bytes() as u64,
-                cache.ptr + vo as u64 * cache.dtype.size_bytes() as u64,
-                strides,
-                strides,
-                spec.num_kv_heads,
-                block_table.ptr,
-                *block_table_stride as u64,
-                meta.seq_lens.ptr,
-                0,
-                spec.num_blocks as u32,
-                spec.block_size as u32,
-            )
+            let [k, v] = attn_params::paged_kv(cache, spec);
+            let kv_batch = attn_params::paged_batch(block_table, *block_table_stride, &meta);
+            (k, v, spec.num_kv_heads, kv_batch, spec.num_blocks as u32, spec.block_size as u32)
         }
         PrefillKv::Packed { k, k_rows, v, v_rows } => {
             ensure(a.scales.is_none(), "scales", || "packed K/V take the queries' dtype; scales are for an fp8 cache".into())?;
@@ -314,7 +300,8 @@ pub(crate) fn prefill_from(
                 crate::error::AttnError::invalid("key_start_loc", "the batch's device copy has none (BatchMetadata::with_key_start_loc)")
             })?;
             let strides = |r: &RowsDesc| CacheStrides { block: 0, token: r.token_stride as u64, head: r.head_stride as u64 };
-            (k.ptr, v.ptr, strides(k_rows), strides(v_rows), k_rows.num_heads, 0, 0, 0, ksl_ptr, 0, 1)
+            let kv_batch = BatchMeta { key_start_loc: ksl_ptr, query_start_loc: meta.query_start_loc.ptr, ..BatchMeta::default() };
+            ((k.ptr, strides(k_rows)), (v.ptr, strides(v_rows)), k_rows.num_heads, kv_batch, 0, 1)
         }
     };
     ensure(num_kv_heads > 0 && hq.is_multiple_of(num_kv_heads), "num_q_heads", || {
@@ -348,43 +335,23 @@ pub(crate) fn prefill_from(
     stream.memcpy_htod(&flat, &mut ws.items.slice_mut(..flat.len()))?;
     let (items_ptr, _o1) = ws.items.device_ptr(stream);
     let (status_ptr, _o2) = status.word.device_ptr_mut(stream);
-    let p = PrefillParams {
-        q: a.q.ptr,
-        q_token_stride: a.q_rows.token_stride as u64,
-        q_head_stride: a.q_rows.head_stride as u64,
-        k: k_ptr,
-        v: v_ptr,
-        k_strides,
-        v_strides,
-        block_table,
-        block_table_stride: bt_stride,
-        seq_lens: seq_lens_ptr,
-        key_start_loc: ksl_ptr,
-        query_start_loc: meta.query_start_loc.ptr,
-        out: a.out.ptr,
-        out_token_stride: a.out_rows.token_stride as u64,
-        out_head_stride: a.out_rows.head_stride as u64,
-        lse: a.lse.as_ref().map_or(0, |l| l.ptr),
-        work_items: items_ptr,
-        alibi_slopes: alibi,
-        sinks,
-        status: status_ptr,
-        k_scale,
-        v_scale,
-        scale_log2: opts.attn.softmax_scale * LOG2_E,
-        softcap: opts.attn.softcap.unwrap_or(0.0),
-        window: opts.attn.window.unwrap_or(0),
-        num_blocks,
-        block_size,
-        chunk: 0,
-        num_q_heads: hq as u32,
-        group: group as u32,
-        causal: opts.causal as u32,
-        ..PrefillParams::default()
-    };
     let ctas = (plan.items.len() * num_kv_heads) as u32;
     let (sched_ptr, _o3) = ws.sched.device_ptr_mut(stream);
-    let (grid, p) = if kernel.persistent { (ctas.min(dev.sm_count()), PrefillParams { sched: sched_ptr, ctas, ..p }) } else { (ctas, p) };
+    let p = AttnParams {
+        qkv: attn_params::qkv(&a.q, &a.q_rows, k, v),
+        batch: kv_batch,
+        output: attn_params::output(&a.out, &a.out_rows, a.lse.as_ref()),
+        split: SplitK { work_items: items_ptr, ..SplitK::default() },
+        per_head: PerHead { alibi_slopes: alibi, sinks },
+        fp8: Fp8Scales { k_scale, v_scale },
+        status: status_ptr,
+        variant: VariantParams::new(opts.attn.softmax_scale, opts.attn.softcap, opts.attn.window),
+        shape: Shape { num_blocks, block_size, chunk: 0, num_q_heads: hq as u32, group: group as u32 },
+        mask: Mask { causal: opts.causal as u32 },
+        mla: MlaParams::default(),
+        schedule: if kernel.persistent { Schedule { sched: sched_ptr, ctas, ..Schedule::default() } } else { Schedule::default() },
+    };
+    let grid = if kernel.persistent { ctas.min(dev.sm_count()) } else { ctas };
     dev.launch_pdl(stream, kernel.id, (grid, 1, 1), kernel.threads, kernel.smem, p)?;
     Ok(plan)
 }

@@ -6,6 +6,7 @@ use super::merge::launch_merge;
 use super::plan::{call_kernel, plan_launch, LaunchPlan, PlanSource};
 use super::split::DecodePlan;
 use super::workspace::DecodeWorkspace;
+use crate::attn_params;
 use crate::batch::{BatchMetadata, DecodeBatch, DeviceBatch};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
@@ -13,8 +14,7 @@ use crate::error::{ensure, Result};
 use crate::options::{AttnOptions, PlanOptions};
 use crate::status::DeviceStatus;
 use crate::stream_check::refuse_foreign_capture;
-use attn_math::params::PrefillParams;
-use attn_math::softmax::LOG2_E;
+use attn_math::params::{AttnParams, Fp8Scales, Mask, MlaParams, PerHead, Schedule, Shape, VariantParams};
 use cudarc::driver::{CudaStream, DevicePtrMut};
 use std::sync::Arc;
 
@@ -97,63 +97,42 @@ fn run(
 ) -> Result<()> {
     let (spec, tc) = (&a.spec, &lp.kernel);
     let (nt, hq) = (a.q_rows.num_tokens, a.q_rows.num_heads);
-    let (q_dtype, cache_dtype) = (a.q.dtype, a.cache.dtype);
+    let q_dtype = a.q.dtype;
     let wp = ws.arrays(stream, lp, num_reqs, nt)?;
     let (status_ptr, _o7) = status.word.device_ptr_mut(stream);
-    let (k_origin, v_origin) = spec.kv_origins();
-    let cb = cache_dtype.size_bytes() as u64;
-    let lse_ptr = a.lse.as_ref().map_or(0, |l| l.ptr);
-    let tp = PrefillParams {
-        q: a.q.ptr,
-        q_token_stride: a.q_rows.token_stride as u64,
-        q_head_stride: a.q_rows.head_stride as u64,
-        k: a.cache.ptr + k_origin as u64 * cb,
-        v: a.cache.ptr + v_origin as u64 * cb,
-        k_strides: spec.strides(),
-        v_strides: spec.strides(),
-        block_table: a.block_table.ptr,
-        block_table_stride: a.block_table_stride as u64,
-        seq_lens: meta.seq_lens.ptr,
-        key_start_loc: 0,
-        query_start_loc: meta.query_start_loc.ptr,
-        out: a.out.ptr,
-        out_token_stride: a.out_rows.token_stride as u64,
-        out_head_stride: a.out_rows.head_stride as u64,
-        lse: lse_ptr,
-        partial_out: wp.partial_out,
-        partial_lse: wp.partial_lse,
-        req_num_splits: wp.req_num_splits,
-        req_partial_base: wp.req_partial_base,
-        work_items: wp.items,
-        alibi_slopes: checked.alibi,
-        sinks: checked.sinks,
-        k_scale: checked.k_scale,
-        v_scale: checked.v_scale,
+    let [k, v] = attn_params::paged_kv(&a.cache, spec);
+    let output = attn_params::output(&a.out, &a.out_rows, a.lse.as_ref());
+    let tp = AttnParams {
+        qkv: attn_params::qkv(&a.q, &a.q_rows, k, v),
+        batch: attn_params::paged_batch(&a.block_table, a.block_table_stride, meta),
+        output,
+        split: wp.split_k(),
+        per_head: PerHead { alibi_slopes: checked.alibi, sinks: checked.sinks },
+        fp8: Fp8Scales { k_scale: checked.k_scale, v_scale: checked.v_scale },
         status: status_ptr,
-        scale_log2: opts.softmax_scale * LOG2_E,
-        softcap: opts.softcap.unwrap_or(0.0),
-        window: opts.window.unwrap_or(0),
-        num_blocks: spec.num_blocks as u32,
-        block_size: spec.block_size as u32,
-        chunk: lp.chunk,
-        num_q_heads: hq as u32,
-        group: (hq / spec.num_kv_heads) as u32,
-        causal: causal as u32,
-        v_slices: 0,
-        v_row: 0,
-        cluster: 0,
-        plan: lp.header,
-        sched: 0,
-        ctas: 0,
-        uniform_splits: lp.uniform_splits,
-        ..PrefillParams::default()
+        variant: VariantParams::new(opts.softmax_scale, opts.softcap, opts.window),
+        shape: Shape {
+            num_blocks: spec.num_blocks as u32,
+            block_size: spec.block_size as u32,
+            chunk: lp.chunk,
+            num_q_heads: hq as u32,
+            group: (hq / spec.num_kv_heads) as u32,
+        },
+        mask: Mask { causal: causal as u32 },
+        mla: MlaParams::default(),
+        schedule: Schedule {
+            plan: lp.header,
+            sched: 0,
+            ctas: 0,
+            merge_counters: if tc.fused_merge { ws.merge_counters_ptr(stream) } else { 0 },
+            uniform_splits: lp.uniform_splits,
+        },
     };
-    let tp = if tc.fused_merge { PrefillParams { merge_counters: ws.merge_counters_ptr(stream), ..tp } } else { tp };
     let ctas = lp.ctas();
     ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
     dev.launch_pdl(stream, tc.id, (ctas as u32, 1, 1), tc.threads, tc.smem, tp)?;
     if lp.merge {
-        launch_merge(dev, stream, &wp, meta.query_start_loc.ptr, (&a.out, &a.out_rows), lse_ptr, checked.sinks, q_dtype)?;
+        launch_merge(dev, stream, &wp, meta.query_start_loc.ptr, (&a.out, &a.out_rows), output.lse, checked.sinks, q_dtype)?;
     }
     Ok(())
 }

@@ -79,11 +79,11 @@ pub(crate) struct LaunchPlan<'p> {
     pub arrays: PlanArrays<'p>,
     /// Work items the grid covers, [`TcShape::ctas_per_item`] CTAs each.
     pub items: usize,
-    /// `PrefillParams::chunk`: the host plan's (a device plan's kernel reads its header).
+    /// `Shape::chunk`: the host plan's (a device plan's kernel reads its header).
     pub chunk: u32,
-    /// `PrefillParams::plan`: a device plan's header, else 0.
+    /// `Schedule::plan`: a device plan's header, else 0.
     pub header: u64,
-    /// `PrefillParams::uniform_splits`: the splits of every request when the CTAs derive their
+    /// `Schedule::uniform_splits`: the splits of every request when the CTAs derive their
     /// work items from their index, else 0.
     pub uniform_splits: u32,
     /// [`DecodePlan::cluster`] (the device plan's for a device plan).

@@ -35,7 +35,7 @@ impl DecodePlan {
     }
 
     /// The splits of every request when they are all the same (more than one), and the work
-    /// items are the ones a CTA derives from its index with `PrefillParams::uniform_splits`
+    /// items are the ones a CTA derives from its index with `Schedule::uniform_splits`
     /// (split `i % n` of request `i / n`, row tile 0; partial rows in request order, so request
     /// r's start at `n * num_q_heads * query_start_loc[r]`).
     pub fn uniform_splits(&self) -> Option<u32> {
@@ -49,7 +49,7 @@ impl DecodePlan {
     }
 
     /// Whether the tensor-core kernels need the plan's arrays on the device. Not when the work
-    /// items are the ones CTAs derive from their index (`PrefillParams::work_items` 0): CTA i is
+    /// items are the ones CTAs derive from their index (`SplitK::work_items` 0): CTA i is
     /// split `i % c` of request `i / c`, row tile 0, for every request, `c` being the cluster
     /// size or 1 (one split, one row tile, at least one query token each). The call then copies
     /// nothing, and its launch follows the kernel before it directly (programmatic dependent

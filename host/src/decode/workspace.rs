@@ -7,6 +7,7 @@ use super::split::DecodePlan;
 use crate::error::{ensure, Result};
 use crate::stream_check::check_stream;
 use crate::words::{Region, ALIGN_WORDS};
+use attn_math::params::SplitK;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
@@ -133,6 +134,19 @@ pub(crate) struct WorkspacePtrs {
     pub token_request: u64,
     pub partial_out: u64,
     pub partial_lse: u64,
+}
+
+impl WorkspacePtrs {
+    /// The split-K group of the attention parameter block: these partials and plan arrays.
+    pub(crate) fn split_k(&self) -> SplitK {
+        SplitK {
+            partial_out: self.partial_out,
+            partial_lse: self.partial_lse,
+            req_num_splits: self.req_num_splits,
+            req_partial_base: self.req_partial_base,
+            work_items: self.items,
+        }
+    }
 }
 
 impl DecodeWorkspace {

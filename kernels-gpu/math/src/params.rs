@@ -4,6 +4,7 @@
 //! the kernels (which cast them) agree on the layout byte for byte. Strides are in elements.
 
 use crate::paging::CacheStrides;
+use crate::softmax::LOG2_E;
 
 /// `reshape_and_cache`: write K and V rows `[num_tokens, num_heads, head_size]` into a paged cache.
 #[repr(C)]
@@ -108,28 +109,73 @@ pub struct MergeStatesParams {
     pub head_size: u32,
 }
 
-/// Tiled attention on tensor cores (prefill; chunked prefill; encoders). One CTA per (work
-/// item, kv head); a work item is a request, a tile of its query rows and a split of its keys.
-/// A request's query rows are its `q_len` tokens x the `group` query heads of the kv head,
-/// row = token * group + head-in-group, so GQA heads share each K/V tile.
 /// Second word of a work item that does nothing (row tile 0xffff is past any request's rows):
 /// pads a device plan's items up to its launch's grid.
 pub const NO_WORK: u32 = 0xffff << 16;
 
+/// The parameter block of every attention launch: the tensor-core kernels (`prefill_*`,
+/// `decode_tc_*`), the keys-as-rows decode (`decode_kr_*`), the Hopper prefill (`prefill_wg_*`,
+/// `prefill_wgs_*`) and MLA (`mla_*`), launched by the decode, prefill and MLA calls (which
+/// `forward` and cascade attention go through). One CTA per (work item, kv head); a work item
+/// is a request, a tile of its query rows and a split of its keys. A request's query rows are
+/// its `q_len` tokens x the `group` query heads of the kv head, row = token * group +
+/// head-in-group, so GQA heads share each K/V tile.
+///
+/// The fields are grouped by concern; a group a kernel does not use is zero (its feature off).
+/// Every kernel reads [`qkv`](Self::qkv), [`batch`](Self::batch), [`output`](Self::output),
+/// [`split`](Self::split), [`per_head`](Self::per_head), [`status`](Self::status),
+/// [`variant`](Self::variant), [`shape`](Self::shape) and [`mask`](Self::mask) (its work
+/// items, K/V addresses and rows go through the same helpers); [`fp8`](Self::fp8) is read by
+/// the kernels of FP8 caches (`*_fp8_*`), [`mla`](Self::mla) is set by the MLA kernels' launch
+/// (the other kernels read it as 0), and [`schedule`](Self::schedule)'s fields each belong to
+/// one path (see there).
+///
+/// The groups follow one another in the order of the flat block the kernels were built
+/// against, every field at its offset there (the `const` assertions below hold them), so the
+/// variant, whose fields were not adjacent, is three groups: its per-head vectors
+/// ([`PerHead`]), its scalars ([`VariantParams`]) and the [`Mask`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-pub struct PrefillParams {
+pub struct AttnParams {
+    pub qkv: QkvTensors,
+    pub batch: BatchMeta,
+    pub output: OutputTensors,
+    pub split: SplitK,
+    pub per_head: PerHead,
+    pub fp8: Fp8Scales,
+    /// Device status block, `STATUS_WORDS` u32 (see [`crate::status`]): where a kernel reports
+    /// a block id outside the cache.
+    pub status: u64,
+    pub variant: VariantParams,
+    pub shape: Shape,
+    pub mask: Mask,
+    pub mla: MlaParams,
+    pub schedule: Schedule,
+}
+
+/// The queries and the keys and values (every kernel).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct QkvTensors {
     /// `[num_tokens, num_q_heads, head_size_qk]` with the given strides (elements).
     pub q: u64,
     pub q_token_stride: u64,
     pub q_head_stride: u64,
     /// Keys and values: a paged cache (`block_table != 0`: strides of block, token-in-block,
     /// head) or packed `[total_keys, num_kv_heads, head_size]` tensors (`block_table == 0`:
-    /// `block` stride unused, request r's keys are rows `key_start_loc[r]..key_start_loc[r+1]`).
+    /// `block` stride unused, request r's keys are rows `key_start_loc[r]..key_start_loc[r+1]`;
+    /// `prefill_*` and `prefill_wg*` only). MLA: both are the latent cache, V being the first
+    /// columns of each K row.
     pub k: u64,
     pub v: u64,
     pub k_strides: CacheStrides,
     pub v_strides: CacheStrides,
+}
+
+/// The batch's requests: where each one's queries and keys are (every kernel).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BatchMeta {
     /// `[num_reqs, block_table_stride]` i32, or 0 for packed K/V.
     pub block_table: u64,
     pub block_table_stride: u64,
@@ -139,39 +185,110 @@ pub struct PrefillParams {
     pub key_start_loc: u64,
     /// `[num_reqs + 1]` i32.
     pub query_start_loc: u64,
+}
+
+/// Where finished rows go (every kernel; split rows go to [`SplitK`]'s partials instead).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OutputTensors {
     /// `[num_tokens, num_q_heads, head_size_v]`, the dtype of q.
     pub out: u64,
     pub out_token_stride: u64,
     pub out_head_stride: u64,
     /// `[num_tokens, num_q_heads]` f32 natural-log LSE, or 0.
     pub lse: u64,
-    /// Split-K workspace: partial outputs (f32, head_size_v each; `v_row` when set) and LSEs,
-    /// indexed by `req_partial_base[r] + (split * q_len + token_in_req) * num_q_heads + head`.
+}
+
+/// Split-K and the device plan: the work items, each request's splits and the partials'
+/// workspace. Every kernel takes its work item here (or derives it: [`Schedule`]); a request
+/// with more than one split writes partials (but in an MLA cluster, [`MlaParams::cluster`]),
+/// which the merge kernel or `decode_kr_*` itself ([`Schedule::merge_counters`]) merges.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SplitK {
+    /// Split-K workspace: partial outputs (f32, head_size_v each; [`MlaParams::v_row`] when
+    /// set) and LSEs, indexed by `req_partial_base[r] + (split * q_len + token_in_req) *
+    /// num_q_heads + head`.
     pub partial_out: u64,
     pub partial_lse: u64,
+    /// `[num_reqs]` u32 each, or 0 (no plan on the device: [`Schedule::uniform_splits`]).
     pub req_num_splits: u64,
     pub req_partial_base: u64,
     /// `[num_items][2]` u32: `request`, `row_tile << 16 | split`; or 0 (no plan on the
-    /// device): item i is split `i % cluster` of request `i / cluster` (`cluster` as below, at
-    /// least 1), row tile 0.
+    /// device): item i is split `i % cluster` of request `i / cluster` ([`MlaParams::cluster`],
+    /// at least 1; or [`Schedule::uniform_splits`]), row tile 0.
     pub work_items: u64,
+}
+
+/// The variant's per-query-head vectors, `[num_q_heads]` f32 each, or 0 (off). Read by every
+/// kernel but MLA's launch, which sets neither.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PerHead {
+    /// ALiBi: the head's slope times the key's distance back from the query joins its logit.
     pub alibi_slopes: u64,
+    /// Attention sinks: a logit per head (natural-log units) that joins the softmax's
+    /// denominator as one more key with no value.
     pub sinks: u64,
+}
+
+/// Per-tensor dequantisation scales of an FP8 E4M3 cache: device f32 scalars (the kernels of
+/// FP8 caches, `*_fp8_*`; 0 otherwise). A cached value is `x / scale`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Fp8Scales {
     pub k_scale: u64,
     pub v_scale: u64,
-    pub status: u64,
+}
+
+/// The variant's scalars (every kernel; MLA's launch sets only the scale).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct VariantParams {
+    /// The softmax scale in base-2 units (times log2(e)).
     pub scale_log2: f32,
+    /// Soft-capping of the scaled scores, `cap * tanh(x / cap)`; 0 = none.
     pub softcap: f32,
+    /// A sliding window: a query sees the `window` keys up to its position; 0 = none.
     pub window: u32,
+}
+
+impl VariantParams {
+    /// The scalars of softmax scale `softmax_scale` (natural units), with an optional soft-cap
+    /// and window.
+    pub fn new(softmax_scale: f32, softcap: Option<f32>, window: Option<u32>) -> VariantParams {
+        VariantParams { scale_log2: softmax_scale * LOG2_E, softcap: softcap.unwrap_or(0.0), window: window.unwrap_or(0) }
+    }
+}
+
+/// Sizes: the cache's, a split's and the heads' (every kernel).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Shape {
+    /// The paged cache's blocks (a block id at or past this is refused: `status`) and tokens
+    /// per block; 0 and 1 for packed K/V.
     pub num_blocks: u32,
     pub block_size: u32,
     /// Keys per split (a multiple of the key tile), or 0 for one split.
     pub chunk: u32,
     pub num_q_heads: u32,
+    /// Query heads per kv head.
     pub group: u32,
+}
+
+/// Which keys a query sees, besides the variant's window (every kernel).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Mask {
     /// 1 = causal (aligned to the end of the sequence), 0 = every query sees every key.
     pub causal: u32,
-    /// MLA (V = the first columns of each K row): the CTAs of a tile split V's columns into
+}
+
+/// MLA (`mla_*`): set by MLA's launch; the other kernels read them as 0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MlaParams {
+    /// V = the first columns of each K row: the CTAs of a tile split V's columns into
     /// `v_slices` slices of the kernel's head_size_v (the grid's fastest index); 0 or 1 = off.
     pub v_slices: u32,
     /// Width of a split-K partial row (head_size_v x v_slices); 0 = head_size_v.
@@ -181,10 +298,17 @@ pub struct PrefillParams {
     /// through distributed shared memory, so no partials are written and no merge runs; 0 or 1
     /// = off.
     pub cluster: u32,
-    /// A split plan on the device (CUDA-graph replays, whose arguments were fixed at capture):
-    /// `[num_items, chunk]` u32, of which the kernel reads `chunk` in place of the field above.
-    /// The grid covers the most items a step can have; the items past the step's are
-    /// [`NO_WORK`]. 0 = no such plan.
+}
+
+/// How work items reach the CTAs and how splits combine, each field for the kernels named
+/// (0 for the others).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Schedule {
+    /// A split plan on the device (CUDA-graph replays, whose arguments were fixed at capture;
+    /// decode and MLA): `[num_items, chunk]` u32, of which the kernel reads `chunk` in place of
+    /// [`Shape::chunk`]. The grid covers the most items a step can have; the items past the
+    /// step's are [`NO_WORK`]. 0 = no such plan.
     pub plan: u64,
     /// Persistent kernels (`prefill_wgs_*`): two u32 in device memory, zero between launches:
     /// the next CTA index to take (past the grid's own), and the CTAs that have finished (the
@@ -197,11 +321,68 @@ pub struct PrefillParams {
     /// (zero between launches, [`merge_counter_index`]); the CTA that arrives last combines
     /// the item's partials into the output, so no merge kernel runs. 0 = the merge kernel's job.
     pub merge_counters: u64,
-    /// With no plan on the device (`work_items` 0): every request has this many splits (item i
-    /// is split `i % n` of request `i / n`), and request r's partial rows start at
-    /// `n * num_q_heads * query_start_loc[r]`. 0 or 1 = `cluster`'s rule.
+    /// Decode with no plan on the device ([`SplitK::work_items`] 0): every request has this
+    /// many splits (item i is split `i % n` of request `i / n`), and request r's partial rows
+    /// start at `n * num_q_heads * query_start_loc[r]`. 0 or 1 = [`MlaParams::cluster`]'s rule.
     pub uniform_splits: u32,
 }
+
+/// Asserts that each field of `$ty` (a path through its groups) is at the byte offset given.
+macro_rules! assert_offsets {
+    ($ty:ty { $($($field:ident).+ = $offset:literal),* $(,)? }) => {
+        $(const _: () = assert!(core::mem::offset_of!($ty, $($field).+) == $offset);)*
+    };
+}
+
+// The flat layout of the block the kernels are built against, field by field.
+assert_offsets!(AttnParams {
+    qkv.q = 0,
+    qkv.q_token_stride = 8,
+    qkv.q_head_stride = 16,
+    qkv.k = 24,
+    qkv.v = 32,
+    qkv.k_strides = 40,
+    qkv.v_strides = 64,
+    batch.block_table = 88,
+    batch.block_table_stride = 96,
+    batch.seq_lens = 104,
+    batch.key_start_loc = 112,
+    batch.query_start_loc = 120,
+    output.out = 128,
+    output.out_token_stride = 136,
+    output.out_head_stride = 144,
+    output.lse = 152,
+    split.partial_out = 160,
+    split.partial_lse = 168,
+    split.req_num_splits = 176,
+    split.req_partial_base = 184,
+    split.work_items = 192,
+    per_head.alibi_slopes = 200,
+    per_head.sinks = 208,
+    fp8.k_scale = 216,
+    fp8.v_scale = 224,
+    status = 232,
+    variant.scale_log2 = 240,
+    variant.softcap = 244,
+    variant.window = 248,
+    shape.num_blocks = 252,
+    shape.block_size = 256,
+    shape.chunk = 260,
+    shape.num_q_heads = 264,
+    shape.group = 268,
+    mask.causal = 272,
+    mla.v_slices = 276,
+    mla.v_row = 280,
+    mla.cluster = 284,
+    schedule.plan = 288,
+    schedule.sched = 296,
+    schedule.ctas = 304,
+    schedule.merge_counters = 312,
+    schedule.uniform_splits = 320,
+});
+assert_offsets!(CacheStrides { block = 0, token = 8, head = 16 });
+const _: () = assert!(core::mem::size_of::<CacheStrides>() == 24);
+const _: () = assert!(core::mem::size_of::<AttnParams>() == 328 && core::mem::align_of::<AttnParams>() == 8);
 
 /// The arrival counter of a split work item (kv head `kv_head` of a request whose partial rows
 /// start at `partial_base`, a multiple of `num_q_heads`): distinct for every such pair, because

@@ -14,7 +14,7 @@
 
 use crate::blocks::mma::MmaHalf;
 use crate::blocks::vec_io::load_f32_nc;
-use attn_math::params::PrefillParams;
+use attn_math::params::AttnParams;
 use attn_math::prefill::{block_n, m_tiles, ROW_PAD, THREADS, WARPS};
 
 /// One attention kernel's types and shape.
@@ -71,7 +71,7 @@ pub(crate) trait CacheFormat {
 
     /// The dequantisation factors of K and V, each times `M`'s unpack scale (1 and 1 for a
     /// 16-bit cache). They fold into the score scale (k) and the output factor (v).
-    unsafe fn scales<M: MmaHalf>(p: &PrefillParams) -> (f32, f32);
+    unsafe fn scales<M: MmaHalf>(p: &AttnParams) -> (f32, f32);
 
     /// Row pitch in bytes of `d`-element rows as staged, and their 16-byte chunks.
     fn staged_pitch(d: u32) -> u32;
@@ -91,7 +91,7 @@ impl CacheFormat for Bits16 {
     const CONVERTS: bool = false;
 
     #[inline(always)]
-    unsafe fn scales<M: MmaHalf>(_: &PrefillParams) -> (f32, f32) {
+    unsafe fn scales<M: MmaHalf>(_: &AttnParams) -> (f32, f32) {
         (1.0, 1.0)
     }
 
@@ -109,8 +109,8 @@ impl CacheFormat for Bits16 {
     unsafe fn convert<C: AttnConfig, const V: bool>(_: u32, _: u32) {}
 }
 
-/// FP8 E4M3 rows with per-tensor scales (`p.k_scale`, `p.v_scale`), staged raw (`d` bytes a
-/// row).
+/// FP8 E4M3 rows with per-tensor scales (`p.fp8.k_scale`, `p.fp8.v_scale`), staged raw (`d`
+/// bytes a row).
 pub(crate) struct Fp8E4M3;
 
 impl CacheFormat for Fp8E4M3 {
@@ -119,9 +119,9 @@ impl CacheFormat for Fp8E4M3 {
     const CONVERTS: bool = true;
 
     #[inline(always)]
-    unsafe fn scales<M: MmaHalf>(p: &PrefillParams) -> (f32, f32) {
+    unsafe fn scales<M: MmaHalf>(p: &AttnParams) -> (f32, f32) {
         let unpack = M::FP8_UNPACK_SCALE;
-        (unsafe { load_f32_nc(p.k_scale) } * unpack, unsafe { load_f32_nc(p.v_scale) } * unpack)
+        (unsafe { load_f32_nc(p.fp8.k_scale) } * unpack, unsafe { load_f32_nc(p.fp8.v_scale) } * unpack)
     }
 
     #[inline(always)]

@@ -7,7 +7,7 @@ use crate::attention::config::{AttnConfig, Bits16, Fp8E4M3};
 use crate::attention::mainloop::attention;
 use crate::attention::mla::kernel::mla_attention;
 use crate::blocks::elem::{Bf16, F16};
-use attn_math::params::PrefillParams;
+use attn_math::params::AttnParams;
 
 /// A kernel `$name` running [`attention`] for a config of queries `$q`, tensor-core inputs `$m`,
 /// cache `$cache`, head sizes `$dk` / `$dv` and shape `$keys` (the rest of the shape follows:
@@ -25,7 +25,7 @@ macro_rules! attention_kernel {
                 const KEYS: bool = $keys;
             }
             #[unsafe(export_name = $name)]
-            unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+            unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
                 unsafe { attention::<Config, { Config::MT }>(&p) }
             }
         };
@@ -62,7 +62,7 @@ macro_rules! keys_rows_kernels {
         $(
             const _: () = {
                 #[unsafe(export_name = concat!("decode_kr_", $qname, "_d", $d))]
-                unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+                unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
                     unsafe { crate::attention::keys_rows::decode_keys_rows_half::<$q, $d>(&p) }
                 }
             };
@@ -70,13 +70,13 @@ macro_rules! keys_rows_kernels {
         $(
             const _: () = {
                 #[unsafe(export_name = concat!("decode_kr_", $qname, "_fp8_d", $d8))]
-                unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+                unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
                     unsafe { crate::attention::keys_rows::decode_keys_rows_fp8::<$q, $d8, false>(&p) }
                 }
             };
             const _: () = {
                 #[unsafe(export_name = concat!("decode_kr_", $qname, "_fp8_long_d", $d8))]
-                unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+                unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
                     unsafe { crate::attention::keys_rows::decode_keys_rows_fp8::<$q, $d8, true>(&p) }
                 }
             };
@@ -95,7 +95,7 @@ macro_rules! prefill_wgmma_kernels {
         $(
             const _: () = {
                 #[unsafe(export_name = concat!($prefix, "_", $qname, "_d", $d))]
-                unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+                unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
                     unsafe { crate::attention::hopper::$module::$func::<$q, $d>(&p) }
                 }
             };
@@ -120,13 +120,13 @@ macro_rules! mla_latent_kernels {
     ($q:ident, $qname:literal, $tag:literal, $fp8:literal) => {
         const _: () = {
             #[unsafe(export_name = concat!("mla_", $qname, $tag, "_narrow"))]
-            unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+            unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
                 unsafe { mla_attention::<$q, false, $fp8>(&p) }
             }
         };
         const _: () = {
             #[unsafe(export_name = concat!("mla_", $qname, $tag, "_wide"))]
-            unsafe extern "ptx-kernel" fn kernel(p: PrefillParams) {
+            unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
                 unsafe { mla_attention::<$q, true, $fp8>(&p) }
             }
         };

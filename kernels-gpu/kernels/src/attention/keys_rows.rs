@@ -36,7 +36,7 @@ use crate::blocks::mma::{
 use crate::blocks::vec_io::{load8_nc, load_u32_nc};
 use crate::merge::split_merge::merge_item_splits;
 use attn_math::keys_rows::{ctas_per_sm, layout, plane_bytes, row_pitch, stage_bytes, stages, MAX_ROWS, TILE_KEYS, WARP_KEYS};
-use attn_math::params::PrefillParams;
+use attn_math::params::AttnParams;
 use attn_math::prefill::block_m;
 use attn_math::softmax::{exp2, OnlineSoftmax};
 use attn_math::status::BLOCK_OUT_OF_RANGE;
@@ -87,17 +87,17 @@ impl<F: SlabFormat<D>, const D: usize> SlabCopy<F, D> {
     /// Key `kb`'s (block index in the request, key within the block): a shift and a mask for
     /// the usual power-of-two block sizes, a division otherwise.
     #[inline(always)]
-    fn split_key(&self, p: &PrefillParams, kb: u32) -> (u32, u32) {
+    fn split_key(&self, p: &AttnParams, kb: u32) -> (u32, u32) {
         if self.bs_shift < 32 {
-            (kb >> self.bs_shift, kb & (p.block_size - 1))
+            (kb >> self.bs_shift, kb & (p.shape.block_size - 1))
         } else {
-            (kb / p.block_size, kb % p.block_size)
+            (kb / p.shape.block_size, kb % p.shape.block_size)
         }
     }
 
     /// The slab at key `kb` (a multiple of 16, below the request's end): its block id.
     #[inline(always)]
-    unsafe fn block(&self, p: &PrefillParams, kb: u32) -> i64 {
+    unsafe fn block(&self, p: &AttnParams, kb: u32) -> i64 {
         let (index, _) = self.split_key(p, kb);
         (unsafe { load_u32_nc(self.block_row + index as u64 * 4) }) as i32 as i64
     }
@@ -106,19 +106,19 @@ impl<F: SlabFormat<D>, const D: usize> SlabCopy<F, D> {
     /// past `end`, and every row of a block outside the cache, are zero-filled (never read).
     /// Returns whether the block is outside the cache.
     #[inline(always)]
-    unsafe fn copy(&self, p: &PrefillParams, kb: u32, block: i64, end: u32, stage: u32) -> bool {
-        let bad = block < 0 || block as u64 >= p.num_blocks as u64;
+    unsafe fn copy(&self, p: &AttnParams, kb: u32, block: i64, end: u32, stage: u32) -> bool {
+        let bad = block < 0 || block as u64 >= p.shape.num_blocks as u64;
         let row0 = if bad {
-            p.k
+            p.qkv.k
         } else {
-            p.k + self.head_base + block as u64 * self.block_bytes + self.split_key(p, kb).1 as u64 * self.token_bytes
+            p.qkv.k + self.head_base + block as u64 * self.block_bytes + self.split_key(p, kb).1 as u64 * self.token_bytes
         };
         let plane = plane_bytes(D as u32, F::Cache::FP8);
         static_for::<16>(|i| {
             if i < Self::CHUNKS {
                 let (r, col) = Self::chunk(i);
                 let live = !bad && kb + r < end;
-                let src = if live { row0 + r as u64 * self.token_bytes + col as u64 } else { p.k };
+                let src = if live { row0 + r as u64 * self.token_bytes + col as u64 } else { p.qkv.k };
                 let bytes = if live { 16 } else { 0 };
                 let dst = stage + F::at(r, col);
                 unsafe {
@@ -353,7 +353,7 @@ fn slab_softmax<const D: usize>(s: &mut [f32; 4], o: &mut [[f32; 4]; 16], state:
 /// The kernel: one CTA per (work item, kv head), as `decode_tc_*` (the host plans both alike).
 /// `Q`: the queries' type; `F`: the cache's slab format; `LONG`: the FP8 deep-pipeline variant.
 #[inline(always)]
-unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const LONG: bool>(p: &PrefillParams) {
+unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const LONG: bool>(p: &AttnParams) {
     let tid = thread_idx_x();
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
@@ -377,11 +377,11 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     let sb = stage_bytes(D as u32, fp8);
     let smem = shared_addr(dynamic_shared::<u8>());
     let ring = smem + warp * st * sb;
-    let (strides, eb) = (p.k_strides, F::Cache::ELEM_BYTES as u64);
+    let (strides, eb) = (p.qkv.k_strides, F::Cache::ELEM_BYTES as u64);
     let copy = SlabCopy::<F, D> {
         block_row: unsafe { KvSource::of(p, &w) }.block_row,
-        bs_shift: if p.block_size.is_power_of_two() { p.block_size.trailing_zeros() } else { 32 },
-        v_delta: p.v.wrapping_sub(p.k),
+        bs_shift: if p.shape.block_size.is_power_of_two() { p.shape.block_size.trailing_zeros() } else { 32 },
+        v_delta: p.qkv.v.wrapping_sub(p.qkv.k),
         token_bytes: strides.token * eb,
         head_base: strides.head * w.kv_head as u64 * eb,
         block_bytes: strides.block * eb,
@@ -402,7 +402,7 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     // scale (k) and the output factor (v); bf16 queries go to f16 scaled by 2^-8.
     let rows: [RowInfo; 2] = unsafe { [w.row(p, 2 * t4), w.row(p, 2 * t4 + 1)] };
     let q_row = unsafe { w.row(p, g) };
-    let q_addr = p.q + (q_row.token as u64 * p.q_token_stride + q_row.head as u64 * p.q_head_stride) * 2;
+    let q_addr = p.qkv.q + (q_row.token as u64 * p.qkv.q_token_stride + q_row.head as u64 * p.qkv.q_head_stride) * 2;
     let q_conv = if Q::IS_BF16 == F::M::IS_BF16 { 1.0 } else { 1.0 / 256.0 };
     let q = unsafe { F::queries::<Q>(q_addr, q_conv) };
     let (k_scale, v_scale) = unsafe { F::Cache::scales::<F::M>(p) };
@@ -416,7 +416,7 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     // call's CTAs stream theirs in the slots this call's early finishers leave.
     let fresh = w.seq_len.saturating_sub(w.q_len);
     let mut waited = false;
-    let logits = Logits::new(p, p.scale_log2 * k_scale / q_conv, end);
+    let logits = Logits::new(p, p.variant.scale_log2 * k_scale / q_conv, end);
     let mult = logits.mult();
 
     // Copies in flight: slabs 0 .. st - 2 (one commit group each, empty ones included, so that
@@ -517,7 +517,7 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     sync_threads();
     let num_splits = unsafe { w.num_splits(p) };
     unsafe { store_merged_rows::<KeysRows<Q, F, D>, MAX_ROWS>(p, &w, merge, l.merge_pitch, stats, num_splits, v_scale) };
-    if num_splits > 1 && p.merge_counters != 0 {
+    if num_splits > 1 && p.schedule.merge_counters != 0 {
         // The merge area is free now: its first word carries the "last to arrive" flag.
         unsafe { merge_item_splits::<Q, D, MAX_ROWS>(p, &w, num_splits, merge) };
     }
@@ -538,13 +538,13 @@ impl<Q: MmaHalf, F: SlabFormat<D>, const D: usize> AttnConfig for KeysRows<Q, F,
 
 /// A 16-bit cache (`decode_kr_<q>_d<d>`).
 #[inline(always)]
-pub unsafe fn decode_keys_rows_half<Q: MmaHalf, const D: usize>(p: &PrefillParams) {
+pub unsafe fn decode_keys_rows_half<Q: MmaHalf, const D: usize>(p: &AttnParams) {
     unsafe { decode_keys_rows::<Q, HalfRows<Q>, D, false>(p) }
 }
 
 /// An FP8 E4M3 cache (head sizes 64 and 128): `LONG` the deep-pipeline kernels
 /// (`decode_kr_<q>_fp8_long_d<d>`), else the three-CTA ones (`decode_kr_<q>_fp8_d<d>`).
 #[inline(always)]
-pub unsafe fn decode_keys_rows_fp8<Q: MmaHalf, const D: usize, const LONG: bool>(p: &PrefillParams) {
+pub unsafe fn decode_keys_rows_fp8<Q: MmaHalf, const D: usize, const LONG: bool>(p: &AttnParams) {
     unsafe { decode_keys_rows::<Q, Fp8Rows, D, LONG>(p) }
 }

@@ -6,7 +6,7 @@ use crate::attention::config::{AttnConfig, Plane};
 use crate::attention::work::{load_i32, Work};
 use crate::blocks::device::{atomic_or_global, static_for, thread_idx_x, vote_any};
 use crate::blocks::mma::{cp_async_16, ld_shared_v4, st_shared_u32, st_shared_u64x2, st_shared_v4, MmaHalf};
-use attn_math::params::PrefillParams;
+use attn_math::params::AttnParams;
 use attn_math::prefill::{table_slot_bytes, ROW_PAD, TABLE_ENTRY};
 use attn_math::status::BLOCK_OUT_OF_RANGE;
 use core::marker::PhantomData;
@@ -25,10 +25,10 @@ impl KvSource {
     /// The keys of `w`'s request and kv head: its block-table row (paged) or first key row
     /// (packed).
     #[inline(always)]
-    pub unsafe fn of(p: &PrefillParams, w: &Work) -> KvSource {
+    pub unsafe fn of(p: &AttnParams, w: &Work) -> KvSource {
         KvSource {
-            block_row: if p.block_table != 0 { p.block_table + w.req as u64 * p.block_table_stride * 4 } else { 0 },
-            key_base: if p.block_table != 0 { 0 } else { (unsafe { load_i32(p.key_start_loc + w.req as u64 * 4) }) as u64 },
+            block_row: if p.batch.block_table != 0 { p.batch.block_table + w.req as u64 * p.batch.block_table_stride * 4 } else { 0 },
+            key_base: if p.batch.block_table != 0 { 0 } else { (unsafe { load_i32(p.batch.key_start_loc + w.req as u64 * 4) }) as u64 },
             kv_head: w.kv_head as u64,
         }
     }
@@ -36,30 +36,30 @@ impl KvSource {
     /// The first half of a key's lookup (a global load, issued early): its block id (paged) or
     /// its row (packed).
     #[inline(always)]
-    pub unsafe fn locate(&self, p: &PrefillParams, key: u32) -> i64 {
+    pub unsafe fn locate(&self, p: &AttnParams, key: u32) -> i64 {
         if self.block_row == 0 {
             (self.key_base + key as u64) as i64
         } else {
-            (unsafe { load_i32(self.block_row + (key / p.block_size) as u64 * 4) }) as i64
+            (unsafe { load_i32(self.block_row + (key / p.shape.block_size) as u64 * 4) }) as i64
         }
     }
 
     /// The second half: byte addresses of the key's K and V rows for this head, `(0, 0)` when
     /// its block is outside the cache (never read; reported by the CTA's block scan).
     #[inline(always)]
-    pub fn addresses(&self, p: &PrefillParams, key: u32, loc: i64, elem_bytes: u64) -> (u64, u64) {
+    pub fn addresses(&self, p: &AttnParams, key: u32, loc: i64, elem_bytes: u64) -> (u64, u64) {
         if self.block_row == 0 {
             let row = loc as u64;
             (
-                p.k + (row * p.k_strides.token + self.kv_head * p.k_strides.head) * elem_bytes,
-                p.v + (row * p.v_strides.token + self.kv_head * p.v_strides.head) * elem_bytes,
+                p.qkv.k + (row * p.qkv.k_strides.token + self.kv_head * p.qkv.k_strides.head) * elem_bytes,
+                p.qkv.v + (row * p.qkv.v_strides.token + self.kv_head * p.qkv.v_strides.head) * elem_bytes,
             )
-        } else if loc < 0 || loc as u64 >= p.num_blocks as u64 {
+        } else if loc < 0 || loc as u64 >= p.shape.num_blocks as u64 {
             (0, 0)
         } else {
             // A paged cache's K and V planes share their strides.
-            let off = p.k_strides.offset(loc as u64, (key % p.block_size) as u64, self.kv_head, 0) * elem_bytes;
-            (p.k + off, p.v + off)
+            let off = p.qkv.k_strides.offset(loc as u64, (key % p.shape.block_size) as u64, self.kv_head, 0) * elem_bytes;
+            (p.qkv.k + off, p.qkv.v + off)
         }
     }
 }
@@ -105,7 +105,7 @@ impl<C: AttnConfig> KeyTables<C> {
 
     /// This thread's key's lookup (block id, or packed row); -1 past the keys.
     #[inline(always)]
-    pub unsafe fn locate(&self, p: &PrefillParams, tile: u32) -> i64 {
+    pub unsafe fn locate(&self, p: &AttnParams, tile: u32) -> i64 {
         let tid = thread_idx_x();
         let key = self.begin + tile * C::BN as u32 + tid;
         if tile < self.n_tiles && tid < C::BN as u32 && key < self.end {
@@ -118,7 +118,7 @@ impl<C: AttnConfig> KeyTables<C> {
     /// Writes this thread's key's entry of `tile` from its lookup `loc`; a block outside the
     /// cache raises the status bit and the warp's flag.
     #[inline(always)]
-    pub unsafe fn fill(&self, p: &PrefillParams, tile: u32, loc: i64) {
+    pub unsafe fn fill(&self, p: &AttnParams, tile: u32, loc: i64) {
         let tid = thread_idx_x();
         let key = self.begin + tile * C::BN as u32 + tid;
         if tile < self.n_tiles && tid < C::BN as u32 {
@@ -138,7 +138,7 @@ impl<C: AttnConfig> KeyTables<C> {
     /// [`Self::locate`] for a warp that keeps its own keys' entries: lane `l < kw` looks up key
     /// `key_off + l` of `tile`.
     #[inline(always)]
-    pub unsafe fn locate_warp(&self, p: &PrefillParams, tile: u32, key_off: u32, kw: u32) -> i64 {
+    pub unsafe fn locate_warp(&self, p: &AttnParams, tile: u32, key_off: u32, kw: u32) -> i64 {
         let lane = thread_idx_x() % 32;
         let key = self.begin + tile * C::BN as u32 + key_off + lane;
         if tile < self.n_tiles && lane < kw && key < self.end {
@@ -151,7 +151,7 @@ impl<C: AttnConfig> KeyTables<C> {
     /// [`Self::fill`] for a warp that keeps its own keys' entries (`key_off .. key_off + kw` of
     /// the slot, and flag `warp`), so that only the warp reads them: a warp barrier orders them.
     #[inline(always)]
-    pub unsafe fn fill_warp(&self, p: &PrefillParams, tile: u32, key_off: u32, kw: u32, loc: i64) {
+    pub unsafe fn fill_warp(&self, p: &AttnParams, tile: u32, key_off: u32, kw: u32, loc: i64) {
         if tile >= self.n_tiles {
             return;
         }

@@ -7,7 +7,7 @@ use crate::attention::variants::{Alibi, BadBlocks, BadSlab, Causal, Chain, KeyEn
 use crate::attention::work::RowInfo;
 use crate::blocks::device::{fma, shfl_xor, static_for, thread_idx_x};
 use crate::blocks::mma::ld_shared_u32;
-use attn_math::params::PrefillParams;
+use attn_math::params::AttnParams;
 use attn_math::softmax::{exp2, OnlineSoftmax};
 
 /// The online-softmax step of a warp's two rows per thread (h = 0: row g, 1: row g + 8) over
@@ -72,15 +72,15 @@ pub(crate) struct Logits {
 
 impl Logits {
     #[inline(always)]
-    pub fn new(p: &PrefillParams, score_scale: f32, end: u32) -> Logits {
-        let prescale = p.softcap > 0.0 || p.alibi_slopes != 0 || score_scale <= 0.0;
+    pub fn new(p: &AttnParams, score_scale: f32, end: u32) -> Logits {
+        let prescale = p.variant.softcap > 0.0 || p.per_head.alibi_slopes != 0 || score_scale <= 0.0;
         Logits {
             scale: Scale(score_scale),
             prescale,
-            softcap: SoftCap::new(p.softcap),
-            alibi: Alibi { on: p.alibi_slopes != 0 },
-            causal: Causal { on: p.causal != 0 },
-            window: SlidingWindow { window: p.window },
+            softcap: SoftCap::new(p.variant.softcap),
+            alibi: Alibi { on: p.per_head.alibi_slopes != 0 },
+            causal: Causal { on: p.mask.causal != 0 },
+            window: SlidingWindow { window: p.variant.window },
             end: KeyEnd { end },
         }
     }

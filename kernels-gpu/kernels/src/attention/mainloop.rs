@@ -26,7 +26,7 @@ use crate::attention::work::{work_item, RowInfo};
 use crate::blocks::device::{dynamic_shared, pdl_prologue, shfl_xor, static_for, sync_threads, sync_warp, thread_idx_x};
 use crate::blocks::elem::HalfFloat;
 use crate::blocks::mma::{cp_async_commit, cp_async_wait, ld_shared_u64, ldmatrix_x4, shared_addr, MmaHalf};
-use attn_math::params::PrefillParams;
+use attn_math::params::AttnParams;
 use attn_math::prefill::{block_m, fp8_direct, shared_layout_mla, stages, ROW_PAD, TABLE_ENTRY, THREADS, WARPS};
 use attn_math::softmax::OnlineSoftmax;
 use core::marker::PhantomData;
@@ -35,7 +35,7 @@ use core::marker::PhantomData;
 /// the shape, decode or prefill). `MT` is `C::MT`, the 16-row tiles per warp: it sizes the
 /// accumulator arrays, which an associated const of `C` cannot (`crate::attention::config`).
 #[inline(always)]
-pub unsafe fn attention<C: AttnConfig, const MT: usize>(p: &PrefillParams) {
+pub unsafe fn attention<C: AttnConfig, const MT: usize>(p: &AttnParams) {
     let tid = thread_idx_x();
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
@@ -61,7 +61,7 @@ pub unsafe fn attention<C: AttnConfig, const MT: usize>(p: &PrefillParams) {
     let (k_scale, v_scale) = unsafe { C::Cache::scales::<C::M>(p) };
     // Queries converted from Q to M are scaled by `q_conv` (2^-8 from bf16 to f16).
     let q_conv = if C::Q::IS_BF16 == C::M::IS_BF16 { 1.0 } else { 1.0 / 256.0 };
-    let score_scale = p.scale_log2 * k_scale / q_conv;
+    let score_scale = p.variant.scale_log2 * k_scale / q_conv;
     let smem = shared_addr(dynamic_shared::<u8>());
     // Where a stage's 16-bit K and V tiles are read by the math.
     let k_tile = |stage: u32| if C::Cache::CONVERTS { smem + layout.k_tile } else { smem + layout.k + stage * layout.k_stage };
@@ -112,17 +112,17 @@ pub unsafe fn attention<C: AttnConfig, const MT: usize>(p: &PrefillParams) {
                 // Swizzled rows (`fp8_direct`), at their row in the stage.
                 let (k_base, v_base) = (smem + layout.k + stage * layout.k_stage, smem + layout.v + stage * layout.v_stage);
                 let to = |base: u32| move |r: u32, c: u32| base + fp8_direct::swizzled(key_off + r, c * 16, C::DK as u32);
-                copy_rows_async_to::<32>(C::KW as u32, to(k_base), k_chunks, p.q, k_src);
-                copy_rows_async_to::<32>(C::KW as u32, to(v_base), v_chunks, p.q, v_src);
+                copy_rows_async_to::<32>(C::KW as u32, to(k_base), k_chunks, p.qkv.q, k_src);
+                copy_rows_async_to::<32>(C::KW as u32, to(v_base), v_chunks, p.qkv.q, v_src);
             } else if C::KEYS {
-                copy_rows_async::<32>(C::KW as u32, k_dst, k_chunks, k_pitch, p.q, k_src);
+                copy_rows_async::<32>(C::KW as u32, k_dst, k_chunks, k_pitch, p.qkv.q, k_src);
                 if !C::VK {
-                    copy_rows_async::<32>(C::KW as u32, v_dst, v_chunks, v_pitch_st, p.q, v_src);
+                    copy_rows_async::<32>(C::KW as u32, v_dst, v_chunks, v_pitch_st, p.qkv.q, v_src);
                 }
             } else {
-                copy_rows_async::<THREADS>(C::BN as u32, k_dst, k_chunks, k_pitch, p.q, k_src);
+                copy_rows_async::<THREADS>(C::BN as u32, k_dst, k_chunks, k_pitch, p.qkv.q, k_src);
                 if !C::VK {
-                    copy_rows_async::<THREADS>(C::BN as u32, v_dst, v_chunks, v_pitch_st, p.q, v_src);
+                    copy_rows_async::<THREADS>(C::BN as u32, v_dst, v_chunks, v_pitch_st, p.qkv.q, v_src);
                 }
             }
         }
@@ -148,15 +148,15 @@ pub unsafe fn attention<C: AttnConfig, const MT: usize>(p: &PrefillParams) {
     sync_threads();
     let q_row = |r: u32| {
         let row = unsafe { w.row(p, r) };
-        p.q + (row.token as u64 * p.q_token_stride + row.head as u64 * p.q_head_stride) * 2
+        p.qkv.q + (row.token as u64 * p.qkv.q_token_stride + row.head as u64 * p.qkv.q_head_stride) * 2
     };
     let q_pitch = (C::DK as u32 + ROW_PAD) * 2;
     if C::KEYS {
-        unsafe { copy_rows_async::<THREADS>(16, smem, C::DK as u32 / 8, q_pitch, p.q, q_row) };
+        unsafe { copy_rows_async::<THREADS>(16, smem, C::DK as u32 / 8, q_pitch, p.qkv.q, q_row) };
     } else if MT == 1 {
-        unsafe { copy_rows_async::<THREADS>(64, smem, C::DK as u32 / 8, q_pitch, p.q, q_row) };
+        unsafe { copy_rows_async::<THREADS>(64, smem, C::DK as u32 / 8, q_pitch, p.qkv.q, q_row) };
     } else {
-        unsafe { copy_rows_async::<THREADS>(128, smem, C::DK as u32 / 8, q_pitch, p.q, q_row) };
+        unsafe { copy_rows_async::<THREADS>(128, smem, C::DK as u32 / 8, q_pitch, p.qkv.q, q_row) };
     }
     // Programmatic dependent launch (sm_90a): everything above (work item, block tables,
     // queries, scales) was on the device before the kernel ahead of this one started, so it

@@ -8,13 +8,13 @@ use crate::attention::work::{RowInfo, Work};
 use crate::blocks::device::{shfl_xor, static_for, sync_threads, thread_idx_x};
 use crate::blocks::mma::{ld_shared_f32x2, st_shared_f32, st_shared_f32x2, MmaHalf};
 use crate::blocks::vec_io::{store4, store8, store_f32};
-use attn_math::params::PrefillParams;
+use attn_math::params::AttnParams;
 use attn_math::prefill::THREADS;
 use attn_math::softmax::{exp2, OnlineSoftmax};
 
 /// Where a finished row goes: the output (one split) or the split-K workspace, and the factor
 /// its accumulator takes. Writes the row's LSE when `write_lse`. `dv`: the row's width (without
-/// `p.v_row`).
+/// `p.mla.v_row`).
 #[derive(Clone, Copy)]
 pub(crate) struct RowOut {
     addr: u64,
@@ -26,7 +26,7 @@ impl RowOut {
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn new(
-        p: &PrefillParams,
+        p: &AttnParams,
         w: &Work,
         row: &RowInfo,
         st: OnlineSoftmax,
@@ -42,20 +42,21 @@ impl RowOut {
             if sinks.on() {
                 scale = unsafe { sinks.fold(&mut st, row.head) };
             }
-            if write_lse && w.slice == 0 && p.lse != 0 {
-                unsafe { store_f32(p.lse + (row.token as u64 * p.num_q_heads as u64 + row.head as u64) * 4, st.lse()) };
+            if write_lse && w.slice == 0 && p.output.lse != 0 {
+                unsafe { store_f32(p.output.lse + (row.token as u64 * p.shape.num_q_heads as u64 + row.head as u64) * 4, st.lse()) };
             }
-            let addr = p.out + (row.token as u64 * p.out_token_stride + row.head as u64 * p.out_head_stride + w.v_col0 as u64) * 2;
+            let addr = p.output.out
+                + (row.token as u64 * p.output.out_token_stride + row.head as u64 * p.output.out_head_stride + w.v_col0 as u64) * 2;
             RowOut { addr, partial: false, inv: if st.sum > 0.0 { v_scale * scale / st.sum } else { 0.0 } }
         } else {
             let base = unsafe { w.partial_base(p) };
             let t = (row.token - w.q_start) as u64;
-            let index = base + (w.split as u64 * w.q_len as u64 + t) * p.num_q_heads as u64 + row.head as u64;
+            let index = base + (w.split as u64 * w.q_len as u64 + t) * p.shape.num_q_heads as u64 + row.head as u64;
             if write_lse && w.slice == 0 {
-                unsafe { store_f32(p.partial_lse + index * 4, st.lse()) };
+                unsafe { store_f32(p.split.partial_lse + index * 4, st.lse()) };
             }
-            let row_width = if p.v_row != 0 { p.v_row as u64 } else { dv as u64 };
-            let addr = p.partial_out + (index * row_width + w.v_col0 as u64) * 4;
+            let row_width = if p.mla.v_row != 0 { p.mla.v_row as u64 } else { dv as u64 };
+            let addr = p.split.partial_out + (index * row_width + w.v_col0 as u64) * 4;
             RowOut { addr, partial: true, inv: if st.sum > 0.0 { v_scale / st.sum } else { 0.0 } }
         }
     }
@@ -77,7 +78,7 @@ impl RowOut {
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(super) unsafe fn finish_keys_split<C: AttnConfig>(
-    p: &PrefillParams,
+    p: &AttnParams,
     w: &Work,
     smem: u32,
     merge: u32,
@@ -139,7 +140,7 @@ pub(super) unsafe fn finish_keys_split<C: AttnConfig>(
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(crate) unsafe fn store_merged_rows<C: AttnConfig, const R: u32>(
-    p: &PrefillParams,
+    p: &AttnParams,
     w: &Work,
     merge: u32,
     pitch: u32,

@@ -12,7 +12,7 @@ use crate::attention::work::RowInfo;
 use crate::blocks::device::tanh;
 use crate::blocks::mma::ld_shared_u64;
 use crate::blocks::vec_io::load_f32_nc;
-use attn_math::params::PrefillParams;
+use attn_math::params::AttnParams;
 use attn_math::prefill::TABLE_ENTRY;
 use attn_math::softmax::{OnlineSoftmax, LOG2_E};
 
@@ -73,7 +73,7 @@ impl LogitsPolicy for Scale {
     }
 }
 
-/// Soft-capping (`p.softcap`, 0: none): `cap * tanh(x / cap)`, on scaled scores.
+/// Soft-capping (`p.variant.softcap`, 0: none): `cap * tanh(x / cap)`, on scaled scores.
 #[derive(Clone, Copy)]
 pub(crate) struct SoftCap {
     /// The cap in base-2 units, and its inverse (0 without a cap).
@@ -104,7 +104,8 @@ impl LogitsPolicy for SoftCap {
     }
 }
 
-/// ALiBi (`p.alibi_slopes`): the row's head's slope times the key's distance back from the row.
+/// ALiBi (`p.per_head.alibi_slopes`): the row's head's slope times the key's distance back
+/// from the row.
 #[derive(Clone, Copy)]
 pub(crate) struct Alibi {
     pub on: bool,
@@ -139,7 +140,7 @@ impl LogitsPolicy for KeyEnd {
     }
 }
 
-/// Causality (`p.causal`): a row sees the keys up to its position.
+/// Causality (`p.mask.causal`): a row sees the keys up to its position.
 #[derive(Clone, Copy)]
 pub(crate) struct Causal {
     pub on: bool,
@@ -157,7 +158,8 @@ impl LogitsPolicy for Causal {
     }
 }
 
-/// A sliding window (`p.window`, 0: none): a row sees the `window` keys up to its position.
+/// A sliding window (`p.variant.window`, 0: none): a row sees the `window` keys up to its
+/// position.
 #[derive(Clone, Copy)]
 pub(crate) struct SlidingWindow {
     pub window: u32,
@@ -232,10 +234,10 @@ impl LogitsPolicy for BadSlab {
     }
 }
 
-/// Attention sinks (`p.sinks`, 0: none): a logit per query head (natural-log units) that joins
-/// the softmax's denominator as one more key with no value. Not a per-key policy: it joins a
-/// row's state once, when the row is finished (with split-K, when its splits are merged:
-/// `crate::merge`).
+/// Attention sinks (`p.per_head.sinks`, 0: none): a logit per query head (natural-log units)
+/// that joins the softmax's denominator as one more key with no value. Not a per-key policy: it
+/// joins a row's state once, when the row is finished (with split-K, when its splits are
+/// merged: `crate::merge`).
 #[derive(Clone, Copy)]
 pub(crate) struct Sinks {
     logits: u64,
@@ -243,8 +245,8 @@ pub(crate) struct Sinks {
 
 impl Sinks {
     #[inline(always)]
-    pub fn of(p: &PrefillParams) -> Sinks {
-        Sinks { logits: p.sinks }
+    pub fn of(p: &AttnParams) -> Sinks {
+        Sinks { logits: p.per_head.sinks }
     }
 
     #[inline(always)]

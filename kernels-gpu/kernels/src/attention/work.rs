@@ -3,7 +3,7 @@
 
 use crate::blocks::device::block_idx_x;
 use crate::blocks::vec_io::{load_f32_nc, load_u32_nc};
-use attn_math::params::PrefillParams;
+use attn_math::params::AttnParams;
 use attn_math::softmax::LOG2_E;
 
 #[inline(always)]
@@ -57,15 +57,15 @@ impl Work {
     /// split (keys per split: the launch's, or the device plan's header's), cut by causality
     /// and the window.
     #[inline(always)]
-    pub unsafe fn key_range(&self, p: &PrefillParams, min_pos: u32, max_pos: u32) -> (u32, u32) {
-        let chunk = if p.plan != 0 { unsafe { load_u32_nc(p.plan + 4) } } else { p.chunk };
+    pub unsafe fn key_range(&self, p: &AttnParams, min_pos: u32, max_pos: u32) -> (u32, u32) {
+        let chunk = if p.schedule.plan != 0 { unsafe { load_u32_nc(p.schedule.plan + 4) } } else { p.shape.chunk };
         let mut begin = if chunk > 0 { self.split * chunk } else { 0 };
         let mut end = if chunk > 0 { (begin + chunk).min(self.seq_len) } else { self.seq_len };
-        if p.causal != 0 {
+        if p.mask.causal != 0 {
             end = end.min(max_pos + 1);
         }
-        if p.window > 0 {
-            begin = begin.max((min_pos + 1).saturating_sub(p.window));
+        if p.variant.window > 0 {
+            begin = begin.max((min_pos + 1).saturating_sub(p.variant.window));
         }
         (begin, end)
     }
@@ -73,76 +73,80 @@ impl Work {
     /// The request's splits: the plan's, or `uniform_splits` with no plan on the device (1 when
     /// neither: a request with one split writes its output directly).
     #[inline(always)]
-    pub unsafe fn num_splits(&self, p: &PrefillParams) -> u32 {
-        if p.req_num_splits != 0 {
-            unsafe { load_u32_nc(p.req_num_splits + self.req as u64 * 4) }
+    pub unsafe fn num_splits(&self, p: &AttnParams) -> u32 {
+        if p.split.req_num_splits != 0 {
+            unsafe { load_u32_nc(p.split.req_num_splits + self.req as u64 * 4) }
         } else {
-            p.uniform_splits.max(1)
+            p.schedule.uniform_splits.max(1)
         }
     }
 
     /// The first partial row of the request (split-K): the plan's, or with uniform splits and
     /// no plan on the device, `uniform_splits` rows per query row of the requests before.
     #[inline(always)]
-    pub unsafe fn partial_base(&self, p: &PrefillParams) -> u64 {
-        if p.req_partial_base != 0 {
-            (unsafe { load_u32_nc(p.req_partial_base + self.req as u64 * 4) }) as u64
+    pub unsafe fn partial_base(&self, p: &AttnParams) -> u64 {
+        if p.split.req_partial_base != 0 {
+            (unsafe { load_u32_nc(p.split.req_partial_base + self.req as u64 * 4) }) as u64
         } else {
-            p.uniform_splits as u64 * p.num_q_heads as u64 * self.q_start as u64
+            p.schedule.uniform_splits as u64 * p.shape.num_q_heads as u64 * self.q_start as u64
         }
     }
 
     #[inline(always)]
-    pub unsafe fn row(&self, p: &PrefillParams, r: u32) -> RowInfo {
+    pub unsafe fn row(&self, p: &AttnParams, r: u32) -> RowInfo {
         let gr = self.row0 + r.min(self.live - 1);
-        let t = gr / p.group;
-        let head = self.kv_head * p.group + (gr - t * p.group);
+        let t = gr / p.shape.group;
+        let head = self.kv_head * p.shape.group + (gr - t * p.shape.group);
         RowInfo {
             token: self.q_start + t,
             head,
             // The request's q_len new tokens are the last ones of its sequence.
             pos: (self.seq_len + t).saturating_sub(self.q_len),
-            slope_log2: if p.alibi_slopes != 0 { (unsafe { load_f32_nc(p.alibi_slopes + head as u64 * 4) }) * LOG2_E } else { 0.0 },
+            slope_log2: if p.per_head.alibi_slopes != 0 {
+                (unsafe { load_f32_nc(p.per_head.alibi_slopes + head as u64 * 4) }) * LOG2_E
+            } else {
+                0.0
+            },
         }
     }
 }
 
 /// Reads the CTA's work item and the request's lengths; `None` when the tile has no rows.
 #[inline(always)]
-pub(crate) unsafe fn work_item(p: &PrefillParams, bm: u32, dv: u32) -> Option<Work> {
+pub(crate) unsafe fn work_item(p: &AttnParams, bm: u32, dv: u32) -> Option<Work> {
     unsafe { work_item_at(p, block_idx_x(), bm, dv) }
 }
 
 /// [`work_item`] of the CTA at grid index `x` (persistent kernels take several in turn).
 #[inline(always)]
-pub(crate) unsafe fn work_item_at(p: &PrefillParams, x: u32, bm: u32, dv: u32) -> Option<Work> {
+pub(crate) unsafe fn work_item_at(p: &AttnParams, x: u32, bm: u32, dv: u32) -> Option<Work> {
     // Grid x = (work item * kv heads + kv head) * V slices + slice: the slices and kv heads of
     // one tile run together (they share its K/V tiles in L2), and the items' longest-first
     // order holds across them.
-    let slices = p.v_slices.max(1);
+    let slices = p.mla.v_slices.max(1);
     let cta = x / slices;
     let slice = x - cta * slices;
-    let kv_heads = p.num_q_heads / p.group;
+    let kv_heads = p.shape.num_q_heads / p.shape.group;
     let item_idx = cta / kv_heads;
     let kv_head = cta - item_idx * kv_heads;
-    let (req, tile_split) = if p.work_items != 0 {
-        let item = p.work_items + item_idx as u64 * 8;
+    let (req, tile_split) = if p.split.work_items != 0 {
+        let item = p.split.work_items + item_idx as u64 * 8;
         unsafe { (load_u32_nc(item), load_u32_nc(item + 4)) }
     } else {
         // No plan on the device: `uniform_splits` or `cluster` splits a request (row tile 0).
-        let splits = if p.uniform_splits > 1 { p.uniform_splits } else { p.cluster.max(1) };
+        let splits = if p.schedule.uniform_splits > 1 { p.schedule.uniform_splits } else { p.mla.cluster.max(1) };
         (item_idx / splits, item_idx % splits)
     };
     let (row_tile, split) = (tile_split >> 16, tile_split & 0xffff);
-    let q_start = unsafe { load_i32(p.query_start_loc + req as u64 * 4) } as u32;
-    let q_len = unsafe { load_i32(p.query_start_loc + req as u64 * 4 + 4) } as u32 - q_start;
-    let seq_len = if p.block_table != 0 {
-        unsafe { load_i32(p.seq_lens + req as u64 * 4) }.max(0) as u32
+    let q_start = unsafe { load_i32(p.batch.query_start_loc + req as u64 * 4) } as u32;
+    let q_len = unsafe { load_i32(p.batch.query_start_loc + req as u64 * 4 + 4) } as u32 - q_start;
+    let seq_len = if p.batch.block_table != 0 {
+        unsafe { load_i32(p.batch.seq_lens + req as u64 * 4) }.max(0) as u32
     } else {
-        let k0 = unsafe { load_i32(p.key_start_loc + req as u64 * 4) } as u32;
-        unsafe { load_i32(p.key_start_loc + req as u64 * 4 + 4) as u32 - k0 }
+        let k0 = unsafe { load_i32(p.batch.key_start_loc + req as u64 * 4) } as u32;
+        unsafe { load_i32(p.batch.key_start_loc + req as u64 * 4 + 4) as u32 - k0 }
     };
-    let n_rows = q_len * p.group;
+    let n_rows = q_len * p.shape.group;
     let row0 = row_tile * bm;
     if row0 >= n_rows {
         return None;

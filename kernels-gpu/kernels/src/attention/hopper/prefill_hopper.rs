@@ -27,7 +27,7 @@ use crate::blocks::device::{dynamic_shared, pdl_prologue, shfl_xor, static_for, 
 use crate::blocks::mma::{cp_async_16, cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_u64, shared_addr, wgmma_desc};
 use crate::blocks::wgmma::WgmmaTiles;
 use attn_math::hopper_prefill::{group_bytes, shared_layout, swizzled, BLOCK_M, BLOCK_N, STAGES, THREADS};
-use attn_math::params::PrefillParams;
+use attn_math::params::AttnParams;
 use attn_math::prefill::TABLE_ENTRY;
 use attn_math::softmax::OnlineSoftmax;
 use core::marker::PhantomData;
@@ -58,7 +58,7 @@ unsafe fn copy_tile<const D: usize, const NT: u32>(dst: u32, t: u32, fallback: u
 
 /// The kernel for head size `D` (QK = V; 64 or 128) and 16-bit Q, K, V of type `Q`.
 #[inline(always)]
-pub unsafe fn prefill_hopper<Q: WgmmaTiles, const D: usize>(p: &PrefillParams) {
+pub unsafe fn prefill_hopper<Q: WgmmaTiles, const D: usize>(p: &AttnParams) {
     // Programmatic dependent launch: wait for the cache write before reading anything.
     pdl_prologue();
     const { assert!(D == 64 || D == 128) };
@@ -91,7 +91,7 @@ pub unsafe fn prefill_hopper<Q: WgmmaTiles, const D: usize>(p: &PrefillParams) {
     let copy_half = |tile: u32, v: bool| {
         let t = tables.table(tile) + if v { 8 } else { 0 };
         let dst = if v { v_stage(tile) } else { k_stage(tile) };
-        unsafe { copy_tile::<D, { THREADS / 2 }>(dst, tid % 128, p.q, |r| ld_shared_u64(t + r * TABLE_ENTRY)) };
+        unsafe { copy_tile::<D, { THREADS / 2 }>(dst, tid % 128, p.qkv.q, |r| ld_shared_u64(t + r * TABLE_ENTRY)) };
     };
 
     // Prologue: the address tables of tiles 0 and 1; the queries and tile 0 in one commit group.
@@ -99,9 +99,9 @@ pub unsafe fn prefill_hopper<Q: WgmmaTiles, const D: usize>(p: &PrefillParams) {
     sync_threads();
     let q_row = |r: u32| {
         let row = unsafe { w.row(p, r) };
-        p.q + (row.token as u64 * p.q_token_stride + row.head as u64 * p.q_head_stride) * 2
+        p.qkv.q + (row.token as u64 * p.qkv.q_token_stride + row.head as u64 * p.qkv.q_head_stride) * 2
     };
-    unsafe { copy_tile::<D, THREADS>(smem + layout.q, tid, p.q, q_row) };
+    unsafe { copy_tile::<D, THREADS>(smem + layout.q, tid, p.qkv.q, q_row) };
     if n_tiles > 0 {
         copy_half(0, wg == 1);
     }
@@ -115,7 +115,7 @@ pub unsafe fn prefill_hopper<Q: WgmmaTiles, const D: usize>(p: &PrefillParams) {
     let group_row0 = 64 * wg;
     let group_live = group_row0 < w.live;
     let group_max_pos = unsafe { w.row(p, group_row0 + 63).pos };
-    let logits = Logits::new(p, p.scale_log2, end);
+    let logits = Logits::new(p, p.variant.scale_log2, end);
     let mult = logits.mult();
     let q_desc = wgmma_desc(smem + layout.q + group_row0 * 2 * D as u32, 16, gb, true);
 
@@ -155,7 +155,7 @@ pub unsafe fn prefill_hopper<Q: WgmmaTiles, const D: usize>(p: &PrefillParams) {
         sync_threads();
         // A warpgroup without live rows, or (causal) whose rows all precede the tile, skips its
         // math (the condition is uniform over the warpgroup, as `wgmma` needs).
-        let active = group_live && (p.causal == 0 || begin + tile * BLOCK_N <= group_max_pos);
+        let active = group_live && (p.mask.causal == 0 || begin + tile * BLOCK_N <= group_max_pos);
         if wg == 0 {
             // K of the next tile into the stage both warpgroups' scores of the previous one
             // read; then S, softmax, P V of this tile.

@@ -6,11 +6,11 @@
 //! while nothing else runs on its SM), and its compute warps issue every copy. Here the CTA
 //! has a third warpgroup, the producer, and the CTAs are persistent:
 //! - the producer takes work items (the grid's own first, then from the counter at
-//!   `p.sched`), decodes each into a descriptor in shared memory, copies its queries into one of
-//!   two query buffers, and for each key tile looks up the blocks, writes the tile's address
-//!   table and copies K and V into a ring of [`WS_STAGES`] stages. Every buffer has a "filled"
-//!   `mbarrier` (the producer's `cp.async`s land, then it arrives) and a "freed" one (each
-//!   compute warp arrives when done with it);
+//!   `p.schedule.sched`), decodes each into a descriptor in shared memory, copies its queries
+//!   into one of two query buffers, and for each key tile looks up the blocks, writes the tile's
+//!   address table and copies K and V into a ring of [`WS_STAGES`] stages. Every buffer has a
+//!   "filled" `mbarrier` (the producer's `cp.async`s land, then it arrives) and a "freed" one
+//!   (each compute warp arrives when done with it);
 //! - the two compute warpgroups (64 query rows each) work on whatever the rings hold, item
 //!   after item; the next item's queries and first tiles are already there when one ends.
 //!
@@ -51,7 +51,7 @@ use crate::blocks::wgmma::{wait_pv64, wait_scores64, WgmmaTiles};
 use attn_math::hopper_prefill::{
     group_bytes, ws_layout, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_Q_BUFFERS, WS_STAGES,
 };
-use attn_math::params::PrefillParams;
+use attn_math::params::AttnParams;
 use attn_math::prefill::{table_slot_bytes, TABLE_ENTRY};
 use attn_math::softmax::OnlineSoftmax;
 use attn_math::status::BLOCK_OUT_OF_RANGE;
@@ -155,9 +155,9 @@ struct Item {
 impl Item {
     /// Decodes grid index `x` (`ITEM_END` past the plan's CTAs).
     #[inline(always)]
-    unsafe fn decode<const D: usize>(p: &PrefillParams, x: u32) -> [u32; 16] {
+    unsafe fn decode<const D: usize>(p: &AttnParams, x: u32) -> [u32; 16] {
         let mut d = [ITEM_NONE; 16];
-        if x >= p.ctas {
+        if x >= p.schedule.ctas {
             d[0] = ITEM_END;
             return d;
         }
@@ -190,7 +190,7 @@ impl Item {
 
 /// The kernel for head size `D` (QK = V) and 16-bit Q, K, V of type `Q`.
 #[inline(always)]
-pub unsafe fn prefill_specialized<Q: WgmmaTiles, const D: usize>(p: &PrefillParams) {
+pub unsafe fn prefill_specialized<Q: WgmmaTiles, const D: usize>(p: &AttnParams) {
     // Programmatic dependent launch: wait for the cache write before reading anything.
     pdl_prologue();
     const { assert!(D == 64) };
@@ -219,14 +219,14 @@ pub unsafe fn prefill_specialized<Q: WgmmaTiles, const D: usize>(p: &PrefillPara
 /// The producer warpgroup (`t`: its thread index): items, queries, tables and K/V tiles into
 /// the rings, until the items run out.
 #[inline(always)]
-unsafe fn produce<const D: usize>(p: &PrefillParams, rings: Rings, t: u32) {
+unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings, t: u32) {
     let mut u = 0u32;
     let mut k = 0u32;
     loop {
         unsafe { mbarrier::wait(rings.q_freed(k), Rings::q_parity(k) ^ 1) };
         if t == 0 {
             // The grid's own index first, then the counter's (which starts past the grid).
-            let x = if k == 0 { block_idx_x() } else { grid_dim_x() + unsafe { atomic_add_global(p.sched, 1) } };
+            let x = if k == 0 { block_idx_x() } else { grid_dim_x() + unsafe { atomic_add_global(p.schedule.sched, 1) } };
             unsafe { Item::store(rings.item(k), &Item::decode::<D>(p, x)) };
         }
         named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
@@ -235,11 +235,11 @@ unsafe fn produce<const D: usize>(p: &PrefillParams, rings: Rings, t: u32) {
         if it.status == ITEM_WORK && it.n_tiles > 0 {
             let q_row = |r: u32| {
                 let gr = w.row0 + r.min(w.live - 1);
-                let tok = gr / p.group;
-                let head = w.kv_head * p.group + (gr - tok * p.group);
-                p.q + ((w.q_start + tok) as u64 * p.q_token_stride + head as u64 * p.q_head_stride) * 2
+                let tok = gr / p.shape.group;
+                let head = w.kv_head * p.shape.group + (gr - tok * p.shape.group);
+                p.qkv.q + ((w.q_start + tok) as u64 * p.qkv.q_token_stride + head as u64 * p.qkv.q_head_stride) * 2
             };
-            unsafe { copy_rows::<D, BLOCK_M, PRODUCERS>(rings.q(k), t, p.q, q_row) };
+            unsafe { copy_rows::<D, BLOCK_M, PRODUCERS>(rings.q(k), t, p.qkv.q, q_row) };
         }
         unsafe {
             mbarrier::arrive_when_copies_land(rings.q_filled(k));
@@ -280,7 +280,7 @@ unsafe fn produce<const D: usize>(p: &PrefillParams, rings: Rings, t: u32) {
                     copy_row_pairs::<D, BLOCK_N, PRODUCERS>(
                         [rings.k(u), rings.v(u)],
                         t,
-                        p.q,
+                        p.qkv.q,
                         |r| ld_shared_u64x2(table + r * TABLE_ENTRY),
                         true,
                     );
@@ -299,10 +299,10 @@ unsafe fn produce<const D: usize>(p: &PrefillParams, rings: Rings, t: u32) {
     }
     // The last CTA to finish zeroes the counters for the next launch (every other CTA has
     // taken its last index by then).
-    if t == 0 && unsafe { atomic_add_global(p.sched + 4, 1) } == grid_dim_x() - 1 {
+    if t == 0 && unsafe { atomic_add_global(p.schedule.sched + 4, 1) } == grid_dim_x() - 1 {
         unsafe {
-            store4(p.sched, 0);
-            store4(p.sched + 4, 0);
+            store4(p.schedule.sched, 0);
+            store4(p.schedule.sched + 4, 0);
         }
     }
     // Before exiting, wait for the last phase this thread arrived on at every "filled"
@@ -327,7 +327,7 @@ unsafe fn produce<const D: usize>(p: &PrefillParams, rings: Rings, t: u32) {
 /// The compute warpgroups (`tid` < [`THREADS`]): the half-tile schedule (module docs) over the
 /// rings, item after item.
 #[inline(always)]
-unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &PrefillParams, rings: Rings, tid: u32) {
+unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &AttnParams, rings: Rings, tid: u32) {
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
     let wg = warp / 4;
@@ -365,10 +365,10 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &PrefillParams, rings: Rings
         let warp_row0 = 16 * warp;
         let rows: [[RowInfo; 2]; 1] = [unsafe { [w.row(p, warp_row0 + g), w.row(p, warp_row0 + g + 8)] }];
         let warp_pos = unsafe { (w.row(p, warp_row0).pos, w.row(p, warp_row0 + 15).pos) };
-        let logits = Logits::new(p, p.scale_log2, end);
+        let logits = Logits::new(p, p.variant.scale_log2, end);
         // The last position this warpgroup's rows see (causal): keys past it are masked for all
         // of them.
-        let wg_last_pos = if p.causal != 0 { unsafe { w.row(p, 64 * wg + 63).pos } } else { u32::MAX };
+        let wg_last_pos = if p.mask.causal != 0 { unsafe { w.row(p, 64 * wg + 63).pos } } else { u32::MAX };
         let mult = logits.mult();
         let q_desc = wgmma_desc(rings.q(k) + 64 * wg * 2 * D as u32, 16, gb, true);
 

@@ -6,7 +6,7 @@ use crate::attention::work::Work;
 use crate::blocks::device::{fma, static_for, thread_idx_x};
 use crate::blocks::mma::{st_shared_u64, st_shared_v4, MmaHalf};
 use attn_math::mla::{self, THREADS};
-use attn_math::params::PrefillParams;
+use attn_math::params::AttnParams;
 use attn_math::prefill::MLA_V;
 use attn_math::softmax::OnlineSoftmax;
 
@@ -25,7 +25,7 @@ const NARROW_TILES: usize = (mla::NARROW.cols_per_warp() / 8) as usize;
 #[cfg(wgmma)]
 #[inline(always)]
 pub(super) unsafe fn cluster_combine<Q: MmaHalf>(
-    p: &PrefillParams,
+    p: &AttnParams,
     w: &Work,
     publish: u32,
     o: &[[f32; 4]; 32],
@@ -47,7 +47,7 @@ pub(super) unsafe fn cluster_combine<Q: MmaHalf>(
         });
     }
     cluster_sync();
-    let (ranks, me) = (p.cluster, cluster_rank());
+    let (ranks, me) = (p.mla.cluster, cluster_rank());
     // Every rank's rows under the merged maxima: factor[rank][h].
     let mut merged = [OnlineSoftmax::EMPTY; 2];
     let mut factor = [[0.0f32; 2]; 8];

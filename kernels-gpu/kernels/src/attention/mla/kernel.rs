@@ -16,15 +16,15 @@ use crate::blocks::mma::{
 };
 use crate::blocks::vec_io::{load_f32_nc, load_u32_nc};
 use attn_math::mla::{self, p_offset, shared_layout, swizzled, SLOT_KEYS, TABLE_BYTES};
-use attn_math::params::PrefillParams;
+use attn_math::params::AttnParams;
 use attn_math::prefill::MLA_V;
 use attn_math::softmax::{exp2, OnlineSoftmax};
 use attn_math::status::BLOCK_OUT_OF_RANGE;
 
 /// The kernel; `WIDE` picks the shape (`attn_math::mla::{NARROW, WIDE}`); `FP8`: an FP8 E4M3
-/// cache (with `p.k_scale`), converted to Q's type slot by slot in shared memory.
+/// cache (with `p.fp8.k_scale`), converted to Q's type slot by slot in shared memory.
 #[inline(always)]
-pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &PrefillParams) {
+pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &AttnParams) {
     let shape = const {
         if WIDE {
             mla::WIDE
@@ -48,12 +48,12 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &P
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
     let Some(w) = (unsafe { work_item(p, bm, MLA_V) }) else { return };
-    let src = KvSource { block_row: p.block_table + w.req as u64 * p.block_table_stride * 4, key_base: 0, kv_head: 0 };
+    let src = KvSource { block_row: p.batch.block_table + w.req as u64 * p.batch.block_table_stride * 4, key_base: 0, kv_head: 0 };
     let (min_pos, max_pos) = unsafe { (w.row(p, 0).pos, w.row(p, w.live - 1).pos) };
-    let chunk = if p.plan != 0 { unsafe { load_u32_nc(p.plan + 4) } } else { p.chunk };
+    let chunk = if p.schedule.plan != 0 { unsafe { load_u32_nc(p.schedule.plan + 4) } } else { p.shape.chunk };
     let begin = if chunk > 0 { w.split * chunk } else { 0 };
     let mut end = if chunk > 0 { (begin + chunk).min(w.seq_len) } else { w.seq_len };
-    if p.causal != 0 {
+    if p.mask.causal != 0 {
         end = end.min(max_pos + 1);
     }
     let n_slots = if end > begin { (end - begin).div_ceil(SLOT_KEYS) } else { 0 };
@@ -73,7 +73,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &P
     // FP8: dequantisation folds into the score scale (k) and the output factor (v).
     let (k_scale, v_scale) = if FP8 {
         let unpack = Q::FP8_UNPACK_SCALE;
-        (unsafe { load_f32_nc(p.k_scale) } * unpack, unsafe { load_f32_nc(p.v_scale) } * unpack)
+        (unsafe { load_f32_nc(p.fp8.k_scale) } * unpack, unsafe { load_f32_nc(p.fp8.v_scale) } * unpack)
     } else {
         (1.0, 1.0)
     };
@@ -108,9 +108,9 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &P
     let issue = |j: u32| {
         if j < tile_slots {
             if FP8 {
-                unsafe { copy_slot_fp8(slot_buf(j), table(j), p.q) };
+                unsafe { copy_slot_fp8(slot_buf(j), table(j), p.qkv.q) };
             } else {
-                unsafe { copy_slot(slot_buf(j), table(j), p.q) };
+                unsafe { copy_slot(slot_buf(j), table(j), p.qkv.q) };
             }
         }
         cp_async_commit();
@@ -124,7 +124,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &P
     sync_threads();
     let q_row = |r: u32| {
         let row = unsafe { w.row(p, r) };
-        p.q + (row.token as u64 * p.q_token_stride + row.head as u64 * p.q_head_stride) * 2
+        p.qkv.q + (row.token as u64 * p.qkv.q_token_stride + row.head as u64 * p.qkv.q_head_stride) * 2
     };
     unsafe { copy_queries(smem + layout.q, bm, q_row) };
     // Narrow waits for the queries alone (to hold them in registers before the first tile).
@@ -164,7 +164,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &P
         });
         m
     };
-    let mult = p.scale_log2 * k_scale;
+    let mult = p.variant.scale_log2 * k_scale;
     // Score-phase state (this warp's keys' share of the denominators) and value-phase maxima.
     let mut s_state = [OnlineSoftmax::EMPTY; 2];
     let mut o_state = [[OnlineSoftmax::EMPTY; 2]; 2];
@@ -249,7 +249,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &P
                 has_bad |= unsafe { ld_shared_u32(flag(slot0 + i as u32)) } != 0;
             }
         });
-        let needs_mask = first + kw > end || (p.causal != 0 && first + kw - 1 > min_pos) || has_bad;
+        let needs_mask = first + kw > end || (p.mask.causal != 0 && first + kw - 1 > min_pos) || has_bad;
         if needs_mask {
             let t = table(my_slot) + (key_off % SLOT_KEYS) * 8;
             static_for::<4>(|n| {
@@ -258,7 +258,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &P
                         let row = s_rows[e / 2];
                         let key = first + n as u32 * 8 + 2 * t4 + (e % 2) as u32;
                         let visible = key < end
-                            && (p.causal == 0 || key <= row.pos)
+                            && (p.mask.causal == 0 || key <= row.pos)
                             && (!has_bad || unsafe { ld_shared_u64(t + (key - first) * 8) } != 0);
                         if !visible {
                             s[n][e] = f32::NEG_INFINITY;
@@ -362,7 +362,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &P
         OnlineSoftmax { max: o_state[m][h].max, sum }
     };
     #[cfg(wgmma)]
-    if !WIDE && p.cluster > 1 {
+    if !WIDE && p.mla.cluster > 1 {
         // The ring is free now (every copy landed, every tile's reads passed the barrier).
         let states = [row_state(0, 0), row_state(0, 1)];
         unsafe { cluster_combine::<Q>(p, &w, smem + layout.k, &o[0], states, col0, v_scale) };
