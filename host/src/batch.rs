@@ -133,7 +133,7 @@ pub(crate) fn block_table_reach(seq_lens: &[i32], block_size: usize, stride: usi
 ///
 /// ```no_run
 /// # fn demo(stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> attn_rs::Result<()> {
-/// use attn_rs::batch::BatchMetadata;
+/// use attn_rs::BatchMetadata;
 /// // Two requests: 1 new token over 40 keys, 3 new tokens over 3 keys.
 /// let mut batch = BatchMetadata::new(stream, &[40, 3], &[0, 1, 4])?;
 /// // Next step: the same buffer, new contents (it grows when a batch needs more).
@@ -311,12 +311,12 @@ impl BatchMetadata {
     }
 
     /// The host arrays, as decode plans them.
-    pub fn decode_batch(&self) -> DecodeBatch<'_> {
+    pub(crate) fn decode_batch(&self) -> DecodeBatch<'_> {
         DecodeBatch { seq_lens: &self.seq_lens, query_start_loc: &self.query_start_loc }
     }
 
     /// The host arrays, as prefill plans them.
-    pub fn prefill_batch(&self) -> PrefillBatch<'_> {
+    pub(crate) fn prefill_batch(&self) -> PrefillBatch<'_> {
         PrefillBatch { query_start_loc: &self.query_start_loc, seq_lens: &self.seq_lens, key_start_loc: self.key_start_loc.as_deref() }
     }
 

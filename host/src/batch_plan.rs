@@ -6,7 +6,7 @@
 //!
 //! ```no_run
 //! # fn demo(dev: &attn_rs::AttnDevice, stream: &std::sync::Arc<cudarc::driver::CudaStream>,
-//! #         ws: &mut attn_rs::decode::DecodeWorkspace, status: &mut attn_rs::status::DeviceStatus,
+//! #         ws: &mut attn_rs::decode::DecodeWorkspace, status: &mut attn_rs::DeviceStatus,
 //! #         layers: Vec<attn_rs::mla::MlaArgs<'_>>, batch: attn_rs::BatchMetadata) -> attn_rs::Result<()> {
 //! use attn_rs::batch_plan::{mla_attention_planned, BatchPlan};
 //! use attn_rs::{decode::SplitMode, DType};

@@ -12,6 +12,7 @@ use crate::status::DeviceStatus;
 use crate::stream_check::refuse_foreign_capture;
 use attn_math::params::{CacheWriteParams, MlaCacheWriteParams};
 use cudarc::driver::{CudaStream, DevicePtrMut};
+use std::sync::Arc;
 
 const THREADS: u32 = 256;
 
@@ -132,7 +133,7 @@ fn scale_ptr(s: Option<&DevIn<'_>>, arg: &'static str) -> Result<u64> {
 
 /// Writes K and V rows into the paged cache at their slots. Enqueued on `stream`; bad slots
 /// raise [`DeviceStatus`] bits and are skipped.
-pub fn reshape_and_cache(dev: &AttnDevice, stream: &CudaStream, w: KvWrite<'_>, status: &mut DeviceStatus) -> Result<()> {
+pub fn reshape_and_cache(dev: &AttnDevice, stream: &Arc<CudaStream>, w: KvWrite<'_>, status: &mut DeviceStatus) -> Result<()> {
     refuse_foreign_capture(stream, "stream", "reshape_and_cache")?;
     reshape_and_cache_from(dev, stream, w, status)
 }
@@ -188,7 +189,7 @@ pub(crate) fn reshape_and_cache_from(dev: &AttnDevice, stream: &CudaStream, w: K
 }
 
 /// Writes MLA latent rows (`kv_c` then `k_pe`, one row per token) into the MLA cache.
-pub fn concat_and_cache_mla(dev: &AttnDevice, stream: &CudaStream, w: MlaWrite<'_>, status: &mut DeviceStatus) -> Result<()> {
+pub fn concat_and_cache_mla(dev: &AttnDevice, stream: &Arc<CudaStream>, w: MlaWrite<'_>, status: &mut DeviceStatus) -> Result<()> {
     refuse_foreign_capture(stream, "stream", "concat_and_cache_mla")?;
     concat_and_cache_mla_from(dev, stream, w, status)
 }

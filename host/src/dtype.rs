@@ -27,7 +27,7 @@ impl DType {
     }
 
     /// The name used in kernel entry points (`reshape_and_cache_bf16_fp8`).
-    pub const fn kernel_name(self) -> &'static str {
+    pub(crate) const fn kernel_name(self) -> &'static str {
         match self {
             DType::F16 => "f16",
             DType::BF16 => "bf16",
@@ -37,10 +37,6 @@ impl DType {
             DType::I64 => "i64",
             DType::U32 => "u32",
         }
-    }
-
-    pub const fn is_float(self) -> bool {
-        matches!(self, DType::F16 | DType::BF16 | DType::F32 | DType::Fp8E4m3)
     }
 }
 

@@ -17,6 +17,7 @@ use crate::dtype::DType;
 use crate::error::{ensure, Result};
 use crate::kernels::KernelId;
 use crate::layout::{KvCacheSpec, RowsDesc};
+use crate::options::AttnOptions;
 use crate::status::DeviceStatus;
 use crate::stream_check::{check_stream, refuse_foreign_capture};
 use attn_math::hopper_prefill;
@@ -27,8 +28,9 @@ use attn_math::softmax::LOG2_E;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
+// The planner and the batch checks alone, for the tests in `tests/` (not part of the API).
+#[doc(hidden)]
 pub use crate::batch::{validate_prefill_batch, PrefillBatch};
-pub use crate::options::AttnOptions;
 
 /// Where keys and values come from.
 pub enum PrefillKv<'a> {
@@ -80,6 +82,7 @@ pub struct PrefillPlan {
 /// Cuts every request into tiles of `block_m` query rows (the kernel's, from
 /// `attn_math::prefill::block_m`) and orders them by the keys they attend (an upper bound under
 /// causality): requests longest first, and each request's tiles longest first.
+#[doc(hidden)]
 pub fn plan_prefill(batch: &PrefillBatch<'_>, group: usize, causal: bool, window: Option<u32>, block_m: u32) -> PrefillPlan {
     // Takes the batch as given without panicking: decreasing start locations count as empty
     // requests, a zero group or tile as 1. `prefill` refuses requests of more than 65536 tiles

@@ -34,7 +34,7 @@ pub struct StatusFlags {
 
 impl StatusFlags {
     /// Decodes a status block as the kernels wrote it.
-    pub fn from_words(w: &[u32; STATUS_WORDS]) -> Self {
+    pub(crate) fn from_words(w: &[u32; STATUS_WORDS]) -> Self {
         let wide = |i: usize| w[i] as u64 | (w[i + 1] as u64) << 32;
         let first = match w[STATUS_CLAIMED] {
             SLOT_OUT_OF_RANGE => {

@@ -28,7 +28,7 @@ pub enum DecodeKernel {
 
 impl DecodeKernel {
     /// The tensor-core shape for a batch: keys split across warps up to 16 rows per kv head.
-    pub fn tensor_cores(rows_per_kv_head: u32) -> DecodeKernel {
+    pub(crate) fn tensor_cores(rows_per_kv_head: u32) -> DecodeKernel {
         if rows_per_kv_head <= block_m(0, 0, true, false) {
             DecodeKernel::TensorCoreKeys
         } else {
@@ -36,7 +36,7 @@ impl DecodeKernel {
         }
     }
 
-    pub fn keys_split(self) -> bool {
+    pub(crate) fn keys_split(self) -> bool {
         self == DecodeKernel::TensorCoreKeys
     }
 }

@@ -66,7 +66,7 @@ pub struct MergeArgs<'a> {
 
 /// `out = merge(prefix, suffix)` weighted by their LSEs; an empty side (LSE -inf) contributes
 /// nothing. f16, bf16 or f32 outputs.
-pub fn merge_attn_states(dev: &AttnDevice, stream: &CudaStream, a: MergeArgs<'_>) -> Result<()> {
+pub fn merge_attn_states(dev: &AttnDevice, stream: &Arc<CudaStream>, a: MergeArgs<'_>) -> Result<()> {
     refuse_foreign_capture(stream, "stream", "merge_attn_states")?;
     merge_attn_states_from(dev, stream, a)
 }

@@ -26,14 +26,21 @@ mod plan_words;
 mod split;
 mod workspace;
 
-pub use crate::batch::{validate_batch, DecodeBatch, MAX_QUERY_LEN};
-pub use crate::options::{AttnOptions, PlanOptions, SplitMode, Tuning};
+pub use crate::batch::{DecodeBatch, MAX_QUERY_LEN};
 pub use args::DecodeArgs;
-pub use kernel::{DecodeKernel, TcShape};
+pub use kernel::DecodeKernel;
 pub use launch::paged_decode;
 pub use merge::{merge_attn_states, merge_attn_states_sizes, MergeArgs};
-pub use split::{plan_decode_tc, DecodePlan};
+pub use split::DecodePlan;
 pub use workspace::DecodeWorkspace;
+
+// The planner and the batch checks alone, for the tests in `tests/` (not part of the API).
+#[doc(hidden)]
+pub use crate::batch::validate_batch;
+#[doc(hidden)]
+pub use kernel::TcShape;
+#[doc(hidden)]
+pub use split::plan_decode_tc;
 
 pub(crate) use kernel::{decode_tc_kernel, max_len, LayerShape, TcKernel};
 pub(crate) use launch::paged_decode_from;

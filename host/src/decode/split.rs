@@ -38,6 +38,7 @@ impl DecodePlan {
     /// items are the ones a CTA derives from its index with `PrefillParams::uniform_splits`
     /// (split `i % n` of request `i / n`, row tile 0; partial rows in request order, so request
     /// r's start at `n * num_q_heads * query_start_loc[r]`).
+    #[doc(hidden)]
     pub fn uniform_splits(&self) -> Option<u32> {
         let n = *self.req_num_splits.first()?;
         let uniform = n > 1
@@ -54,6 +55,7 @@ impl DecodePlan {
     /// size or 1 (one split, one row tile, at least one query token each). The call then copies
     /// nothing, and its launch follows the kernel before it directly (programmatic dependent
     /// launch).
+    #[doc(hidden)]
     pub fn needs_device_plan(&self) -> bool {
         let per = self.cluster.max(1);
         let implicit = self.items.len() == 2 * per as usize * self.req_num_splits.len()

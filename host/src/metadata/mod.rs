@@ -34,15 +34,25 @@ mod tensor_core;
 mod upload;
 mod validate;
 
-pub use crate::words::{Region, ALIGN_WORDS};
-pub use builder::{BuiltStep, MetadataBuilder};
 pub use cascade::{
     common_prefix, use_cascade, CascadeMode, CascadeStep, CommonPrefix, MAX_CASCADE_ROWS_PER_REQ, MIN_CASCADE_PREFIX_TOKENS,
     MIN_CASCADE_REQS,
 };
 pub use input::StepInput;
-pub use split::{decode_first_order, is_decode, split_decodes, BatchSplit};
-pub use staging::{pack, pack_into, StagingLayout, StagingSizes};
-pub use tensor_core::{build_tensor_core_metadata, DecodePart, PlanConfig, PrefillPart, TensorCoreMetadata};
-pub use upload::upload;
+pub use split::{decode_first_order, is_decode, BatchSplit};
 pub use validate::validate;
+
+pub(crate) use upload::upload;
+
+// The stages of `StepMetadata::build` one by one, for the tests in `tests/` and the
+// `metadata-bench` benchmark (not part of the API).
+#[doc(hidden)]
+pub use crate::words::{Region, ALIGN_WORDS};
+#[doc(hidden)]
+pub use builder::{BuiltStep, MetadataBuilder};
+#[doc(hidden)]
+pub use split::split_decodes;
+#[doc(hidden)]
+pub use staging::{pack, pack_into, StagingLayout, StagingSizes};
+#[doc(hidden)]
+pub use tensor_core::{build_tensor_core_metadata, DecodePart, PlanConfig, PrefillPart, TensorCoreMetadata};
