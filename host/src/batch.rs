@@ -227,7 +227,11 @@ pub(crate) fn first_bad_block(table: &[i32], stride: usize, seq_lens: &[i32], bl
 
 impl BatchMetadata {
     /// Checks the arrays (see [`update`](Self::update)) and uploads them on `stream`, the
-    /// stream every op that takes this batch must run on.
+    /// stream every op that takes this batch must run on. `seq_lens`: `[num_reqs]` keys per
+    /// request (context plus new tokens); `query_start_loc`: `[num_reqs + 1]` from 0.
+    ///
+    /// Errors: `InvalidArgument` naming the array that fails a check; `Driver` when the
+    /// allocation or the copy fails.
     pub fn new(stream: &Arc<CudaStream>, seq_lens: &[i32], query_start_loc: &[i32]) -> Result<Self> {
         let mut b = BatchMetadata {
             stream: stream.clone(),
@@ -255,6 +259,9 @@ impl BatchMetadata {
     /// decreasing, no negative length, and `key_start_loc` (when given) from 0 with steps equal
     /// to the lengths. What depends on the layer (tokens, block-table width, the queries a
     /// kernel takes per request) is checked by each op.
+    ///
+    /// Errors: `InvalidArgument` naming the array (the batch is unchanged); `Driver` when the
+    /// copy fails (the batch is then empty).
     pub fn update(&mut self, seq_lens: &[i32], query_start_loc: &[i32], key_start_loc: Option<&[i32]>) -> Result<()> {
         check_arrays(seq_lens, query_start_loc, key_start_loc)?;
         self.words.clear();
@@ -284,6 +291,7 @@ impl BatchMetadata {
         Ok(())
     }
 
+    /// Requests in the batch (`seq_lens.len()`).
     pub fn num_reqs(&self) -> usize {
         self.seq_lens.len()
     }
@@ -293,14 +301,17 @@ impl BatchMetadata {
         self.query_start_loc.last().map_or(0, |&n| n as usize)
     }
 
+    /// `[num_reqs]` keys per request (context plus this step's tokens), as last uploaded.
     pub fn seq_lens(&self) -> &[i32] {
         &self.seq_lens
     }
 
+    /// `[num_reqs + 1]` query-token start of each request, from 0, as last uploaded.
     pub fn query_start_loc(&self) -> &[i32] {
         &self.query_start_loc
     }
 
+    /// `[num_reqs + 1]` key-row starts of packed K/V, when the batch has them.
     pub fn key_start_loc(&self) -> Option<&[i32]> {
         self.key_start_loc.as_deref()
     }

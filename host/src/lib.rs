@@ -33,6 +33,8 @@
 //!
 //! `host/examples/` has a small program per op (`cargo run -p attn-rs --example NAME`).
 
+#![warn(missing_docs)]
+
 pub mod backend;
 mod batch;
 pub mod batch_plan;

@@ -45,8 +45,11 @@ impl DecodeKernel {
 /// CTAs of one work item (kv heads x MLA's V slices).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TcShape {
+    /// Query rows per CTA tile.
     pub block_m: u32,
+    /// Keys per tile (splits are whole tiles).
     pub block_n: u32,
+    /// CTAs one work item launches (kv heads, x MLA's value slices).
     pub ctas_per_item: u32,
 }
 

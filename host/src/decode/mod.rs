@@ -7,8 +7,15 @@
 //! directly, the others go through the workspace and the merge kernel. The plan is uploaded into
 //! a caller-owned [`DecodeWorkspace`]; nothing is allocated per call.
 //!
+//! Use: once, a [`DecodeWorkspace`] (for the largest batch, on the stream the calls run on) and
+//! a [`DeviceStatus`](crate::DeviceStatus); every step, a [`BatchMetadata`](crate::BatchMetadata)
+//! of the batch; every layer, [`paged_decode`] with the layer's [`DecodeArgs`] (or, planning
+//! once per step, [`crate::batch_plan`]). `host/examples/paged_decode.rs` runs one call.
+//!
+//! Source layout:
+//!
 //! - `args`: what a call takes and its checks (the batch's host arrays and their checks are
-//!   [`crate::batch`]'s, re-exported here);
+//!   the crate's `batch` module's, [`DecodeBatch`] re-exported here);
 //! - `kernel`: the kernel a batch runs and the CTA target of its plans;
 //! - `split`: the batch's split-K plan;
 //! - `plan`: a call's launch, planned (kernel, grid, where the plan's arrays are, the merge);
