@@ -57,6 +57,8 @@ mod status;
 mod stream_check;
 mod words;
 
+/// Element strides of a cache layout, as [`KvCacheSpec::strides`] and [`MlaCacheSpec::strides`]
+/// return them (the `attn-math` crate's type, which the kernels take too).
 pub use attn_math::paging::CacheStrides;
 pub use batch::BatchMetadata;
 pub use buffer::{DevIn, DevOut, SharedBuf};
