@@ -63,7 +63,7 @@ fn specs_are_what_the_kernels_take() {
     assert_eq!(TENSOR_CORE.compute_capability, CcRange::from(ComputeCapability::SM_80));
     assert_eq!(TENSOR_CORE.head_sizes, HeadSizes::List(&[64, 96, 128, 256]));
     // The decode kernels exist for exactly these head sizes.
-    let kernel_sizes: Vec<usize> = attn_rs::attn_math::decode::HEAD_SIZES.iter().map(|&d| d as usize).collect();
+    let kernel_sizes: Vec<usize> = attn_math::decode::HEAD_SIZES.iter().map(|&d| d as usize).collect();
     assert_eq!(HeadSizes::List(&[64, 96, 128, 256]), TENSOR_CORE.head_sizes);
     assert_eq!(kernel_sizes, [64, 96, 128, 256]);
     assert_eq!(TENSOR_CORE.layouts, KvLayout::ALL);

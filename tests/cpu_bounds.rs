@@ -3,8 +3,9 @@
 //! overflow an i32, negative lengths, a block size of 0 and heads of 0 are refused with an error
 //! naming the argument, never accepted with a wrapped size and never a panic.
 
-use attn_rs::decode::{merge_attn_states_sizes, plan_decode_tc, validate_batch, DecodeBatch, SplitMode, TcShape};
+use attn_rs::decode::{merge_attn_states_sizes, plan_decode_tc, validate_batch, DecodeBatch, TcShape};
 use attn_rs::prefill::{plan_prefill, validate_prefill_batch, PrefillBatch};
+use attn_rs::SplitMode;
 use attn_rs::{AttnError, KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc};
 
 fn arg_of<T>(r: attn_rs::Result<T>) -> String {
@@ -168,7 +169,7 @@ fn cpu_attention_ops_refuse_short_inputs() {
     let spec = KvCacheSpec::new(KvLayout::FlashNhd, 4, 4, 1, 8).unwrap();
     let cache = vec![0.5f32; spec.num_elements()];
     let q = vec![0.5f32; 2 * 8];
-    let opts = attn_rs::decode::AttnOptions::new(8);
+    let opts = attn_rs::AttnOptions::new(8);
     let batch = DecodeBatch { seq_lens: &[8, 8], query_start_loc: &[0, 1, 2] };
     let decode = |q: &[f32], block_table: &[i32], slopes: Option<&[f32]>| {
         attn_rs::cpu::paged_decode::<f32, f32>(&DecodeRef {

@@ -1,8 +1,8 @@
 //! CPU tests of `attn_math`: the FP8 E4M3 and bf16 conversions and the paged-cache slot math,
 //! checked against independent reference formulas.
 
-use attn_rs::attn_math::fp8::{bf16_bits_to_f32, e4m3_to_f32, f32_to_bf16_bits, f32_to_e4m3, quantize_e4m3, E4M3_MAX};
-use attn_rs::attn_math::paging::{resolve_slot, CacheStrides, SlotTarget};
+use attn_math::fp8::{bf16_bits_to_f32, e4m3_to_f32, f32_to_bf16_bits, f32_to_e4m3, quantize_e4m3, E4M3_MAX};
+use attn_math::paging::{resolve_slot, CacheStrides, SlotTarget};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

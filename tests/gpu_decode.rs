@@ -7,8 +7,9 @@ mod common;
 
 use attn_rs::batch_plan::{paged_decode_planned, BatchPlan};
 use attn_rs::cache_write::KvScales;
-use attn_rs::decode::{merge_attn_states, paged_decode, AttnOptions, DecodeArgs, DecodeBatch, DecodeWorkspace, MergeArgs, SplitMode};
+use attn_rs::decode::{merge_attn_states, paged_decode, DecodeArgs, DecodeBatch, DecodeWorkspace, MergeArgs};
 use attn_rs::{cpu, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
+use attn_rs::{AttnOptions, SplitMode};
 use common::*;
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};

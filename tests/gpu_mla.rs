@@ -9,10 +9,11 @@ mod common;
 
 use attn_rs::batch_plan::{mla_attention_planned, BatchPlan};
 use attn_rs::cache_write::KvScales;
-use attn_rs::decode::{AttnOptions, DecodeWorkspace, PlanOptions, SplitMode, Tuning};
-use attn_rs::layout::MlaCacheSpec;
+use attn_rs::decode::DecodeWorkspace;
 use attn_rs::mla::{mla_attention, MlaArgs};
+use attn_rs::MlaCacheSpec;
 use attn_rs::{cpu, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, RowsDesc};
+use attn_rs::{AttnOptions, PlanOptions, SplitMode, Tuning};
 use common::*;
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};

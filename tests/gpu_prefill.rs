@@ -6,8 +6,8 @@
 mod common;
 
 use attn_rs::cache_write::KvScales;
-use attn_rs::decode::AttnOptions;
 use attn_rs::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
+use attn_rs::AttnOptions;
 use attn_rs::{cpu, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
 use common::*;
 use cudarc::driver::CudaSlice;

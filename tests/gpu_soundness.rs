@@ -8,9 +8,10 @@ mod common;
 
 use attn_rs::batch_plan::{paged_decode_planned, BatchPlan};
 use attn_rs::cache_write::KvScales;
-use attn_rs::decode::{paged_decode, AttnOptions, DecodeArgs, DecodeWorkspace, SplitMode};
+use attn_rs::decode::{paged_decode, DecodeArgs, DecodeWorkspace};
 use attn_rs::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
 use attn_rs::{AttnError, BatchMetadata, DType, DevIn, DevOut, DeviceStatus, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
+use attn_rs::{AttnOptions, SplitMode};
 use common::*;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;

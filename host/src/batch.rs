@@ -133,7 +133,7 @@ pub(crate) fn block_table_reach(seq_lens: &[i32], block_size: usize, stride: usi
 ///
 /// ```no_run
 /// # fn demo(stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> attn_rs::Result<()> {
-/// use attn_rs::batch::BatchMetadata;
+/// use attn_rs::BatchMetadata;
 /// // Two requests: 1 new token over 40 keys, 3 new tokens over 3 keys.
 /// let mut batch = BatchMetadata::new(stream, &[40, 3], &[0, 1, 4])?;
 /// // Next step: the same buffer, new contents (it grows when a batch needs more).
@@ -227,7 +227,11 @@ pub(crate) fn first_bad_block(table: &[i32], stride: usize, seq_lens: &[i32], bl
 
 impl BatchMetadata {
     /// Checks the arrays (see [`update`](Self::update)) and uploads them on `stream`, the
-    /// stream every op that takes this batch must run on.
+    /// stream every op that takes this batch must run on. `seq_lens`: `[num_reqs]` keys per
+    /// request (context plus new tokens); `query_start_loc`: `[num_reqs + 1]` from 0.
+    ///
+    /// Errors: `InvalidArgument` naming the array that fails a check; `Driver` when the
+    /// allocation or the copy fails.
     pub fn new(stream: &Arc<CudaStream>, seq_lens: &[i32], query_start_loc: &[i32]) -> Result<Self> {
         let mut b = BatchMetadata {
             stream: stream.clone(),
@@ -255,6 +259,9 @@ impl BatchMetadata {
     /// decreasing, no negative length, and `key_start_loc` (when given) from 0 with steps equal
     /// to the lengths. What depends on the layer (tokens, block-table width, the queries a
     /// kernel takes per request) is checked by each op.
+    ///
+    /// Errors: `InvalidArgument` naming the array (the batch is unchanged); `Driver` when the
+    /// copy fails (the batch is then empty).
     pub fn update(&mut self, seq_lens: &[i32], query_start_loc: &[i32], key_start_loc: Option<&[i32]>) -> Result<()> {
         check_arrays(seq_lens, query_start_loc, key_start_loc)?;
         self.words.clear();
@@ -284,6 +291,7 @@ impl BatchMetadata {
         Ok(())
     }
 
+    /// Requests in the batch (`seq_lens.len()`).
     pub fn num_reqs(&self) -> usize {
         self.seq_lens.len()
     }
@@ -293,14 +301,17 @@ impl BatchMetadata {
         self.query_start_loc.last().map_or(0, |&n| n as usize)
     }
 
+    /// `[num_reqs]` keys per request (context plus this step's tokens), as last uploaded.
     pub fn seq_lens(&self) -> &[i32] {
         &self.seq_lens
     }
 
+    /// `[num_reqs + 1]` query-token start of each request, from 0, as last uploaded.
     pub fn query_start_loc(&self) -> &[i32] {
         &self.query_start_loc
     }
 
+    /// `[num_reqs + 1]` key-row starts of packed K/V, when the batch has them.
     pub fn key_start_loc(&self) -> Option<&[i32]> {
         self.key_start_loc.as_deref()
     }
@@ -311,12 +322,12 @@ impl BatchMetadata {
     }
 
     /// The host arrays, as decode plans them.
-    pub fn decode_batch(&self) -> DecodeBatch<'_> {
+    pub(crate) fn decode_batch(&self) -> DecodeBatch<'_> {
         DecodeBatch { seq_lens: &self.seq_lens, query_start_loc: &self.query_start_loc }
     }
 
     /// The host arrays, as prefill plans them.
-    pub fn prefill_batch(&self) -> PrefillBatch<'_> {
+    pub(crate) fn prefill_batch(&self) -> PrefillBatch<'_> {
         PrefillBatch { query_start_loc: &self.query_start_loc, seq_lens: &self.seq_lens, key_start_loc: self.key_start_loc.as_deref() }
     }
 

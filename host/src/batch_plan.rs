@@ -6,10 +6,10 @@
 //!
 //! ```no_run
 //! # fn demo(dev: &attn_rs::AttnDevice, stream: &std::sync::Arc<cudarc::driver::CudaStream>,
-//! #         ws: &mut attn_rs::decode::DecodeWorkspace, status: &mut attn_rs::status::DeviceStatus,
+//! #         ws: &mut attn_rs::decode::DecodeWorkspace, status: &mut attn_rs::DeviceStatus,
 //! #         layers: Vec<attn_rs::mla::MlaArgs<'_>>, batch: attn_rs::BatchMetadata) -> attn_rs::Result<()> {
 //! use attn_rs::batch_plan::{mla_attention_planned, BatchPlan};
-//! use attn_rs::{decode::SplitMode, DType};
+//! use attn_rs::{DType, SplitMode};
 //! let mut plan = BatchPlan::new(stream)?; // once, for this stream
 //! // Each step: plan the batch, then run every layer with it.
 //! plan.plan_mla(dev, &batch, DType::BF16, DType::BF16, 16, SplitMode::Auto, ws)?;
@@ -59,12 +59,21 @@ struct Planned {
 }
 
 impl BatchPlan {
+    /// An empty plan buffer on `stream`: every plan made in it, and every call that uses it,
+    /// runs on that stream (one per stream).
+    ///
+    /// Errors: `Driver` when the allocation fails.
     pub fn new(stream: &Arc<CudaStream>) -> Result<Self> {
         Ok(BatchPlan { stream: stream.clone(), device: stream.alloc_zeros(256)?, words: Vec::new(), planned: None })
     }
 
     /// Plans a batch of MLA decodes (`num_heads` query heads, `q_dtype` queries, a
     /// `cache_dtype` latent cache) for [`mla_attention_planned`], and uploads it on the stream.
+    /// Returns the plan (for logging).
+    ///
+    /// Errors: `InvalidArgument` for a batch, dtypes or head count the MLA kernels do not take,
+    /// a plan that does not fit `ws`, or a batch or workspace of another stream; `Driver` when
+    /// the copy fails.
     #[allow(clippy::too_many_arguments)]
     pub fn plan_mla(
         &mut self,
@@ -85,7 +94,11 @@ impl BatchPlan {
     }
 
     /// Plans a batch of paged decodes for [`paged_decode_planned`] (the tensor-core kernels),
-    /// and uploads it on the stream.
+    /// and uploads it on the stream. Returns the plan (for logging).
+    ///
+    /// Errors: `InvalidArgument` for a batch, dtypes, head size or head counts the decode
+    /// kernels do not take, a plan that does not fit `ws`, or a batch or workspace of another
+    /// stream; `Driver` when the copy fails.
     #[allow(clippy::too_many_arguments)]
     pub fn plan_decode(
         &mut self,
@@ -206,6 +219,10 @@ fn check_batch(batch: &DecodeBatch<'_>, q_dtype: DType, cache_dtype: DType, num_
 
 /// [`mla_attention`](crate::mla::mla_attention) with the plan made by
 /// [`BatchPlan::plan_mla`] for this `batch`: no planning, no copy.
+///
+/// Errors: [`mla_attention`](crate::mla::mla_attention)'s, and `InvalidArgument` (`plan`,
+/// `batch`, `workspace`) when nothing was planned, the batch is not the planned one, the plan
+/// was made for another kernel or heads, or the workspace is smaller than the planned one's.
 #[allow(clippy::too_many_arguments)]
 pub fn mla_attention_planned(
     dev: &AttnDevice,
@@ -225,6 +242,10 @@ pub fn mla_attention_planned(
 
 /// [`paged_decode`](crate::decode::paged_decode) with the plan made by
 /// [`BatchPlan::plan_decode`] for this `batch`: no planning, no copy.
+///
+/// Errors: [`paged_decode`](crate::decode::paged_decode)'s, and `InvalidArgument` (`plan`,
+/// `batch`, `workspace`) when nothing was planned, the batch is not the planned one, the plan
+/// was made for another kernel or heads, or the workspace is smaller than the planned one's.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_planned(
     dev: &AttnDevice,

@@ -58,14 +58,17 @@ impl<T> Clone for SharedBuf<T> {
 }
 
 impl<T: Element> SharedBuf<T> {
+    /// Takes ownership of `buf` (its stream stays the one it was allocated on).
     pub fn new(buf: CudaSlice<T>) -> Self {
         SharedBuf { buf: Arc::new(buf) }
     }
 
+    /// Elements in the buffer.
     pub fn len(&self) -> usize {
         self.buf.len()
     }
 
+    /// Whether the buffer holds no elements.
     pub fn is_empty(&self) -> bool {
         self.buf.len() == 0
     }
@@ -196,12 +199,15 @@ impl<'a> DevIn<'a> {
         self.keep.as_ref()
     }
 
+    /// Elements in the view (of [`dtype`](Self::dtype)).
     pub fn len(&self) -> usize {
         self.len
     }
+    /// Whether the view holds no elements.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+    /// The element type, from the slice's Rust type.
     pub fn dtype(&self) -> DType {
         self.dtype
     }
@@ -258,12 +264,15 @@ impl<'a> DevOut<'a> {
         self.keep.as_ref()
     }
 
+    /// Elements in the view (of [`dtype`](Self::dtype)).
     pub fn len(&self) -> usize {
         self.len
     }
+    /// Whether the view holds no elements.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+    /// The element type, from the slice's Rust type.
     pub fn dtype(&self) -> DType {
         self.dtype
     }

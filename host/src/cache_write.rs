@@ -12,24 +12,35 @@ use crate::status::DeviceStatus;
 use crate::stream_check::refuse_foreign_capture;
 use attn_math::params::{CacheWriteParams, MlaCacheWriteParams};
 use cudarc::driver::{CudaStream, DevicePtrMut};
+use std::sync::Arc;
 
 const THREADS: u32 = 256;
 
 /// Per-tensor FP8 scales as device f32 scalars (so the call can be captured in a CUDA graph).
+/// The cache holds `value / scale` (vLLM's `k_scale`/`v_scale`); reads multiply by the scale.
 pub struct KvScales<'a> {
+    /// One f32: the keys' scale.
     pub k: DevIn<'a>,
+    /// One f32: the values' scale.
     pub v: DevIn<'a>,
 }
 
 /// Inputs of [`reshape_and_cache`].
 pub struct KvWrite<'a> {
+    /// This step's keys, `[num_tokens, num_kv_heads, head_size]` as `key_rows` lays them out
+    /// (f16, bf16 or f32; 16-byte aligned with 16-byte-multiple strides).
     pub key: DevIn<'a>,
+    /// Shape and strides of `key` (heads and head size must be the cache's).
     pub key_rows: RowsDesc,
+    /// This step's values, as `key` (the same dtype and token count).
     pub value: DevIn<'a>,
+    /// Shape and strides of `value`.
     pub value_rows: RowsDesc,
     /// `[num_tokens]` i64: `block * block_size + offset`; negative = padding (skipped).
     pub slot_mapping: DevIn<'a>,
+    /// The paged cache: `spec.num_elements()` elements of the source dtype, or FP8 E4M3.
     pub cache: DevOut<'a>,
+    /// The cache's layout and sizes.
     pub spec: KvCacheSpec,
     /// Required for an FP8 cache, ignored otherwise.
     pub scales: Option<KvScales<'a>>,
@@ -39,13 +50,19 @@ pub struct KvWrite<'a> {
 pub struct MlaWrite<'a> {
     /// `[num_tokens, latent_dim]`, rows `kv_c_token_stride` apart.
     pub kv_c: DevIn<'a>,
+    /// Elements between consecutive tokens of `kv_c`.
     pub kv_c_token_stride: usize,
     /// `[num_tokens, rope_dim]`, rows `k_pe_token_stride` apart.
     pub k_pe: DevIn<'a>,
+    /// Elements between consecutive tokens of `k_pe`.
     pub k_pe_token_stride: usize,
+    /// Tokens to write (rows of `kv_c`, `k_pe` and `slot_mapping`).
     pub num_tokens: usize,
+    /// `[num_tokens]` i64: `block * block_size + offset`; negative = padding (skipped).
     pub slot_mapping: DevIn<'a>,
+    /// The latent cache: `spec.num_elements()` elements of the source dtype, or FP8 E4M3.
     pub cache: DevOut<'a>,
+    /// The cache's sizes (`[num_blocks, block_size, latent_dim + rope_dim]`).
     pub spec: MlaCacheSpec,
     /// Required for an FP8 cache, ignored otherwise.
     pub scale: Option<DevIn<'a>>,
@@ -130,9 +147,19 @@ fn scale_ptr(s: Option<&DevIn<'_>>, arg: &'static str) -> Result<u64> {
     }
 }
 
-/// Writes K and V rows into the paged cache at their slots. Enqueued on `stream`; bad slots
-/// raise [`DeviceStatus`] bits and are skipped.
-pub fn reshape_and_cache(dev: &AttnDevice, stream: &CudaStream, w: KvWrite<'_>, status: &mut DeviceStatus) -> Result<()> {
+/// Writes K and V rows into the paged cache at their slots (vLLM's `reshape_and_cache_flash`):
+/// token t's heads go to slot `slot_mapping[t]` of `w.cache`, converted to the cache dtype (FP8:
+/// `x / scale`, E4M3-rounded). Enqueued on `stream`; nothing synchronises.
+///
+/// Errors, all before anything is enqueued: `UnsupportedDType` for sources other than
+/// f16/bf16/f32, a value dtype other than the key's, or a cache that is neither the source dtype
+/// nor FP8; `InvalidArgument` for a missing FP8 scale, a spec that does not validate, rows whose
+/// heads or head size differ from the cache's, buffers shorter than their rows, fewer
+/// `slot_mapping` entries than tokens, a head size that is not whole 16-byte vectors, or
+/// misaligned buffers or strides (16 bytes); `Driver` when the launch fails. Slots at or past
+/// the cache's `num_slots` are skipped and raise the slot bit in `status`
+/// ([`DeviceStatus::check`] reports them as `SlotOutOfRange`).
+pub fn reshape_and_cache(dev: &AttnDevice, stream: &Arc<CudaStream>, w: KvWrite<'_>, status: &mut DeviceStatus) -> Result<()> {
     refuse_foreign_capture(stream, "stream", "reshape_and_cache")?;
     reshape_and_cache_from(dev, stream, w, status)
 }
@@ -187,8 +214,13 @@ pub(crate) fn reshape_and_cache_from(dev: &AttnDevice, stream: &CudaStream, w: K
     dev.launch_pdl(stream, kernel, grid, THREADS, 0, p)
 }
 
-/// Writes MLA latent rows (`kv_c` then `k_pe`, one row per token) into the MLA cache.
-pub fn concat_and_cache_mla(dev: &AttnDevice, stream: &CudaStream, w: MlaWrite<'_>, status: &mut DeviceStatus) -> Result<()> {
+/// Writes MLA latent rows into the latent cache (vLLM's `concat_and_cache_mla`): token t's row
+/// is `kv_c[t]` (`latent_dim` wide) then `k_pe[t]` (`rope_dim` wide), at slot
+/// `slot_mapping[t]`; FP8 caches store `x / scale`. Enqueued on `stream`; nothing synchronises.
+///
+/// Errors: as [`reshape_and_cache`]'s (`kv_c` and `k_pe` in place of key and value, `scale` in
+/// place of `scales`); slots past the cache raise the slot bit in `status`.
+pub fn concat_and_cache_mla(dev: &AttnDevice, stream: &Arc<CudaStream>, w: MlaWrite<'_>, status: &mut DeviceStatus) -> Result<()> {
     refuse_foreign_capture(stream, "stream", "concat_and_cache_mla")?;
     concat_and_cache_mla_from(dev, stream, w, status)
 }

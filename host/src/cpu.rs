@@ -10,7 +10,9 @@ use attn_math::paging::{resolve_slot, SlotTarget};
 /// What a CPU cache write did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WriteReport {
+    /// Tokens written into the cache.
     pub written: usize,
+    /// Tokens skipped because their slot was negative (padding).
     pub padding: usize,
     /// Tokens whose slot was past the cache (not written; the GPU raises `SLOT_OUT_OF_RANGE`).
     pub out_of_range: usize,
@@ -47,7 +49,12 @@ fn store<C: Element>(x: f32, scale: f32) -> C {
     }
 }
 
-/// CPU `reshape_and_cache`. `scales` = (k_scale, v_scale), needed for an FP8 cache.
+/// CPU `reshape_and_cache`: the same checks and the same bytes as
+/// [`cache_write::reshape_and_cache`](crate::cache_write::reshape_and_cache) over host slices.
+/// `scales` = (k_scale, v_scale), needed for an FP8 cache (it stores `x / scale`).
+///
+/// Errors: as the GPU op's refusals (`InvalidArgument`, `UnsupportedDType`). Slots past the
+/// cache are not an error here: they are counted in the report.
 #[allow(clippy::too_many_arguments)]
 pub fn reshape_and_cache<T: Element, C: Element>(
     key: &[T],
@@ -75,7 +82,10 @@ pub fn reshape_and_cache<T: Element, C: Element>(
     Ok(report)
 }
 
-/// CPU `concat_and_cache_mla`.
+/// CPU `concat_and_cache_mla`: the same checks and the same bytes as
+/// [`cache_write::concat_and_cache_mla`](crate::cache_write::concat_and_cache_mla) over host
+/// slices; `scale`, needed for an FP8 cache, divides both parts. Slots past the cache are
+/// counted in the report.
 #[allow(clippy::too_many_arguments)]
 pub fn concat_and_cache_mla<T: Element, C: Element>(
     kv_c: &[T],
@@ -106,15 +116,25 @@ pub fn concat_and_cache_mla<T: Element, C: Element>(
 
 /// Inputs of the CPU [`paged_decode`].
 pub struct DecodeRef<'a, Q, C> {
+    /// Queries, laid out as `q_rows` (`[num_tokens, num_q_heads, head_size]`).
     pub q: &'a [Q],
+    /// Shape and strides of `q`.
     pub q_rows: RowsDesc,
+    /// The paged cache, laid out as `spec`.
     pub cache: &'a [C],
+    /// The cache's layout and sizes.
     pub spec: KvCacheSpec,
+    /// `[num_reqs, block_table_stride]` block ids.
     pub block_table: &'a [i32],
+    /// Entries per row of `block_table`.
     pub block_table_stride: usize,
+    /// The batch's lengths and query start locations (up to 8 query tokens a request).
     pub batch: crate::batch::DecodeBatch<'a>,
+    /// Scale, sliding window and soft-cap.
     pub opts: crate::options::AttnOptions,
+    /// `[num_q_heads]` ALiBi slopes, if the model uses ALiBi.
     pub alibi_slopes: Option<&'a [f32]>,
+    /// `[num_q_heads]` sink logits, if the model uses sinks.
     pub sinks: Option<&'a [f32]>,
     /// (k_scale, v_scale) for an FP8 cache.
     pub scales: Option<(f32, f32)>,
@@ -123,7 +143,9 @@ pub struct DecodeRef<'a, Q, C> {
 /// Result of the CPU decode, in f64: `out[token][head][dim]` flattened, and `lse[token][head]`
 /// (natural log, the sink included; -inf when nothing is attended).
 pub struct DecodeResult {
+    /// `[num_tokens, num_q_heads, head_size_v]` attention outputs.
     pub out: Vec<f64>,
+    /// `[num_tokens, num_q_heads]` natural-log LSEs.
     pub lse: Vec<f64>,
     /// Keys skipped because their block id was outside the cache.
     pub bad_blocks: usize,
@@ -133,6 +155,10 @@ pub struct DecodeResult {
 
 /// CPU paged decode: every query token of every request against its visible keys (causal among
 /// the request's query tokens, the sliding window, soft-cap, ALiBi, sinks), in f64.
+///
+/// Errors: `InvalidArgument` for a batch that [`decode::paged_decode`](crate::decode::paged_decode)
+/// would refuse or buffers too small for their shapes. Block ids outside the cache are skipped
+/// and counted in the result.
 pub fn paged_decode<Q: Element, C: Element>(a: &DecodeRef<'_, Q, C>) -> Result<DecodeResult> {
     crate::batch::validate_batch(&a.batch, a.q_rows.num_tokens, a.spec.block_size, a.block_table_stride)?;
     let kv = KvRef::Paged { cache: a.cache, spec: a.spec, block_table: a.block_table, block_table_stride: a.block_table_stride };
@@ -155,11 +181,40 @@ pub fn paged_decode<Q: Element, C: Element>(a: &DecodeRef<'_, Q, C>) -> Result<D
 /// Where the CPU reference reads keys and values.
 pub enum KvRef<'a, C> {
     /// A paged cache through a block table.
-    Paged { cache: &'a [C], spec: KvCacheSpec, block_table: &'a [i32], block_table_stride: usize },
+    Paged {
+        /// The cache, laid out as `spec`.
+        cache: &'a [C],
+        /// Its layout and sizes.
+        spec: KvCacheSpec,
+        /// `[num_reqs, block_table_stride]` block ids.
+        block_table: &'a [i32],
+        /// Entries per row of `block_table`.
+        block_table_stride: usize,
+    },
     /// Packed K and V rows; request r's keys start at row `key_start_loc[r]`.
-    Packed { k: &'a [C], k_rows: RowsDesc, v: &'a [C], v_rows: RowsDesc, key_start_loc: &'a [i32] },
+    Packed {
+        /// Keys, laid out as `k_rows`.
+        k: &'a [C],
+        /// Shape and strides of `k`.
+        k_rows: RowsDesc,
+        /// Values, laid out as `v_rows`.
+        v: &'a [C],
+        /// Shape and strides of `v`.
+        v_rows: RowsDesc,
+        /// `[num_reqs + 1]` first key row of each request.
+        key_start_loc: &'a [i32],
+    },
     /// MLA's latent cache: one kv head whose K is the whole row and V its first columns.
-    Mla { cache: &'a [C], spec: MlaCacheSpec, block_table: &'a [i32], block_table_stride: usize },
+    Mla {
+        /// The latent cache, laid out as `spec`.
+        cache: &'a [C],
+        /// Its sizes.
+        spec: MlaCacheSpec,
+        /// `[num_reqs, block_table_stride]` block ids.
+        block_table: &'a [i32],
+        /// Entries per row of `block_table`.
+        block_table_stride: usize,
+    },
 }
 
 impl<C: Element> KvRef<'_, C> {
@@ -224,21 +279,35 @@ impl<C: Element> KvRef<'_, C> {
 
 /// Inputs of the CPU [`prefill`].
 pub struct PrefillRef<'a, Q, C> {
+    /// Queries, laid out as `q_rows` (`[num_tokens, num_q_heads, head_size_qk]`).
     pub q: &'a [Q],
+    /// Shape and strides of `q`.
     pub q_rows: RowsDesc,
+    /// Where keys and values are read.
     pub kv: KvRef<'a, C>,
     /// Head size of V and the output.
     pub head_size_v: usize,
+    /// `[num_reqs + 1]` query-token start of each request, from 0.
     pub query_start_loc: &'a [i32],
+    /// `[num_reqs]` keys per request.
     pub seq_lens: &'a [i32],
+    /// Causal aligned to the end of each sequence, or every query sees every key.
     pub causal: bool,
+    /// Scale, sliding window and soft-cap.
     pub opts: crate::options::AttnOptions,
+    /// `[num_q_heads]` ALiBi slopes, if the model uses ALiBi.
     pub alibi_slopes: Option<&'a [f32]>,
+    /// `[num_q_heads]` sink logits, if the model uses sinks.
     pub sinks: Option<&'a [f32]>,
+    /// (k_scale, v_scale) for an FP8 cache (MLA: its one scale as both).
     pub scales: Option<(f32, f32)>,
 }
 
-/// CPU varlen prefill (paged or packed K/V, causal aligned to the end or not), in f64.
+/// CPU varlen prefill (paged or packed K/V, causal aligned to the end or not), in f64; with
+/// [`KvRef::Mla`] it is MLA attention (decodes included).
+///
+/// Errors: `InvalidArgument` for start locations or lengths that do not describe the queries,
+/// or buffers too small for their shapes. Block ids outside the cache are skipped and counted.
 pub fn prefill<Q: Element, C: Element>(a: &PrefillRef<'_, Q, C>) -> Result<DecodeResult> {
     let q_rows = a.q_rows;
     let batch = crate::batch::PrefillBatch { query_start_loc: a.query_start_loc, seq_lens: a.seq_lens, key_start_loc: None };

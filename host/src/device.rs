@@ -18,6 +18,9 @@ pub(crate) struct KernelParams<P: Copy>(pub P);
 // declare with the same layout.
 unsafe impl<P: Copy> DeviceRepr for KernelParams<P> {}
 
+/// One GPU as the library uses it: its CUDA context, the embedded kernel module for its compute
+/// capability (loaded per kernel family on first use), and the kernels' launch settings.
+/// Every op takes it by reference; one serves every stream of the GPU.
 pub struct AttnDevice {
     ctx: Arc<CudaContext>,
     target: &'static PtxTarget,
@@ -40,7 +43,12 @@ impl AttnDevice {
         driver_library_present() && matches!(CudaContext::device_count(), Ok(n) if n > 0)
     }
 
-    /// Opens GPU `ordinal` (its primary context) and loads the kernels.
+    /// Opens GPU `ordinal` (its primary context). Kernel modules load on first use (see
+    /// [`preload`](Self::preload)).
+    ///
+    /// Errors: `NoDevice` without a driver or GPU; `UnsupportedDevice` when no embedded module
+    /// runs on the GPU (before sm_80, or a build whose features left its target out); `Driver`
+    /// when the driver refuses the context.
     pub fn new(ordinal: usize) -> Result<Self> {
         if !Self::driver_available() {
             return Err(AttnError::NoDevice(format!("asked for GPU {ordinal}")));
@@ -50,6 +58,9 @@ impl AttnDevice {
 
     /// Uses an existing context (an engine's, or candle's device context). Kernel modules load
     /// on first use (see [`preload`](Self::preload)).
+    ///
+    /// Errors: `UnsupportedDevice` when no embedded module runs on the GPU; `Driver` when the
+    /// driver's attribute queries fail.
     pub fn from_context(ctx: Arc<CudaContext>) -> Result<Self> {
         let (major, minor) = ctx.compute_capability()?;
         let target =
@@ -69,12 +80,15 @@ impl AttnDevice {
         })
     }
 
+    /// The CUDA context the kernels are loaded in (make streams and buffers from it).
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
+    /// The GPU's compute capability as (major, minor), e.g. (9, 0) on an H100.
     pub fn compute_capability(&self) -> (i32, i32) {
         self.compute_capability
     }
+    /// Streaming multiprocessors on the GPU (what the split planners fill).
     pub fn sm_count(&self) -> u32 {
         self.sm_count
     }
@@ -85,6 +99,8 @@ impl AttnDevice {
 
     /// Loads every kernel family now (otherwise each loads, and is JIT-compiled by the driver,
     /// on its first launch): for engines that want the cost at start-up, not on a first request.
+    ///
+    /// Errors: `Driver` when a module does not load.
     pub fn preload(&self) -> Result<()> {
         for family in ALL_FAMILIES {
             self.module(family)?;

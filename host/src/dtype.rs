@@ -4,19 +4,28 @@ use attn_math::fp8::{e4m3_to_f32, f32_to_e4m3};
 use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
 
+/// The element type of a buffer, carried by [`DevIn`](crate::DevIn)/[`DevOut`](crate::DevOut)
+/// and checked by every op against what it takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// IEEE half precision ([`half::f16`]).
     F16,
+    /// bfloat16 ([`half::bf16`]).
     BF16,
+    /// IEEE single precision.
     F32,
     /// FP8 E4M3 (`e4m3fn`), stored with a per-tensor scale.
     Fp8E4m3,
+    /// 32-bit signed integers (block tables, start locations, lengths).
     I32,
+    /// 64-bit signed integers (slot mappings).
     I64,
+    /// 32-bit unsigned integers (status words).
     U32,
 }
 
 impl DType {
+    /// Bytes per element (1 for FP8, 2 for f16/bf16, 4, or 8 for i64).
     pub const fn size_bytes(self) -> usize {
         match self {
             DType::Fp8E4m3 => 1,
@@ -27,7 +36,7 @@ impl DType {
     }
 
     /// The name used in kernel entry points (`reshape_and_cache_bf16_fp8`).
-    pub const fn kernel_name(self) -> &'static str {
+    pub(crate) const fn kernel_name(self) -> &'static str {
         match self {
             DType::F16 => "f16",
             DType::BF16 => "bf16",
@@ -37,10 +46,6 @@ impl DType {
             DType::I64 => "i64",
             DType::U32 => "u32",
         }
-    }
-
-    pub const fn is_float(self) -> bool {
-        matches!(self, DType::F16 | DType::BF16 | DType::F32 | DType::Fp8E4m3)
     }
 }
 
@@ -56,7 +61,9 @@ unsafe impl ValidAsZeroBits for Fp8E4m3 {}
 /// A type the library moves between host and device, with its dtype and (for the CPU path and
 /// the tests) its value as f32/f64.
 pub trait Element: DeviceRepr + ValidAsZeroBits + Copy + Default + Send + Sync + 'static {
+    /// The run-time dtype of this type.
     const DTYPE: DType;
+    /// The value as an f32 (exact for every type but i32/i64/u32 beyond 2^24).
     fn to_f32(self) -> f32;
     /// Round to nearest even (saturating for FP8).
     fn from_f32(x: f32) -> Self;

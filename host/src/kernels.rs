@@ -5,7 +5,6 @@
 
 use crate::dtype::DType;
 use crate::ptx::Family;
-use attn_math::{decode, hopper_prefill, keys_rows, prefill};
 use std::fmt;
 
 /// The MLA kernel's two CTA shapes (`attn_math::mla::NARROW`, `WIDE`).
@@ -85,13 +84,16 @@ impl KernelId {
     }
 
     /// Whether only the sm_90a module has it (Hopper's `wgmma` prefill kernels).
+    #[cfg(test)]
     pub fn hopper_only(&self) -> bool {
         matches!(self, KernelId::PrefillWg { .. } | KernelId::PrefillWgs { .. })
     }
 
     /// Every kernel the modules export (those of [`hopper_only`](Self::hopper_only) in the
     /// sm_90a one only).
+    #[cfg(test)]
     pub fn all() -> Vec<KernelId> {
+        use attn_math::{decode, hopper_prefill, keys_rows, prefill};
         const HALF: [DType; 2] = [DType::F16, DType::BF16];
         const FLOAT: [DType; 3] = [DType::F16, DType::BF16, DType::F32];
         let mut v = Vec::new();

@@ -12,10 +12,15 @@ use attn_math::paging::CacheStrides;
 /// e.g. K as a slice of a fused QKV projection. The head dimension is contiguous.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RowsDesc {
+    /// Rows (tokens) of the tensor.
     pub num_tokens: usize,
+    /// Heads per token.
     pub num_heads: usize,
+    /// Elements per head (contiguous).
     pub head_size: usize,
+    /// Elements from one token's first element to the next token's.
     pub token_stride: usize,
+    /// Elements from one head's first element to the next head's, within a token.
     pub head_stride: usize,
 }
 
@@ -86,6 +91,7 @@ pub enum KvLayout {
 }
 
 impl KvLayout {
+    /// Every layout, in declaration order.
     pub const ALL: [KvLayout; 4] = [KvLayout::FlashNhd, KvLayout::FlashHnd, KvLayout::FlashInferNhd, KvLayout::FlashInferHnd];
 
     /// Whether tokens of a block are contiguous per head (HND) rather than heads per token (NHD).
@@ -97,10 +103,15 @@ impl KvLayout {
 /// A paged K/V cache: its layout and sizes (the dtype comes with the buffer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvCacheSpec {
+    /// Where K and V and the tokens and heads of a block lie.
     pub layout: KvLayout,
+    /// Blocks in the cache (each holds `block_size` tokens of K and of V).
     pub num_blocks: usize,
+    /// Tokens per block (the paging granularity; slot = block * block_size + offset).
     pub block_size: usize,
+    /// Key/value heads.
     pub num_kv_heads: usize,
+    /// Elements per head.
     pub head_size: usize,
 }
 
@@ -207,14 +218,20 @@ impl KvCacheSpec {
 /// The MLA latent cache `[num_blocks, block_size, latent_dim + rope_dim]` (DeepSeek: 512 + 64).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MlaCacheSpec {
+    /// Blocks in the cache.
     pub num_blocks: usize,
+    /// Tokens (rows) per block.
     pub block_size: usize,
+    /// Width of the compressed KV part of a row (DeepSeek: 512); it is also the value.
     pub latent_dim: usize,
+    /// Width of the rope key part after it (DeepSeek: 64; may be 0).
     pub rope_dim: usize,
 }
 
 impl MlaCacheSpec {
+    /// DeepSeek-V2/V3's `kv_lora_rank`: the latent width.
     pub const DEEPSEEK_LATENT: usize = 512;
+    /// DeepSeek-V2/V3's `qk_rope_head_dim`: the rope width.
     pub const DEEPSEEK_ROPE: usize = 64;
 
     /// A checked spec (see [`validate`](Self::validate)).
@@ -271,6 +288,7 @@ impl MlaCacheSpec {
         self.latent_dim.saturating_add(self.rope_dim)
     }
 
+    /// The tensor shape `[num_blocks, block_size, latent_dim + rope_dim]`.
     pub fn shape(&self) -> [usize; 3] {
         [self.num_blocks, self.block_size, self.row_width()]
     }
@@ -286,6 +304,8 @@ impl MlaCacheSpec {
         self.num_blocks.saturating_mul(self.block_size)
     }
 
+    /// Element strides (block, token; the head stride is 0: one latent row per token),
+    /// saturating for an invalid spec.
     pub fn strides(&self) -> CacheStrides {
         let w = self.row_width() as u64;
         CacheStrides { block: (self.block_size as u64).saturating_mul(w), token: w, head: 0 }

@@ -2,50 +2,65 @@
 //! written in Rust and shipped as embedded PTX: an engine that links this crate builds with
 //! stable Rust and needs no CUDA toolkit, only the driver at run time.
 //!
-//! - [`device::AttnDevice`]: loads the kernels for the GPU once; every op launches on a stream the
-//!   caller gives and never synchronises unless asked.
-//! - [`buffer`]: the caller's device memory (any cudarc slice or view) with its dtype.
-//! - [`layout`]: the paged KV-cache layouts (vLLM FlashAttention, FlashInfer, HND variants, MLA).
+//! The types every op shares are at the crate root:
+//!
+//! - [`AttnDevice`]: loads the kernels for the GPU once; every op launches on a stream the
+//!   caller gives (`&Arc<CudaStream>`) and never synchronises unless asked.
+//! - [`DevIn`], [`DevOut`], [`SharedBuf`]: the caller's device memory (any cudarc slice or view)
+//!   with its dtype; [`DType`], [`Element`], [`Fp8E4m3`]: the element types.
+//! - [`KvCacheSpec`], [`KvLayout`], [`MlaCacheSpec`], [`RowsDesc`]: the paged KV-cache layouts
+//!   (vLLM FlashAttention, FlashInfer, HND variants, MLA) and the rows of the source tensors.
+//! - [`BatchMetadata`]: a batch's request metadata, checked and uploaded by the library (the
+//!   device copy the kernels index with always equals the host copy the call was checked
+//!   against).
+//! - [`AttnOptions`], [`PlanOptions`], [`SplitMode`], [`Tuning`]: a layer's attention options
+//!   and the options of the split plans.
+//! - [`DeviceStatus`]: the device word kernels report refused slots and blocks in;
+//!   [`AttnError`]: every refusal, naming the argument.
+//!
+//! The ops, one module each:
+//!
 //! - [`cache_write`]: `reshape_and_cache` and `concat_and_cache_mla`.
 //! - [`decode`]: paged decode with split-K, and `merge_attn_states`.
-//! - [`batch`]: a batch's request metadata, checked and uploaded by the library (the device
-//!   copy the kernels index with always equals the host copy the call was checked against).
-//! - [`batch_plan`]: a decode batch's split plan made once per step for every layer's call.
-//! - [`options`]: the options of the attention calls (`AttnOptions`) and of their split plans
-//!   (`SplitMode`, and the planners' `Tuning`).
-//! - [`kernels`]: [`kernels::KernelId`], every kernel the host launches, and its PTX entry name.
-//! - [`backend`]: the backend registry and per-model selection (with every refusal reason).
-//! - [`metadata`]: per-step metadata (checks, decode/prefill split, one upload).
-//! - [`forward`]: one call per layer: cache write, then decode and prefill attention.
-//! - [`sim`]: a simulated serving engine around `forward` (the `engine-sim` binary).
+//! - [`prefill`]: varlen prefill over the paged cache or packed K/V.
+//! - [`mla`]: DeepSeek's multi-head latent attention over the latent cache.
+//! - [`batch_plan`]: a decode or MLA batch's split plan made once per step for every layer.
+//! - [`forward`]: one call per layer (cache write, then decode and prefill attention), with
+//!   [`metadata`] (per-step metadata: checks, decode/prefill split, cascade detection) and
+//!   [`backend`] (the backend registry and per-model selection, with every refusal reason).
 //! - [`cpu`]: the CPU implementation of every op: the reference the tests compare with, and the
 //!   path for machines without a GPU.
+//!
+//! `host/examples/` has a small program per op (`cargo run -p attn-rs --example NAME`).
+
+#![warn(missing_docs)]
 
 mod attn_params;
 pub mod backend;
-pub mod batch;
+mod batch;
 pub mod batch_plan;
-pub mod buffer;
+mod buffer;
 pub mod cache_write;
 pub mod cpu;
 pub mod decode;
-pub mod device;
-pub mod dtype;
-pub mod error;
+mod device;
+mod dtype;
+mod error;
 pub mod forward;
-pub mod kernels;
-pub mod layout;
+mod kernels;
+mod layout;
 pub mod metadata;
 pub mod mla;
-pub mod options;
+mod options;
 pub mod prefill;
 mod ptx;
-pub mod sim;
-pub mod status;
+mod status;
 mod stream_check;
 mod words;
 
-pub use attn_math;
+/// Element strides of a cache layout, as [`KvCacheSpec::strides`] and [`MlaCacheSpec::strides`]
+/// return them (the `attn-math` crate's type, which the kernels take too).
+pub use attn_math::paging::CacheStrides;
 pub use batch::BatchMetadata;
 pub use buffer::{DevIn, DevOut, SharedBuf};
 pub use device::AttnDevice;

@@ -34,15 +34,19 @@ use std::sync::Arc;
 pub struct MlaArgs<'a> {
     /// `[num_tokens, num_heads, 576]`: the absorbed queries (latent part, then rope).
     pub q: DevIn<'a>,
+    /// Shape and strides of `q` (head size 576; 16-byte aligned, 16-byte-multiple strides).
     pub q_rows: RowsDesc,
     /// `[num_blocks, block_size, 576]` (`concat_and_cache_mla`'s cache).
     pub cache: DevIn<'a>,
+    /// The latent cache's sizes (512 + 64).
     pub spec: MlaCacheSpec,
     /// `[num_reqs, block_table_stride]` i32.
     pub block_table: DevIn<'a>,
+    /// Entries per row of `block_table` (at least each request's `ceil(seq_len / block_size)`).
     pub block_table_stride: usize,
     /// `[num_tokens, num_heads, 512]`, the dtype of q.
     pub out: DevOut<'a>,
+    /// Shape and strides of `out` (head size 512).
     pub out_rows: RowsDesc,
     /// `[num_tokens, num_heads]` f32 natural-log LSE, if wanted.
     pub lse: Option<DevOut<'a>>,
@@ -63,6 +67,17 @@ fn check_rows(arg: &'static str, ptr: u64, rows: &RowsDesc, len: usize, width: u
 /// attention kernel and (for requests with several splits) the merge. Enqueued on `stream`;
 /// block ids outside the cache are never read and raise `BLOCK_OUT_OF_RANGE` in `status`.
 /// Ordering on Hopper as [`paged_decode`](crate::decode::paged_decode)'s.
+///
+/// Every query head attends the one latent head: scores are `q . row` over all 576 columns,
+/// the output is the weighted sum of the rows' first 512 columns; any number of query tokens
+/// per request, causal among them (multi-token prediction, latent prefill). `ws` must have been
+/// made for head size 512. Returns the split plan it ran (for logging).
+///
+/// Errors, before anything is enqueued: `InvalidArgument` naming the argument for dtypes
+/// (queries f16 or bf16, the cache q's dtype or FP8 with `scales`), a spec other than 512 + 64,
+/// shapes, buffer lengths and 16-byte alignment, a batch that does not fit the block table or
+/// the workspace, and a workspace, batch or stream from another stream; `Driver` for a failed
+/// copy or launch.
 ///
 /// Caller's part (docs/soundness.md): `batch`, `ws` (and a plan) must have been made on
 /// `stream`; the contents of the caller's buffers and their ordering are the caller's, the

@@ -8,6 +8,7 @@
 /// Attention options of a layer.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttnOptions {
+    /// Multiplies Q K^T before the softmax (usually `1 / sqrt(head_size)`).
     pub softmax_scale: f32,
     /// Sliding window: each query sees its last `window` keys (itself included).
     pub window: Option<u32>,
@@ -16,6 +17,7 @@ pub struct AttnOptions {
 }
 
 impl AttnOptions {
+    /// Scale `1 / sqrt(head_size)`, no window, no soft-cap.
     pub fn new(head_size: usize) -> Self {
         AttnOptions { softmax_scale: 1.0 / (head_size as f32).sqrt(), window: None, softcap: None }
     }
@@ -67,7 +69,9 @@ impl Default for Tuning {
 /// A [`SplitMode`] converts into one with the default tuning.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct PlanOptions {
+    /// How the keys are split (automatic, or a fixed number of splits).
     pub split: SplitMode,
+    /// The planners' knobs ([`Tuning::DEFAULT`]: the measured values).
     pub tuning: Tuning,
 }
 

@@ -18,6 +18,7 @@ use crate::dtype::DType;
 use crate::error::{ensure, Result};
 use crate::kernels::KernelId;
 use crate::layout::{KvCacheSpec, RowsDesc};
+use crate::options::AttnOptions;
 use crate::status::DeviceStatus;
 use crate::stream_check::{check_stream, refuse_foreign_capture};
 use attn_math::hopper_prefill;
@@ -27,59 +28,82 @@ use attn_math::prefill::{block_m, shared_layout, HEAD_SIZES, MIN_BLOCK_M, THREAD
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
+// The planner and the batch checks alone, for the tests in `tests/` (not part of the API).
+#[doc(hidden)]
 pub use crate::batch::{validate_prefill_batch, PrefillBatch};
-pub use crate::options::AttnOptions;
 
 /// Where keys and values come from.
 pub enum PrefillKv<'a> {
     /// The paged cache (already written by `reshape_and_cache`).
     Paged {
+        /// The paged cache (K and V planes, per `spec`; the query dtype, or FP8 with `scales`).
         cache: DevIn<'a>,
+        /// The cache's layout and sizes.
         spec: KvCacheSpec,
         /// `[num_reqs, block_table_stride]` i32.
         block_table: DevIn<'a>,
+        /// Entries per row of `block_table`.
         block_table_stride: usize,
     },
     /// Packed `[total_keys, num_kv_heads, head_size]` tensors; request r's keys are rows
     /// `key_start_loc[r]..key_start_loc[r + 1]` (the batch's
-    /// [`key_start_loc`](crate::batch::BatchMetadata::with_key_start_loc)).
-    Packed { k: DevIn<'a>, k_rows: RowsDesc, v: DevIn<'a>, v_rows: RowsDesc },
+    /// [`key_start_loc`](crate::BatchMetadata::with_key_start_loc)).
+    Packed {
+        /// The keys, `[total_keys, num_kv_heads, head_size_qk]`, the query dtype.
+        k: DevIn<'a>,
+        /// Shape and strides of `k`.
+        k_rows: RowsDesc,
+        /// The values, `[total_keys, num_kv_heads, head_size_v]`, the query dtype.
+        v: DevIn<'a>,
+        /// Shape and strides of `v`.
+        v_rows: RowsDesc,
+    },
 }
 
 /// Device inputs and outputs of [`prefill`].
 pub struct PrefillArgs<'a> {
     /// `[num_tokens, num_q_heads, head_size_qk]`.
     pub q: DevIn<'a>,
+    /// Shape and strides of `q` (f16 or bf16; 16-byte aligned, 16-byte-multiple strides).
     pub q_rows: RowsDesc,
+    /// Where the keys and values come from.
     pub kv: PrefillKv<'a>,
     /// `[num_tokens, num_q_heads, head_size_v]`, the dtype of q.
     pub out: DevOut<'a>,
+    /// Shape and strides of `out`.
     pub out_rows: RowsDesc,
     /// `[num_tokens, num_q_heads]` f32 natural-log LSE (the sink included), if wanted.
     pub lse: Option<DevOut<'a>>,
+    /// `[num_q_heads]` f32 ALiBi slopes: each logit gets `slope * (key - query position)`.
     pub alibi_slopes: Option<DevIn<'a>>,
+    /// `[num_q_heads]` f32 attention-sink logits that join each head's softmax denominator.
     pub sinks: Option<DevIn<'a>>,
+    /// Required for an FP8 paged cache, ignored otherwise.
     pub scales: Option<KvScales<'a>>,
 }
 
 /// Options of a prefill call.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PrefillOptions {
+    /// Scale, sliding window and soft-cap.
     pub attn: AttnOptions,
     /// Causal, aligned to the end of the sequence: query i of a request with `q_len` L and
     /// `seq_len` S sees keys `0..=S - L + i`. `false`: every query sees every key (encoders).
     pub causal: bool,
 }
 
-/// The work of one launch: `[request, row_tile << 16 | split]` per CTA column, in launch order.
+/// The work of one launch, as [`prefill`] returns it (for logging; the call needs nothing from
+/// it): one item per query-row tile, in launch order.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PrefillPlan {
+    /// `[request, row_tile << 16 | split]` per tile (split is 0: prefill does not split keys).
     pub items: Vec<[u32; 2]>,
 }
 
 /// Cuts every request into tiles of `block_m` query rows (the kernel's, from
 /// `attn_math::prefill::block_m`) and orders them by the keys they attend (an upper bound under
 /// causality): requests longest first, and each request's tiles longest first.
+#[doc(hidden)]
 pub fn plan_prefill(batch: &PrefillBatch<'_>, group: usize, causal: bool, window: Option<u32>, block_m: u32) -> PrefillPlan {
     // Takes the batch as given without panicking: decreasing start locations count as empty
     // requests, a zero group or tile as 1. `prefill` refuses requests of more than 65536 tiles
@@ -132,7 +156,11 @@ impl PrefillWorkspace {
         max_tokens.saturating_mul(group).div_ceil(MIN_BLOCK_M as usize).saturating_add(max_reqs)
     }
 
-    /// A workspace for calls on `stream` (one workspace per stream).
+    /// A workspace for calls on `stream` (one workspace per stream) of up to `max_tokens` query
+    /// tokens in `max_reqs` requests, `group` query heads per kv head.
+    ///
+    /// Errors: `InvalidArgument` (`max_tokens`) when that many tiles are past what a launch
+    /// indexes; `Driver` when an allocation fails.
     pub fn new(stream: &Arc<CudaStream>, max_tokens: usize, max_reqs: usize, group: usize) -> Result<Self> {
         let tiles = Self::max_tiles(max_tokens, max_reqs, group);
         ensure(tiles <= (i32::MAX / 2) as usize, "max_tokens", || {
@@ -201,6 +229,18 @@ fn check_rows(arg: &'static str, b: &DevIn<'_>, rows: &RowsDesc, dtype: DType) -
 /// `stream`; block ids outside the cache are never read and raise `BLOCK_OUT_OF_RANGE` in
 /// `status` (the keys read as zeros). Ordering on Hopper as [`paged_decode`](crate::decode::paged_decode)'s
 /// (metadata and queries are read before the wait for the kernel before).
+///
+/// Request r's queries are rows `query_start_loc[r]..query_start_loc[r + 1]` of `q`, over its
+/// `seq_lens[r]` keys (paged: through its block-table row; packed: rows of `k`/`v` from
+/// `key_start_loc[r]`). Causal is aligned to the end of the sequence (chunked prefill, prefix
+/// caching). Query head `h` reads kv head `h / (num_q_heads / num_kv_heads)`. Returns the tile
+/// plan it ran (for logging).
+///
+/// Errors, before anything is enqueued: `InvalidArgument` naming the argument for dtypes (f16
+/// or bf16 queries; the paged cache q's dtype or FP8 with `scales`; packed K/V q's dtype), head
+/// sizes without kernels, shapes, buffer lengths and 16-byte alignment, a batch that does not
+/// fit the block table or the workspace, a missing `key_start_loc` for packed K/V, and a
+/// workspace, batch or stream from another stream; `Driver` for a failed copy or launch.
 ///
 /// Caller's part (docs/soundness.md): `batch`, `ws` (and a plan) must have been made on
 /// `stream`; the contents of the caller's buffers and their ordering are the caller's, the

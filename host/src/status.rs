@@ -21,20 +21,27 @@ pub struct DeviceStatus {
 /// The offence a status block describes: the first one a kernel recorded since the last read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Offence {
+    /// A slot past the cache (cache writes).
     Slot(BadSlot),
+    /// A block-table entry outside the cache (attention).
     Block(BadBlock),
 }
 
 /// The bits raised since the last read, and the first offence recorded.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StatusFlags {
+    /// The raised bits (`attn_math::status`: `SLOT_OUT_OF_RANGE`, `BLOCK_OUT_OF_RANGE`); read
+    /// them through [`slot_out_of_range`](Self::slot_out_of_range) and
+    /// [`block_out_of_range`](Self::block_out_of_range).
     pub bits: u32,
+    /// The first offence a kernel recorded, if any (the GPU attention kernels raise the block
+    /// bit without a record).
     pub first: Option<Offence>,
 }
 
 impl StatusFlags {
     /// Decodes a status block as the kernels wrote it.
-    pub fn from_words(w: &[u32; STATUS_WORDS]) -> Self {
+    pub(crate) fn from_words(w: &[u32; STATUS_WORDS]) -> Self {
         let wide = |i: usize| w[i] as u64 | (w[i + 1] as u64) << 32;
         let first = match w[STATUS_CLAIMED] {
             SLOT_OUT_OF_RANGE => {
@@ -51,9 +58,11 @@ impl StatusFlags {
         StatusFlags { bits: w[STATUS_BITS], first }
     }
 
+    /// Whether a cache write met a slot at or past the cache's `num_slots` (and skipped it).
     pub fn slot_out_of_range(self) -> bool {
         self.bits & SLOT_OUT_OF_RANGE != 0
     }
+    /// Whether an attention kernel met a block id outside the cache (and read nothing from it).
     pub fn block_out_of_range(self) -> bool {
         self.bits & BLOCK_OUT_OF_RANGE != 0
     }
@@ -85,11 +94,17 @@ impl StatusFlags {
 }
 
 impl DeviceStatus {
+    /// Allocates the block, zeroed, on `stream` (the ops take it by `&mut`, on their own stream;
+    /// [`take`](Self::take) and [`check`](Self::check) read it on the stream they are given).
+    ///
+    /// Errors: `Driver` when the allocation fails.
     pub fn new(stream: &Arc<CudaStream>) -> Result<Self> {
         Ok(DeviceStatus { word: stream.alloc_zeros::<u32>(STATUS_WORDS)? })
     }
 
     /// Waits for `stream`, returns the raised bits and the recorded offence, and clears them.
+    ///
+    /// Errors: `Driver` if the copy or the wait failed.
     pub fn take(&mut self, stream: &Arc<CudaStream>) -> Result<StatusFlags> {
         let mut host = [0u32; STATUS_WORDS];
         stream.memcpy_dtoh(&self.word, &mut host)?;
@@ -100,7 +115,9 @@ impl DeviceStatus {
         Ok(StatusFlags::from_words(&host))
     }
 
-    /// [`take`](Self::take), as a `Result`.
+    /// [`take`](Self::take), as a `Result`: `SlotOutOfRange` or `BlockOutOfRange` (with the
+    /// recorded offence when there is one) if a kernel raised a bit since the last read, `Driver`
+    /// if the copy or the wait failed (a kernel fault surfaces here).
     pub fn check(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
         self.take(stream)?.into_result()
     }

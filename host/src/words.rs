@@ -9,11 +9,14 @@ pub const ALIGN_WORDS: usize = 4;
 /// Where one array lies in the words: `len` words from `offset`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Region {
+    /// First word.
     pub offset: usize,
+    /// Words.
     pub len: usize,
 }
 
 impl Region {
+    /// `offset..offset + len`.
     pub fn range(&self) -> Range<usize> {
         self.offset..self.end()
     }
@@ -23,6 +26,7 @@ impl Region {
         self.offset.saturating_add(self.len)
     }
 
+    /// `offset * 4` (saturating).
     pub fn byte_offset(&self) -> usize {
         self.offset.saturating_mul(4)
     }

@@ -131,9 +131,9 @@ pub fn scattered_block_tables(rng: &mut SmallRng, seq_lens: &[i32], block_size: 
 /// is, with the cache's `num_blocks`; `into_result` must report it. `unrecorded_ok`: the kernel
 /// may raise the bit without a record (the attention kernels do: see `kernels/src/blocks/status.rs`).
 /// When the reference skipped keys of bad blocks and the kernels raised the status bit without a
-/// record, [`attn_rs::batch::BatchMetadata::find_bad_block`] must name the reference's first one.
+/// record, [`attn_rs::BatchMetadata::find_bad_block`] must name the reference's first one.
 pub fn check_found_bad_block(
-    batch: &attn_rs::batch::BatchMetadata,
+    batch: &attn_rs::BatchMetadata,
     block_table: &CudaSlice<i32>,
     stream: &Arc<CudaStream>,
     stride: usize,

@@ -4,8 +4,9 @@
 
 use crate::{pick, start_locs};
 use attn_rs::cpu::{self, DecodeRef, DecodeResult, KvRef, PrefillRef};
-use attn_rs::decode::{AttnOptions, DecodeBatch, MAX_QUERY_LEN};
+use attn_rs::decode::{DecodeBatch, MAX_QUERY_LEN};
 use attn_rs::metadata::{common_prefix, CommonPrefix, StepInput};
+use attn_rs::AttnOptions;
 use attn_rs::{Element, KvCacheSpec, KvLayout, RowsDesc};
 use half::bf16;
 use rand::rngs::SmallRng;

@@ -4,7 +4,7 @@
 use crate::reference::random_q;
 use crate::{compare, masking};
 use attn_rs::cpu::{self, DecodeResult};
-use attn_rs::decode::AttnOptions;
+use attn_rs::AttnOptions;
 use attn_rs::RowsDesc;
 use half::bf16;
 use rand::rngs::SmallRng;

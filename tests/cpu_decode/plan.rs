@@ -2,9 +2,10 @@
 //! modes and the split cap; `attn_rs::decode::validate_batch`'s refusals.
 
 use crate::{pick, refused_arg, start_locs};
-use attn_rs::attn_math::decode::HEAD_SIZES;
-use attn_rs::attn_math::split::{num_splits, plan_chunk};
-use attn_rs::decode::{plan_decode_tc, validate_batch, DecodeBatch, DecodePlan, SplitMode, TcShape, MAX_QUERY_LEN};
+use attn_math::decode::HEAD_SIZES;
+use attn_math::split::{num_splits, plan_chunk};
+use attn_rs::decode::{plan_decode_tc, validate_batch, DecodeBatch, DecodePlan, TcShape, MAX_QUERY_LEN};
+use attn_rs::SplitMode;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

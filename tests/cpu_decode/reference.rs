@@ -4,7 +4,8 @@
 use crate::{logsumexp, pick, refused_arg, start_locs};
 use approx::assert_relative_eq;
 use attn_rs::cpu::{self, DecodeRef, DecodeResult};
-use attn_rs::decode::{AttnOptions, DecodeBatch, MAX_QUERY_LEN};
+use attn_rs::decode::{DecodeBatch, MAX_QUERY_LEN};
+use attn_rs::AttnOptions;
 use attn_rs::{Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
 use half::bf16;
 use rand::rngs::SmallRng;

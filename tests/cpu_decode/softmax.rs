@@ -3,7 +3,7 @@
 
 use crate::{logsumexp, pick, NEG_INF};
 use approx::assert_relative_eq;
-use attn_rs::attn_math::softmax::{combine_lse, partial_weight, OnlineSoftmax};
+use attn_math::softmax::{combine_lse, partial_weight, OnlineSoftmax};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

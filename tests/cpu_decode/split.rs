@@ -2,8 +2,9 @@
 //! plans that need no device copy, splits derived from the CTA index, merge counters.
 
 use crate::pick;
-use attn_rs::attn_math::split::{ctas_for_chunk, even_waves_chunk, num_splits, plan_chunk, EVEN_WAVES_MAX_SPLITS};
-use attn_rs::decode::{plan_decode_tc, DecodeBatch, DecodePlan, SplitMode, TcShape};
+use attn_math::split::{ctas_for_chunk, even_waves_chunk, num_splits, plan_chunk, EVEN_WAVES_MAX_SPLITS};
+use attn_rs::decode::{plan_decode_tc, DecodeBatch, DecodePlan, TcShape};
+use attn_rs::SplitMode;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -152,7 +153,7 @@ fn uniform_splits_are_derived_from_the_cta_index() {
 
 #[test]
 fn merge_counters_are_distinct_and_fit_the_workspace() {
-    use attn_rs::attn_math::params::merge_counter_index;
+    use attn_math::params::merge_counter_index;
     let mut rng = SmallRng::seed_from_u64(21);
     for iter in 0..300 {
         let lens: Vec<i32> = random_lens(&mut rng).into_iter().map(|l| l as i32).collect();

@@ -86,7 +86,7 @@ fn cpu_attention_ops_check_what_they_read() {
             let (slopes, sinks) = (vec![0.1f32; c.per_head.0], vec![0.0f32; c.per_head.1]);
             let (slopes, sinks) =
                 (c.per_head.0.is_multiple_of(2).then_some(&slopes[..]), c.per_head.1.is_multiple_of(2).then_some(&sinks[..]));
-            let opts = attn_rs::decode::AttnOptions::new(8);
+            let opts = attn_rs::AttnOptions::new(8);
             let rows = |r: &attn_rs::cpu::DecodeResult, dv: usize| -> Result<(), String> {
                 let (nt, hq) = (c.q_rows.num_tokens, c.q_rows.num_heads);
                 check!(r.out.len() == nt * hq * dv && r.lse.len() == nt * hq, "{} outputs for {nt} x {hq} x {dv}", r.out.len());

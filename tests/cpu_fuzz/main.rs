@@ -11,8 +11,8 @@
 //! hundred cases. Planners allocate in proportion to the batch's tokens, so batches of more than
 //! 2^20 tokens go to the validators only.
 
-use attn_rs::decode::SplitMode;
 use attn_rs::AttnError;
+use attn_rs::SplitMode;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::fmt::Debug;

@@ -1,9 +1,10 @@
 //! The decode and prefill validators and planners.
 
 use crate::{batch, fuzz, mode, named, plannable, size, valid_tokens, wild_i32, wild_u32, wild_usize};
-use attn_rs::attn_math::split::{ctas_for_chunk, even_waves_chunk, num_splits, plan_chunk};
-use attn_rs::decode::{plan_decode_tc, validate_batch, DecodeBatch, DecodePlan, SplitMode, TcShape, MAX_QUERY_LEN};
+use attn_math::split::{ctas_for_chunk, even_waves_chunk, num_splits, plan_chunk};
+use attn_rs::decode::{plan_decode_tc, validate_batch, DecodeBatch, DecodePlan, TcShape, MAX_QUERY_LEN};
 use attn_rs::prefill::{plan_prefill, validate_prefill_batch, PrefillBatch};
+use attn_rs::SplitMode;
 use rand::Rng;
 use std::fmt::Debug;
 

@@ -7,7 +7,7 @@
 //! Here: the batches and the references; by part: [`valid`] (valid batches), [`order`] (the
 //! decode-first and prefill plan orders), [`refusals`].
 
-use attn_rs::attn_math::decode::HEAD_SIZES;
+use attn_math::decode::HEAD_SIZES;
 use attn_rs::metadata::{build_tensor_core_metadata, BatchSplit, PlanConfig, StagingLayout, StepInput, TensorCoreMetadata, ALIGN_WORDS};
 use attn_rs::AttnError;
 use rand::rngs::SmallRng;

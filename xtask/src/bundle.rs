@@ -1,4 +1,5 @@
-//! `bundle`: release builds of the GPU tests, the benchmark and the engine simulator, gathered with a runner script
+//! `bundle`: release builds of the GPU tests (package `attn-rs`), the benchmarks and the engine
+//! simulator (package `attn-tools`), gathered with a runner script
 //! into `bundle/` so that a machine with only an NVIDIA driver (no Rust, no CUDA toolkit) can run
 //! them. `bench`: the benchmark, run here.
 
@@ -10,6 +11,8 @@ use std::process::Command;
 /// Test targets (in `tests/`) that need a GPU; the bundle runs these.
 const GPU_TESTS: &[&str] =
     &["gpu_cache_write", "gpu_decode", "gpu_soundness", "gpu_prefill", "gpu_forward", "gpu_mla", "gpu_graph", "gpu_cascade"];
+/// The package of the binaries the bundle runs (`tools/`).
+const TOOLS_PACKAGE: &str = "attn-tools";
 const BENCH_BIN: &str = "attn-bench";
 const SIM_BIN: &str = "engine-sim";
 const STEP_BIN: &str = "step-bench";
@@ -123,7 +126,7 @@ pub fn bundle() -> Result<(), String> {
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(out.join("tests")).map_err(|e| e.to_string())?;
     for bin in [BENCH_BIN, STEP_BIN, SIM_BIN] {
-        run(Command::new(env!("CARGO")).current_dir(&root).args(["build", "--release", "--locked", "-p", "attn-rs", "--bin", bin]))?;
+        run(Command::new(env!("CARGO")).current_dir(&root).args(["build", "--release", "--locked", "-p", TOOLS_PACKAGE, "--bin", bin]))?;
         std::fs::copy(root.join("target/release").join(bin), out.join(bin)).map_err(|e| e.to_string())?;
     }
     for (name, exe) in test_executables(&root, GPU_TESTS)? {
@@ -152,6 +155,6 @@ pub fn bundle() -> Result<(), String> {
 pub fn bench(args: &[String]) -> Result<(), String> {
     run(Command::new(env!("CARGO"))
         .current_dir(repo_root())
-        .args(["run", "--release", "--locked", "-p", "attn-rs", "--bin", BENCH_BIN, "--"])
+        .args(["run", "--release", "--locked", "-p", TOOLS_PACKAGE, "--bin", BENCH_BIN, "--"])
         .args(args))
 }

@@ -4,9 +4,10 @@
 //!   (`--check`: fail if the committed PTX differs from what the source produces).
 //! - `ptx-report`: assemble every PTX with `ptxas` and print registers, spills, shared memory and
 //!   stack per kernel (also fails if any module does not assemble or has unresolved externs).
-//! - `bundle`: build the GPU test binaries, the benchmark and `engine-sim` into `bundle/`, with
-//!   `run.sh`, for a machine that has only an NVIDIA driver.
-//! - `bench [ARGS]`: run the benchmark here (needs a GPU).
+//! - `bundle`: build the GPU test binaries (package `attn-rs`) and the binaries `attn-bench`,
+//!   `step-bench` and `engine-sim` (package `attn-tools`) into `bundle/`, with `run.sh`, for a
+//!   machine that has only an NVIDIA driver.
+//! - `bench [ARGS]`: run the benchmark (`attn-tools`' `attn-bench`) here (needs a GPU).
 
 mod bundle;
 mod ptx;

@@ -12,13 +12,17 @@ use std::fmt;
 /// The attention of one model (all its layers share it), as selection sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ModelConfig {
+    /// Standard (K/V cache) or MLA (latent cache) attention.
     pub kind: AttentionKind,
+    /// Query heads per layer.
     pub num_q_heads: usize,
     /// 1 for MLA (one latent shared by every head).
     pub num_kv_heads: usize,
     /// Query/key width: 576 for MLA (latent 512 + rope 64).
     pub head_size: usize,
+    /// Dtype of the queries, new keys/values and outputs (f16, bf16, or f32 on the CPU).
     pub q_dtype: DType,
+    /// Dtype of the cache: the query dtype, or FP8 E4M3 (with per-layer scales).
     pub cache_dtype: DType,
     /// Tokens per KV-cache block.
     pub block_size: usize,
@@ -61,10 +65,12 @@ impl ModelConfig {
         }
     }
 
+    /// The same model with a cache of `cache_dtype` (FP8 E4M3 for an FP8 cache).
     pub fn with_cache_dtype(self, cache_dtype: DType) -> Self {
         ModelConfig { cache_dtype, ..self }
     }
 
+    /// The same model using `features` (sinks, sliding window, soft-cap, ALiBi).
     pub fn with_features(self, features: Features) -> Self {
         ModelConfig { features, ..self }
     }
@@ -97,6 +103,7 @@ impl fmt::Display for ModelConfig {
 /// The device a model runs on: a GPU's compute capability, or none.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct DeviceInfo {
+    /// The GPU's compute capability; `None`: no GPU.
     pub compute_capability: Option<ComputeCapability>,
 }
 
@@ -117,6 +124,7 @@ impl DeviceInfo {
         DeviceInfo::gpu(u32::try_from(major).unwrap_or(0), u32::try_from(minor).unwrap_or(0))
     }
 
+    /// Whether there is a GPU.
     pub fn has_gpu(&self) -> bool {
         self.compute_capability.is_some()
     }

@@ -5,6 +5,8 @@ use super::spec::{AttentionKind, BackendSpec, BlockSizes, CacheDTypeRule, CcRang
 use crate::dtype::DType;
 use crate::layout::KvLayout;
 
+/// The `cpu` backend: [`crate::cpu`]'s implementation, any model, no GPU; `forward` takes
+/// host slices ([`LayerIo::Cpu`](crate::forward::LayerIo::Cpu)).
 pub static CPU: BackendSpec = BackendSpec {
     name: "cpu",
     summary: "CPU implementation (reference and fallback; no GPU needed)",

@@ -8,6 +8,8 @@ use crate::layout::MlaCacheSpec;
 /// The query/key width MLA decode works in: latent plus rope (DeepSeek: 512 + 64).
 pub const MLA_HEAD_SIZE: usize = MlaCacheSpec::DEEPSEEK_LATENT + MlaCacheSpec::DEEPSEEK_ROPE;
 
+/// The `mla` backend: MLA on the GPU (`concat_and_cache_mla`, then `mla_attention` for
+/// decodes and prefills; sm_80 and newer).
 pub static MLA: BackendSpec = BackendSpec {
     name: "mla",
     summary: "multi-head latent attention over the 512 + 64 latent cache (Ampere and newer)",

@@ -21,17 +21,17 @@
 //! assert_eq!(chosen.name(), "cpu");
 //! ```
 
-pub mod config;
-pub mod cpu;
-pub mod describe;
-pub mod mla;
-pub mod priority;
-pub mod reason;
-pub mod registry;
-pub mod select;
-pub mod spec;
-pub mod tensor_core;
-pub mod validate;
+mod config;
+mod cpu;
+mod describe;
+mod mla;
+mod priority;
+mod reason;
+mod registry;
+mod select;
+mod spec;
+mod tensor_core;
+mod validate;
 
 pub use config::{DeviceInfo, ModelConfig};
 pub use cpu::CPU;

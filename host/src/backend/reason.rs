@@ -12,58 +12,88 @@ pub enum Reason {
     // The model's own configuration is inconsistent: reported for every backend.
     /// A head count, head size or block size of zero.
     Zero {
+        /// Which size (`num_q_heads`, `head_size`, ...).
         what: &'static str,
     },
     /// Grouped-query attention needs whole groups.
     HeadsNotDivisible {
+        /// The model's query heads.
         num_q_heads: usize,
+        /// The model's kv heads, which do not divide them.
         num_kv_heads: usize,
     },
     /// MLA has one latent shared by every query head.
     MlaKvHeads {
+        /// The kv heads given (MLA takes 1).
         num_kv_heads: usize,
     },
     /// Standard attention without a K/V-cache layout.
     MissingLayout,
     /// A K/V-cache layout given for MLA, whose cache is the latent one.
     LayoutWithMla {
+        /// The layout given.
         layout: KvLayout,
     },
 
     // The backend cannot take this (valid) model on this device.
+    /// The backend runs on a GPU and the device has none.
     NoGpu,
+    /// The GPU is outside the backend's compute capabilities.
     ComputeCapability {
+        /// The device's.
         device: ComputeCapability,
+        /// The backend's.
         supported: CcRange,
     },
+    /// The backend does not do this kind of attention.
     Kind {
+        /// The model's.
         kind: AttentionKind,
+        /// The backend's.
         supported: &'static [AttentionKind],
     },
+    /// The backend has no kernels for this query dtype.
     QDType {
+        /// The model's.
         dtype: DType,
+        /// The backend's.
         supported: &'static [DType],
     },
+    /// The backend has no kernels for this cache dtype.
     CacheDType {
+        /// The model's.
         dtype: DType,
+        /// The backend's.
         supported: &'static [DType],
     },
     /// Both dtypes are supported, but not together (the cache must be the query dtype or FP8).
     CacheDTypeWithQuery {
+        /// The cache dtype.
         cache: DType,
+        /// The query dtype.
         q: DType,
     },
+    /// The backend has no kernels for this head size.
     HeadSize {
+        /// The model's.
         head_size: usize,
+        /// The backend's.
         supported: HeadSizes,
     },
+    /// The backend does not take this block size.
     BlockSize {
+        /// The model's.
         block_size: usize,
+        /// The backend's.
         supported: BlockSizes,
     },
+    /// The model uses a feature the backend lacks.
     Feature(Feature),
+    /// The backend does not read this K/V-cache layout.
     Layout {
+        /// The model's.
         layout: KvLayout,
+        /// The backend's.
         supported: &'static [KvLayout],
     },
 }

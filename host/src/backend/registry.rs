@@ -6,6 +6,7 @@ use super::mla::MLA;
 use super::spec::BackendSpec;
 use super::tensor_core::TENSOR_CORE;
 
+/// Every backend, in registration order (ranking is [`priorities`](super::priorities)'s).
 pub static REGISTRY: &[&BackendSpec] = &[&TENSOR_CORE, &MLA, &CPU];
 
 /// The backend called `name` (case-insensitive; `_` reads as `-`, so `TENSOR_CORE` works).

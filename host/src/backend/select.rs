@@ -16,7 +16,9 @@ pub const OVERRIDE_ENV: &str = "ATTN_BACKEND";
 /// Where an override came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OverrideSource {
+    /// The `backend` argument of [`select_backend`].
     Argument,
+    /// The `ATTN_BACKEND` environment variable ([`OVERRIDE_ENV`]).
     Env,
 }
 
@@ -32,13 +34,16 @@ impl fmt::Display for OverrideSource {
 /// A backend that did not fit, and every reason why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Refusal {
+    /// The backend refused.
     pub backend: &'static BackendSpec,
+    /// Every reason it cannot run the model (never empty).
     pub reasons: Vec<Reason>,
 }
 
 /// The chosen backend and how it was chosen.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Selection {
+    /// The chosen backend.
     pub backend: &'static BackendSpec,
     /// `Some` when an override named it.
     pub overridden_by: Option<OverrideSource>,
@@ -48,10 +53,12 @@ pub struct Selection {
 }
 
 impl Selection {
+    /// The chosen backend's registry name (`tensor-core`, `mla`, `cpu`).
     pub fn name(&self) -> &'static str {
         self.backend.name
     }
 
+    /// How far CUDA graphs capture the chosen backend.
     pub fn graph_support(&self) -> GraphSupport {
         self.backend.graph_support
     }

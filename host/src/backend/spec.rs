@@ -9,15 +9,21 @@ use std::fmt;
 /// An NVIDIA compute capability (`sm_80` is 8.0). Ordered by (major, minor).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ComputeCapability {
+    /// The major version (8 for Ampere's sm_80/sm_86, 9 for Hopper).
     pub major: u32,
+    /// The minor version.
     pub minor: u32,
 }
 
 impl ComputeCapability {
+    /// Volta (V100).
     pub const SM_70: ComputeCapability = ComputeCapability::new(7, 0);
+    /// Ampere (A100), the oldest GPU the kernels run on.
     pub const SM_80: ComputeCapability = ComputeCapability::new(8, 0);
+    /// Hopper (H100, H200).
     pub const SM_90: ComputeCapability = ComputeCapability::new(9, 0);
 
+    /// `major.minor`.
     pub const fn new(major: u32, minor: u32) -> Self {
         ComputeCapability { major, minor }
     }
@@ -32,6 +38,7 @@ impl fmt::Display for ComputeCapability {
 /// The compute capabilities a GPU backend runs on, both ends inclusive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CcRange {
+    /// The oldest supported.
     pub min: ComputeCapability,
     /// `None`: no upper bound.
     pub max: Option<ComputeCapability>,
@@ -46,10 +53,12 @@ impl CcRange {
         CcRange { min, max: None }
     }
 
+    /// `min` to `max`, both included.
     pub const fn between(min: ComputeCapability, max: ComputeCapability) -> Self {
         CcRange { min, max: Some(max) }
     }
 
+    /// Whether `cc` is in the range.
     pub fn contains(&self, cc: ComputeCapability) -> bool {
         cc >= self.min && self.max.is_none_or(|max| cc <= max)
     }
@@ -68,11 +77,14 @@ impl fmt::Display for CcRange {
 /// The head sizes a backend has kernels for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HeadSizes {
+    /// Every head size (the CPU implementation).
     Any,
+    /// Exactly these.
     List(&'static [usize]),
 }
 
 impl HeadSizes {
+    /// Whether the backend takes `head_size`.
     pub fn contains(&self, head_size: usize) -> bool {
         match self {
             HeadSizes::Any => true,
@@ -93,12 +105,14 @@ impl fmt::Display for HeadSizes {
 /// The KV-cache block sizes (tokens per block) a backend takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BlockSizes {
+    /// Exactly these.
     List(&'static [usize]),
     /// Any positive multiple of `n`.
     MultipleOf(usize),
 }
 
 impl BlockSizes {
+    /// Whether the backend takes `block_size` tokens per block.
     pub fn contains(&self, block_size: usize) -> bool {
         match *self {
             BlockSizes::List(sizes) => sizes.contains(&block_size),
@@ -121,7 +135,9 @@ impl fmt::Display for BlockSizes {
 /// latent cache, [`crate::layout::MlaCacheSpec`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum AttentionKind {
+    /// Multi-head, grouped-query or multi-query attention over a K/V cache.
     Standard,
+    /// Multi-head latent attention over a latent cache.
     Mla,
 }
 
@@ -137,13 +153,18 @@ impl fmt::Display for AttentionKind {
 /// One optional attention feature.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Feature {
+    /// Per-head sink logits that join the softmax denominator (gpt-oss).
     Sinks,
+    /// Each query sees only its last `window` keys.
     SlidingWindow,
+    /// Logits capped as `cap * tanh(logit / cap)` (Gemma 2).
     SoftCap,
+    /// Per-head linear position biases (ALiBi).
     Alibi,
 }
 
 impl Feature {
+    /// Every feature.
     pub const ALL: [Feature; 4] = [Feature::Sinks, Feature::SlidingWindow, Feature::SoftCap, Feature::Alibi];
 }
 
@@ -161,16 +182,23 @@ impl fmt::Display for Feature {
 /// A set of [`Feature`]s: what a backend supports, or what a model uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Features {
+    /// [`Feature::Sinks`].
     pub sinks: bool,
+    /// [`Feature::SlidingWindow`].
     pub sliding_window: bool,
+    /// [`Feature::SoftCap`].
     pub softcap: bool,
+    /// [`Feature::Alibi`].
     pub alibi: bool,
 }
 
 impl Features {
+    /// No feature.
     pub const NONE: Features = Features { sinks: false, sliding_window: false, softcap: false, alibi: false };
+    /// Every feature.
     pub const ALL: Features = Features { sinks: true, sliding_window: true, softcap: true, alibi: true };
 
+    /// Whether `feature` is in the set.
     pub fn has(&self, feature: Feature) -> bool {
         match feature {
             Feature::Sinks => self.sinks,
@@ -231,16 +259,24 @@ pub struct BackendSpec {
     pub needs_gpu: bool,
     /// The GPUs it runs on; only read when `needs_gpu`.
     pub compute_capability: CcRange,
+    /// Query (and output) dtypes it has kernels for.
     pub q_dtypes: &'static [DType],
+    /// Cache dtypes it has kernels for.
     pub cache_dtypes: &'static [DType],
+    /// Which cache dtype goes with which query dtype.
     pub cache_dtype_rule: CacheDTypeRule,
+    /// Head sizes (query/key width) it has kernels for.
     pub head_sizes: HeadSizes,
+    /// Block sizes (tokens per cache block) it takes.
     pub block_sizes: BlockSizes,
+    /// The kinds of attention it does.
     pub kinds: &'static [AttentionKind],
+    /// The optional features it supports.
     pub features: Features,
     /// The K/V-cache layouts it reads for standard attention (empty for an MLA-only backend,
     /// whose cache is [`crate::layout::MlaCacheSpec`]).
     pub layouts: &'static [KvLayout],
+    /// How far CUDA graphs capture its work.
     pub graph_support: GraphSupport,
 }
 

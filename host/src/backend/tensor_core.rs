@@ -5,6 +5,8 @@ use super::spec::{AttentionKind, BackendSpec, BlockSizes, CacheDTypeRule, CcRang
 use crate::dtype::DType;
 use crate::layout::KvLayout;
 
+/// The `tensor-core` backend: standard attention on the GPU (decode, prefill and cache-write
+/// kernels; sm_80 and newer).
 pub static TENSOR_CORE: BackendSpec = BackendSpec {
     name: "tensor-core",
     summary: "paged split-K decode kernels on tensor cores (Ampere and newer)",

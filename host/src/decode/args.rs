@@ -15,15 +15,20 @@ use std::sync::Arc;
 pub struct DecodeArgs<'a> {
     /// `[num_tokens, num_q_heads, head_size]`.
     pub q: DevIn<'a>,
+    /// Shape and strides of `q`: `num_tokens` is the batch's, the head size the cache's
+    /// (64, 96, 128 or 256), `num_heads` a multiple of the cache's kv heads; 16-byte aligned.
     pub q_rows: RowsDesc,
     /// The paged cache (K and V planes, per `spec`).
     pub cache: DevIn<'a>,
+    /// The cache's layout and sizes (block size a multiple of 16).
     pub spec: KvCacheSpec,
     /// `[num_reqs, block_table_stride]` i32.
     pub block_table: DevIn<'a>,
+    /// Entries per row of `block_table` (at least each request's `ceil(seq_len / block_size)`).
     pub block_table_stride: usize,
     /// `[num_tokens, num_q_heads, head_size]`, the dtype of `q`.
     pub out: DevOut<'a>,
+    /// Shape and strides of `out` (the shape of `q`; strides may differ).
     pub out_rows: RowsDesc,
     /// `[num_tokens, num_q_heads]` f32 natural-log LSE (the sink included), if wanted.
     pub lse: Option<DevOut<'a>>,

@@ -28,7 +28,7 @@ pub enum DecodeKernel {
 
 impl DecodeKernel {
     /// The tensor-core shape for a batch: keys split across warps up to 16 rows per kv head.
-    pub fn tensor_cores(rows_per_kv_head: u32) -> DecodeKernel {
+    pub(crate) fn tensor_cores(rows_per_kv_head: u32) -> DecodeKernel {
         if rows_per_kv_head <= block_m(0, 0, true, false) {
             DecodeKernel::TensorCoreKeys
         } else {
@@ -36,7 +36,7 @@ impl DecodeKernel {
         }
     }
 
-    pub fn keys_split(self) -> bool {
+    pub(crate) fn keys_split(self) -> bool {
         self == DecodeKernel::TensorCoreKeys
     }
 }
@@ -45,8 +45,11 @@ impl DecodeKernel {
 /// CTAs of one work item (kv heads x MLA's V slices).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TcShape {
+    /// Query rows per CTA tile.
     pub block_m: u32,
+    /// Keys per tile (splits are whole tiles).
     pub block_n: u32,
+    /// CTAs one work item launches (kv heads, x MLA's value slices).
     pub ctas_per_item: u32,
 }
 

@@ -22,6 +22,20 @@ use std::sync::Arc;
 /// request has several splits) the merge. Enqueued on `stream`; block ids outside the cache are
 /// skipped and raise `BLOCK_OUT_OF_RANGE` in `status`.
 ///
+/// Each request of `batch` has 0 to [`MAX_QUERY_LEN`](super::MAX_QUERY_LEN) query tokens
+/// (speculative decoding: causal among them), the last ones of its `seq_lens` keys; query head
+/// `h` reads kv head `h / (num_q_heads / num_kv_heads)`. `out` gets
+/// `softmax(scale * q k^T) v` per query token and head (with the options' window, soft-cap,
+/// ALiBi and sinks), and `lse` its natural-log normaliser. `plan` is a [`SplitMode`](crate::SplitMode)
+/// or [`PlanOptions`](crate::PlanOptions). Returns the plan it ran (for logging).
+///
+/// Errors, all before anything is enqueued: `InvalidArgument` naming the argument: dtypes (`q`
+/// f16 or bf16, `cache` q's or FP8 with `scales`), a head size without kernels (64, 96, 128,
+/// 256), shapes, buffer lengths and 16-byte alignment, a batch that does not fit the block table
+/// or the workspace, and a workspace, batch or stream from another stream (`workspace`,
+/// `batch`, `stream`: each belongs to the stream it was made on); `Driver` for a failed copy or
+/// launch.
+///
 /// Ordering on Hopper (programmatic dependent launch, `ATTN_DISABLE_PDL=1` turns it off): the
 /// kernel may start while the kernel launched just before it on `stream` still runs, and reads
 /// the queries, block tables, sequence lengths and, on the keys-as-rows kernels, the cache rows

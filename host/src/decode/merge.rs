@@ -51,11 +51,17 @@ pub(crate) fn launch_merge(
 
 /// Inputs of [`merge_attn_states`]: two partial results of the same queries over disjoint keys.
 pub struct MergeArgs<'a> {
+    /// The first partial output, laid out as `rows` (the dtype of `out`).
     pub prefix_out: DevIn<'a>,
+    /// Its f32 natural-log LSEs, laid out by `lse_strides` (-inf: attended nothing).
     pub prefix_lse: DevIn<'a>,
+    /// The second partial output, laid out as `rows`.
     pub suffix_out: DevIn<'a>,
+    /// Its f32 LSEs, laid out by `lse_strides`.
     pub suffix_lse: DevIn<'a>,
+    /// The merged output, laid out as `rows` (f16, bf16 or f32).
     pub out: DevOut<'a>,
+    /// The merged f32 LSEs, laid out by `lse_strides`, if wanted.
     pub out_lse: Option<DevOut<'a>>,
     /// Shape and strides of the three outputs.
     pub rows: RowsDesc,
@@ -65,8 +71,15 @@ pub struct MergeArgs<'a> {
 }
 
 /// `out = merge(prefix, suffix)` weighted by their LSEs; an empty side (LSE -inf) contributes
-/// nothing. f16, bf16 or f32 outputs.
-pub fn merge_attn_states(dev: &AttnDevice, stream: &CudaStream, a: MergeArgs<'_>) -> Result<()> {
+/// nothing. f16, bf16 or f32 outputs. For each (token, head) row, with `m = max(lse_p, lse_s)`:
+/// `out = (e^(lse_p - m) prefix + e^(lse_s - m) suffix) / (e^(lse_p - m) + e^(lse_s - m))` and
+/// `out_lse = m + ln(e^(lse_p - m) + e^(lse_s - m))`. Enqueued on `stream`.
+///
+/// Errors, before anything is enqueued: `InvalidArgument` for rows that do not validate,
+/// buffers of another dtype or shorter than `rows`/`lse_strides` need
+/// ([`merge_attn_states_sizes`]), or an output dtype other than f16/bf16/f32; `Driver` for a
+/// failed launch.
+pub fn merge_attn_states(dev: &AttnDevice, stream: &Arc<CudaStream>, a: MergeArgs<'_>) -> Result<()> {
     refuse_foreign_capture(stream, "stream", "merge_attn_states")?;
     merge_attn_states_from(dev, stream, a)
 }

@@ -9,18 +9,27 @@ use attn_math::split::{even_waves_chunk, num_splits, plan_chunk};
 /// Splits shorter than this cost more in merging than they gain.
 pub(crate) const MIN_CHUNK: u32 = 256;
 
-/// The per-batch plan: chunk size, work items and where each request's partials go.
+/// A batch's split-K plan, as [`paged_decode`](super::paged_decode),
+/// [`mla_attention`](crate::mla::mla_attention) and [`BatchPlan`](crate::batch_plan::BatchPlan)
+/// return it: for logging and tuning (which kernel ran, how the keys were split); the calls
+/// need nothing from it. An empty batch gives the default (empty) plan.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DecodePlan {
+    /// Keys per split (a multiple of the kernel's key tile; `u32::MAX`: one split each).
     pub chunk: u32,
-    /// Query rows per CTA, and the row tiles of the request with the most rows.
+    /// Query rows (query tokens x query heads of a kv head) per CTA.
     pub rows_per_cta: u32,
+    /// Row tiles of the request with the most query rows.
     pub row_groups: u32,
-    /// `request, row_tile << 16 | split` per work item.
+    /// Work items, two words each: `request, row_tile << 16 | split`.
     pub items: Vec<u32>,
+    /// The kernel the batch runs on.
     pub kernel: DecodeKernel,
+    /// `[num_reqs]` splits of each request (1: its output is written directly).
     pub req_num_splits: Vec<u32>,
+    /// `[num_reqs]` first partial row of each request in the workspace.
     pub req_partial_base: Vec<u32>,
+    /// `[num_tokens]` the request each query token belongs to.
     pub token_request: Vec<u32>,
     /// Partial rows (head_size f32 each) the plan uses in the workspace.
     pub partial_rows: usize,
@@ -30,6 +39,8 @@ pub struct DecodePlan {
 }
 
 impl DecodePlan {
+    /// Whether a merge pass follows the attention kernel (some request has several splits and
+    /// they are not combined in a cluster).
     pub fn needs_merge(&self) -> bool {
         self.cluster <= 1 && self.req_num_splits.iter().any(|&s| s > 1)
     }
@@ -38,6 +49,7 @@ impl DecodePlan {
     /// items are the ones a CTA derives from its index with `Schedule::uniform_splits`
     /// (split `i % n` of request `i / n`, row tile 0; partial rows in request order, so request
     /// r's start at `n * num_q_heads * query_start_loc[r]`).
+    #[doc(hidden)]
     pub fn uniform_splits(&self) -> Option<u32> {
         let n = *self.req_num_splits.first()?;
         let uniform = n > 1
@@ -54,6 +66,7 @@ impl DecodePlan {
     /// size or 1 (one split, one row tile, at least one query token each). The call then copies
     /// nothing, and its launch follows the kernel before it directly (programmatic dependent
     /// launch).
+    #[doc(hidden)]
     pub fn needs_device_plan(&self) -> bool {
         let per = self.cluster.max(1);
         let implicit = self.items.len() == 2 * per as usize * self.req_num_splits.len()

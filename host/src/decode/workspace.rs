@@ -31,7 +31,6 @@ pub struct DecodeWorkspace {
 }
 
 impl DecodeWorkspace {
-    /// Device bytes [`new`](Self::new) allocates.
     /// Device bytes [`new`](Self::new) allocates (saturating: sizes that overflow are ones
     /// `new` refuses).
     pub fn bytes(partial_rows: usize, head_size: usize, max_items: usize, max_reqs: usize, max_tokens: usize) -> usize {
@@ -44,7 +43,11 @@ impl DecodeWorkspace {
 
     /// A workspace for up to `max_reqs` requests and `max_tokens` query tokens; `partial_rows`
     /// bounds the split-K partials (a good size: `4 * sm_count * 8 * num_q_heads / num_kv_heads`).
-    /// Every call that uses it must run on `stream`: one workspace per stream.
+    /// Every call that uses it must run on `stream`: one workspace per stream. `head_size` is the
+    /// layer's (512 for MLA). Allocates [`bytes`](Self::bytes) of device memory.
+    ///
+    /// Errors: `InvalidArgument` for sizes past what a launch indexes (`i32::MAX`, or
+    /// `partial_rows * head_size` past `u32::MAX`); `Driver` when an allocation fails.
     pub fn new(stream: &Arc<CudaStream>, partial_rows: usize, head_size: usize, max_reqs: usize, max_tokens: usize) -> Result<Self> {
         // The kernels index partial rows, items and tokens with 32-bit words.
         for (arg, n) in [("partial_rows", partial_rows), ("head_size", head_size), ("max_reqs", max_reqs), ("max_tokens", max_tokens)] {
@@ -75,6 +78,7 @@ impl DecodeWorkspace {
         check_stream("workspace", &self.stream, stream)
     }
 
+    /// Partial rows (`head_size` f32 each) the workspace holds for split-K.
     pub fn partial_rows(&self) -> usize {
         self.partial_lse.len()
     }

@@ -22,7 +22,10 @@ use std::sync::Arc;
 /// The GPU a GPU backend runs on: the device and the stream every launch is enqueued on.
 #[derive(Clone)]
 pub struct GpuHandles {
+    /// The device the kernels load on.
     pub dev: Arc<AttnDevice>,
+    /// The stream every call of the [`Attention`] runs on (step metadata, cache writes and
+    /// attention; a cascade step's prefix runs on a second stream of its own, joined back).
     pub stream: Arc<CudaStream>,
 }
 
@@ -83,10 +86,12 @@ impl Attention {
         Ok(Attention { id, config, spec, backend, exec, timer: Timer::default(), capturing: None })
     }
 
+    /// The backend the [`Selection`] chose.
     pub fn backend(&self) -> &'static BackendSpec {
         self.backend
     }
 
+    /// The configuration it was made with.
     pub fn config(&self) -> &ForwardConfig {
         &self.config
     }

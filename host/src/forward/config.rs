@@ -25,6 +25,7 @@ pub struct ForwardLimits {
 /// An attention layer stack's configuration (every layer shares it).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ForwardConfig {
+    /// The model's attention (the one the backend was selected for).
     pub model: ModelConfig,
     /// Blocks in each layer's cache.
     pub num_blocks: usize,
@@ -44,6 +45,7 @@ pub struct ForwardConfig {
     /// [`use_cascade`](crate::metadata::use_cascade), or forced on or off. `Auto` stays off with
     /// `SplitMode::Fixed(1)`, whose results must not depend on the rest of the batch.
     pub cascade: CascadeMode,
+    /// The largest step (tokens, requests, context length).
     pub limits: ForwardLimits,
 }
 

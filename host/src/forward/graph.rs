@@ -54,6 +54,7 @@ pub struct StepGraph {
 }
 
 impl StepGraph {
+    /// The bucket the graph was captured for.
     pub fn bucket(&self) -> GraphBucket {
         self.bucket
     }

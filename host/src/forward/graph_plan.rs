@@ -14,7 +14,9 @@ use attn_math::params::NO_WORK;
 /// query tokens each (1, or 1 + speculative tokens); smaller batches are padded to it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GraphBucket {
+    /// Requests the captured step has (a smaller batch is padded with empty requests).
     pub num_reqs: usize,
+    /// Query tokens of every request (1, or 1 + speculative tokens).
     pub query_len: usize,
 }
 

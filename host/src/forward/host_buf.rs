@@ -8,22 +8,31 @@ use half::{bf16, f16};
 /// A host slice the CPU backend reads.
 #[derive(Clone, Copy, Debug)]
 pub enum HostIn<'a> {
+    /// f16 elements.
     F16(&'a [f16]),
+    /// bf16 elements.
     BF16(&'a [bf16]),
+    /// f32 elements.
     F32(&'a [f32]),
+    /// FP8 E4M3 elements (an FP8 cache).
     Fp8E4m3(&'a [Fp8E4m3]),
 }
 
 /// A host slice the CPU backend writes.
 #[derive(Debug)]
 pub enum HostOut<'a> {
+    /// f16 elements.
     F16(&'a mut [f16]),
+    /// bf16 elements.
     BF16(&'a mut [bf16]),
+    /// f32 elements.
     F32(&'a mut [f32]),
+    /// FP8 E4M3 elements (an FP8 cache).
     Fp8E4m3(&'a mut [Fp8E4m3]),
 }
 
 impl HostIn<'_> {
+    /// The element type held.
     pub fn dtype(&self) -> DType {
         match self {
             HostIn::F16(_) => DType::F16,
@@ -33,6 +42,7 @@ impl HostIn<'_> {
         }
     }
 
+    /// Elements in the slice.
     pub fn len(&self) -> usize {
         match self {
             HostIn::F16(s) => s.len(),
@@ -42,12 +52,14 @@ impl HostIn<'_> {
         }
     }
 
+    /// Whether the slice is empty.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 }
 
 impl HostOut<'_> {
+    /// The element type held.
     pub fn dtype(&self) -> DType {
         match self {
             HostOut::F16(_) => DType::F16,
@@ -57,6 +69,7 @@ impl HostOut<'_> {
         }
     }
 
+    /// Elements in the slice.
     pub fn len(&self) -> usize {
         match self {
             HostOut::F16(s) => s.len(),
@@ -66,6 +79,7 @@ impl HostOut<'_> {
         }
     }
 
+    /// Whether the slice is empty.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -73,10 +87,13 @@ impl HostOut<'_> {
 
 /// The element types a [`HostIn`] / [`HostOut`] holds, and the way back to typed slices.
 pub trait HostElement: Element {
+    /// `s` as a [`HostIn`] (the same as `s.into()`).
     fn host_in(s: &[Self]) -> HostIn<'_>;
+    /// `s` as a [`HostOut`] (the same as `s.into()`).
     fn host_out(s: &mut [Self]) -> HostOut<'_>;
     /// The slice, if `x` holds this type.
     fn from_in<'a>(x: &HostIn<'a>) -> Option<&'a [Self]>;
+    /// The slice, if `x` holds this type.
     fn from_out<'s>(x: &'s mut HostOut<'_>) -> Option<&'s mut [Self]>;
 }
 

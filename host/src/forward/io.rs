@@ -10,10 +10,28 @@ use crate::layout::{KvCacheSpec, MlaCacheSpec, RowsDesc};
 pub enum NewKv<I> {
     /// Standard attention: `[num_tokens, num_kv_heads, head_size]` K and V (any token/head
     /// stride, e.g. slices of a fused QKV projection).
-    Standard { k: I, k_rows: RowsDesc, v: I, v_rows: RowsDesc },
+    Standard {
+        /// The keys.
+        k: I,
+        /// Shape and strides of `k`.
+        k_rows: RowsDesc,
+        /// The values.
+        v: I,
+        /// Shape and strides of `v`.
+        v_rows: RowsDesc,
+    },
     /// MLA: the compressed latent `kv_c` `[num_tokens, latent_dim]` and the rope key `k_pe`
     /// `[num_tokens, rope_dim]`, rows `*_token_stride` elements apart.
-    Mla { kv_c: I, kv_c_token_stride: usize, k_pe: I, k_pe_token_stride: usize },
+    Mla {
+        /// The compressed latent.
+        kv_c: I,
+        /// Elements between consecutive tokens of `kv_c`.
+        kv_c_token_stride: usize,
+        /// The rope key.
+        k_pe: I,
+        /// Elements between consecutive tokens of `k_pe`.
+        k_pe_token_stride: usize,
+    },
 }
 
 /// One layer's tensors. `I` is what the backend reads, `O` what it writes.
@@ -24,6 +42,7 @@ pub struct Layer<I, O> {
     /// `[num_tokens, num_q_heads, head_size]` (MLA: the absorbed query, `latent_dim + rope_dim`
     /// wide), the model's query dtype.
     pub q: I,
+    /// Shape and strides of `q` (`num_tokens` at least the step's `num_actual_tokens`).
     pub q_rows: RowsDesc,
     /// This step's keys and values (the query dtype), written into `cache` at the step's slots.
     pub new_kv: NewKv<I>,
@@ -32,6 +51,7 @@ pub struct Layer<I, O> {
     /// `[num_tokens, num_q_heads, v_head_size]`, the query dtype (MLA: `v_head_size` is
     /// `latent_dim`).
     pub out: O,
+    /// Shape and strides of `out`.
     pub out_rows: RowsDesc,
     /// `[num_q_heads]` f32 ALiBi slopes: given exactly when the model config declares ALiBi.
     pub alibi_slopes: Option<I>,
@@ -52,7 +72,9 @@ pub type CpuLayer<'a> = Layer<HostIn<'a>, HostOut<'a>>;
 // every call to save a few hundred bytes of stack.
 #[allow(clippy::large_enum_variant)]
 pub enum LayerIo<'a> {
+    /// Device buffers, for the `tensor-core` and `mla` backends.
     Gpu(GpuLayer<'a>),
+    /// Host slices, for the `cpu` backend.
     Cpu(CpuLayer<'a>),
 }
 
@@ -84,6 +106,7 @@ impl CacheSpec {
         }
     }
 
+    /// Blocks in each layer's cache.
     pub fn num_blocks(&self) -> usize {
         match self {
             CacheSpec::Paged(s) => s.num_blocks,
@@ -91,6 +114,7 @@ impl CacheSpec {
         }
     }
 
+    /// Tokens per block.
     pub fn block_size(&self) -> usize {
         match self {
             CacheSpec::Paged(s) => s.block_size,
@@ -114,6 +138,7 @@ impl CacheSpec {
         }
     }
 
+    /// Key/value heads (1 for MLA's latent).
     pub fn num_kv_heads(&self) -> usize {
         match self {
             CacheSpec::Paged(s) => s.num_kv_heads,

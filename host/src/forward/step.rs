@@ -227,10 +227,12 @@ impl StepMetadata {
         self.split
     }
 
+    /// Tokens of the step as built (rows past it are padding).
     pub fn num_actual_tokens(&self) -> usize {
         self.num_actual_tokens
     }
 
+    /// Requests of the step as built.
     pub fn num_reqs(&self) -> usize {
         self.seq_lens.len()
     }

@@ -10,9 +10,11 @@ use crate::error::Result;
 /// One step's result, borrowed from the builder until its next build.
 #[derive(Clone, Copy, Debug)]
 pub struct BuiltStep<'b> {
+    /// The step's split and parts.
     pub metadata: &'b TensorCoreMetadata,
+    /// Where each array lies in `words`.
     pub layout: &'b StagingLayout,
-    /// What [`upload`](super::upload) sends.
+    /// The packed words one copy sends to the GPU.
     pub words: &'b [u32],
 }
 
@@ -40,6 +42,7 @@ impl MetadataBuilder {
         Ok(MetadataBuilder { config, metadata: TensorCoreMetadata::default(), layout: StagingLayout::default(), words: Vec::new() })
     }
 
+    /// The numbers the builder checks steps against.
     pub fn config(&self) -> &PlanConfig {
         &self.config
     }

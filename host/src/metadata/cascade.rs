@@ -25,6 +25,7 @@ pub enum CascadeMode {
 /// A step's shared prefix, in whole blocks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CommonPrefix {
+    /// Block-table entries every request starts with.
     pub blocks: usize,
     /// `blocks * block_size`.
     pub tokens: usize,
@@ -89,8 +90,11 @@ pub const MAX_CASCADE_ROWS_PER_REQ: usize = 64;
 /// What [`use_cascade`] looks at.
 #[derive(Clone, Copy, Debug)]
 pub struct CascadeStep {
+    /// The step's shared prefix.
     pub prefix: CommonPrefix,
+    /// Requests of the step.
     pub num_reqs: usize,
+    /// Query tokens of the step.
     pub num_query_tokens: usize,
     /// Query heads per kv head.
     pub group: usize,

@@ -13,14 +13,16 @@ pub struct StepInput<'a> {
     pub seq_lens: &'a [i32],
     /// `[>= num_reqs, block_table_stride]`: physical block ids of each request's context.
     pub block_table: &'a [i32],
+    /// Entries per row of `block_table`.
     pub block_table_stride: usize,
     /// `[>= num_actual_tokens]`: the cache slot of each new token (`block * block_size + offset`);
     /// -1 is padding (written nowhere). Entries past `num_actual_tokens` are ignored.
     pub slot_mapping: &'a [i64],
     /// Tokens of the step without padding.
     pub num_actual_tokens: usize,
-    /// The KV cache's blocks and tokens per block.
+    /// Blocks in the KV cache (block ids must be below it).
     pub num_blocks: usize,
+    /// Tokens per cache block.
     pub block_size: usize,
 }
 
@@ -47,6 +49,7 @@ impl<'a> StepInput<'a> {
         }
     }
 
+    /// Requests of the step (`seq_lens.len()`).
     pub fn num_reqs(&self) -> usize {
         self.seq_lens.len()
     }

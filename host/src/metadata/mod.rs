@@ -1,12 +1,16 @@
 //! Per-step attention metadata, CPU side (vLLM's metadata builders): what the engine fills each
-//! step ([`StepInput`]), checked ([`validate`]), split into decodes and prefills
-//! ([`split_decodes`], [`decode_first_order`]), gathered for the `tensor-core` backend
-//! ([`build_tensor_core_metadata`]) and packed into one buffer ([`pack`]) that one copy from
-//! pinned memory moves to the GPU ([`upload`]). [`MetadataBuilder`] does it all step after step
-//! without allocating.
+//! step ([`StepInput`]) and what it needs to know about it before handing it to
+//! [`StepMetadata::build`](crate::forward::StepMetadata::build), which checks, splits, plans and
+//! uploads it once for every layer.
+//!
+//! - [`validate`]: the checks `build` runs, naming the field it refuses.
+//! - [`decode_first_order`], [`is_decode`]: `forward` takes batches ordered decodes first (at
+//!   most `decode_threshold` query tokens each); [`BatchSplit`] is what `build` returns.
+//! - [`common_prefix`], [`use_cascade`], [`CascadeMode`]: cascade attention's shared prefix and
+//!   the per-step decision (see [`ForwardConfig::cascade`](crate::forward::ForwardConfig::cascade)).
 //!
 //! ```
-//! use attn_rs::metadata::{build_tensor_core_metadata, pack, validate, StepInput};
+//! use attn_rs::metadata::{decode_first_order, is_decode, validate, StepInput};
 //!
 //! // Two decodes (1 and 2 query tokens), then a prefill of 5; block size 16, 8 blocks.
 //! let (qsl, seq_lens) = ([0, 1, 3, 8], [17, 2, 5]);
@@ -17,12 +21,13 @@
 //!     slot_mapping: &slots, num_actual_tokens: 8, num_blocks: 8, block_size: 16,
 //! };
 //! validate(&step).unwrap();
-//! let meta = build_tensor_core_metadata(&step, 2, 32, 8, 128).unwrap();
-//! assert_eq!((meta.split.num_decodes, meta.split.num_decode_tokens, meta.split.num_prefill_tokens), (2, 3, 5));
-//! assert_eq!(meta.prefill.query_start_loc, [0, 5]);
-//! let (words, layout) = pack(&meta, &step);
-//! assert_eq!(layout.block_table_stride, 2); // the longest request uses 2 blocks
-//! assert_eq!(layout.seq_lens.of(&words), [17, 2, 5]);
+//! // With decodes of up to 2 query tokens, the batch is already ordered decodes first.
+//! assert!(is_decode(2, 2) && !is_decode(5, 2));
+//! assert_eq!(decode_first_order(&step, 2), [0, 1, 2]);
+//! // A prefill before a decode: the order that puts the decode first.
+//! let prefill_first = StepInput { query_start_loc: &[0, 5, 6], seq_lens: &[5, 9], ..step };
+//! assert_eq!(decode_first_order(&prefill_first, 2), [1, 0]);
+//! assert!(validate(&StepInput { num_blocks: 6, ..step }).is_err()); // block id 6 is outside
 //! ```
 
 mod builder;
@@ -34,15 +39,25 @@ mod tensor_core;
 mod upload;
 mod validate;
 
-pub use crate::words::{Region, ALIGN_WORDS};
-pub use builder::{BuiltStep, MetadataBuilder};
 pub use cascade::{
     common_prefix, use_cascade, CascadeMode, CascadeStep, CommonPrefix, MAX_CASCADE_ROWS_PER_REQ, MIN_CASCADE_PREFIX_TOKENS,
     MIN_CASCADE_REQS,
 };
 pub use input::StepInput;
-pub use split::{decode_first_order, is_decode, split_decodes, BatchSplit};
-pub use staging::{pack, pack_into, StagingLayout, StagingSizes};
-pub use tensor_core::{build_tensor_core_metadata, DecodePart, PlanConfig, PrefillPart, TensorCoreMetadata};
-pub use upload::upload;
+pub use split::{decode_first_order, is_decode, BatchSplit};
 pub use validate::validate;
+
+pub(crate) use upload::upload;
+
+// The stages of `StepMetadata::build` one by one, for the tests in `tests/` and the
+// `metadata-bench` benchmark (not part of the API).
+#[doc(hidden)]
+pub use crate::words::{Region, ALIGN_WORDS};
+#[doc(hidden)]
+pub use builder::{BuiltStep, MetadataBuilder};
+#[doc(hidden)]
+pub use split::split_decodes;
+#[doc(hidden)]
+pub use staging::{pack, pack_into, StagingLayout, StagingSizes};
+#[doc(hidden)]
+pub use tensor_core::{build_tensor_core_metadata, DecodePart, PlanConfig, PrefillPart, TensorCoreMetadata};

@@ -9,13 +9,18 @@ use crate::error::{AttnError, Result};
 /// `0..num_decode_tokens`) are decodes, the rest prefills.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BatchSplit {
+    /// Decode requests (at most `decode_threshold` query tokens each), first in the batch.
     pub num_decodes: usize,
+    /// Query tokens of the decodes.
     pub num_decode_tokens: usize,
+    /// Prefill requests, after the decodes.
     pub num_prefills: usize,
+    /// Query tokens of the prefills.
     pub num_prefill_tokens: usize,
 }
 
 impl BatchSplit {
+    /// Requests of both parts.
     pub fn num_reqs(&self) -> usize {
         self.num_decodes + self.num_prefills
     }

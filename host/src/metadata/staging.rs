@@ -19,6 +19,7 @@ pub struct StagingLayout {
     /// Entries past a request's blocks are unspecified (zero from [`pack`]; what the buffer
     /// held from [`pack_into`]), as in vLLM's block table: kernels never read them.
     pub block_table: Region,
+    /// Entries per row of the packed `block_table`.
     pub block_table_stride: usize,
     /// `[num_actual_tokens]` i64 as (low, high) word pairs, little-endian: 8-byte aligned.
     pub slot_mapping: Region,
@@ -28,8 +29,11 @@ pub struct StagingLayout {
     /// `req_partial_base` (`[num_decodes]` each for the last two), `token_request`
     /// (`[num_decode_tokens]`).
     pub work_items: Region,
+    /// `[num_decodes]` splits per decode.
     pub req_num_splits: Region,
+    /// `[num_decodes]` first partial row per decode.
     pub req_partial_base: Region,
+    /// `[num_decode_tokens]` request of each decode token.
     pub token_request: Region,
     /// Requests `0..num_decodes` are the decode part (a prefix of `query_start_loc`,
     /// `seq_lens` and `block_table`).
@@ -41,12 +45,19 @@ pub struct StagingLayout {
 /// Lengths in words of the packed arrays.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StagingSizes {
+    /// Requests of the step.
     pub num_reqs: usize,
+    /// Entries per packed block-table row.
     pub block_table_stride: usize,
+    /// Tokens of the step (slot-mapping entries).
     pub num_actual_tokens: usize,
+    /// Decode requests.
     pub num_decodes: usize,
+    /// Prefill requests.
     pub num_prefills: usize,
+    /// Words of the decode plan's work items.
     pub num_work_items: usize,
+    /// Query tokens of the decodes.
     pub num_decode_tokens: usize,
 }
 
@@ -103,6 +114,7 @@ impl StagingLayout {
         })
     }
 
+    /// Bytes in the buffer (`total_words * 4`, saturating).
     pub fn total_bytes(&self) -> usize {
         self.total_words.saturating_mul(4)
     }

@@ -18,8 +18,11 @@ pub(crate) const MAX_PLAN_HEADS: usize = 1 << 16;
 pub struct PlanConfig {
     /// Requests with at most this many query tokens are decodes (1..=[`MAX_QUERY_LEN`]).
     pub decode_threshold: usize,
+    /// Query heads.
     pub num_q_heads: usize,
+    /// Key/value heads.
     pub num_kv_heads: usize,
+    /// Elements per head (a decode kernel's: 64, 96, 128 or 256).
     pub head_size: usize,
 }
 
@@ -49,7 +52,9 @@ pub struct DecodePart {
     /// Not planned here (the decode calls plan for their kernel): no work items and no token
     /// requests, and a zero for each decode's splits and partial base.
     pub plan: DecodePlan,
+    /// The most query tokens a decode has.
     pub max_query_len: usize,
+    /// The longest decode context.
     pub max_seq_len: usize,
 }
 
@@ -60,20 +65,27 @@ pub struct PrefillPart {
     pub query_start_loc: Vec<i32>,
     /// `[num_prefills]`.
     pub seq_lens: Vec<i32>,
+    /// The most query tokens a prefill has.
     pub max_query_len: usize,
+    /// The longest prefill context.
     pub max_seq_len: usize,
 }
 
 /// One step's metadata for the `tensor-core` backend.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TensorCoreMetadata {
+    /// The decode and prefill parts' sizes.
     pub split: BatchSplit,
+    /// Tokens of the step.
     pub num_actual_tokens: usize,
+    /// The decodes.
     pub decode: DecodePart,
+    /// The prefills.
     pub prefill: PrefillPart,
 }
 
 impl TensorCoreMetadata {
+    /// Requests of the step.
     pub fn num_reqs(&self) -> usize {
         self.split.num_reqs()
     }

@@ -1,6 +1,6 @@
 //! `--only mla`: MLA decode over the latent cache, bf16 and FP8, per call and planned once.
 
-use crate::bench::{dev, env_shapes, random_device, random_slots, random_values, Bench, Row};
+use crate::bench::{dev, dtype_name, env_shapes, random_device, random_slots, random_values, Bench, Row};
 use attn_rs::cache_write::KvScales;
 use attn_rs::{BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, PlanOptions, Result, RowsDesc, SplitMode};
 use cudarc::driver::CudaSlice;
@@ -18,9 +18,10 @@ fn mla_row<C: Element>(
     status: &mut DeviceStatus,
 ) -> Result<Row> {
     use attn_rs::batch_plan::{mla_attention_planned, BatchPlan};
-    use attn_rs::decode::{AttnOptions, DecodeWorkspace};
-    use attn_rs::layout::MlaCacheSpec;
+    use attn_rs::decode::DecodeWorkspace;
     use attn_rs::mla::{mla_attention, MlaArgs};
+    use attn_rs::AttnOptions;
+    use attn_rs::MlaCacheSpec;
     let s = &b.stream;
     let block_size = 64;
     let blocks_per_req = context.div_ceil(block_size);
@@ -70,7 +71,7 @@ fn mla_row<C: Element>(
     let bytes = (batch * context * 576 * C::DTYPE.size_bytes()) as f64;
     let flops = 2.0 * (heads * context * (576 + 512) * batch) as f64;
     let mut row = Row {
-        name: format!("mla_attention{} bf16 q, {} latent", if planned { "_planned" } else { "" }, C::DTYPE.kernel_name()),
+        name: format!("mla_attention{} bf16 q, {} latent", if planned { "_planned" } else { "" }, dtype_name(C::DTYPE)),
         shape: format!(
             "{heads} heads x batch {batch} x {context}, bs64 (chunk {chunk}{})",
             if cluster > 1 { format!(", cluster {cluster}") } else { String::new() }

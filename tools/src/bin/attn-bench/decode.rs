@@ -1,7 +1,7 @@
 //! `--only decode`: paged decode over a scattered cache, per call and planned once, with and
 //! without programmatic dependent launch, and other head sizes, block sizes and groups.
 
-use crate::bench::{dev, env_shapes, random_device, random_slots, random_values, Bench, Row};
+use crate::bench::{dev, dtype_name, env_shapes, random_device, random_slots, random_values, Bench, Row};
 use attn_rs::cache_write::KvScales;
 use attn_rs::{
     BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, PlanOptions, Result, RowsDesc, SplitMode,
@@ -22,7 +22,8 @@ struct DecodeShape {
 /// step runs it), else planned and uploaded by each call.
 fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &mut DeviceStatus) -> Result<Row> {
     use attn_rs::batch_plan::{paged_decode_planned, BatchPlan};
-    use attn_rs::decode::{paged_decode, AttnOptions, DecodeArgs, DecodeWorkspace};
+    use attn_rs::decode::{paged_decode, DecodeArgs, DecodeWorkspace};
+    use attn_rs::AttnOptions;
     let s = &b.stream;
     let blocks_per_req = sh.context.div_ceil(sh.block_size);
     let num_blocks = sh.batch * blocks_per_req;
@@ -89,7 +90,7 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
     status.check(s)?;
     let kv_bytes = 2.0 * (sh.batch * sh.context * sh.kv_heads * sh.head_size) as f64 * std::mem::size_of::<C>() as f64;
     Ok(Row {
-        name: format!("paged_decode{} bf16 q, {} cache", if planned { "_planned" } else { "" }, C::DTYPE.kernel_name()),
+        name: format!("paged_decode{} bf16 q, {} cache", if planned { "_planned" } else { "" }, dtype_name(C::DTYPE)),
         shape: format!(
             "{}x{} {}q/{}kv d{} bs{} (chunk {chunk})",
             sh.batch, sh.context, sh.q_heads, sh.kv_heads, sh.head_size, sh.block_size

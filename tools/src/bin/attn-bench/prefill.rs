@@ -19,8 +19,8 @@ struct PrefillShape {
 /// Causal paged prefill, bf16, block size 16, scattered block tables. FLOPs = 4 * q_heads *
 /// head_size * attended pairs.
 fn prefill_row(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Result<Row> {
-    use attn_rs::decode::AttnOptions;
     use attn_rs::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
+    use attn_rs::AttnOptions;
     let s = &b.stream;
     let block_size = 16;
     let seq = sh.cached + sh.q_len;

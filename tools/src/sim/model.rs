@@ -1,8 +1,8 @@
 //! The models the simulator plays: their attention configuration and layer count.
 
-use crate::backend::ModelConfig;
-use crate::dtype::DType;
-use crate::layout::KvLayout;
+use attn_rs::backend::ModelConfig;
+use attn_rs::DType;
+use attn_rs::KvLayout;
 
 /// A model's attention, as the simulated engine runs it.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -44,7 +44,7 @@ impl SimModel {
     }
 
     pub fn is_mla(&self) -> bool {
-        self.config.kind == crate::backend::AttentionKind::Mla
+        self.config.kind == attn_rs::backend::AttentionKind::Mla
     }
 
     /// Columns of one token's row of the simulated projection output:
@@ -53,7 +53,7 @@ impl SimModel {
         let c = &self.config;
         let q = c.num_q_heads * c.head_size;
         if self.is_mla() {
-            let rope = crate::layout::MlaCacheSpec::DEEPSEEK_ROPE;
+            let rope = attn_rs::MlaCacheSpec::DEEPSEEK_ROPE;
             let latent = c.head_size - rope;
             RowLayout { q: 0, k: q, v: q + latent, width: q + c.head_size }
         } else {

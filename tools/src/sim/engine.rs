@@ -10,12 +10,12 @@ use super::report::{progress_line, SimReport};
 use super::requests::Workload;
 use super::rng::SplitMix;
 use super::scheduler::{Batch, Scheduler, SchedulerConfig};
-use crate::backend::Selection;
-use crate::buffer::{DevIn, DevOut};
-use crate::dtype::DType;
-use crate::error::AttnError;
-use crate::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, HostElement, Layer, LayerIo, NewKv, StepMetadata};
-use crate::layout::RowsDesc;
+use attn_rs::backend::Selection;
+use attn_rs::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, HostElement, Layer, LayerIo, NewKv, StepMetadata};
+use attn_rs::AttnError;
+use attn_rs::DType;
+use attn_rs::RowsDesc;
+use attn_rs::{DevIn, DevOut};
 use cudarc::driver::{CudaSlice, CudaStream, DriverError};
 use half::{bf16, f16};
 use std::io::Write;
@@ -335,7 +335,7 @@ fn layer_of<I>(model: &SimModel, nt: usize, q: I, k: I, v: I) -> Pending<I> {
         let rows = RowsDesc { num_tokens: nt, num_heads: c.num_kv_heads, head_size: d, token_stride: width, head_stride: d };
         NewKv::Standard { k, k_rows: rows, v, v_rows: rows }
     };
-    let dv = if model.is_mla() { d - crate::layout::MlaCacheSpec::DEEPSEEK_ROPE } else { d };
+    let dv = if model.is_mla() { d - attn_rs::MlaCacheSpec::DEEPSEEK_ROPE } else { d };
     Pending { q, q_rows, new_kv, out_rows: RowsDesc::contiguous(nt, c.num_q_heads, dv) }
 }
 

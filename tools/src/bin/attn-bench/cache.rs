@@ -1,7 +1,7 @@
 //! `--only cache`: the cache writes (`reshape_and_cache`, `concat_and_cache_mla`) against a
 //! copy of the same size.
 
-use crate::bench::{copy_row, dev, random_slots, random_values, Bench, Row};
+use crate::bench::{copy_row, dev, dtype_name, random_slots, random_values, Bench, Row};
 use attn_rs::cache_write::{concat_and_cache_mla, reshape_and_cache, KvScales, KvWrite, MlaWrite};
 use attn_rs::{DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, Result, RowsDesc};
 use cudarc::driver::CudaSlice;
@@ -57,7 +57,7 @@ fn kv_write_row<C: Element>(
     status.check(s)?;
     let elems = (tokens * heads * head_size) as f64;
     Ok(Row {
-        name: format!("reshape_and_cache {layout:?} bf16->{}", C::DTYPE.kernel_name()),
+        name: format!("reshape_and_cache {layout:?} bf16->{}", dtype_name(C::DTYPE)),
         shape: format!(
             "{tokens} tok x {heads} kvh x {head_size}, bs {block_size}{}",
             if slot_order == Slots::Sequential { ", seq slots" } else { "" }
@@ -94,7 +94,7 @@ fn mla_write_row<C: Element>(b: &Bench, tokens: usize, block_size: usize, status
     status.check(s)?;
     let elems = (tokens * spec.row_width()) as f64;
     Ok(Row {
-        name: format!("concat_and_cache_mla bf16->{}", C::DTYPE.kernel_name()),
+        name: format!("concat_and_cache_mla bf16->{}", dtype_name(C::DTYPE)),
         shape: format!("{tokens} tok x 576, bs {block_size}"),
         median_us: us,
         bytes: elems * (2.0 + std::mem::size_of::<C>() as f64) + 8.0 * tokens as f64,

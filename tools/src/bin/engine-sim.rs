@@ -19,8 +19,8 @@
 
 use attn_rs::backend::{find_backend, select_backend, select_backend_no_env, DeviceInfo, Selection};
 use attn_rs::forward::GpuHandles;
-use attn_rs::sim::{run_sim, SimConfig, SimError, SimModel};
 use attn_rs::{AttnDevice, AttnError, DType};
+use attn_tools::sim::{run_sim, SimConfig, SimError, SimModel};
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser, ValueEnum};
 use std::process::ExitCode;
@@ -310,7 +310,7 @@ fn run(cli: &Cli) -> Result<bool, Box<dyn std::error::Error>> {
     Ok(all_ok)
 }
 
-fn run_one(model: &SimModel, selection: &Selection, gpu: Option<GpuHandles>, cli: &Cli) -> Result<attn_rs::sim::SimReport, SimError> {
+fn run_one(model: &SimModel, selection: &Selection, gpu: Option<GpuHandles>, cli: &Cli) -> Result<attn_tools::sim::SimReport, SimError> {
     let cfg = cli.sim_config(selection.backend.needs_gpu);
     let mut out = std::io::stdout();
     run_sim(model, &cfg, selection, gpu, &mut out)

@@ -1,9 +1,9 @@
-//! CPU tests of the simulated engine (`attn_rs::sim`): the block allocator and block tables, the
+//! CPU tests of the simulated engine (`attn_tools::sim`): the block allocator and block tables, the
 //! request stream, the scheduler's batches (budget, room, decodes first, slots that match the
 //! block tables, every block back at the end), and short runs of the engine loop on the CPU
 //! backend (standard and MLA, the presets included) with their checks passing.
 //!
-//! On the CPU backend the sim's check (`attn_rs::sim::check`) compares `attn_rs::cpu` with itself:
+//! On the CPU backend the sim's check (`attn_tools::sim::check`) compares `attn_rs::cpu` with itself:
 //! the backend and the reference run the same attention code, so these runs check the
 //! bookkeeping only (which rows reach the cache, block tables, positions, the batch layout),
 //! not the attention arithmetic; the GPU tests and tests/cpu_forward/ (its own per-request
@@ -11,10 +11,10 @@
 
 use attn_rs::backend::{select_backend_no_env, DeviceInfo};
 use attn_rs::metadata::{is_decode, split_decodes, validate};
-use attn_rs::sim::{
+use attn_rs::DType;
+use attn_tools::sim::{
     run_sim, AllocError, BlockAllocator, BlockTable, RequestSpec, Scheduler, SchedulerConfig, SimConfig, SimModel, SplitMix, Workload,
 };
-use attn_rs::DType;
 use std::collections::HashMap;
 
 // ---------------------------------------------------------------------------------------------
@@ -191,7 +191,7 @@ fn small_config() -> SimConfig {
     }
 }
 
-fn run_on_cpu(model: &SimModel, cfg: &SimConfig) -> (attn_rs::sim::SimReport, String) {
+fn run_on_cpu(model: &SimModel, cfg: &SimConfig) -> (attn_tools::sim::SimReport, String) {
     let sel = select_backend_no_env(&model.config, &DeviceInfo::no_gpu(), None).unwrap();
     let mut log = Vec::new();
     let report = run_sim(model, cfg, &sel, None, &mut log).unwrap_or_else(|e| panic!("{}: {e}", model.name));
@@ -210,7 +210,7 @@ fn engine_loop_runs_to_completion_on_the_cpu_backend() {
         assert!(r.decode_tokens > 0 && r.prefill_tokens > 0);
         assert!(r.max_batch_tokens <= cfg.token_budget && r.max_batch_reqs <= cfg.max_running);
         assert!(r.checks.comparisons > 0 && r.passed(), "{}: {:?}\n{log}", model.name, r.checks);
-        assert!(r.checks.worst_rel_error <= attn_rs::sim::tolerance(model.config.q_dtype));
+        assert!(r.checks.worst_rel_error <= attn_tools::sim::tolerance(model.config.q_dtype));
         assert!(r.attention > std::time::Duration::ZERO && r.wall >= r.attention);
         assert_eq!(r.check_layers, [0, 1]);
         assert!(

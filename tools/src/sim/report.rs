@@ -5,7 +5,7 @@
 use super::check::CheckStats;
 use super::model::SimModel;
 use super::scheduler::{Batch, Scheduler};
-use crate::forward::{Attention, PhaseTimes};
+use attn_rs::forward::{Attention, PhaseTimes};
 use std::time::Duration;
 
 /// A run's totals.

@@ -1,20 +1,20 @@
-//! Checking the chosen backend against the CPU reference ([`crate::cpu::prefill`]) on a sample:
+//! Checking the chosen backend against the CPU reference ([`attn_rs::cpu::prefill`]) on a sample:
 //! for a few layers, the simulator remembers which rows of its activation pool each request's
 //! cached tokens came from; on check steps it recomputes a few query tokens of a few requests
 //! from those rows (packed K/V, no paging, no block tables) and compares.
 //!
-//! On the CPU backend both sides run [`crate::cpu`]'s attention: the check then covers what
+//! On the CPU backend both sides run [`attn_rs::cpu`]'s attention: the check then covers what
 //! comes before it (the cache writes, block tables, positions, the batch's layout), not the
 //! attention arithmetic, which the GPU tests check against the same reference.
 
 use super::model::SimModel;
 use super::rng::SplitMix;
 use super::scheduler::Batch;
-use crate::cpu::{self, KvRef, PrefillRef};
-use crate::dtype::{DType, Element};
-use crate::error::Result;
-use crate::layout::RowsDesc;
-use crate::options::AttnOptions;
+use attn_rs::cpu::{self, KvRef, PrefillRef};
+use attn_rs::AttnOptions;
+use attn_rs::Result;
+use attn_rs::RowsDesc;
+use attn_rs::{DType, Element};
 use std::collections::HashMap;
 
 /// `sqrt(sum (got - want)^2 / sum want^2)` (the absolute norm when `want` is all zeros).

@@ -1,4 +1,4 @@
-//! A simulated serving engine around [`crate::forward`] (the library side of the `engine-sim`
+//! A simulated serving engine around [`attn_rs::forward`] (the library side of the `engine-sim`
 //! binary): a model configuration ([`SimModel`]), a block allocator ([`BlockAllocator`],
 //! [`BlockTable`]), a deterministic stream of requests arriving and finishing
 //! ([`Workload`]), a chunked-prefill scheduler ([`Scheduler`]) and the loop ([`run_sim`]) that

@@ -4,7 +4,7 @@
 //!
 //! `attn-bench [--json PATH] [--quick] [--only cache|decode|prefill|mla] [TUNING]`
 //!
-//! The split planners' knobs (`attn_rs::options::Tuning`; the measured defaults otherwise):
+//! The split planners' knobs (`attn_rs::Tuning`; the measured defaults otherwise):
 //! `--decode-waves N` (waves of resident CTAs a decode plan aims at), `--no-decode-even-waves`,
 //! `--mla-waves N`, `--no-mla-clusters`.
 //!

@@ -1,7 +1,7 @@
 //! What every group of rows shares: the timing loop, a row, the device, random inputs and the
 //! copy ceiling.
 
-use attn_rs::{AttnDevice, Element, Result, Tuning};
+use attn_rs::{AttnDevice, DType, Element, Result, Tuning};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream};
 use std::sync::Arc;
@@ -125,4 +125,17 @@ pub fn env_shapes(var: &str) -> Option<Vec<Vec<usize>>> {
 pub fn dev() -> &'static AttnDevice {
     static DEV: std::sync::OnceLock<AttnDevice> = std::sync::OnceLock::new();
     DEV.get_or_init(|| AttnDevice::new(0).expect("open GPU 0"))
+}
+
+/// The short name of a dtype in row names (`bf16`, `fp8`), as the kernels' entry names spell it.
+pub fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::F32 => "f32",
+        DType::Fp8E4m3 => "fp8",
+        DType::I32 => "i32",
+        DType::I64 => "i64",
+        DType::U32 => "u32",
+    }
 }

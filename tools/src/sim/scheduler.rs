@@ -6,7 +6,7 @@
 
 use super::allocator::{AllocError, BlockAllocator, BlockTable};
 use super::requests::RequestSpec;
-use crate::metadata::{is_decode, StepInput};
+use attn_rs::metadata::{is_decode, StepInput};
 use std::collections::VecDeque;
 
 /// Scheduler limits.

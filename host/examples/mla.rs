@@ -1,0 +1,118 @@
+//! MLA (DeepSeek's multi-head latent attention): this step's latent rows written into the
+//! `[num_blocks, block_size, 512 + 64]` cache with `concat_and_cache_mla`, then two requests
+//! decode one token each over it (40 and 70 keys) with 16 heads, bf16; the output is compared
+//! with the CPU reference.
+//!
+//!     cargo run -p attn-rs --example mla
+//!
+//! Without a GPU it says so and exits 0.
+
+use attn_rs::cache_write::{concat_and_cache_mla, MlaWrite};
+use attn_rs::decode::DecodeWorkspace;
+use attn_rs::mla::{mla_attention, MlaArgs};
+use attn_rs::{
+    cpu, AttnDevice, AttnError, AttnOptions, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, MlaCacheSpec, RowsDesc, SplitMode,
+};
+use half::bf16;
+
+/// `n` values in [-1, 1), the same on every run.
+fn values<T: Element>(n: usize, seed: u32) -> Vec<T> {
+    (0..n as u32)
+        .map(|i| T::from_f32((i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) as f32 / u32::MAX as f32 * 2.0 - 1.0))
+        .collect()
+}
+
+/// GPU 0, or `None` (after saying why) when there is no driver, no GPU or no kernels for it.
+fn open_gpu() -> attn_rs::Result<Option<AttnDevice>> {
+    match AttnDevice::new(0) {
+        Ok(dev) => Ok(Some(dev)),
+        Err(e @ (AttnError::NoDevice(_) | AttnError::UnsupportedDevice { .. })) => {
+            println!("{e}: this example needs a GPU, nothing to run");
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn main() -> attn_rs::Result<()> {
+    let Some(dev) = open_gpu()? else { return Ok(()) };
+    let stream = dev.context().new_stream()?;
+    let num_heads = 16;
+    let spec = MlaCacheSpec::deepseek(8, 16)?;
+    let (latent, rope, width) = (spec.latent_dim, spec.rope_dim, spec.row_width());
+
+    // Two requests, one new token each, at positions 39 and 69 of their blocks [0, 1, 2] and
+    // [3, 4, 5, 6, 7]; earlier rows were cached by earlier steps.
+    let seq_lens = [40, 70];
+    let query_start_loc = [0, 1, 2];
+    let (block_table, stride) = ([0, 1, 2, 0, 0, 3, 4, 5, 6, 7], 5);
+    let slots: Vec<i64> = vec![2 * 16 + 7, 7 * 16 + 5];
+    let num_tokens = 2;
+    let mut cache: Vec<bf16> = values(spec.num_elements(), 6);
+    let (kv_c, k_pe): (Vec<bf16>, Vec<bf16>) = (values(num_tokens * latent, 7), values(num_tokens * rope, 8));
+    // Queries with the K up-projection absorbed: 576 wide; outputs are the 512 latent columns.
+    let q_rows = RowsDesc::contiguous(num_tokens, num_heads, width);
+    let out_rows = RowsDesc::contiguous(num_tokens, num_heads, latent);
+    let q: Vec<bf16> = values(q_rows.required_len(), 9);
+    // DeepSeek's scale: 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim) = 1 / sqrt(192).
+    let softmax_scale = 1.0 / 192f32.sqrt();
+
+    let mut cache_d = stream.clone_htod(&cache)?;
+    let (kv_c_d, k_pe_d, slots_d) = (stream.clone_htod(&kv_c)?, stream.clone_htod(&k_pe)?, stream.clone_htod(&slots)?);
+    let (q_d, table_d) = (stream.clone_htod(&q)?, stream.clone_htod(&block_table)?);
+    let mut out_d = stream.alloc_zeros::<bf16>(out_rows.required_len())?;
+    let mut status = DeviceStatus::new(&stream)?;
+    // MLA's split-K partials are rows of the 512 latent columns.
+    let mut ws = DecodeWorkspace::new(&stream, 4 * dev.sm_count() as usize * 8 * num_heads, latent, 256, 256)?;
+    let batch = BatchMetadata::new(&stream, &seq_lens, &query_start_loc)?;
+
+    let write = MlaWrite {
+        kv_c: DevIn::new(&kv_c_d, &stream),
+        kv_c_token_stride: latent,
+        k_pe: DevIn::new(&k_pe_d, &stream),
+        k_pe_token_stride: rope,
+        num_tokens,
+        slot_mapping: DevIn::new(&slots_d, &stream),
+        cache: DevOut::new(&mut cache_d, &stream),
+        spec,
+        scale: None,
+    };
+    concat_and_cache_mla(&dev, &stream, write, &mut status)?;
+    let args = MlaArgs {
+        q: DevIn::new(&q_d, &stream),
+        q_rows,
+        cache: DevIn::new(&cache_d, &stream),
+        spec,
+        block_table: DevIn::new(&table_d, &stream),
+        block_table_stride: stride,
+        out: DevOut::new(&mut out_d, &stream),
+        out_rows,
+        lse: None,
+        scales: None,
+    };
+    let plan = mla_attention(&dev, &stream, args, &batch, softmax_scale, SplitMode::Auto, &mut ws, &mut status)?;
+    status.check(&stream)?;
+    println!("plan: chunks of {} keys, splits per request {:?}", plan.chunk, plan.req_num_splits);
+
+    cpu::concat_and_cache_mla(&kv_c, latent, &k_pe, rope, num_tokens, &slots, &mut cache, &spec, None)?;
+    let want = cpu::prefill(&cpu::PrefillRef {
+        q: &q,
+        q_rows,
+        kv: cpu::KvRef::Mla { cache: &cache, spec, block_table: &block_table, block_table_stride: stride },
+        head_size_v: latent,
+        query_start_loc: &query_start_loc,
+        seq_lens: &seq_lens,
+        causal: true,
+        opts: AttnOptions { softmax_scale, ..AttnOptions::new(width) },
+        alibi_slopes: None,
+        sinks: None,
+        scales: None,
+    })?;
+    let got = stream.clone_dtoh(&out_d)?;
+    let err = got.iter().zip(&want.out).map(|(g, w)| (g.to_f32() as f64 - w).abs()).fold(0.0, f64::max);
+    println!("mla_attention: largest difference from the CPU reference {err:.2e} (bf16 output)");
+    if err > 2e-2 {
+        std::process::exit(1);
+    }
+    Ok(())
+}

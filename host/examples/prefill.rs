@@ -1,0 +1,98 @@
+//! Prefill: a chunked prefill (10 new tokens over 20 cached ones) and a fresh prompt of 25
+//! tokens in one varlen batch over the paged cache, causal, 8 query heads over 2 kv heads of
+//! 128, bf16; the output is compared with the CPU reference.
+//!
+//!     cargo run -p attn-rs --example prefill
+//!
+//! Without a GPU it says so and exits 0.
+
+use attn_rs::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
+use attn_rs::{
+    cpu, AttnDevice, AttnError, AttnOptions, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, KvCacheSpec, KvLayout, RowsDesc,
+};
+use half::bf16;
+
+/// `n` values in [-1, 1), the same on every run.
+fn values<T: Element>(n: usize, seed: u32) -> Vec<T> {
+    (0..n as u32)
+        .map(|i| T::from_f32((i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) as f32 / u32::MAX as f32 * 2.0 - 1.0))
+        .collect()
+}
+
+/// GPU 0, or `None` (after saying why) when there is no driver, no GPU or no kernels for it.
+fn open_gpu() -> attn_rs::Result<Option<AttnDevice>> {
+    match AttnDevice::new(0) {
+        Ok(dev) => Ok(Some(dev)),
+        Err(e @ (AttnError::NoDevice(_) | AttnError::UnsupportedDevice { .. })) => {
+            println!("{e}: this example needs a GPU, nothing to run");
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn main() -> attn_rs::Result<()> {
+    let Some(dev) = open_gpu()? else { return Ok(()) };
+    let stream = dev.context().new_stream()?;
+    let (num_q_heads, num_kv_heads, head_size, block_size) = (8, 2, 128, 16);
+    let spec = KvCacheSpec::new(KvLayout::FlashNhd, 8, block_size, num_kv_heads, head_size)?;
+
+    // Request 0: 10 new tokens after 20 cached (blocks 0, 1); request 1: a prompt of 25 tokens
+    // (blocks 2, 3). The cache already holds this step's keys (written by `reshape_and_cache`).
+    let seq_lens = [30, 25];
+    let query_start_loc = [0, 10, 35];
+    let (block_table, stride) = ([0, 1, 2, 3], 2);
+    let num_tokens = 35;
+    let cache: Vec<bf16> = values(spec.num_elements(), 4);
+    let q_rows = RowsDesc::contiguous(num_tokens, num_q_heads, head_size);
+    let q: Vec<bf16> = values(q_rows.required_len(), 5);
+    let opts = PrefillOptions { attn: AttnOptions::new(head_size), causal: true };
+
+    let (cache_d, q_d, table_d) = (stream.clone_htod(&cache)?, stream.clone_htod(&q)?, stream.clone_htod(&block_table)?);
+    let mut out_d = stream.alloc_zeros::<bf16>(q_rows.required_len())?;
+    // Once per engine: the workspace for the largest batch (tokens, requests, query heads per
+    // kv head), and the status block.
+    let mut ws = PrefillWorkspace::new(&stream, 8192, 256, num_q_heads / num_kv_heads)?;
+    let mut status = DeviceStatus::new(&stream)?;
+    let batch = BatchMetadata::new(&stream, &seq_lens, &query_start_loc)?;
+    let args = PrefillArgs {
+        q: DevIn::new(&q_d, &stream),
+        q_rows,
+        kv: PrefillKv::Paged {
+            cache: DevIn::new(&cache_d, &stream),
+            spec,
+            block_table: DevIn::new(&table_d, &stream),
+            block_table_stride: stride,
+        },
+        out: DevOut::new(&mut out_d, &stream),
+        out_rows: q_rows,
+        lse: None,
+        alibi_slopes: None,
+        sinks: None,
+        scales: None,
+    };
+    let plan = prefill(&dev, &stream, args, &batch, &opts, &mut ws, &mut status)?;
+    status.check(&stream)?;
+    println!("plan: {} query-row tiles", plan.items.len());
+
+    let want = cpu::prefill(&cpu::PrefillRef {
+        q: &q,
+        q_rows,
+        kv: cpu::KvRef::Paged { cache: &cache, spec, block_table: &block_table, block_table_stride: stride },
+        head_size_v: head_size,
+        query_start_loc: &query_start_loc,
+        seq_lens: &seq_lens,
+        causal: true,
+        opts: opts.attn,
+        alibi_slopes: None,
+        sinks: None,
+        scales: None,
+    })?;
+    let got = stream.clone_dtoh(&out_d)?;
+    let err = got.iter().zip(&want.out).map(|(g, w)| (g.to_f32() as f64 - w).abs()).fold(0.0, f64::max);
+    println!("prefill: largest difference from the CPU reference {err:.2e} (bf16 output)");
+    if err > 2e-2 {
+        std::process::exit(1);
+    }
+    Ok(())
+}
