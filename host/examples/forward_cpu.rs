@@ -7,14 +7,10 @@
 use attn_rs::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
 use attn_rs::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, LayerIo, NewKv};
 use attn_rs::metadata::{decode_first_order, StepInput};
-use attn_rs::{DType, Element, KvLayout, RowsDesc};
+use attn_rs::{DType, KvLayout, RowsDesc};
 
-/// `n` values in [-1, 1), the same on every run.
-fn values<T: Element>(n: usize, seed: u32) -> Vec<T> {
-    (0..n as u32)
-        .map(|i| T::from_f32((i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) as f32 / u32::MAX as f32 * 2.0 - 1.0))
-        .collect()
-}
+mod common;
+use common::values;
 
 /// One request as the engine tracks it: its blocks and the tokens cached so far.
 struct Request {

@@ -10,28 +10,12 @@
 use attn_rs::backend::{select_backend, select_backend_no_env, DeviceInfo, ModelConfig};
 use attn_rs::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, LayerIo, NewKv};
 use attn_rs::metadata::StepInput;
-use attn_rs::{AttnDevice, AttnError, DType, DevIn, DevOut, Element, KvLayout, RowsDesc};
+use attn_rs::{DType, DevIn, DevOut, KvLayout, RowsDesc};
 use half::bf16;
 use std::sync::Arc;
 
-/// `n` values in [-1, 1), the same on every run.
-fn values<T: Element>(n: usize, seed: u32) -> Vec<T> {
-    (0..n as u32)
-        .map(|i| T::from_f32((i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) as f32 / u32::MAX as f32 * 2.0 - 1.0))
-        .collect()
-}
-
-/// GPU 0, or `None` (after saying why) when there is no driver, no GPU or no kernels for it.
-fn open_gpu() -> attn_rs::Result<Option<AttnDevice>> {
-    match AttnDevice::new(0) {
-        Ok(dev) => Ok(Some(dev)),
-        Err(e @ (AttnError::NoDevice(_) | AttnError::UnsupportedDevice { .. })) => {
-            println!("{e}: this example needs a GPU, nothing to run");
-            Ok(None)
-        }
-        Err(e) => Err(e),
-    }
-}
+mod common;
+use common::{open_gpu, values};
 
 /// One step as the engine's scheduler leaves it, ordered decodes first.
 struct Step {

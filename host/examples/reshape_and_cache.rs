@@ -6,27 +6,11 @@
 //! Without a GPU it says so and exits 0.
 
 use attn_rs::cache_write::{reshape_and_cache, KvWrite};
-use attn_rs::{cpu, AttnDevice, AttnError, DevIn, DevOut, DeviceStatus, Element, KvCacheSpec, KvLayout, RowsDesc};
+use attn_rs::{cpu, DevIn, DevOut, DeviceStatus, KvCacheSpec, KvLayout, RowsDesc};
 use half::bf16;
 
-/// `n` values in [-1, 1), the same on every run.
-fn values<T: Element>(n: usize, seed: u32) -> Vec<T> {
-    (0..n as u32)
-        .map(|i| T::from_f32((i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) as f32 / u32::MAX as f32 * 2.0 - 1.0))
-        .collect()
-}
-
-/// GPU 0, or `None` (after saying why) when there is no driver, no GPU or no kernels for it.
-fn open_gpu() -> attn_rs::Result<Option<AttnDevice>> {
-    match AttnDevice::new(0) {
-        Ok(dev) => Ok(Some(dev)),
-        Err(e @ (AttnError::NoDevice(_) | AttnError::UnsupportedDevice { .. })) => {
-            println!("{e}: this example needs a GPU, nothing to run");
-            Ok(None)
-        }
-        Err(e) => Err(e),
-    }
-}
+mod common;
+use common::{open_gpu, values};
 
 fn main() -> attn_rs::Result<()> {
     let Some(dev) = open_gpu()? else { return Ok(()) };
