@@ -55,8 +55,8 @@ struct Reorder {
     slot_mapping: Vec<i64>,
     /// Row `i` of the reordered step is the engine's row `tokens[i]`.
     tokens: Vec<u32>,
-    /// For tensors of `.0` rows: the gather into the step's order and the one back.
-    index: Option<(usize, Tensor, Tensor)>,
+    /// For outputs of `.0` rows: the index back into the engine's order.
+    index: Option<(usize, Tensor)>,
 }
 
 impl Reorder {
@@ -93,25 +93,40 @@ impl Reorder {
         }
     }
 
-    /// The gather and scatter indices for tensors of `rows` rows on `device`.
-    fn index(&mut self, rows: usize, device: &Device) -> Result<(Tensor, Tensor)> {
-        if let Some((n, g, s)) = &self.index {
+    /// The engine's rows in the step's order, as runs `(first row, rows)`, for tensors of
+    /// `rows` rows (padding rows last, as they were).
+    fn runs(&self, rows: usize) -> Result<Vec<(usize, usize)>> {
+        let nt = self.tokens.len();
+        ensure(rows >= nt, "q", || format!("has {rows} rows, the step {nt} tokens"))?;
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for &t in &self.tokens {
+            match runs.last_mut() {
+                Some((start, len)) if *start + *len == t as usize => *len += 1,
+                _ => runs.push((t as usize, 1)),
+            }
+        }
+        if rows > nt {
+            runs.push((nt, rows - nt));
+        }
+        Ok(runs)
+    }
+
+    /// The index that puts an output of `rows` rows back in the engine's order.
+    fn scatter(&mut self, rows: usize, device: &Device) -> Result<Tensor> {
+        if let Some((n, s)) = &self.index {
             if *n == rows {
-                return Ok((g.clone(), s.clone()));
+                return Ok(s.clone());
             }
         }
         let nt = self.tokens.len();
-        ensure(rows >= nt, "q", || format!("has {rows} rows, the step {nt} tokens"))?;
-        let mut gather = self.tokens.clone();
-        gather.extend(nt as u32..rows as u32);
-        let mut scatter = vec![0u32; rows];
-        for (new, &old) in gather.iter().enumerate() {
+        ensure(rows >= nt, "out", || format!("has {rows} rows, the step {nt} tokens"))?;
+        let mut scatter: Vec<u32> = (0..rows as u32).collect();
+        for (new, &old) in self.tokens.iter().enumerate() {
             scatter[old as usize] = new as u32;
         }
-        let g = Tensor::from_vec(gather, rows, device)?;
         let s = Tensor::from_vec(scatter, rows, device)?;
-        self.index = Some((rows, g.clone(), s.clone()));
-        Ok((g, s))
+        self.index = Some((rows, s.clone()));
+        Ok(s)
     }
 }
 
@@ -274,7 +289,7 @@ impl PagedAttention {
     ) -> Result<BatchSplit> {
         let qsl = host_i32("query_start_loc", query_start_loc, 1)?;
         let seq = host_i32("seq_lens", seq_lens, 1)?;
-        let bt = host_i32("block_tables", block_tables, 2)?;
+        let bt = host_block_table("block_tables", block_tables)?;
         let stride = block_tables.dims()[1];
         let slots = host_ints("slot_mapping", slot_mapping, 1)?;
         self.begin_step(&StepBatch {
@@ -362,10 +377,12 @@ impl PagedAttention {
         same_device("cache", cache.cache_tensor(), &self.device)?;
         let Some(reorder) = &mut self.reorder else { return Ok(ts.map(Tensor::clone)) };
         let rows = crate::layout::leading("q", ts[0].layout())?;
-        let (gather, _) = reorder.index(rows, &self.device)?;
+        let runs = reorder.runs(rows)?;
         let mut out = Vec::with_capacity(3);
         for t in ts {
-            out.push(t.index_select(&gather, 0)?);
+            // One copy, of any layout (`index_select` takes contiguous tensors only).
+            let parts = runs.iter().map(|&(start, len)| t.narrow(0, start, len)).collect::<Result<Vec<_>>>()?;
+            out.push(Tensor::cat(&parts, 0)?);
         }
         Ok(out.try_into().expect("three tensors"))
     }
@@ -374,7 +391,7 @@ impl PagedAttention {
     fn scatter(&mut self, out: Tensor) -> Result<Tensor> {
         let Some(reorder) = &mut self.reorder else { return Ok(out) };
         let rows = crate::layout::leading("q", out.layout())?;
-        let (_, scatter) = reorder.index(rows, &self.device)?;
+        let scatter = reorder.scatter(rows, &self.device)?;
         out.index_select(&scatter, 0)
     }
 
@@ -624,6 +641,16 @@ pub(crate) fn candle_dtype(d: attn_rs::DType) -> Result<DType> {
 pub(crate) fn host_ints(arg: &str, t: &Tensor, rank: usize) -> Result<Vec<i64>> {
     ensure(t.rank() == rank && t.dtype().is_int(), arg, || format!("{:?} {:?}: expected {rank}-D integers", t.dtype(), t.dims()))?;
     t.flatten_all()?.to_dtype(DType::I64)?.to_vec1::<i64>()
+}
+
+/// A `[rows, width]` block table on the host as i32: u32 ids are read as i32 bits (as on the
+/// GPU, where a u32 table is read in place: padding like `u32::MAX` reads as -1), other
+/// dtypes refuse values past i32.
+pub(crate) fn host_block_table(arg: &str, t: &Tensor) -> Result<Vec<i32>> {
+    if t.dtype() == DType::U32 && t.rank() == 2 {
+        return Ok(t.flatten_all()?.to_vec1::<u32>()?.into_iter().map(|x| x as i32).collect());
+    }
+    host_i32(arg, t, 2)
 }
 
 /// [`host_ints`] as i32 (refusing values past them).

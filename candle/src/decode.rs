@@ -2,7 +2,7 @@
 //! block tables and context lengths as tensors (the shape of vLLM's and mistral.rs's
 //! `paged_attention`).
 
-use crate::attention::{host_i32, shares_storage};
+use crate::attention::{host_block_table, host_i32, shares_storage};
 use crate::cache::{host_scale, KvCache};
 use crate::cache_write::same_device;
 use crate::error::{ensure, invalid, AttnResult};
@@ -102,7 +102,7 @@ struct Args<'a> {
 
 /// `[num_seqs, num_q_heads * head_size]` on the CPU.
 fn decode_cpu(a: &Args<'_>) -> Result<Tensor> {
-    let block_table = host_i32("block_tables", a.block_tables, 2)?;
+    let block_table = host_block_table("block_tables", a.block_tables)?;
     let stride = a.block_tables.dims()[1];
     let alibi = a.alibi_slopes.map(|t| t.to_vec1::<f32>()).transpose()?;
     let scales = match a.scales {
