@@ -29,10 +29,10 @@
 //!
 //! # Errors
 //!
-//! Every function returns [`candle_core::Result`], like candle's ops: attn-rs's refusals keep
-//! their message, which names the argument and the value (see [`error`](crate#errors) in the
-//! source: `candle_core::Error::Wrapped`), and this crate's own refusals read the same way
-//! (`invalid argument `q`: ...`).
+//! Every function returns [`candle_core::Result`], as candle's ops do, so that the ops compose
+//! with `?` in a candle model. attn-rs's refusals keep their message, which names the argument
+//! and the value, inside `candle_core::Error::Wrapped` (as text: candle's wrapper cannot be
+//! downcast); this crate's own refusals read the same way (``invalid argument `q`: ...``).
 //!
 //! # Devices
 //!
