@@ -549,7 +549,7 @@ impl InplaceOp3 for ForwardOp<'_> {
         b: &candle_core::CudaStorage,
         bl: &Layout,
     ) -> Result<()> {
-        use crate::cuda::{cuda, CudaIn, CudaOut};
+        use crate::cuda::{cuda, guarded, CudaIn, CudaOut};
         use attn_rs::forward::GpuLayer;
         let stream =
             self.attn.borrow().stream().cloned().ok_or_else(|| invalid("layer", "CUDA tensors, but the backend runs on the CPU"))?;
@@ -562,17 +562,13 @@ impl InplaceOp3 for ForwardOp<'_> {
         };
         let a = CudaIn::new(a_arg, a, al.start_offset())?;
         let b = CudaIn::new(b_arg, b, bl.start_offset())?;
-        let guards = |t: Option<&Tensor>| t.map(|t| t.storage_and_layout());
-        let (alibi_g, sinks_g) = (guards(self.alibi), guards(self.sinks));
+        let alibi_g = self.alibi.map(Tensor::storage_and_layout);
+        let sinks_g = self.sinks.map(Tensor::storage_and_layout);
         let scale_g = self.scales.map(|(k, v)| (k.storage_and_layout(), v.storage_and_layout()));
-        let view = |arg: &str, g: &(candle_core::StorageRef<'_>, &Layout)| -> Result<_> {
-            let (s, l) = g;
-            Ok(CudaIn::new(arg, cuda(arg, s)?, l.start_offset())?)
-        };
-        let alibi = alibi_g.as_ref().map(|g| view("alibi_slopes", g)).transpose()?;
-        let sinks = sinks_g.as_ref().map(|g| view("sinks", g)).transpose()?;
+        let alibi = alibi_g.as_ref().map(|g| guarded("alibi_slopes", g)).transpose()?;
+        let sinks = sinks_g.as_ref().map(|g| guarded("sinks", g)).transpose()?;
         let scales = match &scale_g {
-            Some((k, v)) => Some((view("k_scale", k)?, view("v_scale", v)?)),
+            Some((k, v)) => Some((guarded("k_scale", k)?, guarded("v_scale", v)?)),
             None => None,
         };
         let mut out = device.zeros_impl(&self.out_shape, self.out_dtype)?;

@@ -6,9 +6,10 @@
 
 use crate::error::{invalid, AttnResult};
 use attn_rs::{AttnDevice, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3};
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use candle_core::cuda_backend::{CudaStorageSlice, DeviceId};
-use candle_core::{CudaDevice, CudaStorage, Result, Storage};
+use candle_core::{CudaDevice, CudaStorage, Layout, Result, Storage, StorageRef};
 use half::{bf16, f16};
 use std::collections::HashMap;
 use std::marker::PhantomData;
@@ -109,8 +110,8 @@ impl<'a> CudaIn<'a> {
     }
 
     /// The attn-rs input, ordered on `stream`.
-    pub(crate) fn dev_in<'b>(&'b self, stream: &'b CudaStream) -> DevIn<'b> {
-        fn make<'b, T: Element>(v: &'b impl DevicePtr<T>, stream: &'b CudaStream) -> DevIn<'b> {
+    pub(crate) fn dev_in<'b>(&'b self, stream: &'b Arc<CudaStream>) -> DevIn<'b> {
+        fn make<'b, T: Element>(v: &'b impl DevicePtr<T>, stream: &'b Arc<CudaStream>) -> DevIn<'b> {
             DevIn::new(v, stream)
         }
         match self {
@@ -146,8 +147,8 @@ impl<'a> CudaOut<'a> {
     }
 
     /// The attn-rs output, ordered on `stream`.
-    pub(crate) fn dev_out<'b>(&'b mut self, stream: &'b CudaStream) -> DevOut<'b> {
-        fn make<'b, T: Element>(v: &'b mut impl DevicePtrMut<T>, stream: &'b CudaStream) -> DevOut<'b> {
+    pub(crate) fn dev_out<'b>(&'b mut self, stream: &'b Arc<CudaStream>) -> DevOut<'b> {
+        fn make<'b, T: Element>(v: &'b mut impl DevicePtrMut<T>, stream: &'b Arc<CudaStream>) -> DevOut<'b> {
             DevOut::new(v, stream)
         }
         match self {
@@ -165,6 +166,11 @@ pub(crate) fn cuda<'a>(arg: &str, s: &'a Storage) -> Result<&'a CudaStorage> {
         Storage::Cuda(s) => Ok(s),
         _ => Err(invalid(arg, "is not a CUDA tensor (the other tensors are)")),
     }
+}
+
+/// The view of a tensor whose storage guard and layout the caller holds.
+pub(crate) fn guarded<'a>(arg: &str, g: &'a (StorageRef<'_>, &Layout)) -> Result<CudaIn<'a>> {
+    CudaIn::new(arg, cuda(arg, &g.0)?, g.1.start_offset())
 }
 
 /// What attn-rs keeps per candle CUDA device: the kernels loaded for its GPU (from candle's own
