@@ -423,10 +423,14 @@ impl PagedAttention {
         let out_shape: Shape = if q.rank() == 3 { (t, hq, v_head_size).into() } else { (t, hq * v_head_size).into() };
         let cpu = self.device.is_cpu();
         let host_f32 = |x: Option<&Tensor>| x.filter(|_| cpu).map(|t| t.to_vec1::<f32>()).transpose();
+        // q's storage is locked for reading before the op locks the others: k and v are often
+        // views of the same fused projection, and candle takes their (shared) lock recursively.
+        let (q_guard, q_layout) = q.storage_and_layout();
         let op = ForwardOp {
             attn: RefCell::new(&mut self.attn),
             step: &self.step,
-            q,
+            q: &q_guard,
+            q_offset: q_layout.start_offset(),
             q_rows,
             new,
             out_rows,
@@ -489,7 +493,9 @@ impl NewRows {
 struct ForwardOp<'a> {
     attn: RefCell<&'a mut Attention>,
     step: &'a attn_rs::forward::StepMetadata,
-    q: &'a Tensor,
+    /// q's storage (locked by the caller) and the element its rows start at.
+    q: &'a Storage,
+    q_offset: usize,
     q_rows: RowsDesc,
     new: NewRows,
     out_rows: RowsDesc,
@@ -515,8 +521,7 @@ impl InplaceOp3 for ForwardOp<'_> {
     }
 
     fn cpu_fwd(&self, cache: &mut CpuStorage, cl: &Layout, a: &CpuStorage, al: &Layout, b: &CpuStorage, bl: &Layout) -> Result<()> {
-        let (q_guard, ql) = self.q.storage_and_layout();
-        let q = host_in("q", cpu("q", &q_guard)?, ql.start_offset())?;
+        let q = host_in("q", cpu("q", self.q)?, self.q_offset)?;
         let (a_arg, b_arg) = match self.new {
             NewRows::Standard { .. } => ("k", "v"),
             NewRows::Mla { .. } => ("kv_c", "k_pe"),
@@ -554,8 +559,7 @@ impl InplaceOp3 for ForwardOp<'_> {
         let stream =
             self.attn.borrow().stream().cloned().ok_or_else(|| invalid("layer", "CUDA tensors, but the backend runs on the CPU"))?;
         let device = cache.device.clone();
-        let (q_guard, ql) = self.q.storage_and_layout();
-        let q = CudaIn::new("q", cuda("q", &q_guard)?, ql.start_offset())?;
+        let q = CudaIn::new("q", cuda("q", self.q)?, self.q_offset)?;
         let (a_arg, b_arg) = match self.new {
             NewRows::Standard { .. } => ("k", "v"),
             NewRows::Mla { .. } => ("kv_c", "k_pe"),
