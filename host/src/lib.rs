@@ -63,6 +63,11 @@ mod words;
 pub use attn_math::paging::CacheStrides;
 pub use batch::BatchMetadata;
 pub use buffer::{DevIn, DevOut, SharedBuf};
+/// The cudarc this crate is built on (0.19): its `CudaContext`, `CudaStream` and `CudaSlice` are
+/// the types the ops take. An engine names them through this path (or depends on the same
+/// version) so that its device memory and attn-rs's share one type, e.g. candle's
+/// `CudaStorage::as_cuda_slice` slices and `CudaDevice::cuda_stream`.
+pub use cudarc;
 pub use device::AttnDevice;
 pub use dtype::{DType, Element, Fp8E4m3};
 pub use error::{AttnError, BadBlock, BadSlot, Result};
