@@ -1,12 +1,16 @@
 //! The GGUF file: its metadata (through candle's reader) and tensors, and the Llama
 //! hyper-parameters it declares.
 
-use candle_core::quantized::gguf_file::{Content, Value};
-use candle_core::quantized::QTensor;
+use candle_core::quantized::gguf_file::{self, Content, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, Cursor, Read, Seek};
 use std::path::{Path, PathBuf};
+
+/// What a GGUF is read from: a file, or bytes in memory.
+pub trait ReadSeek: Read + Seek {}
+impl<T: Read + Seek> ReadSeek for T {}
 
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
@@ -24,7 +28,7 @@ pub enum GgufError {
 pub struct Gguf {
     pub path: PathBuf,
     pub content: Content,
-    reader: BufReader<File>,
+    reader: Box<dyn ReadSeek>,
 }
 
 impl Gguf {
@@ -32,12 +36,35 @@ impl Gguf {
         let file = File::open(path).map_err(|source| GgufError::Open { path: path.to_owned(), source })?;
         let mut reader = BufReader::new(file);
         let content = Content::read(&mut reader).map_err(|e| e.with_path(path))?;
-        Ok(Gguf { path: path.to_owned(), content, reader })
+        Ok(Gguf { path: path.to_owned(), content, reader: Box::new(reader) })
     }
 
     /// The file's reader and content, for candle-transformers' loader.
-    pub fn into_parts(self) -> (Content, BufReader<File>) {
+    pub fn into_parts(self) -> (Content, Box<dyn ReadSeek>) {
         (self.content, self.reader)
+    }
+
+    /// The same model with every tensor dequantized to f32, as a GGUF in memory: its matmuls
+    /// then run in f32 (candle's `QMatMul` takes f32 tensors as plain matrices) instead of
+    /// quantizing the activations to 8 bits per block.
+    pub fn dequantized(&mut self) -> Result<Gguf, GgufError> {
+        let mut names: Vec<String> = self.content.tensor_infos.keys().cloned().collect();
+        names.sort();
+        let mut tensors = Vec::with_capacity(names.len());
+        for name in &names {
+            let q = self.tensor(name, &Device::Cpu)?;
+            let f = if q.dtype() == GgmlDType::F32 { q } else { QTensor::quantize(&q.dequantize(&Device::Cpu)?, GgmlDType::F32)? };
+            tensors.push(f);
+        }
+        let mut metadata: Vec<(&str, &Value)> = self.content.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        metadata.sort_by_key(|(k, _)| *k);
+        let named: Vec<(&str, &QTensor)> = names.iter().map(String::as_str).zip(&tensors).collect();
+        let mut bytes = Cursor::new(Vec::new());
+        gguf_file::write(&mut bytes, &metadata, &named)?;
+        drop(tensors);
+        bytes.set_position(0);
+        let content = Content::read(&mut bytes)?;
+        Ok(Gguf { path: self.path.clone(), content, reader: Box::new(bytes) })
     }
 
     fn get(&self, key: &str) -> Result<&Value, GgufError> {

@@ -3,6 +3,15 @@
 //! allocator and continuous batching with chunked prefill, checked against candle-transformers'
 //! `quantized_llama`.
 
+pub mod bench;
 pub mod chat;
+pub mod check;
+pub mod engine;
+pub mod error;
 pub mod gguf;
+pub mod glue;
+pub mod model;
+pub mod reference;
+pub mod setup;
+pub mod stream;
 pub mod tokenizer;

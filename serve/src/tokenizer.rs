@@ -118,6 +118,10 @@ impl Tokenizer {
         self.stop_ids.contains(&id)
     }
 
+    pub fn stop_ids(&self) -> &[u32] {
+        &self.stop_ids
+    }
+
     /// Token ids of `text`, control tokens written out (`<|im_start|>`) becoming their ids.
     pub fn encode(&self, text: &str) -> Vec<u32> {
         let mut out = Vec::new();
