@@ -312,11 +312,13 @@ impl<'m> Engine<'m> {
         let step = StepTokens { tokens: &self.tokens, positions: &self.positions, logit_rows: &self.logit_rows };
         let logits = self.model.forward(&step, &mut self.attn)?;
         // Greedy: the argmax on the device, or every row's logits to the host when recorded.
-        let (sampled, rows): (Vec<u32>, Vec<Vec<f32>>) = if self.cfg.record_logits {
-            let rows = logits.to_vec2::<f32>()?;
-            (rows.iter().map(|r| crate::reference::argmax(r)).collect(), rows)
-        } else {
-            (logits.argmax(D::Minus1)?.to_vec1::<u32>()?, Vec::new())
+        let (sampled, rows): (Vec<u32>, Vec<Vec<f32>>) = match logits {
+            None => (Vec::new(), Vec::new()),
+            Some(logits) if self.cfg.record_logits => {
+                let rows = logits.to_vec2::<f32>()?;
+                (rows.iter().map(|r| crate::reference::argmax(r)).collect(), rows)
+            }
+            Some(logits) => (logits.argmax(D::Minus1)?.to_vec1::<u32>()?, Vec::new()),
         };
         (report.attn, report.attn_calls) = self.attn.take_times()?;
         let now = self.started.elapsed();

@@ -182,8 +182,8 @@ mod gpu {
     use attn_rs::backend::{select_backend, DeviceInfo, ModelConfig};
     use attn_rs::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, LayerIo, NewKv, StepMetadata};
     use attn_rs::{AttnDevice, DevIn, DevOut, RowsDesc};
-    use candle_core::op::BackpropOp;
     use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream};
+    use candle_core::op::BackpropOp;
     use candle_core::{CudaDevice, CudaStorage, DType, Storage, Tensor};
     use half::f16;
     use std::sync::Arc;

@@ -35,7 +35,8 @@ struct Cli {
     /// Run on the CPU even when a GPU is available
     #[arg(long)]
     cpu: bool,
-    /// Requests running at once (continuous batching) [default: 64; --check: its prompts]
+    /// Requests running at once (continuous batching) [default: all the requests, at most 64
+    /// unless --bench]
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=4096))]
     max_running: Option<u32>,
     /// Tokens a step computes: one per decoding request, prompt chunks fill the rest (chunked
@@ -91,8 +92,16 @@ fn main() {
     if gpu && cli.block_size % 16 != 0 {
         usage_error(format!("--block-size {}: the GPU kernels take multiples of 16", cli.block_size));
     }
-    // --check serves its prompts together, in steps of a small budget (chunked prefill).
-    let max_running = cli.max_running.map_or(if cli.check { prompts(&cli).len() } else { 64 }, |n| n as usize);
+    let cpu = device.is_cpu();
+    let pick = |x: Option<u32>, gpu: usize, cpu_default: usize| x.map_or(if cpu { cpu_default } else { gpu }, |n| n as usize);
+    let bench_sizes = BenchSizes {
+        requests: pick(cli.requests, 64, 4),
+        prompt_len: pick(cli.prompt_len, 512, 64),
+        new_tokens: pick(cli.new_tokens, 256, 8),
+    };
+    // By default every request runs at once: --check's and the prompts (up to 64), --bench's.
+    let requests = if cli.bench { bench_sizes.requests } else { prompts(&cli).len().min(64) };
+    let max_running = cli.max_running.map_or(requests, |n| n as usize);
     let token_budget = cli.token_budget.map_or(
         if cli.check {
             24
@@ -117,7 +126,7 @@ fn main() {
     let result = if cli.check {
         check(&cli, &device, sizes)
     } else if cli.bench {
-        bench(&cli, &device, &device_line, sizes)
+        bench(&cli, &device, &device_line, sizes, bench_sizes)
     } else {
         generate(&cli, &device, sizes)
     };
@@ -156,9 +165,6 @@ fn generate(cli: &Cli, device: &Device, mut sizes: Sizes) -> Result<bool> {
     }
     let encoded: Vec<Vec<u32>> = prompts.iter().map(|p| loaded.chat_tokens(p)).collect::<Result<_>>()?;
     sizes.max_model_len = encoded.iter().map(Vec::len).max().unwrap_or(0) + max_new;
-    if cli.max_running.is_none() {
-        sizes.max_running = sizes.max_running.min(encoded.len());
-    }
     let mut eng = engine(&loaded, sizes, false)?;
     println!(
         "attention: attn-rs backend \"{}\", {} KV-cache blocks of {} tokens per layer ({:.1} MiB), {} running at most, {} tokens per step",
@@ -244,22 +250,11 @@ fn check(cli: &Cli, device: &Device, mut sizes: Sizes) -> Result<bool> {
     Ok(ok)
 }
 
-fn bench(cli: &Cli, device: &Device, device_line: &str, mut sizes: Sizes) -> Result<bool> {
-    let cpu = device.is_cpu();
-    let pick = |x: Option<u32>, gpu: usize, cpu_default: usize| x.map_or(if cpu { cpu_default } else { gpu }, |n| n as usize);
-    let bs = BenchSizes {
-        requests: pick(cli.requests, 64, 4),
-        prompt_len: pick(cli.prompt_len, 512, 64),
-        new_tokens: pick(cli.new_tokens, 256, 8),
-    };
-    if cpu && (cli.requests.is_none() || cli.prompt_len.is_none() || cli.new_tokens.is_none()) {
+fn bench(cli: &Cli, device: &Device, device_line: &str, mut sizes: Sizes, bs: BenchSizes) -> Result<bool> {
+    if device.is_cpu() && (cli.requests.is_none() || cli.prompt_len.is_none() || cli.new_tokens.is_none()) {
         println!("(CPU: small default sizes; --requests, --prompt-len, --new-tokens to change)");
     }
     sizes.max_model_len = bs.prompt_len + bs.new_tokens;
-    if cli.max_running.is_none() {
-        sizes.max_running = bs.requests;
-        sizes.token_budget = sizes.token_budget.max(bs.requests);
-    }
     let loaded = load(cli, device)?;
     let opts = BenchOptions { sizes: bs, engine: sizes, reference: !cli.no_reference, device_line: device_line.to_owned() };
     let report = run_bench(&loaded, &cli.model, device, &opts, &mut std::io::stderr())?;

@@ -84,8 +84,8 @@ impl Llama {
 
     /// One step: every token through every layer (attention over the paged caches, the step's
     /// metadata already built in `attn`), then the logits of `step.logit_rows`, `[rows, vocab]`
-    /// f32.
-    pub fn forward(&self, step: &StepTokens<'_>, attn: &mut PagedAttention) -> Result<Tensor> {
+    /// f32 (`None` for a step of prompt chunks only, none of them the last).
+    pub fn forward(&self, step: &StepTokens<'_>, attn: &mut PagedAttention) -> Result<Option<Tensor>> {
         let c = &self.cfg;
         let (t, eps) = (step.tokens.len(), c.rms_eps as f32);
         let dev = &self.device;
@@ -109,9 +109,12 @@ impl Llama {
             let m = (candle_nn::ops::silu(&b.gate.forward(&h)?)? * b.up.forward(&h)?)?;
             x = (b.down.forward(&m)? + x)?;
         }
+        if step.logit_rows.is_empty() {
+            return Ok(None);
+        }
         let rows = Tensor::new(step.logit_rows, dev)?;
         let x = rms_norm(&x.index_select(&rows, 0)?, &self.norm, eps)?;
-        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+        Ok(Some(self.lm_head.forward(&x)?.to_dtype(DType::F32)?))
     }
 }
 

@@ -26,7 +26,7 @@ pub fn select_device(force_cpu: bool) -> (Device, String) {
         "--cpu".to_owned()
     } else {
         #[cfg(feature = "cuda")]
-        match Device::new_cuda(0) {
+        match Device::new_cuda_with_stream(0) {
             Ok(d) => return (d, "GPU 0 (CUDA): candle CUDA, attn-rs f16 kernels".to_owned()),
             Err(e) => format!("no usable GPU ({e})"),
         }
