@@ -15,6 +15,33 @@ use half::{bf16, f16};
 /// A CPU write, typed.
 type WriteFn<S> = fn(&S, &mut CpuStorage, &Layout, &CpuStorage, &Layout, &CpuStorage, &Layout) -> Result<()>;
 
+/// A cache write on the CPU for source elements `T` and cache elements `C`.
+trait CpuWrite: Sized {
+    fn write_cpu<T: HostSlice, C: HostSlice>(
+        &self,
+        cache: &mut CpuStorage,
+        cl: &Layout,
+        a: &CpuStorage,
+        al: &Layout,
+        b: &CpuStorage,
+        bl: &Layout,
+    ) -> Result<()>;
+}
+
+/// The typed write for `src` sources into a `cache`-dtype cache: the sources' dtype, or FP8
+/// E4M3 from any float source. `what` names the sources in the refusal.
+fn typed_write<O: CpuWrite>(src: DType, cache: DType, what: &str) -> Result<WriteFn<O>> {
+    Ok(match (src, cache) {
+        (DType::F16, DType::F16) => O::write_cpu::<f16, f16>,
+        (DType::BF16, DType::BF16) => O::write_cpu::<bf16, bf16>,
+        (DType::F32, DType::F32) => O::write_cpu::<f32, f32>,
+        (DType::F16, DType::F8E4M3) => O::write_cpu::<f16, Fp8E4m3>,
+        (DType::BF16, DType::F8E4M3) => O::write_cpu::<bf16, Fp8E4m3>,
+        (DType::F32, DType::F8E4M3) => O::write_cpu::<f32, Fp8E4m3>,
+        (s, c) => return Err(invalid("cache", format!("dtype {c:?} with {s:?} {what}: a cache is the {what}' dtype or f8e4m3"))),
+    })
+}
+
 /// The host copy of `[num_tokens]` slots (any integer dtype).
 fn host_slots(slot_mapping: &Tensor) -> Result<Vec<i64>> {
     ensure(slot_mapping.rank() == 1, "slot_mapping", || format!("shape {:?}: expected [num_tokens]", slot_mapping.dims()))?;
@@ -99,7 +126,7 @@ struct KvWriteOp<'a> {
     scales: Option<(&'a Tensor, &'a Tensor)>,
 }
 
-impl KvWriteOp<'_> {
+impl CpuWrite for KvWriteOp<'_> {
     fn write_cpu<T: HostSlice, C: HostSlice>(
         &self,
         cache: &mut CpuStorage,
@@ -128,21 +155,7 @@ impl InplaceOp3 for KvWriteOp<'_> {
     }
 
     fn cpu_fwd(&self, cache: &mut CpuStorage, cl: &Layout, k: &CpuStorage, kl: &Layout, v: &CpuStorage, vl: &Layout) -> Result<()> {
-        macro_rules! go {
-            ($t:ty, $c:ty) => {
-                Self::write_cpu::<$t, $c> as WriteFn<Self>
-            };
-        }
-        let write = match (k.dtype(), cache.dtype()) {
-            (DType::F16, DType::F16) => go!(f16, f16),
-            (DType::BF16, DType::BF16) => go!(bf16, bf16),
-            (DType::F32, DType::F32) => go!(f32, f32),
-            (DType::F16, DType::F8E4M3) => go!(f16, Fp8E4m3),
-            (DType::BF16, DType::F8E4M3) => go!(bf16, Fp8E4m3),
-            (DType::F32, DType::F8E4M3) => go!(f32, Fp8E4m3),
-            (s, c) => return Err(invalid("cache", format!("dtype {c:?} with {s:?} keys: a cache is the keys' dtype or f8e4m3"))),
-        };
-        write(self, cache, cl, k, kl, v, vl)
+        typed_write::<Self>(k.dtype(), cache.dtype(), "keys")?(self, cache, cl, k, kl, v, vl)
     }
 
     #[cfg(feature = "cuda")]
@@ -245,7 +258,7 @@ struct MlaWriteOp<'a> {
     scale: Option<&'a Tensor>,
 }
 
-impl MlaWriteOp<'_> {
+impl CpuWrite for MlaWriteOp<'_> {
     fn write_cpu<T: HostSlice, C: HostSlice>(
         &self,
         cache: &mut CpuStorage,
@@ -282,21 +295,7 @@ impl InplaceOp3 for MlaWriteOp<'_> {
     }
 
     fn cpu_fwd(&self, cache: &mut CpuStorage, cl: &Layout, a: &CpuStorage, al: &Layout, b: &CpuStorage, bl: &Layout) -> Result<()> {
-        macro_rules! go {
-            ($t:ty, $c:ty) => {
-                Self::write_cpu::<$t, $c> as WriteFn<Self>
-            };
-        }
-        let write = match (a.dtype(), cache.dtype()) {
-            (DType::F16, DType::F16) => go!(f16, f16),
-            (DType::BF16, DType::BF16) => go!(bf16, bf16),
-            (DType::F32, DType::F32) => go!(f32, f32),
-            (DType::F16, DType::F8E4M3) => go!(f16, Fp8E4m3),
-            (DType::BF16, DType::F8E4M3) => go!(bf16, Fp8E4m3),
-            (DType::F32, DType::F8E4M3) => go!(f32, Fp8E4m3),
-            (s, c) => return Err(invalid("cache", format!("dtype {c:?} with {s:?} latents: a cache is the latents' dtype or f8e4m3"))),
-        };
-        write(self, cache, cl, a, al, b, bl)
+        typed_write::<Self>(a.dtype(), cache.dtype(), "latents")?(self, cache, cl, a, al, b, bl)
     }
 
     #[cfg(feature = "cuda")]
