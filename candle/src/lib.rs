@@ -52,6 +52,7 @@ mod decode;
 mod error;
 mod host;
 mod layout;
+mod reorder;
 
 pub use attention::{LayerExtras, PagedAttention, StepBatch};
 pub use attn_rs;
