@@ -36,8 +36,6 @@ pub enum KernelId {
     DecodeKr { q: DType, fp8: bool, long: bool, head_size: u32 },
     /// `prefill_<q>[_fp8]_dk<qk>_dv<v>`: the `mma.sync` attention-tile kernel.
     Prefill { q: DType, fp8: bool, head_size_qk: u32, head_size_v: u32 },
-    /// `prefill_wg_<q>_d<d>`: Hopper's `wgmma` prefill (sm_90a).
-    PrefillWg { q: DType, head_size: u32 },
     /// `prefill_wgs_<q>_d<d>`: Hopper's warp-specialised persistent prefill (sm_90a).
     PrefillWgs { q: DType, head_size: u32 },
     /// `mla_<q>[_fp8]_{narrow,wide}`: MLA's latent attention.
@@ -61,7 +59,6 @@ impl KernelId {
             KernelId::Prefill { q, fp8: f, head_size_qk: dk, head_size_v: dv } => {
                 format!("prefill_{}{}_dk{dk}_dv{dv}", q.kernel_name(), fp8(f))
             }
-            KernelId::PrefillWg { q, head_size: d } => format!("prefill_wg_{}_d{d}", q.kernel_name()),
             KernelId::PrefillWgs { q, head_size: d } => format!("prefill_wgs_{}_d{d}", q.kernel_name()),
             KernelId::Mla { q, fp8: f, tile } => {
                 format!("mla_{}{}_{}", q.kernel_name(), fp8(f), if tile == MlaTile::Narrow { "narrow" } else { "wide" })
@@ -77,7 +74,6 @@ impl KernelId {
             KernelId::DecodeTc { .. }
             | KernelId::DecodeKr { .. }
             | KernelId::Prefill { .. }
-            | KernelId::PrefillWg { .. }
             | KernelId::PrefillWgs { .. }
             | KernelId::Mla { .. } => Family::Attention,
         }
@@ -86,7 +82,7 @@ impl KernelId {
     /// Whether only the sm_90a module has it (Hopper's `wgmma` prefill kernels).
     #[cfg(test)]
     pub fn hopper_only(&self) -> bool {
-        matches!(self, KernelId::PrefillWg { .. } | KernelId::PrefillWgs { .. })
+        matches!(self, KernelId::PrefillWgs { .. })
     }
 
     /// Every kernel the modules export (those of [`hopper_only`](Self::hopper_only) in the
@@ -125,11 +121,7 @@ impl KernelId {
                 }
             }
             for head_size in hopper_prefill::HEAD_SIZES {
-                v.push(if hopper_prefill::WS_HEAD_SIZES.contains(&head_size) {
-                    KernelId::PrefillWgs { q, head_size }
-                } else {
-                    KernelId::PrefillWg { q, head_size }
-                });
+                v.push(KernelId::PrefillWgs { q, head_size });
             }
         }
         v
@@ -200,7 +192,7 @@ mod tests {
             (KernelId::DecodeKr { q: f16, fp8: false, long: false, head_size: 256 }, "decode_kr_f16_d256"),
             (KernelId::DecodeKr { q: bf16, fp8: true, long: true, head_size: 64 }, "decode_kr_bf16_fp8_long_d64"),
             (KernelId::Prefill { q: f16, fp8: false, head_size_qk: 192, head_size_v: 128 }, "prefill_f16_dk192_dv128"),
-            (KernelId::PrefillWg { q: bf16, head_size: 128 }, "prefill_wg_bf16_d128"),
+            (KernelId::PrefillWgs { q: bf16, head_size: 128 }, "prefill_wgs_bf16_d128"),
             (KernelId::PrefillWgs { q: f16, head_size: 64 }, "prefill_wgs_f16_d64"),
             (KernelId::Mla { q: bf16, fp8: true, tile: MlaTile::Narrow }, "mla_bf16_fp8_narrow"),
             (KernelId::Mla { q: f16, fp8: false, tile: MlaTile::Wide }, "mla_f16_wide"),

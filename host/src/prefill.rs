@@ -185,25 +185,19 @@ pub(crate) struct PrefillKernel {
     pub persistent: bool,
 }
 
-/// The prefill kernel of the module `target` (`AttnDevice::ptx_target`): Hopper's `wgmma`
-/// kernels (in the sm_90a module) for 16-bit caches at head sizes 64 and 128 (QK = V): at 64
-/// the warp-specialised persistent one (`prefill_wgs_*`), at 128 `prefill_wg_*`. Every other
-/// case runs the `mma.sync` kernel.
+/// The prefill kernel of the module `target` (`AttnDevice::ptx_target`): Hopper's
+/// warp-specialised persistent `wgmma` kernel (`prefill_wgs_*`, in the sm_90a module) for 16-bit
+/// caches at head sizes 64 and 128 (QK = V); the `mma.sync` kernel for every other case.
 pub(crate) fn prefill_kernel(target: &str, q: DType, fp8: bool, dk: usize, dv: usize) -> PrefillKernel {
-    let hopper = target == "sm_90a" && !fp8 && dk == dv && hopper_prefill::HEAD_SIZES.contains(&(dk as u32));
-    // The two Hopper kernels differ in id, threads, shared memory and persistence.
-    let hopper_kernel = |id: KernelId, threads: u32, smem: u32, persistent: bool| PrefillKernel {
-        id,
-        block_m: hopper_prefill::BLOCK_M,
-        threads,
-        smem,
-        persistent,
-    };
     let d = dk as u32;
-    if hopper && hopper_prefill::WS_HEAD_SIZES.contains(&d) {
-        hopper_kernel(KernelId::PrefillWgs { q, head_size: d }, hopper_prefill::WS_THREADS, hopper_prefill::ws_layout(d).total, true)
-    } else if hopper {
-        hopper_kernel(KernelId::PrefillWg { q, head_size: d }, hopper_prefill::THREADS, hopper_prefill::shared_layout(d).total, false)
+    if target == "sm_90a" && !fp8 && dk == dv && hopper_prefill::HEAD_SIZES.contains(&d) {
+        PrefillKernel {
+            id: KernelId::PrefillWgs { q, head_size: d },
+            block_m: hopper_prefill::BLOCK_M,
+            threads: hopper_prefill::WS_THREADS,
+            smem: hopper_prefill::ws_layout(d).total,
+            persistent: true,
+        }
     } else {
         PrefillKernel {
             id: KernelId::Prefill { q, fp8, head_size_qk: dk as u32, head_size_v: dv as u32 },
@@ -400,14 +394,14 @@ pub(crate) fn prefill_from(
 mod tests {
     use super::*;
 
-    /// The kernel each module runs: `wgmma` on sm_90a for 16-bit caches at 64 (persistent) and
-    /// 128, the `mma.sync` kernel for everything else.
+    /// The kernel each module runs: the persistent `wgmma` kernel on sm_90a for 16-bit caches
+    /// at 64 and 128, the `mma.sync` kernel for everything else.
     #[test]
     fn prefill_kernel_choice() {
         let name = |target, q, fp8, dk, dv| prefill_kernel(target, q, fp8, dk, dv).id.entry_name();
         let (bf16, f16) = (DType::BF16, DType::F16);
         assert_eq!(name("sm_90a", bf16, false, 64, 64), "prefill_wgs_bf16_d64");
-        assert_eq!(name("sm_90a", f16, false, 128, 128), "prefill_wg_f16_d128");
+        assert_eq!(name("sm_90a", f16, false, 128, 128), "prefill_wgs_f16_d128");
         assert_eq!(name("sm_90a", bf16, true, 128, 128), "prefill_bf16_fp8_dk128_dv128");
         assert_eq!(name("sm_90a", bf16, false, 96, 96), "prefill_bf16_dk96_dv96");
         assert_eq!(name("sm_90a", bf16, false, 192, 128), "prefill_bf16_dk192_dv128");
@@ -415,8 +409,8 @@ mod tests {
         assert_eq!(name("sm_80", f16, true, 256, 256), "prefill_f16_fp8_dk256_dv256");
         let wgs = prefill_kernel("sm_90a", bf16, false, 64, 64);
         assert!(wgs.persistent && wgs.block_m == hopper_prefill::BLOCK_M && wgs.threads == hopper_prefill::WS_THREADS);
-        let wg = prefill_kernel("sm_90a", bf16, false, 128, 128);
-        assert!(!wg.persistent && wg.threads == hopper_prefill::THREADS);
+        let d128 = prefill_kernel("sm_90a", bf16, false, 128, 128);
+        assert!(d128.persistent && d128.smem == hopper_prefill::ws_layout(128).total);
         let mma = prefill_kernel("sm_80", bf16, false, 128, 128);
         assert_eq!((mma.block_m, mma.threads, mma.persistent), (block_m(128, 128, false, false), THREADS, false));
         assert_eq!(mma.smem, shared_layout(128, 128, false, false).total);

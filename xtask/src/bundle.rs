@@ -30,7 +30,8 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 #   BENCH_ARGS="--quick" bundle/run.sh   extra benchmark arguments
 #   TESTS="gpu_prefill" bundle/run.sh    only these test binaries (TESTS=none: no tests)
 #   TEST_ARGS="d64 --test-threads 1"     arguments to every test binary (a name filter: one case)
-#   BENCH=0 bundle/run.sh                no benchmark
+#   BENCH=0 bundle/run.sh                no benchmark (with python3 and torch, the benchmark is
+#                                        followed by sdpa-anchor.py: torch SDPA on the prefill shapes)
 #   STEP=0 bundle/run.sh                 no step benchmark (cascade, CUDA graphs; STEP_ARGS="--quick")
 #   SIM=0 bundle/run.sh                  no engine-sim (SIM_ARGS="--model llama": its arguments)
 # A sanitizer pass over every binary with every tool takes longer than one 10-minute command:
@@ -85,6 +86,12 @@ if [ "${BENCH:-1}" != 0 ]; then
   json=${OUT:-/tmp}/bench.json
   echo "== benchmark"
   "$here/attn-bench" --json "$json" ${BENCH_ARGS:-} || status=1
+  # Same-run anchors: torch's SDPA (cuDNN, FLASH) on the prefill rows' shapes, into the same JSON.
+  if command -v python3 >/dev/null && python3 -c "import torch" 2>/dev/null; then
+    python3 "$here/sdpa-anchor.py" "$json" || status=1
+  else
+    echo "(no python3 with torch: no SDPA anchors)"
+  fi
 fi
 if [ "${STEP:-1}" != 0 ]; then
   echo "== step-bench (cascade, CUDA graphs)"
@@ -132,6 +139,7 @@ pub fn bundle() -> Result<(), String> {
     for (name, exe) in test_executables(&root, GPU_TESTS)? {
         std::fs::copy(&exe, out.join("tests").join(&name)).map_err(|e| format!("{exe}: {e}"))?;
     }
+    std::fs::copy(root.join("scripts/sdpa-anchor.py"), out.join("sdpa-anchor.py")).map_err(|e| e.to_string())?;
     let script = out.join("run.sh");
     std::fs::write(&script, RUN_SH).map_err(|e| e.to_string())?;
     run(Command::new("chmod").arg("+x").arg(&script))?;

@@ -1,21 +1,20 @@
-//! Launch geometry of the Hopper prefill kernels (`prefill_wg_<q>_d<head_size>`, sm_90a only),
+//! Launch geometry of the Hopper prefill kernel (`prefill_wgs_<q>_d<head_size>`, sm_90a only),
 //! shared by the kernel and the host.
 //!
-//! A CTA has two warpgroups (8 warps); each owns 64 of the CTA's [`BLOCK_M`] query rows, so
-//! that one `wgmma` (m64) covers a warpgroup's rows. Per key tile of [`BLOCK_N`] keys a
+//! A CTA has two compute warpgroups (8 warps) and a producer warpgroup ([`WS_THREADS`]); each
+//! compute warpgroup owns 64 of the CTA's [`BLOCK_M`] query rows, so that one `wgmma` (m64)
+//! covers a warpgroup's rows. Per key tile of [`BLOCK_N`] keys a
 //! warpgroup computes S = Q K^T with `wgmma` from shared memory (Q and K both K-major), updates
 //! the online softmax in registers (the accumulator layout is `mma.sync`'s C layout per warp),
 //! and adds P V with P from registers (the C layout is the A layout) and V read N-major from the
 //! same K/V tile rows. Q, K and V tiles sit in the 128-byte-swizzled layout of [`swizzled`].
 
-/// Threads per CTA: two warpgroups.
+/// Threads of the two compute warpgroups.
 pub const THREADS: u32 = 256;
 /// Query rows per CTA: 64 per warpgroup.
 pub const BLOCK_M: u32 = 128;
 /// Keys per tile.
 pub const BLOCK_N: u32 = 128;
-/// K/V tiles in the `cp.async` pipeline (two: 64 KB a tile at head size 128).
-pub const STAGES: u32 = 2;
 /// Head sizes (QK = V) with Hopper prefill kernels: whole 128-byte swizzle atoms per row.
 pub const HEAD_SIZES: [u32; 2] = [64, 128];
 
@@ -33,31 +32,7 @@ pub const fn swizzled(d: u32, row: u32, chunk: u32) -> u32 {
     (row / 8) * group_bytes(d) + (chunk / 8) * 1024 + (row % 8) * 128 + ((chunk % 8) ^ (row % 8)) * 16
 }
 
-/// Byte offsets in dynamic shared memory: Q (`BLOCK_M` rows), the K and V stages (`BLOCK_N`
-/// rows each), all 1024-byte aligned; then the key address tables (`STAGES + 1` slots of
-/// `table_slot_bytes(BLOCK_N)`, as in `attn_math::prefill`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct HopperLayout {
-    pub q: u32,
-    pub k: u32,
-    pub v: u32,
-    pub stage: u32,
-    pub table: u32,
-    pub total: u32,
-}
-
-/// Shared memory of `prefill_wg_*`: `STAGES` K and V stages and `STAGES + 1` table slots.
-pub const fn shared_layout(d: u32) -> HopperLayout {
-    let q = 0;
-    let stage = BLOCK_N * d * 2;
-    let k = q + BLOCK_M * d * 2;
-    let v = k + STAGES * stage;
-    let table = v + STAGES * stage;
-    let total = table + (STAGES + 1) * crate::prefill::table_slot_bytes(BLOCK_N);
-    HopperLayout { q, k, v, stage, table, total }
-}
-
-/// The warp-specialised kernels (`prefill_wgs_<q>_d<head_size>`, head size 64): the two
+/// The warp-specialised kernels (`prefill_wgs_<q>_d<head_size>`): the two
 /// warpgroups of [`THREADS`] compute (64 query rows each, in half tiles of 64 keys), and a third, the
 /// producer, does every global load: it takes work items from a counter until none are left
 /// (the CTAs are persistent), looks up each tile's blocks and copies Q, K and V into rings of
@@ -65,8 +40,22 @@ pub const fn shared_layout(d: u32) -> HopperLayout {
 /// item's tables, queries and first tiles arrive while the current one finishes, and the
 /// compute warps issue no copies.
 pub const WS_THREADS: u32 = THREADS + 128;
-/// K/V stages (a stage: K then V of one tile, and its address table).
+/// K/V stages in the ring (a stage: K then V of [`ws_stage_keys`] keys, and their address
+/// table).
 pub const WS_STAGES: u32 = 4;
+/// Keys of a ring stage: a whole tile at head size 64 (32 KB a stage), half a tile at 128
+/// (32 KB; four whole-tile stages would not fit beside the two query buffers). Half-tile stages
+/// are freed as soon as the compute warps are done with that half, which keeps the producer a
+/// tile ahead; whole-tile stages at 128 (two of them) left it half a tile ahead and the kernel
+/// 9-12% slower than `prefill_wg_*`, while half-tile stages at 64 (eight) cost 6-10% there in
+/// extra barriers and producer work.
+pub const fn ws_stage_keys(d: u32) -> u32 {
+    if d <= 64 {
+        BLOCK_N
+    } else {
+        BLOCK_N / 2
+    }
+}
 /// Query buffers: the current item's and the next one's.
 pub const WS_Q_BUFFERS: u32 = 2;
 /// Registers a thread after `setmaxnreg`: compute and producer warpgroups. The CTA starts at
@@ -75,8 +64,6 @@ pub const WS_Q_BUFFERS: u32 = 2;
 /// time of writing) and the producer spilled at 40.
 pub const WS_COMPUTE_REGS: u32 = 224;
 pub const WS_PRODUCER_REGS: u32 = 56;
-/// Head sizes with warp-specialised kernels.
-pub const WS_HEAD_SIZES: [u32; 1] = [64];
 /// u32 words of an item's descriptor in shared memory (what the producer decoded: status,
 /// the work item's fields, its key range, tiles and splits), padded to 16-byte loads.
 pub const WS_ITEM_WORDS: u32 = 16;
@@ -87,14 +74,14 @@ pub struct WsLayout {
     /// Query buffer b at `q + b * q_bytes`.
     pub q: u32,
     pub q_bytes: u32,
-    /// Stage s: K at `kv + s * 2 * tile`, V `tile` bytes after.
+    /// Stage s: K at `kv + s * 2 * tile`, V `tile` bytes after (`tile`: [`ws_stage_keys`] rows).
     pub kv: u32,
     pub tile: u32,
-    /// Address table of stage s at `table + s * table_slot_bytes(BLOCK_N)`.
+    /// Address table of stage s at `table + s * table_slot_bytes(ws_stage_keys(d))`.
     pub table: u32,
     /// Item descriptor of query buffer b at `item + b * 4 * WS_ITEM_WORDS`.
     pub item: u32,
-    /// `mbarrier`s (8 bytes each): stage filled [WS_STAGES], stage freed [WS_STAGES], query
+    /// `mbarrier`s (8 bytes each): stage filled [stages], stage freed [stages], query
     /// buffer filled [WS_Q_BUFFERS], query buffer freed [WS_Q_BUFFERS].
     pub bars: u32,
     /// The producer's scratch word (the item index it fetched, for its other threads).
@@ -103,14 +90,15 @@ pub struct WsLayout {
 }
 
 pub const fn ws_layout(d: u32) -> WsLayout {
+    let stages = WS_STAGES;
     let q_bytes = BLOCK_M * d * 2;
-    let tile = BLOCK_N * d * 2;
+    let tile = ws_stage_keys(d) * d * 2;
     let q = 0;
     let kv = q + WS_Q_BUFFERS * q_bytes;
-    let table = kv + WS_STAGES * 2 * tile;
-    let item = table + WS_STAGES * crate::prefill::table_slot_bytes(BLOCK_N);
+    let table = kv + stages * 2 * tile;
+    let item = table + stages * crate::prefill::table_slot_bytes(ws_stage_keys(d));
     let bars = item + WS_Q_BUFFERS * 4 * WS_ITEM_WORDS;
-    let scratch = bars + 8 * 2 * (WS_STAGES + WS_Q_BUFFERS);
+    let scratch = bars + 8 * 2 * (stages + WS_Q_BUFFERS);
     let total = scratch + 16;
     WsLayout { q, q_bytes, kv, tile, table, item, bars, scratch, total }
 }
@@ -120,21 +108,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn layout_fits_and_aligns_the_swizzle_atoms() {
-        for (d, l) in HEAD_SIZES.map(|d| (d, shared_layout(d))) {
-            assert!(l.total <= 227 * 1024, "d{d}: {}", l.total);
-            for o in [l.q, l.k, l.v, l.stage] {
-                assert!(o.is_multiple_of(1024), "d{d}: {l:?}");
-            }
-            // wgmma descriptors hold addresses below 2^18.
-            assert!(l.total < 1 << 18);
-            const { assert!(BLOCK_N <= THREADS && BLOCK_M == 64 * (THREADS / 128)) };
-        }
-    }
-
-    #[test]
     fn warp_specialised_layout_fits_and_aligns() {
-        for d in WS_HEAD_SIZES {
+        for d in HEAD_SIZES {
             let l = ws_layout(d);
             assert!(l.total <= 227 * 1024, "d{d}: {l:?}");
             for o in [l.q, l.q_bytes, l.kv, l.tile] {

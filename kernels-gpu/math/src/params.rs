@@ -114,8 +114,8 @@ pub struct MergeStatesParams {
 pub const NO_WORK: u32 = 0xffff << 16;
 
 /// The parameter block of every attention launch: the tensor-core kernels (`prefill_*`,
-/// `decode_tc_*`), the keys-as-rows decode (`decode_kr_*`), the Hopper prefill (`prefill_wg_*`,
-/// `prefill_wgs_*`) and MLA (`mla_*`), launched by the decode, prefill and MLA calls (which
+/// `decode_tc_*`), the keys-as-rows decode (`decode_kr_*`), the Hopper prefill (`prefill_wgs_*`)
+/// and MLA (`mla_*`), launched by the decode, prefill and MLA calls (which
 /// `forward` and cascade attention go through). One CTA per (work item, kv head); a work item
 /// is a request, a tile of its query rows and a split of its keys. A request's query rows are
 /// its `q_len` tokens x the `group` query heads of the kv head, row = token * group +

@@ -103,16 +103,11 @@ macro_rules! prefill_wgmma_kernels {
     };
 }
 
-// One CTA a work item: `prefill_wg_<q>_d128`.
+// A producer warpgroup, persistent CTAs: `prefill_wgs_<q>_d<64|128>`.
 #[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wg", prefill_hopper::prefill_hopper, F16, "f16": 128);
+prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16": 64, 128);
 #[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wg", prefill_hopper::prefill_hopper, Bf16, "bf16": 128);
-// A producer warpgroup, persistent CTAs: `prefill_wgs_<q>_d64`.
-#[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16": 64);
-#[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16": 64);
+prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16": 64, 128);
 
 // MLA on its own kernel: Q K^T once per tile, P shared by warps owning output columns.
 // `mla_<q>[_fp8]_{narrow,wide}` (shapes in `attn_math::mla`; `_fp8`: an FP8 E4M3 cache).

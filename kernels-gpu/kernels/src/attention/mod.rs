@@ -14,7 +14,7 @@
 //!   fragments for FP8 decode at head sizes 64 and 128.
 //!
 //! The other kernels: [`keys_rows`] (`decode_kr_*`), [`mla`] (`mla_*`) and, on sm_90a,
-//! [`hopper`] (`prefill_wg_*`, `prefill_wgs_*`). [`entry`] exports them all. The split-K merge
+//! [`hopper`] (`prefill_wgs_*`). [`entry`] exports them all. The split-K merge
 //! inside pass 1 is `crate::merge::split_merge`.
 
 pub(crate) mod config;

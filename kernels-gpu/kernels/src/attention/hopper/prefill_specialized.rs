@@ -1,4 +1,4 @@
-//! Hopper prefill with a producer warpgroup (`prefill_wgs_<q>_d64`, sm_90a; geometry in
+//! Hopper prefill with a producer warpgroup (`prefill_wgs_<q>_d{64,128}`, sm_90a; geometry in
 //! `attn_math::hopper_prefill::ws_layout`).
 //!
 //! A CTA of one kernel a work item spends a quarter of its time at 8 x 2048 outside its key
@@ -7,10 +7,11 @@
 //! has a third warpgroup, the producer, and the CTAs are persistent:
 //! - the producer takes work items (the grid's own first, then from the counter at
 //!   `p.schedule.sched`), decodes each into a descriptor in shared memory, copies its queries
-//!   into one of two query buffers, and for each key tile looks up the blocks, writes the tile's
-//!   address table and copies K and V into a ring of [`WS_STAGES`] stages. Every buffer has a
-//!   "filled" `mbarrier` (the producer's `cp.async`s land, then it arrives) and a "freed" one
-//!   (each compute warp arrives when done with it);
+//!   into one of two query buffers, and for each key tile looks up the blocks, then for each
+//!   stage of the tile writes its address table and copies its K and V into a ring of
+//!   [`WS_STAGES`] stages (a stage: a whole tile at head size 64, half a tile at 128, see
+//!   `ws_stage_keys`). Every buffer has a "filled" `mbarrier` (the producer's `cp.async`s land,
+//!   then it arrives) and a "freed" one (each compute warp arrives when done with it);
 //! - the two compute warpgroups (64 query rows each) work on whatever the rings hold, item
 //!   after item; the next item's queries and first tiles are already there when one ends.
 //!
@@ -49,7 +50,8 @@ use crate::blocks::mma::{
 use crate::blocks::vec_io::store4;
 use crate::blocks::wgmma::{wait_pv64, wait_scores64, WgmmaTiles};
 use attn_math::hopper_prefill::{
-    group_bytes, ws_layout, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_Q_BUFFERS, WS_STAGES,
+    group_bytes, ws_layout, ws_stage_keys, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_ITEM_WORDS, WS_PRODUCER_REGS,
+    WS_Q_BUFFERS, WS_STAGES,
 };
 use attn_math::params::AttnParams;
 use attn_math::prefill::{table_slot_bytes, TABLE_ENTRY};
@@ -70,24 +72,36 @@ const ITEM_NONE: u32 = 0;
 const ITEM_WORK: u32 = 1;
 const ITEM_END: u32 = 2;
 
-/// The shared-memory rings, indexed by ring position (the CTA's key tiles counted across its
-/// items) or by item count.
+/// The shared-memory rings of head size `D`, indexed by ring position (the CTA's stages
+/// counted across its items) or by item count. The compute warps count 64-key half tiles
+/// instead ([`Rings::half`]).
 #[derive(Clone, Copy)]
-struct Rings {
+struct Rings<const D: usize> {
     smem: u32,
     l: WsLayout,
 }
 
-impl Rings {
+impl<const D: usize> Rings<D> {
+    const STAGES: u32 = WS_STAGES;
+    /// Keys of a stage.
+    const KEYS: u32 = ws_stage_keys(D as u32);
+    /// Half tiles (64 keys) a stage holds: 2 or 1.
+    const HALVES: u32 = Self::KEYS / 64;
+
+    #[inline(always)]
+    fn new(smem: u32) -> Self {
+        Rings { smem, l: ws_layout(D as u32) }
+    }
+
     #[inline(always)]
     fn stage(u: u32) -> u32 {
-        u % WS_STAGES
+        u % Self::STAGES
     }
 
     /// Parity of position `u`'s use of its stage (uses alternate phases).
     #[inline(always)]
     fn parity(u: u32) -> u32 {
-        (u / WS_STAGES) & 1
+        (u / Self::STAGES) & 1
     }
 
     #[inline(always)]
@@ -102,7 +116,24 @@ impl Rings {
 
     #[inline(always)]
     fn table(&self, u: u32) -> u32 {
-        self.smem + self.l.table + Self::stage(u) * table_slot_bytes(BLOCK_N)
+        self.smem + self.l.table + Self::stage(u) * table_slot_bytes(Self::KEYS)
+    }
+
+    /// Half tile `x` (the CTA's half tiles counted across its items): its stage's ring position
+    /// and its K, V, table and bad-block-flag addresses.
+    #[inline(always)]
+    fn half(&self, x: u32) -> Half {
+        let (u, i) = (x / Self::HALVES, x % Self::HALVES);
+        let rows = i * 64 * D as u32 * 2;
+        let table = self.table(u);
+        Half {
+            u,
+            last: i == Self::HALVES - 1,
+            k: self.k(u) + rows,
+            v: self.v(u) + rows,
+            table: table + i * 64 * TABLE_ENTRY,
+            flags: table + Self::KEYS * TABLE_ENTRY + i * 8,
+        }
     }
 
     #[inline(always)]
@@ -112,7 +143,7 @@ impl Rings {
 
     #[inline(always)]
     fn freed(&self, u: u32) -> u32 {
-        self.smem + self.l.bars + 8 * (WS_STAGES + Self::stage(u))
+        self.smem + self.l.bars + 8 * (Self::STAGES + Self::stage(u))
     }
 
     #[inline(always)]
@@ -127,18 +158,31 @@ impl Rings {
 
     #[inline(always)]
     fn q_filled(&self, k: u32) -> u32 {
-        self.smem + self.l.bars + 8 * (2 * WS_STAGES + k % WS_Q_BUFFERS)
+        self.smem + self.l.bars + 8 * (2 * Self::STAGES + k % WS_Q_BUFFERS)
     }
 
     #[inline(always)]
     fn q_freed(&self, k: u32) -> u32 {
-        self.smem + self.l.bars + 8 * (2 * WS_STAGES + WS_Q_BUFFERS + k % WS_Q_BUFFERS)
+        self.smem + self.l.bars + 8 * (2 * Self::STAGES + WS_Q_BUFFERS + k % WS_Q_BUFFERS)
     }
 
     #[inline(always)]
     fn q_parity(k: u32) -> u32 {
         (k / WS_Q_BUFFERS) & 1
     }
+}
+
+/// Where a 64-key half tile sits in the ring ([`Rings::half`]).
+#[derive(Clone, Copy)]
+struct Half {
+    /// Its stage's ring position.
+    u: u32,
+    /// The stage's last half: done with it, a compute warp frees the stage.
+    last: bool,
+    k: u32,
+    v: u32,
+    table: u32,
+    flags: u32,
 }
 
 /// A decoded item: the descriptor's words.
@@ -193,11 +237,11 @@ impl Item {
 pub unsafe fn prefill_specialized<Q: WgmmaTiles, const D: usize>(p: &AttnParams) {
     // Programmatic dependent launch: wait for the cache write before reading anything.
     pdl_prologue();
-    const { assert!(D == 64) };
+    const { assert!(D == 64 || D == 128) };
     let tid = thread_idx_x();
-    let rings = Rings { smem: shared_addr(dynamic_shared::<u8>()), l: ws_layout(D as u32) };
+    let rings = Rings::<D>::new(shared_addr(dynamic_shared::<u8>()));
     if tid == 0 {
-        for u in 0..WS_STAGES {
+        for u in 0..Rings::<D>::STAGES {
             unsafe { mbarrier::init(rings.filled(u), FILLED_ARRIVALS) };
             unsafe { mbarrier::init(rings.freed(u), THREADS / 32) };
         }
@@ -219,11 +263,11 @@ pub unsafe fn prefill_specialized<Q: WgmmaTiles, const D: usize>(p: &AttnParams)
 /// The producer warpgroup (`t`: its thread index): items, queries, tables and K/V tiles into
 /// the rings, until the items run out.
 #[inline(always)]
-unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings, t: u32) {
+unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings<D>, t: u32) {
     let mut u = 0u32;
     let mut k = 0u32;
     loop {
-        unsafe { mbarrier::wait(rings.q_freed(k), Rings::q_parity(k) ^ 1) };
+        unsafe { mbarrier::wait(rings.q_freed(k), Rings::<D>::q_parity(k) ^ 1) };
         if t == 0 {
             // The grid's own index first, then the counter's (which starts past the grid).
             let x = if k == 0 { block_idx_x() } else { grid_dim_x() + unsafe { atomic_add_global(p.schedule.sched, 1) } };
@@ -258,40 +302,51 @@ unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings, t: u32) {
             let mut loc = locate(0);
             let mut j = 0;
             while j < it.n_tiles {
-                let table = rings.table(u);
-                unsafe { mbarrier::wait(rings.freed(u), Rings::parity(u) ^ 1) };
-                // This thread's key's entry and its warp's bad-block flag (as `KeyTables::fill`).
+                // This thread's key's entry and its warp's bad-block flag (as `KeyTables::fill`),
+                // for the half of the tile the key is in.
                 let key = key_of(j);
                 let (ka, va) = if key < it.end { src.addresses(p, key, loc, 2) } else { (0, 0) };
-                unsafe { st_shared_u64x2(table + t * TABLE_ENTRY, ka, va) };
                 let bad = key < it.end && ka == 0;
                 if bad {
                     unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
                 }
                 let any_bad = vote_any(bad);
-                if t.is_multiple_of(32) {
-                    unsafe { st_shared_u32(table + BLOCK_N * TABLE_ENTRY + (t / 32) * 4, any_bad as u32) };
-                }
                 if j + 1 < it.n_tiles {
                     loc = locate(j + 1);
                 }
-                named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
-                unsafe {
-                    copy_row_pairs::<D, BLOCK_N, PRODUCERS>(
-                        [rings.k(u), rings.v(u)],
-                        t,
-                        p.qkv.q,
-                        |r| ld_shared_u64x2(table + r * TABLE_ENTRY),
-                        true,
-                    );
-                    mbarrier::arrive_when_copies_land(rings.filled(u));
-                    if t == 0 {
-                        // Publishes every producer's table entry and flag (stored before
-                        // the named barrier above).
-                        mbarrier::arrive(rings.filled(u));
+                // The tile's stages (one or two).
+                static_for::<2>(|h| {
+                    if h as u32 >= BLOCK_N / Rings::<D>::KEYS {
+                        return;
                     }
-                }
-                u += 1;
+                    let uh = u + h as u32;
+                    let table = rings.table(uh);
+                    unsafe { mbarrier::wait(rings.freed(uh), Rings::<D>::parity(uh) ^ 1) };
+                    if t / Rings::<D>::KEYS == h as u32 {
+                        let tk = t % Rings::<D>::KEYS;
+                        unsafe { st_shared_u64x2(table + tk * TABLE_ENTRY, ka, va) };
+                        if tk.is_multiple_of(32) {
+                            unsafe { st_shared_u32(table + Rings::<D>::KEYS * TABLE_ENTRY + (tk / 32) * 4, any_bad as u32) };
+                        }
+                    }
+                    named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
+                    unsafe {
+                        let rows = |r| ld_shared_u64x2(table + r * TABLE_ENTRY);
+                        let dst = [rings.k(uh), rings.v(uh)];
+                        if Rings::<D>::KEYS == BLOCK_N {
+                            copy_row_pairs::<D, BLOCK_N, PRODUCERS>(dst, t, p.qkv.q, rows, true);
+                        } else {
+                            copy_row_pairs::<D, { BLOCK_N / 2 }, PRODUCERS>(dst, t, p.qkv.q, rows, true);
+                        }
+                        mbarrier::arrive_when_copies_land(rings.filled(uh));
+                        if t == 0 {
+                            // Publishes every producer's table entry and flag (stored before
+                            // the named barrier above).
+                            mbarrier::arrive(rings.filled(uh));
+                        }
+                    }
+                });
+                u += BLOCK_N / Rings::<D>::KEYS;
                 j += 1;
             }
         }
@@ -316,10 +371,10 @@ unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings, t: u32) {
     // these phases, so each barrier is in that phase or just past it and the parity names it.
     unsafe {
         for i in 0..WS_Q_BUFFERS.min(k + 1) {
-            mbarrier::wait(rings.q_filled(k - i), Rings::q_parity(k - i));
+            mbarrier::wait(rings.q_filled(k - i), Rings::<D>::q_parity(k - i));
         }
-        for v in u.saturating_sub(WS_STAGES)..u {
-            mbarrier::wait(rings.filled(v), Rings::parity(v));
+        for v in u.saturating_sub(Rings::<D>::STAGES)..u {
+            mbarrier::wait(rings.filled(v), Rings::<D>::parity(v));
         }
     }
 }
@@ -327,18 +382,17 @@ unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings, t: u32) {
 /// The compute warpgroups (`tid` < [`THREADS`]): the half-tile schedule (module docs) over the
 /// rings, item after item.
 #[inline(always)]
-unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &AttnParams, rings: Rings, tid: u32) {
+unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &AttnParams, rings: Rings<D>, tid: u32) {
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
     let wg = warp / 4;
     let gb = group_bytes(D as u32);
     let k_desc = |addr: u32| wgmma_desc(addr, 16, gb, true);
     let v_desc = |addr: u32| wgmma_desc(addr, 1024, gb, true);
-    // Half tile `h` (keys 64h..64h+63) of a K or V stage.
-    let half = |stage: u32, h: u32| stage + h * 64 * D as u32 * 2;
-    // Tile `u` has landed and is visible to this thread's `wgmma`s.
-    let wait_filled = |u: u32| unsafe {
-        mbarrier::wait(rings.filled(u), Rings::parity(u));
+    // Half tile `x`'s stage has landed and is visible to this thread's `wgmma`s.
+    let wait_filled = |x: u32| unsafe {
+        let u = rings.half(x).u;
+        mbarrier::wait(rings.filled(u), Rings::<D>::parity(u));
         fence_proxy_async_shared();
     };
     // This warp is done with `bar`'s buffer (its `wgmma`s that read it have retired).
@@ -347,10 +401,17 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &AttnParams, rings: Rings, t
             unsafe { mbarrier::arrive(bar) };
         }
     };
+    // This warp is done with half tile `x`: frees its stage if it was the stage's last half.
+    let release_half = |x: u32| {
+        let hx = rings.half(x);
+        if hx.last {
+            release(rings.freed(hx.u));
+        }
+    };
     let mut u = 0u32;
     let mut k = 0u32;
     loop {
-        unsafe { mbarrier::wait(rings.q_filled(k), Rings::q_parity(k)) };
+        unsafe { mbarrier::wait(rings.q_filled(k), Rings::<D>::q_parity(k)) };
         let it = unsafe { Item::load(rings.item(k)) };
         if it.status == ITEM_END {
             break;
@@ -400,27 +461,27 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &AttnParams, rings: Rings, t
             let mut o = [[0.0f32; 4]; 16];
             // The weights of the previous half tile, read by its in-flight P V.
             let mut pf = [[0u32; 4]; 4];
-            wait_filled(u);
+            wait_filled(2 * u);
             // S of the current half tile, retired.
-            let mut s = unsafe { wait_scores64::<0>(Q::scores_64x64_async::<D>(q_desc, k_desc(half(rings.k(u), 0)))) };
+            let mut s = unsafe { wait_scores64::<0>(Q::scores_64x64_async::<D>(q_desc, k_desc(rings.half(2 * u).k))) };
             // The softmax of half `h` of tile `j` (S in `s`, every chain before it retired but P V
             // of the previous half, and `$next` in flight), then its P V issued.
             macro_rules! softmax_pv {
                 ($j:expr, $h:literal, $wait_pv:literal) => {{
                     let (j, h): (u32, u32) = ($j, $h);
-                    let uj = u + j;
+                    let uh = 2 * (u + j) + h;
+                    let hx = rings.half(uh);
                     let mut st = [s];
                     let kt = it.begin + j * BLOCK_N + 64 * h;
-                    let table = rings.table(uj);
-                    let (flags, table) = (table + BLOCK_N * TABLE_ENTRY + 8 * h, table + 64 * h * TABLE_ENTRY);
+                    let (flags, table) = (hx.flags, hx.table);
                     unsafe { logits.apply::<Wgmma<Q, D, 64>, 1, 8>(&mut st, &rows, kt, warp_pos, flags, table) };
                     let [mut s_cur] = st;
                     let m = row_max(&s_cur);
                     // Retire P V of the previous half (O and its weights) before rescaling O.
                     unsafe { wait_pv64::<$wait_pv, D>(&mut o, &pf) };
-                    if h == 0 && j > 0 {
-                        // P V of tile j - 1 has retired: its stage is free.
-                        release(rings.freed(uj - 1));
+                    if uh > 2 * u {
+                        // P V of the previous half has retired.
+                        release_half(uh - 1);
                     }
                     static_for::<2>(|r| {
                         let factor = raise_max(&mut state[r], m[r] * mult);
@@ -440,15 +501,16 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &AttnParams, rings: Rings, t
                             Q::pack2(s_cur[2 * kk + 1][2], s_cur[2 * kk + 1][3]),
                         ]
                     });
-                    unsafe { Q::pv_64xd_k64_async::<D>(&mut o, &pf, v_desc(half(rings.v(uj), h))) };
+                    unsafe { Q::pv_64xd_k64_async::<D>(&mut o, &pf, v_desc(hx.v)) };
                 }};
             }
             // One tile `j` (`$last`: no next tile, so no S of its first half to run ahead).
             macro_rules! step {
                 ($j:expr, $last:literal) => {{
                     let j: u32 = $j;
-                    let uj = u + j;
-                    let s_next = unsafe { Q::scores_64x64_async::<D>(q_desc, k_desc(half(rings.k(uj), 1))) };
+                    let uj = 2 * (u + j);
+                    wait_filled(uj + 1);
+                    let s_next = unsafe { Q::scores_64x64_async::<D>(q_desc, k_desc(rings.half(uj + 1).k)) };
                     // In flight: S of j's second half (P V of j - 1 retired at the end of its step).
                     softmax_pv!(j, 0, 1);
                     // In flight: S of j's second half, P V of its first.
@@ -456,8 +518,8 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &AttnParams, rings: Rings, t
                     if $last {
                         softmax_pv!(j, 1, 0);
                     } else {
-                        wait_filled(uj + 1);
-                        let s_next = unsafe { Q::scores_64x64_async::<D>(q_desc, k_desc(half(rings.k(uj + 1), 0))) };
+                        wait_filled(uj + 2);
+                        let s_next = unsafe { Q::scores_64x64_async::<D>(q_desc, k_desc(rings.half(uj + 2).k)) };
                         // In flight: P V of j's first half, S of j + 1's first half.
                         softmax_pv!(j, 1, 1);
                         // In flight: S of j + 1's first half, P V of j's second. Both are
@@ -477,14 +539,18 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &AttnParams, rings: Rings, t
             // The last tile's second half is masked for every row of warpgroup 0 on an aligned
             // diagonal (its rows end 64 positions before warpgroup 1's): it skips that half.
             let j_last = n_tiles - 1;
+            let u_last = 2 * (u + j_last);
             if wg_last_pos < it.begin + j_last * BLOCK_N + 64 {
                 softmax_pv!(j_last, 0, 1);
+                unsafe { wait_pv64::<0, D>(&mut o, &pf) };
+                // Done with both halves of the last tile (the second was never read).
+                release_half(u_last);
             } else {
                 step!(j_last, true);
+                unsafe { wait_pv64::<0, D>(&mut o, &pf) };
             }
             let _ = s;
-            unsafe { wait_pv64::<0, D>(&mut o, &pf) };
-            release(rings.freed(u + n_tiles - 1));
+            release_half(u_last + 1);
             finish(&o, state);
         }
         // The item's queries and descriptor are no longer read.
