@@ -37,7 +37,6 @@ fn backend_error(result: attn_rs::Result<attn_rs::backend::Selection>) -> String
     }
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // Registry and specs
 // ---------------------------------------------------------------------------------------------
@@ -144,7 +143,10 @@ fn a_model_no_gpu_backend_takes_is_refused_on_a_gpu_with_every_reason() {
     }
     // Without a GPU the CPU takes it.
     assert_eq!(auto(&config, &NO_GPU).unwrap().name(), "cpu");
-    assert_eq!(Reason::GpuPresent.to_string(), "not chosen automatically on a machine with a GPU (it takes host tensors): name it as an override to use it");
+    assert_eq!(
+        Reason::GpuPresent.to_string(),
+        "not chosen automatically on a machine with a GPU (it takes host tensors): name it as an override to use it"
+    );
 }
 
 #[test]

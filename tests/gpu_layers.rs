@@ -178,6 +178,6 @@ fn refusals() -> TestResult {
 fn main() {
     let all = cases();
     let picked: Vec<_> = if quick() { all.into_iter().step_by(2).collect() } else { all };
-    let trials = picked.into_iter().map(|(name, f)| Trial::test(format!("layers::{name}"), move || f())).collect();
+    let trials = picked.into_iter().map(|(name, f)| Trial::test(format!("layers::{name}"), f)).collect();
     run_gpu_trials(trials)
 }
