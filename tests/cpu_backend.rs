@@ -37,10 +37,6 @@ fn backend_error(result: attn_rs::Result<attn_rs::backend::Selection>) -> String
     }
 }
 
-fn names(refused: &[attn_rs::backend::Refusal]) -> Vec<&'static str> {
-    refused.iter().map(|r| r.backend.name).collect()
-}
-
 // ---------------------------------------------------------------------------------------------
 // Registry and specs
 // ---------------------------------------------------------------------------------------------
@@ -86,8 +82,8 @@ fn specs_are_what_the_kernels_take() {
 fn priorities_depend_on_kind_and_device() {
     let names = |s: &[&BackendSpec]| s.iter().map(|b| b.name).collect::<Vec<_>>();
     for gpu in [SM70, SM80, SM90] {
-        assert_eq!(names(priorities(AttentionKind::Standard, &gpu)), ["tensor-core", "cpu"]);
-        assert_eq!(names(priorities(AttentionKind::Mla, &gpu)), ["mla", "cpu"]);
+        assert_eq!(names(priorities(AttentionKind::Standard, &gpu)), ["tensor-core"]);
+        assert_eq!(names(priorities(AttentionKind::Mla, &gpu)), ["mla"]);
     }
     assert_eq!(names(priorities(AttentionKind::Standard, &NO_GPU)), ["cpu"]);
     assert_eq!(names(priorities(AttentionKind::Mla, &NO_GPU)), ["cpu"]);
@@ -111,14 +107,12 @@ fn mha_selection_per_device() {
     assert_eq!(s.name(), "cpu");
     assert!(s.refused.is_empty());
     assert_eq!(s.graph_support(), GraphSupport::Never);
-    // Too old a GPU: tensor-core refuses, the CPU takes over.
-    let s = auto(&llama(), &SM70).unwrap();
-    assert_eq!(s.name(), "cpu");
-    assert_eq!(names(&s.refused), ["tensor-core"]);
-    assert_eq!(
-        s.refused[0].reasons,
-        [Reason::ComputeCapability { device: ComputeCapability::SM_70, supported: CcRange::from(ComputeCapability::SM_80) }]
-    );
+    // Too old a GPU: tensor-core refuses, and the CPU is not automatic where there is a GPU.
+    let e = auto(&llama(), &SM70).unwrap_err().to_string();
+    assert!(e.contains("tensor-core: compute capability sm_70 not supported (supports sm_80 and newer)"), "{e}");
+    assert!(e.contains("cpu: not chosen automatically on a machine with a GPU"), "{e}");
+    // Named, it runs there.
+    assert_eq!(select_backend_no_env(&llama(), &SM70, Some("cpu")).unwrap().name(), "cpu");
 }
 
 #[test]
@@ -134,13 +128,25 @@ fn mla_selection_per_device() {
     assert_eq!(auto(&deepseek().with_cache_dtype(DType::Fp8E4m3), &SM90).unwrap().name(), "mla");
 }
 
+/// A head size the GPU kernels lack on a GPU machine: refused with every backend's reasons,
+/// never handed to the CPU (which would then fail on the engine's device buffers).
 #[test]
-fn a_refused_backend_falls_through_to_the_next_with_its_reasons() {
+fn a_model_no_gpu_backend_takes_is_refused_on_a_gpu_with_every_reason() {
     let config = ModelConfig { head_size: 80, ..llama() };
-    let s = auto(&config, &SM80).unwrap();
-    assert_eq!(s.name(), "cpu");
-    assert_eq!(names(&s.refused), ["tensor-core"]);
-    assert_eq!(s.refused[0].reasons, [Reason::HeadSize { head_size: 80, supported: TENSOR_CORE.head_sizes }]);
+    for gpu in [SM80, SM90] {
+        let e = auto(&config, &gpu).unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, AttnError::InvalidArgument { arg: "backend", .. }), "{text}");
+        assert!(text.contains("tensor-core: head size 80 not supported (supports 64, 96, 128, 256)"), "{text}");
+        assert!(text.contains("cpu: not chosen automatically on a machine with a GPU"), "{text}");
+        assert_eq!(select_backend_no_env(&config, &gpu, Some("cpu")).unwrap().name(), "cpu");
+    }
+    // Without a GPU the CPU takes it.
+    assert_eq!(auto(&config, &NO_GPU).unwrap().name(), "cpu");
+    assert_eq!(
+        Reason::GpuPresent.to_string(),
+        "not chosen automatically on a machine with a GPU (it takes host tensors): name it as an override to use it"
+    );
 }
 
 #[test]
@@ -151,7 +157,7 @@ fn select_backend_reads_no_override_when_the_environment_has_none() {
     assert_eq!(attn_rs::backend::override_from_env(), None);
     for device in [SM70, SM80, SM90, NO_GPU] {
         for config in [llama(), deepseek()] {
-            assert_eq!(select_backend(&config, &device, None).unwrap(), auto(&config, &device).unwrap());
+            assert_eq!(select_backend(&config, &device, None).ok(), auto(&config, &device).ok());
         }
     }
     // An explicit argument wins over the environment either way.
@@ -241,8 +247,9 @@ fn reason_device() {
 fn reason_q_dtype() {
     let config = ModelConfig::standard(32, 8, 128, DType::F32, 16, KvLayout::FlashNhd).with_cache_dtype(DType::BF16);
     assert_eq!(reason_texts(&TENSOR_CORE, &config, &SM80), ["query dtype f32 not supported (supports f16, bf16)"]);
-    // The CPU takes f32 queries.
-    assert_eq!(auto(&config, &SM80).unwrap().name(), "cpu");
+    // The CPU takes f32 queries, when named (or without a GPU).
+    assert!(auto(&config, &SM80).is_err());
+    assert_eq!(auto(&config, &NO_GPU).unwrap().name(), "cpu");
 }
 
 #[test]
@@ -285,7 +292,7 @@ fn reason_block_size() {
         reason_texts(&listed, &ModelConfig { block_size: 48, ..llama() }, &SM80),
         ["block size 48 not supported (supports 16, 32, 64)"]
     );
-    assert_eq!(auto(&config, &SM80).unwrap().name(), "cpu");
+    assert!(auto(&config, &SM80).is_err());
 }
 
 #[test]
@@ -310,11 +317,10 @@ fn reason_features_unsupported_by_mla() {
     // One feature at a time.
     let window = Features { sliding_window: true, ..Features::NONE };
     assert_eq!(refusal_reasons(&MLA, &deepseek().with_features(window), &SM90), [Reason::Feature(Feature::SlidingWindow)]);
-    // Falls through to the CPU, with mla's reasons kept.
-    let s = auto(&config, &SM90).unwrap();
-    assert_eq!(s.name(), "cpu");
-    assert_eq!(names(&s.refused), ["mla"]);
-    assert_eq!(s.refused[0].reasons.len(), 4);
+    // Refused on the GPU with mla's four reasons and the CPU's.
+    let e = auto(&config, &SM90).unwrap_err().to_string();
+    assert!(e.contains("mla: attention sinks not supported; sliding window not supported"), "{e}");
+    assert!(e.contains("cpu: not chosen automatically"), "{e}");
     // tensor-core supports them all.
     assert!(refusal_reasons(&TENSOR_CORE, &llama().with_features(Features::ALL), &SM80).is_empty());
 }
@@ -406,22 +412,22 @@ fn describe_a_plain_choice() {
     let text = describe_no_env(&llama(), &SM80, None);
     assert!(text.contains("on GPU sm_80"), "{text}");
     assert!(text.contains("1. tensor-core: chosen"), "{text}");
-    assert!(text.contains("2. cpu: fits, ranked below the chosen backend"), "{text}");
+    assert!(text.contains("2. cpu [named only: a GPU is present]: fits, not chosen automatically"), "{text}");
     assert!(text.contains("CUDA graphs: uniform batches"), "{text}");
 }
 
 #[test]
-fn describe_a_fall_through_with_reasons() {
+fn describe_a_refusal_on_a_gpu_with_reasons() {
     let config = ModelConfig { head_size: 80, ..llama() };
     let text = describe_no_env(&config, &SM90, None);
     assert!(text.contains("1. tensor-core: refused"), "{text}");
     assert!(text.contains("- head size 80 not supported (supports 64, 96, 128, 256)"), "{text}");
-    assert!(text.contains("2. cpu: chosen"), "{text}");
-    assert!(text.contains("CUDA graphs: never"), "{text}");
+    assert!(text.contains("2. cpu [named only: a GPU is present]: fits, not chosen automatically"), "{text}");
+    assert!(text.contains("no backend chosen") && text.contains("cpu: not chosen automatically"), "{text}");
 
     let text = describe_no_env(&deepseek().with_features(Features::ALL), &SM90, None);
     assert!(text.contains("1. mla: refused") && text.contains("- attention sinks not supported"), "{text}");
-    assert!(text.contains("2. cpu: chosen"), "{text}");
+    assert!(text.contains("2. cpu [named only: a GPU is present]: fits"), "{text}");
 }
 
 #[test]
@@ -442,7 +448,7 @@ fn describe_overrides_and_failures() {
     let text = describe_no_env(&llama(), &SM80, Some("cpu"));
     assert!(text.contains("override: \"cpu\" from the override argument"), "{text}");
     assert!(text.contains("1. tensor-core: fits, not used (override)"), "{text}");
-    assert!(text.contains("2. cpu: chosen (override)"), "{text}");
+    assert!(text.contains("2. cpu [named only: a GPU is present]: chosen (override)"), "{text}");
 
     // An override outside the priority list is still shown, with its reasons.
     let text = describe_no_env(&llama(), &SM80, Some("mla"));

@@ -117,7 +117,7 @@ fn forward_case<T: HostElement + std::fmt::Debug, C: HostElement + std::fmt::Deb
     config.decode_threshold = c.threshold;
     config.opts.window = c.window;
     config.opts.softcap = c.softcap;
-    let mut ga = Attention::new(&gpu_sel, config, Some(GpuHandles { dev: dev.clone(), stream: stream.clone() }))?;
+    let mut ga = Attention::new(&gpu_sel, config.clone(), Some(GpuHandles { dev: dev.clone(), stream: stream.clone() }))?;
     let mut ca = Attention::new(&cpu_sel, config, None)?;
     let (mut gm, mut cm) = (ga.new_step_metadata()?, ca.new_step_metadata()?);
     let cache_len = ga.cache_spec().num_elements();

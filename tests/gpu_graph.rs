@@ -151,7 +151,7 @@ impl CaseModel {
     }
 
     fn attention(&self, dev: &Arc<attn_rs::AttnDevice>, stream: &Arc<CudaStream>) -> Result<Attention, AttnError> {
-        Attention::new(&self.sel, self.config, Some(GpuHandles { dev: dev.clone(), stream: stream.clone() }))
+        Attention::new(&self.sel, self.config.clone(), Some(GpuHandles { dev: dev.clone(), stream: stream.clone() }))
     }
 }
 

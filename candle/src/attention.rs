@@ -170,7 +170,8 @@ impl PagedAttention {
     /// `index_select` each way per tensor): engines that put decodes first avoid those copies.
     pub fn begin_step(&mut self, batch: &StepBatch<'_>) -> Result<BatchSplit> {
         self.reorder = None;
-        let cfg = *self.attn.config();
+        let cfg = self.attn.config();
+        let (num_blocks, block_size, threshold) = (cfg.num_blocks, cfg.model.block_size, cfg.decode_threshold);
         let nt = batch.query_start_loc.last().copied().unwrap_or(0);
         ensure(nt >= 0, "query_start_loc", || format!("ends at {nt}"))?;
         let input = StepInput {
@@ -180,11 +181,11 @@ impl PagedAttention {
             block_table_stride: batch.block_table_stride,
             slot_mapping: batch.slot_mapping,
             num_actual_tokens: nt as usize,
-            num_blocks: cfg.num_blocks,
-            block_size: cfg.model.block_size,
+            num_blocks,
+            block_size,
         };
         attn_rs::metadata::validate(&input).c()?;
-        let order = decode_first_order(&input, cfg.decode_threshold);
+        let order = decode_first_order(&input, threshold);
         if order.iter().enumerate().all(|(i, &r)| i == r) {
             return self.step.build(&input).c();
         }

@@ -73,7 +73,7 @@ pub fn paged_attention(
         format!("shape {:?}: expected [{n}, max_blocks]", block_tables.dims())
     })?;
     let query_start_loc: Vec<i32> = (0..=n as i32).collect();
-    let opts = AttnOptions { softmax_scale, window: None, softcap: softcapping };
+    let opts = AttnOptions { softmax_scale, softcap: softcapping, ..AttnOptions::new(1) };
     let out_shape: Vec<usize> =
         if q.rank() == 3 { vec![n, q_rows.num_heads, spec.head_size] } else { vec![n, q_rows.num_heads * spec.head_size] };
     let scales = cache.needed_scales()?;

@@ -37,7 +37,7 @@ fn main() -> attn_rs::Result<()> {
     // Once per model: the backend (the registry's choice for this GPU, or `ATTN_BACKEND`), the
     // `Attention` and its step metadata, and every layer's cache.
     let selection = select_backend(&model, &DeviceInfo::from_device(&dev), None)?;
-    let mut gpu = Attention::new(&selection, config, Some(GpuHandles { dev: dev.clone(), stream: stream.clone() }))?;
+    let mut gpu = Attention::new(&selection, config.clone(), Some(GpuHandles { dev: dev.clone(), stream: stream.clone() }))?;
     let mut gpu_step = gpu.new_step_metadata()?;
     let cache_len = gpu.cache_spec().num_elements();
     let mut gpu_caches = (0..num_layers).map(|_| stream.alloc_zeros::<bf16>(cache_len)).collect::<Result<Vec<_>, _>>()?;

@@ -154,13 +154,14 @@ pub struct DecodeResult {
 }
 
 /// CPU paged decode: every query token of every request against its visible keys (causal among
-/// the request's query tokens, the sliding window, soft-cap, ALiBi, sinks), in f64.
+/// the request's query tokens, the sliding window, chunks, soft-cap, ALiBi, sinks), in f64.
 ///
 /// Errors: `InvalidArgument` for a batch that [`decode::paged_decode`](crate::decode::paged_decode)
 /// would refuse or buffers too small for their shapes. Block ids outside the cache are skipped
 /// and counted in the result.
 pub fn paged_decode<Q: Element, C: Element>(a: &DecodeRef<'_, Q, C>) -> Result<DecodeResult> {
     crate::batch::validate_batch(&a.batch, a.q_rows.num_tokens, a.spec.block_size, a.block_table_stride)?;
+    a.opts.validate_masks("opts", true)?;
     let kv = KvRef::Paged { cache: a.cache, spec: a.spec, block_table: a.block_table, block_table_stride: a.block_table_stride };
     let (q_rows, d) = (a.q_rows, a.q_rows.head_size);
     check_inputs(a.q, &q_rows, &kv, a.batch.seq_lens, d, [("alibi_slopes", a.alibi_slopes), ("sinks", a.sinks)])?;
@@ -312,6 +313,7 @@ pub fn prefill<Q: Element, C: Element>(a: &PrefillRef<'_, Q, C>) -> Result<Decod
     let q_rows = a.q_rows;
     let batch = crate::batch::PrefillBatch { query_start_loc: a.query_start_loc, seq_lens: a.seq_lens, key_start_loc: None };
     crate::batch::validate_prefill_batch(&batch, q_rows.num_tokens, a.causal, None)?;
+    a.opts.validate_masks("opts", a.causal)?;
     check_inputs(a.q, &q_rows, &a.kv, a.seq_lens, a.head_size_v, [("alibi_slopes", a.alibi_slopes), ("sinks", a.sinks)])?;
     attention(
         |t, h, dim| a.q[q_rows.offset(t, h, dim)].to_f32() as f64,
@@ -423,8 +425,18 @@ fn attention<C: Element>(
         let len = seq_lens[r].max(0) as usize;
         for token in q0..q1 {
             let pos = (len + token - q0).saturating_sub(q1 - q0);
-            let first = opts.window.map_or(0, |w| (pos + 1).saturating_sub(w as usize));
-            let last = if causal { len.min(pos + 1) } else { len };
+            let mut first = opts.window.map_or(0, |w| (pos + 1).saturating_sub(w as usize));
+            let mut last = if causal { len.min(pos + 1) } else { len };
+            if let Some(c) = opts.chunk_size {
+                // Chunked local attention: the query's own chunk only.
+                let c = c.max(1) as usize;
+                first = first.max(pos - pos % c);
+                last = last.min((pos / c + 1) * c);
+            }
+            if let Some(w) = opts.symmetric_window {
+                first = first.max(pos.saturating_sub(w as usize));
+                last = last.min(pos.saturating_add(w as usize).saturating_add(1));
+            }
             for h in 0..hq {
                 let kvh = h / group;
                 let mut logits = Vec::new();

@@ -36,6 +36,9 @@ pub enum KernelId {
     DecodeKr { q: DType, fp8: bool, long: bool, head_size: u32 },
     /// `prefill_<q>[_fp8]_dk<qk>_dv<v>`: the `mma.sync` attention-tile kernel.
     Prefill { q: DType, fp8: bool, head_size_qk: u32, head_size_v: u32 },
+    /// `prefill_local_<q>_dk<d>_dv<d>`: the `mma.sync` prefill kernel with the local masks
+    /// (chunked local attention, the symmetric window), 16-bit caches or packed K/V.
+    PrefillLocal { q: DType, head_size: u32 },
     /// `prefill_wgs_<q>_d<d>`: Hopper's warp-specialised persistent prefill (sm_90a).
     PrefillWgs { q: DType, head_size: u32 },
     /// `mla_<q>[_fp8]_{narrow,wide}`: MLA's latent attention.
@@ -59,6 +62,7 @@ impl KernelId {
             KernelId::Prefill { q, fp8: f, head_size_qk: dk, head_size_v: dv } => {
                 format!("prefill_{}{}_dk{dk}_dv{dv}", q.kernel_name(), fp8(f))
             }
+            KernelId::PrefillLocal { q, head_size: d } => format!("prefill_local_{}_dk{d}_dv{d}", q.kernel_name()),
             KernelId::PrefillWgs { q, head_size: d } => format!("prefill_wgs_{}_d{d}", q.kernel_name()),
             KernelId::Mla { q, fp8: f, tile } => {
                 format!("mla_{}{}_{}", q.kernel_name(), fp8(f), if tile == MlaTile::Narrow { "narrow" } else { "wide" })
@@ -74,6 +78,7 @@ impl KernelId {
             KernelId::DecodeTc { .. }
             | KernelId::DecodeKr { .. }
             | KernelId::Prefill { .. }
+            | KernelId::PrefillLocal { .. }
             | KernelId::PrefillWgs { .. }
             | KernelId::Mla { .. } => Family::Attention,
         }
@@ -119,6 +124,9 @@ impl KernelId {
                 for tile in [MlaTile::Narrow, MlaTile::Wide] {
                     v.push(KernelId::Mla { q, fp8, tile });
                 }
+            }
+            for head_size in decode::HEAD_SIZES {
+                v.push(KernelId::PrefillLocal { q, head_size });
             }
             for head_size in hopper_prefill::HEAD_SIZES {
                 v.push(KernelId::PrefillWgs { q, head_size });

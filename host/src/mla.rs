@@ -25,7 +25,7 @@ use crate::options::{PlanOptions, Tuning};
 use crate::status::DeviceStatus;
 use crate::stream_check::refuse_foreign_capture;
 use attn_math::mla;
-use attn_math::params::{AttnParams, Fp8Scales, Mask, MlaParams, PerHead, Schedule, Shape, VariantParams};
+use attn_math::params::{AttnParams, Fp8Scales, LocalMask, Mask, MlaParams, PerHead, Schedule, Shape, VariantParams};
 use attn_math::prefill::{MLA_QK, MLA_V};
 use cudarc::driver::{CudaStream, DevicePtrMut};
 use std::sync::Arc;
@@ -242,6 +242,7 @@ pub(crate) fn mla_attention_from(
         mask: Mask { causal: 1 },
         mla: MlaParams { v_slices: slices, v_row: MLA_V, cluster },
         schedule: Schedule { plan: lp.header, ..Schedule::default() },
+        local: LocalMask::default(),
     };
     let ctas = lp.ctas();
     ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;

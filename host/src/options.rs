@@ -14,12 +14,40 @@ pub struct AttnOptions {
     pub window: Option<u32>,
     /// Logit soft-cap: `cap * tanh(logit / cap)`.
     pub softcap: Option<f32>,
+    /// Chunked local attention (Llama 4's `attention_chunk_size`): a query sees only the keys
+    /// of its own chunk of `chunk_size` positions (`key / chunk_size == pos / chunk_size`), up
+    /// to itself when causal.
+    pub chunk_size: Option<u32>,
+    /// A symmetric window for bidirectional (non-causal) attention: key `j` is visible from
+    /// query `i` when `|i - j| <= symmetric_window` (vLLM's `sliding_window` of encoder-only
+    /// layers: `window_size = (w, w)`). Refused with causal attention (use `window`).
+    pub symmetric_window: Option<u32>,
 }
 
 impl AttnOptions {
-    /// Scale `1 / sqrt(head_size)`, no window, no soft-cap.
+    /// Scale `1 / sqrt(head_size)`, no window, no soft-cap, no local mask.
     pub fn new(head_size: usize) -> Self {
-        AttnOptions { softmax_scale: 1.0 / (head_size as f32).sqrt(), window: None, softcap: None }
+        AttnOptions {
+            softmax_scale: 1.0 / (head_size as f32).sqrt(),
+            window: None,
+            softcap: None,
+            chunk_size: None,
+            symmetric_window: None,
+        }
+    }
+
+    /// Checks the masks of a call (`causal`: its queries see only earlier keys), naming
+    /// `arg` and the value: a window and a chunk of at least one key, and a symmetric window only
+    /// without causality and without a (causal) window.
+    pub fn validate_masks(&self, arg: &'static str, causal: bool) -> crate::error::Result<()> {
+        use crate::error::ensure;
+        ensure(self.window != Some(0), arg, || "a sliding window of 0 keys".into())?;
+        ensure(self.chunk_size != Some(0), arg, || "chunk_size 0: a chunk holds at least one position".into())?;
+        if let Some(w) = self.symmetric_window {
+            ensure(!causal, arg, || format!("symmetric_window {w} with causal attention (a causal layer takes window)"))?;
+            ensure(self.window.is_none(), arg, || format!("symmetric_window {w} beside window {:?}: one or the other", self.window))?;
+        }
+        Ok(())
     }
 }
 

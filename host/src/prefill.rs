@@ -23,7 +23,7 @@ use crate::status::DeviceStatus;
 use crate::stream_check::{check_stream, refuse_foreign_capture};
 use attn_math::hopper_prefill;
 use attn_math::paging::CacheStrides;
-use attn_math::params::{AttnParams, BatchMeta, Fp8Scales, Mask, MlaParams, PerHead, Schedule, Shape, SplitK, VariantParams};
+use attn_math::params::{AttnParams, BatchMeta, Fp8Scales, LocalMask, Mask, MlaParams, PerHead, Schedule, Shape, SplitK, VariantParams};
 use attn_math::prefill::{block_m, shared_layout, HEAD_SIZES, MIN_BLOCK_M, THREADS};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
@@ -188,7 +188,24 @@ pub(crate) struct PrefillKernel {
 /// The prefill kernel of the module `target` (`AttnDevice::ptx_target`): Hopper's
 /// warp-specialised persistent `wgmma` kernel (`prefill_wgs_*`, in the sm_90a module) for 16-bit
 /// caches at head sizes 64 and 128 (QK = V); the `mma.sync` kernel for every other case.
+#[cfg(test)]
 pub(crate) fn prefill_kernel(target: &str, q: DType, fp8: bool, dk: usize, dv: usize) -> PrefillKernel {
+    prefill_kernel_for(target, q, fp8, dk, dv, false)
+}
+
+/// [`prefill_kernel`], or with `local` (chunked local attention or a symmetric window) the
+/// `mma.sync` kernel built with the local masks (`prefill_local_*`: 16-bit K/V, QK = V; the
+/// caller checks [`has_local_kernel`]).
+pub(crate) fn prefill_kernel_for(target: &str, q: DType, fp8: bool, dk: usize, dv: usize, local: bool) -> PrefillKernel {
+    if local {
+        return PrefillKernel {
+            id: KernelId::PrefillLocal { q, head_size: dk as u32 },
+            block_m: block_m(dk as u32, dv as u32, false, false),
+            threads: THREADS,
+            smem: shared_layout(dk as u32, dv as u32, false, false).total,
+            persistent: false,
+        };
+    }
     let d = dk as u32;
     if target == "sm_90a" && !fp8 && dk == dv && hopper_prefill::HEAD_SIZES.contains(&d) {
         PrefillKernel {
@@ -207,6 +224,12 @@ pub(crate) fn prefill_kernel(target: &str, q: DType, fp8: bool, dk: usize, dv: u
             persistent: false,
         }
     }
+}
+
+/// Whether a kernel with the local masks exists for these K/V: 16-bit (not FP8), QK = V at a
+/// decode head size (64, 96, 128, 256).
+pub(crate) fn has_local_kernel(fp8: bool, dk: usize, dv: usize) -> bool {
+    !fp8 && dk == dv && attn_math::decode::HEAD_SIZES.contains(&(dk as u32))
 }
 
 /// Checks a 16-bit tensor's rows: dtype, shape, 16-byte alignment, buffer length.
@@ -286,6 +309,7 @@ pub(crate) fn prefill_from(
     if !opts.causal {
         ensure(opts.attn.window.is_none(), "window", || "a sliding window needs causal attention".into())?;
     }
+    opts.attn.validate_masks("opts", opts.causal)?;
     let num_reqs = batch.seq_lens.len();
     let fp8 = matches!(&a.kv, PrefillKv::Paged { cache, .. } if cache.dtype == DType::Fp8E4m3);
     let (k_scale, v_scale) = match &a.scales {
@@ -352,7 +376,14 @@ pub(crate) fn prefill_from(
     }
     let group = hq / num_kv_heads;
     let max_rows = (0..num_reqs).map(|r| (batch.query_start_loc[r + 1] - batch.query_start_loc[r]) as usize * group).max().unwrap_or(0);
-    let kernel = prefill_kernel(dev.ptx_target(), q_dtype, fp8, dk, dv);
+    let local = opts.attn.chunk_size.is_some() || opts.attn.symmetric_window.is_some();
+    ensure(!local || has_local_kernel(fp8, dk, dv), "opts", || {
+        format!(
+            "chunk_size {:?} / symmetric_window {:?}: the local-mask kernels take 16-bit K/V with equal head sizes of 64, 96, 128 or 256 (fp8 {fp8}, qk {dk}, v {dv})",
+            opts.attn.chunk_size, opts.attn.symmetric_window
+        )
+    })?;
+    let kernel = prefill_kernel_for(dev.ptx_target(), q_dtype, fp8, dk, dv, local);
     let bm = kernel.block_m;
     ensure(max_rows <= bm as usize * 65536, "query_start_loc", || {
         format!("a request has {max_rows} query rows (tokens x {group} heads per kv head); a launch takes {}", bm as usize * 65536)
@@ -383,6 +414,7 @@ pub(crate) fn prefill_from(
         shape: Shape { num_blocks, block_size, chunk: 0, num_q_heads: hq as u32, group: group as u32 },
         mask: Mask { causal: opts.causal as u32 },
         mla: MlaParams::default(),
+        local: LocalMask::new(opts.attn.chunk_size, opts.attn.symmetric_window),
         schedule: if kernel.persistent { Schedule { sched: sched_ptr, ctas, ..Schedule::default() } } else { Schedule::default() },
     };
     let grid = if kernel.persistent { ctas.min(dev.sm_count()) } else { ctas };
@@ -407,6 +439,9 @@ mod tests {
         assert_eq!(name("sm_90a", bf16, false, 192, 128), "prefill_bf16_dk192_dv128");
         assert_eq!(name("sm_80", bf16, false, 64, 64), "prefill_bf16_dk64_dv64");
         assert_eq!(name("sm_80", f16, true, 256, 256), "prefill_f16_fp8_dk256_dv256");
+        let local = |target| prefill_kernel_for(target, bf16, false, 128, 128, true).id.entry_name();
+        assert_eq!((local("sm_80"), local("sm_90a")), ("prefill_local_bf16_dk128_dv128".into(), "prefill_local_bf16_dk128_dv128".into()));
+        assert!(has_local_kernel(false, 256, 256) && !has_local_kernel(true, 128, 128) && !has_local_kernel(false, 192, 128));
         let wgs = prefill_kernel("sm_90a", bf16, false, 64, 64);
         assert!(wgs.persistent && wgs.block_m == hopper_prefill::BLOCK_M && wgs.threads == hopper_prefill::WS_THREADS);
         let d128 = prefill_kernel("sm_90a", bf16, false, 128, 128);

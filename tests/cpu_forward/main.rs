@@ -21,6 +21,10 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 
+#[allow(dead_code)]
+#[path = "../common/layer_steps.rs"]
+mod layer_steps;
+mod layers;
 mod refusals;
 
 // ---------------------------------------------------------------------------------------------

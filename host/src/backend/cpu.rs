@@ -1,5 +1,5 @@
 //! `cpu`: the CPU implementation ([`crate::cpu`]): every dtype, shape, kind, feature and layout,
-//! no GPU needed; the fallback of every priority list.
+//! no GPU needed; the only candidate without a GPU, and with one only when an override names it.
 
 use super::spec::{AttentionKind, BackendSpec, BlockSizes, CacheDTypeRule, CcRange, Features, GraphSupport, HeadSizes};
 use crate::dtype::DType;
@@ -9,7 +9,7 @@ use crate::layout::KvLayout;
 /// host slices ([`LayerIo::Cpu`](crate::forward::LayerIo::Cpu)).
 pub static CPU: BackendSpec = BackendSpec {
     name: "cpu",
-    summary: "CPU implementation (reference and fallback; no GPU needed)",
+    summary: "CPU implementation (reference; machines without a GPU, or when named)",
     needs_gpu: false,
     compute_capability: CcRange::ANY,
     q_dtypes: &[DType::F16, DType::BF16, DType::F32],

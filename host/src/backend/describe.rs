@@ -2,6 +2,7 @@
 //! its refusal reasons, and the chosen backend's CUDA-graph support.
 
 use super::config::{DeviceInfo, ModelConfig};
+use super::cpu::CPU;
 use super::priority::priorities;
 use super::registry::find_backend;
 use super::select::{resolve_override, select_requested, OverrideSource};
@@ -30,6 +31,10 @@ fn describe_requested(config: &ModelConfig, device: &DeviceInfo, requested: Opti
     }
     // The priority list, then an overridden backend that is not in it.
     let mut candidates: Vec<(&'static BackendSpec, bool)> = priorities(config.kind, device).iter().map(|&b| (b, true)).collect();
+    // With a GPU the CPU is no candidate, but an override may name it.
+    if device.has_gpu() && !candidates.iter().any(|(b, _)| b.name == CPU.name) {
+        candidates.push((&CPU, false));
+    }
     if let Some(extra) = requested.and_then(|(name, _)| find_backend(name)) {
         if !candidates.iter().any(|(b, _)| b.name == extra.name) {
             candidates.push((extra, false));
@@ -38,7 +43,12 @@ fn describe_requested(config: &ModelConfig, device: &DeviceInfo, requested: Opti
     let chosen = selection.as_ref().ok().map(|s| s.backend.name);
     let mut passed_chosen = false;
     for (i, (backend, ranked)) in candidates.iter().enumerate() {
-        let unranked = if *ranked { "" } else { " [not a candidate for this model and device]" };
+        let named_only = !ranked && backend.name == CPU.name;
+        let unranked = match (ranked, named_only) {
+            (true, _) => "",
+            (false, true) => " [named only: a GPU is present]",
+            (false, false) => " [not a candidate for this model and device]",
+        };
         let _ = write!(out, "  {}. {}{unranked}: ", i + 1, backend.name);
         let reasons = refusal_reasons(backend, config, device);
         if Some(backend.name) == chosen {
@@ -46,7 +56,9 @@ fn describe_requested(config: &ModelConfig, device: &DeviceInfo, requested: Opti
             let _ = writeln!(out, "chosen{how}");
             passed_chosen = true;
         } else if reasons.is_empty() {
-            let why = if requested.is_some() {
+            let why = if named_only && requested.is_none() {
+                "fits, not chosen automatically"
+            } else if requested.is_some() {
                 "fits, not used (override)"
             } else if passed_chosen {
                 "fits, ranked below the chosen backend"

@@ -89,6 +89,9 @@ pub enum Reason {
     },
     /// The model uses a feature the backend lacks.
     Feature(Feature),
+    /// The `cpu` backend on a machine with a GPU: automatic selection does not take it (an engine
+    /// that set up GPU buffers would get a backend that takes host ones); an override names it.
+    GpuPresent,
     /// The backend does not read this K/V-cache layout.
     Layout {
         /// The model's.
@@ -154,6 +157,9 @@ impl fmt::Display for Reason {
             Reason::HeadSize { head_size, supported } => write!(f, "head size {head_size} not supported (supports {supported})"),
             Reason::BlockSize { block_size, supported } => write!(f, "block size {block_size} not supported (supports {supported})"),
             Reason::Feature(feature) => write!(f, "{feature} not supported"),
+            Reason::GpuPresent => {
+                f.write_str("not chosen automatically on a machine with a GPU (it takes host tensors): name it as an override to use it")
+            }
             Reason::Layout { layout, supported } => {
                 write!(f, "kv layout {layout:?} not supported (supports ")?;
                 write_list(f, supported.iter().map(|l| format!("{l:?}")))?;

@@ -1,7 +1,10 @@
 //! Picks the backend for a model, once per model: the override if there is one (it must accept
-//! the model: no silent fallback), else the best-ranked backend that accepts it.
+//! the model: no silent fallback), else the best-ranked backend that accepts it. On a machine
+//! with a GPU that is a GPU backend or a refusal listing every backend's reasons: `cpu` runs
+//! there only when named.
 
 use super::config::{DeviceInfo, ModelConfig};
+use super::cpu::CPU;
 use super::priority::priorities;
 use super::reason::Reason;
 use super::registry::{backend_names, find_backend};
@@ -117,6 +120,12 @@ pub(crate) fn select_requested(config: &ModelConfig, device: &DeviceInfo, reques
             return Ok(Selection { backend, overridden_by: None, refused });
         }
         refused.push(Refusal { backend, reasons });
+    }
+    if device.has_gpu() {
+        // Every backend's reasons: the CPU's own, and that it is not automatic here.
+        let mut reasons = refusal_reasons(&CPU, config, device);
+        reasons.push(Reason::GpuPresent);
+        refused.push(Refusal { backend: &CPU, reasons });
     }
     let each: Vec<String> = refused.iter().map(|r| format!("{}: {}", r.backend.name, join_reasons(&r.reasons))).collect();
     Err(invalid(format!("no backend fits {config} on {device}. {}", each.join(". "))))

@@ -14,7 +14,7 @@ use crate::error::{ensure, Result};
 use crate::options::{AttnOptions, PlanOptions};
 use crate::status::DeviceStatus;
 use crate::stream_check::refuse_foreign_capture;
-use attn_math::params::{AttnParams, Fp8Scales, Mask, MlaParams, PerHead, Schedule, Shape, VariantParams};
+use attn_math::params::{AttnParams, Fp8Scales, LocalMask, Mask, MlaParams, PerHead, Schedule, Shape, VariantParams};
 use cudarc::driver::{CudaStream, DevicePtrMut};
 use std::sync::Arc;
 
@@ -81,6 +81,13 @@ pub(crate) fn paged_decode_from(
     status: &mut DeviceStatus,
 ) -> Result<DecodePlan> {
     let checked = check_args(&a, batch, &meta, causal, ws, stream)?;
+    opts.validate_masks("opts", causal)?;
+    ensure(opts.chunk_size.is_none() && opts.symmetric_window.is_none(), "opts", || {
+        format!(
+            "chunk_size {:?} / symmetric_window {:?}: the decode kernels have no local masks (prefill takes any query length)",
+            opts.chunk_size, opts.symmetric_window
+        )
+    })?;
     let num_reqs = batch.seq_lens.len();
     let (nt, hq, d) = (a.q_rows.num_tokens, a.q_rows.num_heads, a.q_rows.head_size);
     if num_reqs == 0 || nt == 0 {
@@ -134,6 +141,7 @@ fn run(
         },
         mask: Mask { causal: causal as u32 },
         mla: MlaParams::default(),
+        local: LocalMask::new(opts.chunk_size, opts.symmetric_window),
         schedule: Schedule {
             plan: lp.header,
             sched: 0,

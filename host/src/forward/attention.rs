@@ -7,9 +7,11 @@ use super::gpu_exec::GpuExec;
 use super::graph::{capture_stream, Capture, StepGraph};
 use super::graph_plan::GraphBucket;
 use super::io::{CacheSpec, LayerIo};
+use super::kv_sharing::CacheOwners;
+use super::layers::LayerSpec;
 use super::step::StepMetadata;
 use super::timing::{PhaseTimes, Timer};
-use super::validate::validate_layer;
+use super::validate::{validate_layer, Buf};
 use crate::backend::{refusal_reasons, BackendSpec, DeviceInfo, GraphSupport, Selection, CPU, MLA, TENSOR_CORE};
 use crate::device::AttnDevice;
 use crate::error::{ensure, AttnError, Result};
@@ -44,6 +46,21 @@ pub struct Attention {
     timer: Timer,
     /// Set while [`capture`](Attention::capture) records: what the graph will hold.
     capturing: Option<Capture>,
+    /// The cache buffer each layer was last given (KV sharing's check).
+    cache_owners: CacheOwners,
+}
+
+/// A KV-sharing layer must be given its target's cache buffer; a layer with a cache of its own
+/// records it for the layers that share it.
+fn track_cache(owners: &mut CacheOwners, index: usize, ls: &LayerSpec, addr: u64) -> Result<()> {
+    match ls.kv_sharing_target {
+        Some(target) => owners.check(index, target, addr),
+        None if ls.attn_type.uses_cache() => {
+            owners.record(index, addr);
+            Ok(())
+        }
+        None => Ok(()),
+    }
 }
 
 impl Attention {
@@ -73,6 +90,13 @@ impl Attention {
                     gpu.ok_or_else(|| AttnError::invalid("gpu", "backend \"tensor-core\" runs on a GPU: pass its device and stream"))?;
                 let d = config.model.head_size as u32;
                 ensure(attn_math::prefill::HEAD_SIZES.contains(&(d, d)), "model", || format!("head_size {d} has no prefill kernel"))?;
+                let fp8 = config.model.cache_dtype == crate::dtype::DType::Fp8E4m3;
+                for i in 0..config.layers.len().max(1) {
+                    let o = config.layer(i)?.opts;
+                    ensure(o.chunk_size.is_none() || !fp8, "layers", || {
+                        format!("layer {i}: chunk_size {:?} with an FP8 cache: the local-mask kernels read 16-bit caches", o.chunk_size)
+                    })?;
+                }
                 Exec::Gpu(Box::new(GpuExec::new(gpu.dev, gpu.stream, &config)?))
             }
             name if name == MLA.name => {
@@ -83,7 +107,7 @@ impl Attention {
         };
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        Ok(Attention { id, config, spec, backend, exec, timer: Timer::default(), capturing: None })
+        Ok(Attention { id, config, spec, backend, exec, timer: Timer::default(), capturing: None, cache_owners: CacheOwners::default() })
     }
 
     /// The backend the [`Selection`] chose.
@@ -120,13 +144,13 @@ impl Attention {
     pub fn new_step_metadata(&self) -> Result<StepMetadata> {
         self.refuse_while_capturing()?;
         match &self.exec {
-            Exec::Cpu => Ok(StepMetadata::new(self.id, self.config, None, None, None)),
+            Exec::Cpu => Ok(StepMetadata::new(self.id, self.config.clone(), None, None, None)),
             Exec::Gpu(g) => {
                 // The builder checks, splits and packs; decode is planned for the tensor cores
                 // by the step's own planner.
                 let builder = MetadataBuilder::new(g.plan_config(&self.config))?;
                 let plans = g.step_planner(&self.config, &self.spec)?;
-                Ok(StepMetadata::new(self.id, self.config, Some(builder), Some(g.device_step(&self.config)?), Some(plans)))
+                Ok(StepMetadata::new(self.id, self.config.clone(), Some(builder), Some(g.device_step(&self.config)?), Some(plans)))
             }
         }
     }
@@ -158,7 +182,7 @@ impl Attention {
         })?;
         let planner = g.graph_planner(&self.config, &self.spec, bucket)?;
         let device = g.graph_device_step(planner.total_words())?;
-        Ok(StepMetadata::new_graph(self.id, self.config, planner, device))
+        Ok(StepMetadata::new_graph(self.id, self.config.clone(), planner, device))
     }
 
     /// Captures what `record` enqueues on this Attention's stream (typically every layer's
@@ -198,32 +222,64 @@ impl Attention {
         ensure(self.capturing.is_none(), "capture", || "is recording: this call cannot be made inside it".into())
     }
 
-    /// One layer of one step: writes the step's new K/V into `layer.cache` at the step's slots,
-    /// then computes attention for every request into `layer.out`, the decode part
-    /// (requests `0..num_decodes`, at most `decode_threshold` query tokens each) with paged
+    /// One layer of one step, for a config whose layers all share one setting (no
+    /// [`layers`](ForwardConfig::layers) list): writes the step's new K/V into `layer.cache` at
+    /// the step's slots, then computes attention for every request into `layer.out`, the decode
+    /// part (requests `0..num_decodes`, at most `decode_threshold` query tokens each) with paged
     /// decode and the prefill part with prefill attention over the paged cache (causal, aligned
     /// to the end of each sequence: chunked prefill).
     ///
     /// Everything is checked before anything is written or launched; a refusal names the
     /// argument. On the GPU the work is enqueued on the stream and nothing synchronises (see
     /// [`check_status`](Self::check_status)).
+    ///
+    /// Errors: also a config that lists its layers (`layer`): their settings differ, so the call
+    /// must say which it runs ([`forward_layer`](Self::forward_layer)).
     pub fn forward(&mut self, step: &StepMetadata, layer: LayerIo<'_>) -> Result<()> {
+        let n = self.config.layers.len();
+        ensure(n == 0, "layer", || {
+            format!("not given: the config lists {n} layers, each with its own setting (call forward_layer with the layer's index)")
+        })?;
+        let spec = LayerSpec::uniform(&self.config.model, self.config.opts);
+        self.run_layer(step, (0, spec), layer)
+    }
+
+    /// Layer `layer` (an index into [`ForwardConfig::layers`], or any index when the config
+    /// lists none) of one step, with that layer's [`LayerSpec`]:
+    /// - a decoder writes the step's new K/V into its cache and attends as
+    ///   [`forward`](Self::forward) does (its window, soft-cap, chunks, ALiBi, sinks, scale);
+    /// - a KV-sharing decoder writes nothing ([`NewKv::None`](super::NewKv::None)) and reads the
+    ///   cache buffer its target layer was given in its last call, which must come first;
+    /// - an encoder-only layer attends each request's own new K/V, bidirectionally (within its
+    ///   symmetric window), and writes no cache: every request of the step must be whole
+    ///   (`seq_len` = its query tokens).
+    ///
+    /// Errors: as `forward`, and `layer` past the config's list, naming both.
+    pub fn forward_layer(&mut self, step: &StepMetadata, layer: usize, io: LayerIo<'_>) -> Result<()> {
+        let spec = self.config.layer(layer)?;
+        self.run_layer(step, (layer, spec), io)
+    }
+
+    fn run_layer(&mut self, step: &StepMetadata, (index, ls): (usize, LayerSpec), layer: LayerIo<'_>) -> Result<()> {
         ensure(step.owner == self.id, "step", || "was made by another Attention (use its new_step_metadata)".into())?;
         let stride = step.kernel_block_table_stride();
+        let owners = &mut self.cache_owners;
         match (&mut self.exec, layer) {
             (Exec::Cpu, LayerIo::Cpu(l)) => {
-                validate_layer(&self.config, &self.spec, step, stride, &l)?;
-                forward_cpu(&self.config, &self.spec, step, l, &mut self.timer)
+                validate_layer(&self.config, (index, &ls), &self.spec, step, stride, &l)?;
+                track_cache(owners, index, &ls, l.cache.buf_addr())?;
+                forward_cpu(&self.config, &ls, &self.spec, step, l, &mut self.timer)
             }
             (Exec::Gpu(g), LayerIo::Gpu(l)) => {
                 match &mut self.capturing {
                     Some(capture) => capture.take(step, &l)?,
                     None => refuse_foreign_capture(&g.stream, "stream", "another Attention's forward")?,
                 }
-                validate_layer(&self.config, &self.spec, step, stride, &l)?;
+                validate_layer(&self.config, (index, &ls), &self.spec, step, stride, &l)?;
+                track_cache(owners, index, &ls, l.cache.buf_addr())?;
                 match &self.spec {
-                    CacheSpec::Paged(spec) => g.forward(&self.config, spec, step, l, &mut self.timer),
-                    CacheSpec::Mla(spec) => g.forward_mla(&self.config, spec, step, l, &mut self.timer),
+                    CacheSpec::Paged(spec) => g.forward(&self.config, &ls, spec, step, l, &mut self.timer),
+                    CacheSpec::Mla(spec) => g.forward_mla(&self.config, &ls, spec, step, l, &mut self.timer),
                 }
             }
             (_, layer) => Err(AttnError::invalid(

@@ -1,7 +1,8 @@
 //! [`ForwardConfig`]: what an [`Attention`](super::Attention) is made for (the model, its caches,
-//! the attention options and the largest step), checked once at start-up.
+//! each layer's attention and the largest step), checked once at start-up.
 
 use super::io::CacheSpec;
+use super::layers::{validate_layers, LayerSpec};
 use crate::backend::{AttentionKind, ModelConfig};
 use crate::batch::MAX_QUERY_LEN;
 use crate::dtype::DType;
@@ -22,16 +23,23 @@ pub struct ForwardLimits {
     pub max_model_len: usize,
 }
 
-/// An attention layer stack's configuration (every layer shares it).
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// An attention layer stack's configuration: the model and its caches, shared by every layer,
+/// and each layer's attention ([`layers`](Self::layers), else [`opts`](Self::opts) for all).
+#[derive(Clone, Debug, PartialEq)]
 pub struct ForwardConfig {
     /// The model's attention (the one the backend was selected for).
     pub model: ModelConfig,
     /// Blocks in each layer's cache.
     pub num_blocks: usize,
-    /// Softmax scale, sliding window and soft-cap; a window or soft-cap must be declared in
-    /// `model.features` (the backend was chosen for them).
+    /// Softmax scale, sliding window and soft-cap of every layer when [`layers`](Self::layers)
+    /// is empty (decoder layers, with ALiBi and sinks as `model.features` declares them); a
+    /// window or soft-cap must be declared in `model.features` (the backend was chosen for them).
     pub opts: AttnOptions,
+    /// Each layer's attention, indexed as [`Attention::forward_layer`](super::Attention::forward_layer)
+    /// takes them: kind (decoder, encoder-only), options, ALiBi, sinks, KV sharing. Empty: every
+    /// layer is [`LayerSpec::uniform`] of `opts`, and [`Attention::forward`](super::Attention::forward)
+    /// runs any of them.
+    pub layers: Vec<LayerSpec>,
     /// Requests with at most this many query tokens go to the decode kernel (1..=8), the rest
     /// to prefill. The batch must be ordered decodes first
     /// ([`decode_first_order`](crate::metadata::decode_first_order)).
@@ -57,11 +65,39 @@ impl ForwardConfig {
             model,
             num_blocks,
             opts: AttnOptions::new(model.head_size),
+            layers: Vec::new(),
             decode_threshold: 1,
             split_mode: SplitMode::Auto,
             tuning: Tuning::DEFAULT,
             cascade: CascadeMode::Auto,
             limits,
+        }
+    }
+
+    /// The same config with one [`LayerSpec`] per layer (see [`layers`](Self::layers)).
+    pub fn with_layers(self, layers: Vec<LayerSpec>) -> Self {
+        ForwardConfig { layers, ..self }
+    }
+
+    /// The attention of layer `layer`: its entry of [`layers`](Self::layers), or the uniform
+    /// setting when the list is empty.
+    ///
+    /// Errors: `layer` past the list, naming both.
+    pub fn layer(&self, layer: usize) -> Result<LayerSpec> {
+        if self.layers.is_empty() {
+            return Ok(LayerSpec::uniform(&self.model, self.opts));
+        }
+        self.layers.get(layer).copied().ok_or_else(|| {
+            AttnError::invalid("layer", format!("{layer}: the config lists {} layers (0..{})", self.layers.len(), self.layers.len()))
+        })
+    }
+
+    /// Whether every layer can run the step's shared prefix as cascade attention.
+    pub(crate) fn every_layer_takes_cascade(&self) -> bool {
+        if self.layers.is_empty() {
+            LayerSpec::uniform(&self.model, self.opts).takes_cascade()
+        } else {
+            self.layers.iter().all(LayerSpec::takes_cascade)
         }
     }
 
@@ -120,6 +156,11 @@ impl ForwardConfig {
             "a soft-cap that the model config does not declare (features.softcap)".into()
         })?;
         ensure(self.opts.window != Some(0), "opts", || "a sliding window of 0 keys".into())?;
+        self.opts.validate_masks("opts", true)?;
+        match self.layers.is_empty() {
+            true => validate_layers(m, &[LayerSpec::uniform(m, self.opts)])?,
+            false => validate_layers(m, &self.layers)?,
+        }
         let l = &self.limits;
         ensure(l.max_num_tokens > 0 && l.max_num_reqs > 0 && l.max_model_len > 0, "limits", || format!("{l:?} has a zero"))?;
         ensure(l.max_num_tokens <= i32::MAX as usize && l.max_model_len <= i32::MAX as usize, "limits", || format!("{l:?} overflow i32"))?;

@@ -11,6 +11,7 @@
 use super::config::ForwardConfig;
 use super::host_buf::{HostElement, HostIn, HostOut};
 use super::io::{CacheSpec, CpuLayer, Layer, NewKv};
+use super::layers::{AttentionType, LayerSpec};
 use super::step::StepMetadata;
 use super::timing::Timer;
 use super::validate::Parts;
@@ -19,11 +20,13 @@ use crate::cpu::{self, DecodeRef, DecodeResult, KvRef, PrefillRef, WriteReport};
 use crate::dtype::{DType, Element, Fp8E4m3};
 use crate::error::{AttnError, Result};
 use crate::layout::{MlaCacheSpec, RowsDesc};
+use crate::options::AttnOptions;
 use half::{bf16, f16};
 
-/// Runs a validated layer on the CPU.
+/// Runs a validated layer (whose attention is `ls`) on the CPU.
 pub(crate) fn forward_cpu(
     config: &ForwardConfig,
+    ls: &LayerSpec,
     spec: &CacheSpec,
     step: &StepMetadata,
     layer: CpuLayer<'_>,
@@ -31,12 +34,12 @@ pub(crate) fn forward_cpu(
 ) -> Result<()> {
     let fp8 = config.model.cache_dtype == DType::Fp8E4m3;
     match (config.model.q_dtype, fp8) {
-        (DType::F16, false) => run::<f16, f16>(config, spec, step, layer, timer),
-        (DType::BF16, false) => run::<bf16, bf16>(config, spec, step, layer, timer),
-        (DType::F32, false) => run::<f32, f32>(config, spec, step, layer, timer),
-        (DType::F16, true) => run::<f16, Fp8E4m3>(config, spec, step, layer, timer),
-        (DType::BF16, true) => run::<bf16, Fp8E4m3>(config, spec, step, layer, timer),
-        (DType::F32, true) => run::<f32, Fp8E4m3>(config, spec, step, layer, timer),
+        (DType::F16, false) => run::<f16, f16>(ls, spec, step, layer, timer),
+        (DType::BF16, false) => run::<bf16, bf16>(ls, spec, step, layer, timer),
+        (DType::F32, false) => run::<f32, f32>(ls, spec, step, layer, timer),
+        (DType::F16, true) => run::<f16, Fp8E4m3>(ls, spec, step, layer, timer),
+        (DType::BF16, true) => run::<bf16, Fp8E4m3>(ls, spec, step, layer, timer),
+        (DType::F32, true) => run::<f32, Fp8E4m3>(ls, spec, step, layer, timer),
         (other, _) => Err(AttnError::UnsupportedDType { arg: "q", dtype: other, reason: "queries are f16, bf16 or f32" }),
     }
 }
@@ -64,7 +67,7 @@ fn f32_in<'a>(b: Option<&HostIn<'a>>, arg: &'static str) -> Result<Option<&'a [f
 }
 
 fn run<T: HostElement, C: HostElement>(
-    config: &ForwardConfig,
+    ls: &LayerSpec,
     spec: &CacheSpec,
     step: &StepMetadata,
     layer: CpuLayer<'_>,
@@ -81,7 +84,21 @@ fn run<T: HostElement, C: HostElement>(
     let slots = step.host_slot_mapping();
 
     let start = timer.mark(None)?;
+    if ls.attn_type == AttentionType::EncoderOnly {
+        let NewKv::Standard { k, k_rows, v, v_rows } = &new_kv else {
+            return Err(AttnError::invalid("new_kv", "an encoder-only layer attends its new K/V (NewKv::Standard)"));
+        };
+        let (k, v) = (typed_in::<T>(k, "k")?, typed_in::<T>(v, "v")?);
+        let written = timer.mark(None)?;
+        let res = encoder_only(step, &ls.opts, (q, q_rows), (k, *k_rows), (v, *v_rows), (alibi, sinks))?;
+        store(out, &out_rows, 0, q_rows.num_heads, spec.v_head_size(), &res)?;
+        let end = timer.mark(None)?;
+        timer.layer([start, written, end]);
+        return Ok(());
+    }
     let report = match (&new_kv, spec) {
+        // A KV-sharing layer reads its target's cache and writes nothing.
+        (NewKv::None, _) => WriteReport::default(),
         (NewKv::Standard { k, k_rows, v, v_rows }, CacheSpec::Paged(s)) => {
             let (k_rows, v_rows) = (RowsDesc { num_tokens: nt, ..*k_rows }, RowsDesc { num_tokens: nt, ..*v_rows });
             cpu::reshape_and_cache(typed_in::<T>(k, "k")?, k_rows, typed_in::<T>(v, "v")?, v_rows, slots, cache, s, scales)?
@@ -106,7 +123,7 @@ fn run<T: HostElement, C: HostElement>(
     let (bt, stride) = step.host_block_table();
     let split = step.split();
     let cache: &[C] = cache;
-    let opts = config.opts;
+    let opts = ls.opts;
     let (hq, dv, ts) = (q_rows.num_heads, spec.v_head_size(), q_rows.token_stride);
     // The requests of a chunk: their queries from token `first_token`, blocks from row `first_req`.
     let attend = |c: &Chunk| -> Result<DecodeResult> {
@@ -320,6 +337,34 @@ fn store<T: Element>(out: &mut [T], rows: &RowsDesc, first_token: usize, hq: usi
         }
     }
     Ok(())
+}
+
+/// An encoder-only layer: every request's queries against its own new K/V (the step holds each
+/// request whole: `seq_len` = its query tokens), bidirectional, nothing cached.
+fn encoder_only<T: HostElement>(
+    step: &StepMetadata,
+    opts: &AttnOptions,
+    (q, q_rows): (&[T], RowsDesc),
+    (k, k_rows): (&[T], RowsDesc),
+    (v, v_rows): (&[T], RowsDesc),
+    (alibi_slopes, sinks): (Option<&[f32]>, Option<&[f32]>),
+) -> Result<DecodeResult> {
+    let nt = step.num_actual_tokens();
+    let qsl = step.query_start_loc();
+    let (k_rows, v_rows) = (RowsDesc { num_tokens: nt, ..k_rows }, RowsDesc { num_tokens: nt, ..v_rows });
+    cpu::prefill(&PrefillRef {
+        q,
+        q_rows: RowsDesc { num_tokens: nt, ..q_rows },
+        kv: KvRef::Packed { k, k_rows, v, v_rows, key_start_loc: qsl },
+        head_size_v: v_rows.head_size,
+        query_start_loc: qsl,
+        seq_lens: step.seq_lens(),
+        causal: false,
+        opts: *opts,
+        alibi_slopes,
+        sinks,
+        scales: None,
+    })
 }
 
 fn check_report(report: WriteReport) -> Result<()> {

@@ -9,6 +9,7 @@ use super::graph_plan::{GraphBucket, GraphPlanner};
 use super::held::Held;
 use super::io::CacheSpec;
 use super::io::{GpuLayer, Layer, NewKv};
+use super::layers::{AttentionType, LayerSpec};
 use super::step::{DeviceStep, StepMetadata};
 use super::step_plan::{PlanKind, StepPlanner};
 use super::timing::Timer;
@@ -199,11 +200,15 @@ impl GpuExec {
     pub(crate) fn forward(
         &mut self,
         config: &ForwardConfig,
+        ls: &LayerSpec,
         spec: &KvCacheSpec,
         step: &StepMetadata,
         layer: GpuLayer<'_>,
         timer: &mut Timer,
     ) -> Result<()> {
+        if ls.attn_type == AttentionType::EncoderOnly {
+            return self.forward_encoder_only(ls, step, layer, timer);
+        }
         let views = StepViews::of(step, &self.stream)?;
         // The decode plan is already on the device: a graph step's (nothing is uploaded:
         // capturable), or the one `build` made for every layer of the step.
@@ -212,11 +217,16 @@ impl GpuExec {
         let Layer { q, q_rows, new_kv, mut cache, mut out, out_rows, alibi_slopes, sinks, kv_scales } = layer;
         // An FP8 cache's scales, as each op takes them.
         let scales = || kv_scales.as_ref().map(|(k, v)| KvScales { k: k.tail(0), v: v.tail(0) });
-        let NewKv::Standard { k, k_rows, v, v_rows } = new_kv else {
-            return Err(AttnError::invalid("new_kv", "MLA latents given for a standard-attention model"));
+        // A KV-sharing layer has no new K/V: it reads its target's cache as it is.
+        let new_kv = match new_kv {
+            NewKv::Standard { k, k_rows, v, v_rows } => Some((k, k_rows, v, v_rows)),
+            NewKv::None => None,
+            NewKv::Mla { .. } => return Err(AttnError::invalid("new_kv", "MLA latents given for a standard-attention model")),
         };
-        for (arg, b, rows) in [("q", &q, &q_rows), ("k", &k, &k_rows), ("v", &v, &v_rows)] {
-            check_aligned(arg, b.ptr, b.dtype, rows)?;
+        check_aligned("q", q.ptr, q.dtype, &q_rows)?;
+        if let Some((k, k_rows, v, v_rows)) = &new_kv {
+            check_aligned("k", k.ptr, k.dtype, k_rows)?;
+            check_aligned("v", v.ptr, v.dtype, v_rows)?;
         }
         check_aligned("out", out.ptr, out.dtype, &out_rows)?;
         ensure(cache.ptr.is_multiple_of(16), "cache", || format!("address {:#x} is not 16-byte aligned", cache.ptr))?;
@@ -226,20 +236,49 @@ impl GpuExec {
         let (stream, nt, stride) = (&self.stream, views.num_tokens, views.stride());
 
         let start = timer.mark(Some(stream))?;
-        let write = KvWrite {
-            key: k,
-            key_rows: RowsDesc { num_tokens: nt, ..k_rows },
-            value: v,
-            value_rows: RowsDesc { num_tokens: nt, ..v_rows },
-            slot_mapping: views.slot_mapping(),
-            cache: cache.tail_mut(0),
-            spec: *spec,
-            scales: scales(),
-        };
-        reshape_and_cache_from(&self.dev, stream, write, &mut self.status)?;
+        if let Some((k, k_rows, v, v_rows)) = new_kv {
+            let write = KvWrite {
+                key: k,
+                key_rows: RowsDesc { num_tokens: nt, ..k_rows },
+                value: v,
+                value_rows: RowsDesc { num_tokens: nt, ..v_rows },
+                slot_mapping: views.slot_mapping(),
+                cache: cache.tail_mut(0),
+                spec: *spec,
+                scales: scales(),
+            };
+            reshape_and_cache_from(&self.dev, stream, write, &mut self.status)?;
+        }
         let written = timer.mark(Some(stream))?;
 
         let cache = cache.as_input();
+        if ls.opts.chunk_size.is_some() {
+            // Chunked local attention: the decode kernels have no chunk mask, so the whole
+            // step, decodes included, is one prefill over the paged cache (a decode is a
+            // request of one query token).
+            let n = step.num_reqs();
+            if n > 0 && nt > 0 {
+                let part = views.decodes(n);
+                let batch = PrefillBatch { query_start_loc: step.query_start_loc(), seq_lens: step.seq_lens(), key_start_loc: None };
+                let args = PrefillArgs {
+                    q: q.tail(0),
+                    q_rows: RowsDesc { num_tokens: nt, ..q_rows },
+                    kv: PrefillKv::Paged { cache: cache.tail(0), spec: *spec, block_table: part.block_table, block_table_stride: stride },
+                    out: out.tail_mut(0),
+                    out_rows: RowsDesc { num_tokens: nt, ..out_rows },
+                    lse: None,
+                    alibi_slopes: alibi_slopes.as_ref().map(|b| b.tail(0)),
+                    sinks: sinks.as_ref().map(|b| b.tail(0)),
+                    scales: scales(),
+                };
+                let meta = DeviceBatch { seq_lens: part.seq_lens, query_start_loc: part.query_start_loc, key_start_loc: None };
+                let opts = PrefillOptions { attn: ls.opts, causal: true };
+                prefill_from(&self.dev, stream, args, &batch, meta, &opts, &mut self.prefill_ws, &mut self.status)?;
+            }
+            let end = timer.mark(Some(stream))?;
+            timer.layer([start, written, end]);
+            return Ok(());
+        }
         // Cascade (the step's shared prefix once for all tokens) unless the layer has ALiBi or
         // sinks, whose terms depend on the whole context.
         let cascade = step.cascade_prefix().filter(|_| alibi_slopes.is_none() && sinks.is_none());
@@ -297,7 +336,7 @@ impl GpuExec {
                     key_start_loc: None,
                 };
                 let source = graph_plan.as_ref().map_or(PlanSource::Host(config.plan_options()), PlanSource::Device);
-                let (opts, ws) = (&config.opts, &mut self.decode_ws);
+                let (opts, ws) = (&ls.opts, &mut self.decode_ws);
                 paged_decode_from(&self.dev, stream, args, &batch, meta, opts, source, true, ws, &mut self.status)?;
             }
             if np > 0 {
@@ -327,7 +366,7 @@ impl GpuExec {
                     query_start_loc: part.query_start_loc,
                     key_start_loc: None,
                 };
-                let opts = PrefillOptions { attn: config.opts, causal: true };
+                let opts = PrefillOptions { attn: ls.opts, causal: true };
                 prefill_from(&self.dev, stream, args, &batch, meta, &opts, &mut self.prefill_ws, &mut self.status)?;
             }
         }
@@ -359,7 +398,7 @@ impl GpuExec {
                 key_start_loc: None,
             };
             let side = self.side.as_mut().expect("cascade configs have a side stream");
-            let (opts, ws) = (&config.opts, &mut side.ws);
+            let (opts, ws) = (&ls.opts, &mut side.ws);
             paged_decode_from(&self.dev, &side.stream, args, &batch, meta, opts, source, false, ws, &mut side.status)?;
             side.join.record(&side.stream)?;
             stream.wait(&side.join)?;
@@ -383,11 +422,55 @@ impl GpuExec {
 }
 
 impl GpuExec {
+    /// An encoder-only layer: every request's queries against its own new K/V (packed rows,
+    /// `key_start_loc` = the step's `query_start_loc`), bidirectional, one prefill launch over
+    /// the whole step; no cache is read or written.
+    fn forward_encoder_only(&mut self, ls: &LayerSpec, step: &StepMetadata, layer: GpuLayer<'_>, timer: &mut Timer) -> Result<()> {
+        let views = StepViews::of(step, &self.stream)?;
+        let Layer { q, q_rows, new_kv, mut out, out_rows, alibi_slopes, sinks, .. } = layer;
+        let NewKv::Standard { k, k_rows, v, v_rows } = new_kv else {
+            return Err(AttnError::invalid("new_kv", "an encoder-only layer attends its new K/V (NewKv::Standard)"));
+        };
+        for (arg, b, rows) in [("q", &q, &q_rows), ("k", &k, &k_rows), ("v", &v, &v_rows)] {
+            check_aligned(arg, b.ptr, b.dtype, rows)?;
+        }
+        check_aligned("out", out.ptr, out.dtype, &out_rows)?;
+        let (stream, nt, n) = (&self.stream, views.num_tokens, step.num_reqs());
+        let start = timer.mark(Some(stream))?;
+        let written = timer.mark(Some(stream))?;
+        if n > 0 && nt > 0 {
+            let qsl = step.query_start_loc();
+            let batch = PrefillBatch { query_start_loc: qsl, seq_lens: step.seq_lens(), key_start_loc: Some(qsl) };
+            // The whole step's arrays; its start locations are also its packed keys' starts.
+            let (all, keys) = (views.decodes(n), views.decodes(n));
+            let meta =
+                DeviceBatch { seq_lens: all.seq_lens, query_start_loc: all.query_start_loc, key_start_loc: Some(keys.query_start_loc) };
+            let rows = |r: RowsDesc| RowsDesc { num_tokens: nt, ..r };
+            let args = PrefillArgs {
+                q: q.tail(0),
+                q_rows: rows(q_rows),
+                kv: PrefillKv::Packed { k: k.tail(0), k_rows: rows(k_rows), v: v.tail(0), v_rows: rows(v_rows) },
+                out: out.tail_mut(0),
+                out_rows: rows(out_rows),
+                lse: None,
+                alibi_slopes: alibi_slopes.as_ref().map(|b| b.tail(0)),
+                sinks: sinks.as_ref().map(|b| b.tail(0)),
+                scales: None,
+            };
+            let opts = PrefillOptions { attn: ls.opts, causal: false };
+            prefill_from(&self.dev, stream, args, &batch, meta, &opts, &mut self.prefill_ws, &mut self.status)?;
+        }
+        let end = timer.mark(Some(stream))?;
+        timer.layer([start, written, end]);
+        Ok(())
+    }
+
     /// An MLA layer: the latent cache write, then latent attention for the decode part and the
     /// prefill part (the same kernel: any query length, causal among a request's new tokens).
     pub(crate) fn forward_mla(
         &mut self,
         config: &ForwardConfig,
+        ls: &LayerSpec,
         spec: &MlaCacheSpec,
         step: &StepMetadata,
         layer: GpuLayer<'_>,
@@ -430,7 +513,7 @@ impl GpuExec {
         let written = timer.mark(Some(stream))?;
 
         let cache = cache.as_input();
-        let scale = config.opts.softmax_scale;
+        let scale = ls.opts.softmax_scale;
         if nd > 0 {
             let part = views.decodes(nd);
             let args = MlaArgs {

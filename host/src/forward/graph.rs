@@ -171,6 +171,7 @@ impl Capture {
         };
         need("q", layer.q.keep_alive())?;
         match &layer.new_kv {
+            NewKv::None => {}
             NewKv::Standard { k, v, .. } => {
                 need("k", k.keep_alive())?;
                 need("v", v.keep_alive())?;

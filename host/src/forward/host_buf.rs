@@ -32,6 +32,16 @@ pub enum HostOut<'a> {
 }
 
 impl HostIn<'_> {
+    /// The slice's address (to tell buffers apart).
+    pub(crate) fn addr(&self) -> u64 {
+        match self {
+            HostIn::F16(s) => s.as_ptr() as u64,
+            HostIn::BF16(s) => s.as_ptr() as u64,
+            HostIn::F32(s) => s.as_ptr() as u64,
+            HostIn::Fp8E4m3(s) => s.as_ptr() as u64,
+        }
+    }
+
     /// The element type held.
     pub fn dtype(&self) -> DType {
         match self {
@@ -59,6 +69,16 @@ impl HostIn<'_> {
 }
 
 impl HostOut<'_> {
+    /// The slice's address (to tell buffers apart).
+    pub(crate) fn addr(&self) -> u64 {
+        match self {
+            HostOut::F16(s) => s.as_ptr() as u64,
+            HostOut::BF16(s) => s.as_ptr() as u64,
+            HostOut::F32(s) => s.as_ptr() as u64,
+            HostOut::Fp8E4m3(s) => s.as_ptr() as u64,
+        }
+    }
+
     /// The element type held.
     pub fn dtype(&self) -> DType {
         match self {

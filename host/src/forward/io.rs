@@ -8,6 +8,9 @@ use crate::layout::{KvCacheSpec, MlaCacheSpec, RowsDesc};
 
 /// This step's new keys and values, one row per token.
 pub enum NewKv<I> {
+    /// None: a layer that reads an earlier layer's cache and writes nothing
+    /// ([`LayerSpec::kv_sharing_target`](super::LayerSpec::kv_sharing_target)).
+    None,
     /// Standard attention: `[num_tokens, num_kv_heads, head_size]` K and V (any token/head
     /// stride, e.g. slices of a fused QKV projection).
     Standard {
@@ -44,9 +47,12 @@ pub struct Layer<I, O> {
     pub q: I,
     /// Shape and strides of `q` (`num_tokens` at least the step's `num_actual_tokens`).
     pub q_rows: RowsDesc,
-    /// This step's keys and values (the query dtype), written into `cache` at the step's slots.
+    /// This step's keys and values (the query dtype), written into `cache` at the step's slots
+    /// (an encoder-only layer attends them and writes nothing; a KV-sharing layer has none).
     pub new_kv: NewKv<I>,
-    /// The layer's paged cache ([`CacheSpec`] of the [`Attention`](super::Attention)).
+    /// The layer's paged cache ([`CacheSpec`] of the [`Attention`](super::Attention)); for a
+    /// KV-sharing layer, the cache buffer its target layer was given (read, not written); for
+    /// an encoder-only layer, not used (any buffer, an empty one included).
     pub cache: O,
     /// `[num_tokens, num_q_heads, v_head_size]`, the query dtype (MLA: `v_head_size` is
     /// `latent_dim`).

@@ -148,7 +148,7 @@ impl StepMetadata {
                 // Whether Auto picks cascade depends on the rest of the batch, so the
                 // deterministic mode (`SplitMode::Fixed(1)`) keeps it off unless forced on.
                 let deterministic = c.split_mode == crate::options::SplitMode::Fixed(1) && c.cascade == CascadeMode::Auto;
-                if standard && c.cascade != CascadeMode::Off && c.opts.window.is_none() && !deterministic {
+                if standard && c.cascade != CascadeMode::Off && c.every_layer_takes_cascade() && !deterministic {
                     let m = &self.config.model;
                     let shared = CascadeStep::new(input, m.num_q_heads / m.num_kv_heads);
                     if use_cascade(self.config.cascade, &shared) {

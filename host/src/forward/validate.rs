@@ -4,6 +4,7 @@
 use super::config::ForwardConfig;
 use super::host_buf::{HostIn, HostOut};
 use super::io::{CacheSpec, Layer, NewKv};
+use super::layers::{AttentionType, LayerSpec};
 use super::step::StepMetadata;
 use crate::batch::{validate_batch, validate_prefill_batch, DecodeBatch, PrefillBatch};
 use crate::buffer::{DevIn, DevOut};
@@ -12,14 +13,15 @@ use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
 use crate::layout::RowsDesc;
 
-/// A buffer's dtype and length in elements, wherever it lives.
+/// A buffer's dtype, length in elements and address, wherever it lives.
 pub(crate) trait Buf {
     fn buf_dtype(&self) -> DType;
     fn buf_len(&self) -> usize;
+    fn buf_addr(&self) -> u64;
 }
 
 macro_rules! buf {
-    ($($t:ident),*) => {$(
+    ($($t:ident: $addr:expr),*) => {$(
         impl Buf for $t<'_> {
             fn buf_dtype(&self) -> DType {
                 self.dtype()
@@ -27,10 +29,13 @@ macro_rules! buf {
             fn buf_len(&self) -> usize {
                 self.len()
             }
+            fn buf_addr(&self) -> u64 {
+                $addr(self)
+            }
         }
     )*};
 }
-buf!(DevIn, DevOut, HostIn, HostOut);
+buf!(DevIn: |b: &DevIn<'_>| b.ptr, DevOut: |b: &DevOut<'_>| b.ptr, HostIn: HostIn::addr, HostOut: HostOut::addr);
 
 /// The decode part (`requests 0..num_decodes`) and the prefill part of a built step, as the
 /// kernels' host metadata.
@@ -58,12 +63,14 @@ impl<'s> Parts<'s> {
     }
 }
 
-/// Everything about `layer` that does not depend on where it lives: dtypes, shapes and lengths
-/// against the model and cache, token counts against the step, optional inputs against the
-/// model's features, and each part of the step against its kernel's limits. `block_table_stride`
-/// is the width of the rows the kernels will read.
+/// Everything about `layer` (layer `index`, whose attention is `ls`) that does not depend on
+/// where it lives: dtypes, shapes and lengths against the model and cache, token counts against
+/// the step, optional inputs against the layer's features, what a KV-sharing or encoder-only
+/// layer takes, and each part of the step against its kernel's limits. `block_table_stride` is
+/// the width of the rows the kernels will read.
 pub(crate) fn validate_layer<I: Buf, O: Buf>(
     config: &ForwardConfig,
+    (index, ls): (usize, &LayerSpec),
     spec: &CacheSpec,
     step: &StepMetadata,
     block_table_stride: usize,
@@ -75,6 +82,18 @@ pub(crate) fn validate_layer<I: Buf, O: Buf>(
     let q_dtype = m.q_dtype;
     check_rows("q", &layer.q, &layer.q_rows, q_dtype, m.num_q_heads, spec.qk_head_size(), nt)?;
     match (&layer.new_kv, spec) {
+        (NewKv::None, _) => ensure(ls.kv_sharing_target.is_some(), "new_kv", || {
+            format!("NewKv::None for layer {index}, which {} (only KV-sharing layers take none)", writes_what(ls))
+        })?,
+        (_, _) if ls.kv_sharing_target.is_some() => {
+            return Err(AttnError::invalid(
+                "new_kv",
+                format!(
+                    "given for layer {index}, which reads layer {}'s cache and writes nothing: pass NewKv::None",
+                    ls.kv_sharing_target.unwrap_or(0)
+                ),
+            ));
+        }
         (NewKv::Standard { k, k_rows, v, v_rows }, CacheSpec::Paged(s)) => {
             check_rows("k", k, k_rows, q_dtype, s.num_kv_heads, s.head_size, nt)?;
             check_rows("v", v, v_rows, q_dtype, s.num_kv_heads, s.head_size, nt)?;
@@ -91,31 +110,63 @@ pub(crate) fn validate_layer<I: Buf, O: Buf>(
         }
     }
     let cache = &layer.cache;
-    ensure(cache.buf_dtype() == m.cache_dtype, "cache", || {
-        format!("dtype {:?}, the model's cache is {:?}", cache.buf_dtype(), m.cache_dtype)
-    })?;
-    ensure(cache.buf_len() >= spec.num_elements(), "cache", || {
-        format!("buffer of {} elements is smaller than the layout's {} ({spec:?})", cache.buf_len(), spec.num_elements())
-    })?;
+    // An encoder-only layer neither reads nor writes `cache`.
+    if ls.attn_type.uses_cache() {
+        ensure(cache.buf_dtype() == m.cache_dtype, "cache", || {
+            format!("dtype {:?}, the model's cache is {:?}", cache.buf_dtype(), m.cache_dtype)
+        })?;
+        ensure(cache.buf_len() >= spec.num_elements(), "cache", || {
+            format!("buffer of {} elements is smaller than the layout's {} ({spec:?})", cache.buf_len(), spec.num_elements())
+        })?;
+    }
     check_rows("out", &layer.out, &layer.out_rows, q_dtype, m.num_q_heads, spec.v_head_size(), nt)?;
-    check_optional("alibi_slopes", layer.alibi_slopes.as_ref(), m.features.alibi, "ALiBi (features.alibi)", m.num_q_heads)?;
-    check_optional("sinks", layer.sinks.as_ref(), m.features.sinks, "attention sinks (features.sinks)", m.num_q_heads)?;
-    let fp8 = m.cache_dtype == DType::Fp8E4m3;
+    let what = |f: &str, field: &str| format!("layer {index}'s {f} (LayerSpec::{field}, by default the model's features.{field})");
+    check_optional("alibi_slopes", layer.alibi_slopes.as_ref(), ls.alibi, &what("ALiBi", "alibi"), m.num_q_heads)?;
+    check_optional("sinks", layer.sinks.as_ref(), ls.sinks, &what("attention sinks", "sinks"), m.num_q_heads)?;
+    let fp8 = m.cache_dtype == DType::Fp8E4m3 && ls.attn_type.uses_cache();
     match &layer.kv_scales {
         None => ensure(!fp8, "kv_scales", || "missing: an FP8 cache needs its k and v scales".into())?,
         Some((k, v)) => {
-            ensure(fp8, "kv_scales", || format!("given for a {:?} cache (only FP8 caches are scaled)", m.cache_dtype))?;
+            ensure(fp8, "kv_scales", || match ls.attn_type.uses_cache() {
+                true => format!("given for a {:?} cache (only FP8 caches are scaled)", m.cache_dtype),
+                false => format!("given for layer {index}, an {} layer, which keeps no cache", ls.attn_type),
+            })?;
             check_optional("kv_scales", Some(k), true, "", 1)?;
             check_optional("kv_scales", Some(v), true, "", 1)?;
         }
     }
 
+    if ls.attn_type == AttentionType::EncoderOnly {
+        return validate_encoder_step(step, index);
+    }
     let parts = Parts::of(step);
     if step.split().num_decodes > 0 {
         validate_batch(&parts.decode, parts.num_decode_tokens, spec.block_size(), block_table_stride)?;
     }
     if step.split().num_prefills > 0 {
         validate_prefill_batch(&parts.prefill, parts.num_prefill_tokens, true, Some((spec.block_size(), block_table_stride)))?;
+    }
+    Ok(())
+}
+
+fn writes_what(ls: &LayerSpec) -> String {
+    match ls.attn_type.uses_cache() {
+        true => "writes its own cache".into(),
+        false => format!("is {} and attends its new K/V", ls.attn_type),
+    }
+}
+
+/// An encoder-only layer attends each request's own tokens: the step must hold every request's
+/// whole sequence (`seq_len` = its query tokens).
+fn validate_encoder_step(step: &StepMetadata, index: usize) -> Result<()> {
+    let qsl = step.query_start_loc();
+    for (r, &len) in step.seq_lens().iter().enumerate() {
+        let q = qsl[r + 1] - qsl[r];
+        ensure(len == q, "step", || {
+            format!(
+                "request {r} has seq_len {len} but {q} query tokens: encoder-only layer {index} attends only the step's tokens (a prompt comes whole, seq_len = its tokens)"
+            )
+        })?;
     }
     Ok(())
 }
@@ -146,9 +197,9 @@ fn check_latent(arg: &'static str, b: &impl Buf, stride: usize, dtype: DType, di
 /// An optional `[num_q_heads]` f32 input: given exactly when the model declares its feature.
 fn check_optional(arg: &'static str, b: Option<&impl Buf>, declared: bool, feature: &str, hq: usize) -> Result<()> {
     match b {
-        None => ensure(!declared, arg, || format!("missing: the model config declares {feature}")),
+        None => ensure(!declared, arg, || format!("missing: {feature} is on")),
         Some(b) => {
-            ensure(declared, arg, || format!("given, but the model config does not declare {feature}"))?;
+            ensure(declared, arg, || format!("given, but {feature} is off"))?;
             ensure(b.buf_dtype() == DType::F32 && b.buf_len() >= hq, arg, || {
                 format!("must be {hq} f32 values, got {} x {:?}", b.buf_len(), b.buf_dtype())
             })

@@ -151,6 +151,7 @@ pub struct AttnParams {
     pub mask: Mask,
     pub mla: MlaParams,
     pub schedule: Schedule,
+    pub local: LocalMask,
 }
 
 /// The queries and the keys and values (every kernel).
@@ -327,6 +328,28 @@ pub struct Schedule {
     pub uniform_splits: u32,
 }
 
+/// Masks of the layer kinds past plain decoders (every kernel but MLA's, whose launch leaves
+/// them 0 = off). A group of its own after the others, so that the offsets the existing kernels
+/// read do not move.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LocalMask {
+    /// Chunked local attention (Llama 4): a query sees only the keys of its own chunk of `chunk`
+    /// positions (`key / chunk == pos / chunk`), with causality as [`Mask::causal`] says; 0 = off.
+    pub chunk: u32,
+    /// A symmetric window (bidirectional encoders) plus one: a query sees the keys with
+    /// `|key - pos| < symmetric`, i.e. at most `symmetric - 1` positions either side; 0 = off.
+    pub symmetric: u32,
+}
+
+impl LocalMask {
+    /// Chunks of `chunk` positions and a symmetric window of `symmetric_window` positions either
+    /// side (each `None`: off).
+    pub fn new(chunk: Option<u32>, symmetric_window: Option<u32>) -> LocalMask {
+        LocalMask { chunk: chunk.unwrap_or(0), symmetric: symmetric_window.map_or(0, |w| w.saturating_add(1)) }
+    }
+}
+
 /// Asserts that each field of `$ty` (a path through its groups) is at the byte offset given.
 macro_rules! assert_offsets {
     ($ty:ty { $($($field:ident).+ = $offset:literal),* $(,)? }) => {
@@ -379,10 +402,12 @@ assert_offsets!(AttnParams {
     schedule.ctas = 304,
     schedule.merge_counters = 312,
     schedule.uniform_splits = 320,
+    local.chunk = 328,
+    local.symmetric = 332,
 });
 assert_offsets!(CacheStrides { block = 0, token = 8, head = 16 });
 const _: () = assert!(core::mem::size_of::<CacheStrides>() == 24);
-const _: () = assert!(core::mem::size_of::<AttnParams>() == 328 && core::mem::align_of::<AttnParams>() == 8);
+const _: () = assert!(core::mem::size_of::<AttnParams>() == 336 && core::mem::align_of::<AttnParams>() == 8);
 
 /// The arrival counter of a split work item (kv head `kv_head` of a request whose partial rows
 /// start at `partial_base`, a multiple of `num_q_heads`): distinct for every such pair, because

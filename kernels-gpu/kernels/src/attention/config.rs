@@ -40,6 +40,10 @@ pub(crate) trait AttnConfig {
     /// 16-row tiles per warp (2 on the prefill shape up to head size 128: each K/V fragment read
     /// from shared memory feeds twice the MMAs, and the two tiles' chains interleave).
     const MT: usize = m_tiles(Self::DK as u32, Self::DV as u32, Self::KEYS, <Self::Cache as CacheFormat>::FP8) as usize;
+    /// Local masks (`p.local`: chunked local attention, the symmetric window) are compiled in:
+    /// the `prefill_local_*` kernels. Off elsewhere, where the pass and its registers would cost
+    /// the decoder paths (spills at head sizes 64 and 128 when every kernel had it).
+    const LOCAL: bool = false;
     /// MLA: V is columns `slice * DV ..` of each K row, read from the K tile; no V copies. No
     /// entry point sets it (MLA runs on its own kernel, `crate::attention::mla`); its branches
     /// stay because taking them out reorders the registers of other instances' PTX.

@@ -1,5 +1,5 @@
 //! Entry points of the tensor-core attention kernels: `prefill_<dtype>[_fp8]_dk<qk>_dv<v>` (rows
-//! split across warps) and `decode_tc_<dtype>[_fp8]_d<head_size>` (keys split across warps);
+//! split across warps), `prefill_local_<dtype>_dk<d>_dv<d>` (the same with the local masks) and `decode_tc_<dtype>[_fp8]_d<head_size>` (keys split across warps);
 //! `_fp8`: an FP8 E4M3 cache; the keys-as-rows decode kernels, the Hopper prefill kernels and the
 //! MLA kernels. The host builds the same names (host/src/prefill.rs, decode.rs, mla.rs).
 
@@ -14,6 +14,9 @@ use attn_math::params::AttnParams;
 /// [`AttnConfig`]'s defaults).
 macro_rules! attention_kernel {
     ($name:expr, $q:ident, $m:ident, $cache:ident, $dk:literal, $dv:literal, keys_split: $keys:literal) => {
+        attention_kernel!($name, $q, $m, $cache, $dk, $dv, keys_split: $keys, local: false);
+    };
+    ($name:expr, $q:ident, $m:ident, $cache:ident, $dk:literal, $dv:literal, keys_split: $keys:literal, local: $local:literal) => {
         const _: () = {
             struct Config;
             impl AttnConfig for Config {
@@ -23,6 +26,7 @@ macro_rules! attention_kernel {
                 const DK: usize = $dk;
                 const DV: usize = $dv;
                 const KEYS: bool = $keys;
+                const LOCAL: bool = $local;
             }
             #[unsafe(export_name = $name)]
             unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
@@ -50,10 +54,22 @@ macro_rules! decode_kernels {
     };
 }
 
+// The prefill shape with the local masks compiled in (`AttnConfig::LOCAL`), 16-bit caches:
+// `prefill_local_<q>_dk<d>_dv<d>` (chunked local attention, encoders' symmetric window).
+macro_rules! prefill_local_kernels {
+    ($q:ident, $qname:literal: $($d:literal),*) => {
+        $(
+            attention_kernel!(concat!("prefill_local_", $qname, "_dk", $d, "_dv", $d), $q, $q, Bits16, $d, $d, keys_split: false, local: true);
+        )*
+    };
+}
+
 prefill_kernels!(F16, "f16": (64, 64), (96, 96), (128, 128), (256, 256), (192, 128));
 prefill_kernels!(Bf16, "bf16": (64, 64), (96, 96), (128, 128), (256, 256), (192, 128));
 decode_kernels!(F16, "f16": 64, 96, 128, 256);
 decode_kernels!(Bf16, "bf16": 64, 96, 128, 256);
+prefill_local_kernels!(F16, "f16": 64, 96, 128, 256);
+prefill_local_kernels!(Bf16, "bf16": 64, 96, 128, 256);
 
 // Keys-as-rows decode (`crate::attention::keys_rows`), up to 8 rows per kv head:
 // `decode_kr_<q>_d<head_size>` (16-bit caches) and `decode_kr_<q>_fp8[_long]_d<head_size>`.

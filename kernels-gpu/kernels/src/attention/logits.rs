@@ -3,7 +3,9 @@
 //! warp's rows.
 
 use crate::attention::config::AttnConfig;
-use crate::attention::variants::{Alibi, BadBlocks, BadSlab, Causal, Chain, KeyEnd, LogitsPolicy, Scale, SlidingWindow, SoftCap};
+use crate::attention::variants::{
+    Alibi, BadBlocks, BadSlab, Causal, Chain, ChunkedLocal, KeyEnd, LogitsPolicy, Scale, SlidingWindow, SoftCap, SymmetricWindow,
+};
 use crate::attention::work::RowInfo;
 use crate::blocks::device::{fma, shfl_xor, static_for, thread_idx_x};
 use crate::blocks::mma::ld_shared_u32;
@@ -68,6 +70,9 @@ pub(crate) struct Logits {
     causal: Causal,
     window: SlidingWindow,
     end: KeyEnd,
+    /// Chunked local attention and the symmetric window: their own masking pass, compiled only
+    /// into the kernels built for them ([`AttnConfig::LOCAL`]), so the others keep their code.
+    local: Chain<ChunkedLocal, SymmetricWindow>,
 }
 
 impl Logits {
@@ -82,6 +87,7 @@ impl Logits {
             causal: Causal { on: p.mask.causal != 0 },
             window: SlidingWindow { window: p.variant.window },
             end: KeyEnd { end },
+            local: Chain(ChunkedLocal { chunk: p.local.chunk }, SymmetricWindow { symmetric: p.local.symmetric }),
         }
     }
 
@@ -176,6 +182,13 @@ impl Logits {
                     }
                 });
             }
+        }
+        if C::LOCAL && self.local.crosses(kt, C::KW as u32, (min_pos, max_pos)) {
+            each!(|mt, n, e| {
+                if !self.local.visible(key_of(n, e), &rows[mt][e / 2]) {
+                    s[mt][n][e] = f32::NEG_INFINITY;
+                }
+            });
         }
     }
 }

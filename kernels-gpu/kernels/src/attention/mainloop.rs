@@ -46,6 +46,7 @@ pub unsafe fn attention<C: AttnConfig, const MT: usize>(p: &AttnParams) {
     let (min_pos, max_pos) = unsafe { (w.row(p, 0).pos, w.row(p, w.live - 1).pos) };
 
     let (begin, end) = unsafe { w.key_range(p, min_pos, max_pos) };
+    let (begin, end) = if C::LOCAL { w.local_range(p, min_pos, max_pos, (begin, end)) } else { (begin, end) };
     let n_tiles = if end > begin { (end - begin).div_ceil(C::BN as u32) } else { 0 };
 
     const { assert!(C::BN as u32 <= THREADS && C::KW == if C::KEYS { C::BN / WARPS as usize } else { C::BN }) };

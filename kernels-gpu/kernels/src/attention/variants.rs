@@ -177,6 +177,59 @@ impl LogitsPolicy for SlidingWindow {
     }
 }
 
+/// Chunked local attention (`p.local.chunk`, 0: none): a row sees only the keys of its own chunk
+/// of `chunk` positions (from `pos - pos % chunk`; causality bounds the other end).
+#[derive(Clone, Copy)]
+pub(crate) struct ChunkedLocal {
+    pub chunk: u32,
+}
+
+impl ChunkedLocal {
+    /// The first key of the chunk of position `pos` (`on` only).
+    #[inline(always)]
+    pub fn start(&self, pos: u32) -> u32 {
+        pos - pos % self.chunk
+    }
+
+    #[inline(always)]
+    pub fn on(&self) -> bool {
+        self.chunk > 0
+    }
+}
+
+impl LogitsPolicy for ChunkedLocal {
+    #[inline(always)]
+    fn visible(&self, key: u32, row: &RowInfo) -> bool {
+        !self.on() || key >= self.start(row.pos)
+    }
+
+    /// The latest row's chunk starts last: a tile before it hides a key from that row.
+    #[inline(always)]
+    fn crosses(&self, kt: u32, _: u32, (_, max_pos): (u32, u32)) -> bool {
+        self.on() && kt < self.start(max_pos)
+    }
+}
+
+/// A symmetric window (`p.local.symmetric`: the window plus one, 0: none): a row sees the keys
+/// less than `symmetric` positions from its own, on either side (bidirectional encoders).
+#[derive(Clone, Copy)]
+pub(crate) struct SymmetricWindow {
+    pub symmetric: u32,
+}
+
+impl LogitsPolicy for SymmetricWindow {
+    #[inline(always)]
+    fn visible(&self, key: u32, row: &RowInfo) -> bool {
+        (self.symmetric == 0) | ((key + self.symmetric > row.pos) & (key < row.pos.saturating_add(self.symmetric)))
+    }
+
+    /// Keys too far back from the latest row, or too far ahead of the earliest.
+    #[inline(always)]
+    fn crosses(&self, kt: u32, kw: u32, (min_pos, max_pos): (u32, u32)) -> bool {
+        self.symmetric > 0 && (kt + self.symmetric <= max_pos || kt + kw > min_pos.saturating_add(self.symmetric))
+    }
+}
+
 /// Keys of a tile whose block is outside the cache: no address in the tile's table (the K/V
 /// entries from key `kt` at `table`, `crate::attention::kv::KeyTables`); `any` when the tile
 /// has one.

@@ -70,6 +70,21 @@ impl Work {
         (begin, end)
     }
 
+    /// `range` (from [`Self::key_range`]) cut further by the local masks of `p.local`, for rows
+    /// at positions `min_pos..=max_pos`: the earliest row's chunk start, and the symmetric
+    /// window's reach on both sides. Only the kernels built for local masks call it.
+    #[inline(always)]
+    pub fn local_range(&self, p: &AttnParams, min_pos: u32, max_pos: u32, (mut begin, mut end): (u32, u32)) -> (u32, u32) {
+        if p.local.chunk > 0 {
+            begin = begin.max(min_pos - min_pos % p.local.chunk);
+        }
+        if p.local.symmetric > 0 {
+            begin = begin.max((min_pos + 1).saturating_sub(p.local.symmetric));
+            end = end.min(max_pos.saturating_add(p.local.symmetric));
+        }
+        (begin, end)
+    }
+
     /// The request's splits: the plan's, or `uniform_splits` with no plan on the device (1 when
     /// neither: a request with one split writes its output directly).
     #[inline(always)]

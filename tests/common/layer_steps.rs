@@ -1,0 +1,232 @@
+//! A small multi-layer engine for the per-layer tests (CPU and GPU): requests with scattered
+//! block tables, steps ordered decodes first, random per-layer Q/K/V rows with padding past the
+//! step's tokens, and a reference written here (each request's keys and values per cache-owning
+//! layer, attention token by token in f64) for every [`LayerSpec`] setting: decoder or
+//! encoder-only, window, chunks, symmetric window, soft-cap, ALiBi, sinks, scale, KV sharing.
+
+use attn_rs::forward::{AttentionType, LayerSpec};
+use attn_rs::metadata::StepInput;
+use rand::rngs::SmallRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
+
+/// Padding rows past a step's tokens in every tensor (never read, never written).
+pub const PADDING: usize = 3;
+
+/// The model the engine serves.
+#[derive(Clone, Debug)]
+pub struct Shape {
+    pub hq: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+}
+
+/// One request: its blocks, length, and the keys/values (f64, `[hkv * d]` a token) of each
+/// layer that owns a cache.
+struct Req {
+    blocks: Vec<i32>,
+    len: usize,
+    k: HashMap<usize, Vec<Vec<f64>>>,
+    v: HashMap<usize, Vec<Vec<f64>>>,
+}
+
+/// A step as built: (request id, query tokens) decodes first, and its arrays.
+pub struct Step {
+    pub order: Vec<(usize, usize)>,
+    pub qsl: Vec<i32>,
+    pub seq_lens: Vec<i32>,
+    pub block_table: Vec<i32>,
+    pub stride: usize,
+    pub slots: Vec<i64>,
+    pub nt: usize,
+}
+
+impl Step {
+    pub fn input(&self, shape: &Shape) -> StepInput<'_> {
+        StepInput {
+            query_start_loc: &self.qsl,
+            seq_lens: &self.seq_lens,
+            block_table: &self.block_table,
+            block_table_stride: self.stride,
+            slot_mapping: &self.slots,
+            num_actual_tokens: self.nt,
+            num_blocks: shape.num_blocks,
+            block_size: shape.block_size,
+        }
+    }
+
+    /// Rows of every tensor: the tokens and the padding.
+    pub fn rows(&self) -> usize {
+        self.nt + PADDING
+    }
+}
+
+/// One layer's inputs for a step: `[rows, hq, d]` q, `[rows, hkv, d]` k and v (already rounded
+/// to the tested dtype).
+pub struct LayerData {
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+pub struct Engine {
+    pub shape: Shape,
+    pub layers: Vec<LayerSpec>,
+    pub slopes: Vec<f32>,
+    pub sinks: Vec<f32>,
+    rng: SmallRng,
+    free: Vec<i32>,
+    reqs: HashMap<usize, Req>,
+    round: fn(f32) -> f32,
+}
+
+impl Engine {
+    /// `round`: what the tested dtype makes of an f32.
+    pub fn new(shape: Shape, layers: Vec<LayerSpec>, seed: u64, round: fn(f32) -> f32) -> Self {
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let mut free: Vec<i32> = (0..shape.num_blocks as i32).collect();
+        free.shuffle(&mut rng);
+        let slopes = (0..shape.hq).map(|h| 0.5f32.powi(h as i32 % 4 + 1)).collect();
+        let sinks = (0..shape.hq).map(|_| rng.random_range(-1.0..2.0)).collect();
+        Engine { shape, layers, slopes, sinks, rng, free, reqs: HashMap::new(), round }
+    }
+
+    /// The step of `(request id, query tokens)` pairs: decodes (one token) first, blocks taken
+    /// at random from the free list, unused block-table entries garbage.
+    pub fn step(&mut self, pairs: &[(usize, usize)]) -> Step {
+        let mut order = pairs.to_vec();
+        order.sort_by_key(|&(_, q)| q > 1);
+        let bs = self.shape.block_size;
+        let (mut qsl, mut seq_lens, mut slots) = (vec![0i32], Vec::new(), Vec::new());
+        for &(id, q) in &order {
+            let r = self.reqs.entry(id).or_insert_with(|| Req { blocks: Vec::new(), len: 0, k: HashMap::new(), v: HashMap::new() });
+            while r.blocks.len() * bs < r.len + q {
+                r.blocks.push(self.free.pop().expect("enough blocks"));
+            }
+            slots.extend((r.len..r.len + q).map(|pos| r.blocks[pos / bs] as i64 * bs as i64 + (pos % bs) as i64));
+            qsl.push(qsl.last().unwrap() + q as i32);
+            seq_lens.push((r.len + q) as i32);
+        }
+        let stride = order.iter().map(|&(id, _)| self.reqs[&id].blocks.len()).max().unwrap_or(0) + 1;
+        let mut block_table = vec![-7; order.len() * stride];
+        for (i, &(id, _)) in order.iter().enumerate() {
+            block_table[i * stride..][..self.reqs[&id].blocks.len()].copy_from_slice(&self.reqs[&id].blocks);
+        }
+        let nt = *qsl.last().unwrap() as usize;
+        Step { order, qsl, seq_lens, block_table, stride, slots, nt }
+    }
+
+    /// Random inputs of one layer for `step`.
+    pub fn data(&mut self, step: &Step) -> LayerData {
+        let (rows, s) = (step.rows(), &self.shape);
+        let round = self.round;
+        let mut gen = |n: usize| (0..n).map(|_| round(self.rng.random_range(-1.0f32..1.0))).collect::<Vec<f32>>();
+        LayerData { q: gen(rows * s.hq * s.d), k: gen(rows * s.hkv * s.d), v: gen(rows * s.hkv * s.d) }
+    }
+
+    /// Layer `layer`'s expected output for `step` (`[nt, hq, d]`, f64), after taking its new
+    /// keys and values into the history of the layer whose cache it uses.
+    pub fn reference(&mut self, step: &Step, layer: usize, data: &LayerData) -> Vec<f64> {
+        let spec = self.layers[layer];
+        let (hq, hkv, d) = (self.shape.hq, self.shape.hkv, self.shape.d);
+        let owner = spec.kv_sharing_target.unwrap_or(layer);
+        let row = |buf: &[f32], t: usize, w: usize| buf[t * w..(t + 1) * w].iter().map(|&x| x as f64).collect::<Vec<f64>>();
+        let mut out = vec![0.0; step.nt * hq * d];
+        for (b, &(id, q)) in step.order.iter().enumerate() {
+            let t0 = step.qsl[b] as usize;
+            let r = self.reqs.get_mut(&id).unwrap();
+            let (keys, values): (Vec<Vec<f64>>, Vec<Vec<f64>>) = if spec.attn_type == AttentionType::EncoderOnly {
+                ((t0..t0 + q).map(|t| row(&data.k, t, hkv * d)).collect(), (t0..t0 + q).map(|t| row(&data.v, t, hkv * d)).collect())
+            } else {
+                if spec.kv_sharing_target.is_none() {
+                    let (ks, vs) = (r.k.entry(owner).or_default(), r.v.entry(owner).or_default());
+                    ks.truncate(r.len);
+                    vs.truncate(r.len);
+                    ks.extend((t0..t0 + q).map(|t| row(&data.k, t, hkv * d)));
+                    vs.extend((t0..t0 + q).map(|t| row(&data.v, t, hkv * d)));
+                }
+                (r.k[&owner].clone(), r.v[&owner].clone())
+            };
+            let len = keys.len();
+            for i in 0..q {
+                let pos = len - q + i;
+                let qv = row(&data.q, t0 + i, hq * d);
+                let o = token(&spec, &qv, &keys, &values, pos, (hq, hkv, d), &self.slopes, &self.sinks);
+                out[(t0 + i) * hq * d..(t0 + i + 1) * hq * d].copy_from_slice(&o);
+            }
+        }
+        out
+    }
+
+    /// After every layer of `step` ran: the requests' lengths advance (encoder-only steps hold
+    /// whole requests, which end with the step).
+    pub fn finish(&mut self, step: &Step) {
+        for &(id, q) in &step.order {
+            self.reqs.get_mut(&id).unwrap().len += q;
+        }
+    }
+
+    /// Drops request `id` and gives its blocks back.
+    pub fn retire(&mut self, id: usize) {
+        if let Some(r) = self.reqs.remove(&id) {
+            self.free.extend(r.blocks);
+        }
+    }
+}
+
+/// Whether a query at `pos` sees key `t` of `len` under `spec`.
+fn visible(spec: &LayerSpec, t: usize, pos: usize) -> bool {
+    let o = &spec.opts;
+    let causal = spec.attn_type == AttentionType::Decoder;
+    (!causal || t <= pos)
+        && o.window.is_none_or(|w| t + w as usize > pos)
+        && o.chunk_size.is_none_or(|c| t / c as usize == pos / c as usize)
+        && o.symmetric_window.is_none_or(|w| t.abs_diff(pos) <= w as usize)
+}
+
+/// One query token (`[hq * d]`) against `keys`/`values`: `[hq * d]`.
+#[allow(clippy::too_many_arguments)]
+fn token(
+    spec: &LayerSpec,
+    q: &[f64],
+    keys: &[Vec<f64>],
+    values: &[Vec<f64>],
+    pos: usize,
+    (hq, hkv, d): (usize, usize, usize),
+    slopes: &[f32],
+    sinks: &[f32],
+) -> Vec<f64> {
+    let group = hq / hkv;
+    let mut out = vec![0.0; hq * d];
+    for h in 0..hq {
+        let kvh = h / group;
+        let mut logits = Vec::new();
+        for (t, k) in keys.iter().enumerate().filter(|&(t, _)| visible(spec, t, pos)) {
+            let dot: f64 = (0..d).map(|i| q[h * d + i] * k[kvh * d + i]).sum();
+            let mut l = dot * spec.opts.softmax_scale as f64;
+            if let Some(cap) = spec.opts.softcap {
+                l = cap as f64 * (l / cap as f64).tanh();
+            }
+            if spec.alibi {
+                l += slopes[h] as f64 * (t as f64 - pos as f64);
+            }
+            logits.push((t, l));
+        }
+        let sink = if spec.sinks { sinks[h] as f64 } else { f64::NEG_INFINITY };
+        let max = logits.iter().map(|p| p.1).fold(sink, f64::max);
+        if max == f64::NEG_INFINITY {
+            continue;
+        }
+        let denom: f64 = logits.iter().map(|p| (p.1 - max).exp()).sum::<f64>() + (sink - max).exp();
+        for &(t, l) in &logits {
+            let w = (l - max).exp() / denom;
+            for i in 0..d {
+                out[h * d + i] += w * values[t][kvh * d + i];
+            }
+        }
+    }
+    out
+}

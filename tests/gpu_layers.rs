@@ -1,0 +1,183 @@
+//! Per-layer settings on the GPU (`tensor-core` through `forward_layer`) against the f64
+//! reference of `tests/common/layer_steps.rs` (the one the CPU backend's tests check): Gemma-2-
+//! like interleaved sliding-window and full layers with soft-cap 50 at head size 256, KV-shared
+//! layers, chunked local attention (the `prefill_local_*` kernels, decodes included), encoder-only
+//! layers with and without a symmetric window (packed K/V), per-layer ALiBi, sinks and scales.
+//! Outputs start poisoned; padding rows must stay so.
+
+mod common;
+#[allow(dead_code)]
+#[path = "common/layer_steps.rs"]
+mod layer_steps;
+
+use attn_rs::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig};
+use attn_rs::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, HostElement, LayerIo, LayerSpec, NewKv};
+use attn_rs::{AttnError, AttnOptions, DType, DevIn, DevOut, KvLayout, RowsDesc};
+use common::*;
+use half::{bf16, f16};
+use layer_steps::{Engine, Shape};
+use libtest_mimic::Trial;
+use rand::Rng;
+
+fn limits() -> ForwardLimits {
+    ForwardLimits { max_num_tokens: 512, max_num_reqs: 8, max_model_len: 1024 }
+}
+
+/// `steps` through every layer on the GPU, each layer's output against the reference.
+fn layers_case<T: HostElement>(shape: Shape, layers: Vec<LayerSpec>, steps: Vec<Vec<(usize, usize)>>, salt: u64) -> TestResult {
+    let dtype = T::DTYPE;
+    let dev = arc_device();
+    let stream = new_stream();
+    let model =
+        ModelConfig::standard(shape.hq, shape.hkv, shape.d, dtype, shape.block_size, KvLayout::FlashNhd).with_features(Features::ALL);
+    let selection = select_backend_no_env(&model, &DeviceInfo::from_device(&dev), None)?;
+    let config = ForwardConfig::new(model, shape.num_blocks, limits()).with_layers(layers.clone());
+    let mut attn = Attention::new(&selection, config, Some(GpuHandles { dev, stream: stream.clone() }))?;
+    let mut meta = attn.new_step_metadata()?;
+    let n = attn.cache_spec().num_elements();
+    let mut caches: Vec<_> = layers.iter().map(|_| upload(&stream, &vec![T::default(); n.max(1)])).collect();
+    let round: fn(f32) -> f32 = |x| T::from_f32(x).to_f32();
+    let mut engine = Engine::new(shape.clone(), layers.clone(), rng(salt).random_range(0..u64::MAX), round);
+    let slopes = upload(&stream, &engine.slopes);
+    let sinks = upload(&stream, &engine.sinks);
+    let (hq, hkv, d) = (shape.hq, shape.hkv, shape.d);
+    for (s, pairs) in steps.iter().enumerate() {
+        let step = engine.step(pairs);
+        meta.build(&step.input(&shape))?;
+        let rows = step.rows();
+        for (layer, spec) in layers.iter().enumerate() {
+            let data = engine.data(&step);
+            let want = engine.reference(&step, layer, &data);
+            let conv = |v: &[f32]| v.iter().map(|&x| T::from_f32(x)).collect::<Vec<T>>();
+            let (q, k, v) = (upload(&stream, &conv(&data.q)), upload(&stream, &conv(&data.k)), upload(&stream, &conv(&data.v)));
+            let (q_rows, kv_rows) = (RowsDesc::contiguous(rows, hq, d), RowsDesc::contiguous(rows, hkv, d));
+            let mut out = upload(&stream, &vec![poison::<T>(); rows * hq * d]);
+            let owner = spec.kv_sharing_target.unwrap_or(layer);
+            let new_kv = match spec.kv_sharing_target {
+                Some(_) => NewKv::None,
+                None => NewKv::Standard { k: DevIn::new(&k, &stream), k_rows: kv_rows, v: DevIn::new(&v, &stream), v_rows: kv_rows },
+            };
+            let io = GpuLayer {
+                q: DevIn::new(&q, &stream),
+                q_rows,
+                new_kv,
+                cache: DevOut::new(&mut caches[owner], &stream),
+                out: DevOut::new(&mut out, &stream),
+                out_rows: q_rows,
+                alibi_slopes: spec.alibi.then(|| DevIn::new(&slopes, &stream)),
+                sinks: spec.sinks.then(|| DevIn::new(&sinks, &stream)),
+                kv_scales: None,
+            };
+            attn.forward_layer(&meta, layer, LayerIo::Gpu(io))?;
+            attn.check_status()?;
+            let got = download(&stream, &out);
+            let tokens: Vec<f64> = got[..step.nt * hq * d].iter().map(|x| x.to_f32() as f64).collect();
+            let err = rel_error(&tokens, &want);
+            if !within(err, tolerance(dtype)) {
+                return Err(format!("step {s} layer {layer} ({spec:?}): rel error {err:.3e} > {}", tolerance(dtype)).into());
+            }
+            let p = poison::<T>().to_f32().to_bits();
+            if got[step.nt * hq * d..].iter().any(|x| x.to_f32().to_bits() != p) {
+                return Err(format!("step {s} layer {layer}: padding rows were written").into());
+            }
+        }
+        engine.finish(&step);
+    }
+    Ok(())
+}
+
+fn shape(hq: usize, hkv: usize, d: usize) -> Shape {
+    Shape { hq, hkv, d, block_size: 16, num_blocks: 160 }
+}
+
+/// Decodes beside chunked prefills, odd lengths, one-token prompts, an empty request, and a
+/// long context (decode split-K on the plain layers).
+fn decoder_steps() -> Vec<Vec<(usize, usize)>> {
+    vec![
+        vec![(0, 300), (1, 1)],
+        vec![(1, 20), (0, 1), (2, 0)],
+        vec![(0, 1), (1, 1), (2, 145), (3, 5)],
+        vec![(3, 1), (2, 1), (0, 1), (1, 33)],
+        vec![(3, 129), (0, 1), (2, 1), (1, 1)],
+    ]
+}
+
+fn encoder_steps() -> Vec<Vec<(usize, usize)>> {
+    vec![vec![(0, 13), (1, 1), (2, 140)], vec![(3, 7), (4, 0), (5, 1), (6, 65)], vec![(7, 200)]]
+}
+
+fn gemma2(num_layers: usize, window: u32) -> Vec<LayerSpec> {
+    (0..num_layers)
+        .map(|i| {
+            let o = AttnOptions { softcap: Some(50.0), window: (i % 2 == 0).then_some(window), ..AttnOptions::new(256) };
+            LayerSpec::decoder(o)
+        })
+        .collect()
+}
+
+fn cases() -> Vec<(String, Box<dyn FnOnce() -> TestResult + Send>)> {
+    let o = AttnOptions::new;
+    let mut v: Vec<(String, Box<dyn FnOnce() -> TestResult + Send>)> = Vec::new();
+    v.push(("gemma2_d256_window_softcap".into(), Box::new(|| layers_case::<bf16>(shape(8, 4, 256), gemma2(4, 96), decoder_steps(), 1))));
+    v.push(("gemma2_d256_window4096".into(), Box::new(|| layers_case::<bf16>(shape(8, 4, 256), gemma2(2, 4096), decoder_steps(), 2))));
+    let shared = vec![
+        LayerSpec::decoder(o(128)),
+        LayerSpec::decoder(AttnOptions { window: Some(40), ..o(128) }),
+        LayerSpec::decoder(AttnOptions { softmax_scale: 0.05, ..o(128) }).sharing_kv_of(0),
+        LayerSpec::decoder(AttnOptions { window: Some(40), ..o(128) }).sharing_kv_of(1),
+    ];
+    v.push(("kv_sharing_gqa4_d128".into(), Box::new(move || layers_case::<bf16>(shape(8, 2, 128), shared, decoder_steps(), 3))));
+    for (d, chunk, dt) in [(64, 64, DType::BF16), (128, 48, DType::F16), (96, 100, DType::BF16), (256, 32, DType::BF16)] {
+        let layers = vec![
+            LayerSpec::decoder(AttnOptions { chunk_size: Some(chunk), ..o(d) }),
+            LayerSpec::decoder(o(d)),
+            LayerSpec::decoder(AttnOptions { chunk_size: Some(chunk), ..o(d) }).sharing_kv_of(0),
+        ];
+        let name = format!("chunked_local_d{d}_chunk{chunk}_{dt:?}");
+        let f: Box<dyn FnOnce() -> TestResult + Send> = match dt {
+            DType::F16 => Box::new(move || layers_case::<f16>(shape(8, 2, d), layers, decoder_steps(), 4)),
+            _ => Box::new(move || layers_case::<bf16>(shape(8, 2, d), layers, decoder_steps(), 4)),
+        };
+        v.push((name, f));
+    }
+    for (d, w) in [(64, None), (64, Some(0)), (128, Some(7)), (256, Some(64)), (96, Some(1000))] {
+        let layers = vec![
+            LayerSpec::encoder_only(AttnOptions { symmetric_window: w, ..o(d) }),
+            LayerSpec { alibi: true, ..LayerSpec::encoder_only(AttnOptions { symmetric_window: w, softcap: Some(20.0), ..o(d) }) },
+        ];
+        v.push((
+            format!("encoder_only_d{d}_window_{}", w.map_or("none".to_string(), |w| w.to_string())),
+            Box::new(move || layers_case::<bf16>(shape(8, 2, d), layers, encoder_steps(), 5)),
+        ));
+    }
+    let mixed = vec![
+        LayerSpec { alibi: true, ..LayerSpec::decoder(o(64)) },
+        LayerSpec { sinks: true, ..LayerSpec::decoder(AttnOptions { softmax_scale: 0.05, ..o(64) }) },
+        LayerSpec::decoder(AttnOptions { softcap: Some(5.0), ..o(64) }),
+    ];
+    v.push(("per_layer_alibi_sinks_scale_d64".into(), Box::new(move || layers_case::<f16>(shape(4, 4, 64), mixed, decoder_steps(), 6))));
+    v.push(("refusals".into(), Box::new(refusals)));
+    v
+}
+
+/// What the GPU refuses before any launch: chunked local attention with an FP8 cache (no
+/// local-mask kernel reads FP8), at `Attention::new`.
+fn refusals() -> TestResult {
+    let dev = arc_device();
+    let stream = new_stream();
+    let model = ModelConfig::standard(8, 2, 128, DType::BF16, 16, KvLayout::FlashNhd).with_cache_dtype(DType::Fp8E4m3);
+    let selection = select_backend_no_env(&model, &DeviceInfo::from_device(&dev), None)?;
+    let layers = vec![LayerSpec::decoder(AttnOptions { chunk_size: Some(64), ..AttnOptions::new(128) })];
+    let config = ForwardConfig::new(model, 16, limits()).with_layers(layers);
+    match Attention::new(&selection, config, Some(GpuHandles { dev, stream })) {
+        Err(AttnError::InvalidArgument { arg: "layers", .. }) => Ok(()),
+        other => Err(format!("expected a refusal of `layers`, got {:?}", other.err()).into()),
+    }
+}
+
+fn main() {
+    let all = cases();
+    let picked: Vec<_> = if quick() { all.into_iter().step_by(2).collect() } else { all };
+    let trials = picked.into_iter().map(|(name, f)| Trial::test(format!("layers::{name}"), f)).collect();
+    run_gpu_trials(trials)
+}
