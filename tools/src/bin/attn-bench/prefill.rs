@@ -1,4 +1,5 @@
-//! `--only prefill`: causal paged prefill (compute-bound rows, against the matmul rate).
+//! `--only prefill`: causal prefill from the paged cache, and one row from packed K/V
+//! (compute-bound rows, against the matmul rate).
 
 use crate::bench::{dev, env_shapes, random_device, random_slots, Bench, Row};
 use attn_rs::{BatchMetadata, DevIn, DevOut, DeviceStatus, KvCacheSpec, KvLayout, Result, RowsDesc};
@@ -14,10 +15,13 @@ struct PrefillShape {
     q_heads: usize,
     kv_heads: usize,
     head_size: usize,
+    /// Keys and values from packed `[tokens, kv heads, head size]` tensors instead of the paged
+    /// cache (no cached tokens).
+    packed: bool,
 }
 
-/// Causal paged prefill, bf16, block size 16, scattered block tables. FLOPs = 4 * q_heads *
-/// head_size * attended pairs.
+/// Causal prefill, bf16, from the paged cache (block size 16, scattered block tables) or packed
+/// K/V. FLOPs = 4 * q_heads * head_size * attended pairs.
 fn prefill_row(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Result<Row> {
     use attn_rs::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
     use attn_rs::AttnOptions;
@@ -36,9 +40,16 @@ fn prefill_row(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Resul
     let q = random_device::<bf16>(s, q_rows.required_len(), 23)?;
     let mut out: CudaSlice<bf16> = s.alloc_zeros(q_rows.required_len())?;
     let bt = s.clone_htod(&block_table)?;
+    let kv_rows = RowsDesc::contiguous(nt, sh.kv_heads, sh.head_size);
+    let (k, v) = if sh.packed {
+        (random_device::<bf16>(s, kv_rows.required_len(), 24)?, random_device::<bf16>(s, kv_rows.required_len(), 25)?)
+    } else {
+        (s.alloc_zeros(1)?, s.alloc_zeros(1)?)
+    };
     let mut ws = PrefillWorkspace::new(s, nt, sh.batch, sh.q_heads / sh.kv_heads)?;
     let opts = PrefillOptions { attn: AttnOptions::new(sh.head_size), causal: true };
-    let batch = BatchMetadata::new(s, &seq_lens, &qsl)?;
+    let batch =
+        if sh.packed { BatchMetadata::with_key_start_loc(s, &seq_lens, &qsl, &qsl)? } else { BatchMetadata::new(s, &seq_lens, &qsl)? };
     let us = b.time(|| {
         prefill(
             dev(),
@@ -46,11 +57,15 @@ fn prefill_row(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Resul
             PrefillArgs {
                 q: DevIn::new(&q, s),
                 q_rows,
-                kv: PrefillKv::Paged {
-                    cache: DevIn::new(&cache, s),
-                    spec,
-                    block_table: DevIn::new(&bt, s),
-                    block_table_stride: blocks_per_req,
+                kv: if sh.packed {
+                    PrefillKv::Packed { k: DevIn::new(&k, s), k_rows: kv_rows, v: DevIn::new(&v, s), v_rows: kv_rows }
+                } else {
+                    PrefillKv::Paged {
+                        cache: DevIn::new(&cache, s),
+                        spec,
+                        block_table: DevIn::new(&bt, s),
+                        block_table_stride: blocks_per_req,
+                    }
                 },
                 out: DevOut::new(&mut out, s),
                 out_rows: q_rows,
@@ -70,7 +85,7 @@ fn prefill_row(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Resul
     // Query i (0-based among the new tokens) attends cached + i + 1 keys.
     let pairs = sh.batch as f64 * (sh.q_len as f64 * sh.cached as f64 + (sh.q_len * (sh.q_len + 1) / 2) as f64);
     Ok(Row {
-        name: "prefill bf16 causal, paged bs16".into(),
+        name: if sh.packed { "prefill bf16 causal, packed" } else { "prefill bf16 causal, paged bs16" }.into(),
         shape: format!("{}x{} (+{} cached) {}q/{}kv d{}", sh.batch, sh.q_len, sh.cached, sh.q_heads, sh.kv_heads, sh.head_size),
         median_us: us,
         bytes: 0.0,
@@ -79,7 +94,8 @@ fn prefill_row(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Resul
 }
 
 pub fn prefill_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {
-    let sh = |batch, q_len, q_heads, kv_heads, head_size| PrefillShape { batch, q_len, cached: 0, q_heads, kv_heads, head_size };
+    let sh =
+        |batch, q_len, q_heads, kv_heads, head_size| PrefillShape { batch, q_len, cached: 0, q_heads, kv_heads, head_size, packed: false };
     // `ATTN_BENCH_PREFILL_SHAPES=8x2048x32x32x64,8x512x32x8x128x8192`: rows of those batch x new
     // tokens x q heads x kv heads x head size [x cached tokens] only (experiments).
     if let Some(shapes) = env_shapes("ATTN_BENCH_PREFILL_SHAPES") {
@@ -95,6 +111,9 @@ pub fn prefill_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -
         sh(8, 2048, 32, 32, 64),
         sh(2, 8192, 64, 8, 128),
         PrefillShape { cached: 8192, ..sh(8, 512, 32, 8, 128) },
+        PrefillShape { packed: true, ..sh(4, 4096, 32, 8, 128) },
+        PrefillShape { packed: true, ..sh(8, 2048, 32, 32, 64) },
+        sh(4, 4096, 32, 8, 256),
     ] {
         rows.push(prefill_row(b, &shape, status)?);
     }
