@@ -393,8 +393,8 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &AttnParams, rings: Rings<D>
     let k_desc = |addr: u32| wgmma_desc(addr, 16, gb, true);
     let v_desc = |addr: u32| wgmma_desc(addr, 1024, gb, true);
     // Half tile `x`'s stage has landed and is visible to this thread's `wgmma`s (waited for at
-    // its first half, which every later half of the stage follows: a second wait and fence a
-    // tile cost 9% at head size 64).
+    // its first half, which every later half of the stage follows in this warp's program
+    // order, so one wait and one proxy fence a stage).
     let wait_filled = |x: u32| {
         let hx = rings.half(x);
         if hx.first {
