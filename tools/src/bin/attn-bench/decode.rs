@@ -138,8 +138,11 @@ pub fn decode_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) ->
         DecodeShape { block_size: 64, ..shape(64, 4096) },
         DecodeShape { kv_heads: 32, ..shape(64, 4096) },
         DecodeShape { kv_heads: 2, ..shape(64, 4096) },
+        // Short contexts: 4 key tiles per CTA, where each CTA's start-up counts.
+        shape(64, 256),
     ] {
         rows.push(decode_row::<bf16>(b, &sh, false, status)?);
     }
+    rows.push(decode_row::<Fp8E4m3>(b, &DecodeShape { kv_heads: 2, ..shape(64, 4096) }, false, status)?);
     Ok(())
 }

@@ -1,6 +1,7 @@
-//! Benchmark: measures the device-to-device copy ceiling, then each kernel, in one run, and
-//! prints a table (and JSON with `--json PATH`): shape, median time over CUDA-event timings
-//! after warm-up, GB/s (bytes read + written), and the fraction of the copy ceiling.
+//! Benchmark: measures the device-to-device copy ceiling and the read ceiling, then each kernel,
+//! in one run, and prints a table (and JSON with `--json PATH`): shape, median time over
+//! CUDA-event timings after warm-up, GB/s (bytes read + written), and the fractions of the
+//! copy and read ceilings.
 //!
 //! `attn-bench [--json PATH] [--quick] [--only cache|decode|prefill|mla] [TUNING]`
 //!
@@ -9,13 +10,14 @@
 //! `--mla-waves N`, `--no-mla-clusters`.
 //!
 //! The groups of rows: [`cache`], [`decode`], [`prefill`], [`mla`]; what they share: [`bench`];
-//! the table and the JSON: [`report`].
+//! the read ceiling's kernel: [`read_ceiling`]; the table and the JSON: [`report`].
 
 mod bench;
 mod cache;
 mod decode;
 mod mla;
 mod prefill;
+mod read_ceiling;
 mod report;
 
 use attn_rs::{AttnDevice, DeviceStatus, Result, Tuning};
@@ -23,9 +25,10 @@ use bench::{copy_row, dev, Bench};
 use clap::{Parser, ValueEnum};
 use std::path::PathBuf;
 
-/// Measures the device-to-device copy ceiling, then each kernel (cache writes, decode, prefill,
-/// MLA), and prints a table: shape, median time over CUDA-event timings after warm-up, GB/s or
-/// TFLOP/s, and the share of the copy ceiling or of the dense bf16 matmul rate.
+/// Measures the device-to-device copy ceiling and the read ceiling, then each kernel (cache
+/// writes, decode, prefill, MLA), and prints a table: shape, median time over CUDA-event timings
+/// after warm-up, GB/s or TFLOP/s, and the share of the copy and read ceilings or of the dense
+/// bf16 matmul rate.
 #[derive(Parser, Debug)]
 #[command(
     name = "attn-bench",
@@ -42,7 +45,7 @@ struct Cli {
     /// Fewer warm-up calls and timed batches (5 and 10 instead of 20 and 50).
     #[arg(long)]
     quick: bool,
-    /// Only this group of rows (the copy ceiling is always measured).
+    /// Only this group of rows (the ceilings are always measured).
     #[arg(long, value_enum, value_name = "GROUP")]
     only: Option<Group>,
     /// Waves of resident CTAs a tensor-core decode plan aims at (0 counts as 1; default: the
@@ -113,7 +116,8 @@ fn main() -> Result<()> {
     let b = Bench { stream: stream.clone(), warmup, reps, batch: 10, tuning: cli.tuning() };
     let mut status = DeviceStatus::new(&stream)?;
 
-    let ceiling = copy_row(&b, 1 << 30)?;
+    let copy = copy_row(&b, 1 << 30)?;
+    let read = read_ceiling::read_row(&b, d.sm_count(), 1 << 30)?;
     let mut rows = vec![];
     if cli.wants(Group::Cache) {
         cache::cache_write_rows(&b, &mut rows, &mut status)?;
@@ -127,7 +131,7 @@ fn main() -> Result<()> {
     if cli.wants(Group::Mla) {
         mla::mla_rows(&b, &mut rows, &mut status)?;
     }
-    report::print_and_save(&ceiling, &rows, &name, cli.json.as_deref())
+    report::print_and_save(&copy, &read, &rows, &name, cli.json.as_deref())
 }
 
 #[cfg(test)]
