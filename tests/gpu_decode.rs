@@ -450,6 +450,24 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("bf16_bf16::long_window_edges_spec_4".into(), edges(4, 3001), "bf16_bf16");
     push("f16_f16::long_window_edges_d64_gqa8".into(), Case { head_size: 64, q_heads: 16, kv_heads: 2, ..edges(1, 2050) }, "f16_f16");
     push("bf16_bf16::long_window_edges_split_7".into(), Case { split: SplitMode::Fixed(7), ..edges(3, 9000) }, "bf16_bf16");
+    // 9 to 16 rows per kv head: the keys-as-rows kernel's two column groups (16-bit caches up
+    // to head size 128), splits merged in the kernel; FP8 and d256 take the 16-row score tiles.
+    let gqa16 = |lens: &[i32]| Case { q_heads: 32, kv_heads: 2, ..Case::base(lens) };
+    push(
+        "bf16_bf16::gqa16_split_fixed_5".into(),
+        Case { split: SplitMode::Fixed(5), sinks: true, ..gqa16(&[3001, 700, 4097, 1]) },
+        "bf16_bf16",
+    );
+    push("bf16_fp8::gqa16_long_split_fixed_3".into(), Case { split: SplitMode::Fixed(3), ..gqa16(&[2500; 3]) }, "bf16_fp8");
+    push("bf16_bf16::gqa16_planned_two_layers".into(), Case { planned: true, alibi: true, ..gqa16(&lens) }, "bf16_bf16");
+    push(
+        "f16_f16::spec_2_gqa8_16_rows".into(),
+        Case { q_lens: vec![2, 1, 2], q_heads: 16, kv_heads: 2, split: SplitMode::Fixed(4), ..Case::base(&[1500, 900, 3000]) },
+        "f16_f16",
+    );
+    push("bf16_bf16::long_window_edges_gqa16".into(), Case { q_heads: 32, kv_heads: 2, ..edges(1, 4093) }, "bf16_bf16");
+    push("f16_f16::gqa16_d64_split_fixed_3".into(), Case { head_size: 64, split: SplitMode::Fixed(3), ..gqa16(&[2000, 77]) }, "f16_f16");
+    push("bf16_bf16::gqa16_d256".into(), Case { head_size: 256, ..gqa16(&[2000, 77]) }, "bf16_bf16");
     v
 }
 

@@ -29,11 +29,13 @@ pub enum KernelId {
     DecodeMerge { out: DType },
     /// `merge_attn_states_<out>`.
     MergeAttnStates { out: DType },
-    /// `decode_tc_<q>[_fp8]_d<d>`: tensor-core decode, keys split across warps.
+    /// `decode_tc_<q>[_fp8]_d<d>`: tensor-core decode, keys split across warps, 16-row score
+    /// tiles (16-bit caches: head size 256 only).
     DecodeTc { q: DType, fp8: bool, head_size: u32 },
-    /// `decode_kr_<q>[_fp8][_long]_d<d>`: the keys-as-rows decode (`attn_math::keys_rows`);
-    /// `long` (FP8 only): the deep-pipeline form for long contexts.
-    DecodeKr { q: DType, fp8: bool, long: bool, head_size: u32 },
+    /// `decode_kr_<q>[_fp8][_long][_r16]_d<d>`: the keys-as-rows decode (`attn_math::keys_rows`);
+    /// `long` (FP8 only): the deep-pipeline form for long contexts; `wide` (16-bit caches
+    /// only): 16 query rows a CTA instead of 8.
+    DecodeKr { q: DType, fp8: bool, long: bool, wide: bool, head_size: u32 },
     /// `prefill_<q>[_fp8]_dk<qk>_dv<v>`: the `mma.sync` attention-tile kernel.
     Prefill { q: DType, fp8: bool, head_size_qk: u32, head_size_v: u32 },
     /// `prefill_local_<q>_dk<d>_dv<d>`: the `mma.sync` prefill kernel with the local masks
@@ -56,8 +58,9 @@ impl KernelId {
             KernelId::DecodeMerge { out } => format!("decode_merge_{}", out.kernel_name()),
             KernelId::MergeAttnStates { out } => format!("merge_attn_states_{}", out.kernel_name()),
             KernelId::DecodeTc { q, fp8: f, head_size: d } => format!("decode_tc_{}{}_d{d}", q.kernel_name(), fp8(f)),
-            KernelId::DecodeKr { q, fp8: f, long, head_size: d } => {
-                format!("decode_kr_{}{}{}_d{d}", q.kernel_name(), fp8(f), if long { "_long" } else { "" })
+            KernelId::DecodeKr { q, fp8: f, long, wide, head_size: d } => {
+                let (long, wide) = (if long { "_long" } else { "" }, if wide { "_r16" } else { "" });
+                format!("decode_kr_{}{}{long}{wide}_d{d}", q.kernel_name(), fp8(f))
             }
             KernelId::Prefill { q, fp8: f, head_size_qk: dk, head_size_v: dv } => {
                 format!("prefill_{}{}_dk{dk}_dv{dv}", q.kernel_name(), fp8(f))
@@ -109,12 +112,19 @@ impl KernelId {
         for q in HALF {
             for fp8 in [false, true] {
                 for head_size in decode::HEAD_SIZES {
-                    v.push(KernelId::DecodeTc { q, fp8, head_size });
+                    // 16-bit caches: the keys-as-rows kernels take every row count to 16 below
+                    // head size 256.
+                    if fp8 || !keys_rows::WIDE_HEAD_SIZES.contains(&head_size) {
+                        v.push(KernelId::DecodeTc { q, fp8, head_size });
+                    }
                     if !fp8 || keys_rows::FP8_HEAD_SIZES.contains(&head_size) {
-                        v.push(KernelId::DecodeKr { q, fp8, long: false, head_size });
+                        v.push(KernelId::DecodeKr { q, fp8, long: false, wide: false, head_size });
                     }
                     if fp8 && keys_rows::FP8_HEAD_SIZES.contains(&head_size) {
-                        v.push(KernelId::DecodeKr { q, fp8, long: true, head_size });
+                        v.push(KernelId::DecodeKr { q, fp8, long: true, wide: false, head_size });
+                    }
+                    if !fp8 && keys_rows::WIDE_HEAD_SIZES.contains(&head_size) {
+                        v.push(KernelId::DecodeKr { q, fp8, long: false, wide: true, head_size });
                     }
                 }
                 // FP8 caches are paged, whose K and V have one head size.
@@ -197,8 +207,9 @@ mod tests {
             (KernelId::DecodeMerge { out: f16 }, "decode_merge_f16"),
             (KernelId::MergeAttnStates { out: DType::F32 }, "merge_attn_states_f32"),
             (KernelId::DecodeTc { q: bf16, fp8: true, head_size: 96 }, "decode_tc_bf16_fp8_d96"),
-            (KernelId::DecodeKr { q: f16, fp8: false, long: false, head_size: 256 }, "decode_kr_f16_d256"),
-            (KernelId::DecodeKr { q: bf16, fp8: true, long: true, head_size: 64 }, "decode_kr_bf16_fp8_long_d64"),
+            (KernelId::DecodeKr { q: f16, fp8: false, long: false, wide: false, head_size: 256 }, "decode_kr_f16_d256"),
+            (KernelId::DecodeKr { q: bf16, fp8: true, long: true, wide: false, head_size: 64 }, "decode_kr_bf16_fp8_long_d64"),
+            (KernelId::DecodeKr { q: bf16, fp8: false, long: false, wide: true, head_size: 96 }, "decode_kr_bf16_r16_d96"),
             (KernelId::Prefill { q: f16, fp8: false, head_size_qk: 192, head_size_v: 128 }, "prefill_f16_dk192_dv128"),
             (KernelId::PrefillWgs { q: bf16, head_size: 128 }, "prefill_wgs_bf16_d128"),
             (KernelId::PrefillWgs { q: f16, head_size: 64 }, "prefill_wgs_f16_d64"),

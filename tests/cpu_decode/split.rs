@@ -157,16 +157,18 @@ fn merge_counters_are_distinct_and_fit_the_workspace() {
     let mut rng = SmallRng::seed_from_u64(21);
     for iter in 0..300 {
         let lens: Vec<i32> = random_lens(&mut rng).into_iter().map(|l| l as i32).collect();
-        let (kv_heads, group) = (pick(&mut rng, &[1u32, 2, 8, 16]), pick(&mut rng, &[1u32, 2, 4, 8]));
-        let q_lens: Vec<i32> = lens.iter().map(|_| rng.random_range(1..=(8 / group) as i32)).collect();
+        // Up to 16 rows per kv head: the keys-as-rows kernels' one row tile.
+        let (kv_heads, group) = (pick(&mut rng, &[1u32, 2, 8, 16]), pick(&mut rng, &[1u32, 2, 4, 8, 16]));
+        let q_lens: Vec<i32> = lens.iter().map(|_| rng.random_range(1..=(16 / group) as i32)).collect();
         let mut qsl = vec![0];
         q_lens.iter().for_each(|q| qsl.push(qsl.last().unwrap() + q));
         let batch = DecodeBatch { seq_lens: &lens, query_start_loc: &qsl };
         let hq = (kv_heads * group) as usize;
         let mode = if rng.random_bool(0.5) { SplitMode::Auto } else { SplitMode::Fixed(rng.random_range(1..40)) };
         let capacity = rng.random_range(1..200_000usize);
-        let shape = TcShape::attention(128, 128, true, false, kv_heads);
+        let shape = TcShape { block_m: attn_math::keys_rows::WIDE_ROWS, ..TcShape::attention(128, 128, true, false, kv_heads) };
         let plan = plan_decode_tc(&batch, hq, group, shape, 264, 264, mode, capacity);
+        assert!(plan.items.chunks(2).all(|it| it[1] >> 16 == 0), "one row tile per request");
         let mut seen = std::collections::HashSet::new();
         for (r, &splits) in plan.req_num_splits.iter().enumerate().filter(|(_, &s)| s > 1) {
             for h in 0..kv_heads {

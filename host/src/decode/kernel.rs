@@ -14,10 +14,11 @@ use attn_math::split::EVEN_WAVES_MAX_SPLITS;
 /// Which kernel runs a decode batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum DecodeKernel {
-    /// Tensor cores, 16 query rows per CTA and the keys of each tile split across its warps
-    /// (`decode_tc_<q>[_fp8]_d<d>`): up to 16 rows (query tokens x query heads) per kv head.
-    /// Up to 8 rows run the same CTAs with the score tile transposed (`decode_kr_*`, keys on
-    /// the MMA's rows: `attn_math::keys_rows`), from 16-bit caches and FP8 at head sizes 64/128.
+    /// Tensor cores, the keys of each tile split across the CTA's warps: up to 16 rows (query
+    /// tokens x query heads) per kv head. With the score tile transposed (`decode_kr_*`, keys on
+    /// the MMA's rows: `attn_math::keys_rows`) up to 8 rows from 16-bit caches and FP8 at head
+    /// sizes 64/128, and up to 16 from 16-bit caches to head size 128 (`_r16`); the rest with
+    /// 16-row score tiles (`decode_tc_<q>[_fp8]_d<d>`).
     #[default]
     TensorCoreKeys,
     /// Tensor cores, 64 rows per CTA (the prefill kernel): more rows per kv head (MQA).
@@ -140,10 +141,17 @@ pub(crate) fn decode_tc_kernel(
     let target = waves * slots;
     // No slots: `plan_decode_tc` leaves the even waves out.
     let slots = if tuning.decode_even_waves { slots } else { 0 };
-    let shape = TcShape::attention(d as u32, d as u32, kernel.keys_split(), fp8, num_kv_heads as u32);
+    let mut shape = TcShape::attention(d as u32, d as u32, kernel.keys_split(), fp8, num_kv_heads as u32);
+    // The keys-as-rows kernels take 8 or 16 rows a CTA and merge their splits themselves.
+    let keys_rows = match id {
+        KernelId::DecodeKr { wide, .. } => {
+            shape.block_m = if wide { keys_rows::WIDE_ROWS } else { keys_rows::MAX_ROWS };
+            true
+        }
+        _ => false,
+    };
     let layer = LayerShape { num_q_heads: hq, num_kv_heads, head_size: d };
-    // The keys-as-rows kernels merge their splits themselves.
-    let fused_merge = matches!(id, KernelId::DecodeKr { .. });
+    let fused_merge = keys_rows;
     Ok(TcKernel { kernel, id, layer, smem, shape, threads: attn_math::prefill::THREADS, group, target, slots, fused_merge })
 }
 
@@ -151,19 +159,23 @@ pub(crate) fn decode_tc_kernel(
 /// query tokens per request and `max_len` keys in the longest, and its shared memory.
 pub(crate) fn decode_kernel_id(q: DType, fp8: bool, d: u32, group: u32, max_q: u32, max_len: u32) -> (DecodeKernel, KernelId, u32) {
     let kernel = DecodeKernel::tensor_cores(max_q * group);
-    // Up to 8 rows per kv head (FP8 caches at head sizes 64 and 128): the same CTAs with the
-    // score tile transposed (`decode_kr_*`: keys on the MMA's rows; half the math per tile).
-    let keys_rows =
-        kernel == DecodeKernel::TensorCoreKeys && (!fp8 || keys_rows::FP8_HEAD_SIZES.contains(&d)) && max_q * group <= keys_rows::MAX_ROWS;
+    // The keys-split CTAs with the score tile transposed (`decode_kr_*`: keys on the MMA's rows,
+    // half the math per tile): up to 8 rows per kv head from 16-bit caches and FP8 at head sizes
+    // 64 and 128, up to 16 (two column groups) from 16-bit caches up to head size 128.
+    let rows = max_q * group;
+    let wide = rows > keys_rows::MAX_ROWS;
+    let keys_rows = kernel == DecodeKernel::TensorCoreKeys
+        && if wide { !fp8 && keys_rows::WIDE_HEAD_SIZES.contains(&d) } else { !fp8 || keys_rows::FP8_HEAD_SIZES.contains(&d) };
     let long = max_len >= keys_rows::FP8_LONG_KEYS;
     let id = match kernel {
         // FP8 batches with long requests: the deep-pipeline kernels (`keys_rows::FP8_LONG_KEYS`).
-        DecodeKernel::TensorCoreKeys if keys_rows => KernelId::DecodeKr { q, fp8, long: fp8 && long, head_size: d },
+        DecodeKernel::TensorCoreKeys if keys_rows => KernelId::DecodeKr { q, fp8, long: fp8 && long, wide, head_size: d },
         DecodeKernel::TensorCoreKeys => KernelId::DecodeTc { q, fp8, head_size: d },
         _ => KernelId::Prefill { q, fp8, head_size_qk: d, head_size_v: d },
     };
     let smem = if keys_rows {
-        keys_rows::layout(d, fp8, keys_rows::ctas_per_sm(d, fp8, long)).total
+        let rows = if wide { keys_rows::WIDE_ROWS } else { keys_rows::MAX_ROWS };
+        keys_rows::layout(d, fp8, keys_rows::ctas_per_sm(d, fp8, long), rows).total
     } else {
         shared_layout(d, d, kernel.keys_split(), fp8).total
     };
@@ -188,8 +200,9 @@ mod tests {
     use super::*;
 
     /// The decode kernel of each kind of batch: keys as rows up to 8 rows per kv head (FP8 at
-    /// head sizes 64 and 128 only, the deep pipeline from `FP8_LONG_KEYS` keys), keys split
-    /// across warps up to 16, the prefill kernel above.
+    /// head sizes 64 and 128 only, the deep pipeline from `FP8_LONG_KEYS` keys) and up to 16
+    /// from 16-bit caches up to head size 128, else keys split across warps up to 16, the
+    /// prefill kernel above.
     #[test]
     fn decode_kernel_choice() {
         let name = |fp8, d, group, max_q, max_len| decode_kernel_id(DType::BF16, fp8, d, group, max_q, max_len).1.entry_name();
@@ -200,7 +213,9 @@ mod tests {
         assert_eq!(name(true, 128, 4, 2, long - 1), "decode_kr_bf16_fp8_d128");
         assert_eq!(name(true, 64, 4, 2, long), "decode_kr_bf16_fp8_long_d64");
         assert_eq!(name(true, 96, 4, 1, long), "decode_tc_bf16_fp8_d96");
-        assert_eq!(name(false, 128, 4, 3, 100), "decode_tc_bf16_d128");
+        assert_eq!(name(false, 128, 4, 3, 100), "decode_kr_bf16_r16_d128");
+        assert_eq!(name(false, 64, 16, 1, 100), "decode_kr_bf16_r16_d64");
+        assert_eq!(name(false, 256, 16, 1, 100), "decode_tc_bf16_d256");
         assert_eq!(name(true, 128, 16, 1, long), "decode_tc_bf16_fp8_d128");
         assert_eq!(name(false, 128, 8, 3, 100), "prefill_bf16_dk128_dv128");
         assert_eq!(name(true, 64, 32, 1, long), "prefill_bf16_fp8_dk64_dv64");
@@ -211,9 +226,12 @@ mod tests {
         // Shared memory: the keys-as-rows layout for its CTAs per SM, else the tile kernel's.
         let (kernel, _, smem) = decode_kernel_id(DType::BF16, true, 128, 4, 1, long);
         assert_eq!(kernel, DecodeKernel::TensorCoreKeys);
-        assert_eq!(smem, keys_rows::layout(128, true, keys_rows::ctas_per_sm(128, true, true)).total);
-        let (kernel, _, smem) = decode_kernel_id(DType::BF16, false, 128, 4, 3, 100);
-        assert_eq!((kernel, smem), (DecodeKernel::TensorCoreKeys, shared_layout(128, 128, true, false).total));
+        assert_eq!(smem, keys_rows::layout(128, true, keys_rows::ctas_per_sm(128, true, true), keys_rows::MAX_ROWS).total);
+        let (_, id, smem) = decode_kernel_id(DType::BF16, false, 128, 16, 1, 100);
+        assert_eq!(id.entry_name(), "decode_kr_bf16_r16_d128");
+        assert_eq!(smem, keys_rows::layout(128, false, 2, keys_rows::WIDE_ROWS).total);
+        let (kernel, _, smem) = decode_kernel_id(DType::BF16, false, 256, 4, 3, 100);
+        assert_eq!((kernel, smem), (DecodeKernel::TensorCoreKeys, shared_layout(256, 256, true, false).total));
         let (kernel, _, smem) = decode_kernel_id(DType::BF16, false, 128, 32, 1, 100);
         assert_eq!((kernel, smem), (DecodeKernel::TensorCoreRows, shared_layout(128, 128, false, false).total));
     }

@@ -201,7 +201,7 @@ mod tests {
     fn kernel(fused_merge: bool) -> TcKernel {
         TcKernel {
             kernel: DecodeKernel::TensorCoreKeys,
-            id: KernelId::DecodeKr { q: DType::BF16, fp8: false, long: false, head_size: 128 },
+            id: KernelId::DecodeKr { q: DType::BF16, fp8: false, long: false, wide: false, head_size: 128 },
             layer: LayerShape { num_q_heads: 32, num_kv_heads: 8, head_size: 128 },
             smem: 1,
             shape: TcShape::attention(128, 128, true, false, 8),

@@ -4,11 +4,20 @@
 //! MMA's 16 rows and up to 8 query rows (query tokens x query heads of one kv head) on its 8
 //! columns, so GQA up to 8 uses every row the tensor cores compute: half the MMAs, accumulators
 //! and softmax work of a 16-row S tile, which leaves the memory pipeline more of each tile's time.
+//! 9 to 16 rows per kv head (GQA 16) take the `_r16` kernels (16-bit caches, head sizes up to
+//! 128): two column groups of 8 rows over each staged slab, so the keys are read once for 16
+//! rows. (Two 8-row CTAs per kv head reading the same keys through L2 measured 20% slower than
+//! the 16-row `decode_tc` CTA: each of the pair must stream the whole rate.)
 
 use crate::prefill::{ROW_PAD, WARPS};
 
-/// Query rows a CTA takes (the MMA's n): query tokens x query heads per kv head.
+/// Query rows a CTA takes (the MMA's n; a row tile): query tokens x query heads of one kv head.
 pub const MAX_ROWS: u32 = 8;
+/// Query rows a CTA of the `_r16` kernels takes (two column groups).
+pub const WIDE_ROWS: u32 = 16;
+/// The head sizes the `_r16` kernels run at (16-bit caches): their two groups' accumulators
+/// fit the registers of two CTAs per SM up to head size 128.
+pub const WIDE_HEAD_SIZES: [u32; 3] = [64, 96, 128];
 /// Keys a warp takes of each tile (the MMA's m).
 pub const WARP_KEYS: u32 = 16;
 /// Keys of a CTA's tile (every warp's 16).
@@ -69,8 +78,8 @@ pub const fn stages(d: u32, fp8: bool, ctas: u32) -> u32 {
 }
 
 /// Byte offsets in dynamic shared memory: warp w's stages at `w * stages * stage_bytes`; after
-/// the loop the same bytes hold the warps' partial outputs (f32 `[WARPS][MAX_ROWS][d + 8]`) and
-/// their (max, sum) pairs (`[WARPS][MAX_ROWS]`).
+/// the loop the same bytes hold the warps' partial outputs (f32 `[WARPS][rows][d + 8]`) and
+/// their (max, sum) pairs (`[WARPS][rows]`), `rows` being the CTA's query rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Layout {
     pub ring: u32,
@@ -80,11 +89,11 @@ pub struct Layout {
     pub total: u32,
 }
 
-pub const fn layout(d: u32, fp8: bool, ctas: u32) -> Layout {
+pub const fn layout(d: u32, fp8: bool, ctas: u32, rows: u32) -> Layout {
     let ring = WARPS * stages(d, fp8, ctas) * stage_bytes(d, fp8);
     let merge_pitch = d + 8;
-    let stats = WARPS * MAX_ROWS * merge_pitch * 4;
-    let merge_end = stats + WARPS * MAX_ROWS * 8;
+    let stats = WARPS * rows * merge_pitch * 4;
+    let merge_end = stats + WARPS * rows * 8;
     Layout { ring: 0, merge: 0, merge_pitch, stats, total: if merge_end > ring { merge_end } else { ring } }
 }
 
@@ -101,9 +110,12 @@ mod tests {
     fn ctas_fit_per_sm() {
         for (fp8, sizes) in [(false, &DECODE_HEAD_SIZES[..]), (true, &FP8_HEAD_SIZES[..])] {
             for &d in sizes {
-                for long in [false, true] {
+                for (long, rows) in [(false, MAX_ROWS), (true, MAX_ROWS), (false, WIDE_ROWS)] {
+                    if rows == WIDE_ROWS && (fp8 || !WIDE_HEAD_SIZES.contains(&d)) {
+                        continue;
+                    }
                     let ctas = ctas_per_sm(d, fp8, long);
-                    let l = layout(d, fp8, ctas);
+                    let l = layout(d, fp8, ctas, rows);
                     assert!(stages(d, fp8, ctas) >= 3, "d{d}");
                     assert!(l.stats.is_multiple_of(16) && stage_bytes(d, fp8).is_multiple_of(16));
                     // 228 KiB per SM, 1 KiB reserved per CTA; 227 KiB per CTA at most.

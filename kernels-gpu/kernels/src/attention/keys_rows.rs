@@ -1,6 +1,7 @@
 //! Keys-as-rows paged decode (`decode_kr_<q>[_fp8]_d<head_size>`): the keys-split decode CTA of
 //! `crate::attention::mainloop` (same work items, splits and epilogue) with the score tile
-//! transposed, for up to 8 query rows per kv head (`attn_math::keys_rows`).
+//! transposed, for up to 8 query rows per kv head, or 16 (GQA 16) in the `_r16` kernels, which
+//! run two column groups of 8 over each staged slab (`attn_math::keys_rows`).
 //!
 //! Per 16-key slab a warp computes S^T = K Q^T (keys on the MMA's 16 rows, query rows on its 8
 //! columns), masks, runs the online softmax per column, turns P^T into the B operand of the next
@@ -37,7 +38,6 @@ use crate::blocks::vec_io::{load8_nc, load_u32_nc};
 use crate::merge::split_merge::merge_item_splits;
 use attn_math::keys_rows::{ctas_per_sm, layout, plane_bytes, row_pitch, stage_bytes, stages, MAX_ROWS, TILE_KEYS, WARP_KEYS};
 use attn_math::params::AttnParams;
-use attn_math::prefill::block_m;
 use attn_math::softmax::{exp2, OnlineSoftmax};
 use attn_math::status::BLOCK_OUT_OF_RANGE;
 
@@ -351,9 +351,14 @@ fn slab_softmax<const D: usize>(s: &mut [f32; 4], o: &mut [[f32; 4]; 16], state:
 }
 
 /// The kernel: one CTA per (work item, kv head), as `decode_tc_*` (the host plans both alike).
-/// `Q`: the queries' type; `F`: the cache's slab format; `LONG`: the FP8 deep-pipeline variant.
+/// `Q`: the queries' type; `F`: the cache's slab format; `LONG`: the FP8 deep-pipeline variant;
+/// `G`: column groups of 8 query rows (the MMA's 8 columns) over each staged slab, 1 or 2 (GQA
+/// 16); `R = 8 G`, the CTA's query rows.
 #[inline(always)]
-unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const LONG: bool>(p: &AttnParams) {
+unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const LONG: bool, const G: usize, const R: u32>(
+    p: &AttnParams,
+) {
+    const { assert!((G == 1 || G == 2) && R == 8 * G as u32) };
     let tid = thread_idx_x();
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
@@ -361,7 +366,7 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     // Programmatic dependent launch, split: the next kernel may take the SM slots this grid
     // frees from now on, and this grid waits for the one before only where it must (below).
     pdl_launch_dependents();
-    let Some(w) = (unsafe { work_item(p, block_m(D as u32, D as u32, true, fp8), D as u32) }) else {
+    let Some(w) = (unsafe { work_item(p, R, D as u32) }) else {
         pdl_wait();
         return;
     };
@@ -397,14 +402,17 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
         }
     };
 
-    // This thread's rows (columns 2t4, 2t4 + 1) and the query fragments of row g (rows past
-    // `live` repeat the last one; they are never written). FP8: the scales fold into the score
-    // scale (k) and the output factor (v); bf16 queries go to f16 scaled by 2^-8.
-    let rows: [RowInfo; 2] = unsafe { [w.row(p, 2 * t4), w.row(p, 2 * t4 + 1)] };
-    let q_row = unsafe { w.row(p, g) };
-    let q_addr = p.qkv.q + (q_row.token as u64 * p.qkv.q_token_stride + q_row.head as u64 * p.qkv.q_head_stride) * 2;
+    // This thread's rows of each column group (columns 2t4, 2t4 + 1) and the query fragments
+    // of the group's row g (rows past `live` repeat the last one; they are never written). FP8:
+    // the scales fold into the score scale (k) and the output factor (v); bf16 queries go to f16
+    // scaled by 2^-8.
     let q_conv = if Q::IS_BF16 == F::M::IS_BF16 { 1.0 } else { 1.0 / 256.0 };
-    let q = unsafe { F::queries::<Q>(q_addr, q_conv) };
+    let rows: [[RowInfo; 2]; G] = core::array::from_fn(|c| unsafe { [w.row(p, 8 * c as u32 + 2 * t4), w.row(p, 8 * c as u32 + 2 * t4 + 1)] });
+    let q: [[[u32; 2]; 16]; G] = core::array::from_fn(|c| {
+        let q_row = unsafe { w.row(p, 8 * c as u32 + g) };
+        let q_addr = p.qkv.q + (q_row.token as u64 * p.qkv.q_token_stride + q_row.head as u64 * p.qkv.q_head_stride) * 2;
+        unsafe { F::queries::<Q>(q_addr, q_conv) }
+    });
     let (k_scale, v_scale) = unsafe { F::Cache::scales::<F::M>(p) };
     let mut ahead = [lookup(0), lookup(1)];
 
@@ -447,8 +455,8 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
         issued += 1;
     }
 
-    let mut state = [OnlineSoftmax::EMPTY; 2];
-    let mut o = [[0.0f32; 4]; 16];
+    let mut state = [[OnlineSoftmax::EMPTY; 2]; G];
+    let mut o = [[[0.0f32; 4]; 16]; G];
     let mut stage = ring;
     let ring_end = ring + st * sb;
     for tile in 0..n_tiles {
@@ -462,13 +470,15 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
         let kb = slab_key(tile);
         if kb < end {
             let bad = bad_ring & (1 << (tile % st)) != 0;
-            let mut s = unsafe { F::scores(&q, stage) };
-            logits.apply_keys_rows(&mut s, &rows, kb, (min_pos, max_pos), bad);
-            slab_softmax::<D>(&mut s, &mut o, &mut state, mult);
-            // P^T as the B operand: each 8x8 block (key g, rows 2t4..) transposed to (row g,
-            // keys 2t4..).
-            let b = [movmatrix_trans(F::M::pack2(s[0], s[1])), movmatrix_trans(F::M::pack2(s[2], s[3]))];
-            unsafe { F::pv(b, &mut o, stage + plane_bytes(D as u32, fp8)) };
+            static_for::<G>(|c| {
+                let mut s = unsafe { F::scores(&q[c], stage) };
+                logits.apply_keys_rows(&mut s, &rows[c], kb, (min_pos, max_pos), bad);
+                slab_softmax::<D>(&mut s, &mut o[c], &mut state[c], mult);
+                // P^T as the B operand: each 8x8 block (key g, rows 2t4..) transposed to (row g,
+                // keys 2t4..).
+                let b = [movmatrix_trans(F::M::pack2(s[0], s[1])), movmatrix_trans(F::M::pack2(s[2], s[3]))];
+                unsafe { F::pv(b, &mut o[c], stage + plane_bytes(D as u32, fp8)) };
+            });
         }
         // The stage is refilled next iteration: every lane is done reading it.
         sync_warp();
@@ -487,39 +497,46 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
 
     // Epilogue: each warp's rows at the CTA's common max into the merge area (over the ring),
     // then the rows added up and written.
-    let l = layout(D as u32, fp8, ctas);
+    let l = layout(D as u32, fp8, ctas, R);
     let (merge, stats) = (smem + l.merge, smem + l.stats);
     sync_threads();
-    static_for::<2>(|h| {
-        state[h].sum += shfl_xor(state[h].sum, 4);
-        state[h].sum += shfl_xor(state[h].sum, 8);
-        state[h].sum += shfl_xor(state[h].sum, 16);
-        if g == 0 {
-            unsafe { st_shared_f32x2(stats + (warp * MAX_ROWS + 2 * t4 + h as u32) * 8, state[h].max, state[h].sum) };
-        }
-    });
-    sync_threads();
-    static_for::<2>(|h| {
-        let r = 2 * t4 + h as u32;
-        let mut max = f32::NEG_INFINITY;
-        static_for::<4>(|wp| max = max.max(unsafe { ld_shared_f32(stats + (wp as u32 * MAX_ROWS + r) * 8) }));
-        let f = if state[h].max == f32::NEG_INFINITY { 0.0 } else { exp2(state[h].max - max) };
-        let row = merge + (warp * MAX_ROWS + r) * l.merge_pitch * 4;
-        static_for::<16>(|mt| {
-            if mt < D / 16 {
-                unsafe {
-                    st_shared_f32(row + F::dim(mt as u32, g) * 4, o[mt][h] * f);
-                    st_shared_f32(row + F::dim(mt as u32, g + 8) * 4, o[mt][h + 2] * f);
-                }
+    static_for::<G>(|c| {
+        static_for::<2>(|h| {
+            let state = &mut state[c][h];
+            state.sum += shfl_xor(state.sum, 4);
+            state.sum += shfl_xor(state.sum, 8);
+            state.sum += shfl_xor(state.sum, 16);
+            if g == 0 {
+                let r = 8 * c as u32 + 2 * t4 + h as u32;
+                unsafe { st_shared_f32x2(stats + (warp * R + r) * 8, state.max, state.sum) };
             }
         });
     });
     sync_threads();
+    static_for::<G>(|c| {
+        static_for::<2>(|h| {
+            let r = 8 * c as u32 + 2 * t4 + h as u32;
+            let state = state[c][h];
+            let mut max = f32::NEG_INFINITY;
+            static_for::<4>(|wp| max = max.max(unsafe { ld_shared_f32(stats + (wp as u32 * R + r) * 8) }));
+            let f = if state.max == f32::NEG_INFINITY { 0.0 } else { exp2(state.max - max) };
+            let row = merge + (warp * R + r) * l.merge_pitch * 4;
+            static_for::<16>(|mt| {
+                if mt < D / 16 {
+                    unsafe {
+                        st_shared_f32(row + F::dim(mt as u32, g) * 4, o[c][mt][h] * f);
+                        st_shared_f32(row + F::dim(mt as u32, g + 8) * 4, o[c][mt][h + 2] * f);
+                    }
+                }
+            });
+        });
+    });
+    sync_threads();
     let num_splits = unsafe { w.num_splits(p) };
-    unsafe { store_merged_rows::<KeysRows<Q, F, D>, MAX_ROWS>(p, &w, merge, l.merge_pitch, stats, num_splits, v_scale) };
+    unsafe { store_merged_rows::<KeysRows<Q, F, D>, R>(p, &w, merge, l.merge_pitch, stats, num_splits, v_scale) };
     if num_splits > 1 && p.schedule.merge_counters != 0 {
         // The merge area is free now: its first word carries the "last to arrive" flag.
-        unsafe { merge_item_splits::<Q, D, MAX_ROWS>(p, &w, num_splits, merge) };
+        unsafe { merge_item_splits::<Q, D, R>(p, &w, num_splits, merge) };
     }
 }
 
@@ -536,15 +553,16 @@ impl<Q: MmaHalf, F: SlabFormat<D>, const D: usize> AttnConfig for KeysRows<Q, F,
     const KEYS: bool = true;
 }
 
-/// A 16-bit cache (`decode_kr_<q>_d<d>`).
+/// A 16-bit cache, `G` column groups of 8 rows, `R = 8 G` rows a CTA (`decode_kr_<q>_d<d>`,
+/// `decode_kr_<q>_r16_d<d>`).
 #[inline(always)]
-pub unsafe fn decode_keys_rows_half<Q: MmaHalf, const D: usize>(p: &AttnParams) {
-    unsafe { decode_keys_rows::<Q, HalfRows<Q>, D, false>(p) }
+pub unsafe fn decode_keys_rows_half<Q: MmaHalf, const D: usize, const G: usize, const R: u32>(p: &AttnParams) {
+    unsafe { decode_keys_rows::<Q, HalfRows<Q>, D, false, G, R>(p) }
 }
 
 /// An FP8 E4M3 cache (head sizes 64 and 128): `LONG` the deep-pipeline kernels
 /// (`decode_kr_<q>_fp8_long_d<d>`), else the three-CTA ones (`decode_kr_<q>_fp8_d<d>`).
 #[inline(always)]
 pub unsafe fn decode_keys_rows_fp8<Q: MmaHalf, const D: usize, const LONG: bool>(p: &AttnParams) {
-    unsafe { decode_keys_rows::<Q, Fp8Rows, D, LONG>(p) }
+    unsafe { decode_keys_rows::<Q, Fp8Rows, D, LONG, 1, MAX_ROWS>(p) }
 }
