@@ -30,11 +30,11 @@ pub enum KernelId {
     /// `merge_attn_states_<out>`.
     MergeAttnStates { out: DType },
     /// `decode_tc_<q>[_fp8]_d<d>`: tensor-core decode, keys split across warps, 16-row score
-    /// tiles (16-bit caches: head size 256 only).
+    /// tiles (16-bit caches: head size 256; FP8: 96 and 256).
     DecodeTc { q: DType, fp8: bool, head_size: u32 },
     /// `decode_kr_<q>[_fp8][_long][_r16]_d<d>`: the keys-as-rows decode (`attn_math::keys_rows`);
     /// `long` (FP8 only): the deep-pipeline form for long contexts; `wide` (16-bit caches
-    /// only): 16 query rows a CTA instead of 8.
+    /// 16-bit caches, and FP8 with `long`): 16 query rows a CTA instead of 8.
     DecodeKr { q: DType, fp8: bool, long: bool, wide: bool, head_size: u32 },
     /// `prefill_<q>[_fp8]_dk<qk>_dv<v>`: the `mma.sync` attention-tile kernel.
     Prefill { q: DType, fp8: bool, head_size_qk: u32, head_size_v: u32 },
@@ -112,9 +112,10 @@ impl KernelId {
         for q in HALF {
             for fp8 in [false, true] {
                 for head_size in decode::HEAD_SIZES {
-                    // 16-bit caches: the keys-as-rows kernels take every row count to 16 below
-                    // head size 256.
-                    if fp8 || !keys_rows::WIDE_HEAD_SIZES.contains(&head_size) {
+                    // The keys-as-rows kernels take every row count to 16 below head size 256
+                    // from 16-bit caches, and at head sizes 64 and 128 from FP8.
+                    let keys_rows_all = if fp8 { &keys_rows::FP8_HEAD_SIZES[..] } else { &keys_rows::WIDE_HEAD_SIZES[..] };
+                    if !keys_rows_all.contains(&head_size) {
                         v.push(KernelId::DecodeTc { q, fp8, head_size });
                     }
                     if !fp8 || keys_rows::FP8_HEAD_SIZES.contains(&head_size) {
@@ -122,6 +123,9 @@ impl KernelId {
                     }
                     if fp8 && keys_rows::FP8_HEAD_SIZES.contains(&head_size) {
                         v.push(KernelId::DecodeKr { q, fp8, long: true, wide: false, head_size });
+                    }
+                    if fp8 && keys_rows::FP8_HEAD_SIZES.contains(&head_size) {
+                        v.push(KernelId::DecodeKr { q, fp8, long: true, wide: true, head_size });
                     }
                     if !fp8 && keys_rows::WIDE_HEAD_SIZES.contains(&head_size) {
                         v.push(KernelId::DecodeKr { q, fp8, long: false, wide: true, head_size });
@@ -210,6 +214,7 @@ mod tests {
             (KernelId::DecodeKr { q: f16, fp8: false, long: false, wide: false, head_size: 256 }, "decode_kr_f16_d256"),
             (KernelId::DecodeKr { q: bf16, fp8: true, long: true, wide: false, head_size: 64 }, "decode_kr_bf16_fp8_long_d64"),
             (KernelId::DecodeKr { q: bf16, fp8: false, long: false, wide: true, head_size: 96 }, "decode_kr_bf16_r16_d96"),
+            (KernelId::DecodeKr { q: f16, fp8: true, long: true, wide: true, head_size: 64 }, "decode_kr_f16_fp8_long_r16_d64"),
             (KernelId::Prefill { q: f16, fp8: false, head_size_qk: 192, head_size_v: 128 }, "prefill_f16_dk192_dv128"),
             (KernelId::PrefillWgs { q: bf16, head_size: 128 }, "prefill_wgs_bf16_d128"),
             (KernelId::PrefillWgs { q: f16, head_size: 64 }, "prefill_wgs_f16_d64"),

@@ -161,12 +161,13 @@ pub(crate) fn decode_kernel_id(q: DType, fp8: bool, d: u32, group: u32, max_q: u
     let kernel = DecodeKernel::tensor_cores(max_q * group);
     // The keys-split CTAs with the score tile transposed (`decode_kr_*`: keys on the MMA's rows,
     // half the math per tile): up to 8 rows per kv head from 16-bit caches and FP8 at head sizes
-    // 64 and 128, up to 16 (two column groups) from 16-bit caches up to head size 128.
+    // 64 and 128, up to 16 (two column groups) from 16-bit caches up to head size 128 and from
+    // FP8 at 64 and 128 (in the deep-pipeline form, whose two CTAs per SM have the registers).
     let rows = max_q * group;
     let wide = rows > keys_rows::MAX_ROWS;
     let keys_rows = kernel == DecodeKernel::TensorCoreKeys
-        && if wide { !fp8 && keys_rows::WIDE_HEAD_SIZES.contains(&d) } else { !fp8 || keys_rows::FP8_HEAD_SIZES.contains(&d) };
-    let long = max_len >= keys_rows::FP8_LONG_KEYS;
+        && if fp8 { keys_rows::FP8_HEAD_SIZES.contains(&d) } else { !wide || keys_rows::WIDE_HEAD_SIZES.contains(&d) };
+    let long = max_len >= keys_rows::FP8_LONG_KEYS || wide;
     let id = match kernel {
         // FP8 batches with long requests: the deep-pipeline kernels (`keys_rows::FP8_LONG_KEYS`).
         DecodeKernel::TensorCoreKeys if keys_rows => KernelId::DecodeKr { q, fp8, long: fp8 && long, wide, head_size: d },
@@ -216,7 +217,9 @@ mod tests {
         assert_eq!(name(false, 128, 4, 3, 100), "decode_kr_bf16_r16_d128");
         assert_eq!(name(false, 64, 16, 1, 100), "decode_kr_bf16_r16_d64");
         assert_eq!(name(false, 256, 16, 1, 100), "decode_tc_bf16_d256");
-        assert_eq!(name(true, 128, 16, 1, long), "decode_tc_bf16_fp8_d128");
+        assert_eq!(name(true, 128, 16, 1, long), "decode_kr_bf16_fp8_long_r16_d128");
+        assert_eq!(name(true, 64, 8, 2, 10), "decode_kr_bf16_fp8_long_r16_d64");
+        assert_eq!(name(true, 96, 16, 1, long), "decode_tc_bf16_fp8_d96");
         assert_eq!(name(false, 128, 8, 3, 100), "prefill_bf16_dk128_dv128");
         assert_eq!(name(true, 64, 32, 1, long), "prefill_bf16_fp8_dk64_dv64");
         let f16 = decode_kernel_id(DType::F16, false, 96, 2, 1, 10);
@@ -230,6 +233,9 @@ mod tests {
         let (_, id, smem) = decode_kernel_id(DType::BF16, false, 128, 16, 1, 100);
         assert_eq!(id.entry_name(), "decode_kr_bf16_r16_d128");
         assert_eq!(smem, keys_rows::layout(128, false, 2, keys_rows::WIDE_ROWS).total);
+        let (_, id, smem) = decode_kernel_id(DType::BF16, true, 64, 16, 1, 10);
+        assert_eq!(id.entry_name(), "decode_kr_bf16_fp8_long_r16_d64");
+        assert_eq!(smem, keys_rows::layout(64, true, 2, keys_rows::WIDE_ROWS).total);
         let (kernel, _, smem) = decode_kernel_id(DType::BF16, false, 256, 4, 3, 100);
         assert_eq!((kernel, smem), (DecodeKernel::TensorCoreKeys, shared_layout(256, 256, true, false).total));
         let (kernel, _, smem) = decode_kernel_id(DType::BF16, false, 128, 32, 1, 100);

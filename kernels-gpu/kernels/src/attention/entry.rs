@@ -44,15 +44,16 @@ macro_rules! prefill_kernels {
     };
 }
 
-// The keys-split decode shape with 16-row score tiles (`decode_tc_*`) where the keys-as-rows
-// kernels do not reach: 16-bit caches at head size 256 (9 to 16 rows per kv head) and FP8 caches
-// at every head size (9 to 16 rows; every row count at head sizes 96 and 256). The FP8 prefill
-// kernels alongside.
+// The FP8 prefill kernels, and the keys-split decode shape with 16-row score tiles
+// (`decode_tc_*`) where the keys-as-rows kernels do not reach: 16-bit caches at head size 256
+// (9 to 16 rows per kv head) and FP8 caches at head sizes 96 and 256.
 macro_rules! decode_kernels {
-    ($q:ident, $qname:literal: $($d:literal),*; bits16: $($d16:literal),*) => {
+    ($q:ident, $qname:literal: $($d:literal),*; tc_fp8: $($d8:literal),*; tc_16bit: $($d16:literal),*) => {
         $(
-            attention_kernel!(concat!("decode_tc_", $qname, "_fp8_d", $d), $q, F16, Fp8E4M3, $d, $d, keys_split: true);
             attention_kernel!(concat!("prefill_", $qname, "_fp8_dk", $d, "_dv", $d), $q, F16, Fp8E4M3, $d, $d, keys_split: false);
+        )*
+        $(
+            attention_kernel!(concat!("decode_tc_", $qname, "_fp8_d", $d8), $q, F16, Fp8E4M3, $d8, $d8, keys_split: true);
         )*
         $(
             attention_kernel!(concat!("decode_tc_", $qname, "_d", $d16), $q, $q, Bits16, $d16, $d16, keys_split: true);
@@ -72,14 +73,15 @@ macro_rules! prefill_local_kernels {
 
 prefill_kernels!(F16, "f16": (64, 64), (96, 96), (128, 128), (256, 256), (192, 128));
 prefill_kernels!(Bf16, "bf16": (64, 64), (96, 96), (128, 128), (256, 256), (192, 128));
-decode_kernels!(F16, "f16": 64, 96, 128, 256; bits16: 256);
-decode_kernels!(Bf16, "bf16": 64, 96, 128, 256; bits16: 256);
+decode_kernels!(F16, "f16": 64, 96, 128, 256; tc_fp8: 96, 256; tc_16bit: 256);
+decode_kernels!(Bf16, "bf16": 64, 96, 128, 256; tc_fp8: 96, 256; tc_16bit: 256);
 prefill_local_kernels!(F16, "f16": 64, 96, 128, 256);
 prefill_local_kernels!(Bf16, "bf16": 64, 96, 128, 256);
 
 // Keys-as-rows decode (`crate::attention::keys_rows`), up to 8 rows per kv head:
 // `decode_kr_<q>_d<head_size>` (16-bit caches) and `decode_kr_<q>_fp8[_long]_d<head_size>`; up
-// to 16: `decode_kr_<q>_r16_d<head_size>` (16-bit caches).
+// to 16: `decode_kr_<q>_r16_d<head_size>` (16-bit caches) and `decode_kr_<q>_fp8_long_r16_d<head_size>`
+// (FP8: two CTAs per SM, whose registers hold the two column groups).
 macro_rules! keys_rows_kernels {
     ($q:ident, $qname:literal: $($d:literal),*; r16: $($d16:literal),*; fp8: $($d8:literal),*) => {
         $(
@@ -102,13 +104,19 @@ macro_rules! keys_rows_kernels {
             const _: () = {
                 #[unsafe(export_name = concat!("decode_kr_", $qname, "_fp8_d", $d8))]
                 unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
-                    unsafe { crate::attention::keys_rows::decode_keys_rows_fp8::<$q, $d8, false>(&p) }
+                    unsafe { crate::attention::keys_rows::decode_keys_rows_fp8::<$q, $d8, false, 1, 8>(&p) }
                 }
             };
             const _: () = {
                 #[unsafe(export_name = concat!("decode_kr_", $qname, "_fp8_long_d", $d8))]
                 unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
-                    unsafe { crate::attention::keys_rows::decode_keys_rows_fp8::<$q, $d8, true>(&p) }
+                    unsafe { crate::attention::keys_rows::decode_keys_rows_fp8::<$q, $d8, true, 1, 8>(&p) }
+                }
+            };
+            const _: () = {
+                #[unsafe(export_name = concat!("decode_kr_", $qname, "_fp8_long_r16_d", $d8))]
+                unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
+                    unsafe { crate::attention::keys_rows::decode_keys_rows_fp8::<$q, $d8, true, 2, 16>(&p) }
                 }
             };
         )*

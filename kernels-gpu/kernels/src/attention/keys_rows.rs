@@ -36,7 +36,7 @@ use crate::blocks::mma::{
 };
 use crate::blocks::vec_io::{load8_nc, load_u32_nc};
 use crate::merge::split_merge::merge_item_splits;
-use attn_math::keys_rows::{ctas_per_sm, layout, plane_bytes, row_pitch, stage_bytes, stages, MAX_ROWS, TILE_KEYS, WARP_KEYS};
+use attn_math::keys_rows::{ctas_per_sm, layout, plane_bytes, row_pitch, stage_bytes, stages, TILE_KEYS, WARP_KEYS};
 use attn_math::params::AttnParams;
 use attn_math::softmax::{exp2, OnlineSoftmax};
 use attn_math::status::BLOCK_OUT_OF_RANGE;
@@ -143,10 +143,12 @@ trait SlabFormat<const D: usize> {
     /// The query B fragments of every k-step for query row `g` at `q` (16-bit `Q`), in the
     /// order [`Self::scores`] takes the head dimensions, times `conv` when `Q` is not `M`.
     unsafe fn queries<Q: MmaHalf>(q: u64, conv: f32) -> [[u32; 2]; 16];
-    /// S^T = K Q^T for the K plane at `k`. Two accumulators halve the dependent chain.
-    unsafe fn scores(q: &[[u32; 2]; 16], k: u32) -> [f32; 4];
-    /// O^T += V^T P^T for the V plane at `v`; `b` is P^T's B operand.
-    unsafe fn pv(b: [u32; 2], o: &mut [[f32; 4]; 16], v: u32);
+    /// S^T = K Q^T for the K plane at `k`, for each of `G` column groups of 8 query rows (each
+    /// K fragment loaded once for all of them). Two accumulators halve the dependent chain.
+    unsafe fn scores<const G: usize>(q: &[[[u32; 2]; 16]; G], k: u32) -> [[f32; 4]; G];
+    /// O^T += V^T P^T for the V plane at `v`, for each column group; `b[c]` is group c's P^T as
+    /// the B operand (each V fragment loaded once for all groups).
+    unsafe fn pv<const G: usize>(b: [[u32; 2]; G], o: &mut [[[f32; 4]; 16]; G], v: u32);
     fn dim(mt: u32, r: u32) -> u32;
 }
 
@@ -187,22 +189,22 @@ impl<Q: MmaHalf, const D: usize> SlabFormat<D> for HalfRows<Q> {
     }
 
     #[inline(always)]
-    unsafe fn scores(q: &[[u32; 2]; 16], k: u32) -> [f32; 4] {
+    unsafe fn scores<const G: usize>(q: &[[[u32; 2]; 16]; G], k: u32) -> [[f32; 4]; G] {
         let lane = thread_idx_x() % 32;
         // Matrices: keys 0-7 / 8-15 (lanes 8-15 of each half) x dims 0-7 / 8-15 (lanes 16-31).
         let base = k + <Self as SlabFormat<D>>::at((lane % 8) + 8 * ((lane / 8) % 2), 16 * (lane / 16));
-        let mut acc = [[0.0f32; 4]; 2];
+        let mut acc = [[[0.0f32; 4]; 2]; G];
         static_for::<16>(|ks| {
             if ks < D / 16 {
                 let a = unsafe { ldmatrix_x4(base + ks as u32 * 32) };
-                acc[ks % 2] = Q::mma(a, q[ks][0], q[ks][1], acc[ks % 2]);
+                static_for::<G>(|c| acc[c][ks % 2] = Q::mma(a, q[c][ks][0], q[c][ks][1], acc[c][ks % 2]));
             }
         });
-        core::array::from_fn(|e| acc[0][e] + acc[1][e])
+        core::array::from_fn(|c| core::array::from_fn(|e| acc[c][0][e] + acc[c][1][e]))
     }
 
     #[inline(always)]
-    unsafe fn pv(b: [u32; 2], o: &mut [[f32; 4]; 16], v: u32) {
+    unsafe fn pv<const G: usize>(b: [[u32; 2]; G], o: &mut [[[f32; 4]; 16]; G], v: u32) {
         let lane = thread_idx_x() % 32;
         // Matrices: keys 0-7 x dims 0-7, keys 0-7 x dims 8-15, keys 8-15 x dims 0-7, keys 8-15 x
         // dims 8-15, read transposed (dims on the A operand's rows).
@@ -210,7 +212,7 @@ impl<Q: MmaHalf, const D: usize> SlabFormat<D> for HalfRows<Q> {
         static_for::<16>(|mt| {
             if mt < D / 16 {
                 let a = unsafe { ldmatrix_x4_trans(base + mt as u32 * 32) };
-                o[mt] = Q::mma(a, b[0], b[1], o[mt]);
+                static_for::<G>(|c| o[c][mt] = Q::mma(a, b[c][0], b[c][1], o[c][mt]));
             }
         });
     }
@@ -265,7 +267,7 @@ impl<const D: usize> SlabFormat<D> for Fp8Rows {
     }
 
     #[inline(always)]
-    unsafe fn scores(q: &[[u32; 2]; 16], k: u32) -> [f32; 4] {
+    unsafe fn scores<const G: usize>(q: &[[[u32; 2]; 16]; G], k: u32) -> [[f32; 4]; G] {
         let lane = thread_idx_x() % 32;
         let (g, t4) = (lane / 4, lane % 4);
         // Keys g and g + 8: D/4 bytes each from t4 * D/4.
@@ -278,20 +280,20 @@ impl<const D: usize> SlabFormat<D> for Fp8Rows {
                 }
             });
         });
-        let mut acc = [[0.0f32; 4]; 2];
+        let mut acc = [[[0.0f32; 4]; 2]; G];
         static_for::<16>(|ks| {
             if ks < D / 16 {
                 let cvt = |w: u32| Self::M::from_fp8x2(w);
                 let (w0, w1) = (run[0][ks], run[1][ks]);
                 let a = [cvt(w0 & 0xffff), cvt(w1 & 0xffff), cvt(w0 >> 16), cvt(w1 >> 16)];
-                acc[ks % 2] = Self::M::mma(a, q[ks][0], q[ks][1], acc[ks % 2]);
+                static_for::<G>(|c| acc[c][ks % 2] = Self::M::mma(a, q[c][ks][0], q[c][ks][1], acc[c][ks % 2]));
             }
         });
-        core::array::from_fn(|e| acc[0][e] + acc[1][e])
+        core::array::from_fn(|c| core::array::from_fn(|e| acc[c][0][e] + acc[c][1][e]))
     }
 
     #[inline(always)]
-    unsafe fn pv(b: [u32; 2], o: &mut [[f32; 4]; 16], v: u32) {
+    unsafe fn pv<const G: usize>(b: [[u32; 2]; G], o: &mut [[[f32; 4]; 16]; G], v: u32) {
         let lane = thread_idx_x() % 32;
         let (g, t4) = (lane / 4, lane % 4);
         // Keys 2t4, 2t4 + 1, 2t4 + 8, 2t4 + 9 (A's k slots), rows g and g + 8.
@@ -310,7 +312,7 @@ impl<const D: usize> SlabFormat<D> for Fp8Rows {
                     let pick = |w: [u32; 2]| Self::M::from_fp8x2((w[d / 2] >> (16 * (d % 2) as u32)) & 0xffff);
                     let a = [pick(a_lo[0]), pick(a_lo[1]), pick(a_hi[0]), pick(a_hi[1])];
                     let mt = 4 * m + d;
-                    o[mt] = Self::M::mma(a, b[0], b[1], o[mt]);
+                    static_for::<G>(|c| o[c][mt] = Self::M::mma(a, b[c][0], b[c][1], o[c][mt]));
                 });
             }
         });
@@ -408,10 +410,11 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     // scaled by 2^-8.
     let q_conv = if Q::IS_BF16 == F::M::IS_BF16 { 1.0 } else { 1.0 / 256.0 };
     let rows: [[RowInfo; 2]; G] = core::array::from_fn(|c| unsafe { [w.row(p, 8 * c as u32 + 2 * t4), w.row(p, 8 * c as u32 + 2 * t4 + 1)] });
-    let q: [[[u32; 2]; 16]; G] = core::array::from_fn(|c| {
+    let mut q = [[[0u32; 2]; 16]; G];
+    static_for::<G>(|c| {
         let q_row = unsafe { w.row(p, 8 * c as u32 + g) };
         let q_addr = p.qkv.q + (q_row.token as u64 * p.qkv.q_token_stride + q_row.head as u64 * p.qkv.q_head_stride) * 2;
-        unsafe { F::queries::<Q>(q_addr, q_conv) }
+        q[c] = unsafe { F::queries::<Q>(q_addr, q_conv) };
     });
     let (k_scale, v_scale) = unsafe { F::Cache::scales::<F::M>(p) };
     let mut ahead = [lookup(0), lookup(1)];
@@ -470,15 +473,17 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
         let kb = slab_key(tile);
         if kb < end {
             let bad = bad_ring & (1 << (tile % st)) != 0;
+            let mut s = unsafe { F::scores::<G>(&q, stage) };
+            let mut b = [[0u32; 2]; G];
             static_for::<G>(|c| {
-                let mut s = unsafe { F::scores(&q[c], stage) };
-                logits.apply_keys_rows(&mut s, &rows[c], kb, (min_pos, max_pos), bad);
-                slab_softmax::<D>(&mut s, &mut o[c], &mut state[c], mult);
+                let s = &mut s[c];
+                logits.apply_keys_rows(s, &rows[c], kb, (min_pos, max_pos), bad);
+                slab_softmax::<D>(s, &mut o[c], &mut state[c], mult);
                 // P^T as the B operand: each 8x8 block (key g, rows 2t4..) transposed to (row g,
                 // keys 2t4..).
-                let b = [movmatrix_trans(F::M::pack2(s[0], s[1])), movmatrix_trans(F::M::pack2(s[2], s[3]))];
-                unsafe { F::pv(b, &mut o[c], stage + plane_bytes(D as u32, fp8)) };
+                b[c] = [movmatrix_trans(F::M::pack2(s[0], s[1])), movmatrix_trans(F::M::pack2(s[2], s[3]))];
             });
+            unsafe { F::pv::<G>(b, &mut o, stage + plane_bytes(D as u32, fp8)) };
         }
         // The stage is refilled next iteration: every lane is done reading it.
         sync_warp();
@@ -561,8 +566,10 @@ pub unsafe fn decode_keys_rows_half<Q: MmaHalf, const D: usize, const G: usize, 
 }
 
 /// An FP8 E4M3 cache (head sizes 64 and 128): `LONG` the deep-pipeline kernels
-/// (`decode_kr_<q>_fp8_long_d<d>`), else the three-CTA ones (`decode_kr_<q>_fp8_d<d>`).
+/// (`decode_kr_<q>_fp8_long[_r16]_d<d>`), else the three-CTA ones (`decode_kr_<q>_fp8_d<d>`);
+/// `G` column groups of 8 rows (2 only with `LONG`), `R = 8 G` rows a CTA.
 #[inline(always)]
-pub unsafe fn decode_keys_rows_fp8<Q: MmaHalf, const D: usize, const LONG: bool>(p: &AttnParams) {
-    unsafe { decode_keys_rows::<Q, Fp8Rows, D, LONG, 1, MAX_ROWS>(p) }
+pub unsafe fn decode_keys_rows_fp8<Q: MmaHalf, const D: usize, const LONG: bool, const G: usize, const R: u32>(p: &AttnParams) {
+    const { assert!(LONG || G == 1) };
+    unsafe { decode_keys_rows::<Q, Fp8Rows, D, LONG, G, R>(p) }
 }
