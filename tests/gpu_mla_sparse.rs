@@ -90,7 +90,8 @@ fn index_rows(rng: &mut SmallRng, c: &Case, qsl: &[i32]) -> (Vec<i32>, usize) {
         for token in qsl[r] as usize..qsl[r + 1] as usize {
             let mut positions: Vec<i32> = (0..len).collect();
             positions.shuffle(rng);
-            let keep = ((c.topk as f64 * (1.0 - c.padding)) as usize).min(len as usize);
+            // At least one position (k = 1 with padding would otherwise list nothing).
+            let keep = ((c.topk as f64 * (1.0 - c.padding)).ceil() as usize).min(len as usize);
             let mut row: Vec<i32> = positions[..keep].to_vec();
             row.resize(c.topk, -1);
             row.shuffle(rng);
