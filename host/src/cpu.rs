@@ -574,7 +574,8 @@ pub fn mla_sparse_attention<Q: Element, C: Element>(a: &SparseMlaRef<'_, Q, C>) 
                     continue;
                 }
                 match kv.key(r, index as usize, 0) {
-                    Some((k, _)) => rows.push((0..dk).map(|d| k(d) * s).collect::<Vec<f64>>()),
+                    // The whole row: its first `dk` columns are the key, its first `dv` the value.
+                    Some((k, _)) => rows.push((0..a.spec.row_width()).map(|d| k(d) * s).collect::<Vec<f64>>()),
                     None => {
                         res.bad_blocks += 1;
                         if res.first_bad_block.is_none() {

@@ -334,10 +334,14 @@ pub(crate) fn mla_sparse_kernel_id(q: DType, fp8: bool, hq: u32) -> (KernelId, m
 /// [`AttnError::IndexOutOfRange`](crate::AttnError::IndexOutOfRange)); block ids outside the
 /// cache raise `BLOCK_OUT_OF_RANGE` as in dense MLA. A token none of whose entries is read
 /// outputs zeros and an LSE of -inf. Attending the same position twice counts it twice.
+/// Ordering on Hopper as [`paged_decode`](crate::decode::paged_decode)'s, the index tensor
+/// included: it is read before the kernel waits for the one launched before it, so it must have
+/// been written before that kernel started.
 ///
 /// Each query token is a work item of its own (the plan's requests are the tokens, each with
 /// `topk` keys; long lists are split as long contexts are), so `ws` must hold `num_tokens`
-/// requests and tokens. Returns the split plan it ran.
+/// requests and tokens. Returns the split plan it ran (its requests are the query tokens; its
+/// `token_request` names each token's request in `batch`).
 ///
 /// Errors, before anything is enqueued: those of [`mla_attention`] (the batch's query tokens
 /// must still be the last ones of their sequences), and `InvalidArgument` for `topk` (0 or past

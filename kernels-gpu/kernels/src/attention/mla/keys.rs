@@ -81,15 +81,16 @@ impl KeySource for PagedKeys {
 /// Sparse MLA: key j is entry j of the token's index row (`p.sparse`), a position of the
 /// token's request, through the request's block table. The work item's request is the token
 /// (the plan's batch has one request of `topk` keys per token).
+///
+/// It holds 32-bit indices only and derives the row addresses from the parameters (constant
+/// memory) where it uses them: registers are what the narrow shape runs short of.
 #[derive(Clone, Copy)]
 pub(crate) struct IndexedKeys {
-    /// The token's index row.
-    list: u64,
-    /// The token's request's block-table row.
-    block_row: u64,
+    token: u32,
+    /// The token's request (its block-table row).
+    req: u32,
     /// The request's length: positions at or past it are refused.
     seq_len: u32,
-    token: u32,
 }
 
 impl KeySource for IndexedKeys {
@@ -124,18 +125,12 @@ impl KeySource for IndexedKeys {
             slice,
             v_col0: slice * MLA_V,
         };
-        let keys = IndexedKeys {
-            list: p.sparse.indices + token as u64 * p.sparse.row_stride * 4,
-            block_row: p.batch.block_table + req as u64 * p.batch.block_table_stride * 4,
-            seq_len,
-            token,
-        };
-        Some((w, keys))
+        Some((w, IndexedKeys { token, req, seq_len }))
     }
 
     #[inline(always)]
-    unsafe fn early(&self, _: &AttnParams, key: u32) -> i32 {
-        unsafe { load_i32(self.list + key as u64 * 4) }
+    unsafe fn early(&self, p: &AttnParams, key: u32) -> i32 {
+        unsafe { load_i32(p.sparse.indices + (self.token as u64 * p.sparse.row_stride + key as u64) * 4) }
     }
 
     #[inline(always)]
@@ -143,7 +138,8 @@ impl KeySource for IndexedKeys {
         // Only a position of the request reads its block-table row (which the host sized for
         // `seq_len` keys).
         let block = if index >= 0 && (index as u32) < self.seq_len {
-            unsafe { load_i32(self.block_row + (index as u32 / p.shape.block_size) as u64 * 4) }
+            let entry = self.req as u64 * p.batch.block_table_stride + (index as u32 / p.shape.block_size) as u64;
+            unsafe { load_i32(p.batch.block_table + entry * 4) }
         } else {
             -1
         };
