@@ -96,7 +96,9 @@ pub unsafe fn decode_merge<O: OutElem>(p: &DecodeMergeParams) {
     let base = unsafe { load_u32_nc(p.req_partial_base + req as u64 * 4) } as u64;
     let sink = if p.sinks != 0 { unsafe { load_f32_nc(p.sinks + head as u64 * 4) } } else { f32::NEG_INFINITY };
     pdl_prologue();
-    let index = |s: u32| base + (s as u64 * q_len as u64 + (token - q_start) as u64) * p.num_q_heads as u64 + head as u64;
+    // Split s's partial row: two values held through the loops, whatever the batch's shape.
+    let (row0, step) = (base + (token - q_start) as u64 * p.num_q_heads as u64 + head as u64, q_len as u64 * p.num_q_heads as u64);
+    let index = |s: u32| row0 + s as u64 * step;
     // Partials were written by the previous kernel: plain (coherent) loads.
     let lse = |s: u32| unsafe { load_f32(p.partial_lse + index(s) * 4) };
     let mut max = sink;
