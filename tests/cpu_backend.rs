@@ -326,6 +326,23 @@ fn reason_features_unsupported_by_mla() {
 }
 
 #[test]
+fn sparse_mla_is_the_mla_backends_capability() {
+    // DeepSeek-V3.2: sparse MLA over the top 2048 positions of each query token.
+    let v32 = deepseek().with_sparse_topk(2048);
+    assert!(MLA.sparse_mla && !CPU.sparse_mla && !TENSOR_CORE.sparse_mla);
+    assert!(refusal_reasons(&MLA, &v32, &SM90).is_empty());
+    assert_eq!(refusal_reasons(&CPU, &v32, &NO_GPU), [Reason::SparseMla]);
+    assert_eq!(reason_texts(&CPU, &v32, &NO_GPU), ["sparse MLA (top-k index lists) not supported"]);
+    assert_eq!(auto(&v32, &SM90).unwrap().name(), "mla");
+    assert!(auto(&v32, &NO_GPU).is_err());
+    assert!(v32.to_string().ends_with(", sparse top-2048"), "{v32}");
+    // Top-k lists belong to MLA models, and k is at least 1: model errors for every backend.
+    assert_eq!(config_reasons(&llama().with_sparse_topk(64)), [Reason::SparseWithoutMla]);
+    assert!(Reason::SparseWithoutMla.is_config_error());
+    assert_eq!(config_reasons(&deepseek().with_sparse_topk(0)), [Reason::Zero { what: "sparse_topk" }]);
+}
+
+#[test]
 fn reason_layout() {
     // Every registered standard backend takes every layout.
     for spec in REGISTRY.iter().filter(|b| b.kinds.contains(&AttentionKind::Standard)) {

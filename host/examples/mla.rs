@@ -1,7 +1,8 @@
 //! MLA (DeepSeek's multi-head latent attention): this step's latent rows written into the
 //! `[num_blocks, block_size, 512 + 64]` cache with `concat_and_cache_mla`, then two requests
-//! decode one token each over it (40 and 70 keys) with 16 heads, bf16; the output is compared
-//! with the CPU reference.
+//! decode one token each over it (40 and 70 keys) with 16 heads, bf16; then the same tokens
+//! attend only the positions their top-k lists name (sparse MLA, DeepSeek-V3.2). Each output is
+//! compared with the CPU reference.
 //!
 //!     cargo run -p attn-rs --example mla
 //!
@@ -9,7 +10,7 @@
 
 use attn_rs::cache_write::{concat_and_cache_mla, MlaWrite};
 use attn_rs::decode::DecodeWorkspace;
-use attn_rs::mla::{mla_attention, MlaArgs};
+use attn_rs::mla::{mla_attention, mla_sparse_attention, MlaArgs, SparseIndexArgs};
 use attn_rs::{cpu, AttnOptions, BatchMetadata, DevIn, DevOut, DeviceStatus, MlaCacheSpec, RowsDesc, SplitMode};
 use half::bf16;
 
@@ -93,6 +94,48 @@ fn main() -> attn_rs::Result<()> {
     let got = stream.clone_dtoh(&out_d)?;
     let err = got.iter().zip(&want.out).map(|(g, w)| (g.to_f32() as f64 - w).abs()).fold(0.0, f64::max);
     println!("mla_attention: largest difference from the CPU reference {err:.2e} (bf16 output)");
+    if err > 2e-2 {
+        std::process::exit(1);
+    }
+
+    // Sparse: each token attends the 8 positions of its request its row lists, in any order;
+    // -1 is padding.
+    let topk = 8;
+    let indices: Vec<i32> = vec![39, 0, 17, -1, 5, 38, 22, 9, /* token 1 */ 69, 64, 3, 50, 33, -1, -1, 12];
+    let idx_d = stream.clone_htod(&indices)?;
+    let args = MlaArgs {
+        q: DevIn::new(&q_d, &stream),
+        q_rows,
+        cache: DevIn::new(&cache_d, &stream),
+        spec,
+        block_table: DevIn::new(&table_d, &stream),
+        block_table_stride: stride,
+        out: DevOut::new(&mut out_d, &stream),
+        out_rows,
+        lse: None,
+        scales: None,
+    };
+    let list = SparseIndexArgs { indices: DevIn::new(&idx_d, &stream), topk, row_stride: topk };
+    mla_sparse_attention(&dev, &stream, args, list, &batch, softmax_scale, SplitMode::Auto, &mut ws, &mut status)?;
+    status.check(&stream)?;
+    let want = cpu::mla_sparse_attention(&cpu::SparseMlaRef {
+        q: &q,
+        q_rows,
+        cache: &cache,
+        spec,
+        block_table: &block_table,
+        block_table_stride: stride,
+        query_start_loc: &query_start_loc,
+        seq_lens: &seq_lens,
+        indices: &indices,
+        topk,
+        row_stride: topk,
+        softmax_scale,
+        scale: None,
+    })?;
+    let got = stream.clone_dtoh(&out_d)?;
+    let err = got.iter().zip(&want.out).map(|(g, w)| (g.to_f32() as f64 - w).abs()).fold(0.0, f64::max);
+    println!("mla_sparse_attention: largest difference from the CPU reference {err:.2e} (bf16 output)");
     if err > 2e-2 {
         std::process::exit(1);
     }

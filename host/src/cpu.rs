@@ -3,7 +3,7 @@
 
 use crate::cache_write::{check_kv_shapes, check_mla_shapes, check_write_dtypes};
 use crate::dtype::Element;
-use crate::error::{ensure, BadBlock, BadSlot, Result};
+use crate::error::{ensure, BadBlock, BadIndex, BadSlot, Result};
 use crate::layout::{KvCacheSpec, MlaCacheSpec, RowsDesc};
 use attn_math::paging::{resolve_slot, SlotTarget};
 
@@ -470,6 +470,134 @@ fn attention<C: Element>(
                 let out = &mut res.out[(token * hq + h) * dv..(token * hq + h + 1) * dv];
                 for (w, v) in weights.iter().zip(&values) {
                     for (o, x) in out.iter_mut().zip(v) {
+                        *o += w / denom * x;
+                    }
+                }
+                res.lse[token * hq + h] = max + denom.ln();
+            }
+        }
+    }
+    Ok(res)
+}
+
+/// Inputs of the CPU [`mla_sparse_attention`].
+pub struct SparseMlaRef<'a, Q, C> {
+    /// Queries `[num_tokens, num_heads, 576]`, laid out as `q_rows`.
+    pub q: &'a [Q],
+    /// Shape and strides of `q`.
+    pub q_rows: RowsDesc,
+    /// The latent cache, laid out as `spec`.
+    pub cache: &'a [C],
+    /// Its sizes.
+    pub spec: MlaCacheSpec,
+    /// `[num_reqs, block_table_stride]` block ids.
+    pub block_table: &'a [i32],
+    /// Entries per row of `block_table`.
+    pub block_table_stride: usize,
+    /// `[num_reqs + 1]` query-token start of each request, from 0.
+    pub query_start_loc: &'a [i32],
+    /// `[num_reqs]` keys per request.
+    pub seq_lens: &'a [i32],
+    /// `[num_tokens, row_stride]` positions within each token's request; -1 is padding.
+    pub indices: &'a [i32],
+    /// Entries per token.
+    pub topk: usize,
+    /// Elements between consecutive tokens' rows of `indices`.
+    pub row_stride: usize,
+    /// The softmax scale (natural units).
+    pub softmax_scale: f32,
+    /// An FP8 cache's one scale (K and V).
+    pub scale: Option<f32>,
+}
+
+/// What the CPU [`mla_sparse_attention`] computed and skipped.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SparseResult {
+    /// `[num_tokens, num_heads, latent_dim]`.
+    pub out: Vec<f64>,
+    /// `[num_tokens, num_heads]` natural-log LSE; -inf where nothing was attended.
+    pub lse: Vec<f64>,
+    /// Entries skipped because they were neither -1 nor a position of their request.
+    pub bad_indices: usize,
+    /// The first of them (tokens in order, then entries).
+    pub first_bad_index: Option<BadIndex>,
+    /// Entries skipped because their position's block id was outside the cache.
+    pub bad_blocks: usize,
+    /// The first such block-table entry met.
+    pub first_bad_block: Option<BadBlock>,
+}
+
+/// CPU sparse MLA attention, in f64: each query token against the cache rows its index row
+/// lists (no causal mask), a plain softmax over the gathered rows; the value is each row's first
+/// `latent_dim` columns. Entries of -1 are skipped; entries outside `0..seq_len` of the token's
+/// request and positions whose block is outside the cache are skipped and counted. A token with
+/// nothing attended gets zeros and an LSE of -inf.
+///
+/// Errors: `InvalidArgument` for a batch that does not describe the queries, buffers too small
+/// for their shapes, or an index tensor that [`crate::mla::mla_sparse_attention`] refuses.
+pub fn mla_sparse_attention<Q: Element, C: Element>(a: &SparseMlaRef<'_, Q, C>) -> Result<SparseResult> {
+    let q_rows = a.q_rows;
+    let batch = crate::batch::PrefillBatch { query_start_loc: a.query_start_loc, seq_lens: a.seq_lens, key_start_loc: None };
+    crate::batch::validate_prefill_batch(&batch, q_rows.num_tokens, true, None)?;
+    let kv = KvRef::Mla { cache: a.cache, spec: a.spec, block_table: a.block_table, block_table_stride: a.block_table_stride };
+    let dv = a.spec.latent_dim;
+    check_inputs(a.q, &q_rows, &kv, a.seq_lens, dv, [("alibi_slopes", None), ("sinks", None)])?;
+    crate::mla::check_indices(a.indices.len(), q_rows.num_tokens, a.topk, a.row_stride)?;
+    let (nt, hq, dk) = (q_rows.num_tokens, q_rows.num_heads, q_rows.head_size);
+    let s = a.scale.map_or(1.0, |s| s as f64);
+    let mut res = SparseResult {
+        out: vec![0.0; nt * hq * dv],
+        lse: vec![f64::NEG_INFINITY; nt * hq],
+        bad_indices: 0,
+        first_bad_index: None,
+        bad_blocks: 0,
+        first_bad_block: None,
+    };
+    for r in 0..a.seq_lens.len() {
+        let len = a.seq_lens[r].max(0) as i64;
+        for token in a.query_start_loc[r] as usize..a.query_start_loc[r + 1] as usize {
+            // The rows this token attends, in list order.
+            let mut rows = Vec::new();
+            for entry in 0..a.topk {
+                let index = a.indices[token * a.row_stride + entry];
+                if index == -1 {
+                    continue;
+                }
+                if index < 0 || index as i64 >= len {
+                    res.bad_indices += 1;
+                    res.first_bad_index.get_or_insert(BadIndex {
+                        token: token as u32,
+                        entry: entry as u32,
+                        index: index as i64,
+                        seq_len: len as u64,
+                    });
+                    continue;
+                }
+                match kv.key(r, index as usize, 0) {
+                    // The whole row: its first `dk` columns are the key, its first `dv` the value.
+                    Some((k, _)) => rows.push((0..a.spec.row_width()).map(|d| k(d) * s).collect::<Vec<f64>>()),
+                    None => {
+                        res.bad_blocks += 1;
+                        if res.first_bad_block.is_none() {
+                            res.first_bad_block = kv.bad_block(r, index as usize);
+                        }
+                    }
+                }
+            }
+            if rows.is_empty() {
+                continue; // nothing attended: output 0, LSE -inf
+            }
+            for h in 0..hq {
+                let logits: Vec<f64> = rows
+                    .iter()
+                    .map(|k| (0..dk).map(|d| a.q[q_rows.offset(token, h, d)].to_f32() as f64 * k[d]).sum::<f64>() * a.softmax_scale as f64)
+                    .collect();
+                let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
+                let denom: f64 = weights.iter().sum();
+                let out = &mut res.out[(token * hq + h) * dv..(token * hq + h + 1) * dv];
+                for (w, k) in weights.iter().zip(&rows) {
+                    for (o, x) in out.iter_mut().zip(&k[..dv]) {
                         *o += w / denom * x;
                     }
                 }

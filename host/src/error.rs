@@ -9,8 +9,8 @@ pub type Result<T> = std::result::Result<T, AttnError>;
 ///
 /// Refusals ([`InvalidArgument`](Self::InvalidArgument),
 /// [`UnsupportedDType`](Self::UnsupportedDType), [`MissingKernel`](Self::MissingKernel)) happen
-/// before anything is enqueued: the call had no effect. [`SlotOutOfRange`](Self::SlotOutOfRange)
-/// and [`BlockOutOfRange`](Self::BlockOutOfRange) come from reading a [`DeviceStatus`](crate::DeviceStatus)
+/// before anything is enqueued: the call had no effect. [`SlotOutOfRange`](Self::SlotOutOfRange),
+/// [`BlockOutOfRange`](Self::BlockOutOfRange) and [`IndexOutOfRange`](Self::IndexOutOfRange) come from reading a [`DeviceStatus`](crate::DeviceStatus)
 /// (or from the CPU path): the kernels skipped that work and wrote or read nothing out of
 /// bounds. [`Driver`](Self::Driver) is the CUDA driver's own error (for example a launch that
 /// failed, or a stream in an error state).
@@ -54,6 +54,13 @@ pub enum AttnError {
     BlockOutOfRange {
         /// The first offending block-table entry, when one was recorded.
         first: Option<BadBlock>,
+    },
+    /// Sparse MLA met index entries that are neither -1 (padding) nor a position of the token's
+    /// request (it read nothing for them). `first`: the first one recorded.
+    #[error("{}; those entries were not read", describe_index(first))]
+    IndexOutOfRange {
+        /// The first offending entry, when one was recorded.
+        first: Option<BadIndex>,
     },
     /// No embedded kernel module runs on this GPU.
     #[error("unsupported GPU: compute capability {major}.{minor} (kernels are built for {available})")]
@@ -102,6 +109,29 @@ pub struct BadSlot {
     pub slot: i64,
     /// Slots in the cache (`num_blocks * block_size`).
     pub num_slots: u64,
+}
+
+/// A sparse attention index outside its request: `indices[token][entry] == index`, and the
+/// token's request has `seq_len` keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BadIndex {
+    /// The query token (row of the index tensor).
+    pub token: u32,
+    /// The entry within the token's row.
+    pub entry: u32,
+    /// The value found there (negative values other than -1 are outside too).
+    pub index: i64,
+    /// Keys of the token's request.
+    pub seq_len: u64,
+}
+
+fn describe_index(first: &Option<BadIndex>) -> String {
+    match first {
+        Some(b) => {
+            format!("sparse index {} at token {}, entry {} is outside its request's {} positions", b.index, b.token, b.entry, b.seq_len)
+        }
+        None => "indices had entries outside their requests".to_string(),
+    }
 }
 
 fn describe_block(first: &Option<BadBlock>) -> String {

@@ -45,6 +45,9 @@ pub enum KernelId {
     PrefillWgs { q: DType, head_size: u32 },
     /// `mla_<q>[_fp8]_{narrow,wide}`: MLA's latent attention.
     Mla { q: DType, fp8: bool, tile: MlaTile },
+    /// `mla_sparse_<q>[_fp8]_{narrow,wide}`: the MLA kernel over each query token's top-k
+    /// index list (DeepSeek-V3.2's sparse attention).
+    MlaSparse { q: DType, fp8: bool, tile: MlaTile },
 }
 
 impl KernelId {
@@ -70,6 +73,9 @@ impl KernelId {
             KernelId::Mla { q, fp8: f, tile } => {
                 format!("mla_{}{}_{}", q.kernel_name(), fp8(f), if tile == MlaTile::Narrow { "narrow" } else { "wide" })
             }
+            KernelId::MlaSparse { q, fp8: f, tile } => {
+                format!("mla_sparse_{}{}_{}", q.kernel_name(), fp8(f), if tile == MlaTile::Narrow { "narrow" } else { "wide" })
+            }
         }
     }
 
@@ -83,7 +89,8 @@ impl KernelId {
             | KernelId::Prefill { .. }
             | KernelId::PrefillLocal { .. }
             | KernelId::PrefillWgs { .. }
-            | KernelId::Mla { .. } => Family::Attention,
+            | KernelId::Mla { .. }
+            | KernelId::MlaSparse { .. } => Family::Attention,
         }
     }
 
@@ -137,6 +144,7 @@ impl KernelId {
                 }
                 for tile in [MlaTile::Narrow, MlaTile::Wide] {
                     v.push(KernelId::Mla { q, fp8, tile });
+                    v.push(KernelId::MlaSparse { q, fp8, tile });
                 }
             }
             for head_size in decode::HEAD_SIZES {
@@ -220,6 +228,8 @@ mod tests {
             (KernelId::PrefillWgs { q: f16, head_size: 64 }, "prefill_wgs_f16_d64"),
             (KernelId::Mla { q: bf16, fp8: true, tile: MlaTile::Narrow }, "mla_bf16_fp8_narrow"),
             (KernelId::Mla { q: f16, fp8: false, tile: MlaTile::Wide }, "mla_f16_wide"),
+            (KernelId::MlaSparse { q: bf16, fp8: true, tile: MlaTile::Narrow }, "mla_sparse_bf16_fp8_narrow"),
+            (KernelId::MlaSparse { q: f16, fp8: false, tile: MlaTile::Wide }, "mla_sparse_f16_wide"),
         ];
         for (id, name) in cases {
             assert_eq!(id.entry_name(), name);

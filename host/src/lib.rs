@@ -70,7 +70,7 @@ pub use buffer::{DevIn, DevOut, SharedBuf};
 pub use cudarc;
 pub use device::AttnDevice;
 pub use dtype::{DType, Element, Fp8E4m3};
-pub use error::{AttnError, BadBlock, BadSlot, Result};
+pub use error::{AttnError, BadBlock, BadIndex, BadSlot, Result};
 pub use layout::{KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc};
 pub use options::{AttnOptions, PlanOptions, SplitMode, Tuning};
 pub use status::{DeviceStatus, Offence, StatusFlags};

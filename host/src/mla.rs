@@ -15,7 +15,9 @@ use crate::attn_params;
 use crate::batch::{block_table_reach, validate_prefill_batch, BatchMetadata, DecodeBatch, DeviceBatch, PrefillBatch};
 use crate::buffer::{f32_values, DevIn, DevOut};
 use crate::cache_write::KvScales;
-use crate::decode::{launch_merge, plan_launch, DecodeKernel, DecodePlan, DecodeWorkspace, LayerShape, PlanSource, TcKernel, TcShape};
+use crate::decode::{
+    launch_merge, plan_launch, DecodeKernel, DecodePlan, DecodeWorkspace, LayerShape, PlanArrays, PlanSource, TcKernel, TcShape,
+};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
@@ -25,7 +27,7 @@ use crate::options::{PlanOptions, Tuning};
 use crate::status::DeviceStatus;
 use crate::stream_check::refuse_foreign_capture;
 use attn_math::mla;
-use attn_math::params::{AttnParams, Fp8Scales, LocalMask, Mask, MlaParams, PerHead, Schedule, Shape, VariantParams};
+use attn_math::params::{AttnParams, Fp8Scales, LocalMask, Mask, MlaParams, PerHead, Schedule, Shape, SparseIndices, VariantParams};
 use attn_math::prefill::{MLA_QK, MLA_V};
 use cudarc::driver::{CudaStream, DevicePtrMut};
 use std::sync::Arc;
@@ -104,6 +106,11 @@ pub fn mla_attention(
 /// slot by slot in shared memory). The split plan aims at [`Tuning::mla_waves`] waves of CTAs.
 pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usize, max_q: u32, tuning: &Tuning) -> Result<TcKernel> {
     let (id, s) = mla_kernel_id(q_dtype, fp8, max_q * hq as u32);
+    mla_tc_kernel_of(dev, id, s, fp8, hq, tuning)
+}
+
+/// [`mla_tc_kernel`] for kernel `id` of shape `s` (dense or sparse).
+fn mla_tc_kernel_of(dev: &AttnDevice, id: KernelId, s: mla::MlaShape, fp8: bool, hq: usize, tuning: &Tuning) -> Result<TcKernel> {
     let shape = TcShape { block_m: s.block_m, block_n: s.block_n, ctas_per_item: 1 };
     let (smem, threads) = (mla::shared_layout(s, fp8).total, mla::THREADS);
     // One wave of resident CTAs (one per SM): measured on the H100 against two and four, whose
@@ -146,20 +153,28 @@ pub(crate) fn mla_cluster(dev: &AttnDevice, tc: &TcKernel, plan: &DecodePlan, tu
     }
 }
 
-/// [`mla_attention`] with its plan from `source`; `meta` is the device copy of `batch`, uploaded
-/// by the library from it.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn mla_attention_from(
-    dev: &AttnDevice,
-    stream: &Arc<CudaStream>,
-    a: MlaArgs<'_>,
+/// What [`check_mla`] found: the sizes and types a launch needs.
+struct Checked {
+    nt: usize,
+    hq: usize,
+    q_dtype: DType,
+    fp8: bool,
+    num_reqs: usize,
+    /// The device addresses of the FP8 scales (0 for a 16-bit cache).
+    k_scale: u64,
+    v_scale: u64,
+}
+
+/// The checks dense and sparse MLA share: dtypes, the spec, q/out/lse/cache buffers, the batch
+/// against the block table and its device copy, the workspace's stream and head size.
+fn check_mla(
+    a: &MlaArgs<'_>,
     batch: &DecodeBatch<'_>,
-    meta: DeviceBatch<'_>,
+    meta: &DeviceBatch<'_>,
     softmax_scale: f32,
-    source: PlanSource<'_>,
-    ws: &mut DecodeWorkspace,
-    status: &mut DeviceStatus,
-) -> Result<DecodePlan> {
+    ws: &DecodeWorkspace,
+    stream: &Arc<CudaStream>,
+) -> Result<Checked> {
     let spec = &a.spec;
     let (nt, hq) = (a.q_rows.num_tokens, a.q_rows.num_heads);
     let q_dtype = a.q.dtype;
@@ -200,6 +215,25 @@ pub(crate) fn mla_attention_from(
         _ => (0, 0),
     };
     ensure(ws.head_size() == MLA_V as usize, "workspace", || format!("made for head_size {}, MLA needs 512", ws.head_size()))?;
+    Ok(Checked { nt, hq, q_dtype, fp8, num_reqs, k_scale, v_scale })
+}
+
+/// [`mla_attention`] with its plan from `source`; `meta` is the device copy of `batch`, uploaded
+/// by the library from it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mla_attention_from(
+    dev: &AttnDevice,
+    stream: &Arc<CudaStream>,
+    a: MlaArgs<'_>,
+    batch: &DecodeBatch<'_>,
+    meta: DeviceBatch<'_>,
+    softmax_scale: f32,
+    source: PlanSource<'_>,
+    ws: &mut DecodeWorkspace,
+    status: &mut DeviceStatus,
+) -> Result<DecodePlan> {
+    let Checked { nt, hq, q_dtype, fp8, num_reqs, k_scale, v_scale } = check_mla(&a, batch, &meta, softmax_scale, ws, stream)?;
+    let spec = &a.spec;
     if num_reqs == 0 || nt == 0 {
         return Ok(DecodePlan::default());
     }
@@ -243,12 +277,158 @@ pub(crate) fn mla_attention_from(
         mla: MlaParams { v_slices: slices, v_row: MLA_V, cluster },
         schedule: Schedule { plan: lp.header, ..Schedule::default() },
         local: LocalMask::default(),
+        sparse: SparseIndices::default(),
     };
     let ctas = lp.ctas();
     ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
     dev.launch_ex(stream, tc.id, (ctas as u32, 1, 1), tc.threads, tc.smem, cluster.max(1), p)?;
     if lp.merge {
         launch_merge(dev, stream, &wp, meta.query_start_loc.ptr, (&a.out, &a.out_rows), output.lse, 0, q_dtype)?;
+    }
+    Ok(lp.plan)
+}
+
+/// The index list of [`mla_sparse_attention`]: each query token's top-k positions.
+pub struct SparseIndexArgs<'a> {
+    /// `[num_tokens, row_stride]` i32 (4-byte aligned): token t's `topk` entries at
+    /// `t * row_stride ..`, positions (0-based) within its request's sequence, in any order;
+    /// -1 is padding.
+    pub indices: DevIn<'a>,
+    /// Entries per token (k, at least 1; DeepSeek-V3.2: 2048).
+    pub topk: usize,
+    /// Elements between consecutive tokens' rows (at least `topk`).
+    pub row_stride: usize,
+}
+
+/// Checks an index tensor of `len` elements for `num_tokens` tokens of `topk` entries, rows
+/// `row_stride` apart (the GPU call's and the CPU reference's checks).
+pub(crate) fn check_indices(len: usize, num_tokens: usize, topk: usize, row_stride: usize) -> Result<()> {
+    // The plan treats k as a sequence length (i32), and the kernel indexes entries in 32 bits.
+    ensure(topk >= 1 && topk <= i32::MAX as usize, "topk", || format!("{topk} (takes 1 to {})", i32::MAX))?;
+    ensure(row_stride >= topk, "indices", || format!("row stride {row_stride} is shorter than topk {topk}"))?;
+    let need = match num_tokens {
+        0 => Some(0),
+        n => (n - 1).checked_mul(row_stride).and_then(|x| x.checked_add(topk)),
+    };
+    ensure(need.is_some_and(|need| len >= need), "indices", || {
+        format!("buffer of {len} i32 is too small for {num_tokens} rows of {topk} entries {row_stride} apart")
+    })
+}
+
+/// The sparse MLA kernel for `hq` heads a query token (`mla_sparse_<q>[_fp8]_{narrow,wide}`):
+/// up to 16 heads the narrow shape, more the wide one (a token's heads in 64-row tiles).
+pub(crate) fn mla_sparse_kernel_id(q: DType, fp8: bool, hq: u32) -> (KernelId, mla::MlaShape) {
+    let (id, s) = mla_kernel_id(q, fp8, hq);
+    let KernelId::Mla { q, fp8, tile } = id else { unreachable!("mla_kernel_id names an MLA kernel") };
+    (KernelId::MlaSparse { q, fp8, tile }, s)
+}
+
+/// Sparse MLA attention (DeepSeek-V3.2, as vLLM's sparse FlashMLA backend): each query token
+/// attends only the `topk` positions its row of `idx.indices` lists, over its request's latent
+/// cache (no causal mask: the list is the mask), with every head of the token sharing the list.
+/// Enqueued on `stream`. Same inputs as [`mla_attention`] otherwise (16-bit and FP8 caches).
+///
+/// Entries equal to -1 are padding and skipped. Entries outside `0..seq_len` of the token's
+/// request are skipped and raise `INDEX_OUT_OF_RANGE` in `status` (the first one recorded:
+/// token, entry, value; [`DeviceStatus::check`] returns it as
+/// [`AttnError::IndexOutOfRange`](crate::AttnError::IndexOutOfRange)); block ids outside the
+/// cache raise `BLOCK_OUT_OF_RANGE` as in dense MLA. A token none of whose entries is read
+/// outputs zeros and an LSE of -inf. Attending the same position twice counts it twice.
+/// Ordering on Hopper as [`paged_decode`](crate::decode::paged_decode)'s, the index tensor
+/// included: it is read before the kernel waits for the one launched before it, so it must have
+/// been written before that kernel started.
+///
+/// Each query token is a work item of its own (the plan's requests are the tokens, each with
+/// `topk` keys; long lists are split as long contexts are), so `ws` must hold `num_tokens`
+/// requests and tokens. Returns the split plan it ran (its requests are the query tokens; its
+/// `token_request` names each token's request in `batch`).
+///
+/// Errors, before anything is enqueued: those of [`mla_attention`] (the batch's query tokens
+/// must still be the last ones of their sequences), and `InvalidArgument` for `topk` (0 or past
+/// `i32::MAX`), an index tensor that is not i32, not 4-byte aligned, or too small for
+/// `num_tokens` rows of `topk` entries `row_stride` apart, more than 65535 query tokens, and a
+/// workspace too small for the per-token plan; `Driver` for a failed copy or launch.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_sparse_attention(
+    dev: &AttnDevice,
+    stream: &Arc<CudaStream>,
+    a: MlaArgs<'_>,
+    idx: SparseIndexArgs<'_>,
+    batch: &BatchMetadata,
+    softmax_scale: f32,
+    plan: impl Into<PlanOptions>,
+    ws: &mut DecodeWorkspace,
+    status: &mut DeviceStatus,
+) -> Result<DecodePlan> {
+    refuse_foreign_capture(stream, "stream", "mla_sparse_attention")?;
+    let options: PlanOptions = plan.into();
+    let meta = batch.device(stream)?;
+    let host = batch.decode_batch();
+    let Checked { nt, hq, q_dtype, fp8, num_reqs, k_scale, v_scale } = check_mla(&a, &host, &meta, softmax_scale, ws, stream)?;
+    ensure(idx.indices.dtype == DType::I32, "indices", || format!("dtype {:?} (takes i32)", idx.indices.dtype))?;
+    ensure(idx.indices.ptr.is_multiple_of(4), "indices", || "must be 4-byte aligned".into())?;
+    check_indices(idx.indices.len, nt, idx.topk, idx.row_stride)?;
+    ensure(nt < 1 << 16, "q", || format!("{nt} query tokens exceed the 65535 a sparse launch takes (one request each)"))?;
+    if num_reqs == 0 || nt == 0 {
+        return Ok(DecodePlan::default());
+    }
+
+    // The plan's batch: one request of `topk` keys per query token.
+    let per_token_lens = vec![idx.topk as i32; nt];
+    let per_token_starts: Vec<i32> = (0..=nt as i32).collect();
+    let per_token = DecodeBatch { seq_lens: &per_token_lens, query_start_loc: &per_token_starts };
+    let (id, s) = mla_sparse_kernel_id(q_dtype, fp8, hq as u32);
+    let tc = mla_tc_kernel_of(dev, id, s, fp8, hq, &options.tuning)?;
+    let mut lp = plan_launch(tc, &per_token, PlanSource::Host(options), ws.partial_rows(), |_, _| 0)?;
+    // The kernel finds each token's request in the plan's `token_request` (the batch's, not the
+    // plan batch's identity), so the plan is always uploaded; the merge, told that every token
+    // is its own request, does not read it.
+    lp.plan.token_request.clear();
+    for r in 0..num_reqs {
+        let (q0, q1) = (host.query_start_loc[r], host.query_start_loc[r + 1]);
+        lp.plan.token_request.extend(std::iter::repeat_n(r as u32, (q1 - q0) as usize));
+    }
+    lp.arrays = PlanArrays::Upload;
+    lp.uniform_splits = 0;
+    let wp = ws.arrays(stream, &lp, nt, nt)?;
+    let (status_ptr, _o) = status.word.device_ptr_mut(stream);
+    let spec = &a.spec;
+    let strides = spec.strides();
+    let output = attn_params::output(&a.out, &a.out_rows, a.lse.as_ref());
+    let p = AttnParams {
+        qkv: attn_params::qkv(&a.q, &a.q_rows, (a.cache.ptr, strides), (a.cache.ptr, strides)),
+        batch: attn_params::paged_batch(&a.block_table, a.block_table_stride, &meta),
+        output,
+        split: wp.split_k(),
+        per_head: PerHead::default(),
+        fp8: Fp8Scales { k_scale, v_scale },
+        status: status_ptr,
+        variant: VariantParams::new(softmax_scale, None, None),
+        shape: Shape {
+            num_blocks: spec.num_blocks as u32,
+            block_size: spec.block_size as u32,
+            chunk: lp.chunk,
+            num_q_heads: hq as u32,
+            group: hq as u32,
+        },
+        mask: Mask { causal: 0 },
+        mla: MlaParams { v_slices: tc.shape.ctas_per_item, v_row: MLA_V, cluster: 0 },
+        schedule: Schedule::default(),
+        local: LocalMask::default(),
+        sparse: SparseIndices {
+            indices: idx.indices.ptr,
+            row_stride: idx.row_stride as u64,
+            token_request: wp.token_request,
+            topk: idx.topk as u32,
+            reserved: 0,
+        },
+    };
+    let ctas = lp.ctas();
+    ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
+    dev.launch_ex(stream, tc.id, (ctas as u32, 1, 1), tc.threads, tc.smem, 1, p)?;
+    if lp.merge {
+        // No `query_start_loc`: the merge's requests are the tokens.
+        launch_merge(dev, stream, &wp, 0, (&a.out, &a.out_rows), output.lse, 0, q_dtype)?;
     }
     Ok(lp.plan)
 }
@@ -266,5 +446,26 @@ mod tests {
         assert_eq!(name(DType::F16, true, 128), "mla_f16_fp8_wide");
         assert_eq!(mla_kernel_id(DType::BF16, false, 16).1, mla::NARROW);
         assert_eq!(mla_kernel_id(DType::BF16, false, 64).1, mla::WIDE);
+        let sparse = |q, fp8, heads| mla_sparse_kernel_id(q, fp8, heads).0.entry_name();
+        assert_eq!(sparse(DType::BF16, false, 16), "mla_sparse_bf16_narrow");
+        assert_eq!(sparse(DType::BF16, true, 128), "mla_sparse_bf16_fp8_wide");
+        assert_eq!(sparse(DType::F16, true, 8), "mla_sparse_f16_fp8_narrow");
+    }
+
+    #[test]
+    fn index_tensor_checks_name_the_argument() {
+        let arg = |r: Result<()>| match r {
+            Err(crate::AttnError::InvalidArgument { arg, .. }) => arg,
+            other => panic!("expected a refusal, got {other:?}"),
+        };
+        assert!(check_indices(3 * 2048, 3, 2048, 2048).is_ok());
+        // The last row needs only `topk` entries past its start.
+        assert!(check_indices(2 * 4096 + 7, 3, 7, 4096).is_ok());
+        assert!(check_indices(0, 0, 1, 1).is_ok());
+        assert_eq!(arg(check_indices(2 * 4096 + 6, 3, 7, 4096)), "indices");
+        assert_eq!(arg(check_indices(100, 1, 0, 1)), "topk");
+        assert_eq!(arg(check_indices(100, 1, 1 << 31, 1 << 31)), "topk");
+        assert_eq!(arg(check_indices(100, 2, 8, 7)), "indices");
+        assert_eq!(arg(check_indices(usize::MAX, usize::MAX, 8, usize::MAX / 2)), "indices");
     }
 }

@@ -23,7 +23,9 @@ use crate::status::DeviceStatus;
 use crate::stream_check::{check_stream, refuse_foreign_capture};
 use attn_math::hopper_prefill;
 use attn_math::paging::CacheStrides;
-use attn_math::params::{AttnParams, BatchMeta, Fp8Scales, LocalMask, Mask, MlaParams, PerHead, Schedule, Shape, SplitK, VariantParams};
+use attn_math::params::{
+    AttnParams, BatchMeta, Fp8Scales, LocalMask, Mask, MlaParams, PerHead, Schedule, Shape, SparseIndices, SplitK, VariantParams,
+};
 use attn_math::prefill::{block_m, shared_layout, HEAD_SIZES, MIN_BLOCK_M, THREADS};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
@@ -415,6 +417,7 @@ pub(crate) fn prefill_from(
         mask: Mask { causal: opts.causal as u32 },
         mla: MlaParams::default(),
         local: LocalMask::new(opts.attn.chunk_size, opts.attn.symmetric_window),
+        sparse: SparseIndices::default(),
         schedule: if kernel.persistent { Schedule { sched: sched_ptr, ctas, ..Schedule::default() } } else { Schedule::default() },
     };
     let grid = if kernel.persistent { ctas.min(dev.sm_count()) } else { ctas };

@@ -4,10 +4,10 @@
 //! block-table entry, which value). Reading it synchronises the stream, so the caller chooses
 //! when. Layout: `attn_math::status`.
 
-use crate::error::{AttnError, BadBlock, BadSlot, Result};
+use crate::error::{AttnError, BadBlock, BadIndex, BadSlot, Result};
 use attn_math::status::{
-    BLOCK_OUT_OF_RANGE, SLOT_OUT_OF_RANGE, STATUS_BITS, STATUS_CLAIMED, STATUS_ENTRY, STATUS_LIMIT, STATUS_VALUE, STATUS_WHERE,
-    STATUS_WORDS,
+    BLOCK_OUT_OF_RANGE, INDEX_OUT_OF_RANGE, SLOT_OUT_OF_RANGE, STATUS_BITS, STATUS_CLAIMED, STATUS_ENTRY, STATUS_LIMIT, STATUS_VALUE,
+    STATUS_WHERE, STATUS_WORDS,
 };
 use cudarc::driver::{CudaSlice, CudaStream};
 use std::sync::Arc;
@@ -25,14 +25,17 @@ pub enum Offence {
     Slot(BadSlot),
     /// A block-table entry outside the cache (attention).
     Block(BadBlock),
+    /// A sparse MLA index outside its request.
+    Index(BadIndex),
 }
 
 /// The bits raised since the last read, and the first offence recorded.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StatusFlags {
-    /// The raised bits (`attn_math::status`: `SLOT_OUT_OF_RANGE`, `BLOCK_OUT_OF_RANGE`); read
-    /// them through [`slot_out_of_range`](Self::slot_out_of_range) and
-    /// [`block_out_of_range`](Self::block_out_of_range).
+    /// The raised bits (`attn_math::status`: `SLOT_OUT_OF_RANGE`, `BLOCK_OUT_OF_RANGE`,
+    /// `INDEX_OUT_OF_RANGE`); read them through [`slot_out_of_range`](Self::slot_out_of_range),
+    /// [`block_out_of_range`](Self::block_out_of_range) and
+    /// [`index_out_of_range`](Self::index_out_of_range).
     pub bits: u32,
     /// The first offence a kernel recorded, if any (the GPU attention kernels raise the block
     /// bit without a record).
@@ -53,6 +56,12 @@ impl StatusFlags {
                 block: wide(STATUS_VALUE) as i64,
                 num_blocks: wide(STATUS_LIMIT),
             })),
+            INDEX_OUT_OF_RANGE => Some(Offence::Index(BadIndex {
+                token: w[STATUS_WHERE],
+                entry: w[STATUS_ENTRY],
+                index: wide(STATUS_VALUE) as i64,
+                seq_len: wide(STATUS_LIMIT),
+            })),
             _ => None,
         };
         StatusFlags { bits: w[STATUS_BITS], first }
@@ -65,6 +74,17 @@ impl StatusFlags {
     /// Whether an attention kernel met a block id outside the cache (and read nothing from it).
     pub fn block_out_of_range(self) -> bool {
         self.bits & BLOCK_OUT_OF_RANGE != 0
+    }
+    /// Whether sparse MLA met an index outside its token's request (and read nothing for it).
+    pub fn index_out_of_range(self) -> bool {
+        self.bits & INDEX_OUT_OF_RANGE != 0
+    }
+    /// The first sparse index outside its request recorded, if the recorded offence is one.
+    pub fn first_bad_index(self) -> Option<BadIndex> {
+        match self.first {
+            Some(Offence::Index(b)) => Some(b),
+            _ => None,
+        }
     }
     /// The first slot past the cache recorded, if the recorded offence is one.
     pub fn first_bad_slot(self) -> Option<BadSlot> {
@@ -81,13 +101,15 @@ impl StatusFlags {
         }
     }
     /// `Ok` when nothing was raised, else an error: the recorded offence, or (none recorded) a
-    /// slot error before a block error.
+    /// slot error before a block error before an index error.
     pub fn into_result(self) -> Result<()> {
         match self.first {
             Some(Offence::Slot(s)) => Err(AttnError::SlotOutOfRange { first: Some(s) }),
             Some(Offence::Block(b)) => Err(AttnError::BlockOutOfRange { first: Some(b) }),
+            Some(Offence::Index(b)) => Err(AttnError::IndexOutOfRange { first: Some(b) }),
             None if self.slot_out_of_range() => Err(AttnError::SlotOutOfRange { first: None }),
             None if self.block_out_of_range() => Err(AttnError::BlockOutOfRange { first: None }),
+            None if self.index_out_of_range() => Err(AttnError::IndexOutOfRange { first: None }),
             None => Ok(()),
         }
     }
@@ -115,7 +137,7 @@ impl DeviceStatus {
         Ok(StatusFlags::from_words(&host))
     }
 
-    /// [`take`](Self::take), as a `Result`: `SlotOutOfRange` or `BlockOutOfRange` (with the
+    /// [`take`](Self::take), as a `Result`: `SlotOutOfRange`, `BlockOutOfRange` or `IndexOutOfRange` (with the
     /// recorded offence when there is one) if a kernel raised a bit since the last read, `Driver`
     /// if the copy or the wait failed (a kernel fault surfaces here).
     pub fn check(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
@@ -164,6 +186,23 @@ mod tests {
         assert_eq!(f.first_bad_block(), None);
         let err = f.into_result().expect_err("raised");
         assert_eq!(err.to_string(), "slot 5000000000 of token 41 is at or past the cache's 4096 slots; those tokens were not written");
+    }
+
+    #[test]
+    fn a_recorded_index_offence_names_token_entry_and_index() {
+        let f = StatusFlags::from_words(&words(INDEX_OUT_OF_RANGE | BLOCK_OUT_OF_RANGE, INDEX_OUT_OF_RANGE, 5, 1999, -7, 300));
+        let want = BadIndex { token: 5, entry: 1999, index: -7, seq_len: 300 };
+        assert!(f.index_out_of_range() && f.block_out_of_range() && !f.slot_out_of_range());
+        assert_eq!(f.first_bad_index(), Some(want));
+        assert_eq!(f.first_bad_block(), None);
+        let err = f.into_result().expect_err("raised");
+        assert!(matches!(err, AttnError::IndexOutOfRange { first: Some(b) } if b == want));
+        assert_eq!(
+            err.to_string(),
+            "sparse index -7 at token 5, entry 1999 is outside its request's 300 positions; those entries were not read"
+        );
+        let bare = StatusFlags::from_words(&words(INDEX_OUT_OF_RANGE, 0, 0, 0, 0, 0));
+        assert!(matches!(bare.into_result(), Err(AttnError::IndexOutOfRange { first: None })));
     }
 
     #[test]

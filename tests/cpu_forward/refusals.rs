@@ -357,6 +357,9 @@ fn config_refusals_name_the_argument() {
     assert_eq!(arg_of(Attention::new(&cpu_selection(&fp8), ForwardConfig::new(fp8, NB, limits()), None)), "model", "fp8 cache");
     let odd = ModelConfig::standard(6, 4, D, DType::F32, BS, KvLayout::FlashNhd);
     assert_eq!(arg_of(Attention::new(&sel, ForwardConfig::new(odd, NB, limits()), None)), "model", "6 q heads over 4 kv heads");
+    // Sparse (top-k) attention runs through `mla::mla_sparse_attention`, not `forward`.
+    let sparse = ModelConfig { sparse_topk: Some(64), ..model };
+    assert_eq!(new(ForwardConfig::new(sparse, NB, limits())), "model", "sparse top-k");
 }
 
 #[test]

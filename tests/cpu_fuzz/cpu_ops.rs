@@ -1,4 +1,4 @@
-//! The CPU attention ops (`cpu::paged_decode`, `cpu::prefill`).
+//! The CPU attention ops (`cpu::paged_decode`, `cpu::prefill`, `cpu::mla_sparse_attention`).
 
 use crate::{batch, fuzz, named, size, wild_i32, wild_usize};
 use attn_rs::decode::DecodeBatch;
@@ -21,10 +21,15 @@ struct CpuOpCase {
     head_size_v: usize,
     per_head: (usize, usize),
     causal: bool,
+    /// Sparse MLA: the index tensor, k and the row stride.
+    indices: Vec<i32>,
+    topk: usize,
+    row_stride: usize,
 }
 
-/// `cpu::paged_decode` and `cpu::prefill` (paged, packed and MLA keys): refused with a named
-/// error or run, never a panic; a run's output has one row per query token and head.
+/// `cpu::paged_decode`, `cpu::prefill` (paged, packed and MLA keys) and
+/// `cpu::mla_sparse_attention` (wild index rows): refused with a named error or run, never a
+/// panic; a run's output has one row per query token and head.
 #[test]
 fn cpu_attention_ops_check_what_they_read() {
     fuzz(
@@ -78,6 +83,11 @@ fn cpu_attention_ops_check_what_they_read() {
                 head_size_v: size(rng, 0..9),
                 per_head: (rng.random_range(0..6), rng.random_range(0..6)),
                 causal: rng.random(),
+                indices: (0..rng.random_range(0..64))
+                    .map(|_| if rng.random_bool(0.2) { wild_i32(rng) } else { rng.random_range(-1..40) })
+                    .collect(),
+                topk: size(rng, 0..6),
+                row_stride: if rng.random_bool(0.9) { size(rng, 0..8) } else { wild_usize(rng) },
             }
         },
         |c| {
@@ -141,6 +151,27 @@ fn cpu_attention_ops_check_what_they_read() {
                 if let Ok(r) = &p {
                     rows(r, c.head_size_v)?;
                 }
+            }
+            let sparse = attn_rs::cpu::mla_sparse_attention::<f32, f32>(&attn_rs::cpu::SparseMlaRef {
+                q: &q,
+                q_rows: c.q_rows,
+                cache: &cache,
+                spec: c.mla,
+                block_table: &c.block_table,
+                block_table_stride: c.stride,
+                query_start_loc: &c.qsl,
+                seq_lens: &c.seq_lens,
+                indices: &c.indices,
+                topk: c.topk,
+                row_stride: c.row_stride,
+                softmax_scale: 0.5,
+                scale: None,
+            });
+            named(&sparse)?;
+            if let Ok(r) = &sparse {
+                let (nt, hq, dv) = (c.q_rows.num_tokens, c.q_rows.num_heads, c.mla.latent_dim);
+                check!(r.out.len() == nt * hq * dv && r.lse.len() == nt * hq, "{} sparse outputs for {nt} x {hq} x {dv}", r.out.len());
+                check!(c.topk >= 1 && c.row_stride >= c.topk, "sparse took k {} with rows {} apart", c.topk, c.row_stride);
             }
             Ok(())
         },

@@ -9,8 +9,18 @@ use std::path::Path;
 use std::process::Command;
 
 /// Test targets (in `tests/`) that need a GPU; the bundle runs these.
-const GPU_TESTS: &[&str] =
-    &["gpu_cache_write", "gpu_decode", "gpu_soundness", "gpu_prefill", "gpu_forward", "gpu_mla", "gpu_graph", "gpu_cascade", "gpu_layers"];
+const GPU_TESTS: &[&str] = &[
+    "gpu_cache_write",
+    "gpu_decode",
+    "gpu_soundness",
+    "gpu_prefill",
+    "gpu_forward",
+    "gpu_mla",
+    "gpu_mla_sparse",
+    "gpu_graph",
+    "gpu_cascade",
+    "gpu_layers",
+];
 /// The package of the binaries the bundle runs (`tools/`).
 const TOOLS_PACKAGE: &str = "attn-tools";
 const BENCH_BIN: &str = "attn-bench";

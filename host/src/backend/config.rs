@@ -31,6 +31,9 @@ pub struct ModelConfig {
     pub kv_layout: Option<KvLayout>,
     /// The features its layers use.
     pub features: Features,
+    /// DeepSeek-V3.2's sparse attention (MLA only): each query token attends the `k` positions
+    /// of its context an index list names; `None`: dense.
+    pub sparse_topk: Option<usize>,
 }
 
 impl ModelConfig {
@@ -46,6 +49,7 @@ impl ModelConfig {
             block_size,
             kv_layout: Some(layout),
             features: Features::NONE,
+            sparse_topk: None,
         }
     }
 
@@ -62,6 +66,7 @@ impl ModelConfig {
             block_size,
             kv_layout: None,
             features: Features::NONE,
+            sparse_topk: None,
         }
     }
 
@@ -73,6 +78,12 @@ impl ModelConfig {
     /// The same model using `features` (sinks, sliding window, soft-cap, ALiBi).
     pub fn with_features(self, features: Features) -> Self {
         ModelConfig { features, ..self }
+    }
+
+    /// The same model with sparse attention over the top `k` positions of each query token
+    /// (DeepSeek-V3.2; MLA only).
+    pub fn with_sparse_topk(self, k: usize) -> Self {
+        ModelConfig { sparse_topk: Some(k), ..self }
     }
 }
 
@@ -95,6 +106,9 @@ impl fmt::Display for ModelConfig {
         let used: Vec<String> = Feature::ALL.iter().filter(|&&x| self.features.has(x)).map(|x| x.to_string()).collect();
         if !used.is_empty() {
             write!(f, ", with {}", used.join(", "))?;
+        }
+        if let Some(k) = self.sparse_topk {
+            write!(f, ", sparse top-{k}")?;
         }
         Ok(())
     }

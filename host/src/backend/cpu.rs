@@ -21,4 +21,5 @@ pub static CPU: BackendSpec = BackendSpec {
     features: Features::ALL,
     layouts: &KvLayout::ALL,
     graph_support: GraphSupport::Never,
+    sparse_mla: false,
 };

@@ -9,7 +9,8 @@ use crate::layout::MlaCacheSpec;
 pub const MLA_HEAD_SIZE: usize = MlaCacheSpec::DEEPSEEK_LATENT + MlaCacheSpec::DEEPSEEK_ROPE;
 
 /// The `mla` backend: MLA on the GPU (`concat_and_cache_mla`, then `mla_attention` for
-/// decodes and prefills; sm_80 and newer).
+/// decodes and prefills, `mla_sparse_attention` for DeepSeek-V3.2's top-k lists; sm_80 and
+/// newer).
 pub static MLA: BackendSpec = BackendSpec {
     name: "mla",
     summary: "multi-head latent attention over the 512 + 64 latent cache (Ampere and newer)",
@@ -24,4 +25,5 @@ pub static MLA: BackendSpec = BackendSpec {
     features: Features::NONE,
     layouts: &[],
     graph_support: GraphSupport::UniformBatch,
+    sparse_mla: true,
 };

@@ -34,6 +34,8 @@ pub enum Reason {
         /// The layout given.
         layout: KvLayout,
     },
+    /// Sparse (top-k) attention asked of standard attention: it is an MLA model's.
+    SparseWithoutMla,
 
     // The backend cannot take this (valid) model on this device.
     /// The backend runs on a GPU and the device has none.
@@ -89,6 +91,8 @@ pub enum Reason {
     },
     /// The model uses a feature the backend lacks.
     Feature(Feature),
+    /// The model's MLA is sparse (top-k index lists) and the backend has no sparse kernels.
+    SparseMla,
     /// The `cpu` backend on a machine with a GPU: automatic selection does not take it (an engine
     /// that set up GPU buffers would get a backend that takes host ones); an override names it.
     GpuPresent,
@@ -111,6 +115,7 @@ impl Reason {
                 | Reason::MlaKvHeads { .. }
                 | Reason::MissingLayout
                 | Reason::LayoutWithMla { .. }
+                | Reason::SparseWithoutMla
         )
     }
 }
@@ -129,6 +134,8 @@ impl fmt::Display for Reason {
             Reason::LayoutWithMla { layout } => {
                 write!(f, "model config error: kv layout {layout:?} given for MLA, which uses the latent cache")
             }
+            Reason::SparseWithoutMla => f.write_str("model config error: sparse top-k attention is MLA's, not standard attention's"),
+            Reason::SparseMla => f.write_str("sparse MLA (top-k index lists) not supported"),
             Reason::NoGpu => f.write_str("needs a GPU, and there is none"),
             Reason::ComputeCapability { device, supported } => {
                 write!(f, "compute capability {device} not supported (supports {supported})")

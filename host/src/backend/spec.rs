@@ -278,6 +278,9 @@ pub struct BackendSpec {
     pub layouts: &'static [KvLayout],
     /// How far CUDA graphs capture its work.
     pub graph_support: GraphSupport,
+    /// Whether it runs sparse MLA (DeepSeek-V3.2: each query token attends only the top-k
+    /// positions its index list names, [`crate::mla::mla_sparse_attention`]).
+    pub sparse_mla: bool,
 }
 
 /// `a, b, c` (or `none`).

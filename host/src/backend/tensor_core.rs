@@ -22,4 +22,5 @@ pub static TENSOR_CORE: BackendSpec = BackendSpec {
     layouts: &KvLayout::ALL,
     // One plan per batch shape: a graph captured for one query length replays only that one.
     graph_support: GraphSupport::UniformBatch,
+    sparse_mla: false,
 };

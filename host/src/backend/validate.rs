@@ -47,6 +47,10 @@ pub fn refusal_reasons(spec: &BackendSpec, config: &ModelConfig, device: &Device
         reasons.push(Reason::BlockSize { block_size: config.block_size, supported: spec.block_sizes });
     }
     reasons.extend(config.features.missing_from(spec.features).map(Reason::Feature));
+    // Sparse attention on a valid (MLA) model: the backend must have the sparse kernels.
+    if config.sparse_topk.is_some() && config.kind == AttentionKind::Mla && !spec.sparse_mla {
+        reasons.push(Reason::SparseMla);
+    }
     // The layout matters only to a backend that takes standard attention at all.
     if let (AttentionKind::Standard, true, Some(layout)) = (config.kind, kind_ok, config.kv_layout) {
         if !spec.layouts.contains(&layout) {
@@ -79,6 +83,11 @@ pub fn config_reasons(config: &ModelConfig) -> Vec<Reason> {
     }
     if config.kind == AttentionKind::Mla && config.num_kv_heads > 1 {
         reasons.push(Reason::MlaKvHeads { num_kv_heads: config.num_kv_heads });
+    }
+    match config.sparse_topk {
+        Some(0) => reasons.push(Reason::Zero { what: "sparse_topk" }),
+        Some(_) if config.kind != AttentionKind::Mla => reasons.push(Reason::SparseWithoutMla),
+        _ => {}
     }
     reasons
 }

@@ -14,7 +14,7 @@ use crate::error::{ensure, Result};
 use crate::options::{AttnOptions, PlanOptions};
 use crate::status::DeviceStatus;
 use crate::stream_check::refuse_foreign_capture;
-use attn_math::params::{AttnParams, Fp8Scales, LocalMask, Mask, MlaParams, PerHead, Schedule, Shape, VariantParams};
+use attn_math::params::{AttnParams, Fp8Scales, LocalMask, Mask, MlaParams, PerHead, Schedule, Shape, SparseIndices, VariantParams};
 use cudarc::driver::{CudaStream, DevicePtrMut};
 use std::sync::Arc;
 
@@ -142,6 +142,7 @@ fn run(
         mask: Mask { causal: causal as u32 },
         mla: MlaParams::default(),
         local: LocalMask::new(opts.chunk_size, opts.symmetric_window),
+        sparse: SparseIndices::default(),
         schedule: Schedule {
             plan: lp.header,
             sched: 0,

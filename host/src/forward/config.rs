@@ -146,6 +146,11 @@ impl ForwardConfig {
                 m.cache_dtype, m.q_dtype
             )
         })?;
+        // The sparse kernels are called directly (`mla::mla_sparse_attention`, with each step's
+        // index lists); `forward` runs dense attention only.
+        ensure(m.sparse_topk.is_none(), "model", || {
+            "sparse_topk: forward runs dense attention; sparse MLA is mla::mla_sparse_attention".into()
+        })?;
         let t = self.decode_threshold;
         ensure((1..=MAX_QUERY_LEN).contains(&t), "decode_threshold", || format!("{t} (decode takes 1..={MAX_QUERY_LEN} query tokens)"))?;
         ensure(!matches!(self.split_mode, SplitMode::Fixed(0)), "split_mode", || "Fixed(0): at least one split".into())?;

@@ -71,6 +71,8 @@ pub const MERGE_SHARED_BYTES: u32 = 16 * MERGE_THREADS;
 pub struct DecodeMergeParams {
     pub partial_out: u64,
     pub partial_lse: u64,
+    /// `[num_reqs + 1]` i32 of the plan's batch, or 0: every token is its own request (sparse
+    /// MLA plans per query token), and `token_request` is not read.
     pub query_start_loc: u64,
     pub req_num_splits: u64,
     pub req_partial_base: u64,
@@ -152,6 +154,7 @@ pub struct AttnParams {
     pub mla: MlaParams,
     pub schedule: Schedule,
     pub local: LocalMask,
+    pub sparse: SparseIndices,
 }
 
 /// The queries and the keys and values (every kernel).
@@ -350,6 +353,30 @@ impl LocalMask {
     }
 }
 
+/// Sparse MLA (`mla_sparse_*`, DeepSeek-V3.2's top-k attention): each query token attends only
+/// the positions its row of the index tensor lists, over its request's paged latent cache. Work
+/// items are per query token (the plan's requests are the tokens, each with `topk` keys), so
+/// the request a token belongs to comes from `token_request`. A group of its own after the
+/// others, so that no offset the other kernels read moves; zero for every other launch.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SparseIndices {
+    /// `[num_tokens, row_stride]` i32: token t's `topk` positions (0-based within its request,
+    /// any order) at `t * row_stride ..`; -1 is padding (skipped), any other value outside
+    /// `0..seq_len` of the request is skipped and reported (`INDEX_OUT_OF_RANGE`).
+    pub indices: u64,
+    /// Elements between consecutive tokens' rows of `indices`.
+    pub row_stride: u64,
+    /// `[num_tokens]` i32: each token's request in the batch (its block-table row and
+    /// `seq_lens` entry); the library's upload (the plan's `token_request`) of the batch it
+    /// checked.
+    pub token_request: u64,
+    /// Entries per token (k): the keys of each token's work.
+    pub topk: u32,
+    /// Unused; keeps the group a whole number of 8-byte words with no implicit padding.
+    pub reserved: u32,
+}
+
 /// Asserts that each field of `$ty` (a path through its groups) is at the byte offset given.
 macro_rules! assert_offsets {
     ($ty:ty { $($($field:ident).+ = $offset:literal),* $(,)? }) => {
@@ -404,10 +431,14 @@ assert_offsets!(AttnParams {
     schedule.uniform_splits = 320,
     local.chunk = 328,
     local.symmetric = 332,
+    sparse.indices = 336,
+    sparse.row_stride = 344,
+    sparse.token_request = 352,
+    sparse.topk = 360,
 });
 assert_offsets!(CacheStrides { block = 0, token = 8, head = 16 });
 const _: () = assert!(core::mem::size_of::<CacheStrides>() == 24);
-const _: () = assert!(core::mem::size_of::<AttnParams>() == 336 && core::mem::align_of::<AttnParams>() == 8);
+const _: () = assert!(core::mem::size_of::<AttnParams>() == 368 && core::mem::align_of::<AttnParams>() == 8);
 
 /// The arrival counter of a split work item (kv head `kv_head` of a request whose partial rows
 /// start at `partial_base`, a multiple of `num_q_heads`): distinct for every such pair, because

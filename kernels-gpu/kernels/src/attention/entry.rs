@@ -1,10 +1,11 @@
 //! Entry points of the tensor-core attention kernels: `prefill_<dtype>[_fp8]_dk<qk>_dv<v>` (rows
 //! split across warps), `prefill_local_<dtype>_dk<d>_dv<d>` (the same with the local masks) and `decode_tc_<dtype>[_fp8]_d<head_size>` (keys split across warps);
 //! `_fp8`: an FP8 E4M3 cache; the keys-as-rows decode kernels, the Hopper prefill kernels and the
-//! MLA kernels. The host builds the same names (host/src/prefill.rs, decode.rs, mla.rs).
+//! MLA kernels (dense and sparse). The host builds the same names (host/src/prefill.rs, decode.rs, mla.rs).
 
 use crate::attention::config::{AttnConfig, Bits16, Fp8E4M3};
 use crate::attention::mainloop::attention;
+use crate::attention::mla::keys::{IndexedKeys, PagedKeys};
 use crate::attention::mla::kernel::mla_attention;
 use crate::blocks::elem::{Bf16, F16};
 use attn_math::params::AttnParams;
@@ -149,19 +150,24 @@ prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, 
 prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16": 64, 128);
 
 // MLA on its own kernel: Q K^T once per tile, P shared by warps owning output columns.
-// `mla_<q>[_fp8]_{narrow,wide}` (shapes in `attn_math::mla`; `_fp8`: an FP8 E4M3 cache).
+// `mla_<q>[_fp8]_{narrow,wide}` (shapes in `attn_math::mla`; `_fp8`: an FP8 E4M3 cache), and
+// the same kernel over each query token's index list, `mla_sparse_<q>[_fp8]_{narrow,wide}`.
 macro_rules! mla_latent_kernels {
     ($q:ident, $qname:literal, $tag:literal, $fp8:literal) => {
+        mla_latent_kernels!($q, concat!("mla_", $qname, $tag), $fp8, PagedKeys);
+        mla_latent_kernels!($q, concat!("mla_sparse_", $qname, $tag), $fp8, IndexedKeys);
+    };
+    ($q:ident, $prefix:expr, $fp8:literal, $keys:ident) => {
         const _: () = {
-            #[unsafe(export_name = concat!("mla_", $qname, $tag, "_narrow"))]
+            #[unsafe(export_name = concat!($prefix, "_narrow"))]
             unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
-                unsafe { mla_attention::<$q, false, $fp8>(&p) }
+                unsafe { mla_attention::<$q, false, $fp8, $keys>(&p) }
             }
         };
         const _: () = {
-            #[unsafe(export_name = concat!("mla_", $qname, $tag, "_wide"))]
+            #[unsafe(export_name = concat!($prefix, "_wide"))]
             unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
-                unsafe { mla_attention::<$q, true, $fp8>(&p) }
+                unsafe { mla_attention::<$q, true, $fp8, $keys>(&p) }
             }
         };
     };

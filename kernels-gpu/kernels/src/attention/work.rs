@@ -132,9 +132,20 @@ pub(crate) unsafe fn work_item(p: &AttnParams, bm: u32, dv: u32) -> Option<Work>
     unsafe { work_item_at(p, block_idx_x(), bm, dv) }
 }
 
-/// [`work_item`] of the CTA at grid index `x` (persistent kernels take several in turn).
+/// The plan's item of the CTA at grid index `x`: which request (of the plan's batch), row tile
+/// and split, for which kv head and slice of V's columns.
+#[derive(Clone, Copy)]
+pub(crate) struct PlanItem {
+    pub req: u32,
+    pub row_tile: u32,
+    pub split: u32,
+    pub kv_head: u32,
+    pub slice: u32,
+}
+
+/// Reads the plan's item of the CTA at grid index `x` (or derives it with no plan on the device).
 #[inline(always)]
-pub(crate) unsafe fn work_item_at(p: &AttnParams, x: u32, bm: u32, dv: u32) -> Option<Work> {
+pub(crate) unsafe fn plan_item_at(p: &AttnParams, x: u32) -> PlanItem {
     // Grid x = (work item * kv heads + kv head) * V slices + slice: the slices and kv heads of
     // one tile run together (they share its K/V tiles in L2), and the items' longest-first
     // order holds across them.
@@ -152,7 +163,13 @@ pub(crate) unsafe fn work_item_at(p: &AttnParams, x: u32, bm: u32, dv: u32) -> O
         let splits = if p.schedule.uniform_splits > 1 { p.schedule.uniform_splits } else { p.mla.cluster.max(1) };
         (item_idx / splits, item_idx % splits)
     };
-    let (row_tile, split) = (tile_split >> 16, tile_split & 0xffff);
+    PlanItem { req, row_tile: tile_split >> 16, split: tile_split & 0xffff, kv_head, slice }
+}
+
+/// [`work_item`] of the CTA at grid index `x` (persistent kernels take several in turn).
+#[inline(always)]
+pub(crate) unsafe fn work_item_at(p: &AttnParams, x: u32, bm: u32, dv: u32) -> Option<Work> {
+    let PlanItem { req, row_tile, split, kv_head, slice } = unsafe { plan_item_at(p, x) };
     let q_start = unsafe { load_i32(p.batch.query_start_loc + req as u64 * 4) } as u32;
     let q_len = unsafe { load_i32(p.batch.query_start_loc + req as u64 * 4 + 4) } as u32 - q_start;
     let seq_len = if p.batch.block_table != 0 {

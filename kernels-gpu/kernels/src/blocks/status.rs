@@ -8,7 +8,7 @@
 
 use crate::blocks::device::{atomic_cas_global, atomic_or_global};
 use crate::blocks::vec_io::{store4, store8};
-use attn_math::status::{SLOT_OUT_OF_RANGE, STATUS_CLAIMED, STATUS_ENTRY, STATUS_LIMIT, STATUS_VALUE, STATUS_WHERE};
+use attn_math::status::{INDEX_OUT_OF_RANGE, SLOT_OUT_OF_RANGE, STATUS_CLAIMED, STATUS_ENTRY, STATUS_LIMIT, STATUS_VALUE, STATUS_WHERE};
 
 #[inline(always)]
 fn word(status: u64, index: usize) -> u64 {
@@ -33,4 +33,11 @@ unsafe fn report(status: u64, bit: u32, at: u32, entry: u32, value: i64, limit: 
 #[inline(always)]
 pub unsafe fn report_bad_slot(status: u64, token: u32, slot: i64, num_slots: u64) {
     unsafe { report(status, SLOT_OUT_OF_RANGE, token, 0, slot, num_slots) }
+}
+
+/// Token `token`'s sparse index entry `entry` holds `index`, which is not -1 (padding) and not
+/// a position of its request's `seq_len` keys.
+#[inline(always)]
+pub unsafe fn report_bad_index(status: u64, token: u32, entry: u32, index: i32, seq_len: u32) {
+    unsafe { report(status, INDEX_OUT_OF_RANGE, token, entry, index as i64, seq_len as u64) }
 }

@@ -78,18 +78,27 @@ pub unsafe fn decode_merge<O: OutElem>(p: &DecodeMergeParams) {
     // read before waiting for it (programmatic dependent launch): only the partials' two
     // round trips are left after the wait.
     let (token, head) = (cta / p.num_q_heads, cta % p.num_q_heads);
-    let req = unsafe { load_u32_nc(p.token_request + token as u64 * 4) };
+    // No `query_start_loc`: every token is its own request (sparse MLA plans per query token;
+    // their `token_request` names the batch's request, which the merge does not need).
+    let per_token = p.query_start_loc == 0;
+    let req = if per_token { token } else { unsafe { load_u32_nc(p.token_request + token as u64 * 4) } };
     let splits = unsafe { load_u32_nc(p.req_num_splits + req as u64 * 4) };
     if splits <= 1 {
         return; // written directly by pass 1
     }
     let (tid, lane) = (thread_idx_x(), lane());
-    let q_start = unsafe { load_u32_nc(p.query_start_loc + req as u64 * 4) };
-    let q_len = unsafe { load_u32_nc(p.query_start_loc + req as u64 * 4 + 4) } - q_start;
+    let (q_start, q_len) = if per_token {
+        (token, 1)
+    } else {
+        let q_start = unsafe { load_u32_nc(p.query_start_loc + req as u64 * 4) };
+        (q_start, unsafe { load_u32_nc(p.query_start_loc + req as u64 * 4 + 4) } - q_start)
+    };
     let base = unsafe { load_u32_nc(p.req_partial_base + req as u64 * 4) } as u64;
     let sink = if p.sinks != 0 { unsafe { load_f32_nc(p.sinks + head as u64 * 4) } } else { f32::NEG_INFINITY };
     pdl_prologue();
-    let index = |s: u32| base + (s as u64 * q_len as u64 + (token - q_start) as u64) * p.num_q_heads as u64 + head as u64;
+    // Split s's partial row: two values held through the loops, whatever the batch's shape.
+    let (row0, step) = (base + (token - q_start) as u64 * p.num_q_heads as u64 + head as u64, q_len as u64 * p.num_q_heads as u64);
+    let index = |s: u32| row0 + s as u64 * step;
     // Partials were written by the previous kernel: plain (coherent) loads.
     let lse = |s: u32| unsafe { load_f32(p.partial_lse + index(s) * 4) };
     let mut max = sink;

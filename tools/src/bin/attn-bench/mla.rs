@@ -1,4 +1,5 @@
-//! `--only mla`: MLA decode over the latent cache, bf16 and FP8, per call and planned once.
+//! `--only mla`: MLA decode over the latent cache, bf16 and FP8, per call and planned once; and
+//! sparse MLA (each token's top-k positions), bf16 and FP8.
 
 use crate::bench::{dev, dtype_name, env_shapes, random_device, random_slots, random_values, Bench, Row};
 use attn_rs::cache_write::KvScales;
@@ -87,6 +88,74 @@ fn mla_row<C: Element>(
     Ok(row)
 }
 
+/// Sparse MLA decode (DeepSeek-V3.2's top-k attention): one token a request over a context of
+/// `context` (block size 64, scattered block tables), each attending `topk` distinct positions
+/// in random order. Bytes = the gathered rows (tokens x k x 576 x the cache's element size) plus
+/// the queries and outputs; 16 heads are memory-bound (flops 0), 128 heads compute-bound
+/// (FLOPs = 2 * heads * k * (576 + 512) per token).
+fn mla_sparse_row<C: Element>(
+    b: &Bench,
+    cache: &CudaSlice<C>,
+    (heads, batch, context, topk): (usize, usize, usize, usize),
+    status: &mut DeviceStatus,
+) -> Result<Row> {
+    use attn_rs::decode::DecodeWorkspace;
+    use attn_rs::mla::{mla_sparse_attention, MlaArgs, SparseIndexArgs};
+    use attn_rs::AttnOptions;
+    use attn_rs::MlaCacheSpec;
+    let s = &b.stream;
+    let block_size = 64;
+    let blocks_per_req = context.div_ceil(block_size);
+    let num_blocks = batch * blocks_per_req;
+    let spec = MlaCacheSpec::deepseek(num_blocks, block_size)?;
+    let cache = cache.slice(..spec.num_elements());
+    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
+    let scale = s.clone_htod(&[0.05f32])?;
+    let block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 32).into_iter().map(|x| x as i32).collect();
+    // Each token's k distinct positions of its context, in random order.
+    let indices: Vec<i32> = (0..batch).flat_map(|t| random_slots(topk, context, 40 + t as u64).into_iter().map(|x| x as i32)).collect();
+    let seq_lens = vec![context as i32; batch];
+    let qsl: Vec<i32> = (0..=batch as i32).collect();
+    let (q_rows, out_rows) = (RowsDesc::contiguous(batch, heads, 576), RowsDesc::contiguous(batch, heads, 512));
+    let q = s.clone_htod(&random_values::<bf16>(q_rows.required_len(), 33, 1.0))?;
+    let mut out: CudaSlice<bf16> = s.alloc_zeros(out_rows.required_len())?;
+    let bt = s.clone_htod(&block_table)?;
+    let idx = s.clone_htod(&indices)?;
+    let mut ws = DecodeWorkspace::new(s, 4 * dev().sm_count() as usize * 8 * heads, 512, batch, batch)?;
+    let batch_meta = BatchMetadata::new(s, &seq_lens, &qsl)?;
+    let mode = PlanOptions { split: SplitMode::Auto, tuning: b.tuning };
+    let mut chunk = 0;
+    let us = b.time(|| {
+        let args = MlaArgs {
+            q: DevIn::new(&q, s),
+            q_rows,
+            cache: DevIn::new(&cache, s),
+            spec,
+            block_table: DevIn::new(&bt, s),
+            block_table_stride: blocks_per_req,
+            out: DevOut::new(&mut out, s),
+            out_rows,
+            lse: None,
+            scales: fp8.then(|| KvScales { k: DevIn::new(&scale, s), v: DevIn::new(&scale, s) }),
+        };
+        let list = SparseIndexArgs { indices: DevIn::new(&idx, s), topk, row_stride: topk };
+        let scale = AttnOptions::new(576).softmax_scale;
+        chunk = mla_sparse_attention(dev(), s, args, list, &batch_meta, scale, mode, &mut ws, status)?.chunk;
+        Ok(())
+    })?;
+    status.check(s)?;
+    let bytes = (batch * topk * 576 * C::DTYPE.size_bytes() + batch * heads * (576 + 512) * 2) as f64;
+    let flops = 2.0 * (heads * topk * (576 + 512) * batch) as f64;
+    Ok(Row {
+        name: format!("mla_sparse_attention bf16 q, {} latent", dtype_name(C::DTYPE)),
+        shape: format!("{heads} heads x batch {batch} x {context}, k {topk}, bs64 (chunk {chunk})"),
+        median_us: us,
+        bytes,
+        // 16 heads is memory-bound (GB/s), 128 heads compute-bound (TFLOP/s).
+        flops: if heads > 16 { flops } else { 0.0 },
+    })
+}
+
 pub fn mla_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {
     // One cache for every row, as an engine allocates it once: rows measured on caches
     // allocated one after another differed by up to 12% with where the allocation landed.
@@ -111,6 +180,16 @@ pub fn mla_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Re
     // The FP8 cache: half the bytes at 16 heads; the conversion's cost at 128.
     for (heads, batch) in [(16, 64), (16, 128), (128, 64)] {
         rows.push(mla_row::<Fp8E4m3>(b, &cache, (heads, batch, context), false, status)?);
+    }
+    // Sparse MLA: batch 64 over contexts of 8192 (the same cache rows as 128 x 4096), k 2048.
+    let sparse = (64, 8192, 2048);
+    for heads in [16, 128] {
+        rows.push(mla_sparse_row::<Fp8E4m3>(b, &cache, (heads, sparse.0, sparse.1, sparse.2), status)?);
+    }
+    drop(cache);
+    let cache = random_device::<bf16>(&b.stream, rows_of(1), 31)?;
+    for heads in [16, 128] {
+        rows.push(mla_sparse_row::<bf16>(b, &cache, (heads, sparse.0, sparse.1, sparse.2), status)?);
     }
     Ok(())
 }

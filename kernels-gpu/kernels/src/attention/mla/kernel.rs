@@ -2,13 +2,12 @@
 
 #[cfg(wgmma)]
 use super::combine::cluster_combine;
+use super::keys::KeySource;
 use super::slots::{convert_slot_fp8, copy_queries, copy_slot, copy_slot_fp8};
 use super::tile::{accumulate_pv, score_k_lane, scores, wide_pv, wide_scores, K_STEPS};
-use crate::attention::kv::KvSource;
 use crate::attention::output::RowOut;
-use crate::attention::work::work_item;
 use crate::blocks::device::{
-    atomic_or_global, dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any,
+    dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any,
 };
 use crate::blocks::mma::{
     cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_pinned, shared_addr,
@@ -19,12 +18,13 @@ use attn_math::mla::{self, p_offset, shared_layout, swizzled, SLOT_KEYS, TABLE_B
 use attn_math::params::AttnParams;
 use attn_math::prefill::MLA_V;
 use attn_math::softmax::{exp2, OnlineSoftmax};
-use attn_math::status::BLOCK_OUT_OF_RANGE;
 
 /// The kernel; `WIDE` picks the shape (`attn_math::mla::{NARROW, WIDE}`); `FP8`: an FP8 E4M3
-/// cache (with `p.fp8.k_scale`), converted to Q's type slot by slot in shared memory.
+/// cache (with `p.fp8.k_scale`), converted to Q's type slot by slot in shared memory; `S`: where
+/// key j's row comes from (`super::keys`: a request's sequence, dense; a token's index list,
+/// sparse).
 #[inline(always)]
-pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &AttnParams) {
+pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: KeySource>(p: &AttnParams) {
     let shape = const {
         if WIDE {
             mla::WIDE
@@ -47,13 +47,14 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &A
     let tid = thread_idx_x();
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
-    let Some(w) = (unsafe { work_item(p, bm, MLA_V) }) else { return };
-    let src = KvSource { block_row: p.batch.block_table + w.req as u64 * p.batch.block_table_stride * 4, key_base: 0, kv_head: 0 };
+    let Some((w, src)) = (unsafe { S::work(p, bm) }) else { return };
+    // Sparse: the index list is the mask.
+    let causal = S::CAUSAL && p.mask.causal != 0;
     let (min_pos, max_pos) = unsafe { (w.row(p, 0).pos, w.row(p, w.live - 1).pos) };
     let chunk = if p.schedule.plan != 0 { unsafe { load_u32_nc(p.schedule.plan + 4) } } else { p.shape.chunk };
     let begin = if chunk > 0 { w.split * chunk } else { 0 };
     let mut end = if chunk > 0 { (begin + chunk).min(w.seq_len) } else { w.seq_len };
-    if p.mask.causal != 0 {
+    if causal {
         end = end.min(max_pos + 1);
     }
     let n_slots = if end > begin { (end - begin).div_ceil(SLOT_KEYS) } else { 0 };
@@ -79,28 +80,35 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &A
     };
     let table = |j: u32| smem + layout.table + (j % shape.tables()) * TABLE_BYTES;
     let flag = |j: u32| table(j) + SLOT_KEYS * 8;
-    // Address tables: one warp a slot, one lane a key; the block-table load (`locate`) a tile
-    // before the entry is written (`fill`), and the entry a tile before the copy reads it.
-    let locate = |j: u32| {
+    // Address tables: one warp a slot, one lane a key; the source's first load (`early`, the
+    // index entry of a sparse list) two tiles before the entry is written, the block-table load
+    // (`locate`) a tile before (`fill`), and the entry a tile before the copy reads it.
+    let early = |j: u32| {
         let key = begin + j * SLOT_KEYS + lane;
         if j < n_slots && key < end {
-            unsafe { src.locate(p, key) }
+            unsafe { src.early(p, key) }
         } else {
-            -1
+            S::NO_EARLY
         }
     };
-    let fill = |j: u32, loc: i64| {
+    let locate = |j: u32, e: S::Early| {
+        let key = begin + j * SLOT_KEYS + lane;
+        if j < n_slots && key < end {
+            unsafe { src.locate(p, key, e) }
+        } else {
+            S::NO_LOC
+        }
+    };
+    // A slot's flag: whether any of its keys is not read (the mask then reads the entries).
+    let fill = |j: u32, loc: S::Loc| {
         if j < tile_slots {
             let key = begin + j * SLOT_KEYS + lane;
-            let ka = if key < end { src.addresses(p, key, loc, if FP8 { 1 } else { 2 }).0 } else { 0 };
+            let ka = if key < end { unsafe { src.address(p, key, loc, if FP8 { 1 } else { 2 }) } } else { 0 };
             unsafe { st_shared_u64(table(j) + lane * 8, ka) };
-            let bad = key < end && ka == 0;
-            if bad {
-                unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
-            }
-            let any_bad = vote_any(bad);
+            let skipped = key < end && ka == 0;
+            let any_skipped = vote_any(skipped);
             if lane == 0 {
-                unsafe { st_shared_u32(flag(j), any_bad as u32) };
+                unsafe { st_shared_u32(flag(j), any_skipped as u32) };
             }
         }
     };
@@ -119,8 +127,10 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &A
     // Prologue: the tables of the slots issued before and at the first tile, the queries (a
     // commit group of their own), then `pre` slots in flight.
     if warp < shape.ring {
-        fill(warp, locate(warp));
+        fill(warp, locate(warp, early(warp)));
     }
+    // The first steps of the first tile's lookups (slots `ring ..`).
+    let mut early_next = if warp < spt { early(shape.ring + warp) } else { S::NO_EARLY };
     sync_threads();
     let q_row = |r: u32| {
         let row = unsafe { w.row(p, r) };
@@ -186,7 +196,8 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &A
     while tile < n_tiles {
         // This tile issues slots `spt * tile + pre ..`; the next one's lookups start now.
         let first_issued = spt * tile + pre;
-        let ahead = if warp < spt { locate(first_issued + spt + warp) } else { -1 };
+        let ahead = if warp < spt { locate(first_issued + spt + warp, early_next) } else { S::NO_LOC };
+        early_next = if warp < spt { early(first_issued + 2 * spt + warp) } else { S::NO_EARLY };
         if early_issue {
             // The copies go out before waiting: `pre` slots stay in flight through the wait.
             static_for::<2>(|i| {
@@ -249,7 +260,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &A
                 has_bad |= unsafe { ld_shared_u32(flag(slot0 + i as u32)) } != 0;
             }
         });
-        let needs_mask = first + kw > end || (p.mask.causal != 0 && first + kw - 1 > min_pos) || has_bad;
+        let needs_mask = first + kw > end || (causal && first + kw - 1 > min_pos) || has_bad;
         if needs_mask {
             let t = table(my_slot) + (key_off % SLOT_KEYS) * 8;
             static_for::<4>(|n| {
@@ -258,7 +269,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool>(p: &A
                         let row = s_rows[e / 2];
                         let key = first + n as u32 * 8 + 2 * t4 + (e % 2) as u32;
                         let visible = key < end
-                            && (p.mask.causal == 0 || key <= row.pos)
+                            && (!causal || key <= row.pos)
                             && (!has_bad || unsafe { ld_shared_u64(t + (key - first) * 8) } != 0);
                         if !visible {
                             s[n][e] = f32::NEG_INFINITY;

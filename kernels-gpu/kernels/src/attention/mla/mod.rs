@@ -18,11 +18,17 @@
 //! into 16-bit slots of Q's type before the math (the scales folded into the score and output
 //! factors).
 //!
-//! [`kernel`] is the kernel; [`tile`] its matrix products, [`slots`] its copies into the
+//! Dense and sparse MLA are the same kernel over a [`keys::KeySource`]: key j of a work item is
+//! position j of the request (dense, causal among the new tokens) or entry j of the query
+//! token's index list (sparse: one token per work item, entries that are padding or outside the
+//! request masked out instead of the causal mask).
+//!
+//! [`kernel`] is the kernel; [`keys`] where its keys come from; [`tile`] its matrix products, [`slots`] its copies into the
 //! swizzled slots, and [`combine`] (sm_90a) the cluster combine of a request's splits.
 
 #[cfg(wgmma)]
 mod combine;
+pub(crate) mod keys;
 pub(crate) mod kernel;
 mod slots;
 mod tile;
