@@ -27,7 +27,9 @@ use crate::options::{PlanOptions, Tuning};
 use crate::status::DeviceStatus;
 use crate::stream_check::refuse_foreign_capture;
 use attn_math::mla;
-use attn_math::params::{AttnParams, Fp8Scales, LocalMask, Mask, MlaParams, PerHead, Schedule, Shape, SparseIndices, VariantParams};
+use attn_math::params::{
+    AttnParams, Fp8Scales, LocalMask, Mask, MlaParams, PerHead, Schedule, Shape, SparseIndices, SplitK, VariantParams,
+};
 use attn_math::prefill::{MLA_QK, MLA_V};
 use cudarc::driver::{CudaStream, DevicePtrMut};
 use std::sync::Arc;
@@ -233,7 +235,6 @@ pub(crate) fn mla_attention_from(
     status: &mut DeviceStatus,
 ) -> Result<DecodePlan> {
     let Checked { nt, hq, q_dtype, fp8, num_reqs, k_scale, v_scale } = check_mla(&a, batch, &meta, softmax_scale, ws, stream)?;
-    let spec = &a.spec;
     if num_reqs == 0 || nt == 0 {
         return Ok(DecodePlan::default());
     }
@@ -255,37 +256,58 @@ pub(crate) fn mla_attention_from(
     let wp = ws.arrays(stream, &lp, num_reqs, nt)?;
     let cluster = lp.cluster;
     let (status_ptr, _o) = status.word.device_ptr_mut(stream);
-    let strides = spec.strides();
-    let output = attn_params::output(&a.out, &a.out_rows, a.lse.as_ref());
+    let scales = Fp8Scales { k_scale, v_scale };
     let p = AttnParams {
-        qkv: attn_params::qkv(&a.q, &a.q_rows, (a.cache.ptr, strides), (a.cache.ptr, strides)),
-        batch: attn_params::paged_batch(&a.block_table, a.block_table_stride, &meta),
-        output,
-        split: wp.split_k(),
-        per_head: PerHead::default(),
-        fp8: Fp8Scales { k_scale, v_scale },
-        status: status_ptr,
-        variant: VariantParams::new(softmax_scale, None, None),
-        shape: Shape {
-            num_blocks: spec.num_blocks as u32,
-            block_size: spec.block_size as u32,
-            chunk: lp.chunk,
-            num_q_heads: hq as u32,
-            group: hq as u32,
-        },
-        mask: Mask { causal: 1 },
         mla: MlaParams { v_slices: slices, v_row: MLA_V, cluster },
         schedule: Schedule { plan: lp.header, ..Schedule::default() },
-        local: LocalMask::default(),
-        sparse: SparseIndices::default(),
+        ..latent_params(&a, &meta, wp.split_k(), status_ptr, softmax_scale, scales, lp.chunk, hq)
     };
     let ctas = lp.ctas();
     ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
     dev.launch_ex(stream, tc.id, (ctas as u32, 1, 1), tc.threads, tc.smem, cluster.max(1), p)?;
     if lp.merge {
-        launch_merge(dev, stream, &wp, meta.query_start_loc.ptr, (&a.out, &a.out_rows), output.lse, 0, q_dtype)?;
+        launch_merge(dev, stream, &wp, meta.query_start_loc.ptr, (&a.out, &a.out_rows), p.output.lse, 0, q_dtype)?;
     }
     Ok(lp.plan)
+}
+
+/// The parameter block of a latent launch, dense or sparse: the queries, the latent cache as
+/// both K and V, the batch, the outputs and the splits, causal, one V slice and no cluster,
+/// schedule or index list (each caller sets what its launch changes).
+#[allow(clippy::too_many_arguments)]
+fn latent_params(
+    a: &MlaArgs<'_>,
+    meta: &DeviceBatch<'_>,
+    split: SplitK,
+    status: u64,
+    softmax_scale: f32,
+    scales: Fp8Scales,
+    chunk: u32,
+    hq: usize,
+) -> AttnParams {
+    let strides = a.spec.strides();
+    AttnParams {
+        qkv: attn_params::qkv(&a.q, &a.q_rows, (a.cache.ptr, strides), (a.cache.ptr, strides)),
+        batch: attn_params::paged_batch(&a.block_table, a.block_table_stride, meta),
+        output: attn_params::output(&a.out, &a.out_rows, a.lse.as_ref()),
+        split,
+        per_head: PerHead::default(),
+        fp8: scales,
+        status,
+        variant: VariantParams::new(softmax_scale, None, None),
+        shape: Shape {
+            num_blocks: a.spec.num_blocks as u32,
+            block_size: a.spec.block_size as u32,
+            chunk,
+            num_q_heads: hq as u32,
+            group: hq as u32,
+        },
+        mask: Mask { causal: 1 },
+        mla: MlaParams { v_slices: 1, v_row: MLA_V, cluster: 0 },
+        schedule: Schedule::default(),
+        local: LocalMask::default(),
+        sparse: SparseIndices::default(),
+    }
 }
 
 /// The index list of [`mla_sparse_attention`]: each query token's top-k positions.
@@ -392,29 +414,11 @@ pub fn mla_sparse_attention(
     lp.uniform_splits = 0;
     let wp = ws.arrays(stream, &lp, nt, nt)?;
     let (status_ptr, _o) = status.word.device_ptr_mut(stream);
-    let spec = &a.spec;
-    let strides = spec.strides();
-    let output = attn_params::output(&a.out, &a.out_rows, a.lse.as_ref());
+    let scales = Fp8Scales { k_scale, v_scale };
     let p = AttnParams {
-        qkv: attn_params::qkv(&a.q, &a.q_rows, (a.cache.ptr, strides), (a.cache.ptr, strides)),
-        batch: attn_params::paged_batch(&a.block_table, a.block_table_stride, &meta),
-        output,
-        split: wp.split_k(),
-        per_head: PerHead::default(),
-        fp8: Fp8Scales { k_scale, v_scale },
-        status: status_ptr,
-        variant: VariantParams::new(softmax_scale, None, None),
-        shape: Shape {
-            num_blocks: spec.num_blocks as u32,
-            block_size: spec.block_size as u32,
-            chunk: lp.chunk,
-            num_q_heads: hq as u32,
-            group: hq as u32,
-        },
+        // The list is the mask.
         mask: Mask { causal: 0 },
         mla: MlaParams { v_slices: tc.shape.ctas_per_item, v_row: MLA_V, cluster: 0 },
-        schedule: Schedule::default(),
-        local: LocalMask::default(),
         sparse: SparseIndices {
             indices: idx.indices.ptr,
             row_stride: idx.row_stride as u64,
@@ -422,13 +426,14 @@ pub fn mla_sparse_attention(
             topk: idx.topk as u32,
             reserved: 0,
         },
+        ..latent_params(&a, &meta, wp.split_k(), status_ptr, softmax_scale, scales, lp.chunk, hq)
     };
     let ctas = lp.ctas();
     ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
     dev.launch_ex(stream, tc.id, (ctas as u32, 1, 1), tc.threads, tc.smem, 1, p)?;
     if lp.merge {
         // No `query_start_loc`: the merge's requests are the tokens.
-        launch_merge(dev, stream, &wp, 0, (&a.out, &a.out_rows), output.lse, 0, q_dtype)?;
+        launch_merge(dev, stream, &wp, 0, (&a.out, &a.out_rows), p.output.lse, 0, q_dtype)?;
     }
     Ok(lp.plan)
 }

@@ -5,8 +5,8 @@
 
 use crate::attention::config::{AttnConfig, Bits16, Fp8E4M3};
 use crate::attention::mainloop::attention;
-use crate::attention::mla::keys::{IndexedKeys, PagedKeys};
 use crate::attention::mla::kernel::mla_attention;
+use crate::attention::mla::keys::{IndexedKeys, PagedKeys};
 use crate::blocks::elem::{Bf16, F16};
 use attn_math::params::AttnParams;
 

@@ -357,9 +357,7 @@ fn slab_softmax<const D: usize>(s: &mut [f32; 4], o: &mut [[f32; 4]; 16], state:
 /// `G`: column groups of 8 query rows (the MMA's 8 columns) over each staged slab, 1 or 2 (GQA
 /// 16); `R = 8 G`, the CTA's query rows.
 #[inline(always)]
-unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const LONG: bool, const G: usize, const R: u32>(
-    p: &AttnParams,
-) {
+unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const LONG: bool, const G: usize, const R: u32>(p: &AttnParams) {
     const { assert!((G == 1 || G == 2) && R == 8 * G as u32) };
     let tid = thread_idx_x();
     let (warp, lane) = (tid / 32, tid % 32);
@@ -409,7 +407,8 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     // the scales fold into the score scale (k) and the output factor (v); bf16 queries go to f16
     // scaled by 2^-8.
     let q_conv = if Q::IS_BF16 == F::M::IS_BF16 { 1.0 } else { 1.0 / 256.0 };
-    let rows: [[RowInfo; 2]; G] = core::array::from_fn(|c| unsafe { [w.row(p, 8 * c as u32 + 2 * t4), w.row(p, 8 * c as u32 + 2 * t4 + 1)] });
+    let rows: [[RowInfo; 2]; G] =
+        core::array::from_fn(|c| unsafe { [w.row(p, 8 * c as u32 + 2 * t4), w.row(p, 8 * c as u32 + 2 * t4 + 1)] });
     let mut q = [[[0u32; 2]; 16]; G];
     static_for::<G>(|c| {
         let q_row = unsafe { w.row(p, 8 * c as u32 + g) };

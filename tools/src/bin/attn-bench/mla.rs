@@ -7,10 +7,73 @@ use attn_rs::{BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, Plan
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
-/// MLA decode over the latent cache: bf16, context 4096, block size 64, scattered block tables.
-/// Bytes = the latent cache read once; FLOPs = 2 * heads * context * (576 + 512) per token.
-/// MLA decode; `planned`: the split plan made once ([`attn_rs::batch_plan`], as every layer of a
-/// step runs it), else planned and uploaded by each call.
+/// What every MLA row sets up: `batch` requests of `context` keys over the shared latent cache
+/// (block size 64, scattered block tables), one token each, queries and outputs of `heads`
+/// heads, and the FP8 scale (MLA's one, passed as both K's and V's).
+struct Latent<'a, C> {
+    spec: attn_rs::MlaCacheSpec,
+    cache: cudarc::driver::CudaView<'a, C>,
+    blocks_per_req: usize,
+    block_table: CudaSlice<i32>,
+    q_rows: RowsDesc,
+    out_rows: RowsDesc,
+    q: CudaSlice<bf16>,
+    out: CudaSlice<bf16>,
+    scale: CudaSlice<f32>,
+    batch: BatchMetadata,
+    ws: attn_rs::decode::DecodeWorkspace,
+}
+
+impl<'a, C: Element> Latent<'a, C> {
+    fn new(b: &Bench, cache: &'a CudaSlice<C>, heads: usize, batch: usize, context: usize) -> Result<Self> {
+        let s = &b.stream;
+        let blocks_per_req = context.div_ceil(64);
+        let num_blocks = batch * blocks_per_req;
+        let spec = attn_rs::MlaCacheSpec::deepseek(num_blocks, 64)?;
+        let block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 32).into_iter().map(|x| x as i32).collect();
+        let (q_rows, out_rows) = (RowsDesc::contiguous(batch, heads, 576), RowsDesc::contiguous(batch, heads, 512));
+        let qsl: Vec<i32> = (0..=batch as i32).collect();
+        Ok(Latent {
+            spec,
+            cache: cache.slice(..spec.num_elements()),
+            blocks_per_req,
+            block_table: s.clone_htod(&block_table)?,
+            q_rows,
+            out_rows,
+            q: s.clone_htod(&random_values::<bf16>(q_rows.required_len(), 33, 1.0))?,
+            out: s.alloc_zeros(out_rows.required_len())?,
+            scale: s.clone_htod(&[0.05f32])?,
+            batch: BatchMetadata::new(s, &vec![context as i32; batch], &qsl)?,
+            // The size `DecodeWorkspace::new` suggests (a 2-16 GB one made rows measured after
+            // it slower).
+            ws: attn_rs::decode::DecodeWorkspace::new(s, 4 * dev().sm_count() as usize * 8 * heads, 512, batch, batch)?,
+        })
+    }
+
+    /// The call's arguments, its batch and the workspace it runs in.
+    fn args<'s>(&'s mut self, b: &'s Bench) -> (attn_rs::mla::MlaArgs<'s>, &'s BatchMetadata, &'s mut attn_rs::decode::DecodeWorkspace) {
+        let s = &b.stream;
+        let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
+        let args = attn_rs::mla::MlaArgs {
+            q: DevIn::new(&self.q, s),
+            q_rows: self.q_rows,
+            cache: DevIn::new(&self.cache, s),
+            spec: self.spec,
+            block_table: DevIn::new(&self.block_table, s),
+            block_table_stride: self.blocks_per_req,
+            out: DevOut::new(&mut self.out, s),
+            out_rows: self.out_rows,
+            lse: None,
+            scales: fp8.then(|| KvScales { k: DevIn::new(&self.scale, s), v: DevIn::new(&self.scale, s) }),
+        };
+        (args, &self.batch, &mut self.ws)
+    }
+}
+
+/// MLA decode over the latent cache, context 4096, block size 64, scattered block tables; bytes
+/// = the latent cache read once; FLOPs = 2 * heads * context * (576 + 512) per token.
+/// `planned`: the split plan made once ([`attn_rs::batch_plan`], as every layer of a step runs
+/// it), else planned and uploaded by each call.
 fn mla_row<C: Element>(
     b: &Bench,
     cache: &CudaSlice<C>,
@@ -19,51 +82,20 @@ fn mla_row<C: Element>(
     status: &mut DeviceStatus,
 ) -> Result<Row> {
     use attn_rs::batch_plan::{mla_attention_planned, BatchPlan};
-    use attn_rs::decode::DecodeWorkspace;
-    use attn_rs::mla::{mla_attention, MlaArgs};
-    use attn_rs::AttnOptions;
-    use attn_rs::MlaCacheSpec;
+    use attn_rs::mla::mla_attention;
     let s = &b.stream;
-    let block_size = 64;
-    let blocks_per_req = context.div_ceil(block_size);
-    let num_blocks = batch * blocks_per_req;
-    let spec = MlaCacheSpec::deepseek(num_blocks, block_size)?;
-    let cache = cache.slice(..spec.num_elements());
-    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
-    let scale = s.clone_htod(&[0.05f32])?;
-    let block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 32).into_iter().map(|x| x as i32).collect();
-    let seq_lens = vec![context as i32; batch];
-    let qsl: Vec<i32> = (0..=batch as i32).collect();
-    let (q_rows, out_rows) = (RowsDesc::contiguous(batch, heads, 576), RowsDesc::contiguous(batch, heads, 512));
-    let q = s.clone_htod(&random_values::<bf16>(q_rows.required_len(), 33, 1.0))?;
-    let mut out: CudaSlice<bf16> = s.alloc_zeros(out_rows.required_len())?;
-    let bt = s.clone_htod(&block_table)?;
-    // The size `DecodeWorkspace::new` suggests (a 2-16 GB one made rows measured after it slower).
-    let mut ws = DecodeWorkspace::new(s, 4 * dev().sm_count() as usize * 8 * heads, 512, batch, batch)?;
-    let batch_meta = BatchMetadata::new(s, &seq_lens, &qsl)?;
+    let mut l = Latent::new(b, cache, heads, batch, context)?;
     let mut bp = BatchPlan::new(s)?;
     let mode = PlanOptions { split: SplitMode::Auto, tuning: b.tuning };
-    let planned_once = bp.plan_mla(dev(), &batch_meta, attn_rs::DType::BF16, C::DTYPE, heads, mode, &ws)?;
+    let planned_once = bp.plan_mla(dev(), &l.batch, attn_rs::DType::BF16, C::DTYPE, heads, mode, &l.ws)?;
     let (mut chunk, mut cluster) = (planned_once.chunk, planned_once.cluster);
+    let scale = attn_rs::AttnOptions::new(576).softmax_scale;
     let us = b.time(|| {
-        let args = MlaArgs {
-            q: DevIn::new(&q, s),
-            q_rows,
-            cache: DevIn::new(&cache, s),
-            spec,
-            block_table: DevIn::new(&bt, s),
-            block_table_stride: blocks_per_req,
-            out: DevOut::new(&mut out, s),
-            out_rows,
-            lse: None,
-            // MLA's one scale, passed as both.
-            scales: fp8.then(|| KvScales { k: DevIn::new(&scale, s), v: DevIn::new(&scale, s) }),
-        };
-        let scale = AttnOptions::new(576).softmax_scale;
+        let (args, batch_meta, ws) = l.args(b);
         if planned {
-            mla_attention_planned(dev(), s, args, &batch_meta, scale, &bp, &mut ws, status)
+            mla_attention_planned(dev(), s, args, batch_meta, scale, &bp, ws, status)
         } else {
-            let plan = mla_attention(dev(), s, args, &batch_meta, scale, mode, &mut ws, status)?;
+            let plan = mla_attention(dev(), s, args, batch_meta, scale, mode, ws, status)?;
             (chunk, cluster) = (plan.chunk, plan.cluster);
             Ok(())
         }
@@ -71,7 +103,7 @@ fn mla_row<C: Element>(
     status.check(s)?;
     let bytes = (batch * context * 576 * C::DTYPE.size_bytes()) as f64;
     let flops = 2.0 * (heads * context * (576 + 512) * batch) as f64;
-    let mut row = Row {
+    Ok(Row {
         name: format!("mla_attention{} bf16 q, {} latent", if planned { "_planned" } else { "" }, dtype_name(C::DTYPE)),
         shape: format!(
             "{heads} heads x batch {batch} x {context}, bs64 (chunk {chunk}{})",
@@ -79,13 +111,9 @@ fn mla_row<C: Element>(
         ),
         median_us: us,
         bytes,
-        flops: 0.0,
-    };
-    // 16 heads is memory-bound (GB/s), 128 heads compute-bound (TFLOP/s).
-    if heads > 16 {
-        row.flops = flops;
-    }
-    Ok(row)
+        // 16 heads is memory-bound (GB/s), 128 heads compute-bound (TFLOP/s).
+        flops: if heads > 16 { flops } else { 0.0 },
+    })
 }
 
 /// Sparse MLA decode (DeepSeek-V3.2's top-k attention): one token a request over a context of
@@ -99,48 +127,19 @@ fn mla_sparse_row<C: Element>(
     (heads, batch, context, topk): (usize, usize, usize, usize),
     status: &mut DeviceStatus,
 ) -> Result<Row> {
-    use attn_rs::decode::DecodeWorkspace;
-    use attn_rs::mla::{mla_sparse_attention, MlaArgs, SparseIndexArgs};
-    use attn_rs::AttnOptions;
-    use attn_rs::MlaCacheSpec;
+    use attn_rs::mla::{mla_sparse_attention, SparseIndexArgs};
     let s = &b.stream;
-    let block_size = 64;
-    let blocks_per_req = context.div_ceil(block_size);
-    let num_blocks = batch * blocks_per_req;
-    let spec = MlaCacheSpec::deepseek(num_blocks, block_size)?;
-    let cache = cache.slice(..spec.num_elements());
-    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
-    let scale = s.clone_htod(&[0.05f32])?;
-    let block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 32).into_iter().map(|x| x as i32).collect();
+    let mut l = Latent::new(b, cache, heads, batch, context)?;
     // Each token's k distinct positions of its context, in random order.
     let indices: Vec<i32> = (0..batch).flat_map(|t| random_slots(topk, context, 40 + t as u64).into_iter().map(|x| x as i32)).collect();
-    let seq_lens = vec![context as i32; batch];
-    let qsl: Vec<i32> = (0..=batch as i32).collect();
-    let (q_rows, out_rows) = (RowsDesc::contiguous(batch, heads, 576), RowsDesc::contiguous(batch, heads, 512));
-    let q = s.clone_htod(&random_values::<bf16>(q_rows.required_len(), 33, 1.0))?;
-    let mut out: CudaSlice<bf16> = s.alloc_zeros(out_rows.required_len())?;
-    let bt = s.clone_htod(&block_table)?;
     let idx = s.clone_htod(&indices)?;
-    let mut ws = DecodeWorkspace::new(s, 4 * dev().sm_count() as usize * 8 * heads, 512, batch, batch)?;
-    let batch_meta = BatchMetadata::new(s, &seq_lens, &qsl)?;
     let mode = PlanOptions { split: SplitMode::Auto, tuning: b.tuning };
+    let scale = attn_rs::AttnOptions::new(576).softmax_scale;
     let mut chunk = 0;
     let us = b.time(|| {
-        let args = MlaArgs {
-            q: DevIn::new(&q, s),
-            q_rows,
-            cache: DevIn::new(&cache, s),
-            spec,
-            block_table: DevIn::new(&bt, s),
-            block_table_stride: blocks_per_req,
-            out: DevOut::new(&mut out, s),
-            out_rows,
-            lse: None,
-            scales: fp8.then(|| KvScales { k: DevIn::new(&scale, s), v: DevIn::new(&scale, s) }),
-        };
+        let (args, batch_meta, ws) = l.args(b);
         let list = SparseIndexArgs { indices: DevIn::new(&idx, s), topk, row_stride: topk };
-        let scale = AttnOptions::new(576).softmax_scale;
-        chunk = mla_sparse_attention(dev(), s, args, list, &batch_meta, scale, mode, &mut ws, status)?.chunk;
+        chunk = mla_sparse_attention(dev(), s, args, list, batch_meta, scale, mode, ws, status)?.chunk;
         Ok(())
     })?;
     status.check(s)?;

@@ -6,9 +6,7 @@ use super::keys::KeySource;
 use super::slots::{convert_slot_fp8, copy_queries, copy_slot, copy_slot_fp8};
 use super::tile::{accumulate_pv, score_k_lane, scores, wide_pv, wide_scores, K_STEPS};
 use crate::attention::output::RowOut;
-use crate::blocks::device::{
-    dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any,
-};
+use crate::blocks::device::{dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any};
 use crate::blocks::mma::{
     cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_pinned, shared_addr,
     st_shared_f32, st_shared_u32, st_shared_u64, MmaHalf,
@@ -268,9 +266,8 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
                     static_for::<4>(|e| {
                         let row = s_rows[e / 2];
                         let key = first + n as u32 * 8 + 2 * t4 + (e % 2) as u32;
-                        let visible = key < end
-                            && (!causal || key <= row.pos)
-                            && (!has_bad || unsafe { ld_shared_u64(t + (key - first) * 8) } != 0);
+                        let visible =
+                            key < end && (!causal || key <= row.pos) && (!has_bad || unsafe { ld_shared_u64(t + (key - first) * 8) } != 0);
                         if !visible {
                             s[n][e] = f32::NEG_INFINITY;
                         }

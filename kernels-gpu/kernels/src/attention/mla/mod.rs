@@ -28,7 +28,7 @@
 
 #[cfg(wgmma)]
 mod combine;
-pub(crate) mod keys;
 pub(crate) mod kernel;
+pub(crate) mod keys;
 mod slots;
 mod tile;
