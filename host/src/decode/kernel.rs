@@ -185,13 +185,11 @@ pub(crate) fn decode_kernel_id(q: DType, fp8: bool, d: u32, group: u32, max_q: u
 
 /// Waves of resident CTAs a decode plan aims at by default: splits short enough to fill every
 /// SM, few enough that the per-CTA start (work item, first address tables, pipeline fill) and
-/// the merge stay small, measured per head size on the H100 (docs/decode.md): one wave at
-/// d96/d128 (2 CTAs per SM), two at d256 (1 per SM), four at d64 (short tiles: more CTAs in
-/// flight). [`Tuning::decode_waves`] overrides it.
+/// the merge stay small, measured per head size on the H100 (docs/decode.md): one wave up to
+/// d128 (2 CTAs per SM), two at d256 (1 per SM). [`Tuning::decode_waves`] overrides it.
 pub(crate) fn measured_waves(d: u32) -> u64 {
     match d {
-        0..=64 => 4,
-        65..=128 => 1,
+        0..=128 => 1,
         _ => 2,
     }
 }
@@ -244,6 +242,6 @@ mod tests {
 
     #[test]
     fn measured_waves_by_head_size() {
-        assert_eq!([64, 96, 128, 256].map(measured_waves), [4, 1, 1, 2]);
+        assert_eq!([64, 96, 128, 256].map(measured_waves), [1, 1, 1, 2]);
     }
 }
