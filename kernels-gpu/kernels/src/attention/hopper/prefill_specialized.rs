@@ -45,7 +45,8 @@ use crate::blocks::device::{
 };
 use crate::blocks::mbarrier;
 use crate::blocks::mma::{
-    fence_proxy_async_shared, ld_shared_u64x2, ld_shared_v4, shared_addr, st_shared_u32, st_shared_u64x2, st_shared_v4, wgmma_desc,
+    cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_u64x2, ld_shared_v4, shared_addr, st_shared_u32, st_shared_u64x2,
+    st_shared_v4, wgmma_desc,
 };
 use crate::blocks::vec_io::store4;
 use crate::blocks::wgmma::{wait_pv64, wait_scores64, WgmmaTiles};
@@ -271,6 +272,12 @@ unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings<D>, t: u32) {
     let mut k = 0u32;
     loop {
         unsafe { mbarrier::wait(rings.q_freed(k), Rings::<D>::q_parity(k) ^ 1) };
+        // This buffer's previous copies (`WS_Q_BUFFERS` query groups ago, or further back
+        // counting the key stages' groups between) are this thread's own to complete before
+        // it rewrites the buffer. They have landed (the compute warps freed the buffer after
+        // waiting on them), so this costs nothing, but it is the completion racecheck tracks:
+        // it does not follow the order through the other warps' barriers.
+        cp_async_wait::<{ WS_Q_BUFFERS - 1 }>();
         if t == 0 {
             // The grid's own index first, then the counter's (which starts past the grid).
             let x = if k == 0 { block_idx_x() } else { grid_dim_x() + unsafe { atomic_add_global(p.schedule.sched, 1) } };
@@ -295,6 +302,7 @@ unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings<D>, t: u32) {
                 mbarrier::arrive(rings.q_filled(k));
             }
         }
+        cp_async_commit();
         if it.status == ITEM_END {
             break;
         }
@@ -325,6 +333,9 @@ unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings<D>, t: u32) {
                     let uh = u + h as u32;
                     let table = rings.table(uh);
                     unsafe { mbarrier::wait(rings.freed(uh), Rings::<D>::parity(uh) ^ 1) };
+                    // As for the query buffers: at least `STAGES - 1` groups were committed
+                    // since this stage's last fill.
+                    cp_async_wait::<{ WS_STAGES - 1 }>();
                     if t / Rings::<D>::KEYS == h as u32 {
                         let tk = t % Rings::<D>::KEYS;
                         unsafe { st_shared_u64x2(table + tk * TABLE_ENTRY, ka, va) };
@@ -348,6 +359,7 @@ unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings<D>, t: u32) {
                             mbarrier::arrive(rings.filled(uh));
                         }
                     }
+                    cp_async_commit();
                 });
                 u += BLOCK_N / Rings::<D>::KEYS;
                 j += 1;
@@ -368,8 +380,8 @@ unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings<D>, t: u32) {
     // completes only after every compute warp waited on the "filled" phase before it); these
     // last ones were still open, held by its `cp.async`s (the END item's query phase counts
     // all of them), so the thread left with copies in flight and phases it had arrived on
-    // not yet complete: synccheck's "missing wait". (A `cp.async.wait_group` drains nothing
-    // here: the copies are never committed to a group.) The compute warps wait on the same
+    // not yet complete: synccheck's "missing wait" (the groups' own completion does not
+    // complete a phase). The compute warps wait on the same
     // phases, so the CTA ends no later; the key loop is unchanged. Nothing arrives after
     // these phases, so each barrier is in that phase or just past it and the parity names it.
     unsafe {
