@@ -2,7 +2,9 @@
 //! reference of `tests/common/layer_steps.rs` (the one the CPU backend's tests check): Gemma-2-
 //! like interleaved sliding-window and full layers with soft-cap 50 at head size 256, KV-shared
 //! layers, chunked local attention (the `prefill_local_*` kernels, decodes included), encoder-only
-//! layers with and without a symmetric window (packed K/V), per-layer ALiBi, sinks and scales.
+//! layers with and without a symmetric window (packed K/V), encoder-decoder models (encoder
+//! layers writing their caches, cross-attention reading them through a step of its own),
+//! per-layer ALiBi, sinks and scales.
 //! Outputs start poisoned; padding rows must stay so.
 
 mod common;
@@ -11,11 +13,14 @@ mod common;
 mod layer_steps;
 
 use attn_rs::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig};
-use attn_rs::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, HostElement, LayerIo, LayerSpec, NewKv};
+use attn_rs::forward::{
+    Attention, AttentionType, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, HostElement, KvCacheWrite, KvWriteIo, LayerIo, LayerSpec,
+    NewKv,
+};
 use attn_rs::{AttnError, AttnOptions, DType, DevIn, DevOut, KvLayout, RowsDesc};
 use common::*;
 use half::{bf16, f16};
-use layer_steps::{Engine, Shape};
+use layer_steps::{enc_dec_layers, enc_dec_schedule, EncDecStep, Engine, Shape};
 use libtest_mimic::Trial;
 use rand::Rng;
 
@@ -25,6 +30,14 @@ fn limits() -> ForwardLimits {
 
 /// `steps` through every layer on the GPU, each layer's output against the reference.
 fn layers_case<T: HostElement>(shape: Shape, layers: Vec<LayerSpec>, steps: Vec<Vec<(usize, usize)>>, salt: u64) -> TestResult {
+    let schedule: Vec<EncDecStep> = steps.iter().map(|p| EncDecStep::for_layers(&layers, p)).collect();
+    schedule_case::<T>(shape, layers, schedule, salt)
+}
+
+/// A schedule of encoder and decoder steps (`tests/common/layer_steps.rs`): each step's
+/// layers on the GPU, cross-attention through the step's cross-attention metadata, each
+/// layer's output against the reference.
+fn schedule_case<T: HostElement>(shape: Shape, layers: Vec<LayerSpec>, schedule: Vec<EncDecStep>, salt: u64) -> TestResult {
     let dtype = T::DTYPE;
     let dev = arc_device();
     let stream = new_stream();
@@ -33,7 +46,8 @@ fn layers_case<T: HostElement>(shape: Shape, layers: Vec<LayerSpec>, steps: Vec<
     let selection = select_backend_no_env(&model, &DeviceInfo::from_device(&dev), None)?;
     let config = ForwardConfig::new(model, shape.num_blocks, limits()).with_layers(layers.clone());
     let mut attn = Attention::new(&selection, config, Some(GpuHandles { dev, stream: stream.clone() }))?;
-    let mut meta = attn.new_step_metadata()?;
+    let (mut meta, mut cross) = (attn.new_step_metadata()?, attn.new_step_metadata()?);
+    let has_cross = layers.iter().any(|l| l.attn_type == AttentionType::EncoderDecoder);
     let n = attn.cache_spec().num_elements();
     let mut caches: Vec<_> = layers.iter().map(|_| upload(&stream, &vec![T::default(); n.max(1)])).collect();
     let round: fn(f32) -> f32 = |x| T::from_f32(x).to_f32();
@@ -41,21 +55,38 @@ fn layers_case<T: HostElement>(shape: Shape, layers: Vec<LayerSpec>, steps: Vec<
     let slopes = upload(&stream, &engine.slopes);
     let sinks = upload(&stream, &engine.sinks);
     let (hq, hkv, d) = (shape.hq, shape.hkv, shape.d);
-    for (s, pairs) in steps.iter().enumerate() {
-        let step = engine.step(pairs);
+    for (s, st) in schedule.iter().enumerate() {
+        let step = engine.step(st.pairs());
         meta.build(&step.input(&shape))?;
+        if let (EncDecStep::Decoder { encoder_of, .. }, true) = (st, has_cross) {
+            engine.encoder_of.extend(encoder_of.iter().copied());
+            cross.build(&engine.cross_step(&step).input(&shape))?;
+        }
         let rows = step.rows();
-        for (layer, spec) in layers.iter().enumerate() {
+        let conv = |v: &[f32]| v.iter().map(|&x| T::from_f32(x)).collect::<Vec<T>>();
+        let kv_rows = RowsDesc::contiguous(rows, hkv, d);
+        for layer in st.writes(&layers) {
+            let data = engine.data(&step);
+            engine.write(&step, layer, &data);
+            let (k, v) = (upload(&stream, &conv(&data.k)), upload(&stream, &conv(&data.v)));
+            let new_kv = NewKv::Standard { k: DevIn::new(&k, &stream), k_rows: kv_rows, v: DevIn::new(&v, &stream), v_rows: kv_rows };
+            let w = KvCacheWrite { new_kv, cache: DevOut::new(&mut caches[layer], &stream), kv_scales: None };
+            attn.write_kv(&meta, layer, KvWriteIo::Gpu(w))?;
+        }
+        for layer in st.layers(&layers) {
+            let spec = layers[layer];
+            let meta = if spec.attn_type == AttentionType::EncoderDecoder { &cross } else { &meta };
             let data = engine.data(&step);
             let want = engine.reference(&step, layer, &data);
-            let conv = |v: &[f32]| v.iter().map(|&x| T::from_f32(x)).collect::<Vec<T>>();
             let (q, k, v) = (upload(&stream, &conv(&data.q)), upload(&stream, &conv(&data.k)), upload(&stream, &conv(&data.v)));
-            let (q_rows, kv_rows) = (RowsDesc::contiguous(rows, hq, d), RowsDesc::contiguous(rows, hkv, d));
+            let q_rows = RowsDesc::contiguous(rows, hq, d);
             let mut out = upload(&stream, &vec![poison::<T>(); rows * hq * d]);
             let owner = spec.kv_sharing_target.unwrap_or(layer);
-            let new_kv = match spec.kv_sharing_target {
-                Some(_) => NewKv::None,
-                None => NewKv::Standard { k: DevIn::new(&k, &stream), k_rows: kv_rows, v: DevIn::new(&v, &stream), v_rows: kv_rows },
+            // Layers that read a cache written before take no new K/V.
+            let reads_only = spec.kv_sharing_target.is_some() || spec.attn_type == AttentionType::EncoderDecoder;
+            let new_kv = match reads_only {
+                true => NewKv::None,
+                false => NewKv::Standard { k: DevIn::new(&k, &stream), k_rows: kv_rows, v: DevIn::new(&v, &stream), v_rows: kv_rows },
             };
             let io = GpuLayer {
                 q: DevIn::new(&q, &stream),
@@ -68,7 +99,7 @@ fn layers_case<T: HostElement>(shape: Shape, layers: Vec<LayerSpec>, steps: Vec<
                 sinks: spec.sinks.then(|| DevIn::new(&sinks, &stream)),
                 kv_scales: None,
             };
-            attn.forward_layer(&meta, layer, LayerIo::Gpu(io))?;
+            attn.forward_layer(meta, layer, LayerIo::Gpu(io))?;
             attn.check_status()?;
             let got = download(&stream, &out);
             let tokens: Vec<f64> = got[..step.nt * hq * d].iter().map(|x| x.to_f32() as f64).collect();
@@ -156,6 +187,16 @@ fn cases() -> Vec<(String, Box<dyn FnOnce() -> TestResult + Send>)> {
         LayerSpec::decoder(AttnOptions { softcap: Some(5.0), ..o(64) }),
     ];
     v.push(("per_layer_alibi_sinks_scale_d64".into(), Box::new(move || layers_case::<f16>(shape(4, 4, 64), mixed, decoder_steps(), 6))));
+    for (d, hq, hkv) in [(64, 8, 2), (128, 4, 4), (256, 16, 2)] {
+        v.push((
+            format!("encoder_decoder_cross_attention_d{d}_{hq}q{hkv}kv"),
+            Box::new(move || schedule_case::<bf16>(shape(hq, hkv, d), enc_dec_layers(d), enc_dec_schedule(), 7)),
+        ));
+    }
+    v.push((
+        "encoder_decoder_cross_attention_d128_f16".into(),
+        Box::new(|| schedule_case::<f16>(shape(8, 2, 128), enc_dec_layers(128), enc_dec_schedule(), 8)),
+    ));
     v.push(("refusals".into(), Box::new(refusals)));
     v
 }

@@ -2,10 +2,14 @@
 //! block tables, steps ordered decodes first, random per-layer Q/K/V rows with padding past the
 //! step's tokens, and a reference written here (each request's keys and values per cache-owning
 //! layer, attention token by token in f64) for every [`LayerSpec`] setting: decoder or
-//! encoder-only, window, chunks, symmetric window, soft-cap, ALiBi, sinks, scale, KV sharing.
+//! encoder-only, window, chunks, symmetric window, soft-cap, ALiBi, sinks, scale, KV sharing;
+//! and encoder-decoder models: encoder steps of whole requests, then decoder steps whose
+//! cross-attention layers read the encoder's keys through a step of their own
+//! ([`Engine::cross_step`]).
 
 use attn_rs::forward::{AttentionType, LayerSpec};
 use attn_rs::metadata::StepInput;
+use attn_rs::AttnOptions;
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -81,6 +85,8 @@ pub struct Engine {
     free: Vec<i32>,
     reqs: HashMap<usize, Req>,
     round: fn(f32) -> f32,
+    /// Each decoder request's encoder request (encoder-decoder models).
+    pub encoder_of: HashMap<usize, usize>,
 }
 
 impl Engine {
@@ -91,7 +97,7 @@ impl Engine {
         free.shuffle(&mut rng);
         let slopes = (0..shape.hq).map(|h| 0.5f32.powi(h as i32 % 4 + 1)).collect();
         let sinks = (0..shape.hq).map(|_| rng.random_range(-1.0..2.0)).collect();
-        Engine { shape, layers, slopes, sinks, rng, free, reqs: HashMap::new(), round }
+        Engine { shape, layers, slopes, sinks, rng, free, reqs: HashMap::new(), round, encoder_of: HashMap::new() }
     }
 
     /// The step of `(request id, query tokens)` pairs: decodes (one token) first, blocks taken
@@ -119,6 +125,20 @@ impl Engine {
         Step { order, qsl, seq_lens, block_table, stride, slots, nt }
     }
 
+    /// The cross-attention step of decoder step `step`: the same query tokens, each request's
+    /// encoder length and encoder blocks, no slots (cross-attention writes nothing).
+    pub fn cross_step(&self, step: &Step) -> Step {
+        let enc = |id: &usize| &self.reqs[&self.encoder_of[id]];
+        let seq_lens = step.order.iter().map(|(id, _)| enc(id).len as i32).collect();
+        let stride = step.order.iter().map(|(id, _)| enc(id).blocks.len()).max().unwrap_or(0) + 1;
+        let mut block_table = vec![-7; step.order.len() * stride];
+        for (i, (id, _)) in step.order.iter().enumerate() {
+            block_table[i * stride..][..enc(id).blocks.len()].copy_from_slice(&enc(id).blocks);
+        }
+        let slots = vec![-1; step.nt];
+        Step { order: step.order.clone(), qsl: step.qsl.clone(), seq_lens, block_table, stride, slots, nt: step.nt }
+    }
+
     /// Random inputs of one layer for `step`.
     pub fn data(&mut self, step: &Step) -> LayerData {
         let (rows, s) = (step.rows(), &self.shape);
@@ -137,6 +157,18 @@ impl Engine {
         let mut out = vec![0.0; step.nt * hq * d];
         for (b, &(id, q)) in step.order.iter().enumerate() {
             let t0 = step.qsl[b] as usize;
+            let cross = spec.attn_type == AttentionType::EncoderDecoder;
+            if cross {
+                let e = &self.reqs[&self.encoder_of[&id]];
+                let (keys, values) = (&e.k[&owner], &e.v[&owner]);
+                for i in 0..q {
+                    // No position relates a decoder query to the encoder's keys: all are seen.
+                    let qv = row(&data.q, t0 + i, hq * d);
+                    let o = token(&spec, &qv, keys, values, 0, (hq, hkv, d), &self.slopes, &self.sinks);
+                    out[(t0 + i) * hq * d..(t0 + i + 1) * hq * d].copy_from_slice(&o);
+                }
+                continue;
+            }
             let r = self.reqs.get_mut(&id).unwrap();
             let (keys, values): (Vec<Vec<f64>>, Vec<Vec<f64>>) = if spec.attn_type == AttentionType::EncoderOnly {
                 ((t0..t0 + q).map(|t| row(&data.k, t, hkv * d)).collect(), (t0..t0 + q).map(|t| row(&data.v, t, hkv * d)).collect())
@@ -161,6 +193,22 @@ impl Engine {
         out
     }
 
+    /// Layer `layer`'s cache takes `data`'s keys and values at `step`'s tokens without
+    /// attending (`Attention::write_kv`).
+    pub fn write(&mut self, step: &Step, layer: usize, data: &LayerData) {
+        let w = self.shape.hkv * self.shape.d;
+        let row = |buf: &[f32], t: usize| buf[t * w..(t + 1) * w].iter().map(|&x| x as f64).collect::<Vec<f64>>();
+        for (b, &(id, q)) in step.order.iter().enumerate() {
+            let t0 = step.qsl[b] as usize;
+            let r = self.reqs.get_mut(&id).unwrap();
+            let (ks, vs) = (r.k.entry(layer).or_default(), r.v.entry(layer).or_default());
+            ks.truncate(r.len);
+            vs.truncate(r.len);
+            ks.extend((t0..t0 + q).map(|t| row(&data.k, t)));
+            vs.extend((t0..t0 + q).map(|t| row(&data.v, t)));
+        }
+    }
+
     /// After every layer of `step` ran: the requests' lengths advance (encoder-only steps hold
     /// whole requests, which end with the step).
     pub fn finish(&mut self, step: &Step) {
@@ -181,6 +229,7 @@ impl Engine {
 fn visible(spec: &LayerSpec, t: usize, pos: usize) -> bool {
     let o = &spec.opts;
     let causal = spec.attn_type == AttentionType::Decoder;
+    // Cross-attention has no window of either kind (the layer check refuses them).
     (!causal || t <= pos)
         && o.window.is_none_or(|w| t + w as usize > pos)
         && o.chunk_size.is_none_or(|c| t / c as usize == pos / c as usize)
@@ -229,4 +278,81 @@ fn token(
         }
     }
     out
+}
+
+/// A step of an encoder-decoder schedule.
+pub enum EncDecStep {
+    /// Whole requests through the encoder layers: `(request id, its encoder tokens)`.
+    Encoder(Vec<(usize, usize)>),
+    /// Decoder requests `(request id, query tokens)` through the decoder and cross-attention
+    /// layers; `encoder_of` pairs each new decoder request with its encoder request.
+    Decoder { pairs: Vec<(usize, usize)>, encoder_of: Vec<(usize, usize)> },
+}
+
+impl EncDecStep {
+    /// A step of `pairs` through `layers` of one kind: an encoder step when they are all
+    /// encoder(-only) layers, else a decoder step.
+    pub fn for_layers(layers: &[LayerSpec], pairs: &[(usize, usize)]) -> Self {
+        let encoder = |l: &LayerSpec| matches!(l.attn_type, AttentionType::Encoder | AttentionType::EncoderOnly);
+        match layers.iter().all(encoder) {
+            true => EncDecStep::Encoder(pairs.to_vec()),
+            false => EncDecStep::Decoder { pairs: pairs.to_vec(), encoder_of: Vec::new() },
+        }
+    }
+
+    pub fn pairs(&self) -> &[(usize, usize)] {
+        match self {
+            EncDecStep::Encoder(p) | EncDecStep::Decoder { pairs: p, .. } => p,
+        }
+    }
+
+    /// The cross-attention layers whose own caches this step fills (`Attention::write_kv`):
+    /// those of an encoder step.
+    pub fn writes(&self, layers: &[LayerSpec]) -> Vec<usize> {
+        let own = |l: &LayerSpec| l.attn_type == AttentionType::EncoderDecoder && l.kv_sharing_target.is_none();
+        match self {
+            EncDecStep::Encoder(_) => (0..layers.len()).filter(|&i| own(&layers[i])).collect(),
+            EncDecStep::Decoder { .. } => Vec::new(),
+        }
+    }
+
+    /// The layers this step runs: the encoders', or the decoders' and cross-attention's.
+    pub fn layers(&self, layers: &[LayerSpec]) -> Vec<usize> {
+        let encoder = matches!(self, EncDecStep::Encoder(_));
+        let runs = |t: AttentionType| matches!(t, AttentionType::Encoder | AttentionType::EncoderOnly) == encoder;
+        (0..layers.len()).filter(|&i| runs(layers[i].attn_type)).collect()
+    }
+}
+
+/// A Whisper-like stack at head size `d`: two encoder layers (one with a symmetric window and
+/// a soft-cap), then decoder self-attention, cross-attention to each encoder layer's cache (one
+/// with a soft-cap and sinks), and a cross-attention layer with a cache of its own (filled in
+/// the encoder steps: Whisper's decoder layers each project the encoder's output).
+pub fn enc_dec_layers(d: usize) -> Vec<LayerSpec> {
+    let o = AttnOptions::new(d);
+    vec![
+        LayerSpec::encoder(o),
+        LayerSpec::encoder(AttnOptions { symmetric_window: Some(9), softcap: Some(20.0), ..o }),
+        LayerSpec::decoder(o),
+        LayerSpec::cross_attention(o, 0),
+        LayerSpec::decoder(AttnOptions { window: Some(6), ..o }),
+        LayerSpec { sinks: true, ..LayerSpec::cross_attention(AttnOptions { softcap: Some(30.0), ..o }, 1) },
+        LayerSpec::decoder(o),
+        LayerSpec::cross_attention_own(AttnOptions { softmax_scale: 0.3 / (d as f32).sqrt(), ..o }),
+    ]
+}
+
+/// Encoder passes of odd lengths, one token and a long one, decoder prompts (at most their
+/// encoder's length), decodes beside them, and a late request whose encoder runs while others
+/// decode.
+pub fn enc_dec_schedule() -> Vec<EncDecStep> {
+    use EncDecStep::{Decoder, Encoder};
+    vec![
+        Encoder(vec![(100, 37), (101, 1), (102, 150)]),
+        Decoder { pairs: vec![(0, 5), (1, 1), (2, 17)], encoder_of: vec![(0, 100), (1, 101), (2, 102)] },
+        Decoder { pairs: vec![(0, 1), (1, 1), (2, 1)], encoder_of: vec![] },
+        Encoder(vec![(103, 64)]),
+        Decoder { pairs: vec![(0, 1), (2, 1), (3, 9)], encoder_of: vec![(3, 103)] },
+        Decoder { pairs: vec![(3, 1), (1, 1), (0, 1), (2, 1)], encoder_of: vec![] },
+    ]
 }

@@ -4,9 +4,11 @@
 //! and scales; each against the reference of `tests/common/layer_steps.rs`, and the refusals of
 //! bad specs and bad layer calls, each naming its argument and value.
 
-use crate::layer_steps::{Engine, Shape, Step};
+use crate::layer_steps::{enc_dec_layers, enc_dec_schedule, EncDecStep, Engine, Shape, Step};
 use attn_rs::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig};
-use attn_rs::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, LayerIo, LayerSpec, NewKv, StepMetadata};
+use attn_rs::forward::{
+    Attention, AttentionType, CpuLayer, ForwardConfig, ForwardLimits, KvCacheWrite, KvWriteIo, LayerIo, LayerSpec, NewKv, StepMetadata,
+};
 use attn_rs::{AttnError, AttnOptions, DType, KvLayout, RowsDesc};
 
 const POISON: f32 = 7.0;
@@ -25,20 +27,31 @@ fn attention(shape: &Shape, layers: Vec<LayerSpec>) -> attn_rs::Result<Attention
     Attention::new(&selection, ForwardConfig::new(model, shape.num_blocks, limits()).with_layers(layers), None)
 }
 
-/// Every layer of one step through `forward_layer`; the caches of the layers that own one.
-fn run_step(engine: &mut Engine, attn: &mut Attention, meta: &StepMetadata, step: &Step, caches: &mut [Vec<f32>], label: &str) {
+/// The layers `which` of one step through `forward_layer` (cross-attention layers with
+/// `cross`, the step's cross-attention metadata); the caches of the layers that own one.
+fn run_step(
+    engine: &mut Engine,
+    attn: &mut Attention,
+    (meta, cross): (&StepMetadata, Option<&StepMetadata>),
+    step: &Step,
+    caches: &mut [Vec<f32>],
+    (label, which): (&str, &[usize]),
+) {
     let s = engine.shape.clone();
     let rows = step.rows();
-    for layer in 0..engine.layers.len() {
+    for &layer in which {
         let spec = engine.layers[layer];
+        let meta = if spec.attn_type == AttentionType::EncoderDecoder { cross.expect("a cross-attention step") } else { meta };
         let data = engine.data(step);
         let want = engine.reference(step, layer, &data);
         let out_rows = RowsDesc::contiguous(rows, s.hq, s.d);
         let kv_rows = RowsDesc::contiguous(rows, s.hkv, s.d);
         let mut out = vec![POISON; out_rows.required_len()];
-        let new_kv = match spec.kv_sharing_target {
-            Some(_) => NewKv::None,
-            None => NewKv::Standard { k: data.k.as_slice().into(), k_rows: kv_rows, v: data.v.as_slice().into(), v_rows: kv_rows },
+        // Layers that read a cache written before take no new K/V.
+        let reads_only = spec.kv_sharing_target.is_some() || spec.attn_type == AttentionType::EncoderDecoder;
+        let new_kv = match reads_only {
+            true => NewKv::None,
+            false => NewKv::Standard { k: data.k.as_slice().into(), k_rows: kv_rows, v: data.v.as_slice().into(), v_rows: kv_rows },
         };
         let owner = spec.kv_sharing_target.unwrap_or(layer);
         let io = CpuLayer {
@@ -63,16 +76,39 @@ fn run_step(engine: &mut Engine, attn: &mut Attention, meta: &StepMetadata, step
 
 /// `steps` through every layer, each checked against the reference.
 fn run(shape: Shape, layers: Vec<LayerSpec>, steps: &[Vec<(usize, usize)>], label: &str) {
+    let schedule: Vec<EncDecStep> = steps.iter().map(|p| EncDecStep::for_layers(&layers, p)).collect();
+    run_schedule(shape, layers, &schedule, label)
+}
+
+/// A schedule of steps: encoder steps run the encoder layers over whole requests (an
+/// encoder's writing its cache); decoder steps run the decoder layers, and the
+/// cross-attention layers through the step's cross-attention metadata.
+fn run_schedule(shape: Shape, layers: Vec<LayerSpec>, schedule: &[EncDecStep], label: &str) {
     let mut attn = attention(&shape, layers.clone()).unwrap_or_else(|e| panic!("{label}: {e}"));
-    let mut meta = attn.new_step_metadata().unwrap();
+    let (mut meta, mut cross) = (attn.new_step_metadata().unwrap(), attn.new_step_metadata().unwrap());
     let n = attn.cache_spec().num_elements();
-    let mut caches: Vec<Vec<f32>> =
-        layers.iter().map(|l| if l.kv_sharing_target.is_none() && l.attn_type.uses_cache() { vec![0.0; n] } else { Vec::new() }).collect();
-    let mut engine = Engine::new(shape.clone(), layers, 0x1a7e5, |x| x);
-    for (i, pairs) in steps.iter().enumerate() {
-        let step = engine.step(pairs);
-        meta.build(&step.input(&shape)).unwrap_or_else(|e| panic!("{label} step {i}: {e}"));
-        run_step(&mut engine, &mut attn, &meta, &step, &mut caches, &format!("{label} step {i}"));
+    let owns = |l: &LayerSpec| l.kv_sharing_target.is_none() && l.attn_type.uses_cache();
+    let mut caches: Vec<Vec<f32>> = layers.iter().map(|l| if owns(l) { vec![0.0; n] } else { Vec::new() }).collect();
+    let has_cross = layers.iter().any(|l| l.attn_type == AttentionType::EncoderDecoder);
+    let mut engine = Engine::new(shape.clone(), layers.clone(), 0x1a7e5, |x| x);
+    for (i, st) in schedule.iter().enumerate() {
+        let step = engine.step(st.pairs());
+        let label = format!("{label} step {i}");
+        meta.build(&step.input(&shape)).unwrap_or_else(|e| panic!("{label}: {e}"));
+        if let (EncDecStep::Decoder { encoder_of, .. }, true) = (st, has_cross) {
+            engine.encoder_of.extend(encoder_of.iter().copied());
+            cross.build(&engine.cross_step(&step).input(&shape)).unwrap_or_else(|e| panic!("{label} (cross): {e}"));
+        }
+        for layer in st.writes(&layers) {
+            let data = engine.data(&step);
+            engine.write(&step, layer, &data);
+            let kv_rows = RowsDesc::contiguous(step.rows(), shape.hkv, shape.d);
+            let new_kv = NewKv::Standard { k: data.k.as_slice().into(), k_rows: kv_rows, v: data.v.as_slice().into(), v_rows: kv_rows };
+            let w = KvCacheWrite { new_kv, cache: caches[layer].as_mut_slice().into(), kv_scales: None };
+            attn.write_kv(&meta, layer, KvWriteIo::Cpu(w)).unwrap_or_else(|e| panic!("{label} write_kv {layer}: {e}"));
+        }
+        let which = st.layers(&layers);
+        run_step(&mut engine, &mut attn, (&meta, Some(&cross)), &step, &mut caches, (&label, &which));
     }
 }
 
@@ -164,6 +200,12 @@ fn encoder_only_layers_are_bidirectional() {
     }
 }
 
+#[test]
+fn encoder_decoder_cross_attention() {
+    run_schedule(shape(8, 2, 64), enc_dec_layers(64), &enc_dec_schedule(), "enc-dec gqa4");
+    run_schedule(shape(4, 4, 32), enc_dec_layers(32), &enc_dec_schedule(), "enc-dec mha d32");
+}
+
 fn arg_of<T>(r: attn_rs::Result<T>) -> (String, String) {
     match r {
         Err(AttnError::InvalidArgument { arg, reason }) => (arg.to_string(), reason),
@@ -189,6 +231,15 @@ fn bad_layer_specs_are_refused_naming_the_layer_and_value() {
         (vec![LayerSpec::encoder_only(AttnOptions { chunk_size: Some(8), ..d })], "chunk_size Some(8) on an encoder-only"),
         (vec![LayerSpec::decoder(AttnOptions { softmax_scale: f32::NAN, ..d })], "softmax_scale NaN"),
         (vec![LayerSpec::decoder(AttnOptions { softcap: Some(-1.0), ..d })], "softcap -1"),
+        // Encoder-decoder models.
+        (vec![LayerSpec::encoder(AttnOptions { window: Some(4), ..d })], "window Some(4) on an encoder layer"),
+        (vec![LayerSpec::decoder(d), LayerSpec::cross_attention(d, 0)], "of kind decoder, but layers of kind encoder-decoder"),
+        (vec![LayerSpec::encoder(d), LayerSpec::decoder(d).sharing_kv_of(0)], "of kind encoder, but layers of kind decoder"),
+        (vec![LayerSpec::encoder_only(d), LayerSpec::cross_attention(d, 0)], "encoder-only layer, which keeps no cache"),
+        (vec![LayerSpec::encoder(d), LayerSpec::encoder(d).sharing_kv_of(0)], "on an encoder layer, which reads no cache"),
+        (vec![LayerSpec::encoder(d), LayerSpec::cross_attention(AttnOptions { window: Some(8), ..d }, 0)], "no position"),
+        (vec![LayerSpec::encoder(d), LayerSpec { alibi: true, ..LayerSpec::cross_attention(d, 0) }], "ALiBi true"),
+        (vec![LayerSpec::cross_attention(d, 0)], "kv_sharing_target 0 is not an earlier layer"),
     ];
     for (layers, needle) in cases {
         let (arg, reason) = arg_of(attention(&s, layers.clone()));
@@ -214,6 +265,8 @@ fn bad_layer_specs_are_refused_naming_the_layer_and_value() {
     let sel = select_backend_no_env(&mla, &DeviceInfo::no_gpu(), None).unwrap();
     for spec in [
         LayerSpec::encoder_only(opts(576)),
+        LayerSpec::encoder(opts(576)),
+        LayerSpec::cross_attention(opts(576), 0),
         LayerSpec::decoder(AttnOptions { chunk_size: Some(64), ..opts(576) }),
         LayerSpec::decoder(opts(576)).sharing_kv_of(0),
     ] {
@@ -285,6 +338,66 @@ fn bad_layer_calls_are_refused_before_anything_is_written() {
     meta.build(&step.input(&s)).unwrap();
     let (arg, reason) = arg_of(call(&mut attn, &meta, Some(2), true, &mut Vec::new(), &mut out));
     assert!(arg == "step" && reason.contains("request 0 has seq_len 2 but 1 query tokens"), "{reason}");
+}
+
+#[test]
+fn bad_cross_attention_calls_are_refused() {
+    let s = shape(4, 2, 64);
+    let d = opts(64);
+    let layers = vec![LayerSpec::encoder(d), LayerSpec::cross_attention_own(d), LayerSpec::cross_attention(d, 0)];
+    let mut attn = attention(&s, layers.clone()).unwrap();
+    let mut meta = attn.new_step_metadata().unwrap();
+    let mut engine = Engine::new(s.clone(), layers, 5, |x| x);
+    let step = engine.step(&[(0, 5), (1, 9)]);
+    meta.build(&step.input(&s)).unwrap();
+    let n = attn.cache_spec().num_elements();
+    let mut cache = vec![0f32; n];
+    let data = engine.data(&step);
+    let rows = step.rows();
+    let (q_rows, kv_rows) = (RowsDesc::contiguous(rows, 4, 64), RowsDesc::contiguous(rows, 2, 64));
+    let write = |attn: &mut Attention, layer: usize, kv: bool, cache: &mut Vec<f32>| {
+        let new_kv = match kv {
+            true => NewKv::Standard { k: data.k.as_slice().into(), k_rows: kv_rows, v: data.v.as_slice().into(), v_rows: kv_rows },
+            false => NewKv::None,
+        };
+        attn.write_kv(&meta, layer, KvWriteIo::Cpu(KvCacheWrite { new_kv, cache: cache.as_mut_slice().into(), kv_scales: None }))
+    };
+    // Only a cross-attention layer with a cache of its own takes write_kv.
+    for (layer, needle) in [(0, "an encoder layer"), (2, "reading layer 0's cache"), (3, "3 layers")] {
+        let (arg, reason) = arg_of(write(&mut attn, layer, true, &mut cache));
+        assert!(arg == "layer" && reason.contains(needle), "{arg}: {reason}");
+    }
+    assert_eq!(arg_of(write(&mut attn, 1, false, &mut cache)).0, "new_kv");
+    let (arg, reason) = arg_of(write(&mut attn, 1, true, &mut Vec::new()));
+    assert!(arg == "cache" && reason.contains("smaller than the layout"), "{reason}");
+    assert!(cache.iter().all(|&x| x == 0.0), "a refused write wrote");
+    // Reading its own cache before anything was written there.
+    let mut out = vec![POISON; rows * 4 * 64];
+    let mut read = |attn: &mut Attention, cache: &mut Vec<f32>, kv: bool| {
+        let new_kv = match kv {
+            true => NewKv::Standard { k: data.k.as_slice().into(), k_rows: kv_rows, v: data.v.as_slice().into(), v_rows: kv_rows },
+            false => NewKv::None,
+        };
+        let io = CpuLayer {
+            q: data.q.as_slice().into(),
+            q_rows,
+            new_kv,
+            cache: cache.as_mut_slice().into(),
+            out: out.as_mut_slice().into(),
+            out_rows: q_rows,
+            alibi_slopes: None,
+            sinks: None,
+            kv_scales: None,
+        };
+        attn.forward_layer(&meta, 1, LayerIo::Cpu(io))
+    };
+    let (arg, reason) = arg_of(read(&mut attn, &mut cache, false));
+    assert!(arg == "cache" && reason.contains("write_kv has not filled"), "{reason}");
+    write(&mut attn, 1, true, &mut cache).unwrap();
+    let (arg, reason) = arg_of(read(&mut attn, &mut vec![0f32; n], false));
+    assert!(arg == "cache" && reason.contains("was written at"), "{reason}");
+    assert_eq!(arg_of(read(&mut attn, &mut cache, true)).0, "new_kv");
+    read(&mut attn, &mut cache, false).unwrap();
 }
 
 #[test]

@@ -6,12 +6,12 @@ use super::cpu_exec::forward_cpu;
 use super::gpu_exec::GpuExec;
 use super::graph::{capture_stream, Capture, StepGraph};
 use super::graph_plan::GraphBucket;
-use super::io::{CacheSpec, LayerIo};
+use super::io::{CacheSpec, KvWriteIo, LayerIo};
 use super::kv_sharing::CacheOwners;
-use super::layers::LayerSpec;
+use super::layers::{AttentionType, LayerSpec};
 use super::step::StepMetadata;
 use super::timing::{PhaseTimes, Timer};
-use super::validate::{validate_layer, Buf};
+use super::validate::{validate_layer, validate_write, Buf};
 use crate::backend::{refusal_reasons, BackendSpec, DeviceInfo, GraphSupport, Selection, CPU, MLA, TENSOR_CORE};
 use crate::device::AttnDevice;
 use crate::error::{ensure, AttnError, Result};
@@ -55,7 +55,8 @@ pub struct Attention {
 fn track_cache(owners: &mut CacheOwners, index: usize, ls: &LayerSpec, addr: u64) -> Result<()> {
     match ls.kv_sharing_target {
         Some(target) => owners.check(index, target, addr),
-        None if ls.attn_type.uses_cache() => {
+        None if ls.attn_type == AttentionType::EncoderDecoder => owners.check_own(index, addr),
+        None if ls.attn_type.writes_cache() => {
             owners.record(index, addr);
             Ok(())
         }
@@ -252,7 +253,13 @@ impl Attention {
     ///   cache buffer its target layer was given in its last call, which must come first;
     /// - an encoder-only layer attends each request's own new K/V, bidirectionally (within its
     ///   symmetric window), and writes no cache: every request of the step must be whole
-    ///   (`seq_len` = its query tokens).
+    ///   (`seq_len` = its query tokens);
+    /// - an encoder layer does the same and also writes its new K/V into its cache at the
+    ///   step's slots;
+    /// - a cross-attention layer (encoder-decoder) writes nothing and attends, non-causally,
+    ///   every key of each request's encoder sequence in the cache its encoder layer was given:
+    ///   its `step` is built over that cache (`seq_lens` the encoder lengths, the encoder's block
+    ///   tables, query tokens the decoder's).
     ///
     /// Errors: as `forward`, and `layer` past the config's list, naming both.
     pub fn forward_layer(&mut self, step: &StepMetadata, layer: usize, io: LayerIo<'_>) -> Result<()> {
@@ -287,6 +294,46 @@ impl Attention {
                 format!(
                     "tensors in {} memory, but backend \"{}\" takes {} tensors",
                     layer.location(),
+                    self.backend.name,
+                    if self.runs_on_gpu() { "GPU" } else { "host" }
+                ),
+            )),
+        }
+    }
+
+    /// Writes `step`'s new keys and values into the cache of layer `layer`, a cross-attention
+    /// layer with a cache of its own ([`LayerSpec::cross_attention_own`]), at the step's slots,
+    /// and attends nothing: the encoder-decoder models whose every decoder layer projects the
+    /// encoder's output into keys and values of its own (Whisper, BART) fill each such cache
+    /// once per request, in the encoder's step (built over the encoder tokens, the encoder
+    /// blocks' slots). The layer's `forward_layer` then reads that cache.
+    ///
+    /// Errors: another kind of layer (`layer`), `NewKv::None` (`new_kv`), and what
+    /// `forward_layer` refuses of `new_kv`, `cache` and `kv_scales`. Not inside a
+    /// [`capture`](Self::capture).
+    pub fn write_kv(&mut self, step: &StepMetadata, layer: usize, io: KvWriteIo<'_>) -> Result<()> {
+        ensure(step.owner == self.id, "step", || "was made by another Attention (use its new_step_metadata)".into())?;
+        self.refuse_while_capturing()?;
+        let ls = self.config.layer(layer)?;
+        match (&mut self.exec, io) {
+            (Exec::Cpu, KvWriteIo::Cpu(w)) => {
+                validate_write(&self.config, (layer, &ls), &self.spec, step, &w)?;
+                self.cache_owners.record(layer, w.cache.buf_addr());
+                super::cpu_exec::write_cpu(&self.config, &self.spec, step, w)
+            }
+            (Exec::Gpu(g), KvWriteIo::Gpu(w)) => {
+                refuse_foreign_capture(&g.stream, "stream", "another Attention's write_kv")?;
+                validate_write(&self.config, (layer, &ls), &self.spec, step, &w)?;
+                self.cache_owners.record(layer, w.cache.buf_addr());
+                match &self.spec {
+                    CacheSpec::Paged(spec) => g.write_kv(spec, step, w),
+                    CacheSpec::Mla(_) => Err(AttnError::invalid("layer", "MLA layers write their cache in forward_layer")),
+                }
+            }
+            (_, _) => Err(AttnError::invalid(
+                "io",
+                format!(
+                    "tensors in the wrong memory for backend \"{}\" (it takes {} tensors)",
                     self.backend.name,
                     if self.runs_on_gpu() { "GPU" } else { "host" }
                 ),

@@ -10,7 +10,7 @@
 
 use super::config::ForwardConfig;
 use super::host_buf::{HostElement, HostIn, HostOut};
-use super::io::{CacheSpec, CpuLayer, Layer, NewKv};
+use super::io::{CacheSpec, CpuLayer, KvCacheWrite, Layer, NewKv};
 use super::layers::{AttentionType, LayerSpec};
 use super::step::StepMetadata;
 use super::timing::Timer;
@@ -42,6 +42,37 @@ pub(crate) fn forward_cpu(
         (DType::F32, true) => run::<f32, Fp8E4m3>(ls, spec, step, layer, timer),
         (other, _) => Err(AttnError::UnsupportedDType { arg: "q", dtype: other, reason: "queries are f16, bf16 or f32" }),
     }
+}
+
+/// A validated [`Attention::write_kv`](super::Attention::write_kv) on the CPU.
+pub(crate) fn write_cpu(
+    config: &ForwardConfig,
+    spec: &CacheSpec,
+    step: &StepMetadata,
+    w: KvCacheWrite<HostIn<'_>, HostOut<'_>>,
+) -> Result<()> {
+    let fp8 = config.model.cache_dtype == DType::Fp8E4m3;
+    match (config.model.q_dtype, fp8) {
+        (DType::F16, false) => write::<f16, f16>(spec, step, w),
+        (DType::BF16, false) => write::<bf16, bf16>(spec, step, w),
+        (DType::F32, false) => write::<f32, f32>(spec, step, w),
+        (DType::F16, true) => write::<f16, Fp8E4m3>(spec, step, w),
+        (DType::BF16, true) => write::<bf16, Fp8E4m3>(spec, step, w),
+        (DType::F32, true) => write::<f32, Fp8E4m3>(spec, step, w),
+        (other, _) => Err(AttnError::UnsupportedDType { arg: "new_kv", dtype: other, reason: "keys are f16, bf16 or f32" }),
+    }
+}
+
+fn write<T: HostElement, C: HostElement>(spec: &CacheSpec, step: &StepMetadata, w: KvCacheWrite<HostIn<'_>, HostOut<'_>>) -> Result<()> {
+    let KvCacheWrite { new_kv, mut cache, kv_scales } = w;
+    let (NewKv::Standard { k, k_rows, v, v_rows }, CacheSpec::Paged(s)) = (&new_kv, spec) else {
+        return Err(AttnError::invalid("new_kv", "write_kv takes standard K/V (NewKv::Standard) for a paged cache"));
+    };
+    let nt = step.num_actual_tokens();
+    let (k_rows, v_rows) = (RowsDesc { num_tokens: nt, ..*k_rows }, RowsDesc { num_tokens: nt, ..*v_rows });
+    let (k, v) = (typed_in::<T>(k, "k")?, typed_in::<T>(v, "v")?);
+    let scales = scale_values(kv_scales.as_ref())?;
+    check_report(cpu::reshape_and_cache(k, k_rows, v, v_rows, step.host_slot_mapping(), typed_out::<C>(&mut cache, "cache")?, s, scales)?)
 }
 
 /// The layer's (k, v) scales: one f32 each.
@@ -84,11 +115,15 @@ fn run<T: HostElement, C: HostElement>(
     let slots = step.host_slot_mapping();
 
     let start = timer.mark(None)?;
-    if ls.attn_type == AttentionType::EncoderOnly {
+    if ls.attn_type.attends_new_kv() {
         let NewKv::Standard { k, k_rows, v, v_rows } = &new_kv else {
-            return Err(AttnError::invalid("new_kv", "an encoder-only layer attends its new K/V (NewKv::Standard)"));
+            return Err(AttnError::invalid("new_kv", format!("an {} layer attends its new K/V (NewKv::Standard)", ls.attn_type)));
         };
         let (k, v) = (typed_in::<T>(k, "k")?, typed_in::<T>(v, "v")?);
+        if let (true, CacheSpec::Paged(s)) = (ls.attn_type.writes_cache(), spec) {
+            let (k_rows, v_rows) = (RowsDesc { num_tokens: nt, ..*k_rows }, RowsDesc { num_tokens: nt, ..*v_rows });
+            check_report(cpu::reshape_and_cache(k, k_rows, v, v_rows, slots, cache, s, scales)?)?;
+        }
         let written = timer.mark(None)?;
         let res = encoder_only(step, &ls.opts, (q, q_rows), (k, *k_rows), (v, *v_rows), (alibi, sinks))?;
         store(out, &out_rows, 0, q_rows.num_heads, spec.v_head_size(), &res)?;
@@ -125,6 +160,26 @@ fn run<T: HostElement, C: HostElement>(
     let cache: &[C] = cache;
     let opts = ls.opts;
     let (hq, dv, ts) = (q_rows.num_heads, spec.v_head_size(), q_rows.token_stride);
+    if let (AttentionType::EncoderDecoder, CacheSpec::Paged(s)) = (ls.attn_type, spec) {
+        // Cross-attention: every query token against its request's whole encoder sequence.
+        let res = cpu::prefill(&PrefillRef {
+            q,
+            q_rows: RowsDesc { num_tokens: nt, ..q_rows },
+            kv: KvRef::Paged { cache, spec: *s, block_table: bt, block_table_stride: stride },
+            head_size_v: dv,
+            query_start_loc: step.query_start_loc(),
+            seq_lens: step.seq_lens(),
+            causal: false,
+            opts,
+            alibi_slopes: alibi,
+            sinks,
+            scales,
+        })?;
+        store(out, &out_rows, 0, hq, dv, &res)?;
+        let end = timer.mark(None)?;
+        timer.layer([start, written, end]);
+        return Ok(());
+    }
     // The requests of a chunk: their queries from token `first_token`, blocks from row `first_req`.
     let attend = |c: &Chunk| -> Result<DecodeResult> {
         let q = &q[(c.first_token * ts).min(q.len())..];
@@ -339,8 +394,8 @@ fn store<T: Element>(out: &mut [T], rows: &RowsDesc, first_token: usize, hq: usi
     Ok(())
 }
 
-/// An encoder-only layer: every request's queries against its own new K/V (the step holds each
-/// request whole: `seq_len` = its query tokens), bidirectional, nothing cached.
+/// An encoder(-only) layer's attention: every request's queries against its own new K/V (the
+/// step holds each request whole: `seq_len` = its query tokens), bidirectional.
 fn encoder_only<T: HostElement>(
     step: &StepMetadata,
     opts: &AttnOptions,

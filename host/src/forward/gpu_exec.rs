@@ -8,14 +8,14 @@ use super::config::ForwardConfig;
 use super::graph_plan::{GraphBucket, GraphPlanner};
 use super::held::Held;
 use super::io::CacheSpec;
-use super::io::{GpuLayer, Layer, NewKv};
+use super::io::{GpuLayer, KvCacheWrite, Layer, NewKv};
 use super::layers::{AttentionType, LayerSpec};
 use super::step::{DeviceStep, StepMetadata};
 use super::step_plan::{PlanKind, StepPlanner};
 use super::timing::Timer;
 use super::validate::Parts;
 use crate::batch::{DecodeBatch, DeviceBatch, PrefillBatch};
-use crate::buffer::{DevIn, KeepAlive};
+use crate::buffer::{DevIn, DevOut, KeepAlive};
 use crate::cache_write::{concat_and_cache_mla_from, reshape_and_cache_from, KvScales, KvWrite, MlaWrite};
 use crate::decode::{decode_tc_kernel, merge_attn_states_from, paged_decode_from, DecodeArgs, DecodeWorkspace, MergeArgs, PlanSource};
 use crate::device::AttnDevice;
@@ -206,8 +206,8 @@ impl GpuExec {
         layer: GpuLayer<'_>,
         timer: &mut Timer,
     ) -> Result<()> {
-        if ls.attn_type == AttentionType::EncoderOnly {
-            return self.forward_encoder_only(ls, step, layer, timer);
+        if ls.attn_type.attends_new_kv() {
+            return self.forward_encoder(ls, spec, step, layer, timer);
         }
         let views = StepViews::of(step, &self.stream)?;
         // The decode plan is already on the device: a graph step's (nothing is uploaded:
@@ -237,25 +237,17 @@ impl GpuExec {
 
         let start = timer.mark(Some(stream))?;
         if let Some((k, k_rows, v, v_rows)) = new_kv {
-            let write = KvWrite {
-                key: k,
-                key_rows: RowsDesc { num_tokens: nt, ..k_rows },
-                value: v,
-                value_rows: RowsDesc { num_tokens: nt, ..v_rows },
-                slot_mapping: views.slot_mapping(),
-                cache: cache.tail_mut(0),
-                spec: *spec,
-                scales: scales(),
-            };
+            let write = kv_write(spec, &views, (k, k_rows, v, v_rows), &mut cache, scales());
             reshape_and_cache_from(&self.dev, stream, write, &mut self.status)?;
         }
         let written = timer.mark(Some(stream))?;
 
         let cache = cache.as_input();
-        if ls.opts.chunk_size.is_some() {
-            // Chunked local attention: the decode kernels have no chunk mask, so the whole
-            // step, decodes included, is one prefill over the paged cache (a decode is a
-            // request of one query token).
+        if ls.opts.chunk_size.is_some() || ls.attn_type == AttentionType::EncoderDecoder {
+            // The decode kernels have no chunk mask, and they align a request's queries to
+            // the end of its keys, which cross-attention's queries are not: the whole step,
+            // decodes included, is one prefill over the paged cache (a decode is a request of
+            // one query token), causal for chunks, not across to the encoder.
             let n = step.num_reqs();
             if n > 0 && nt > 0 {
                 let part = views.decodes(n);
@@ -272,7 +264,7 @@ impl GpuExec {
                     scales: scales(),
                 };
                 let meta = DeviceBatch { seq_lens: part.seq_lens, query_start_loc: part.query_start_loc, key_start_loc: None };
-                let opts = PrefillOptions { attn: ls.opts, causal: true };
+                let opts = PrefillOptions { attn: ls.opts, causal: ls.attn_type.is_causal() };
                 prefill_from(&self.dev, stream, args, &batch, meta, &opts, &mut self.prefill_ws, &mut self.status)?;
             }
             let end = timer.mark(Some(stream))?;
@@ -422,22 +414,52 @@ impl GpuExec {
 }
 
 impl GpuExec {
-    /// An encoder-only layer: every request's queries against its own new K/V (packed rows,
-    /// `key_start_loc` = the step's `query_start_loc`), bidirectional, one prefill launch over
-    /// the whole step; no cache is read or written.
-    fn forward_encoder_only(&mut self, ls: &LayerSpec, step: &StepMetadata, layer: GpuLayer<'_>, timer: &mut Timer) -> Result<()> {
+    /// A validated [`Attention::write_kv`](super::Attention::write_kv): the step's new K/V
+    /// into the cache at the step's slots.
+    pub(crate) fn write_kv(&mut self, spec: &KvCacheSpec, step: &StepMetadata, w: KvCacheWrite<DevIn<'_>, DevOut<'_>>) -> Result<()> {
         let views = StepViews::of(step, &self.stream)?;
-        let Layer { q, q_rows, new_kv, mut out, out_rows, alibi_slopes, sinks, .. } = layer;
+        let KvCacheWrite { new_kv, mut cache, kv_scales } = w;
         let NewKv::Standard { k, k_rows, v, v_rows } = new_kv else {
-            return Err(AttnError::invalid("new_kv", "an encoder-only layer attends its new K/V (NewKv::Standard)"));
+            return Err(AttnError::invalid("new_kv", "write_kv takes standard K/V (NewKv::Standard) for a paged cache"));
+        };
+        check_aligned("k", k.ptr, k.dtype, &k_rows)?;
+        check_aligned("v", v.ptr, v.dtype, &v_rows)?;
+        ensure(cache.ptr.is_multiple_of(16), "cache", || format!("address {:#x} is not 16-byte aligned", cache.ptr))?;
+        let scales = kv_scales.as_ref().map(|(k, v)| KvScales { k: k.tail(0), v: v.tail(0) });
+        let write = kv_write(spec, &views, (k, k_rows, v, v_rows), &mut cache, scales);
+        reshape_and_cache_from(&self.dev, &self.stream, write, &mut self.status)
+    }
+
+    /// An encoder-only or encoder layer: every request's queries against its own new K/V
+    /// (packed rows, `key_start_loc` = the step's `query_start_loc`), bidirectional, one prefill
+    /// launch over the whole step. An encoder layer first writes the new K/V into its cache
+    /// (for the cross-attention layers); an encoder-only layer touches no cache.
+    fn forward_encoder(
+        &mut self,
+        ls: &LayerSpec,
+        spec: &KvCacheSpec,
+        step: &StepMetadata,
+        layer: GpuLayer<'_>,
+        timer: &mut Timer,
+    ) -> Result<()> {
+        let views = StepViews::of(step, &self.stream)?;
+        let Layer { q, q_rows, new_kv, mut cache, mut out, out_rows, alibi_slopes, sinks, kv_scales } = layer;
+        let NewKv::Standard { k, k_rows, v, v_rows } = new_kv else {
+            return Err(AttnError::invalid("new_kv", format!("an {} layer attends its new K/V (NewKv::Standard)", ls.attn_type)));
         };
         for (arg, b, rows) in [("q", &q, &q_rows), ("k", &k, &k_rows), ("v", &v, &v_rows)] {
             check_aligned(arg, b.ptr, b.dtype, rows)?;
         }
         check_aligned("out", out.ptr, out.dtype, &out_rows)?;
+        let start = timer.mark(Some(&self.stream))?;
+        if ls.attn_type.writes_cache() {
+            ensure(cache.ptr.is_multiple_of(16), "cache", || format!("address {:#x} is not 16-byte aligned", cache.ptr))?;
+            let scales = kv_scales.as_ref().map(|(k, v)| KvScales { k: k.tail(0), v: v.tail(0) });
+            let write = kv_write(spec, &views, (k.tail(0), k_rows, v.tail(0), v_rows), &mut cache, scales);
+            reshape_and_cache_from(&self.dev, &self.stream, write, &mut self.status)?;
+        }
+        let written = timer.mark(Some(&self.stream))?;
         let (stream, nt, n) = (&self.stream, views.num_tokens, step.num_reqs());
-        let start = timer.mark(Some(stream))?;
-        let written = timer.mark(Some(stream))?;
         if n > 0 && nt > 0 {
             let qsl = step.query_start_loc();
             let batch = PrefillBatch { query_start_loc: qsl, seq_lens: step.seq_lens(), key_start_loc: Some(qsl) };
@@ -629,4 +651,25 @@ fn check_aligned(arg: &'static str, ptr: u64, dtype: DType, rows: &RowsDesc) -> 
             rows.token_stride, rows.head_stride
         )
     })
+}
+
+/// The step's new K/V into `cache` at the step's slots, as `reshape_and_cache` takes them.
+fn kv_write<'a>(
+    spec: &KvCacheSpec,
+    views: &'a StepViews<'_>,
+    (k, k_rows, v, v_rows): (DevIn<'a>, RowsDesc, DevIn<'a>, RowsDesc),
+    cache: &'a mut DevOut<'_>,
+    scales: Option<KvScales<'a>>,
+) -> KvWrite<'a> {
+    let nt = views.num_tokens;
+    KvWrite {
+        key: k,
+        key_rows: RowsDesc { num_tokens: nt, ..k_rows },
+        value: v,
+        value_rows: RowsDesc { num_tokens: nt, ..v_rows },
+        slot_mapping: views.slot_mapping(),
+        cache: cache.tail_mut(0),
+        spec: *spec,
+        scales,
+    }
 }

@@ -94,6 +94,26 @@ impl LayerIo<'_> {
     }
 }
 
+/// A layer's new keys and values and the cache they go into, for
+/// [`Attention::write_kv`](super::Attention::write_kv) (a cross-attention layer's own cache,
+/// filled from the encoder's output once per request).
+pub struct KvCacheWrite<I, O> {
+    /// The step's keys and values, one row per token (`NewKv::Standard`).
+    pub new_kv: NewKv<I>,
+    /// The layer's paged cache.
+    pub cache: O,
+    /// The K and V scales of an FP8 cache (as [`Layer::kv_scales`]).
+    pub kv_scales: Option<(I, I)>,
+}
+
+/// A cache write where the chosen backend runs.
+pub enum KvWriteIo<'a> {
+    /// Device buffers, for the GPU backends.
+    Gpu(KvCacheWrite<DevIn<'a>, DevOut<'a>>),
+    /// Host slices, for the `cpu` backend.
+    Cpu(KvCacheWrite<HostIn<'a>, HostOut<'a>>),
+}
+
 /// The layout of every layer's cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CacheSpec {

@@ -19,6 +19,24 @@ impl CacheOwners {
         self.addrs[layer] = Some(addr);
     }
 
+    /// Cross-attention layer `layer`, which reads its own cache, was given the buffer at
+    /// `addr`.
+    ///
+    /// Errors (`cache`): nothing was written to its cache yet, or into another buffer.
+    pub(crate) fn check_own(&self, layer: usize, addr: u64) -> Result<()> {
+        match self.addrs.get(layer).copied().flatten() {
+            None => Err(AttnError::invalid(
+                "cache",
+                format!("layer {layer} reads its own cache, which write_kv has not filled yet (write the encoder's K/V first)"),
+            )),
+            Some(owned) if owned != addr => Err(AttnError::invalid(
+                "cache",
+                format!("layer {layer}'s cache was written at {owned:#x}, but it was given the buffer at {addr:#x}"),
+            )),
+            Some(_) => Ok(()),
+        }
+    }
+
     /// Layer `layer`, which reads layer `target`'s cache, was given the buffer at `addr`.
     ///
     /// Errors (`cache`): the target has not run yet, or was given another buffer.

@@ -21,6 +21,19 @@ pub enum AttentionType {
     /// nothing is cached. A [`symmetric_window`](AttnOptions::symmetric_window) limits it to
     /// the keys at most that many positions away.
     EncoderOnly,
+    /// The encoder of an encoder-decoder model: bidirectional self-attention over the step's
+    /// own tokens, as [`EncoderOnly`](Self::EncoderOnly), which also writes its new keys and
+    /// values into its paged cache at the step's slots, for the cross-attention layers that
+    /// read it in the decoder's later steps.
+    Encoder,
+    /// Encoder-decoder cross-attention: the decoder's query tokens attend, non-causally, to
+    /// every key of the request's encoder sequence, in the cache an [`Encoder`](Self::Encoder)
+    /// layer wrote (named by [`kv_sharing_target`](LayerSpec::kv_sharing_target)), or in its
+    /// own cache, which [`Attention::write_kv`](super::Attention::write_kv) fills. It writes
+    /// nothing in `forward_layer`. Its step is built over the encoder cache: each request's
+    /// `seq_len` is its encoder length and its block-table row the encoder's blocks (slots are
+    /// not used).
+    EncoderDecoder,
 }
 
 impl AttentionType {
@@ -29,9 +42,21 @@ impl AttentionType {
         matches!(self, AttentionType::Decoder)
     }
 
-    /// Whether the layer keeps a paged cache (writes its keys and values into one).
+    /// Whether the layer reads or writes a paged cache.
     pub fn uses_cache(self) -> bool {
-        matches!(self, AttentionType::Decoder)
+        !matches!(self, AttentionType::EncoderOnly)
+    }
+
+    /// Whether the layer writes its new keys and values into a cache of its own (then other
+    /// layers may read that cache).
+    pub fn writes_cache(self) -> bool {
+        matches!(self, AttentionType::Decoder | AttentionType::Encoder)
+    }
+
+    /// Whether it attends the step's own new keys and values (bidirectionally, each request
+    /// whole) rather than the cache.
+    pub fn attends_new_kv(self) -> bool {
+        matches!(self, AttentionType::EncoderOnly | AttentionType::Encoder)
     }
 }
 
@@ -40,6 +65,8 @@ impl fmt::Display for AttentionType {
         f.write_str(match self {
             AttentionType::Decoder => "decoder",
             AttentionType::EncoderOnly => "encoder-only",
+            AttentionType::Encoder => "encoder",
+            AttentionType::EncoderDecoder => "encoder-decoder (cross-attention)",
         })
     }
 }
@@ -47,7 +74,8 @@ impl fmt::Display for AttentionType {
 /// One layer's attention.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LayerSpec {
-    /// Decoder (causal, paged cache) or encoder-only (bidirectional, no cache).
+    /// Decoder (causal, paged cache), encoder-only (bidirectional, no cache), encoder
+    /// (bidirectional, writes its cache) or cross-attention (reads an encoder's cache).
     pub attn_type: AttentionType,
     /// Softmax scale, sliding window (causal layers), soft-cap, chunked local attention
     /// (`chunk_size`, causal layers) and symmetric window (encoder-only layers). A window or
@@ -59,7 +87,8 @@ pub struct LayerSpec {
     /// The layer takes attention sinks (`sinks`); the model must declare `features.sinks`.
     pub sinks: bool,
     /// KV sharing (vLLM's `kv_sharing_target_layer_name`): the index of an earlier decoder
-    /// layer whose cache this layer reads. It writes nothing: its `forward` takes
+    /// layer whose cache this layer reads, or for a cross-attention layer (required there) the
+    /// encoder layer whose cache it reads. It writes nothing: its `forward` takes
     /// [`NewKv::None`](super::NewKv::None) and that layer's cache buffer.
     pub kv_sharing_target: Option<usize>,
 }
@@ -73,6 +102,25 @@ impl LayerSpec {
     /// An encoder-only layer with `opts` (a `symmetric_window` or none).
     pub fn encoder_only(opts: AttnOptions) -> Self {
         LayerSpec { attn_type: AttentionType::EncoderOnly, ..LayerSpec::decoder(opts) }
+    }
+
+    /// An encoder layer of an encoder-decoder model with `opts` (a `symmetric_window` or
+    /// none): bidirectional, and it writes its cache.
+    pub fn encoder(opts: AttnOptions) -> Self {
+        LayerSpec { attn_type: AttentionType::Encoder, ..LayerSpec::decoder(opts) }
+    }
+
+    /// A cross-attention layer with `opts` (scale, soft-cap) reading the cache of encoder layer
+    /// `encoder`.
+    pub fn cross_attention(opts: AttnOptions, encoder: usize) -> Self {
+        LayerSpec { kv_sharing_target: Some(encoder), ..LayerSpec::cross_attention_own(opts) }
+    }
+
+    /// A cross-attention layer with `opts` reading a cache of its own, which
+    /// [`Attention::write_kv`](super::Attention::write_kv) fills with its projection of the
+    /// encoder's output (Whisper's and BART's decoder layers).
+    pub fn cross_attention_own(opts: AttnOptions) -> Self {
+        LayerSpec { attn_type: AttentionType::EncoderDecoder, ..LayerSpec::decoder(opts) }
     }
 
     /// The same layer reading layer `target`'s cache instead of writing its own.
@@ -139,9 +187,19 @@ pub(crate) fn check_layer(model: &ModelConfig, l: &LayerSpec) -> std::result::Re
     fail(!mla || (o.chunk_size.is_none() && o.window.is_none() && o.softcap.is_none() && !l.alibi && !l.sinks), &|| {
         "MLA layers take only a softmax scale (no window, chunks, soft-cap, ALiBi or sinks)".into()
     })?;
-    if l.attn_type == AttentionType::EncoderOnly {
-        fail(o.chunk_size.is_none(), &|| format!("chunk_size {:?} on an encoder-only layer (chunks are causal)", o.chunk_size))?;
-        fail(o.window.is_none(), &|| format!("window {:?} on an encoder-only layer (it takes symmetric_window)", o.window))?;
+    if l.attn_type.attends_new_kv() {
+        let t = l.attn_type;
+        fail(o.chunk_size.is_none(), &|| format!("chunk_size {:?} on an {t} layer (chunks are causal)", o.chunk_size))?;
+        fail(o.window.is_none(), &|| format!("window {:?} on an {t} layer (it takes symmetric_window)", o.window))?;
+    }
+    if l.attn_type == AttentionType::EncoderDecoder {
+        // A decoder token and an encoder token share no position: no mask or bias by distance.
+        fail(o.window.is_none() && o.chunk_size.is_none() && o.symmetric_window.is_none() && !l.alibi, &|| {
+            format!(
+                "window {:?}, chunk_size {:?}, symmetric_window {:?}, ALiBi {}: a cross-attention layer's keys have no position relative to its queries",
+                o.window, o.chunk_size, o.symmetric_window, l.alibi
+            )
+        })?;
     }
     Ok(())
 }
@@ -150,18 +208,26 @@ fn sharing_note(l: &LayerSpec) -> String {
     l.kv_sharing_target.map_or(String::new(), |t| format!(" sharing layer {t}'s cache"))
 }
 
-/// Layer `i` reading layer `t`'s cache: an earlier decoder layer that owns its cache, and `i` a
-/// decoder too (an encoder-only layer reads no cache).
+/// Layer `i` reading layer `t`'s cache: an earlier layer that writes a cache of its own, a
+/// decoder for a decoder and an encoder for a cross-attention layer.
 fn check_sharing(layers: &[LayerSpec], i: usize, t: usize) -> std::result::Result<(), String> {
     if t >= i {
         return Err(format!("kv_sharing_target {t} is not an earlier layer (the target's cache must be written first)"));
     }
-    let target = &layers[t];
-    if layers[i].attn_type != AttentionType::Decoder {
-        return Err(format!("kv_sharing_target {t} on an {} layer, which reads no cache", layers[i].attn_type));
-    }
-    if target.attn_type != AttentionType::Decoder {
+    let (kind, target) = (layers[i].attn_type, &layers[t]);
+    let wanted = match kind {
+        AttentionType::Decoder => AttentionType::Decoder,
+        AttentionType::EncoderDecoder => AttentionType::Encoder,
+        _ => return Err(format!("kv_sharing_target {t} on an {kind} layer, which reads no cache")),
+    };
+    if !target.attn_type.writes_cache() {
         return Err(format!("kv_sharing_target {t} is an {} layer, which keeps no cache", target.attn_type));
+    }
+    if target.attn_type != wanted {
+        return Err(format!(
+            "kv_sharing_target {t} is of kind {}, but layers of kind {kind} read the cache of kind {wanted}",
+            target.attn_type
+        ));
     }
     if let Some(owner) = target.kv_sharing_target {
         return Err(format!("kv_sharing_target {t} itself reads layer {owner}'s cache: name layer {owner}"));

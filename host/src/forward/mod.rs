@@ -83,7 +83,7 @@ pub use config::{ForwardConfig, ForwardLimits};
 pub use graph::StepGraph;
 pub use graph_plan::GraphBucket;
 pub use host_buf::{HostElement, HostIn, HostOut};
-pub use io::{CacheSpec, CpuLayer, GpuLayer, Layer, LayerIo, NewKv};
+pub use io::{CacheSpec, CpuLayer, GpuLayer, KvCacheWrite, KvWriteIo, Layer, LayerIo, NewKv};
 pub use layers::{AttentionType, LayerSpec};
 pub use step::StepMetadata;
 pub use timing::PhaseTimes;

@@ -3,7 +3,7 @@
 
 use super::config::ForwardConfig;
 use super::host_buf::{HostIn, HostOut};
-use super::io::{CacheSpec, Layer, NewKv};
+use super::io::{CacheSpec, KvCacheWrite, Layer, NewKv};
 use super::layers::{AttentionType, LayerSpec};
 use super::step::StepMetadata;
 use crate::batch::{validate_batch, validate_prefill_batch, DecodeBatch, PrefillBatch};
@@ -81,63 +81,36 @@ pub(crate) fn validate_layer<I: Buf, O: Buf>(
     let nt = step.num_actual_tokens();
     let q_dtype = m.q_dtype;
     check_rows("q", &layer.q, &layer.q_rows, q_dtype, m.num_q_heads, spec.qk_head_size(), nt)?;
-    match (&layer.new_kv, spec) {
-        (NewKv::None, _) => ensure(ls.kv_sharing_target.is_some(), "new_kv", || {
-            format!("NewKv::None for layer {index}, which {} (only KV-sharing layers take none)", writes_what(ls))
+    let reads_only = ls.kv_sharing_target.is_some() || ls.attn_type == AttentionType::EncoderDecoder;
+    match &layer.new_kv {
+        NewKv::None => ensure(reads_only, "new_kv", || {
+            format!("NewKv::None for layer {index}, which {} (only layers that read a cache written before take none)", writes_what(ls))
         })?,
-        (_, _) if ls.kv_sharing_target.is_some() => {
+        _ if reads_only => {
             return Err(AttnError::invalid(
                 "new_kv",
-                format!(
-                    "given for layer {index}, which reads layer {}'s cache and writes nothing: pass NewKv::None",
-                    ls.kv_sharing_target.unwrap_or(0)
-                ),
+                format!("given for layer {index}, which {} and writes nothing: pass NewKv::None", reads_what(index, ls)),
             ));
         }
-        (NewKv::Standard { k, k_rows, v, v_rows }, CacheSpec::Paged(s)) => {
-            check_rows("k", k, k_rows, q_dtype, s.num_kv_heads, s.head_size, nt)?;
-            check_rows("v", v, v_rows, q_dtype, s.num_kv_heads, s.head_size, nt)?;
-        }
-        (NewKv::Mla { kv_c, kv_c_token_stride, k_pe, k_pe_token_stride }, CacheSpec::Mla(s)) => {
-            check_latent("kv_c", kv_c, *kv_c_token_stride, q_dtype, s.latent_dim, nt)?;
-            check_latent("k_pe", k_pe, *k_pe_token_stride, q_dtype, s.rope_dim, nt)?;
-        }
-        (NewKv::Standard { .. }, CacheSpec::Mla(_)) => {
-            return Err(AttnError::invalid("new_kv", "standard K/V given for an MLA model (it takes NewKv::Mla: kv_c and k_pe)"));
-        }
-        (NewKv::Mla { .. }, CacheSpec::Paged(_)) => {
-            return Err(AttnError::invalid("new_kv", "MLA latents given for a standard-attention model (it takes NewKv::Standard)"));
-        }
+        new_kv => check_new_kv(config, spec, nt, new_kv)?,
     }
-    let cache = &layer.cache;
     // An encoder-only layer neither reads nor writes `cache`.
     if ls.attn_type.uses_cache() {
-        ensure(cache.buf_dtype() == m.cache_dtype, "cache", || {
-            format!("dtype {:?}, the model's cache is {:?}", cache.buf_dtype(), m.cache_dtype)
-        })?;
-        ensure(cache.buf_len() >= spec.num_elements(), "cache", || {
-            format!("buffer of {} elements is smaller than the layout's {} ({spec:?})", cache.buf_len(), spec.num_elements())
-        })?;
+        check_cache(config, spec, &layer.cache)?;
     }
     check_rows("out", &layer.out, &layer.out_rows, q_dtype, m.num_q_heads, spec.v_head_size(), nt)?;
     let what = |f: &str, field: &str| format!("layer {index}'s {f} (LayerSpec::{field}, by default the model's features.{field})");
     check_optional("alibi_slopes", layer.alibi_slopes.as_ref(), ls.alibi, &what("ALiBi", "alibi"), m.num_q_heads)?;
     check_optional("sinks", layer.sinks.as_ref(), ls.sinks, &what("attention sinks", "sinks"), m.num_q_heads)?;
-    let fp8 = m.cache_dtype == DType::Fp8E4m3 && ls.attn_type.uses_cache();
-    match &layer.kv_scales {
-        None => ensure(!fp8, "kv_scales", || "missing: an FP8 cache needs its k and v scales".into())?,
-        Some((k, v)) => {
-            ensure(fp8, "kv_scales", || match ls.attn_type.uses_cache() {
-                true => format!("given for a {:?} cache (only FP8 caches are scaled)", m.cache_dtype),
-                false => format!("given for layer {index}, an {} layer, which keeps no cache", ls.attn_type),
-            })?;
-            check_optional("kv_scales", Some(k), true, "", 1)?;
-            check_optional("kv_scales", Some(v), true, "", 1)?;
-        }
-    }
+    check_scales(config, (index, ls), layer.kv_scales.as_ref())?;
 
-    if ls.attn_type == AttentionType::EncoderOnly {
-        return validate_encoder_step(step, index);
+    if ls.attn_type.attends_new_kv() {
+        return validate_encoder_step(step, index, ls.attn_type);
+    }
+    if ls.attn_type == AttentionType::EncoderDecoder {
+        // One non-causal prefill over the whole step and the encoder cache.
+        let batch = PrefillBatch { query_start_loc: step.query_start_loc(), seq_lens: step.seq_lens(), key_start_loc: None };
+        return validate_prefill_batch(&batch, nt, false, Some((spec.block_size(), block_table_stride)));
     }
     let parts = Parts::of(step);
     if step.split().num_decodes > 0 {
@@ -149,22 +122,106 @@ pub(crate) fn validate_layer<I: Buf, O: Buf>(
     Ok(())
 }
 
-fn writes_what(ls: &LayerSpec) -> String {
-    match ls.attn_type.uses_cache() {
-        true => "writes its own cache".into(),
-        false => format!("is {} and attends its new K/V", ls.attn_type),
+/// What [`Attention::write_kv`](super::Attention::write_kv) takes for layer `index`: a
+/// cross-attention layer with a cache of its own, the step's new K/V, its cache, its scales.
+pub(crate) fn validate_write<I: Buf, O: Buf>(
+    config: &ForwardConfig,
+    (index, ls): (usize, &LayerSpec),
+    spec: &CacheSpec,
+    step: &StepMetadata,
+    write: &KvCacheWrite<I, O>,
+) -> Result<()> {
+    ensure(ls.attn_type == AttentionType::EncoderDecoder && ls.kv_sharing_target.is_none(), "layer", || {
+        format!(
+            "layer {index} is {} (write_kv fills the cache of a cross-attention layer that has its own; other layers write theirs in forward_layer)",
+            match ls.kv_sharing_target {
+                Some(t) if ls.attn_type == AttentionType::EncoderDecoder => format!("a cross-attention layer reading layer {t}'s cache"),
+                _ => format!("an {} layer", ls.attn_type),
+            }
+        )
+    })?;
+    ensure(step.is_built(), "step", || "holds no step: build it first (or its last build failed)".into())?;
+    match &write.new_kv {
+        NewKv::None => return Err(AttnError::invalid("new_kv", "NewKv::None: write_kv writes the K/V it is given")),
+        new_kv => check_new_kv(config, spec, step.num_actual_tokens(), new_kv)?,
+    }
+    check_cache(config, spec, &write.cache)?;
+    check_scales(config, (index, ls), write.kv_scales.as_ref())
+}
+
+/// New K/V (`NewKv::Standard` or `NewKv::Mla`) for `nt` tokens of the model.
+fn check_new_kv(config: &ForwardConfig, spec: &CacheSpec, nt: usize, new_kv: &NewKv<impl Buf>) -> Result<()> {
+    let q_dtype = config.model.q_dtype;
+    match (new_kv, spec) {
+        (NewKv::None, _) => Ok(()),
+        (NewKv::Standard { k, k_rows, v, v_rows }, CacheSpec::Paged(s)) => {
+            check_rows("k", k, k_rows, q_dtype, s.num_kv_heads, s.head_size, nt)?;
+            check_rows("v", v, v_rows, q_dtype, s.num_kv_heads, s.head_size, nt)
+        }
+        (NewKv::Mla { kv_c, kv_c_token_stride, k_pe, k_pe_token_stride }, CacheSpec::Mla(s)) => {
+            check_latent("kv_c", kv_c, *kv_c_token_stride, q_dtype, s.latent_dim, nt)?;
+            check_latent("k_pe", k_pe, *k_pe_token_stride, q_dtype, s.rope_dim, nt)
+        }
+        (NewKv::Standard { .. }, CacheSpec::Mla(_)) => {
+            Err(AttnError::invalid("new_kv", "standard K/V given for an MLA model (it takes NewKv::Mla: kv_c and k_pe)"))
+        }
+        (NewKv::Mla { .. }, CacheSpec::Paged(_)) => {
+            Err(AttnError::invalid("new_kv", "MLA latents given for a standard-attention model (it takes NewKv::Standard)"))
+        }
     }
 }
 
-/// An encoder-only layer attends each request's own tokens: the step must hold every request's
-/// whole sequence (`seq_len` = its query tokens).
-fn validate_encoder_step(step: &StepMetadata, index: usize) -> Result<()> {
+/// A layer's cache: the model's cache dtype, at least the layout's elements.
+fn check_cache(config: &ForwardConfig, spec: &CacheSpec, cache: &impl Buf) -> Result<()> {
+    let m = &config.model;
+    ensure(cache.buf_dtype() == m.cache_dtype, "cache", || {
+        format!("dtype {:?}, the model's cache is {:?}", cache.buf_dtype(), m.cache_dtype)
+    })?;
+    ensure(cache.buf_len() >= spec.num_elements(), "cache", || {
+        format!("buffer of {} elements is smaller than the layout's {} ({spec:?})", cache.buf_len(), spec.num_elements())
+    })
+}
+
+/// The K and V scales: given exactly when the layer uses an FP8 cache.
+fn check_scales<I: Buf>(config: &ForwardConfig, (index, ls): (usize, &LayerSpec), scales: Option<&(I, I)>) -> Result<()> {
+    let m = &config.model;
+    let fp8 = m.cache_dtype == DType::Fp8E4m3 && ls.attn_type.uses_cache();
+    match scales {
+        None => ensure(!fp8, "kv_scales", || "missing: an FP8 cache needs its k and v scales".into()),
+        Some((k, v)) => {
+            ensure(fp8, "kv_scales", || match ls.attn_type.uses_cache() {
+                true => format!("given for a {:?} cache (only FP8 caches are scaled)", m.cache_dtype),
+                false => format!("given for layer {index}, an {} layer, which keeps no cache", ls.attn_type),
+            })?;
+            check_optional("kv_scales", Some(k), true, "", 1)?;
+            check_optional("kv_scales", Some(v), true, "", 1)
+        }
+    }
+}
+
+fn reads_what(index: usize, ls: &LayerSpec) -> String {
+    match ls.kv_sharing_target {
+        Some(t) => format!("reads layer {t}'s cache"),
+        None => format!("is a cross-attention layer reading its own cache (written by write_kv for layer {index})"),
+    }
+}
+
+fn writes_what(ls: &LayerSpec) -> String {
+    match ls.attn_type {
+        AttentionType::EncoderOnly => format!("is {} and attends its new K/V", ls.attn_type),
+        _ => "writes its own cache".into(),
+    }
+}
+
+/// An encoder(-only) layer attends each request's own tokens: the step must hold every
+/// request's whole sequence (`seq_len` = its query tokens).
+fn validate_encoder_step(step: &StepMetadata, index: usize, kind: AttentionType) -> Result<()> {
     let qsl = step.query_start_loc();
     for (r, &len) in step.seq_lens().iter().enumerate() {
         let q = qsl[r + 1] - qsl[r];
         ensure(len == q, "step", || {
             format!(
-                "request {r} has seq_len {len} but {q} query tokens: encoder-only layer {index} attends only the step's tokens (a prompt comes whole, seq_len = its tokens)"
+                "request {r} has seq_len {len} but {q} query tokens: {kind} layer {index} attends only the step's tokens (a prompt comes whole, seq_len = its tokens)"
             )
         })?;
     }
