@@ -31,20 +31,26 @@ fn limits() -> ForwardLimits {
 /// `steps` through every layer on the GPU, each layer's output against the reference.
 fn layers_case<T: HostElement>(shape: Shape, layers: Vec<LayerSpec>, steps: Vec<Vec<(usize, usize)>>, salt: u64) -> TestResult {
     let schedule: Vec<EncDecStep> = steps.iter().map(|p| EncDecStep::for_layers(&layers, p)).collect();
-    schedule_case::<T>(shape, layers, schedule, salt)
+    schedule_case::<T>(shape, layers, schedule, (salt, 1))
 }
 
 /// A schedule of encoder and decoder steps (`tests/common/layer_steps.rs`): each step's
 /// layers on the GPU, cross-attention through the step's cross-attention metadata, each
 /// layer's output against the reference.
-fn schedule_case<T: HostElement>(shape: Shape, layers: Vec<LayerSpec>, schedule: Vec<EncDecStep>, salt: u64) -> TestResult {
+/// `decode_threshold`: the config's (requests of up to that many query tokens are decodes).
+fn schedule_case<T: HostElement>(
+    shape: Shape,
+    layers: Vec<LayerSpec>,
+    schedule: Vec<EncDecStep>,
+    (salt, decode_threshold): (u64, usize),
+) -> TestResult {
     let dtype = T::DTYPE;
     let dev = arc_device();
     let stream = new_stream();
     let model =
         ModelConfig::standard(shape.hq, shape.hkv, shape.d, dtype, shape.block_size, KvLayout::FlashNhd).with_features(Features::ALL);
     let selection = select_backend_no_env(&model, &DeviceInfo::from_device(&dev), None)?;
-    let config = ForwardConfig::new(model, shape.num_blocks, limits()).with_layers(layers.clone());
+    let config = ForwardConfig { decode_threshold, ..ForwardConfig::new(model, shape.num_blocks, limits()).with_layers(layers.clone()) };
     let mut attn = Attention::new(&selection, config, Some(GpuHandles { dev, stream: stream.clone() }))?;
     let (mut meta, mut cross) = (attn.new_step_metadata()?, attn.new_step_metadata()?);
     let has_cross = layers.iter().any(|l| l.attn_type == AttentionType::EncoderDecoder);
@@ -190,12 +196,17 @@ fn cases() -> Vec<(String, Box<dyn FnOnce() -> TestResult + Send>)> {
     for (d, hq, hkv) in [(64, 8, 2), (128, 4, 4), (256, 16, 2)] {
         v.push((
             format!("encoder_decoder_cross_attention_d{d}_{hq}q{hkv}kv"),
-            Box::new(move || schedule_case::<bf16>(shape(hq, hkv, d), enc_dec_layers(d), enc_dec_schedule(), 7)),
+            Box::new(move || schedule_case::<bf16>(shape(hq, hkv, d), enc_dec_layers(d), enc_dec_schedule(), (7, 1))),
         ));
     }
     v.push((
         "encoder_decoder_cross_attention_d128_f16".into(),
-        Box::new(|| schedule_case::<f16>(shape(8, 2, 128), enc_dec_layers(128), enc_dec_schedule(), 8)),
+        Box::new(|| schedule_case::<f16>(shape(8, 2, 128), enc_dec_layers(128), enc_dec_schedule(), (8, 1))),
+    ));
+    // Decodes of several tokens: cross-attention runs the whole step as one prefill.
+    v.push((
+        "encoder_decoder_cross_attention_d64_decode_threshold_4".into(),
+        Box::new(|| schedule_case::<bf16>(shape(8, 2, 64), enc_dec_layers(64), enc_dec_schedule(), (9, 4))),
     ));
     v.push(("refusals".into(), Box::new(refusals)));
     v

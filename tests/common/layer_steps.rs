@@ -343,8 +343,8 @@ pub fn enc_dec_layers(d: usize) -> Vec<LayerSpec> {
 }
 
 /// Encoder passes of odd lengths, one token and a long one, decoder prompts (at most their
-/// encoder's length), decodes beside them, and a late request whose encoder runs while others
-/// decode.
+/// encoder's length), decodes beside them, a late request whose encoder runs while others
+/// decode, and runs of 2 and 3 tokens.
 pub fn enc_dec_schedule() -> Vec<EncDecStep> {
     use EncDecStep::{Decoder, Encoder};
     vec![
@@ -354,5 +354,7 @@ pub fn enc_dec_schedule() -> Vec<EncDecStep> {
         Encoder(vec![(103, 64)]),
         Decoder { pairs: vec![(0, 1), (2, 1), (3, 9)], encoder_of: vec![(3, 103)] },
         Decoder { pairs: vec![(3, 1), (1, 1), (0, 1), (2, 1)], encoder_of: vec![] },
+        // Short runs of several tokens: prefills, or decodes under a decode threshold of 4.
+        Decoder { pairs: vec![(0, 3), (1, 1), (3, 2)], encoder_of: vec![] },
     ]
 }

@@ -243,11 +243,13 @@ impl GpuExec {
         let written = timer.mark(Some(stream))?;
 
         let cache = cache.as_input();
-        if ls.opts.chunk_size.is_some() || ls.attn_type == AttentionType::EncoderDecoder {
-            // The decode kernels have no chunk mask, and they align a request's queries to
-            // the end of its keys, which cross-attention's queries are not: the whole step,
-            // decodes included, is one prefill over the paged cache (a decode is a request of
-            // one query token), causal for chunks, not across to the encoder.
+        // Cross-attention's one-token decodes see every encoder key, as the decode kernels
+        // do; a decode of several tokens would be masked among its last keys.
+        let cross = ls.attn_type == AttentionType::EncoderDecoder;
+        if ls.opts.chunk_size.is_some() || (cross && ndt != nd) {
+            // The decode kernels have no chunk mask: the whole step, decodes included, is one
+            // prefill over the paged cache (a decode is a request of one query token), causal
+            // for chunks, not across to the encoder.
             let n = step.num_reqs();
             if n > 0 && nt > 0 {
                 let part = views.decodes(n);
@@ -358,7 +360,8 @@ impl GpuExec {
                     query_start_loc: part.query_start_loc,
                     key_start_loc: None,
                 };
-                let opts = PrefillOptions { attn: ls.opts, causal: true };
+                // Cross-attention's prompts see every encoder key.
+                let opts = PrefillOptions { attn: ls.opts, causal: ls.attn_type.is_causal() };
                 prefill_from(&self.dev, stream, args, &batch, meta, &opts, &mut self.prefill_ws, &mut self.status)?;
             }
         }

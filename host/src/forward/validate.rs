@@ -108,16 +108,18 @@ pub(crate) fn validate_layer<I: Buf, O: Buf>(
         return validate_encoder_step(step, index, ls.attn_type);
     }
     if ls.attn_type == AttentionType::EncoderDecoder {
-        // One non-causal prefill over the whole step and the encoder cache.
+        // Non-causal over the encoder cache: the whole step, as one prefill or as decodes and
+        // a prefill part (each a part of the whole).
         let batch = PrefillBatch { query_start_loc: step.query_start_loc(), seq_lens: step.seq_lens(), key_start_loc: None };
-        return validate_prefill_batch(&batch, nt, false, Some((spec.block_size(), block_table_stride)));
+        validate_prefill_batch(&batch, nt, false, Some((spec.block_size(), block_table_stride)))?;
     }
     let parts = Parts::of(step);
     if step.split().num_decodes > 0 {
         validate_batch(&parts.decode, parts.num_decode_tokens, spec.block_size(), block_table_stride)?;
     }
     if step.split().num_prefills > 0 {
-        validate_prefill_batch(&parts.prefill, parts.num_prefill_tokens, true, Some((spec.block_size(), block_table_stride)))?;
+        let causal = ls.attn_type.is_causal();
+        validate_prefill_batch(&parts.prefill, parts.num_prefill_tokens, causal, Some((spec.block_size(), block_table_stride)))?;
     }
     Ok(())
 }
