@@ -1,7 +1,7 @@
 //! CPU tests of the paged-cache layouts and of the CPU cache writes (`reshape_and_cache`,
 //! `concat_and_cache_mla`), against an independent row-major model of each layout.
 
-use attn_rs::cpu::{concat_and_cache_mla, reshape_and_cache, WriteReport};
+use attn_rs::cpu::{concat_and_cache_mla, reshape_and_cache, HostScales, WriteReport};
 use attn_rs::{AttnError, BadSlot, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc};
 use half::{bf16, f16};
 use rand::rngs::SmallRng;
@@ -200,7 +200,8 @@ fn kv_sources<T: Element>(rng: &mut SmallRng, spec: &KvCacheSpec, num_tokens: us
 
 /// Random `reshape_and_cache` on a NaN-filled cache (with a tail past the layout) for one
 /// layout and dtype pair; checks every element and the report.
-fn check_reshape_and_cache<T: Element, C: Element>(layout: KvLayout, seed: u64, scales: Option<(f32, f32)>) {
+/// `scales`: one K and one V scale, or one per head (3) each.
+fn check_reshape_and_cache<T: Element, C: Element>(layout: KvLayout, seed: u64, scales: Option<(&[f32], &[f32])>) {
     let what = format!("reshape_and_cache {:?} -> {:?}, {layout:?}", T::DTYPE, C::DTYPE);
     let mut rng = SmallRng::seed_from_u64(seed);
     let spec = kv_spec(layout, 5, 4, 3, 8);
@@ -212,11 +213,12 @@ fn check_reshape_and_cache<T: Element, C: Element>(layout: KvLayout, seed: u64, 
 
     let tail = 7;
     let mut cache = nan_cache::<C>(spec.num_elements() + tail);
-    let report = reshape_and_cache(&src.key, src.key_rows, &src.value, src.value_rows, &slots, &mut cache, &spec, scales)
+    let host_scales = scales.map(|(k, v)| if k.len() == 1 { HostScales::Tensor(k[0], v[0]) } else { HostScales::PerHead(k, v) });
+    let report = reshape_and_cache(&src.key, src.key_rows, &src.value, src.value_rows, &slots, &mut cache, &spec, host_scales)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     assert_eq!(report, expected_report, "{what}");
 
-    let (k_scale, v_scale) = scales.unwrap_or((1.0, 1.0));
+    let scale_of = |s: &[f32], head: usize| s[if s.len() == 1 { 0 } else { head }];
     let mut expected: Vec<Option<C>> = vec![None; cache.len()];
     for (token, &slot) in slots_used.iter().enumerate() {
         if slot < 0 || slot as usize >= spec.num_slots() {
@@ -224,6 +226,7 @@ fn check_reshape_and_cache<T: Element, C: Element>(layout: KvLayout, seed: u64, 
         }
         let (block, offset) = (slot as usize / spec.block_size, slot as usize % spec.block_size);
         for head in 0..spec.num_kv_heads {
+            let (k_scale, v_scale) = scales.map_or((1.0, 1.0), |(k, v)| (scale_of(k, head), scale_of(v, head)));
             for dim in 0..spec.head_size {
                 let k = src.key[token * src.key_rows.token_stride + head * src.key_rows.head_stride + dim].to_f32();
                 let v = src.value[token * src.value_rows.token_stride + head * src.value_rows.head_stride + dim].to_f32();
@@ -286,8 +289,25 @@ macro_rules! for_dtype_pairs {
 fn reshape_and_cache_writes_exactly_the_mapped_slots() {
     for (i, layout) in KvLayout::ALL.into_iter().enumerate() {
         // Sources up to ±30 with k_scale 0.05 reach ±600: FP8 saturation is exercised too.
-        for_dtype_pairs!(check_reshape_and_cache, layout, 100 * i as u64, None, Some((0.05, 0.125)));
+        for_dtype_pairs!(check_reshape_and_cache, layout, 100 * i as u64, None, Some((&[0.05][..], &[0.125][..])));
+        // One scale per kv head.
+        let per_head: Option<(&[f32], &[f32])> = Some((&[0.05, 0.5, 0.02], &[0.125, 0.01, 1.0]));
+        for_dtype_pairs!(check_reshape_and_cache, layout, 100 * i as u64 + 50, None, per_head);
     }
+}
+
+#[test]
+fn per_head_scales_must_cover_every_kv_head() {
+    let spec = kv_spec(KvLayout::FlashNhd, 5, 4, 3, 8);
+    let rows = RowsDesc::contiguous(1, 3, 8);
+    let src = vec![f16::from_f32(1.0); rows.required_len()];
+    let mut cache = vec![Fp8E4m3::default(); spec.num_elements()];
+    let two: &[f32] = &[0.5, 0.5];
+    let err = reshape_and_cache(&src, rows, &src, rows, &[0], &mut cache, &spec, Some(HostScales::PerHead(two, two))).unwrap_err();
+    assert!(
+        matches!(&err, AttnError::InvalidArgument { arg: "scales", reason } if reason.contains("2 K and 2 V values for 3 kv heads")),
+        "{err}"
+    );
 }
 
 #[test]

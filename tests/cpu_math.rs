@@ -325,7 +325,7 @@ fn cpu_fp8_cache_write_matches_vllm_bytes() {
             };
             let (key, value) = (random(scales.0), random(scales.1));
             let mut cache = vec![Fp8E4m3(0x7f); spec.num_elements()];
-            reshape_and_cache(&key, rows, &value, rows, slots, &mut cache, spec, Some(scales)).expect("valid write");
+            reshape_and_cache(&key, rows, &value, rows, slots, &mut cache, spec, Some(scales.into())).expect("valid write");
             for token in 0..rows.num_tokens {
                 for head in 0..rows.num_heads {
                     for d in 0..rows.head_size {

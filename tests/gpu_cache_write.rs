@@ -131,7 +131,7 @@ fn kv_case<T: Element + std::fmt::Debug, C: Element + std::fmt::Debug>(layout: K
         &slots,
         &mut want[GUARD..GUARD + spec.num_elements()],
         &spec,
-        fp8.then_some(scales),
+        fp8.then_some(scales.into()),
     )?;
     let bad = bitwise_mismatches(&got, &want, bits);
     if !bad.is_empty() {
@@ -226,20 +226,26 @@ fn vllm_fp8(x: f32, scale: f32) -> u8 {
 /// FP8 cache bytes against [`vllm_fp8`] (not the CPU path): `reshape_and_cache` with K and V
 /// scales `scales` and `concat_and_cache_mla` with the K scale, inputs spread over the cache's
 /// range (a few past ±448 after the division, to saturate).
-fn fp8_vllm_case<T: Element>(scales: (f32, f32), salt: u64) -> TestResult {
+fn fp8_vllm_case<T: Element>(scales: (&[f32], &[f32]), salt: u64) -> TestResult {
     let mut rng = rng(salt);
     let stream = new_stream();
     let (tokens, heads, head_size, block_size) = (96usize, 4usize, 128usize, 16usize);
     let spec = KvCacheSpec::new(KvLayout::FlashNhd, tokens / block_size + 2, block_size, heads, head_size)?;
     let rows = RowsDesc::contiguous(tokens, heads, head_size);
-    let key: Vec<T> = random_vec(&mut rng, rows.required_len(), 460.0 * scales.0);
-    let value: Vec<T> = random_vec(&mut rng, rows.required_len(), 460.0 * scales.1);
+    // One scale per tensor, or one per head.
+    let at = |s: &[f32], head: usize| s[if s.len() == 1 { 0 } else { head }];
+    // Values up to 460 times their head's scale (a few past E4M3's 448: saturation).
+    let spread = |rng: &mut _, s: &[f32]| -> Vec<T> {
+        let raw: Vec<f32> = random_vec(rng, rows.required_len(), 460.0);
+        raw.iter().enumerate().map(|(i, &x)| T::from_f32(x * at(s, i / head_size % heads))).collect()
+    };
+    let (key, value) = (spread(&mut rng, scales.0), spread(&mut rng, scales.1));
     let slots = slot_mapping(&mut rng, tokens, spec.num_slots(), false, false);
     let key_d = upload(&stream, &key);
     let value_d = upload(&stream, &value);
     let slots_d = upload(&stream, &slots);
     let mut cache_d = upload(&stream, &vec![poison::<Fp8E4m3>(); spec.num_elements()]);
-    let scale_d = (upload(&stream, &[scales.0]), upload(&stream, &[scales.1]));
+    let scale_d = (upload(&stream, scales.0), upload(&stream, scales.1));
     let mut status = DeviceStatus::new(&stream)?;
     let w = KvWrite {
         key: DevIn::new(&key_d, &stream),
@@ -259,7 +265,7 @@ fn fp8_vllm_case<T: Element>(scales: (f32, f32), salt: u64) -> TestResult {
         let (block, offset) = (slot as usize / block_size, slot as usize % block_size);
         for head in 0..heads {
             for dim in 0..head_size {
-                for (plane, src, scale) in [(0, &key, scales.0), (1, &value, scales.1)] {
+                for (plane, src, scale) in [(0, &key, at(scales.0, head)), (1, &value, at(scales.1, head))] {
                     let x = src[rows.offset(token, head, dim)].to_f32();
                     let (g, want) = (got[spec.offset(plane, block, offset, head, dim)].0, vllm_fp8(x, scale));
                     if g != want && bad.len() < 10 {
@@ -277,7 +283,10 @@ fn fp8_vllm_case<T: Element>(scales: (f32, f32), salt: u64) -> TestResult {
 
     let mla = MlaCacheSpec::deepseek(tokens / block_size + 2, block_size)?;
     let width = mla.row_width();
-    let src: Vec<T> = random_vec(&mut rng, tokens * width, 460.0 * scales.0);
+    // The latent cache's one scale: the first key scale.
+    let mla_scale = scales.0[0];
+    let mla_scale_d = upload(&stream, &[mla_scale]);
+    let src: Vec<T> = random_vec(&mut rng, tokens * width, 460.0 * mla_scale);
     let kv_c_d = upload(&stream, &src);
     let k_pe_d = upload(&stream, &src[mla.latent_dim..]);
     let mut mla_d = upload(&stream, &vec![poison::<Fp8E4m3>(); mla.num_elements()]);
@@ -290,7 +299,7 @@ fn fp8_vllm_case<T: Element>(scales: (f32, f32), salt: u64) -> TestResult {
         slot_mapping: DevIn::new(&slots_d, &stream),
         cache: DevOut::new(&mut mla_d, &stream),
         spec: mla,
-        scale: Some(DevIn::new(&scale_d.0, &stream)),
+        scale: Some(DevIn::new(&mla_scale_d, &stream)),
     };
     concat_and_cache_mla(device(), &stream, w, &mut status)?;
     status.check(&stream)?;
@@ -299,9 +308,9 @@ fn fp8_vllm_case<T: Element>(scales: (f32, f32), salt: u64) -> TestResult {
         let (block, offset) = (slot as usize / block_size, slot as usize % block_size);
         for col in 0..width {
             let x = src[token * width + col].to_f32();
-            let (g, want) = (got[mla.offset(block, offset, col)].0, vllm_fp8(x, scales.0));
+            let (g, want) = (got[mla.offset(block, offset, col)].0, vllm_fp8(x, mla_scale));
             if g != want && bad.len() < 10 {
-                bad.push(format!("token {token} column {col}: x = {x:e}, scale {}: {g:#04x}, vLLM {want:#04x}", scales.0));
+                bad.push(format!("token {token} column {col}: x = {x:e}, scale {mla_scale}: {g:#04x}, vLLM {want:#04x}"));
             }
         }
     }
@@ -353,15 +362,20 @@ fn main() {
     }
     // vLLM's quantisation: 0.05 (whose reciprocal is exactly 20 in f32), 0.03 (where
     // multiplying by the reciprocal differs for about 0.8% of bf16 inputs) and others.
-    for scales in [(0.05f32, 0.05f32), (0.03, 0.05), (0.037, 1.0), (3.3, 0.0173)] {
+    // One scale per kv head too (4 heads): each head's rows quantised with its own.
+    let per_head: (&[f32], &[f32]) = (&[0.05, 0.03, 0.037, 3.3], &[0.0173, 1.0, 0.05, 0.03]);
+    let tensor = [(0.05f32, 0.05f32), (0.03, 0.05), (0.037, 1.0), (3.3, 0.0173)];
+    let mut sets: Vec<(String, Vec<f32>, Vec<f32>)> = tensor.iter().map(|&(k, v)| (format!("k{k}_v{v}"), vec![k], vec![v])).collect();
+    sets.push(("per_head".into(), per_head.0.to_vec(), per_head.1.to_vec()));
+    for (label, k, v) in sets {
         for (name, f) in [
-            ("f16", fp8_vllm_case::<f16> as fn((f32, f32), u64) -> TestResult),
+            ("f16", fp8_vllm_case::<f16> as fn((&[f32], &[f32]), u64) -> TestResult),
             ("bf16", fp8_vllm_case::<bf16>),
             ("f32", fp8_vllm_case::<f32>),
         ] {
             salt += 1;
-            let s = salt;
-            trials.push(Trial::test(format!("fp8_matches_vllm::{name}::k{}_v{}", scales.0, scales.1), move || f(scales, s)));
+            let (s, k, v) = (salt, k.clone(), v.clone());
+            trials.push(Trial::test(format!("fp8_matches_vllm::{name}::{label}"), move || f((&k, &v), s)));
         }
     }
     run_gpu_trials(trials)

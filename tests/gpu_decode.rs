@@ -37,6 +37,8 @@ struct Case {
     /// The one request's queries and window-edge and diagonal keys planted so that every row
     /// has two dominant keys at its mask's edges (`plant_edge_markers`; needs a window).
     edge_markers: bool,
+    /// FP8: one K and one V scale per kv head (else one per tensor).
+    per_head_scales: bool,
 }
 
 impl Case {
@@ -57,6 +59,7 @@ impl Case {
             bad_block: false,
             planned: false,
             edge_markers: false,
+            per_head_scales: false,
         }
     }
 }
@@ -78,7 +81,12 @@ fn decode_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let q_rows = RowsDesc::contiguous(nt, hq, d);
     let mut q: Vec<Q> = random_vec(&mut rng, q_rows.required_len().max(1), 1.0);
     let mut cache: Vec<C> = random_vec(&mut rng, spec.num_elements(), if fp8 { 40.0 } else { 1.0 });
-    let scales = (0.05f32, 0.03f32);
+    // Per head: scales 1.9x apart from the first kv head to the last.
+    let (ks, vs): (Vec<f32>, Vec<f32>) = match c.per_head_scales {
+        true => (0..c.kv_heads).map(|h| (0.035 + 0.03 * h as f32 / c.kv_heads as f32, 0.04 - 0.02 * h as f32 / c.kv_heads as f32)).unzip(),
+        false => (vec![0.05], vec![0.03]),
+    };
+    let scales = if c.per_head_scales { cpu::HostScales::PerHead(&ks, &vs) } else { cpu::HostScales::Tensor(ks[0], vs[0]) };
     let slopes: Vec<f32> = (0..hq).map(|h| 0.5f32.powi(h as i32 % 8 + 1)).collect();
     let sinks: Vec<f32> = (0..hq).map(|_| rng.random_range(-2.0..4.0)).collect();
     let mut opts = AttnOptions::new(d);
@@ -117,7 +125,7 @@ fn decode_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let (q_d, cache_d, bt_d) = (upload(&stream, &q), upload(&stream, &cache), up(&block_table));
     let meta = BatchMetadata::new(&stream, &c.seq_lens, &qsl)?;
     let (slopes_d, sinks_d) = (upload(&stream, &slopes), upload(&stream, &sinks));
-    let (ks_d, vs_d) = (upload(&stream, &[scales.0]), upload(&stream, &[scales.1]));
+    let (ks_d, vs_d) = (upload(&stream, &ks), upload(&stream, &vs));
     let mut out_d: CudaSlice<Q> = upload(&stream, &vec![poison::<Q>(); q_rows.required_len().max(1)]);
     let mut lse_d: CudaSlice<f32> = upload(&stream, &vec![f32::NAN; (nt * hq).max(1)]);
     let mut ws = DecodeWorkspace::new(&stream, 4096 * hq, d, num_reqs, nt)?;
@@ -437,6 +445,14 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("bf16_fp8::block_size_64".into(), Case { block_size: 64, ..Case::base(&lens) }, "bf16_fp8");
     push("bf16_fp8::gqa_32q_32kv".into(), Case { q_heads: 32, kv_heads: 32, ..Case::base(&[33, 2000]) }, "bf16_fp8");
     push("bf16_fp8::gqa_16q_1kv".into(), Case { q_heads: 16, kv_heads: 1, ..Case::base(&[33, 2000]) }, "bf16_fp8");
+    // One scale per kv head: the keys-as-rows kernels (d64, d128, GQA 4 and 16, split-K), the
+    // tensor-core ones (d96, d256).
+    for (d, hq, hkv, dt) in
+        [(128, 32, 8, "bf16_fp8"), (64, 16, 4, "f16_fp8"), (128, 32, 2, "f16_fp8"), (96, 8, 8, "bf16_fp8"), (256, 16, 4, "bf16_fp8")]
+    {
+        let case = Case { head_size: d, q_heads: hq, kv_heads: hkv, per_head_scales: true, sinks: true, ..Case::base(&[5, 2100, 333]) };
+        push(format!("{dt}::per_head_scales_d{d}_{hq}q{hkv}kv"), case, dt);
+    }
     push("bf16_fp8::split_fixed_7".into(), Case { split: SplitMode::Fixed(7), ..Case::base(&lens) }, "bf16_fp8");
     // One request of 20000 keys under a sliding window, every row with two dominant keys at
     // its mask's edges (the first key of its window, its own position) and the keys just

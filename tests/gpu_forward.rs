@@ -32,6 +32,8 @@ struct Case {
     padding: usize,
     /// An FP8 cache (with k/v scales) instead of one of the query dtype.
     fp8: bool,
+    /// The FP8 scales one per kv head (else one per tensor).
+    per_head_scales: bool,
     steps: Vec<Vec<(usize, usize)>>,
 }
 
@@ -64,6 +66,7 @@ fn base(hq: usize, hkv: usize, d: usize) -> Case {
         sinks: false,
         padding: 0,
         fp8: false,
+        per_head_scales: false,
         steps: mixed_steps(),
     }
 }
@@ -79,8 +82,8 @@ fn cases() -> Vec<(String, Case, DType)> {
         ("mqa_d256_flashinfer_hnd".into(), Case { layout: KvLayout::FlashInferHnd, ..base(8, 1, 256) }, DType::BF16),
         ("fp8_cache_gqa4_d128".into(), Case { fp8: true, ..base(32, 8, 128) }, DType::BF16),
         (
-            "fp8_cache_long_f16_d64_hnd".into(),
-            Case { fp8: true, layout: KvLayout::FlashHnd, steps: long_steps(), ..base(8, 2, 64) },
+            "fp8_cache_long_f16_d64_hnd_per_head_scales".into(),
+            Case { fp8: true, per_head_scales: true, layout: KvLayout::FlashHnd, steps: long_steps(), ..base(8, 2, 64) },
             DType::F16,
         ),
         ("long_contexts_split_k".into(), Case { steps: long, ..base(32, 8, 128) }, DType::BF16),
@@ -104,8 +107,12 @@ fn forward_case<T: HostElement + std::fmt::Debug, C: HostElement + std::fmt::Deb
         ..ModelConfig::standard(c.hq, c.hkv, c.d, T::DTYPE, c.block_size, c.layout).with_features(features)
     };
     let fp8 = C::DTYPE == DType::Fp8E4m3;
-    // Values in [-1, 1) over scales of 1/32 and 1/48: FP8 codes up to 48, well inside e4m3.
-    let kv_scales = [1.0f32 / 32.0, 1.0 / 48.0];
+    // Values in [-1, 1) over scales of 1/32 and 1/48 (per head: 1/32 .. 1/60 and 1/48 ..
+    // 1/20): FP8 codes up to 60, well inside e4m3.
+    let (ks, vs): (Vec<f32>, Vec<f32>) = match c.per_head_scales {
+        true => (0..c.hkv).map(|h| (1.0 / (32.0 + 28.0 * h as f32 / c.hkv as f32), 1.0 / (48.0 - 28.0 * h as f32 / c.hkv as f32))).unzip(),
+        false => (vec![1.0 / 32.0], vec![1.0 / 48.0]),
+    };
     let gpu_sel = select_backend_no_env(&model, &DeviceInfo::from_device(&dev), None)?;
     let cpu_sel = select_backend_no_env(&model, &DeviceInfo::no_gpu(), None)?;
     if gpu_sel.name() != "tensor-core" {
@@ -123,7 +130,7 @@ fn forward_case<T: HostElement + std::fmt::Debug, C: HostElement + std::fmt::Deb
     let cache_len = ga.cache_spec().num_elements();
     let mut gcache = stream.alloc_zeros::<C>(cache_len)?;
     let mut ccache = vec![C::default(); cache_len];
-    let (k_scale_d, v_scale_d) = (upload(&stream, &kv_scales[..1]), upload(&stream, &kv_scales[1..]));
+    let (k_scale_d, v_scale_d) = (upload(&stream, &ks), upload(&stream, &vs));
     let slopes: Vec<f32> = (0..c.hq).map(|h| 0.5f32.powi(h as i32 % 8 + 1)).collect();
     let sinks: Vec<f32> = (0..c.hq).map(|_| rng.random_range(-2.0..3.0)).collect();
     let (slopes_d, sinks_d) = (upload(&stream, &slopes), upload(&stream, &sinks));
@@ -202,7 +209,7 @@ fn forward_case<T: HostElement + std::fmt::Debug, C: HostElement + std::fmt::Deb
                 out_rows,
                 alibi_slopes: c.alibi.then(|| f32::host_in(&slopes)),
                 sinks: c.sinks.then(|| f32::host_in(&sinks)),
-                kv_scales: fp8.then(|| (f32::host_in(&kv_scales[..1]), f32::host_in(&kv_scales[1..]))),
+                kv_scales: fp8.then(|| (f32::host_in(&ks), f32::host_in(&vs))),
             }),
         )?;
         ga.check_status()?;

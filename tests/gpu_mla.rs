@@ -86,7 +86,7 @@ fn mla_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
         opts,
         alibi_slopes: None,
         sinks: None,
-        scales: fp8.then_some((scale, scale)),
+        scales: fp8.then_some((scale, scale).into()),
     })?;
 
     let up = |v: &[i32]| upload(&stream, v);

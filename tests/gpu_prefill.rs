@@ -37,6 +37,8 @@ struct Case {
     /// has two dominant keys at its mask's edges (`plant_edge_markers`; paged, causal, with a
     /// window and 16-bit K).
     edge_markers: bool,
+    /// FP8: one K and one V scale per kv head (else one per tensor).
+    per_head_scales: bool,
 }
 
 impl Case {
@@ -58,13 +60,18 @@ impl Case {
             sinks: false,
             bad_block: false,
             edge_markers: false,
+            per_head_scales: false,
         }
     }
 }
 
 fn prefill_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
-    let scales = (0.05f32, 0.03f32);
+    let (ks, vs): (Vec<f32>, Vec<f32>) = match c.per_head_scales {
+        true => (0..c.kv_heads).map(|h| (0.035 + 0.03 * h as f32 / c.kv_heads as f32, 0.04 - 0.02 * h as f32 / c.kv_heads as f32)).unzip(),
+        false => (vec![0.05], vec![0.03]),
+    };
+    let scales = if c.per_head_scales { cpu::HostScales::PerHead(&ks, &vs) } else { cpu::HostScales::Tensor(ks[0], vs[0]) };
     let mut rng = rng(salt);
     let stream = new_stream();
     let (dk, dv, hq, hkv) = (c.dk, c.dv, c.q_heads, c.kv_heads);
@@ -140,7 +147,7 @@ fn prefill_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
         false => BatchMetadata::new(&stream, &c.seq_lens, &qsl)?,
     };
     let (slopes_d, sinks_d) = (upload(&stream, &slopes), upload(&stream, &sinks));
-    let (ks_d, vs_d) = (upload(&stream, &[scales.0]), upload(&stream, &[scales.1]));
+    let (ks_d, vs_d) = (upload(&stream, &ks), upload(&stream, &vs));
     let mut ws = PrefillWorkspace::new(&stream, nt, num_reqs, hq / hkv)?;
     let mut status = DeviceStatus::new(&stream)?;
     // Twice with one workspace, the output poisoned again: the persistent kernel's work counter
@@ -302,6 +309,12 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("bf16::empty_requests".into(), Case { q_lens: Some(vec![0, 5, 0, 0]), sinks: true, ..Case::base(&[0, 5, 7, 0]) }, "bf16");
     push("bf16::bad_block_id".into(), Case { bad_block: true, ..Case::base(&[100, 40]) }, "bf16");
     push("bf16_fp8::lengths".into(), Case::base(&[1, 17, 127, 1000]), "bf16_fp8");
+    push(
+        "bf16_fp8::per_head_scales".into(),
+        Case { kv_heads: 4, q_heads: 16, per_head_scales: true, ..Case::base(&[1, 77, 700]) },
+        "bf16_fp8",
+    );
+    push("f16_fp8::per_head_scales_d64".into(), Case { dk: 64, dv: 64, per_head_scales: true, ..Case::base(&[33, 400]) }, "f16_fp8");
     push(
         "f16_fp8::chunked_gqa".into(),
         Case { q_lens: Some(vec![1, 64, 100]), q_heads: 16, kv_heads: 2, ..Case::base(&[50, 64, 700]) },

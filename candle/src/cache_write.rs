@@ -143,8 +143,17 @@ impl CpuWrite for KvWriteOp<'_> {
         ensure(slots.len() == self.key_rows.num_tokens, "slot_mapping", || {
             format!("has {} entries for {} tokens", slots.len(), self.key_rows.num_tokens)
         })?;
-        let report =
-            attn_rs::cpu::reshape_and_cache(key, self.key_rows, value, self.value_rows, slots, cache, &self.spec, self.host_scales).c()?;
+        let report = attn_rs::cpu::reshape_and_cache(
+            key,
+            self.key_rows,
+            value,
+            self.value_rows,
+            slots,
+            cache,
+            &self.spec,
+            self.host_scales.map(Into::into),
+        )
+        .c()?;
         check_report(report)
     }
 }

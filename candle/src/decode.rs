@@ -159,7 +159,7 @@ fn cpu_typed<Q: HostSlice, C: HostSlice>(a: &Args<'_>, h: &HostDecode<'_>) -> Re
         opts: a.opts,
         alibi_slopes: h.alibi,
         sinks: None,
-        scales: h.scales,
+        scales: h.scales.map(Into::into),
     })
     .c()?;
     if r.bad_blocks > 0 {

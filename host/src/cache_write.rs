@@ -16,13 +16,35 @@ use std::sync::Arc;
 
 const THREADS: u32 = 256;
 
-/// Per-tensor FP8 scales as device f32 scalars (so the call can be captured in a CUDA graph).
-/// The cache holds `value / scale` (vLLM's `k_scale`/`v_scale`); reads multiply by the scale.
+/// FP8 scales as device f32s (so the call can be captured in a CUDA graph): one per tensor, or
+/// one per kv head (vLLM's per-head `k_scale`/`v_scale` of shape `[num_kv_heads]`), told apart by
+/// their length. The cache holds `value / scale`; reads multiply by the scale.
 pub struct KvScales<'a> {
-    /// One f32: the keys' scale.
+    /// The keys' scales: 1 f32, or `num_kv_heads`.
     pub k: DevIn<'a>,
-    /// One f32: the values' scale.
+    /// The values' scales, as many as the keys'.
     pub v: DevIn<'a>,
+}
+
+impl KvScales<'_> {
+    /// The kernels' view for a cache of `num_kv_heads` heads: the K and V scale addresses and
+    /// the stride between heads' scales (0 for one per tensor, 1 for one per head).
+    ///
+    /// Errors (`scales.k` / `scales.v`): not f32, a length other than 1 or `num_kv_heads`, or
+    /// the two of different lengths.
+    pub(crate) fn layout(&self, num_kv_heads: usize) -> Result<(u64, u64, u32)> {
+        let check = |b: &DevIn<'_>, arg: &'static str| {
+            ensure(b.dtype == DType::F32 && (b.len == 1 || b.len == num_kv_heads), arg, || {
+                format!("must be 1 f32 (per tensor) or {num_kv_heads} (one per kv head), got {} x {:?}", b.len, b.dtype)
+            })
+        };
+        check(&self.k, "scales.k")?;
+        check(&self.v, "scales.v")?;
+        ensure(self.k.len == self.v.len, "scales.v", || {
+            format!("has {} values, scales.k {}: give both per tensor or both per head", self.v.len, self.k.len)
+        })?;
+        Ok((self.k.ptr, self.v.ptr, u32::from(self.k.len > 1)))
+    }
 }
 
 /// Inputs of [`reshape_and_cache`].
@@ -185,9 +207,9 @@ pub(crate) fn reshape_and_cache_from(dev: &AttnDevice, stream: &CudaStream, w: K
     let grid = grid_for(num_tokens)?;
     let (k_origin, v_origin) = w.spec.kv_origins();
     let strides = w.spec.strides();
-    let (k_scale, v_scale) = match &w.scales {
-        Some(s) if cache == DType::Fp8E4m3 => (scale_ptr(Some(&s.k), "scales.k")?, scale_ptr(Some(&s.v), "scales.v")?),
-        _ => (0, 0),
+    let (k_scale, v_scale, scale_head_stride) = match &w.scales {
+        Some(s) if cache == DType::Fp8E4m3 => s.layout(w.spec.num_kv_heads)?,
+        _ => (0, 0, 0),
     };
     let (status_ptr, _status_order) = status.word.device_ptr_mut(stream);
     let p = CacheWriteParams {
@@ -210,6 +232,8 @@ pub(crate) fn reshape_and_cache_from(dev: &AttnDevice, stream: &CudaStream, w: K
         num_heads: w.spec.num_kv_heads as u32,
         head_size: w.spec.head_size as u32,
         block_size: w.spec.block_size as u32,
+        scale_head_stride,
+        reserved: 0,
     };
     dev.launch_pdl(stream, kernel, grid, THREADS, 0, p)
 }

@@ -49,9 +49,45 @@ fn store<C: Element>(x: f32, scale: f32) -> C {
     }
 }
 
+/// FP8 scales on the host: one K and one V scale for the cache, or one per kv head (the
+/// layouts [`KvScales`](crate::cache_write::KvScales) takes on the device).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum HostScales<'a> {
+    /// (k_scale, v_scale) for every head.
+    Tensor(f32, f32),
+    /// `[num_kv_heads]` K scales and as many V scales.
+    PerHead(&'a [f32], &'a [f32]),
+}
+
+impl From<(f32, f32)> for HostScales<'_> {
+    fn from((k, v): (f32, f32)) -> Self {
+        HostScales::Tensor(k, v)
+    }
+}
+
+impl HostScales<'_> {
+    /// Kv head `head`'s (k, v) scales.
+    pub fn at(&self, head: usize) -> (f32, f32) {
+        match *self {
+            HostScales::Tensor(k, v) => (k, v),
+            HostScales::PerHead(k, v) => (k[head], v[head]),
+        }
+    }
+
+    /// Per-head scales hold one per kv head of the cache (`arg`: the argument to name).
+    fn check(&self, num_kv_heads: usize, arg: &'static str) -> Result<()> {
+        match self {
+            HostScales::Tensor(..) => Ok(()),
+            HostScales::PerHead(k, v) => crate::error::ensure(k.len() == num_kv_heads && v.len() == num_kv_heads, arg, || {
+                format!("per-head scales: {} K and {} V values for {num_kv_heads} kv heads", k.len(), v.len())
+            }),
+        }
+    }
+}
+
 /// CPU `reshape_and_cache`: the same checks and the same bytes as
 /// [`cache_write::reshape_and_cache`](crate::cache_write::reshape_and_cache) over host slices.
-/// `scales` = (k_scale, v_scale), needed for an FP8 cache (it stores `x / scale`).
+/// `scales`, needed for an FP8 cache (it stores `x / scale`): per tensor or per kv head.
 ///
 /// Errors: as the GPU op's refusals (`InvalidArgument`, `UnsupportedDType`). Slots past the
 /// cache are not an error here: they are counted in the report.
@@ -64,15 +100,18 @@ pub fn reshape_and_cache<T: Element, C: Element>(
     slot_mapping: &[i64],
     cache: &mut [C],
     spec: &KvCacheSpec,
-    scales: Option<(f32, f32)>,
+    scales: Option<HostScales<'_>>,
 ) -> Result<WriteReport> {
     check_write_dtypes(T::DTYPE, T::DTYPE, C::DTYPE, scales.is_some())?;
     check_kv_shapes(key.len(), &key_rows, value.len(), &value_rows, slot_mapping.len(), cache.len(), spec)?;
-    let (k_scale, v_scale) = scales.unwrap_or((1.0, 1.0));
+    if let Some(s) = &scales {
+        s.check(spec.num_kv_heads, "scales")?;
+    }
     let mut report = WriteReport::default();
     for (token, &slot) in slot_mapping.iter().take(key_rows.num_tokens).enumerate() {
         let Some((block, offset)) = report.count(token, slot, spec.block_size, spec.num_slots()) else { continue };
         for head in 0..spec.num_kv_heads {
+            let (k_scale, v_scale) = scales.map_or((1.0, 1.0), |s| s.at(head));
             for dim in 0..spec.head_size {
                 cache[spec.offset(0, block, offset, head, dim)] = store(key[key_rows.offset(token, head, dim)].to_f32(), k_scale);
                 cache[spec.offset(1, block, offset, head, dim)] = store(value[value_rows.offset(token, head, dim)].to_f32(), v_scale);
@@ -136,8 +175,8 @@ pub struct DecodeRef<'a, Q, C> {
     pub alibi_slopes: Option<&'a [f32]>,
     /// `[num_q_heads]` sink logits, if the model uses sinks.
     pub sinks: Option<&'a [f32]>,
-    /// (k_scale, v_scale) for an FP8 cache.
-    pub scales: Option<(f32, f32)>,
+    /// The scales of an FP8 cache, per tensor or per kv head.
+    pub scales: Option<HostScales<'a>>,
 }
 
 /// Result of the CPU decode, in f64: `out[token][head][dim]` flattened, and `lse[token][head]`
@@ -301,7 +340,7 @@ pub struct PrefillRef<'a, Q, C> {
     /// `[num_q_heads]` sink logits, if the model uses sinks.
     pub sinks: Option<&'a [f32]>,
     /// (k_scale, v_scale) for an FP8 cache (MLA: its one scale as both).
-    pub scales: Option<(f32, f32)>,
+    pub scales: Option<HostScales<'a>>,
 }
 
 /// CPU varlen prefill (paged or packed K/V, causal aligned to the end or not), in f64; with
@@ -410,13 +449,15 @@ fn attention<C: Element>(
     opts: &crate::options::AttnOptions,
     alibi_slopes: Option<&[f32]>,
     sinks: Option<&[f32]>,
-    scales: Option<(f32, f32)>,
+    scales: Option<HostScales<'_>>,
 ) -> Result<DecodeResult> {
     let (nt, hq, dk, dv) = dims;
     let hkv = kv.num_kv_heads();
     crate::error::ensure(hkv > 0 && hq % hkv == 0, "num_q_heads", || format!("{hq} is not a multiple of num_kv_heads {hkv}"))?;
     let group = hq / hkv;
-    let (ks, vs) = scales.map_or((1.0, 1.0), |(k, v)| (k as f64, v as f64));
+    if let Some(s) = &scales {
+        s.check(hkv, "scales")?;
+    }
     let scale = opts.softmax_scale as f64;
     let mut res =
         DecodeResult { out: vec![0.0; nt * hq * dv], lse: vec![f64::NEG_INFINITY; nt * hq], bad_blocks: 0, first_bad_block: None };
@@ -439,6 +480,8 @@ fn attention<C: Element>(
             }
             for h in 0..hq {
                 let kvh = h / group;
+                let (ks, vs) = scales.map_or((1.0, 1.0), |s| s.at(kvh));
+                let (ks, vs) = (ks as f64, vs as f64);
                 let mut logits = Vec::new();
                 let mut values: Vec<Vec<f64>> = Vec::new();
                 for t in first..last {

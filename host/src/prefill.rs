@@ -11,7 +11,7 @@
 
 use crate::attn_params;
 use crate::batch::{block_table_reach, BatchMetadata, DeviceBatch};
-use crate::buffer::{f32_values, optional_f32, DevIn, DevOut};
+use crate::buffer::{optional_f32, DevIn, DevOut};
 use crate::cache_write::KvScales;
 use crate::device::AttnDevice;
 use crate::dtype::DType;
@@ -24,7 +24,8 @@ use crate::stream_check::{check_stream, refuse_foreign_capture};
 use attn_math::hopper_prefill;
 use attn_math::paging::CacheStrides;
 use attn_math::params::{
-    AttnParams, BatchMeta, Fp8Scales, LocalMask, Mask, MlaParams, PerHead, Schedule, Shape, SparseIndices, SplitK, VariantParams,
+    AttnParams, BatchMeta, Fp8Scales, LocalMask, Mask, MlaParams, PerHead, ScaleLayout, Schedule, Shape, SparseIndices, SplitK,
+    VariantParams,
 };
 use attn_math::prefill::{block_m, shared_layout, HEAD_SIZES, MIN_BLOCK_M, THREADS};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
@@ -314,9 +315,9 @@ pub(crate) fn prefill_from(
     opts.attn.validate_masks("opts", opts.causal)?;
     let num_reqs = batch.seq_lens.len();
     let fp8 = matches!(&a.kv, PrefillKv::Paged { cache, .. } if cache.dtype == DType::Fp8E4m3);
-    let (k_scale, v_scale) = match &a.scales {
-        Some(s) if fp8 => (f32_values(&s.k, "scales.k", 1)?, f32_values(&s.v, "scales.v", 1)?),
-        _ => (0, 0),
+    let (k_scale, v_scale, scale_head_stride) = match (&a.scales, &a.kv) {
+        (Some(s), PrefillKv::Paged { spec, .. }) if fp8 => s.layout(spec.num_kv_heads)?,
+        _ => (0, 0, 0),
     };
 
     let (k, v, num_kv_heads, kv_batch, num_blocks, block_size) = match &a.kv {
@@ -418,6 +419,7 @@ pub(crate) fn prefill_from(
         mla: MlaParams::default(),
         local: LocalMask::new(opts.attn.chunk_size, opts.attn.symmetric_window),
         sparse: SparseIndices::default(),
+        scale_layout: ScaleLayout { head_stride: scale_head_stride, reserved: 0 },
         schedule: if kernel.persistent { Schedule { sched: sched_ptr, ctas, ..Schedule::default() } } else { Schedule::default() },
     };
     let grid = if kernel.persistent { ctas.min(dev.sm_count()) } else { ctas };

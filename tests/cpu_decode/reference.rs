@@ -105,7 +105,7 @@ impl<'a> Call<'a> {
             opts: self.opts,
             alibi_slopes: self.alibi,
             sinks: self.sinks,
-            scales: self.scales,
+            scales: self.scales.map(Into::into),
         })
         .unwrap();
         assert_eq!(res.bad_blocks, 0);

@@ -2,7 +2,7 @@
 
 use super::workspace::DecodeWorkspace;
 use crate::batch::{block_table_reach, validate_batch, validate_prefill_batch, DecodeBatch, DeviceBatch, PrefillBatch};
-use crate::buffer::{f32_values, optional_f32, DevIn, DevOut};
+use crate::buffer::{optional_f32, DevIn, DevOut};
 use crate::cache_write::KvScales;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
@@ -46,6 +46,8 @@ pub(super) struct CheckedArgs {
     pub sinks: u64,
     pub k_scale: u64,
     pub v_scale: u64,
+    /// 0: one scale per tensor; 1: one per kv head.
+    pub scale_head_stride: u32,
 }
 
 /// Checks everything of a call before planning: the spec, dtypes and head size, every buffer's
@@ -115,11 +117,11 @@ pub(super) fn check_args(
     }
     let alibi = optional_f32(&a.alibi_slopes, "alibi_slopes", hq)?;
     let sinks = optional_f32(&a.sinks, "sinks", hq)?;
-    let (k_scale, v_scale) = match &a.scales {
-        Some(s) if cache_dtype == DType::Fp8E4m3 => (f32_values(&s.k, "scales.k", 1)?, f32_values(&s.v, "scales.v", 1)?),
-        _ => (0, 0),
+    let (k_scale, v_scale, scale_head_stride) = match &a.scales {
+        Some(s) if cache_dtype == DType::Fp8E4m3 => s.layout(a.spec.num_kv_heads)?,
+        _ => (0, 0, 0),
     };
     ensure(ws.head_size() == d, "workspace", || format!("made for head_size {}, not {d}", ws.head_size()))?;
     ws.check_batch(num_reqs, nt)?;
-    Ok(CheckedArgs { alibi, sinks, k_scale, v_scale })
+    Ok(CheckedArgs { alibi, sinks, k_scale, v_scale, scale_head_stride })
 }

@@ -14,7 +14,9 @@ use crate::error::{ensure, Result};
 use crate::options::{AttnOptions, PlanOptions};
 use crate::status::DeviceStatus;
 use crate::stream_check::refuse_foreign_capture;
-use attn_math::params::{AttnParams, Fp8Scales, LocalMask, Mask, MlaParams, PerHead, Schedule, Shape, SparseIndices, VariantParams};
+use attn_math::params::{
+    AttnParams, Fp8Scales, LocalMask, Mask, MlaParams, PerHead, ScaleLayout, Schedule, Shape, SparseIndices, VariantParams,
+};
 use cudarc::driver::{CudaStream, DevicePtrMut};
 use std::sync::Arc;
 
@@ -143,6 +145,7 @@ fn run(
         mla: MlaParams::default(),
         local: LocalMask::new(opts.chunk_size, opts.symmetric_window),
         sparse: SparseIndices::default(),
+        scale_layout: ScaleLayout { head_stride: checked.scale_head_stride, reserved: 0 },
         schedule: Schedule {
             plan: lp.header,
             sched: 0,

@@ -16,7 +16,7 @@ use super::step::StepMetadata;
 use super::timing::Timer;
 use super::validate::Parts;
 use crate::batch::DecodeBatch;
-use crate::cpu::{self, DecodeRef, DecodeResult, KvRef, PrefillRef, WriteReport};
+use crate::cpu::{self, DecodeRef, DecodeResult, HostScales, KvRef, PrefillRef, WriteReport};
 use crate::dtype::{DType, Element, Fp8E4m3};
 use crate::error::{AttnError, Result};
 use crate::layout::{MlaCacheSpec, RowsDesc};
@@ -75,13 +75,14 @@ fn write<T: HostElement, C: HostElement>(spec: &CacheSpec, step: &StepMetadata, 
     check_report(cpu::reshape_and_cache(k, k_rows, v, v_rows, step.host_slot_mapping(), typed_out::<C>(&mut cache, "cache")?, s, scales)?)
 }
 
-/// The layer's (k, v) scales: one f32 each.
-fn scale_values(scales: Option<&(HostIn<'_>, HostIn<'_>)>) -> Result<Option<(f32, f32)>> {
+/// The layer's (k, v) scales: one f32 each, or one per kv head each (the lengths were checked).
+fn scale_values<'a>(scales: Option<&(HostIn<'a>, HostIn<'a>)>) -> Result<Option<HostScales<'a>>> {
     let Some((k, v)) = scales else { return Ok(None) };
-    let one = |b: &HostIn<'_>, arg| -> Result<f32> {
-        f32_in(Some(b), arg)?.and_then(|s| s.first().copied()).ok_or_else(|| AttnError::invalid(arg, "must hold one f32"))
+    let values = |b: &HostIn<'a>, arg| -> Result<&'a [f32]> {
+        f32_in(Some(b), arg)?.filter(|s| !s.is_empty()).ok_or_else(|| AttnError::invalid(arg, "must hold f32 scales"))
     };
-    Ok(Some((one(k, "kv_scales.0")?, one(v, "kv_scales.1")?)))
+    let (k, v) = (values(k, "kv_scales.0")?, values(v, "kv_scales.1")?);
+    Ok(Some(if k.len() == 1 && v.len() == 1 { HostScales::Tensor(k[0], v[0]) } else { HostScales::PerHead(k, v) }))
 }
 
 fn typed_in<'a, T: HostElement>(b: &HostIn<'a>, arg: &'static str) -> Result<&'a [T]> {
@@ -147,7 +148,7 @@ fn run<T: HostElement, C: HostElement>(
             slots,
             cache,
             s,
-            scales.map(|(k, _)| k),
+            scales.map(|s| s.at(0).0),
         )?,
         _ => return Err(AttnError::invalid("new_kv", "does not match the model's attention kind")),
     };

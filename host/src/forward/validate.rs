@@ -6,6 +6,7 @@ use super::host_buf::{HostIn, HostOut};
 use super::io::{CacheSpec, KvCacheWrite, Layer, NewKv};
 use super::layers::{AttentionType, LayerSpec};
 use super::step::StepMetadata;
+use crate::backend::AttentionKind;
 use crate::batch::{validate_batch, validate_prefill_batch, DecodeBatch, PrefillBatch};
 use crate::buffer::{DevIn, DevOut};
 use crate::cache_write::latent_rows_len;
@@ -184,7 +185,8 @@ fn check_cache(config: &ForwardConfig, spec: &CacheSpec, cache: &impl Buf) -> Re
     })
 }
 
-/// The K and V scales: given exactly when the layer uses an FP8 cache.
+/// The K and V scales: given exactly when the layer uses an FP8 cache; one f32 each, or one per
+/// kv head each.
 fn check_scales<I: Buf>(config: &ForwardConfig, (index, ls): (usize, &LayerSpec), scales: Option<&(I, I)>) -> Result<()> {
     let m = &config.model;
     let fp8 = m.cache_dtype == DType::Fp8E4m3 && ls.attn_type.uses_cache();
@@ -195,8 +197,15 @@ fn check_scales<I: Buf>(config: &ForwardConfig, (index, ls): (usize, &LayerSpec)
                 true => format!("given for a {:?} cache (only FP8 caches are scaled)", m.cache_dtype),
                 false => format!("given for layer {index}, an {} layer, which keeps no cache", ls.attn_type),
             })?;
-            check_optional("kv_scales", Some(k), true, "", 1)?;
-            check_optional("kv_scales", Some(v), true, "", 1)
+            let heads = if m.kind == AttentionKind::Mla { 1 } else { m.num_kv_heads };
+            for b in [k, v] {
+                ensure(b.buf_dtype() == DType::F32 && (b.buf_len() == 1 || b.buf_len() == heads), "kv_scales", || {
+                    format!("must be 1 f32 (per tensor) or {heads} (one per kv head) each, got {} x {:?}", b.buf_len(), b.buf_dtype())
+                })?;
+            }
+            ensure(k.buf_len() == v.buf_len(), "kv_scales", || {
+                format!("{} K and {} V scales: give both per tensor or both per head", k.buf_len(), v.buf_len())
+            })
         }
     }
 }

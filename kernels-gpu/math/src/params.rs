@@ -22,7 +22,8 @@ pub struct CacheWriteParams {
     pub v_strides: CacheStrides,
     /// `[num_tokens]` i64; negative = padding.
     pub slot_mapping: u64,
-    /// Device f32 scalars (FP8 caches only; 0 otherwise): stored value = x / scale.
+    /// Device f32 scales (FP8 caches only; 0 otherwise): stored value = x / scale, head `h`'s
+    /// at `k_scale + 4 * h * scale_head_stride`.
     pub k_scale: u64,
     pub v_scale: u64,
     /// Device status block, `STATUS_WORDS` u32 (see [`crate::status`]).
@@ -33,6 +34,10 @@ pub struct CacheWriteParams {
     pub num_heads: u32,
     pub head_size: u32,
     pub block_size: u32,
+    /// 0: one scale per tensor; 1: one per kv head.
+    pub scale_head_stride: u32,
+    /// Unused; keeps the block a whole number of 8-byte words with no implicit padding.
+    pub reserved: u32,
 }
 
 /// `concat_and_cache_mla`: write `kv_c [T, latent]` and `k_pe [T, rope]` as one row of the MLA
@@ -155,6 +160,19 @@ pub struct AttnParams {
     pub schedule: Schedule,
     pub local: LocalMask,
     pub sparse: SparseIndices,
+    pub scale_layout: ScaleLayout,
+}
+
+/// How the FP8 scales of [`Fp8Scales`] are laid out (kernels that read an FP8 cache; MLA's one
+/// latent head takes the first).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ScaleLayout {
+    /// 0: one K and one V scale for the cache; 1: one per kv head, kv head `h`'s at
+    /// `k_scale + 4 * h` (and `v_scale + 4 * h`).
+    pub head_stride: u32,
+    /// Unused; keeps the group a whole number of 8-byte words with no implicit padding.
+    pub reserved: u32,
 }
 
 /// The queries and the keys and values (every kernel).
@@ -236,8 +254,9 @@ pub struct PerHead {
     pub sinks: u64,
 }
 
-/// Per-tensor dequantisation scales of an FP8 E4M3 cache: device f32 scalars (the kernels of
-/// FP8 caches, `*_fp8_*`; 0 otherwise). A cached value is `x / scale`.
+/// Dequantisation scales of an FP8 E4M3 cache: device f32s, one per tensor or one per kv head
+/// ([`ScaleLayout`]) (the kernels of FP8 caches, `*_fp8_*`; 0 otherwise). A cached value is
+/// `x / scale`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Fp8Scales {
@@ -435,10 +454,11 @@ assert_offsets!(AttnParams {
     sparse.row_stride = 344,
     sparse.token_request = 352,
     sparse.topk = 360,
+    scale_layout.head_stride = 368,
 });
 assert_offsets!(CacheStrides { block = 0, token = 8, head = 16 });
 const _: () = assert!(core::mem::size_of::<CacheStrides>() == 24);
-const _: () = assert!(core::mem::size_of::<AttnParams>() == 368 && core::mem::align_of::<AttnParams>() == 8);
+const _: () = assert!(core::mem::size_of::<AttnParams>() == 376 && core::mem::align_of::<AttnParams>() == 8);
 
 /// The arrival counter of a split work item (kv head `kv_head` of a request whose partial rows
 /// start at `partial_base`, a multiple of `num_q_heads`): distinct for every such pair, because

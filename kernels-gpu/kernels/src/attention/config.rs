@@ -73,9 +73,10 @@ pub(crate) trait CacheFormat {
     /// the kernel reads its fragments straight from the staged rows: `fp8_direct`).
     const CONVERTS: bool;
 
-    /// The dequantisation factors of K and V, each times `M`'s unpack scale (1 and 1 for a
-    /// 16-bit cache). They fold into the score scale (k) and the output factor (v).
-    unsafe fn scales<M: MmaHalf>(p: &AttnParams) -> (f32, f32);
+    /// The dequantisation factors of kv head `kv_head`'s K and V, each times `M`'s unpack
+    /// scale (1 and 1 for a 16-bit cache). They fold into the score scale (k) and the output
+    /// factor (v).
+    unsafe fn scales<M: MmaHalf>(p: &AttnParams, kv_head: u32) -> (f32, f32);
 
     /// Row pitch in bytes of `d`-element rows as staged, and their 16-byte chunks.
     fn staged_pitch(d: u32) -> u32;
@@ -95,7 +96,7 @@ impl CacheFormat for Bits16 {
     const CONVERTS: bool = false;
 
     #[inline(always)]
-    unsafe fn scales<M: MmaHalf>(_: &AttnParams) -> (f32, f32) {
+    unsafe fn scales<M: MmaHalf>(_: &AttnParams, _: u32) -> (f32, f32) {
         (1.0, 1.0)
     }
 
@@ -113,8 +114,8 @@ impl CacheFormat for Bits16 {
     unsafe fn convert<C: AttnConfig, const V: bool>(_: u32, _: u32) {}
 }
 
-/// FP8 E4M3 rows with per-tensor scales (`p.fp8.k_scale`, `p.fp8.v_scale`), staged raw (`d`
-/// bytes a row).
+/// FP8 E4M3 rows with per-tensor or per-kv-head scales (`p.fp8.k_scale`, `p.fp8.v_scale`,
+/// `p.scale_layout`), staged raw (`d` bytes a row).
 pub(crate) struct Fp8E4M3;
 
 impl CacheFormat for Fp8E4M3 {
@@ -123,9 +124,10 @@ impl CacheFormat for Fp8E4M3 {
     const CONVERTS: bool = true;
 
     #[inline(always)]
-    unsafe fn scales<M: MmaHalf>(p: &AttnParams) -> (f32, f32) {
+    unsafe fn scales<M: MmaHalf>(p: &AttnParams, kv_head: u32) -> (f32, f32) {
         let unpack = M::FP8_UNPACK_SCALE;
-        (unsafe { load_f32_nc(p.fp8.k_scale) } * unpack, unsafe { load_f32_nc(p.fp8.v_scale) } * unpack)
+        let at = 4 * (kv_head * p.scale_layout.head_stride) as u64;
+        (unsafe { load_f32_nc(p.fp8.k_scale + at) } * unpack, unsafe { load_f32_nc(p.fp8.v_scale + at) } * unpack)
     }
 
     #[inline(always)]

@@ -415,7 +415,7 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
         let q_addr = p.qkv.q + (q_row.token as u64 * p.qkv.q_token_stride + q_row.head as u64 * p.qkv.q_head_stride) * 2;
         q[c] = unsafe { F::queries::<Q>(q_addr, q_conv) };
     });
-    let (k_scale, v_scale) = unsafe { F::Cache::scales::<F::M>(p) };
+    let (k_scale, v_scale) = unsafe { F::Cache::scales::<F::M>(p, w.kv_head) };
     let mut ahead = [lookup(0), lookup(1)];
 
     // What is read before waiting for the kernel before (in an engine, this step's cache

@@ -61,11 +61,11 @@ fn warp_and_lane() -> (u32, u32) {
 /// data (source addresses do not depend on it), so a warp pays one memory round trip, not two;
 /// reading a padding token's source is harmless, since the host checked every token's rows lie
 /// inside their buffers. `src_addr(v)` / `dst_addr(v, block, offset)` give the byte addresses of
-/// vector `v` in each of the `TENSORS` tensors.
+/// vector `v` in each of the `TENSORS` tensors, `scale(v)` its scale in each.
 #[inline(always)]
 unsafe fn write_token<W: VecWriter, const TENSORS: usize>(
     p: TokenRow,
-    scale: [ScaleDiv; TENSORS],
+    scale: impl Fn(u32) -> [ScaleDiv; TENSORS],
     src_addr: impl Fn(u32) -> [u64; TENSORS],
     dst_addr: impl Fn(u32, u64, u64) -> [u64; TENSORS],
 ) {
@@ -95,7 +95,7 @@ unsafe fn write_token<W: VecWriter, const TENSORS: usize>(
         unroll4!(|U| {
             let v = base + p.lane + WARP * U as u32;
             if v < p.vecs {
-                let dst = dst_addr(v, block, offset);
+                let (dst, scale) = (dst_addr(v, block, offset), scale(v));
                 for_tensors!(|T| {
                     unsafe { W::store(dst[T], data[U][T], scale[T]) };
                 });
@@ -134,14 +134,34 @@ pub(super) unsafe fn reshape_and_cache<W: VecWriter>(p: &CacheWriteParams) {
         num_slots: p.num_slots,
         status: p.status,
     };
-    let token = token as u64;
-    let src_bytes = W::SRC_ELEM_BYTES as u64;
-    let cache_bytes = W::CACHE_ELEM_BYTES as u64;
-    let scale = unsafe { [load_scale::<W>(p.k_scale), load_scale::<W>(p.v_scale)] };
     let head_dim = |v: u32| {
         let head = v / vecs_per_head;
         (head as u64, ((v - head * vecs_per_head) * W::ELEMS) as u64)
     };
+    let scales = |head: u64| {
+        let at = 4 * head * p.scale_head_stride as u64;
+        unsafe { [load_scale::<W>(p.k_scale + at), load_scale::<W>(p.v_scale + at)] }
+    };
+    if W::SCALED && p.scale_head_stride != 0 {
+        // One scale per kv head: each vector's own (from L1 after its head's first).
+        unsafe { write_rows::<W>(p, row, |v| scales(head_dim(v).0), head_dim) }
+    } else {
+        // One per tensor: loaded once for the token.
+        let scale = scales(0);
+        unsafe { write_rows::<W>(p, row, |_| scale, head_dim) }
+    }
+}
+
+/// [`reshape_and_cache`]'s token: K and V vector `v` from its head and column (`head_dim`).
+#[inline(always)]
+unsafe fn write_rows<W: VecWriter>(
+    p: &CacheWriteParams,
+    row: TokenRow,
+    scale: impl Fn(u32) -> [ScaleDiv; 2],
+    head_dim: impl Fn(u32) -> (u64, u64),
+) {
+    let token = row.token as u64;
+    let (src_bytes, cache_bytes) = (W::SRC_ELEM_BYTES as u64, W::CACHE_ELEM_BYTES as u64);
     unsafe {
         write_token::<W, 2>(
             row,
@@ -184,6 +204,7 @@ pub(super) unsafe fn concat_and_cache_mla<W: VecWriter>(p: &MlaCacheWriteParams)
     let src_bytes = W::SRC_ELEM_BYTES as u64;
     let cache_bytes = W::CACHE_ELEM_BYTES as u64;
     let scale = unsafe { [load_scale::<W>(p.scale)] };
+    let scale = |_| scale;
     // Row bases once per token, so that a vector's address is a select and an add: computed per
     // vector from the strides, they were a third of the FP8 write's instructions.
     let vec_bytes = W::ELEMS as u64 * src_bytes;
