@@ -1,20 +1,24 @@
 //! CPU tests of the simulated engine (`attn_tools::sim`): the block allocator and block tables, the
 //! request stream, the scheduler's batches (budget, room, decodes first, slots that match the
-//! block tables, every block back at the end), and short runs of the engine loop on the CPU
-//! backend (standard and MLA, the presets included) with their checks passing.
+//! block tables, every block back at the end), short runs of the engine loop on the CPU
+//! backend (standard and MLA, the presets, the Gemma-2-like and KV-shared models included) with
+//! their checks passing, and the check's reference (its masks against `attn_rs::cpu`'s, and
+//! that a window or soft-cap ignored would fail it).
 //!
-//! On the CPU backend the sim's check (`attn_tools::sim::check`) compares `attn_rs::cpu` with itself:
-//! the backend and the reference run the same attention code, so these runs check the
-//! bookkeeping only (which rows reach the cache, block tables, positions, the batch layout),
-//! not the attention arithmetic; the GPU tests and tests/cpu_forward/ (its own per-request
-//! reference) cover that. The run says so in its output.
+//! On the CPU backend the sim's check compares `attn_rs::cpu` with the simulator's own f64
+//! attention (`attn_tools::sim::reference_attention`): the attention arithmetic with each
+//! layer's settings, and the bookkeeping (which rows reach the cache, block tables, positions,
+//! the batch layout).
 
 use attn_rs::backend::{select_backend_no_env, DeviceInfo};
+use attn_rs::cpu::{self, KvRef, PrefillRef};
 use attn_rs::metadata::{is_decode, split_decodes, validate};
-use attn_rs::DType;
+use attn_rs::{AttnOptions, DType, RowsDesc};
 use attn_tools::sim::{
-    run_sim, AllocError, BlockAllocator, BlockTable, RequestSpec, Scheduler, SchedulerConfig, SimConfig, SimModel, SplitMix, Workload,
+    reference_attention, rel_error, run_sim, tolerance, AllocError, BlockAllocator, BlockTable, RefShape, RequestSpec, Scheduler,
+    SchedulerConfig, SimConfig, SimModel, SplitMix, Workload,
 };
+use half::bf16;
 use std::collections::HashMap;
 
 // ---------------------------------------------------------------------------------------------
@@ -180,6 +184,8 @@ fn small_config() -> SimConfig {
         token_budget: 16,
         num_blocks: None,
         num_layers: None,
+        window: None,
+        softcap: None,
         max_steps: 10_000,
         check_every: 2,
         check_layers: None,
@@ -215,7 +221,7 @@ fn engine_loop_runs_to_completion_on_the_cpu_backend() {
         assert_eq!(r.check_layers, [0, 1]);
         assert!(
             log.contains("backend cpu on the CPU")
-                && log.contains("bookkeeping only")
+                && log.contains("the simulator's own f64 attention")
                 && log.contains("step ")
                 && log.contains("summary [")
                 && log.contains("PASS"),
@@ -266,4 +272,166 @@ fn a_bad_check_layer_is_refused() {
     let sel = select_backend_no_env(&model.config, &DeviceInfo::no_gpu(), None).unwrap();
     let err = run_sim(&model, &cfg, &sel, None, &mut Vec::new()).expect_err("refused");
     assert!(err.to_string().contains("check layer 5"), "{err}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-layer settings: the Gemma-2-like and KV-shared models, and the check's reference
+// ---------------------------------------------------------------------------------------------
+
+/// The CPU preset's layers, window (64) and soft-cap (0.5), with fewer and longer requests: most
+/// contexts pass the window.
+fn layered_config() -> SimConfig {
+    SimConfig {
+        workload: Workload { num_requests: 6, prompt_len: (40, 100), gen_len: (1, 6), initial: 3, max_arrivals_per_step: 2 },
+        max_running: 4,
+        token_budget: 24,
+        check_every: 2,
+        check_reqs: 3,
+        progress_every: 4,
+        seed: 3,
+        ..SimConfig::cpu_default()
+    }
+}
+
+#[test]
+fn gemma2_like_passes_the_check_and_its_window_and_softcap_matter_there() {
+    let cfg = layered_config();
+    let (r, log) = run_on_cpu(&SimModel::gemma2_2b(DType::BF16), &cfg);
+    assert_eq!((r.finished, r.requests, r.layers, r.check_layers.as_slice()), (6, 6, 2, &[0, 1][..]), "{log}");
+    assert!(r.passed() && r.checks.comparisons > 0, "{:?}\n{log}", r.checks);
+    // Layer 0 is windowed, both are soft-capped; an ignored setting would have failed some
+    // comparisons (the reference without it differs from it by more than the tolerance).
+    let (w, c) = (r.checks.window, r.checks.softcap);
+    assert!(w.comparisons > 0 && w.comparisons < r.checks.comparisons && w.caught > 0, "{w:?}\n{log}");
+    assert!(c.comparisons == r.checks.comparisons && c.caught > 0, "{c:?}\n{log}");
+    assert!(
+        log.contains("summary [gemma-2-2b-like on cpu]")
+            && log.contains("sliding window 64 on the even layers")
+            && log.contains("soft-cap 0.5 on every layer")
+            && log.contains("the check catches a backend ignoring the window in"),
+        "{log}"
+    );
+}
+
+#[test]
+fn kv_shared_layers_read_the_last_owning_layer_and_pass_the_check() {
+    // Three layers: the last reads the second's cache.
+    let small = small_config();
+    let workload = Workload { num_requests: 5, ..small.workload };
+    let cfg = SimConfig { workload, num_layers: Some(3), check_layers: Some(vec![0, 1, 2]), ..small };
+    let (r, log) = run_on_cpu(&SimModel::kv_shared(DType::BF16), &cfg);
+    assert_eq!((r.finished, r.layers, r.cache_layers), (5, 3, 2), "{log}");
+    assert!(r.passed() && r.checks.comparisons > 0, "{:?}\n{log}", r.checks);
+    let per_layer = r.num_blocks * 16 * 8 * 128 * 2 * 2; // blocks x tokens x kv heads x d x (K, V) x bf16
+    assert_eq!(r.cache_bytes, 2 * per_layer, "caches for layers 0 and 1 only");
+    assert!(log.contains("layer 2 reads layer 1's cache and writes none") && log.contains("in 2 of the 3 layers"), "{log}");
+    assert_eq!((r.checks.window.comparisons, r.checks.softcap.comparisons), (0, 0));
+}
+
+#[test]
+fn the_new_models_run_a_few_steps_with_all_their_layers() {
+    let cfg = SimConfig {
+        workload: Workload { num_requests: 3, prompt_len: (2, 6), gen_len: (2, 3), initial: 3, max_arrivals_per_step: 1 },
+        max_running: 3,
+        token_budget: 8,
+        num_layers: None,
+        max_steps: 3,
+        check_every: 1,
+        check_layers: Some(vec![0, 7, 8, 15]),
+        check_reqs: 2,
+        check_tokens: 1,
+        ..SimConfig::cpu_default()
+    };
+    for (model, caches, note) in [
+        (SimModel::gemma2_2b(DType::BF16), 26, "sliding window 64 on the even layers"),
+        (SimModel::kv_shared(DType::BF16), 8, "layers 8..=15 read layer 7's cache"),
+    ] {
+        let (r, log) = run_on_cpu(&model, &cfg);
+        assert_eq!((r.steps, r.layers, r.cache_layers), (3, model.num_layers, caches), "{log}");
+        assert!(r.passed() && r.checks.comparisons > 0, "{:?}\n{log}", r.checks);
+        assert!(log.contains(note), "{log}");
+    }
+}
+
+#[test]
+fn layer_specs_follow_the_models() {
+    let g = SimModel::gemma2_2b(DType::BF16);
+    assert_eq!((g.num_layers, g.config.num_q_heads, g.config.num_kv_heads, g.config.head_size), (26, 8, 4, 256));
+    assert!(g.config.features.sliding_window && g.config.features.softcap);
+    for (i, l) in g.layer_specs(26).iter().enumerate() {
+        assert_eq!((l.opts.window, l.opts.softcap, l.kv_sharing_target), ((i % 2 == 0).then_some(4096), Some(50.0), None), "layer {i}");
+        assert_eq!(l.opts.softmax_scale, 1.0 / 16.0);
+    }
+    let k = SimModel::kv_shared(DType::BF16);
+    let targets: Vec<Option<usize>> = k.layer_specs(16).iter().map(|l| l.kv_sharing_target).collect();
+    assert_eq!(targets, [vec![None; 8], vec![Some(7); 8]].concat());
+    assert_eq!(k.layer_specs(1)[0].kv_sharing_target, None);
+    assert!(k.layer_specs(3).iter().map(|l| l.kv_sharing_target).eq([None, None, Some(1)]));
+    assert_eq!(SimModel::llama3_8b(DType::BF16).describe_layers(32), None);
+    // The CPU preset's window and soft-cap replace the model's; a model without them gains none.
+    let cpu = SimConfig::cpu_default();
+    assert_eq!((cpu.run_model(&g).window, cpu.run_model(&g).softcap), (Some(64), Some(0.5)));
+    assert_eq!(cpu.run_model(&k), k);
+}
+
+/// Random rows rounded to bf16 (as the simulator's pool): `n` of `width`.
+fn bf16_rows(rng: &mut SplitMix, n: usize, width: usize) -> Vec<f64> {
+    (0..n * width).map(|_| bf16::from_f32(rng.signed_unit()).to_f32() as f64).collect()
+}
+
+#[test]
+fn an_ignored_window_or_softcap_would_fail_the_check_on_the_cpu_preset() {
+    // Layer 0 of the Gemma-2-like model as the CPU preset plays it (window 64, soft-cap 0.5),
+    // two query tokens at the end of 100 keys, as the pool's rows.
+    let model = SimConfig::cpu_default().run_model(&SimModel::gemma2_2b(DType::BF16));
+    let opts = model.layer_spec(0, 2).opts;
+    assert_eq!((opts.window, opts.softcap), (Some(64), Some(0.5)));
+    let shape = RefShape { q_heads: 8, kv_heads: 4, dk: 256, dv: 256 };
+    let mut rng = SplitMix::new(11);
+    let (q, k, v) = (bf16_rows(&mut rng, 2, 8 * 256), bf16_rows(&mut rng, 100, 4 * 256), bf16_rows(&mut rng, 100, 4 * 256));
+    let want = reference_attention(shape, &opts, &q, &k, &v);
+    let tol = tolerance(DType::BF16);
+    for (what, ignored) in [("window", AttnOptions { window: None, ..opts }), ("soft-cap", AttnOptions { softcap: None, ..opts })] {
+        let err = rel_error(&reference_attention(shape, &ignored, &q, &k, &v), &want);
+        assert!(err > 3.0 * tol, "ignoring the {what}: rel error {err:.2e}, within {tol:.0e} of the check");
+    }
+    // Before the context passes the window, the window changes nothing.
+    let n = 64 * 4 * 256;
+    let short = |o: &AttnOptions| reference_attention(shape, o, &q, &k[..n], &v[..n]);
+    assert_eq!(short(&opts), short(&AttnOptions { window: None, ..opts }));
+}
+
+#[test]
+fn the_reference_masks_and_caps_as_attn_rs_cpu_does() {
+    // Three requests' worth of shapes: windows shorter, equal to and longer than the context,
+    // with and without a soft-cap, grouped heads; the last nq of nk tokens as queries.
+    let mut rng = SplitMix::new(5);
+    for (nq, nk, window, softcap) in
+        [(3, 20, Some(7), Some(2.0)), (1, 9, Some(9), None), (4, 12, Some(30), Some(0.3)), (2, 15, None, Some(1.0))]
+    {
+        let (hq, hkv, d) = (4, 2, 16);
+        let opts = AttnOptions { window, softcap, softmax_scale: 0.6, ..AttnOptions::new(d) };
+        let q: Vec<f32> = (0..nq * hq * d).map(|_| rng.signed_unit()).collect();
+        let k: Vec<f32> = (0..nk * hkv * d).map(|_| rng.signed_unit()).collect();
+        let v: Vec<f32> = (0..nk * hkv * d).map(|_| rng.signed_unit()).collect();
+        let f64s = |x: &[f32]| x.iter().map(|&y| y as f64).collect::<Vec<_>>();
+        let got = reference_attention(RefShape { q_heads: hq, kv_heads: hkv, dk: d, dv: d }, &opts, &f64s(&q), &f64s(&k), &f64s(&v));
+        let rows = RowsDesc::contiguous(nk, hkv, d);
+        let want = cpu::prefill(&PrefillRef {
+            q: &q,
+            q_rows: RowsDesc::contiguous(nq, hq, d),
+            kv: KvRef::Packed { k: &k, k_rows: rows, v: &v, v_rows: rows, key_start_loc: &[0, nk as i32] },
+            head_size_v: d,
+            query_start_loc: &[0, nq as i32],
+            seq_lens: &[nk as i32],
+            causal: true,
+            opts,
+            alibi_slopes: None,
+            sinks: None,
+            scales: None,
+        })
+        .unwrap();
+        let err = rel_error(&got, &want.out);
+        assert!(err < 1e-12, "{nq} of {nk}, window {window:?}, soft-cap {softcap:?}: rel error {err:.2e}");
+    }
 }

@@ -1,21 +1,26 @@
-//! The main job: a simulated serving engine. A Llama-3-8B-like model and a DeepSeek-like MLA
-//! model, each served to a deterministic stream of requests (varied prompt and generation
+//! The main job: a simulated serving engine. A Llama-3-8B-like model, a DeepSeek-like MLA model,
+//! a Gemma-2-like model (sliding window on every other layer, soft-capped logits) and a
+//! Llama-like model whose second half of the layers reads one earlier layer's cache (KV
+//! sharing), each served to a deterministic stream of requests (varied prompt and generation
 //! lengths, arriving and finishing) by a chunked-prefill scheduler with a block allocator; every
-//! step's mixed batch goes through `attn_rs::forward` on every layer (random activations: there is
-//! no model), a sample is checked against the CPU reference, and a progress line and a summary
-//! (tokens/s, each step's time split into metadata, cache write and attention) are printed.
+//! step's mixed batch goes through `attn_rs::forward` on every layer with that layer's settings
+//! (random activations: there is no model), a sample is checked against an f64 reference, and a
+//! progress line and a summary (tokens/s, each step's time split into metadata, cache write and
+//! attention) are printed.
 //!
 //! The backend comes from the registry (`--backend NAME`, else `ATTN_BACKEND`, else automatic).
 //! Without a GPU everything runs on the CPU backend with small sizes. On a GPU the models run
 //! on their GPU backends (`tensor-core`, `mla`); a backend whose kernels are missing falls back
 //! to the CPU backend, labelled so.
 //!
-//! `engine-sim [--model llama|deepseek|both] [--backend NAME] [--dtype bf16|f16|f32]
-//!  [--layers N] [--requests N] [--steps N] [--max-running N] [--token-budget N]
-//!  [--prompt MIN:MAX] [--gen MIN:MAX] [--blocks N] [--check-every N] [--check-layers A,B]
-//!  [--check-reqs N] [--check-tokens N] [--progress-every N] [--decode-threshold N] [--seed N]`
+//! `engine-sim [--model llama|deepseek|gemma2|kv-shared|both|all] [--backend NAME]
+//!  [--dtype bf16|f16|f32] [--layers N] [--window N] [--softcap X] [--requests N] [--steps N]
+//!  [--max-running N] [--token-budget N] [--prompt MIN:MAX] [--gen MIN:MAX] [--blocks N]
+//!  [--check-every N] [--check-layers A,B] [--check-reqs N] [--check-tokens N]
+//!  [--progress-every N] [--decode-threshold N] [--seed N]`
 //! (`--help` describes each; flags not given take the preset's value for where the backend
-//! runs, `SimConfig::cpu_default` or `SimConfig::gpu_default`).
+//! runs, `SimConfig::cpu_default` or `SimConfig::gpu_default`, with prompts stretched past a
+//! model's window when the preset's would not reach it).
 
 use attn_rs::backend::{find_backend, select_backend, select_backend_no_env, DeviceInfo, Selection};
 use attn_rs::forward::GpuHandles;
@@ -27,15 +32,16 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// A simulated serving engine: a Llama-3-8B-like model and a DeepSeek-like MLA model served to a
-/// deterministic stream of requests by a chunked-prefill scheduler, every step's mixed batch
-/// through `attn_rs::forward` on every layer, a sample checked against the CPU reference.
+/// A simulated serving engine: Llama-3-8B-like, DeepSeek-like MLA, Gemma-2-like and KV-sharing
+/// models served to a deterministic stream of requests by a chunked-prefill scheduler, every
+/// step's mixed batch through `attn_rs::forward` on every layer, a sample checked against an f64
+/// reference.
 ///
 /// Flags not given take the preset's value for where the backend runs (listed below).
 #[derive(Parser, Debug)]
 #[command(name = "engine-sim", after_long_help = presets_help())]
 struct Cli {
-    /// The model to serve (both: one after the other).
+    /// The model to serve (both, all: one after the other).
     #[arg(long, value_enum, default_value_t = ModelChoice::Both)]
     model: ModelChoice,
     /// A backend by its registry name (tensor-core, mla, cpu); else `ATTN_BACKEND`, else the
@@ -45,10 +51,18 @@ struct Cli {
     /// The activations' and the cache's dtype.
     #[arg(long, value_enum, default_value_t = DtypeChoice::Bf16)]
     dtype: DtypeChoice,
-    /// Layers run, at most the model's (32 Llama, 27 DeepSeek); default: the preset's (2 on
-    /// the CPU, the model's on a GPU).
+    /// Layers run, at most the model's (32 Llama, 27 DeepSeek, 26 Gemma-2, 16 KV-shared);
+    /// default: the preset's (2 on the CPU, the model's on a GPU).
     #[arg(long, value_name = "N", value_parser = at_least(1))]
     layers: Option<usize>,
+    /// The sliding window of the windowed layers (Gemma-2's even layers; models without a
+    /// window ignore it); default: the preset's (64 on the CPU, the model's 4096 on a GPU).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    window: Option<u32>,
+    /// The logit soft-cap of the soft-capped layers (Gemma-2's; models without one ignore it);
+    /// default: the preset's (0.5 on the CPU, the model's 50 on a GPU).
+    #[arg(long, value_name = "X", value_parser = positive)]
+    softcap: Option<f32>,
     /// Requests in the stream.
     #[arg(long, value_name = "N", value_parser = at_least(1))]
     requests: Option<usize>,
@@ -72,7 +86,7 @@ struct Cli {
     /// longest length take.
     #[arg(long, value_name = "N", value_parser = at_least(1))]
     blocks: Option<usize>,
-    /// Check against the CPU reference every this many steps (0: never).
+    /// Check against the f64 reference every this many steps (0: never).
     #[arg(long, value_name = "N")]
     check_every: Option<usize>,
     /// The layers checked, a comma-separated list below the layer count; default: the first
@@ -102,8 +116,16 @@ enum ModelChoice {
     Llama,
     /// DeepSeek-V2-Lite-like: MLA, 16 heads over one 512 + 64 latent, 27 layers.
     Deepseek,
+    /// Gemma-2-2B-like: 8 query heads over 4 kv heads of 256, 26 layers, soft-cap 50, sliding
+    /// window 4096 on the even layers.
+    Gemma2,
+    /// Llama-like, 32 query heads over 8 kv heads of 128, 16 layers, of which the second half
+    /// reads the last first-half layer's cache.
+    KvShared,
     /// Llama, then DeepSeek.
     Both,
+    /// Every model: Llama, DeepSeek, Gemma-2, KV-shared.
+    All,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -118,6 +140,15 @@ fn at_least(min: usize) -> impl Fn(&str) -> Result<usize, String> + Clone + Send
     move |v| match v.parse::<usize>() {
         Ok(n) if n >= min => Ok(n),
         Ok(n) => Err(format!("{n} is below {min}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A positive, finite number.
+fn positive(v: &str) -> Result<f32, String> {
+    match v.parse::<f32>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        Ok(x) => Err(format!("{x} is not positive and finite")),
         Err(e) => Err(e.to_string()),
     }
 }
@@ -144,11 +175,14 @@ fn backend_name(v: &str) -> Result<String, String> {
 /// The two presets, for `--help`.
 fn presets_help() -> String {
     let line = |what: &str, c: &SimConfig| {
-        let layers = c.num_layers.map_or("the model's".to_string(), |n| n.to_string());
+        let or_models = |x: Option<String>| x.unwrap_or_else(|| "the model's".to_string());
+        let layers = or_models(c.num_layers.map(|n| n.to_string()));
+        let (window, softcap) = (or_models(c.window.map(|n| n.to_string())), or_models(c.softcap.map(|x| x.to_string())));
         let w = &c.workload;
         format!(
-            "  {what}: --layers {layers}, --requests {}, --steps {}, --max-running {}, --token-budget {}, --prompt {}:{}, --gen {}:{}, \
-             --check-every {}, --check-reqs {}, --check-tokens {}, --progress-every {}, --decode-threshold {}, --seed {}",
+            "  {what}: --layers {layers}, --window {window}, --softcap {softcap}, --requests {}, --steps {}, --max-running {}, \
+             --token-budget {}, --prompt {}:{}, --gen {}:{}, --check-every {}, --check-reqs {}, --check-tokens {}, --progress-every {}, \
+             --decode-threshold {}, --seed {}",
             w.num_requests,
             c.max_steps,
             c.max_running,
@@ -166,7 +200,8 @@ fn presets_help() -> String {
         )
     };
     format!(
-        "Presets (where the backend runs):\n{}\n{}",
+        "Presets (where the backend runs):\n{}\n{}\n  Without --prompt, a model whose window no context of the preset would pass (Gemma-2 on a GPU) \
+         takes prompts of up to one and a half windows.",
         line("CPU backend", &SimConfig::cpu_default()),
         line("GPU backend", &SimConfig::gpu_default())
     )
@@ -183,10 +218,15 @@ impl Cli {
 
     fn models(&self) -> Vec<SimModel> {
         let dtype = self.dtype();
+        let (llama, deepseek, gemma2, kv_shared) =
+            (SimModel::llama3_8b(dtype), SimModel::deepseek_v2_lite(dtype), SimModel::gemma2_2b(dtype), SimModel::kv_shared(dtype));
         match self.model {
-            ModelChoice::Llama => vec![SimModel::llama3_8b(dtype)],
-            ModelChoice::Deepseek => vec![SimModel::deepseek_v2_lite(dtype)],
-            ModelChoice::Both => vec![SimModel::llama3_8b(dtype), SimModel::deepseek_v2_lite(dtype)],
+            ModelChoice::Llama => vec![llama],
+            ModelChoice::Deepseek => vec![deepseek],
+            ModelChoice::Gemma2 => vec![gemma2],
+            ModelChoice::KvShared => vec![kv_shared],
+            ModelChoice::Both => vec![llama, deepseek],
+            ModelChoice::All => vec![llama, deepseek, gemma2, kv_shared],
         }
     }
 
@@ -211,10 +251,16 @@ impl Cli {
         Ok(())
     }
 
-    /// The preset for where the backend runs, with the flags applied.
-    fn sim_config(&self, on_gpu: bool) -> SimConfig {
+    /// The preset for where the backend runs, with the flags applied; without `--prompt`,
+    /// prompts that pass `model`'s window.
+    fn sim_config(&self, on_gpu: bool, model: &SimModel) -> SimConfig {
         let mut c = if on_gpu { SimConfig::gpu_default() } else { SimConfig::cpu_default() };
         c.num_layers = self.layers.or(c.num_layers);
+        c.window = self.window.or(c.window);
+        c.softcap = self.softcap.or(c.softcap);
+        if self.prompt.is_none() {
+            c = c.with_contexts_past_window(model);
+        }
         if let Some(n) = self.requests {
             c.workload.num_requests = n;
             c.workload.initial = c.workload.initial.min(n);
@@ -311,7 +357,7 @@ fn run(cli: &Cli) -> Result<bool, Box<dyn std::error::Error>> {
 }
 
 fn run_one(model: &SimModel, selection: &Selection, gpu: Option<GpuHandles>, cli: &Cli) -> Result<attn_tools::sim::SimReport, SimError> {
-    let cfg = cli.sim_config(selection.backend.needs_gpu);
+    let cfg = cli.sim_config(selection.backend.needs_gpu, model);
     let mut out = std::io::stdout();
     run_sim(model, &cfg, selection, gpu, &mut out)
 }
@@ -347,12 +393,42 @@ mod tests {
     fn flags_take_both_spellings_and_override_the_preset() {
         let cli =
             parse(&["--layers=2", "--model", "llama", "--prompt=8:16", "--check-layers", "0,1", "--seed=7", "--backend=CPU"]).unwrap();
-        let c = cli.sim_config(true);
+        let llama = SimModel::llama3_8b(DType::BF16);
+        let c = cli.sim_config(true, &llama);
         assert_eq!((c.num_layers, c.workload.prompt_len, c.check_layers.as_deref(), c.seed), (Some(2), (8, 16), Some(&[0, 1][..]), 7));
         assert_eq!(c.token_budget, SimConfig::gpu_default().token_budget);
         assert_eq!(cli.backend.as_deref(), Some("cpu"));
         assert_eq!(cli.models().len(), 1);
-        assert_eq!(parse(&[]).unwrap().sim_config(false).num_layers, SimConfig::cpu_default().num_layers);
+        assert_eq!(parse(&[]).unwrap().sim_config(false, &llama), SimConfig::cpu_default());
+        let cli = parse(&["--model=gemma2", "--window", "100", "--softcap=2.5"]).unwrap();
+        let c = cli.sim_config(false, &cli.models()[0]);
+        assert_eq!((c.window, c.softcap), (Some(100), Some(2.5)));
+    }
+
+    #[test]
+    fn model_choices_name_their_models() {
+        let names = |m: &str| parse(&["--model", m]).unwrap().models().iter().map(|m| m.name).collect::<Vec<_>>();
+        let (llama, deepseek, gemma2, kv_shared) =
+            ("llama-3-8b-like", "deepseek-v2-lite-like (MLA)", "gemma-2-2b-like", "kv-shared-llama-like");
+        assert_eq!(names("gemma2"), [gemma2]);
+        assert_eq!(names("kv-shared"), [kv_shared]);
+        assert_eq!(names("both"), [llama, deepseek], "both stays Llama and DeepSeek");
+        assert_eq!(parse(&[]).unwrap().models().len(), 2);
+        assert_eq!(names("all"), [llama, deepseek, gemma2, kv_shared]);
+    }
+
+    #[test]
+    fn the_gpu_preset_reaches_past_the_window_unless_prompts_are_given() {
+        let gemma2 = SimModel::gemma2_2b(DType::BF16);
+        let c = parse(&["--model", "gemma2"]).unwrap().sim_config(true, &gemma2);
+        assert_eq!(c.window, None, "the model's window: 4096");
+        assert_eq!(c.workload.prompt_len, (128, 6144));
+        assert!(c.workload.max_model_len() > 4096);
+        let c = parse(&["--model", "gemma2", "--prompt", "100:200"]).unwrap().sim_config(true, &gemma2);
+        assert_eq!(c.workload.prompt_len, (100, 200));
+        // The CPU preset's window (64) is passed already; other models keep the preset.
+        assert_eq!(parse(&[]).unwrap().sim_config(false, &gemma2).workload, SimConfig::cpu_default().workload);
+        assert_eq!(parse(&[]).unwrap().sim_config(true, &SimModel::kv_shared(DType::BF16)), SimConfig::gpu_default());
     }
 
     #[test]
@@ -371,6 +447,15 @@ mod tests {
             &["--check-layers", "0,a"],
             &["--layers", "4", "--check-layers", "0,4"],
             &["--model", "deepseek", "--check-layers", "27"],
+            &["--model", "gemma2", "--layers", "27"],
+            &["--model", "all", "--layers", "17"],
+            &["--model", "kv-shared", "--check-layers", "16"],
+            &["--window", "0"],
+            &["--window", "-3"],
+            &["--softcap", "0"],
+            &["--softcap", "-1"],
+            &["--softcap", "inf"],
+            &["--softcap", "NaN"],
             &["--max-running", "8", "--token-budget", "4"],
             &["--steps"],
             &["--layer", "2"],
@@ -379,5 +464,6 @@ mod tests {
             assert_eq!(e.exit_code(), 2, "{args:?}: {e}");
         }
         assert!(parse(&["--model", "llama", "--layers", "32", "--check-layers", "31"]).is_ok());
+        assert!(parse(&["--model", "gemma2", "--layers", "26", "--check-layers", "0,25"]).is_ok());
     }
 }

@@ -1,18 +1,19 @@
-//! Checking the chosen backend against the CPU reference ([`attn_rs::cpu::prefill`]) on a sample:
-//! for a few layers, the simulator remembers which rows of its activation pool each request's
-//! cached tokens came from; on check steps it recomputes a few query tokens of a few requests
-//! from those rows (packed K/V, no paging, no block tables) and compares.
+//! Checking the chosen backend against the reference ([`super::reference`], plain f64
+//! attention written apart from the library) on a sample: for a few layers, the simulator
+//! remembers which rows of its activation pool each request's cached tokens came from (for a
+//! KV-sharing layer, its target layer's rows); on check steps it recomputes a few query tokens of
+//! a few requests from those rows (packed K/V, no paging, no block tables) with the layer's
+//! scale, sliding window and soft-cap, and compares.
 //!
-//! On the CPU backend both sides run [`attn_rs::cpu`]'s attention: the check then covers what
-//! comes before it (the cache writes, block tables, positions, the batch's layout), not the
-//! attention arithmetic, which the GPU tests check against the same reference.
+//! For a layer with a window or a soft-cap the check also measures whether it would notice a
+//! backend that ignored it: how often the reference without it differs from the reference by
+//! more than the tolerance ([`Sensitivity`]).
 
 use super::model::SimModel;
+use super::reference::{reference_attention, RefShape};
 use super::rng::SplitMix;
 use super::scheduler::Batch;
-use attn_rs::cpu::{self, KvRef, PrefillRef};
 use attn_rs::AttnOptions;
-use attn_rs::Result;
 use attn_rs::RowsDesc;
 use attn_rs::{DType, Element};
 use std::collections::HashMap;
@@ -47,12 +48,27 @@ pub struct CheckStats {
     pub worst_rel_error: f64,
     pub failures: usize,
     pub first_failure: Option<String>,
+    /// Whether the comparisons of windowed layers would catch a backend ignoring the window ...
+    pub window: Sensitivity,
+    /// ... and those of soft-capped layers one ignoring the soft-cap.
+    pub softcap: Sensitivity,
+}
+
+/// Comparisons of layers with a setting (a sliding window, a soft-cap), and those among them in
+/// which the reference without it differs from the reference by more than the tolerance: a
+/// backend that ignored it would have failed those.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sensitivity {
+    pub comparisons: usize,
+    pub caught: usize,
 }
 
 /// Which layers, steps and requests are checked, and each request's cached rows there.
 pub struct Checker {
     /// Checked layer ids.
     pub layers: Vec<usize>,
+    /// Each checked layer's scale, window and soft-cap.
+    opts: Vec<AttnOptions>,
     every: usize,
     reqs: usize,
     tokens: usize,
@@ -63,15 +79,16 @@ pub struct Checker {
 }
 
 impl Checker {
-    /// Checks `layers` every `every` steps (0: never): `reqs` requests, `tokens` query tokens
-    /// each (the first and the last of the step's tokens).
-    pub fn new(layers: Vec<usize>, every: usize, reqs: usize, tokens: usize, dtype: DType) -> Self {
+    /// Checks `layers` of `model`'s first `num_layers` every `every` steps (0: never): `reqs`
+    /// requests, `tokens` query tokens each (the first and the last of the step's tokens).
+    pub fn new(model: &SimModel, num_layers: usize, layers: Vec<usize>, every: usize, reqs: usize, tokens: usize) -> Self {
         Checker {
+            opts: layers.iter().map(|&l| model.layer_spec(l, num_layers).opts).collect(),
             layers,
             every,
             reqs,
             tokens: tokens.max(1),
-            tolerance: tolerance(dtype),
+            tolerance: tolerance(model.config.q_dtype),
             history: HashMap::new(),
             stats: CheckStats::default(),
         }
@@ -85,8 +102,8 @@ impl Checker {
         self.every > 0 && !self.layers.is_empty() && (step + 1).is_multiple_of(self.every)
     }
 
-    /// Remembers the pool rows of this step's tokens: token `i` of the batch came from row
-    /// `offsets[j] + i` in checked layer `j`.
+    /// Remembers the pool rows of this step's tokens: the keys and values of token `i` of the
+    /// batch that checked layer `j` reads came from row `offsets[j] + i`.
     pub fn record(&mut self, batch: &Batch, offsets: &[usize]) {
         let n = self.layers.len();
         for (b, s) in batch.reqs.iter().enumerate() {
@@ -129,7 +146,7 @@ impl Checker {
     }
 
     /// Compares checked layer `j`'s output for the batch positions `picked` (from `out`, rows
-    /// `out_rows`) with the CPU reference over the pool rows `pool` (row width `width`).
+    /// `out_rows`) with the reference; the layer's queries are the pool rows from `q_offset`.
     #[allow(clippy::too_many_arguments)]
     pub fn compare<T: Element>(
         &mut self,
@@ -141,7 +158,8 @@ impl Checker {
         q_offset: usize,
         out: &[T],
         out_rows: &RowsDesc,
-    ) -> Result<()> {
+    ) {
+        let opts = self.opts[j];
         for &b in picked {
             let s = batch.reqs[b];
             let first = batch.arrays.query_start_loc[b] as usize;
@@ -149,10 +167,10 @@ impl Checker {
             // The first token and the last n - 1 (all of them when q_len <= n).
             let head = if n == s.q_len { n } else { 1 };
             let groups = [(0, head), (s.q_len - (n - head), s.q_len)];
+            let mut caught = (false, false);
             for (i0, i1) in groups.into_iter().filter(|(a, b)| b > a) {
-                let keys = &self.history[&s.id][j][..s.context + i1];
-                let q_rows: Vec<usize> = (i0..i1).map(|i| q_offset + first + i).collect();
-                let want = reference(model, pool, &q_rows, keys)?;
+                let rows = Rows::gather(model, pool, (i0..i1).map(|i| q_offset + first + i), &self.history[&s.id][j][..s.context + i1]);
+                let want = rows.attend(&opts);
                 let dv = out_rows.head_size;
                 let hq = out_rows.num_heads;
                 let mut got = Vec::with_capacity(want.len());
@@ -177,60 +195,64 @@ impl Checker {
                         )
                     });
                 }
+                // Without the window the keys differ only where the context passes it.
+                if opts.window.is_some_and(|w| s.context + i1 > w as usize) {
+                    caught.0 |= rel_error(&rows.attend(&AttnOptions { window: None, ..opts }), &want) > self.tolerance;
+                }
+                if opts.softcap.is_some() {
+                    caught.1 |= rel_error(&rows.attend(&AttnOptions { softcap: None, ..opts }), &want) > self.tolerance;
+                }
             }
             self.stats.comparisons += 1;
+            for (sens, has, caught) in
+                [(&mut self.stats.window, opts.window.is_some(), caught.0), (&mut self.stats.softcap, opts.softcap.is_some(), caught.1)]
+            {
+                sens.comparisons += usize::from(has);
+                sens.caught += usize::from(caught);
+            }
         }
-        Ok(())
     }
 }
 
-/// The CPU reference for query rows `q_rows` (the last query tokens of a sequence whose keys
-/// and values are the pool rows `keys`): `[q_rows, hq, dv]` in f64.
-fn reference<T: Element>(model: &SimModel, pool: &[T], q_rows: &[usize], keys: &[u32]) -> Result<Vec<f64>> {
-    let c = &model.config;
-    let lay = model.row_layout();
-    let (hq, dqk) = (c.num_q_heads, c.head_size);
-    let gather = |rows: &mut dyn Iterator<Item = usize>, col: usize, len: usize| -> Vec<T> {
-        let mut v = Vec::new();
-        for r in rows {
-            v.extend_from_slice(&pool[r * lay.width + col..][..len]);
-        }
-        v
-    };
-    let q = gather(&mut q_rows.iter().copied(), lay.q, hq * dqk);
-    let nk = keys.len();
-    let mut key_rows = keys.iter().map(|&r| r as usize);
-    let (k, v, k_rows, v_rows, dv);
-    if model.is_mla() {
-        // One latent row per key: K is all of it, V its first latent_dim columns.
-        dv = lay.v - lay.k;
-        k = gather(&mut key_rows, lay.k, dqk);
-        v = Vec::new();
-        k_rows = RowsDesc::contiguous(nk, 1, dqk);
-        v_rows = RowsDesc { head_size: dv, ..k_rows };
-    } else {
-        dv = dqk;
-        let kv_width = c.num_kv_heads * dqk;
-        k = gather(&mut key_rows, lay.k, kv_width);
-        v = gather(&mut keys.iter().map(|&r| r as usize), lay.v, kv_width);
-        k_rows = RowsDesc::contiguous(nk, c.num_kv_heads, dqk);
-        v_rows = k_rows;
+/// One reference computation's inputs in f64: query rows (the last query tokens of a sequence)
+/// and the sequence's keys and values, gathered from the pool.
+struct Rows {
+    shape: RefShape,
+    q: Vec<f64>,
+    k: Vec<f64>,
+    v: Vec<f64>,
+}
+
+impl Rows {
+    /// The pool rows `q_rows` as queries, `keys` as keys and values (MLA: one latent row per
+    /// key, all of it the key and its first latent columns the value).
+    fn gather<T: Element>(model: &SimModel, pool: &[T], mut q_rows: impl Iterator<Item = usize>, keys: &[u32]) -> Self {
+        let c = &model.config;
+        let lay = model.row_layout();
+        let gather = |rows: &mut dyn Iterator<Item = usize>, col: usize, len: usize| -> Vec<f64> {
+            let mut v = Vec::new();
+            for r in rows {
+                v.extend(pool[r * lay.width + col..][..len].iter().map(|x| x.to_f32() as f64));
+            }
+            v
+        };
+        let key_rows = || keys.iter().map(|&r| r as usize);
+        let dk = c.head_size;
+        let q = gather(&mut q_rows, lay.q, c.num_q_heads * dk);
+        let (shape, k, v) = if model.is_mla() {
+            let dv = lay.v - lay.k;
+            let shape = RefShape { q_heads: c.num_q_heads, kv_heads: 1, dk, dv };
+            (shape, gather(&mut key_rows(), lay.k, dk), gather(&mut key_rows(), lay.k, dv))
+        } else {
+            let shape = RefShape { q_heads: c.num_q_heads, kv_heads: c.num_kv_heads, dk, dv: dk };
+            let width = c.num_kv_heads * dk;
+            (shape, gather(&mut key_rows(), lay.k, width), gather(&mut key_rows(), lay.v, width))
+        };
+        Rows { shape, q, k, v }
     }
-    let mut opts = AttnOptions::new(dqk);
-    opts.softmax_scale = model.softmax_scale;
-    let nq = q_rows.len();
-    let res = cpu::prefill(&PrefillRef {
-        q: &q,
-        q_rows: RowsDesc::contiguous(nq, hq, dqk),
-        kv: KvRef::Packed { k: &k, k_rows, v: if model.is_mla() { &k } else { &v }, v_rows, key_start_loc: &[0, nk as i32] },
-        head_size_v: dv,
-        query_start_loc: &[0, nq as i32],
-        seq_lens: &[nk as i32],
-        causal: true,
-        opts,
-        alibi_slopes: None,
-        sinks: None,
-        scales: None,
-    })?;
-    Ok(res.out)
+
+    /// `[q rows, q heads, dv]` with `opts`' scale, window and soft-cap.
+    fn attend(&self, opts: &AttnOptions) -> Vec<f64> {
+        reference_attention(self.shape, opts, &self.q, &self.k, &self.v)
+    }
 }

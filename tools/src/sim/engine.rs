@@ -1,7 +1,8 @@
-//! The engine loop: every step the scheduler's batch, its metadata built once, then `forward`
-//! on every layer with random activations (there is no model: each layer takes its q/k/v rows
-//! from a pool of random rows at a pseudo-random offset), timed, sampled against the CPU
-//! reference, and logged.
+//! The engine loop: every step the scheduler's batch, its metadata built once, then
+//! `forward_layer` on every layer with that layer's settings and random activations (there is
+//! no model: each layer takes its q/k/v rows from a pool of random rows at a pseudo-random
+//! offset; a KV-sharing layer takes only q and reads its target's cache), timed, sampled against
+//! the f64 reference, and logged.
 
 use super::allocator::{AllocError, BlockAllocator, BlockTable};
 use super::check::Checker;
@@ -49,6 +50,10 @@ pub struct SimConfig {
     pub num_blocks: Option<usize>,
     /// Layers run; `None`: the model's.
     pub num_layers: Option<usize>,
+    /// The sliding window of a model's windowed layers; `None`: the model's.
+    pub window: Option<u32>,
+    /// The soft-cap of a model's soft-capped layers; `None`: the model's.
+    pub softcap: Option<f32>,
     /// Stop after this many steps even if requests remain.
     pub max_steps: usize,
     /// Check every this many steps (0: never) ...
@@ -65,7 +70,9 @@ pub struct SimConfig {
 }
 
 impl SimConfig {
-    /// Sizes for the CPU backend (the f64 reference is slow): a few short requests.
+    /// Sizes for the CPU backend (the f64 reference is slow): a few short requests, two layers,
+    /// and a window (64) and soft-cap (0.5) that change the outputs at these contexts and with
+    /// the random activations (see [`SimModel::gemma2_2b`]).
     pub fn cpu_default() -> Self {
         SimConfig {
             workload: Workload { num_requests: 16, prompt_len: (16, 96), gen_len: (4, 24), initial: 4, max_arrivals_per_step: 2 },
@@ -73,6 +80,8 @@ impl SimConfig {
             token_budget: 48,
             num_blocks: None,
             num_layers: Some(2),
+            window: Some(64),
+            softcap: Some(0.5),
             max_steps: 10_000,
             check_every: 4,
             check_layers: None,
@@ -92,6 +101,8 @@ impl SimConfig {
             token_budget: 2048,
             num_blocks: None,
             num_layers: None,
+            window: None,
+            softcap: None,
             max_steps: 100_000,
             check_every: 25,
             check_layers: None,
@@ -105,6 +116,23 @@ impl SimConfig {
 
     pub fn layers(&self, model: &SimModel) -> usize {
         self.num_layers.unwrap_or(model.num_layers)
+    }
+
+    /// `model` as this run plays it: with this config's window and soft-cap, if it has them.
+    pub fn run_model(&self, model: &SimModel) -> SimModel {
+        model.with_window_and_softcap(self.window, self.softcap)
+    }
+
+    /// The same sizes, with prompts of up to one and a half windows where no context would pass
+    /// the sliding window of `model` (as this config plays it): otherwise the window would never
+    /// hide a key, and the check would not see whether it is applied.
+    pub fn with_contexts_past_window(mut self, model: &SimModel) -> Self {
+        if let Some(w) = self.run_model(model).window.map(|w| w as usize) {
+            if self.workload.max_model_len() <= w {
+                self.workload.prompt_len.1 = w + w / 2;
+            }
+        }
+        self
     }
 
     pub fn blocks(&self, block_size: usize) -> usize {
@@ -160,6 +188,10 @@ struct Sim<T> {
     model: SimModel,
     cfg: SimConfig,
     layers: usize,
+    /// The layer whose cache each layer reads (itself, or the target it shares).
+    kv_source: Vec<usize>,
+    /// Which of the caches (one per layer that keeps one) each layer reads.
+    cache_of: Vec<usize>,
     attn: Attention,
     step: StepMetadata,
     sched: Scheduler,
@@ -174,6 +206,7 @@ struct Sim<T> {
 
 impl<T: HostElement> Sim<T> {
     fn new(model: &SimModel, cfg: &SimConfig, selection: &Selection, gpu: Option<GpuHandles>) -> Result<Self, SimError> {
+        let model = &cfg.run_model(model);
         let layers = cfg.layers(model);
         if layers == 0 {
             return Err(SimError::Config("no layers".into()));
@@ -182,8 +215,7 @@ impl<T: HostElement> Sim<T> {
         let num_blocks = cfg.blocks(c.block_size);
         let limits =
             ForwardLimits { max_num_tokens: cfg.token_budget, max_num_reqs: cfg.max_running, max_model_len: cfg.workload.max_model_len() };
-        let mut fc = ForwardConfig::new(*c, num_blocks, limits);
-        fc.opts.softmax_scale = model.softmax_scale;
+        let mut fc = ForwardConfig::new(*c, num_blocks, limits).with_layers(model.layer_specs(layers));
         fc.decode_threshold = cfg.decode_threshold;
         let attn = Attention::new(selection, fc, gpu)?;
         let step = attn.new_step_metadata()?;
@@ -195,7 +227,10 @@ impl<T: HostElement> Sim<T> {
             return Err(SimError::Config(format!("token budget {} below max running {}", sc.token_budget, sc.max_running)));
         }
         let sched = Scheduler::new(sc, alloc, requests)?;
-        let checker = Checker::new(cfg.checked_layers(layers)?, cfg.check_every, cfg.check_reqs, cfg.check_tokens, c.q_dtype);
+        let checker = Checker::new(model, layers, cfg.checked_layers(layers)?, cfg.check_every, cfg.check_reqs, cfg.check_tokens);
+        let kv_source: Vec<usize> = (0..layers).map(|l| model.kv_source(l, layers)).collect();
+        let owners: Vec<usize> = (0..layers).filter(|&l| kv_source[l] == l).collect();
+        let cache_of = kv_source.iter().map(|s| owners.binary_search(s).expect("a source keeps its cache")).collect();
 
         let width = model.row_layout().width;
         let pool_rows = cfg.token_budget + cfg.token_budget.max(256);
@@ -205,21 +240,36 @@ impl<T: HostElement> Sim<T> {
         let checked = checker.layers.len();
         let bufs = match attn.stream() {
             None => Buffers::Host {
-                caches: (0..layers).map(|_| vec![T::default(); cache_len]).collect(),
+                caches: owners.iter().map(|_| vec![T::default(); cache_len]).collect(),
                 out: vec![T::default(); out_len],
                 check_outs: vec![vec![T::default(); out_len]; checked],
             },
             Some(stream) => Buffers::Device {
                 stream: stream.clone(),
                 pool: stream.clone_htod(&pool)?,
-                caches: (0..layers).map(|_| stream.alloc_zeros(cache_len)).collect::<Result<_, _>>()?,
+                caches: owners.iter().map(|_| stream.alloc_zeros(cache_len)).collect::<Result<_, _>>()?,
                 out: stream.alloc_zeros(out_len)?,
                 check_outs: (0..checked).map(|_| stream.alloc_zeros(out_len)).collect::<Result<_, _>>()?,
             },
         };
-        let mut report = SimReport::new(model, &attn, layers, num_blocks, cfg.workload.num_requests, checker.tolerance());
+        let mut report = SimReport::new(model, &attn, (layers, owners.len()), num_blocks, cfg.workload.num_requests, checker.tolerance());
         report.check_layers = checker.layers.clone();
-        Ok(Sim { model: *model, cfg: cfg.clone(), layers, attn, step, sched, checker, pool, pool_rows, bufs, rng, report })
+        Ok(Sim {
+            model: *model,
+            cfg: cfg.clone(),
+            layers,
+            kv_source,
+            cache_of,
+            attn,
+            step,
+            sched,
+            checker,
+            pool,
+            pool_rows,
+            bufs,
+            rng,
+            report,
+        })
     }
 
     fn run(mut self, log: &mut dyn Write) -> Result<SimReport, SimError> {
@@ -247,7 +297,8 @@ impl<T: HostElement> Sim<T> {
             self.report.book_step(&batch, elapsed, metadata, times, self.step.upload_bytes());
 
             let checked: Vec<usize> = self.checker.layers.iter().map(|&l| offsets[l]).collect();
-            self.checker.record(&batch, &checked);
+            let checked_kv: Vec<usize> = self.checker.layers.iter().map(|&l| offsets[self.kv_source[l]]).collect();
+            self.checker.record(&batch, &checked_kv);
             if self.checker.is_check_step(self.report.steps - 1) {
                 self.check(&batch, &checked)?;
             }
@@ -278,6 +329,7 @@ impl<T: HostElement> Sim<T> {
         let width = lay.width;
         let check = self.checker.layers.iter().position(|&l| l == layer);
         let base = offset * width;
+        let (shares, cache) = (self.kv_source[layer] != layer, self.cache_of[layer]);
         let io = match &mut self.bufs {
             Buffers::Host { caches, out, check_outs } => {
                 let out = match check {
@@ -285,9 +337,10 @@ impl<T: HostElement> Sim<T> {
                     None => out,
                 };
                 let rows = &self.pool[base..];
-                let l = layer_of(&self.model, nt, T::host_in(&rows[lay.q..]), T::host_in(&rows[lay.k..]), T::host_in(&rows[lay.v..]));
-                let l = l.finish(T::host_out(&mut caches[layer]), T::host_out(out));
-                self.attn.forward(&self.step, LayerIo::Cpu(l))?;
+                let l =
+                    layer_of(&self.model, nt, shares, T::host_in(&rows[lay.q..]), T::host_in(&rows[lay.k..]), T::host_in(&rows[lay.v..]));
+                let l = l.finish(T::host_out(&mut caches[cache]), T::host_out(out));
+                self.attn.forward_layer(&self.step, layer, LayerIo::Cpu(l))?;
                 return Ok(());
             }
             Buffers::Device { stream, pool, caches, out, check_outs } => (stream, pool, caches, out, check_outs),
@@ -298,13 +351,13 @@ impl<T: HostElement> Sim<T> {
             None => out,
         };
         let (qv, kv, vv) = (pool.slice(base + lay.q..), pool.slice(base + lay.k..), pool.slice(base + lay.v..));
-        let l = layer_of(&self.model, nt, DevIn::new(&qv, stream), DevIn::new(&kv, stream), DevIn::new(&vv, stream));
-        let l = l.finish(DevOut::new(&mut caches[layer], stream), DevOut::new(out, stream));
-        self.attn.forward(&self.step, LayerIo::Gpu(l))?;
+        let l = layer_of(&self.model, nt, shares, DevIn::new(&qv, stream), DevIn::new(&kv, stream), DevIn::new(&vv, stream));
+        let l = l.finish(DevOut::new(&mut caches[cache], stream), DevOut::new(out, stream));
+        self.attn.forward_layer(&self.step, layer, LayerIo::Gpu(l))?;
         Ok(())
     }
 
-    /// Compares the checked layers' outputs for a few requests with the CPU reference.
+    /// Compares the checked layers' outputs for a few requests with the reference.
     fn check(&mut self, batch: &Batch, offsets: &[usize]) -> Result<(), SimError> {
         let started = Instant::now();
         let picked = self.checker.pick(batch, &mut self.rng);
@@ -315,7 +368,7 @@ impl<T: HostElement> Sim<T> {
                 Buffers::Host { check_outs, .. } => check_outs[j][..out_rows.required_len()].to_vec(),
                 Buffers::Device { stream, check_outs, .. } => stream.clone_dtoh(&check_outs[j].slice(..out_rows.required_len()))?,
             };
-            self.checker.compare(&self.model, &self.pool, batch, &picked, j, offset, &out, &out_rows)?;
+            self.checker.compare(&self.model, &self.pool, batch, &picked, j, offset, &out, &out_rows);
         }
         self.report.check_time += started.elapsed();
         Ok(())
@@ -323,13 +376,16 @@ impl<T: HostElement> Sim<T> {
 }
 
 /// A layer's inputs from one token-row view per tensor (q, k, v; MLA: q, kv_c, k_pe), rows of the
-/// pool's width; the cache and output come with [`Pending::finish`].
-fn layer_of<I>(model: &SimModel, nt: usize, q: I, k: I, v: I) -> Pending<I> {
+/// pool's width (a layer that `shares` another's cache takes only q); the cache and output come
+/// with [`Pending::finish`].
+fn layer_of<I>(model: &SimModel, nt: usize, shares: bool, q: I, k: I, v: I) -> Pending<I> {
     let c = &model.config;
     let width = model.row_layout().width;
     let d = c.head_size;
     let q_rows = RowsDesc { num_tokens: nt, num_heads: c.num_q_heads, head_size: d, token_stride: width, head_stride: d };
-    let new_kv = if model.is_mla() {
+    let new_kv = if shares {
+        NewKv::None
+    } else if model.is_mla() {
         NewKv::Mla { kv_c: k, kv_c_token_stride: width, k_pe: v, k_pe_token_stride: width }
     } else {
         let rows = RowsDesc { num_tokens: nt, num_heads: c.num_kv_heads, head_size: d, token_stride: width, head_stride: d };

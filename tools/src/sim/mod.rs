@@ -2,22 +2,25 @@
 //! binary): a model configuration ([`SimModel`]), a block allocator ([`BlockAllocator`],
 //! [`BlockTable`]), a deterministic stream of requests arriving and finishing
 //! ([`Workload`]), a chunked-prefill scheduler ([`Scheduler`]) and the loop ([`run_sim`]) that
-//! runs each step's mixed batch through `forward` on every layer, checks a sample against the
-//! CPU reference and reports throughput and where each step's time goes.
+//! runs each step's mixed batch through `forward_layer` on every layer (each with its sliding
+//! window, soft-cap or KV sharing), checks a sample against an f64 reference ([`reference_attention`])
+//! and reports throughput and where each step's time goes.
 
 mod allocator;
 mod check;
 mod engine;
 mod model;
+mod reference;
 mod report;
 mod requests;
 mod rng;
 mod scheduler;
 
 pub use allocator::{AllocError, BlockAllocator, BlockTable};
-pub use check::{rel_error, tolerance, CheckStats, Checker};
+pub use check::{rel_error, tolerance, CheckStats, Checker, Sensitivity};
 pub use engine::{run_sim, SimConfig, SimError};
-pub use model::{RowLayout, SimModel};
+pub use model::{KvSharing, RowLayout, SimModel};
+pub use reference::{key_visible, reference_attention, RefShape};
 pub use report::SimReport;
 pub use requests::{RequestSpec, Workload};
 pub use rng::SplitMix;

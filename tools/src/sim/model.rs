@@ -1,6 +1,9 @@
-//! The models the simulator plays: their attention configuration and layer count.
+//! The models the simulator plays: their attention configuration, layer count and what each
+//! layer does (sliding window, soft-cap, KV sharing).
 
-use attn_rs::backend::ModelConfig;
+use attn_rs::backend::{Features, ModelConfig};
+use attn_rs::forward::LayerSpec;
+use attn_rs::AttnOptions;
 use attn_rs::DType;
 use attn_rs::KvLayout;
 
@@ -11,40 +14,142 @@ pub struct SimModel {
     pub config: ModelConfig,
     pub num_layers: usize,
     pub softmax_scale: f32,
+    /// The logit soft-cap of every layer (`cap * tanh(logit / cap)`).
+    pub softcap: Option<f32>,
+    /// The sliding window of the even layers, the odd ones attending to the whole context (Gemma
+    /// 2 alternates local and global layers, the first local).
+    pub window: Option<u32>,
+    /// Which layers read another layer's cache instead of keeping their own.
+    pub kv_sharing: KvSharing,
+}
+
+/// Which layers of a run read another layer's cache (and write none).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvSharing {
+    /// Every layer keeps its own cache.
+    None,
+    /// Of `n` layers, the last `n / 2` read the cache of the last layer before them: the first
+    /// half keeps caches, the second half only queries them.
+    SecondHalf,
 }
 
 impl SimModel {
+    /// A model whose layers all attend alike: no window, no soft-cap, each its own cache.
+    fn plain(name: &'static str, config: ModelConfig, num_layers: usize, softmax_scale: f32) -> Self {
+        SimModel { name, config, num_layers, softmax_scale, softcap: None, window: None, kv_sharing: KvSharing::None }
+    }
+
     /// Llama-3-8B: 32 query heads over 8 kv heads of 128, 32 layers, blocks of 16.
     pub fn llama3_8b(dtype: DType) -> Self {
         let config = ModelConfig::standard(32, 8, 128, dtype, 16, KvLayout::FlashNhd);
-        SimModel { name: "llama-3-8b-like", config, num_layers: 32, softmax_scale: 1.0 / (128f32).sqrt() }
+        SimModel::plain("llama-3-8b-like", config, 32, 1.0 / (128f32).sqrt())
     }
 
     /// DeepSeek-V2-Lite: MLA with 16 heads over one latent of 512 + 64 rope, 27 layers, blocks
     /// of 64; the softmax scale of its 128 + 64 query/key head.
     pub fn deepseek_v2_lite(dtype: DType) -> Self {
         let config = ModelConfig::mla(16, dtype, 64);
-        SimModel { name: "deepseek-v2-lite-like (MLA)", config, num_layers: 27, softmax_scale: 1.0 / (192f32).sqrt() }
+        SimModel::plain("deepseek-v2-lite-like (MLA)", config, 27, 1.0 / (192f32).sqrt())
+    }
+
+    /// Gemma-2-2B: 8 query heads over 4 kv heads of 256, 26 layers, blocks of 16; every layer's
+    /// logits soft-capped at 50, the even (local) layers with a sliding window of 4096 keys and
+    /// the odd (global) ones over the whole context; softmax scale 1/sqrt(256) (its
+    /// `query_pre_attn_scalar` is 256).
+    ///
+    /// The CPU preset ([`SimConfig::cpu_default`](super::SimConfig::cpu_default)) runs it with a
+    /// window of 64 and a soft-cap of 0.5, so that both change the checked outputs at its short
+    /// contexts and with its random activations (whose logits stay within about +-1, where a
+    /// cap of 50 changes an output by about 1e-5).
+    pub fn gemma2_2b(dtype: DType) -> Self {
+        let features = Features { sliding_window: true, softcap: true, ..Features::NONE };
+        let config = ModelConfig::standard(8, 4, 256, dtype, 16, KvLayout::FlashNhd).with_features(features);
+        SimModel { softcap: Some(50.0), window: Some(4096), ..SimModel::plain("gemma-2-2b-like", config, 26, 1.0 / 16.0) }
+    }
+
+    /// A Llama-like model whose second half of the layers shares one cache: 32 query heads over
+    /// 8 kv heads of 128, 16 layers, blocks of 16; layers 8..16 write nothing and read layer
+    /// 7's cache ([`KvSharing::SecondHalf`]), as YOCO's cross-decoder layers all read the one
+    /// cache made at the end of its self-decoder half, and as Gemma 3n's last layers reuse the
+    /// cache of the last layer before them. Caches are allocated for layers 0..8 only.
+    pub fn kv_shared(dtype: DType) -> Self {
+        let config = ModelConfig::standard(32, 8, 128, dtype, 16, KvLayout::FlashNhd);
+        SimModel { kv_sharing: KvSharing::SecondHalf, ..SimModel::plain("kv-shared-llama-like", config, 16, 1.0 / (128f32).sqrt()) }
     }
 
     /// A small standard-attention model for tests: 4 query heads over 2 kv heads of 64.
     pub fn tiny(dtype: DType) -> Self {
         let config = ModelConfig::standard(4, 2, 64, dtype, 16, KvLayout::FlashNhd);
-        SimModel { name: "tiny", config, num_layers: 2, softmax_scale: 0.125 }
+        SimModel::plain("tiny", config, 2, 0.125)
     }
 
     /// A small MLA model for tests: 2 heads over the 512 + 64 latent, blocks of 16.
     pub fn tiny_mla(dtype: DType) -> Self {
         let config = ModelConfig::mla(2, dtype, 16);
-        SimModel { name: "tiny-mla", config, num_layers: 2, softmax_scale: 1.0 / (192f32).sqrt() }
+        SimModel::plain("tiny-mla", config, 2, 1.0 / (192f32).sqrt())
     }
 
     pub fn with_layers(self, num_layers: usize) -> Self {
         SimModel { num_layers, ..self }
     }
 
+    /// The same model with another window on its windowed layers and another soft-cap where it
+    /// caps (`None`: its own); a model without a window or soft-cap gains none.
+    pub fn with_window_and_softcap(self, window: Option<u32>, softcap: Option<f32>) -> Self {
+        SimModel { window: self.window.map(|w| window.unwrap_or(w)), softcap: self.softcap.map(|c| softcap.unwrap_or(c)), ..self }
+    }
+
     pub fn is_mla(&self) -> bool {
         self.config.kind == attn_rs::backend::AttentionKind::Mla
+    }
+
+    /// The layer whose cache layer `layer` of a run of `layers` reads: its own, or the one it
+    /// shares.
+    pub fn kv_source(&self, layer: usize, layers: usize) -> usize {
+        match self.kv_sharing {
+            KvSharing::None => layer,
+            KvSharing::SecondHalf => layer.min((layers - layers / 2).saturating_sub(1)),
+        }
+    }
+
+    /// Layer `layer`'s attention in a run of `layers`.
+    pub fn layer_spec(&self, layer: usize, layers: usize) -> LayerSpec {
+        let opts = AttnOptions {
+            softmax_scale: self.softmax_scale,
+            softcap: self.softcap,
+            window: self.window.filter(|_| layer.is_multiple_of(2)),
+            ..AttnOptions::new(self.config.head_size)
+        };
+        let spec = LayerSpec::decoder(opts);
+        match self.kv_source(layer, layers) {
+            source if source == layer => spec,
+            source => spec.sharing_kv_of(source),
+        }
+    }
+
+    /// Every layer's attention in a run of `layers`.
+    pub fn layer_specs(&self, layers: usize) -> Vec<LayerSpec> {
+        (0..layers).map(|l| self.layer_spec(l, layers)).collect()
+    }
+
+    /// What the layers of a run of `layers` do beyond plain attention, in words; `None` when
+    /// nothing.
+    pub fn describe_layers(&self, layers: usize) -> Option<String> {
+        let mut parts = Vec::new();
+        if let Some(w) = self.window {
+            parts.push(format!("sliding window {w} on the even layers (the odd ones see the whole context)"));
+        }
+        if let Some(cap) = self.softcap {
+            parts.push(format!("soft-cap {cap} on every layer"));
+        }
+        let sharing: Vec<usize> = (0..layers).filter(|&l| self.kv_source(l, layers) != l).collect();
+        if let (Some(first), Some(last)) = (sharing.first(), sharing.last()) {
+            let source = self.kv_source(*first, layers);
+            let which = if first == last { format!("layer {first} reads") } else { format!("layers {first}..={last} read") };
+            let writes = if first == last { "writes" } else { "write" };
+            parts.push(format!("{which} layer {source}'s cache and {writes} none"));
+        }
+        (!parts.is_empty()).then(|| parts.join("; "))
     }
 
     /// Columns of one token's row of the simulated projection output:

@@ -2,7 +2,7 @@
 //! terminal needed) and the summary: throughput and each step's time split into metadata,
 //! cache write and attention.
 
-use super::check::CheckStats;
+use super::check::{CheckStats, Sensitivity};
 use super::model::SimModel;
 use super::scheduler::{Batch, Scheduler};
 use attn_rs::forward::{Attention, PhaseTimes};
@@ -14,13 +14,17 @@ pub struct SimReport {
     pub model: String,
     /// The model's attention configuration, in words.
     pub model_config: String,
+    /// What its layers do beyond plain attention (window, soft-cap, KV sharing), in words.
+    pub layer_settings: Option<String>,
     pub backend: &'static str,
     pub on_gpu: bool,
     pub layers: usize,
+    /// Layers that keep a cache (the others read one of theirs).
+    pub cache_layers: usize,
     /// The model's own layer count (runs may use fewer).
     pub model_layers: usize,
     pub num_blocks: usize,
-    /// Bytes of KV cache over all layers.
+    /// Bytes of KV cache over all the layers that keep one.
     pub cache_bytes: usize,
     pub requests: usize,
     pub finished: usize,
@@ -68,16 +72,26 @@ fn ms(d: Duration) -> f64 {
 }
 
 impl SimReport {
-    pub(crate) fn new(model: &SimModel, attn: &Attention, layers: usize, num_blocks: usize, requests: usize, tolerance: f64) -> Self {
+    /// `layers`: the layers run and those among them that keep a cache.
+    pub(crate) fn new(
+        model: &SimModel,
+        attn: &Attention,
+        (layers, cache_layers): (usize, usize),
+        num_blocks: usize,
+        requests: usize,
+        tolerance: f64,
+    ) -> Self {
         SimReport {
             model: model.name.to_string(),
             model_config: model.config.to_string(),
+            layer_settings: model.describe_layers(layers),
             backend: attn.backend().name,
             on_gpu: attn.runs_on_gpu(),
             layers,
+            cache_layers,
             model_layers: model.num_layers,
             num_blocks,
-            cache_bytes: attn.cache_spec().num_elements() * layers * model.config.cache_dtype.size_bytes(),
+            cache_bytes: attn.cache_spec().num_elements() * cache_layers * model.config.cache_dtype.size_bytes(),
             requests,
             tolerance,
             ..SimReport::default()
@@ -121,23 +135,35 @@ impl SimReport {
         }
     }
 
-    /// What the checks can find. The CPU backend computes attention with the reference's own
-    /// code, so there a check finds only what differs before that code: which rows reached the
-    /// cache, the block tables, positions and batch layout.
+    /// What the checks can find. The reference is the simulator's own f64 attention, apart from
+    /// the library's, so on either backend a check covers the attention arithmetic (with each
+    /// layer's window and soft-cap) and what comes before it: which rows reached the cache, the
+    /// block tables, positions and batch layout.
     pub fn check_scope(&self) -> &'static str {
         if self.on_gpu {
             "the backend's attention and bookkeeping"
         } else {
-            "bookkeeping only: the CPU backend runs the reference's attention code, so its arithmetic is not checked"
+            "attn_rs::cpu's attention and the bookkeeping"
         }
     }
 
-    /// One line about the run about to start (two on the CPU backend: what its checks cover).
+    /// Two lines about the run about to start (and one for its layers' settings, one for what
+    /// the checks cover on the CPU backend).
     pub fn header(&self) -> String {
         let place = if self.on_gpu { "GPU" } else { "CPU (attn_rs::cpu, the reference implementation)" };
-        let scope = if self.on_gpu { String::new() } else { format!("\n   checks: {}", self.check_scope()) };
+        let layers = self.layer_settings.as_ref().map_or(String::new(), |s| format!("\n   layers: {s}"));
+        let scope = if self.on_gpu {
+            String::new()
+        } else {
+            format!("\n   checks: {}, against the simulator's own f64 attention (not attn_rs::cpu's code)", self.check_scope())
+        };
+        let caches = if self.cache_layers == self.layers {
+            String::new()
+        } else {
+            format!(" in {} of the {} layers", self.cache_layers, self.layers)
+        };
         format!(
-            "== {} [{}]: {}\n   backend {} on the {place}; {} of {} layers, {} blocks per layer ({} of KV cache); {} requests{scope}",
+            "== {} [{}]: {}\n   backend {} on the {place}; {} of {} layers, {} blocks per layer ({} of KV cache{caches}); {} requests{layers}{scope}",
             self.model,
             self.backend,
             self.model_config,
@@ -190,10 +216,10 @@ impl SimReport {
         ];
         let c = &self.checks;
         lines.push(if c.comparisons == 0 {
-            "  check against the CPU reference: none made".to_string()
+            "  check against the f64 reference: none made".to_string()
         } else {
             format!(
-                "  check against the CPU reference ({}): {} comparisons ({} query tokens) in layers {:?}, max rel error {:.2e} (tolerance {:.0e}) in {:.2} s: {}",
+                "  check against the f64 reference ({}): {} comparisons ({} query tokens) in layers {:?}, max rel error {:.2e} (tolerance {:.0e}) in {:.2} s: {}",
                 self.check_scope(),
                 c.comparisons,
                 c.tokens,
@@ -204,7 +230,26 @@ impl SimReport {
                 if self.passed() { "PASS".to_string() } else { format!("FAIL ({} failed; first: {})", c.failures, c.first_failure.clone().unwrap_or_default()) }
             )
         });
+        if let Some(line) = self.sensitivity_line() {
+            lines.push(line);
+        }
         lines
+    }
+
+    /// How many comparisons would have caught a backend ignoring the checked layers' window or
+    /// soft-cap; `None` when no checked layer has either.
+    fn sensitivity_line(&self) -> Option<String> {
+        let c = &self.checks;
+        let part = |what: &str, s: &Sensitivity| {
+            (s.comparisons > 0).then(|| format!("ignoring the {what} in {} of {} comparisons", s.caught, s.comparisons))
+        };
+        let parts: Vec<String> = [part("window", &c.window), part("soft-cap", &c.softcap)].into_iter().flatten().collect();
+        (!parts.is_empty()).then(|| {
+            format!(
+                "  the check catches a backend {} (where the reference without it differs by more than the tolerance)",
+                parts.join(", ")
+            )
+        })
     }
 }
 

@@ -1,0 +1,112 @@
+//! The attention the checks compare with: plain f64 loops, written apart from
+//! [`attn_rs::cpu`] (which the CPU backend runs) so that a check on the CPU backend compares two
+//! implementations, and a layer's window and soft-cap are read from the one definition here.
+//!
+//! Query `i` of `nq` over a sequence of `nk` keys sits at position `pos = nk - nq + i` (the
+//! queries are the sequence's last tokens) and sees key `j` when `j <= pos` and, with a sliding
+//! window of `w`, `pos - j < w`: the keys `pos - w + 1 ..= pos`, itself included
+//! ([`AttnOptions::window`]). Its logit for key `j` is `scale * q . k_j`, then
+//! `cap * tanh(logit / cap)` with a soft-cap.
+
+use attn_rs::AttnOptions;
+
+/// The heads and widths of a reference computation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RefShape {
+    pub q_heads: usize,
+    /// Query head `h` reads kv head `h / (q_heads / kv_heads)`.
+    pub kv_heads: usize,
+    /// Query/key width.
+    pub dk: usize,
+    /// Value width.
+    pub dv: usize,
+}
+
+/// Whether the query at `pos` sees the key at `key` (causal, within `window` keys).
+pub fn key_visible(pos: usize, key: usize, window: Option<u32>) -> bool {
+    key <= pos && window.is_none_or(|w| pos - key < w as usize)
+}
+
+/// The attention of `q` (`[nq, q_heads, dk]`, the last `nq` tokens of the sequence) over `k`
+/// (`[nk, kv_heads, dk]`) and `v` (`[nk, kv_heads, dv]`), with `opts`' scale, window and
+/// soft-cap: `[nq, q_heads, dv]`. `opts` may hold nothing else (chunks, a symmetric window).
+pub fn reference_attention(shape: RefShape, opts: &AttnOptions, q: &[f64], k: &[f64], v: &[f64]) -> Vec<f64> {
+    let RefShape { q_heads, kv_heads, dk, dv } = shape;
+    assert!(opts.chunk_size.is_none() && opts.symmetric_window.is_none(), "the reference has no chunks or symmetric windows");
+    assert!(kv_heads > 0 && q_heads.is_multiple_of(kv_heads), "{q_heads} query heads over {kv_heads} kv heads");
+    let (nq, nk) = (q.len() / (q_heads * dk), k.len() / (kv_heads * dk));
+    assert!(nq <= nk && v.len() == nk * kv_heads * dv, "{nq} queries, {nk} keys, {} values", v.len() / (kv_heads * dv).max(1));
+    let group = q_heads / kv_heads;
+    let scale = opts.softmax_scale as f64;
+    let mut out = vec![0.0; nq * q_heads * dv];
+    for i in 0..nq {
+        let pos = nk - nq + i;
+        for h in 0..q_heads {
+            let kvh = h / group;
+            let qv = &q[(i * q_heads + h) * dk..][..dk];
+            let keys: Vec<usize> = (0..nk).filter(|&j| key_visible(pos, j, opts.window)).collect();
+            let logits: Vec<f64> = keys
+                .iter()
+                .map(|&j| {
+                    let kv = &k[(j * kv_heads + kvh) * dk..][..dk];
+                    let s = scale * qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f64>();
+                    opts.softcap.map_or(s, |cap| cap as f64 * (s / cap as f64).tanh())
+                })
+                .collect();
+            let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
+            let denom: f64 = weights.iter().sum();
+            let o = &mut out[(i * q_heads + h) * dv..][..dv];
+            for (&j, w) in keys.iter().zip(&weights) {
+                let vv = &v[(j * kv_heads + kvh) * dv..][..dv];
+                for (x, y) in o.iter_mut().zip(vv) {
+                    *x += w / denom * y;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One head, keys of width 1 and one-hot values: with a zero query every visible key weighs
+    /// the same, so the output names the keys seen.
+    fn seen(nk: usize, nq: usize, window: Option<u32>) -> Vec<Vec<usize>> {
+        let shape = RefShape { q_heads: 1, kv_heads: 1, dk: 1, dv: nk };
+        let opts = AttnOptions { window, ..AttnOptions::new(1) };
+        let v: Vec<f64> = (0..nk * nk).map(|x| if x / nk == x % nk { 1.0 } else { 0.0 }).collect();
+        let out = reference_attention(shape, &opts, &vec![0.0; nq], &vec![1.0; nk], &v);
+        out.chunks(nk).map(|row| (0..nk).filter(|&j| row[j] > 0.0).collect()).collect()
+    }
+
+    #[test]
+    fn a_window_of_w_sees_the_last_w_keys_up_to_the_query() {
+        assert_eq!(seen(6, 2, None), [vec![0, 1, 2, 3, 4], vec![0, 1, 2, 3, 4, 5]]);
+        assert_eq!(seen(6, 2, Some(3)), [vec![2, 3, 4], vec![3, 4, 5]]);
+        assert_eq!(seen(6, 1, Some(1)), [vec![5]]);
+        assert_eq!(seen(3, 3, Some(8)), [vec![0], vec![0, 1], vec![0, 1, 2]]);
+        assert!(key_visible(10, 7, Some(4)) && !key_visible(10, 6, Some(4)) && !key_visible(10, 11, None));
+    }
+
+    #[test]
+    fn the_softcap_bounds_the_logits() {
+        // Two keys, logits 3 and 0: softmax weights e^3 : 1, or with a cap of 1, e^tanh(3) : 1.
+        let shape = RefShape { q_heads: 1, kv_heads: 1, dk: 1, dv: 1 };
+        let (k, v) = ([3.0, 0.0], [1.0, 0.0]);
+        let plain = reference_attention(shape, &AttnOptions::new(1), &[1.0], &k, &v);
+        let capped = reference_attention(shape, &AttnOptions { softcap: Some(1.0), ..AttnOptions::new(1) }, &[1.0], &k, &v);
+        let w = |s: f64| s.exp() / (s.exp() + 1.0);
+        assert!((plain[0] - w(3.0)).abs() < 1e-12 && (capped[0] - w(3f64.tanh())).abs() < 1e-12, "{plain:?} {capped:?}");
+    }
+
+    #[test]
+    fn query_heads_share_their_group_kv_head() {
+        // Two kv heads, four query heads: heads 0, 1 read kv head 0 (value 1), heads 2, 3 kv head 1 (value 2).
+        let shape = RefShape { q_heads: 4, kv_heads: 2, dk: 1, dv: 1 };
+        let out = reference_attention(shape, &AttnOptions::new(1), &[1.0; 4], &[1.0, 1.0], &[1.0, 2.0]);
+        assert_eq!(out, [1.0, 1.0, 2.0, 2.0]);
+    }
+}
