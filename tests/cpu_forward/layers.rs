@@ -4,7 +4,7 @@
 //! and scales; each against the reference of `tests/common/layer_steps.rs`, and the refusals of
 //! bad specs and bad layer calls, each naming its argument and value.
 
-use crate::layer_steps::{enc_dec_layers, enc_dec_schedule, EncDecStep, Engine, Shape, Step};
+use crate::layer_steps::{enc_dec_layers, enc_dec_schedule, EncDecStep, Engine, LayerData, Shape, Step};
 use attn_rs::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig};
 use attn_rs::forward::{
     Attention, AttentionType, CpuLayer, ForwardConfig, ForwardLimits, KvCacheWrite, KvWriteIo, LayerIo, LayerSpec, NewKv, StepMetadata,
@@ -294,21 +294,7 @@ fn bad_layer_calls_are_refused_before_anything_is_written() {
     let (q_rows, kv_rows) = (RowsDesc::contiguous(rows, 4, 64), RowsDesc::contiguous(rows, 2, 64));
     let mut out = vec![POISON; rows * 4 * 64];
     let call = |attn: &mut Attention, meta: &StepMetadata, layer: Option<usize>, kv: bool, cache: &mut Vec<f32>, out: &mut Vec<f32>| {
-        let new_kv = match kv {
-            true => NewKv::Standard { k: data.k.as_slice().into(), k_rows: kv_rows, v: data.v.as_slice().into(), v_rows: kv_rows },
-            false => NewKv::None,
-        };
-        let io = LayerIo::Cpu(CpuLayer {
-            q: data.q.as_slice().into(),
-            q_rows,
-            new_kv,
-            cache: cache.as_mut_slice().into(),
-            out: out.as_mut_slice().into(),
-            out_rows: q_rows,
-            alibi_slopes: None,
-            sinks: None,
-            kv_scales: None,
-        });
+        let io = LayerIo::Cpu(plain_layer(&data, (q_rows, kv_rows), kv, cache, out));
         match layer {
             Some(l) => attn.forward_layer(meta, l, io),
             None => attn.forward(meta, io),
@@ -338,6 +324,31 @@ fn bad_layer_calls_are_refused_before_anything_is_written() {
     meta.build(&step.input(&s)).unwrap();
     let (arg, reason) = arg_of(call(&mut attn, &meta, Some(2), true, &mut Vec::new(), &mut out));
     assert!(arg == "step" && reason.contains("request 0 has seq_len 2 but 1 query tokens"), "{reason}");
+}
+
+/// A layer call with `data`'s rows, no ALiBi, sinks or scales; new K/V when `kv`.
+fn plain_layer<'a>(
+    data: &'a LayerData,
+    (q_rows, kv_rows): (RowsDesc, RowsDesc),
+    kv: bool,
+    cache: &'a mut [f32],
+    out: &'a mut [f32],
+) -> CpuLayer<'a> {
+    let new_kv = match kv {
+        true => NewKv::Standard { k: data.k.as_slice().into(), k_rows: kv_rows, v: data.v.as_slice().into(), v_rows: kv_rows },
+        false => NewKv::None,
+    };
+    CpuLayer {
+        q: data.q.as_slice().into(),
+        q_rows,
+        new_kv,
+        cache: cache.into(),
+        out: out.into(),
+        out_rows: q_rows,
+        alibi_slopes: None,
+        sinks: None,
+        kv_scales: None,
+    }
 }
 
 #[test]
@@ -374,22 +385,7 @@ fn bad_cross_attention_calls_are_refused() {
     // Reading its own cache before anything was written there.
     let mut out = vec![POISON; rows * 4 * 64];
     let mut read = |attn: &mut Attention, cache: &mut Vec<f32>, kv: bool| {
-        let new_kv = match kv {
-            true => NewKv::Standard { k: data.k.as_slice().into(), k_rows: kv_rows, v: data.v.as_slice().into(), v_rows: kv_rows },
-            false => NewKv::None,
-        };
-        let io = CpuLayer {
-            q: data.q.as_slice().into(),
-            q_rows,
-            new_kv,
-            cache: cache.as_mut_slice().into(),
-            out: out.as_mut_slice().into(),
-            out_rows: q_rows,
-            alibi_slopes: None,
-            sinks: None,
-            kv_scales: None,
-        };
-        attn.forward_layer(&meta, 1, LayerIo::Cpu(io))
+        attn.forward_layer(&meta, 1, LayerIo::Cpu(plain_layer(&data, (q_rows, kv_rows), kv, cache, &mut out)))
     };
     let (arg, reason) = arg_of(read(&mut attn, &mut cache, false));
     assert!(arg == "cache" && reason.contains("write_kv has not filled"), "{reason}");
