@@ -14,6 +14,8 @@ enum Slots {
     Random,
     /// Token i in slot i: the write is a plain copy (a reference point for the random case).
     Sequential,
+    /// Random, and an FP8 cache's scales one per kv head.
+    RandomPerHeadScales,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -35,11 +37,12 @@ fn kv_write_row<C: Element>(
     let value = s.clone_htod(&random_values::<bf16>(rows.required_len(), 2, 4.0))?;
     let slot_order = slots;
     let slots = match slot_order {
-        Slots::Random => s.clone_htod(&random_slots(tokens, spec.num_slots(), 3))?,
+        Slots::Random | Slots::RandomPerHeadScales => s.clone_htod(&random_slots(tokens, spec.num_slots(), 3))?,
         Slots::Sequential => s.clone_htod(&(0..tokens as i64).collect::<Vec<i64>>())?,
     };
     let mut cache: CudaSlice<C> = s.alloc_zeros(spec.num_elements())?;
-    let (ks, vs) = (s.clone_htod(&[0.5f32])?, s.clone_htod(&[0.5f32])?);
+    let n_scales = if slot_order == Slots::RandomPerHeadScales { heads } else { 1 };
+    let (ks, vs) = (s.clone_htod(&vec![0.5f32; n_scales])?, s.clone_htod(&vec![0.5f32; n_scales])?);
     let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
     let us = b.time(|| {
         let w = KvWrite {
@@ -60,7 +63,11 @@ fn kv_write_row<C: Element>(
         name: format!("reshape_and_cache {layout:?} bf16->{}", dtype_name(C::DTYPE)),
         shape: format!(
             "{tokens} tok x {heads} kvh x {head_size}, bs {block_size}{}",
-            if slot_order == Slots::Sequential { ", seq slots" } else { "" }
+            match slot_order {
+                Slots::Sequential => ", seq slots",
+                Slots::RandomPerHeadScales => ", per-head scales",
+                Slots::Random => "",
+            }
         ),
         median_us: us,
         bytes: 2.0 * elems * (2.0 + std::mem::size_of::<C>() as f64) + 8.0 * tokens as f64,
@@ -118,6 +125,7 @@ pub fn cache_write_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatu
     rows.push(kv_write_row::<bf16>(b, KvLayout::FlashNhd, tokens, 8, 128, 16, Slots::Sequential, status)?);
     rows.push(kv_write_row::<bf16>(b, KvLayout::FlashNhd, 4 * tokens, 8, 128, 16, Slots::Random, status)?);
     rows.push(kv_write_row::<Fp8E4m3>(b, KvLayout::FlashNhd, tokens, 8, 128, 16, Slots::Random, status)?);
+    rows.push(kv_write_row::<Fp8E4m3>(b, KvLayout::FlashNhd, tokens, 8, 128, 16, Slots::RandomPerHeadScales, status)?);
     rows.push(kv_write_row::<bf16>(b, KvLayout::FlashNhd, 256, 8, 128, 16, Slots::Random, status)?);
     rows.push(mla_write_row::<bf16>(b, tokens, 64, status)?);
     rows.push(mla_write_row::<bf16>(b, 4 * tokens, 64, status)?);

@@ -16,6 +16,8 @@ struct DecodeShape {
     kv_heads: usize,
     head_size: usize,
     block_size: usize,
+    /// FP8: one K and one V scale per kv head (else one for the cache).
+    per_head_scales: bool,
 }
 
 /// Paged decode; `planned`: the split plan made once ([`attn_rs::batch_plan`], as every layer of a
@@ -49,7 +51,8 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
     let q = s.clone_htod(&random_values::<bf16>(q_rows.required_len(), 13, 1.0))?;
     let mut out: CudaSlice<bf16> = s.alloc_zeros(q_rows.required_len())?;
     let bt = s.clone_htod(&block_table)?;
-    let (ks, vs) = (s.clone_htod(&[0.05f32])?, s.clone_htod(&[0.05f32])?);
+    let n_scales = if sh.per_head_scales { sh.kv_heads } else { 1 };
+    let (ks, vs) = (s.clone_htod(&vec![0.05f32; n_scales])?, s.clone_htod(&vec![0.05f32; n_scales])?);
     // The size `DecodeWorkspace::new` suggests (an oversized one made later rows slower).
     let partial_rows = 4 * dev().sm_count() as usize * 8 * sh.q_heads / sh.kv_heads;
     let mut ws = DecodeWorkspace::new(s, partial_rows, sh.head_size, sh.batch, sh.batch)?;
@@ -90,7 +93,12 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
     status.check(s)?;
     let kv_bytes = 2.0 * (sh.batch * sh.context * sh.kv_heads * sh.head_size) as f64 * std::mem::size_of::<C>() as f64;
     Ok(Row {
-        name: format!("paged_decode{} bf16 q, {} cache", if planned { "_planned" } else { "" }, dtype_name(C::DTYPE)),
+        name: format!(
+            "paged_decode{} bf16 q, {} cache{}",
+            if planned { "_planned" } else { "" },
+            dtype_name(C::DTYPE),
+            if sh.per_head_scales { " (per-head scales)" } else { "" }
+        ),
         shape: format!(
             "{}x{} {}q/{}kv d{} bs{} (chunk {chunk})",
             sh.batch, sh.context, sh.q_heads, sh.kv_heads, sh.head_size, sh.block_size
@@ -102,7 +110,8 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
 }
 
 pub fn decode_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {
-    let shape = |batch, context| DecodeShape { batch, context, q_heads: 32, kv_heads: 8, head_size: 128, block_size: 16 };
+    let shape =
+        |batch, context| DecodeShape { batch, context, q_heads: 32, kv_heads: 8, head_size: 128, block_size: 16, per_head_scales: false };
     // `ATTN_BENCH_DECODE_SHAPES=64x4096,8x32768`: planned bf16 rows of those batch x context
     // only (experiments).
     if let Some(shapes) = env_shapes("ATTN_BENCH_DECODE_SHAPES") {
@@ -144,5 +153,6 @@ pub fn decode_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) ->
         rows.push(decode_row::<bf16>(b, &sh, false, status)?);
     }
     rows.push(decode_row::<Fp8E4m3>(b, &DecodeShape { kv_heads: 2, ..shape(64, 4096) }, false, status)?);
+    rows.push(decode_row::<Fp8E4m3>(b, &DecodeShape { per_head_scales: true, ..shape(64, 4096) }, false, status)?);
     Ok(())
 }
