@@ -31,19 +31,25 @@ fn limits() -> ForwardLimits {
 /// `steps` through every layer on the GPU, each layer's output against the reference.
 fn layers_case<T: HostElement>(shape: Shape, layers: Vec<LayerSpec>, steps: Vec<Vec<(usize, usize)>>, salt: u64) -> TestResult {
     let schedule: Vec<EncDecStep> = steps.iter().map(|p| EncDecStep::for_layers(&layers, p)).collect();
-    schedule_case::<T>(shape, layers, schedule, (salt, 1))
+    schedule_case::<T>(shape, layers, schedule, RunOpts { salt, decode_threshold: 1, window_group: None })
+}
+
+/// How a schedule runs.
+#[derive(Clone, Copy)]
+struct RunOpts {
+    salt: u64,
+    /// The config's (requests of up to that many query tokens are decodes).
+    decode_threshold: usize,
+    /// The sliding-window layers in a KV-cache group of their own (`Engine::group_step`): its
+    /// block ids remapped and each request's blocks before this window nulled.
+    window_group: Option<usize>,
 }
 
 /// A schedule of encoder and decoder steps (`tests/common/layer_steps.rs`): each step's
 /// layers on the GPU, cross-attention through the step's cross-attention metadata, each
 /// layer's output against the reference.
-/// `decode_threshold`: the config's (requests of up to that many query tokens are decodes).
-fn schedule_case<T: HostElement>(
-    shape: Shape,
-    layers: Vec<LayerSpec>,
-    schedule: Vec<EncDecStep>,
-    (salt, decode_threshold): (u64, usize),
-) -> TestResult {
+fn schedule_case<T: HostElement>(shape: Shape, layers: Vec<LayerSpec>, schedule: Vec<EncDecStep>, run: RunOpts) -> TestResult {
+    let RunOpts { salt, decode_threshold, window_group } = run;
     let dtype = T::DTYPE;
     let dev = arc_device();
     let stream = new_stream();
@@ -52,7 +58,7 @@ fn schedule_case<T: HostElement>(
     let selection = select_backend_no_env(&model, &DeviceInfo::from_device(&dev), None)?;
     let config = ForwardConfig { decode_threshold, ..ForwardConfig::new(model, shape.num_blocks, limits()).with_layers(layers.clone()) };
     let mut attn = Attention::new(&selection, config, Some(GpuHandles { dev, stream: stream.clone() }))?;
-    let (mut meta, mut cross) = (attn.new_step_metadata()?, attn.new_step_metadata()?);
+    let (mut meta, mut cross, mut group) = (attn.new_step_metadata()?, attn.new_step_metadata()?, attn.new_step_metadata()?);
     let has_cross = layers.iter().any(|l| l.attn_type == AttentionType::EncoderDecoder);
     let n = attn.cache_spec().num_elements();
     let mut caches: Vec<_> = layers.iter().map(|_| upload(&stream, &vec![T::default(); n.max(1)])).collect();
@@ -68,6 +74,9 @@ fn schedule_case<T: HostElement>(
             engine.encoder_of.extend(encoder_of.iter().copied());
             cross.build(&engine.cross_step(&step).input(&shape))?;
         }
+        if window_group.is_some() {
+            group.build(&engine.group_step(&step, window_group).input(&shape))?;
+        }
         let rows = step.rows();
         let conv = |v: &[f32]| v.iter().map(|&x| T::from_f32(x)).collect::<Vec<T>>();
         let kv_rows = RowsDesc::contiguous(rows, hkv, d);
@@ -81,7 +90,11 @@ fn schedule_case<T: HostElement>(
         }
         for layer in st.layers(&layers) {
             let spec = layers[layer];
-            let meta = if spec.attn_type == AttentionType::EncoderDecoder { &cross } else { &meta };
+            let meta = match spec.attn_type {
+                AttentionType::EncoderDecoder => &cross,
+                _ if window_group.is_some() && spec.opts.window.is_some() => &group,
+                _ => &meta,
+            };
             let data = engine.data(&step);
             let want = engine.reference(&step, layer, &data);
             let (q, k, v) = (upload(&stream, &conv(&data.q)), upload(&stream, &conv(&data.k)), upload(&stream, &conv(&data.v)));
@@ -144,9 +157,14 @@ fn encoder_steps() -> Vec<Vec<(usize, usize)>> {
 }
 
 fn gemma2(num_layers: usize, window: u32) -> Vec<LayerSpec> {
+    gemma_layers(num_layers, 256, window)
+}
+
+/// Gemma 2's interleaving at head size `d`: a window on the even layers, soft-cap 50 on all.
+fn gemma_layers(num_layers: usize, d: usize, window: u32) -> Vec<LayerSpec> {
     (0..num_layers)
         .map(|i| {
-            let o = AttnOptions { softcap: Some(50.0), window: (i % 2 == 0).then_some(window), ..AttnOptions::new(256) };
+            let o = AttnOptions { softcap: Some(50.0), window: (i % 2 == 0).then_some(window), ..AttnOptions::new(d) };
             LayerSpec::decoder(o)
         })
         .collect()
@@ -156,6 +174,16 @@ fn cases() -> Vec<(String, Box<dyn FnOnce() -> TestResult + Send>)> {
     let o = AttnOptions::new;
     let mut v: Vec<(String, Box<dyn FnOnce() -> TestResult + Send>)> = Vec::new();
     v.push(("gemma2_d256_window_softcap".into(), Box::new(|| layers_case::<bf16>(shape(8, 4, 256), gemma2(4, 96), decoder_steps(), 1))));
+    // Hybrid KV-cache groups: the sliding layers' own tables, blocks past their window nulled.
+    for (d, hq, hkv, window) in [(256, 8, 4, 96), (128, 8, 2, 40), (64, 16, 4, 17)] {
+        let f: Box<dyn FnOnce() -> TestResult + Send> = Box::new(move || {
+            let layers = gemma_layers(4, d, window as u32);
+            let steps = decoder_steps().iter().map(|p| EncDecStep::for_layers(&layers, p)).collect();
+            let run = RunOpts { salt: 10, decode_threshold: 1, window_group: Some(window) };
+            schedule_case::<bf16>(shape(hq, hkv, d), layers, steps, run)
+        });
+        v.push((format!("kv_cache_groups_d{d}_window{window}"), f));
+    }
     v.push(("gemma2_d256_window4096".into(), Box::new(|| layers_case::<bf16>(shape(8, 4, 256), gemma2(2, 4096), decoder_steps(), 2))));
     let shared = vec![
         LayerSpec::decoder(o(128)),
@@ -196,17 +224,38 @@ fn cases() -> Vec<(String, Box<dyn FnOnce() -> TestResult + Send>)> {
     for (d, hq, hkv) in [(64, 8, 2), (128, 4, 4), (256, 16, 2)] {
         v.push((
             format!("encoder_decoder_cross_attention_d{d}_{hq}q{hkv}kv"),
-            Box::new(move || schedule_case::<bf16>(shape(hq, hkv, d), enc_dec_layers(d), enc_dec_schedule(), (7, 1))),
+            Box::new(move || {
+                schedule_case::<bf16>(
+                    shape(hq, hkv, d),
+                    enc_dec_layers(d),
+                    enc_dec_schedule(),
+                    RunOpts { salt: 7, decode_threshold: 1, window_group: None },
+                )
+            }),
         ));
     }
     v.push((
         "encoder_decoder_cross_attention_d128_f16".into(),
-        Box::new(|| schedule_case::<f16>(shape(8, 2, 128), enc_dec_layers(128), enc_dec_schedule(), (8, 1))),
+        Box::new(|| {
+            schedule_case::<f16>(
+                shape(8, 2, 128),
+                enc_dec_layers(128),
+                enc_dec_schedule(),
+                RunOpts { salt: 8, decode_threshold: 1, window_group: None },
+            )
+        }),
     ));
     // Decodes of several tokens: cross-attention runs the whole step as one prefill.
     v.push((
         "encoder_decoder_cross_attention_d64_decode_threshold_4".into(),
-        Box::new(|| schedule_case::<bf16>(shape(8, 2, 64), enc_dec_layers(64), enc_dec_schedule(), (9, 4))),
+        Box::new(|| {
+            schedule_case::<bf16>(
+                shape(8, 2, 64),
+                enc_dec_layers(64),
+                enc_dec_schedule(),
+                RunOpts { salt: 9, decode_threshold: 4, window_group: None },
+            )
+        }),
     ));
     v.push(("refusals".into(), Box::new(refusals)));
     v

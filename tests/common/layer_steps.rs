@@ -93,7 +93,9 @@ impl Engine {
     /// `round`: what the tested dtype makes of an f32.
     pub fn new(shape: Shape, layers: Vec<LayerSpec>, seed: u64, round: fn(f32) -> f32) -> Self {
         let mut rng = SmallRng::seed_from_u64(seed);
-        let mut free: Vec<i32> = (0..shape.num_blocks as i32).collect();
+        // Block 0 is never given out: it is the null block of a KV-cache group's tables
+        // ([`Engine::group_step`]), never written.
+        let mut free: Vec<i32> = (1..shape.num_blocks as i32).collect();
         free.shuffle(&mut rng);
         let slopes = (0..shape.hq).map(|h| 0.5f32.powi(h as i32 % 4 + 1)).collect();
         let sinks = (0..shape.hq).map(|_| rng.random_range(-1.0..2.0)).collect();
@@ -137,6 +139,29 @@ impl Engine {
         }
         let slots = vec![-1; step.nt];
         Step { order: step.order.clone(), qsl: step.qsl.clone(), seq_lens, block_table, stride, slots, nt: step.nt }
+    }
+
+    /// `step` in a second KV-cache group (vLLM's hybrid models: the sliding-window layers' own
+    /// block tables and slots): every block id `b` is `num_blocks - b` there, and with `window`
+    /// each request's blocks wholly before the window of its first query token are the null
+    /// block 0 (freed in vLLM; the kernels must not need them).
+    pub fn group_step(&self, step: &Step, window: Option<usize>) -> Step {
+        let (bs, nb) = (self.shape.block_size, self.shape.num_blocks as i32);
+        let map = |b: i32| if b > 0 && b < nb { nb - b } else { b };
+        let mut block_table: Vec<i32> = step.block_table.iter().map(|&b| map(b)).collect();
+        if let Some(w) = window {
+            for (i, &(_, q)) in step.order.iter().enumerate() {
+                let first_pos = step.seq_lens[i] as usize - q;
+                // Keys before `first_pos + 1 - w` are outside every query's window.
+                let first_key = (first_pos + 1).saturating_sub(w);
+                for entry in &mut block_table[i * step.stride..][..first_key / bs] {
+                    *entry = 0;
+                }
+            }
+        }
+        let slot = |s: i64| if s < 0 { s } else { map((s / bs as i64) as i32) as i64 * bs as i64 + s % bs as i64 };
+        let slots = step.slots.iter().map(|&s| slot(s)).collect();
+        Step { block_table, slots, order: step.order.clone(), qsl: step.qsl.clone(), seq_lens: step.seq_lens.clone(), ..*step }
     }
 
     /// Random inputs of one layer for `step`.

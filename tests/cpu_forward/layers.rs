@@ -32,7 +32,7 @@ fn attention(shape: &Shape, layers: Vec<LayerSpec>) -> attn_rs::Result<Attention
 fn run_step(
     engine: &mut Engine,
     attn: &mut Attention,
-    (meta, cross): (&StepMetadata, Option<&StepMetadata>),
+    (meta, cross, group): (&StepMetadata, Option<&StepMetadata>, Option<&StepMetadata>),
     step: &Step,
     caches: &mut [Vec<f32>],
     (label, which): (&str, &[usize]),
@@ -41,7 +41,11 @@ fn run_step(
     let rows = step.rows();
     for &layer in which {
         let spec = engine.layers[layer];
-        let meta = if spec.attn_type == AttentionType::EncoderDecoder { cross.expect("a cross-attention step") } else { meta };
+        let meta = match (spec.attn_type, group) {
+            (AttentionType::EncoderDecoder, _) => cross.expect("a cross-attention step"),
+            (_, Some(group)) if spec.opts.window.is_some() => group,
+            _ => meta,
+        };
         let data = engine.data(step);
         let want = engine.reference(step, layer, &data);
         let out_rows = RowsDesc::contiguous(rows, s.hq, s.d);
@@ -77,15 +81,18 @@ fn run_step(
 /// `steps` through every layer, each checked against the reference.
 fn run(shape: Shape, layers: Vec<LayerSpec>, steps: &[Vec<(usize, usize)>], label: &str) {
     let schedule: Vec<EncDecStep> = steps.iter().map(|p| EncDecStep::for_layers(&layers, p)).collect();
-    run_schedule(shape, layers, &schedule, label)
+    run_schedule(shape, layers, &schedule, (label, None))
 }
 
 /// A schedule of steps: encoder steps run the encoder layers over whole requests (an
 /// encoder's writing its cache); decoder steps run the decoder layers, and the
-/// cross-attention layers through the step's cross-attention metadata.
-fn run_schedule(shape: Shape, layers: Vec<LayerSpec>, schedule: &[EncDecStep], label: &str) {
+/// cross-attention layers through the step's cross-attention metadata. `window_group`: the
+/// sliding-window layers in a KV-cache group of their own (`Engine::group_step`), its blocks
+/// before this window nulled.
+fn run_schedule(shape: Shape, layers: Vec<LayerSpec>, schedule: &[EncDecStep], (label, window_group): (&str, Option<usize>)) {
     let mut attn = attention(&shape, layers.clone()).unwrap_or_else(|e| panic!("{label}: {e}"));
-    let (mut meta, mut cross) = (attn.new_step_metadata().unwrap(), attn.new_step_metadata().unwrap());
+    let new = |attn: &Attention| attn.new_step_metadata().unwrap();
+    let (mut meta, mut cross, mut group) = (new(&attn), new(&attn), new(&attn));
     let n = attn.cache_spec().num_elements();
     let owns = |l: &LayerSpec| l.kv_sharing_target.is_none() && l.attn_type.uses_cache();
     let mut caches: Vec<Vec<f32>> = layers.iter().map(|l| if owns(l) { vec![0.0; n] } else { Vec::new() }).collect();
@@ -99,6 +106,9 @@ fn run_schedule(shape: Shape, layers: Vec<LayerSpec>, schedule: &[EncDecStep], l
             engine.encoder_of.extend(encoder_of.iter().copied());
             cross.build(&engine.cross_step(&step).input(&shape)).unwrap_or_else(|e| panic!("{label} (cross): {e}"));
         }
+        if window_group.is_some() {
+            group.build(&engine.group_step(&step, window_group).input(&shape)).unwrap_or_else(|e| panic!("{label} (group): {e}"));
+        }
         for layer in st.writes(&layers) {
             let data = engine.data(&step);
             engine.write(&step, layer, &data);
@@ -108,7 +118,8 @@ fn run_schedule(shape: Shape, layers: Vec<LayerSpec>, schedule: &[EncDecStep], l
             attn.write_kv(&meta, layer, KvWriteIo::Cpu(w)).unwrap_or_else(|e| panic!("{label} write_kv {layer}: {e}"));
         }
         let which = st.layers(&layers);
-        run_step(&mut engine, &mut attn, (&meta, Some(&cross)), &step, &mut caches, (&label, &which));
+        let group = window_group.map(|_| &group);
+        run_step(&mut engine, &mut attn, (&meta, Some(&cross), group), &step, &mut caches, (&label, &which));
     }
 }
 
@@ -148,6 +159,17 @@ fn gemma2_interleaved_windows_and_softcap() {
     run(shape(4, 2, 256), gemma2_layers(4, 256, 24), &decoder_steps(), "gemma2 d256 w24");
     // At the real window the sliding layers see everything in these steps: same as full.
     run(shape(4, 2, 256), gemma2_layers(2, 256, 4096), &decoder_steps()[..2], "gemma2 d256 w4096");
+}
+
+#[test]
+fn kv_cache_groups_with_null_blocks_past_the_window() {
+    // The sliding layers' own block tables and slots, blocks before the window nulled (vLLM's
+    // hybrid allocator frees them): the kernels must neither read nor need them.
+    for (d, window) in [(64, 24), (32, 7)] {
+        let layers = gemma2_layers(4, d, window);
+        let schedule: Vec<EncDecStep> = decoder_steps().iter().map(|p| EncDecStep::for_layers(&layers, p)).collect();
+        run_schedule(shape(4, 2, d), layers, &schedule, (&format!("groups d{d} w{window}"), Some(window as usize)));
+    }
 }
 
 #[test]
@@ -202,8 +224,8 @@ fn encoder_only_layers_are_bidirectional() {
 
 #[test]
 fn encoder_decoder_cross_attention() {
-    run_schedule(shape(8, 2, 64), enc_dec_layers(64), &enc_dec_schedule(), "enc-dec gqa4");
-    run_schedule(shape(4, 4, 32), enc_dec_layers(32), &enc_dec_schedule(), "enc-dec mha d32");
+    run_schedule(shape(8, 2, 64), enc_dec_layers(64), &enc_dec_schedule(), ("enc-dec gqa4", None));
+    run_schedule(shape(4, 4, 32), enc_dec_layers(32), &enc_dec_schedule(), ("enc-dec mha d32", None));
 }
 
 fn arg_of<T>(r: attn_rs::Result<T>) -> (String, String) {
