@@ -500,7 +500,7 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &AttnParams, rings: Rings<D>
                     let m = row_max(&s_cur);
                     // Retire P V of the previous half (O and its weights) before rescaling O.
                     unsafe { wait_pv64::<$wait_pv, D>(&mut o, &pf) };
-                    if uh > 2 * u {
+                    if j > 0 || h > 0 {
                         // P V of the previous half has retired.
                         release_half(uh - 1);
                     }
@@ -561,16 +561,23 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &AttnParams, rings: Rings<D>
             // diagonal (its rows end 64 positions before warpgroup 1's): it skips that half.
             let j_last = n_tiles - 1;
             let u_last = 2 * (u + j_last);
-            if wg_last_pos < it.begin + j_last * BLOCK_N + 64 {
+            let skip = wg_last_pos < it.begin + j_last * BLOCK_N + 64;
+            if skip {
                 softmax_pv!(j_last, 0, 1);
-                unsafe { wait_pv64::<0, D>(&mut o, &pf) };
-                // Done with both halves of the last tile (the second was never read).
-                release_half(u_last);
             } else {
                 step!(j_last, true);
-                unsafe { wait_pv64::<0, D>(&mut o, &pf) };
             }
             let _ = s;
+            // One wait, after the branches join: with a `wgmma.wait_group` in each branch,
+            // `ptxas` compiled all of the compute warps' code as divergent (a `WARPSYNC` before
+            // each chain, the ring addresses and descriptors in vector registers moved to
+            // uniform ones before every `wgmma` instead of kept there; d64 key loop 2127
+            // instructions instead of 2085).
+            unsafe { wait_pv64::<0, D>(&mut o, &pf) };
+            if skip {
+                // Done with the last tile's first half (its second was never read).
+                release_half(u_last);
+            }
             release_half(u_last + 1);
             finish(&o, state);
         }
