@@ -1,9 +1,11 @@
 //! CPU tests of the simulated engine (`attn_tools::sim`): the block allocator and block tables, the
 //! request stream, the scheduler's batches (budget, room, decodes first, slots that match the
-//! block tables, every block back at the end), short runs of the engine loop on the CPU
-//! backend (standard and MLA, the presets, the Gemma-2-like and KV-shared models included) with
-//! their checks passing, and the check's reference (its masks against `attn_rs::cpu`'s, and
-//! that a window or soft-cap ignored would fail it).
+//! block tables, every block back at the end; with an encoder, the encoder and cross-attention
+//! steps' arrays), short runs of the engine loop on the CPU backend (standard and MLA, the
+//! presets, the Gemma-2-like, KV-shared and Whisper-like models included) with their checks
+//! passing, and the check's reference (its masks against `attn_rs::cpu`'s, and that a window or
+//! soft-cap ignored, a causal mask in the encoder or cross-attention, or another layer's encoder
+//! keys would fail it).
 //!
 //! On the CPU backend the sim's check compares `attn_rs::cpu` with the simulator's own f64
 //! attention (`attn_tools::sim::reference_attention`): the attention arithmetic with each
@@ -12,11 +14,12 @@
 
 use attn_rs::backend::{select_backend_no_env, DeviceInfo};
 use attn_rs::cpu::{self, KvRef, PrefillRef};
+use attn_rs::forward::AttentionType;
 use attn_rs::metadata::{is_decode, split_decodes, validate};
 use attn_rs::{AttnOptions, DType, RowsDesc};
 use attn_tools::sim::{
-    reference_attention, rel_error, run_sim, tolerance, AllocError, BlockAllocator, BlockTable, RefShape, RequestSpec, Scheduler,
-    SchedulerConfig, SimConfig, SimModel, SplitMix, Workload,
+    reference_attention, reference_attention_bidirectional, rel_error, run_sim, tolerance, AllocError, BlockAllocator, BlockTable, Checker,
+    RefShape, RequestSpec, Scheduler, SchedulerConfig, SimConfig, SimModel, SplitMix, Workload,
 };
 use half::bf16;
 use std::collections::HashMap;
@@ -173,6 +176,77 @@ fn idle_steps_skip_to_the_next_arrival() {
     assert_eq!((step, b.reqs[0].id), (50, 1));
 }
 
+/// Runs a scheduler with an encoder (inputs of `len` tokens, `enc_blocks` blocks, a budget of
+/// `budget`) to the end, checking every batch's encoder and cross-attention arrays.
+fn drive_with_encoder(config: SchedulerConfig, (num_blocks, enc_blocks, block_size): (usize, usize, usize), len: usize, budget: usize) {
+    let requests = workload().generate(&mut SplitMix::new(4));
+    let n = requests.len();
+    let alloc = BlockAllocator::shuffled(num_blocks, block_size, &mut SplitMix::new(5));
+    let enc_alloc = BlockAllocator::shuffled(enc_blocks, block_size, &mut SplitMix::new(6));
+    let mut s = Scheduler::new(config, alloc, requests).unwrap().with_encoder(enc_alloc, len, budget).unwrap();
+    let mut encoder_blocks: HashMap<usize, Vec<i32>> = HashMap::new();
+    let (mut step, mut steps, mut finished, mut encoded) = (0, 0, 0, 0);
+    while !s.is_done() {
+        let b = s.schedule(&mut step).unwrap();
+        assert!(!b.is_empty());
+        // The encoder step: the admitted requests whole, within the budget (or one), slots in
+        // their own encoder blocks, none twice; then they are in the decoder batch.
+        let e = &b.encoder;
+        assert!(b.num_encoder_tokens() <= budget.max(len), "{} encoder tokens", b.num_encoder_tokens());
+        if !b.encoder_reqs.is_empty() {
+            validate(&e.input(enc_blocks, block_size)).unwrap_or_else(|err| panic!("step {step} encoder: {err}"));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for (i, r) in b.encoder_reqs.iter().enumerate() {
+            assert_eq!((r.q_len, r.context, e.seq_lens[i]), (len, 0, len as i32));
+            let row = &e.block_table[i * e.block_table_stride..][..BlockTable::blocks_for(len, block_size)];
+            for pos in 0..len {
+                let slot = e.slot_mapping[e.query_start_loc[i] as usize + pos];
+                assert_eq!(slot, row[pos / block_size] as i64 * block_size as i64 + (pos % block_size) as i64);
+                assert!(seen.insert(slot), "slot {slot} twice in one encoder step");
+            }
+            assert!(encoder_blocks.insert(r.id, row.to_vec()).is_none(), "request {} encoded twice", r.id);
+            assert!(b.reqs.iter().any(|d| d.id == r.id && d.context == 0), "request {} joins the decoder batch", r.id);
+            encoded += 1;
+        }
+        // The cross-attention step: the decoder's tokens over each request's encoder blocks.
+        let c = &b.cross;
+        assert_eq!(c.query_start_loc, b.arrays.query_start_loc);
+        assert!(c.slot_mapping.len() == b.num_tokens() && c.slot_mapping.iter().all(|&x| x == -1));
+        let input = c.input(enc_blocks, block_size);
+        validate(&input).unwrap_or_else(|err| panic!("step {step} cross: {err}"));
+        let split = split_decodes(&input, config.decode_threshold).expect("decodes first");
+        assert_eq!((split.num_decodes, split.num_decode_tokens), (b.num_decodes, b.num_decode_tokens));
+        for (i, r) in b.reqs.iter().enumerate() {
+            assert!(r.q_len <= len, "request {}: {} query tokens past its encoder's {len}", r.id, r.q_len);
+            assert_eq!(c.seq_lens[i], len as i32);
+            let row = &c.block_table[i * c.block_table_stride..][..BlockTable::blocks_for(len, block_size)];
+            assert_eq!(row, encoder_blocks[&r.id], "request {}'s encoder blocks", r.id);
+        }
+        finished += s.complete(&b).unwrap().len();
+        step += 1;
+        steps += 1;
+        assert!(steps < 100_000);
+    }
+    assert_eq!((finished, encoded), (n, n));
+    assert_eq!(s.allocator().num_free(), num_blocks, "every decoder block back");
+    assert_eq!(s.encoder_allocator().unwrap().num_free(), enc_blocks, "every encoder block back");
+}
+
+#[test]
+fn scheduler_with_an_encoder_runs_encoder_steps_and_cross_steps() {
+    let config = SchedulerConfig { max_running: 6, token_budget: 24, decode_threshold: 1 };
+    // Encoder inputs of 30 tokens, two to a step; prompts (up to 70) cut to 30 tokens a step.
+    drive_with_encoder(config, (40, 20, 4), 30, 60);
+    // Tight encoder blocks (admission waits for them), a budget below one input (one a step),
+    // multi-token decodes, an input of one block exactly.
+    drive_with_encoder(SchedulerConfig { decode_threshold: 4, ..config }, (40, 9, 4), 8, 5);
+    drive_with_encoder(SchedulerConfig { max_running: 1, token_budget: 1, decode_threshold: 1 }, (23, 2, 4), 7, 100);
+    // An encoder input larger than its pool is refused.
+    let s = Scheduler::new(config, BlockAllocator::new(40, 4), Vec::new()).unwrap();
+    assert!(matches!(s.with_encoder(BlockAllocator::new(3, 4), 13, 100), Err(AllocError::OutOfBlocks { needed: 4, .. })));
+}
+
 // ---------------------------------------------------------------------------------------------
 // The engine loop on the CPU backend
 // ---------------------------------------------------------------------------------------------
@@ -186,6 +260,8 @@ fn small_config() -> SimConfig {
         num_layers: None,
         window: None,
         softcap: None,
+        encoder_len: None,
+        encoder_budget: 64,
         max_steps: 10_000,
         check_every: 2,
         check_layers: None,
@@ -433,5 +509,192 @@ fn the_reference_masks_and_caps_as_attn_rs_cpu_does() {
         .unwrap();
         let err = rel_error(&got, &want.out);
         assert!(err < 1e-12, "{nq} of {nk}, window {window:?}, soft-cap {softcap:?}: rel error {err:.2e}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The Whisper-like encoder-decoder model
+// ---------------------------------------------------------------------------------------------
+
+/// The CPU preset's sizes for the Whisper-like model (two encoder layers, two decoder blocks,
+/// encoder inputs of 75 tokens, decoder prompts of 1 to 8), fewer requests, checked often.
+fn whisper_config() -> SimConfig {
+    let cpu = SimConfig::cpu_default().with_encoder_decoder_prompts(&SimModel::whisper_small(DType::BF16));
+    SimConfig { workload: Workload { num_requests: 8, gen_len: (2, 10), initial: 3, ..cpu.workload }, check_every: 2, seed: 5, ..cpu }
+}
+
+#[test]
+fn whisper_like_model_passes_the_check_in_every_kind_of_layer() {
+    let cfg = whisper_config();
+    let model = SimModel::whisper_small(DType::BF16);
+    let expected: usize = cfg.workload.generate(&mut SplitMix::new(cfg.seed)).iter().map(|r| r.total_tokens()).sum();
+    let (r, log) = run_on_cpu(&model, &cfg);
+    assert_eq!((r.finished, r.requests, r.layers, r.cache_layers, r.model_layers), (8, 8, 6, 6, 36), "{log}");
+    assert_eq!(r.tokens(), expected, "every decoder token went through forward");
+    assert_eq!((r.encoder_tokens, r.encoder_len), (8 * 75, Some(75)), "every request's encoder input, once");
+    assert!(r.encoder_steps > 1 && r.max_encoder_tokens <= 150, "{log}");
+    assert_eq!(r.check_layers, [0, 1, 2, 3, 4, 5], "every layer of each kind");
+    let c = &r.checks;
+    assert!(r.passed(), "{c:?}\n{log}");
+    let self_attention = c.comparisons - c.encoder_comparisons - c.cross_comparisons;
+    assert!(c.encoder_comparisons > 0 && c.cross_comparisons > 0 && self_attention > 0, "{c:?}\n{log}");
+    // Not vacuous: a causal mask in the encoder or in a cross-attention prompt, or another
+    // layer's encoder rows in a cross-attention layer, would have failed comparisons.
+    assert_eq!(c.bidirectional.comparisons, c.encoder_comparisons + c.cross_comparisons);
+    assert!(c.bidirectional.caught >= c.encoder_comparisons && c.bidirectional.caught < c.bidirectional.comparisons, "{c:?}");
+    assert_eq!((c.cross_source.comparisons, c.cross_source.caught), (c.cross_comparisons, c.cross_comparisons), "{c:?}");
+    assert_eq!((c.window.comparisons, c.softcap.comparisons), (0, 0));
+    // Two pools, every cache sized for the larger (the encoder's: 3/4 of 8 inputs of 5 blocks).
+    assert_eq!((r.num_blocks, r.pools), (30, Some((30, 12))));
+    assert_eq!(r.cache_bytes, 6 * 30 * 16 * 12 * 64 * 2 * 2, "six caches: blocks x tokens x heads x d x (K, V) x bf16");
+    assert!(
+        log.contains("summary [whisper-small-like (encoder-decoder) on cpu]")
+            && log.contains("layers 0 and 1 encoder")
+            && log.contains("causal self-attention (layers 2 and 4)")
+            && log.contains("filled by write_kv in the request's encoder step (layers 3 and 5)")
+            && log.contains("two pools, 30 encoder blocks")
+            && log.contains("encoder: ")
+            && log.contains("reading another layer's encoder K/V in a cross-attention layer in"),
+        "{log}"
+    );
+}
+
+#[test]
+fn whisper_like_model_splits_prompts_longer_than_its_encoder_and_takes_multi_token_decodes() {
+    // The CPU preset's decoder prompts (16 to 96 tokens) against encoder inputs of 20: a
+    // request's query tokens in a step stay within 20 (the cross-attention step's sequences
+    // must hold them); decodes of up to 4 tokens; f32 and f16.
+    for (dtype, threshold) in [(DType::F32, 4), (DType::F16, 1)] {
+        let cfg = SimConfig {
+            workload: Workload { num_requests: 4, prompt_len: (16, 50), gen_len: (1, 4), initial: 2, max_arrivals_per_step: 2 },
+            encoder_len: Some(20),
+            encoder_budget: 1,
+            decode_threshold: threshold,
+            check_every: 1,
+            seed: 9,
+            ..SimConfig::cpu_default()
+        };
+        let (r, log) = run_on_cpu(&SimModel::whisper_small(dtype), &cfg);
+        assert_eq!(r.finished, 4, "{log}");
+        assert!(r.passed() && r.checks.cross_comparisons > 0 && r.checks.encoder_comparisons > 0, "{:?}\n{log}", r.checks);
+        assert_eq!(r.max_encoder_tokens, 20, "a budget below one input takes one a step");
+        assert!(r.max_batch_tokens <= cfg.token_budget);
+    }
+}
+
+#[test]
+fn whisper_like_model_runs_a_few_steps_with_all_its_layers() {
+    let cfg = SimConfig {
+        workload: Workload { num_requests: 3, prompt_len: (1, 4), gen_len: (2, 3), initial: 3, max_arrivals_per_step: 1 },
+        max_running: 3,
+        token_budget: 8,
+        num_layers: None,
+        encoder_len: Some(33),
+        max_steps: 3,
+        check_every: 1,
+        check_reqs: 2,
+        check_tokens: 1,
+        ..SimConfig::cpu_default()
+    };
+    let (r, log) = run_on_cpu(&SimModel::whisper_small(DType::BF16), &cfg);
+    assert_eq!((r.steps, r.layers, r.cache_layers), (3, 36, 36), "{log}");
+    assert_eq!(r.check_layers, [0, 11, 12, 13, 34, 35]);
+    assert!(r.passed() && r.checks.encoder_comparisons > 0 && r.checks.cross_comparisons > 0, "{:?}\n{log}", r.checks);
+    assert!(
+        log.contains("layers 0..=11 encoder") && log.contains("layers 12, 14, ..., 34") && log.contains("layers 13, 15, ..., 35"),
+        "{log}"
+    );
+}
+
+#[test]
+fn whisper_layer_specs_follow_the_model() {
+    let w = SimModel::whisper_small(DType::BF16);
+    let c = &w.config;
+    assert_eq!((w.num_layers, c.num_q_heads, c.num_kv_heads, c.head_size, c.block_size, w.encoder_len), (12, 12, 12, 64, 16, Some(1500)));
+    assert_eq!((w.attention_layers(12), w.attention_layers(2)), (36, 6));
+    let specs = w.layer_specs(12);
+    assert_eq!(specs.len(), 36);
+    for (i, l) in specs.iter().enumerate() {
+        let kind = match i {
+            0..12 => AttentionType::Encoder,
+            _ if i % 2 == 0 => AttentionType::Decoder,
+            _ => AttentionType::EncoderDecoder,
+        };
+        assert_eq!((l.attn_type, l.kv_sharing_target, l.opts.softmax_scale), (kind, None, 0.125), "layer {i}");
+        assert_eq!((l.opts.window, l.opts.softcap, l.alibi, l.sinks), (None, None, false, false));
+    }
+    assert_eq!(w.default_check_layers(12), [0, 11, 12, 13, 34, 35]);
+    assert_eq!(w.default_check_layers(1), [0, 1, 2]);
+    // Another layer's encoder keys: the next cross-attention layer's, the previous for the
+    // last, the encoder's with one decoder block.
+    assert_eq!((Checker::other_source(13, 12), Checker::other_source(35, 12), Checker::other_source(2, 1)), (15, 33, 0));
+    // The CPU preset's encoder length replaces the model's; decoder-only models gain none.
+    let cpu = SimConfig::cpu_default();
+    assert_eq!(cpu.run_model(&w).encoder_len, Some(75));
+    assert_eq!(cpu.run_model(&SimModel::llama3_8b(DType::BF16)).encoder_len, None);
+    assert_eq!(cpu.clone().with_encoder_decoder_prompts(&w).workload.prompt_len, (1, 8));
+    assert_eq!(cpu.clone().with_encoder_decoder_prompts(&SimModel::llama3_8b(DType::BF16)), cpu);
+    // GPU preset: encoder steps of four 1500-token inputs; the encoder pool the larger.
+    let gpu = SimConfig::gpu_default().with_encoder_decoder_prompts(&w);
+    assert_eq!(gpu.max_encoder_step(&w), 6000);
+    assert_eq!((gpu.encoder_blocks(&w, 16), gpu.blocks(16)), (Some(64 * 94 * 3 / 4), 64 * 17 * 3 / 4));
+}
+
+#[test]
+fn a_causal_mask_or_another_layers_encoder_rows_would_fail_the_cross_attention_check() {
+    // A Whisper cross-attention layer (12 heads of 64, scale 1/8) on the pool's bf16 rows: a
+    // prompt of 5 query tokens over the 75 encoder rows its write_kv wrote, and another layer's.
+    let w = SimConfig::cpu_default().run_model(&SimModel::whisper_small(DType::BF16));
+    let opts = w.layer_spec(3, 2).opts;
+    assert_eq!(w.layer_kind(3, 2), AttentionType::EncoderDecoder);
+    let shape = RefShape { q_heads: 12, kv_heads: 12, dk: 64, dv: 64 };
+    let mut rng = SplitMix::new(21);
+    let width = 12 * 64;
+    let (q, k, v) = (bf16_rows(&mut rng, 5, width), bf16_rows(&mut rng, 75, width), bf16_rows(&mut rng, 75, width));
+    let (k2, v2) = (bf16_rows(&mut rng, 75, width), bf16_rows(&mut rng, 75, width));
+    let want = reference_attention_bidirectional(shape, &opts, &q, &k, &v);
+    let tol = tolerance(DType::BF16);
+    let causal = rel_error(&reference_attention(shape, &opts, &q, &k, &v), &want);
+    let other = rel_error(&reference_attention_bidirectional(shape, &opts, &q, &k2, &v2), &want);
+    assert!(causal > 3.0 * tol, "a causal mask: rel error {causal:.2e}, within {tol:.0e} of the check");
+    assert!(other > 3.0 * tol, "another layer's rows: rel error {other:.2e}, within {tol:.0e} of the check");
+    // The first of an encoder's query tokens, causal, would see one key of 75.
+    let first = rel_error(&reference_attention(shape, &opts, &q[..width], &k[..width], &v[..width]), &want[..width]);
+    assert!(first > 3.0 * tol, "{first:.2e}");
+    // A single decoder token (a decode) at the end of the encoder's keys sees them all either
+    // way: only prompts tell a causal mask apart, as the run's counts show.
+    let last = &q[4 * width..];
+    assert_eq!(reference_attention(shape, &opts, last, &k, &v), reference_attention_bidirectional(shape, &opts, last, &k, &v));
+}
+
+#[test]
+fn the_bidirectional_reference_matches_attn_rs_cpu_without_the_causal_mask() {
+    let mut rng = SplitMix::new(8);
+    for (nq, nk, softcap) in [(3, 20, None), (1, 9, Some(0.7)), (5, 5, None)] {
+        let (hq, hkv, d) = (4, 2, 16);
+        let opts = AttnOptions { softcap, softmax_scale: 0.6, ..AttnOptions::new(d) };
+        let q: Vec<f32> = (0..nq * hq * d).map(|_| rng.signed_unit()).collect();
+        let k: Vec<f32> = (0..nk * hkv * d).map(|_| rng.signed_unit()).collect();
+        let v: Vec<f32> = (0..nk * hkv * d).map(|_| rng.signed_unit()).collect();
+        let f64s = |x: &[f32]| x.iter().map(|&y| y as f64).collect::<Vec<_>>();
+        let shape = RefShape { q_heads: hq, kv_heads: hkv, dk: d, dv: d };
+        let got = reference_attention_bidirectional(shape, &opts, &f64s(&q), &f64s(&k), &f64s(&v));
+        let rows = RowsDesc::contiguous(nk, hkv, d);
+        let want = cpu::prefill(&PrefillRef {
+            q: &q,
+            q_rows: RowsDesc::contiguous(nq, hq, d),
+            kv: KvRef::Packed { k: &k, k_rows: rows, v: &v, v_rows: rows, key_start_loc: &[0, nk as i32] },
+            head_size_v: d,
+            query_start_loc: &[0, nq as i32],
+            seq_lens: &[nk as i32],
+            causal: false,
+            opts,
+            alibi_slopes: None,
+            sinks: None,
+            scales: None,
+        })
+        .unwrap();
+        let err = rel_error(&got, &want.out);
+        assert!(err < 1e-12, "{nq} of {nk}, soft-cap {softcap:?}: rel error {err:.2e}");
     }
 }

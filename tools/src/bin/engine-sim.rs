@@ -1,26 +1,31 @@
 //! The main job: a simulated serving engine. A Llama-3-8B-like model, a DeepSeek-like MLA model,
-//! a Gemma-2-like model (sliding window on every other layer, soft-capped logits) and a
-//! Llama-like model whose second half of the layers reads one earlier layer's cache (KV
-//! sharing), each served to a deterministic stream of requests (varied prompt and generation
-//! lengths, arriving and finishing) by a chunked-prefill scheduler with a block allocator; every
-//! step's mixed batch goes through `attn_rs::forward` on every layer with that layer's settings
-//! (random activations: there is no model), a sample is checked against an f64 reference, and a
-//! progress line and a summary (tokens/s, each step's time split into metadata, cache write and
-//! attention) are printed.
+//! a Gemma-2-like model (sliding window on every other layer, soft-capped logits), a Llama-like
+//! model whose second half of the layers reads one earlier layer's cache (KV sharing) and a
+//! Whisper-like encoder-decoder model (bidirectional encoder layers over each request's encoder
+//! input, then decoder blocks of causal self-attention and cross-attention over a cache each
+//! fills once per request), each served to a deterministic stream of requests (varied prompt and
+//! generation lengths, arriving and finishing) by a chunked-prefill scheduler with a block
+//! allocator (Whisper: an encoder step for the requests admitted in a step, which then join the
+//! decoder batch); every step's mixed batch goes through `attn_rs::forward` on every layer with
+//! that layer's settings (random activations: there is no model), a sample is checked against
+//! an f64 reference, and a progress line and a summary (tokens/s, each step's time split into
+//! metadata, cache write and attention) are printed.
 //!
 //! The backend comes from the registry (`--backend NAME`, else `ATTN_BACKEND`, else automatic).
 //! Without a GPU everything runs on the CPU backend with small sizes. On a GPU the models run
 //! on their GPU backends (`tensor-core`, `mla`); a backend whose kernels are missing falls back
 //! to the CPU backend, labelled so.
 //!
-//! `engine-sim [--model llama|deepseek|gemma2|kv-shared|both|all] [--backend NAME]
-//!  [--dtype bf16|f16|f32] [--layers N] [--window N] [--softcap X] [--requests N] [--steps N]
+//! `engine-sim [--model llama|deepseek|gemma2|kv-shared|whisper|both|all] [--backend NAME]
+//!  [--dtype bf16|f16|f32] [--layers N] [--window N] [--softcap X] [--encoder-len N]
+//!  [--encoder-budget N] [--requests N] [--steps N]
 //!  [--max-running N] [--token-budget N] [--prompt MIN:MAX] [--gen MIN:MAX] [--blocks N]
 //!  [--check-every N] [--check-layers A,B] [--check-reqs N] [--check-tokens N]
 //!  [--progress-every N] [--decode-threshold N] [--seed N]`
 //! (`--help` describes each; flags not given take the preset's value for where the backend
 //! runs, `SimConfig::cpu_default` or `SimConfig::gpu_default`, with prompts stretched past a
-//! model's window when the preset's would not reach it).
+//! model's window when the preset's would not reach it, and decoder prompts of 1 to 8 tokens for
+//! the Whisper-like model).
 
 use attn_rs::backend::{find_backend, select_backend, select_backend_no_env, DeviceInfo, Selection};
 use attn_rs::forward::GpuHandles;
@@ -32,10 +37,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// A simulated serving engine: Llama-3-8B-like, DeepSeek-like MLA, Gemma-2-like and KV-sharing
-/// models served to a deterministic stream of requests by a chunked-prefill scheduler, every
-/// step's mixed batch through `attn_rs::forward` on every layer, a sample checked against an f64
-/// reference.
+/// A simulated serving engine: Llama-3-8B-like, DeepSeek-like MLA, Gemma-2-like, KV-sharing and
+/// Whisper-like encoder-decoder models served to a deterministic stream of requests by a
+/// chunked-prefill scheduler, every step's mixed batch through `attn_rs::forward` on every
+/// layer, a sample checked against an f64 reference.
 ///
 /// Flags not given take the preset's value for where the backend runs (listed below).
 #[derive(Parser, Debug)]
@@ -51,7 +56,8 @@ struct Cli {
     /// The activations' and the cache's dtype.
     #[arg(long, value_enum, default_value_t = DtypeChoice::Bf16)]
     dtype: DtypeChoice,
-    /// Layers run, at most the model's (32 Llama, 27 DeepSeek, 26 Gemma-2, 16 KV-shared);
+    /// Layers run, at most the model's (32 Llama, 27 DeepSeek, 26 Gemma-2, 16 KV-shared; 12
+    /// Whisper, whose N are N encoder layers and N decoder blocks, 3 N attention layers);
     /// default: the preset's (2 on the CPU, the model's on a GPU).
     #[arg(long, value_name = "N", value_parser = at_least(1))]
     layers: Option<usize>,
@@ -63,6 +69,14 @@ struct Cli {
     /// default: the preset's (0.5 on the CPU, the model's 50 on a GPU).
     #[arg(long, value_name = "X", value_parser = positive)]
     softcap: Option<f32>,
+    /// Tokens of each request's encoder input (Whisper's; models without an encoder ignore
+    /// it); default: the preset's (75 on the CPU, the model's 1500 on a GPU).
+    #[arg(long, value_name = "N", value_parser = at_least(1))]
+    encoder_len: Option<usize>,
+    /// Encoder tokens an encoder step may take: whole requests, at least one (Whisper's;
+    /// models without an encoder ignore it).
+    #[arg(long, value_name = "N", value_parser = at_least(1))]
+    encoder_budget: Option<usize>,
     /// Requests in the stream.
     #[arg(long, value_name = "N", value_parser = at_least(1))]
     requests: Option<usize>,
@@ -76,21 +90,22 @@ struct Cli {
     /// --max-running.
     #[arg(long, value_name = "N", value_parser = at_least(1))]
     token_budget: Option<usize>,
-    /// Prompt lengths, drawn from MIN..=MAX (1 <= MIN <= MAX).
+    /// Prompt lengths, drawn from MIN..=MAX (1 <= MIN <= MAX); Whisper's decoder prompts.
     #[arg(long, value_name = "MIN:MAX", value_parser = len_range)]
     prompt: Option<(usize, usize)>,
     /// Generation lengths, drawn from MIN..=MAX (1 <= MIN <= MAX).
     #[arg(long, value_name = "MIN:MAX", value_parser = len_range)]
     gen: Option<(usize, usize)>,
     /// Cache blocks per layer; default: three quarters of what --max-running requests of the
-    /// longest length take.
+    /// longest length take. Whisper: the decoder pool's (its encoder pool takes three quarters
+    /// of what --max-running encoder inputs take).
     #[arg(long, value_name = "N", value_parser = at_least(1))]
     blocks: Option<usize>,
     /// Check against the f64 reference every this many steps (0: never).
     #[arg(long, value_name = "N")]
     check_every: Option<usize>,
-    /// The layers checked, a comma-separated list below the layer count; default: the first
-    /// and the last.
+    /// The layers checked, a comma-separated list below the (attention) layer count; default:
+    /// the first and the last (Whisper: of each kind).
     #[arg(long, value_name = "A,B", value_delimiter = ',', num_args = 1)]
     check_layers: Option<Vec<usize>>,
     /// Requests checked in a checked step.
@@ -122,9 +137,12 @@ enum ModelChoice {
     /// Llama-like, 32 query heads over 8 kv heads of 128, 16 layers, of which the second half
     /// reads the last first-half layer's cache.
     KvShared,
+    /// Whisper-small-like encoder-decoder: 12 heads of 64 (MHA), 12 encoder layers over 1500
+    /// encoder tokens a request, 12 decoder blocks of self-attention and cross-attention.
+    Whisper,
     /// Llama, then DeepSeek.
     Both,
-    /// Every model: Llama, DeepSeek, Gemma-2, KV-shared.
+    /// Every model: Llama, DeepSeek, Gemma-2, KV-shared, Whisper.
     All,
 }
 
@@ -178,11 +196,14 @@ fn presets_help() -> String {
         let or_models = |x: Option<String>| x.unwrap_or_else(|| "the model's".to_string());
         let layers = or_models(c.num_layers.map(|n| n.to_string()));
         let (window, softcap) = (or_models(c.window.map(|n| n.to_string())), or_models(c.softcap.map(|x| x.to_string())));
+        let encoder_len = or_models(c.encoder_len.map(|n| n.to_string()));
         let w = &c.workload;
         format!(
-            "  {what}: --layers {layers}, --window {window}, --softcap {softcap}, --requests {}, --steps {}, --max-running {}, \
+            "  {what}: --layers {layers}, --window {window}, --softcap {softcap}, --encoder-len {encoder_len}, --encoder-budget {}, \
+             --requests {}, --steps {}, --max-running {}, \
              --token-budget {}, --prompt {}:{}, --gen {}:{}, --check-every {}, --check-reqs {}, --check-tokens {}, --progress-every {}, \
              --decode-threshold {}, --seed {}",
+            c.encoder_budget,
             w.num_requests,
             c.max_steps,
             c.max_running,
@@ -201,7 +222,7 @@ fn presets_help() -> String {
     };
     format!(
         "Presets (where the backend runs):\n{}\n{}\n  Without --prompt, a model whose window no context of the preset would pass (Gemma-2 on a GPU) \
-         takes prompts of up to one and a half windows.",
+         takes prompts of up to one and a half windows; Whisper's decoder prompts are 1:8.",
         line("CPU backend", &SimConfig::cpu_default()),
         line("GPU backend", &SimConfig::gpu_default())
     )
@@ -218,15 +239,21 @@ impl Cli {
 
     fn models(&self) -> Vec<SimModel> {
         let dtype = self.dtype();
-        let (llama, deepseek, gemma2, kv_shared) =
-            (SimModel::llama3_8b(dtype), SimModel::deepseek_v2_lite(dtype), SimModel::gemma2_2b(dtype), SimModel::kv_shared(dtype));
+        let (llama, deepseek, gemma2, kv_shared, whisper) = (
+            SimModel::llama3_8b(dtype),
+            SimModel::deepseek_v2_lite(dtype),
+            SimModel::gemma2_2b(dtype),
+            SimModel::kv_shared(dtype),
+            SimModel::whisper_small(dtype),
+        );
         match self.model {
             ModelChoice::Llama => vec![llama],
             ModelChoice::Deepseek => vec![deepseek],
             ModelChoice::Gemma2 => vec![gemma2],
             ModelChoice::KvShared => vec![kv_shared],
+            ModelChoice::Whisper => vec![whisper],
             ModelChoice::Both => vec![llama, deepseek],
-            ModelChoice::All => vec![llama, deepseek, gemma2, kv_shared],
+            ModelChoice::All => vec![llama, deepseek, gemma2, kv_shared, whisper],
         }
     }
 
@@ -238,9 +265,16 @@ impl Cli {
         if let Some(n) = self.layers.filter(|&n| n > fewest.num_layers) {
             return error(format!("invalid value '{n}' for '--layers <N>': {} has {} layers", fewest.name, fewest.num_layers));
         }
-        let layers = self.layers.unwrap_or(fewest.num_layers);
+        // The attention layers of the model that has the fewest (Whisper: 3 per layer).
+        let attention_layers = |m: &SimModel| m.attention_layers(self.layers.unwrap_or(m.num_layers));
+        let narrowest = self.models().into_iter().min_by_key(attention_layers).expect("a model");
+        let layers = attention_layers(&narrowest);
         if let Some(l) = self.check_layers.iter().flatten().find(|&&l| l >= layers) {
-            let of = if self.layers.is_some() { "given by --layers".to_string() } else { format!("of {}", fewest.name) };
+            let of = match self.layers {
+                Some(n) if narrowest.is_encoder_decoder() => format!("{} makes of the {n} given by --layers", narrowest.name),
+                Some(_) => "given by --layers".to_string(),
+                None => format!("of {}", narrowest.name),
+            };
             return error(format!("invalid value for '--check-layers <A,B>': layer {l} is past the {layers} layers {of}"));
         }
         if let (Some(budget), Some(running)) = (self.token_budget, self.max_running) {
@@ -252,14 +286,16 @@ impl Cli {
     }
 
     /// The preset for where the backend runs, with the flags applied; without `--prompt`,
-    /// prompts that pass `model`'s window.
+    /// prompts that pass `model`'s window, or of a few tokens for an encoder-decoder model.
     fn sim_config(&self, on_gpu: bool, model: &SimModel) -> SimConfig {
         let mut c = if on_gpu { SimConfig::gpu_default() } else { SimConfig::cpu_default() };
         c.num_layers = self.layers.or(c.num_layers);
         c.window = self.window.or(c.window);
         c.softcap = self.softcap.or(c.softcap);
+        c.encoder_len = self.encoder_len.or(c.encoder_len);
+        c.encoder_budget = self.encoder_budget.unwrap_or(c.encoder_budget);
         if self.prompt.is_none() {
-            c = c.with_contexts_past_window(model);
+            c = c.with_contexts_past_window(model).with_encoder_decoder_prompts(model);
         }
         if let Some(n) = self.requests {
             c.workload.num_requests = n;
@@ -408,13 +444,40 @@ mod tests {
     #[test]
     fn model_choices_name_their_models() {
         let names = |m: &str| parse(&["--model", m]).unwrap().models().iter().map(|m| m.name).collect::<Vec<_>>();
-        let (llama, deepseek, gemma2, kv_shared) =
-            ("llama-3-8b-like", "deepseek-v2-lite-like (MLA)", "gemma-2-2b-like", "kv-shared-llama-like");
+        let (llama, deepseek, gemma2, kv_shared, whisper) = (
+            "llama-3-8b-like",
+            "deepseek-v2-lite-like (MLA)",
+            "gemma-2-2b-like",
+            "kv-shared-llama-like",
+            "whisper-small-like (encoder-decoder)",
+        );
         assert_eq!(names("gemma2"), [gemma2]);
         assert_eq!(names("kv-shared"), [kv_shared]);
+        assert_eq!(names("whisper"), [whisper]);
         assert_eq!(names("both"), [llama, deepseek], "both stays Llama and DeepSeek");
         assert_eq!(parse(&[]).unwrap().models().len(), 2);
-        assert_eq!(names("all"), [llama, deepseek, gemma2, kv_shared]);
+        assert_eq!(names("all"), [llama, deepseek, gemma2, kv_shared, whisper]);
+    }
+
+    #[test]
+    fn whisper_takes_short_decoder_prompts_and_its_encoder_flags() {
+        let whisper = SimModel::whisper_small(DType::BF16);
+        let c = parse(&["--model", "whisper"]).unwrap().sim_config(false, &whisper);
+        assert_eq!((c.workload.prompt_len, c.encoder_len, c.encoder_budget), ((1, 8), Some(75), 150));
+        assert_eq!(c.run_model(&whisper).encoder_len, Some(75));
+        let c = parse(&["--model", "whisper"]).unwrap().sim_config(true, &whisper);
+        assert_eq!((c.workload.prompt_len, c.encoder_len, c.encoder_budget), ((1, 8), None, 6000));
+        assert_eq!(c.run_model(&whisper).encoder_len, Some(1500));
+        let cli = parse(&["--model=whisper", "--encoder-len", "40", "--encoder-budget=100", "--prompt", "3:30"]).unwrap();
+        let c = cli.sim_config(false, &whisper);
+        assert_eq!((c.workload.prompt_len, c.encoder_len, c.encoder_budget), ((3, 30), Some(40), 100));
+        // Other models keep their prompts.
+        let llama = SimModel::llama3_8b(DType::BF16);
+        assert_eq!(parse(&["--encoder-len", "40"]).unwrap().sim_config(false, &llama).workload, SimConfig::cpu_default().workload);
+        // Check layers count attention layers: three a Whisper layer.
+        assert!(parse(&["--model", "whisper", "--check-layers", "0,35"]).is_ok());
+        assert!(parse(&["--model", "whisper", "--layers", "2", "--check-layers", "5"]).is_ok());
+        assert!(parse(&["--model", "all", "--layers", "12", "--check-layers", "11"]).is_ok());
     }
 
     #[test]
@@ -450,6 +513,12 @@ mod tests {
             &["--model", "gemma2", "--layers", "27"],
             &["--model", "all", "--layers", "17"],
             &["--model", "kv-shared", "--check-layers", "16"],
+            &["--model", "whisper", "--layers", "13"],
+            &["--model", "whisper", "--check-layers", "36"],
+            &["--model", "whisper", "--layers", "2", "--check-layers", "6"],
+            &["--model", "all", "--layers", "13"],
+            &["--encoder-len", "0"],
+            &["--encoder-budget", "0"],
             &["--window", "0"],
             &["--window", "-3"],
             &["--softcap", "0"],

@@ -3,6 +3,13 @@
 //! no model: each layer takes its q/k/v rows from a pool of random rows at a pseudo-random
 //! offset; a KV-sharing layer takes only q and reads its target's cache), timed, sampled against
 //! the f64 reference, and logged.
+//!
+//! An encoder-decoder model's step has up to three metadata, all of the one `Attention`: the
+//! encoder step over the requests admitted in it (whole requests, slots in the encoder pool's
+//! blocks), which runs the encoder layers and fills each cross-attention layer's own cache
+//! (`Attention::write_kv`); the decoder step, for the decoder self-attention layers; and the
+//! cross-attention step (the decoder step's tokens over each request's encoder blocks), for the
+//! cross-attention layers, which take `NewKv::None` and their own cache.
 
 use super::allocator::{AllocError, BlockAllocator, BlockTable};
 use super::check::Checker;
@@ -12,7 +19,10 @@ use super::requests::Workload;
 use super::rng::SplitMix;
 use super::scheduler::{Batch, Scheduler, SchedulerConfig};
 use attn_rs::backend::Selection;
-use attn_rs::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, HostElement, Layer, LayerIo, NewKv, StepMetadata};
+use attn_rs::forward::{
+    Attention, AttentionType, ForwardConfig, ForwardLimits, GpuHandles, HostElement, KvCacheWrite, KvWriteIo, Layer, LayerIo, NewKv,
+    StepMetadata,
+};
 use attn_rs::AttnError;
 use attn_rs::DType;
 use attn_rs::RowsDesc;
@@ -46,14 +56,22 @@ pub struct SimConfig {
     /// Tokens a step computes (chunked prefill fills what decodes leave).
     pub token_budget: usize,
     /// Blocks per layer; `None`: three quarters of what `max_running` requests of the longest
-    /// length would take (so admission waits for blocks at times).
+    /// length would take (so admission waits for blocks at times). Of an encoder-decoder model,
+    /// the decoder pool's (the self-attention caches'); its encoder pool takes three quarters
+    /// of what `max_running` encoder inputs take.
     pub num_blocks: Option<usize>,
-    /// Layers run; `None`: the model's.
+    /// Layers run; `None`: the model's (of an encoder-decoder model: encoder layers, and as
+    /// many decoder blocks).
     pub num_layers: Option<usize>,
     /// The sliding window of a model's windowed layers; `None`: the model's.
     pub window: Option<u32>,
     /// The soft-cap of a model's soft-capped layers; `None`: the model's.
     pub softcap: Option<f32>,
+    /// Tokens of each request's encoder input, for a model with an encoder; `None`: the
+    /// model's.
+    pub encoder_len: Option<usize>,
+    /// Tokens an encoder step may take (whole requests, at least one; vLLM's encoder budget).
+    pub encoder_budget: usize,
     /// Stop after this many steps even if requests remain.
     pub max_steps: usize,
     /// Check every this many steps (0: never) ...
@@ -71,8 +89,9 @@ pub struct SimConfig {
 
 impl SimConfig {
     /// Sizes for the CPU backend (the f64 reference is slow): a few short requests, two layers,
-    /// and a window (64) and soft-cap (0.5) that change the outputs at these contexts and with
-    /// the random activations (see [`SimModel::gemma2_2b`]).
+    /// a window (64) and soft-cap (0.5) that change the outputs at these contexts and with the
+    /// random activations (see [`SimModel::gemma2_2b`]), and encoder inputs of 75 tokens (not a
+    /// whole number of blocks), two to an encoder step.
     pub fn cpu_default() -> Self {
         SimConfig {
             workload: Workload { num_requests: 16, prompt_len: (16, 96), gen_len: (4, 24), initial: 4, max_arrivals_per_step: 2 },
@@ -82,6 +101,8 @@ impl SimConfig {
             num_layers: Some(2),
             window: Some(64),
             softcap: Some(0.5),
+            encoder_len: Some(75),
+            encoder_budget: 150,
             max_steps: 10_000,
             check_every: 4,
             check_layers: None,
@@ -93,7 +114,8 @@ impl SimConfig {
         }
     }
 
-    /// Sizes for a GPU: a busy server's mix of long prompts and generations.
+    /// Sizes for a GPU: a busy server's mix of long prompts and generations (an encoder-decoder
+    /// model's encoder inputs of the model's length, up to four to an encoder step).
     pub fn gpu_default() -> Self {
         SimConfig {
             workload: Workload { num_requests: 256, prompt_len: (128, 2048), gen_len: (16, 256), initial: 32, max_arrivals_per_step: 4 },
@@ -103,6 +125,8 @@ impl SimConfig {
             num_layers: None,
             window: None,
             softcap: None,
+            encoder_len: None,
+            encoder_budget: 6000,
             max_steps: 100_000,
             check_every: 25,
             check_layers: None,
@@ -118,9 +142,35 @@ impl SimConfig {
         self.num_layers.unwrap_or(model.num_layers)
     }
 
-    /// `model` as this run plays it: with this config's window and soft-cap, if it has them.
+    /// `model` as this run plays it: with this config's window, soft-cap and encoder length, if
+    /// it has them.
     pub fn run_model(&self, model: &SimModel) -> SimModel {
-        model.with_window_and_softcap(self.window, self.softcap)
+        let model = model.with_window_and_softcap(self.window, self.softcap);
+        SimModel { encoder_len: model.encoder_len.map(|len| self.encoder_len.unwrap_or(len)), ..model }
+    }
+
+    /// The same sizes, with the decoder prompts of a few tokens (1 to 8: Whisper's
+    /// start-of-transcript, language and task tokens, and a few more) where `model` has an
+    /// encoder.
+    pub fn with_encoder_decoder_prompts(mut self, model: &SimModel) -> Self {
+        if model.is_encoder_decoder() {
+            self.workload.prompt_len = (1, 8);
+        }
+        self
+    }
+
+    /// Tokens of the largest encoder step of `model` (as this config plays it): as many whole
+    /// encoder inputs as the encoder budget and the running requests allow, at least one; 0
+    /// without an encoder.
+    pub fn max_encoder_step(&self, model: &SimModel) -> usize {
+        self.run_model(model).encoder_len.map_or(0, |len| len * (self.encoder_budget / len).clamp(1, self.max_running.max(1)))
+    }
+
+    /// Blocks of the encoder pool of `model` (as this config plays it), `None` without an
+    /// encoder: three quarters of what `max_running` encoder inputs take, at least one's.
+    pub fn encoder_blocks(&self, model: &SimModel, block_size: usize) -> Option<usize> {
+        let per_req = BlockTable::blocks_for(self.run_model(model).encoder_len?, block_size);
+        Some((self.max_running * per_req * 3 / 4).max(per_req))
     }
 
     /// The same sizes, with prompts of up to one and a half windows where no context would pass
@@ -140,8 +190,10 @@ impl SimConfig {
         self.num_blocks.unwrap_or((self.max_running * per_req * 3 / 4).max(per_req))
     }
 
-    fn checked_layers(&self, layers: usize) -> Result<Vec<usize>, SimError> {
-        let mut l = self.check_layers.clone().unwrap_or_else(|| vec![0, layers - 1]);
+    /// The checked attention layers of a run of `model` with `num_layers` model layers.
+    fn checked_layers(&self, model: &SimModel, num_layers: usize) -> Result<Vec<usize>, SimError> {
+        let layers = model.attention_layers(num_layers);
+        let mut l = self.check_layers.clone().unwrap_or_else(|| model.default_check_layers(num_layers));
         l.sort_unstable();
         l.dedup();
         match l.iter().find(|&&x| x >= layers) {
@@ -184,16 +236,39 @@ enum Buffers<T> {
     },
 }
 
+/// Which of a step's metadata a layer runs with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// The decoder step (every layer of a decoder-only model).
+    Decoder,
+    /// An encoder-decoder model's encoder step: the encoder layers, and the cross-attention
+    /// layers' `write_kv`.
+    Encoder,
+    /// The decoder step's cross-attention step: the cross-attention layers.
+    Cross,
+}
+
+/// An encoder-decoder model's other two metadata, of the same `Attention` as the decoder step.
+struct EncoderSteps {
+    encoder: StepMetadata,
+    cross: StepMetadata,
+}
+
 struct Sim<T> {
     model: SimModel,
     cfg: SimConfig,
+    /// Attention layers run.
     layers: usize,
+    /// Each layer's kind (decoder, or an encoder-decoder model's encoder, decoder and
+    /// cross-attention layers).
+    kinds: Vec<AttentionType>,
     /// The layer whose cache each layer reads (itself, or the target it shares).
     kv_source: Vec<usize>,
     /// Which of the caches (one per layer that keeps one) each layer reads.
     cache_of: Vec<usize>,
     attn: Attention,
     step: StepMetadata,
+    encoder_steps: Option<EncoderSteps>,
     sched: Scheduler,
     checker: Checker,
     /// Random activation rows, `pool_rows x width` (also on the device for a GPU backend).
@@ -207,36 +282,56 @@ struct Sim<T> {
 impl<T: HostElement> Sim<T> {
     fn new(model: &SimModel, cfg: &SimConfig, selection: &Selection, gpu: Option<GpuHandles>) -> Result<Self, SimError> {
         let model = &cfg.run_model(model);
-        let layers = cfg.layers(model);
-        if layers == 0 {
+        let num_layers = cfg.layers(model);
+        if num_layers == 0 {
             return Err(SimError::Config("no layers".into()));
         }
+        if model.encoder_len == Some(0) {
+            return Err(SimError::Config("an encoder input of no tokens".into()));
+        }
+        let layers = model.attention_layers(num_layers);
         let c = &model.config;
-        let num_blocks = cfg.blocks(c.block_size);
-        let limits =
-            ForwardLimits { max_num_tokens: cfg.token_budget, max_num_reqs: cfg.max_running, max_model_len: cfg.workload.max_model_len() };
-        let mut fc = ForwardConfig::new(*c, num_blocks, limits).with_layers(model.layer_specs(layers));
+        // Two block pools: the decoder's (self-attention caches) and, with an encoder, the
+        // encoder's (encoder and cross-attention caches). Every cache of the one `Attention`
+        // has the larger pool's block count.
+        let decoder_blocks = cfg.blocks(c.block_size);
+        let encoder_blocks = cfg.encoder_blocks(model, c.block_size);
+        let num_blocks = decoder_blocks.max(encoder_blocks.unwrap_or(0));
+        let max_tokens = cfg.token_budget.max(cfg.max_encoder_step(model));
+        let max_model_len = cfg.workload.max_model_len().max(model.encoder_len.unwrap_or(0));
+        let limits = ForwardLimits { max_num_tokens: max_tokens, max_num_reqs: cfg.max_running, max_model_len };
+        let mut fc = ForwardConfig::new(*c, num_blocks, limits).with_layers(model.layer_specs(num_layers));
         fc.decode_threshold = cfg.decode_threshold;
         let attn = Attention::new(selection, fc, gpu)?;
         let step = attn.new_step_metadata()?;
+        let encoder_steps = match model.is_encoder_decoder() {
+            true => Some(EncoderSteps { encoder: attn.new_step_metadata()?, cross: attn.new_step_metadata()? }),
+            false => None,
+        };
         let mut rng = SplitMix::new(cfg.seed);
         let requests = cfg.workload.generate(&mut rng);
-        let alloc = BlockAllocator::shuffled(num_blocks, c.block_size, &mut rng);
+        let alloc = BlockAllocator::shuffled(decoder_blocks, c.block_size, &mut rng);
         let sc = SchedulerConfig { max_running: cfg.max_running, token_budget: cfg.token_budget, decode_threshold: cfg.decode_threshold };
         if sc.max_running == 0 || sc.token_budget < sc.max_running {
             return Err(SimError::Config(format!("token budget {} below max running {}", sc.token_budget, sc.max_running)));
         }
-        let sched = Scheduler::new(sc, alloc, requests)?;
-        let checker = Checker::new(model, layers, cfg.checked_layers(layers)?, cfg.check_every, cfg.check_reqs, cfg.check_tokens);
-        let kv_source: Vec<usize> = (0..layers).map(|l| model.kv_source(l, layers)).collect();
+        let mut sched = Scheduler::new(sc, alloc, requests)?;
+        if let (Some(len), Some(blocks)) = (model.encoder_len, encoder_blocks) {
+            let alloc = BlockAllocator::shuffled(blocks, c.block_size, &mut rng);
+            sched = sched.with_encoder(alloc, len, cfg.encoder_budget)?;
+        }
+        let checker =
+            Checker::new(model, num_layers, cfg.checked_layers(model, num_layers)?, cfg.check_every, cfg.check_reqs, cfg.check_tokens);
+        let kinds: Vec<AttentionType> = (0..layers).map(|l| model.layer_kind(l, num_layers)).collect();
+        let kv_source: Vec<usize> = (0..layers).map(|l| model.kv_source(l, num_layers)).collect();
         let owners: Vec<usize> = (0..layers).filter(|&l| kv_source[l] == l).collect();
         let cache_of = kv_source.iter().map(|s| owners.binary_search(s).expect("a source keeps its cache")).collect();
 
         let width = model.row_layout().width;
-        let pool_rows = cfg.token_budget + cfg.token_budget.max(256);
+        let pool_rows = max_tokens + max_tokens.max(256);
         let pool: Vec<T> = (0..pool_rows * width).map(|_| T::from_f32(rng.signed_unit())).collect();
         let cache_len = attn.cache_spec().num_elements();
-        let out_len = cfg.token_budget * c.num_q_heads * attn.cache_spec().v_head_size();
+        let out_len = max_tokens * c.num_q_heads * attn.cache_spec().v_head_size();
         let checked = checker.layers.len();
         let bufs = match attn.stream() {
             None => Buffers::Host {
@@ -252,16 +347,20 @@ impl<T: HostElement> Sim<T> {
                 check_outs: (0..checked).map(|_| stream.alloc_zeros(out_len)).collect::<Result<_, _>>()?,
             },
         };
-        let mut report = SimReport::new(model, &attn, (layers, owners.len()), num_blocks, cfg.workload.num_requests, checker.tolerance());
+        let mut report =
+            SimReport::new(model, &attn, (num_layers, layers, owners.len()), num_blocks, cfg.workload.num_requests, checker.tolerance());
+        report.pools = encoder_blocks.map(|e| (e, decoder_blocks));
         report.check_layers = checker.layers.clone();
         Ok(Sim {
             model: *model,
             cfg: cfg.clone(),
             layers,
+            kinds,
             kv_source,
             cache_of,
             attn,
             step,
+            encoder_steps,
             sched,
             checker,
             pool,
@@ -277,6 +376,7 @@ impl<T: HostElement> Sim<T> {
         self.attn.set_timing(true);
         let mut step = 0;
         let mut window = SimReport::window_start(&self.report);
+        let (nb, bs) = (self.attn.cache_spec().num_blocks(), self.attn.cache_spec().block_size());
         while self.report.steps < self.cfg.max_steps && !self.sched.is_done() {
             let started = Instant::now();
             let batch = self.sched.schedule(&mut step)?;
@@ -284,21 +384,49 @@ impl<T: HostElement> Sim<T> {
                 return Err(SimError::Config(format!("step {step}: nothing could be scheduled (too few blocks?)")));
             }
             let built = Instant::now();
-            let input = batch.arrays.input(self.attn.cache_spec().num_blocks(), self.attn.cache_spec().block_size());
-            self.step.build(&input)?;
+            self.step.build(&batch.arrays.input(nb, bs))?;
+            let (nt, ne) = (batch.num_tokens(), batch.num_encoder_tokens());
+            if let Some(e) = &mut self.encoder_steps {
+                if ne > 0 {
+                    e.encoder.build(&batch.encoder.input(nb, bs))?;
+                }
+                e.cross.build(&batch.cross.input(nb, bs))?;
+            }
             let metadata = built.elapsed();
-            let offsets: Vec<usize> = (0..self.layers).map(|l| self.layer_offset(step, l, batch.num_tokens())).collect();
+            // The encoder step first: the encoder layers, and the cross-attention layers' caches.
+            let enc_offsets: Vec<usize> = match ne {
+                0 => Vec::new(),
+                _ => (0..self.layers).map(|l| self.layer_offset(step, l, ne, Phase::Encoder)).collect(),
+            };
+            for (layer, &offset) in enc_offsets.iter().enumerate() {
+                match self.kinds[layer] {
+                    AttentionType::Encoder => self.forward_layer(layer, offset, ne, Phase::Encoder)?,
+                    AttentionType::EncoderDecoder => self.write_kv(layer, offset, ne)?,
+                    _ => {}
+                }
+            }
+            let offsets: Vec<usize> = (0..self.layers).map(|l| self.layer_offset(step, l, nt, Phase::Decoder)).collect();
             for (layer, &offset) in offsets.iter().enumerate() {
-                self.forward_layer(layer, offset, batch.num_tokens())?;
+                match self.kinds[layer] {
+                    AttentionType::Encoder => {}
+                    AttentionType::EncoderDecoder => self.forward_layer(layer, offset, nt, Phase::Cross)?,
+                    _ => self.forward_layer(layer, offset, nt, Phase::Decoder)?,
+                }
             }
             let times = self.attn.take_times()?;
             self.attn.check_status()?;
             let elapsed = started.elapsed();
-            self.report.book_step(&batch, elapsed, metadata, times, self.step.upload_bytes());
+            let upload = self.step.upload_bytes()
+                + self.encoder_steps.as_ref().map_or(0, |e| e.cross.upload_bytes() + if ne > 0 { e.encoder.upload_bytes() } else { 0 });
+            self.report.book_step(&batch, elapsed, metadata, times, upload);
 
             let checked: Vec<usize> = self.checker.layers.iter().map(|&l| offsets[l]).collect();
             let checked_kv: Vec<usize> = self.checker.layers.iter().map(|&l| offsets[self.kv_source[l]]).collect();
+            self.checker.record_encoder(&batch, &enc_offsets);
             self.checker.record(&batch, &checked_kv);
+            if ne > 0 && self.checker.is_encoder_check() {
+                self.check_encoder(&batch, &enc_offsets)?;
+            }
             if self.checker.is_check_step(self.report.steps - 1) {
                 self.check(&batch, &checked)?;
             }
@@ -318,18 +446,29 @@ impl<T: HostElement> Sim<T> {
         Ok(self.report)
     }
 
-    /// The pool row layer `layer` of step `step` starts at (deterministic).
-    fn layer_offset(&self, step: usize, layer: usize, num_tokens: usize) -> usize {
-        let mut r = SplitMix::new(self.cfg.seed ^ (step as u64).wrapping_mul(0x9e37_79b9) ^ (layer as u64).wrapping_mul(0x85eb_ca6b) << 20);
+    /// The pool row layer `layer` of step `step` starts at in `phase` (deterministic; the
+    /// encoder step's apart from the decoder step's).
+    fn layer_offset(&self, step: usize, layer: usize, num_tokens: usize, phase: Phase) -> usize {
+        let salt = if phase == Phase::Encoder { 0x5bd1_e995_u64 << 32 } else { 0 };
+        let mut r =
+            SplitMix::new(self.cfg.seed ^ (step as u64).wrapping_mul(0x9e37_79b9) ^ (layer as u64).wrapping_mul(0x85eb_ca6b) << 20 ^ salt);
         r.range(0, self.pool_rows - num_tokens)
     }
 
-    fn forward_layer(&mut self, layer: usize, offset: usize, nt: usize) -> Result<(), SimError> {
+    fn forward_layer(&mut self, layer: usize, offset: usize, nt: usize, phase: Phase) -> Result<(), SimError> {
         let lay = self.model.row_layout();
         let width = lay.width;
         let check = self.checker.layers.iter().position(|&l| l == layer);
         let base = offset * width;
-        let (shares, cache) = (self.kv_source[layer] != layer, self.cache_of[layer]);
+        // A KV-sharing layer and a cross-attention layer read a cache written before.
+        let reads_only = self.kv_source[layer] != layer || phase == Phase::Cross;
+        let cache = self.cache_of[layer];
+        let step = match (phase, &self.encoder_steps) {
+            (Phase::Decoder, _) => &self.step,
+            (Phase::Encoder, Some(e)) => &e.encoder,
+            (Phase::Cross, Some(e)) => &e.cross,
+            (_, None) => unreachable!("a decoder-only model runs decoder steps"),
+        };
         let io = match &mut self.bufs {
             Buffers::Host { caches, out, check_outs } => {
                 let out = match check {
@@ -337,10 +476,16 @@ impl<T: HostElement> Sim<T> {
                     None => out,
                 };
                 let rows = &self.pool[base..];
-                let l =
-                    layer_of(&self.model, nt, shares, T::host_in(&rows[lay.q..]), T::host_in(&rows[lay.k..]), T::host_in(&rows[lay.v..]));
+                let l = layer_of(
+                    &self.model,
+                    nt,
+                    reads_only,
+                    T::host_in(&rows[lay.q..]),
+                    T::host_in(&rows[lay.k..]),
+                    T::host_in(&rows[lay.v..]),
+                );
                 let l = l.finish(T::host_out(&mut caches[cache]), T::host_out(out));
-                self.attn.forward_layer(&self.step, layer, LayerIo::Cpu(l))?;
+                self.attn.forward_layer(step, layer, LayerIo::Cpu(l))?;
                 return Ok(());
             }
             Buffers::Device { stream, pool, caches, out, check_outs } => (stream, pool, caches, out, check_outs),
@@ -351,24 +496,85 @@ impl<T: HostElement> Sim<T> {
             None => out,
         };
         let (qv, kv, vv) = (pool.slice(base + lay.q..), pool.slice(base + lay.k..), pool.slice(base + lay.v..));
-        let l = layer_of(&self.model, nt, shares, DevIn::new(&qv, stream), DevIn::new(&kv, stream), DevIn::new(&vv, stream));
+        let l = layer_of(&self.model, nt, reads_only, DevIn::new(&qv, stream), DevIn::new(&kv, stream), DevIn::new(&vv, stream));
         let l = l.finish(DevOut::new(&mut caches[cache], stream), DevOut::new(out, stream));
-        self.attn.forward_layer(&self.step, layer, LayerIo::Gpu(l))?;
+        self.attn.forward_layer(step, layer, LayerIo::Gpu(l))?;
         Ok(())
     }
 
-    /// Compares the checked layers' outputs for a few requests with the reference.
+    /// Fills cross-attention layer `layer`'s own cache in the encoder step: its keys and values
+    /// of the `nt` encoder tokens are the pool rows from `offset` on (its projection of the
+    /// encoder's output), written at the encoder step's slots, nothing attended.
+    fn write_kv(&mut self, layer: usize, offset: usize, nt: usize) -> Result<(), SimError> {
+        let lay = self.model.row_layout();
+        let c = &self.model.config;
+        let rows = RowsDesc {
+            num_tokens: nt,
+            num_heads: c.num_kv_heads,
+            head_size: c.head_size,
+            token_stride: lay.width,
+            head_stride: c.head_size,
+        };
+        let base = offset * lay.width;
+        let cache = self.cache_of[layer];
+        let step = &self.encoder_steps.as_ref().expect("an encoder-decoder model").encoder;
+        match &mut self.bufs {
+            Buffers::Host { caches, .. } => {
+                let r = &self.pool[base..];
+                let new_kv = NewKv::Standard { k: T::host_in(&r[lay.k..]), k_rows: rows, v: T::host_in(&r[lay.v..]), v_rows: rows };
+                let w = KvCacheWrite { new_kv, cache: T::host_out(&mut caches[cache]), kv_scales: None };
+                self.attn.write_kv(step, layer, KvWriteIo::Cpu(w))?;
+            }
+            Buffers::Device { stream, pool, caches, .. } => {
+                let (kv, vv) = (pool.slice(base + lay.k..), pool.slice(base + lay.v..));
+                let new_kv = NewKv::Standard { k: DevIn::new(&kv, stream), k_rows: rows, v: DevIn::new(&vv, stream), v_rows: rows };
+                let w = KvCacheWrite { new_kv, cache: DevOut::new(&mut caches[cache], stream), kv_scales: None };
+                self.attn.write_kv(step, layer, KvWriteIo::Gpu(w))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Checked layer `j`'s output rows for `nt` tokens, as the host sees them.
+    fn checked_out(&self, j: usize, out_rows: &RowsDesc) -> Result<Vec<T>, SimError> {
+        Ok(match &self.bufs {
+            Buffers::Host { check_outs, .. } => check_outs[j][..out_rows.required_len()].to_vec(),
+            Buffers::Device { stream, check_outs, .. } => stream.clone_dtoh(&check_outs[j].slice(..out_rows.required_len()))?,
+        })
+    }
+
+    /// Compares the checked decoder-step layers' outputs (decoder self-attention and
+    /// cross-attention) for a few requests with the reference.
     fn check(&mut self, batch: &Batch, offsets: &[usize]) -> Result<(), SimError> {
         let started = Instant::now();
         let picked = self.checker.pick(batch, &mut self.rng);
         let c = &self.model.config;
         let out_rows = RowsDesc::contiguous(batch.num_tokens(), c.num_q_heads, self.attn.cache_spec().v_head_size());
         for (j, &offset) in offsets.iter().enumerate() {
-            let out: Vec<T> = match &self.bufs {
-                Buffers::Host { check_outs, .. } => check_outs[j][..out_rows.required_len()].to_vec(),
-                Buffers::Device { stream, check_outs, .. } => stream.clone_dtoh(&check_outs[j].slice(..out_rows.required_len()))?,
-            };
+            if self.checker.kind(j) == AttentionType::Encoder {
+                continue;
+            }
+            let out = self.checked_out(j, &out_rows)?;
             self.checker.compare(&self.model, &self.pool, batch, &picked, j, offset, &out, &out_rows);
+        }
+        self.report.check_time += started.elapsed();
+        Ok(())
+    }
+
+    /// Compares the checked encoder layers' outputs in the step's encoder step for a few
+    /// requests with the reference (`offsets`: every layer's pool offset in the encoder step).
+    fn check_encoder(&mut self, batch: &Batch, offsets: &[usize]) -> Result<(), SimError> {
+        let started = Instant::now();
+        let picked = self.checker.pick_encoder(batch, &mut self.rng);
+        let c = &self.model.config;
+        let out_rows = RowsDesc::contiguous(batch.num_encoder_tokens(), c.num_q_heads, self.attn.cache_spec().v_head_size());
+        for j in 0..self.checker.layers.len() {
+            if self.checker.kind(j) != AttentionType::Encoder {
+                continue;
+            }
+            let out = self.checked_out(j, &out_rows)?;
+            let offset = offsets[self.checker.layers[j]];
+            self.checker.compare_encoder(&self.model, &self.pool, batch, &picked, j, offset, &out, &out_rows);
         }
         self.report.check_time += started.elapsed();
         Ok(())
@@ -376,14 +582,14 @@ impl<T: HostElement> Sim<T> {
 }
 
 /// A layer's inputs from one token-row view per tensor (q, k, v; MLA: q, kv_c, k_pe), rows of the
-/// pool's width (a layer that `shares` another's cache takes only q); the cache and output come
-/// with [`Pending::finish`].
-fn layer_of<I>(model: &SimModel, nt: usize, shares: bool, q: I, k: I, v: I) -> Pending<I> {
+/// pool's width (a layer that `reads_only` a cache written before, another layer's or by
+/// `write_kv`, takes only q); the cache and output come with [`Pending::finish`].
+fn layer_of<I>(model: &SimModel, nt: usize, reads_only: bool, q: I, k: I, v: I) -> Pending<I> {
     let c = &model.config;
     let width = model.row_layout().width;
     let d = c.head_size;
     let q_rows = RowsDesc { num_tokens: nt, num_heads: c.num_q_heads, head_size: d, token_stride: width, head_stride: d };
-    let new_kv = if shares {
+    let new_kv = if reads_only {
         NewKv::None
     } else if model.is_mla() {
         NewKv::Mla { kv_c: k, kv_c_token_stride: width, k_pe: v, k_pe_token_stride: width }

@@ -3,8 +3,10 @@
 //! [`BlockTable`]), a deterministic stream of requests arriving and finishing
 //! ([`Workload`]), a chunked-prefill scheduler ([`Scheduler`]) and the loop ([`run_sim`]) that
 //! runs each step's mixed batch through `forward_layer` on every layer (each with its sliding
-//! window, soft-cap or KV sharing), checks a sample against an f64 reference ([`reference_attention`])
-//! and reports throughput and where each step's time goes.
+//! window, soft-cap or KV sharing; an encoder-decoder model's encoder step, decoder step and
+//! cross-attention step), checks a sample against an f64 reference ([`reference_attention`],
+//! [`reference_attention_bidirectional`]) and reports throughput and where each step's time
+//! goes.
 
 mod allocator;
 mod check;
@@ -20,7 +22,7 @@ pub use allocator::{AllocError, BlockAllocator, BlockTable};
 pub use check::{rel_error, tolerance, CheckStats, Checker, Sensitivity};
 pub use engine::{run_sim, SimConfig, SimError};
 pub use model::{KvSharing, RowLayout, SimModel};
-pub use reference::{key_visible, reference_attention, RefShape};
+pub use reference::{key_visible, reference_attention, reference_attention_bidirectional, RefShape};
 pub use report::SimReport;
 pub use requests::{RequestSpec, Workload};
 pub use rng::SplitMix;

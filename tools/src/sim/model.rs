@@ -1,8 +1,9 @@
 //! The models the simulator plays: their attention configuration, layer count and what each
-//! layer does (sliding window, soft-cap, KV sharing).
+//! layer does (sliding window, soft-cap, KV sharing; an encoder-decoder model's encoder,
+//! decoder self-attention and cross-attention layers).
 
 use attn_rs::backend::{Features, ModelConfig};
-use attn_rs::forward::LayerSpec;
+use attn_rs::forward::{AttentionType, LayerSpec};
 use attn_rs::AttnOptions;
 use attn_rs::DType;
 use attn_rs::KvLayout;
@@ -21,6 +22,10 @@ pub struct SimModel {
     pub window: Option<u32>,
     /// Which layers read another layer's cache instead of keeping their own.
     pub kv_sharing: KvSharing,
+    /// An encoder-decoder model's encoder input: tokens per request (Whisper: 1500 frames, its
+    /// 30 s of audio). `None` for a decoder-only model. With an encoder, `num_layers` counts
+    /// the encoder layers and, as many, the decoder blocks (see [`SimModel::layer_spec`]).
+    pub encoder_len: Option<usize>,
 }
 
 /// Which layers of a run read another layer's cache (and write none).
@@ -36,7 +41,7 @@ pub enum KvSharing {
 impl SimModel {
     /// A model whose layers all attend alike: no window, no soft-cap, each its own cache.
     fn plain(name: &'static str, config: ModelConfig, num_layers: usize, softmax_scale: f32) -> Self {
-        SimModel { name, config, num_layers, softmax_scale, softcap: None, window: None, kv_sharing: KvSharing::None }
+        SimModel { name, config, num_layers, softmax_scale, softcap: None, window: None, kv_sharing: KvSharing::None, encoder_len: None }
     }
 
     /// Llama-3-8B: 32 query heads over 8 kv heads of 128, 32 layers, blocks of 16.
@@ -77,6 +82,22 @@ impl SimModel {
         SimModel { kv_sharing: KvSharing::SecondHalf, ..SimModel::plain("kv-shared-llama-like", config, 16, 1.0 / (128f32).sqrt()) }
     }
 
+    /// Whisper-small: 12 heads of 64 (q = kv), 12 encoder layers over each request's 1500
+    /// encoder tokens and 12 decoder blocks, blocks of 16, softmax scale 1/8. Encoder layers are
+    /// bidirectional over the request's encoder input and write their own cache
+    /// ([`LayerSpec::encoder`]); each decoder block is a causal self-attention layer
+    /// ([`LayerSpec::decoder`]) and a cross-attention layer over a cache of its own
+    /// ([`LayerSpec::cross_attention_own`]), which the engine fills once per request with
+    /// `Attention::write_kv` in the request's encoder step (Whisper's decoder layers each
+    /// project the encoder's output).
+    ///
+    /// The CPU preset ([`SimConfig::cpu_default`](super::SimConfig::cpu_default)) runs it with
+    /// an encoder input of 75 tokens.
+    pub fn whisper_small(dtype: DType) -> Self {
+        let config = ModelConfig::standard(12, 12, 64, dtype, 16, KvLayout::FlashNhd);
+        SimModel { encoder_len: Some(1500), ..SimModel::plain("whisper-small-like (encoder-decoder)", config, 12, 1.0 / 8.0) }
+    }
+
     /// A small standard-attention model for tests: 4 query heads over 2 kv heads of 64.
     pub fn tiny(dtype: DType) -> Self {
         let config = ModelConfig::standard(4, 2, 64, dtype, 16, KvLayout::FlashNhd);
@@ -103,6 +124,35 @@ impl SimModel {
         self.config.kind == attn_rs::backend::AttentionKind::Mla
     }
 
+    /// Whether it has an encoder (and cross-attention layers).
+    pub fn is_encoder_decoder(&self) -> bool {
+        self.encoder_len.is_some()
+    }
+
+    /// The attention layers of a run of `layers` model layers: `layers`, or for an
+    /// encoder-decoder model `3 * layers` (the encoder layers, then each decoder block's
+    /// self-attention and cross-attention layer).
+    pub fn attention_layers(&self, layers: usize) -> usize {
+        if self.is_encoder_decoder() {
+            3 * layers
+        } else {
+            layers
+        }
+    }
+
+    /// The kind of attention layer `layer` of a run of `layers` model layers: of an
+    /// encoder-decoder model, layers `0..layers` are the encoder's, then decoder block `i`'s
+    /// self-attention is layer `layers + 2 i` and its cross-attention `layers + 2 i + 1`; every
+    /// layer of a decoder-only model is a decoder.
+    pub fn layer_kind(&self, layer: usize, layers: usize) -> AttentionType {
+        match self.encoder_len {
+            None => AttentionType::Decoder,
+            Some(_) if layer < layers => AttentionType::Encoder,
+            Some(_) if (layer - layers).is_multiple_of(2) => AttentionType::Decoder,
+            Some(_) => AttentionType::EncoderDecoder,
+        }
+    }
+
     /// The layer whose cache layer `layer` of a run of `layers` reads: its own, or the one it
     /// shares.
     pub fn kv_source(&self, layer: usize, layers: usize) -> usize {
@@ -112,7 +162,8 @@ impl SimModel {
         }
     }
 
-    /// Layer `layer`'s attention in a run of `layers`.
+    /// Attention layer `layer`'s attention in a run of `layers` model layers (see
+    /// [`attention_layers`](Self::attention_layers)).
     pub fn layer_spec(&self, layer: usize, layers: usize) -> LayerSpec {
         let opts = AttnOptions {
             softmax_scale: self.softmax_scale,
@@ -120,6 +171,11 @@ impl SimModel {
             window: self.window.filter(|_| layer.is_multiple_of(2)),
             ..AttnOptions::new(self.config.head_size)
         };
+        match self.layer_kind(layer, layers) {
+            AttentionType::Encoder => return LayerSpec::encoder(opts),
+            AttentionType::EncoderDecoder => return LayerSpec::cross_attention_own(opts),
+            _ => {}
+        }
         let spec = LayerSpec::decoder(opts);
         match self.kv_source(layer, layers) {
             source if source == layer => spec,
@@ -127,15 +183,38 @@ impl SimModel {
         }
     }
 
-    /// Every layer's attention in a run of `layers`.
+    /// Every attention layer's attention in a run of `layers` model layers.
     pub fn layer_specs(&self, layers: usize) -> Vec<LayerSpec> {
-        (0..layers).map(|l| self.layer_spec(l, layers)).collect()
+        (0..self.attention_layers(layers)).map(|l| self.layer_spec(l, layers)).collect()
     }
 
-    /// What the layers of a run of `layers` do beyond plain attention, in words; `None` when
-    /// nothing.
+    /// The layers a run of `layers` model layers checks by default: the first and the last; of
+    /// an encoder-decoder model, the first and the last of each kind (encoder, decoder
+    /// self-attention, cross-attention).
+    pub fn default_check_layers(&self, layers: usize) -> Vec<usize> {
+        let n = self.attention_layers(layers);
+        let mut l = if self.is_encoder_decoder() { vec![0, layers - 1, layers, layers + 1, n - 2, n - 1] } else { vec![0, n - 1] };
+        l.sort_unstable();
+        l.dedup();
+        l
+    }
+
+    /// What the layers of a run of `layers` model layers do beyond plain attention, in words;
+    /// `None` when nothing.
     pub fn describe_layers(&self, layers: usize) -> Option<String> {
         let mut parts = Vec::new();
+        if let Some(len) = self.encoder_len {
+            let n = self.attention_layers(layers);
+            parts.push(format!(
+                "{} encoder (bidirectional over each request's {len} encoder tokens, each writing its cache); {layers} decoder \
+                 block{}: causal self-attention ({}) and cross-attention over a cache of its own, filled by write_kv in the \
+                 request's encoder step ({})",
+                every_other(0, 1, layers - 1),
+                if layers == 1 { "" } else { "s" },
+                every_other(layers, 2, n - 2),
+                every_other(layers + 1, 2, n - 1)
+            ));
+        }
         if let Some(w) = self.window {
             parts.push(format!("sliding window {w} on the even layers (the odd ones see the whole context)"));
         }
@@ -165,6 +244,16 @@ impl SimModel {
             let kv = c.num_kv_heads * c.head_size;
             RowLayout { q: 0, k: q, v: q + kv, width: q + 2 * kv }
         }
+    }
+}
+
+/// `layer 3`, `layers 3 and 5`, `layers 3, 5, ..., 11`: the layers `first..=last` `step` apart.
+fn every_other(first: usize, step: usize, last: usize) -> String {
+    match (last - first) / step {
+        0 => format!("layer {first}"),
+        1 => format!("layers {first} and {last}"),
+        _ if step == 1 => format!("layers {first}..={last}"),
+        _ => format!("layers {first}, {}, ..., {last}", first + step),
     }
 }
 

@@ -7,6 +7,10 @@
 //! window of `w`, `pos - j < w`: the keys `pos - w + 1 ..= pos`, itself included
 //! ([`AttnOptions::window`]). Its logit for key `j` is `scale * q . k_j`, then
 //! `cap * tanh(logit / cap)` with a soft-cap.
+//!
+//! Bidirectional attention ([`reference_attention_bidirectional`]: an encoder layer over its
+//! request's encoder tokens, a cross-attention layer over its encoder keys) has no mask: every
+//! query sees every key, wherever it is.
 
 use attn_rs::AttnOptions;
 
@@ -31,20 +35,35 @@ pub fn key_visible(pos: usize, key: usize, window: Option<u32>) -> bool {
 /// (`[nk, kv_heads, dk]`) and `v` (`[nk, kv_heads, dv]`), with `opts`' scale, window and
 /// soft-cap: `[nq, q_heads, dv]`. `opts` may hold nothing else (chunks, a symmetric window).
 pub fn reference_attention(shape: RefShape, opts: &AttnOptions, q: &[f64], k: &[f64], v: &[f64]) -> Vec<f64> {
+    attention(shape, opts, true, q, k, v)
+}
+
+/// The attention of `q` (`[nq, q_heads, dk]`, any tokens) over every key of `k`
+/// (`[nk, kv_heads, dk]`) and `v` (`[nk, kv_heads, dv]`), with `opts`' scale and soft-cap, no
+/// mask: `[nq, q_heads, dv]`. `opts` may hold no window, chunks or symmetric window.
+pub fn reference_attention_bidirectional(shape: RefShape, opts: &AttnOptions, q: &[f64], k: &[f64], v: &[f64]) -> Vec<f64> {
+    assert!(opts.window.is_none(), "bidirectional attention has no causal window");
+    attention(shape, opts, false, q, k, v)
+}
+
+fn attention(shape: RefShape, opts: &AttnOptions, causal: bool, q: &[f64], k: &[f64], v: &[f64]) -> Vec<f64> {
     let RefShape { q_heads, kv_heads, dk, dv } = shape;
     assert!(opts.chunk_size.is_none() && opts.symmetric_window.is_none(), "the reference has no chunks or symmetric windows");
     assert!(kv_heads > 0 && q_heads.is_multiple_of(kv_heads), "{q_heads} query heads over {kv_heads} kv heads");
     let (nq, nk) = (q.len() / (q_heads * dk), k.len() / (kv_heads * dk));
-    assert!(nq <= nk && v.len() == nk * kv_heads * dv, "{nq} queries, {nk} keys, {} values", v.len() / (kv_heads * dv).max(1));
+    assert!(v.len() == nk * kv_heads * dv, "{nk} keys, {} values", v.len() / (kv_heads * dv).max(1));
+    assert!(!causal || nq <= nk, "{nq} causal queries over {nk} keys");
     let group = q_heads / kv_heads;
     let scale = opts.softmax_scale as f64;
     let mut out = vec![0.0; nq * q_heads * dv];
     for i in 0..nq {
-        let pos = nk - nq + i;
         for h in 0..q_heads {
             let kvh = h / group;
             let qv = &q[(i * q_heads + h) * dk..][..dk];
-            let keys: Vec<usize> = (0..nk).filter(|&j| key_visible(pos, j, opts.window)).collect();
+            let keys: Vec<usize> = match causal {
+                true => (0..nk).filter(|&j| key_visible(nk - nq + i, j, opts.window)).collect(),
+                false => (0..nk).collect(),
+            };
             let logits: Vec<f64> = keys
                 .iter()
                 .map(|&j| {
@@ -100,6 +119,18 @@ mod tests {
         let capped = reference_attention(shape, &AttnOptions { softcap: Some(1.0), ..AttnOptions::new(1) }, &[1.0], &k, &v);
         let w = |s: f64| s.exp() / (s.exp() + 1.0);
         assert!((plain[0] - w(3.0)).abs() < 1e-12 && (capped[0] - w(3f64.tanh())).abs() < 1e-12, "{plain:?} {capped:?}");
+    }
+
+    #[test]
+    fn bidirectional_queries_see_every_key() {
+        // Three keys with one-hot values and a zero query: each query, the first included, sees
+        // all three; causal, the first of three queries sees one.
+        let shape = RefShape { q_heads: 1, kv_heads: 1, dk: 1, dv: 3 };
+        let v = [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0];
+        let all = reference_attention_bidirectional(shape, &AttnOptions::new(1), &[0.0; 2], &[1.0; 3], &v);
+        assert!(all.iter().all(|&x| (x - 1.0 / 3.0).abs() < 1e-12), "{all:?}");
+        let causal = reference_attention(shape, &AttnOptions::new(1), &[0.0; 3], &[1.0; 3], &v);
+        assert_eq!(&causal[..3], [1.0, 0.0, 0.0]);
     }
 
     #[test]

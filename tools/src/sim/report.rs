@@ -1,6 +1,7 @@
 //! What the simulator prints: a header, a progress line every few steps (plain lines, no
 //! terminal needed) and the summary: throughput and each step's time split into metadata,
-//! cache write and attention.
+//! cache write and attention (an encoder-decoder model's encoder steps included, and counted
+//! apart).
 
 use super::check::{CheckStats, Sensitivity};
 use super::model::SimModel;
@@ -18,12 +19,21 @@ pub struct SimReport {
     pub layer_settings: Option<String>,
     pub backend: &'static str,
     pub on_gpu: bool,
+    /// Attention layers run.
     pub layers: usize,
     /// Layers that keep a cache (the others read one of theirs).
     pub cache_layers: usize,
-    /// The model's own layer count (runs may use fewer).
+    /// The model's own attention layer count (runs may use fewer).
     pub model_layers: usize,
+    /// Blocks of every layer's cache.
     pub num_blocks: usize,
+    /// An encoder-decoder model's two block pools: the encoder's (encoder and cross-attention
+    /// caches) and the decoder's (self-attention caches); `num_blocks` is the larger.
+    pub pools: Option<(usize, usize)>,
+    /// An encoder-decoder model's encoder input per request, and the encoder layers and
+    /// decoder blocks run.
+    pub encoder_len: Option<usize>,
+    pub encoder_layers: usize,
     /// Bytes of KV cache over all the layers that keep one.
     pub cache_bytes: usize,
     pub requests: usize,
@@ -31,6 +41,10 @@ pub struct SimReport {
     pub steps: usize,
     pub prefill_tokens: usize,
     pub decode_tokens: usize,
+    /// Encoder steps and their tokens (encoder-decoder models).
+    pub encoder_steps: usize,
+    pub encoder_tokens: usize,
+    pub max_encoder_tokens: usize,
     pub max_batch_tokens: usize,
     pub max_batch_reqs: usize,
     /// Sum of the steps' wall times (scheduling, metadata, every layer, waiting for the GPU).
@@ -52,6 +66,7 @@ pub struct SimReport {
 pub struct Window {
     steps: usize,
     tokens: usize,
+    encoder_tokens: usize,
     wall: Duration,
     metadata: Duration,
     cache_write: Duration,
@@ -72,11 +87,12 @@ fn ms(d: Duration) -> f64 {
 }
 
 impl SimReport {
-    /// `layers`: the layers run and those among them that keep a cache.
+    /// `layers`: the model layers run (of an encoder-decoder model: encoder layers, and as many
+    /// decoder blocks), the attention layers they make and those among them that keep a cache.
     pub(crate) fn new(
         model: &SimModel,
         attn: &Attention,
-        (layers, cache_layers): (usize, usize),
+        (num_layers, layers, cache_layers): (usize, usize, usize),
         num_blocks: usize,
         requests: usize,
         tolerance: f64,
@@ -84,13 +100,15 @@ impl SimReport {
         SimReport {
             model: model.name.to_string(),
             model_config: model.config.to_string(),
-            layer_settings: model.describe_layers(layers),
+            layer_settings: model.describe_layers(num_layers),
             backend: attn.backend().name,
             on_gpu: attn.runs_on_gpu(),
             layers,
             cache_layers,
-            model_layers: model.num_layers,
+            model_layers: model.attention_layers(model.num_layers),
             num_blocks,
+            encoder_len: model.encoder_len,
+            encoder_layers: if model.is_encoder_decoder() { num_layers } else { 0 },
             cache_bytes: attn.cache_spec().num_elements() * cache_layers * model.config.cache_dtype.size_bytes(),
             requests,
             tolerance,
@@ -117,6 +135,10 @@ impl SimReport {
         self.prefill_tokens += batch.num_tokens() - batch.num_decode_tokens;
         self.max_batch_tokens = self.max_batch_tokens.max(batch.num_tokens());
         self.max_batch_reqs = self.max_batch_reqs.max(batch.reqs.len());
+        let encoder = batch.num_encoder_tokens();
+        self.encoder_steps += usize::from(encoder > 0);
+        self.encoder_tokens += encoder;
+        self.max_encoder_tokens = self.max_encoder_tokens.max(encoder);
         self.wall += wall;
         self.metadata += metadata;
         self.cache_write += times.cache_write;
@@ -128,6 +150,7 @@ impl SimReport {
         Window {
             steps: self.steps,
             tokens: self.tokens(),
+            encoder_tokens: self.encoder_tokens,
             wall: self.wall,
             metadata: self.metadata,
             cache_write: self.cache_write,
@@ -162,8 +185,14 @@ impl SimReport {
         } else {
             format!(" in {} of the {} layers", self.cache_layers, self.layers)
         };
+        let pools = self.pools.map_or(String::new(), |(enc, dec)| {
+            format!(
+                "\n   blocks: two pools, {enc} encoder blocks (the encoder and cross-attention caches) and {dec} decoder blocks (the \
+                 self-attention caches); every cache has the larger count"
+            )
+        });
         format!(
-            "== {} [{}]: {}\n   backend {} on the {place}; {} of {} layers, {} blocks per layer ({} of KV cache{caches}); {} requests{layers}{scope}",
+            "== {} [{}]: {}\n   backend {} on the {place}; {} of {} layers, {} blocks per layer ({} of KV cache{caches}); {} requests{pools}{layers}{scope}",
             self.model,
             self.backend,
             self.model_config,
@@ -194,12 +223,21 @@ impl SimReport {
                 self.max_batch_tokens,
                 self.max_batch_reqs
             ),
-            format!(
-                "  throughput {:.1} tokens/s through {} layers, over {:.3} s of steps",
-                self.tokens_per_s(),
-                self.layers,
-                self.wall.as_secs_f64()
-            ),
+            match self.encoder_len {
+                None => format!(
+                    "  throughput {:.1} tokens/s through {} layers, over {:.3} s of steps",
+                    self.tokens_per_s(),
+                    self.layers,
+                    self.wall.as_secs_f64()
+                ),
+                Some(_) => format!(
+                    "  throughput {:.1} decoder tokens/s ({:.1} with the encoder's tokens) through {} layers, over {:.3} s of steps",
+                    self.tokens_per_s(),
+                    (self.tokens() + self.encoder_tokens) as f64 / self.wall.as_secs_f64().max(1e-9),
+                    self.layers,
+                    self.wall.as_secs_f64()
+                ),
+            },
             format!(
                 "  per step {:.3} ms: metadata {:.3} ms, cache write {:.3} ms, attention {:.3} ms, other {:.3} ms{}",
                 per(self.wall),
@@ -214,12 +252,37 @@ impl SimReport {
                 }
             ),
         ];
+        if let Some(len) = self.encoder_len {
+            lines.insert(
+                2,
+                format!(
+                    "  encoder: {} steps, {} tokens ({} requests of {len}; largest step {} tokens) through {} encoder layers, \
+                     and write_kv into {} cross-attention caches",
+                    self.encoder_steps,
+                    self.encoder_tokens,
+                    self.encoder_tokens / len.max(1),
+                    self.max_encoder_tokens,
+                    self.encoder_layers,
+                    self.encoder_layers
+                ),
+            );
+        }
         let c = &self.checks;
+        let kinds = if c.encoder_comparisons + c.cross_comparisons == 0 {
+            String::new()
+        } else {
+            format!(
+                "; {} encoder, {} decoder self-attention, {} cross-attention",
+                c.encoder_comparisons,
+                c.comparisons - c.encoder_comparisons - c.cross_comparisons,
+                c.cross_comparisons
+            )
+        };
         lines.push(if c.comparisons == 0 {
             "  check against the f64 reference: none made".to_string()
         } else {
             format!(
-                "  check against the f64 reference ({}): {} comparisons ({} query tokens) in layers {:?}, max rel error {:.2e} (tolerance {:.0e}) in {:.2} s: {}",
+                "  check against the f64 reference ({}): {} comparisons ({} query tokens{kinds}) in layers {:?}, max rel error {:.2e} (tolerance {:.0e}) in {:.2} s: {}",
                 self.check_scope(),
                 c.comparisons,
                 c.tokens,
@@ -237,16 +300,24 @@ impl SimReport {
     }
 
     /// How many comparisons would have caught a backend ignoring the checked layers' window or
-    /// soft-cap; `None` when no checked layer has either.
+    /// soft-cap, applying a causal mask in the encoder and cross-attention layers, or reading
+    /// another layer's encoder keys and values; `None` when no checked layer has any of these.
     fn sensitivity_line(&self) -> Option<String> {
         let c = &self.checks;
-        let part = |what: &str, s: &Sensitivity| {
-            (s.comparisons > 0).then(|| format!("ignoring the {what} in {} of {} comparisons", s.caught, s.comparisons))
-        };
-        let parts: Vec<String> = [part("window", &c.window), part("soft-cap", &c.softcap)].into_iter().flatten().collect();
+        let part =
+            |what: &str, s: &Sensitivity| (s.comparisons > 0).then(|| format!("{what} in {} of {} comparisons", s.caught, s.comparisons));
+        let parts: Vec<String> = [
+            part("ignoring the window", &c.window),
+            part("ignoring the soft-cap", &c.softcap),
+            part("masking the encoder and cross-attention layers causally", &c.bidirectional),
+            part("reading another layer's encoder K/V in a cross-attention layer", &c.cross_source),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
         (!parts.is_empty()).then(|| {
             format!(
-                "  the check catches a backend {} (where the reference without it differs by more than the tolerance)",
+                "  the check catches a backend {} (where the reference with that change differs by more than the tolerance)",
                 parts.join(", ")
             )
         })
@@ -259,6 +330,17 @@ pub(crate) fn progress_line(r: &SimReport, w: &Window, step: usize, batch: &Batc
     let wall = r.wall - w.wall;
     let tok_s = (r.tokens() - w.tokens) as f64 / wall.as_secs_f64().max(1e-9);
     let a = sched.allocator();
+    let encoder = match sched.encoder_allocator() {
+        None => String::new(),
+        Some(e) => format!(
+            " | enc {:>2} reqs {:>5} tok, blocks {:>5}/{}, {:.1} enc tok/s",
+            batch.encoder_reqs.len(),
+            batch.num_encoder_tokens(),
+            e.num_used(),
+            e.num_blocks(),
+            (r.encoder_tokens - w.encoder_tokens) as f64 / wall.as_secs_f64().max(1e-9)
+        ),
+    };
     let check = if checks.comparisons == 0 {
         String::new()
     } else if checks.failures == 0 {
@@ -267,7 +349,7 @@ pub(crate) fn progress_line(r: &SimReport, w: &Window, step: usize, batch: &Batc
         format!(" | checks FAILED {}", checks.failures)
     };
     format!(
-        "step {step:>5} | batch {:>3} reqs ({} dec + {} pre) {:>5} tok | running {:>3}, waiting {:>3}, done {:>4}/{} | blocks {:>5}/{} | {:>9.1} tok/s | step {:.2} ms: meta {:.3}, write {:.3}, attn {:.3}{check}",
+        "step {step:>5} | batch {:>3} reqs ({} dec + {} pre) {:>5} tok | running {:>3}, waiting {:>3}, done {:>4}/{} | blocks {:>5}/{} | {:>9.1} tok/s | step {:.2} ms: meta {:.3}, write {:.3}, attn {:.3}{encoder}{check}",
         batch.reqs.len(),
         batch.num_decodes,
         batch.reqs.len() - batch.num_decodes,

@@ -3,6 +3,16 @@
 //! still in their prompt, then on admitting waiting requests while blocks and room allow. The
 //! batch is ordered decodes first, and its arrays are what an engine hands to the metadata
 //! builder ([`StepArrays::input`]).
+//!
+//! For an encoder-decoder model ([`Scheduler::with_encoder`]) each request also has an encoder
+//! input of a fixed length, whose blocks come from a second pool (the encoder and
+//! cross-attention layers' caches) and are all taken when the request is admitted. A step's
+//! batch then holds an encoder step over the requests admitted in it (each whole, within an
+//! encoder token budget, at least one request) and, for the decoder tokens, the
+//! cross-attention step's arrays (each request's encoder length and encoder blocks); the
+//! requests admitted in a step are in its decoder batch too (their first prompt chunk), after
+//! their encoder step. A request's query tokens in a step never pass its encoder length (the
+//! cross-attention step's sequences must hold them).
 
 use super::allocator::{AllocError, BlockAllocator, BlockTable};
 use super::requests::RequestSpec;
@@ -25,6 +35,8 @@ pub struct SchedulerConfig {
 struct Running {
     spec: RequestSpec,
     table: BlockTable,
+    /// Its encoder input's blocks (encoder-decoder models).
+    encoder: BlockTable,
     /// Tokens whose K/V are in the cache.
     computed: usize,
     generated: usize,
@@ -89,6 +101,15 @@ pub struct Batch {
     pub arrays: StepArrays,
     pub num_decodes: usize,
     pub num_decode_tokens: usize,
+    /// Encoder-decoder models: the encoder step run before the decoder tokens (the requests
+    /// admitted this step, each whole: `q_len` its encoder length, `context` 0; none when no
+    /// request was admitted) ...
+    pub encoder_reqs: Vec<Scheduled>,
+    /// ... its arrays (slots in the encoder pool's blocks) ...
+    pub encoder: StepArrays,
+    /// ... and the cross-attention step of the decoder tokens: `arrays`' query start
+    /// locations, each request's encoder length and encoder blocks, every slot -1.
+    pub cross: StepArrays,
 }
 
 impl Batch {
@@ -99,6 +120,20 @@ impl Batch {
     pub fn num_tokens(&self) -> usize {
         self.arrays.num_tokens()
     }
+
+    /// Tokens of the encoder step (0 without one).
+    pub fn num_encoder_tokens(&self) -> usize {
+        self.encoder.num_tokens()
+    }
+}
+
+/// An encoder-decoder model's encoder side: every request's encoder input has `len` tokens,
+/// in blocks of `alloc`; an encoder step takes at most `budget` tokens (at least one request).
+#[derive(Clone, Debug)]
+struct EncoderPool {
+    alloc: BlockAllocator,
+    len: usize,
+    budget: usize,
 }
 
 /// Requests waiting, running and finished, and the blocks they hold.
@@ -112,6 +147,7 @@ pub struct Scheduler {
     finished: usize,
     /// Blocks the running requests will still take (admission keeps them free).
     committed: usize,
+    encoder: Option<EncoderPool>,
 }
 
 impl Scheduler {
@@ -126,7 +162,34 @@ impl Scheduler {
             });
         }
         assert!(config.max_running > 0 && config.token_budget >= config.max_running, "{config:?}");
-        Ok(Scheduler { config, alloc, pending: requests.into(), waiting: VecDeque::new(), running: Vec::new(), finished: 0, committed: 0 })
+        Ok(Scheduler {
+            config,
+            alloc,
+            pending: requests.into(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            finished: 0,
+            committed: 0,
+            encoder: None,
+        })
+    }
+
+    /// The same scheduler for an encoder-decoder model: each request's encoder input has `len`
+    /// tokens (at least 1), whose blocks `alloc` holds, and an encoder step takes whole
+    /// requests up to `budget` tokens (always one, whatever the budget). Refused when one
+    /// request's encoder blocks do not fit `alloc`.
+    pub fn with_encoder(self, alloc: BlockAllocator, len: usize, budget: usize) -> Result<Self, AllocError> {
+        assert!(len > 0, "an encoder input of no tokens");
+        let needed = BlockTable::blocks_for(len, alloc.block_size());
+        if needed > alloc.num_blocks() {
+            return Err(AllocError::OutOfBlocks { needed, free: alloc.num_free(), total: alloc.num_blocks() });
+        }
+        Ok(Scheduler { encoder: Some(EncoderPool { alloc, len, budget }), ..self })
+    }
+
+    /// The encoder pool (encoder-decoder models).
+    pub fn encoder_allocator(&self) -> Option<&BlockAllocator> {
+        self.encoder.as_ref().map(|e| &e.alloc)
     }
 
     pub fn num_running(&self) -> usize {
@@ -163,6 +226,8 @@ impl Scheduler {
         }
         let bs = self.alloc.block_size();
         let mut budget = self.config.token_budget;
+        // A request's query tokens in a step stay within its encoder length.
+        let chunk = self.encoder.as_ref().map_or(usize::MAX, |e| e.len);
         let mut picked: Vec<(usize, usize)> = Vec::new(); // (running index, q_len)
                                                           // Decodes: one token each, then the prompts in progress, in admission order.
         for (i, r) in self.running.iter().enumerate() {
@@ -173,22 +238,35 @@ impl Scheduler {
         }
         for (i, r) in self.running.iter().enumerate() {
             if r.in_prompt() && budget > 0 {
-                let q = (r.spec.prompt_len - r.computed).min(budget);
+                let q = (r.spec.prompt_len - r.computed).min(budget).min(chunk);
                 picked.push((i, q));
                 budget -= q;
             }
         }
-        // Admissions: room, budget, and blocks for the request's whole life.
+        // Admissions: room, budget, and blocks for the request's whole life (and its encoder
+        // input's blocks, within the encoder step's budget).
+        let mut admitted = Vec::new();
+        let mut encoder_tokens = 0;
         while budget > 0 && self.running.len() < self.config.max_running {
             let Some(next) = self.waiting.front() else { break };
             let life = BlockTable::blocks_for(next.total_tokens(), bs);
             if self.alloc.num_free() < self.committed + life {
                 break;
             }
+            let mut encoder = BlockTable::new();
+            if let Some(e) = &mut self.encoder {
+                let over_budget = encoder_tokens > 0 && encoder_tokens + e.len > e.budget;
+                if over_budget || BlockTable::blocks_for(e.len, e.alloc.block_size()) > e.alloc.num_free() {
+                    break;
+                }
+                encoder.grow_to(e.len, &mut e.alloc)?;
+                encoder_tokens += e.len;
+            }
             let spec = self.waiting.pop_front().expect("front exists");
             self.committed += life;
-            self.running.push(Running { spec, table: BlockTable::new(), computed: 0, generated: 0 });
-            let q = spec.prompt_len.min(budget);
+            self.running.push(Running { spec, table: BlockTable::new(), encoder, computed: 0, generated: 0 });
+            admitted.push(self.running.len() - 1);
+            let q = spec.prompt_len.min(budget).min(chunk);
             picked.push((self.running.len() - 1, q));
             budget -= q;
         }
@@ -214,11 +292,26 @@ impl Scheduler {
                 batch.num_decode_tokens += q;
             }
         }
-        a.block_table_stride = picked.iter().map(|&(i, _)| self.running[i].table.blocks().len()).max().unwrap_or(0);
-        for &(i, _) in &picked {
-            let blocks = self.running[i].table.blocks();
-            a.block_table.extend_from_slice(blocks);
-            a.block_table.resize(a.block_table.len() + a.block_table_stride - blocks.len(), 0);
+        let rows: Vec<usize> = picked.iter().map(|&(i, _)| i).collect();
+        block_table(a, rows.iter().map(|&i| self.running[i].table.blocks()));
+        if let Some(e) = &self.encoder {
+            // The encoder step: the admitted requests whole, slots for every token.
+            let enc = &mut batch.encoder;
+            enc.query_start_loc.push(0);
+            for &i in &admitted {
+                let r = &self.running[i];
+                enc.slot_mapping.extend((0..e.len).map(|pos| r.encoder.slot(pos, e.alloc.block_size())));
+                enc.query_start_loc.push(enc.slot_mapping.len() as i32);
+                enc.seq_lens.push(e.len as i32);
+                batch.encoder_reqs.push(Scheduled { id: r.spec.id, q_len: e.len, context: 0 });
+            }
+            block_table(enc, admitted.iter().map(|&i| self.running[i].encoder.blocks()));
+            // The cross-attention step: the decoder's tokens over each request's encoder blocks.
+            let cross = &mut batch.cross;
+            cross.query_start_loc.clone_from(&batch.arrays.query_start_loc);
+            cross.seq_lens = vec![e.len as i32; rows.len()];
+            cross.slot_mapping = vec![-1; batch.arrays.num_tokens()];
+            block_table(cross, rows.iter().map(|&i| self.running[i].encoder.blocks()));
         }
         Ok(batch)
     }
@@ -243,6 +336,9 @@ impl Scheduler {
                 let life = BlockTable::blocks_for(r.spec.total_tokens(), self.alloc.block_size());
                 self.committed -= life - r.table.blocks().len();
                 r.table.release(&mut self.alloc)?;
+                if let Some(e) = &mut self.encoder {
+                    r.encoder.release(&mut e.alloc)?;
+                }
                 self.finished += 1;
                 done.push(r.spec.id);
             } else {
@@ -250,5 +346,15 @@ impl Scheduler {
             }
         }
         Ok(done)
+    }
+}
+
+/// `a`'s block table: one row per request of `rows`' blocks, as wide as the longest, padded with
+/// 0.
+fn block_table<'a>(a: &mut StepArrays, rows: impl Iterator<Item = &'a [i32]> + Clone) {
+    a.block_table_stride = rows.clone().map(<[i32]>::len).max().unwrap_or(0);
+    for blocks in rows {
+        a.block_table.extend_from_slice(blocks);
+        a.block_table.resize(a.block_table.len() + a.block_table_stride - blocks.len(), 0);
     }
 }
