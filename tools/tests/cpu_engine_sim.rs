@@ -477,6 +477,43 @@ fn an_ignored_window_or_softcap_would_fail_the_check_on_the_cpu_preset() {
     assert_eq!(short(&opts), short(&AttnOptions { window: None, ..opts }));
 }
 
+/// `reference` (the simulator's f64 attention) against `attn_rs::cpu::prefill` with `causal`:
+/// `nq` query tokens (the last of `nk`), 4 query heads over 2 kv heads of 16, random inputs; the
+/// relative error between the two.
+fn against_attn_rs_cpu(
+    rng: &mut SplitMix,
+    (nq, nk): (usize, usize),
+    opts: &AttnOptions,
+    causal: bool,
+    reference: fn(RefShape, &AttnOptions, &[f64], &[f64], &[f64]) -> Vec<f64>,
+) -> f64 {
+    let (hq, hkv, d) = (4, 2, REF_HEAD_SIZE);
+    let q: Vec<f32> = (0..nq * hq * d).map(|_| rng.signed_unit()).collect();
+    let k: Vec<f32> = (0..nk * hkv * d).map(|_| rng.signed_unit()).collect();
+    let v: Vec<f32> = (0..nk * hkv * d).map(|_| rng.signed_unit()).collect();
+    let f64s = |x: &[f32]| x.iter().map(|&y| y as f64).collect::<Vec<_>>();
+    let got = reference(RefShape { q_heads: hq, kv_heads: hkv, dk: d, dv: d }, opts, &f64s(&q), &f64s(&k), &f64s(&v));
+    let rows = RowsDesc::contiguous(nk, hkv, d);
+    let want = cpu::prefill(&PrefillRef {
+        q: &q,
+        q_rows: RowsDesc::contiguous(nq, hq, d),
+        kv: KvRef::Packed { k: &k, k_rows: rows, v: &v, v_rows: rows, key_start_loc: &[0, nk as i32] },
+        head_size_v: d,
+        query_start_loc: &[0, nq as i32],
+        seq_lens: &[nk as i32],
+        causal,
+        opts: *opts,
+        alibi_slopes: None,
+        sinks: None,
+        scales: None,
+    })
+    .unwrap();
+    rel_error(&got, &want.out)
+}
+
+/// The head size of [`against_attn_rs_cpu`]'s inputs.
+const REF_HEAD_SIZE: usize = 16;
+
 #[test]
 fn the_reference_masks_and_caps_as_attn_rs_cpu_does() {
     // Three requests' worth of shapes: windows shorter, equal to and longer than the context,
@@ -485,29 +522,8 @@ fn the_reference_masks_and_caps_as_attn_rs_cpu_does() {
     for (nq, nk, window, softcap) in
         [(3, 20, Some(7), Some(2.0)), (1, 9, Some(9), None), (4, 12, Some(30), Some(0.3)), (2, 15, None, Some(1.0))]
     {
-        let (hq, hkv, d) = (4, 2, 16);
-        let opts = AttnOptions { window, softcap, softmax_scale: 0.6, ..AttnOptions::new(d) };
-        let q: Vec<f32> = (0..nq * hq * d).map(|_| rng.signed_unit()).collect();
-        let k: Vec<f32> = (0..nk * hkv * d).map(|_| rng.signed_unit()).collect();
-        let v: Vec<f32> = (0..nk * hkv * d).map(|_| rng.signed_unit()).collect();
-        let f64s = |x: &[f32]| x.iter().map(|&y| y as f64).collect::<Vec<_>>();
-        let got = reference_attention(RefShape { q_heads: hq, kv_heads: hkv, dk: d, dv: d }, &opts, &f64s(&q), &f64s(&k), &f64s(&v));
-        let rows = RowsDesc::contiguous(nk, hkv, d);
-        let want = cpu::prefill(&PrefillRef {
-            q: &q,
-            q_rows: RowsDesc::contiguous(nq, hq, d),
-            kv: KvRef::Packed { k: &k, k_rows: rows, v: &v, v_rows: rows, key_start_loc: &[0, nk as i32] },
-            head_size_v: d,
-            query_start_loc: &[0, nq as i32],
-            seq_lens: &[nk as i32],
-            causal: true,
-            opts,
-            alibi_slopes: None,
-            sinks: None,
-            scales: None,
-        })
-        .unwrap();
-        let err = rel_error(&got, &want.out);
+        let opts = AttnOptions { window, softcap, softmax_scale: 0.6, ..AttnOptions::new(REF_HEAD_SIZE) };
+        let err = against_attn_rs_cpu(&mut rng, (nq, nk), &opts, true, reference_attention);
         assert!(err < 1e-12, "{nq} of {nk}, window {window:?}, soft-cap {softcap:?}: rel error {err:.2e}");
     }
 }
@@ -671,30 +687,8 @@ fn a_causal_mask_or_another_layers_encoder_rows_would_fail_the_cross_attention_c
 fn the_bidirectional_reference_matches_attn_rs_cpu_without_the_causal_mask() {
     let mut rng = SplitMix::new(8);
     for (nq, nk, softcap) in [(3, 20, None), (1, 9, Some(0.7)), (5, 5, None)] {
-        let (hq, hkv, d) = (4, 2, 16);
-        let opts = AttnOptions { softcap, softmax_scale: 0.6, ..AttnOptions::new(d) };
-        let q: Vec<f32> = (0..nq * hq * d).map(|_| rng.signed_unit()).collect();
-        let k: Vec<f32> = (0..nk * hkv * d).map(|_| rng.signed_unit()).collect();
-        let v: Vec<f32> = (0..nk * hkv * d).map(|_| rng.signed_unit()).collect();
-        let f64s = |x: &[f32]| x.iter().map(|&y| y as f64).collect::<Vec<_>>();
-        let shape = RefShape { q_heads: hq, kv_heads: hkv, dk: d, dv: d };
-        let got = reference_attention_bidirectional(shape, &opts, &f64s(&q), &f64s(&k), &f64s(&v));
-        let rows = RowsDesc::contiguous(nk, hkv, d);
-        let want = cpu::prefill(&PrefillRef {
-            q: &q,
-            q_rows: RowsDesc::contiguous(nq, hq, d),
-            kv: KvRef::Packed { k: &k, k_rows: rows, v: &v, v_rows: rows, key_start_loc: &[0, nk as i32] },
-            head_size_v: d,
-            query_start_loc: &[0, nq as i32],
-            seq_lens: &[nk as i32],
-            causal: false,
-            opts,
-            alibi_slopes: None,
-            sinks: None,
-            scales: None,
-        })
-        .unwrap();
-        let err = rel_error(&got, &want.out);
+        let opts = AttnOptions { softcap, softmax_scale: 0.6, ..AttnOptions::new(REF_HEAD_SIZE) };
+        let err = against_attn_rs_cpu(&mut rng, (nq, nk), &opts, false, reference_attention_bidirectional);
         assert!(err < 1e-12, "{nq} of {nk}, soft-cap {softcap:?}: rel error {err:.2e}");
     }
 }
