@@ -477,6 +477,9 @@ fn an_ignored_window_or_softcap_would_fail_the_check_on_the_cpu_preset() {
     assert_eq!(short(&opts), short(&AttnOptions { window: None, ..opts }));
 }
 
+/// One of the simulator's f64 attentions: (shape, options, q, k, v) -> out.
+type RefFn = fn(RefShape, &AttnOptions, &[f64], &[f64], &[f64]) -> Vec<f64>;
+
 /// `reference` (the simulator's f64 attention) against `attn_rs::cpu::prefill` with `causal`:
 /// `nq` query tokens (the last of `nk`), 4 query heads over 2 kv heads of 16, random inputs; the
 /// relative error between the two.
@@ -485,7 +488,7 @@ fn against_attn_rs_cpu(
     (nq, nk): (usize, usize),
     opts: &AttnOptions,
     causal: bool,
-    reference: fn(RefShape, &AttnOptions, &[f64], &[f64], &[f64]) -> Vec<f64>,
+    reference: RefFn,
 ) -> f64 {
     let (hq, hkv, d) = (4, 2, REF_HEAD_SIZE);
     let q: Vec<f32> = (0..nq * hq * d).map(|_| rng.signed_unit()).collect();
