@@ -483,13 +483,7 @@ type RefFn = fn(RefShape, &AttnOptions, &[f64], &[f64], &[f64]) -> Vec<f64>;
 /// `reference` (the simulator's f64 attention) against `attn_rs::cpu::prefill` with `causal`:
 /// `nq` query tokens (the last of `nk`), 4 query heads over 2 kv heads of 16, random inputs; the
 /// relative error between the two.
-fn against_attn_rs_cpu(
-    rng: &mut SplitMix,
-    (nq, nk): (usize, usize),
-    opts: &AttnOptions,
-    causal: bool,
-    reference: RefFn,
-) -> f64 {
+fn against_attn_rs_cpu(rng: &mut SplitMix, (nq, nk): (usize, usize), opts: &AttnOptions, causal: bool, reference: RefFn) -> f64 {
     let (hq, hkv, d) = (4, 2, REF_HEAD_SIZE);
     let q: Vec<f32> = (0..nq * hq * d).map(|_| rng.signed_unit()).collect();
     let k: Vec<f32> = (0..nk * hkv * d).map(|_| rng.signed_unit()).collect();
