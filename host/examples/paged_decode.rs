@@ -11,7 +11,7 @@ use attn_rs::{cpu, AttnOptions, BatchMetadata, DevIn, DevOut, DeviceStatus, KvCa
 use half::bf16;
 
 mod common;
-use common::{open_gpu, values};
+use common::{check_bf16, open_gpu, values};
 
 fn main() -> attn_rs::Result<()> {
     let Some(dev) = open_gpu()? else { return Ok(()) };
@@ -78,11 +78,6 @@ fn main() -> attn_rs::Result<()> {
         sinks: None,
         scales: None,
     })?;
-    let got = stream.clone_dtoh(&out_d)?;
-    let err = got.iter().zip(&want.out).map(|(g, w)| (g.to_f32() as f64 - w).abs()).fold(0.0, f64::max);
-    println!("paged_decode: largest difference from the CPU reference {err:.2e} (bf16 output)");
-    if err > 2e-2 {
-        std::process::exit(1);
-    }
+    check_bf16("paged_decode", &stream.clone_dtoh(&out_d)?, &want.out);
     Ok(())
 }
