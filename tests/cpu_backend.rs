@@ -57,11 +57,15 @@ fn registry_holds_the_three_backends_with_unique_names() {
 fn specs_are_what_the_kernels_take() {
     assert!(TENSOR_CORE.needs_gpu && MLA.needs_gpu && !CPU.needs_gpu);
     assert_eq!(TENSOR_CORE.compute_capability, CcRange::from(ComputeCapability::SM_80));
-    assert_eq!(TENSOR_CORE.head_sizes, HeadSizes::List(&[64, 96, 128, 256]));
-    // The decode kernels exist for exactly these head sizes.
-    let kernel_sizes: Vec<usize> = attn_math::decode::HEAD_SIZES.iter().map(|&d| d as usize).collect();
-    assert_eq!(HeadSizes::List(&[64, 96, 128, 256]), TENSOR_CORE.head_sizes);
-    assert_eq!(kernel_sizes, [64, 96, 128, 256]);
+    assert_eq!(TENSOR_CORE.head_sizes, HeadSizes::Multiples { step: 8, fp8_step: 16, min: 32, max: 256 });
+    // The kernels take every multiple of 8 from 32 to 256, at the widths built.
+    for d in (32..=256).step_by(8) {
+        assert!(TENSOR_CORE.head_sizes.contains(d, false) && TENSOR_CORE.head_sizes.contains(d, true) == (d % 16 == 0), "{d}");
+        assert!(attn_math::decode::width(d as u32).is_some_and(|w| attn_math::decode::HEAD_SIZES.contains(&w)));
+    }
+    assert!(!TENSOR_CORE.head_sizes.contains(24, false) && !TENSOR_CORE.head_sizes.contains(84, false));
+    assert!(!TENSOR_CORE.head_sizes.contains(264, false));
+    assert_eq!(TENSOR_CORE.head_sizes.to_string(), "multiples of 8 from 32 to 256 (of 16 with an fp8 cache)");
     assert_eq!(TENSOR_CORE.layouts, KvLayout::ALL);
     assert_eq!(TENSOR_CORE.features, Features::ALL);
     assert_eq!(TENSOR_CORE.graph_support, GraphSupport::UniformBatch);
@@ -71,7 +75,7 @@ fn specs_are_what_the_kernels_take() {
     assert_eq!(MLA.kinds, [AttentionKind::Mla]);
     assert_eq!(CPU.kinds, [AttentionKind::Standard, AttentionKind::Mla]);
     assert_eq!(CPU.graph_support, GraphSupport::Never);
-    assert!(CPU.head_sizes.contains(80) && CPU.block_sizes.contains(1) && CPU.block_sizes.contains(7));
+    assert!(CPU.head_sizes.contains(80, false) && CPU.block_sizes.contains(1) && CPU.block_sizes.contains(7));
     assert!(BlockSizes::MultipleOf(16).contains(32) && !BlockSizes::MultipleOf(16).contains(8) && !BlockSizes::MultipleOf(16).contains(0));
     assert!(BlockSizes::List(&[16, 32]).contains(32) && !BlockSizes::List(&[16, 32]).contains(48));
     assert!(CcRange::between(ComputeCapability::SM_80, ComputeCapability::new(8, 9)).contains(ComputeCapability::new(8, 6)));
@@ -128,16 +132,19 @@ fn mla_selection_per_device() {
     assert_eq!(auto(&deepseek().with_cache_dtype(DType::Fp8E4m3), &SM90).unwrap().name(), "mla");
 }
 
-/// A head size the GPU kernels lack on a GPU machine: refused with every backend's reasons,
+/// A head size the GPU kernels lack (84: not a multiple of 8) on a GPU machine: refused with every backend's reasons,
 /// never handed to the CPU (which would then fail on the engine's device buffers).
 #[test]
 fn a_model_no_gpu_backend_takes_is_refused_on_a_gpu_with_every_reason() {
-    let config = ModelConfig { head_size: 80, ..llama() };
+    let config = ModelConfig { head_size: 84, ..llama() };
     for gpu in [SM80, SM90] {
         let e = auto(&config, &gpu).unwrap_err();
         let text = e.to_string();
         assert!(matches!(e, AttnError::InvalidArgument { arg: "backend", .. }), "{text}");
-        assert!(text.contains("tensor-core: head size 80 not supported (supports 64, 96, 128, 256)"), "{text}");
+        assert!(
+            text.contains("tensor-core: head size 84 not supported (supports multiples of 8 from 32 to 256 (of 16 with an fp8 cache))"),
+            "{text}"
+        );
         assert!(text.contains("cpu: not chosen automatically on a machine with a GPU"), "{text}");
         assert_eq!(select_backend_no_env(&config, &gpu, Some("cpu")).unwrap().name(), "cpu");
     }
@@ -270,9 +277,18 @@ fn reason_cache_dtype() {
 
 #[test]
 fn reason_head_size() {
-    let config = ModelConfig { head_size: 80, ..llama() };
-    assert_eq!(reason_texts(&TENSOR_CORE, &config, &SM80), ["head size 80 not supported (supports 64, 96, 128, 256)"]);
-    for d in [64, 96, 128, 256] {
+    let config = ModelConfig { head_size: 84, ..llama() };
+    assert_eq!(
+        reason_texts(&TENSOR_CORE, &config, &SM80),
+        ["head size 84 not supported (supports multiples of 8 from 32 to 256 (of 16 with an fp8 cache))"]
+    );
+    // An FP8 cache takes the multiples of 16.
+    let fp8 = ModelConfig { head_size: 72, ..llama() }.with_cache_dtype(DType::Fp8E4m3);
+    assert_eq!(
+        reason_texts(&TENSOR_CORE, &fp8, &SM80),
+        ["head size 72 not supported (supports multiples of 8 from 32 to 256 (of 16 with an fp8 cache))"]
+    );
+    for d in [32, 40, 64, 72, 80, 96, 112, 128, 136, 192, 200, 256] {
         assert!(refusal_reasons(&TENSOR_CORE, &ModelConfig { head_size: d, ..llama() }, &SM80).is_empty());
     }
     let config = ModelConfig { head_size: 512, ..deepseek() };
@@ -396,14 +412,14 @@ fn other_config_errors() {
 
 #[test]
 fn every_reason_is_collected_not_just_the_first() {
-    // Three problems for tensor-core: f32 queries, head size 80, block size 8.
-    let config = ModelConfig { head_size: 80, block_size: 8, q_dtype: DType::F32, ..llama() };
+    // Three problems for tensor-core: f32 queries, head size 84 (not a multiple of 8), block size 8.
+    let config = ModelConfig { head_size: 84, block_size: 8, q_dtype: DType::F32, ..llama() };
     let reasons = refusal_reasons(&TENSOR_CORE, &config, &SM80);
     assert_eq!(
         reasons,
         [
             Reason::QDType { dtype: DType::F32, supported: TENSOR_CORE.q_dtypes },
-            Reason::HeadSize { head_size: 80, supported: TENSOR_CORE.head_sizes },
+            Reason::HeadSize { head_size: 84, supported: TENSOR_CORE.head_sizes },
             Reason::BlockSize { block_size: 8, supported: TENSOR_CORE.block_sizes },
         ]
     );
@@ -435,10 +451,10 @@ fn describe_a_plain_choice() {
 
 #[test]
 fn describe_a_refusal_on_a_gpu_with_reasons() {
-    let config = ModelConfig { head_size: 80, ..llama() };
+    let config = ModelConfig { head_size: 84, ..llama() };
     let text = describe_no_env(&config, &SM90, None);
     assert!(text.contains("1. tensor-core: refused"), "{text}");
-    assert!(text.contains("- head size 80 not supported (supports 64, 96, 128, 256)"), "{text}");
+    assert!(text.contains("- head size 84 not supported (supports multiples of 8 from 32 to 256 (of 16 with an fp8 cache))"), "{text}");
     assert!(text.contains("2. cpu [named only: a GPU is present]: fits, not chosen automatically"), "{text}");
     assert!(text.contains("no backend chosen") && text.contains("cpu: not chosen automatically"), "{text}");
 

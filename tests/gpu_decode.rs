@@ -39,6 +39,9 @@ struct Case {
     edge_markers: bool,
     /// FP8: one K and one V scale per kv head (else one per tensor).
     per_head_scales: bool,
+    /// Queries and outputs with a gap after every head (`common::gapped_rows`): NaN in the
+    /// queries' gaps, poison in the outputs' (checked untouched).
+    gapped: bool,
 }
 
 impl Case {
@@ -60,6 +63,7 @@ impl Case {
             planned: false,
             edge_markers: false,
             per_head_scales: false,
+            gapped: false,
         }
     }
 }
@@ -78,8 +82,9 @@ fn decode_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
         qsl.push(qsl.last().unwrap() + q);
     }
     let nt = *qsl.last().unwrap() as usize;
-    let q_rows = RowsDesc::contiguous(nt, hq, d);
-    let mut q: Vec<Q> = random_vec(&mut rng, q_rows.required_len().max(1), 1.0);
+    let q_rows = if c.gapped { gapped_rows(nt, hq, d) } else { RowsDesc::contiguous(nt, hq, d) };
+    let mut q: Vec<Q> = spread(&random_vec::<Q>(&mut rng, nt * hq * d, 1.0), &q_rows, Q::from_f32(f32::NAN));
+    q.resize(q.len().max(1), Q::from_f32(0.0));
     let mut cache: Vec<C> = random_vec(&mut rng, spec.num_elements(), if fp8 { 40.0 } else { 1.0 });
     // Per head: scales 1.9x apart from the first kv head to the last.
     let (ks, vs): (Vec<f32>, Vec<f32>) = match c.per_head_scales {
@@ -162,7 +167,9 @@ fn decode_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
         paged_decode(device(), &stream, args!(&mut out_d, &mut lse_d), &meta, &opts, c.split, &mut ws, &mut status)?
     };
     let flags = status.take(&stream)?;
-    let got: Vec<f64> = download(&stream, &out_d).iter().take(nt * hq * d).map(|x| x.to_f32() as f64).collect();
+    let out = download(&stream, &out_d);
+    check_gaps(&out[..q_rows.required_len()], &q_rows, poison::<Q>())?;
+    let got: Vec<f64> = packed(&out, &q_rows).iter().map(|x| x.to_f32() as f64).collect();
     let lse: Vec<f32> = download(&stream, &lse_d);
     if let Some(i) = got.iter().position(|x| !x.is_finite()) {
         return Err(format!("output element {i} is {} (unwritten or NaN); plan chunk {}", got[i], plan.chunk).into());
@@ -363,6 +370,24 @@ fn cases() -> Vec<(String, Case, &'static str)> {
         push(format!("bf16_bf16::head_size_{d}"), Case { head_size: d, ..Case::base(&lens) }, "bf16_bf16");
         push(format!("f16_fp8::head_size_{d}"), Case { head_size: d, ..Case::base(&[5, 777]) }, "f16_fp8");
     }
+    // Head sizes below a kernel's width (`attn_math::decode::width`): 32/40 on width 64, 80 on
+    // 96, 112/120 on 128, 136/200/248 on 256; queries and outputs with gaps after each head, so
+    // a read past the head size turns the result NaN and a write past it shows. GQA 4, 8 and
+    // 16 take each decode kernel; FP8 caches take the multiples of 16.
+    for (d, hq, hkv) in [(32, 32, 8), (40, 16, 2), (80, 32, 8), (112, 32, 4), (120, 16, 1), (136, 16, 4), (200, 32, 2), (248, 8, 8)] {
+        let case = Case { head_size: d, q_heads: hq, kv_heads: hkv, gapped: true, sinks: true, ..Case::base(&lens) };
+        push(format!("bf16_bf16::gapped_head_size_{d}_{hq}q{hkv}kv"), case.clone(), "bf16_bf16");
+        push(format!("f16_f16::gapped_head_size_{d}_split_fixed_3"), Case { split: SplitMode::Fixed(3), ..case }, "f16_f16");
+    }
+    for (d, hq, hkv) in [(48, 32, 8), (80, 32, 2), (112, 32, 8), (160, 16, 4), (208, 8, 1)] {
+        let case = Case { head_size: d, q_heads: hq, kv_heads: hkv, gapped: true, ..Case::base(&[5, 777, 2100]) };
+        push(format!("bf16_fp8::gapped_head_size_{d}_{hq}q{hkv}kv"), case.clone(), "bf16_fp8");
+        push(
+            format!("f16_fp8::gapped_head_size_{d}_per_head_scales"),
+            Case { per_head_scales: true, q_lens: vec![2, 1, 3], ..case },
+            "f16_fp8",
+        );
+    }
     for (hq, hkv) in [(8, 8), (16, 8), (32, 4), (32, 2), (32, 1), (64, 1), (128, 1), (12, 4)] {
         push(format!("bf16_bf16::gqa_{hq}q_{hkv}kv"), Case { q_heads: hq, kv_heads: hkv, ..Case::base(&[33, 2000]) }, "bf16_bf16");
     }
@@ -445,8 +470,8 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("bf16_fp8::block_size_64".into(), Case { block_size: 64, ..Case::base(&lens) }, "bf16_fp8");
     push("bf16_fp8::gqa_32q_32kv".into(), Case { q_heads: 32, kv_heads: 32, ..Case::base(&[33, 2000]) }, "bf16_fp8");
     push("bf16_fp8::gqa_16q_1kv".into(), Case { q_heads: 16, kv_heads: 1, ..Case::base(&[33, 2000]) }, "bf16_fp8");
-    // One scale per kv head: the keys-as-rows kernels (d64, d128, GQA 4 and 16, split-K), the
-    // tensor-core ones (d96, d256).
+    // One scale per kv head: the keys-as-rows kernels (d64, d128, d96 at width 128, GQA 4 and
+    // 16, split-K), the tensor-core one (d256).
     for (d, hq, hkv, dt) in
         [(128, 32, 8, "bf16_fp8"), (64, 16, 4, "f16_fp8"), (128, 32, 2, "f16_fp8"), (96, 8, 8, "bf16_fp8"), (256, 16, 4, "bf16_fp8")]
     {

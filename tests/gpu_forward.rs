@@ -88,6 +88,12 @@ fn cases() -> Vec<(String, Case, DType)> {
         ),
         ("long_contexts_split_k".into(), Case { steps: long, ..base(32, 8, 128) }, DType::BF16),
         ("multi_token_decodes".into(), Case { threshold: 4, steps: spec, ..base(8, 2, 128) }, DType::BF16),
+        // Head sizes below the kernels' widths: Phi-2's 80 (width 96), 112 with an FP8 cache
+        // (width 128), 40 with long contexts (width 64), 200 (width 256).
+        ("phi2_like_d80".into(), Case { steps: long_steps(), ..base(32, 32, 80) }, DType::F16),
+        ("fp8_cache_d112_multi_token".into(), Case { fp8: true, threshold: 4, ..base(16, 4, 112) }, DType::BF16),
+        ("gqa8_d40_hnd_long".into(), Case { layout: KvLayout::FlashHnd, padding: 2, steps: long_steps(), ..base(16, 2, 40) }, DType::BF16),
+        ("mqa_d200_window_sinks".into(), Case { window: Some(50), sinks: true, ..base(8, 1, 200) }, DType::BF16),
         (
             "window_softcap_alibi_sinks".into(),
             Case { window: Some(40), softcap: Some(10.0), alibi: true, sinks: true, ..base(8, 2, 128) },

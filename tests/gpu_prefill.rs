@@ -39,6 +39,9 @@ struct Case {
     edge_markers: bool,
     /// FP8: one K and one V scale per kv head (else one per tensor).
     per_head_scales: bool,
+    /// Queries, outputs and packed K/V with a gap after every head (`common::gapped_rows`):
+    /// NaN in the inputs' gaps, poison in the outputs' (checked untouched).
+    gapped: bool,
 }
 
 impl Case {
@@ -61,6 +64,7 @@ impl Case {
             bad_block: false,
             edge_markers: false,
             per_head_scales: false,
+            gapped: false,
         }
     }
 }
@@ -86,9 +90,10 @@ fn prefill_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
         ksl.push(ksl.last().unwrap() + l);
     }
     let nt = *qsl.last().unwrap() as usize;
-    let q_rows = RowsDesc::contiguous(nt, hq, dk);
-    let out_rows = RowsDesc::contiguous(nt, hq, dv);
-    let mut q: Vec<Q> = random_vec(&mut rng, q_rows.required_len().max(1), 1.0);
+    let rows = |n: usize, h: usize, d: usize| if c.gapped { gapped_rows(n, h, d) } else { RowsDesc::contiguous(n, h, d) };
+    let (q_rows, out_rows) = (rows(nt, hq, dk), rows(nt, hq, dv));
+    let mut q: Vec<Q> = spread(&random_vec::<Q>(&mut rng, nt * hq * dk, 1.0), &q_rows, Q::from_f32(f32::NAN));
+    q.resize(q.len().max(1), Q::from_f32(0.0));
     let slopes: Vec<f32> = (0..hq).map(|h| 0.5f32.powi(h as i32 % 8 + 1)).collect();
     let sinks: Vec<f32> = (0..hq).map(|_| rng.random_range(-2.0..4.0)).collect();
     let mut opts = AttnOptions::new(dk);
@@ -100,11 +105,16 @@ fn prefill_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
         scattered_block_tables(&mut rng, &c.seq_lens, c.block_size, 3, c.bad_block);
     let spec = KvCacheSpec::new(c.layout, num_blocks, c.block_size, hkv, dk)?;
     let total_keys = *ksl.last().unwrap() as usize;
-    let (k_rows, v_rows) = (RowsDesc::contiguous(total_keys, hkv, dk), RowsDesc::contiguous(total_keys, hkv, dv));
+    let (k_rows, v_rows) = (rows(total_keys, hkv, dk), rows(total_keys, hkv, dv));
     // An FP8 cache holds values up to ~20 (x the scales: keys and values of a few units).
     let mut cache: Vec<C> = random_vec(&mut rng, if c.packed { 1 } else { spec.num_elements() }, if fp8 { 20.0 } else { 1.0 });
-    let k: Vec<C> = random_vec(&mut rng, if c.packed { k_rows.required_len().max(1) } else { 1 }, 1.0);
-    let v: Vec<C> = random_vec(&mut rng, if c.packed { v_rows.required_len().max(1) } else { 1 }, 1.0);
+    let packed_rows = |rows: &RowsDesc, rng: &mut rand::rngs::SmallRng| {
+        let mut x = spread(&random_vec::<C>(rng, rows.num_tokens * rows.num_heads * rows.head_size, 1.0), rows, C::from_f32(f32::NAN));
+        x.resize(x.len().max(1), C::from_f32(0.0));
+        x
+    };
+    let k: Vec<C> = if c.packed { packed_rows(&k_rows, &mut rng) } else { vec![C::from_f32(0.0)] };
+    let v: Vec<C> = if c.packed { packed_rows(&v_rows, &mut rng) } else { vec![C::from_f32(0.0)] };
     if c.edge_markers {
         assert!(c.causal && !c.packed && !fp8 && num_reqs == 1, "edge markers: one paged causal request, 16-bit cache");
         let m = MarkedRequest {
@@ -195,7 +205,9 @@ fn prefill_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let flags = status.take(&stream)?;
     check_block_status(flags, &want, &block_table, stride, num_blocks, true)?;
     check_found_bad_block(&batch, &bt_d, &stream, stride, c.block_size, num_blocks, &want)?;
-    let mut got: Vec<f64> = download(&stream, &out_d).iter().take(nt * hq * dv).map(|x| x.to_f32() as f64).collect();
+    let out = download(&stream, &out_d);
+    check_gaps(&out[..out_rows.required_len()], &out_rows, poison::<Q>())?;
+    let mut got: Vec<f64> = packed(&out, &out_rows).iter().map(|x| x.to_f32() as f64).collect();
     let mut lse: Vec<f32> = download(&stream, &lse_d);
     let mut want = want;
     if let Some(bad) = want.first_bad_block.filter(|_| c.bad_block) {
@@ -246,6 +258,23 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("f16::lengths_1_15_16_17_127_1000".into(), Case::base(&lens), "f16");
     push("bf16::length_4097".into(), Case { q_heads: 2, kv_heads: 1, ..Case::base(&[4097]) }, "bf16");
     push("bf16::chunked_prefill".into(), Case { q_lens: Some(vec![1, 64, 100, 7, 300]), ..Case::base(&[50, 64, 700, 1000, 301]) }, "bf16");
+    // Head sizes below a kernel's width (`attn_math::decode::width`), with gaps after every
+    // head of the queries, outputs and packed K/V (NaN in the inputs'): 40 and 56 on width 64
+    // (the Hopper kernel), 80 on 96, 112 on 128 (Hopper), 136 and 200 on 256; paged and packed,
+    // causal and not, chunked; FP8 caches at the multiples of 16.
+    for (d, hq, hkv) in [(40, 8, 2), (56, 4, 4), (80, 8, 1), (112, 16, 2), (136, 4, 2), (200, 8, 4)] {
+        let case = Case { dk: d, dv: d, q_heads: hq, kv_heads: hkv, gapped: true, ..Case::base(&[17, 300, 129, 1]) };
+        push(format!("bf16::gapped_head_size_{d}"), Case { sinks: true, ..case.clone() }, "bf16");
+        push(format!("f16::gapped_head_size_{d}_packed_noncausal"), Case { packed: true, causal: false, ..case.clone() }, "f16");
+        push(
+            format!("bf16::gapped_head_size_{d}_packed_chunked"),
+            Case { packed: true, q_lens: Some(vec![5, 100, 33, 1]), ..case.clone() },
+            "bf16",
+        );
+        if d % 16 == 0 {
+            push(format!("f16_fp8::gapped_head_size_{d}_chunked"), Case { q_lens: Some(vec![5, 100, 33, 1]), ..case }, "f16_fp8");
+        }
+    }
     for (dk, dv) in [(64, 64), (96, 96), (256, 256)] {
         push(format!("bf16::head_size_{dk}"), Case { dk, dv, ..Case::base(&[17, 300, 129]) }, "bf16");
         push(format!("f16::head_size_{dk}_chunked"), Case { dk, dv, q_lens: Some(vec![5, 100, 33]), ..Case::base(&[17, 300, 129]) }, "f16");

@@ -27,12 +27,12 @@ use crate::decode::{
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
+use crate::kernels::head_width;
 use crate::mla::{mla_attention_from, mla_cluster, mla_tc_kernel, MlaArgs};
 use crate::options::{AttnOptions, PlanOptions};
 use crate::status::DeviceStatus;
 use crate::stream_check::{check_stream, refuse_foreign_capture};
 use crate::words::Region;
-use attn_math::decode::HEAD_SIZES;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 
@@ -119,8 +119,8 @@ impl BatchPlan {
             format!("{num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         })?;
         let max_q = check_batch(batch, q_dtype, cache_dtype, num_q_heads)?;
-        ensure(HEAD_SIZES.contains(&(head_size as u32)), "head_size", || format!("{head_size} (decode takes {HEAD_SIZES:?})"))?;
         let fp8 = cache_dtype == DType::Fp8E4m3;
+        head_width("head_size", head_size, fp8)?;
         let tc = decode_tc_kernel(dev, q_dtype, fp8, head_size, num_q_heads, num_kv_heads, max_q, max_len(batch.seq_lens), &plan.tuning)?;
         self.plan_for(dev, tc, batch, plan, ws)
     }

@@ -4,8 +4,28 @@
 //! the device looks the function up in its module.
 
 use crate::dtype::DType;
+use crate::error::{ensure, Result};
 use crate::ptx::Family;
 use std::fmt;
+
+/// The width the standard (QK = V) kernels run head size `d` at (`attn_math::decode::width`),
+/// or an error naming `arg` when they do not take it: a multiple of 8 from 32 to 256, of 16
+/// with an FP8 cache (`fp8`).
+pub(crate) fn head_width(arg: &'static str, d: usize, fp8: bool) -> Result<u32> {
+    use attn_math::decode::{takes_head_size, width, MAX_HEAD_SIZE, MIN_HEAD_SIZE};
+    let taken = u32::try_from(d).ok().filter(|&d| takes_head_size(d, fp8));
+    ensure(taken.is_some(), arg, || {
+        let step = if fp8 { "16 (an FP8 cache)" } else { "8" };
+        format!("{d}: the GPU kernels take multiples of {step} from {MIN_HEAD_SIZE} to {MAX_HEAD_SIZE}")
+    })?;
+    Ok(taken.and_then(width).expect("every head size taken has a width"))
+}
+
+/// [`head_width`] for decode: the width `attn_math::decode::decode_width` picks.
+pub(crate) fn decode_head_width(arg: &'static str, d: usize, fp8: bool) -> Result<u32> {
+    head_width(arg, d, fp8)?;
+    Ok(attn_math::decode::decode_width(d as u32, fp8).expect("every head size taken has a width"))
+}
 
 /// The MLA kernel's two CTA shapes (`attn_math::mla::NARROW`, `WIDE`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -30,7 +50,7 @@ pub enum KernelId {
     /// `merge_attn_states_<out>`.
     MergeAttnStates { out: DType },
     /// `decode_tc_<q>[_fp8]_d<d>`: tensor-core decode, keys split across warps, 16-row score
-    /// tiles (16-bit caches: head size 256; FP8: 96 and 256).
+    /// tiles (width 256: 16-bit caches at 9 to 16 rows per kv head, FP8 caches).
     DecodeTc { q: DType, fp8: bool, head_size: u32 },
     /// `decode_kr_<q>[_fp8][_long][_r16]_d<d>`: the keys-as-rows decode (`attn_math::keys_rows`);
     /// `long` (FP8 only): the deep-pipeline form for long contexts; `wide` (16-bit caches
@@ -122,7 +142,9 @@ impl KernelId {
                     // The keys-as-rows kernels take every row count to 16 below head size 256
                     // from 16-bit caches, and at head sizes 64 and 128 from FP8.
                     let keys_rows_all = if fp8 { &keys_rows::FP8_HEAD_SIZES[..] } else { &keys_rows::WIDE_HEAD_SIZES[..] };
-                    if !keys_rows_all.contains(&head_size) {
+                    // The 16-row score tiles where no keys-as-rows kernel of the width exists (FP8
+                    // decode runs the width-96 head sizes at 128: `decode::decode_width`).
+                    if !keys_rows_all.contains(&head_size) && decode::decode_width(head_size, fp8) == Some(head_size) {
                         v.push(KernelId::DecodeTc { q, fp8, head_size });
                     }
                     if !fp8 || keys_rows::FP8_HEAD_SIZES.contains(&head_size) {
@@ -218,7 +240,7 @@ mod tests {
             (KernelId::ConcatAndCacheMla { src: bf16, fp8: false }, "concat_and_cache_mla_bf16_bf16"),
             (KernelId::DecodeMerge { out: f16 }, "decode_merge_f16"),
             (KernelId::MergeAttnStates { out: DType::F32 }, "merge_attn_states_f32"),
-            (KernelId::DecodeTc { q: bf16, fp8: true, head_size: 96 }, "decode_tc_bf16_fp8_d96"),
+            (KernelId::DecodeTc { q: bf16, fp8: true, head_size: 256 }, "decode_tc_bf16_fp8_d256"),
             (KernelId::DecodeKr { q: f16, fp8: false, long: false, wide: false, head_size: 256 }, "decode_kr_f16_d256"),
             (KernelId::DecodeKr { q: bf16, fp8: true, long: true, wide: false, head_size: 64 }, "decode_kr_bf16_fp8_long_d64"),
             (KernelId::DecodeKr { q: bf16, fp8: false, long: false, wide: true, head_size: 96 }, "decode_kr_bf16_r16_d96"),

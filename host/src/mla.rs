@@ -28,7 +28,8 @@ use crate::status::DeviceStatus;
 use crate::stream_check::refuse_foreign_capture;
 use attn_math::mla;
 use attn_math::params::{
-    AttnParams, Fp8Scales, LocalMask, Mask, MlaParams, PerHead, ScaleLayout, Schedule, Shape, SparseIndices, SplitK, VariantParams,
+    AttnParams, Fp8Scales, HeadDims, LocalMask, Mask, MlaParams, PerHead, ScaleLayout, Schedule, Shape, SparseIndices, SplitK,
+    VariantParams,
 };
 use attn_math::prefill::{MLA_QK, MLA_V};
 use cudarc::driver::{CudaStream, DevicePtrMut};
@@ -309,6 +310,7 @@ fn latent_params(
         sparse: SparseIndices::default(),
         // The latent cache has one head: its one scale.
         scale_layout: ScaleLayout::default(),
+        dims: HeadDims::default(),
     }
 }
 

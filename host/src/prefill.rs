@@ -16,15 +16,16 @@ use crate::cache_write::KvScales;
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
-use crate::kernels::KernelId;
+use crate::kernels::{head_width, KernelId};
 use crate::layout::{KvCacheSpec, RowsDesc};
 use crate::options::AttnOptions;
 use crate::status::DeviceStatus;
 use crate::stream_check::{check_stream, refuse_foreign_capture};
+use attn_math::decode::width_in;
 use attn_math::hopper_prefill;
 use attn_math::paging::CacheStrides;
 use attn_math::params::{
-    AttnParams, BatchMeta, Fp8Scales, LocalMask, Mask, MlaParams, PerHead, ScaleLayout, Schedule, Shape, SparseIndices, SplitK,
+    AttnParams, BatchMeta, Fp8Scales, HeadDims, LocalMask, Mask, MlaParams, PerHead, ScaleLayout, Schedule, Shape, SparseIndices, SplitK,
     VariantParams,
 };
 use attn_math::prefill::{block_m, shared_layout, HEAD_SIZES, MIN_BLOCK_M, THREADS};
@@ -188,51 +189,68 @@ pub(crate) struct PrefillKernel {
     pub persistent: bool,
 }
 
-/// The prefill kernel of the module `target` (`AttnDevice::ptx_target`): Hopper's
-/// warp-specialised persistent `wgmma` kernel (`prefill_wgs_*`, in the sm_90a module) for 16-bit
-/// caches at head sizes 64 and 128 (QK = V); the `mma.sync` kernel for every other case.
+/// The prefill kernel of the module `target` (`AttnDevice::ptx_target`) for head sizes `dk`,
+/// `dv`: Hopper's warp-specialised persistent `wgmma` kernel (`prefill_wgs_*`, in the sm_90a
+/// module) for 16-bit caches and QK = V up to 128, at width 64 or 128 (its width-128 tiles run
+/// head size 96 faster than the `mma.sync` kernel's width-96 ones); the `mma.sync` kernel at
+/// [`prefill_widths`] for every other case.
 #[cfg(test)]
 pub(crate) fn prefill_kernel(target: &str, q: DType, fp8: bool, dk: usize, dv: usize) -> PrefillKernel {
-    prefill_kernel_for(target, q, fp8, dk, dv, false)
+    prefill_kernel_for(target, q, fp8, dk, dv, false).unwrap()
 }
 
 /// [`prefill_kernel`], or with `local` (chunked local attention or a symmetric window) the
 /// `mma.sync` kernel built with the local masks (`prefill_local_*`: 16-bit K/V, QK = V; the
 /// caller checks [`has_local_kernel`]).
-pub(crate) fn prefill_kernel_for(target: &str, q: DType, fp8: bool, dk: usize, dv: usize, local: bool) -> PrefillKernel {
+pub(crate) fn prefill_kernel_for(target: &str, q: DType, fp8: bool, dk: usize, dv: usize, local: bool) -> Result<PrefillKernel> {
+    let (wk, wv) = prefill_widths(dk, dv, fp8)?;
     if local {
-        return PrefillKernel {
-            id: KernelId::PrefillLocal { q, head_size: dk as u32 },
-            block_m: block_m(dk as u32, dv as u32, false, false),
+        return Ok(PrefillKernel {
+            id: KernelId::PrefillLocal { q, head_size: wk },
+            block_m: block_m(wk, wv, false, false),
             threads: THREADS,
-            smem: shared_layout(dk as u32, dv as u32, false, false).total,
+            smem: shared_layout(wk, wv, false, false).total,
             persistent: false,
-        };
+        });
     }
-    let d = dk as u32;
-    if target == "sm_90a" && !fp8 && dk == dv && hopper_prefill::HEAD_SIZES.contains(&d) {
-        PrefillKernel {
-            id: KernelId::PrefillWgs { q, head_size: d },
+    let hopper = if target == "sm_90a" && !fp8 && dk == dv { width_in(dk as u32, &hopper_prefill::HEAD_SIZES) } else { None };
+    Ok(match hopper {
+        Some(w) => PrefillKernel {
+            id: KernelId::PrefillWgs { q, head_size: w },
             block_m: hopper_prefill::BLOCK_M,
             threads: hopper_prefill::WS_THREADS,
-            smem: hopper_prefill::ws_layout(d).total,
+            smem: hopper_prefill::ws_layout(w).total,
             persistent: true,
-        }
-    } else {
-        PrefillKernel {
-            id: KernelId::Prefill { q, fp8, head_size_qk: dk as u32, head_size_v: dv as u32 },
-            block_m: block_m(dk as u32, dv as u32, false, fp8),
+        },
+        None => PrefillKernel {
+            id: KernelId::Prefill { q, fp8, head_size_qk: wk, head_size_v: wv },
+            block_m: block_m(wk, wv, false, fp8),
             threads: THREADS,
-            smem: shared_layout(dk as u32, dv as u32, false, fp8).total,
+            smem: shared_layout(wk, wv, false, fp8).total,
             persistent: false,
-        }
-    }
+        },
+    })
 }
 
-/// Whether a kernel with the local masks exists for these K/V: 16-bit (not FP8), QK = V at a
-/// decode head size (64, 96, 128, 256).
+/// Whether a kernel with the local masks exists for these K/V: 16-bit (not FP8), QK = V (at
+/// every head size the kernels take).
 pub(crate) fn has_local_kernel(fp8: bool, dk: usize, dv: usize) -> bool {
-    !fp8 && dk == dv && attn_math::decode::HEAD_SIZES.contains(&(dk as u32))
+    !fp8 && dk == dv
+}
+
+/// The kernel widths head sizes (qk `dk`, v `dv`) run at: for QK = V, [`head_width`]'s (every
+/// multiple of 8 from 32 to 256; of 16 with an FP8 cache); unequal head sizes only as the
+/// pairs built exactly (QK 192 / V 128, 16-bit K/V).
+pub(crate) fn prefill_widths(dk: usize, dv: usize, fp8: bool) -> Result<(u32, u32)> {
+    if dk == dv {
+        let w = head_width("head_size", dk, fp8)?;
+        return Ok((w, w));
+    }
+    let unequal: Vec<(u32, u32)> = HEAD_SIZES.into_iter().filter(|(k, v)| k != v).collect();
+    ensure(!fp8 && unequal.contains(&(dk as u32, dv as u32)), "head_size", || {
+        format!("(qk {dk}, v {dv}): unequal head sizes run as {unequal:?} with 16-bit K/V")
+    })?;
+    Ok((dk as u32, dv as u32))
 }
 
 /// Checks a 16-bit tensor's rows: dtype, shape, 16-byte alignment, buffer length.
@@ -298,7 +316,6 @@ pub(crate) fn prefill_from(
     let dv = a.out_rows.head_size;
     let q_dtype = a.q.dtype;
     ensure(matches!(q_dtype, DType::F16 | DType::BF16), "q", || format!("dtype {q_dtype:?}: prefill takes f16 or bf16"))?;
-    ensure(HEAD_SIZES.contains(&(dk as u32, dv as u32)), "head_size", || format!("(qk {dk}, v {dv}): kernels exist for {HEAD_SIZES:?}"))?;
     check_rows("q", &a.q, &a.q_rows, q_dtype)?;
     ensure(a.out.dtype == q_dtype, "out", || format!("dtype {:?} differs from q's {q_dtype:?}", a.out.dtype))?;
     a.out_rows.validate("out")?;
@@ -315,6 +332,7 @@ pub(crate) fn prefill_from(
     opts.attn.validate_masks("opts", opts.causal)?;
     let num_reqs = batch.seq_lens.len();
     let fp8 = matches!(&a.kv, PrefillKv::Paged { cache, .. } if cache.dtype == DType::Fp8E4m3);
+    prefill_widths(dk, dv, fp8)?;
     let (k_scale, v_scale, scale_head_stride) = match (&a.scales, &a.kv) {
         (Some(s), PrefillKv::Paged { spec, .. }) if fp8 => s.layout(spec.num_kv_heads)?,
         _ => (0, 0, 0),
@@ -382,11 +400,11 @@ pub(crate) fn prefill_from(
     let local = opts.attn.chunk_size.is_some() || opts.attn.symmetric_window.is_some();
     ensure(!local || has_local_kernel(fp8, dk, dv), "opts", || {
         format!(
-            "chunk_size {:?} / symmetric_window {:?}: the local-mask kernels take 16-bit K/V with equal head sizes of 64, 96, 128 or 256 (fp8 {fp8}, qk {dk}, v {dv})",
+            "chunk_size {:?} / symmetric_window {:?}: the local-mask kernels take 16-bit K/V with equal head sizes (fp8 {fp8}, qk {dk}, v {dv})",
             opts.attn.chunk_size, opts.attn.symmetric_window
         )
     })?;
-    let kernel = prefill_kernel_for(dev.ptx_target(), q_dtype, fp8, dk, dv, local);
+    let kernel = prefill_kernel_for(dev.ptx_target(), q_dtype, fp8, dk, dv, local)?;
     let bm = kernel.block_m;
     ensure(max_rows <= bm as usize * 65536, "query_start_loc", || {
         format!("a request has {max_rows} query rows (tokens x {group} heads per kv head); a launch takes {}", bm as usize * 65536)
@@ -420,6 +438,7 @@ pub(crate) fn prefill_from(
         local: LocalMask::new(opts.attn.chunk_size, opts.attn.symmetric_window),
         sparse: SparseIndices::default(),
         scale_layout: ScaleLayout { head_stride: scale_head_stride, reserved: 0 },
+        dims: HeadDims { qk: dk as u32, v: dv as u32 },
         schedule: if kernel.persistent { Schedule { sched: sched_ptr, ctas, ..Schedule::default() } } else { Schedule::default() },
     };
     let grid = if kernel.persistent { ctas.min(dev.sm_count()) } else { ctas };
@@ -432,7 +451,7 @@ mod tests {
     use super::*;
 
     /// The kernel each module runs: the persistent `wgmma` kernel on sm_90a for 16-bit caches
-    /// at 64 and 128, the `mma.sync` kernel for everything else.
+    /// up to 128 (at width 64 or 128), the `mma.sync` kernel at its width for everything else.
     #[test]
     fn prefill_kernel_choice() {
         let name = |target, q, fp8, dk, dv| prefill_kernel(target, q, fp8, dk, dv).id.entry_name();
@@ -440,11 +459,17 @@ mod tests {
         assert_eq!(name("sm_90a", bf16, false, 64, 64), "prefill_wgs_bf16_d64");
         assert_eq!(name("sm_90a", f16, false, 128, 128), "prefill_wgs_f16_d128");
         assert_eq!(name("sm_90a", bf16, true, 128, 128), "prefill_bf16_fp8_dk128_dv128");
-        assert_eq!(name("sm_90a", bf16, false, 96, 96), "prefill_bf16_dk96_dv96");
+        assert_eq!(name("sm_90a", bf16, false, 96, 96), "prefill_wgs_bf16_d128");
+        assert_eq!(name("sm_90a", bf16, false, 40, 40), "prefill_wgs_bf16_d64");
+        assert_eq!(name("sm_90a", bf16, false, 136, 136), "prefill_bf16_dk256_dv256");
+        assert_eq!(name("sm_90a", bf16, true, 80, 80), "prefill_bf16_fp8_dk96_dv96");
+        assert_eq!(name("sm_80", f16, false, 80, 80), "prefill_f16_dk96_dv96");
+        assert!(prefill_kernel_for("sm_80", bf16, false, 84, 84, false).is_err());
+        assert!(prefill_kernel_for("sm_80", bf16, true, 72, 72, false).is_err());
         assert_eq!(name("sm_90a", bf16, false, 192, 128), "prefill_bf16_dk192_dv128");
         assert_eq!(name("sm_80", bf16, false, 64, 64), "prefill_bf16_dk64_dv64");
         assert_eq!(name("sm_80", f16, true, 256, 256), "prefill_f16_fp8_dk256_dv256");
-        let local = |target| prefill_kernel_for(target, bf16, false, 128, 128, true).id.entry_name();
+        let local = |target| prefill_kernel_for(target, bf16, false, 128, 128, true).unwrap().id.entry_name();
         assert_eq!((local("sm_80"), local("sm_90a")), ("prefill_local_bf16_dk128_dv128".into(), "prefill_local_bf16_dk128_dv128".into()));
         assert!(has_local_kernel(false, 256, 256) && !has_local_kernel(true, 128, 128) && !has_local_kernel(false, 192, 128));
         let wgs = prefill_kernel("sm_90a", bf16, false, 64, 64);

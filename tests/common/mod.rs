@@ -3,9 +3,12 @@
 #![allow(dead_code)]
 
 mod compare;
+mod gaps;
 mod masking;
 #[allow(unused_imports)]
 pub use compare::{check_lse, check_rows, max_row_error, rel_error, row_errors, row_tolerance, tolerance, within, RowError};
+#[allow(unused_imports)]
+pub use gaps::{check_gaps, gapped_rows, packed, spread};
 #[allow(unused_imports)]
 pub use masking::{plant_edge_markers, MarkedRequest};
 

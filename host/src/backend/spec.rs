@@ -81,23 +81,40 @@ pub enum HeadSizes {
     Any,
     /// Exactly these.
     List(&'static [usize]),
+    /// The multiples of `step` from `min` to `max`; with an FP8 cache, of `fp8_step`.
+    Multiples {
+        /// The step with a 16-bit cache.
+        step: usize,
+        /// The step with an FP8 cache.
+        fp8_step: usize,
+        /// The smallest and largest head size.
+        min: usize,
+        /// See `min`.
+        max: usize,
+    },
 }
 
 impl HeadSizes {
-    /// Whether the backend takes `head_size`.
-    pub fn contains(&self, head_size: usize) -> bool {
-        match self {
+    /// Whether the backend takes `head_size` (with an FP8 cache when `fp8`).
+    pub fn contains(&self, head_size: usize, fp8: bool) -> bool {
+        match *self {
             HeadSizes::Any => true,
             HeadSizes::List(sizes) => sizes.contains(&head_size),
+            HeadSizes::Multiples { step, fp8_step, min, max } => {
+                (min..=max).contains(&head_size) && head_size.is_multiple_of(if fp8 { fp8_step } else { step })
+            }
         }
     }
 }
 
 impl fmt::Display for HeadSizes {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
+        match *self {
             HeadSizes::Any => f.write_str("any"),
             HeadSizes::List(sizes) => write_list(f, sizes.iter()),
+            HeadSizes::Multiples { step, fp8_step, min, max } => {
+                write!(f, "multiples of {step} from {min} to {max} (of {fp8_step} with an fp8 cache)")
+            }
         }
     }
 }

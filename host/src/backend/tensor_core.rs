@@ -15,7 +15,13 @@ pub static TENSOR_CORE: BackendSpec = BackendSpec {
     q_dtypes: &[DType::F16, DType::BF16],
     cache_dtypes: &[DType::F16, DType::BF16, DType::Fp8E4m3],
     cache_dtype_rule: CacheDTypeRule::SameAsQueryOrFp8,
-    head_sizes: HeadSizes::List(&[64, 96, 128, 256]),
+    // Run at the kernel widths 64, 96, 128 and 256 (`attn_math::decode::width`).
+    head_sizes: HeadSizes::Multiples {
+        step: 8,
+        fp8_step: 16,
+        min: attn_math::decode::MIN_HEAD_SIZE as usize,
+        max: attn_math::decode::MAX_HEAD_SIZE as usize,
+    },
     block_sizes: BlockSizes::MultipleOf(16),
     kinds: &[AttentionKind::Standard],
     features: Features::ALL,

@@ -40,7 +40,7 @@ pub fn refusal_reasons(spec: &BackendSpec, config: &ModelConfig, device: &Device
         reasons.push(Reason::CacheDTypeWithQuery { cache: config.cache_dtype, q: config.q_dtype });
     }
     // Sizes of zero are config errors already.
-    if config.head_size > 0 && !spec.head_sizes.contains(config.head_size) {
+    if config.head_size > 0 && !spec.head_sizes.contains(config.head_size, config.cache_dtype == DType::Fp8E4m3) {
         reasons.push(Reason::HeadSize { head_size: config.head_size, supported: spec.head_sizes });
     }
     if config.block_size > 0 && !spec.block_sizes.contains(config.block_size) {

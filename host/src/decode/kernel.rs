@@ -5,7 +5,7 @@
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::kernels::KernelId;
+use crate::kernels::{decode_head_width, KernelId};
 use crate::options::{SplitMode, Tuning};
 use attn_math::keys_rows;
 use attn_math::prefill::{block_m, block_n, shared_layout};
@@ -134,14 +134,16 @@ pub(crate) fn decode_tc_kernel(
     tuning: &Tuning,
 ) -> Result<TcKernel> {
     let group = (hq / num_kv_heads) as u32;
-    let (kernel, id, smem) = decode_kernel_id(q_dtype, fp8, d as u32, group, max_q, max_len);
-    let waves = tuning.decode_waves.unwrap_or(measured_waves(d as u32)).max(1);
+    // The kernel's width; the launch runs at head size `d` (`AttnParams::dims`).
+    let width = decode_head_width("head_size", d, fp8)?;
+    let (kernel, id, smem) = decode_kernel_id(q_dtype, fp8, width, group, max_q, max_len);
+    let waves = tuning.decode_waves.unwrap_or(measured_waves(width)).max(1);
     let resident = dev.resident_ctas(id, attn_math::prefill::THREADS, smem)?;
     let slots = dev.sm_count() as u64 * resident as u64;
     let target = waves * slots;
     // No slots: `plan_decode_tc` leaves the even waves out.
     let slots = if tuning.decode_even_waves { slots } else { 0 };
-    let mut shape = TcShape::attention(d as u32, d as u32, kernel.keys_split(), fp8, num_kv_heads as u32);
+    let mut shape = TcShape::attention(width, width, kernel.keys_split(), fp8, num_kv_heads as u32);
     // The keys-as-rows kernels take 8 or 16 rows a CTA and merge their splits themselves.
     let keys_rows = match id {
         KernelId::DecodeKr { wide, .. } => {
@@ -211,13 +213,13 @@ mod tests {
         assert_eq!(name(false, 256, 8, 1, 100), "decode_kr_bf16_d256");
         assert_eq!(name(true, 128, 4, 2, long - 1), "decode_kr_bf16_fp8_d128");
         assert_eq!(name(true, 64, 4, 2, long), "decode_kr_bf16_fp8_long_d64");
-        assert_eq!(name(true, 96, 4, 1, long), "decode_tc_bf16_fp8_d96");
+        assert_eq!(name(true, 256, 4, 1, long), "decode_tc_bf16_fp8_d256");
         assert_eq!(name(false, 128, 4, 3, 100), "decode_kr_bf16_r16_d128");
         assert_eq!(name(false, 64, 16, 1, 100), "decode_kr_bf16_r16_d64");
         assert_eq!(name(false, 256, 16, 1, 100), "decode_tc_bf16_d256");
         assert_eq!(name(true, 128, 16, 1, long), "decode_kr_bf16_fp8_long_r16_d128");
         assert_eq!(name(true, 64, 8, 2, 10), "decode_kr_bf16_fp8_long_r16_d64");
-        assert_eq!(name(true, 96, 16, 1, long), "decode_tc_bf16_fp8_d96");
+        assert_eq!(name(true, 256, 16, 1, long), "decode_tc_bf16_fp8_d256");
         assert_eq!(name(false, 128, 8, 3, 100), "prefill_bf16_dk128_dv128");
         assert_eq!(name(true, 64, 32, 1, long), "prefill_bf16_fp8_dk64_dv64");
         let f16 = decode_kernel_id(DType::F16, false, 96, 2, 1, 10);

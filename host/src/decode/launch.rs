@@ -15,7 +15,7 @@ use crate::options::{AttnOptions, PlanOptions};
 use crate::status::DeviceStatus;
 use crate::stream_check::refuse_foreign_capture;
 use attn_math::params::{
-    AttnParams, Fp8Scales, LocalMask, Mask, MlaParams, PerHead, ScaleLayout, Schedule, Shape, SparseIndices, VariantParams,
+    AttnParams, Fp8Scales, HeadDims, LocalMask, Mask, MlaParams, PerHead, ScaleLayout, Schedule, Shape, SparseIndices, VariantParams,
 };
 use cudarc::driver::{CudaStream, DevicePtrMut};
 use std::sync::Arc;
@@ -146,6 +146,7 @@ fn run(
         local: LocalMask::new(opts.chunk_size, opts.symmetric_window),
         sparse: SparseIndices::default(),
         scale_layout: ScaleLayout { head_stride: checked.scale_head_stride, reserved: 0 },
+        dims: HeadDims { qk: tc.layer.head_size as u32, v: tc.layer.head_size as u32 },
         schedule: Schedule {
             plan: lp.header,
             sched: 0,

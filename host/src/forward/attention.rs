@@ -89,9 +89,8 @@ impl Attention {
             name if name == TENSOR_CORE.name => {
                 let gpu =
                     gpu.ok_or_else(|| AttnError::invalid("gpu", "backend \"tensor-core\" runs on a GPU: pass its device and stream"))?;
-                let d = config.model.head_size as u32;
-                ensure(attn_math::prefill::HEAD_SIZES.contains(&(d, d)), "model", || format!("head_size {d} has no prefill kernel"))?;
                 let fp8 = config.model.cache_dtype == crate::dtype::DType::Fp8E4m3;
+                crate::kernels::head_width("model", config.model.head_size, fp8)?;
                 for i in 0..config.layers.len().max(1) {
                     let o = config.layer(i)?.opts;
                     ensure(o.chunk_size.is_none() || !fp8, "layers", || {

@@ -8,7 +8,7 @@ use super::validate::validate;
 use crate::batch::MAX_QUERY_LEN;
 use crate::decode::DecodePlan;
 use crate::error::{ensure, Result};
-use attn_math::decode::HEAD_SIZES;
+use crate::kernels::head_width;
 
 /// The most query heads a [`PlanConfig`] takes.
 pub(crate) const MAX_PLAN_HEADS: usize = 1 << 16;
@@ -39,9 +39,8 @@ impl PlanConfig {
         })?;
         // Bounds the plan's row counts (query tokens x heads) well inside its u32 arithmetic.
         ensure(self.num_q_heads <= MAX_PLAN_HEADS, "num_q_heads", || format!("{} exceeds {MAX_PLAN_HEADS}", self.num_q_heads))?;
-        ensure(HEAD_SIZES.contains(&(self.head_size as u32)), "head_size", || {
-            format!("{} (kernels exist for {HEAD_SIZES:?})", self.head_size)
-        })?;
+        // Any head size a 16-bit cache takes; an FP8 cache's narrower set is checked at the call.
+        head_width("head_size", self.head_size, false)?;
         Ok(())
     }
 }

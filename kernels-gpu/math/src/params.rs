@@ -161,6 +161,42 @@ pub struct AttnParams {
     pub local: LocalMask,
     pub sparse: SparseIndices,
     pub scale_layout: ScaleLayout,
+    pub dims: HeadDims,
+}
+
+/// The head sizes a launch runs at, when they are below the kernel's compiled tile widths
+/// (`DK`, `DV`): a kernel built for width `D` serves every head size up to `D` that is a
+/// multiple of 8, with the columns past the head size zero-filled in shared memory (never
+/// read from global memory) and never stored. 0 = the kernel's own widths.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HeadDims {
+    /// Columns of each Q and K row.
+    pub qk: u32,
+    /// Columns of each V row and of each output (and split-K partial) row.
+    pub v: u32,
+}
+
+impl HeadDims {
+    /// The Q/K columns of a kernel of width `dk`.
+    #[inline(always)]
+    pub fn qk_or(&self, dk: u32) -> u32 {
+        if self.qk == 0 {
+            dk
+        } else {
+            self.qk
+        }
+    }
+
+    /// The V columns of a kernel of width `dv`.
+    #[inline(always)]
+    pub fn v_or(&self, dv: u32) -> u32 {
+        if self.v == 0 {
+            dv
+        } else {
+            self.v
+        }
+    }
 }
 
 /// How the FP8 scales of [`Fp8Scales`] are laid out (kernels that read an FP8 cache; MLA's one
@@ -455,10 +491,12 @@ assert_offsets!(AttnParams {
     sparse.token_request = 352,
     sparse.topk = 360,
     scale_layout.head_stride = 368,
+    dims.qk = 376,
+    dims.v = 380,
 });
 assert_offsets!(CacheStrides { block = 0, token = 8, head = 16 });
 const _: () = assert!(core::mem::size_of::<CacheStrides>() == 24);
-const _: () = assert!(core::mem::size_of::<AttnParams>() == 376 && core::mem::align_of::<AttnParams>() == 8);
+const _: () = assert!(core::mem::size_of::<AttnParams>() == 384 && core::mem::align_of::<AttnParams>() == 8);
 
 /// The arrival counter of a split work item (kv head `kv_head` of a request whose partial rows
 /// start at `partial_base`, a multiple of `num_q_heads`): distinct for every such pair, because

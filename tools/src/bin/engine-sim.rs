@@ -16,7 +16,7 @@
 //! on their GPU backends (`tensor-core`, `mla`); a backend whose kernels are missing falls back
 //! to the CPU backend, labelled so.
 //!
-//! `engine-sim [--model llama|deepseek|gemma2|kv-shared|whisper|both|all] [--backend NAME]
+//! `engine-sim [--model llama|deepseek|gemma2|kv-shared|whisper|phi2|both|all] [--backend NAME]
 //!  [--dtype bf16|f16|f32] [--layers N] [--window N] [--softcap X] [--encoder-len N]
 //!  [--encoder-budget N] [--requests N] [--steps N]
 //!  [--max-running N] [--token-budget N] [--prompt MIN:MAX] [--gen MIN:MAX] [--blocks N]
@@ -140,9 +140,11 @@ enum ModelChoice {
     /// Whisper-small-like encoder-decoder: 12 heads of 64 (MHA), 12 encoder layers over 1500
     /// encoder tokens a request, 12 decoder blocks of self-attention and cross-attention.
     Whisper,
+    /// Phi-2-like: 32 heads of 80 (MHA), 32 layers.
+    Phi2,
     /// Llama, then DeepSeek.
     Both,
-    /// Every model: Llama, DeepSeek, Gemma-2, KV-shared, Whisper.
+    /// Every model: Llama, DeepSeek, Gemma-2, KV-shared, Whisper, Phi-2.
     All,
 }
 
@@ -239,12 +241,13 @@ impl Cli {
 
     fn models(&self) -> Vec<SimModel> {
         let dtype = self.dtype();
-        let (llama, deepseek, gemma2, kv_shared, whisper) = (
+        let (llama, deepseek, gemma2, kv_shared, whisper, phi2) = (
             SimModel::llama3_8b(dtype),
             SimModel::deepseek_v2_lite(dtype),
             SimModel::gemma2_2b(dtype),
             SimModel::kv_shared(dtype),
             SimModel::whisper_small(dtype),
+            SimModel::phi2(dtype),
         );
         match self.model {
             ModelChoice::Llama => vec![llama],
@@ -252,8 +255,9 @@ impl Cli {
             ModelChoice::Gemma2 => vec![gemma2],
             ModelChoice::KvShared => vec![kv_shared],
             ModelChoice::Whisper => vec![whisper],
+            ModelChoice::Phi2 => vec![phi2],
             ModelChoice::Both => vec![llama, deepseek],
-            ModelChoice::All => vec![llama, deepseek, gemma2, kv_shared, whisper],
+            ModelChoice::All => vec![llama, deepseek, gemma2, kv_shared, whisper, phi2],
         }
     }
 
@@ -444,19 +448,21 @@ mod tests {
     #[test]
     fn model_choices_name_their_models() {
         let names = |m: &str| parse(&["--model", m]).unwrap().models().iter().map(|m| m.name).collect::<Vec<_>>();
-        let (llama, deepseek, gemma2, kv_shared, whisper) = (
+        let (llama, deepseek, gemma2, kv_shared, whisper, phi2) = (
             "llama-3-8b-like",
             "deepseek-v2-lite-like (MLA)",
             "gemma-2-2b-like",
             "kv-shared-llama-like",
             "whisper-small-like (encoder-decoder)",
+            "phi-2-like (head size 80)",
         );
         assert_eq!(names("gemma2"), [gemma2]);
         assert_eq!(names("kv-shared"), [kv_shared]);
         assert_eq!(names("whisper"), [whisper]);
         assert_eq!(names("both"), [llama, deepseek], "both stays Llama and DeepSeek");
         assert_eq!(parse(&[]).unwrap().models().len(), 2);
-        assert_eq!(names("all"), [llama, deepseek, gemma2, kv_shared, whisper]);
+        assert_eq!(names("phi2"), [phi2]);
+        assert_eq!(names("all"), [llama, deepseek, gemma2, kv_shared, whisper, phi2]);
     }
 
     #[test]

@@ -98,6 +98,13 @@ impl SimModel {
         SimModel { encoder_len: Some(1500), ..SimModel::plain("whisper-small-like (encoder-decoder)", config, 12, 1.0 / 8.0) }
     }
 
+    /// Phi-2: 32 heads of 80 (q = kv), 32 layers, blocks of 16, softmax scale 1/sqrt(80). Its
+    /// head size runs on the GPU kernels of width 96, the columns past 80 zero-filled.
+    pub fn phi2(dtype: DType) -> Self {
+        let config = ModelConfig::standard(32, 32, 80, dtype, 16, KvLayout::FlashNhd);
+        SimModel::plain("phi-2-like (head size 80)", config, 32, 1.0 / (80f32).sqrt())
+    }
+
     /// A small standard-attention model for tests: 4 query heads over 2 kv heads of 64.
     pub fn tiny(dtype: DType) -> Self {
         let config = ModelConfig::standard(4, 2, 64, dtype, 16, KvLayout::FlashNhd);

@@ -47,7 +47,8 @@ macro_rules! prefill_kernels {
 
 // The FP8 prefill kernels, and the keys-split decode shape with 16-row score tiles
 // (`decode_tc_*`) where the keys-as-rows kernels do not reach: 16-bit caches at head size 256
-// (9 to 16 rows per kv head) and FP8 caches at head sizes 96 and 256.
+// (9 to 16 rows per kv head) and FP8 caches at width 256 (FP8 runs the width-96 head sizes at
+// 128: `attn_math::decode::decode_width`).
 macro_rules! decode_kernels {
     ($q:ident, $qname:literal: $($d:literal),*; tc_fp8: $($d8:literal),*; tc_16bit: $($d16:literal),*) => {
         $(
@@ -74,8 +75,8 @@ macro_rules! prefill_local_kernels {
 
 prefill_kernels!(F16, "f16": (64, 64), (96, 96), (128, 128), (256, 256), (192, 128));
 prefill_kernels!(Bf16, "bf16": (64, 64), (96, 96), (128, 128), (256, 256), (192, 128));
-decode_kernels!(F16, "f16": 64, 96, 128, 256; tc_fp8: 96, 256; tc_16bit: 256);
-decode_kernels!(Bf16, "bf16": 64, 96, 128, 256; tc_fp8: 96, 256; tc_16bit: 256);
+decode_kernels!(F16, "f16": 64, 96, 128, 256; tc_fp8: 256; tc_16bit: 256);
+decode_kernels!(Bf16, "bf16": 64, 96, 128, 256; tc_fp8: 256; tc_16bit: 256);
 prefill_local_kernels!(F16, "f16": 64, 96, 128, 256);
 prefill_local_kernels!(Bf16, "bf16": 64, 96, 128, 256);
 

@@ -68,6 +68,9 @@ struct SlabCopy<F: SlabFormat<D>, const D: usize> {
     /// Byte offset of (block 0, token 0, this kv head) in K.
     head_base: u64,
     block_bytes: u64,
+    /// Bytes of a row that are read (the launch's head size): the chunks past them are
+    /// zero-filled.
+    live_bytes: u32,
     format: core::marker::PhantomData<F>,
 }
 
@@ -117,7 +120,7 @@ impl<F: SlabFormat<D>, const D: usize> SlabCopy<F, D> {
         static_for::<16>(|i| {
             if i < Self::CHUNKS {
                 let (r, col) = Self::chunk(i);
-                let live = !bad && kb + r < end;
+                let live = !bad && kb + r < end && col < self.live_bytes;
                 let src = if live { row0 + r as u64 * self.token_bytes + col as u64 } else { p.qkv.k };
                 let bytes = if live { 16 } else { 0 };
                 let dst = stage + F::at(r, col);
@@ -141,8 +144,9 @@ trait SlabFormat<const D: usize> {
     /// Byte offset of (row, byte column) in a staged plane of 16 rows.
     fn at(r: u32, col: u32) -> u32;
     /// The query B fragments of every k-step for query row `g` at `q` (16-bit `Q`), in the
-    /// order [`Self::scores`] takes the head dimensions, times `conv` when `Q` is not `M`.
-    unsafe fn queries<Q: MmaHalf>(q: u64, conv: f32) -> [[u32; 2]; 16];
+    /// order [`Self::scores`] takes the head dimensions, times `conv` when `Q` is not `M`; 0
+    /// for the dimensions at or past `head` (not read).
+    unsafe fn queries<Q: MmaHalf>(q: u64, conv: f32, head: u32) -> [[u32; 2]; 16];
     /// S^T = K Q^T for the K plane at `k`, for each of `G` column groups of 8 query rows (each
     /// K fragment loaded once for all of them). Two accumulators halve the dependent chain.
     unsafe fn scores<const G: usize>(q: &[[[u32; 2]; 16]; G], k: u32) -> [[f32; 4]; G];
@@ -176,13 +180,20 @@ impl<Q: MmaHalf, const D: usize> SlabFormat<D> for HalfRows<Q> {
     }
 
     #[inline(always)]
-    unsafe fn queries<Q2: MmaHalf>(q: u64, _: f32) -> [[u32; 2]; 16] {
+    unsafe fn queries<Q2: MmaHalf>(q: u64, _: f32, head: u32) -> [[u32; 2]; 16] {
         let t4 = thread_idx_x() % 4;
         let mut f = [[0u32; 2]; 16];
         static_for::<16>(|ks| {
             if ks < D / 16 {
-                let at = q + ((16 * ks) as u64 + 2 * t4 as u64) * 2;
-                f[ks] = unsafe { [load_u32_nc(at), load_u32_nc(at + 16)] };
+                // Dimensions 16 ks + 2 t4 (+ 1) and 8 further: each in one 8-column group.
+                let dim = 16 * ks as u32;
+                let at = q + (dim as u64 + 2 * t4 as u64) * 2;
+                if dim < head {
+                    f[ks][0] = unsafe { load_u32_nc(at) };
+                }
+                if dim + 8 < head {
+                    f[ks][1] = unsafe { load_u32_nc(at + 16) };
+                }
             }
         });
         f
@@ -254,12 +265,14 @@ impl<const D: usize> SlabFormat<D> for Fp8Rows {
     }
 
     #[inline(always)]
-    unsafe fn queries<Q: MmaHalf>(q: u64, conv: f32) -> [[u32; 2]; 16] {
+    unsafe fn queries<Q: MmaHalf>(q: u64, conv: f32, head: u32) -> [[u32; 2]; 16] {
         let t4 = thread_idx_x() % 4;
         let mut f = [[0u32; 2]; 16];
         static_for::<16>(|ks| {
-            if ks < D / 16 {
-                let w = unsafe { load8_nc(q + (t4 as u64 * (D as u64 / 4) + 4 * ks as u64) * 2) };
+            // Dimensions `dim ..+ 4`, in one 8-column group.
+            let dim = t4 * (D as u32 / 4) + 4 * ks as u32;
+            if ks < D / 16 && dim < head {
+                let w = unsafe { load8_nc(q + dim as u64 * 2) };
                 f[ks] = [convert::<Q, Self::M>(w[0], conv), convert::<Q, Self::M>(w[1], conv)];
             }
         });
@@ -377,6 +390,8 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     let n_tiles = if end > begin { (end - begin).div_ceil(TILE_KEYS) } else { 0 };
     let slab_key = |tile: u32| begin + tile * TILE_KEYS + warp * WARP_KEYS;
 
+    // The launch's head size (K and V alike here), at most `D`.
+    let head = p.dims.qk_or(D as u32);
     let ctas = ctas_per_sm(D as u32, fp8, LONG);
     let st = stages(D as u32, fp8, ctas);
     let sb = stage_bytes(D as u32, fp8);
@@ -390,6 +405,7 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
         token_bytes: strides.token * eb,
         head_base: strides.head * w.kv_head as u64 * eb,
         block_bytes: strides.block * eb,
+        live_bytes: head * F::Cache::ELEM_BYTES,
         format: core::marker::PhantomData,
     };
     // The block id of a slab this warp copies (-1 past the keys: nothing to copy).
@@ -413,7 +429,7 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     static_for::<G>(|c| {
         let q_row = unsafe { w.row(p, 8 * c as u32 + g) };
         let q_addr = p.qkv.q + (q_row.token as u64 * p.qkv.q_token_stride + q_row.head as u64 * p.qkv.q_head_stride) * 2;
-        q[c] = unsafe { F::queries::<Q>(q_addr, q_conv) };
+        q[c] = unsafe { F::queries::<Q>(q_addr, q_conv, head) };
     });
     let (k_scale, v_scale) = unsafe { F::Cache::scales::<F::M>(p, w.kv_head) };
     let mut ahead = [lookup(0), lookup(1)];

@@ -178,11 +178,20 @@ impl<C: AttnConfig> KeyTables<C> {
 /// Copies `rows` rows of `chunks` 16-byte chunks into shared memory at `dst` (row pitch `pitch`
 /// bytes) asynchronously by `NT` threads (the CTA's, or a warp's: thread `tid % NT` of each
 /// group of `NT`); `src(r)` is row r's address, 0 for a row to zero-fill (`fallback`, a valid
-/// address, is named then but not read). Thread `t` copies chunks `t + i * NT` (row-major),
-/// which [`Plane::convert_fp8`] relies on.
+/// address, is named then but not read). Only the first `live` chunks of a row are read; the
+/// rest (the columns past a head size below the kernel's width) are zero-filled. Thread `t`
+/// copies chunks `t + i * NT` (row-major), which [`Plane::convert_fp8`] relies on.
 #[inline(always)]
-pub(crate) unsafe fn copy_rows_async<const NT: u32>(rows: u32, dst: u32, chunks: u32, pitch: u32, fallback: u64, src: impl Fn(u32) -> u64) {
-    unsafe { copy_rows_async_to::<NT>(rows, |r, c| dst + r * pitch + c * 16, chunks, fallback, src) }
+pub(crate) unsafe fn copy_rows_async<const NT: u32>(
+    rows: u32,
+    dst: u32,
+    chunks: u32,
+    live: u32,
+    pitch: u32,
+    fallback: u64,
+    src: impl Fn(u32) -> u64,
+) {
+    unsafe { copy_rows_async_to::<NT>(rows, |r, c| dst + r * pitch + c * 16, chunks, live, fallback, src) }
 }
 
 /// [`copy_rows_async`] with chunk `c` of row `r` going to shared address `dst(r, c)`.
@@ -191,6 +200,7 @@ pub(crate) unsafe fn copy_rows_async_to<const NT: u32>(
     rows: u32,
     dst: impl Fn(u32, u32) -> u32,
     chunks: u32,
+    live: u32,
     fallback: u64,
     src: impl Fn(u32) -> u64,
 ) {
@@ -204,7 +214,7 @@ pub(crate) unsafe fn copy_rows_async_to<const NT: u32>(
         let c = idx - r * chunks;
         if r < rows {
             let a = src(r);
-            let (from, bytes) = if a != 0 { (a + c as u64 * 16, 16) } else { (fallback, 0) };
+            let (from, bytes) = if a != 0 && c < live { (a + c as u64 * 16, 16) } else { (fallback, 0) };
             unsafe { cp_async_16(dst(r, c), from, bytes) };
         }
         i += 1;

@@ -101,6 +101,10 @@ pub unsafe fn attention<C: AttnConfig, const MT: usize>(p: &AttnParams) {
     // Row pitch and 16-byte chunks of a stage's K/V rows: FP8 staging rows, or 16-bit tiles.
     let (k_pitch, v_pitch_st) = (C::Cache::staged_pitch(C::DK as u32), C::Cache::staged_pitch(C::DV as u32));
     let (k_chunks, v_chunks) = (C::Cache::staged_chunks(C::DK as u32), C::Cache::staged_chunks(C::DV as u32));
+    // The launch's head sizes (at most the kernel's widths): the chunks past them are
+    // zero-filled, so they add nothing to the scores and the accumulators, and are not stored.
+    let (head_qk, head_v) = (p.dims.qk_or(C::DK as u32), p.dims.v_or(C::DV as u32));
+    let (k_live, v_live) = (C::Cache::staged_chunks(head_qk), C::Cache::staged_chunks(head_v));
     let load_kv = |tile: u32| {
         let stage = tile % st;
         let t = table(tile) + key_off * TABLE_ENTRY;
@@ -113,17 +117,17 @@ pub unsafe fn attention<C: AttnConfig, const MT: usize>(p: &AttnParams) {
                 // Swizzled rows (`fp8_direct`), at their row in the stage.
                 let (k_base, v_base) = (smem + layout.k + stage * layout.k_stage, smem + layout.v + stage * layout.v_stage);
                 let to = |base: u32| move |r: u32, c: u32| base + fp8_direct::swizzled(key_off + r, c * 16, C::DK as u32);
-                copy_rows_async_to::<32>(C::KW as u32, to(k_base), k_chunks, p.qkv.q, k_src);
-                copy_rows_async_to::<32>(C::KW as u32, to(v_base), v_chunks, p.qkv.q, v_src);
+                copy_rows_async_to::<32>(C::KW as u32, to(k_base), k_chunks, k_live, p.qkv.q, k_src);
+                copy_rows_async_to::<32>(C::KW as u32, to(v_base), v_chunks, v_live, p.qkv.q, v_src);
             } else if C::KEYS {
-                copy_rows_async::<32>(C::KW as u32, k_dst, k_chunks, k_pitch, p.qkv.q, k_src);
+                copy_rows_async::<32>(C::KW as u32, k_dst, k_chunks, k_live, k_pitch, p.qkv.q, k_src);
                 if !C::VK {
-                    copy_rows_async::<32>(C::KW as u32, v_dst, v_chunks, v_pitch_st, p.qkv.q, v_src);
+                    copy_rows_async::<32>(C::KW as u32, v_dst, v_chunks, v_live, v_pitch_st, p.qkv.q, v_src);
                 }
             } else {
-                copy_rows_async::<THREADS>(C::BN as u32, k_dst, k_chunks, k_pitch, p.qkv.q, k_src);
+                copy_rows_async::<THREADS>(C::BN as u32, k_dst, k_chunks, k_live, k_pitch, p.qkv.q, k_src);
                 if !C::VK {
-                    copy_rows_async::<THREADS>(C::BN as u32, v_dst, v_chunks, v_pitch_st, p.qkv.q, v_src);
+                    copy_rows_async::<THREADS>(C::BN as u32, v_dst, v_chunks, v_live, v_pitch_st, p.qkv.q, v_src);
                 }
             }
         }
@@ -153,11 +157,11 @@ pub unsafe fn attention<C: AttnConfig, const MT: usize>(p: &AttnParams) {
     };
     let q_pitch = (C::DK as u32 + ROW_PAD) * 2;
     if C::KEYS {
-        unsafe { copy_rows_async::<THREADS>(16, smem, C::DK as u32 / 8, q_pitch, p.qkv.q, q_row) };
+        unsafe { copy_rows_async::<THREADS>(16, smem, C::DK as u32 / 8, head_qk / 8, q_pitch, p.qkv.q, q_row) };
     } else if MT == 1 {
-        unsafe { copy_rows_async::<THREADS>(64, smem, C::DK as u32 / 8, q_pitch, p.qkv.q, q_row) };
+        unsafe { copy_rows_async::<THREADS>(64, smem, C::DK as u32 / 8, head_qk / 8, q_pitch, p.qkv.q, q_row) };
     } else {
-        unsafe { copy_rows_async::<THREADS>(128, smem, C::DK as u32 / 8, q_pitch, p.qkv.q, q_row) };
+        unsafe { copy_rows_async::<THREADS>(128, smem, C::DK as u32 / 8, head_qk / 8, q_pitch, p.qkv.q, q_row) };
     }
     // Programmatic dependent launch (sm_90a): everything above (work item, block tables,
     // queries, scales) was on the device before the kernel ahead of this one started, so it
@@ -334,7 +338,7 @@ pub unsafe fn attention<C: AttnConfig, const MT: usize>(p: &AttnParams) {
             if warp_row0 + 16 * mt as u32 + g + 8 * h as u32 >= w.live {
                 return;
             }
-            let out = unsafe { RowOut::new(p, &w, &rows[mt][h], st, num_splits, t4 == 0, v_scale, C::DV) };
+            let out = unsafe { RowOut::new(p, &w, &rows[mt][h], st, num_splits, t4 == 0, v_scale, head_v) };
             static_for::<32>(|n| {
                 if n < C::DV / 8 {
                     unsafe { out.store_pair::<C::Q>(n as u32 * 8 + 2 * t4, o[mt][n][2 * h], o[mt][n][2 * h + 1]) };

@@ -14,12 +14,13 @@ use attn_math::softmax::{exp2, OnlineSoftmax};
 
 /// Where a finished row goes: the output (one split) or the split-K workspace, and the factor
 /// its accumulator takes. Writes the row's LSE when `write_lse`. `dv`: the row's width (without
-/// `p.mla.v_row`).
+/// `p.mla.v_row`): the launch's head size, below which columns are stored.
 #[derive(Clone, Copy)]
 pub(crate) struct RowOut {
     addr: u64,
     partial: bool,
     inv: f32,
+    cols: u32,
 }
 
 impl RowOut {
@@ -33,7 +34,7 @@ impl RowOut {
         num_splits: u32,
         write_lse: bool,
         v_scale: f32,
-        dv: usize,
+        dv: u32,
     ) -> RowOut {
         if num_splits == 1 {
             let mut scale = 1.0;
@@ -47,7 +48,7 @@ impl RowOut {
             }
             let addr = p.output.out
                 + (row.token as u64 * p.output.out_token_stride + row.head as u64 * p.output.out_head_stride + w.v_col0 as u64) * 2;
-            RowOut { addr, partial: false, inv: if st.sum > 0.0 { v_scale * scale / st.sum } else { 0.0 } }
+            RowOut { addr, partial: false, inv: if st.sum > 0.0 { v_scale * scale / st.sum } else { 0.0 }, cols: dv }
         } else {
             let base = unsafe { w.partial_base(p) };
             let t = (row.token - w.q_start) as u64;
@@ -57,13 +58,17 @@ impl RowOut {
             }
             let row_width = if p.mla.v_row != 0 { p.mla.v_row as u64 } else { dv as u64 };
             let addr = p.split.partial_out + (index * row_width + w.v_col0 as u64) * 4;
-            RowOut { addr, partial: true, inv: if st.sum > 0.0 { v_scale / st.sum } else { 0.0 } }
+            RowOut { addr, partial: true, inv: if st.sum > 0.0 { v_scale / st.sum } else { 0.0 }, cols: dv }
         }
     }
 
-    /// Columns `col`, `col + 1` (unnormalised accumulator values).
+    /// Columns `col`, `col + 1` (unnormalised accumulator values); nothing past the row's
+    /// width (`col` is even and the width a multiple of 8).
     #[inline(always)]
     pub unsafe fn store_pair<Q: MmaHalf>(&self, col: u32, a: f32, b: f32) {
+        if col >= self.cols {
+            return;
+        }
         if self.partial {
             unsafe { store8(self.addr + col as u64 * 4, [(a * self.inv).to_bits(), (b * self.inv).to_bits()]) };
         } else {
@@ -160,7 +165,7 @@ pub(crate) unsafe fn store_merged_rows<C: AttnConfig, const R: u32>(
         total.merge(OnlineSoftmax { max, sum });
     });
     let row = unsafe { w.row(p, r) };
-    let out = unsafe { RowOut::new(p, w, &row, total, num_splits, t == 0, v_scale, C::DV) };
+    let out = unsafe { RowOut::new(p, w, &row, total, num_splits, t == 0, v_scale, p.dims.v_or(C::DV as u32)) };
     static_for::<16>(|i| {
         if (i as u32) < C::DV as u32 / (2 * per_row) {
             let col = 2 * (t + per_row * i as u32);

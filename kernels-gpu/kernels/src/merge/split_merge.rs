@@ -46,7 +46,9 @@ pub(crate) unsafe fn merge_item_splits<Q: MmaHalf, const DV: usize, const R: u32
     let split_stride = w.q_len as u64 * p.shape.num_q_heads as u64;
     // Four splits at a time: their LSEs and this thread's chunks load together (one round trip),
     // then fold into a softmax state of denominator 1 each (partials are normalised).
-    let chunks = DV as u32 / 4;
+    // The launch's row width (its head size, at most the kernel's `DV`).
+    let dv = p.dims.v_or(DV as u32);
+    let chunks = dv / 4;
     let mut state = OnlineSoftmax::EMPTY;
     let mut acc = [[0.0f32; 4]; 4];
     let mut s0 = 0;
@@ -60,7 +62,7 @@ pub(crate) unsafe fn merge_item_splits<Q: MmaHalf, const DV: usize, const R: u32
                 static_for::<4>(|i| {
                     let c = t + per_row * i as u32;
                     if i as u32 * per_row < chunks && c < chunks {
-                        v[j][i] = unsafe { load16_cg(p.split.partial_out + (index * DV as u64 + 4 * c as u64) * 4) };
+                        v[j][i] = unsafe { load16_cg(p.split.partial_out + (index * dv as u64 + 4 * c as u64) * 4) };
                     }
                 });
             }
@@ -76,7 +78,7 @@ pub(crate) unsafe fn merge_item_splits<Q: MmaHalf, const DV: usize, const R: u32
         });
         s0 += 4;
     }
-    let out = unsafe { RowOut::new(p, w, &row, state, 1, t == 0, 1.0, DV) };
+    let out = unsafe { RowOut::new(p, w, &row, state, 1, t == 0, 1.0, dv) };
     static_for::<4>(|i| {
         let c = t + per_row * i as u32;
         if i as u32 * per_row < chunks && c < chunks {

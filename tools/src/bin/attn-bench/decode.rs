@@ -154,5 +154,14 @@ pub fn decode_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) ->
     }
     rows.push(decode_row::<Fp8E4m3>(b, &DecodeShape { kv_heads: 2, ..shape(64, 4096) }, false, status)?);
     rows.push(decode_row::<Fp8E4m3>(b, &DecodeShape { per_head_scales: true, ..shape(64, 4096) }, false, status)?);
+    // Head sizes below the kernels' widths (`attn_math::decode::decode_width`): 40 (width 64),
+    // 80 (96; FP8: 128), 112 (128), 200 (256), and FP8 at 96 (128); beside the d128 rows' % of
+    // the read ceiling.
+    for head_size in [40, 80, 112, 200] {
+        rows.push(decode_row::<bf16>(b, &DecodeShape { head_size, ..shape(64, 4096) }, false, status)?);
+    }
+    for head_size in [80, 96, 112] {
+        rows.push(decode_row::<Fp8E4m3>(b, &DecodeShape { head_size, ..shape(64, 4096) }, false, status)?);
+    }
     Ok(())
 }

@@ -114,6 +114,10 @@ pub fn prefill_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -
         PrefillShape { packed: true, ..sh(4, 4096, 32, 8, 128) },
         PrefillShape { packed: true, ..sh(8, 2048, 32, 32, 64) },
         sh(4, 4096, 32, 8, 256),
+        // Head sizes below the kernels' widths: 80 (width 96), 112 (128), and 96 itself.
+        sh(4, 4096, 32, 8, 80),
+        sh(4, 4096, 32, 8, 96),
+        sh(4, 4096, 32, 8, 112),
     ] {
         rows.push(prefill_row(b, &shape, status)?);
     }

@@ -293,7 +293,7 @@ unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings<D>, t: u32) {
                 let head = w.kv_head * p.shape.group + (gr - tok * p.shape.group);
                 p.qkv.q + ((w.q_start + tok) as u64 * p.qkv.q_token_stride + head as u64 * p.qkv.q_head_stride) * 2
             };
-            unsafe { copy_rows::<D, BLOCK_M, PRODUCERS>(rings.q(k), t, p.qkv.q, q_row) };
+            unsafe { copy_rows::<D, BLOCK_M, PRODUCERS>(rings.q(k), t, p.dims.qk_or(D as u32) / 8, p.qkv.q, q_row) };
         }
         unsafe {
             mbarrier::arrive_when_copies_land(rings.q_filled(k));
@@ -308,6 +308,8 @@ unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings<D>, t: u32) {
         }
         if it.status == ITEM_WORK && it.n_tiles > 0 {
             let src = unsafe { KvSource::of(p, &w) };
+            // K and V share the head size here.
+            let live = p.dims.qk_or(D as u32) / 8;
             let key_of = |j: u32| it.begin + j * BLOCK_N + t;
             let locate = |j: u32| if key_of(j) < it.end { unsafe { src.locate(p, key_of(j)) } } else { -1 };
             let mut loc = locate(0);
@@ -348,9 +350,9 @@ unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings<D>, t: u32) {
                         let rows = |r| ld_shared_u64x2(table + r * TABLE_ENTRY);
                         let dst = [rings.k(uh), rings.v(uh)];
                         if Rings::<D>::KEYS == BLOCK_N {
-                            copy_row_pairs::<D, BLOCK_N, PRODUCERS>(dst, t, p.qkv.q, rows, true);
+                            copy_row_pairs::<D, BLOCK_N, PRODUCERS>(dst, t, live, p.qkv.q, rows, true);
                         } else {
-                            copy_row_pairs::<D, { BLOCK_N / 2 }, PRODUCERS>(dst, t, p.qkv.q, rows, true);
+                            copy_row_pairs::<D, { BLOCK_N / 2 }, PRODUCERS>(dst, t, live, p.qkv.q, rows, true);
                         }
                         mbarrier::arrive_when_copies_land(rings.filled(uh));
                         if t == 0 {
@@ -467,7 +469,7 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &AttnParams, rings: Rings<D>
                 if r >= w.live {
                     return;
                 }
-                let out = unsafe { RowOut::new(p, &w, &w.row(p, r), st, it.num_splits, t4 == 0, 1.0, D) };
+                let out = unsafe { RowOut::new(p, &w, &w.row(p, r), st, it.num_splits, t4 == 0, 1.0, p.dims.v_or(D as u32)) };
                 static_for::<16>(|n| {
                     if n < D / 8 {
                         unsafe { out.store_pair::<Q>(n as u32 * 8 + 2 * t4, o[n][2 * h], o[n][2 * h + 1]) };

@@ -10,12 +10,19 @@ use attn_math::softmax::{exp2, OnlineSoftmax};
 
 /// Copies `ROWS` rows of `D` 16-bit columns into the [`swizzled`] layout at `dst` by `NT`
 /// threads (`t`: this one's index among them); `src(r)`: row r's address, 0 to zero-fill
-/// (`fallback` named then, not read). Thread t always takes chunk `t % (D / 8)` of rows
+/// (`fallback` named then, not read). Only the first `live` 16-byte chunks of a row are read
+/// (the launch's head size), the rest are zero-filled. Thread t always takes chunk `t % (D / 8)` of rows
 /// `t / (D / 8) + i * NT / (D / 8)`: the rows a thread copies are a whole number of 8-row
 /// groups apart, so their shared-memory addresses and table entries differ by constants.
 #[inline(always)]
-pub(crate) unsafe fn copy_rows<const D: usize, const ROWS: u32, const NT: u32>(dst: u32, t: u32, fallback: u64, src: impl Fn(u32) -> u64) {
-    unsafe { copy_row_pairs::<D, ROWS, NT>([dst, dst], t, fallback, |r| (src(r), 0), false) }
+pub(crate) unsafe fn copy_rows<const D: usize, const ROWS: u32, const NT: u32>(
+    dst: u32,
+    t: u32,
+    live: u32,
+    fallback: u64,
+    src: impl Fn(u32) -> u64,
+) {
+    unsafe { copy_row_pairs::<D, ROWS, NT>([dst, dst], t, live, fallback, |r| (src(r), 0), false) }
 }
 
 /// [`copy_rows`] of two tiles at once (`dst[0]`, `dst[1]`; K and V) whose rows `src(r)` gives
@@ -24,6 +31,7 @@ pub(crate) unsafe fn copy_rows<const D: usize, const ROWS: u32, const NT: u32>(d
 pub(crate) unsafe fn copy_row_pairs<const D: usize, const ROWS: u32, const NT: u32>(
     dst: [u32; 2],
     t: u32,
+    live: u32,
     fallback: u64,
     src: impl Fn(u32) -> (u64, u64),
     both: bool,
@@ -31,12 +39,14 @@ pub(crate) unsafe fn copy_row_pairs<const D: usize, const ROWS: u32, const NT: u
     let chunks = D as u32 / 8;
     const { assert!(NT.is_multiple_of(D as u32 / 8) && (NT / (D as u32 / 8)).is_multiple_of(8) && ROWS.is_multiple_of(NT / (D as u32 / 8))) };
     let (c, r0) = (t % chunks, t / chunks);
+    // This thread's chunk is the same in every row.
+    let read = c < live;
     let step = NT / chunks;
     let off0 = swizzled(D as u32, r0, c);
     static_for::<16>(|i| {
         if (i as u32) < ROWS / step {
             let (a, b) = src(r0 + i as u32 * step);
-            let valid = a != 0;
+            let valid = a != 0 && read;
             let bytes = if valid { 16 } else { 0 };
             // Rows `step` apart are `step / 8` groups apart.
             let off = off0 + i as u32 * (step / 8) * group_bytes(D as u32);

@@ -73,7 +73,7 @@ pub(super) unsafe fn cluster_combine<Q: MmaHalf>(
             return;
         }
         let row = unsafe { w.row(p, r) };
-        let out = unsafe { RowOut::new(p, w, &row, merged[h], 1, me == 0 && t4 == 0 && col0 == 0, v_scale, MLA_V as usize) };
+        let out = unsafe { RowOut::new(p, w, &row, merged[h], 1, me == 0 && t4 == 0 && col0 == 0, v_scale, MLA_V) };
         static_for::<NARROW_TILES>(|n| {
             if n as u32 % ranks != me {
                 return;

@@ -386,7 +386,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
                 }
                 let state = row_state(m, h);
                 let row = unsafe { w.row(p, r) };
-                let out = unsafe { RowOut::new(p, &w, &row, state, num_splits, t4 == 0 && col0 == 0, v_scale, MLA_V as usize) };
+                let out = unsafe { RowOut::new(p, &w, &row, state, num_splits, t4 == 0 && col0 == 0, v_scale, MLA_V) };
                 static_for::<32>(|n| {
                     if n < nct {
                         unsafe { out.store_pair::<Q>(col0 + n as u32 * 8 + 2 * t4, o[m][n][2 * h], o[m][n][2 * h + 1]) };
