@@ -191,9 +191,8 @@ pub(crate) struct PrefillKernel {
 
 /// The prefill kernel of the module `target` (`AttnDevice::ptx_target`) for head sizes `dk`,
 /// `dv`: Hopper's warp-specialised persistent `wgmma` kernel (`prefill_wgs_*`, in the sm_90a
-/// module) for 16-bit caches and QK = V up to 128, at width 64 or 128 (its width-128 tiles run
-/// head size 96 faster than the `mma.sync` kernel's width-96 ones); the `mma.sync` kernel at
-/// [`prefill_widths`] for every other case.
+/// module) for 16-bit caches and QK = V up to 128, at widths 64, 80, 96, 112 and 128; the
+/// `mma.sync` kernel at [`prefill_widths`] for every other case.
 #[cfg(test)]
 pub(crate) fn prefill_kernel(target: &str, q: DType, fp8: bool, dk: usize, dv: usize) -> PrefillKernel {
     prefill_kernel_for(target, q, fp8, dk, dv, false).unwrap()
@@ -459,7 +458,10 @@ mod tests {
         assert_eq!(name("sm_90a", bf16, false, 64, 64), "prefill_wgs_bf16_d64");
         assert_eq!(name("sm_90a", f16, false, 128, 128), "prefill_wgs_f16_d128");
         assert_eq!(name("sm_90a", bf16, true, 128, 128), "prefill_bf16_fp8_dk128_dv128");
-        assert_eq!(name("sm_90a", bf16, false, 96, 96), "prefill_wgs_bf16_d128");
+        assert_eq!(name("sm_90a", bf16, false, 96, 96), "prefill_wgs_bf16_d96");
+        assert_eq!(name("sm_90a", bf16, false, 72, 72), "prefill_wgs_bf16_d80");
+        assert_eq!(name("sm_90a", bf16, false, 104, 104), "prefill_wgs_bf16_d112");
+        assert_eq!(name("sm_90a", bf16, false, 120, 120), "prefill_wgs_bf16_d128");
         assert_eq!(name("sm_90a", bf16, false, 40, 40), "prefill_wgs_bf16_d64");
         assert_eq!(name("sm_90a", bf16, false, 136, 136), "prefill_bf16_dk256_dv256");
         assert_eq!(name("sm_90a", bf16, true, 80, 80), "prefill_bf16_fp8_dk96_dv96");

@@ -15,8 +15,15 @@ pub const THREADS: u32 = 256;
 pub const BLOCK_M: u32 = 128;
 /// Keys per tile.
 pub const BLOCK_N: u32 = 128;
-/// Head sizes (QK = V) with Hopper prefill kernels: whole 128-byte swizzle atoms per row.
-pub const HEAD_SIZES: [u32; 2] = [64, 128];
+/// Widths (QK = V) of the Hopper prefill kernels: the MMAs' K of S and N of P V. Their
+/// shared-memory rows are [`row_width`] columns.
+pub const HEAD_SIZES: [u32; 5] = [64, 80, 96, 112, 128];
+
+/// Columns of the shared-memory rows of the kernel of width `d`: whole 128-byte swizzle atoms
+/// (64 columns each), so 128 for widths 80 to 112, whose columns past `d` hold zeros.
+pub const fn row_width(d: u32) -> u32 {
+    d.div_ceil(64) * 64
+}
 
 /// Bytes of a group of 8 rows of `d` 16-bit columns in the [`swizzled`] layout.
 pub const fn group_bytes(d: u32) -> u32 {
@@ -89,7 +96,9 @@ pub struct WsLayout {
     pub total: u32,
 }
 
+/// The layout of the kernel of width `d` (its rows are [`row_width`] columns).
 pub const fn ws_layout(d: u32) -> WsLayout {
+    let d = row_width(d);
     let stages = WS_STAGES;
     let q_bytes = BLOCK_M * d * 2;
     let tile = ws_stage_keys(d) * d * 2;
@@ -125,7 +134,7 @@ mod tests {
 
     #[test]
     fn swizzled_layout_is_a_bijection_keeping_128_byte_runs() {
-        for d in HEAD_SIZES {
+        for d in HEAD_SIZES.map(row_width) {
             let chunks = d / 8;
             let mut seen = std::vec![false; (16 * chunks) as usize];
             for r in 0..16 {

@@ -29,6 +29,24 @@ macro_rules! acc64 {
     };
 }
 
+macro_rules! acc56 {
+    () => {
+        "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}, {32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}"
+    };
+}
+
+macro_rules! acc48 {
+    () => {
+        "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}, {32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}"
+    };
+}
+
+macro_rules! acc40 {
+    () => {
+        "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}, {32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}"
+    };
+}
+
 macro_rules! acc32 {
     () => {
         "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}"
@@ -71,8 +89,9 @@ macro_rules! qk64_atom {
 }
 
 /// The S chain over 64 keys: one atom (head size 64) or two (128; the next atom is 1024 bytes on
-/// from the first, 1024 - 96 from the last k-step: 58 units of 16 bytes); 32 accumulators, the
-/// descriptors are operands 32 and 33.
+/// from the first, 1024 - 96 from the last k-step: 58 units of 16 bytes), of which head sizes
+/// 80, 96 and 112 run the second's first 1, 2 or 3 k-steps; 32 accumulators, the descriptors
+/// are operands 32 and 33.
 macro_rules! qk64_chain {
     ($t:literal, $wait:literal, $($more:tt)*) => {
         concat!(
@@ -83,6 +102,14 @@ macro_rules! qk64_chain {
             $($more)*
             "wgmma.commit_group.sync.aligned;\n", $wait, "}}"
         )
+    };
+}
+
+/// Head sizes 80, 96 and 112 on rows of two atoms: the step to the second atom (as in
+/// [`qk64_chain`]) and its first k-step, then `$more` (further k-steps), 32 bytes apart.
+macro_rules! qk64_second_atom {
+    ($t:literal $(, $more:expr)*) => {
+        concat!("add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n", qk64_step!($t, "po"), $("add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n", $more,)*)
     };
 }
 
@@ -123,10 +150,22 @@ macro_rules! wgmma_tiles_impl {
         impl WgmmaTiles for $ty {
             #[inline(always)]
             unsafe fn scores_64x64_async<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8] {
-                const { assert!(D == 64 || D == 128) };
+                const { assert!(matches!(D, 64 | 80 | 96 | 112 | 128)) };
                 let mut s = [[0.0f32; 4]; 8];
                 if D == 64 {
                     unsafe { with_acc!(qk64_chain!($t, "",), out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack)) };
+                } else if D == 80 {
+                    unsafe { with_acc!(qk64_chain!($t, "", qk64_second_atom!($t),), out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack)) };
+                } else if D == 96 {
+                    unsafe {
+                        with_acc!(qk64_chain!($t, "", qk64_second_atom!($t, qk64_step!($t, "po")),),
+                                  out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack))
+                    };
+                } else if D == 112 {
+                    unsafe {
+                        with_acc!(qk64_chain!($t, "", qk64_second_atom!($t, qk64_step!($t, "po"), qk64_step!($t, "po")),),
+                                  out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack))
+                    };
                 } else {
                     unsafe {
                         with_acc!(qk64_chain!($t, "", "add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n", qk64_atom!($t, "po"),),
@@ -138,8 +177,25 @@ macro_rules! wgmma_tiles_impl {
 
             #[inline(always)]
             unsafe fn pv_64xd_k64_async<const D: usize>(o: &mut [[f32; 4]; 16], p: &[[u32; 4]; 4], desc_v: u64) {
-                const { assert!(D == 64 || D == 128) };
-                if D == 64 {
+                const { assert!(matches!(D, 64 | 80 | 96 | 112 | 128)) };
+                // N = D columns of V; past 64 the rows are two atoms wide (V's next 16 keys 256
+                // units of 16 bytes on).
+                if D == 80 {
+                    unsafe {
+                        with_acc!(pv64_chain!($t, "", "80", acc40!(), "{56}", "256", ["{40}, {41}, {42}, {43}", "{44}, {45}, {46}, {47}", "{48}, {49}, {50}, {51}", "{52}, {53}, {54}, {55}"]),
+                                  inout o [0 1 2 3 4 5 6 7 8 9], frags p [0 1 2 3], in(reg64) desc_v, options(nostack))
+                    };
+                } else if D == 96 {
+                    unsafe {
+                        with_acc!(pv64_chain!($t, "", "96", acc48!(), "{64}", "256", ["{48}, {49}, {50}, {51}", "{52}, {53}, {54}, {55}", "{56}, {57}, {58}, {59}", "{60}, {61}, {62}, {63}"]),
+                                  inout o [0 1 2 3 4 5 6 7 8 9 10 11], frags p [0 1 2 3], in(reg64) desc_v, options(nostack))
+                    };
+                } else if D == 112 {
+                    unsafe {
+                        with_acc!(pv64_chain!($t, "", "112", acc56!(), "{72}", "256", ["{56}, {57}, {58}, {59}", "{60}, {61}, {62}, {63}", "{64}, {65}, {66}, {67}", "{68}, {69}, {70}, {71}"]),
+                                  inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13], frags p [0 1 2 3], in(reg64) desc_v, options(nostack))
+                    };
+                } else if D == 64 {
                     unsafe {
                         with_acc!(pv64_chain!($t, "", "64", acc32!(), "{48}", "128",
                                             ["{32}, {33}, {34}, {35}", "{36}, {37}, {38}, {39}", "{40}, {41}, {42}, {43}", "{44}, {45}, {46}, {47}"]),
@@ -188,8 +244,20 @@ pub unsafe fn wait_scores64<const N: u32>(s: [[f32; 4]; 8]) -> [[f32; 4]; 8] {
 /// touches them before.
 #[inline(always)]
 pub unsafe fn wait_pv64<const N: u32, const D: usize>(o: &mut [[f32; 4]; 16], p: &[[u32; 4]; 4]) {
-    const { assert!(D == 64 || D == 128) };
-    if D == 64 {
+    const { assert!(matches!(D, 64 | 80 | 96 | 112 | 128)) };
+    if D == 80 {
+        unsafe {
+            with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc40!(), ", {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}"), inout o [0 1 2 3 4 5 6 7 8 9], frags p [0 1 2 3], n = const N, options(nostack))
+        };
+    } else if D == 96 {
+        unsafe {
+            with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc48!(), ", {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}"), inout o [0 1 2 3 4 5 6 7 8 9 10 11], frags p [0 1 2 3], n = const N, options(nostack))
+        };
+    } else if D == 112 {
+        unsafe {
+            with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc56!(), ", {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}, {64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}"), inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13], frags p [0 1 2 3], n = const N, options(nostack))
+        };
+    } else if D == 64 {
         unsafe {
             with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc32!(), ", {32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}"), inout o [0 1 2 3 4 5 6 7], frags p [0 1 2 3], n = const N, options(nostack))
         };

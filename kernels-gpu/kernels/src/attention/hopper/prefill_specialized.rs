@@ -73,25 +73,25 @@ const ITEM_NONE: u32 = 0;
 const ITEM_WORK: u32 = 1;
 const ITEM_END: u32 = 2;
 
-/// The shared-memory rings of head size `D`, indexed by ring position (the CTA's stages
+/// The shared-memory rings of rows `W` columns wide (whole 128-byte swizzle atoms), indexed by ring position (the CTA's stages
 /// counted across its items) or by item count. The compute warps count 64-key half tiles
 /// instead ([`Rings::half`]).
 #[derive(Clone, Copy)]
-struct Rings<const D: usize> {
+struct Rings<const W: usize> {
     smem: u32,
     l: WsLayout,
 }
 
-impl<const D: usize> Rings<D> {
+impl<const W: usize> Rings<W> {
     const STAGES: u32 = WS_STAGES;
     /// Keys of a stage.
-    const KEYS: u32 = ws_stage_keys(D as u32);
+    const KEYS: u32 = ws_stage_keys(W as u32);
     /// Half tiles (64 keys) a stage holds: 2 or 1.
     const HALVES: u32 = Self::KEYS / 64;
 
     #[inline(always)]
     fn new(smem: u32) -> Self {
-        Rings { smem, l: ws_layout(D as u32) }
+        Rings { smem, l: ws_layout(W as u32) }
     }
 
     #[inline(always)]
@@ -125,7 +125,7 @@ impl<const D: usize> Rings<D> {
     #[inline(always)]
     fn half(&self, x: u32) -> Half {
         let (u, i) = (x / Self::HALVES, x % Self::HALVES);
-        let rows = i * 64 * D as u32 * 2;
+        let rows = i * 64 * W as u32 * 2;
         let table = self.table(u);
         Half {
             u,
@@ -236,16 +236,19 @@ impl Item {
     }
 }
 
-/// The kernel for head size `D` (QK = V) and 16-bit Q, K, V of type `Q`.
+/// The kernel for 16-bit Q, K, V of type `Q` at width `D` (QK = V: the MMAs' K of S and N of
+/// P V, and the accumulators) on shared-memory rows of `W` columns (whole 128-byte swizzle
+/// atoms: 64, or 128 for `D` 80 to 128, whose columns past `D` are copied as zeros and never
+/// read by the MMAs).
 #[inline(always)]
-pub unsafe fn prefill_specialized<Q: WgmmaTiles, const D: usize>(p: &AttnParams) {
+pub unsafe fn prefill_specialized<Q: WgmmaTiles, const D: usize, const W: usize>(p: &AttnParams) {
     // Programmatic dependent launch: wait for the cache write before reading anything.
     pdl_prologue();
-    const { assert!(D == 64 || D == 128) };
+    const { assert!((D == 64 && W == 64) || (W == 128 && matches!(D, 80 | 96 | 112 | 128))) };
     let tid = thread_idx_x();
-    let rings = Rings::<D>::new(shared_addr(dynamic_shared::<u8>()));
+    let rings = Rings::<W>::new(shared_addr(dynamic_shared::<u8>()));
     if tid == 0 {
-        for u in 0..Rings::<D>::STAGES {
+        for u in 0..Rings::<W>::STAGES {
             unsafe { mbarrier::init(rings.filled(u), FILLED_ARRIVALS) };
             unsafe { mbarrier::init(rings.freed(u), THREADS / 32) };
         }
@@ -257,21 +260,21 @@ pub unsafe fn prefill_specialized<Q: WgmmaTiles, const D: usize>(p: &AttnParams)
     sync_threads();
     if tid >= THREADS {
         set_max_registers::<WS_PRODUCER_REGS, false>();
-        unsafe { produce::<D>(p, rings, tid - THREADS) };
+        unsafe { produce::<D, W>(p, rings, tid - THREADS) };
     } else {
         set_max_registers::<WS_COMPUTE_REGS, true>();
-        unsafe { consume::<Q, D>(p, rings, tid) };
+        unsafe { consume::<Q, D, W>(p, rings, tid) };
     }
 }
 
 /// The producer warpgroup (`t`: its thread index): items, queries, tables and K/V tiles into
 /// the rings, until the items run out.
 #[inline(always)]
-unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings<D>, t: u32) {
+unsafe fn produce<const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W>, t: u32) {
     let mut u = 0u32;
     let mut k = 0u32;
     loop {
-        unsafe { mbarrier::wait(rings.q_freed(k), Rings::<D>::q_parity(k) ^ 1) };
+        unsafe { mbarrier::wait(rings.q_freed(k), Rings::<W>::q_parity(k) ^ 1) };
         // This buffer's previous copies (`WS_Q_BUFFERS` query groups ago, or further back
         // counting the key stages' groups between) are this thread's own to complete before
         // it rewrites the buffer. They have landed (the compute warps freed the buffer after
@@ -293,7 +296,7 @@ unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings<D>, t: u32) {
                 let head = w.kv_head * p.shape.group + (gr - tok * p.shape.group);
                 p.qkv.q + ((w.q_start + tok) as u64 * p.qkv.q_token_stride + head as u64 * p.qkv.q_head_stride) * 2
             };
-            unsafe { copy_rows::<D, BLOCK_M, PRODUCERS>(rings.q(k), t, p.dims.qk_or(D as u32) / 8, p.qkv.q, q_row) };
+            unsafe { copy_rows::<W, BLOCK_M, PRODUCERS>(rings.q(k), t, p.dims.qk_or(D as u32) / 8, p.qkv.q, q_row) };
         }
         unsafe {
             mbarrier::arrive_when_copies_land(rings.q_filled(k));
@@ -329,30 +332,30 @@ unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings<D>, t: u32) {
                 }
                 // The tile's stages (one or two).
                 static_for::<2>(|h| {
-                    if h as u32 >= BLOCK_N / Rings::<D>::KEYS {
+                    if h as u32 >= BLOCK_N / Rings::<W>::KEYS {
                         return;
                     }
                     let uh = u + h as u32;
                     let table = rings.table(uh);
-                    unsafe { mbarrier::wait(rings.freed(uh), Rings::<D>::parity(uh) ^ 1) };
+                    unsafe { mbarrier::wait(rings.freed(uh), Rings::<W>::parity(uh) ^ 1) };
                     // As for the query buffers: at least `STAGES - 1` groups were committed
                     // since this stage's last fill.
                     cp_async_wait::<{ WS_STAGES - 1 }>();
-                    if t / Rings::<D>::KEYS == h as u32 {
-                        let tk = t % Rings::<D>::KEYS;
+                    if t / Rings::<W>::KEYS == h as u32 {
+                        let tk = t % Rings::<W>::KEYS;
                         unsafe { st_shared_u64x2(table + tk * TABLE_ENTRY, ka, va) };
                         if tk.is_multiple_of(32) {
-                            unsafe { st_shared_u32(table + Rings::<D>::KEYS * TABLE_ENTRY + (tk / 32) * 4, any_bad as u32) };
+                            unsafe { st_shared_u32(table + Rings::<W>::KEYS * TABLE_ENTRY + (tk / 32) * 4, any_bad as u32) };
                         }
                     }
                     named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
                     unsafe {
                         let rows = |r| ld_shared_u64x2(table + r * TABLE_ENTRY);
                         let dst = [rings.k(uh), rings.v(uh)];
-                        if Rings::<D>::KEYS == BLOCK_N {
-                            copy_row_pairs::<D, BLOCK_N, PRODUCERS>(dst, t, live, p.qkv.q, rows, true);
+                        if Rings::<W>::KEYS == BLOCK_N {
+                            copy_row_pairs::<W, BLOCK_N, PRODUCERS>(dst, t, live, p.qkv.q, rows, true);
                         } else {
-                            copy_row_pairs::<D, { BLOCK_N / 2 }, PRODUCERS>(dst, t, live, p.qkv.q, rows, true);
+                            copy_row_pairs::<W, { BLOCK_N / 2 }, PRODUCERS>(dst, t, live, p.qkv.q, rows, true);
                         }
                         mbarrier::arrive_when_copies_land(rings.filled(uh));
                         if t == 0 {
@@ -363,7 +366,7 @@ unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings<D>, t: u32) {
                     }
                     cp_async_commit();
                 });
-                u += BLOCK_N / Rings::<D>::KEYS;
+                u += BLOCK_N / Rings::<W>::KEYS;
                 j += 1;
             }
         }
@@ -388,10 +391,10 @@ unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings<D>, t: u32) {
     // these phases, so each barrier is in that phase or just past it and the parity names it.
     unsafe {
         for i in 0..WS_Q_BUFFERS.min(k + 1) {
-            mbarrier::wait(rings.q_filled(k - i), Rings::<D>::q_parity(k - i));
+            mbarrier::wait(rings.q_filled(k - i), Rings::<W>::q_parity(k - i));
         }
-        for v in u.saturating_sub(Rings::<D>::STAGES)..u {
-            mbarrier::wait(rings.filled(v), Rings::<D>::parity(v));
+        for v in u.saturating_sub(Rings::<W>::STAGES)..u {
+            mbarrier::wait(rings.filled(v), Rings::<W>::parity(v));
         }
     }
 }
@@ -399,11 +402,11 @@ unsafe fn produce<const D: usize>(p: &AttnParams, rings: Rings<D>, t: u32) {
 /// The compute warpgroups (`tid` < [`THREADS`]): the half-tile schedule (module docs) over the
 /// rings, item after item.
 #[inline(always)]
-unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &AttnParams, rings: Rings<D>, tid: u32) {
+unsafe fn consume<Q: WgmmaTiles, const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W>, tid: u32) {
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
     let wg = warp / 4;
-    let gb = group_bytes(D as u32);
+    let gb = group_bytes(W as u32);
     let k_desc = |addr: u32| wgmma_desc(addr, 16, gb, true);
     let v_desc = |addr: u32| wgmma_desc(addr, 1024, gb, true);
     // Half tile `x`'s stage has landed and is visible to this thread's `wgmma`s (waited for at
@@ -413,7 +416,7 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &AttnParams, rings: Rings<D>
         let hx = rings.half(x);
         if hx.first {
             unsafe {
-                mbarrier::wait(rings.filled(hx.u), Rings::<D>::parity(hx.u));
+                mbarrier::wait(rings.filled(hx.u), Rings::<W>::parity(hx.u));
                 fence_proxy_async_shared();
             }
         }
@@ -434,7 +437,7 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &AttnParams, rings: Rings<D>
     let mut u = 0u32;
     let mut k = 0u32;
     loop {
-        unsafe { mbarrier::wait(rings.q_filled(k), Rings::<D>::q_parity(k)) };
+        unsafe { mbarrier::wait(rings.q_filled(k), Rings::<W>::q_parity(k)) };
         let it = unsafe { Item::load(rings.item(k)) };
         if it.status == ITEM_END {
             break;
@@ -454,7 +457,7 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize>(p: &AttnParams, rings: Rings<D>
         // of them.
         let wg_last_pos = if p.mask.causal != 0 { unsafe { w.row(p, 64 * wg + 63).pos } } else { u32::MAX };
         let mult = logits.mult();
-        let q_desc = wgmma_desc(rings.q(k) + 64 * wg * 2 * D as u32, 16, gb, true);
+        let q_desc = wgmma_desc(rings.q(k) + 64 * wg * 2 * W as u32, 16, gb, true);
 
         // The quad's partial sums, then the output (or the split's partial) per row. The item
         // is read again from its descriptor rather than kept in registers through the loop.
