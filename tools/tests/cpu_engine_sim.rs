@@ -421,6 +421,7 @@ fn the_new_models_run_a_few_steps_with_all_their_layers() {
     for (model, caches, note) in [
         (SimModel::gemma2_2b(DType::BF16), 26, "sliding window 64 on the even layers"),
         (SimModel::kv_shared(DType::BF16), 8, "layers 8..=15 read layer 7's cache"),
+        (SimModel::phi2(DType::BF16), 32, "head size 80, q bf16"),
     ] {
         let (r, log) = run_on_cpu(&model, &cfg);
         assert_eq!((r.steps, r.layers, r.cache_layers), (3, model.num_layers, caches), "{log}");
