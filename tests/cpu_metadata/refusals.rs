@@ -145,7 +145,8 @@ fn config_refusals_name_their_argument() {
         (PlanConfig { num_kv_heads: 0, ..base }, "num_kv_heads"),
         (PlanConfig { num_q_heads: 7, ..base }, "num_q_heads"),
         (PlanConfig { num_q_heads: 0, ..base }, "num_q_heads"),
-        (PlanConfig { head_size: 80, ..base }, "head_size"),
+        (PlanConfig { head_size: 84, ..base }, "head_size"),
+        (PlanConfig { head_size: 264, ..base }, "head_size"),
     ] {
         assert_eq!(arg_of(build(&b, &c)), arg, "{c:?}");
         assert_eq!(arg_of(MetadataBuilder::new(c)), arg, "{c:?}");
