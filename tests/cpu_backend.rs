@@ -68,7 +68,7 @@ fn specs_are_what_the_kernels_take() {
     assert_eq!(TENSOR_CORE.head_sizes.to_string(), "multiples of 8 from 32 to 256 (of 16 with an fp8 cache)");
     assert_eq!(TENSOR_CORE.layouts, KvLayout::ALL);
     assert_eq!(TENSOR_CORE.features, Features::ALL);
-    assert_eq!(TENSOR_CORE.graph_support, GraphSupport::UniformBatch);
+    assert_eq!(TENSOR_CORE.graph_support, GraphSupport::Always);
     assert_eq!(MLA.head_sizes, HeadSizes::List(&[576]));
     assert!(MLA.layouts.is_empty());
     assert_eq!(MLA.features, Features::NONE);
@@ -104,7 +104,7 @@ fn mha_selection_per_device() {
         assert_eq!(s.name(), "tensor-core");
         assert_eq!(s.overridden_by, None);
         assert!(s.refused.is_empty());
-        assert_eq!(s.graph_support(), GraphSupport::UniformBatch);
+        assert_eq!(s.graph_support(), GraphSupport::Always);
     }
     // No GPU: the CPU is the only candidate, so nothing ranked better was refused.
     let s = auto(&llama(), &NO_GPU).unwrap();
@@ -446,7 +446,7 @@ fn describe_a_plain_choice() {
     assert!(text.contains("on GPU sm_80"), "{text}");
     assert!(text.contains("1. tensor-core: chosen"), "{text}");
     assert!(text.contains("2. cpu [named only: a GPU is present]: fits, not chosen automatically"), "{text}");
-    assert!(text.contains("CUDA graphs: uniform batches"), "{text}");
+    assert!(text.contains("CUDA graphs: always (any batch)"), "{text}");
 }
 
 #[test]

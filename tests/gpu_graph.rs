@@ -2,7 +2,8 @@
 //! replayed over many steps in which the batch size, the lengths (split-K or not) and the block
 //! tables change; each replay's outputs must match the same step run eagerly (a normal step
 //! metadata, its own caches), every layer, and the caches must end bit for bit equal. Padding
-//! rows (requests past the step's) must come out finite. Standard attention (GQA, one and two
+//! rows (requests past the step's) must come out finite (uniform buckets) or untouched (mixed
+//! buckets). Mixed buckets take decodes, new prompts and chunks in changing mixes. Standard attention (GQA, one and two
 //! query tokens) and MLA; refusals of steps a graph cannot take.
 //!
 //! A graph holds what it captured: the captured layers' buffers are `SharedBuf`s, and a borrowed
@@ -31,6 +32,8 @@ struct Case {
     hkv: usize,
     d: usize,
     bucket: GraphBucket,
+    /// Decodes have at most this many query tokens (a uniform bucket's query length).
+    threshold: usize,
     layers: usize,
     steps: usize,
     max_len: usize,
@@ -92,8 +95,10 @@ fn shared_layer<'a>(
     Ok(layer(c, c.bucket.num_tokens(), qkv, DevOut::shared(cache, stream), DevOut::shared(out, stream)))
 }
 
-/// A step's batch: `n` requests of the bucket's query length with random lengths (short ones,
-/// ones at the limit, long ones that split) over blocks drawn without repeats from the cache.
+/// A step's batch: `n` requests with random lengths (short ones, ones at the limit, long ones
+/// that split) over blocks drawn without repeats from the cache. A uniform bucket's requests
+/// have its query length; a mixed bucket's are decodes (1 to the decode threshold tokens), then
+/// prefills (new prompts and chunks after a cached context) in the bucket's tokens.
 #[derive(Clone)]
 struct Step {
     qsl: Vec<i32>,
@@ -104,13 +109,19 @@ struct Step {
 }
 
 fn random_step(rng: &mut rand::rngs::SmallRng, c: &Case, n: usize, num_blocks: usize) -> Step {
-    let (q, bs) = (c.bucket.query_len, 16);
+    let bs = 16;
+    let q_lens = match c.bucket {
+        GraphBucket::Uniform { query_len, .. } => vec![query_len; n],
+        GraphBucket::Mixed { num_tokens, .. } => mixed_query_lens(rng, n, num_tokens, c.threshold),
+    };
+    let n = q_lens.len();
     let mut pool: Vec<i32> = (0..num_blocks as i32).collect();
     pool.shuffle(rng);
-    let seq_lens: Vec<i32> = (0..n)
-        .map(|_| match rng.random_range(0..4) {
+    let seq_lens: Vec<i32> = q_lens
+        .iter()
+        .map(|&q| match rng.random_range(0..4) {
             0 => q as i32,
-            1 => rng.random_range(q..64) as i32,
+            1 => rng.random_range(q..(q + 64).min(c.max_len)) as i32,
             _ => rng.random_range(q..=c.max_len) as i32,
         })
         .collect();
@@ -123,12 +134,30 @@ fn random_step(rng: &mut rand::rngs::SmallRng, c: &Case, n: usize, num_blocks: u
         for b in row.iter_mut() {
             *b = pool.pop().expect("enough blocks");
         }
+        let q = q_lens[r];
         for pos in len - q..len {
             slots.push(row[pos / bs] as i64 * bs as i64 + (pos % bs) as i64);
         }
         qsl.push(qsl[r] + q as i32);
     }
     Step { qsl, seq_lens, block_table, stride, slots }
+}
+
+/// Query lengths of a mixed step of up to `n` requests in `num_tokens` tokens, decodes first:
+/// a random number of decodes (1 to `threshold` tokens), then as many prefills (more than
+/// `threshold` tokens) as the tokens left hold, sharing a random part of them.
+fn mixed_query_lens(rng: &mut rand::rngs::SmallRng, n: usize, num_tokens: usize, threshold: usize) -> Vec<usize> {
+    let nd = rng.random_range(0..=n);
+    let mut q: Vec<usize> = (0..nd).map(|_| rng.random_range(1..=threshold)).collect();
+    let left = num_tokens - q.iter().sum::<usize>();
+    let np = (n - nd).min(left / (threshold + 1));
+    let mut extra = rng.random_range(0..=left - np * (threshold + 1));
+    for p in 0..np {
+        let share = if p + 1 == np { extra } else { rng.random_range(0..=extra) };
+        extra -= share;
+        q.push(threshold + 1 + share);
+    }
+    q
 }
 
 /// A case's model: its backend and configuration (limits of its bucket), and the cache's blocks.
@@ -142,11 +171,11 @@ impl CaseModel {
     fn new(c: &Case, dev: &Arc<attn_rs::AttnDevice>) -> Result<CaseModel, Failed> {
         let model = c.model();
         let sel = select_backend_no_env(&model, &DeviceInfo::from_device(dev), None)?;
-        let (bn, rows) = (c.bucket.num_reqs, c.bucket.num_tokens());
+        let (bn, rows) = (c.bucket.num_reqs(), c.bucket.num_tokens());
         let num_blocks = bn * c.max_len.div_ceil(16) + 64;
         let limits = ForwardLimits { max_num_tokens: rows, max_num_reqs: bn, max_model_len: c.max_len };
         let mut config = ForwardConfig::new(model, num_blocks, limits);
-        config.decode_threshold = c.bucket.query_len;
+        config.decode_threshold = c.threshold;
         Ok(CaseModel { sel, config, num_blocks })
     }
 
@@ -174,7 +203,7 @@ fn graph_case(c: Case, salt: u64) -> TestResult {
     let dev = arc_device();
     let stream = dev.context().new_stream()?;
     let model = CaseModel::new(&c, &dev)?;
-    let (bn, rows, num_blocks) = (c.bucket.num_reqs, c.bucket.num_tokens(), model.num_blocks);
+    let (bn, rows, num_blocks) = (c.bucket.num_reqs(), c.bucket.num_tokens(), model.num_blocks);
     let mut attn = model.attention(&dev, &stream)?;
     let mut eager = attn.new_step_metadata()?;
     let mut gstep = attn.new_graph_step(c.bucket)?;
@@ -191,10 +220,12 @@ fn graph_case(c: Case, salt: u64) -> TestResult {
     let outs_g: Vec<_> = (0..c.layers).map(|_| SharedBuf::new(upload(&stream, &vec![poison::<bf16>(); rows * w.out]))).collect();
     let mut graph = None;
     let mut worst = 0.0f64;
+    let mixed = matches!(c.bucket, GraphBucket::Mixed { .. });
 
     for s in 0..c.steps {
         let n = if s == 0 { bn } else { rng.random_range(1..=bn) };
         let st = random_step(&mut rng, &c, n, num_blocks);
+        let n = st.seq_lens.len();
         let nt = st.qsl[n] as usize;
         let input = StepInput {
             query_start_loc: &st.qsl,
@@ -226,6 +257,11 @@ fn graph_case(c: Case, salt: u64) -> TestResult {
                 Ok(())
             })?);
         }
+        if mixed {
+            for out in &outs_g {
+                out.write_from_host(&stream, &vec![poison::<bf16>(); rows * w.out])?;
+            }
+        }
         graph.as_ref().expect("captured").replay(&gstep)?;
         attn.check_status()?;
 
@@ -238,7 +274,9 @@ fn graph_case(c: Case, salt: u64) -> TestResult {
                 return Err(format!("step {s} ({n} requests, lengths {:?}) layer {l}: rel error {err:.3e}", st.seq_lens).into());
             }
             worst = worst.max(err);
-            if let Some(i) = got[nt * w.out..].iter().position(|x| !x.to_f32().is_finite()) {
+            // A mixed step leaves its padding rows as they were (poisoned before the replay).
+            let bad = |x: &bf16| if mixed { x.to_bits() != poison::<bf16>().to_bits() } else { !x.to_f32().is_finite() };
+            if let Some(i) = got[nt * w.out..].iter().position(bad) {
                 return Err(format!("step {s} layer {l}: padding output element {i} is {:?}", got[nt * w.out + i]).into());
             }
         }
@@ -261,7 +299,7 @@ fn refusals() -> TestResult {
     let model = ModelConfig::standard(8, 2, 128, DType::BF16, 16, KvLayout::FlashNhd);
     let sel = select_backend_no_env(&model, &DeviceInfo::from_device(&dev), None)?;
     let limits = ForwardLimits { max_num_tokens: 8, max_num_reqs: 4, max_model_len: 64 };
-    let attn = Attention::new(&sel, ForwardConfig::new(model, 32, limits), Some(GpuHandles { dev, stream }))?;
+    let attn = Attention::new(&sel, ForwardConfig::new(model, 32, limits), Some(GpuHandles { dev: dev.clone(), stream: stream.clone() }))?;
     let expect = |what: &str, arg: &str, r: Result<(), AttnError>| -> TestResult {
         match r {
             Err(AttnError::InvalidArgument { arg: a, .. }) if a == arg => Ok(()),
@@ -269,11 +307,8 @@ fn refusals() -> TestResult {
         }
     };
     expect("bucket past max_num_reqs", "bucket", attn.new_graph_step(GraphBucket::decode(5)).map(|_| ()))?;
-    expect(
-        "bucket of two-token queries, threshold 1",
-        "bucket",
-        attn.new_graph_step(GraphBucket { num_reqs: 2, query_len: 2 }).map(|_| ()),
-    )?;
+    expect("bucket of two-token queries, threshold 1", "bucket", attn.new_graph_step(GraphBucket::uniform(2, 2)).map(|_| ()))?;
+    expect("mixed bucket past max_num_tokens", "bucket", attn.new_graph_step(GraphBucket::mixed(2, 9)).map(|_| ()))?;
     let mut g = attn.new_graph_step(GraphBucket::decode(2))?;
     let build = |g: &mut attn_rs::forward::StepMetadata, qsl: &[i32], lens: &[i32], slots: &[i64]| {
         let table = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12];
@@ -299,6 +334,23 @@ fn refusals() -> TestResult {
     if g.num_actual_tokens() != 2 || g.seq_lens() != [7, 0] || g.query_start_loc() != [0, 1, 2] {
         return Err(format!("padded step: {} tokens, lengths {:?}", g.num_actual_tokens(), g.seq_lens()).into());
     }
+    // A mixed bucket: padded to one request more, which holds the padding tokens.
+    let mut m = attn.new_graph_step(GraphBucket::mixed(2, 6))?;
+    expect("three requests in a mixed bucket of two", "seq_lens", build(&mut m, &[0, 1, 2, 3], &[5, 5, 5], &[0, 1, 2]))?;
+    expect("a decode after a prefill", "query_start_loc", build(&mut m, &[0, 3, 4], &[5, 5], &[0, 1, 2, 3]))?;
+    build(&mut m, &[0, 1, 4], &[5, 10], &[20, 111, 112, 113])?;
+    if m.num_actual_tokens() != 6 || m.seq_lens() != [5, 10, 0] || m.query_start_loc() != [0, 1, 4, 6] {
+        return Err(format!("padded mixed step: {} tokens, {:?} / {:?}", m.num_actual_tokens(), m.query_start_loc(), m.seq_lens()).into());
+    }
+    build(&mut m, &[0, 3], &[3], &[20, 21, 22])?;
+    if m.query_start_loc() != [0, 3, 3, 6] || m.split().num_decodes != 0 || m.prefill_query_start_loc() != [0, 3, 3, 6] {
+        return Err(format!("padded mixed step: {:?}, split {:?}", m.query_start_loc(), m.split()).into());
+    }
+    let mla = ModelConfig::mla(16, DType::BF16, 16);
+    let mla_sel = select_backend_no_env(&mla, &DeviceInfo::from_device(&dev), None)?;
+    let handles = GpuHandles { dev: dev.clone(), stream: stream.clone() };
+    let mla_attn = Attention::new(&mla_sel, ForwardConfig::new(mla, 32, limits), Some(handles))?;
+    expect("a mixed bucket of an MLA model", "bucket", mla_attn.new_graph_step(GraphBucket::mixed(2, 6)).map(|_| ()))?;
     let cpu = select_backend_no_env(&model, &DeviceInfo::no_gpu(), None)?;
     let cpu_attn = Attention::new(&cpu, ForwardConfig::new(model, 32, limits), None)?;
     expect("the cpu backend", "backend", cpu_attn.new_graph_step(GraphBucket::decode(2)).map(|_| ()))
@@ -313,7 +365,7 @@ fn capture_refusals() -> TestResult {
     let mut rng = rng(7100);
     let dev = arc_device();
     let stream = dev.context().new_stream()?;
-    let c = Case { mla: false, hq: 8, hkv: 2, d: 128, bucket: GraphBucket::decode(2), layers: 1, steps: 1, max_len: 256 };
+    let c = Case { mla: false, hq: 8, hkv: 2, d: 128, bucket: GraphBucket::decode(2), threshold: 1, layers: 1, steps: 1, max_len: 256 };
     let model = CaseModel::new(&c, &dev)?;
     let mut attn = model.attention(&dev, &stream)?;
     // A second model on the same stream (a draft model, say).
@@ -387,19 +439,20 @@ fn capture_refusals() -> TestResult {
     Ok(())
 }
 
-/// The graph keeps what it uses: capture, drop the Attention, its eager step and every handle
-/// to the captured buffers (inputs, caches, outputs) but one clone of the last layer's output,
-/// reallocate (poison) as much memory as was dropped, then replay over several steps, the graph
-/// step rebuilt before each. Each replay's output must match a separate Attention's eager run
+/// The graph keeps what it uses (a mixed bucket's: the prefill kernel's counters too): capture,
+/// drop the Attention, its eager step and every handle to the captured buffers (inputs, caches,
+/// outputs) but one clone of the last layer's output, reallocate (poison) as much memory as was
+/// dropped, then replay over several steps, the graph step rebuilt before each. Each replay's output must match a separate Attention's eager run
 /// of the same steps (its own caches, from the same start). Meant to run under
 /// compute-sanitizer memcheck too: a replay touching freed memory fails it.
 fn graph_outlives_its_owners() -> TestResult {
     let mut rng = rng(7200);
     let dev = arc_device();
     let stream = dev.context().new_stream()?;
-    let c = Case { mla: false, hq: 16, hkv: 4, d: 128, bucket: GraphBucket::decode(4), layers: 2, steps: 8, max_len: 1200 };
+    let c =
+        Case { mla: false, hq: 16, hkv: 4, d: 128, bucket: GraphBucket::mixed(4, 96), threshold: 1, layers: 2, steps: 8, max_len: 1200 };
     let model = CaseModel::new(&c, &dev)?;
-    let (w, bn, rows) = (c.widths(), c.bucket.num_reqs, c.bucket.num_tokens());
+    let (w, bn, rows) = (c.widths(), c.bucket.num_reqs(), c.bucket.num_tokens());
     let width = w.q + w.k + w.v;
     let num_blocks = model.num_blocks;
 
@@ -439,6 +492,7 @@ fn graph_outlives_its_owners() -> TestResult {
     for s in 0..c.steps {
         let n = if s == 0 { bn } else { rng.random_range(1..=bn) };
         let st = if s == 0 { first.clone() } else { random_step(&mut rng, &c, n, num_blocks) };
+        let n = st.seq_lens.len();
         let nt = st.qsl[n] as usize;
         build(&mut gstep, &st, num_blocks)?;
         graph.replay(&gstep)?;
@@ -458,9 +512,6 @@ fn graph_outlives_its_owners() -> TestResult {
         if err.is_nan() || err > tolerance(DType::BF16) {
             return Err(format!("replay {s} ({n} requests, lengths {:?}): rel error {err:.3e} against eager", st.seq_lens).into());
         }
-        if let Some(i) = got[nt * w.out..].iter().position(|x| !x.to_f32().is_finite()) {
-            return Err(format!("replay {s}: padding output element {i} is {:?}", got[nt * w.out + i]).into());
-        }
     }
     let poisoned = decoys.iter().all(|d| download(&stream, d).iter().all(|x| x.to_bits() == poison::<bf16>().to_bits()));
     if !poisoned {
@@ -473,11 +524,17 @@ fn graph_outlives_its_owners() -> TestResult {
 }
 
 fn main() {
-    let std = |hq, hkv, d, bucket, steps, max_len| Case { mla: false, hq, hkv, d, bucket, layers: 2, steps, max_len };
+    let std = |hq, hkv, d, bucket, threshold, steps, max_len| Case { mla: false, hq, hkv, d, bucket, threshold, layers: 2, steps, max_len };
     let mut cases = vec![
-        ("gqa4_d128_bucket8", std(32, 8, 128, GraphBucket::decode(8), 100, 3000)),
-        ("gqa8_d64_bucket3_q2", std(16, 2, 64, GraphBucket { num_reqs: 3, query_len: 2 }, 40, 1500)),
-        ("mla16_bucket4", Case { mla: true, hq: 16, hkv: 1, d: 576, bucket: GraphBucket::decode(4), layers: 2, steps: 40, max_len: 2000 }),
+        ("gqa4_d128_bucket8", std(32, 8, 128, GraphBucket::decode(8), 1, 100, 3000)),
+        ("gqa8_d64_bucket3_q2", std(16, 2, 64, GraphBucket::uniform(3, 2), 2, 40, 1500)),
+        (
+            "mla16_bucket4",
+            Case { mla: true, hq: 16, hkv: 1, d: 576, bucket: GraphBucket::decode(4), threshold: 1, layers: 2, steps: 40, max_len: 2000 },
+        ),
+        ("mixed_gqa4_d128_8x700", std(32, 8, 128, GraphBucket::mixed(8, 700), 1, 40, 3000)),
+        ("mixed_gqa8_d64_5x300_spec3", std(16, 2, 64, GraphBucket::mixed(5, 300), 3, 30, 1500)),
+        ("mixed_mqa_d80_6x257", std(8, 1, 80, GraphBucket::mixed(6, 257), 1, 30, 900)),
     ];
     if quick() {
         for (_, c) in &mut cases {

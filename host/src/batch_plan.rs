@@ -21,8 +21,8 @@
 
 use crate::batch::{validate_prefill_batch, BatchMetadata, DecodeBatch, PrefillBatch};
 use crate::decode::{
-    append_plan, decode_tc_kernel, max_len, paged_decode_from, plan_launch, DecodeArgs, DecodeKernel, DecodePlan, DecodeWorkspace,
-    DevicePlan, PlanSource, TcKernel,
+    append_plan, decode_tc_kernel, max_len, max_query_len, paged_decode_from, plan_launch, DecodeArgs, DecodeKernel, DecodePlan,
+    DecodeWorkspace, DevicePlan, PlanSource, TcKernel,
 };
 use crate::device::AttnDevice;
 use crate::dtype::DType;
@@ -161,6 +161,8 @@ impl BatchPlan {
             token_request: at(r.token_request),
             header: at(r.header),
             capacity_items: plan.items.len() / 2,
+            query_len: max_query_len(batch),
+            merge_tokens: usize::MAX,
             needs_merge: plan.needs_merge(),
             cluster: plan.cluster,
         };

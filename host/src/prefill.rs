@@ -143,6 +143,27 @@ pub fn plan_prefill(batch: &PrefillBatch<'_>, group: usize, causal: bool, window
     PrefillPlan { items: tiles.into_iter().map(|(_, i)| i).collect() }
 }
 
+/// Prefill tiles already on the device (a mixed CUDA-graph step's, [`crate::forward`]): cut for
+/// `kernel` over the whole padded batch, `[request, row_tile << 16]` pairs with `NO_WORK` past
+/// the step's, counted by the header `[num_tiles, 0]` the kernels read (`Schedule::plan`).
+#[derive(Clone, Debug)]
+pub(crate) struct DevicePrefillPlan {
+    /// The kernel the tiles were cut for (its `block_m`).
+    pub kernel: KernelId,
+    pub items: u64,
+    pub header: u64,
+    /// Tiles the grid covers.
+    pub capacity_tiles: usize,
+}
+
+/// Where a prefill call's tiles come from: planned here and uploaded (eager calls), or already
+/// on the device (graph steps: nothing is copied, and the launch is the same whatever the plan).
+#[derive(Clone, Copy)]
+pub(crate) enum PrefillSource<'p> {
+    Host,
+    Device(&'p DevicePrefillPlan),
+}
+
 /// Device memory for the plan. Allocate once for the largest batch.
 pub struct PrefillWorkspace {
     items: CudaSlice<u32>,
@@ -294,11 +315,11 @@ pub fn prefill(
 ) -> Result<PrefillPlan> {
     refuse_foreign_capture(stream, "stream", "prefill")?;
     let meta = batch.device(stream)?;
-    prefill_from(dev, stream, a, &batch.prefill_batch(), meta, opts, ws, status)
+    prefill_from(dev, stream, a, &batch.prefill_batch(), meta, opts, PrefillSource::Host, ws, status)
 }
 
 /// [`prefill`] with the device copy `meta` of `batch`, uploaded by the library from it (a
-/// [`BatchMetadata`], or `forward`'s step buffer).
+/// [`BatchMetadata`], or `forward`'s step buffer), and its tiles from `source`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn prefill_from(
     dev: &AttnDevice,
@@ -307,6 +328,7 @@ pub(crate) fn prefill_from(
     batch: &PrefillBatch<'_>,
     meta: DeviceBatch<'_>,
     opts: &PrefillOptions,
+    source: PrefillSource<'_>,
     ws: &mut PrefillWorkspace,
     status: &mut DeviceStatus,
 ) -> Result<PrefillPlan> {
@@ -408,19 +430,28 @@ pub(crate) fn prefill_from(
     ensure(max_rows <= bm as usize * 65536, "query_start_loc", || {
         format!("a request has {max_rows} query rows (tokens x {group} heads per kv head); a launch takes {}", bm as usize * 65536)
     })?;
-    let plan = plan_prefill(batch, group, opts.causal, opts.attn.window, bm);
-    ensure(2 * plan.items.len() <= ws.items.len(), "workspace", || {
-        format!("the plan has {} tiles, the workspace holds {}", plan.items.len(), ws.items.len() / 2)
-    })?;
-    ensure((plan.items.len() * num_kv_heads) < i32::MAX as usize, "q", || "too many tiles x kv heads for one launch".into())?;
-    if plan.items.is_empty() {
-        return Ok(plan);
-    }
-    let flat: Vec<u32> = plan.items.iter().flatten().copied().collect();
-    stream.memcpy_htod(&flat, &mut ws.items.slice_mut(..flat.len()))?;
-    let (items_ptr, _o1) = ws.items.device_ptr(stream);
+    let (plan, tiles, items_ptr, header) = match source {
+        PrefillSource::Host => {
+            let plan = plan_prefill(batch, group, opts.causal, opts.attn.window, bm);
+            ensure(2 * plan.items.len() <= ws.items.len(), "workspace", || {
+                format!("the plan has {} tiles, the workspace holds {}", plan.items.len(), ws.items.len() / 2)
+            })?;
+            if plan.items.is_empty() {
+                return Ok(plan);
+            }
+            let flat: Vec<u32> = plan.items.iter().flatten().copied().collect();
+            stream.memcpy_htod(&flat, &mut ws.items.slice_mut(..flat.len()))?;
+            let tiles = plan.items.len();
+            (plan, tiles, ws.items.device_ptr(stream).0, 0)
+        }
+        PrefillSource::Device(dp) => {
+            ensure(dp.kernel == kernel.id, "plan", || format!("was made for kernel {}, the call runs {}", dp.kernel, kernel.id))?;
+            (PrefillPlan::default(), dp.capacity_tiles, dp.items, dp.header)
+        }
+    };
+    ensure((tiles * num_kv_heads) < i32::MAX as usize, "q", || "too many tiles x kv heads for one launch".into())?;
     let (status_ptr, _o2) = status.word.device_ptr_mut(stream);
-    let ctas = (plan.items.len() * num_kv_heads) as u32;
+    let ctas = (tiles * num_kv_heads) as u32;
     let (sched_ptr, _o3) = ws.sched.device_ptr_mut(stream);
     let p = AttnParams {
         qkv: attn_params::qkv(&a.q, &a.q_rows, k, v),
@@ -438,7 +469,14 @@ pub(crate) fn prefill_from(
         sparse: SparseIndices::default(),
         scale_layout: ScaleLayout { head_stride: scale_head_stride, reserved: 0 },
         dims: HeadDims { qk: dk as u32, v: dv as u32 },
-        schedule: if kernel.persistent { Schedule { sched: sched_ptr, ctas, ..Schedule::default() } } else { Schedule::default() },
+        // A device plan's header counts its tiles (the persistent kernel's CTAs) and gives
+        // chunk 0 (prefill does not split keys).
+        schedule: Schedule {
+            plan: header,
+            sched: if kernel.persistent { sched_ptr } else { 0 },
+            ctas: if kernel.persistent && header == 0 { ctas } else { 0 },
+            ..Schedule::default()
+        },
     };
     let grid = if kernel.persistent { ctas.min(dev.sm_count()) } else { ctas };
     dev.launch_pdl(stream, kernel.id, (grid, 1, 1), kernel.threads, kernel.smem, p)?;

@@ -27,6 +27,6 @@ pub static TENSOR_CORE: BackendSpec = BackendSpec {
     features: Features::ALL,
     layouts: &KvLayout::ALL,
     // One plan per batch shape: a graph captured for one query length replays only that one.
-    graph_support: GraphSupport::UniformBatch,
+    graph_support: GraphSupport::Always,
     sparse_mla: false,
 };

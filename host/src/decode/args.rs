@@ -54,11 +54,16 @@ pub(super) struct CheckedArgs {
 /// shape, length and alignment, the batch (decode's query lengths when `causal`, any
 /// otherwise) against the block table, the device copy of the batch, and the workspace's
 /// stream, head size and room for the batch.
+///
+/// `device_plan`: the plan is already on the device (a graph step's), made for the decodes of
+/// the batch. A mixed step's batch also has prefills, of any query length, which the plan
+/// leaves alone; and the plan's arrays are in the step's buffer, not the workspace.
 pub(super) fn check_args(
     a: &DecodeArgs<'_>,
     batch: &DecodeBatch<'_>,
     meta: &DeviceBatch<'_>,
     causal: bool,
+    device_plan: bool,
     ws: &DecodeWorkspace,
     stream: &Arc<CudaStream>,
 ) -> Result<CheckedArgs> {
@@ -101,11 +106,12 @@ pub(super) fn check_args(
     ensure(a.cache.ptr.is_multiple_of(16), "cache", || format!("address {:#x} is not 16-byte aligned", a.cache.ptr))?;
     ws.check_stream(stream)?;
     let num_reqs = batch.seq_lens.len();
-    if causal {
+    if causal && !device_plan {
         validate_batch(batch, nt, spec.block_size, a.block_table_stride)?;
     } else {
         let pb = PrefillBatch { query_start_loc: batch.query_start_loc, seq_lens: batch.seq_lens, key_start_loc: None };
-        validate_prefill_batch(&pb, nt, false, Some((spec.block_size, a.block_table_stride)))?;
+        validate_prefill_batch(&pb, nt, causal, Some((spec.block_size, a.block_table_stride)))?;
+        ensure(num_reqs < 1 << 16, "seq_lens", || format!("{num_reqs} requests exceed the 65535 a launch takes"))?;
     }
     let need = block_table_reach(batch.seq_lens, spec.block_size, a.block_table_stride);
     ensure(a.block_table.dtype == DType::I32 && a.block_table.len >= need, "block_table", || {
@@ -122,6 +128,8 @@ pub(super) fn check_args(
         _ => (0, 0, 0),
     };
     ensure(ws.head_size() == d, "workspace", || format!("made for head_size {}, not {d}", ws.head_size()))?;
-    ws.check_batch(num_reqs, nt)?;
+    if !device_plan {
+        ws.check_batch(num_reqs, nt)?;
+    }
     Ok(CheckedArgs { alibi, sinks, k_scale, v_scale, scale_head_stride })
 }

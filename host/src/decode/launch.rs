@@ -3,7 +3,7 @@
 
 use super::args::{check_args, CheckedArgs, DecodeArgs};
 use super::merge::launch_merge;
-use super::plan::{call_kernel, plan_launch, LaunchPlan, PlanSource};
+use super::plan::{call_kernel, plan_launch, LaunchPlan, PlanArrays, PlanSource};
 use super::split::DecodePlan;
 use super::workspace::DecodeWorkspace;
 use crate::attn_params;
@@ -11,6 +11,7 @@ use crate::batch::{BatchMetadata, DecodeBatch, DeviceBatch};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
+use crate::layout::RowsDesc;
 use crate::options::{AttnOptions, PlanOptions};
 use crate::status::DeviceStatus;
 use crate::stream_check::refuse_foreign_capture;
@@ -82,7 +83,8 @@ pub(crate) fn paged_decode_from(
     ws: &mut DecodeWorkspace,
     status: &mut DeviceStatus,
 ) -> Result<DecodePlan> {
-    let checked = check_args(&a, batch, &meta, causal, ws, stream)?;
+    let device_plan = matches!(source, PlanSource::Device(_));
+    let checked = check_args(&a, batch, &meta, causal, device_plan, ws, stream)?;
     opts.validate_masks("opts", causal)?;
     ensure(opts.chunk_size.is_none() && opts.symmetric_window.is_none(), "opts", || {
         format!(
@@ -159,7 +161,13 @@ fn run(
     ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
     dev.launch_pdl(stream, tc.id, (ctas as u32, 1, 1), tc.threads, tc.smem, tp)?;
     if lp.merge {
-        launch_merge(dev, stream, &wp, meta.query_start_loc.ptr, (&a.out, &a.out_rows), output.lse, checked.sinks, q_dtype)?;
+        // A device plan's decodes are its first tokens, at most `merge_tokens` of them.
+        let merge_tokens = match lp.arrays {
+            PlanArrays::Device(dp) => nt.min(dp.merge_tokens),
+            _ => nt,
+        };
+        let rows = RowsDesc { num_tokens: merge_tokens, ..a.out_rows };
+        launch_merge(dev, stream, &wp, meta.query_start_loc.ptr, (&a.out, &rows), output.lse, checked.sinks, q_dtype)?;
     }
     Ok(())
 }

@@ -52,5 +52,5 @@ pub use split::plan_decode_tc;
 pub(crate) use kernel::{decode_tc_kernel, max_len, LayerShape, TcKernel};
 pub(crate) use launch::paged_decode_from;
 pub(crate) use merge::{launch_merge, merge_attn_states_from};
-pub(crate) use plan::{plan_launch, DevicePlan, PlanArrays, PlanSource};
+pub(crate) use plan::{max_query_len, plan_launch, DevicePlan, PlanArrays, PlanSource};
 pub(crate) use plan_words::{append_plan, PlanRegions};

@@ -27,6 +27,11 @@ pub(crate) struct DevicePlan {
     pub token_request: u64,
     pub header: u64,
     pub capacity_items: usize,
+    /// The most query tokens a request of the plan has: the kernel was chosen for it.
+    pub query_len: u32,
+    /// Tokens the merge covers: the first ones, where the decodes are (a mixed graph step's
+    /// other tokens are the prefill kernel's).
+    pub merge_tokens: usize,
     /// Whether the merge is launched: a graph's always (a replay's plan may split where the
     /// capture's did not), an eager step's when a request has several splits.
     pub needs_merge: bool,
@@ -162,6 +167,12 @@ pub(crate) fn plan_launch<'p>(
     }
 }
 
+/// The most query tokens a request of `batch` has (1 for an empty batch): the decode kernel is
+/// chosen for it.
+pub(crate) fn max_query_len(batch: &DecodeBatch<'_>) -> u32 {
+    batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).max().unwrap_or(1)
+}
+
 /// The tensor-core kernel a call on `batch` runs for a layer of `hq` query heads over
 /// `num_kv_heads` kv heads of head size `d`. With a device plan, the kernel variant that
 /// depends on the lengths (FP8's deep pipeline) is the plan's (a graph's runs whatever lengths
@@ -178,7 +189,12 @@ pub(crate) fn call_kernel(
     batch: &DecodeBatch<'_>,
     source: PlanSource<'_>,
 ) -> Result<TcKernel> {
-    let max_q = batch.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as u32).max().unwrap_or(1);
+    // A device plan's kernel was chosen for its decodes (a mixed graph step's batch has
+    // prefills too, which the plan leaves to the prefill kernel).
+    let max_q = match source {
+        PlanSource::Device(dp) => dp.query_len,
+        PlanSource::Host(_) => max_query_len(batch),
+    };
     let planned_len = match source {
         PlanSource::Device(dp) if matches!(dp.kernel, KernelId::DecodeKr { long: true, .. }) => u32::MAX,
         PlanSource::Device(_) => 0,
@@ -223,6 +239,8 @@ mod tests {
             token_request: 0x4000,
             header: 0x5000,
             capacity_items: 96,
+            query_len: 1,
+            merge_tokens: 6,
             needs_merge,
             cluster: 0,
         }

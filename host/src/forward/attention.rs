@@ -155,12 +155,12 @@ impl Attention {
         }
     }
 
-    /// A CUDA-graph step for `bucket` (up to `bucket.num_reqs` decode requests of exactly
-    /// `bucket.query_len` query tokens, padded to the bucket): build it every step like any
-    /// step, run the layers eagerly or [`capture`](Self::capture) them once and
+    /// A CUDA-graph step for `bucket` (padded to it: see [`GraphBucket`]): build it every step
+    /// like any step, run the layers eagerly or [`capture`](Self::capture) them once and
     /// [`replay`](StepGraph::replay). Layer tensors must hold `bucket.num_tokens()` rows.
     ///
-    /// Errors: a backend that declares no graph support (`cpu`), a bucket past the limits, a
+    /// Errors: a backend that declares no graph support (`cpu`), or not the bucket's (mixed
+    /// buckets need [`GraphSupport::Always`]), a bucket past the limits, a uniform bucket's
     /// query length past `decode_threshold`.
     pub fn new_graph_step(&self, bucket: GraphBucket) -> Result<StepMetadata> {
         let support = self.backend.graph_support;
@@ -170,16 +170,23 @@ impl Attention {
         self.refuse_while_capturing()?;
         ensure(support != GraphSupport::Never, "backend", || format!("\"{}\" declares no CUDA-graph support", self.backend.name))?;
         let l = &self.config.limits;
-        ensure(bucket.num_reqs <= l.max_num_reqs && bucket.num_tokens() <= l.max_num_tokens, "bucket", || {
+        ensure(bucket.num_reqs() <= l.max_num_reqs && bucket.num_tokens() <= l.max_num_tokens, "bucket", || {
             format!("{bucket:?} exceeds the limits ({} requests, {} tokens)", l.max_num_reqs, l.max_num_tokens)
         })?;
         let t = self.config.decode_threshold;
-        ensure((1..=t).contains(&bucket.query_len), "bucket", || {
-            format!("query_len {} (graph steps are decodes: 1..={t}, the decode threshold)", bucket.query_len)
-        })?;
-        ensure(bucket.query_len == 1 || support <= GraphSupport::UniformBatch, "bucket", || {
-            format!("query_len {}: \"{}\" captures one-token decodes only", bucket.query_len, self.backend.name)
-        })?;
+        match bucket {
+            GraphBucket::Uniform { query_len, .. } => {
+                ensure((1..=t).contains(&query_len), "bucket", || {
+                    format!("query_len {query_len} (uniform graph steps are decodes: 1..={t}, the decode threshold)")
+                })?;
+                ensure(query_len == 1 || support <= GraphSupport::UniformBatch, "bucket", || {
+                    format!("query_len {query_len}: \"{}\" captures one-token decodes only", self.backend.name)
+                })?;
+            }
+            GraphBucket::Mixed { .. } => {
+                ensure(support == GraphSupport::Always, "bucket", || format!("{bucket:?}: \"{}\" captures {support}", self.backend.name))?
+            }
+        }
         let planner = g.graph_planner(&self.config, &self.spec, bucket)?;
         let device = g.graph_device_step(planner.total_words())?;
         Ok(StepMetadata::new_graph(self.id, self.config.clone(), planner, device))

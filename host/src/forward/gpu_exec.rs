@@ -5,7 +5,7 @@
 
 use super::cascade_exec::CascadeScratch;
 use super::config::ForwardConfig;
-use super::graph_plan::{GraphBucket, GraphPlanner};
+use super::graph_plan::{GraphBucket, GraphPlanner, GraphPrefillKernel};
 use super::held::Held;
 use super::io::CacheSpec;
 use super::io::{GpuLayer, KvCacheWrite, Layer, NewKv};
@@ -25,7 +25,7 @@ use crate::layout::{KvCacheSpec, MlaCacheSpec, RowsDesc};
 use crate::metadata::{CascadeMode, PlanConfig, StagingLayout, StagingSizes};
 use crate::mla::{mla_attention_from, mla_tc_kernel, MlaArgs};
 use crate::options::{PlanOptions, SplitMode};
-use crate::prefill::{prefill_from, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
+use crate::prefill::{prefill_from, prefill_kernel_for, PrefillArgs, PrefillKv, PrefillOptions, PrefillSource, PrefillWorkspace};
 use crate::status::DeviceStatus;
 use cudarc::driver::{CudaEvent, CudaStream};
 use std::sync::Arc;
@@ -161,18 +161,34 @@ impl GpuExec {
     }
 
     /// A graph step's planner for `bucket`: the kernel its decodes run on, planned as eager
-    /// decodes of that shape are.
+    /// decodes of that shape are, and for a mixed bucket the prefill kernel its tiles are cut
+    /// for (the one eager prefills of the model run).
     pub(crate) fn graph_planner(&self, config: &ForwardConfig, spec: &CacheSpec, bucket: GraphBucket) -> Result<GraphPlanner> {
         let m = &config.model;
         let fp8 = m.cache_dtype == DType::Fp8E4m3;
-        let (q, t) = (bucket.query_len as u32, &config.tuning);
+        let q = match bucket {
+            GraphBucket::Uniform { query_len, .. } => query_len as u32,
+            GraphBucket::Mixed { .. } => config.decode_threshold as u32,
+        };
+        let t = &config.tuning;
         let tc = match spec {
             // A graph runs whatever lengths its steps have: FP8 caches take the deep-pipeline
             // kernels (`keys_rows::FP8_LONG_KEYS`), made for the long contexts graphs serve.
             CacheSpec::Paged(_) => decode_tc_kernel(&self.dev, m.q_dtype, fp8, m.head_size, m.num_q_heads, m.num_kv_heads, q, u32::MAX, t)?,
             CacheSpec::Mla(_) => mla_tc_kernel(&self.dev, m.q_dtype, fp8, m.num_q_heads, q, t)?,
         };
-        GraphPlanner::new(bucket, tc, config.split_mode, m.num_q_heads, config.max_blocks_per_req(), self.decode_ws.partial_rows())
+        let prefill = match (bucket, spec) {
+            (GraphBucket::Uniform { .. }, _) => None,
+            (GraphBucket::Mixed { .. }, CacheSpec::Paged(_)) => {
+                let k = prefill_kernel_for(self.dev.ptx_target(), m.q_dtype, fp8, m.head_size, m.head_size, false)?;
+                Some(GraphPrefillKernel { kernel: k.id, block_m: k.block_m, group: m.num_q_heads / m.num_kv_heads })
+            }
+            (GraphBucket::Mixed { .. }, CacheSpec::Mla(_)) => {
+                return Err(AttnError::invalid("bucket", "MLA graph steps take uniform decode buckets"));
+            }
+        };
+        let (mode, width, partial) = (config.split_mode, config.max_blocks_per_req(), self.decode_ws.partial_rows());
+        GraphPlanner::new(bucket, config.decode_threshold, tc, mode, m.num_q_heads, width, partial, prefill)
     }
 
     /// The per-step planner of the decode kernels (and cascade's arrays).
@@ -206,6 +222,16 @@ impl GpuExec {
         layer: GpuLayer<'_>,
         timer: &mut Timer,
     ) -> Result<()> {
+        let mixed_graph = step.device_prefill_plan();
+        if mixed_graph.is_some() {
+            // Its grids and plans are fixed for the decoder self-attention of the bucket.
+            ensure(ls.attn_type == AttentionType::Decoder && ls.opts.chunk_size.is_none(), "step", || {
+                format!(
+                    "is a mixed graph step, which runs decoder layers without chunked local attention; the layer is {} (chunk_size {:?})",
+                    ls.attn_type, ls.opts.chunk_size
+                )
+            })?;
+        }
         if ls.attn_type.attends_new_kv() {
             return self.forward_encoder(ls, spec, step, layer, timer);
         }
@@ -243,6 +269,50 @@ impl GpuExec {
         let written = timer.mark(Some(stream))?;
 
         let cache = cache.as_input();
+        if let (Some(pp), Some(dp)) = (&mixed_graph, &graph_plan) {
+            // A mixed graph step: both kernels take the whole padded batch and find their own
+            // requests through their plans (the decodes', and the prefills' tiles).
+            let n = step.num_reqs();
+            let host = DecodeBatch { seq_lens: step.seq_lens(), query_start_loc: step.query_start_loc() };
+            let all = views.decodes(n);
+            let args = DecodeArgs {
+                q: q.tail(0),
+                q_rows: RowsDesc { num_tokens: nt, ..q_rows },
+                cache: cache.tail(0),
+                spec: *spec,
+                block_table: all.block_table,
+                block_table_stride: stride,
+                out: out.tail_mut(0),
+                out_rows: RowsDesc { num_tokens: nt, ..out_rows },
+                lse: None,
+                alibi_slopes: alibi_slopes.as_ref().map(|b| b.tail(0)),
+                sinks: sinks.as_ref().map(|b| b.tail(0)),
+                scales: scales(),
+            };
+            let meta = DeviceBatch { seq_lens: all.seq_lens, query_start_loc: all.query_start_loc, key_start_loc: None };
+            let (source, opts) = (PlanSource::Device(dp), &ls.opts);
+            paged_decode_from(&self.dev, stream, args, &host, meta, opts, source, true, &mut self.decode_ws, &mut self.status)?;
+            let all = views.decodes(n);
+            let batch = PrefillBatch { query_start_loc: host.query_start_loc, seq_lens: host.seq_lens, key_start_loc: None };
+            let args = PrefillArgs {
+                q: q.tail(0),
+                q_rows: RowsDesc { num_tokens: nt, ..q_rows },
+                kv: PrefillKv::Paged { cache: cache.tail(0), spec: *spec, block_table: all.block_table, block_table_stride: stride },
+                out: out.tail_mut(0),
+                out_rows: RowsDesc { num_tokens: nt, ..out_rows },
+                lse: None,
+                alibi_slopes: alibi_slopes.as_ref().map(|b| b.tail(0)),
+                sinks: sinks.as_ref().map(|b| b.tail(0)),
+                scales: scales(),
+            };
+            let meta = DeviceBatch { seq_lens: all.seq_lens, query_start_loc: all.query_start_loc, key_start_loc: None };
+            let opts = PrefillOptions { attn: ls.opts, causal: true };
+            let source = PrefillSource::Device(pp);
+            prefill_from(&self.dev, stream, args, &batch, meta, &opts, source, &mut self.prefill_ws, &mut self.status)?;
+            let end = timer.mark(Some(stream))?;
+            timer.layer([start, written, end]);
+            return Ok(());
+        }
         // Cross-attention's one-token decodes see every encoder key, as the decode kernels
         // do; a decode of several tokens would be masked among its last keys.
         let cross = ls.attn_type == AttentionType::EncoderDecoder;
@@ -267,7 +337,7 @@ impl GpuExec {
                 };
                 let meta = DeviceBatch { seq_lens: part.seq_lens, query_start_loc: part.query_start_loc, key_start_loc: None };
                 let opts = PrefillOptions { attn: ls.opts, causal: ls.attn_type.is_causal() };
-                prefill_from(&self.dev, stream, args, &batch, meta, &opts, &mut self.prefill_ws, &mut self.status)?;
+                prefill_from(&self.dev, stream, args, &batch, meta, &opts, PrefillSource::Host, &mut self.prefill_ws, &mut self.status)?;
             }
             let end = timer.mark(Some(stream))?;
             timer.layer([start, written, end]);
@@ -362,7 +432,7 @@ impl GpuExec {
                 };
                 // Cross-attention's prompts see every encoder key.
                 let opts = PrefillOptions { attn: ls.opts, causal: ls.attn_type.is_causal() };
-                prefill_from(&self.dev, stream, args, &batch, meta, &opts, &mut self.prefill_ws, &mut self.status)?;
+                prefill_from(&self.dev, stream, args, &batch, meta, &opts, PrefillSource::Host, &mut self.prefill_ws, &mut self.status)?;
             }
         }
         if let (Some(prefix), Some(t), Some(cp)) = (cascade, &targets, cascade_plans) {
@@ -483,7 +553,7 @@ impl GpuExec {
                 scales: None,
             };
             let opts = PrefillOptions { attn: ls.opts, causal: false };
-            prefill_from(&self.dev, stream, args, &batch, meta, &opts, &mut self.prefill_ws, &mut self.status)?;
+            prefill_from(&self.dev, stream, args, &batch, meta, &opts, PrefillSource::Host, &mut self.prefill_ws, &mut self.status)?;
         }
         let end = timer.mark(Some(stream))?;
         timer.layer([start, written, end]);

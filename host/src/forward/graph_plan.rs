@@ -1,41 +1,110 @@
 //! CUDA-graph steps, their planning side: the [`GraphBucket`] a graph is captured for, and the
-//! [`GraphPlanner`] that pads each step to it and packs its arrays and split plan at fixed
-//! offsets of one device buffer (what makes a step replayable: [`super::graph`]).
+//! [`GraphPlanner`] that pads each step to it and packs its arrays and plans at fixed offsets of
+//! one device buffer (what makes a step replayable: [`super::graph`]).
 
 use crate::batch::DecodeBatch;
 use crate::decode::{plan_decode_tc, DevicePlan, TcKernel};
 use crate::error::{ensure, AttnError, Result};
-use crate::metadata::{validate, BatchSplit, StagingLayout, StagingSizes, StepInput};
+use crate::kernels::KernelId;
+use crate::metadata::{split_decodes, validate, BatchSplit, StagingLayout, StagingSizes, StepInput};
 use crate::options::SplitMode;
+use crate::prefill::{plan_prefill, DevicePrefillPlan, PrefillBatch};
 use crate::words::{Region, ALIGN_WORDS};
 use attn_math::params::NO_WORK;
 
-/// The batch a graph is captured for: up to `num_reqs` decode requests of exactly `query_len`
-/// query tokens each (1, or 1 + speculative tokens); smaller batches are padded to it.
+/// The batches a graph is captured for: a step's batch is padded to its bucket, and the layer
+/// tensors hold [`num_tokens`](Self::num_tokens) rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GraphBucket {
-    /// Requests the captured step has (a smaller batch is padded with empty requests).
-    pub num_reqs: usize,
-    /// Query tokens of every request (1, or 1 + speculative tokens).
-    pub query_len: usize,
+pub enum GraphBucket {
+    /// Up to `num_reqs` decode requests of exactly `query_len` query tokens each (1, or 1 +
+    /// speculative tokens): the decode kernels alone. Padding requests have `query_len` tokens
+    /// and length 0 (their rows come out zero).
+    Uniform {
+        /// Requests of the padded step.
+        num_reqs: usize,
+        /// Query tokens of every request.
+        query_len: usize,
+    },
+    /// Up to `num_reqs` requests with up to `num_tokens` query tokens in all, decodes (at most
+    /// `decode_threshold` tokens) and prefills (new prompts, chunks of prompts) in any mix,
+    /// decodes first: FlashAttention-3's full-graph batches in vLLM. The decode kernel and the
+    /// prefill kernel both run, each on its own requests. The padded step has `num_reqs + 1`
+    /// requests: the requests past the step's have no tokens, and the last one holds the
+    /// padding tokens with length 0. Their output rows are not written (as vLLM leaves padded
+    /// tokens' outputs), and their slots are -1.
+    Mixed {
+        /// Requests of the step at most.
+        num_reqs: usize,
+        /// Query tokens of the padded step.
+        num_tokens: usize,
+    },
 }
 
 impl GraphBucket {
     /// One-token decodes of up to `num_reqs` requests.
     pub fn decode(num_reqs: usize) -> Self {
-        GraphBucket { num_reqs, query_len: 1 }
+        GraphBucket::Uniform { num_reqs, query_len: 1 }
+    }
+
+    /// Decodes of exactly `query_len` tokens (speculative decoding) of up to `num_reqs` requests.
+    pub fn uniform(num_reqs: usize, query_len: usize) -> Self {
+        GraphBucket::Uniform { num_reqs, query_len }
+    }
+
+    /// Any mix of decodes and prefills of up to `num_reqs` requests and `num_tokens` tokens.
+    pub fn mixed(num_reqs: usize, num_tokens: usize) -> Self {
+        GraphBucket::Mixed { num_reqs, num_tokens }
+    }
+
+    /// Requests a step of the bucket may have.
+    pub fn num_reqs(&self) -> usize {
+        match *self {
+            GraphBucket::Uniform { num_reqs, .. } | GraphBucket::Mixed { num_reqs, .. } => num_reqs,
+        }
     }
 
     /// Query tokens of a padded step: the rows the layer tensors (q, k, v, out) must have.
     pub fn num_tokens(&self) -> usize {
-        self.num_reqs * self.query_len
+        match *self {
+            GraphBucket::Uniform { num_reqs, query_len } => num_reqs.saturating_mul(query_len),
+            GraphBucket::Mixed { num_tokens, .. } => num_tokens,
+        }
+    }
+
+    /// Requests of the padded step: a mixed bucket's last one holds the padding tokens.
+    pub(crate) fn padded_reqs(&self) -> usize {
+        match *self {
+            GraphBucket::Uniform { num_reqs, .. } => num_reqs,
+            GraphBucket::Mixed { num_reqs, .. } => num_reqs.saturating_add(1),
+        }
     }
 }
 
-/// A graph step's fixed part (the bucket, the kernel, the layout of its device words) and the
+/// The prefill kernel a mixed bucket's graph runs: the tiles are cut for it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GraphPrefillKernel {
+    pub kernel: KernelId,
+    pub block_m: u32,
+    /// Query heads per kv head.
+    pub group: usize,
+}
+
+/// A mixed bucket's prefill part: the kernel, and where its tiles and their count go.
+struct PrefillPart {
+    kernel: GraphPrefillKernel,
+    capacity_tiles: usize,
+    /// `[request, row_tile << 16]` per tile, `NO_WORK` past the step's.
+    items: Region,
+    /// `[num_tiles, 0, 0, 0]`: the `Schedule::plan` header the prefill kernels read.
+    header: Region,
+}
+
+/// A graph step's fixed part (the bucket, the kernels, the layout of its device words) and the
 /// host buffers it packs each step into.
 pub(crate) struct GraphPlanner {
     bucket: GraphBucket,
+    /// Requests with at most this many query tokens are decodes.
+    decode_threshold: usize,
     tc: TcKernel,
     mode: SplitMode,
     num_q_heads: usize,
@@ -44,36 +113,59 @@ pub(crate) struct GraphPlanner {
     layout: StagingLayout,
     /// `[num_items, chunk, 0, 0]` after the layout's arrays.
     header: Region,
+    prefill: Option<PrefillPart>,
     query_start_loc: Vec<i32>,
     seq_lens: Vec<i32>,
     words: Vec<u32>,
 }
 
 impl GraphPlanner {
-    /// `block_width`: block-table entries per request (`max_model_len / block_size`, rounded up).
+    /// `block_width`: block-table entries per request (`max_model_len / block_size`, rounded
+    /// up). `prefill`: a mixed bucket's prefill kernel (`None` for a uniform one).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         bucket: GraphBucket,
+        decode_threshold: usize,
         tc: TcKernel,
         mode: SplitMode,
         num_q_heads: usize,
         block_width: usize,
         partial_capacity: usize,
+        prefill: Option<GraphPrefillKernel>,
     ) -> Result<Self> {
-        let (n, nt) = (bucket.num_reqs, bucket.num_tokens());
-        ensure(n > 0 && bucket.query_len > 0, "bucket", || format!("{bucket:?} is empty"))?;
-        let capacity_items = tc.max_items(n, bucket.query_len as u32, mode);
+        let (n, nt, padded) = (bucket.num_reqs(), bucket.num_tokens(), bucket.padded_reqs());
+        ensure(n > 0 && nt > 0, "bucket", || format!("{bucket:?} is empty"))?;
+        let decode_len = match bucket {
+            GraphBucket::Uniform { query_len, .. } => query_len,
+            GraphBucket::Mixed { .. } => decode_threshold,
+        };
+        ensure(matches!(bucket, GraphBucket::Mixed { .. }) == prefill.is_some(), "bucket", || {
+            format!("{bucket:?}: a prefill kernel goes with mixed buckets only")
+        })?;
+        // Decodes are the first requests, so the merge (one CTA per token and head) covers the
+        // most tokens they can have, not the bucket's.
+        let capacity_items = tc.max_items(n, decode_len as u32, mode);
         let layout = StagingLayout::new(&StagingSizes {
-            num_reqs: n,
+            num_reqs: padded,
             block_table_stride: block_width,
             num_actual_tokens: nt,
-            num_decodes: n,
+            num_decodes: padded,
             num_prefills: 0,
             num_work_items: 2 * capacity_items,
             num_decode_tokens: nt,
         });
         let header = Region { offset: layout.total_words, len: ALIGN_WORDS };
+        let prefill = prefill.map(|kernel| {
+            // Every request's rows in tiles, each request's last one partial.
+            let capacity_tiles = nt.saturating_mul(kernel.group).div_ceil(kernel.block_m as usize).saturating_add(padded);
+            let items = Region { offset: header.end(), len: 2 * capacity_tiles };
+            let header = Region { offset: items.end().next_multiple_of(ALIGN_WORDS), len: ALIGN_WORDS };
+            PrefillPart { kernel, capacity_tiles, items, header }
+        });
+        let total = prefill.as_ref().map_or(header.end(), |p| p.header.end());
         Ok(GraphPlanner {
             bucket,
+            decode_threshold,
             tc,
             mode,
             num_q_heads,
@@ -81,9 +173,10 @@ impl GraphPlanner {
             capacity_items,
             layout,
             header,
-            query_start_loc: Vec::with_capacity(n + 1),
-            seq_lens: Vec::with_capacity(n),
-            words: vec![0; header.end()],
+            prefill,
+            query_start_loc: Vec::with_capacity(padded + 1),
+            seq_lens: Vec::with_capacity(padded),
+            words: vec![0; total],
         })
     }
 
@@ -93,7 +186,7 @@ impl GraphPlanner {
 
     /// Words of the device buffer.
     pub(crate) fn total_words(&self) -> usize {
-        self.header.end()
+        self.words.len()
     }
 
     pub(crate) fn layout(&self) -> &StagingLayout {
@@ -105,20 +198,32 @@ impl GraphPlanner {
         (&self.query_start_loc, &self.seq_lens)
     }
 
-    /// Checks `input` (a full [`validate`], then: decodes of the bucket's query length, no more
-    /// requests than the bucket, rows within the block-table width), pads it to the bucket,
-    /// plans its splits and packs the words. The split of the padded step.
+    /// Checks `input` (a full [`validate`], then what the bucket takes: no more requests or
+    /// tokens, decodes of the bucket's query length for a uniform bucket, decodes first for a
+    /// mixed one, rows within the block-table width), pads it to the bucket, plans it and packs
+    /// the words. The split of the padded step: a mixed step's padding requests count as
+    /// prefills.
     pub(crate) fn build(&mut self, input: &StepInput<'_>) -> Result<BatchSplit> {
         validate(input)?;
-        let GraphBucket { num_reqs: bn, query_len: q } = self.bucket;
-        let n = input.num_reqs();
+        let (bn, bt, padded) = (self.bucket.num_reqs(), self.bucket.num_tokens(), self.bucket.padded_reqs());
+        let (n, nt) = (input.num_reqs(), input.num_actual_tokens);
         ensure(n <= bn, "seq_lens", || format!("{n} requests exceed the graph bucket's {bn}"))?;
-        if let Some(r) = (0..n).find(|&r| input.query_len(r) != q as i64) {
-            return Err(AttnError::invalid(
-                "query_start_loc",
-                format!("request {r} has {} query tokens; the graph bucket takes exactly {q} each", input.query_len(r)),
-            ));
-        }
+        let split = match self.bucket {
+            GraphBucket::Uniform { query_len: q, .. } => {
+                if let Some(r) = (0..n).find(|&r| input.query_len(r) != q as i64) {
+                    return Err(AttnError::invalid(
+                        "query_start_loc",
+                        format!("request {r} has {} query tokens; the graph bucket takes exactly {q} each", input.query_len(r)),
+                    ));
+                }
+                BatchSplit { num_decodes: bn, num_decode_tokens: bt, num_prefills: 0, num_prefill_tokens: 0 }
+            }
+            GraphBucket::Mixed { .. } => {
+                ensure(nt <= bt, "num_actual_tokens", || format!("{nt} tokens exceed the graph bucket's {bt}"))?;
+                let s = split_decodes(input, self.decode_threshold)?;
+                BatchSplit { num_prefills: padded - s.num_decodes, num_prefill_tokens: bt - s.num_decode_tokens, ..s }
+            }
+        };
         let width = self.layout.block_table_stride;
         if let Some(r) = (0..n).find(|&r| input.blocks_needed(r) > width) {
             return Err(AttnError::invalid(
@@ -127,18 +232,46 @@ impl GraphPlanner {
             ));
         }
 
+        // Padding: a uniform bucket's requests keep the query length; a mixed bucket's have no
+        // tokens, but the last, which has every padding token.
         self.query_start_loc.clear();
-        self.query_start_loc.extend((0..=bn).map(|r| (r * q) as i32));
+        self.query_start_loc.extend_from_slice(&input.query_start_loc[..=n]);
+        match self.bucket {
+            GraphBucket::Uniform { query_len: q, .. } => self.query_start_loc.extend((n + 1..=bn).map(|r| (r * q) as i32)),
+            GraphBucket::Mixed { .. } => {
+                self.query_start_loc.resize(padded, nt as i32);
+                self.query_start_loc.push(bt as i32);
+            }
+        }
         self.seq_lens.clear();
         self.seq_lens.extend_from_slice(input.seq_lens);
-        self.seq_lens.resize(bn, 0);
-        let batch = DecodeBatch { seq_lens: &self.seq_lens, query_start_loc: &self.query_start_loc };
+        self.seq_lens.resize(padded, 0);
+        let nd = split.num_decodes.min(padded);
+        let decodes = DecodeBatch { seq_lens: &self.seq_lens[..nd], query_start_loc: &self.query_start_loc[..=nd] };
         let tc = &self.tc;
-        let plan = plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.mode, self.partial_capacity);
+        let plan = plan_decode_tc(&decodes, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.mode, self.partial_capacity);
         let items = plan.items.len() / 2;
         ensure(items <= self.capacity_items, "step", || {
             format!("its plan has {items} work items, the graph's grid {}: a planner bug", self.capacity_items)
         })?;
+        let prefill_items = match &self.prefill {
+            Some(part) => {
+                // The step's prefills' tiles, naming requests of the whole padded batch; ordered
+                // as a causal layer's (the order only balances the SMs). The padding request has
+                // none: its rows are left as they are (zeros would cost a write of them all).
+                let (qsl, lens) = (&self.query_start_loc[nd..=n], &self.seq_lens[nd..n]);
+                let rest = PrefillBatch { query_start_loc: qsl, seq_lens: lens, key_start_loc: None };
+                let mut tiles = plan_prefill(&rest, part.kernel.group, true, None, part.kernel.block_m).items;
+                ensure(tiles.len() <= part.capacity_tiles, "step", || {
+                    format!("its prefill has {} tiles, the graph's grid {}: a planner bug", tiles.len(), part.capacity_tiles)
+                })?;
+                for t in &mut tiles {
+                    t[0] += nd as u32;
+                }
+                tiles
+            }
+            None => Vec::new(),
+        };
 
         let (l, words) = (&self.layout, &mut self.words);
         let put_i32 = |words: &mut [u32], r: Region, v: &[i32]| {
@@ -155,23 +288,30 @@ impl GraphPlanner {
         }
         let slots = &mut words[l.slot_mapping.range()];
         for (t, pair) in slots.chunks_exact_mut(2).enumerate() {
-            let s = if t < input.num_actual_tokens { input.slot_mapping[t] } else { -1 };
+            let s = if t < nt { input.slot_mapping[t] } else { -1 };
             pair[0] = s as u64 as u32;
             pair[1] = (s as u64 >> 32) as u32;
         }
         words[l.prefill_query_start_loc.offset] = 0;
-        // Items past the step's do nothing (their CTAs exit at once): the grid is fixed.
-        let items_words = &mut words[l.work_items.range()];
-        items_words[..plan.items.len()].copy_from_slice(&plan.items);
-        for pad in items_words[plan.items.len()..].chunks_exact_mut(2) {
-            pad.copy_from_slice(&[0, NO_WORK]);
-        }
-        words[l.req_num_splits.range()].copy_from_slice(&plan.req_num_splits);
-        words[l.req_partial_base.range()].copy_from_slice(&plan.req_partial_base);
-        words[l.token_request.range()].copy_from_slice(&plan.token_request);
+        // Items past the step's do nothing (their CTAs exit at once): the grids are fixed.
+        fill_items(&mut words[l.work_items.range()], &plan.items);
+        // The decode plan covers the decodes; every other request has one split (the merge
+        // skips it), and the tokens past the decodes' are the last request's.
+        let fill = |words: &mut [u32], r: Region, v: &[u32], rest: u32| {
+            let w = &mut words[r.range()];
+            w[..v.len()].copy_from_slice(v);
+            w[v.len()..].fill(rest);
+        };
+        fill(words, l.req_num_splits, &plan.req_num_splits, 1);
+        fill(words, l.req_partial_base, &plan.req_partial_base, 0);
+        fill(words, l.token_request, &plan.token_request, padded as u32 - 1);
         words[self.header.range()].copy_from_slice(&[items as u32, plan.chunk, 0, 0]);
-        let nt = self.bucket.num_tokens();
-        Ok(BatchSplit { num_decodes: bn, num_decode_tokens: nt, num_prefills: 0, num_prefill_tokens: 0 })
+        if let Some(part) = &self.prefill {
+            let flat: Vec<u32> = prefill_items.iter().flatten().copied().collect();
+            fill_items(&mut words[part.items.range()], &flat);
+            words[part.header.range()].copy_from_slice(&[prefill_items.len() as u32, 0, 0, 0]);
+        }
+        Ok(split)
     }
 
     /// The words [`build`](Self::build) packed.
@@ -179,10 +319,14 @@ impl GraphPlanner {
         &self.words
     }
 
-    /// The plan's arrays in the device buffer at `base` (its address).
+    /// The decode plan's arrays in the device buffer at `base` (its address).
     pub(crate) fn device_plan(&self, base: u64) -> DevicePlan {
         let at = |r: Region| base + r.byte_offset() as u64;
         let l = &self.layout;
+        let decode_len = match self.bucket {
+            GraphBucket::Uniform { query_len, .. } => query_len,
+            GraphBucket::Mixed { .. } => self.decode_threshold,
+        };
         DevicePlan {
             kernel: self.tc.id,
             layer: self.tc.layer,
@@ -192,10 +336,112 @@ impl GraphPlanner {
             token_request: at(l.token_request),
             header: at(self.header),
             capacity_items: self.capacity_items,
+            query_len: decode_len as u32,
+            // The decodes come first: their tokens are the first ones, at most this many.
+            merge_tokens: self.bucket.num_tokens().min(self.bucket.num_reqs().saturating_mul(decode_len)),
             // Launched at capture whatever that step's plan (requests with one split are
             // skipped by the merge kernel).
             needs_merge: true,
             cluster: 0,
         }
+    }
+
+    /// A mixed bucket's prefill tiles in the device buffer at `base`.
+    pub(crate) fn device_prefill_plan(&self, base: u64) -> Option<DevicePrefillPlan> {
+        let part = self.prefill.as_ref()?;
+        let at = |r: Region| base + r.byte_offset() as u64;
+        Some(DevicePrefillPlan {
+            kernel: part.kernel.kernel,
+            items: at(part.items),
+            header: at(part.header),
+            capacity_tiles: part.capacity_tiles,
+        })
+    }
+}
+
+/// `items` (word pairs) at the start of `words`, and `[0, NO_WORK]` in every pair after them.
+fn fill_items(words: &mut [u32], items: &[u32]) {
+    words[..items.len()].copy_from_slice(items);
+    for pad in words[items.len()..].chunks_exact_mut(2) {
+        pad.copy_from_slice(&[0, NO_WORK]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decode::{DecodeKernel, LayerShape, TcShape};
+    use crate::dtype::DType;
+
+    /// The keys-as-rows decode kernel of 32 query heads over 8 kv heads at d128.
+    fn decode_kernel() -> TcKernel {
+        TcKernel {
+            kernel: DecodeKernel::TensorCoreKeys,
+            id: KernelId::DecodeKr { q: DType::BF16, fp8: false, long: true, wide: false, head_size: 128 },
+            layer: LayerShape { num_q_heads: 32, num_kv_heads: 8, head_size: 128 },
+            smem: 1,
+            shape: TcShape::attention(128, 128, true, false, 8),
+            threads: 128,
+            group: 4,
+            target: 264,
+            slots: 0,
+            fused_merge: true,
+        }
+    }
+
+    /// A mixed step: padded to one request more, which holds the padding tokens; the decode
+    /// plan over the decodes, every other token mapped to the padding request (one split); the
+    /// prefill tiles over the step's prefills only, `NO_WORK` past them, counted in the header.
+    #[test]
+    fn a_mixed_step_is_padded_and_planned_for_both_kernels() {
+        let prefill = GraphPrefillKernel { kernel: KernelId::PrefillWgs { q: DType::BF16, head_size: 128 }, block_m: 128, group: 4 };
+        let bucket = GraphBucket::mixed(3, 40);
+        let mut g = GraphPlanner::new(bucket, 1, decode_kernel(), SplitMode::Auto, 32, 4, 1 << 20, Some(prefill)).unwrap();
+        // Two decodes, then a 30-token chunk after 10 cached tokens.
+        let (qsl, lens, table) = ([0, 1, 2, 32], [50, 7, 40], [3, 4, 5, 6, 7, 0, 0, 0, 8, 9, 10, 0]);
+        let slots: Vec<i64> = [3 * 16 + 1, 7 * 16 + 6].into_iter().chain((10..40).map(|p| (8 + p / 16) * 16 + p % 16)).collect();
+        let input = StepInput {
+            query_start_loc: &qsl,
+            seq_lens: &lens,
+            block_table: &table,
+            block_table_stride: 4,
+            slot_mapping: &slots,
+            num_actual_tokens: 32,
+            num_blocks: 64,
+            block_size: 16,
+        };
+        let split = g.build(&input).unwrap();
+        assert_eq!(split, BatchSplit { num_decodes: 2, num_decode_tokens: 2, num_prefills: 2, num_prefill_tokens: 38 });
+        assert_eq!(g.padded(), (&[0, 1, 2, 32, 40][..], &[50, 7, 40, 0][..]));
+        let (w, l) = (g.words(), g.layout());
+        let slot_words = &w[l.slot_mapping.range()];
+        assert!(slot_words[64..].iter().all(|&x| x == u32::MAX), "padding slots are -1");
+        assert_eq!(&w[l.token_request.range()][..2], &[0, 1]);
+        assert!(w[l.token_request.range()][2..].iter().all(|&r| r == 3));
+        assert_eq!(&w[l.req_num_splits.range()][2..], &[1, 1]);
+        let part = g.prefill.as_ref().unwrap();
+        assert_eq!(part.capacity_tiles, 2 + 4);
+        let items = &w[part.items.range()];
+        // 30 tokens x 4 heads = 120 rows: one tile, of request 2.
+        assert_eq!(&items[..2], &[2, 0]);
+        assert!(items[2..].chunks(2).all(|p| p == [0, NO_WORK]));
+        assert_eq!(&w[part.header.range()], &[1, 0, 0, 0]);
+        let dp = g.device_plan(0);
+        assert_eq!((dp.query_len, dp.merge_tokens), (1, 3));
+
+        // Past the bucket, or not decodes first: refused, naming the argument.
+        let arg = |e: AttnError| match e {
+            AttnError::InvalidArgument { arg, .. } => arg,
+            other => panic!("{other:?}"),
+        };
+        let long_slots: Vec<i64> = (48..89).collect();
+        let long = StepInput { query_start_loc: &[0, 41], seq_lens: &[41], slot_mapping: &long_slots, num_actual_tokens: 41, ..input };
+        assert_eq!(arg(g.build(&long).unwrap_err()), "num_actual_tokens");
+        let order_slots: Vec<i64> = (58..88).chain([7 * 16 + 6]).collect();
+        let order =
+            StepInput { query_start_loc: &[0, 30, 31], seq_lens: &[40, 7], slot_mapping: &order_slots, num_actual_tokens: 31, ..input };
+        assert_eq!(arg(g.build(&order).unwrap_err()), "query_start_loc");
+        // A uniform bucket's planner takes no prefill kernel.
+        assert!(GraphPlanner::new(GraphBucket::decode(3), 1, decode_kernel(), SplitMode::Auto, 32, 4, 1 << 20, Some(prefill)).is_err());
     }
 }

@@ -13,6 +13,7 @@ use crate::metadata::{
     split_decodes, upload, use_cascade, validate, BatchSplit, CascadeMode, CascadeStep, CommonPrefix, MetadataBuilder, StagingLayout,
     StepInput,
 };
+use crate::prefill::DevicePrefillPlan;
 use crate::stream_check::refuse_foreign_capture;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 use std::sync::Arc;
@@ -132,7 +133,8 @@ impl StepMetadata {
             self.seq_lens.clear();
             self.seq_lens.extend_from_slice(seq_lens);
             self.prefill_query_start_loc.clear();
-            self.prefill_query_start_loc.push(0);
+            let base = qsl[self.split.num_decodes];
+            self.prefill_query_start_loc.extend(qsl[self.split.num_decodes..].iter().map(|&s| s - base));
             self.built = true;
             return Ok(self.split);
         }
@@ -316,5 +318,12 @@ impl StepMetadata {
         let (Planner::Graph(g), Some(dev)) = (&self.planner, &self.device) else { return None };
         let (base, _sync) = dev.words.device_ptr(&dev.stream);
         Some(g.device_plan(base))
+    }
+
+    /// A mixed graph step's prefill tiles in its device buffer (`None` for other steps).
+    pub(crate) fn device_prefill_plan(&self) -> Option<DevicePrefillPlan> {
+        let (Planner::Graph(g), Some(dev)) = (&self.planner, &self.device) else { return None };
+        let (base, _sync) = dev.words.device_ptr(&dev.stream);
+        g.device_prefill_plan(base)
     }
 }

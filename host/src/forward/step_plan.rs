@@ -121,7 +121,7 @@ impl StepPlanner {
             let batch = DecodeBatch { seq_lens: lens, query_start_loc: qsl };
             let plan =
                 plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.plan.split, self.partial_capacity);
-            decode = Some((append_plan(&mut words, &plan), tc, plan.items.len() / 2, plan.needs_merge()));
+            decode = Some((append_plan(&mut words, &plan), tc, plan.items.len() / 2, plan.needs_merge(), max_q));
         }
         let mut prefix = None;
         if let Some(p) = cascade {
@@ -130,7 +130,7 @@ impl StepPlanner {
             let batch = DecodeBatch { seq_lens: &lens, query_start_loc: &qsl };
             let plan =
                 plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.plan.split, self.partial_capacity);
-            prefix = Some((append_plan(&mut words, &plan), tc, plan.items.len() / 2, plan.needs_merge()));
+            prefix = Some((append_plan(&mut words, &plan), tc, plan.items.len() / 2, plan.needs_merge(), nt as u32));
         }
         if self.staging.len() < words.len() {
             // A step larger than any before: grow both buffers (eager steps only; the copy out
@@ -145,7 +145,7 @@ impl StepPlanner {
         uploaded?;
         let base = self.device.device_ptr(&self.stream).0;
         let at = |r: Region| base + r.byte_offset() as u64;
-        let device_plan = |(r, tc, items, needs_merge): (PlanRegions, TcKernel, usize, bool)| DevicePlan {
+        let device_plan = |(r, tc, items, needs_merge, query_len): (PlanRegions, TcKernel, usize, bool, u32)| DevicePlan {
             kernel: tc.id,
             layer: tc.layer,
             items: at(r.items),
@@ -154,6 +154,8 @@ impl StepPlanner {
             token_request: at(r.token_request),
             header: at(r.header),
             capacity_items: items,
+            query_len,
+            merge_tokens: usize::MAX,
             needs_merge,
             cluster: 0,
         };

@@ -364,17 +364,18 @@ pub struct MlaParams {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Schedule {
-    /// A split plan on the device (CUDA-graph replays, whose arguments were fixed at capture;
-    /// decode and MLA): `[num_items, chunk]` u32, of which the kernel reads `chunk` in place of
-    /// [`Shape::chunk`]. The grid covers the most items a step can have; the items past the
-    /// step's are [`NO_WORK`]. 0 = no such plan.
+    /// A plan on the device (CUDA-graph replays, whose arguments were fixed at capture):
+    /// `[num_items, chunk]` u32, of which decode and MLA read `chunk` in place of
+    /// [`Shape::chunk`] (prefill's is 0), and the persistent prefill kernels `num_items` (its
+    /// tiles) in place of [`Schedule::ctas`]. The grid covers the most items a step can have;
+    /// the items past the step's are [`NO_WORK`]. 0 = no such plan.
     pub plan: u64,
     /// Persistent kernels (`prefill_wgs_*`): two u32 in device memory, zero between launches:
     /// the next CTA index to take (past the grid's own), and the CTAs that have finished (the
     /// last one zeroes both). 0 for the other kernels.
     pub sched: u64,
     /// Persistent kernels: the CTAs of the plan (work items x kv heads), which the grid's CTAs
-    /// take in turn.
+    /// take in turn (with a [`Schedule::plan`], its tiles x kv heads instead).
     pub ctas: u32,
     /// Split-K merged inside pass 1 (`decode_kr_*`): a u32 arrival counter per split work item
     /// (zero between launches, [`merge_counter_index`]); the CTA that arrives last combines

@@ -6,9 +6,12 @@
 //! - graphs: a decode step of 32 layers (batch 64 and batch 8; context 2048 and 512), launched
 //!   eagerly against replayed from a CUDA graph, and the kernels' own time per layer (CUDA events
 //!   around each layer's kernels in a GPU-bound eager run).
+//! - mixed graphs: steps of 32 layers with decodes and a prefill (64 decodes at context 2048
+//!   and a 512-token chunk after 1536 cached; 8 decodes at 512 and a 2048-token prompt), the
+//!   same three timings from a mixed bucket's graph, and a decode-only step replayed from it.
 //!
 //! Times are medians over CUDA-event timings after warm-up.
-//! `step-bench [--quick] [--json PATH] [--only cascade|graph] [--event-tracking]` (`--help`).
+//! `step-bench [--quick] [--json PATH] [--only cascade|graph|mixed] [--event-tracking]` (`--help`).
 
 use attn_rs::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
 use attn_rs::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, GraphBucket, LayerIo, NewKv, StepMetadata};
@@ -95,6 +98,34 @@ impl Batch {
         Batch { qsl, seq_lens, table, stride, slots, num_blocks: shared + own * n }
     }
 
+    /// [`Batch::new`]`(n, 0, context)`, then one prefill request of `chunk` query tokens after
+    /// `cached` tokens of its own (a chunk of a long prompt, or a new prompt for 0).
+    fn mixed(n: usize, context: usize, chunk: usize, cached: usize) -> Batch {
+        let mut b = Batch::new(n, 0, context.max(cached + chunk));
+        let len = cached + chunk;
+        let blocks = len.div_ceil(BS);
+        // Its blocks after the decodes'; its row as wide as theirs.
+        let first = b.num_blocks as i32;
+        b.table.extend((0..b.stride as i32).map(|i| if (i as usize) < blocks { first + i } else { 0 }));
+        b.slots.extend((cached..len).map(|pos| (first as i64 + (pos / BS) as i64) * BS as i64 + (pos % BS) as i64));
+        b.qsl.push((n + chunk) as i32);
+        b.seq_lens.push(len as i32);
+        b.num_blocks += blocks;
+        b
+    }
+
+    /// The decodes' lengths: `Batch::new` took the longest of the decodes' and the prefill's.
+    fn with_decode_len(mut self, n: usize, context: usize) -> Batch {
+        for l in &mut self.seq_lens[..n] {
+            *l = context as i32;
+        }
+        for (r, s) in self.slots[..n].iter_mut().enumerate() {
+            let pos = context - 1;
+            *s = self.table[r * self.stride + pos / BS] as i64 * BS as i64 + (pos % BS) as i64;
+        }
+        self
+    }
+
     fn input(&self) -> StepInput<'_> {
         StepInput {
             query_start_loc: &self.qsl,
@@ -102,7 +133,7 @@ impl Batch {
             block_table: &self.table,
             block_table_stride: self.stride,
             slot_mapping: &self.slots,
-            num_actual_tokens: self.seq_lens.len(),
+            num_actual_tokens: *self.qsl.last().expect("start locations") as usize,
             num_blocks: self.num_blocks,
             block_size: BS,
         }
@@ -288,9 +319,80 @@ fn graph_bench(
     Ok(())
 }
 
-/// A decode step of 32 layers, eagerly and from a CUDA graph (`--only graph`), and a cascade
-/// layer against the plain path (`--only cascade`); times are medians over CUDA-event timings
-/// after warm-up.
+/// A step of 32 layers with `n` decodes at `context` and one prefill of `chunk` tokens after
+/// `cached`, eagerly and replayed from a graph of the mixed bucket it fills exactly; the
+/// kernels' own time; and a step of the decodes alone replayed from the same graph (the
+/// bucket's padding tokens are then a request of length 0).
+#[allow(clippy::too_many_arguments)]
+fn mixed_graph_bench(
+    dev: &Arc<AttnDevice>,
+    stream: &Arc<CudaStream>,
+    (n, context, chunk, cached): (usize, usize, usize, usize),
+    quick: bool,
+    lines: &mut Vec<Line>,
+) -> Result<()> {
+    let layers = 32;
+    let batch = Batch::mixed(n, context, chunk, cached).with_decode_len(n, context);
+    let rows = n + chunk;
+    let bucket = GraphBucket::mixed(n + 1, rows);
+    let limits = ForwardLimits { max_num_tokens: rows, max_num_reqs: n + 1, max_model_len: context.max(cached + chunk) };
+    let mut attn = attention(dev, stream, batch.num_blocks, limits, CascadeMode::Off)?;
+    let init = values(attn.cache_spec().num_elements(), 5);
+    let caches: Vec<_> = (0..layers).map(|_| Ok(SharedBuf::new(stream.clone_htod(&init)?))).collect::<Result<_>>()?;
+    let io = Io::new(stream, rows)?;
+    let mut eager = attn.new_step_metadata()?;
+    let mut graph_step = attn.new_graph_step(bucket)?;
+    eager.build(&batch.input())?;
+    graph_step.build(&batch.input())?;
+    let reps = if quick { 10 } else { 30 };
+    let eager_us = time(stream, 3, reps, 1, || caches.iter().try_for_each(|c| io.forward(&mut attn, &eager, c, stream)))?;
+    attn.set_timing(true);
+    let _ = attn.take_times()?;
+    for _ in 0..3 {
+        for cache in &caches {
+            io.forward(&mut attn, &eager, cache, stream)?;
+        }
+    }
+    let times = attn.take_times()?;
+    attn.set_timing(false);
+    let kernel_us = (times.cache_write + times.attention).as_secs_f64() * 1e6 / times.layers as f64;
+    let graph = attn.capture(&graph_step, |a| caches.iter().try_for_each(|c| io.forward(a, &graph_step, c, stream)))?;
+    let graph_us = time(stream, 3, reps, 1, || graph.replay(&graph_step))?;
+    attn.check_status()?;
+    // The decodes alone, from the same graph.
+    let decodes = Batch::new(n, 0, context);
+    graph_step.build(&StepInput { num_blocks: batch.num_blocks, ..decodes.input() })?;
+    let decode_only_us = time(stream, 3, reps, 1, || graph.replay(&graph_step))?;
+    attn.check_status()?;
+    let shape = format!("{layers} layers, {n} x {context} + {chunk} after {cached}");
+    let per = |us: f64| us / layers as f64;
+    lines.push(Line {
+        name: format!("mixed graph: eager ({shape})"),
+        us: per(eager_us),
+        note: format!("per layer; step {eager_us:.0} us"),
+    });
+    lines.push(Line {
+        name: format!("mixed graph: replay ({shape})"),
+        us: per(graph_us),
+        note: format!("per layer; step {graph_us:.0} us"),
+    });
+    lines.push(Line {
+        name: format!("mixed graph: kernels ({shape})"),
+        us: kernel_us,
+        note: format!("per layer, events around each layer; replay / kernels = {:.3}", per(graph_us) / kernel_us),
+    });
+    lines.push(Line {
+        name: format!("mixed graph: decodes only ({shape})"),
+        us: per(decode_only_us),
+        note: format!("per layer, the {n} decodes alone replayed from the same graph; step {decode_only_us:.0} us"),
+    });
+    Ok(())
+}
+
+/// A decode step of 32 layers, eagerly and from a CUDA graph (`--only graph`), steps of
+/// decodes and a prefill from a mixed bucket's graph (`--only mixed`), and a cascade layer
+/// against the plain path (`--only cascade`); times are medians over CUDA-event timings after
+/// warm-up.
 #[derive(Parser, Debug)]
 #[command(
     name = "step-bench",
@@ -320,6 +422,8 @@ enum Part {
     Cascade,
     /// A decode step, eager against replayed from a CUDA graph.
     Graph,
+    /// Steps of decodes and a prefill, eager against replayed from a mixed bucket's graph.
+    Mixed,
 }
 
 /// `STEP_BENCH_GRAPH_SHAPES`: the graph part's (batch, context) steps.
@@ -406,6 +510,11 @@ fn main() -> Result<()> {
     }
     for (n, context) in shapes {
         graph_bench(&dev, &stream, n, context, cli.quick, &mut lines)?;
+    }
+    if want(Part::Mixed) {
+        for shape in [(64, 2048, 512, 1536), (8, 512, 2048, 0)] {
+            mixed_graph_bench(&dev, &stream, shape, cli.quick, &mut lines)?;
+        }
     }
     for l in &lines {
         println!("{:<55} {:>10.2}  {}", l.name, l.us, l.note);

@@ -48,7 +48,7 @@ use crate::blocks::mma::{
     cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_u64x2, ld_shared_v4, shared_addr, st_shared_u32, st_shared_u64x2,
     st_shared_v4, wgmma_desc,
 };
-use crate::blocks::vec_io::store4;
+use crate::blocks::vec_io::{load_u32_nc, store4};
 use crate::blocks::wgmma::{wait_pv64, wait_scores64, WgmmaTiles};
 use attn_math::hopper_prefill::{
     group_bytes, ws_layout, ws_stage_keys, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_ITEM_WORDS, WS_PRODUCER_REGS,
@@ -205,7 +205,14 @@ impl Item {
     #[inline(always)]
     unsafe fn decode<const D: usize>(p: &AttnParams, x: u32) -> [u32; 16] {
         let mut d = [ITEM_NONE; 16];
-        if x >= p.schedule.ctas {
+        // A plan on the device (a CUDA-graph step's) counts its tiles in its header; the CTAs are
+        // its tiles x kv heads.
+        let ctas = if p.schedule.plan != 0 {
+            (unsafe { load_u32_nc(p.schedule.plan) }) * (p.shape.num_q_heads / p.shape.group)
+        } else {
+            p.schedule.ctas
+        };
+        if x >= ctas {
             d[0] = ITEM_END;
             return d;
         }
