@@ -3,7 +3,8 @@
 //! tables change; each replay's outputs must match the same step run eagerly (a normal step
 //! metadata, its own caches), every layer, and the caches must end bit for bit equal. Padding
 //! rows (requests past the step's) must come out finite (uniform buckets) or untouched (mixed
-//! buckets). Mixed buckets take decodes, new prompts and chunks in changing mixes. Standard attention (GQA, one and two
+//! buckets). Mixed buckets take decodes, new prompts and chunks in changing mixes; bf16 and FP8
+//! caches. Standard attention (GQA, one and two
 //! query tokens) and MLA; refusals of steps a graph cannot take.
 //!
 //! A graph holds what it captured: the captured layers' buffers are `SharedBuf`s, and a borrowed
@@ -15,7 +16,7 @@ mod common;
 use attn_rs::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
 use attn_rs::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, GraphBucket, LayerIo, NewKv, StepMetadata};
 use attn_rs::metadata::StepInput;
-use attn_rs::{AttnError, DType, DevIn, DevOut, KvLayout, RowsDesc, SharedBuf};
+use attn_rs::{AttnError, DType, DevIn, DevOut, Element, Fp8E4m3, KvLayout, RowsDesc, SharedBuf};
 use common::*;
 use cudarc::driver::CudaStream;
 use half::bf16;
@@ -32,6 +33,8 @@ struct Case {
     hkv: usize,
     d: usize,
     bucket: GraphBucket,
+    /// An FP8 (e4m3) cache with per-tensor scales (standard attention).
+    fp8: bool,
     /// Decodes have at most this many query tokens (a uniform bucket's query length).
     threshold: usize,
     layers: usize,
@@ -62,13 +65,28 @@ impl Case {
         if self.mla {
             ModelConfig::mla(self.hq, DType::BF16, 16)
         } else {
-            ModelConfig::standard(self.hq, self.hkv, self.d, DType::BF16, 16, KvLayout::FlashNhd)
+            let m = ModelConfig::standard(self.hq, self.hkv, self.d, DType::BF16, 16, KvLayout::FlashNhd);
+            if self.fp8 {
+                m.with_cache_dtype(DType::Fp8E4m3)
+            } else {
+                m
+            }
         }
     }
 }
 
+/// An FP8 cache's K and V scales (f32 each), shared: a graph holds them.
+type Scales = (SharedBuf<f32>, SharedBuf<f32>);
+
 /// One layer's tensors: `q`, `k` and `v` are views of a fused input buffer of `rows` tokens.
-fn layer<'a>(c: &Case, rows: usize, (q, k, v): (DevIn<'a>, DevIn<'a>, DevIn<'a>), cache: DevOut<'a>, out: DevOut<'a>) -> LayerIo<'a> {
+fn layer<'a>(
+    c: &Case,
+    rows: usize,
+    (q, k, v): (DevIn<'a>, DevIn<'a>, DevIn<'a>),
+    cache: DevOut<'a>,
+    out: DevOut<'a>,
+    scales: Option<(&'a Scales, &'a Arc<CudaStream>)>,
+) -> LayerIo<'a> {
     let w = c.widths();
     let width = w.q + w.k + w.v;
     let q_rows = RowsDesc { num_tokens: rows, num_heads: c.hq, head_size: w.q_head, token_stride: width, head_stride: w.q_head };
@@ -79,20 +97,23 @@ fn layer<'a>(c: &Case, rows: usize, (q, k, v): (DevIn<'a>, DevIn<'a>, DevIn<'a>)
         NewKv::Standard { k, k_rows: kv_rows, v, v_rows: kv_rows }
     };
     let out_rows = RowsDesc::contiguous(rows, c.hq, w.out / c.hq);
-    LayerIo::Gpu(GpuLayer { q, q_rows, new_kv, cache, out, out_rows, alibi_slopes: None, sinks: None, kv_scales: None })
+    let kv_scales = scales.map(|((k, v), stream)| (DevIn::shared(k, stream), DevIn::shared(v, stream)));
+    LayerIo::Gpu(GpuLayer { q, q_rows, new_kv, cache, out, out_rows, alibi_slopes: None, sinks: None, kv_scales })
 }
 
 /// A layer as a graph captures it: every buffer a `SharedBuf`, held by the graph.
-fn shared_layer<'a>(
+fn shared_layer<'a, C: Element>(
     c: &Case,
     stream: &'a Arc<CudaStream>,
     input: &'a SharedBuf<bf16>,
-    cache: &'a SharedBuf<bf16>,
+    cache: &'a SharedBuf<C>,
     out: &'a SharedBuf<bf16>,
+    scales: Option<&'a Scales>,
 ) -> Result<LayerIo<'a>, AttnError> {
     let w = c.widths();
     let qkv = (DevIn::shared(input, stream), DevIn::shared_range(input, w.q.., stream)?, DevIn::shared_range(input, w.q + w.k.., stream)?);
-    Ok(layer(c, c.bucket.num_tokens(), qkv, DevOut::shared(cache, stream), DevOut::shared(out, stream)))
+    let scales = scales.map(|s| (s, stream));
+    Ok(layer(c, c.bucket.num_tokens(), qkv, DevOut::shared(cache, stream), DevOut::shared(out, stream), scales))
 }
 
 /// A step's batch: `n` requests with random lengths (short ones, ones at the limit, long ones
@@ -199,6 +220,14 @@ fn build(step: &mut StepMetadata, st: &Step, num_blocks: usize) -> Result<(), At
 }
 
 fn graph_case(c: Case, salt: u64) -> TestResult {
+    match c.fp8 {
+        true => graph_case_on::<Fp8E4m3>(c, salt),
+        false => graph_case_on::<bf16>(c, salt),
+    }
+}
+
+/// [`graph_case`] with a cache of `C`.
+fn graph_case_on<C: Element + std::fmt::Debug>(c: Case, salt: u64) -> TestResult {
     let mut rng = rng(salt);
     let dev = arc_device();
     let stream = dev.context().new_stream()?;
@@ -210,8 +239,9 @@ fn graph_case(c: Case, salt: u64) -> TestResult {
     let spec = attn.cache_spec();
 
     // Both paths start from the same random caches (so any length reads real values).
-    let init: Vec<bf16> = random_vec(&mut rng, spec.num_elements(), 1.0);
+    let init: Vec<C> = random_vec(&mut rng, spec.num_elements(), 1.0);
     let mut caches_e: Vec<_> = (0..c.layers).map(|_| upload(&stream, &init)).collect();
+    let scales: Option<Scales> = c.fp8.then(|| (SharedBuf::new(upload(&stream, &[0.02f32])), SharedBuf::new(upload(&stream, &[0.03f32]))));
     // What the graph captures is shared: it holds a handle to each.
     let caches_g: Vec<_> = (0..c.layers).map(|_| SharedBuf::new(upload(&stream, &init))).collect();
     let w = c.widths();
@@ -247,12 +277,13 @@ fn graph_case(c: Case, salt: u64) -> TestResult {
         let (k_e, v_e) = (in_e.slice(w.q..), in_e.slice(w.q + w.k..));
         for (cache, out) in caches_e.iter_mut().zip(&mut outs_e) {
             let qkv = (DevIn::new(&in_e, &stream), DevIn::new(&k_e, &stream), DevIn::new(&v_e, &stream));
-            attn.forward(&eager, layer(&c, nt, qkv, DevOut::new(cache, &stream), DevOut::new(out, &stream)))?;
+            let sc = scales.as_ref().map(|s| (s, &stream));
+            attn.forward(&eager, layer(&c, nt, qkv, DevOut::new(cache, &stream), DevOut::new(out, &stream), sc))?;
         }
         if graph.is_none() {
             graph = Some(attn.capture(&gstep, |a| {
                 for (cache, out) in caches_g.iter().zip(&outs_g) {
-                    a.forward(&gstep, shared_layer(&c, &stream, &in_g, cache, out)?)?;
+                    a.forward(&gstep, shared_layer(&c, &stream, &in_g, cache, out, scales.as_ref())?)?;
                 }
                 Ok(())
             })?);
@@ -283,7 +314,7 @@ fn graph_case(c: Case, salt: u64) -> TestResult {
     }
     for l in 0..c.layers {
         let got = download(&stream, caches_g[l].as_cuda_slice());
-        let mismatched = bitwise_mismatches(&got, &download(&stream, &caches_e[l]), |x| x.to_bits() as u64);
+        let mismatched = bitwise_mismatches(&got, &download(&stream, &caches_e[l]), |x| x.to_f32().to_bits() as u64);
         if !mismatched.is_empty() {
             return Err(format!("layer {l}: caches differ: {mismatched:?}").into());
         }
@@ -365,7 +396,18 @@ fn capture_refusals() -> TestResult {
     let mut rng = rng(7100);
     let dev = arc_device();
     let stream = dev.context().new_stream()?;
-    let c = Case { mla: false, hq: 8, hkv: 2, d: 128, bucket: GraphBucket::decode(2), threshold: 1, layers: 1, steps: 1, max_len: 256 };
+    let c = Case {
+        mla: false,
+        hq: 8,
+        hkv: 2,
+        d: 128,
+        bucket: GraphBucket::decode(2),
+        fp8: false,
+        threshold: 1,
+        layers: 1,
+        steps: 1,
+        max_len: 256,
+    };
     let model = CaseModel::new(&c, &dev)?;
     let mut attn = model.attention(&dev, &stream)?;
     // A second model on the same stream (a draft model, say).
@@ -400,22 +442,22 @@ fn capture_refusals() -> TestResult {
     };
 
     let r = attn.capture(&gstep, |a| {
-        a.forward(&gstep, layer(&c, rows, qkv()?, DevOut::new(&mut plain_cache, &stream), DevOut::shared(&out, &stream)))
+        a.forward(&gstep, layer(&c, rows, qkv()?, DevOut::new(&mut plain_cache, &stream), DevOut::shared(&out, &stream), None))
     });
     expect("a borrowed cache", "cache", r.map(|_| ()))?;
     let r = attn.capture(&gstep, |a| {
-        a.forward(&gstep, layer(&c, rows, qkv()?, DevOut::shared(&cache, &stream), DevOut::new(&mut plain_out, &stream)))
+        a.forward(&gstep, layer(&c, rows, qkv()?, DevOut::shared(&cache, &stream), DevOut::new(&mut plain_out, &stream), None))
     });
     expect("a borrowed output", "out", r.map(|_| ()))?;
     let r = attn.capture(&gstep, |a| {
         let (_, k, v) = qkv()?;
         let q = DevIn::new(input.as_cuda_slice(), &stream);
-        a.forward(&gstep, layer(&c, rows, (q, k, v), DevOut::shared(&cache, &stream), DevOut::shared(&out, &stream)))
+        a.forward(&gstep, layer(&c, rows, (q, k, v), DevOut::shared(&cache, &stream), DevOut::shared(&out, &stream), None))
     });
     expect("a borrowed query", "q", r.map(|_| ()))?;
-    let r = attn.capture(&gstep, |a| a.forward(&eager, shared_layer(&c, &stream, &input, &cache, &out)?));
+    let r = attn.capture(&gstep, |a| a.forward(&eager, shared_layer(&c, &stream, &input, &cache, &out, None)?));
     expect("a forward with an eager step", "step", r.map(|_| ()))?;
-    let r = attn.capture(&gstep, |_| other.forward(&other_step, shared_layer(&c, &stream, &input, &cache, &out)?));
+    let r = attn.capture(&gstep, |_| other.forward(&other_step, shared_layer(&c, &stream, &input, &cache, &out, None)?));
     expect("another Attention's forward on the captured stream", "stream", r.map(|_| ()))?;
     let r = attn.capture(&gstep, |_| build(&mut other_step, &st, model.num_blocks));
     expect("a step's build on the captured stream", "stream", r.map(|_| ()))?;
@@ -425,7 +467,7 @@ fn capture_refusals() -> TestResult {
     expect("a host write past the buffer", "src", out.write_from_host(&stream, &vec![bf16::ZERO; out.len() + 1]))?;
 
     // Nothing above left the stream capturing, or the Attention unable to capture.
-    let graph = attn.capture(&gstep, |a| a.forward(&gstep, shared_layer(&c, &stream, &input, &cache, &out)?))?;
+    let graph = attn.capture(&gstep, |a| a.forward(&gstep, shared_layer(&c, &stream, &input, &cache, &out, None)?))?;
     let mut gstep2 = attn.new_graph_step(c.bucket)?;
     build(&mut gstep2, &st, model.num_blocks)?;
     expect("a replay with another graph step of the bucket", "step", graph.replay(&gstep2))?;
@@ -449,8 +491,18 @@ fn graph_outlives_its_owners() -> TestResult {
     let mut rng = rng(7200);
     let dev = arc_device();
     let stream = dev.context().new_stream()?;
-    let c =
-        Case { mla: false, hq: 16, hkv: 4, d: 128, bucket: GraphBucket::mixed(4, 96), threshold: 1, layers: 2, steps: 8, max_len: 1200 };
+    let c = Case {
+        mla: false,
+        hq: 16,
+        hkv: 4,
+        d: 128,
+        bucket: GraphBucket::mixed(4, 96),
+        fp8: false,
+        threshold: 1,
+        layers: 2,
+        steps: 8,
+        max_len: 1200,
+    };
     let model = CaseModel::new(&c, &dev)?;
     let (w, bn, rows) = (c.widths(), c.bucket.num_reqs(), c.bucket.num_tokens());
     let width = w.q + w.k + w.v;
@@ -470,7 +522,7 @@ fn graph_outlives_its_owners() -> TestResult {
     let outs_g: Vec<_> = (0..c.layers).map(|_| SharedBuf::new(upload(&stream, &vec![poison::<bf16>(); rows * w.out]))).collect();
     let graph = attn.capture(&gstep, |a| {
         for (cache, out) in caches_g.iter().zip(&outs_g) {
-            a.forward(&gstep, shared_layer(&c, &stream, &in_g, cache, out)?)?;
+            a.forward(&gstep, shared_layer(&c, &stream, &in_g, cache, out, None)?)?;
         }
         Ok(())
     })?;
@@ -502,7 +554,7 @@ fn graph_outlives_its_owners() -> TestResult {
         let mut out_e = upload(&stream, &vec![poison::<bf16>(); nt * w.out]);
         for cache in caches_e.iter_mut() {
             let qkv = (DevIn::new(&in_e, &stream), DevIn::new(&k_e, &stream), DevIn::new(&v_e, &stream));
-            reference.forward(&ref_step, layer(&c, nt, qkv, DevOut::new(cache, &stream), DevOut::new(&mut out_e, &stream)))?;
+            reference.forward(&ref_step, layer(&c, nt, qkv, DevOut::new(cache, &stream), DevOut::new(&mut out_e, &stream), None))?;
         }
         reference.check_status()?;
         let (got, want) = (download(&stream, reader.as_cuda_slice()), download(&stream, &out_e));
@@ -524,17 +576,42 @@ fn graph_outlives_its_owners() -> TestResult {
 }
 
 fn main() {
-    let std = |hq, hkv, d, bucket, threshold, steps, max_len| Case { mla: false, hq, hkv, d, bucket, threshold, layers: 2, steps, max_len };
+    let std = |hq, hkv, d, bucket, threshold, steps, max_len| Case {
+        mla: false,
+        hq,
+        hkv,
+        d,
+        bucket,
+        fp8: false,
+        threshold,
+        layers: 2,
+        steps,
+        max_len,
+    };
+    let fp8 = |c: Case| Case { fp8: true, ..c };
     let mut cases = vec![
         ("gqa4_d128_bucket8", std(32, 8, 128, GraphBucket::decode(8), 1, 100, 3000)),
         ("gqa8_d64_bucket3_q2", std(16, 2, 64, GraphBucket::uniform(3, 2), 2, 40, 1500)),
         (
             "mla16_bucket4",
-            Case { mla: true, hq: 16, hkv: 1, d: 576, bucket: GraphBucket::decode(4), threshold: 1, layers: 2, steps: 40, max_len: 2000 },
+            Case {
+                mla: true,
+                hq: 16,
+                hkv: 1,
+                d: 576,
+                bucket: GraphBucket::decode(4),
+                fp8: false,
+                threshold: 1,
+                layers: 2,
+                steps: 40,
+                max_len: 2000,
+            },
         ),
         ("mixed_gqa4_d128_8x700", std(32, 8, 128, GraphBucket::mixed(8, 700), 1, 40, 3000)),
         ("mixed_gqa8_d64_5x300_spec3", std(16, 2, 64, GraphBucket::mixed(5, 300), 3, 30, 1500)),
         ("mixed_mqa_d80_6x257", std(8, 1, 80, GraphBucket::mixed(6, 257), 1, 30, 900)),
+        ("fp8_gqa4_d128_bucket6", fp8(std(32, 8, 128, GraphBucket::decode(6), 1, 30, 3000))),
+        ("fp8_mixed_gqa4_d128_6x400", fp8(std(32, 8, 128, GraphBucket::mixed(6, 400), 1, 30, 2000))),
     ];
     if quick() {
         for (_, c) in &mut cases {
