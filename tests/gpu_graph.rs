@@ -4,7 +4,7 @@
 //! metadata, its own caches), every layer, and the caches must end bit for bit equal. Padding
 //! rows (requests past the step's) must come out finite (uniform buckets) or untouched (mixed
 //! buckets). Mixed buckets take decodes, new prompts and chunks in changing mixes; bf16 and FP8
-//! caches. Standard attention (GQA, one and two
+//! caches; per-layer settings (a window and a soft-cap on one layer, sinks on the other). Standard attention (GQA, one and two
 //! query tokens) and MLA; refusals of steps a graph cannot take.
 //!
 //! A graph holds what it captured: the captured layers' buffers are `SharedBuf`s, and a borrowed
@@ -13,10 +13,12 @@
 
 mod common;
 
-use attn_rs::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
-use attn_rs::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, GraphBucket, LayerIo, NewKv, StepMetadata};
+use attn_rs::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig};
+use attn_rs::forward::{
+    Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, GraphBucket, LayerIo, LayerSpec, NewKv, StepMetadata,
+};
 use attn_rs::metadata::StepInput;
-use attn_rs::{AttnError, DType, DevIn, DevOut, Element, Fp8E4m3, KvLayout, RowsDesc, SharedBuf};
+use attn_rs::{AttnError, AttnOptions, DType, DevIn, DevOut, Element, Fp8E4m3, KvLayout, RowsDesc, SharedBuf};
 use common::*;
 use cudarc::driver::CudaStream;
 use half::bf16;
@@ -35,6 +37,9 @@ struct Case {
     bucket: GraphBucket,
     /// An FP8 (e4m3) cache with per-tensor scales (standard attention).
     fp8: bool,
+    /// Per-layer settings (standard attention, two layers): a sliding window and a soft-cap on
+    /// layer 0, attention sinks on layer 1.
+    per_layer: bool,
     /// Decodes have at most this many query tokens (a uniform bucket's query length).
     threshold: usize,
     layers: usize,
@@ -65,7 +70,10 @@ impl Case {
         if self.mla {
             ModelConfig::mla(self.hq, DType::BF16, 16)
         } else {
-            let m = ModelConfig::standard(self.hq, self.hkv, self.d, DType::BF16, 16, KvLayout::FlashNhd);
+            let mut m = ModelConfig::standard(self.hq, self.hkv, self.d, DType::BF16, 16, KvLayout::FlashNhd);
+            if self.per_layer {
+                m = m.with_features(Features { sinks: true, sliding_window: true, softcap: true, alibi: false });
+            }
             if self.fp8 {
                 m.with_cache_dtype(DType::Fp8E4m3)
             } else {
@@ -99,6 +107,14 @@ fn layer<'a>(
     let out_rows = RowsDesc::contiguous(rows, c.hq, w.out / c.hq);
     let kv_scales = scales.map(|((k, v), stream)| (DevIn::shared(k, stream), DevIn::shared(v, stream)));
     LayerIo::Gpu(GpuLayer { q, q_rows, new_kv, cache, out, out_rows, alibi_slopes: None, sinks: None, kv_scales })
+}
+
+/// A per-layer case's layer `l` with the sinks its spec names (layer 1), shared.
+fn with_sinks<'a>(c: &Case, l: usize, io: LayerIo<'a>, sinks: &'a SharedBuf<f32>, stream: &'a Arc<CudaStream>) -> LayerIo<'a> {
+    match io {
+        LayerIo::Gpu(g) if c.per_layer && l == 1 => LayerIo::Gpu(GpuLayer { sinks: Some(DevIn::shared(sinks, stream)), ..g }),
+        other => other,
+    }
 }
 
 /// A layer as a graph captures it: every buffer a `SharedBuf`, held by the graph.
@@ -196,6 +212,11 @@ impl CaseModel {
         let num_blocks = bn * c.max_len.div_ceil(16) + 64;
         let limits = ForwardLimits { max_num_tokens: rows, max_num_reqs: bn, max_model_len: c.max_len };
         let mut config = ForwardConfig::new(model, num_blocks, limits);
+        if c.per_layer {
+            let opts = AttnOptions::new(c.d);
+            let windowed = LayerSpec::decoder(AttnOptions { window: Some(96), softcap: Some(30.0), ..opts });
+            config = config.with_layers(vec![windowed, LayerSpec { sinks: true, ..LayerSpec::decoder(opts) }]);
+        }
         config.decode_threshold = c.threshold;
         Ok(CaseModel { sel, config, num_blocks })
     }
@@ -241,6 +262,7 @@ fn graph_case_on<C: Element + std::fmt::Debug>(c: Case, salt: u64) -> TestResult
     // Both paths start from the same random caches (so any length reads real values).
     let init: Vec<C> = random_vec(&mut rng, spec.num_elements(), 1.0);
     let mut caches_e: Vec<_> = (0..c.layers).map(|_| upload(&stream, &init)).collect();
+    let sinks = SharedBuf::new(upload(&stream, &random_vec::<f32>(&mut rng, c.hq, 1.5)));
     let scales: Option<Scales> = c.fp8.then(|| (SharedBuf::new(upload(&stream, &[0.02f32])), SharedBuf::new(upload(&stream, &[0.03f32]))));
     // What the graph captures is shared: it holds a handle to each.
     let caches_g: Vec<_> = (0..c.layers).map(|_| SharedBuf::new(upload(&stream, &init))).collect();
@@ -275,15 +297,17 @@ fn graph_case_on<C: Element + std::fmt::Debug>(c: Case, salt: u64) -> TestResult
 
         let mut outs_e: Vec<_> = (0..c.layers).map(|_| upload(&stream, &vec![poison::<bf16>(); nt * w.out])).collect();
         let (k_e, v_e) = (in_e.slice(w.q..), in_e.slice(w.q + w.k..));
-        for (cache, out) in caches_e.iter_mut().zip(&mut outs_e) {
+        for (l, (cache, out)) in caches_e.iter_mut().zip(&mut outs_e).enumerate() {
             let qkv = (DevIn::new(&in_e, &stream), DevIn::new(&k_e, &stream), DevIn::new(&v_e, &stream));
             let sc = scales.as_ref().map(|s| (s, &stream));
-            attn.forward(&eager, layer(&c, nt, qkv, DevOut::new(cache, &stream), DevOut::new(out, &stream), sc))?;
+            let io = with_sinks(&c, l, layer(&c, nt, qkv, DevOut::new(cache, &stream), DevOut::new(out, &stream), sc), &sinks, &stream);
+            attn.forward_layer(&eager, l, io)?;
         }
         if graph.is_none() {
             graph = Some(attn.capture(&gstep, |a| {
-                for (cache, out) in caches_g.iter().zip(&outs_g) {
-                    a.forward(&gstep, shared_layer(&c, &stream, &in_g, cache, out, scales.as_ref())?)?;
+                for (l, (cache, out)) in caches_g.iter().zip(&outs_g).enumerate() {
+                    let io = shared_layer(&c, &stream, &in_g, cache, out, scales.as_ref())?;
+                    a.forward_layer(&gstep, l, with_sinks(&c, l, io, &sinks, &stream))?;
                 }
                 Ok(())
             })?);
@@ -403,6 +427,7 @@ fn capture_refusals() -> TestResult {
         d: 128,
         bucket: GraphBucket::decode(2),
         fp8: false,
+        per_layer: false,
         threshold: 1,
         layers: 1,
         steps: 1,
@@ -498,6 +523,7 @@ fn graph_outlives_its_owners() -> TestResult {
         d: 128,
         bucket: GraphBucket::mixed(4, 96),
         fp8: false,
+        per_layer: false,
         threshold: 1,
         layers: 2,
         steps: 8,
@@ -583,12 +609,14 @@ fn main() {
         d,
         bucket,
         fp8: false,
+        per_layer: false,
         threshold,
         layers: 2,
         steps,
         max_len,
     };
     let fp8 = |c: Case| Case { fp8: true, ..c };
+    let per_layer = |c: Case| Case { per_layer: true, ..c };
     let mut cases = vec![
         ("gqa4_d128_bucket8", std(32, 8, 128, GraphBucket::decode(8), 1, 100, 3000)),
         ("gqa8_d64_bucket3_q2", std(16, 2, 64, GraphBucket::uniform(3, 2), 2, 40, 1500)),
@@ -601,6 +629,7 @@ fn main() {
                 d: 576,
                 bucket: GraphBucket::decode(4),
                 fp8: false,
+                per_layer: false,
                 threshold: 1,
                 layers: 2,
                 steps: 40,
@@ -610,6 +639,8 @@ fn main() {
         ("mixed_gqa4_d128_8x700", std(32, 8, 128, GraphBucket::mixed(8, 700), 1, 40, 3000)),
         ("mixed_gqa8_d64_5x300_spec3", std(16, 2, 64, GraphBucket::mixed(5, 300), 3, 30, 1500)),
         ("mixed_mqa_d80_6x257", std(8, 1, 80, GraphBucket::mixed(6, 257), 1, 30, 900)),
+        ("mixed_per_layer_gqa4_d128_6x300", per_layer(std(32, 8, 128, GraphBucket::mixed(6, 300), 1, 30, 2000))),
+        ("per_layer_gqa4_d128_bucket5", per_layer(std(32, 8, 128, GraphBucket::decode(5), 1, 30, 2000))),
         ("fp8_gqa4_d128_bucket6", fp8(std(32, 8, 128, GraphBucket::decode(6), 1, 30, 3000))),
         ("fp8_mixed_gqa4_d128_6x400", fp8(std(32, 8, 128, GraphBucket::mixed(6, 400), 1, 30, 2000))),
     ];
