@@ -103,6 +103,20 @@ impl<T: Element> SharedBuf<T> {
         Ok(stream.memcpy_htod(src, &mut dst)?)
     }
 
+    /// Copies device memory `src` into elements `offset..offset + src.len()`, enqueued on
+    /// `stream` (an engine filling a captured step's inputs from its own buffers; kernels that
+    /// write through [`DevOut::shared`] need no copy).
+    ///
+    /// Errors: `InvalidArgument` (`src`) when that range leaves the buffer.
+    pub fn write_from_device_at(&self, stream: &Arc<CudaStream>, offset: usize, src: &impl DevicePtr<T>) -> Result<()> {
+        let fits = offset.checked_add(src.len()).is_some_and(|end| end <= self.len());
+        if !fits {
+            return Err(AttnError::invalid("src", format!("{} elements at offset {offset} leave a buffer of {}", src.len(), self.len())));
+        }
+        let mut dst = SharedWrite { buf: &self.buf, offset, len: src.len() };
+        Ok(stream.memcpy_dtod(src, &mut dst)?)
+    }
+
     /// Elements `range` of this buffer, as a checked element range.
     fn range(&self, arg: &'static str, range: impl RangeBounds<usize>) -> Result<Range<usize>> {
         element_range(arg, self.len(), range)

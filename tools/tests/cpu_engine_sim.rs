@@ -270,7 +270,18 @@ fn small_config() -> SimConfig {
         progress_every: 4,
         decode_threshold: 1,
         seed: 7,
+        graphs: false,
     }
+}
+
+/// CUDA graphs are a GPU backend's: on the CPU the run is refused before any step.
+#[test]
+fn graphs_need_a_gpu_backend() {
+    let model = SimModel::tiny(DType::F32);
+    let cfg = SimConfig { graphs: true, ..small_config() };
+    let sel = select_backend_no_env(&model.config, &DeviceInfo::no_gpu(), None).unwrap();
+    let err = run_sim(&model, &cfg, &sel, None, &mut Vec::new()).expect_err("refused");
+    assert!(err.to_string().contains("CUDA graphs need a GPU backend"), "{err}");
 }
 
 fn run_on_cpu(model: &SimModel, cfg: &SimConfig) -> (attn_tools::sim::SimReport, String) {

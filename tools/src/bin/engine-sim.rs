@@ -21,7 +21,7 @@
 //!  [--encoder-budget N] [--requests N] [--steps N]
 //!  [--max-running N] [--token-budget N] [--prompt MIN:MAX] [--gen MIN:MAX] [--blocks N]
 //!  [--check-every N] [--check-layers A,B] [--check-reqs N] [--check-tokens N]
-//!  [--progress-every N] [--decode-threshold N] [--seed N]`
+//!  [--progress-every N] [--decode-threshold N] [--seed N] [--graphs]`
 //! (`--help` describes each; flags not given take the preset's value for where the backend
 //! runs, `SimConfig::cpu_default` or `SimConfig::gpu_default`, with prompts stretched past a
 //! model's window when the preset's would not reach it, and decoder prompts of 1 to 8 tokens for
@@ -123,6 +123,11 @@ struct Cli {
     /// The request stream's and the activations' seed.
     #[arg(long, value_name = "N")]
     seed: Option<u64>,
+    /// Replay the steps from CUDA graphs (GPU): one-token decode steps in uniform buckets,
+    /// other steps in mixed buckets (MLA: eagerly), each captured the first time a step takes
+    /// it. Encoder-decoder models run eagerly.
+    #[arg(long)]
+    graphs: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -318,6 +323,7 @@ impl Cli {
         c.progress_every = self.progress_every.unwrap_or(c.progress_every);
         c.decode_threshold = self.decode_threshold.unwrap_or(c.decode_threshold);
         c.seed = self.seed.unwrap_or(c.seed);
+        c.graphs = self.graphs && !model.is_encoder_decoder();
         c
     }
 }

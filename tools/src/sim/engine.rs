@@ -18,14 +18,17 @@ use super::report::{progress_line, SimReport};
 use super::requests::Workload;
 use super::rng::SplitMix;
 use super::scheduler::{Batch, Scheduler, SchedulerConfig};
+use attn_rs::backend::GraphSupport;
 use attn_rs::backend::Selection;
 use attn_rs::forward::{
-    Attention, AttentionType, ForwardConfig, ForwardLimits, GpuHandles, HostElement, KvCacheWrite, KvWriteIo, Layer, LayerIo, NewKv,
-    StepMetadata,
+    Attention, AttentionType, ForwardConfig, ForwardLimits, GpuHandles, GraphBucket, HostElement, KvCacheWrite, KvWriteIo, Layer, LayerIo,
+    NewKv, StepGraph, StepMetadata,
 };
+use attn_rs::metadata::StepInput;
 use attn_rs::AttnError;
 use attn_rs::DType;
 use attn_rs::RowsDesc;
+use attn_rs::SharedBuf;
 use attn_rs::{DevIn, DevOut};
 use cudarc::driver::{CudaSlice, CudaStream, DriverError};
 use half::{bf16, f16};
@@ -85,6 +88,9 @@ pub struct SimConfig {
     pub progress_every: usize,
     pub decode_threshold: usize,
     pub seed: u64,
+    /// Replay the decoder steps from CUDA graphs (GPU backends, decoder-only models): one graph
+    /// a bucket, captured the first time a step takes it ([`Graphs`]).
+    pub graphs: bool,
 }
 
 impl SimConfig {
@@ -111,6 +117,7 @@ impl SimConfig {
             progress_every: 5,
             decode_threshold: 1,
             seed: 1,
+            graphs: false,
         }
     }
 
@@ -135,6 +142,7 @@ impl SimConfig {
             progress_every: 25,
             decode_threshold: 1,
             seed: 1,
+            graphs: false,
         }
     }
 
@@ -227,13 +235,52 @@ enum Buffers<T> {
         /// One output per checked layer, kept until the step's check.
         check_outs: Vec<Vec<T>>,
     },
+    /// Shared, so that graphs can hold them.
     Device {
         stream: Arc<CudaStream>,
         pool: CudaSlice<T>,
-        caches: Vec<CudaSlice<T>>,
-        out: CudaSlice<T>,
-        check_outs: Vec<CudaSlice<T>>,
+        caches: Vec<SharedBuf<T>>,
+        out: SharedBuf<T>,
+        check_outs: Vec<SharedBuf<T>>,
+        /// Graph steps' activation rows: the step's pool rows are copied here before a replay
+        /// (an engine's QKV projection would write them).
+        graph_input: Option<SharedBuf<T>>,
     },
+}
+
+/// Decoder steps replayed from CUDA graphs: a graph step per bucket, and its graph, captured
+/// the first time a step takes the bucket.
+struct Graphs {
+    /// Whether the backend captures mixed steps (`tensor-core`; `mla` captures decodes only,
+    /// and its other steps run eagerly).
+    mixed: bool,
+    max_running: usize,
+    token_budget: usize,
+    buckets: Vec<GraphEntry>,
+}
+
+struct GraphEntry {
+    bucket: GraphBucket,
+    step: StepMetadata,
+    graph: Option<StepGraph>,
+}
+
+impl Graphs {
+    /// The bucket `batch` replays in: one-token decodes in the uniform bucket of the next power
+    /// of two requests; any other batch, where the backend takes mixed steps, in the mixed
+    /// bucket of every running request and the next power of two tokens (at least 64, at most
+    /// the budget). `None`: eager.
+    fn bucket_for(&self, batch: &Batch) -> Option<GraphBucket> {
+        let (n, nt) = (batch.reqs.len(), batch.num_tokens());
+        if n == 0 {
+            return None;
+        }
+        if batch.num_decode_tokens == nt && nt == n {
+            return Some(GraphBucket::decode(n.next_power_of_two().min(self.max_running)));
+        }
+        let tokens = nt.next_power_of_two().max(64).min(self.token_budget).max(nt);
+        self.mixed.then(|| GraphBucket::mixed(self.max_running, tokens))
+    }
 }
 
 /// Which of a step's metadata a layer runs with.
@@ -269,6 +316,7 @@ struct Sim<T> {
     attn: Attention,
     step: StepMetadata,
     encoder_steps: Option<EncoderSteps>,
+    graphs: Option<Graphs>,
     sched: Scheduler,
     checker: Checker,
     /// Random activation rows, `pool_rows x width` (also on the device for a GPU backend).
@@ -339,13 +387,30 @@ impl<T: HostElement> Sim<T> {
                 out: vec![T::default(); out_len],
                 check_outs: vec![vec![T::default(); out_len]; checked],
             },
-            Some(stream) => Buffers::Device {
-                stream: stream.clone(),
-                pool: stream.clone_htod(&pool)?,
-                caches: owners.iter().map(|_| stream.alloc_zeros(cache_len)).collect::<Result<_, _>>()?,
-                out: stream.alloc_zeros(out_len)?,
-                check_outs: (0..checked).map(|_| stream.alloc_zeros(out_len)).collect::<Result<_, _>>()?,
-            },
+            Some(stream) => {
+                let zeros = |len| stream.alloc_zeros(len).map(SharedBuf::new);
+                Buffers::Device {
+                    stream: stream.clone(),
+                    pool: stream.clone_htod(&pool)?,
+                    caches: owners.iter().map(|_| zeros(cache_len)).collect::<Result<_, _>>()?,
+                    out: zeros(out_len)?,
+                    check_outs: (0..checked).map(|_| zeros(out_len)).collect::<Result<_, _>>()?,
+                    graph_input: if cfg.graphs { Some(zeros(max_tokens * width)?) } else { None },
+                }
+            }
+        };
+        let graphs = match (cfg.graphs, &bufs) {
+            (false, _) => None,
+            (true, Buffers::Host { .. }) => return Err(SimError::Config("CUDA graphs need a GPU backend".into())),
+            (true, _) if model.is_encoder_decoder() => {
+                return Err(SimError::Config("an encoder-decoder model's steps run eagerly (no graphs of its cross-attention)".into()))
+            }
+            (true, _) => Some(Graphs {
+                mixed: attn.backend().graph_support == GraphSupport::Always,
+                max_running: cfg.max_running,
+                token_budget: cfg.token_budget,
+                buckets: Vec::new(),
+            }),
         };
         let mut report =
             SimReport::new(model, &attn, (num_layers, layers, owners.len()), num_blocks, cfg.workload.num_requests, checker.tolerance());
@@ -361,6 +426,7 @@ impl<T: HostElement> Sim<T> {
             attn,
             step,
             encoder_steps,
+            graphs,
             sched,
             checker,
             pool,
@@ -384,7 +450,10 @@ impl<T: HostElement> Sim<T> {
                 return Err(SimError::Config(format!("step {step}: nothing could be scheduled (too few blocks?)")));
             }
             let built = Instant::now();
-            self.step.build(&batch.arrays.input(nb, bs))?;
+            let bucket = self.graphs.as_ref().and_then(|g| g.bucket_for(&batch));
+            if bucket.is_none() {
+                self.step.build(&batch.arrays.input(nb, bs))?;
+            }
             let (nt, ne) = (batch.num_tokens(), batch.num_encoder_tokens());
             if let Some(e) = &mut self.encoder_steps {
                 if ne > 0 {
@@ -405,20 +474,28 @@ impl<T: HostElement> Sim<T> {
                     _ => {}
                 }
             }
-            let offsets: Vec<usize> = (0..self.layers).map(|l| self.layer_offset(step, l, nt, Phase::Decoder)).collect();
-            for (layer, &offset) in offsets.iter().enumerate() {
-                match self.kinds[layer] {
-                    AttentionType::Encoder => {}
-                    AttentionType::EncoderDecoder => self.forward_layer(layer, offset, nt, Phase::Cross)?,
-                    _ => self.forward_layer(layer, offset, nt, Phase::Decoder)?,
+            // With graphs every layer of a step reads the same rows (one copy into the graphs'
+            // input a step).
+            let offset_of = |l: usize| if self.graphs.is_some() { 0 } else { l };
+            let offsets: Vec<usize> = (0..self.layers).map(|l| self.layer_offset(step, offset_of(l), nt, Phase::Decoder)).collect();
+            if let Some(bucket) = bucket {
+                self.replay(bucket, &batch.arrays.input(nb, bs), offsets[0], nt)?;
+            } else {
+                for (layer, &offset) in offsets.iter().enumerate() {
+                    match self.kinds[layer] {
+                        AttentionType::Encoder => {}
+                        AttentionType::EncoderDecoder => self.forward_layer(layer, offset, nt, Phase::Cross)?,
+                        _ => self.forward_layer(layer, offset, nt, Phase::Decoder)?,
+                    }
                 }
             }
             let times = self.attn.take_times()?;
             self.attn.check_status()?;
             let elapsed = started.elapsed();
-            let upload = self.step.upload_bytes()
+            let upload = if bucket.is_some() { 0 } else { self.step.upload_bytes() }
                 + self.encoder_steps.as_ref().map_or(0, |e| e.cross.upload_bytes() + if ne > 0 { e.encoder.upload_bytes() } else { 0 });
             self.report.book_step(&batch, elapsed, metadata, times, upload);
+            self.report.graph_steps += usize::from(bucket.is_some());
 
             let checked: Vec<usize> = self.checker.layers.iter().map(|&l| offsets[l]).collect();
             let checked_kv: Vec<usize> = self.checker.layers.iter().map(|&l| offsets[self.kv_source[l]]).collect();
@@ -439,11 +516,54 @@ impl<T: HostElement> Sim<T> {
             step += 1;
         }
         self.report.finished = self.sched.num_finished();
+        self.report.graphs = self.graphs.as_ref().map(|g| g.buckets.iter().map(|e| e.bucket).collect());
         self.report.checks = self.checker.stats.clone();
         for line in self.report.summary() {
             writeln!(log, "{line}")?;
         }
         Ok(self.report)
+    }
+
+    /// A decoder step replayed from `bucket`'s graph: builds the bucket's graph step, copies the
+    /// step's `nt` pool rows from `offset` into the graphs' input, captures the graph if this is
+    /// the bucket's first step (every layer, as `forward_layer` runs them, on the shared
+    /// buffers), and replays it.
+    fn replay(&mut self, bucket: GraphBucket, input: &StepInput<'_>, offset: usize, nt: usize) -> Result<(), SimError> {
+        let Sim { graphs, attn, bufs, model, kv_source, cache_of, checker, layers, .. } = self;
+        let g = graphs.as_mut().expect("graph steps need graphs");
+        let i = match g.buckets.iter().position(|e| e.bucket == bucket) {
+            Some(i) => i,
+            None => {
+                g.buckets.push(GraphEntry { bucket, step: attn.new_graph_step(bucket)?, graph: None });
+                g.buckets.len() - 1
+            }
+        };
+        let e = &mut g.buckets[i];
+        e.step.build(input)?;
+        let Buffers::Device { stream, pool, caches, out, check_outs, graph_input: Some(rows) } = &*bufs else {
+            return Err(SimError::Config("CUDA graphs need a GPU backend".into()));
+        };
+        let lay = model.row_layout();
+        rows.write_from_device_at(stream, 0, &pool.slice(offset * lay.width..(offset + nt) * lay.width))?;
+        if e.graph.is_none() {
+            let step = &e.step;
+            let graph = attn.capture(step, |a| {
+                for layer in 0..*layers {
+                    let qkv = |col| DevIn::shared_range(rows, col.., stream);
+                    let l = layer_of(model, bucket.num_tokens(), kv_source[layer] != layer, qkv(lay.q)?, qkv(lay.k)?, qkv(lay.v)?);
+                    let out = match checker.layers.iter().position(|&c| c == layer) {
+                        Some(j) => &check_outs[j],
+                        None => out,
+                    };
+                    let l = l.finish(DevOut::shared(&caches[cache_of[layer]], stream), DevOut::shared(out, stream));
+                    a.forward_layer(step, layer, LayerIo::Gpu(l))?;
+                }
+                Ok(())
+            })?;
+            e.graph = Some(graph);
+        }
+        e.graph.as_ref().expect("captured above").replay(&e.step)?;
+        Ok(())
     }
 
     /// The pool row layer `layer` of step `step` starts at in `phase` (deterministic; the
@@ -488,7 +608,7 @@ impl<T: HostElement> Sim<T> {
                 self.attn.forward_layer(step, layer, LayerIo::Cpu(l))?;
                 return Ok(());
             }
-            Buffers::Device { stream, pool, caches, out, check_outs } => (stream, pool, caches, out, check_outs),
+            Buffers::Device { stream, pool, caches, out, check_outs, .. } => (stream, pool, caches, out, check_outs),
         };
         let (stream, pool, caches, out, check_outs) = io;
         let out = match check {
@@ -497,7 +617,7 @@ impl<T: HostElement> Sim<T> {
         };
         let (qv, kv, vv) = (pool.slice(base + lay.q..), pool.slice(base + lay.k..), pool.slice(base + lay.v..));
         let l = layer_of(&self.model, nt, reads_only, DevIn::new(&qv, stream), DevIn::new(&kv, stream), DevIn::new(&vv, stream));
-        let l = l.finish(DevOut::new(&mut caches[cache], stream), DevOut::new(out, stream));
+        let l = l.finish(DevOut::shared(&caches[cache], stream), DevOut::shared(out, stream));
         self.attn.forward_layer(step, layer, LayerIo::Gpu(l))?;
         Ok(())
     }
@@ -528,7 +648,7 @@ impl<T: HostElement> Sim<T> {
             Buffers::Device { stream, pool, caches, .. } => {
                 let (kv, vv) = (pool.slice(base + lay.k..), pool.slice(base + lay.v..));
                 let new_kv = NewKv::Standard { k: DevIn::new(&kv, stream), k_rows: rows, v: DevIn::new(&vv, stream), v_rows: rows };
-                let w = KvCacheWrite { new_kv, cache: DevOut::new(&mut caches[cache], stream), kv_scales: None };
+                let w = KvCacheWrite { new_kv, cache: DevOut::shared(&caches[cache], stream), kv_scales: None };
                 self.attn.write_kv(step, layer, KvWriteIo::Gpu(w))?;
             }
         }
@@ -539,7 +659,9 @@ impl<T: HostElement> Sim<T> {
     fn checked_out(&self, j: usize, out_rows: &RowsDesc) -> Result<Vec<T>, SimError> {
         Ok(match &self.bufs {
             Buffers::Host { check_outs, .. } => check_outs[j][..out_rows.required_len()].to_vec(),
-            Buffers::Device { stream, check_outs, .. } => stream.clone_dtoh(&check_outs[j].slice(..out_rows.required_len()))?,
+            Buffers::Device { stream, check_outs, .. } => {
+                stream.clone_dtoh(&check_outs[j].as_cuda_slice().slice(..out_rows.required_len()))?
+            }
         })
     }
 

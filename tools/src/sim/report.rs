@@ -6,7 +6,7 @@
 use super::check::{CheckStats, Sensitivity};
 use super::model::SimModel;
 use super::scheduler::{Batch, Scheduler};
-use attn_rs::forward::{Attention, PhaseTimes};
+use attn_rs::forward::{Attention, GraphBucket, PhaseTimes};
 use std::time::Duration;
 
 /// A run's totals.
@@ -59,6 +59,9 @@ pub struct SimReport {
     pub tolerance: f64,
     pub check_layers: Vec<usize>,
     pub checks: CheckStats,
+    /// Steps replayed from CUDA graphs, and the buckets captured (`None`: eager run).
+    pub graph_steps: usize,
+    pub graphs: Option<Vec<GraphBucket>>,
 }
 
 /// Totals at the last progress line.
@@ -252,6 +255,22 @@ impl SimReport {
                 }
             ),
         ];
+        if let Some(buckets) = &self.graphs {
+            let names: Vec<String> = buckets
+                .iter()
+                .map(|b| match b {
+                    GraphBucket::Uniform { num_reqs, query_len } => format!("{num_reqs}x{query_len}"),
+                    GraphBucket::Mixed { num_reqs, num_tokens } => format!("mixed {num_reqs}/{num_tokens}"),
+                })
+                .collect();
+            lines.push(format!(
+                "  CUDA graphs: {} of {} steps replayed, {} buckets captured ({}); cache write and attention times count the eager steps only",
+                self.graph_steps,
+                self.steps,
+                buckets.len(),
+                names.join(", ")
+            ));
+        }
         if let Some(len) = self.encoder_len {
             lines.insert(
                 2,
