@@ -98,6 +98,26 @@ pub(crate) struct TcKernel {
     pub fused_merge: bool,
 }
 
+#[cfg(test)]
+impl TcKernel {
+    /// The keys-as-rows kernel of 32 bf16 query heads over 8 kv heads at d128, for the
+    /// planners' unit tests (no device needed).
+    pub(crate) fn keys_rows_d128(fused_merge: bool) -> TcKernel {
+        TcKernel {
+            kernel: DecodeKernel::TensorCoreKeys,
+            id: KernelId::DecodeKr { q: crate::dtype::DType::BF16, fp8: false, long: false, wide: false, head_size: 128 },
+            layer: LayerShape { num_q_heads: 32, num_kv_heads: 8, head_size: 128 },
+            smem: 1,
+            shape: TcShape::attention(128, 128, true, false, 8),
+            threads: 128,
+            group: 4,
+            target: 264,
+            slots: 0,
+            fused_merge,
+        }
+    }
+}
+
 impl TcKernel {
     /// The most work items a plan of `num_reqs` requests of `q_len` query tokens can have
     /// (`plan_decode_tc`: at most `target` CTAs unless one split per request is already more,

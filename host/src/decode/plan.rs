@@ -209,24 +209,12 @@ pub(crate) fn call_kernel(
 
 #[cfg(test)]
 mod tests {
-    use super::super::kernel::{DecodeKernel, TcShape};
+    use super::super::kernel::DecodeKernel;
     use super::*;
     use crate::options::SplitMode;
 
-    /// A kernel of the keys-as-rows shape for 32 query heads over 8 kv heads at d128.
     fn kernel(fused_merge: bool) -> TcKernel {
-        TcKernel {
-            kernel: DecodeKernel::TensorCoreKeys,
-            id: KernelId::DecodeKr { q: DType::BF16, fp8: false, long: false, wide: false, head_size: 128 },
-            layer: LayerShape { num_q_heads: 32, num_kv_heads: 8, head_size: 128 },
-            smem: 1,
-            shape: TcShape::attention(128, 128, true, false, 8),
-            threads: 128,
-            group: 4,
-            target: 264,
-            slots: 0,
-            fused_merge,
-        }
+        TcKernel::keys_rows_d128(fused_merge)
     }
 
     fn device_plan(kernel: &TcKernel, needs_merge: bool) -> DevicePlan {

@@ -269,12 +269,12 @@ impl GpuExec {
         let written = timer.mark(Some(stream))?;
 
         let cache = cache.as_input();
-        if let (Some(pp), Some(dp)) = (&mixed_graph, &graph_plan) {
+        let mixed = mixed_graph.as_ref().zip(graph_plan.as_ref());
+        if let Some((_, dp)) = mixed {
             // A mixed graph step: both kernels take the whole padded batch and find their own
-            // requests through their plans (the decodes', and the prefills' tiles).
-            let n = step.num_reqs();
+            // requests through their plans (the decodes', then the prefills' tiles below).
             let host = DecodeBatch { seq_lens: step.seq_lens(), query_start_loc: step.query_start_loc() };
-            let all = views.decodes(n);
+            let all = views.decodes(step.num_reqs());
             let args = DecodeArgs {
                 q: q.tail(0),
                 q_rows: RowsDesc { num_tokens: nt, ..q_rows },
@@ -292,12 +292,16 @@ impl GpuExec {
             let meta = DeviceBatch { seq_lens: all.seq_lens, query_start_loc: all.query_start_loc, key_start_loc: None };
             let (source, opts) = (PlanSource::Device(dp), &ls.opts);
             paged_decode_from(&self.dev, stream, args, &host, meta, opts, source, true, &mut self.decode_ws, &mut self.status)?;
-            let all = views.decodes(n);
-            let batch = PrefillBatch { query_start_loc: host.query_start_loc, seq_lens: host.seq_lens, key_start_loc: None };
+        }
+        // One prefill over the whole step (every request's arrays, the first `nt` rows of the
+        // queries and outputs): a mixed graph step's prefill part, or a chunked local layer.
+        let mut whole_step_prefill = |source: PrefillSource<'_>| -> Result<()> {
+            let part = views.decodes(step.num_reqs());
+            let batch = PrefillBatch { query_start_loc: step.query_start_loc(), seq_lens: step.seq_lens(), key_start_loc: None };
             let args = PrefillArgs {
                 q: q.tail(0),
                 q_rows: RowsDesc { num_tokens: nt, ..q_rows },
-                kv: PrefillKv::Paged { cache: cache.tail(0), spec: *spec, block_table: all.block_table, block_table_stride: stride },
+                kv: PrefillKv::Paged { cache: cache.tail(0), spec: *spec, block_table: part.block_table, block_table_stride: stride },
                 out: out.tail_mut(0),
                 out_rows: RowsDesc { num_tokens: nt, ..out_rows },
                 lse: None,
@@ -305,40 +309,23 @@ impl GpuExec {
                 sinks: sinks.as_ref().map(|b| b.tail(0)),
                 scales: scales(),
             };
-            let meta = DeviceBatch { seq_lens: all.seq_lens, query_start_loc: all.query_start_loc, key_start_loc: None };
-            let opts = PrefillOptions { attn: ls.opts, causal: true };
-            let source = PrefillSource::Device(pp);
-            prefill_from(&self.dev, stream, args, &batch, meta, &opts, source, &mut self.prefill_ws, &mut self.status)?;
-            let end = timer.mark(Some(stream))?;
-            timer.layer([start, written, end]);
-            return Ok(());
-        }
+            let meta = DeviceBatch { seq_lens: part.seq_lens, query_start_loc: part.query_start_loc, key_start_loc: None };
+            let opts = PrefillOptions { attn: ls.opts, causal: ls.attn_type.is_causal() };
+            prefill_from(&self.dev, stream, args, &batch, meta, &opts, source, &mut self.prefill_ws, &mut self.status).map(|_| ())
+        };
         // Cross-attention's one-token decodes see every encoder key, as the decode kernels
         // do; a decode of several tokens would be masked among its last keys.
         let cross = ls.attn_type == AttentionType::EncoderDecoder;
-        if ls.opts.chunk_size.is_some() || (cross && ndt != nd) {
+        let whole_step = ls.opts.chunk_size.is_some() || (cross && ndt != nd);
+        if let Some((pp, _)) = mixed {
+            whole_step_prefill(PrefillSource::Device(pp))?;
+        } else if whole_step && step.num_reqs() > 0 && nt > 0 {
             // The decode kernels have no chunk mask: the whole step, decodes included, is one
             // prefill over the paged cache (a decode is a request of one query token), causal
             // for chunks, not across to the encoder.
-            let n = step.num_reqs();
-            if n > 0 && nt > 0 {
-                let part = views.decodes(n);
-                let batch = PrefillBatch { query_start_loc: step.query_start_loc(), seq_lens: step.seq_lens(), key_start_loc: None };
-                let args = PrefillArgs {
-                    q: q.tail(0),
-                    q_rows: RowsDesc { num_tokens: nt, ..q_rows },
-                    kv: PrefillKv::Paged { cache: cache.tail(0), spec: *spec, block_table: part.block_table, block_table_stride: stride },
-                    out: out.tail_mut(0),
-                    out_rows: RowsDesc { num_tokens: nt, ..out_rows },
-                    lse: None,
-                    alibi_slopes: alibi_slopes.as_ref().map(|b| b.tail(0)),
-                    sinks: sinks.as_ref().map(|b| b.tail(0)),
-                    scales: scales(),
-                };
-                let meta = DeviceBatch { seq_lens: part.seq_lens, query_start_loc: part.query_start_loc, key_start_loc: None };
-                let opts = PrefillOptions { attn: ls.opts, causal: ls.attn_type.is_causal() };
-                prefill_from(&self.dev, stream, args, &batch, meta, &opts, PrefillSource::Host, &mut self.prefill_ws, &mut self.status)?;
-            }
+            whole_step_prefill(PrefillSource::Host)?;
+        }
+        if mixed.is_some() || whole_step {
             let end = timer.mark(Some(stream))?;
             timer.layer([start, written, end]);
             return Ok(());

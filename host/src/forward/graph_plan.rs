@@ -370,23 +370,10 @@ fn fill_items(words: &mut [u32], items: &[u32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decode::{DecodeKernel, LayerShape, TcShape};
     use crate::dtype::DType;
 
-    /// The keys-as-rows decode kernel of 32 query heads over 8 kv heads at d128.
     fn decode_kernel() -> TcKernel {
-        TcKernel {
-            kernel: DecodeKernel::TensorCoreKeys,
-            id: KernelId::DecodeKr { q: DType::BF16, fp8: false, long: true, wide: false, head_size: 128 },
-            layer: LayerShape { num_q_heads: 32, num_kv_heads: 8, head_size: 128 },
-            smem: 1,
-            shape: TcShape::attention(128, 128, true, false, 8),
-            threads: 128,
-            group: 4,
-            target: 264,
-            slots: 0,
-            fused_merge: true,
-        }
+        TcKernel::keys_rows_d128(true)
     }
 
     /// A mixed step: padded to one request more, which holds the padding tokens; the decode

@@ -14,7 +14,9 @@
 //! `step-bench [--quick] [--json PATH] [--only cascade|graph|mixed] [--event-tracking]` (`--help`).
 
 use attn_rs::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
-use attn_rs::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, GraphBucket, LayerIo, NewKv, StepMetadata};
+use attn_rs::forward::{
+    Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, GraphBucket, LayerIo, NewKv, StepGraph, StepMetadata,
+};
 use attn_rs::metadata::{CascadeMode, StepInput};
 use attn_rs::{AttnDevice, DType, DevIn, DevOut, KvLayout, Result, RowsDesc, SharedBuf};
 use clap::{CommandFactory, Parser, ValueEnum};
@@ -236,6 +238,54 @@ fn cascade_bench(dev: &Arc<AttnDevice>, stream: &Arc<CudaStream>, quick: bool, l
     Ok(())
 }
 
+/// A built step's three timings per step: launched eagerly, the kernels' own time per layer
+/// (events around each layer's kernels in a GPU-bound eager run), and replayed from a graph
+/// captured with `graph_step`; and the graph.
+struct StepTimes {
+    eager_us: f64,
+    kernel_us: f64,
+    graph_us: f64,
+    graph: StepGraph,
+}
+
+fn time_step(
+    attn: &mut Attention,
+    (eager, graph_step): (&StepMetadata, &StepMetadata),
+    caches: &[SharedBuf<bf16>],
+    io: &Io,
+    stream: &Arc<CudaStream>,
+    reps: usize,
+) -> Result<StepTimes> {
+    let eager_us = time(stream, 3, reps, 1, || caches.iter().try_for_each(|c| io.forward(attn, eager, c, stream)))?;
+    attn.set_timing(true);
+    let _ = attn.take_times()?;
+    for _ in 0..3 {
+        for cache in caches {
+            io.forward(attn, eager, cache, stream)?;
+        }
+    }
+    let times = attn.take_times()?;
+    attn.set_timing(false);
+    let kernel_us = (times.cache_write + times.attention).as_secs_f64() * 1e6 / times.layers as f64;
+    let graph = attn.capture(graph_step, |a| caches.iter().try_for_each(|c| io.forward(a, graph_step, c, stream)))?;
+    let graph_us = time(stream, 3, reps, 1, || graph.replay(graph_step))?;
+    attn.check_status()?;
+    Ok(StepTimes { eager_us, kernel_us, graph_us, graph })
+}
+
+/// The eager, replay and kernels lines of `t` (per layer of `layers`), `what` naming the part.
+fn step_lines(lines: &mut Vec<Line>, what: &str, shape: &str, layers: usize, t: &StepTimes, (eager_note, graph_note): (&str, &str)) {
+    let per = |us: f64| us / layers as f64;
+    let (e, g) = (t.eager_us, t.graph_us);
+    lines.push(Line { name: format!("{what}: eager ({shape})"), us: per(e), note: format!("per layer; step {e:.0} us{eager_note}") });
+    lines.push(Line { name: format!("{what}: replay ({shape})"), us: per(g), note: format!("per layer; step {g:.0} us{graph_note}") });
+    lines.push(Line {
+        name: format!("{what}: kernels ({shape})"),
+        us: t.kernel_us,
+        note: format!("per layer, events around each layer; replay / kernels = {:.3}", per(g) / t.kernel_us),
+    });
+}
+
 fn graph_bench(
     dev: &Arc<AttnDevice>,
     stream: &Arc<CudaStream>,
@@ -263,51 +313,12 @@ fn graph_bench(
     graph_step.build(&batch.input())?;
     let graph_build = t.elapsed().as_secs_f64() * 1e6;
     let reps = if quick { 10 } else { 30 };
-
-    let mut step_eager = || -> Result<()> {
-        for cache in &caches {
-            io.forward(&mut attn, &eager, cache, stream)?;
-        }
-        Ok(())
-    };
-    let eager_us = time(stream, 3, reps, 1, &mut step_eager)?;
-    // The kernels' own time: events around each layer's kernels, in a GPU-bound eager run.
-    attn.set_timing(true);
-    let _ = attn.take_times()?;
-    for _ in 0..3 {
-        for cache in &caches {
-            io.forward(&mut attn, &eager, cache, stream)?;
-        }
-    }
-    let times = attn.take_times()?;
-    attn.set_timing(false);
-    let kernel_us = (times.cache_write + times.attention).as_secs_f64() * 1e6 / times.layers as f64;
-
-    let graph = attn.capture(&graph_step, |a| {
-        for cache in &caches {
-            io.forward(a, &graph_step, cache, stream)?;
-        }
-        Ok(())
-    })?;
-    let graph_us = time(stream, 3, reps, 1, || graph.replay(&graph_step))?;
-    attn.check_status()?;
+    let t = time_step(&mut attn, (&eager, &graph_step), &caches, &io, stream, reps)?;
     let shape = format!("{layers} layers, batch {n}, context {context}");
     let per = |us: f64| us / layers as f64;
-    lines.push(Line {
-        name: format!("graph step: eager ({shape})"),
-        us: per(eager_us),
-        note: format!("per layer; step {eager_us:.0} us, build {eager_build:.1} us"),
-    });
-    lines.push(Line {
-        name: format!("graph step: replay ({shape})"),
-        us: per(graph_us),
-        note: format!("per layer; step {graph_us:.0} us, build {graph_build:.1} us"),
-    });
-    lines.push(Line {
-        name: format!("graph step: kernels ({shape})"),
-        us: kernel_us,
-        note: format!("per layer, events around each layer; replay / kernels = {:.3}", per(graph_us) / kernel_us),
-    });
+    let graph_us = t.graph_us;
+    let notes = (format!(", build {eager_build:.1} us"), format!(", build {graph_build:.1} us"));
+    step_lines(lines, "graph step", &shape, layers, &t, (&notes.0, &notes.1));
     // The decode's rate inside a step: a layer's K and V bytes over its replayed time (which
     // also holds the layer's cache write), so neighbouring layers' decodes never overlap.
     let kv_bytes = (2 * 2 * n * context * HKV * D) as f64; // bf16 K and V
@@ -345,42 +356,15 @@ fn mixed_graph_bench(
     eager.build(&batch.input())?;
     graph_step.build(&batch.input())?;
     let reps = if quick { 10 } else { 30 };
-    let eager_us = time(stream, 3, reps, 1, || caches.iter().try_for_each(|c| io.forward(&mut attn, &eager, c, stream)))?;
-    attn.set_timing(true);
-    let _ = attn.take_times()?;
-    for _ in 0..3 {
-        for cache in &caches {
-            io.forward(&mut attn, &eager, cache, stream)?;
-        }
-    }
-    let times = attn.take_times()?;
-    attn.set_timing(false);
-    let kernel_us = (times.cache_write + times.attention).as_secs_f64() * 1e6 / times.layers as f64;
-    let graph = attn.capture(&graph_step, |a| caches.iter().try_for_each(|c| io.forward(a, &graph_step, c, stream)))?;
-    let graph_us = time(stream, 3, reps, 1, || graph.replay(&graph_step))?;
-    attn.check_status()?;
+    let t = time_step(&mut attn, (&eager, &graph_step), &caches, &io, stream, reps)?;
     // The decodes alone, from the same graph.
     let decodes = Batch::new(n, 0, context);
     graph_step.build(&StepInput { num_blocks: batch.num_blocks, ..decodes.input() })?;
-    let decode_only_us = time(stream, 3, reps, 1, || graph.replay(&graph_step))?;
+    let decode_only_us = time(stream, 3, reps, 1, || t.graph.replay(&graph_step))?;
     attn.check_status()?;
     let shape = format!("{layers} layers, {n} x {context} + {chunk} after {cached}");
     let per = |us: f64| us / layers as f64;
-    lines.push(Line {
-        name: format!("mixed graph: eager ({shape})"),
-        us: per(eager_us),
-        note: format!("per layer; step {eager_us:.0} us"),
-    });
-    lines.push(Line {
-        name: format!("mixed graph: replay ({shape})"),
-        us: per(graph_us),
-        note: format!("per layer; step {graph_us:.0} us"),
-    });
-    lines.push(Line {
-        name: format!("mixed graph: kernels ({shape})"),
-        us: kernel_us,
-        note: format!("per layer, events around each layer; replay / kernels = {:.3}", per(graph_us) / kernel_us),
-    });
+    step_lines(lines, "mixed graph", &shape, layers, &t, ("", ""));
     lines.push(Line {
         name: format!("mixed graph: decodes only ({shape})"),
         us: per(decode_only_us),
