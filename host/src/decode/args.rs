@@ -1,7 +1,7 @@
 //! What a paged decode call takes ([`DecodeArgs`]: its buffers), and the checks of a call.
 
 use super::workspace::DecodeWorkspace;
-use crate::batch::{block_table_reach, validate_batch, validate_prefill_batch, DecodeBatch, DeviceBatch, PrefillBatch};
+use crate::batch::{block_table_reach, validate_batch, validate_prefill_batch, DecodeBatch, DeviceBatch, PrefillBatch, MAX_QUERY_LEN};
 use crate::buffer::{optional_f32, DevIn, DevOut};
 use crate::cache_write::KvScales;
 use crate::dtype::DType;
@@ -55,15 +55,16 @@ pub(super) struct CheckedArgs {
 /// otherwise) against the block table, the device copy of the batch, and the workspace's
 /// stream, head size and room for the batch.
 ///
-/// `device_plan`: the plan is already on the device (a graph step's), made for the decodes of
-/// the batch. A mixed step's batch also has prefills, of any query length, which the plan
+/// `device_plan`: the plan is already on the device, made for the decodes of the batch, whose
+/// longest has this many query tokens (the plan's `query_len`, checked against decode's limit
+/// here). A mixed graph step's batch also has prefills, of any query length, which the plan
 /// leaves alone; and the plan's arrays are in the step's buffer, not the workspace.
 pub(super) fn check_args(
     a: &DecodeArgs<'_>,
     batch: &DecodeBatch<'_>,
     meta: &DeviceBatch<'_>,
     causal: bool,
-    device_plan: bool,
+    device_plan: Option<u32>,
     ws: &DecodeWorkspace,
     stream: &Arc<CudaStream>,
 ) -> Result<CheckedArgs> {
@@ -106,7 +107,12 @@ pub(super) fn check_args(
     ensure(a.cache.ptr.is_multiple_of(16), "cache", || format!("address {:#x} is not 16-byte aligned", a.cache.ptr))?;
     ws.check_stream(stream)?;
     let num_reqs = batch.seq_lens.len();
-    if causal && !device_plan {
+    if let Some(q) = device_plan.filter(|_| causal) {
+        ensure(q as usize <= MAX_QUERY_LEN, "plan", || {
+            format!("was made for {q} query tokens a request; decode takes 1..={MAX_QUERY_LEN}")
+        })?;
+    }
+    if causal && device_plan.is_none() {
         validate_batch(batch, nt, spec.block_size, a.block_table_stride)?;
     } else {
         let pb = PrefillBatch { query_start_loc: batch.query_start_loc, seq_lens: batch.seq_lens, key_start_loc: None };
@@ -128,7 +134,7 @@ pub(super) fn check_args(
         _ => (0, 0, 0),
     };
     ensure(ws.head_size() == d, "workspace", || format!("made for head_size {}, not {d}", ws.head_size()))?;
-    if !device_plan {
+    if device_plan.is_none() {
         ws.check_batch(num_reqs, nt)?;
     }
     Ok(CheckedArgs { alibi, sinks, k_scale, v_scale, scale_head_stride })

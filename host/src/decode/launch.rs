@@ -83,7 +83,10 @@ pub(crate) fn paged_decode_from(
     ws: &mut DecodeWorkspace,
     status: &mut DeviceStatus,
 ) -> Result<DecodePlan> {
-    let device_plan = matches!(source, PlanSource::Device(_));
+    let device_plan = match source {
+        PlanSource::Device(dp) => Some(dp.query_len),
+        PlanSource::Host(_) => None,
+    };
     let checked = check_args(&a, batch, &meta, causal, device_plan, ws, stream)?;
     opts.validate_masks("opts", causal)?;
     ensure(opts.chunk_size.is_none() && opts.symmetric_window.is_none(), "opts", || {
