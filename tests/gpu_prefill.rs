@@ -299,6 +299,32 @@ fn cases() -> Vec<(String, Case, &'static str)> {
         "bf16",
     );
     push("bf16::d64_block_size_64_bad_block_id".into(), d64(Case { block_size: 64, bad_block: true, ..Case::base(&[100, 333]) }), "bf16");
+    // Head size 256 runs its own shape of that kernel on Hopper (32-key steps, one query
+    // buffer): the same matrix (2049 keys rather than 4097: the f64 reference is four times
+    // d64's work a key). The two long cases are named without `d256_` so that a sanitizer run
+    // filtered on `d256_` stays short.
+    let d256 = |c: Case| Case { dk: 256, dv: 256, ..c };
+    push("bf16::d256_lengths_1_15_16_17_127_1000".into(), d256(Case::base(&lens)), "bf16");
+    push("f16::length_2049_gqa8_head_size_256".into(), d256(Case { q_heads: 8, kv_heads: 1, ..Case::base(&[2049]) }), "f16");
+    push("bf16::d256_non_causal".into(), d256(Case { causal: false, ..Case::base(&[1, 17, 300]) }), "bf16");
+    push(
+        "bf16::d256_all_features_chunked".into(),
+        d256(Case {
+            softcap: Some(8.0),
+            alibi: true,
+            sinks: true,
+            window: Some(64),
+            q_lens: Some(vec![3, 100, 8]),
+            ..Case::base(&[40, 500, 8])
+        }),
+        "bf16",
+    );
+    push("bf16::d256_block_size_64_bad_block_id".into(), d256(Case { block_size: 64, bad_block: true, ..Case::base(&[100, 333]) }), "bf16");
+    push(
+        "f16::d256_empty_requests_gqa4".into(),
+        d256(Case { q_lens: Some(vec![0, 5, 0, 130]), q_heads: 8, kv_heads: 2, ..Case::base(&[0, 5, 7, 200]) }),
+        "f16",
+    );
     push(
         "bf16::mla_qk192_v128_packed".into(),
         Case { dk: 192, dv: 128, packed: true, q_heads: 16, kv_heads: 16, ..Case::base(&[1, 70, 300]) },
@@ -374,6 +400,7 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("bf16::long_window_edges_d64".into(), d64(edges(128, 1537)), "bf16");
     push("bf16::long_window_edges_d64_block_size_64".into(), d64(Case { block_size: 64, ..edges(200, 3333) }), "bf16");
     push("f16::long_window_edges_d128".into(), edges(96, 2001), "f16");
+    push("bf16::long_window_edges_head_size_256".into(), d256(edges(160, 2500)), "bf16");
     v
 }
 

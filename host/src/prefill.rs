@@ -212,7 +212,7 @@ pub(crate) struct PrefillKernel {
 
 /// The prefill kernel of the module `target` (`AttnDevice::ptx_target`) for head sizes `dk`,
 /// `dv`: Hopper's warp-specialised persistent `wgmma` kernel (`prefill_wgs_*`, in the sm_90a
-/// module) for 16-bit caches and QK = V up to 128, at widths 64, 80, 96, 112 and 128; the
+/// module) for 16-bit caches and QK = V, at widths 64, 80, 96, 112, 128 and 256; the
 /// `mma.sync` kernel at [`prefill_widths`] for every other case.
 #[cfg(test)]
 pub(crate) fn prefill_kernel(target: &str, q: DType, fp8: bool, dk: usize, dv: usize) -> PrefillKernel {
@@ -488,7 +488,7 @@ mod tests {
     use super::*;
 
     /// The kernel each module runs: the persistent `wgmma` kernel on sm_90a for 16-bit caches
-    /// up to 128 (at width 64 or 128), the `mma.sync` kernel at its width for everything else.
+    /// with QK = V (at its widths), the `mma.sync` kernel at its width for everything else.
     #[test]
     fn prefill_kernel_choice() {
         let name = |target, q, fp8, dk, dv| prefill_kernel(target, q, fp8, dk, dv).id.entry_name();
@@ -501,7 +501,10 @@ mod tests {
         assert_eq!(name("sm_90a", bf16, false, 104, 104), "prefill_wgs_bf16_d112");
         assert_eq!(name("sm_90a", bf16, false, 120, 120), "prefill_wgs_bf16_d128");
         assert_eq!(name("sm_90a", bf16, false, 40, 40), "prefill_wgs_bf16_d64");
-        assert_eq!(name("sm_90a", bf16, false, 136, 136), "prefill_bf16_dk256_dv256");
+        assert_eq!(name("sm_90a", bf16, false, 136, 136), "prefill_wgs_bf16_d256");
+        assert_eq!(name("sm_90a", f16, false, 256, 256), "prefill_wgs_f16_d256");
+        assert_eq!(name("sm_80", bf16, false, 256, 256), "prefill_bf16_dk256_dv256");
+        assert_eq!(name("sm_90a", bf16, true, 256, 256), "prefill_bf16_fp8_dk256_dv256");
         assert_eq!(name("sm_90a", bf16, true, 80, 80), "prefill_bf16_fp8_dk96_dv96");
         assert_eq!(name("sm_80", f16, false, 80, 80), "prefill_f16_dk96_dv96");
         assert!(prefill_kernel_for("sm_80", bf16, false, 84, 84, false).is_err());
@@ -516,6 +519,8 @@ mod tests {
         assert!(wgs.persistent && wgs.block_m == hopper_prefill::BLOCK_M && wgs.threads == hopper_prefill::WS_THREADS);
         let d128 = prefill_kernel("sm_90a", bf16, false, 128, 128);
         assert!(d128.persistent && d128.smem == hopper_prefill::ws_layout(128).total);
+        let d256 = prefill_kernel("sm_90a", bf16, false, 256, 256);
+        assert!(d256.persistent && d256.smem == hopper_prefill::ws_layout(256).total);
         let mma = prefill_kernel("sm_80", bf16, false, 128, 128);
         assert_eq!((mma.block_m, mma.threads, mma.persistent), (block_m(128, 128, false, false), THREADS, false));
         assert_eq!(mma.smem, shared_layout(128, 128, false, false).total);

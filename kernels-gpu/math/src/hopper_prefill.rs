@@ -16,8 +16,9 @@ pub const BLOCK_M: u32 = 128;
 /// Keys per tile.
 pub const BLOCK_N: u32 = 128;
 /// Widths (QK = V) of the Hopper prefill kernels: the MMAs' K of S and N of P V. Their
-/// shared-memory rows are [`row_width`] columns.
-pub const HEAD_SIZES: [u32; 5] = [64, 80, 96, 112, 128];
+/// shared-memory rows are [`row_width`] columns. Width 256 also takes every head size from 136
+/// to 248 (its columns past the head size are copied as zeros, as the narrower widths' are).
+pub const HEAD_SIZES: [u32; 6] = [64, 80, 96, 112, 128, 256];
 
 /// Columns of the shared-memory rows of the kernel of width `d`: whole 128-byte swizzle atoms
 /// (64 columns each), so 128 for widths 80 to 112, whose columns past `d` hold zeros.
@@ -51,26 +52,51 @@ pub const WS_THREADS: u32 = THREADS + 128;
 /// table).
 pub const WS_STAGES: u32 = 4;
 /// Keys of a ring stage: a whole tile at head size 64 (32 KB a stage), half a tile at 128
-/// (32 KB; four whole-tile stages would not fit beside the two query buffers). Half-tile stages
-/// are freed as soon as the compute warps are done with that half, which keeps the producer a
-/// tile ahead; whole-tile stages at 128 (two of them) left it half a tile ahead and the kernel
-/// 9-12% slower than `prefill_wg_*`, while half-tile stages at 64 (eight) cost 6-10% there in
-/// extra barriers and producer work.
+/// (32 KB; four whole-tile stages would not fit beside the two query buffers), a quarter at 256
+/// (32 KB: four of them beside one 64 KB query buffer). Half-tile stages are freed as soon as
+/// the compute warps are done with that half, which keeps the producer a tile ahead; whole-tile
+/// stages at 128 (two of them) left it half a tile ahead and the kernel 9-12% slower than
+/// `prefill_wg_*`, while half-tile stages at 64 (eight) cost 6-10% there in extra barriers and
+/// producer work.
 pub const fn ws_stage_keys(d: u32) -> u32 {
     if d <= 64 {
         BLOCK_N
-    } else {
+    } else if d <= 128 {
         BLOCK_N / 2
+    } else {
+        BLOCK_N / 4
     }
 }
-/// Query buffers: the current item's and the next one's.
-pub const WS_Q_BUFFERS: u32 = 2;
+
+/// Keys of the compute warps' step (the N of S, the K of P V): 64 up to width 128; 32 at 256,
+/// where O takes 128 registers a thread and a 64-key S (32 registers) in flight beside the one
+/// being turned into weights would not fit.
+pub const fn ws_sub_keys(d: u32) -> u32 {
+    if d <= 128 {
+        64
+    } else {
+        32
+    }
+}
+/// Query buffers: the current item's and the next one's up to width 128; at 256 one (the next
+/// item's queries are copied once the current item's last tile is done with them: about 2 us an
+/// item of 30-70 us at 4 x 4096).
+pub const fn ws_q_buffers(d: u32) -> u32 {
+    if d <= 128 {
+        2
+    } else {
+        1
+    }
+}
 /// Registers a thread after `setmaxnreg`: compute and producer warpgroups. The CTA starts at
 /// 65536 / [`WS_THREADS`] (168) each; the producer gives up what the compute warps take:
 /// 2 x 128 x (224 - 168) <= 128 x (168 - 56). The compute warps use 197 (`ptxas`, at the
 /// time of writing) and the producer spilled at 40.
 pub const WS_COMPUTE_REGS: u32 = 224;
 pub const WS_PRODUCER_REGS: u32 = 56;
+/// Item descriptor slots (the current item's and the next one's), also where one query buffer
+/// serves both.
+pub const WS_ITEM_SLOTS: u32 = 2;
 /// u32 words of an item's descriptor in shared memory (what the producer decoded: status,
 /// the work item's fields, its key range, tiles and splits), padded to 16-byte loads.
 pub const WS_ITEM_WORDS: u32 = 16;
@@ -78,7 +104,7 @@ pub const WS_ITEM_WORDS: u32 = 16;
 /// Byte offsets of the warp-specialised kernels' shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WsLayout {
-    /// Query buffer b at `q + b * q_bytes`.
+    /// Query buffer b ([`ws_q_buffers`] of them) at `q + b * q_bytes`.
     pub q: u32,
     pub q_bytes: u32,
     /// Stage s: K at `kv + s * 2 * tile`, V `tile` bytes after (`tile`: [`ws_stage_keys`] rows).
@@ -86,10 +112,10 @@ pub struct WsLayout {
     pub tile: u32,
     /// Address table of stage s at `table + s * table_slot_bytes(ws_stage_keys(d))`.
     pub table: u32,
-    /// Item descriptor of query buffer b at `item + b * 4 * WS_ITEM_WORDS`.
+    /// Item descriptor slot b ([`WS_ITEM_SLOTS`]) at `item + b * 4 * WS_ITEM_WORDS`.
     pub item: u32,
     /// `mbarrier`s (8 bytes each): stage filled [stages], stage freed [stages], query
-    /// buffer filled [WS_Q_BUFFERS], query buffer freed [WS_Q_BUFFERS].
+    /// buffer filled [q buffers], query buffer freed [q buffers].
     pub bars: u32,
     /// The producer's scratch word (the item index it fetched, for its other threads).
     pub scratch: u32,
@@ -100,14 +126,15 @@ pub struct WsLayout {
 pub const fn ws_layout(d: u32) -> WsLayout {
     let d = row_width(d);
     let stages = WS_STAGES;
+    let q_buffers = ws_q_buffers(d);
     let q_bytes = BLOCK_M * d * 2;
     let tile = ws_stage_keys(d) * d * 2;
     let q = 0;
-    let kv = q + WS_Q_BUFFERS * q_bytes;
+    let kv = q + q_buffers * q_bytes;
     let table = kv + stages * 2 * tile;
     let item = table + stages * crate::prefill::table_slot_bytes(ws_stage_keys(d));
-    let bars = item + WS_Q_BUFFERS * 4 * WS_ITEM_WORDS;
-    let scratch = bars + 8 * 2 * (stages + WS_Q_BUFFERS);
+    let bars = item + WS_ITEM_SLOTS * 4 * WS_ITEM_WORDS;
+    let scratch = bars + 8 * 2 * (stages + q_buffers);
     let total = scratch + 16;
     WsLayout { q, q_bytes, kv, tile, table, item, bars, scratch, total }
 }

@@ -145,11 +145,11 @@ macro_rules! prefill_wgmma_kernels {
     };
 }
 
-// A producer warpgroup, persistent CTAs: `prefill_wgs_<q>_d<64|80|96|112|128>`.
+// A producer warpgroup, persistent CTAs: `prefill_wgs_<q>_d<64|80|96|112|128|256>`.
 #[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16": (64, 64), (80, 128), (96, 128), (112, 128), (128, 128));
+prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16": (64, 64), (80, 128), (96, 128), (112, 128), (128, 128), (256, 256));
 #[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16": (64, 64), (80, 128), (96, 128), (112, 128), (128, 128));
+prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16": (64, 64), (80, 128), (96, 128), (112, 128), (128, 128), (256, 256));
 
 // MLA on its own kernel: Q K^T once per tile, P shared by warps owning output columns.
 // `mla_<q>[_fp8]_{narrow,wide}` (shapes in `attn_math::mla`; `_fp8`: an FP8 E4M3 cache), and

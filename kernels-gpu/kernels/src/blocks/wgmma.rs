@@ -13,6 +13,12 @@ use crate::blocks::elem::{Bf16, F16};
 use crate::blocks::mma::MmaHalf;
 use core::arch::asm;
 
+/// Column blocks of 8 of a warpgroup's O accumulators ([`Acc`]): up to width 256.
+pub const ACC_BLOCKS: usize = 32;
+/// A warpgroup's O (m64 x the width): block n of a thread holds columns 8n..8n+7 in
+/// `mma.sync`'s C layout; a kernel of width D uses the first D / 8 blocks.
+pub type Acc = [[f32; 4]; ACC_BLOCKS];
+
 /// The warpgroup matrix products of the Hopper prefill kernel.
 pub trait WgmmaTiles: MmaHalf {
     /// S = Q K^T over 64 keys (half a tile: `desc_k` names its first key), not waited for;
@@ -20,7 +26,24 @@ pub trait WgmmaTiles: MmaHalf {
     unsafe fn scores_64x64_async<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8];
     /// O += P V over 64 keys (`p[kk]`: keys 16kk..16kk+15 of the half tile at `desc_v`), not
     /// waited for; [`wait_pv64`] retires it.
-    unsafe fn pv_64xd_k64_async<const D: usize>(o: &mut [[f32; 4]; 16], p: &[[u32; 4]; 4], desc_v: u64);
+    unsafe fn pv_64xd_k64_async<const D: usize>(o: &mut Acc, p: &[[u32; 4]; 4], desc_v: u64);
+    /// S = Q K^T over 32 keys (a quarter tile, width 256), not waited for; [`wait_scores32`]
+    /// retires it.
+    unsafe fn scores_64x32_async<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 4];
+    /// O += P V over 32 keys (width 256), not waited for; [`wait_pv32`] retires it.
+    unsafe fn pv_64xd_k32_async<const D: usize>(o: &mut Acc, p: &[[u32; 4]; 2], desc_v: u64);
+}
+
+macro_rules! acc16 {
+    () => {
+        "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}"
+    };
+}
+
+macro_rules! acc128 {
+    () => {
+        "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}, {32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}, {64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}, {80}, {81}, {82}, {83}, {84}, {85}, {86}, {87}, {88}, {89}, {90}, {91}, {92}, {93}, {94}, {95}, {96}, {97}, {98}, {99}, {100}, {101}, {102}, {103}, {104}, {105}, {106}, {107}, {108}, {109}, {110}, {111}, {112}, {113}, {114}, {115}, {116}, {117}, {118}, {119}, {120}, {121}, {122}, {123}, {124}, {125}, {126}, {127}"
+    };
 }
 
 macro_rules! acc64 {
@@ -105,6 +128,59 @@ macro_rules! qk64_chain {
     };
 }
 
+/// One k-step of S over 32 keys (m64n32k16), as [`qk64_step`].
+macro_rules! qk32_step {
+    ($t:literal, $scale:literal) => {
+        concat!(
+            "mov.b64 da, {{al, ah}};\nmov.b64 db, {{bl, bh}};\n",
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.",
+            $t,
+            ".",
+            $t,
+            " {{",
+            acc16!(),
+            "}}, da, db, ",
+            $scale,
+            ", 1, 1, 0, 0;\n"
+        )
+    };
+}
+
+/// The 4 k-steps of one atom over 32 keys, as [`qk64_atom`].
+macro_rules! qk32_atom {
+    ($t:literal, $first:literal) => {
+        concat!(
+            qk32_step!($t, $first),
+            "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n",
+            qk32_step!($t, "po"),
+            "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n",
+            qk32_step!($t, "po"),
+            "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n",
+            qk32_step!($t, "po")
+        )
+    };
+}
+
+/// The S chain over 32 keys at width 256: four atoms; 16 accumulators, the descriptors are
+/// operands 16 and 17.
+macro_rules! qk32_chain_256 {
+    ($t:literal) => {
+        concat!(
+            "{{\n.reg .pred pz, po;\n.reg .b32 zz, al, ah, bl, bh;\n.reg .b64 da, db;\n",
+            "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
+            "mov.b64 {{al, ah}}, {16};\nmov.b64 {{bl, bh}}, {17};\nwgmma.fence.sync.aligned;\n",
+            qk32_atom!($t, "pz"),
+            "add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n",
+            qk32_atom!($t, "po"),
+            "add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n",
+            qk32_atom!($t, "po"),
+            "add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n",
+            qk32_atom!($t, "po"),
+            "wgmma.commit_group.sync.aligned;\n}}"
+        )
+    };
+}
+
 /// Head sizes 80, 96 and 112 on rows of two atoms: the step to the second atom (as in
 /// [`qk64_chain`]) and its first k-step, then `$more` (further k-steps), 32 bytes apart.
 macro_rules! qk64_second_atom {
@@ -150,7 +226,8 @@ macro_rules! wgmma_tiles_impl {
         impl WgmmaTiles for $ty {
             #[inline(always)]
             unsafe fn scores_64x64_async<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8] {
-                const { assert!(matches!(D, 64 | 80 | 96 | 112 | 128)) };
+                // Widths up to 128 (width 256 steps over 32 keys; its callers here are never reached).
+                const { assert!(matches!(D, 64 | 80 | 96 | 112 | 128 | 256)) };
                 let mut s = [[0.0f32; 4]; 8];
                 if D == 64 {
                     unsafe { with_acc!(qk64_chain!($t, "",), out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack)) };
@@ -166,7 +243,7 @@ macro_rules! wgmma_tiles_impl {
                         with_acc!(qk64_chain!($t, "", qk64_second_atom!($t, qk64_step!($t, "po"), qk64_step!($t, "po")),),
                                   out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack))
                     };
-                } else {
+                } else if D == 128 {
                     unsafe {
                         with_acc!(qk64_chain!($t, "", "add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n", qk64_atom!($t, "po"),),
                                   out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack))
@@ -176,8 +253,9 @@ macro_rules! wgmma_tiles_impl {
             }
 
             #[inline(always)]
-            unsafe fn pv_64xd_k64_async<const D: usize>(o: &mut [[f32; 4]; 16], p: &[[u32; 4]; 4], desc_v: u64) {
-                const { assert!(matches!(D, 64 | 80 | 96 | 112 | 128)) };
+            unsafe fn pv_64xd_k64_async<const D: usize>(o: &mut Acc, p: &[[u32; 4]; 4], desc_v: u64) {
+                // Widths up to 128 (width 256 steps over 32 keys; its callers here are never reached).
+                const { assert!(matches!(D, 64 | 80 | 96 | 112 | 128 | 256)) };
                 // N = D columns of V; past 64 the rows are two atoms wide (V's next 16 keys 256
                 // units of 16 bytes on).
                 if D == 80 {
@@ -201,11 +279,33 @@ macro_rules! wgmma_tiles_impl {
                                             ["{32}, {33}, {34}, {35}", "{36}, {37}, {38}, {39}", "{40}, {41}, {42}, {43}", "{44}, {45}, {46}, {47}"]),
                                   inout o [0 1 2 3 4 5 6 7], frags p [0 1 2 3], in(reg64) desc_v, options(nostack))
                     };
-                } else {
+                } else if D == 128 {
                     unsafe {
                         with_acc!(pv64_chain!($t, "", "128", acc64!(), "{80}", "256",
                                             ["{64}, {65}, {66}, {67}", "{68}, {69}, {70}, {71}", "{72}, {73}, {74}, {75}", "{76}, {77}, {78}, {79}"]),
                                   inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15], frags p [0 1 2 3], in(reg64) desc_v, options(nostack))
+                    };
+                }
+            }
+
+            #[inline(always)]
+            unsafe fn scores_64x32_async<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 4] {
+                // Width 256 only (its callers at other widths are compiled but never reached).
+                let mut s = [[0.0f32; 4]; 4];
+                if D == 256 {
+                    unsafe { with_acc!(qk32_chain_256!($t), out s [0 1 2 3], in(reg64) desc_q, in(reg64) desc_k, options(nostack)) };
+                }
+                s
+            }
+
+            #[inline(always)]
+            unsafe fn pv_64xd_k32_async<const D: usize>(o: &mut Acc, p: &[[u32; 4]; 2], desc_v: u64) {
+                // Width 256 only, as above. Four atoms a row: V's next 16 keys 512 units of 16
+                // bytes on.
+                if D == 256 {
+                    unsafe {
+                        with_acc!(pv64_chain!($t, "", "256", acc128!(), "{136}", "512", ["{128}, {129}, {130}, {131}", "{132}, {133}, {134}, {135}"]),
+                                  inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31], frags p [0 1], in(reg64) desc_v, options(nostack))
                     };
                 }
             }
@@ -243,8 +343,9 @@ pub unsafe fn wait_scores64<const N: u32>(s: [[f32; 4]; 8]) -> [[f32; 4]; 8] {
 /// its A fragments `p`, which the chain reads until it completes, are operands so that nothing
 /// touches them before.
 #[inline(always)]
-pub unsafe fn wait_pv64<const N: u32, const D: usize>(o: &mut [[f32; 4]; 16], p: &[[u32; 4]; 4]) {
-    const { assert!(matches!(D, 64 | 80 | 96 | 112 | 128)) };
+pub unsafe fn wait_pv64<const N: u32, const D: usize>(o: &mut Acc, p: &[[u32; 4]; 4]) {
+    // Widths up to 128 (width 256 steps over 32 keys; its callers here are never reached).
+    const { assert!(matches!(D, 64 | 80 | 96 | 112 | 128 | 256)) };
     if D == 80 {
         unsafe {
             with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc40!(), ", {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}"), inout o [0 1 2 3 4 5 6 7 8 9], frags p [0 1 2 3], n = const N, options(nostack))
@@ -261,10 +362,38 @@ pub unsafe fn wait_pv64<const N: u32, const D: usize>(o: &mut [[f32; 4]; 16], p:
         unsafe {
             with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc32!(), ", {32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}"), inout o [0 1 2 3 4 5 6 7], frags p [0 1 2 3], n = const N, options(nostack))
         };
-    } else {
+    } else if D == 128 {
         unsafe {
             with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc64!(), ", {64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}"),
                       inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15], frags p [0 1 2 3], n = const N, options(nostack))
+        };
+    }
+}
+
+/// [`wait_scores64`] for an S chain over 32 keys.
+#[inline(always)]
+pub unsafe fn wait_scores32<const N: u32>(s: [[f32; 4]; 4]) -> [[f32; 4]; 4] {
+    let mut r = [[0.0f32; 4]; 4];
+    unsafe {
+        with_acc!(concat!("wgmma.wait_group.sync.aligned {n};\n", "mov.b32 {16}, {0};\nmov.b32 {17}, {1};\nmov.b32 {18}, {2};\nmov.b32 {19}, {3};\nmov.b32 {20}, {4};\nmov.b32 {21}, {5};\nmov.b32 {22}, {6};\nmov.b32 {23}, {7};\nmov.b32 {24}, {8};\nmov.b32 {25}, {9};\nmov.b32 {26}, {10};\nmov.b32 {27}, {11};\nmov.b32 {28}, {12};\nmov.b32 {29}, {13};\nmov.b32 {30}, {14};\nmov.b32 {31}, {15};\n"),
+                  in s [0 1 2 3],
+                  out(reg32) r[0][0], out(reg32) r[0][1], out(reg32) r[0][2], out(reg32) r[0][3],
+                  out(reg32) r[1][0], out(reg32) r[1][1], out(reg32) r[1][2], out(reg32) r[1][3],
+                  out(reg32) r[2][0], out(reg32) r[2][1], out(reg32) r[2][2], out(reg32) r[2][3],
+                  out(reg32) r[3][0], out(reg32) r[3][1], out(reg32) r[3][2], out(reg32) r[3][3],
+                  n = const N, options(nostack))
+    };
+    r
+}
+
+/// [`wait_pv64`] for a P V chain over 32 keys at width 256.
+#[inline(always)]
+pub unsafe fn wait_pv32<const N: u32, const D: usize>(o: &mut Acc, p: &[[u32; 4]; 2]) {
+    // Width 256 only, as [`WgmmaTiles::pv_64xd_k32_async`].
+    if D == 256 {
+        unsafe {
+            with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc128!(), ", {128}, {129}, {130}, {131}, {132}, {133}, {134}, {135}"),
+                      inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31], frags p [0 1], n = const N, options(nostack))
         };
     }
 }

@@ -1,5 +1,5 @@
-//! Hopper prefill with a producer warpgroup (`prefill_wgs_<q>_d{64,128}`, sm_90a; geometry in
-//! `attn_math::hopper_prefill::ws_layout`).
+//! Hopper prefill with a producer warpgroup (`prefill_wgs_<q>_d{64,80,96,112,128,256}`, sm_90a;
+//! geometry in `attn_math::hopper_prefill::ws_layout`).
 //!
 //! A CTA of one kernel a work item spends a quarter of its time at 8 x 2048 outside its key
 //! loop (measured at 8 x 2048: looking up its work item and first blocks, waiting for its first tiles,
@@ -7,11 +7,12 @@
 //! has a third warpgroup, the producer, and the CTAs are persistent:
 //! - the producer takes work items (the grid's own first, then from the counter at
 //!   `p.schedule.sched`), decodes each into a descriptor in shared memory, copies its queries
-//!   into one of two query buffers, and for each key tile looks up the blocks, then for each
-//!   stage of the tile writes its address table and copies its K and V into a ring of
-//!   [`WS_STAGES`] stages (a stage: a whole tile at head size 64, half a tile at 128, see
-//!   `ws_stage_keys`). Every buffer has a "filled" `mbarrier` (the producer's `cp.async`s land,
-//!   then it arrives) and a "freed" one (each compute warp arrives when done with it);
+//!   into one of its query buffers (two, one at width 256: `ws_q_buffers`), and for each key
+//!   tile looks up the blocks, then for each stage of the tile writes its address table and
+//!   copies its K and V into a ring of [`WS_STAGES`] stages (a stage: a whole tile at head size
+//!   64, half a tile up to 128, a quarter at 256, see `ws_stage_keys`). Every buffer has a
+//!   "filled" `mbarrier` (the producer's `cp.async`s land, then it arrives) and a "freed" one
+//!   (each compute warp arrives when done with it);
 //! - the two compute warpgroups (64 query rows each) work on whatever the rings hold, item
 //!   after item; the next item's queries and first tiles are already there when one ends.
 //!
@@ -31,6 +32,11 @@
 //! across the loop's back edge (step 5; with P V in flight there, `ptxas` serialised every
 //! chain, C7514). `cargo xtask ptx-report` fails if `ptxas` serialises the chains.
 //!
+//! At width 256 O takes 128 registers a thread, and two 64-key S blocks beside it would not fit:
+//! there a warpgroup steps over 32 keys (`ws_sub_keys`) with one S in flight at a time. Per step
+//! x it takes the softmax of x (under P V of x - 1, retired before O is rescaled), issues S of
+//! x + 1 and P V of x, and retires S of x + 1; the fourth step of a tile retires both.
+//!
 //! `setmaxnreg` moves registers from the producer (which needs few) to the compute warps.
 
 use crate::attention::hopper::steps::{copy_row_pairs, copy_rows, raise_max, row_max, weights};
@@ -49,10 +55,10 @@ use crate::blocks::mma::{
     st_shared_v4, wgmma_desc,
 };
 use crate::blocks::vec_io::{load_u32_nc, store4};
-use crate::blocks::wgmma::{wait_pv64, wait_scores64, WgmmaTiles};
+use crate::blocks::wgmma::{wait_pv32, wait_pv64, wait_scores32, wait_scores64, Acc, WgmmaTiles, ACC_BLOCKS};
 use attn_math::hopper_prefill::{
-    group_bytes, ws_layout, ws_stage_keys, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_ITEM_WORDS, WS_PRODUCER_REGS,
-    WS_Q_BUFFERS, WS_STAGES,
+    group_bytes, ws_layout, ws_q_buffers, ws_stage_keys, ws_sub_keys, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_ITEM_SLOTS,
+    WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_STAGES,
 };
 use attn_math::params::AttnParams;
 use attn_math::prefill::{table_slot_bytes, TABLE_ENTRY};
@@ -84,10 +90,16 @@ struct Rings<const W: usize> {
 
 impl<const W: usize> Rings<W> {
     const STAGES: u32 = WS_STAGES;
+    /// Query buffers.
+    const Q_BUFFERS: u32 = ws_q_buffers(W as u32);
     /// Keys of a stage.
     const KEYS: u32 = ws_stage_keys(W as u32);
-    /// Half tiles (64 keys) a stage holds: 2 or 1.
-    const HALVES: u32 = Self::KEYS / 64;
+    /// Keys of the compute warps' step (`ws_sub_keys`): 64 (a half tile) or 32.
+    const SUB: u32 = ws_sub_keys(W as u32);
+    /// Steps a stage holds: 2 (width 64) or 1.
+    const SUBS: u32 = Self::KEYS / Self::SUB;
+    /// Stages a tile fills: 1, 2, or 4 at width 256.
+    const STAGES_PER_TILE: u32 = BLOCK_N / Self::KEYS;
 
     #[inline(always)]
     fn new(smem: u32) -> Self {
@@ -120,21 +132,23 @@ impl<const W: usize> Rings<W> {
         self.smem + self.l.table + Self::stage(u) * table_slot_bytes(Self::KEYS)
     }
 
-    /// Half tile `x` (the CTA's half tiles counted across its items): its stage's ring position
-    /// and its K, V, table and bad-block-flag addresses.
+    /// Step `x` (the CTA's steps of [`Self::SUB`] keys counted across its items; half tiles
+    /// up to width 128): its stage's ring position and its K, V, table and bad-block-flag
+    /// addresses.
     #[inline(always)]
     fn half(&self, x: u32) -> Half {
-        let (u, i) = (x / Self::HALVES, x % Self::HALVES);
-        let rows = i * 64 * W as u32 * 2;
+        let (u, i) = (x / Self::SUBS, x % Self::SUBS);
+        let rows = i * Self::SUB * W as u32 * 2;
         let table = self.table(u);
         Half {
             u,
             first: i == 0,
-            last: i == Self::HALVES - 1,
+            last: i == Self::SUBS - 1,
             k: self.k(u) + rows,
             v: self.v(u) + rows,
-            table: table + i * 64 * TABLE_ENTRY,
-            flags: table + Self::KEYS * TABLE_ENTRY + i * 8,
+            table: table + i * Self::SUB * TABLE_ENTRY,
+            // One flag a warp's 32 keys.
+            flags: table + Self::KEYS * TABLE_ENTRY + i * (Self::SUB / 32) * 4,
         }
     }
 
@@ -150,27 +164,32 @@ impl<const W: usize> Rings<W> {
 
     #[inline(always)]
     fn q(&self, k: u32) -> u32 {
-        self.smem + self.l.q + (k % WS_Q_BUFFERS) * self.l.q_bytes
+        self.smem + self.l.q + (k % Self::Q_BUFFERS) * self.l.q_bytes
     }
 
+    /// Item `k`'s descriptor: two slots whatever the query buffers, so that a slot is rewritten
+    /// only after the compute warps have worked through the next item (with one query buffer
+    /// and one slot, racecheck reported the lanes' last reads of a descriptor against the
+    /// producer's next write: lane 0's release orders its own warp's reads, but nothing the
+    /// sanitizer sees made the other lanes meet it before the rewrite).
     #[inline(always)]
     fn item(&self, k: u32) -> u32 {
-        self.smem + self.l.item + (k % WS_Q_BUFFERS) * 4 * WS_ITEM_WORDS
+        self.smem + self.l.item + (k % WS_ITEM_SLOTS) * 4 * WS_ITEM_WORDS
     }
 
     #[inline(always)]
     fn q_filled(&self, k: u32) -> u32 {
-        self.smem + self.l.bars + 8 * (2 * Self::STAGES + k % WS_Q_BUFFERS)
+        self.smem + self.l.bars + 8 * (2 * Self::STAGES + k % Self::Q_BUFFERS)
     }
 
     #[inline(always)]
     fn q_freed(&self, k: u32) -> u32 {
-        self.smem + self.l.bars + 8 * (2 * Self::STAGES + WS_Q_BUFFERS + k % WS_Q_BUFFERS)
+        self.smem + self.l.bars + 8 * (2 * Self::STAGES + Self::Q_BUFFERS + k % Self::Q_BUFFERS)
     }
 
     #[inline(always)]
     fn q_parity(k: u32) -> u32 {
-        (k / WS_Q_BUFFERS) & 1
+        (k / Self::Q_BUFFERS) & 1
     }
 }
 
@@ -251,7 +270,7 @@ impl Item {
 pub unsafe fn prefill_specialized<Q: WgmmaTiles, const D: usize, const W: usize>(p: &AttnParams) {
     // Programmatic dependent launch: wait for the cache write before reading anything.
     pdl_prologue();
-    const { assert!((D == 64 && W == 64) || (W == 128 && matches!(D, 80 | 96 | 112 | 128))) };
+    const { assert!((D == 64 && W == 64) || (W == 128 && matches!(D, 80 | 96 | 112 | 128)) || (D == 256 && W == 256)) };
     let tid = thread_idx_x();
     let rings = Rings::<W>::new(shared_addr(dynamic_shared::<u8>()));
     if tid == 0 {
@@ -259,7 +278,7 @@ pub unsafe fn prefill_specialized<Q: WgmmaTiles, const D: usize, const W: usize>
             unsafe { mbarrier::init(rings.filled(u), FILLED_ARRIVALS) };
             unsafe { mbarrier::init(rings.freed(u), THREADS / 32) };
         }
-        for k in 0..WS_Q_BUFFERS {
+        for k in 0..Rings::<W>::Q_BUFFERS {
             unsafe { mbarrier::init(rings.q_filled(k), FILLED_ARRIVALS) };
             unsafe { mbarrier::init(rings.q_freed(k), THREADS / 32) };
         }
@@ -282,12 +301,16 @@ unsafe fn produce<const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W
     let mut k = 0u32;
     loop {
         unsafe { mbarrier::wait(rings.q_freed(k), Rings::<W>::q_parity(k) ^ 1) };
-        // This buffer's previous copies (`WS_Q_BUFFERS` query groups ago, or further back
-        // counting the key stages' groups between) are this thread's own to complete before
-        // it rewrites the buffer. They have landed (the compute warps freed the buffer after
-        // waiting on them), so this costs nothing, but it is the completion racecheck tracks:
-        // it does not follow the order through the other warps' barriers.
-        cp_async_wait::<{ WS_Q_BUFFERS - 1 }>();
+        // This buffer's previous copies (a query buffer's count of query groups ago, or further
+        // back counting the key stages' groups between) are this thread's own to complete
+        // before it rewrites the buffer. They have landed (the compute warps freed the buffer
+        // after waiting on them), so this costs nothing, but it is the completion racecheck
+        // tracks: it does not follow the order through the other warps' barriers.
+        if Rings::<W>::Q_BUFFERS == 2 {
+            cp_async_wait::<1>();
+        } else {
+            cp_async_wait::<0>();
+        }
         if t == 0 {
             // The grid's own index first, then the counter's (which starts past the grid).
             let x = if k == 0 { block_idx_x() } else { grid_dim_x() + unsafe { atomic_add_global(p.schedule.sched, 1) } };
@@ -337,9 +360,9 @@ unsafe fn produce<const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W
                 if j + 1 < it.n_tiles {
                     loc = locate(j + 1);
                 }
-                // The tile's stages (one or two).
-                static_for::<2>(|h| {
-                    if h as u32 >= BLOCK_N / Rings::<W>::KEYS {
+                // The tile's stages (one, two or four).
+                static_for::<4>(|h| {
+                    if h as u32 >= Rings::<W>::STAGES_PER_TILE {
                         return;
                     }
                     let uh = u + h as u32;
@@ -359,10 +382,10 @@ unsafe fn produce<const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W
                     unsafe {
                         let rows = |r| ld_shared_u64x2(table + r * TABLE_ENTRY);
                         let dst = [rings.k(uh), rings.v(uh)];
-                        if Rings::<W>::KEYS == BLOCK_N {
-                            copy_row_pairs::<W, BLOCK_N, PRODUCERS>(dst, t, live, p.qkv.q, rows, true);
-                        } else {
-                            copy_row_pairs::<W, { BLOCK_N / 2 }, PRODUCERS>(dst, t, live, p.qkv.q, rows, true);
+                        match Rings::<W>::KEYS {
+                            BLOCK_N => copy_row_pairs::<W, BLOCK_N, PRODUCERS>(dst, t, live, p.qkv.q, rows, true),
+                            64 => copy_row_pairs::<W, 64, PRODUCERS>(dst, t, live, p.qkv.q, rows, true),
+                            _ => copy_row_pairs::<W, 32, PRODUCERS>(dst, t, live, p.qkv.q, rows, true),
                         }
                         mbarrier::arrive_when_copies_land(rings.filled(uh));
                         if t == 0 {
@@ -373,7 +396,7 @@ unsafe fn produce<const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W
                     }
                     cp_async_commit();
                 });
-                u += BLOCK_N / Rings::<W>::KEYS;
+                u += Rings::<W>::STAGES_PER_TILE;
                 j += 1;
             }
         }
@@ -397,7 +420,7 @@ unsafe fn produce<const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W
     // phases, so the CTA ends no later; the key loop is unchanged. Nothing arrives after
     // these phases, so each barrier is in that phase or just past it and the parity names it.
     unsafe {
-        for i in 0..WS_Q_BUFFERS.min(k + 1) {
+        for i in 0..Rings::<W>::Q_BUFFERS.min(k + 1) {
             mbarrier::wait(rings.q_filled(k - i), Rings::<W>::q_parity(k - i));
         }
         for v in u.saturating_sub(Rings::<W>::STAGES)..u {
@@ -434,7 +457,7 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize, const W: usize>(p: &AttnParams,
             unsafe { mbarrier::arrive(bar) };
         }
     };
-    // This warp is done with half tile `x`: frees its stage if it was the stage's last half.
+    // This warp is done with step `x`: frees its stage if it was the stage's last step.
     let release_half = |x: u32| {
         let hx = rings.half(x);
         if hx.last {
@@ -468,7 +491,7 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize, const W: usize>(p: &AttnParams,
 
         // The quad's partial sums, then the output (or the split's partial) per row. The item
         // is read again from its descriptor rather than kept in registers through the loop.
-        let finish = |o: &[[f32; 4]; 16], state: [OnlineSoftmax; 2]| {
+        let finish = |o: &Acc, state: [OnlineSoftmax; 2]| {
             let it = unsafe { Item::load(rings.item(k)) };
             let w = it.work;
             static_for::<2>(|h| {
@@ -480,7 +503,7 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize, const W: usize>(p: &AttnParams,
                     return;
                 }
                 let out = unsafe { RowOut::new(p, &w, &w.row(p, r), st, it.num_splits, t4 == 0, 1.0, p.dims.v_or(D as u32)) };
-                static_for::<16>(|n| {
+                static_for::<ACC_BLOCKS>(|n| {
                     if n < D / 8 {
                         unsafe { out.store_pair::<Q>(n as u32 * 8 + 2 * t4, o[n][2 * h], o[n][2 * h + 1]) };
                     }
@@ -488,10 +511,84 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize, const W: usize>(p: &AttnParams,
             });
         };
         if n_tiles == 0 {
-            finish(&[[0.0; 4]; 16], [OnlineSoftmax::EMPTY; 2]);
+            finish(&[[0.0; 4]; ACC_BLOCKS], [OnlineSoftmax::EMPTY; 2]);
+        } else if Rings::<W>::SUB == 32 {
+            // Width 256: steps of 32 keys (a quarter tile), one S in flight at a time. Per step
+            // x: its softmax (under P V of x - 1, retired before O is rescaled), then S of
+            // x + 1 and P V of x issued, and S of x + 1 waited for. The last step of a tile
+            // retires both chains (nothing in flight across the loop's back edge, as above).
+            let mut state = [OnlineSoftmax::EMPTY; 2];
+            let mut o: Acc = [[0.0f32; 4]; ACC_BLOCKS];
+            // The weights of the previous step, read by its in-flight P V.
+            let mut pf = [[0u32; 4]; 2];
+            wait_filled(4 * u);
+            // S of the current step, retired.
+            let mut s = unsafe { wait_scores32::<0>(Q::scores_64x32_async::<D>(q_desc, k_desc(rings.half(4 * u).k))) };
+            // The softmax of step `i` of tile `j` (S in `s`), its weights into `pf`; then, unless
+            // `$last`, S of the next step and this step's P V issued and the S retired (`$wait`:
+            // what stays in flight, 1 for the P V or 0); with `$last` its P V alone.
+            macro_rules! quarter {
+                ($j:expr, $i:literal, $wait:literal, $last:expr) => {{
+                    let (j, i): (u32, u32) = ($j, $i);
+                    let x = 4 * (u + j) + i;
+                    let hx = rings.half(x);
+                    let mut st = [s];
+                    let kt = it.begin + j * BLOCK_N + 32 * i;
+                    unsafe { logits.apply::<Wgmma<Q, D, 32>, 1, 4>(&mut st, &rows, kt, warp_pos, hx.flags, hx.table) };
+                    let [mut s_cur] = st;
+                    let m = row_max(&s_cur);
+                    // Retire P V of the previous step (O and its weights) before rescaling O.
+                    unsafe { wait_pv32::<0, D>(&mut o, &pf) };
+                    if j > 0 || i > 0 {
+                        release_half(x - 1);
+                    }
+                    static_for::<2>(|r| {
+                        let factor = raise_max(&mut state[r], m[r] * mult);
+                        static_for::<ACC_BLOCKS>(|n| {
+                            if n < D / 8 {
+                                o[n][2 * r] *= factor;
+                                o[n][2 * r + 1] *= factor;
+                            }
+                        });
+                    });
+                    weights(&mut s_cur, &mut state, mult);
+                    pf = core::array::from_fn(|kk| {
+                        [
+                            Q::pack2(s_cur[2 * kk][0], s_cur[2 * kk][1]),
+                            Q::pack2(s_cur[2 * kk][2], s_cur[2 * kk][3]),
+                            Q::pack2(s_cur[2 * kk + 1][0], s_cur[2 * kk + 1][1]),
+                            Q::pack2(s_cur[2 * kk + 1][2], s_cur[2 * kk + 1][3]),
+                        ]
+                    });
+                    if $last {
+                        unsafe { Q::pv_64xd_k32_async::<D>(&mut o, &pf, v_desc(hx.v)) };
+                    } else {
+                        wait_filled(x + 1);
+                        let s_next = unsafe { Q::scores_64x32_async::<D>(q_desc, k_desc(rings.half(x + 1).k)) };
+                        unsafe { Q::pv_64xd_k32_async::<D>(&mut o, &pf, v_desc(hx.v)) };
+                        s = unsafe { wait_scores32::<$wait>(s_next) };
+                    }
+                }};
+            }
+            let mut j = 0;
+            while j + 1 < n_tiles {
+                quarter!(j, 0, 1, false);
+                quarter!(j, 1, 1, false);
+                quarter!(j, 2, 1, false);
+                quarter!(j, 3, 0, false);
+                j += 1;
+            }
+            quarter!(j, 0, 1, false);
+            quarter!(j, 1, 1, false);
+            quarter!(j, 2, 1, false);
+            quarter!(j, 3, 0, true);
+            let _ = s;
+            unsafe { wait_pv32::<0, D>(&mut o, &pf) };
+            release_half(4 * (u + j) + 3);
+            finish(&o, state);
         } else {
             let mut state = [OnlineSoftmax::EMPTY; 2];
-            let mut o = [[0.0f32; 4]; 16];
+            let mut o: Acc = [[0.0f32; 4]; ACC_BLOCKS];
             // The weights of the previous half tile, read by its in-flight P V.
             let mut pf = [[0u32; 4]; 4];
             wait_filled(2 * u);
@@ -518,7 +615,7 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize, const W: usize>(p: &AttnParams,
                     }
                     static_for::<2>(|r| {
                         let factor = raise_max(&mut state[r], m[r] * mult);
-                        static_for::<16>(|n| {
+                        static_for::<ACC_BLOCKS>(|n| {
                             if n < D / 8 {
                                 o[n][2 * r] *= factor;
                                 o[n][2 * r + 1] *= factor;

@@ -13,7 +13,8 @@ use attn_math::softmax::{exp2, OnlineSoftmax};
 /// (`fallback` named then, not read). Only the first `live` 16-byte chunks of a row are read
 /// (the launch's head size), the rest are zero-filled. Thread t always takes chunk `t % (D / 8)` of rows
 /// `t / (D / 8) + i * NT / (D / 8)`: the rows a thread copies are a whole number of 8-row
-/// groups apart, so their shared-memory addresses and table entries differ by constants.
+/// groups apart (or, at width 256, 4 rows: then every other one is), so their shared-memory
+/// addresses and table entries differ by constants.
 #[inline(always)]
 pub(crate) unsafe fn copy_rows<const D: usize, const ROWS: u32, const NT: u32>(
     dst: u32,
@@ -37,19 +38,27 @@ pub(crate) unsafe fn copy_row_pairs<const D: usize, const ROWS: u32, const NT: u
     both: bool,
 ) {
     let chunks = D as u32 / 8;
-    const { assert!(NT.is_multiple_of(D as u32 / 8) && (NT / (D as u32 / 8)).is_multiple_of(8) && ROWS.is_multiple_of(NT / (D as u32 / 8))) };
+    const {
+        assert!(
+            NT.is_multiple_of(D as u32 / 8)
+                && ((NT / (D as u32 / 8)).is_multiple_of(8) || NT / (D as u32 / 8) == 4)
+                && ROWS.is_multiple_of(NT / (D as u32 / 8))
+                && ROWS / (NT / (D as u32 / 8)) <= 32
+        )
+    };
     let (c, r0) = (t % chunks, t / chunks);
     // This thread's chunk is the same in every row.
     let read = c < live;
     let step = NT / chunks;
-    let off0 = swizzled(D as u32, r0, c);
-    static_for::<16>(|i| {
+    // Rows 8 apart are a group apart; rows 4 apart (when `step` is 4) swizzle differently.
+    let (period, per_group) = if step.is_multiple_of(8) { (1, step / 8) } else { (2, 1) };
+    let offs = [swizzled(D as u32, r0, c), swizzled(D as u32, r0 + step % 8, c)];
+    static_for::<32>(|i| {
         if (i as u32) < ROWS / step {
             let (a, b) = src(r0 + i as u32 * step);
             let valid = a != 0 && read;
             let bytes = if valid { 16 } else { 0 };
-            // Rows `step` apart are `step / 8` groups apart.
-            let off = off0 + i as u32 * (step / 8) * group_bytes(D as u32);
+            let off = offs[i % period as usize] + (i as u32 / period) * per_group * group_bytes(D as u32);
             unsafe { cp_async_16(dst[0] + off, if valid { a + c as u64 * 16 } else { fallback }, bytes) };
             if both {
                 unsafe { cp_async_16(dst[1] + off, if valid { b + c as u64 * 16 } else { fallback }, bytes) };
