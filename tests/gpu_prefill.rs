@@ -279,52 +279,42 @@ fn cases() -> Vec<(String, Case, &'static str)> {
         push(format!("bf16::head_size_{dk}"), Case { dk, dv, ..Case::base(&[17, 300, 129]) }, "bf16");
         push(format!("f16::head_size_{dk}_chunked"), Case { dk, dv, q_lens: Some(vec![5, 100, 33]), ..Case::base(&[17, 300, 129]) }, "f16");
     }
-    // Head size 64 runs its own kernel on Hopper (`prefill_wgs_*`, persistent, half tiles in flight): the
-    // lengths, 4097 keys (many tiles, the last partial), GQA 8, non-causal, every feature,
-    // block size 64 and a bad block id there too.
+    // The Hopper kernel's (`prefill_wgs_*`, persistent) two shapes get a matrix each: d64 (half
+    // tiles in flight) and d256 (32-key steps, one query buffer): the lengths, many tiles (the
+    // last partial; 2049 keys at d256, whose f64 reference is four times d64's work a key),
+    // GQA 8, non-causal, every feature, block size 64 and a bad block id, empty requests. The
+    // many-tile case is named without `d<width>_` so that a sanitizer run filtered on `d256_`
+    // stays short.
+    for (d, long) in [(64, 4097), (256, 2049)] {
+        let width = |c: Case| Case { dk: d, dv: d, ..c };
+        push(format!("bf16::d{d}_lengths_1_15_16_17_127_1000"), width(Case::base(&lens)), "bf16");
+        push(format!("f16::length_{long}_gqa8_head_size_{d}"), width(Case { q_heads: 8, kv_heads: 1, ..Case::base(&[long]) }), "f16");
+        push(format!("bf16::d{d}_non_causal"), width(Case { causal: false, ..Case::base(&[1, 17, 300]) }), "bf16");
+        push(
+            format!("bf16::d{d}_all_features_chunked"),
+            width(Case {
+                softcap: Some(8.0),
+                alibi: true,
+                sinks: true,
+                window: Some(64),
+                q_lens: Some(vec![3, 100, 8]),
+                ..Case::base(&[40, 500, 8])
+            }),
+            "bf16",
+        );
+        push(
+            format!("bf16::d{d}_block_size_64_bad_block_id"),
+            width(Case { block_size: 64, bad_block: true, ..Case::base(&[100, 333]) }),
+            "bf16",
+        );
+        push(
+            format!("f16::d{d}_empty_requests_gqa4"),
+            width(Case { q_lens: Some(vec![0, 5, 0, 130]), q_heads: 8, kv_heads: 2, ..Case::base(&[0, 5, 7, 200]) }),
+            "f16",
+        );
+    }
     let d64 = |c: Case| Case { dk: 64, dv: 64, ..c };
-    push("bf16::d64_lengths_1_15_16_17_127_1000".into(), d64(Case::base(&lens)), "bf16");
-    push("f16::d64_length_4097_gqa8".into(), d64(Case { q_heads: 8, kv_heads: 1, ..Case::base(&[4097]) }), "f16");
-    push("bf16::d64_non_causal".into(), d64(Case { causal: false, ..Case::base(&[1, 17, 300]) }), "bf16");
-    push(
-        "bf16::d64_all_features_chunked".into(),
-        d64(Case {
-            softcap: Some(8.0),
-            alibi: true,
-            sinks: true,
-            window: Some(64),
-            q_lens: Some(vec![3, 100, 8]),
-            ..Case::base(&[40, 500, 8])
-        }),
-        "bf16",
-    );
-    push("bf16::d64_block_size_64_bad_block_id".into(), d64(Case { block_size: 64, bad_block: true, ..Case::base(&[100, 333]) }), "bf16");
-    // Head size 256 runs its own shape of that kernel on Hopper (32-key steps, one query
-    // buffer): the same matrix (2049 keys rather than 4097: the f64 reference is four times
-    // d64's work a key). The two long cases are named without `d256_` so that a sanitizer run
-    // filtered on `d256_` stays short.
     let d256 = |c: Case| Case { dk: 256, dv: 256, ..c };
-    push("bf16::d256_lengths_1_15_16_17_127_1000".into(), d256(Case::base(&lens)), "bf16");
-    push("f16::length_2049_gqa8_head_size_256".into(), d256(Case { q_heads: 8, kv_heads: 1, ..Case::base(&[2049]) }), "f16");
-    push("bf16::d256_non_causal".into(), d256(Case { causal: false, ..Case::base(&[1, 17, 300]) }), "bf16");
-    push(
-        "bf16::d256_all_features_chunked".into(),
-        d256(Case {
-            softcap: Some(8.0),
-            alibi: true,
-            sinks: true,
-            window: Some(64),
-            q_lens: Some(vec![3, 100, 8]),
-            ..Case::base(&[40, 500, 8])
-        }),
-        "bf16",
-    );
-    push("bf16::d256_block_size_64_bad_block_id".into(), d256(Case { block_size: 64, bad_block: true, ..Case::base(&[100, 333]) }), "bf16");
-    push(
-        "f16::d256_empty_requests_gqa4".into(),
-        d256(Case { q_lens: Some(vec![0, 5, 0, 130]), q_heads: 8, kv_heads: 2, ..Case::base(&[0, 5, 7, 200]) }),
-        "f16",
-    );
     push(
         "bf16::mla_qk192_v128_packed".into(),
         Case { dk: 192, dv: 128, packed: true, q_heads: 16, kv_heads: 16, ..Case::base(&[1, 70, 300]) },

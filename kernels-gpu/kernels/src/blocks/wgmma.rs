@@ -76,19 +76,21 @@ macro_rules! acc32 {
     };
 }
 
-/// One k-step of S over 64 keys (m64n64k16). The descriptors are rebuilt from 32-bit halves
-/// each k-step, so that stepping them is a 32-bit add (their address field is in the low word
-/// and never carries out of it).
-macro_rules! qk64_step {
-    ($t:literal, $scale:literal) => {
+/// One k-step of S over `$n` keys (m64n`$n`k16; `$acc`: the accumulator list's macro). The
+/// descriptors are rebuilt from 32-bit halves each k-step, so that stepping them is a 32-bit
+/// add (their address field is in the low word and never carries out of it).
+macro_rules! qk_step {
+    ($t:literal, $scale:literal, $n:literal, $acc:ident) => {
         concat!(
             "mov.b64 da, {{al, ah}};\nmov.b64 db, {{bl, bh}};\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.",
+            "wgmma.mma_async.sync.aligned.m64n",
+            $n,
+            "k16.f32.",
             $t,
             ".",
             $t,
             " {{",
-            acc32!(),
+            $acc!(),
             "}}, da, db, ",
             $scale,
             ", 1, 1, 0, 0;\n"
@@ -97,16 +99,16 @@ macro_rules! qk64_step {
 }
 
 /// The 4 k-steps of one 128-byte swizzle atom (64 columns): descriptors +32 bytes a k-step.
-macro_rules! qk64_atom {
-    ($t:literal, $first:literal) => {
+macro_rules! qk_atom {
+    ($t:literal, $first:literal, $n:literal, $acc:ident) => {
         concat!(
-            qk64_step!($t, $first),
+            qk_step!($t, $first, $n, $acc),
             "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n",
-            qk64_step!($t, "po"),
+            qk_step!($t, "po", $n, $acc),
             "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n",
-            qk64_step!($t, "po"),
+            qk_step!($t, "po", $n, $acc),
             "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n",
-            qk64_step!($t, "po")
+            qk_step!($t, "po", $n, $acc)
         )
     };
 }
@@ -121,42 +123,9 @@ macro_rules! qk64_chain {
             "{{\n.reg .pred pz, po;\n.reg .b32 zz, al, ah, bl, bh;\n.reg .b64 da, db;\n",
             "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
             "mov.b64 {{al, ah}}, {32};\nmov.b64 {{bl, bh}}, {33};\nwgmma.fence.sync.aligned;\n",
-            qk64_atom!($t, "pz"),
+            qk_atom!($t, "pz", "64", acc32),
             $($more)*
             "wgmma.commit_group.sync.aligned;\n", $wait, "}}"
-        )
-    };
-}
-
-/// One k-step of S over 32 keys (m64n32k16), as [`qk64_step`].
-macro_rules! qk32_step {
-    ($t:literal, $scale:literal) => {
-        concat!(
-            "mov.b64 da, {{al, ah}};\nmov.b64 db, {{bl, bh}};\n",
-            "wgmma.mma_async.sync.aligned.m64n32k16.f32.",
-            $t,
-            ".",
-            $t,
-            " {{",
-            acc16!(),
-            "}}, da, db, ",
-            $scale,
-            ", 1, 1, 0, 0;\n"
-        )
-    };
-}
-
-/// The 4 k-steps of one atom over 32 keys, as [`qk64_atom`].
-macro_rules! qk32_atom {
-    ($t:literal, $first:literal) => {
-        concat!(
-            qk32_step!($t, $first),
-            "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n",
-            qk32_step!($t, "po"),
-            "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n",
-            qk32_step!($t, "po"),
-            "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n",
-            qk32_step!($t, "po")
         )
     };
 }
@@ -169,13 +138,13 @@ macro_rules! qk32_chain_256 {
             "{{\n.reg .pred pz, po;\n.reg .b32 zz, al, ah, bl, bh;\n.reg .b64 da, db;\n",
             "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
             "mov.b64 {{al, ah}}, {16};\nmov.b64 {{bl, bh}}, {17};\nwgmma.fence.sync.aligned;\n",
-            qk32_atom!($t, "pz"),
+            qk_atom!($t, "pz", "32", acc16),
             "add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n",
-            qk32_atom!($t, "po"),
+            qk_atom!($t, "po", "32", acc16),
             "add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n",
-            qk32_atom!($t, "po"),
+            qk_atom!($t, "po", "32", acc16),
             "add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n",
-            qk32_atom!($t, "po"),
+            qk_atom!($t, "po", "32", acc16),
             "wgmma.commit_group.sync.aligned;\n}}"
         )
     };
@@ -185,12 +154,12 @@ macro_rules! qk32_chain_256 {
 /// [`qk64_chain`]) and its first k-step, then `$more` (further k-steps), 32 bytes apart.
 macro_rules! qk64_second_atom {
     ($t:literal $(, $more:expr)*) => {
-        concat!("add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n", qk64_step!($t, "po"), $("add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n", $more,)*)
+        concat!("add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n", qk_step!($t, "po", "64", acc32), $("add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n", $more,)*)
     };
 }
 
 /// The P V chain over 4 k-steps of 16 keys (V's descriptor + two 8-key groups each: `$inc`
-/// units of 16 bytes), stepping V's descriptor by 32-bit adds as [`qk64_step`] does; `$desc`:
+/// units of 16 bytes), stepping V's descriptor by 32-bit adds as [`qk_step`] does; `$desc`:
 /// the descriptor's operand; `$a`: each k-step's A registers.
 macro_rules! pv64_chain {
     ($t:literal, $wait:literal, $n:literal, $acc:expr, $desc:literal, $inc:literal, [$($a:literal),*]) => {
@@ -235,17 +204,17 @@ macro_rules! wgmma_tiles_impl {
                     unsafe { with_acc!(qk64_chain!($t, "", qk64_second_atom!($t),), out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack)) };
                 } else if D == 96 {
                     unsafe {
-                        with_acc!(qk64_chain!($t, "", qk64_second_atom!($t, qk64_step!($t, "po")),),
+                        with_acc!(qk64_chain!($t, "", qk64_second_atom!($t, qk_step!($t, "po", "64", acc32)),),
                                   out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack))
                     };
                 } else if D == 112 {
                     unsafe {
-                        with_acc!(qk64_chain!($t, "", qk64_second_atom!($t, qk64_step!($t, "po"), qk64_step!($t, "po")),),
+                        with_acc!(qk64_chain!($t, "", qk64_second_atom!($t, qk_step!($t, "po", "64", acc32), qk_step!($t, "po", "64", acc32)),),
                                   out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack))
                     };
                 } else if D == 128 {
                     unsafe {
-                        with_acc!(qk64_chain!($t, "", "add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n", qk64_atom!($t, "po"),),
+                        with_acc!(qk64_chain!($t, "", "add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n", qk_atom!($t, "po", "64", acc32),),
                                   out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack))
                     };
                 }
