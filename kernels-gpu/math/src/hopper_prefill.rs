@@ -78,6 +78,7 @@ pub const fn ws_sub_keys(d: u32) -> u32 {
         32
     }
 }
+
 /// Query buffers: the current item's and the next one's up to width 128; at 256 one (the next
 /// item's queries are copied once the current item's last tile is done with them: about 2 us an
 /// item of 30-70 us at 4 x 4096).
