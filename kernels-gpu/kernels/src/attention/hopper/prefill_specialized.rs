@@ -37,9 +37,12 @@
 //! x it takes the softmax of x (under P V of x - 1, retired before O is rescaled), issues S of
 //! x + 1 and P V of x, and retires S of x + 1; the fourth step of a tile retires both.
 //!
+//! Above width 64 a warp rescales O only when one of its rows' max moved past the slack
+//! ([`must_rescale`]); the other blocks keep each row's running max as it was.
+//!
 //! `setmaxnreg` moves registers from the producer (which needs few) to the compute warps.
 
-use crate::attention::hopper::steps::{copy_row_pairs, copy_rows, raise_max, row_max, weights};
+use crate::attention::hopper::steps::{copy_row_pairs, copy_rows, must_rescale, raise_max, row_max, weights};
 use crate::attention::hopper::Wgmma;
 use crate::attention::kv::KvSource;
 use crate::attention::logits::Logits;
@@ -71,6 +74,15 @@ const PRODUCERS: u32 = 128;
 /// (`cp.async.mbarrier.arrive.noinc`), and producer 0's plain arrive, whose release publishes
 /// what the producers stored into shared memory with ordinary stores (item, table, flags).
 const FILLED_ARRIVALS: u32 = PRODUCERS + 1;
+/// Key rows whose table entries a producer reads before issuing their copies
+/// ([`copy_row_pairs`]): 2 entries are 8 of the producer's [`WS_PRODUCER_REGS`] registers.
+const COPY_BATCH: usize = 2;
+/// Whether O's rescale waits until a row's max moves past the slack ([`must_rescale`]). Not at
+/// width 64: there O is 32 registers a thread, and the vote and the branch cost more than the
+/// multiplies they skip (8 x 2048 measured 3% slower with them).
+const fn lazy_rescale(d: usize) -> bool {
+    d > 64
+}
 /// Named barrier of the producer warpgroup (0 is the CTA's).
 const PRODUCER_BARRIER: u32 = 1;
 
@@ -383,9 +395,9 @@ unsafe fn produce<const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W
                         let rows = |r| ld_shared_u64x2(table + r * TABLE_ENTRY);
                         let dst = [rings.k(uh), rings.v(uh)];
                         match Rings::<W>::KEYS {
-                            BLOCK_N => copy_row_pairs::<W, BLOCK_N, PRODUCERS>(dst, t, live, p.qkv.q, rows, true),
-                            64 => copy_row_pairs::<W, 64, PRODUCERS>(dst, t, live, p.qkv.q, rows, true),
-                            _ => copy_row_pairs::<W, 32, PRODUCERS>(dst, t, live, p.qkv.q, rows, true),
+                            BLOCK_N => copy_row_pairs::<W, BLOCK_N, PRODUCERS, COPY_BATCH>(dst, t, live, p.qkv.q, rows, true),
+                            64 => copy_row_pairs::<W, 64, PRODUCERS, COPY_BATCH>(dst, t, live, p.qkv.q, rows, true),
+                            _ => copy_row_pairs::<W, 32, PRODUCERS, COPY_BATCH>(dst, t, live, p.qkv.q, rows, true),
                         }
                         mbarrier::arrive_when_copies_land(rings.filled(uh));
                         if t == 0 {
@@ -542,15 +554,17 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize, const W: usize>(p: &AttnParams,
                     if j > 0 || i > 0 {
                         release_half(x - 1);
                     }
-                    static_for::<2>(|r| {
-                        let factor = raise_max(&mut state[r], m[r] * mult);
-                        static_for::<ACC_BLOCKS>(|n| {
-                            if n < D / 8 {
-                                o[n][2 * r] *= factor;
-                                o[n][2 * r + 1] *= factor;
-                            }
+                    if must_rescale(&state, m, mult) {
+                        static_for::<2>(|r| {
+                            let factor = raise_max(&mut state[r], m[r] * mult);
+                            static_for::<ACC_BLOCKS>(|n| {
+                                if n < D / 8 {
+                                    o[n][2 * r] *= factor;
+                                    o[n][2 * r + 1] *= factor;
+                                }
+                            });
                         });
-                    });
+                    }
                     weights(&mut s_cur, &mut state, mult);
                     pf = core::array::from_fn(|kk| {
                         [
@@ -613,15 +627,17 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize, const W: usize>(p: &AttnParams,
                         // P V of the previous half has retired.
                         release_half(uh - 1);
                     }
-                    static_for::<2>(|r| {
-                        let factor = raise_max(&mut state[r], m[r] * mult);
-                        static_for::<ACC_BLOCKS>(|n| {
-                            if n < D / 8 {
-                                o[n][2 * r] *= factor;
-                                o[n][2 * r + 1] *= factor;
-                            }
+                    if !lazy_rescale(D) || must_rescale(&state, m, mult) {
+                        static_for::<2>(|r| {
+                            let factor = raise_max(&mut state[r], m[r] * mult);
+                            static_for::<ACC_BLOCKS>(|n| {
+                                if n < D / 8 {
+                                    o[n][2 * r] *= factor;
+                                    o[n][2 * r + 1] *= factor;
+                                }
+                            });
                         });
-                    });
+                    }
                     weights(&mut s_cur, &mut state, mult);
                     pf = core::array::from_fn(|kk| {
                         [

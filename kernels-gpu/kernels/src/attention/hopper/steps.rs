@@ -3,7 +3,7 @@
 //! layout, and the half-tile softmax (row max, rescale factor, weights), written for a 64-key S
 //! block of a thread's two rows.
 
-use crate::blocks::device::{fma, shfl_xor, static_for};
+use crate::blocks::device::{fma, shfl_xor, static_for, vote_any};
 use crate::blocks::mma::cp_async_16;
 use attn_math::hopper_prefill::{group_bytes, swizzled};
 use attn_math::softmax::{exp2, OnlineSoftmax};
@@ -23,13 +23,14 @@ pub(crate) unsafe fn copy_rows<const D: usize, const ROWS: u32, const NT: u32>(
     fallback: u64,
     src: impl Fn(u32) -> u64,
 ) {
-    unsafe { copy_row_pairs::<D, ROWS, NT>([dst, dst], t, live, fallback, |r| (src(r), 0), false) }
+    unsafe { copy_row_pairs::<D, ROWS, NT, 1>([dst, dst], t, live, fallback, |r| (src(r), 0), false) }
 }
 
 /// [`copy_rows`] of two tiles at once (`dst[0]`, `dst[1]`; K and V) whose rows `src(r)` gives
-/// together, zero-filled together when the first is 0; only the first when `!both`.
+/// together, zero-filled together when the first is 0; only the first when `!both`. `BATCH`
+/// rows' sources are taken before any of their copies is issued (below).
 #[inline(always)]
-pub(crate) unsafe fn copy_row_pairs<const D: usize, const ROWS: u32, const NT: u32>(
+pub(crate) unsafe fn copy_row_pairs<const D: usize, const ROWS: u32, const NT: u32, const BATCH: usize>(
     dst: [u32; 2],
     t: u32,
     live: u32,
@@ -53,17 +54,35 @@ pub(crate) unsafe fn copy_row_pairs<const D: usize, const ROWS: u32, const NT: u
     // Rows 8 apart are a group apart; rows 4 apart (when `step` is 4) swizzle differently.
     let (period, per_group) = if step.is_multiple_of(8) { (1, step / 8) } else { (2, 1) };
     let offs = [swizzled(D as u32, r0, c), swizzled(D as u32, r0 + step % 8, c)];
-    static_for::<32>(|i| {
-        if (i as u32) < ROWS / step {
-            let (a, b) = src(r0 + i as u32 * step);
-            let valid = a != 0 && read;
-            let bytes = if valid { 16 } else { 0 };
-            let off = offs[i % period as usize] + (i as u32 / period) * per_group * group_bytes(D as u32);
-            unsafe { cp_async_16(dst[0] + off, if valid { a + c as u64 * 16 } else { fallback }, bytes) };
-            if both {
-                unsafe { cp_async_16(dst[1] + off, if valid { b + c as u64 * 16 } else { fallback }, bytes) };
-            }
+    // The rows' sources are taken a batch at a time before any of the batch's copies: `src`
+    // may read shared memory (the producer's address table), and a read issued after a
+    // `cp.async` waits behind it, so reading each row's entry just before its copies made
+    // the producer pay one shared-memory round trip a row (under the `wgmma`s' operand reads,
+    // hundreds of cycles).
+    static_for::<32>(|g| {
+        if g % BATCH != 0 {
+            return;
         }
+        let mut rows = [(0u64, 0u64); BATCH];
+        static_for::<BATCH>(|k| {
+            let i = g + k;
+            if (i as u32) < ROWS / step {
+                rows[k] = src(r0 + i as u32 * step);
+            }
+        });
+        static_for::<BATCH>(|k| {
+            let i = g + k;
+            if (i as u32) < ROWS / step {
+                let (a, b) = rows[k];
+                let valid = a != 0 && read;
+                let bytes = if valid { 16 } else { 0 };
+                let off = offs[i % period as usize] + (i as u32 / period) * per_group * group_bytes(D as u32);
+                unsafe { cp_async_16(dst[0] + off, if valid { a + c as u64 * 16 } else { fallback }, bytes) };
+                if both {
+                    unsafe { cp_async_16(dst[1] + off, if valid { b + c as u64 * 16 } else { fallback }, bytes) };
+                }
+            }
+        });
     });
 }
 
@@ -81,6 +100,22 @@ pub(crate) fn row_max<const NB: usize>(s: &[[f32; 4]; NB]) -> [f32; 2] {
         m = m.max(shfl_xor(m, 1));
         m.max(shfl_xor(m, 2))
     })
+}
+
+/// How far (base-2 units) a block's max may pass a row's running max before the row is
+/// rescaled: the weights stay below 2^8, which 16-bit P and f32 sums hold exactly as well.
+const RESCALE_SLACK: f32 = 8.0;
+
+/// Whether the warp rescales O for this block: some row of the warp saw a block max more than
+/// [`RESCALE_SLACK`] past its running max (the first block with any key, always). Otherwise
+/// every row keeps its running max, and its weights, its sum and O stay relative to it, which
+/// the epilogue's division and log-sum-exp accept as they are. Past the first blocks a row's
+/// max rarely moves that far, so most blocks skip O's rescale (a multiply per accumulator
+/// register: 64 a thread at width 128, 128 at 256). Warp-uniform, so the branch costs no
+/// divergence.
+#[inline(always)]
+pub(crate) fn must_rescale(state: &[OnlineSoftmax; 2], block_max: [f32; 2], mult: f32) -> bool {
+    vote_any(block_max[0] * mult > state[0].max + RESCALE_SLACK || block_max[1] * mult > state[1].max + RESCALE_SLACK)
 }
 
 /// Raises the row's running max to cover the block's `block_max` (base-2 units); returns the
