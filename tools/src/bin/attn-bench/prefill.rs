@@ -1,8 +1,9 @@
-//! `--only prefill`: causal prefill from the paged cache, and one row from packed K/V
-//! (compute-bound rows, against the matmul rate).
+//! `--only prefill`: causal prefill from the paged cache (bf16, and FP8 E4M3 on two shapes), and
+//! rows from packed K/V (compute-bound rows, against the matmul rate).
 
 use crate::bench::{dev, env_shapes, random_device, random_slots, Bench, Row};
-use attn_rs::{BatchMetadata, DevIn, DevOut, DeviceStatus, KvCacheSpec, KvLayout, Result, RowsDesc};
+use attn_rs::cache_write::KvScales;
+use attn_rs::{BatchMetadata, DType, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, Result, RowsDesc};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
@@ -18,11 +19,13 @@ struct PrefillShape {
     /// Keys and values from packed `[tokens, kv heads, head size]` tensors instead of the paged
     /// cache (no cached tokens).
     packed: bool,
+    /// An FP8 E4M3 cache (one scale a tensor) under bf16 queries.
+    fp8: bool,
 }
 
-/// Causal prefill, bf16, from the paged cache (block size 16, scattered block tables) or packed
-/// K/V. FLOPs = 4 * q_heads * head_size * attended pairs.
-fn prefill_row(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Result<Row> {
+/// Causal prefill, bf16 queries, from the paged cache of `C` (block size 16, scattered block
+/// tables) or packed bf16 K/V. FLOPs = 4 * q_heads * head_size * attended pairs.
+fn prefill_row<C: Element>(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Result<Row> {
     use attn_rs::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
     use attn_rs::AttnOptions;
     let s = &b.stream;
@@ -31,7 +34,9 @@ fn prefill_row(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Resul
     let blocks_per_req = seq.div_ceil(block_size);
     let num_blocks = sh.batch * blocks_per_req;
     let spec = KvCacheSpec::new(KvLayout::FlashNhd, num_blocks, block_size, sh.kv_heads, sh.head_size)?;
-    let cache = random_device::<bf16>(s, spec.num_elements(), 21)?;
+    let cache = random_device::<C>(s, spec.num_elements(), 21)?;
+    let fp8 = C::DTYPE == DType::Fp8E4m3;
+    let (ks, vs) = (s.clone_htod(&[0.05f32])?, s.clone_htod(&[0.05f32])?);
     let block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 22).into_iter().map(|x| x as i32).collect();
     let seq_lens = vec![seq as i32; sh.batch];
     let qsl: Vec<i32> = (0..=sh.batch).map(|r| (r * sh.q_len) as i32).collect();
@@ -72,7 +77,7 @@ fn prefill_row(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Resul
                 lse: None,
                 alibi_slopes: None,
                 sinks: None,
-                scales: None,
+                scales: fp8.then(|| KvScales { k: DevIn::new(&ks, s), v: DevIn::new(&vs, s) }),
             },
             &batch,
             &opts,
@@ -85,7 +90,12 @@ fn prefill_row(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Resul
     // Query i (0-based among the new tokens) attends cached + i + 1 keys.
     let pairs = sh.batch as f64 * (sh.q_len as f64 * sh.cached as f64 + (sh.q_len * (sh.q_len + 1) / 2) as f64);
     Ok(Row {
-        name: if sh.packed { "prefill bf16 causal, packed" } else { "prefill bf16 causal, paged bs16" }.into(),
+        name: match (sh.packed, fp8) {
+            (true, _) => "prefill bf16 causal, packed",
+            (false, false) => "prefill bf16 causal, paged bs16",
+            (false, true) => "prefill fp8 cache causal, paged bs16",
+        }
+        .into(),
         shape: format!("{}x{} (+{} cached) {}q/{}kv d{}", sh.batch, sh.q_len, sh.cached, sh.q_heads, sh.kv_heads, sh.head_size),
         median_us: us,
         bytes: 0.0,
@@ -94,14 +104,29 @@ fn prefill_row(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Resul
 }
 
 pub fn prefill_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {
-    let sh =
-        |batch, q_len, q_heads, kv_heads, head_size| PrefillShape { batch, q_len, cached: 0, q_heads, kv_heads, head_size, packed: false };
+    let sh = |batch, q_len, q_heads, kv_heads, head_size| PrefillShape {
+        batch,
+        q_len,
+        cached: 0,
+        q_heads,
+        kv_heads,
+        head_size,
+        packed: false,
+        fp8: false,
+    };
+    let row = |shape: &PrefillShape, status: &mut DeviceStatus| {
+        if shape.fp8 {
+            prefill_row::<Fp8E4m3>(b, shape, status)
+        } else {
+            prefill_row::<bf16>(b, shape, status)
+        }
+    };
     // `ATTN_BENCH_PREFILL_SHAPES=8x2048x32x32x64,8x512x32x8x128x8192`: rows of those batch x new
     // tokens x q heads x kv heads x head size [x cached tokens] only (experiments).
     if let Some(shapes) = env_shapes("ATTN_BENCH_PREFILL_SHAPES") {
         for v in shapes.iter().filter(|v| v.len() == 5 || v.len() == 6) {
             let shape = PrefillShape { cached: v.get(5).copied().unwrap_or(0), ..sh(v[0], v[1], v[2], v[3], v[4]) };
-            rows.push(prefill_row(b, &shape, status)?);
+            rows.push(row(&shape, status)?);
         }
         return Ok(());
     }
@@ -118,8 +143,12 @@ pub fn prefill_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -
         sh(4, 4096, 32, 8, 80),
         sh(4, 4096, 32, 8, 96),
         sh(4, 4096, 32, 8, 112),
+        // FP8 caches (bf16 queries; the `mma.sync` kernel), on the two shapes the FP8 prefill
+        // target is set on.
+        PrefillShape { fp8: true, ..sh(4, 4096, 32, 8, 128) },
+        PrefillShape { fp8: true, ..sh(1, 16384, 32, 8, 128) },
     ] {
-        rows.push(prefill_row(b, &shape, status)?);
+        rows.push(row(&shape, status)?);
     }
     Ok(())
 }
