@@ -55,10 +55,10 @@ pub(crate) unsafe fn copy_row_pairs<const D: usize, const ROWS: u32, const NT: u
     let (period, per_group) = if step.is_multiple_of(8) { (1, step / 8) } else { (2, 1) };
     let offs = [swizzled(D as u32, r0, c), swizzled(D as u32, r0 + step % 8, c)];
     // The rows' sources are taken a batch at a time before any of the batch's copies: `src`
-    // may read shared memory (the producer's address table), and a read issued after a
-    // `cp.async` waits behind it, so reading each row's entry just before its copies made
-    // the producer pay one shared-memory round trip a row (under the `wgmma`s' operand reads,
-    // hundreds of cycles).
+    // may read shared memory (the producer's address table), and with each row's entry read
+    // just before its copies the producer stalled on every read (its samples sat at the test
+    // after each read, while the `wgmma`s read their operands): a round trip a row instead of
+    // one a batch.
     static_for::<32>(|g| {
         if g % BATCH != 0 {
             return;
