@@ -373,6 +373,20 @@ fn cases() -> Vec<(String, Case, &'static str)> {
         Case { softcap: Some(8.0), alibi: true, sinks: true, window: Some(64), ..Case::base(&[40, 500]) },
         "bf16_fp8",
     );
+    // On Hopper FP8 caches at widths 64 to 128 run `prefill_wgs_*_fp8` (raw rows converted by
+    // the producer two stages behind their copies, the rest converted at each item's end):
+    // many tiles, items of one stage and of none, a bad block id.
+    push("bf16_fp8::length_4097_gqa4".into(), Case { q_heads: 4, kv_heads: 1, ..Case::base(&[4097]) }, "bf16_fp8");
+    push(
+        "f16_fp8::d64_length_2049_gqa4_chunked".into(),
+        Case { dk: 64, dv: 64, q_heads: 8, kv_heads: 2, q_lens: Some(vec![2049, 1, 130]), ..Case::base(&[2049, 300, 130]) },
+        "f16_fp8",
+    );
+    push(
+        "bf16_fp8::empty_requests_block_size_64_bad_block_id".into(),
+        Case { block_size: 64, bad_block: true, q_lens: Some(vec![0, 5, 0, 130]), ..Case::base(&[0, 5, 7, 333]) },
+        "bf16_fp8",
+    );
     // The last tokens of one request of 20000 keys (chunked prefill at a long context) under a
     // sliding window, every row with two dominant keys at its mask's edges (the first key of
     // its window, its own position) and the keys just outside them as strong: one key too many

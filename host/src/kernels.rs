@@ -61,8 +61,8 @@ pub enum KernelId {
     /// `prefill_local_<q>_dk<d>_dv<d>`: the `mma.sync` prefill kernel with the local masks
     /// (chunked local attention, the symmetric window), 16-bit caches or packed K/V.
     PrefillLocal { q: DType, head_size: u32 },
-    /// `prefill_wgs_<q>_d<d>`: Hopper's warp-specialised persistent prefill (sm_90a).
-    PrefillWgs { q: DType, head_size: u32 },
+    /// `prefill_wgs_<q>[_fp8]_d<d>`: Hopper's warp-specialised persistent prefill (sm_90a).
+    PrefillWgs { q: DType, fp8: bool, head_size: u32 },
     /// `mla_<q>[_fp8]_{narrow,wide}`: MLA's latent attention.
     Mla { q: DType, fp8: bool, tile: MlaTile },
     /// `mla_sparse_<q>[_fp8]_{narrow,wide}`: the MLA kernel over each query token's top-k
@@ -89,7 +89,7 @@ impl KernelId {
                 format!("prefill_{}{}_dk{dk}_dv{dv}", q.kernel_name(), fp8(f))
             }
             KernelId::PrefillLocal { q, head_size: d } => format!("prefill_local_{}_dk{d}_dv{d}", q.kernel_name()),
-            KernelId::PrefillWgs { q, head_size: d } => format!("prefill_wgs_{}_d{d}", q.kernel_name()),
+            KernelId::PrefillWgs { q, fp8: f, head_size: d } => format!("prefill_wgs_{}{}_d{d}", q.kernel_name(), fp8(f)),
             KernelId::Mla { q, fp8: f, tile } => {
                 format!("mla_{}{}_{}", q.kernel_name(), fp8(f), if tile == MlaTile::Narrow { "narrow" } else { "wide" })
             }
@@ -173,7 +173,10 @@ impl KernelId {
                 v.push(KernelId::PrefillLocal { q, head_size });
             }
             for head_size in hopper_prefill::HEAD_SIZES {
-                v.push(KernelId::PrefillWgs { q, head_size });
+                v.push(KernelId::PrefillWgs { q, fp8: false, head_size });
+            }
+            for head_size in hopper_prefill::FP8_HEAD_SIZES {
+                v.push(KernelId::PrefillWgs { q, fp8: true, head_size });
             }
         }
         v
@@ -246,8 +249,9 @@ mod tests {
             (KernelId::DecodeKr { q: bf16, fp8: false, long: false, wide: true, head_size: 96 }, "decode_kr_bf16_r16_d96"),
             (KernelId::DecodeKr { q: f16, fp8: true, long: true, wide: true, head_size: 64 }, "decode_kr_f16_fp8_long_r16_d64"),
             (KernelId::Prefill { q: f16, fp8: false, head_size_qk: 192, head_size_v: 128 }, "prefill_f16_dk192_dv128"),
-            (KernelId::PrefillWgs { q: bf16, head_size: 128 }, "prefill_wgs_bf16_d128"),
-            (KernelId::PrefillWgs { q: f16, head_size: 64 }, "prefill_wgs_f16_d64"),
+            (KernelId::PrefillWgs { q: bf16, fp8: false, head_size: 128 }, "prefill_wgs_bf16_d128"),
+            (KernelId::PrefillWgs { q: f16, fp8: false, head_size: 64 }, "prefill_wgs_f16_d64"),
+            (KernelId::PrefillWgs { q: bf16, fp8: true, head_size: 96 }, "prefill_wgs_bf16_fp8_d96"),
             (KernelId::Mla { q: bf16, fp8: true, tile: MlaTile::Narrow }, "mla_bf16_fp8_narrow"),
             (KernelId::Mla { q: f16, fp8: false, tile: MlaTile::Wide }, "mla_f16_wide"),
             (KernelId::MlaSparse { q: bf16, fp8: true, tile: MlaTile::Narrow }, "mla_sparse_bf16_fp8_narrow"),

@@ -212,8 +212,8 @@ pub(crate) struct PrefillKernel {
 
 /// The prefill kernel of the module `target` (`AttnDevice::ptx_target`) for head sizes `dk`,
 /// `dv`: Hopper's warp-specialised persistent `wgmma` kernel (`prefill_wgs_*`, in the sm_90a
-/// module) for 16-bit caches and QK = V, at widths 64, 80, 96, 112, 128 and 256; the
-/// `mma.sync` kernel at [`prefill_widths`] for every other case.
+/// module) for QK = V, at widths 64, 80, 96, 112, 128 and 256 (16-bit caches) or up to 128
+/// (FP8); the `mma.sync` kernel at [`prefill_widths`] for every other case.
 #[cfg(test)]
 pub(crate) fn prefill_kernel(target: &str, q: DType, fp8: bool, dk: usize, dv: usize) -> PrefillKernel {
     prefill_kernel_for(target, q, fp8, dk, dv, false).unwrap()
@@ -233,13 +233,14 @@ pub(crate) fn prefill_kernel_for(target: &str, q: DType, fp8: bool, dk: usize, d
             persistent: false,
         });
     }
-    let hopper = if target == "sm_90a" && !fp8 && dk == dv { width_in(dk as u32, &hopper_prefill::HEAD_SIZES) } else { None };
+    let hopper_widths: &[u32] = if fp8 { &hopper_prefill::FP8_HEAD_SIZES } else { &hopper_prefill::HEAD_SIZES };
+    let hopper = if target == "sm_90a" && dk == dv { width_in(dk as u32, hopper_widths) } else { None };
     Ok(match hopper {
         Some(w) => PrefillKernel {
-            id: KernelId::PrefillWgs { q, head_size: w },
+            id: KernelId::PrefillWgs { q, fp8, head_size: w },
             block_m: hopper_prefill::BLOCK_M,
             threads: hopper_prefill::WS_THREADS,
-            smem: hopper_prefill::ws_layout(w).total,
+            smem: hopper_prefill::ws_layout(w, fp8).total,
             persistent: true,
         },
         None => PrefillKernel {
@@ -487,15 +488,17 @@ pub(crate) fn prefill_from(
 mod tests {
     use super::*;
 
-    /// The kernel each module runs: the persistent `wgmma` kernel on sm_90a for 16-bit caches
-    /// with QK = V (at its widths), the `mma.sync` kernel at its width for everything else.
+    /// The kernel each module runs: the persistent `wgmma` kernel on sm_90a for QK = V (at its
+    /// widths, fewer from FP8), the `mma.sync` kernel at its width for everything else.
     #[test]
     fn prefill_kernel_choice() {
         let name = |target, q, fp8, dk, dv| prefill_kernel(target, q, fp8, dk, dv).id.entry_name();
         let (bf16, f16) = (DType::BF16, DType::F16);
         assert_eq!(name("sm_90a", bf16, false, 64, 64), "prefill_wgs_bf16_d64");
         assert_eq!(name("sm_90a", f16, false, 128, 128), "prefill_wgs_f16_d128");
-        assert_eq!(name("sm_90a", bf16, true, 128, 128), "prefill_bf16_fp8_dk128_dv128");
+        assert_eq!(name("sm_90a", bf16, true, 128, 128), "prefill_wgs_bf16_fp8_d128");
+        assert_eq!(name("sm_90a", f16, true, 48, 48), "prefill_wgs_f16_fp8_d64");
+        assert_eq!(name("sm_80", bf16, true, 128, 128), "prefill_bf16_fp8_dk128_dv128");
         assert_eq!(name("sm_90a", bf16, false, 96, 96), "prefill_wgs_bf16_d96");
         assert_eq!(name("sm_90a", bf16, false, 72, 72), "prefill_wgs_bf16_d80");
         assert_eq!(name("sm_90a", bf16, false, 104, 104), "prefill_wgs_bf16_d112");
@@ -505,7 +508,8 @@ mod tests {
         assert_eq!(name("sm_90a", f16, false, 256, 256), "prefill_wgs_f16_d256");
         assert_eq!(name("sm_80", bf16, false, 256, 256), "prefill_bf16_dk256_dv256");
         assert_eq!(name("sm_90a", bf16, true, 256, 256), "prefill_bf16_fp8_dk256_dv256");
-        assert_eq!(name("sm_90a", bf16, true, 80, 80), "prefill_bf16_fp8_dk96_dv96");
+        assert_eq!(name("sm_90a", bf16, true, 80, 80), "prefill_wgs_bf16_fp8_d80");
+        assert_eq!(name("sm_80", bf16, true, 80, 80), "prefill_bf16_fp8_dk96_dv96");
         assert_eq!(name("sm_80", f16, false, 80, 80), "prefill_f16_dk96_dv96");
         assert!(prefill_kernel_for("sm_80", bf16, false, 84, 84, false).is_err());
         assert!(prefill_kernel_for("sm_80", bf16, true, 72, 72, false).is_err());
@@ -518,9 +522,11 @@ mod tests {
         let wgs = prefill_kernel("sm_90a", bf16, false, 64, 64);
         assert!(wgs.persistent && wgs.block_m == hopper_prefill::BLOCK_M && wgs.threads == hopper_prefill::WS_THREADS);
         let d128 = prefill_kernel("sm_90a", bf16, false, 128, 128);
-        assert!(d128.persistent && d128.smem == hopper_prefill::ws_layout(128).total);
+        assert!(d128.persistent && d128.smem == hopper_prefill::ws_layout(128, false).total);
         let d256 = prefill_kernel("sm_90a", bf16, false, 256, 256);
-        assert!(d256.persistent && d256.smem == hopper_prefill::ws_layout(256).total);
+        assert!(d256.persistent && d256.smem == hopper_prefill::ws_layout(256, false).total);
+        let fp8 = prefill_kernel("sm_90a", bf16, true, 128, 128);
+        assert!(fp8.persistent && fp8.smem == hopper_prefill::ws_layout(128, true).total);
         let mma = prefill_kernel("sm_80", bf16, false, 128, 128);
         assert_eq!((mma.block_m, mma.threads, mma.persistent), (block_m(128, 128, false, false), THREADS, false));
         assert_eq!(mma.smem, shared_layout(128, 128, false, false).total);

@@ -48,9 +48,44 @@ pub const fn swizzled(d: u32, row: u32, chunk: u32) -> u32 {
 /// item's tables, queries and first tiles arrive while the current one finishes, and the
 /// compute warps issue no copies.
 pub const WS_THREADS: u32 = THREADS + 128;
-/// K/V stages in the ring (a stage: K then V of [`ws_stage_keys`] keys, and their address
-/// table).
+/// K/V stages in the ring of a 16-bit cache's kernels (a stage: K then V of [`ws_stage_keys`]
+/// keys, and their address table).
 pub const WS_STAGES: u32 = 4;
+/// Widths of the kernels that read an FP8 E4M3 cache (`prefill_wgs_<q>_fp8_d<width>`): their
+/// producer copies the raw rows into a ring of its own ([`ws_raw_slots`]) and converts them into
+/// the 16-bit stages the compute warps read. Width 256 has no room for that ring.
+pub const FP8_HEAD_SIZES: [u32; 5] = [64, 80, 96, 112, 128];
+/// Stages an FP8 kernel's raw copies run ahead of its conversions: a stage's rows land while
+/// the producer converts the two before it.
+pub const WS_FP8_LOOKAHEAD: u32 = 2;
+
+/// K/V stages in the ring: [`WS_STAGES`], or three with an FP8 cache (whose raw ring takes the
+/// fourth's room at width 128).
+pub const fn ws_stages(fp8: bool) -> u32 {
+    if fp8 {
+        3
+    } else {
+        WS_STAGES
+    }
+}
+
+/// Raw FP8 slots (none for a 16-bit cache): the stage being copied and the
+/// [`WS_FP8_LOOKAHEAD`] ahead of the conversion.
+pub const fn ws_raw_slots(fp8: bool) -> u32 {
+    if fp8 {
+        WS_FP8_LOOKAHEAD + 1
+    } else {
+        0
+    }
+}
+
+/// Address tables: one a stage (read by the compute warps until they free it), and with an FP8
+/// cache one a raw slot (the producer's, for its copies; each thread moves its own entries into
+/// the stage's table when it converts the stage, so that the compute warps' table is written
+/// only after the stage is free, as with a 16-bit cache).
+pub const fn ws_tables(fp8: bool) -> u32 {
+    ws_stages(fp8) + ws_raw_slots(fp8)
+}
 /// Keys of a ring stage: a whole tile at head size 64 (32 KB a stage), half a tile at 128
 /// (32 KB; four whole-tile stages would not fit beside the two query buffers), a quarter at 256
 /// (32 KB: four of them beside one 64 KB query buffer). Half-tile stages are freed as soon as
@@ -95,6 +130,11 @@ pub const fn ws_q_buffers(d: u32) -> u32 {
 /// time of writing) and the producer spilled at 40.
 pub const WS_COMPUTE_REGS: u32 = 224;
 pub const WS_PRODUCER_REGS: u32 = 56;
+/// The same with an FP8 cache, whose producer also converts the rows: at 56 registers it
+/// spilled 104-128 bytes a thread (`ptx-report`); 72 fits it, and the compute warps' 216
+/// still hold their width-128 state.
+pub const WS_FP8_COMPUTE_REGS: u32 = 216;
+pub const WS_FP8_PRODUCER_REGS: u32 = 72;
 /// Item descriptor slots (the current item's and the next one's), also where one query buffer
 /// serves both.
 pub const WS_ITEM_SLOTS: u32 = 2;
@@ -111,6 +151,10 @@ pub struct WsLayout {
     /// Stage s: K at `kv + s * 2 * tile`, V `tile` bytes after (`tile`: [`ws_stage_keys`] rows).
     pub kv: u32,
     pub tile: u32,
+    /// Raw FP8 slot s ([`ws_raw_slots`]): K rows at `raw + s * 2 * raw_tile` ([`row_width`]
+    /// bytes each, in row order), V `raw_tile` bytes after.
+    pub raw: u32,
+    pub raw_tile: u32,
     /// Address table of stage s at `table + s * table_slot_bytes(ws_stage_keys(d))`.
     pub table: u32,
     /// Item descriptor slot b ([`WS_ITEM_SLOTS`]) at `item + b * 4 * WS_ITEM_WORDS`.
@@ -123,21 +167,24 @@ pub struct WsLayout {
     pub total: u32,
 }
 
-/// The layout of the kernel of width `d` (its rows are [`row_width`] columns).
-pub const fn ws_layout(d: u32) -> WsLayout {
+/// The layout of the kernel of width `d` (its rows are [`row_width`] columns) for a 16-bit or
+/// an FP8 cache.
+pub const fn ws_layout(d: u32, fp8: bool) -> WsLayout {
     let d = row_width(d);
-    let stages = WS_STAGES;
+    let stages = ws_stages(fp8);
     let q_buffers = ws_q_buffers(d);
     let q_bytes = BLOCK_M * d * 2;
     let tile = ws_stage_keys(d) * d * 2;
+    let raw_tile = ws_stage_keys(d) * d;
     let q = 0;
     let kv = q + q_buffers * q_bytes;
-    let table = kv + stages * 2 * tile;
-    let item = table + stages * crate::prefill::table_slot_bytes(ws_stage_keys(d));
+    let raw = kv + stages * 2 * tile;
+    let table = raw + ws_raw_slots(fp8) * 2 * raw_tile;
+    let item = table + ws_tables(fp8) * crate::prefill::table_slot_bytes(ws_stage_keys(d));
     let bars = item + WS_ITEM_SLOTS * 4 * WS_ITEM_WORDS;
     let scratch = bars + 8 * 2 * (stages + q_buffers);
     let total = scratch + 16;
-    WsLayout { q, q_bytes, kv, tile, table, item, bars, scratch, total }
+    WsLayout { q, q_bytes, kv, tile, raw, raw_tile, table, item, bars, scratch, total }
 }
 
 #[cfg(test)]
@@ -146,18 +193,20 @@ mod tests {
 
     #[test]
     fn warp_specialised_layout_fits_and_aligns() {
-        for d in HEAD_SIZES {
-            let l = ws_layout(d);
+        let layouts = HEAD_SIZES.map(|d| (d, ws_layout(d, false))).into_iter().chain(FP8_HEAD_SIZES.map(|d| (d, ws_layout(d, true))));
+        for (d, l) in layouts {
             assert!(l.total <= 227 * 1024, "d{d}: {l:?}");
-            for o in [l.q, l.q_bytes, l.kv, l.tile] {
+            for o in [l.q, l.q_bytes, l.kv, l.tile, l.raw, l.raw_tile] {
                 assert!(o.is_multiple_of(1024), "d{d}: {l:?}");
             }
             assert!(l.table.is_multiple_of(16) && l.item.is_multiple_of(16) && l.bars.is_multiple_of(8));
         }
         // setmaxnreg: the producer frees at least what the compute warps take, in steps of 8.
         let start = (65536 / WS_THREADS) / 8 * 8;
-        assert!(THREADS * (WS_COMPUTE_REGS - start) <= 128 * (start - WS_PRODUCER_REGS));
-        assert!(WS_COMPUTE_REGS.is_multiple_of(8) && WS_PRODUCER_REGS.is_multiple_of(8) && WS_PRODUCER_REGS >= 24);
+        for (compute, producer) in [(WS_COMPUTE_REGS, WS_PRODUCER_REGS), (WS_FP8_COMPUTE_REGS, WS_FP8_PRODUCER_REGS)] {
+            assert!(THREADS * (compute - start) <= 128 * (start - producer));
+            assert!(compute.is_multiple_of(8) && producer.is_multiple_of(8) && producer >= 24);
+        }
     }
 
     #[test]

@@ -143,8 +143,8 @@ pub fn prefill_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -
         sh(4, 4096, 32, 8, 80),
         sh(4, 4096, 32, 8, 96),
         sh(4, 4096, 32, 8, 112),
-        // FP8 caches (bf16 queries; the `mma.sync` kernel), on the two shapes the FP8 prefill
-        // target is set on.
+        // FP8 caches (bf16 queries; on Hopper the producer kernel converting the rows), on the
+        // two shapes the FP8 prefill target is set on.
         PrefillShape { fp8: true, ..sh(4, 4096, 32, 8, 128) },
         PrefillShape { fp8: true, ..sh(1, 16384, 32, 8, 128) },
     ] {

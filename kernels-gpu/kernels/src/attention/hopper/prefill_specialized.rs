@@ -42,7 +42,10 @@
 //!
 //! `setmaxnreg` moves registers from the producer (which needs few) to the compute warps.
 
-use crate::attention::hopper::steps::{copy_row_pairs, copy_rows, must_rescale, raise_max, row_max, weights};
+use crate::attention::config::CacheFormat;
+use crate::attention::hopper::steps::{
+    convert_fp8_rows, copy_raw_row_pairs, copy_row_pairs, copy_rows, must_rescale, raise_max, row_max, weights,
+};
 use crate::attention::hopper::Wgmma;
 use crate::attention::kv::KvSource;
 use crate::attention::logits::Logits;
@@ -54,19 +57,21 @@ use crate::blocks::device::{
 };
 use crate::blocks::mbarrier;
 use crate::blocks::mma::{
-    cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_u64x2, ld_shared_v4, shared_addr, st_shared_u32, st_shared_u64x2,
+    cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_u32, ld_shared_u64x2, ld_shared_v4, shared_addr, st_shared_u32,
+    st_shared_u64x2,
     st_shared_v4, wgmma_desc,
 };
 use crate::blocks::vec_io::{load_u32_nc, store4};
 use crate::blocks::wgmma::{wait_pv32, wait_pv64, wait_scores32, wait_scores64, Acc, WgmmaTiles, ACC_BLOCKS};
 use attn_math::hopper_prefill::{
-    group_bytes, ws_layout, ws_q_buffers, ws_stage_keys, ws_sub_keys, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_ITEM_SLOTS,
-    WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_STAGES,
+    group_bytes, ws_layout, ws_q_buffers, ws_raw_slots, ws_stage_keys, ws_stages, ws_sub_keys, WsLayout, BLOCK_M, BLOCK_N,
+    THREADS, WS_COMPUTE_REGS, WS_FP8_COMPUTE_REGS, WS_FP8_LOOKAHEAD, WS_FP8_PRODUCER_REGS, WS_ITEM_SLOTS, WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_STAGES,
 };
 use attn_math::params::AttnParams;
 use attn_math::prefill::{table_slot_bytes, TABLE_ENTRY};
 use attn_math::softmax::OnlineSoftmax;
 use attn_math::status::BLOCK_OUT_OF_RANGE;
+use core::marker::PhantomData;
 
 /// Threads of the producer warpgroup.
 const PRODUCERS: u32 = 128;
@@ -94,14 +99,23 @@ const ITEM_END: u32 = 2;
 /// The shared-memory rings of rows `W` columns wide (whole 128-byte swizzle atoms), indexed by ring position (the CTA's stages
 /// counted across its items) or by item count. The compute warps count 64-key half tiles
 /// instead ([`Rings::half`]).
-#[derive(Clone, Copy)]
-struct Rings<const W: usize> {
+struct Rings<const W: usize, K> {
     smem: u32,
     l: WsLayout,
+    cache: PhantomData<K>,
 }
 
-impl<const W: usize> Rings<W> {
-    const STAGES: u32 = WS_STAGES;
+impl<const W: usize, K> Clone for Rings<W, K> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<const W: usize, K> Copy for Rings<W, K> {}
+
+impl<const W: usize, K: CacheFormat> Rings<W, K> {
+    const STAGES: u32 = ws_stages(K::FP8);
+    /// Raw FP8 slots.
+    const RAW: u32 = ws_raw_slots(K::FP8);
     /// Query buffers.
     const Q_BUFFERS: u32 = ws_q_buffers(W as u32);
     /// Keys of a stage.
@@ -115,7 +129,7 @@ impl<const W: usize> Rings<W> {
 
     #[inline(always)]
     fn new(smem: u32) -> Self {
-        Rings { smem, l: ws_layout(W as u32) }
+        Rings { smem, l: ws_layout(W as u32, K::FP8), cache: PhantomData }
     }
 
     #[inline(always)]
@@ -139,9 +153,23 @@ impl<const W: usize> Rings<W> {
         self.k(u) + self.l.tile
     }
 
+    /// Ring position `u`'s raw FP8 K and V rows.
+    #[inline(always)]
+    fn raw(&self, u: u32) -> [u32; 2] {
+        let k = self.smem + self.l.raw + (u % Self::RAW.max(1)) * 2 * self.l.raw_tile;
+        [k, k + self.l.raw_tile]
+    }
+
     #[inline(always)]
     fn table(&self, u: u32) -> u32 {
         self.smem + self.l.table + Self::stage(u) * table_slot_bytes(Self::KEYS)
+    }
+
+    /// Ring position `u`'s raw table (FP8: the producer's copy of its address table, written
+    /// when its raw rows are copied; `attn_math::hopper_prefill::ws_tables`).
+    #[inline(always)]
+    fn raw_table(&self, u: u32) -> u32 {
+        self.smem + self.l.table + (Self::STAGES + u % Self::RAW.max(1)) * table_slot_bytes(Self::KEYS)
     }
 
     /// Step `x` (the CTA's steps of [`Self::SUB`] keys counted across its items; half tiles
@@ -279,46 +307,86 @@ impl Item {
 /// atoms: 64, or 128 for `D` 80 to 128, whose columns past `D` are copied as zeros and never
 /// read by the MMAs).
 #[inline(always)]
-pub unsafe fn prefill_specialized<Q: WgmmaTiles, const D: usize, const W: usize>(p: &AttnParams) {
+pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>(p: &AttnParams) {
     // Programmatic dependent launch: wait for the cache write before reading anything.
     pdl_prologue();
-    const { assert!((D == 64 && W == 64) || (W == 128 && matches!(D, 80 | 96 | 112 | 128)) || (D == 256 && W == 256)) };
+    const { assert!((D == 64 && W == 64) || (W == 128 && matches!(D, 80 | 96 | 112 | 128)) || (D == 256 && W == 256 && !K::FP8)) };
     let tid = thread_idx_x();
-    let rings = Rings::<W>::new(shared_addr(dynamic_shared::<u8>()));
+    let rings = Rings::<W, K>::new(shared_addr(dynamic_shared::<u8>()));
     if tid == 0 {
-        for u in 0..Rings::<W>::STAGES {
+        for u in 0..Rings::<W, K>::STAGES {
             unsafe { mbarrier::init(rings.filled(u), FILLED_ARRIVALS) };
             unsafe { mbarrier::init(rings.freed(u), THREADS / 32) };
         }
-        for k in 0..Rings::<W>::Q_BUFFERS {
+        for k in 0..Rings::<W, K>::Q_BUFFERS {
             unsafe { mbarrier::init(rings.q_filled(k), FILLED_ARRIVALS) };
             unsafe { mbarrier::init(rings.q_freed(k), THREADS / 32) };
         }
     }
     sync_threads();
     if tid >= THREADS {
-        set_max_registers::<WS_PRODUCER_REGS, false>();
-        unsafe { produce::<D, W>(p, rings, tid - THREADS) };
+        if K::FP8 {
+            set_max_registers::<WS_FP8_PRODUCER_REGS, false>();
+        } else {
+            set_max_registers::<WS_PRODUCER_REGS, false>();
+        }
+        unsafe { produce::<Q, K, D, W>(p, rings, tid - THREADS) };
     } else {
-        set_max_registers::<WS_COMPUTE_REGS, true>();
-        unsafe { consume::<Q, D, W>(p, rings, tid) };
+        if K::FP8 {
+            set_max_registers::<WS_FP8_COMPUTE_REGS, true>();
+        } else {
+            set_max_registers::<WS_COMPUTE_REGS, true>();
+        }
+        unsafe { consume::<Q, K, D, W>(p, rings, tid) };
     }
 }
 
 /// The producer warpgroup (`t`: its thread index): items, queries, tables and K/V tiles into
 /// the rings, until the items run out.
 #[inline(always)]
-unsafe fn produce<const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W>, t: u32) {
+unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W, K>, t: u32) {
+    // FP8, ring position `v`: once its stage is free, its raw table's entries moved into its
+    // table, entry `t` by thread `t` (whatever the stage's place in its tile, so that a
+    // table's entry always has the same writer). Done before the producer barrier that
+    // precedes the raw table's next writes.
+    let publish_table = |v: u32| unsafe {
+        mbarrier::wait(rings.freed(v), Rings::<W, K>::parity(v) ^ 1);
+        if t < Rings::<W, K>::KEYS {
+            let (ka, va) = ld_shared_u64x2(rings.raw_table(v) + t * TABLE_ENTRY);
+            let flag = Rings::<W, K>::KEYS * TABLE_ENTRY + (t / 32) * 4;
+            let any_bad = t.is_multiple_of(32) && ld_shared_u32(rings.raw_table(v) + flag) != 0;
+            write_table_entry::<W, K>(rings.table(v), t, 0, (ka, va), any_bad);
+        }
+    };
+    // FP8: position `v`'s raw rows (this thread's own copies, landed) converted into its stage
+    // (free, its table published), made visible to the async proxy the `wgmma`s read through,
+    // and the stage marked filled.
+    let fill_from_raw = |v: u32| {
+        let tile = [rings.k(v), rings.v(v)];
+        unsafe {
+            match Rings::<W, K>::KEYS {
+                BLOCK_N => convert_fp8_rows::<Q, W, BLOCK_N, PRODUCERS>(rings.raw(v), tile, t),
+                _ => convert_fp8_rows::<Q, W, 64, PRODUCERS>(rings.raw(v), tile, t),
+            }
+            fence_proxy_async_shared();
+            mbarrier::arrive(rings.filled(v));
+            if t == 0 {
+                // The count of a 16-bit cache's fills (one arrival a producer, and producer 0's
+                // second).
+                mbarrier::arrive(rings.filled(v));
+            }
+        }
+    };
     let mut u = 0u32;
     let mut k = 0u32;
     loop {
-        unsafe { mbarrier::wait(rings.q_freed(k), Rings::<W>::q_parity(k) ^ 1) };
+        unsafe { mbarrier::wait(rings.q_freed(k), Rings::<W, K>::q_parity(k) ^ 1) };
         // This buffer's previous copies (a query buffer's count of query groups ago, or further
         // back counting the key stages' groups between) are this thread's own to complete
         // before it rewrites the buffer. They have landed (the compute warps freed the buffer
         // after waiting on them), so this costs nothing, but it is the completion racecheck
         // tracks: it does not follow the order through the other warps' barriers.
-        if Rings::<W>::Q_BUFFERS == 2 {
+        if Rings::<W, K>::Q_BUFFERS == 2 {
             cp_async_wait::<1>();
         } else {
             cp_async_wait::<0>();
@@ -353,8 +421,10 @@ unsafe fn produce<const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W
         }
         if it.status == ITEM_WORK && it.n_tiles > 0 {
             let src = unsafe { KvSource::of(p, &w) };
-            // K and V share the head size here.
-            let live = p.dims.qk_or(D as u32) / 8;
+            // K and V share the head size here; the 16-byte chunks of a row.
+            let live = if K::FP8 { p.dims.qk_or(D as u32) / 16 } else { p.dims.qk_or(D as u32) / 8 };
+            // FP8: the item's first ring position (its stages are converted from here on).
+            let first = u;
             let key_of = |j: u32| it.begin + j * BLOCK_N + t;
             let locate = |j: u32| if key_of(j) < it.end { unsafe { src.locate(p, key_of(j)) } } else { -1 };
             let mut loc = locate(0);
@@ -363,7 +433,7 @@ unsafe fn produce<const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W
                 // This thread's key's entry and its warp's bad-block flag (as `KeyTables::fill`),
                 // for the half of the tile the key is in.
                 let key = key_of(j);
-                let (ka, va) = if key < it.end { src.addresses(p, key, loc, 2) } else { (0, 0) };
+                let (ka, va) = if key < it.end { src.addresses(p, key, loc, K::ELEM_BYTES as u64) } else { (0, 0) };
                 let bad = key < it.end && ka == 0;
                 if bad {
                     unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
@@ -374,42 +444,77 @@ unsafe fn produce<const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W
                 }
                 // The tile's stages (one, two or four).
                 static_for::<4>(|h| {
-                    if h as u32 >= Rings::<W>::STAGES_PER_TILE {
+                    if h as u32 >= Rings::<W, K>::STAGES_PER_TILE {
                         return;
                     }
                     let uh = u + h as u32;
                     let table = rings.table(uh);
-                    unsafe { mbarrier::wait(rings.freed(uh), Rings::<W>::parity(uh) ^ 1) };
-                    // As for the query buffers: at least `STAGES - 1` groups were committed
-                    // since this stage's last fill.
-                    cp_async_wait::<{ WS_STAGES - 1 }>();
-                    if t / Rings::<W>::KEYS == h as u32 {
-                        let tk = t % Rings::<W>::KEYS;
-                        unsafe { st_shared_u64x2(table + tk * TABLE_ENTRY, ka, va) };
-                        if tk.is_multiple_of(32) {
-                            unsafe { st_shared_u32(table + Rings::<W>::KEYS * TABLE_ENTRY + (tk / 32) * 4, any_bad as u32) };
+                    if K::FP8 {
+                        // Raw rows of this stage into its raw slot (their addresses through its
+                        // raw table), then the stage `WS_FP8_LOOKAHEAD` back converted into the
+                        // ring (the item's first stages have none that far back in the item;
+                        // the previous item's last ones were converted at its end). A raw
+                        // slot's previous rows were this thread's own, converted by now.
+                        let back = uh.wrapping_sub(WS_FP8_LOOKAHEAD);
+                        let converting = uh >= first + WS_FP8_LOOKAHEAD;
+                        if converting {
+                            publish_table(back);
                         }
+                        let raw_table = rings.raw_table(uh);
+                        unsafe { write_table_entry::<W, K>(raw_table, t, h as u32, (ka, va), any_bad) };
+                        named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
+                        unsafe {
+                            let rows = |r| ld_shared_u64x2(raw_table + r * TABLE_ENTRY);
+                            match Rings::<W, K>::KEYS {
+                                BLOCK_N => copy_raw_row_pairs::<W, BLOCK_N, PRODUCERS, COPY_BATCH>(rings.raw(uh), t, live, p.qkv.q, rows),
+                                _ => copy_raw_row_pairs::<W, 64, PRODUCERS, COPY_BATCH>(rings.raw(uh), t, live, p.qkv.q, rows),
+                            }
+                        }
+                        cp_async_commit();
+                        if converting {
+                            cp_async_wait::<{ WS_FP8_LOOKAHEAD }>();
+                            fill_from_raw(back);
+                        }
+                    } else {
+                        unsafe { mbarrier::wait(rings.freed(uh), Rings::<W, K>::parity(uh) ^ 1) };
+                        // As for the query buffers: at least `STAGES - 1` groups were committed
+                        // since this stage's last fill.
+                        cp_async_wait::<{ WS_STAGES - 1 }>();
+                        unsafe { write_table_entry::<W, K>(table, t, h as u32, (ka, va), any_bad) };
+                        named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
+                        unsafe {
+                            let rows = |r| ld_shared_u64x2(table + r * TABLE_ENTRY);
+                            let dst = [rings.k(uh), rings.v(uh)];
+                            match Rings::<W, K>::KEYS {
+                                BLOCK_N => copy_row_pairs::<W, BLOCK_N, PRODUCERS, COPY_BATCH>(dst, t, live, p.qkv.q, rows, true),
+                                64 => copy_row_pairs::<W, 64, PRODUCERS, COPY_BATCH>(dst, t, live, p.qkv.q, rows, true),
+                                _ => copy_row_pairs::<W, 32, PRODUCERS, COPY_BATCH>(dst, t, live, p.qkv.q, rows, true),
+                            }
+                            mbarrier::arrive_when_copies_land(rings.filled(uh));
+                            if t == 0 {
+                                // Publishes every producer's table entry and flag (stored before
+                                // the named barrier above).
+                                mbarrier::arrive(rings.filled(uh));
+                            }
+                        }
+                        cp_async_commit();
                     }
-                    named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
-                    unsafe {
-                        let rows = |r| ld_shared_u64x2(table + r * TABLE_ENTRY);
-                        let dst = [rings.k(uh), rings.v(uh)];
-                        match Rings::<W>::KEYS {
-                            BLOCK_N => copy_row_pairs::<W, BLOCK_N, PRODUCERS, COPY_BATCH>(dst, t, live, p.qkv.q, rows, true),
-                            64 => copy_row_pairs::<W, 64, PRODUCERS, COPY_BATCH>(dst, t, live, p.qkv.q, rows, true),
-                            _ => copy_row_pairs::<W, 32, PRODUCERS, COPY_BATCH>(dst, t, live, p.qkv.q, rows, true),
-                        }
-                        mbarrier::arrive_when_copies_land(rings.filled(uh));
-                        if t == 0 {
-                            // Publishes every producer's table entry and flag (stored before
-                            // the named barrier above).
-                            mbarrier::arrive(rings.filled(uh));
-                        }
-                    }
-                    cp_async_commit();
                 });
-                u += Rings::<W>::STAGES_PER_TILE;
+                u += Rings::<W, K>::STAGES_PER_TILE;
                 j += 1;
+            }
+            if K::FP8 {
+                // The item's last stages not yet converted: the rows of each have landed once
+                // the groups committed after it are all that remain.
+                for v in u.saturating_sub(WS_FP8_LOOKAHEAD).max(first)..u {
+                    publish_table(v);
+                    if v + 1 < u {
+                        cp_async_wait::<1>();
+                    } else {
+                        cp_async_wait::<0>();
+                    }
+                    fill_from_raw(v);
+                }
             }
         }
         k += 1;
@@ -432,11 +537,25 @@ unsafe fn produce<const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W
     // phases, so the CTA ends no later; the key loop is unchanged. Nothing arrives after
     // these phases, so each barrier is in that phase or just past it and the parity names it.
     unsafe {
-        for i in 0..Rings::<W>::Q_BUFFERS.min(k + 1) {
-            mbarrier::wait(rings.q_filled(k - i), Rings::<W>::q_parity(k - i));
+        for i in 0..Rings::<W, K>::Q_BUFFERS.min(k + 1) {
+            mbarrier::wait(rings.q_filled(k - i), Rings::<W, K>::q_parity(k - i));
         }
-        for v in u.saturating_sub(Rings::<W>::STAGES)..u {
-            mbarrier::wait(rings.filled(v), Rings::<W>::parity(v));
+        for v in u.saturating_sub(Rings::<W, K>::STAGES)..u {
+            mbarrier::wait(rings.filled(v), Rings::<W, K>::parity(v));
+        }
+    }
+}
+
+/// The producer's own key's address-table entry in the stage's table at `table`, if the key
+/// (`t`, counted from the tile's first) falls in stage `h` of the tile, and its warp's
+/// bad-block flag (as `KeyTables::fill`).
+#[inline(always)]
+unsafe fn write_table_entry<const W: usize, K: CacheFormat>(table: u32, t: u32, h: u32, (ka, va): (u64, u64), any_bad: bool) {
+    if t / Rings::<W, K>::KEYS == h {
+        let tk = t % Rings::<W, K>::KEYS;
+        unsafe { st_shared_u64x2(table + tk * TABLE_ENTRY, ka, va) };
+        if tk.is_multiple_of(32) {
+            unsafe { st_shared_u32(table + Rings::<W, K>::KEYS * TABLE_ENTRY + (tk / 32) * 4, any_bad as u32) };
         }
     }
 }
@@ -444,7 +563,7 @@ unsafe fn produce<const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W
 /// The compute warpgroups (`tid` < [`THREADS`]): the half-tile schedule (module docs) over the
 /// rings, item after item.
 #[inline(always)]
-unsafe fn consume<Q: WgmmaTiles, const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W>, tid: u32) {
+unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W, K>, tid: u32) {
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
     let wg = warp / 4;
@@ -458,7 +577,7 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize, const W: usize>(p: &AttnParams,
         let hx = rings.half(x);
         if hx.first {
             unsafe {
-                mbarrier::wait(rings.filled(hx.u), Rings::<W>::parity(hx.u));
+                mbarrier::wait(rings.filled(hx.u), Rings::<W, K>::parity(hx.u));
                 fence_proxy_async_shared();
             }
         }
@@ -479,7 +598,7 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize, const W: usize>(p: &AttnParams,
     let mut u = 0u32;
     let mut k = 0u32;
     loop {
-        unsafe { mbarrier::wait(rings.q_filled(k), Rings::<W>::q_parity(k)) };
+        unsafe { mbarrier::wait(rings.q_filled(k), Rings::<W, K>::q_parity(k)) };
         let it = unsafe { Item::load(rings.item(k)) };
         if it.status == ITEM_END {
             break;
@@ -494,7 +613,10 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize, const W: usize>(p: &AttnParams,
         let warp_row0 = 16 * warp;
         let rows: [[RowInfo; 2]; 1] = [unsafe { [w.row(p, warp_row0 + g), w.row(p, warp_row0 + g + 8)] }];
         let warp_pos = unsafe { (w.row(p, warp_row0).pos, w.row(p, warp_row0 + 15).pos) };
-        let logits = Logits::new(p, p.variant.scale_log2, end);
+        // FP8: dequantisation folds into the score scale (k) and the output factor (v); 1 and
+        // 1 for a 16-bit cache.
+        let (k_scale, v_scale) = unsafe { K::scales::<Q>(p, w.kv_head) };
+        let logits = Logits::new(p, p.variant.scale_log2 * k_scale, end);
         // The last position this warpgroup's rows see (causal): keys past it are masked for all
         // of them.
         let wg_last_pos = if p.mask.causal != 0 { unsafe { w.row(p, 64 * wg + 63).pos } } else { u32::MAX };
@@ -514,7 +636,7 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize, const W: usize>(p: &AttnParams,
                 if r >= w.live {
                     return;
                 }
-                let out = unsafe { RowOut::new(p, &w, &w.row(p, r), st, it.num_splits, t4 == 0, 1.0, p.dims.v_or(D as u32)) };
+                let out = unsafe { RowOut::new(p, &w, &w.row(p, r), st, it.num_splits, t4 == 0, v_scale, p.dims.v_or(D as u32)) };
                 static_for::<ACC_BLOCKS>(|n| {
                     if n < D / 8 {
                         unsafe { out.store_pair::<Q>(n as u32 * 8 + 2 * t4, o[n][2 * h], o[n][2 * h + 1]) };
@@ -524,7 +646,7 @@ unsafe fn consume<Q: WgmmaTiles, const D: usize, const W: usize>(p: &AttnParams,
         };
         if n_tiles == 0 {
             finish(&[[0.0; 4]; ACC_BLOCKS], [OnlineSoftmax::EMPTY; 2]);
-        } else if Rings::<W>::SUB == 32 {
+        } else if Rings::<W, K>::SUB == 32 {
             // Width 256: steps of 32 keys (a quarter tile), one S in flight at a time. Per step
             // x: its softmax (under P V of x - 1, retired before O is rescaled), then S of
             // x + 1 and P V of x issued, and S of x + 1 waited for. The last step of a tile

@@ -4,7 +4,7 @@
 //! block of a thread's two rows.
 
 use crate::blocks::device::{fma, shfl_xor, static_for, vote_any};
-use crate::blocks::mma::cp_async_16;
+use crate::blocks::mma::{cp_async_16, ld_shared_v4, st_shared_v4, MmaHalf};
 use attn_math::hopper_prefill::{group_bytes, swizzled};
 use attn_math::softmax::{exp2, OnlineSoftmax};
 
@@ -81,6 +81,116 @@ pub(crate) unsafe fn copy_row_pairs<const D: usize, const ROWS: u32, const NT: u
                 if both {
                     unsafe { cp_async_16(dst[1] + off, if valid { b + c as u64 * 16 } else { fallback }, bytes) };
                 }
+            }
+        });
+    });
+}
+
+/// A thread's share of `ROWS` raw FP8 rows of `BYTES` bytes (in row order, no swizzle) for
+/// `NT` threads: chunk `t % (BYTES / 16)` of rows `t / (BYTES / 16) + i * step`. The copy and
+/// the conversion ([`copy_raw_row_pairs`], [`convert_fp8_rows`]) give each thread the same
+/// chunks, so a thread converts only what its own copies wrote.
+#[derive(Clone, Copy)]
+struct RawShare<const BYTES: usize, const ROWS: u32, const NT: u32> {
+    chunk: u32,
+    row0: u32,
+}
+
+impl<const BYTES: usize, const ROWS: u32, const NT: u32> RawShare<BYTES, ROWS, NT> {
+    const CHUNKS: u32 = BYTES as u32 / 16;
+    /// Rows between a thread's rows, and how many it has.
+    const STEP: u32 = NT / Self::CHUNKS;
+    const COUNT: usize = (ROWS / Self::STEP) as usize;
+
+    #[inline(always)]
+    fn of(t: u32) -> Self {
+        const { assert!(NT.is_multiple_of(BYTES as u32 / 16) && ROWS.is_multiple_of(NT / (BYTES as u32 / 16)) && ROWS / (NT / (BYTES as u32 / 16)) <= 16) };
+        RawShare { chunk: t % Self::CHUNKS, row0: t / Self::CHUNKS }
+    }
+
+    #[inline(always)]
+    fn row(&self, i: usize) -> u32 {
+        self.row0 + i as u32 * Self::STEP
+    }
+
+    /// Byte offset of the thread's chunk of its `i`-th row.
+    #[inline(always)]
+    fn offset(&self, i: usize) -> u32 {
+        self.row(i) * BYTES as u32 + self.chunk * 16
+    }
+}
+
+/// Copies `ROWS` raw FP8 rows of K and V (`src(r)`: row r's two addresses, the first 0 to
+/// zero-fill both, `fallback` named then) into `dst[0]` and `dst[1]` in row order, `BYTES`
+/// bytes a row of which the first `live` 16-byte chunks are read (the rest zero-filled). As
+/// [`copy_row_pairs`], a batch of rows' sources is taken before their copies.
+#[inline(always)]
+pub(crate) unsafe fn copy_raw_row_pairs<const BYTES: usize, const ROWS: u32, const NT: u32, const BATCH: usize>(
+    dst: [u32; 2],
+    t: u32,
+    live: u32,
+    fallback: u64,
+    src: impl Fn(u32) -> (u64, u64),
+) {
+    let share = RawShare::<BYTES, ROWS, NT>::of(t);
+    let read = share.chunk < live;
+    static_for::<16>(|g| {
+        if g % BATCH != 0 {
+            return;
+        }
+        let mut rows = [(0u64, 0u64); BATCH];
+        static_for::<BATCH>(|k| {
+            if g + k < RawShare::<BYTES, ROWS, NT>::COUNT {
+                rows[k] = src(share.row(g + k));
+            }
+        });
+        static_for::<BATCH>(|k| {
+            let i = g + k;
+            if i < RawShare::<BYTES, ROWS, NT>::COUNT {
+                let (a, b) = rows[k];
+                let valid = a != 0 && read;
+                let bytes = if valid { 16 } else { 0 };
+                let c = share.chunk as u64 * 16;
+                unsafe {
+                    cp_async_16(dst[0] + share.offset(i), if valid { a + c } else { fallback }, bytes);
+                    cp_async_16(dst[1] + share.offset(i), if valid { b + c } else { fallback }, bytes);
+                }
+            }
+        });
+    });
+}
+
+/// Converts the raw FP8 rows of K and V this thread copied ([`copy_raw_row_pairs`], at
+/// `raw[0]`, `raw[1]`, `BYTES` bytes a row) into the 16-bit tiles `tile[0]`, `tile[1]` of the
+/// [`swizzled`] layout (`BYTES` columns a row), exactly (`MmaHalf::from_fp8x2`): a 16-byte raw
+/// chunk becomes 16-bit chunks `2c` and `2c + 1`. Of the eight threads of a shared-memory
+/// phase those with raw chunks 4 to 7 store their odd chunk first, so that the phase's eight
+/// stores fall in eight different 16-byte bank groups (at 128 bytes a row; at 64 the phase
+/// covers two rows, whose swizzles differ in the low bit).
+#[inline(always)]
+pub(crate) unsafe fn convert_fp8_rows<M: MmaHalf, const BYTES: usize, const ROWS: u32, const NT: u32>(raw: [u32; 2], tile: [u32; 2], t: u32) {
+    let share = RawShare::<BYTES, ROWS, NT>::of(t);
+    // The odd chunk first: the raw chunk's two halves swapped before the conversion (selects
+    // on four words; indexing the converted words by a run-time half put them in local memory).
+    let swap = (share.chunk / 4) % 2 == 1;
+    let first = 2 * share.chunk + swap as u32;
+    let second = first ^ 1;
+    static_for::<16>(|i| {
+        if i >= RawShare::<BYTES, ROWS, NT>::COUNT {
+            return;
+        }
+        static_for::<2>(|plane| {
+            let w = unsafe { ld_shared_v4(raw[plane] + share.offset(i)) };
+            let w = if swap { [w[2], w[3], w[0], w[1]] } else { w };
+            let mut h = [0u32; 8];
+            static_for::<4>(|j| {
+                h[2 * j] = M::from_fp8x2(w[j] & 0xffff);
+                h[2 * j + 1] = M::from_fp8x2(w[j] >> 16);
+            });
+            let r = share.row(i);
+            unsafe {
+                st_shared_v4(tile[plane] + swizzled(BYTES as u32, r, first), [h[0], h[1], h[2], h[3]]);
+                st_shared_v4(tile[plane] + swizzled(BYTES as u32, r, second), [h[4], h[5], h[6], h[7]]);
             }
         });
     });
