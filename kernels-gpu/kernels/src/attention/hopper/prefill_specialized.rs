@@ -58,14 +58,14 @@ use crate::blocks::device::{
 use crate::blocks::mbarrier;
 use crate::blocks::mma::{
     cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_u32, ld_shared_u64x2, ld_shared_v4, shared_addr, st_shared_u32,
-    st_shared_u64x2,
-    st_shared_v4, wgmma_desc,
+    st_shared_u64x2, st_shared_v4, wgmma_desc,
 };
 use crate::blocks::vec_io::{load_u32_nc, store4};
 use crate::blocks::wgmma::{wait_pv32, wait_pv64, wait_scores32, wait_scores64, Acc, WgmmaTiles, ACC_BLOCKS};
 use attn_math::hopper_prefill::{
-    group_bytes, ws_layout, ws_q_buffers, ws_raw_slots, ws_stage_keys, ws_stages, ws_sub_keys, WsLayout, BLOCK_M, BLOCK_N,
-    THREADS, WS_COMPUTE_REGS, WS_FP8_COMPUTE_REGS, WS_FP8_LOOKAHEAD, WS_FP8_PRODUCER_REGS, WS_ITEM_SLOTS, WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_STAGES,
+    group_bytes, ws_layout, ws_q_buffers, ws_raw_slots, ws_stage_keys, ws_stages, ws_sub_keys, WsLayout, BLOCK_M, BLOCK_N, THREADS,
+    WS_COMPUTE_REGS, WS_FP8_COMPUTE_REGS, WS_FP8_LOOKAHEAD, WS_FP8_PRODUCER_REGS, WS_ITEM_SLOTS, WS_ITEM_WORDS, WS_PRODUCER_REGS,
+    WS_STAGES,
 };
 use attn_math::params::AttnParams;
 use attn_math::prefill::{table_slot_bytes, TABLE_ENTRY};

@@ -104,7 +104,13 @@ impl<const BYTES: usize, const ROWS: u32, const NT: u32> RawShare<BYTES, ROWS, N
 
     #[inline(always)]
     fn of(t: u32) -> Self {
-        const { assert!(NT.is_multiple_of(BYTES as u32 / 16) && ROWS.is_multiple_of(NT / (BYTES as u32 / 16)) && ROWS / (NT / (BYTES as u32 / 16)) <= 16) };
+        const {
+            assert!(
+                NT.is_multiple_of(BYTES as u32 / 16)
+                    && ROWS.is_multiple_of(NT / (BYTES as u32 / 16))
+                    && ROWS / (NT / (BYTES as u32 / 16)) <= 16
+            )
+        };
         RawShare { chunk: t % Self::CHUNKS, row0: t / Self::CHUNKS }
     }
 
@@ -168,7 +174,11 @@ pub(crate) unsafe fn copy_raw_row_pairs<const BYTES: usize, const ROWS: u32, con
 /// stores fall in eight different 16-byte bank groups (at 128 bytes a row; at 64 the phase
 /// covers two rows, whose swizzles differ in the low bit).
 #[inline(always)]
-pub(crate) unsafe fn convert_fp8_rows<M: MmaHalf, const BYTES: usize, const ROWS: u32, const NT: u32>(raw: [u32; 2], tile: [u32; 2], t: u32) {
+pub(crate) unsafe fn convert_fp8_rows<M: MmaHalf, const BYTES: usize, const ROWS: u32, const NT: u32>(
+    raw: [u32; 2],
+    tile: [u32; 2],
+    t: u32,
+) {
     let share = RawShare::<BYTES, ROWS, NT>::of(t);
     // The odd chunk first: the raw chunk's two halves swapped before the conversion (selects
     // on four words; indexing the converted words by a run-time half put them in local memory).
