@@ -131,8 +131,8 @@ pub const fn ws_q_buffers(d: u32) -> u32 {
 pub const WS_COMPUTE_REGS: u32 = 224;
 pub const WS_PRODUCER_REGS: u32 = 56;
 /// The same with an FP8 cache, whose producer also converts the rows: at 56 registers it
-/// spilled 104-128 bytes a thread (`ptx-report`); 72 fits it, and the compute warps' 216
-/// still hold their width-128 state.
+/// spilled 104-128 bytes a thread (`ptx-report`, beside a local array since removed); at 72
+/// at most 32 (d128), and the compute warps' 216 hold their width-128 state.
 pub const WS_FP8_COMPUTE_REGS: u32 = 216;
 pub const WS_FP8_PRODUCER_REGS: u32 = 72;
 /// Item descriptor slots (the current item's and the next one's), also where one query buffer
