@@ -12,7 +12,7 @@
 //!   copies its K and V into a ring of [`WS_STAGES`] stages (a stage: a whole tile at head size
 //!   64, half a tile up to 128, a quarter at 256, see `ws_stage_keys`). Every buffer has a
 //!   "filled" `mbarrier` (the producer's `cp.async`s land, then it arrives) and a "freed" one
-//!   (each compute warp arrives when done with it);
+//!   (each compute thread arrives when done with it);
 //! - the two compute warpgroups (64 query rows each) work on whatever the rings hold, item
 //!   after item; the next item's queries and first tiles are already there when one ends.
 //!
@@ -208,10 +208,7 @@ impl<const W: usize, K: CacheFormat> Rings<W, K> {
     }
 
     /// Item `k`'s descriptor: two slots whatever the query buffers, so that a slot is rewritten
-    /// only after the compute warps have worked through the next item (with one query buffer
-    /// and one slot, racecheck reported the lanes' last reads of a descriptor against the
-    /// producer's next write: lane 0's release orders its own warp's reads, but nothing the
-    /// sanitizer sees made the other lanes meet it before the rewrite).
+    /// only after the compute warps have worked through the next item.
     #[inline(always)]
     fn item(&self, k: u32) -> u32 {
         self.smem + self.l.item + (k % WS_ITEM_SLOTS) * 4 * WS_ITEM_WORDS
@@ -316,11 +313,11 @@ pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, const D:
     if tid == 0 {
         for u in 0..Rings::<W, K>::STAGES {
             unsafe { mbarrier::init(rings.filled(u), FILLED_ARRIVALS) };
-            unsafe { mbarrier::init(rings.freed(u), THREADS / 32) };
+            unsafe { mbarrier::init(rings.freed(u), THREADS) };
         }
         for k in 0..Rings::<W, K>::Q_BUFFERS {
             unsafe { mbarrier::init(rings.q_filled(k), FILLED_ARRIVALS) };
-            unsafe { mbarrier::init(rings.q_freed(k), THREADS / 32) };
+            unsafe { mbarrier::init(rings.q_freed(k), THREADS) };
         }
     }
     sync_threads();
@@ -582,12 +579,12 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
             }
         }
     };
-    // This warp is done with `bar`'s buffer (its `wgmma`s that read it have retired).
-    let release = |bar: u32| {
-        if lane == 0 {
-            unsafe { mbarrier::arrive(bar) };
-        }
-    };
+    // This thread is done with `bar`'s buffer (its warp's `wgmma`s that read it have retired).
+    // Every thread arrives, not one a warp: an arrival releases only its own thread's reads (of
+    // the stage's table and flags, of the item descriptor). With one arrival a warp, racecheck
+    // reported the other lanes' reads against the producer's next writes, and a warp barrier
+    // before the arrival did not change that.
+    let release = |bar: u32| unsafe { mbarrier::arrive(bar) };
     // This warp is done with step `x`: frees its stage if it was the stage's last step.
     let release_half = |x: u32| {
         let hx = rings.half(x);
@@ -822,11 +819,19 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
             // instructions instead of 2085).
             unsafe { wait_pv64::<0, D>(&mut o, &pf) };
             if skip {
-                // Done with the last tile's first half (its second was never read).
+                // Done with the last tile's first half.
                 release_half(u_last);
             }
-            release_half(u_last + 1);
             finish(&o, state);
+            // The last half's stage is freed only once it has been filled, also where it was
+            // skipped (and never waited for): an arrival before the fill would count toward the
+            // phase of the stage's previous use, completing it while the other warpgroup may
+            // still be reading that use. Where the half was read this wait has already
+            // completed. Outside the branch (inside it, `ptxas` duplicated the item's tail) and
+            // after the output (before it, an FP8 producer still draining the item's last
+            // stages held the warps: 4% on the FP8 rows).
+            wait_filled(u_last + 1);
+            release_half(u_last + 1);
         }
         // The item's queries and descriptor are no longer read.
         release(rings.q_freed(k));
