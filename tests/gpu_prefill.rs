@@ -234,19 +234,28 @@ fn prefill_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     // context) hardly moves the global norm.
     let err = rel_error(&got, &want.out);
     let worst = max_row_error(&got, &want.out, dv);
-    if !within(err, tolerance(Q::DTYPE)) || !worst.within(row_tolerance(Q::DTYPE)) {
+    let e4m3 = fp8 && attn_rs::prefill::fp8_prefill_rounds_to_e4m3(device(), dk, dv);
+    let (tol, row_tol, lse_tol) = if e4m3 { E4M3_TOLERANCE } else { (tolerance(Q::DTYPE), row_tolerance(Q::DTYPE), 2e-3) };
+    if e4m3 {
+        let lse_err = lse[..nt * hq]
+            .iter()
+            .zip(&want.lse[..nt * hq])
+            .filter(|(_, w)| w.is_finite())
+            .map(|(&g, &w)| (g as f64 - w).abs() / w.abs().max(1.0))
+            .fold(0.0, f64::max);
+        eprintln!("e4m3 d{dk}: relative error {err:.3e}, worst row {:.3e}, log-sum-exp {lse_err:.3e}", worst.err);
+    }
+    if !within(err, tol) || !worst.within(row_tol) {
         return Err(format!(
-            "relative error {err:.2e} (at most {:.0e}); worst row {:.2e} (at most {:.0e}): token {}, head {} ({} tiles)",
-            tolerance(Q::DTYPE),
+            "relative error {err:.2e} (at most {tol:.0e}); worst row {:.2e} (at most {row_tol:.0e}): token {}, head {} ({} tiles)",
             worst.err,
-            row_tolerance(Q::DTYPE),
             worst.row / hq,
             worst.row % hq,
             plan.items.len()
         )
         .into());
     }
-    check_lse(&lse[..nt * hq], &want.lse[..nt * hq], hq)?;
+    check_lse_within(&lse[..nt * hq], &want.lse[..nt * hq], hq, lse_tol)?;
     Ok(())
 }
 

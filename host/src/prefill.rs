@@ -253,6 +253,19 @@ pub(crate) fn prefill_kernel_for(target: &str, q: DType, fp8: bool, dk: usize, d
     })
 }
 
+/// Whether FP8-cache prefill on `device` at head sizes `dk`, `dv` runs its MMAs on e4m3
+/// operands: Hopper's `prefill_wgs_*_fp8` kernels at widths 80 to 128 round the queries (one
+/// scale a 64-row warpgroup of a work item, its largest magnitude to e4m3's 448) and the softmax
+/// weights to e4m3, as vLLM's FP8 attention on FlashAttention-3 does, at twice the 16-bit MMA
+/// rate. Otherwise the cache's values are converted exactly into the queries' type and the result
+/// is as precise as with a 16-bit cache holding the same values.
+pub fn fp8_prefill_rounds_to_e4m3(device: &crate::AttnDevice, dk: usize, dv: usize) -> bool {
+    matches!(
+        prefill_kernel_for(device.ptx_target(), DType::BF16, true, dk, dv, false),
+        Ok(PrefillKernel { id: KernelId::PrefillWgs { head_size, .. }, .. }) if head_size > 64
+    )
+}
+
 /// Whether a kernel with the local masks exists for these K/V: 16-bit (not FP8), QK = V (at
 /// every head size the kernels take).
 pub(crate) fn has_local_kernel(fp8: bool, dk: usize, dv: usize) -> bool {
@@ -293,7 +306,8 @@ fn check_rows(arg: &'static str, b: &DevIn<'_>, rows: &RowsDesc, dtype: DType) -
 /// `seq_lens[r]` keys (paged: through its block-table row; packed: rows of `k`/`v` from
 /// `key_start_loc[r]`). Causal is aligned to the end of the sequence (chunked prefill, prefix
 /// caching). Query head `h` reads kv head `h / (num_q_heads / num_kv_heads)`. Returns the tile
-/// plan it ran (for logging).
+/// plan it ran (for logging). From an FP8 cache on Hopper at head sizes 72 to 128 the queries
+/// and softmax weights are rounded to e4m3 ([`fp8_prefill_rounds_to_e4m3`]).
 ///
 /// Errors, before anything is enqueued: `InvalidArgument` naming the argument for dtypes (f16
 /// or bf16 queries; the paged cache q's dtype or FP8 with `scales`; packed K/V q's dtype), head

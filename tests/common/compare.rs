@@ -23,6 +23,14 @@ pub fn tolerance(dtype: DType) -> f64 {
     }
 }
 
+/// Relative errors allowed (global, worst row) and the log-sum-exp's where FP8-cache prefill
+/// rounds its queries and softmax weights to e4m3 (`attn_rs::prefill::fp8_prefill_rounds_to_e4m3`).
+/// Each rounding is off by up to 2^-4 relative (3 mantissa bits; about 2.5% RMS), the queries'
+/// moving a score by a few percent of its size and the weights' an output row by a few percent
+/// of its norm. Measured on the H100 over `gpu_prefill`'s e4m3 cases: global 1.3-2.4e-2, worst
+/// row 2.9-5.9e-2, log-sum-exp 0.6-2.4e-2; the bounds are about 1.7x the largest.
+pub const E4M3_TOLERANCE: (f64, f64, f64) = (4e-2, 1e-1, 4e-2);
+
 /// Whether `err` is at most `tol`: false for a NaN, which every comparison must fail on.
 pub fn within(err: f64, tol: f64) -> bool {
     err <= tol
@@ -98,8 +106,13 @@ pub fn max_row_error(got: &[f64], want: &[f64], row_len: usize) -> RowError {
 /// Checks GPU LSEs (`[tokens, heads]`) against the reference: -inf exactly where the reference
 /// has it (nothing attended), else within 2e-3 (relative above 1). Names the first bad entry.
 pub fn check_lse(got: &[f32], want: &[f64], heads: usize) -> Result<(), String> {
+    check_lse_within(got, want, heads, 2e-3)
+}
+
+/// [`check_lse`] with `rel` instead of 2e-3 (relative to the value, or absolute below 1).
+pub fn check_lse_within(got: &[f32], want: &[f64], heads: usize, rel: f64) -> Result<(), String> {
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let ok = if w == f64::NEG_INFINITY { g == f32::NEG_INFINITY } else { (g as f64 - w).abs() <= 2e-3 * w.abs().max(1.0) };
+        let ok = if w == f64::NEG_INFINITY { g == f32::NEG_INFINITY } else { (g as f64 - w).abs() <= rel * w.abs().max(1.0) };
         if !ok {
             return Err(format!("lse[{i}] (token {}, head {}) = {g}, want {w}", i / heads, i % heads));
         }

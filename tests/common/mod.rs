@@ -6,7 +6,10 @@ mod compare;
 mod gaps;
 mod masking;
 #[allow(unused_imports)]
-pub use compare::{check_lse, check_rows, max_row_error, rel_error, row_errors, row_tolerance, tolerance, within, RowError};
+pub use compare::{
+    check_lse, check_lse_within, check_rows, max_row_error, rel_error, row_errors, row_tolerance, tolerance, within, RowError,
+    E4M3_TOLERANCE,
+};
 #[allow(unused_imports)]
 pub use gaps::{check_gaps, gapped_rows, packed, spread};
 #[allow(unused_imports)]

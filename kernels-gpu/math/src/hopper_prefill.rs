@@ -59,32 +59,64 @@ pub const FP8_HEAD_SIZES: [u32; 5] = [64, 80, 96, 112, 128];
 /// the producer converts the two before it.
 pub const WS_FP8_LOOKAHEAD: u32 = 2;
 
-/// K/V stages in the ring: [`WS_STAGES`], or three with an FP8 cache (whose raw ring takes the
-/// fourth's room at width 128).
-pub const fn ws_stages(fp8: bool) -> u32 {
-    if fp8 {
-        3
+/// How a kernel's ring stages hold K and V.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StageFormat {
+    /// 16-bit rows as the cache holds them.
+    Bits16,
+    /// An FP8 cache's rows converted to 16 bits by the producer (width 64: its 64-byte FP8 rows
+    /// are half a 128-byte swizzle atom, which the e4m3 operands below would need).
+    Fp8Converted,
+    /// An FP8 cache's rows as e4m3 operands of `wgmma` (widths 80 to 128, 128-byte rows): K as
+    /// copied, V transposed by the producer (8-bit `wgmma` operands must be K-major, and V's K
+    /// is the key), the queries quantised to e4m3 by the compute warps, P rounded to e4m3.
+    Fp8,
+}
+
+/// The stage format of the kernel of width `d` for a 16-bit or an FP8 cache.
+pub const fn stage_format(d: u32, fp8: bool) -> StageFormat {
+    if !fp8 {
+        StageFormat::Bits16
+    } else if row_width(d) == 128 {
+        StageFormat::Fp8
     } else {
-        WS_STAGES
+        StageFormat::Fp8Converted
     }
 }
 
-/// Raw FP8 slots (none for a 16-bit cache): the stage being copied and the
-/// [`WS_FP8_LOOKAHEAD`] ahead of the conversion.
-pub const fn ws_raw_slots(fp8: bool) -> u32 {
-    if fp8 {
-        WS_FP8_LOOKAHEAD + 1
-    } else {
-        0
+/// Stages an e4m3 kernel's raw V copies run ahead of their transposes: a whole-tile stage's V
+/// rows land while the producer transposes the tile before.
+pub const WS_E4M3_LOOKAHEAD: u32 = 1;
+
+/// K/V stages in the ring: [`WS_STAGES`], three with converted FP8 rows (whose raw ring takes
+/// the fourth's room at width 128), four whole-tile stages of e4m3 rows.
+pub const fn ws_stages(d: u32, fp8: bool) -> u32 {
+    match stage_format(d, fp8) {
+        StageFormat::Fp8Converted => 3,
+        _ => WS_STAGES,
     }
 }
 
-/// Address tables: one a stage (read by the compute warps until they free it), and with an FP8
-/// cache one a raw slot (the producer's, for its copies; each thread moves its own entries into
-/// the stage's table when it converts the stage, so that the compute warps' table is written
-/// only after the stage is free, as with a 16-bit cache).
-pub const fn ws_tables(fp8: bool) -> u32 {
-    ws_stages(fp8) + ws_raw_slots(fp8)
+/// Raw FP8 slots (none for a 16-bit cache): the stage being copied and those ahead of the
+/// conversion ([`WS_FP8_LOOKAHEAD`]) or of the transpose ([`WS_E4M3_LOOKAHEAD`]; V rows only).
+pub const fn ws_raw_slots(d: u32, fp8: bool) -> u32 {
+    match stage_format(d, fp8) {
+        StageFormat::Bits16 => 0,
+        StageFormat::Fp8Converted => WS_FP8_LOOKAHEAD + 1,
+        StageFormat::Fp8 => WS_E4M3_LOOKAHEAD + 1,
+    }
+}
+
+/// Address tables: one a stage (read by the compute warps until they free it), and with
+/// converted FP8 rows one a raw slot (the producer's, for its copies; each thread moves its own
+/// entries into the stage's table when it converts the stage, so that the compute warps' table
+/// is written only after the stage is free, as with a 16-bit cache). e4m3 stages copy K straight
+/// into the stage, once it is free, so their tables serve the raw V copies too.
+pub const fn ws_tables(d: u32, fp8: bool) -> u32 {
+    match stage_format(d, fp8) {
+        StageFormat::Fp8Converted => ws_stages(d, fp8) + ws_raw_slots(d, fp8),
+        _ => ws_stages(d, fp8),
+    }
 }
 /// Keys of a ring stage: a whole tile at head size 64 (32 KB a stage), half a tile at 128
 /// (32 KB; four whole-tile stages would not fit beside the two query buffers), a quarter at 256
@@ -92,14 +124,22 @@ pub const fn ws_tables(fp8: bool) -> u32 {
 /// the compute warps are done with that half, which keeps the producer a tile ahead; whole-tile
 /// stages at 128 (two of them) left it half a tile ahead and the kernel 9-12% slower than
 /// `prefill_wg_*`, while half-tile stages at 64 (eight) cost 6-10% there in extra barriers and
-/// producer work.
-pub const fn ws_stage_keys(d: u32) -> u32 {
-    if d <= 64 {
+/// producer work. e4m3 rows at 128: a whole tile (K and V^T, 32 KB), four of them.
+pub const fn ws_stage_keys(d: u32, fp8: bool) -> u32 {
+    if d <= 64 || matches!(stage_format(d, fp8), StageFormat::Fp8) {
         BLOCK_N
     } else if d <= 128 {
         BLOCK_N / 2
     } else {
         BLOCK_N / 4
+    }
+}
+
+/// Bytes of a key row in a stage: 16-bit columns, or one byte a column for e4m3 stages.
+pub const fn ws_row_bytes(d: u32, fp8: bool) -> u32 {
+    match stage_format(d, fp8) {
+        StageFormat::Fp8 => row_width(d),
+        _ => row_width(d) * 2,
     }
 }
 
@@ -116,9 +156,10 @@ pub const fn ws_sub_keys(d: u32) -> u32 {
 
 /// Query buffers: the current item's and the next one's up to width 128; at 256 one (the next
 /// item's queries are copied once the current item's last tile is done with them: about 2 us an
-/// item of 30-70 us at 4 x 4096).
-pub const fn ws_q_buffers(d: u32) -> u32 {
-    if d <= 128 {
+/// item of 30-70 us at 4 x 4096). e4m3 stages: one, free as soon as the compute warps have
+/// quantised its queries into their e4m3 buffer at the item's start.
+pub const fn ws_q_buffers(d: u32, fp8: bool) -> u32 {
+    if d <= 128 && !matches!(stage_format(d, fp8), StageFormat::Fp8) {
         2
     } else {
         1
@@ -135,6 +176,10 @@ pub const WS_PRODUCER_REGS: u32 = 56;
 /// at most 32 (d128), and the compute warps' 216 hold their width-128 state.
 pub const WS_FP8_COMPUTE_REGS: u32 = 216;
 pub const WS_FP8_PRODUCER_REGS: u32 = 72;
+/// The same with e4m3 stages, whose producer transposes V (eight 16-byte rows in registers) and
+/// whose compute warps hold P in 8 registers instead of 16.
+pub const WS_E4M3_COMPUTE_REGS: u32 = 208;
+pub const WS_E4M3_PRODUCER_REGS: u32 = 88;
 /// Item descriptor slots (the current item's and the next one's), also where one query buffer
 /// serves both.
 pub const WS_ITEM_SLOTS: u32 = 2;
@@ -145,14 +190,19 @@ pub const WS_ITEM_WORDS: u32 = 16;
 /// Byte offsets of the warp-specialised kernels' shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WsLayout {
-    /// Query buffer b ([`ws_q_buffers`] of them) at `q + b * q_bytes`.
+    /// Query buffer b ([`ws_q_buffers`] of them) at `q + b * q_bytes` (16-bit, as copied).
     pub q: u32,
     pub q_bytes: u32,
-    /// Stage s: K at `kv + s * 2 * tile`, V `tile` bytes after (`tile`: [`ws_stage_keys`] rows).
+    /// e4m3 stages: the queries quantised to e4m3 ([`BLOCK_M`] rows of [`row_width`] bytes,
+    /// each compute warpgroup its 64); `q8 == kv` (no bytes) otherwise.
+    pub q8: u32,
+    /// Stage s: K at `kv + s * 2 * tile`, V `tile` bytes after (`tile`: [`ws_stage_keys`] rows
+    /// of [`ws_row_bytes`]; e4m3 stages hold V transposed, a row a V column).
     pub kv: u32,
     pub tile: u32,
     /// Raw FP8 slot s ([`ws_raw_slots`]): K rows at `raw + s * 2 * raw_tile` ([`row_width`]
-    /// bytes each, in row order), V `raw_tile` bytes after.
+    /// bytes each, in row order), V `raw_tile` bytes after; e4m3 stages: V rows only, at
+    /// `raw + s * raw_tile`.
     pub raw: u32,
     pub raw_tile: u32,
     /// Address table of stage s at `table + s * table_slot_bytes(ws_stage_keys(d))`.
@@ -162,7 +212,8 @@ pub struct WsLayout {
     /// `mbarrier`s (8 bytes each): stage filled [stages], stage freed [stages], query
     /// buffer filled [q buffers], query buffer freed [q buffers].
     pub bars: u32,
-    /// The producer's scratch word (the item index it fetched, for its other threads).
+    /// The compute warps' scratch words (e4m3 stages: each warp's largest query magnitude, for
+    /// its warpgroup's quantisation scale).
     pub scratch: u32,
     pub total: u32,
 }
@@ -170,21 +221,27 @@ pub struct WsLayout {
 /// The layout of the kernel of width `d` (its rows are [`row_width`] columns) for a 16-bit or
 /// an FP8 cache.
 pub const fn ws_layout(d: u32, fp8: bool) -> WsLayout {
+    let format = stage_format(d, fp8);
+    let e4m3 = matches!(format, StageFormat::Fp8);
+    let keys = ws_stage_keys(d, fp8);
+    let row_bytes = ws_row_bytes(d, fp8);
     let d = row_width(d);
-    let stages = ws_stages(fp8);
-    let q_buffers = ws_q_buffers(d);
+    let stages = ws_stages(d, fp8);
+    let q_buffers = ws_q_buffers(d, fp8);
     let q_bytes = BLOCK_M * d * 2;
-    let tile = ws_stage_keys(d) * d * 2;
-    let raw_tile = ws_stage_keys(d) * d;
+    let tile = keys * row_bytes;
+    let raw_tile = keys * d;
     let q = 0;
-    let kv = q + q_buffers * q_bytes;
+    let q8 = q + q_buffers * q_bytes;
+    let kv = q8 + if e4m3 { BLOCK_M * d } else { 0 };
     let raw = kv + stages * 2 * tile;
-    let table = raw + ws_raw_slots(fp8) * 2 * raw_tile;
-    let item = table + ws_tables(fp8) * crate::prefill::table_slot_bytes(ws_stage_keys(d));
+    let raw_planes = if e4m3 { 1 } else { 2 };
+    let table = raw + ws_raw_slots(d, fp8) * raw_planes * raw_tile;
+    let item = table + ws_tables(d, fp8) * crate::prefill::table_slot_bytes(keys);
     let bars = item + WS_ITEM_SLOTS * 4 * WS_ITEM_WORDS;
     let scratch = bars + 8 * 2 * (stages + q_buffers);
-    let total = scratch + 16;
-    WsLayout { q, q_bytes, kv, tile, raw, raw_tile, table, item, bars, scratch, total }
+    let total = scratch + 4 * THREADS / 32;
+    WsLayout { q, q_bytes, q8, kv, tile, raw, raw_tile, table, item, bars, scratch, total }
 }
 
 #[cfg(test)]
@@ -196,14 +253,18 @@ mod tests {
         let layouts = HEAD_SIZES.map(|d| (d, ws_layout(d, false))).into_iter().chain(FP8_HEAD_SIZES.map(|d| (d, ws_layout(d, true))));
         for (d, l) in layouts {
             assert!(l.total <= 227 * 1024, "d{d}: {l:?}");
-            for o in [l.q, l.q_bytes, l.kv, l.tile, l.raw, l.raw_tile] {
+            for o in [l.q, l.q_bytes, l.q8, l.kv, l.tile, l.raw, l.raw_tile] {
                 assert!(o.is_multiple_of(1024), "d{d}: {l:?}");
             }
             assert!(l.table.is_multiple_of(16) && l.item.is_multiple_of(16) && l.bars.is_multiple_of(8));
         }
         // setmaxnreg: the producer frees at least what the compute warps take, in steps of 8.
         let start = (65536 / WS_THREADS) / 8 * 8;
-        for (compute, producer) in [(WS_COMPUTE_REGS, WS_PRODUCER_REGS), (WS_FP8_COMPUTE_REGS, WS_FP8_PRODUCER_REGS)] {
+        for (compute, producer) in [
+            (WS_COMPUTE_REGS, WS_PRODUCER_REGS),
+            (WS_FP8_COMPUTE_REGS, WS_FP8_PRODUCER_REGS),
+            (WS_E4M3_COMPUTE_REGS, WS_E4M3_PRODUCER_REGS),
+        ] {
             assert!(THREADS * (compute - start) <= 128 * (start - producer));
             assert!(compute.is_multiple_of(8) && producer.is_multiple_of(8) && producer >= 24);
         }

@@ -4,6 +4,8 @@
 //! MLA kernels (dense and sparse). The host builds the same names (host/src/prefill.rs, decode.rs, mla.rs).
 
 use crate::attention::config::{AttnConfig, Bits16, Fp8E4M3};
+#[cfg(wgmma)]
+use crate::attention::hopper::half_mma::{Mma16, MmaE4m3};
 use crate::attention::mainloop::attention;
 use crate::attention::mla::kernel::mla_attention;
 use crate::attention::mla::keys::{IndexedKeys, PagedKeys};
@@ -129,16 +131,17 @@ keys_rows_kernels!(F16, "f16": 64, 96, 128, 256; r16: 64, 96, 128; fp8: 64, 128)
 keys_rows_kernels!(Bf16, "bf16": 64, 96, 128, 256; r16: 64, 96, 128; fp8: 64, 128);
 
 // Prefill on Hopper's warpgroup MMA (sm_90a only): `<prefix>_<q><cache>_d<width>` running
-// `crate::attention::hopper::$module::$func::<Q, Cache, D, W>` (width `D` on shared-memory rows
-// `W` wide; `<cache>`: "" for 16-bit K/V, "_fp8" for an FP8 E4M3 cache).
+// `crate::attention::hopper::$module::$func::<Q, Cache, Mma, D, W>` (width `D` on shared-memory
+// rows `W` wide; `<cache>`: "" for 16-bit K/V, "_fp8" for an FP8 E4M3 cache; `Mma`: the step's
+// MMAs, on 16-bit or e4m3 operands).
 #[cfg(wgmma)]
 macro_rules! prefill_wgmma_kernels {
-    ($prefix:literal, $module:ident::$func:ident, $q:ident, $qname:literal, $cache:ident, $cname:literal: $(($d:literal, $w:literal)),*) => {
+    ($prefix:literal, $module:ident::$func:ident, $q:ident, $qname:literal, $cache:ident, $cname:literal, $mma:ty: $(($d:literal, $w:literal)),*) => {
         $(
             const _: () = {
                 #[unsafe(export_name = concat!($prefix, "_", $qname, $cname, "_d", $d))]
                 unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
-                    unsafe { crate::attention::hopper::$module::$func::<$q, $cache, $d, $w>(&p) }
+                    unsafe { crate::attention::hopper::$module::$func::<$q, $cache, $mma, $d, $w>(&p) }
                 }
             };
         )*
@@ -146,15 +149,20 @@ macro_rules! prefill_wgmma_kernels {
 }
 
 // A producer warpgroup, persistent CTAs: `prefill_wgs_<q>_d<64|80|96|112|128|256>`, and from
-// an FP8 cache `prefill_wgs_<q>_fp8_d<64|80|96|112|128>`.
+// an FP8 cache `prefill_wgs_<q>_fp8_d<64|80|96|112|128>` (width 64 on converted 16-bit rows,
+// the others on e4m3 `wgmma`).
 #[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", Bits16, "": (64, 64), (80, 128), (96, 128), (112, 128), (128, 128), (256, 256));
+prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", Bits16, "", Mma16<F16>: (64, 64), (80, 128), (96, 128), (112, 128), (128, 128), (256, 256));
 #[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", Bits16, "": (64, 64), (80, 128), (96, 128), (112, 128), (128, 128), (256, 256));
+prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", Bits16, "", Mma16<Bf16>: (64, 64), (80, 128), (96, 128), (112, 128), (128, 128), (256, 256));
 #[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", Fp8E4M3, "_fp8": (64, 64), (80, 128), (96, 128), (112, 128), (128, 128));
+prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", Fp8E4M3, "_fp8", Mma16<F16>: (64, 64));
 #[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", Fp8E4M3, "_fp8": (64, 64), (80, 128), (96, 128), (112, 128), (128, 128));
+prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", Fp8E4M3, "_fp8", Mma16<Bf16>: (64, 64));
+#[cfg(wgmma)]
+prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", Fp8E4M3, "_fp8", MmaE4m3: (80, 128), (96, 128), (112, 128), (128, 128));
+#[cfg(wgmma)]
+prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", Fp8E4M3, "_fp8", MmaE4m3: (80, 128), (96, 128), (112, 128), (128, 128));
 
 // MLA on its own kernel: Q K^T once per tile, P shared by warps owning output columns.
 // `mla_<q>[_fp8]_{narrow,wide}` (shapes in `attn_math::mla`; `_fp8`: an FP8 E4M3 cache), and

@@ -2,6 +2,8 @@
 //! (`prefill_wgs_*`), persistent CTAs with a producer warpgroup, its key step's pieces in
 //! [`steps`].
 
+mod e4m3_stages;
+pub(crate) mod half_mma;
 pub(crate) mod prefill_specialized;
 mod steps;
 

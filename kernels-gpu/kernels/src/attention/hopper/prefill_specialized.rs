@@ -43,6 +43,8 @@
 //! `setmaxnreg` moves registers from the producer (which needs few) to the compute warps.
 
 use crate::attention::config::CacheFormat;
+use crate::attention::hopper::e4m3_stages::{copy_tile, quantise_queries, transpose_v};
+use crate::attention::hopper::half_mma::HalfMma;
 use crate::attention::hopper::steps::{
     convert_fp8_rows, copy_raw_row_pairs, copy_row_pairs, copy_rows, must_rescale, raise_max, row_max, weights,
 };
@@ -58,14 +60,14 @@ use crate::blocks::device::{
 use crate::blocks::mbarrier;
 use crate::blocks::mma::{
     cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_u32, ld_shared_u64x2, ld_shared_v4, shared_addr, st_shared_u32,
-    st_shared_u64x2, st_shared_v4, wgmma_desc,
+    st_shared_u64x2, st_shared_v4,
 };
 use crate::blocks::vec_io::{load_u32_nc, store4};
-use crate::blocks::wgmma::{wait_pv32, wait_pv64, wait_scores32, wait_scores64, Acc, WgmmaTiles, ACC_BLOCKS};
+use crate::blocks::wgmma::{wait_pv32, wait_scores32, wait_scores64, Acc, WgmmaTiles, ACC_BLOCKS};
 use attn_math::hopper_prefill::{
-    group_bytes, ws_layout, ws_q_buffers, ws_raw_slots, ws_stage_keys, ws_stages, ws_sub_keys, WsLayout, BLOCK_M, BLOCK_N, THREADS,
-    WS_COMPUTE_REGS, WS_FP8_COMPUTE_REGS, WS_FP8_LOOKAHEAD, WS_FP8_PRODUCER_REGS, WS_ITEM_SLOTS, WS_ITEM_WORDS, WS_PRODUCER_REGS,
-    WS_STAGES,
+    stage_format, ws_layout, ws_q_buffers, ws_raw_slots, ws_row_bytes, ws_stage_keys, ws_stages, ws_sub_keys, StageFormat, WsLayout,
+    BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_E4M3_COMPUTE_REGS, WS_E4M3_LOOKAHEAD, WS_E4M3_PRODUCER_REGS, WS_FP8_COMPUTE_REGS,
+    WS_FP8_LOOKAHEAD, WS_FP8_PRODUCER_REGS, WS_ITEM_SLOTS, WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_STAGES,
 };
 use attn_math::params::AttnParams;
 use attn_math::prefill::{table_slot_bytes, TABLE_ENTRY};
@@ -113,13 +115,17 @@ impl<const W: usize, K> Clone for Rings<W, K> {
 impl<const W: usize, K> Copy for Rings<W, K> {}
 
 impl<const W: usize, K: CacheFormat> Rings<W, K> {
-    const STAGES: u32 = ws_stages(K::FP8);
+    const STAGES: u32 = ws_stages(W as u32, K::FP8);
+    /// e4m3 stages (`StageFormat::Fp8`): K as copied, V transposed, e4m3 queries.
+    const E4M3: bool = matches!(stage_format(W as u32, K::FP8), StageFormat::Fp8);
     /// Raw FP8 slots.
-    const RAW: u32 = ws_raw_slots(K::FP8);
+    const RAW: u32 = ws_raw_slots(W as u32, K::FP8);
     /// Query buffers.
-    const Q_BUFFERS: u32 = ws_q_buffers(W as u32);
+    const Q_BUFFERS: u32 = ws_q_buffers(W as u32, K::FP8);
     /// Keys of a stage.
-    const KEYS: u32 = ws_stage_keys(W as u32);
+    const KEYS: u32 = ws_stage_keys(W as u32, K::FP8);
+    /// Bytes of a stage's key row.
+    const ROW_BYTES: u32 = ws_row_bytes(W as u32, K::FP8);
     /// Keys of the compute warps' step (`ws_sub_keys`): 64 (a half tile) or 32.
     const SUB: u32 = ws_sub_keys(W as u32);
     /// Steps a stage holds: 2 (width 64) or 1.
@@ -160,6 +166,23 @@ impl<const W: usize, K: CacheFormat> Rings<W, K> {
         [k, k + self.l.raw_tile]
     }
 
+    /// e4m3 stages: ring position `u`'s raw V rows (K goes straight into the stage).
+    #[inline(always)]
+    fn raw_v(&self, u: u32) -> u32 {
+        self.smem + self.l.raw + (u % Self::RAW.max(1)) * self.l.raw_tile
+    }
+
+    /// e4m3 stages: compute warpgroup `wg`'s quantised queries.
+    #[inline(always)]
+    fn q8(&self, wg: u32) -> u32 {
+        self.smem + self.l.q8 + 64 * wg * Self::ROW_BYTES
+    }
+
+    #[inline(always)]
+    fn scratch(&self) -> u32 {
+        self.smem + self.l.scratch
+    }
+
     #[inline(always)]
     fn table(&self, u: u32) -> u32 {
         self.smem + self.l.table + Self::stage(u) * table_slot_bytes(Self::KEYS)
@@ -178,14 +201,15 @@ impl<const W: usize, K: CacheFormat> Rings<W, K> {
     #[inline(always)]
     fn half(&self, x: u32) -> Half {
         let (u, i) = (x / Self::SUBS, x % Self::SUBS);
-        let rows = i * Self::SUB * W as u32 * 2;
+        let rows = i * Self::SUB * Self::ROW_BYTES;
         let table = self.table(u);
         Half {
             u,
             first: i == 0,
             last: i == Self::SUBS - 1,
             k: self.k(u) + rows,
-            v: self.v(u) + rows,
+            // e4m3: V^T's rows are V's columns; the step's keys are columns of them.
+            v: self.v(u) + if Self::E4M3 { i * Self::SUB } else { rows },
             table: table + i * Self::SUB * TABLE_ENTRY,
             // One flag a warp's 32 keys.
             flags: table + Self::KEYS * TABLE_ENTRY + i * (Self::SUB / 32) * 4,
@@ -304,10 +328,11 @@ impl Item {
 /// atoms: 64, or 128 for `D` 80 to 128, whose columns past `D` are copied as zeros and never
 /// read by the MMAs).
 #[inline(always)]
-pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>(p: &AttnParams) {
+pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, const W: usize>(p: &AttnParams) {
     // Programmatic dependent launch: wait for the cache write before reading anything.
     pdl_prologue();
     const { assert!((D == 64 && W == 64) || (W == 128 && matches!(D, 80 | 96 | 112 | 128)) || (D == 256 && W == 256 && !K::FP8)) };
+    const { assert!(M::E4M3 == Rings::<W, K>::E4M3) };
     let tid = thread_idx_x();
     let rings = Rings::<W, K>::new(shared_addr(dynamic_shared::<u8>()));
     if tid == 0 {
@@ -322,19 +347,23 @@ pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, const D:
     }
     sync_threads();
     if tid >= THREADS {
-        if K::FP8 {
+        if Rings::<W, K>::E4M3 {
+            set_max_registers::<WS_E4M3_PRODUCER_REGS, false>();
+        } else if K::FP8 {
             set_max_registers::<WS_FP8_PRODUCER_REGS, false>();
         } else {
             set_max_registers::<WS_PRODUCER_REGS, false>();
         }
         unsafe { produce::<Q, K, D, W>(p, rings, tid - THREADS) };
     } else {
-        if K::FP8 {
+        if Rings::<W, K>::E4M3 {
+            set_max_registers::<WS_E4M3_COMPUTE_REGS, true>();
+        } else if K::FP8 {
             set_max_registers::<WS_FP8_COMPUTE_REGS, true>();
         } else {
             set_max_registers::<WS_COMPUTE_REGS, true>();
         }
-        unsafe { consume::<Q, K, D, W>(p, rings, tid) };
+        unsafe { consume::<Q, K, M, D, W>(p, rings, tid) };
     }
 }
 
@@ -372,6 +401,17 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                 // second).
                 mbarrier::arrive(rings.filled(v));
             }
+        }
+    };
+    // e4m3 stages: position `v`'s V rows (this thread's own copies, landed) transposed into its
+    // stage, whose K copies have landed with them, and the stage marked filled.
+    let fill_transposed = |v: u32| unsafe {
+        transpose_v(rings.raw_v(v), rings.v(v), t);
+        fence_proxy_async_shared();
+        mbarrier::arrive(rings.filled(v));
+        if t == 0 {
+            // As for the other formats: producer 0's second arrival.
+            mbarrier::arrive(rings.filled(v));
         }
     };
     let mut u = 0u32;
@@ -446,7 +486,22 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                     }
                     let uh = u + h as u32;
                     let table = rings.table(uh);
-                    if K::FP8 {
+                    if Rings::<W, K>::E4M3 {
+                        // The stage (a whole tile), once free: its table, then K straight into
+                        // it and V's rows into a raw slot. Then the tile before, whose copies
+                        // have landed, has its V transposed and is marked filled. A raw slot's
+                        // and a stage's previous copies were this thread's own, waited for
+                        // before their transposes.
+                        unsafe { mbarrier::wait(rings.freed(uh), Rings::<W, K>::parity(uh) ^ 1) };
+                        unsafe { write_table_entry::<W, K>(table, t, h as u32, (ka, va), any_bad) };
+                        named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
+                        unsafe { copy_tile(rings.k(uh), rings.raw_v(uh), t, live, p.qkv.q, |r| ld_shared_u64x2(table + r * TABLE_ENTRY)) };
+                        cp_async_commit();
+                        if uh >= first + WS_E4M3_LOOKAHEAD {
+                            cp_async_wait::<{ WS_E4M3_LOOKAHEAD }>();
+                            fill_transposed(uh - WS_E4M3_LOOKAHEAD);
+                        }
+                    } else if K::FP8 {
                         // Raw rows of this stage into its raw slot (their addresses through its
                         // raw table), then the stage `WS_FP8_LOOKAHEAD` back converted into the
                         // ring (the item's first stages have none that far back in the item;
@@ -500,7 +555,11 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                 u += Rings::<W, K>::STAGES_PER_TILE;
                 j += 1;
             }
-            if K::FP8 {
+            if Rings::<W, K>::E4M3 {
+                // The item's last tile not yet transposed (`WS_E4M3_LOOKAHEAD` is 1).
+                cp_async_wait::<0>();
+                fill_transposed(u - 1);
+            } else if K::FP8 {
                 // The item's last stages not yet converted: the rows of each have landed once
                 // the groups committed after it are all that remain.
                 for v in u.saturating_sub(WS_FP8_LOOKAHEAD).max(first)..u {
@@ -560,13 +619,12 @@ unsafe fn write_table_entry<const W: usize, K: CacheFormat>(table: u32, t: u32, 
 /// The compute warpgroups (`tid` < [`THREADS`]): the half-tile schedule (module docs) over the
 /// rings, item after item.
 #[inline(always)]
-unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W, K>, tid: u32) {
+unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W, K>, tid: u32) {
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
     let wg = warp / 4;
-    let gb = group_bytes(W as u32);
-    let k_desc = |addr: u32| wgmma_desc(addr, 16, gb, true);
-    let v_desc = |addr: u32| wgmma_desc(addr, 1024, gb, true);
+    let k_desc = |addr: u32| M::desc_qk::<W>(addr);
+    let v_desc = |addr: u32| M::desc_v::<W>(addr);
     // Half tile `x`'s stage has landed and is visible to this thread's `wgmma`s (waited for at
     // its first half, which every later half of the stage follows in this warp's program
     // order, so one wait and one proxy fence a stage).
@@ -607,18 +665,27 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
         }
         let w = it.work;
         let (end, n_tiles) = (it.end, it.n_tiles);
+        // e4m3 stages: the item's queries quantised into the warpgroup's e4m3 rows, whose scale
+        // joins the score scale; the 16-bit buffer is then free for the next item's.
+        let q_scale = if Rings::<W, K>::E4M3 {
+            let scale = if n_tiles > 0 { unsafe { quantise_queries::<Q>(rings.q(k), rings.q8(0), rings.scratch(), tid) } } else { 1.0 };
+            release(rings.q_freed(k));
+            scale
+        } else {
+            1.0
+        };
         let warp_row0 = 16 * warp;
         let rows: [[RowInfo; 2]; 1] = [unsafe { [w.row(p, warp_row0 + g), w.row(p, warp_row0 + g + 8)] }];
         let warp_pos = unsafe { (w.row(p, warp_row0).pos, w.row(p, warp_row0 + 15).pos) };
         // FP8: dequantisation folds into the score scale (k) and the output factor (v); 1 and
         // 1 for a 16-bit cache.
         let (k_scale, v_scale) = unsafe { K::scales::<Q>(p, w.kv_head) };
-        let logits = Logits::new(p, p.variant.scale_log2 * k_scale, end);
+        let logits = Logits::new(p, p.variant.scale_log2 * k_scale * q_scale, end);
         // The last position this warpgroup's rows see (causal): keys past it are masked for all
         // of them.
         let wg_last_pos = if p.mask.causal != 0 { unsafe { w.row(p, 64 * wg + 63).pos } } else { u32::MAX };
         let mult = logits.mult();
-        let q_desc = wgmma_desc(rings.q(k) + 64 * wg * 2 * W as u32, 16, gb, true);
+        let q_desc = M::desc_qk::<W>(if Rings::<W, K>::E4M3 { rings.q8(wg) } else { rings.q(k) + 64 * wg * 2 * W as u32 });
 
         // The quad's partial sums, then the output (or the split's partial) per row. The item
         // is read again from its descriptor rather than kept in registers through the loop.
@@ -723,10 +790,10 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
             let mut state = [OnlineSoftmax::EMPTY; 2];
             let mut o: Acc = [[0.0f32; 4]; ACC_BLOCKS];
             // The weights of the previous half tile, read by its in-flight P V.
-            let mut pf = [[0u32; 4]; 4];
+            let mut pf = M::P_ZERO;
             wait_filled(2 * u);
             // S of the current half tile, retired.
-            let mut s = unsafe { wait_scores64::<0>(Q::scores_64x64_async::<D>(q_desc, k_desc(rings.half(2 * u).k))) };
+            let mut s = unsafe { wait_scores64::<0>(M::scores::<D>(q_desc, k_desc(rings.half(2 * u).k))) };
             // The softmax of half `h` of tile `j` (S in `s`, every chain before it retired but P V
             // of the previous half, and `$next` in flight), then its P V issued.
             macro_rules! softmax_pv {
@@ -741,7 +808,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                     let [mut s_cur] = st;
                     let m = row_max(&s_cur);
                     // Retire P V of the previous half (O and its weights) before rescaling O.
-                    unsafe { wait_pv64::<$wait_pv, D>(&mut o, &pf) };
+                    unsafe { M::wait_pv::<$wait_pv, D>(&mut o, &pf) };
                     if j > 0 || h > 0 {
                         // P V of the previous half has retired.
                         release_half(uh - 1);
@@ -758,15 +825,8 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                         });
                     }
                     weights(&mut s_cur, &mut state, mult);
-                    pf = core::array::from_fn(|kk| {
-                        [
-                            Q::pack2(s_cur[2 * kk][0], s_cur[2 * kk][1]),
-                            Q::pack2(s_cur[2 * kk][2], s_cur[2 * kk][3]),
-                            Q::pack2(s_cur[2 * kk + 1][0], s_cur[2 * kk + 1][1]),
-                            Q::pack2(s_cur[2 * kk + 1][2], s_cur[2 * kk + 1][3]),
-                        ]
-                    });
-                    unsafe { Q::pv_64xd_k64_async::<D>(&mut o, &pf, v_desc(hx.v)) };
+                    pf = M::pack(&s_cur);
+                    unsafe { M::pv::<D>(&mut o, &pf, v_desc(hx.v)) };
                 }};
             }
             // One tile `j` (`$last`: no next tile, so no S of its first half to run ahead).
@@ -775,7 +835,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                     let j: u32 = $j;
                     let uj = 2 * (u + j);
                     wait_filled(uj + 1);
-                    let s_next = unsafe { Q::scores_64x64_async::<D>(q_desc, k_desc(rings.half(uj + 1).k)) };
+                    let s_next = unsafe { M::scores::<D>(q_desc, k_desc(rings.half(uj + 1).k)) };
                     // In flight: S of j's second half (P V of j - 1 retired at the end of its step).
                     softmax_pv!(j, 0, 1);
                     // In flight: S of j's second half, P V of its first.
@@ -784,7 +844,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                         softmax_pv!(j, 1, 0);
                     } else {
                         wait_filled(uj + 2);
-                        let s_next = unsafe { Q::scores_64x64_async::<D>(q_desc, k_desc(rings.half(uj + 2).k)) };
+                        let s_next = unsafe { M::scores::<D>(q_desc, k_desc(rings.half(uj + 2).k)) };
                         // In flight: P V of j's first half, S of j + 1's first half.
                         softmax_pv!(j, 1, 1);
                         // In flight: S of j + 1's first half, P V of j's second. Both are
@@ -817,7 +877,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
             // each chain, the ring addresses and descriptors in vector registers moved to
             // uniform ones before every `wgmma` instead of kept there; d64 key loop 2127
             // instructions instead of 2085).
-            unsafe { wait_pv64::<0, D>(&mut o, &pf) };
+            unsafe { M::wait_pv::<0, D>(&mut o, &pf) };
             if skip {
                 // Done with the last tile's first half.
                 release_half(u_last);
@@ -833,8 +893,11 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
             wait_filled(u_last + 1);
             release_half(u_last + 1);
         }
-        // The item's queries and descriptor are no longer read.
-        release(rings.q_freed(k));
+        // The item's queries and descriptor are no longer read (e4m3 stages: the queries were
+        // released at the start; the descriptor slot is rewritten only two items on).
+        if !Rings::<W, K>::E4M3 {
+            release(rings.q_freed(k));
+        }
         u += n_tiles;
         k += 1;
     }

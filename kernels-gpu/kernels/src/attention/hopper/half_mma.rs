@@ -1,0 +1,124 @@
+//! A compute warpgroup's MMAs over one 64-key step, per stage format: 16-bit operands
+//! ([`Mma16`]) or e4m3 ones ([`MmaE4m3`], `crate::attention::hopper::e4m3_stages`). The key loop
+//! of `prefill_specialized` is written once over this.
+
+use crate::blocks::mma::wgmma_desc;
+use crate::blocks::wgmma::{e4m3x4, pv_e4m3_64xd_k64, scores_e4m3_64x64, wait_pv64, wait_pv64_e4m3, Acc, WgmmaTiles};
+use attn_math::hopper_prefill::group_bytes;
+use core::marker::PhantomData;
+
+pub(crate) trait HalfMma {
+    /// The stages hold e4m3 rows (`StageFormat::Fp8`).
+    const E4M3: bool;
+    /// P of a step as the P V chain's A fragments.
+    type P: Copy;
+    const P_ZERO: Self::P;
+    /// Descriptors of Q and K (K-major) and V in the stage's layout, rows of `W` columns.
+    fn desc_qk<const W: usize>(addr: u32) -> u64;
+    fn desc_v<const W: usize>(addr: u32) -> u64;
+    /// S = Q K^T over 64 keys, not waited for (`wait_scores64` retires it).
+    unsafe fn scores<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8];
+    /// O += P V over 64 keys, not waited for ([`Self::wait_pv`] retires it).
+    unsafe fn pv<const D: usize>(o: &mut Acc, p: &Self::P, desc_v: u64);
+    /// Waits until at most `N` chains are pending; `o` and `p` are operands, as in `wait_pv64`.
+    unsafe fn wait_pv<const N: u32, const D: usize>(o: &mut Acc, p: &Self::P);
+    /// The weights of a 64-key S block as A fragments.
+    fn pack(s: &[[f32; 4]; 8]) -> Self::P;
+}
+
+/// 16-bit Q, K and V of type `Q`: V read N-major from its rows, P packed in `mma.sync`'s A layout.
+pub(crate) struct Mma16<Q>(PhantomData<Q>);
+
+impl<Q: WgmmaTiles> HalfMma for Mma16<Q> {
+    const E4M3: bool = false;
+    type P = [[u32; 4]; 4];
+    const P_ZERO: Self::P = [[0; 4]; 4];
+
+    #[inline(always)]
+    fn desc_qk<const W: usize>(addr: u32) -> u64 {
+        wgmma_desc(addr, 16, group_bytes(W as u32), true)
+    }
+
+    #[inline(always)]
+    fn desc_v<const W: usize>(addr: u32) -> u64 {
+        wgmma_desc(addr, 1024, group_bytes(W as u32), true)
+    }
+
+    #[inline(always)]
+    unsafe fn scores<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8] {
+        unsafe { Q::scores_64x64_async::<D>(desc_q, desc_k) }
+    }
+
+    #[inline(always)]
+    unsafe fn pv<const D: usize>(o: &mut Acc, p: &Self::P, desc_v: u64) {
+        unsafe { Q::pv_64xd_k64_async::<D>(o, p, desc_v) }
+    }
+
+    #[inline(always)]
+    unsafe fn wait_pv<const N: u32, const D: usize>(o: &mut Acc, p: &Self::P) {
+        unsafe { wait_pv64::<N, D>(o, p) }
+    }
+
+    #[inline(always)]
+    fn pack(s: &[[f32; 4]; 8]) -> Self::P {
+        core::array::from_fn(|kk| {
+            [
+                Q::pack2(s[2 * kk][0], s[2 * kk][1]),
+                Q::pack2(s[2 * kk][2], s[2 * kk][3]),
+                Q::pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                Q::pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]),
+            ]
+        })
+    }
+}
+
+/// e4m3 Q, K and V^T, rows of 128 bytes: P rounded to e4m3, each register four weights of one
+/// row in the column order V^T follows (`e4m3_stages::key_of_column`).
+pub(crate) struct MmaE4m3;
+
+impl HalfMma for MmaE4m3 {
+    const E4M3: bool = true;
+    type P = [[u32; 4]; 2];
+    const P_ZERO: Self::P = [[0; 4]; 2];
+
+    #[inline(always)]
+    fn desc_qk<const W: usize>(addr: u32) -> u64 {
+        // Rows of 128 bytes: 8-row groups of 1024.
+        wgmma_desc(addr, 16, 1024, true)
+    }
+
+    #[inline(always)]
+    fn desc_v<const W: usize>(addr: u32) -> u64 {
+        wgmma_desc(addr, 16, 1024, true)
+    }
+
+    #[inline(always)]
+    unsafe fn scores<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8] {
+        unsafe { scores_e4m3_64x64::<D>(desc_q, desc_k) }
+    }
+
+    #[inline(always)]
+    unsafe fn pv<const D: usize>(o: &mut Acc, p: &Self::P, desc_v: u64) {
+        unsafe { pv_e4m3_64xd_k64::<D>(o, p, desc_v) }
+    }
+
+    #[inline(always)]
+    unsafe fn wait_pv<const N: u32, const D: usize>(o: &mut Acc, p: &Self::P) {
+        unsafe { wait_pv64_e4m3::<N, D>(o, p) }
+    }
+
+    #[inline(always)]
+    fn pack(s: &[[f32; 4]; 8]) -> Self::P {
+        // k-step kc: column blocks 4kc..4kc+3; registers: (row g, keys 0-15), (row g + 8, 0-15),
+        // (row g, 16-31), (row g + 8, 16-31) of the 32, each from two 8-key blocks.
+        core::array::from_fn(|kc| {
+            let b = 4 * kc;
+            [
+                e4m3x4(s[b][0], s[b][1], s[b + 1][0], s[b + 1][1]),
+                e4m3x4(s[b][2], s[b][3], s[b + 1][2], s[b + 1][3]),
+                e4m3x4(s[b + 2][0], s[b + 2][1], s[b + 3][0], s[b + 3][1]),
+                e4m3x4(s[b + 2][2], s[b + 2][3], s[b + 3][2], s[b + 3][3]),
+            ]
+        })
+    }
+}
