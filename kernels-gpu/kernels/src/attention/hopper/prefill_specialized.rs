@@ -41,6 +41,12 @@
 //! ([`must_rescale`]); the other blocks keep each row's running max as it was.
 //!
 //! `setmaxnreg` moves registers from the producer (which needs few) to the compute warps.
+//!
+//! An FP8 cache (`prefill_wgs_<q>_fp8_d*`, `attn_math::hopper_prefill::StageFormat`): at width
+//! 64 the producer converts its rows into 16-bit stages; at widths 80 to 128 the stages hold
+//! e4m3 rows, whole tiles of K as copied and V transposed by the producer, and the compute warps
+//! quantise each item's queries and run both MMAs on e4m3 (`super::e4m3_stages`). The key loop
+//! is the same for every format: its MMAs go through [`HalfMma`].
 
 use crate::attention::config::CacheFormat;
 use crate::attention::hopper::e4m3_stages::{copy_tile, quantise_queries, transpose_v};
@@ -680,6 +686,9 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
         // FP8: dequantisation folds into the score scale (k) and the output factor (v); 1 and
         // 1 for a 16-bit cache.
         let (k_scale, v_scale) = unsafe { K::scales::<Q>(p, w.kv_head) };
+        // Those scales carry the 16-bit conversion's unpack factor, which e4m3 MMAs, reading the
+        // bytes as they are, must not: it is 1 where the conversion is the hardware's (sm_90a).
+        const { assert!(!M::E4M3 || Q::FP8_UNPACK_SCALE == 1.0) };
         let logits = Logits::new(p, p.variant.scale_log2 * k_scale * q_scale, end);
         // The last position this warpgroup's rows see (causal): keys past it are masked for all
         // of them.
