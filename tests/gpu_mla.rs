@@ -201,6 +201,11 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("bf16_fp8::heads_16".into(), Case::new(16, &[1, 65, 1000], 1), "bf16_fp8");
     push("bf16_fp8::heads_128_mtp_2".into(), Case::new(128, &[3, 400], 2), "bf16_fp8");
     push("f16_fp8::heads_64".into(), Case::new(64, &[64, 129], 1), "f16_fp8");
+    // The narrow shape converts FP8 fragments in registers: its paths with an FP8 cache.
+    push("f16_fp8::mtp_4_heads_4".into(), Case::new(4, &[5, 100, 1000], 4), "f16_fp8");
+    push("bf16_fp8::heads_16_long_5000".into(), Case::new(16, &[5000, 3, 129], 1), "bf16_fp8");
+    push("bf16_fp8::empty_requests".into(), Case { q_lens: vec![0, 1, 0, 2], ..Case::new(8, &[0, 50, 0, 2], 1) }, "bf16_fp8");
+    push("bf16_fp8::bad_block_id".into(), Case { bad_block: true, ..Case::new(16, &[200, 40], 1) }, "bf16_fp8");
     push("bf16::forced_split_1".into(), Case { split: SplitMode::Fixed(1), ..Case::new(16, &[3000, 10], 1) }, "bf16");
     push("bf16::forced_split_7".into(), Case { split: SplitMode::Fixed(7), ..Case::new(128, &[1000, 10], 1) }, "bf16");
     push("bf16::empty_requests".into(), Case { q_lens: vec![0, 1, 0, 2], ..Case::new(16, &[0, 50, 0, 2], 1) }, "bf16");
@@ -213,6 +218,7 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("bf16::cluster_2_mtp_4_heads_4".into(), cluster(2, Case::new(4, &[300, 280, 257], 4)), "bf16");
     push("f16::cluster_2_planned".into(), Case { planned: true, ..cluster(2, Case::new(16, &[1000, 999, 1024], 1)) }, "f16");
     push("bf16_fp8::cluster_8_heads_16".into(), cluster(8, Case::new(16, &[2000, 1900], 1)), "bf16_fp8");
+    push("f16_fp8::cluster_2_planned".into(), Case { planned: true, ..cluster(2, Case::new(16, &[1000, 999, 1024], 1)) }, "f16_fp8");
     push("bf16::cluster_2_bad_block_id".into(), Case { bad_block: true, ..cluster(2, Case::new(16, &[200, 190], 1)) }, "bf16");
     let off = Tuning { mla_clusters: false, ..Tuning::DEFAULT };
     push(

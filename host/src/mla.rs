@@ -3,7 +3,7 @@
 //! whose value is the first 512 columns of the same row.
 //!
 //! Runs on the MLA kernel (`mla_<q>[_fp8]_{narrow,wide}`, geometry in `attn_math::mla`): a CTA
-//! of 8 warps copies each cached row once into shared memory (FP8 rows converted there), computes
+//! of 8 warps copies each cached row once into shared memory (FP8 rows raw), computes
 //! Q K^T once per tile, and shares the weights P through shared memory with warps that each own a
 //! slice of the 512 output columns. Up to 16 query rows per request (heads x query tokens) take
 //! the narrow shape (16 rows, memory-bound), more take 64-row tiles (wide, compute-bound).
@@ -106,7 +106,8 @@ pub fn mla_attention(
 /// The MLA kernel for `max_q` query tokens per request of `hq` heads, and its CTA target.
 ///
 /// The MLA kernel (`mla_<q>[_fp8]_{narrow,wide}`, `attn_math::mla`; FP8 caches are converted
-/// slot by slot in shared memory). The split plan aims at [`Tuning::mla_waves`] waves of CTAs.
+/// exactly, in registers on the narrow shape and slot by slot in shared memory on the wide one).
+/// The split plan aims at [`Tuning::mla_waves`] waves of CTAs.
 pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usize, max_q: u32, tuning: &Tuning) -> Result<TcKernel> {
     let (id, s) = mla_kernel_id(q_dtype, fp8, max_q * hq as u32);
     mla_tc_kernel_of(dev, id, s, fp8, hq, tuning)

@@ -39,6 +39,10 @@ pub struct MlaShape {
     pub s_row_tiles: u32,
     /// Row groups of the value phase's warp grid (the rest of the warps split the columns).
     pub pv_row_groups: u32,
+    /// FP8 caches: the math reads its fragments from the raw rows and converts them in
+    /// registers (narrow); otherwise each tile's slots are first converted into 16-bit slots in
+    /// shared memory (wide: `wgmma` reads its operands from there).
+    pub fp8_in_registers: bool,
 }
 
 impl MlaShape {
@@ -79,8 +83,8 @@ pub const SLOT_KEYS: u32 = 32;
 /// when a key's block is outside the cache), padded to 16 bytes.
 pub const TABLE_BYTES: u32 = SLOT_KEYS * 8 + 16;
 
-pub const NARROW: MlaShape = MlaShape { block_m: 16, block_n: 64, ring: 5, s_row_tiles: 1, pv_row_groups: 1 };
-pub const WIDE: MlaShape = MlaShape { block_m: 64, block_n: 64, ring: 4, s_row_tiles: 4, pv_row_groups: 2 };
+pub const NARROW: MlaShape = MlaShape { block_m: 16, block_n: 64, ring: 5, s_row_tiles: 1, pv_row_groups: 1, fp8_in_registers: true };
+pub const WIDE: MlaShape = MlaShape { block_m: 64, block_n: 64, ring: 4, s_row_tiles: 4, pv_row_groups: 2, fp8_in_registers: false };
 
 /// The shape for requests of up to `rows` query rows (heads x query tokens): narrow up to 16
 /// rows (one tile; more would re-read every K tile per 16 rows), else wide.
@@ -96,14 +100,15 @@ pub const fn shape_for_rows(rows: u32) -> MlaShape {
 /// (`SLOT_KEYS` rows each) in the [`swizzled`] layout, P (`block_m x block_n`, 16-bit, in the
 /// [`p_offset`] layout), the published row maxima `[key_groups][block_m]` f32 (reused for the
 /// denominators at the end), the slots' address tables. FP8 caches: the ring holds the raw rows
-/// (576 bytes each, row after row), and each tile's slots are converted into `converted`
-/// (16-bit, [`swizzled`]) before its math.
+/// (576 bytes each, in the [`raw_offset`] layout); unless the shape converts in registers, each
+/// tile's slots are converted into `converted` (16-bit, [`swizzled`]) before its math.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MlaLayout {
     pub q: u32,
     pub k: u32,
     pub k_slot: u32,
-    /// FP8: the tile's 16-bit slots (`slots_per_tile` x `converted_slot` bytes); else unused.
+    /// FP8 converted in shared memory: the tile's 16-bit slots (`slots_per_tile` x
+    /// `converted_slot` bytes); else unused (no bytes).
     pub converted: u32,
     pub converted_slot: u32,
     pub p: u32,
@@ -116,6 +121,8 @@ pub struct MlaLayout {
 
 /// 16-byte chunks of a 576-wide row.
 pub const ROW_CHUNKS: u32 = MLA_QK / 8;
+/// 16-byte chunks of a 576-wide FP8 row.
+pub const RAW_CHUNKS: u32 = MLA_QK / 16;
 /// Bytes of a group of 8 rows in the [`swizzled`] layout.
 pub const GROUP_BYTES: u32 = 8 * MLA_QK * 2;
 
@@ -127,6 +134,23 @@ pub const GROUP_BYTES: u32 = 8 * MLA_QK * 2;
 /// of a row stay 128 contiguous bytes, so the copies coalesce on both sides.
 pub const fn swizzled(row: u32, chunk: u32) -> u32 {
     (row / 8) * GROUP_BYTES + (chunk / 8) * 1024 + (row % 8) * 128 + ((chunk % 8) ^ (row % 8)) * 16
+}
+
+/// Byte offset of (row, 16-byte chunk) of an FP8 slot's raw rows: row after row (576 bytes,
+/// 36 chunks), chunk `c` of row `r` at chunk `c ^ (r & 6)` (`c ^ (r & 2)` for the last four, the
+/// rope part, whose group of 8 is half a row). The narrow shape's fragment loads are then free of
+/// bank conflicts: a score load (8 threads: rows `2m, 2m + 1`, chunks `4j + t` of four threads
+/// `t`) covers the 8 bank groups, and so does a value load (16 threads: rows `r0 + 2t`, with
+/// `r0 % 8` 0 or 1, times two chunks of a 4-chunk group).
+pub const fn raw_offset(row: u32, chunk: u32) -> u32 {
+    row * MLA_QK + raw_chunk(row, chunk) * 16
+}
+
+/// Where chunk `chunk` of row `row` sits among the row's chunks in the [`raw_offset`] layout;
+/// its own inverse (the chunk that sits at a place).
+pub const fn raw_chunk(row: u32, chunk: u32) -> u32 {
+    let flip = if chunk < RAW_CHUNKS / 8 * 8 { row & 6 } else { row & 2 };
+    chunk ^ flip
 }
 
 /// Byte offset of P's (row, key), `p_group` bytes between 8-row groups: 8 x 8 "core matrices"
@@ -142,7 +166,7 @@ pub const fn shared_layout(s: MlaShape, fp8: bool) -> MlaLayout {
     let converted_slot = SLOT_KEYS * MLA_QK * 2;
     // 1024-byte aligned (the swizzle atoms): Q and the 16-bit slots first.
     let converted = q + s.block_m * MLA_QK * 2;
-    let k = if fp8 { converted + s.slots_per_tile() * converted_slot } else { converted };
+    let k = if fp8 && !s.fp8_in_registers { converted + s.slots_per_tile() * converted_slot } else { converted };
     let k_slot = if fp8 { SLOT_KEYS * MLA_QK } else { converted_slot };
     let p = k + s.ring * k_slot;
     let p_group = s.block_n * 16;
@@ -176,6 +200,49 @@ mod tests {
             // wgmma descriptors: Q and the slots 1024-byte aligned, addresses within 14 bits >> 4.
             assert!(l.converted.is_multiple_of(1024) && l.k_slot.is_multiple_of(16) && l.total < 1 << 18);
             assert!(fp8 || (l.k.is_multiple_of(1024) && l.k_slot.is_multiple_of(1024)));
+        }
+    }
+
+    #[test]
+    fn raw_layout_is_a_bijection_onto_each_row() {
+        for r in 0..SLOT_KEYS {
+            let mut seen = [false; RAW_CHUNKS as usize];
+            for c in 0..RAW_CHUNKS {
+                assert_eq!(raw_chunk(r, raw_chunk(r, c)), c);
+                let o = raw_offset(r, c) - r * MLA_QK;
+                assert!(o < MLA_QK && !std::mem::replace(&mut seen[(o / 16) as usize], true));
+            }
+        }
+    }
+
+    /// The 16-byte bank group (of 8) a raw chunk lands in.
+    fn bank_group(r: u32, c: u32) -> u32 {
+        raw_offset(r, c) / 16 % 8
+    }
+
+    #[test]
+    fn raw_layout_fragment_loads_are_free_of_bank_conflicts() {
+        // Score loads: rows 2m, 2m + 1 (lanes' g) times chunks 4j + t (lanes' t4), 16 bytes each.
+        for m in 0..SLOT_KEYS / 2 {
+            for j in 0..RAW_CHUNKS / 4 {
+                let mut groups: std::vec::Vec<u32> = (0..8).map(|lane| bank_group(2 * m + lane / 4, 4 * j + lane % 4)).collect();
+                groups.sort();
+                groups.dedup();
+                assert_eq!(groups.len(), 8, "rows {}, {}, chunk group {j}", 2 * m, 2 * m + 1);
+            }
+        }
+        // Value loads: rows r0 + 2 t4 times 8 bytes at 8 g of a warp's 4-chunk column group;
+        // 16 lanes (g 0-3 or 4-7) must cover the 8 bank groups.
+        for r0 in (0..SLOT_KEYS - 7).filter(|r| r % 8 < 2) {
+            for group in 0..RAW_CHUNKS / 4 - 1 {
+                for half in 0..2 {
+                    let mut groups: std::vec::Vec<u32> =
+                        (0..16).map(|lane| bank_group(r0 + 2 * (lane % 4), 4 * group + 2 * half + lane / 8)).collect();
+                    groups.sort();
+                    groups.dedup();
+                    assert_eq!(groups.len(), 8, "rows from {r0}, chunk group {group}, half {half}");
+                }
+            }
         }
     }
 

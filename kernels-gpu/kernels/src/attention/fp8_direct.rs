@@ -120,19 +120,27 @@ pub(crate) unsafe fn accumulate_pv<C: AttnConfig>(s: &[[f32; 4]; 8], o: &mut [[f
             run[k][1] = (v >> 32) as u32;
         }
     });
-    // Word m of the runs holds dimensions 4m .. 4m + 4 of the thread's slice: tiles 4m .. 4m + 4.
+    mma_value_runs::<C::M>(a, &run, C::DV / 32, o);
+}
+
+/// `O += P V` for one 16-key k-step from each thread's FP8 value runs: `run[k]`, the bytes of
+/// key `2t4 + k % 2 + 8 (k / 2)` (the B fragment's keys) at this thread's `4 * words` columns, word
+/// m holding columns `4m .. 4m + 4` of its slice; column `g`'s slice byte `i` belongs to
+/// accumulator tile `i` (`a`: P's A fragment for the same 16 keys).
+#[inline(always)]
+pub(crate) fn mma_value_runs<M: MmaHalf>(a: [u32; 4], run: &[[u32; 4]; 4], words: usize, o: &mut [[f32; 4]; 32]) {
     static_for::<4>(|m| {
-        if m < C::DV / 32 {
-            // (key 2t4, key 2t4 + 1) byte pairs of dimensions 4m, 4m + 1 and 4m + 2, 4m + 3.
+        if m < words {
+            // (key 2t4, key 2t4 + 1) byte pairs of columns 4m, 4m + 1 and 4m + 2, 4m + 3.
             let low = [byte_perm(run[0][m], run[1][m], 0x5140), byte_perm(run[2][m], run[3][m], 0x5140)];
             let high = [byte_perm(run[0][m], run[1][m], 0x7362), byte_perm(run[2][m], run[3][m], 0x7362)];
             static_for::<4>(|d| {
                 let pairs = if d < 2 { low } else { high };
                 let shift = 16 * (d % 2) as u32;
-                let b0 = C::M::from_fp8x2((pairs[0] >> shift) & 0xffff);
-                let b1 = C::M::from_fp8x2((pairs[1] >> shift) & 0xffff);
+                let b0 = M::from_fp8x2((pairs[0] >> shift) & 0xffff);
+                let b1 = M::from_fp8x2((pairs[1] >> shift) & 0xffff);
                 let i = 4 * m + d;
-                o[i] = C::M::mma(a, b0, b1, o[i]);
+                o[i] = M::mma(a, b0, b1, o[i]);
             });
         }
     });

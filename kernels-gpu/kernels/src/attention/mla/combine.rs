@@ -15,8 +15,9 @@ use attn_math::softmax::OnlineSoftmax;
 const NARROW_TILES: usize = (mla::NARROW.cols_per_warp() / 8) as usize;
 
 /// The splits of one request, run by the CTAs of a cluster (rank = split), combined through
-/// distributed shared memory (narrow shape: every warp holds all 16 rows, `NARROW_TILES` tiles
-/// of 8 columns from `col0`). Each CTA publishes its unnormalised accumulators (`[tile][thread]`
+/// distributed shared memory (narrow shape: every warp holds all 16 rows, `NARROW_TILES` pairs
+/// of columns per row in the `mma` C layout, pair `n` at columns `pair_column(n)` and `+ 1`; the
+/// thread whose first pair is column 0 writes the row's LSE). Each CTA publishes its unnormalised accumulators (`[tile][thread]`
 /// 16-byte entries: conflict-free, and every CTA's thread finds its own fragment at the same
 /// offset) and its rows' states at `publish`; after a cluster barrier, rank k combines the
 /// column tiles `n` with `n % ranks == k` from every rank under the merged row states and
@@ -30,7 +31,7 @@ pub(super) unsafe fn cluster_combine<Q: MmaHalf>(
     publish: u32,
     o: &[[f32; 4]; 32],
     states: [OnlineSoftmax; 2],
-    col0: u32,
+    pair_column: impl Fn(u32) -> u32,
     v_scale: f32,
 ) {
     use crate::blocks::cluster::{cluster_rank, cluster_sync, ld_cluster_v2, ld_cluster_v4, map_rank};
@@ -73,7 +74,7 @@ pub(super) unsafe fn cluster_combine<Q: MmaHalf>(
             return;
         }
         let row = unsafe { w.row(p, r) };
-        let out = unsafe { RowOut::new(p, w, &row, merged[h], 1, me == 0 && t4 == 0 && col0 == 0, v_scale, MLA_V) };
+        let out = unsafe { RowOut::new(p, w, &row, merged[h], 1, me == 0 && pair_column(0) == 0, v_scale, MLA_V) };
         static_for::<NARROW_TILES>(|n| {
             if n as u32 % ranks != me {
                 return;
@@ -86,7 +87,7 @@ pub(super) unsafe fn cluster_combine<Q: MmaHalf>(
                     b = fma(factor[j][h], f32::from_bits(v[2 * h + 1]), b);
                 }
             });
-            unsafe { out.store_pair::<Q>(col0 + n as u32 * 8 + 2 * t4, a, b) };
+            unsafe { out.store_pair::<Q>(pair_column(n as u32), a, b) };
         });
     });
     cluster_sync();

@@ -4,8 +4,12 @@
 use super::combine::cluster_combine;
 use super::keys::KeySource;
 use super::slots::{convert_slot_fp8, copy_queries, copy_slot, copy_slot_fp8};
-use super::tile::{accumulate_pv, score_k_lane, scores, wide_pv, wide_scores, K_STEPS};
+use super::tile::{
+    accumulate_pv, accumulate_pv_fp8, fp8_pair_column, fp8_pairs, query_fragments_fp8, score_k_lane, scores, scores_fp8, wide_pv, wide_scores,
+    K_STEPS,
+};
 use crate::attention::output::RowOut;
+use crate::blocks::elem::F16;
 use crate::blocks::device::{dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any};
 use crate::blocks::mma::{
     cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_pinned, shared_addr,
@@ -18,7 +22,8 @@ use attn_math::prefill::MLA_V;
 use attn_math::softmax::{exp2, OnlineSoftmax};
 
 /// The kernel; `WIDE` picks the shape (`attn_math::mla::{NARROW, WIDE}`); `FP8`: an FP8 E4M3
-/// cache (with `p.fp8.k_scale`), converted to Q's type slot by slot in shared memory; `S`: where
+/// cache (with `p.fp8.k_scale`), converted to Q's type in registers (narrow) or slot by slot in
+/// shared memory (wide); `S`: where
 /// key j's row comes from (`super::keys`: a request's sequence, dense; a token's index list,
 /// sparse).
 #[inline(always)]
@@ -42,6 +47,8 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     // the tile; compute-bound (wide): wait, barrier, then copy into the slot just freed.
     let early_issue = !WIDE;
     let layout = shared_layout(shape, FP8);
+    // FP8 fragments straight from the raw rows (no 16-bit copy of the tile).
+    let in_registers = FP8 && shape.fp8_in_registers;
     let tid = thread_idx_x();
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
@@ -68,8 +75,10 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     // Where slot j lands (raw FP8 rows, or already 16-bit), and where the math reads the current
     // tile's slot i (`slot0`: the tile's first).
     let slot_buf = |j: u32| smem + layout.k + (j % shape.ring) * layout.k_slot;
-    let tile_buf = |slot0: u32, i: u32| if FP8 { smem + layout.converted + i * layout.converted_slot } else { slot_buf(slot0 + i) };
+    let converts = FP8 && !in_registers;
+    let tile_buf = |slot0: u32, i: u32| if converts { smem + layout.converted + i * layout.converted_slot } else { slot_buf(slot0 + i) };
     // FP8: dequantisation folds into the score scale (k) and the output factor (v).
+    const { assert!(F16::FP8_UNPACK_SCALE == Q::FP8_UNPACK_SCALE) };
     let (k_scale, v_scale) = if FP8 {
         let unpack = Q::FP8_UNPACK_SCALE;
         (unsafe { load_f32_nc(p.fp8.k_scale) } * unpack, unsafe { load_f32_nc(p.fp8.v_scale) } * unpack)
@@ -172,7 +181,10 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
         });
         m
     };
-    let mult = p.variant.scale_log2 * k_scale;
+    // FP8 in registers: the MMAs take f16 (one conversion instruction per pair of cache bytes),
+    // bf16 queries scaled by 2^-8 into its range and P in f16; the scores undo the scale.
+    let q_conv = if in_registers && Q::IS_BF16 { 1.0 / 256.0 } else { 1.0 };
+    let mult = p.variant.scale_log2 * k_scale / q_conv;
     // Score-phase state (this warp's keys' share of the denominators) and value-phase maxima.
     let mut s_state = [OnlineSoftmax::EMPTY; 2];
     let mut o_state = [[OnlineSoftmax::EMPTY; 2]; 2];
@@ -187,7 +199,11 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
             cp_async_wait::<2>();
         }
         sync_threads();
-        static_for::<{ K_STEPS as usize / 2 }>(|i| static_for::<2>(|j| q_frag[2 * i + j] = unsafe { ldmatrix_x4_pinned(q_at(2 * i + j)) }));
+        if in_registers {
+            q_frag = unsafe { query_fragments_fp8::<Q>(smem + layout.q, q_conv) };
+        } else {
+            static_for::<{ K_STEPS as usize / 2 }>(|i| static_for::<2>(|j| q_frag[2 * i + j] = unsafe { ldmatrix_x4_pinned(q_at(2 * i + j)) }));
+        }
     }
 
     let mut tile = 0;
@@ -227,7 +243,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
             });
         }
         let slot0 = spt * tile;
-        if FP8 {
+        if converts {
             // The tile's raw slots into 16-bit ones (read by `wgmma` on the wide shape).
             static_for::<2>(|i| {
                 if (i as u32) < spt {
@@ -244,7 +260,9 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
         // Scores, masked where the tile crosses a boundary; this warp's row maxima published.
         let my_slot = slot0 + key_off / SLOT_KEYS;
         let my_buf = tile_buf(slot0, key_off / SLOT_KEYS);
-        let mut s = if WIDE {
+        let mut s = if in_registers {
+            unsafe { scores_fp8(&q_frag, my_buf, key_off % SLOT_KEYS) }
+        } else if WIDE {
             let k_at = |rows: u32, chunks: u32| my_buf + swizzled(k_lane.0 + rows, k_lane.1 + chunks);
             wide_scores::<Q>(nkt, |ks| unsafe { ldmatrix_x4(q_at(ks)) }, k_at, smem + layout.q, my_buf, key_off % SLOT_KEYS)
         } else {
@@ -302,7 +320,8 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
                     s_state[h].sum += w0 + w1;
                     let key = key_off + n as u32 * 8 + 2 * t4;
                     let at = smem + layout.p + p_offset(r, key, layout.p_group);
-                    unsafe { st_shared_u32(at, Q::pack2(w0, w1)) };
+                    let pair = if in_registers { F16::pack2(w0, w1) } else { Q::pack2(w0, w1) };
+                    unsafe { st_shared_u32(at, pair) };
                 }
             });
         });
@@ -331,7 +350,9 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
             }
         });
         let v_at = |kk: u32, dp: u32| tile_buf(slot0, kk / 2) + swizzled(v_lane.0 + 16 * (kk % 2), v_lane.1 + 2 * dp);
-        if wgmma_pv {
+        if in_registers {
+            unsafe { accumulate_pv_fp8(&mut o[0], |kk| p_at(0, kk), |i| tile_buf(slot0, i), col0) };
+        } else if wgmma_pv {
             let atom = (col0 / 64) * 1024;
             unsafe { wide_pv::<Q>(&mut o[0], smem + layout.p, layout.p_group, tile_buf(slot0, 0) + atom, tile_buf(slot0, 1) + atom) };
         } else {
@@ -369,11 +390,17 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
         });
         OnlineSoftmax { max: o_state[m][h].max, sum }
     };
+    // The output as pairs of adjacent columns (`o[m][n]`: row g and row g + 8, two columns each
+    // from `pair_column(n)`).
+    if in_registers {
+        o[0] = fp8_pairs(&o[0]);
+    }
+    let pair_column = |n: u32| if in_registers { fp8_pair_column(n, col0) } else { col0 + n * 8 + 2 * t4 };
     #[cfg(wgmma)]
     if !WIDE && p.mla.cluster > 1 {
         // The ring is free now (every copy landed, every tile's reads passed the barrier).
         let states = [row_state(0, 0), row_state(0, 1)];
-        unsafe { cluster_combine::<Q>(p, &w, smem + layout.k, &o[0], states, col0, v_scale) };
+        unsafe { cluster_combine::<Q>(p, &w, smem + layout.k, &o[0], states, pair_column, v_scale) };
         return;
     }
     let num_splits = unsafe { w.num_splits(p) };
@@ -389,7 +416,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
                 let out = unsafe { RowOut::new(p, &w, &row, state, num_splits, t4 == 0 && col0 == 0, v_scale, MLA_V) };
                 static_for::<32>(|n| {
                     if n < nct {
-                        unsafe { out.store_pair::<Q>(col0 + n as u32 * 8 + 2 * t4, o[m][n][2 * h], o[m][n][2 * h + 1]) };
+                        unsafe { out.store_pair::<Q>(pair_column(n as u32), o[m][n][2 * h], o[m][n][2 * h + 1]) };
                     }
                 });
             });

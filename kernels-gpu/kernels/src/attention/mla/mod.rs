@@ -14,9 +14,10 @@
 //! on sm_90a the wide shape's warpgroups compute Q K^T (m64n32k16) and P V (m64n64k16, V read
 //! N-major from the same rows, P from a no-swizzle tile) on `wgmma`; elsewhere, and for the
 //! narrow shape, `mma.sync` with `ldmatrix` (conflict-free in that layout) does both. An FP8
-//! cache's raw rows land in the ring as they are and are converted, a tile's slots at a time,
-//! into 16-bit slots of Q's type before the math (the scales folded into the score and output
-//! factors).
+//! cache's raw rows land in the ring as they are (`attn_math::mla::raw_offset`). The narrow
+//! shape converts its fragments from them in registers, on f16 MMAs (bf16 queries scaled by
+//! 2^-8 into f16's range); the wide shape converts a tile's slots at a time into 16-bit slots of
+//! Q's type for `wgmma`. The scales fold into the score and output factors.
 //!
 //! Dense and sparse MLA are the same kernel over a [`keys::KeySource`]: key j of a work item is
 //! position j of the request (dense, causal among the new tokens) or entry j of the query

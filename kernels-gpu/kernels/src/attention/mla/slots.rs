@@ -3,8 +3,7 @@
 
 use crate::blocks::device::{static_for, thread_idx_x};
 use crate::blocks::mma::{cp_async_16, ld_shared_u64, ld_shared_v4, st_shared_v4, MmaHalf};
-use attn_math::mla::{swizzled, ROW_CHUNKS, SLOT_KEYS, THREADS};
-use attn_math::prefill::MLA_QK;
+use attn_math::mla::{raw_chunk, raw_offset, swizzled, RAW_CHUNKS, ROW_CHUNKS, SLOT_KEYS, THREADS};
 
 /// Copies a slot's 32 rows (their addresses in the table at `table`; 0: zero-fill, `fallback`
 /// named but not read) into the slot buffer at `dst` ([`swizzled`] layout). A warp copies 4 rows x
@@ -22,17 +21,16 @@ pub(super) unsafe fn copy_slot(dst: u32, table: u32, fallback: u64) {
     static_for::<{ (ROW_CHUNKS / 8) as usize }>(|i| unsafe { cp_async_16(to + i as u32 * 1024, from + i as u64 * step, bytes) });
 }
 
-/// [`copy_slot`] for an FP8 cache: the 32 raw rows of 576 bytes, row after row, at `dst`.
+/// [`copy_slot`] for an FP8 cache: the 32 raw rows of 576 bytes at `dst` ([`raw_offset`]).
 #[inline(always)]
 pub(super) unsafe fn copy_slot_fp8(dst: u32, table: u32, fallback: u64) {
-    const RAW_CHUNKS: u32 = MLA_QK / 16;
     let tid = thread_idx_x();
     let (r, c0) = (tid / 8, tid % 8);
     let src = unsafe { ld_shared_u64(table + r * 8) };
     let (from, bytes, step) = if src != 0 { (src + c0 as u64 * 16, 16, 128) } else { (fallback, 0, 0) };
     static_for::<{ RAW_CHUNKS.div_ceil(8) as usize }>(|i| {
         if c0 + 8 * (i as u32) < RAW_CHUNKS {
-            unsafe { cp_async_16(dst + r * MLA_QK + (c0 + 8 * i as u32) * 16, from + i as u64 * step, bytes) };
+            unsafe { cp_async_16(dst + raw_offset(r, c0 + 8 * i as u32), from + i as u64 * step, bytes) };
         }
     });
 }
@@ -42,13 +40,14 @@ pub(super) unsafe fn copy_slot_fp8(dst: u32, table: u32, fallback: u64) {
 /// the raw copies must have landed and a barrier must follow.
 #[inline(always)]
 pub(super) unsafe fn convert_slot_fp8<Q: MmaHalf>(raw: u32, dst: u32) {
-    const RAW_CHUNKS: u32 = MLA_QK / 16;
     let tid = thread_idx_x();
     static_for::<{ (SLOT_KEYS * RAW_CHUNKS).div_ceil(THREADS) as usize }>(|i| {
         let idx = tid + i as u32 * THREADS;
         if idx < SLOT_KEYS * RAW_CHUNKS {
-            let (r, c) = (idx / RAW_CHUNKS, idx % RAW_CHUNKS);
-            let v = unsafe { ld_shared_v4(raw + r * MLA_QK + c * 16) };
+            // The raw chunks in the order they sit (one offset for every slot), and where each
+            // goes.
+            let (r, c) = (idx / RAW_CHUNKS, raw_chunk(idx / RAW_CHUNKS, idx % RAW_CHUNKS));
+            let v = unsafe { ld_shared_v4(raw + idx * 16) };
             let mut h = [0u32; 8];
             static_for::<8>(|j| h[j] = Q::from_fp8x2((v[j / 2] >> (16 * (j % 2))) & 0xffff));
             unsafe { st_shared_v4(dst + swizzled(r, 2 * c), [h[0], h[1], h[2], h[3]]) };
