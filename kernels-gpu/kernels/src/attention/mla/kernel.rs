@@ -5,12 +5,12 @@ use super::combine::cluster_combine;
 use super::keys::KeySource;
 use super::slots::{convert_slot_fp8, copy_queries, copy_slot, copy_slot_fp8};
 use super::tile::{
-    accumulate_pv, accumulate_pv_fp8, fp8_pair_column, fp8_pairs, query_fragments_fp8, score_k_lane, scores, scores_fp8, wide_pv, wide_scores,
-    K_STEPS,
+    accumulate_pv, accumulate_pv_fp8, fp8_pair_column, fp8_pairs, query_fragments_fp8, score_k_lane, scores, scores_fp8, wide_pv,
+    wide_scores, K_STEPS,
 };
 use crate::attention::output::RowOut;
-use crate::blocks::elem::F16;
 use crate::blocks::device::{dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any};
+use crate::blocks::elem::F16;
 use crate::blocks::mma::{
     cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_pinned, shared_addr,
     st_shared_f32, st_shared_u32, st_shared_u64, MmaHalf,
@@ -202,7 +202,9 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
         if in_registers {
             q_frag = unsafe { query_fragments_fp8::<Q>(smem + layout.q, q_conv) };
         } else {
-            static_for::<{ K_STEPS as usize / 2 }>(|i| static_for::<2>(|j| q_frag[2 * i + j] = unsafe { ldmatrix_x4_pinned(q_at(2 * i + j)) }));
+            static_for::<{ K_STEPS as usize / 2 }>(|i| {
+                static_for::<2>(|j| q_frag[2 * i + j] = unsafe { ldmatrix_x4_pinned(q_at(2 * i + j)) })
+            });
         }
     }
 
