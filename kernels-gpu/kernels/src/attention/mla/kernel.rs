@@ -295,19 +295,21 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
                 }
             });
         }
+        // Both rows' shuffles before the one lane's stores: a shuffle after a branch taken by
+        // some lanes compiles to a warp-collective fallback the warps then take.
+        let mut m = [f32::NEG_INFINITY; 2];
         static_for::<2>(|h| {
-            let mut m = f32::NEG_INFINITY;
             static_for::<4>(|n| {
                 if n < nkt {
-                    m = m.max(s[n][2 * h]).max(s[n][2 * h + 1]);
+                    m[h] = m[h].max(s[n][2 * h]).max(s[n][2 * h + 1]);
                 }
             });
-            m = m.max(shfl_xor(m, 1));
-            m = m.max(shfl_xor(m, 2));
-            if t4 == 0 {
-                unsafe { st_shared_f32(row_max(key_group, s_row0 + g + 8 * h as u32), m) };
-            }
+            m[h] = m[h].max(shfl_xor(m[h], 1));
+            m[h] = m[h].max(shfl_xor(m[h], 2));
         });
+        if t4 == 0 {
+            static_for::<2>(|h| unsafe { st_shared_f32(row_max(key_group, s_row0 + g + 8 * h as u32), m[h]) });
+        }
         sync_threads();
 
         // Weights under the tile's row maxima, into P; this warp's share of the denominators.
@@ -372,14 +374,14 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
 
     // The denominators: each score warp's share, summed per row through shared memory.
     sync_threads();
+    let mut sum = [s_state[0].sum, s_state[1].sum];
     static_for::<2>(|h| {
-        let mut sum = s_state[h].sum;
-        sum += shfl_xor(sum, 1);
-        sum += shfl_xor(sum, 2);
-        if t4 == 0 {
-            unsafe { st_shared_f32(row_max(key_group, s_row0 + g + 8 * h as u32), sum) };
-        }
+        sum[h] += shfl_xor(sum[h], 1);
+        sum[h] += shfl_xor(sum[h], 2);
     });
+    if t4 == 0 {
+        static_for::<2>(|h| unsafe { st_shared_f32(row_max(key_group, s_row0 + g + 8 * h as u32), sum[h]) });
+    }
     sync_threads();
     // Each row's state: the value phase's max and the score warps' summed denominators.
     let row_state = |m: usize, h: usize| {
