@@ -22,8 +22,8 @@ use attn_math::prefill::MLA_V;
 use attn_math::softmax::{exp2, OnlineSoftmax};
 
 /// The kernel; `WIDE` picks the shape (`attn_math::mla::{NARROW, WIDE}`); `FP8`: an FP8 E4M3
-/// cache (with `p.fp8.k_scale`), converted to Q's type in registers (narrow) or slot by slot in
-/// shared memory (wide); `S`: where
+/// cache (with `p.fp8.k_scale`), converted to f16 in registers (narrow) or to Q's type slot by
+/// slot in shared memory (wide); `S`: where
 /// key j's row comes from (`super::keys`: a request's sequence, dense; a token's index list,
 /// sparse).
 #[inline(always)]
