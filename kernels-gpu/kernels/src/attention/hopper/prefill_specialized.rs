@@ -60,8 +60,8 @@ use crate::attention::logits::Logits;
 use crate::attention::output::RowOut;
 use crate::attention::work::{work_item_at, RowInfo, Work};
 use crate::blocks::device::{
-    atomic_add_global, atomic_or_global, block_idx_x, dynamic_shared, grid_dim_x, named_barrier, pdl_prologue, set_max_registers, shfl_xor,
-    static_for, sync_threads, thread_idx_x, vote_any,
+    atomic_add_global, atomic_or_global, block_idx_x, dynamic_shared, grid_dim_x, named_barrier, pdl_prologue, set_max_registers, shfl_idx,
+    shfl_xor, static_for, sync_threads, thread_idx_x, vote_any,
 };
 use crate::blocks::mbarrier;
 use crate::blocks::mma::{
@@ -628,7 +628,12 @@ unsafe fn write_table_entry<const W: usize, K: CacheFormat>(table: u32, t: u32, 
 unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W, K>, tid: u32) {
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
-    let wg = warp / 4;
+    // Broadcast from lane 0: the same value, but `ptxas` then knows it is warp-uniform, so the
+    // query descriptors derived from it live in uniform registers. Computed from the thread
+    // index, each of the S chain's `wgmma`s had its A descriptor stepped in vector registers and
+    // moved across (two `R2UR`, two moves and an add a `wgmma`: about 40 instructions a warp
+    // a half tile).
+    let wg = shfl_idx(warp / 4, 0);
     let k_desc = |addr: u32| M::desc_qk::<W>(addr);
     let v_desc = |addr: u32| M::desc_v::<W>(addr);
     // Half tile `x`'s stage has landed and is visible to this thread's `wgmma`s (waited for at

@@ -208,13 +208,16 @@ pub(crate) unsafe fn convert_fp8_rows<M: MmaHalf, const BYTES: usize, const ROWS
 
 /// The max of each of a thread's two rows over a 64-row S block of `NB` column blocks (its
 /// values of each, then the quad's 4 lanes), as four independent chains so that the
-/// comparisons overlap.
+/// comparisons overlap. Each chain starts at its first pair: from -inf, every chain took one
+/// more `FMNMX` a row (8 a warp a 64-key block), which `ptxas` does not fold.
 #[inline(always)]
 pub(crate) fn row_max<const NB: usize>(s: &[[f32; 4]; NB]) -> [f32; 2] {
+    const { assert!(NB >= 4) };
     core::array::from_fn(|h| {
-        let mut m = [f32::NEG_INFINITY; 4];
+        let mut m = [0.0f32; 4];
         static_for::<NB>(|n| {
-            m[n % 4] = m[n % 4].max(s[n][2 * h]).max(s[n][2 * h + 1]);
+            let pair = s[n][2 * h].max(s[n][2 * h + 1]);
+            m[n % 4] = if n < 4 { pair } else { m[n % 4].max(pair) };
         });
         let mut m = m[0].max(m[1]).max(m[2].max(m[3]));
         m = m.max(shfl_xor(m, 1));
@@ -257,12 +260,14 @@ pub(crate) fn weights<const NB: usize>(s: &mut [[f32; 4]; NB], state: &mut [Onli
     static_for::<2>(|h| {
         // A row that has seen nothing yet keeps max -inf: its weights are all 0.
         let neg_max = if state[h].max == f32::NEG_INFINITY { 0.0 } else { -state[h].max };
+        // Four partial sums, each starting at its first weight: `0.0 + w` is an `FADD` that
+        // the compiler keeps (it is not `w` when w is -0.0), 8 a warp a 64-key block.
         let mut sum = [0.0f32; 4];
         static_for::<NB>(|n| {
             static_for::<2>(|e| {
                 let w = exp2(fma(s[n][2 * h + e], mult, neg_max));
                 s[n][2 * h + e] = w;
-                sum[n % 4] += w;
+                sum[n % 4] = if n < 4 && e == 0 { w } else { sum[n % 4] + w };
             });
         });
         state[h].sum += (sum[0] + sum[1]) + (sum[2] + sum[3]);
