@@ -286,26 +286,18 @@ wgmma_tiles_impl!(F16, "f16");
 wgmma_tiles_impl!(Bf16, "bf16");
 
 /// Waits until at most `N` committed chains are pending, and returns `s`, the accumulators of
-/// the S chain over 64 keys this retires, as new values copied after the wait. (With `s` as
-/// in-out operands LLVM copied them into the loop's registers before the wait, and `ptxas` then
-/// serialised every chain: C7514.)
+/// the S chain over 64 keys this retires. They are the wait's inputs, so the chain's registers
+/// stay its own until the wait; callers read only the returned values. Nothing orders those
+/// reads after the wait but LLVM's placement: were one moved above it, `ptxas` would serialise
+/// the chains (C7514), which `cargo xtask ptx-report` fails on. (Copied into new registers
+/// after the wait instead, S took 32 moves a warp a 64-key block that `ptxas` kept; as in-out
+/// operands, LLVM copied them before the wait, and `ptxas` serialised every chain.)
 #[inline(always)]
 pub unsafe fn wait_scores64<const N: u32>(s: [[f32; 4]; 8]) -> [[f32; 4]; 8] {
-    let mut r = [[0.0f32; 4]; 8];
     unsafe {
-        with_acc!(concat!("wgmma.wait_group.sync.aligned {n};\n", "mov.b32 {32}, {0};\nmov.b32 {33}, {1};\nmov.b32 {34}, {2};\nmov.b32 {35}, {3};\nmov.b32 {36}, {4};\nmov.b32 {37}, {5};\nmov.b32 {38}, {6};\nmov.b32 {39}, {7};\nmov.b32 {40}, {8};\nmov.b32 {41}, {9};\nmov.b32 {42}, {10};\nmov.b32 {43}, {11};\nmov.b32 {44}, {12};\nmov.b32 {45}, {13};\nmov.b32 {46}, {14};\nmov.b32 {47}, {15};\nmov.b32 {48}, {16};\nmov.b32 {49}, {17};\nmov.b32 {50}, {18};\nmov.b32 {51}, {19};\nmov.b32 {52}, {20};\nmov.b32 {53}, {21};\nmov.b32 {54}, {22};\nmov.b32 {55}, {23};\nmov.b32 {56}, {24};\nmov.b32 {57}, {25};\nmov.b32 {58}, {26};\nmov.b32 {59}, {27};\nmov.b32 {60}, {28};\nmov.b32 {61}, {29};\nmov.b32 {62}, {30};\nmov.b32 {63}, {31};\n"),
-                  in s [0 1 2 3 4 5 6 7],
-                  out(reg32) r[0][0], out(reg32) r[0][1], out(reg32) r[0][2], out(reg32) r[0][3],
-                  out(reg32) r[1][0], out(reg32) r[1][1], out(reg32) r[1][2], out(reg32) r[1][3],
-                  out(reg32) r[2][0], out(reg32) r[2][1], out(reg32) r[2][2], out(reg32) r[2][3],
-                  out(reg32) r[3][0], out(reg32) r[3][1], out(reg32) r[3][2], out(reg32) r[3][3],
-                  out(reg32) r[4][0], out(reg32) r[4][1], out(reg32) r[4][2], out(reg32) r[4][3],
-                  out(reg32) r[5][0], out(reg32) r[5][1], out(reg32) r[5][2], out(reg32) r[5][3],
-                  out(reg32) r[6][0], out(reg32) r[6][1], out(reg32) r[6][2], out(reg32) r[6][3],
-                  out(reg32) r[7][0], out(reg32) r[7][1], out(reg32) r[7][2], out(reg32) r[7][3],
-                  n = const N, options(nostack))
+        with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc32!()), in s [0 1 2 3 4 5 6 7], n = const N, options(nostack))
     };
-    r
+    s
 }
 
 /// The same for a P V chain over 64 keys: its accumulators `o` (the first `D / 8` blocks) and
@@ -342,17 +334,8 @@ pub unsafe fn wait_pv64<const N: u32, const D: usize>(o: &mut Acc, p: &[[u32; 4]
 /// [`wait_scores64`] for an S chain over 32 keys.
 #[inline(always)]
 pub unsafe fn wait_scores32<const N: u32>(s: [[f32; 4]; 4]) -> [[f32; 4]; 4] {
-    let mut r = [[0.0f32; 4]; 4];
-    unsafe {
-        with_acc!(concat!("wgmma.wait_group.sync.aligned {n};\n", "mov.b32 {16}, {0};\nmov.b32 {17}, {1};\nmov.b32 {18}, {2};\nmov.b32 {19}, {3};\nmov.b32 {20}, {4};\nmov.b32 {21}, {5};\nmov.b32 {22}, {6};\nmov.b32 {23}, {7};\nmov.b32 {24}, {8};\nmov.b32 {25}, {9};\nmov.b32 {26}, {10};\nmov.b32 {27}, {11};\nmov.b32 {28}, {12};\nmov.b32 {29}, {13};\nmov.b32 {30}, {14};\nmov.b32 {31}, {15};\n"),
-                  in s [0 1 2 3],
-                  out(reg32) r[0][0], out(reg32) r[0][1], out(reg32) r[0][2], out(reg32) r[0][3],
-                  out(reg32) r[1][0], out(reg32) r[1][1], out(reg32) r[1][2], out(reg32) r[1][3],
-                  out(reg32) r[2][0], out(reg32) r[2][1], out(reg32) r[2][2], out(reg32) r[2][3],
-                  out(reg32) r[3][0], out(reg32) r[3][1], out(reg32) r[3][2], out(reg32) r[3][3],
-                  n = const N, options(nostack))
-    };
-    r
+    unsafe { with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc16!()), in s [0 1 2 3], n = const N, options(nostack)) };
+    s
 }
 
 /// [`wait_pv64`] for a P V chain over 32 keys at width 256.

@@ -28,7 +28,7 @@
 //! 5. retires everything (S of j + 1's first half and P V of j's second).
 //!
 //! Nothing reads an in-flight chain's registers: the waits name them as operands
-//! ([`wait_scores64`] copies S out after the wait, [`wait_pv64`]), and no chain is in flight
+//! ([`wait_scores64`] returns S for the reads after it, [`wait_pv64`]), and no chain is in flight
 //! across the loop's back edge (step 5; with P V in flight there, `ptxas` serialised every
 //! chain, C7514). `cargo xtask ptx-report` fails if `ptxas` serialises the chains.
 //!
