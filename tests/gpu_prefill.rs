@@ -356,6 +356,9 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     );
     for layout in KvLayout::ALL {
         push(format!("bf16::layout_{layout:?}"), Case { layout, ..Case::base(&[100, 33]) }, "bf16");
+        // Width 256 copies stages with TMA where the layout allows (tokens or heads evenly
+        // spaced across blocks) and rows otherwise.
+        push(format!("bf16::d256_layout_{layout:?}"), d256(Case { layout, ..Case::base(&[100, 33, 260]) }), "bf16");
     }
     for bs in [32, 64] {
         push(format!("bf16::block_size_{bs}"), Case { block_size: bs, ..Case::base(&[100, 333]) }, "bf16");

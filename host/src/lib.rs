@@ -56,6 +56,7 @@ pub mod prefill;
 mod ptx;
 mod status;
 mod stream_check;
+mod tensor_map;
 mod words;
 
 /// Element strides of a cache layout, as [`KvCacheSpec::strides`] and [`MlaCacheSpec::strides`]

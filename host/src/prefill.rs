@@ -21,12 +21,13 @@ use crate::layout::{KvCacheSpec, RowsDesc};
 use crate::options::AttnOptions;
 use crate::status::DeviceStatus;
 use crate::stream_check::{check_stream, refuse_foreign_capture};
+use crate::tensor_map::{map_geometry, paged_kv_maps, PagedShape};
 use attn_math::decode::width_in;
 use attn_math::hopper_prefill;
 use attn_math::paging::CacheStrides;
 use attn_math::params::{
-    AttnParams, BatchMeta, Fp8Scales, HeadDims, LocalMask, Mask, MlaParams, PerHead, ScaleLayout, Schedule, Shape, SparseIndices, SplitK,
-    VariantParams,
+    AttnParams, BatchMeta, Fp8Scales, HeadDims, LocalMask, Mask, MlaParams, PagedKvMaps, PerHead, ScaleLayout, Schedule, Shape,
+    SparseIndices, SplitK, VariantParams, WgsParams,
 };
 use attn_math::prefill::{block_m, shared_layout, HEAD_SIZES, MIN_BLOCK_M, THREADS};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
@@ -494,7 +495,27 @@ pub(crate) fn prefill_from(
         },
     };
     let grid = if kernel.persistent { ctas.min(dev.sm_count()) } else { ctas };
-    dev.launch_pdl(stream, kernel.id, (grid, 1, 1), kernel.threads, kernel.smem, p)?;
+    if let KernelId::PrefillWgs { fp8, head_size, .. } = kernel.id {
+        // At the widths whose producer copies stages with TMA, the cache's tensor maps where its
+        // layout allows (`tensor_map::map_geometry`); without them the producer copies rows.
+        let kv_maps = match &a.kv {
+            PrefillKv::Paged { .. } if hopper_prefill::ws_tma_stages(head_size, fp8) => {
+                let shape = PagedShape {
+                    strides: k.1,
+                    num_blocks: num_blocks as u64,
+                    block_size: block_size as u64,
+                    num_heads: num_kv_heads as u64,
+                    head_size: dk as u64,
+                };
+                let stage_keys = hopper_prefill::ws_stage_keys(head_size, false);
+                map_geometry(&shape, head_size as u64, stage_keys as u64).map(|g| paged_kv_maps(k.0, v.0, &g)).unwrap_or_default()
+            }
+            _ => PagedKvMaps::default(),
+        };
+        dev.launch_pdl(stream, kernel.id, (grid, 1, 1), kernel.threads, kernel.smem, WgsParams { attn: p, kv_maps })?;
+    } else {
+        dev.launch_pdl(stream, kernel.id, (grid, 1, 1), kernel.threads, kernel.smem, p)?;
+    }
     Ok(plan)
 }
 

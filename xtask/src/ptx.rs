@@ -73,7 +73,35 @@ fn build_target(t: &GpuTarget, family: &str) -> Result<String, String> {
     let asm = target_dir.join("nvptx64-nvidia-cuda/release/deps/kernels_gpu.s");
     let text = std::fs::read_to_string(&asm).map_err(|e| format!("no PTX at {}: {e}", asm.display()))?;
     check_self_contained(&format!("{}/{family}", t.name), &text)?;
-    Ok(with_launch_bounds(&text))
+    Ok(with_tensor_map_params(&with_launch_bounds(&text)))
+}
+
+/// Kernels (name prefixes) whose parameter block holds TMA tensor maps at multiples of 64 bytes
+/// (`attn_math::params::WgsParams`), which `cp.async.bulk.tensor` reads in place and needs
+/// 64-byte aligned. rustc declares the block at most 16-byte aligned, so it is raised here.
+const TENSOR_MAP_PARAMS: &[&str] = &["prefill_wgs_"];
+
+/// `ptx` with the parameter block of each kernel in [`TENSOR_MAP_PARAMS`] declared
+/// `.align 64`.
+fn with_tensor_map_params(ptx: &str) -> String {
+    let mut out = String::with_capacity(ptx.len());
+    let mut kernel: Option<&str> = None;
+    for line in ptx.lines() {
+        if let Some(name) = line.strip_prefix(".visible .entry ").and_then(|l| l.strip_suffix('(')) {
+            kernel = TENSOR_MAP_PARAMS.iter().any(|pre| name.starts_with(pre)).then_some(name);
+        }
+        match kernel {
+            Some(name) if line.trim_start().starts_with(".param .align ") && line.contains(&format!(" {name}_param_0[")) => {
+                let rest = line.trim_start().trim_start_matches(".param .align ");
+                let after = rest.split_once(' ').map_or("", |(_, a)| a);
+                out.push_str(&format!("\t.param .align 64 {after}"));
+                kernel = None;
+            }
+            _ => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
 }
 
 /// Kernels that must fit `min_ctas` CTAs of `threads` threads per SM, as (name prefix, name

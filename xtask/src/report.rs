@@ -72,15 +72,22 @@ fn parse(report: &str) -> Vec<Row> {
 /// in the epilogue (8-64 bytes; `nvdisasm` shows no local access inside the loop at head size
 /// 128). Anything else with a stack frame fails the report: that is how a register array that
 /// went to local memory shows (see docs/cache-writes.md). The Hopper prefill at width 256
-/// (`prefill_wgs_<q>_d256`) holds O in 128 registers of its 224 and keeps 64 bytes of
-/// loop-invariant row data on the stack (30 local loads in its code; 90 before its query
-/// descriptors moved to uniform registers, docs/prefill.md). The FP8 producer kernels
+/// (`prefill_wgs_<q>_d256`) holds O in 128 registers of its 224 and keeps loop-invariant row
+/// data on the stack (30 local loads in its code; 90 before its query descriptors moved to
+/// uniform registers, docs/prefill.md); its producer's TMA path (the boxes' coordinates, held
+/// across a tile's four stages in 56 registers) takes it from 64 to 96 bytes. The FP8 producer kernels
 /// (`prefill_wgs_<q>_fp8_d*`; at widths 80 to 128 on e4m3 stages) spill 96-120 bytes: the
 /// e4m3 producer's per-row offsets (K, raw V, the transpose's stores) are loop invariants that
 /// do not fit its 88 registers and are reloaded from L1 each tile, and the compute warps park
 /// item-level values before their key loop, which has no local access.
-const SMALL_SPILLS_ALLOWED: &[(&str, u32)] =
-    &[("prefill_wgs_bf16_fp8_", 128), ("prefill_wgs_f16_fp8_", 128), ("prefill_", 64), ("mla_", 64)];
+const SMALL_SPILLS_ALLOWED: &[(&str, u32)] = &[
+    ("prefill_wgs_bf16_fp8_", 128),
+    ("prefill_wgs_f16_fp8_", 128),
+    ("prefill_wgs_bf16_d256", 96),
+    ("prefill_wgs_f16_d256", 96),
+    ("prefill_", 64),
+    ("mla_", 64),
+];
 
 fn stack_allowed(kernel: &str) -> u32 {
     SMALL_SPILLS_ALLOWED.iter().find(|(prefix, _)| kernel.starts_with(prefix)).map_or(0, |&(_, bytes)| bytes)

@@ -135,6 +135,15 @@ pub const fn ws_stage_keys(d: u32, fp8: bool) -> u32 {
     }
 }
 
+/// Whether the producer at width `d` copies 16-bit stages with TMA where the cache allows it
+/// (`params::PagedKvMaps`; else row by row with `cp.async`). Measured in one run against the
+/// release that copied rows (H200, paged, block size 16): width 256 +2.8%, 128 -0.6 to -1.2%,
+/// 64 -11% (docs/prefill.md), so width 256 only. The kernel of a width without it is built
+/// without the TMA path.
+pub const fn ws_tma_stages(d: u32, fp8: bool) -> bool {
+    d == 256 && !fp8
+}
+
 /// Bytes of a key row in a stage: 16-bit columns, or one byte a column for e4m3 stages.
 pub const fn ws_row_bytes(d: u32, fp8: bool) -> u32 {
     match stage_format(d, fp8) {

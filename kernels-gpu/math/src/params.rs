@@ -508,3 +508,54 @@ pub fn merge_counter_index(partial_base: u64, num_q_heads: u32, group: u32, kv_h
     let kv_heads = (num_q_heads / group) as u64;
     partial_base / (2 * num_q_heads as u64) * kv_heads + kv_head as u64
 }
+
+/// A TMA tensor map (the driver's `CUtensorMap`): 128 opaque bytes encoded on the host
+/// (`cuTensorMapEncodeTiled`) and read by `cp.async.bulk.tensor` where they lie, here in the
+/// kernel's parameters, at a 64-byte aligned address. rustc's nvptx kernel ABI takes no
+/// parameter alignment above 16, so the maps sit at multiples of 64 from the start of the
+/// parameter block (asserted below) and `cargo xtask build-ptx` declares the block 64-byte
+/// aligned in the PTX.
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TensorMap(pub [u64; 16]);
+
+/// A paged 16-bit cache's K and V as TMA tensor maps, for the warp-specialised prefill kernel's
+/// producer (`prefill_wgs_*`): it copies a stage with one copy per plane and box of `box_keys`
+/// keys where every box is whole (keys of one block, all before the request's end, the first
+/// at a multiple of `box_keys` in its block) and row by row otherwise.
+///
+/// Each map is 5-dimensional, innermost first: 64 columns (one 128-byte swizzle atom), 8 rows
+/// (the cache's token stride), `W / 64` atoms (128 bytes apart), 8-row groups and heads, so that
+/// a box of `{64, 8, W / 64, box_keys / 8, 1}` lands as `box_keys / 8` of a stage's 8-row groups
+/// (`hopper_prefill::swizzled`).
+/// Key `pos` of block `b` (`off = pos % block_size`) of kv head `h` is at group
+/// `(b * slots_per_block + off) / 8` and head coordinate `b * heads_per_block + h`: a cache
+/// whose blocks hold their tokens' rows for all heads together (`[blocks, block_size, heads, d]`)
+/// has `slots_per_block = block_size`, `heads_per_block = 0`; one whose blocks hold a head's rows
+/// together (`[blocks, heads, block_size, d]`) has `0` and the head count.
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PagedKvMaps {
+    pub k: TensorMap,
+    pub v: TensorMap,
+    /// 0: no maps (another layout, a head size below the kernel's width, packed K/V, an FP8
+    /// cache): every row is copied with `cp.async`.
+    pub enabled: u32,
+    /// Keys of a box: the block size or the stage's keys, whichever is smaller (a multiple of 8).
+    pub box_keys: u32,
+    pub slots_per_block: u32,
+    pub heads_per_block: u32,
+}
+
+/// The parameters of `prefill_wgs_*`: the attention launch's, then the cache's tensor maps
+/// (at offsets 384 and 512, multiples of 64 as `cp.async.bulk.tensor` needs).
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct WgsParams {
+    pub attn: AttnParams,
+    pub kv_maps: PagedKvMaps,
+}
+
+const _: () = assert!(core::mem::size_of::<TensorMap>() == 128);
+const _: () = assert!(core::mem::offset_of!(WgsParams, kv_maps) == 384 && core::mem::offset_of!(PagedKvMaps, v) == 128);
+const _: () = assert!(core::mem::size_of::<WgsParams>() == 656);

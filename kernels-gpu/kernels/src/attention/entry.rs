@@ -140,8 +140,21 @@ macro_rules! prefill_wgmma_kernels {
         $(
             const _: () = {
                 #[unsafe(export_name = concat!($prefix, "_", $qname, $cname, "_d", $d))]
-                unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
-                    unsafe { crate::attention::hopper::$module::$func::<$q, $cache, $mma, $d, $w>(&p) }
+                unsafe extern "ptx-kernel" fn kernel(p: attn_math::params::WgsParams) {
+                    // The tensor maps' generic address in the parameter space, which
+                    // `cp.async.bulk.tensor` reads them from (a Rust reference to them would be
+                    // a copy in local memory). The parameter is named after the kernel.
+                    let params: u64;
+                    unsafe {
+                        core::arch::asm!(
+                            concat!("mov.b64 {0}, ", $prefix, "_", $qname, $cname, "_d", $d, "_param_0;"),
+                            "cvta.param.u64 {0}, {0};",
+                            out(reg64) params,
+                            options(nomem, nostack, pure)
+                        )
+                    };
+                    let maps = params + core::mem::offset_of!(attn_math::params::WgsParams, kv_maps) as u64;
+                    unsafe { crate::attention::hopper::$module::$func::<$q, $cache, $mma, $d, $w>(&p.attn, &p.kv_maps, maps) }
                 }
             };
         )*

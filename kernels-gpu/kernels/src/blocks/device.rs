@@ -93,6 +93,17 @@ pub fn named_barrier<const ID: u32, const THREADS: u32>() {
     unsafe { asm!("bar.sync {id}, {n};", id = const ID, n = const THREADS, options(nostack)) }
 }
 
+/// [`named_barrier`] that also says whether `x` holds in every one of the `THREADS` threads.
+#[inline(always)]
+pub fn named_barrier_all<const ID: u32, const THREADS: u32>(x: bool) -> bool {
+    let r: u32;
+    unsafe {
+        asm!("{{ .reg .pred p, q; setp.ne.u32 p, {x}, 0; bar.red.and.pred q, {id}, {n}, p; selp.u32 {r}, 1, 0, q; }}",
+             r = out(reg32) r, x = in(reg32) x as u32, id = const ID, n = const THREADS, options(nostack));
+    }
+    r != 0
+}
+
 /// `setmaxnreg` (sm_90a): the executing warpgroup's registers a thread become `N`, taken from
 /// (`inc`) or given back to (`!inc`) the CTA's pool. Every thread of the warpgroup executes it.
 #[cfg(wgmma)]

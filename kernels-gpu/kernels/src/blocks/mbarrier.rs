@@ -43,3 +43,12 @@ pub unsafe fn try_wait(bar: u32, parity: u32) -> bool {
 pub unsafe fn wait(bar: u32, parity: u32) {
     while !unsafe { try_wait(bar, parity) } {}
 }
+
+/// Raises the barrier's expected transaction bytes of the current phase by `bytes` (no
+/// arrival): the phase then also waits for that many bytes of asynchronous copies that name
+/// the barrier ([`crate::blocks::tma`]). Made before the copies and before this thread's own
+/// arrival, so that the phase cannot complete without them.
+#[inline(always)]
+pub unsafe fn expect_tx(bar: u32, bytes: u32) {
+    unsafe { asm!("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [{0}], {1};", in(reg32) bar, in(reg32) bytes, options(nostack)) }
+}

@@ -60,22 +60,22 @@ use crate::attention::logits::Logits;
 use crate::attention::output::RowOut;
 use crate::attention::work::{work_item_at, RowInfo, Work};
 use crate::blocks::device::{
-    atomic_add_global, atomic_or_global, block_idx_x, dynamic_shared, grid_dim_x, named_barrier, pdl_prologue, set_max_registers, shfl_idx,
-    shfl_xor, static_for, sync_threads, thread_idx_x, vote_any,
+    atomic_add_global, atomic_or_global, block_idx_x, dynamic_shared, grid_dim_x, named_barrier, named_barrier_all, pdl_prologue,
+    set_max_registers, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any,
 };
-use crate::blocks::mbarrier;
 use crate::blocks::mma::{
     cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_u32, ld_shared_u64x2, ld_shared_v4, shared_addr, st_shared_u32,
     st_shared_u64x2, st_shared_v4,
 };
 use crate::blocks::vec_io::{load_u32_nc, store4};
 use crate::blocks::wgmma::{wait_pv32, wait_scores32, wait_scores64, Acc, WgmmaTiles, ACC_BLOCKS};
+use crate::blocks::{mbarrier, tma};
 use attn_math::hopper_prefill::{
-    stage_format, ws_layout, ws_q_buffers, ws_raw_slots, ws_row_bytes, ws_stage_keys, ws_stages, ws_sub_keys, StageFormat, WsLayout,
-    BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_E4M3_COMPUTE_REGS, WS_E4M3_LOOKAHEAD, WS_E4M3_PRODUCER_REGS, WS_FP8_COMPUTE_REGS,
-    WS_FP8_LOOKAHEAD, WS_FP8_PRODUCER_REGS, WS_ITEM_SLOTS, WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_STAGES,
+    group_bytes, stage_format, ws_layout, ws_q_buffers, ws_raw_slots, ws_row_bytes, ws_stage_keys, ws_stages, ws_sub_keys, ws_tma_stages,
+    StageFormat, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_E4M3_COMPUTE_REGS, WS_E4M3_LOOKAHEAD, WS_E4M3_PRODUCER_REGS,
+    WS_FP8_COMPUTE_REGS, WS_FP8_LOOKAHEAD, WS_FP8_PRODUCER_REGS, WS_ITEM_SLOTS, WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_STAGES,
 };
-use attn_math::params::AttnParams;
+use attn_math::params::{AttnParams, PagedKvMaps};
 use attn_math::prefill::{table_slot_bytes, TABLE_ENTRY};
 use attn_math::softmax::OnlineSoftmax;
 use attn_math::status::BLOCK_OUT_OF_RANGE;
@@ -260,6 +260,44 @@ impl<const W: usize, K: CacheFormat> Rings<W, K> {
     }
 }
 
+/// The producer's TMA copies of a paged 16-bit cache ([`PagedKvMaps`]): a box of `box_keys`
+/// keys (8 to 64, a page or a stage, whichever is smaller) per plane.
+#[derive(Clone, Copy)]
+struct TmaGroups {
+    /// Generic address of the K map (V's 128 bytes on); 0: every row by `cp.async`.
+    map: u64,
+    box_keys: u32,
+    slots_per_block: u32,
+    heads_per_block: u32,
+}
+
+impl TmaGroups {
+    #[inline(always)]
+    fn of(m: &PagedKvMaps) -> Self {
+        TmaGroups { map: 0, box_keys: m.box_keys, slots_per_block: m.slots_per_block, heads_per_block: m.heads_per_block }
+    }
+
+    /// For the producer `t` holding key `key` (`valid`: before the request's end and in a block
+    /// inside the cache; `loc`: its block id) of kv head `kv_head`: its part of the condition for
+    /// its stage to go by TMA (its key valid, and where it starts a box, the box starting at a
+    /// multiple of the box's keys in its block, so that the box's keys are one block's), with
+    /// the box's coordinates in the maps, meaningful in the box's first thread. When every
+    /// producer of a stage says yes, every box of the stage is whole.
+    #[inline(always)]
+    fn group(&self, p: &AttnParams, key: u32, valid: bool, loc: i64, kv_head: u32, t: u32) -> Option<[u32; 5]> {
+        if self.map == 0 || !valid {
+            return None;
+        }
+        let off = key % p.shape.block_size;
+        if t.is_multiple_of(self.box_keys) && !off.is_multiple_of(self.box_keys) {
+            return None;
+        }
+        // The host bounds `num_blocks * block_size` and `num_blocks * heads` below 2^32.
+        let b = loc as u32;
+        Some([0, 0, 0, (b * self.slots_per_block + off) / 8, b * self.heads_per_block + kv_head])
+    }
+}
+
 /// Where a 64-key half tile sits in the ring ([`Rings::half`]).
 #[derive(Clone, Copy)]
 struct Half {
@@ -334,7 +372,14 @@ impl Item {
 /// atoms: 64, or 128 for `D` 80 to 128, whose columns past `D` are copied as zeros and never
 /// read by the MMAs).
 #[inline(always)]
-pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, const W: usize>(p: &AttnParams) {
+///
+/// `maps`: the generic address of `kv_maps`' K map (its V map 128 bytes on), in the kernel's
+/// parameters.
+pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, const W: usize>(
+    p: &AttnParams,
+    kv_maps: &PagedKvMaps,
+    maps: u64,
+) {
     // Programmatic dependent launch: wait for the cache write before reading anything.
     pdl_prologue();
     const { assert!((D == 64 && W == 64) || (W == 128 && matches!(D, 80 | 96 | 112 | 128)) || (D == 256 && W == 256 && !K::FP8)) };
@@ -360,7 +405,8 @@ pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, M: HalfM
         } else {
             set_max_registers::<WS_PRODUCER_REGS, false>();
         }
-        unsafe { produce::<Q, K, D, W>(p, rings, tid - THREADS) };
+        let tma = TmaGroups { map: if kv_maps.enabled != 0 && !K::FP8 { maps } else { 0 }, ..TmaGroups::of(kv_maps) };
+        unsafe { produce::<Q, K, D, W>(p, rings, tma, tid - THREADS) };
     } else {
         if Rings::<W, K>::E4M3 {
             set_max_registers::<WS_E4M3_COMPUTE_REGS, true>();
@@ -376,7 +422,12 @@ pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, M: HalfM
 /// The producer warpgroup (`t`: its thread index): items, queries, tables and K/V tiles into
 /// the rings, until the items run out.
 #[inline(always)]
-unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W, K>, t: u32) {
+unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>(
+    p: &AttnParams,
+    rings: Rings<W, K>,
+    tma: TmaGroups,
+    t: u32,
+) {
     // FP8, ring position `v`: once its stage is free, its raw table's entries moved into its
     // table, entry `t` by thread `t` (whatever the stage's place in its tile, so that a
     // table's entry always has the same writer). Done before the producer barrier that
@@ -420,6 +471,9 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
             mbarrier::arrive(rings.filled(v));
         }
     };
+    // Whether stages may go by TMA ([`TmaGroups`]): at the widths `ws_tma_stages` names, where
+    // the head size may fill the rows (the maps take whole 64-column atoms).
+    let by_tma_ever = const { D == W && ws_tma_stages(W as u32, K::FP8) };
     let mut u = 0u32;
     let mut k = 0u32;
     loop {
@@ -482,6 +536,8 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                     unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
                 }
                 let any_bad = vote_any(bad);
+                // This thread's part of a stage going by TMA, and its box's coordinates.
+                let group = if by_tma_ever { tma.group(p, key, key < it.end && ka != 0, loc, w.kv_head, t) } else { None };
                 if j + 1 < it.n_tiles {
                     loc = locate(j + 1);
                 }
@@ -539,15 +595,35 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                         // since this stage's last fill.
                         cp_async_wait::<{ WS_STAGES - 1 }>();
                         unsafe { write_table_entry::<W, K>(table, t, h as u32, (ka, va), any_bad) };
-                        named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
-                        unsafe {
-                            let rows = |r| ld_shared_u64x2(table + r * TABLE_ENTRY);
-                            let dst = [rings.k(uh), rings.v(uh)];
-                            match Rings::<W, K>::KEYS {
-                                BLOCK_N => copy_row_pairs::<W, BLOCK_N, PRODUCERS, COPY_BATCH>(dst, t, live, p.qkv.q, rows, true),
-                                64 => copy_row_pairs::<W, 64, PRODUCERS, COPY_BATCH>(dst, t, live, p.qkv.q, rows, true),
-                                _ => copy_row_pairs::<W, 32, PRODUCERS, COPY_BATCH>(dst, t, live, p.qkv.q, rows, true),
+                        // By TMA when every box of the stage can go so (`TmaGroups`): each box's
+                        // first thread copies it, K and V, counting the bytes on the stage's
+                        // barrier before its own arrival. Otherwise row by row.
+                        let mine = t / Rings::<W, K>::KEYS == h as u32;
+                        let by_tma = by_tma_ever && named_barrier_all::<PRODUCER_BARRIER, PRODUCERS>(!mine || group.is_some());
+                        if !by_tma_ever {
+                            named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
+                        }
+                        if by_tma {
+                            if let Some(c) = group.filter(|_| mine && t.is_multiple_of(tma.box_keys)) {
+                                let dst = (t % Rings::<W, K>::KEYS / 8) * group_bytes(W as u32);
+                                unsafe {
+                                    mbarrier::expect_tx(rings.filled(uh), 2 * (tma.box_keys / 8) * group_bytes(W as u32));
+                                    tma::load_5d(rings.k(uh) + dst, tma.map, c, rings.filled(uh));
+                                    tma::load_5d(rings.v(uh) + dst, tma.map + 128, c, rings.filled(uh));
+                                }
                             }
+                        } else {
+                            unsafe {
+                                let rows = |r| ld_shared_u64x2(table + r * TABLE_ENTRY);
+                                let dst = [rings.k(uh), rings.v(uh)];
+                                match Rings::<W, K>::KEYS {
+                                    BLOCK_N => copy_row_pairs::<W, BLOCK_N, PRODUCERS, COPY_BATCH>(dst, t, live, p.qkv.q, rows, true),
+                                    64 => copy_row_pairs::<W, 64, PRODUCERS, COPY_BATCH>(dst, t, live, p.qkv.q, rows, true),
+                                    _ => copy_row_pairs::<W, 32, PRODUCERS, COPY_BATCH>(dst, t, live, p.qkv.q, rows, true),
+                                }
+                            }
+                        }
+                        unsafe {
                             mbarrier::arrive_when_copies_land(rings.filled(uh));
                             if t == 0 {
                                 // Publishes every producer's table entry and flag (stored before
