@@ -264,7 +264,8 @@ impl<const W: usize, K: CacheFormat> Rings<W, K> {
 /// keys (8 to 64, a page or a stage, whichever is smaller) per plane.
 #[derive(Clone, Copy)]
 struct TmaGroups {
-    /// Generic address of the K map (V's 128 bytes on); 0: every row by `cp.async`.
+    /// Generic address of the K map (V's 128 bytes on); 0: every row by `cp.async` (no maps, or
+    /// an FP8 cache).
     map: u64,
     box_keys: u32,
     slots_per_block: u32,
@@ -273,8 +274,13 @@ struct TmaGroups {
 
 impl TmaGroups {
     #[inline(always)]
-    fn of(m: &PagedKvMaps) -> Self {
-        TmaGroups { map: 0, box_keys: m.box_keys, slots_per_block: m.slots_per_block, heads_per_block: m.heads_per_block }
+    fn of(m: &PagedKvMaps, fp8: bool, map: u64) -> Self {
+        TmaGroups {
+            map: if m.enabled != 0 && !fp8 { map } else { 0 },
+            box_keys: m.box_keys,
+            slots_per_block: m.slots_per_block,
+            heads_per_block: m.heads_per_block,
+        }
     }
 
     /// For the producer `t` holding key `key` (`valid`: before the request's end and in a block
@@ -405,8 +411,7 @@ pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, M: HalfM
         } else {
             set_max_registers::<WS_PRODUCER_REGS, false>();
         }
-        let tma = TmaGroups { map: if kv_maps.enabled != 0 && !K::FP8 { maps } else { 0 }, ..TmaGroups::of(kv_maps) };
-        unsafe { produce::<Q, K, D, W>(p, rings, tma, tid - THREADS) };
+        unsafe { produce::<Q, K, D, W>(p, rings, TmaGroups::of(kv_maps, K::FP8, maps), tid - THREADS) };
     } else {
         if Rings::<W, K>::E4M3 {
             set_max_registers::<WS_E4M3_COMPUTE_REGS, true>();
@@ -599,10 +604,12 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                         // first thread copies it, K and V, counting the bytes on the stage's
                         // barrier before its own arrival. Otherwise row by row.
                         let mine = t / Rings::<W, K>::KEYS == h as u32;
-                        let by_tma = by_tma_ever && named_barrier_all::<PRODUCER_BARRIER, PRODUCERS>(!mine || group.is_some());
-                        if !by_tma_ever {
+                        let by_tma = if by_tma_ever {
+                            named_barrier_all::<PRODUCER_BARRIER, PRODUCERS>(!mine || group.is_some())
+                        } else {
                             named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
-                        }
+                            false
+                        };
                         if by_tma {
                             if let Some(c) = group.filter(|_| mine && t.is_multiple_of(tma.box_keys)) {
                                 let dst = (t % Rings::<W, K>::KEYS / 8) * group_bytes(W as u32);
