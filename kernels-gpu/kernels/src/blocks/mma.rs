@@ -23,93 +23,86 @@ pub trait MmaHalf: HalfFloat {
     /// `FP8_UNPACK_SCALE`).
     fn from_fp8x2(pair: u32) -> u32;
     /// `S = A B^T` for a warpgroup (Hopper `wgmma`, f32 accumulate): A 64 x 576 and B 32 x 576,
-    /// both in shared memory in the no-swizzle K-major layout, given by the descriptors of their
-    /// first k-step (each of the 36 k-steps advances both by 256 bytes). Waits for the result.
-    /// This thread's part of S in the `mma.sync` C layout of its warp's 16 rows: `[n-block][4]`.
+    /// both in shared memory in the 128-byte-swizzled K-major layout (`attn_math::mla::swizzled`),
+    /// given by the descriptors of their first k-step. Committed, not waited for
+    /// (`crate::blocks::wgmma::wait_scores32` retires it). This thread's part of S in the
+    /// `mma.sync` C layout of its warp's 16 rows: `[n-block][4]`.
     #[cfg(wgmma)]
-    unsafe fn wgmma_64x32_k576(desc_a: u64, desc_b: u64) -> [[f32; 4]; 4];
+    unsafe fn wgmma_64x32_k576_async(desc_a: u64, desc_b: u64) -> [[f32; 4]; 4];
     /// `O += P V` for a warpgroup (Hopper `wgmma`): P 64 x 64 keys (no-swizzle K-major, `desc_a`)
     /// times V 64 keys x 256 columns, keys 0-31 and 32-63 in two slots (the 128-byte-swizzled
     /// rows read N-major, `desc_b0`, `desc_b1`). `o`: this thread's accumulators, column block `n`
-    /// (8 columns) of its warp's 16 rows in the `mma.sync` C layout. Waits for the result.
+    /// (8 columns) of its warp's 16 rows in the `mma.sync` C layout. Committed, not waited for
+    /// (`crate::blocks::wgmma::wait_acc256` retires it).
     #[cfg(wgmma)]
-    unsafe fn wgmma_pv_64x256_k64(o: &mut [[f32; 4]; 32], desc_a: u64, desc_b0: u64, desc_b1: u64);
+    unsafe fn wgmma_pv_64x256_k64_async(o: &mut [[f32; 4]; 32], desc_a: u64, desc_b0: u64, desc_b1: u64);
 }
 
-/// The whole 576-wide `wgmma` chain of [`MmaHalf::wgmma_64x32_k576`] for PTX type `$t`: the
+/// The whole 576-wide `wgmma` chain of [`MmaHalf::wgmma_64x32_k576_async`] for PTX type `$t`: the
 /// first k-step overwrites the accumulators (scale-d false), the rest add. Descriptors advance 32
 /// bytes a k-step inside a 128-byte swizzle atom (4 k-steps) and 1024 - 96 bytes to the next atom
-/// (units of 16 bytes: 2 and 58).
+/// (units of 16 bytes: 2 and 58). They are rebuilt from 32-bit halves each k-step, so that
+/// stepping them is a 32-bit add (the address field is in the low word and never carries out of
+/// it); a 64-bit add cost an add with carry and two `R2UR`s a k-step.
 #[cfg(wgmma)]
 macro_rules! wgmma_k576_asm {
     ($t:literal) => {
         concat!(
-            "{{\n.reg .pred pz, po;\n.reg .b32 zz;\n.reg .b64 da, db;\n",
+            "{{\n.reg .pred pz, po;\n.reg .b32 zz, al, ah, bl, bh;\n.reg .b64 da, db;\n",
             "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
-            "mov.b64 da, {16};\nmov.b64 db, {17};\n",
+            "mov.b64 {{al, ah}}, {16};\nmov.b64 {{bl, bh}}, {17};\n",
             "wgmma.fence.sync.aligned;\n",
             wgmma_k576_asm!(@mma $t, "pz"),
             wgmma_k576_asm!(@atom_rest $t),
-            times8!(concat!("add.s64 da, da, 58;\nadd.s64 db, db, 58;\n", wgmma_k576_asm!(@mma $t, "po"), wgmma_k576_asm!(@atom_rest $t))),
-            "wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n}}"
+            times8!(concat!("add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n", wgmma_k576_asm!(@mma $t, "po"), wgmma_k576_asm!(@atom_rest $t))),
+            "wgmma.commit_group.sync.aligned;\n}}"
         )
     };
     (@mma $t:literal, $scale:literal) => {
         concat!(
+            "mov.b64 da, {{al, ah}};\nmov.b64 db, {{bl, bh}};\n",
             "wgmma.mma_async.sync.aligned.m64n32k16.f32.", $t, ".", $t,
             " {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, ", $scale, ", 1, 1, 0, 0;\n"
         )
     };
     (@atom_rest $t:literal) => {
         concat!(
-            "add.s64 da, da, 2;\nadd.s64 db, db, 2;\n", wgmma_k576_asm!(@mma $t, "po"),
-            "add.s64 da, da, 2;\nadd.s64 db, db, 2;\n", wgmma_k576_asm!(@mma $t, "po"),
-            "add.s64 da, da, 2;\nadd.s64 db, db, 2;\n", wgmma_k576_asm!(@mma $t, "po")
+            "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n", wgmma_k576_asm!(@mma $t, "po"),
+            "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n", wgmma_k576_asm!(@mma $t, "po"),
+            "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n", wgmma_k576_asm!(@mma $t, "po")
         )
     };
 }
 
-/// The P V `wgmma` chain of [`MmaHalf::wgmma_pv_64x256_k64`] for PTX type `$t`: per 64-column
-/// block of the warpgroup's 256 (B descriptors +64 units of 16 bytes = one 1024-byte atom), four
-/// k-steps of 16 keys (A +16 units = 256 bytes of the no-swizzle P tile each; B +1152 units = two
-/// 8-key row groups within a slot, the second slot for keys 32-63). B is V, N-major
-/// (`imm-trans-b` 1); the accumulators add (scale-d true).
+/// The P V `wgmma` chain of [`MmaHalf::wgmma_pv_64x256_k64_async`] for PTX type `$t`: four k-steps of
+/// 16 keys over all the warpgroup's 256 columns (m64n256k16: B's four 64-column atoms are
+/// `leading` = 1024 bytes apart, so one instruction reads P's k-step once, where four m64n64k16
+/// read it four times). A steps +16 units of 16 bytes (256 bytes of the no-swizzle P tile) a
+/// k-step; B +1152 units (two 8-key row groups) within a slot, the second slot for keys 32-63.
+/// B is V, N-major (`imm-trans-b` 1); the accumulators add (scale-d true). Descriptors step as
+/// in [`wgmma_k576_asm`], by 32-bit adds.
 #[cfg(wgmma)]
 macro_rules! wgmma_pv_asm {
     ($t:literal) => {
         concat!(
-            "{{\n.reg .pred po;\n.reg .b32 zz;\n.reg .b64 a0, a1, a2, a3, b0, b1;\n",
+            "{{\n.reg .pred po;\n.reg .b32 zz, al, ah, bl, bh, cl, ch;\n.reg .b64 da, db;\n",
             "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
-            "mov.b64 a0, {128};\nadd.s64 a1, a0, 16;\nadd.s64 a2, a0, 32;\nadd.s64 a3, a0, 48;\nmov.b64 b0, {129};\nmov.b64 b1, {130};\n",
+            "mov.b64 {{al, ah}}, {128};\nmov.b64 {{bl, bh}}, {129};\nmov.b64 {{cl, ch}}, {130};\n",
             "wgmma.fence.sync.aligned;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}}}, a0, b0, po, 1, 1, 0, 1;\n",
-            "add.s64 b0, b0, 1152;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}}}, a1, b0, po, 1, 1, 0, 1;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}}}, a2, b1, po, 1, 1, 0, 1;\n",
-            "add.s64 b1, b1, 1152;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}}}, a3, b1, po, 1, 1, 0, 1;\n",
-            "add.s64 b0, b0, -1088;\nadd.s64 b1, b1, -1088;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}}}, a0, b0, po, 1, 1, 0, 1;\n",
-            "add.s64 b0, b0, 1152;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}}}, a1, b0, po, 1, 1, 0, 1;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}}}, a2, b1, po, 1, 1, 0, 1;\n",
-            "add.s64 b1, b1, 1152;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}}}, a3, b1, po, 1, 1, 0, 1;\n",
-            "add.s64 b0, b0, -1088;\nadd.s64 b1, b1, -1088;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}, {80}, {81}, {82}, {83}, {84}, {85}, {86}, {87}, {88}, {89}, {90}, {91}, {92}, {93}, {94}, {95}}}, a0, b0, po, 1, 1, 0, 1;\n",
-            "add.s64 b0, b0, 1152;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}, {80}, {81}, {82}, {83}, {84}, {85}, {86}, {87}, {88}, {89}, {90}, {91}, {92}, {93}, {94}, {95}}}, a1, b0, po, 1, 1, 0, 1;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}, {80}, {81}, {82}, {83}, {84}, {85}, {86}, {87}, {88}, {89}, {90}, {91}, {92}, {93}, {94}, {95}}}, a2, b1, po, 1, 1, 0, 1;\n",
-            "add.s64 b1, b1, 1152;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}, {80}, {81}, {82}, {83}, {84}, {85}, {86}, {87}, {88}, {89}, {90}, {91}, {92}, {93}, {94}, {95}}}, a3, b1, po, 1, 1, 0, 1;\n",
-            "add.s64 b0, b0, -1088;\nadd.s64 b1, b1, -1088;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{96}, {97}, {98}, {99}, {100}, {101}, {102}, {103}, {104}, {105}, {106}, {107}, {108}, {109}, {110}, {111}, {112}, {113}, {114}, {115}, {116}, {117}, {118}, {119}, {120}, {121}, {122}, {123}, {124}, {125}, {126}, {127}}}, a0, b0, po, 1, 1, 0, 1;\n",
-            "add.s64 b0, b0, 1152;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{96}, {97}, {98}, {99}, {100}, {101}, {102}, {103}, {104}, {105}, {106}, {107}, {108}, {109}, {110}, {111}, {112}, {113}, {114}, {115}, {116}, {117}, {118}, {119}, {120}, {121}, {122}, {123}, {124}, {125}, {126}, {127}}}, a1, b0, po, 1, 1, 0, 1;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{96}, {97}, {98}, {99}, {100}, {101}, {102}, {103}, {104}, {105}, {106}, {107}, {108}, {109}, {110}, {111}, {112}, {113}, {114}, {115}, {116}, {117}, {118}, {119}, {120}, {121}, {122}, {123}, {124}, {125}, {126}, {127}}}, a2, b1, po, 1, 1, 0, 1;\n",
-            "add.s64 b1, b1, 1152;\n",
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.", $t, ".", $t, " {{{96}, {97}, {98}, {99}, {100}, {101}, {102}, {103}, {104}, {105}, {106}, {107}, {108}, {109}, {110}, {111}, {112}, {113}, {114}, {115}, {116}, {117}, {118}, {119}, {120}, {121}, {122}, {123}, {124}, {125}, {126}, {127}}}, a3, b1, po, 1, 1, 0, 1;\n",
-            "wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n}}"
+            "mov.b64 da, {{al, ah}};\nmov.b64 db, {{bl, bh}};\n", wgmma_pv_asm!(@mma $t),
+            "add.s32 al, al, 16;\nadd.s32 bl, bl, 1152;\n",
+            "mov.b64 da, {{al, ah}};\nmov.b64 db, {{bl, bh}};\n", wgmma_pv_asm!(@mma $t),
+            "add.s32 al, al, 16;\n",
+            "mov.b64 da, {{al, ah}};\nmov.b64 db, {{cl, ch}};\n", wgmma_pv_asm!(@mma $t),
+            "add.s32 al, al, 16;\nadd.s32 cl, cl, 1152;\n",
+            "mov.b64 da, {{al, ah}};\nmov.b64 db, {{cl, ch}};\n", wgmma_pv_asm!(@mma $t),
+            "wgmma.commit_group.sync.aligned;\n}}"
+        )
+    };
+    (@mma $t:literal) => {
+        concat!(
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32.", $t, ".", $t,
+            " {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}, {32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}, {64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}, {80}, {81}, {82}, {83}, {84}, {85}, {86}, {87}, {88}, {89}, {90}, {91}, {92}, {93}, {94}, {95}, {96}, {97}, {98}, {99}, {100}, {101}, {102}, {103}, {104}, {105}, {106}, {107}, {108}, {109}, {110}, {111}, {112}, {113}, {114}, {115}, {116}, {117}, {118}, {119}, {120}, {121}, {122}, {123}, {124}, {125}, {126}, {127}}}, da, db, po, 1, 1, 0, 1;\n"
         )
     };
 }
@@ -167,7 +160,7 @@ macro_rules! mma_impl {
             }
             #[cfg(wgmma)]
             #[inline(always)]
-            unsafe fn wgmma_pv_64x256_k64(o: &mut [[f32; 4]; 32], desc_a: u64, desc_b0: u64, desc_b1: u64) {
+            unsafe fn wgmma_pv_64x256_k64_async(o: &mut [[f32; 4]; 32], desc_a: u64, desc_b0: u64, desc_b1: u64) {
                 unsafe {
                     asm!(wgmma_pv_asm!($name),
                          inout(reg32) o[0][0], inout(reg32) o[0][1], inout(reg32) o[0][2], inout(reg32) o[0][3],
@@ -207,7 +200,7 @@ macro_rules! mma_impl {
             }
             #[cfg(wgmma)]
             #[inline(always)]
-            unsafe fn wgmma_64x32_k576(desc_a: u64, desc_b: u64) -> [[f32; 4]; 4] {
+            unsafe fn wgmma_64x32_k576_async(desc_a: u64, desc_b: u64) -> [[f32; 4]; 4] {
                 let mut d = [[0.0f32; 4]; 4];
                 unsafe {
                     asm!(wgmma_k576_asm!($name),

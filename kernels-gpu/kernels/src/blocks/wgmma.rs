@@ -350,6 +350,16 @@ pub unsafe fn wait_pv32<const N: u32, const D: usize>(o: &mut Acc, p: &[[u32; 4]
     }
 }
 
+/// [`wait_pv64`] for a chain whose A operand is in shared memory (the MLA kernel's P V over 256
+/// columns): only the accumulators, all 32 blocks, are operands.
+#[inline(always)]
+pub unsafe fn wait_acc256<const N: u32>(o: &mut Acc) {
+    unsafe {
+        with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc128!()),
+                  inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31], n = const N, options(nostack))
+    };
+}
+
 /// One k-step of S over 64 keys from e4m3 queries and keys (m64n64k32, both K-major: 8-bit
 /// types take no transpose immediates).
 macro_rules! qk_step_e4m3 {

@@ -9,7 +9,7 @@ use super::tile::{
     wide_scores, K_STEPS,
 };
 use crate::attention::output::RowOut;
-use crate::blocks::device::{dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any};
+use crate::blocks::device::{dynamic_shared, fma, pdl_prologue, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any};
 use crate::blocks::elem::F16;
 use crate::blocks::mma::{
     cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_pinned, shared_addr,
@@ -50,7 +50,11 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     // FP8 fragments straight from the raw rows (no 16-bit copy of the tile).
     let in_registers = FP8 && shape.fp8_in_registers;
     let tid = thread_idx_x();
-    let (warp, lane) = (tid / 32, tid % 32);
+    // `wgmma` (wide on sm_90a): the warp index broadcast from lane 0. The same value, but `ptxas`
+    // then knows it is warp-uniform, so the descriptors built from the warpgroup's slot and
+    // columns live and step in uniform registers; from `tid / 32` each of them was moved across
+    // (two `R2UR`) before every `wgmma`.
+    let (warp, lane) = (if wgmma_pv { shfl_idx(tid / 32, 0) } else { tid / 32 }, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
     let Some((w, src)) = (unsafe { S::work(p, bm) }) else { return };
     // Sparse: the index list is the mask.
@@ -76,6 +80,10 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     // tile's slot i (`slot0`: the tile's first).
     let slot_buf = |j: u32| smem + layout.k + (j % shape.ring) * layout.k_slot;
     let converts = FP8 && !in_registers;
+    // Wide on sm_90a over a 16-bit cache: the next tile's S is issued right behind this tile's
+    // P V, so that the tensor cores run both back to back while the warps wait at the tile's
+    // boundary (module docs). A converted FP8 tile has one 16-bit buffer, which both read.
+    let pipelined = wgmma_pv && !converts;
     let tile_buf = |slot0: u32, i: u32| if converts { smem + layout.converted + i * layout.converted_slot } else { slot_buf(slot0 + i) };
     // FP8: dequantisation folds into the score scale (k) and the output factor (v).
     const { assert!(F16::FP8_UNPACK_SCALE == Q::FP8_UNPACK_SCALE) };
@@ -208,6 +216,22 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
         }
     }
 
+    // Pipelined: tile j's S, from its first slot `slot0` (warp-uniform), issued without waiting;
+    // the first before the loop, once the queries and the first tile have landed.
+    let issue_scores = |slot0: u32| {
+        let buf = tile_buf(slot0, key_off / SLOT_KEYS);
+        let k_at = |rows: u32, chunks: u32| buf + swizzled(k_lane.0 + rows, k_lane.1 + chunks);
+        wide_scores::<Q, false>(nkt, |ks| unsafe { ldmatrix_x4(q_at(ks)) }, k_at, smem + layout.q, buf, key_off % SLOT_KEYS)
+    };
+    let mut s_next = [[0.0f32; 4]; 4];
+    if pipelined && n_tiles > 0 {
+        cp_async_wait::<0>();
+        #[cfg(wgmma)]
+        crate::blocks::mma::fence_proxy_async_shared();
+        sync_threads();
+        s_next = issue_scores(0);
+    }
+
     let mut tile = 0;
     while tile < n_tiles {
         // This tile issues slots `spt * tile + pre ..`; the next one's lookups start now.
@@ -227,6 +251,20 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
                 cp_async_wait::<2>();
             }
             sync_threads();
+        } else if pipelined {
+            // The last tile's P V has finished in every warp (the S issued after it may still
+            // run): its slots take the next tile's copies, which then have this tile's math to
+            // land in.
+            #[cfg(wgmma)]
+            unsafe {
+                crate::blocks::wgmma::wait_acc256::<1>(&mut o[0])
+            };
+            sync_threads();
+            static_for::<2>(|i| {
+                if (i as u32) < spt {
+                    issue(first_issued + i as u32);
+                }
+            });
         } else {
             // Wait, then refill the slot every warp has just finished with.
             match pre - spt {
@@ -244,7 +282,9 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
                 }
             });
         }
-        let slot0 = spt * tile;
+        // Broadcast like `warp` (`ptxas` does not take the loop's count as uniform): the ring
+        // addresses the `wgmma` descriptors are built from.
+        let slot0 = if wgmma_pv { shfl_idx(spt * tile, 0) } else { spt * tile };
         if converts {
             // The tile's raw slots into 16-bit ones (read by `wgmma` on the wide shape).
             static_for::<2>(|i| {
@@ -264,9 +304,16 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
         let my_buf = tile_buf(slot0, key_off / SLOT_KEYS);
         let mut s = if in_registers {
             unsafe { scores_fp8(&q_frag, my_buf, key_off % SLOT_KEYS) }
+        } else if pipelined {
+            // Issued at the end of the last tile (or before the first).
+            #[cfg(wgmma)]
+            let s = unsafe { crate::blocks::wgmma::wait_scores32::<0>(s_next) };
+            #[cfg(not(wgmma))]
+            let s = s_next;
+            s
         } else if WIDE {
             let k_at = |rows: u32, chunks: u32| my_buf + swizzled(k_lane.0 + rows, k_lane.1 + chunks);
-            wide_scores::<Q>(nkt, |ks| unsafe { ldmatrix_x4(q_at(ks)) }, k_at, smem + layout.q, my_buf, key_off % SLOT_KEYS)
+            wide_scores::<Q, true>(nkt, |ks| unsafe { ldmatrix_x4(q_at(ks)) }, k_at, smem + layout.q, my_buf, key_off % SLOT_KEYS)
         } else {
             let k_at = |rows: u32, chunks: u32| my_buf + swizzled(k_lane.0 + rows, k_lane.1 + chunks);
             scores::<Q, true>(nkt, |ks| q_frag[ks], k_at)
@@ -358,7 +405,12 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
             unsafe { accumulate_pv_fp8(&mut o[0], |kk| p_at(0, kk), |i| tile_buf(slot0, i), col0) };
         } else if wgmma_pv {
             let atom = (col0 / 64) * 1024;
-            unsafe { wide_pv::<Q>(&mut o[0], smem + layout.p, layout.p_group, tile_buf(slot0, 0) + atom, tile_buf(slot0, 1) + atom) };
+            let (v0, v1) = (tile_buf(slot0, 0) + atom, tile_buf(slot0, 1) + atom);
+            if pipelined {
+                unsafe { wide_pv::<Q, false>(&mut o[0], smem + layout.p, layout.p_group, v0, v1) };
+            } else {
+                unsafe { wide_pv::<Q, true>(&mut o[0], smem + layout.p, layout.p_group, v0, v1) };
+            }
         } else {
             accumulate_pv::<Q>(&mut o, mt, nct, bn as usize, p_at, v_at);
         }
@@ -368,9 +420,24 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
         if early_issue {
             sync_threads();
         }
+        if pipelined {
+            // The next tile has landed (its copies are the only ones in flight): its S goes out
+            // behind this tile's P V.
+            cp_async_wait::<0>();
+            #[cfg(wgmma)]
+            crate::blocks::mma::fence_proxy_async_shared();
+            sync_threads();
+            if tile + 1 < n_tiles {
+                s_next = issue_scores(slot0 + spt);
+            }
+        }
         tile += 1;
     }
     cp_async_wait::<0>();
+    #[cfg(wgmma)]
+    if pipelined {
+        unsafe { crate::blocks::wgmma::wait_acc256::<0>(&mut o[0]) };
+    }
 
     // The denominators: each score warp's share, summed per row through shared memory.
     sync_threads();

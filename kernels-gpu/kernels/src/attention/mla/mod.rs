@@ -11,9 +11,10 @@
 //! from global memory once per CTA.
 //!
 //! Q and K rows sit in `wgmma`'s 128-byte-swizzled K-major layout (`attn_math::mla::swizzled`):
-//! on sm_90a the wide shape's warpgroups compute Q K^T (m64n32k16) and P V (m64n64k16, V read
-//! N-major from the same rows, P from a no-swizzle tile) on `wgmma`; elsewhere, and for the
-//! narrow shape, `mma.sync` with `ldmatrix` (conflict-free in that layout) does both. An FP8
+//! on sm_90a the wide shape's warpgroups compute Q K^T (m64n32k16) and P V (m64n256k16, V read
+//! N-major from the same rows, P from a no-swizzle tile) on `wgmma`, over a 16-bit cache with
+//! each tile's S issued right behind the last tile's P V; elsewhere, and for the narrow shape,
+//! `mma.sync` with `ldmatrix` (conflict-free in that layout) does both. An FP8
 //! cache's raw rows land in the ring as they are (`attn_math::mla::raw_offset`). The narrow
 //! shape converts its fragments from them in registers, on f16 MMAs (bf16 queries scaled by
 //! 2^-8 into f16's range); the wide shape converts a tile's slots at a time into 16-bit slots of

@@ -62,11 +62,12 @@ pub(super) fn scores<Q: MmaHalf, const UNROLL: bool>(
 }
 
 /// The wide shape's scores of this warp (16 rows x `nkt * 8` keys): on sm_90a the warpgroup's
-/// `wgmma` over its 64 rows (Q at `q`) and 32 keys (rows `key_row..` of the slot at `slot`); else
-/// `mma.sync` (`q_frag`, `k_at` as for [`scores`]).
+/// `wgmma` over its 64 rows (Q at `q`) and 32 keys (rows `key_row..` of the slot at `slot`),
+/// waited for if `WAIT` (else the caller retires it with `wait_scores32`); else `mma.sync`
+/// (`q_frag`, `k_at` as for [`scores`]).
 #[inline(always)]
 #[allow(unused_variables)]
-pub(super) fn wide_scores<Q: MmaHalf>(
+pub(super) fn wide_scores<Q: MmaHalf, const WAIT: bool>(
     nkt: usize,
     q_frag: impl Fn(usize) -> [u32; 4],
     k_at: impl Fn(u32, u32) -> u32,
@@ -79,7 +80,12 @@ pub(super) fn wide_scores<Q: MmaHalf>(
         const { assert!(mla::WIDE.keys_per_warp() == 32 && mla::WIDE.s_row_tiles == 4) };
         let a = crate::blocks::mma::wgmma_desc(q, 16, mla::GROUP_BYTES, true);
         let b = crate::blocks::mma::wgmma_desc(slot + swizzled(key_row, 0), 16, mla::GROUP_BYTES, true);
-        unsafe { Q::wgmma_64x32_k576(a, b) }
+        let s = unsafe { Q::wgmma_64x32_k576_async(a, b) };
+        if WAIT {
+            unsafe { crate::blocks::wgmma::wait_scores32::<0>(s) }
+        } else {
+            s
+        }
     }
     #[cfg(not(wgmma))]
     {
@@ -89,17 +95,21 @@ pub(super) fn wide_scores<Q: MmaHalf>(
 
 /// The wide shape's `O += P V` on sm_90a: the warpgroup's 64 rows x 256 columns over the tile's
 /// 64 keys, P at `p` (8-row groups `p_group` bytes apart), V's keys 0-31 and 32-63 from the slots
-/// at `v0` and `v1` (their first 64-column atom of the warpgroup's columns).
+/// at `v0` and `v1` (their first 64-column atom of the warpgroup's columns); waited for if `WAIT`
+/// (else the caller retires it with `wait_acc256`, and leaves `o` alone until then).
 #[inline(always)]
 #[allow(unused_variables)]
-pub(super) unsafe fn wide_pv<Q: MmaHalf>(o: &mut [[f32; 4]; 32], p: u32, p_group: u32, v0: u32, v1: u32) {
+pub(super) unsafe fn wide_pv<Q: MmaHalf, const WAIT: bool>(o: &mut [[f32; 4]; 32], p: u32, p_group: u32, v0: u32, v1: u32) {
     #[cfg(wgmma)]
     {
         const { assert!(mla::WIDE.block_n == 2 * SLOT_KEYS && mla::WIDE.block_m == 64) };
         let a = crate::blocks::mma::wgmma_desc(p, 128, p_group, false);
         let b0 = crate::blocks::mma::wgmma_desc(v0, 1024, mla::GROUP_BYTES, true);
         let b1 = crate::blocks::mma::wgmma_desc(v1, 1024, mla::GROUP_BYTES, true);
-        unsafe { Q::wgmma_pv_64x256_k64(o, a, b0, b1) };
+        unsafe { Q::wgmma_pv_64x256_k64_async(o, a, b0, b1) };
+        if WAIT {
+            unsafe { crate::blocks::wgmma::wait_acc256::<0>(o) };
+        }
     }
     #[cfg(not(wgmma))]
     unreachable!()
