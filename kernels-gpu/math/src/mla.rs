@@ -100,8 +100,11 @@ pub const fn shape_for_rows(rows: u32) -> MlaShape {
 /// (`SLOT_KEYS` rows each) in the [`swizzled`] layout, P (`block_m x block_n`, 16-bit, in the
 /// [`p_offset`] layout), the published row maxima `[key_groups][block_m]` f32 (reused for the
 /// denominators at the end), the slots' address tables. FP8 caches: the ring holds the raw rows
-/// (576 bytes each, in the [`raw_offset`] layout); unless the shape converts in registers, each
-/// tile's slots are converted into `converted` (16-bit, [`swizzled`]) before its math.
+/// (576 bytes each, in the [`raw_offset`] layout), `raw` bytes into each slot; unless the shape
+/// converts in registers, each tile's slots are converted into `converted` (16-bit,
+/// [`swizzled`]) before its math, or, `in_place`, the slots are 16-bit ones whose upper half
+/// takes the raw rows, converted in place (`converted` then has no bytes). Both take the same
+/// bytes in all.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MlaLayout {
     pub q: u32,
@@ -111,6 +114,8 @@ pub struct MlaLayout {
     /// `converted_slot` bytes); else unused (no bytes).
     pub converted: u32,
     pub converted_slot: u32,
+    /// FP8: where in a slot its raw rows land.
+    pub raw: u32,
     pub p: u32,
     /// Bytes between P's 8-row groups.
     pub p_group: u32,
@@ -161,19 +166,25 @@ pub const fn p_offset(row: u32, key: u32, p_group: u32) -> u32 {
     (row / 8) * p_group + (key / 8) * 128 + (row % 8) * 16 + (key % 8) * 2
 }
 
-pub const fn shared_layout(s: MlaShape, fp8: bool) -> MlaLayout {
+pub const fn shared_layout(s: MlaShape, fp8: bool, in_place: bool) -> MlaLayout {
     let q = 0;
     let converted_slot = SLOT_KEYS * MLA_QK * 2;
     // 1024-byte aligned (the swizzle atoms): Q and the 16-bit slots first.
     let converted = q + s.block_m * MLA_QK * 2;
-    let k = if fp8 && !s.fp8_in_registers { converted + s.slots_per_tile() * converted_slot } else { converted };
-    let k_slot = if fp8 { SLOT_KEYS * MLA_QK } else { converted_slot };
+    let separate = fp8 && !s.fp8_in_registers && !in_place;
+    let k = if separate { converted + s.slots_per_tile() * converted_slot } else { converted };
+    let (k_slot, raw) = match (fp8, s.fp8_in_registers, in_place) {
+        (true, true, _) => (SLOT_KEYS * MLA_QK, 0),
+        (true, false, false) => (SLOT_KEYS * MLA_QK, 0),
+        (true, false, true) => (converted_slot, converted_slot / 2),
+        (false, _, _) => (converted_slot, 0),
+    };
     let p = k + s.ring * k_slot;
     let p_group = s.block_n * 16;
     let row_max = p + s.block_m * s.block_n * 2;
     let table = row_max + s.key_groups() * s.block_m * 4;
     let total = table + s.tables() * TABLE_BYTES;
-    MlaLayout { q, k, k_slot, converted, converted_slot, p, p_group, row_max, table, total }
+    MlaLayout { q, k, k_slot, converted, converted_slot, raw, p, p_group, row_max, table, total }
 }
 
 #[cfg(test)]
@@ -182,14 +193,18 @@ mod tests {
 
     #[test]
     fn shapes_tile_the_warps_and_fit_shared_memory() {
-        for (s, fp8) in [(NARROW, false), (WIDE, false), (NARROW, true), (WIDE, true)] {
+        for (s, fp8, in_place) in
+            [(NARROW, false, false), (WIDE, false, false), (NARROW, true, false), (WIDE, true, false), (WIDE, true, true)]
+        {
             assert_eq!(s.key_groups() * s.s_row_tiles, WARPS);
             assert_eq!(s.s_row_tiles * 16, s.block_m);
             assert!(s.keys_per_warp() % 8 == 0 && s.keys_per_warp() <= 32);
             assert_eq!(s.pv_row_tiles() * 16 * s.pv_row_groups, s.block_m);
             assert!(s.pv_row_tiles() <= 2 && s.cols_per_warp() % 16 == 0);
             assert!(s.block_n <= THREADS);
-            let l = shared_layout(s, fp8);
+            let l = shared_layout(s, fp8, in_place);
+            // The host sizes the launch without knowing which form the module's kernel takes.
+            assert_eq!(l.total, shared_layout(s, fp8, !in_place).total);
             assert!(l.total <= 227 * 1024, "{s:?}: {}", l.total);
             assert!(s.block_n % SLOT_KEYS == 0 && s.ring > s.slots_per_tile());
             // One warp fills each table: the prologue fills `ring` of them.
@@ -200,6 +215,11 @@ mod tests {
             // wgmma descriptors: Q and the slots 1024-byte aligned, addresses within 14 bits >> 4.
             assert!(l.converted.is_multiple_of(1024) && l.k_slot.is_multiple_of(16) && l.total < 1 << 18);
             assert!(fp8 || (l.k.is_multiple_of(1024) && l.k_slot.is_multiple_of(1024)));
+            // In place: 16-bit slots, the raw rows filling their upper halves exactly.
+            if in_place {
+                assert!(l.k.is_multiple_of(1024) && l.k_slot.is_multiple_of(1024));
+                assert_eq!(l.raw + SLOT_KEYS * MLA_QK, l.k_slot);
+            }
         }
     }
 

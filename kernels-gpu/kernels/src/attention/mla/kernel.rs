@@ -3,7 +3,7 @@
 #[cfg(wgmma)]
 use super::combine::cluster_combine;
 use super::keys::KeySource;
-use super::slots::{convert_slot_fp8, copy_queries, copy_slot, copy_slot_fp8};
+use super::slots::{convert_in_place, convert_slot_fp8, copy_queries, copy_slot, copy_slot_fp8};
 use super::tile::{
     accumulate_pv, accumulate_pv_fp8, fp8_pair_column, fp8_pairs, query_fragments_fp8, score_k_lane, scores, scores_fp8, wide_pv,
     wide_scores, K_STEPS,
@@ -22,8 +22,8 @@ use attn_math::prefill::MLA_V;
 use attn_math::softmax::{exp2, OnlineSoftmax};
 
 /// The kernel; `WIDE` picks the shape (`attn_math::mla::{NARROW, WIDE}`); `FP8`: an FP8 E4M3
-/// cache (with `p.fp8.k_scale`), converted to f16 in registers (narrow) or to Q's type slot by
-/// slot in shared memory (wide); `S`: where
+/// cache (with `p.fp8.k_scale`), converted to f16 in registers (narrow) or to Q's type tile by
+/// tile in shared memory (wide; in place on sm_90a); `S`: where
 /// key j's row comes from (`super::keys`: a request's sequence, dense; a token's index list,
 /// sparse).
 #[inline(always)]
@@ -46,7 +46,8 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     // Memory-bound (narrow): the next copy goes out before waiting, with a barrier at the end of
     // the tile; compute-bound (wide): wait, barrier, then copy into the slot just freed.
     let early_issue = !WIDE;
-    let layout = shared_layout(shape, FP8);
+    // An FP8 tile converted in place (the pipelined order below needs both tiles' 16-bit rows).
+    let layout = shared_layout(shape, FP8, wgmma_pv);
     // FP8 fragments straight from the raw rows (no 16-bit copy of the tile).
     let in_registers = FP8 && shape.fp8_in_registers;
     let tid = thread_idx_x();
@@ -79,12 +80,34 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     // Where slot j lands (raw FP8 rows, or already 16-bit), and where the math reads the current
     // tile's slot i (`slot0`: the tile's first).
     let slot_buf = |j: u32| smem + layout.k + (j % shape.ring) * layout.k_slot;
+    // FP8 on the wide shape: a tile's raw rows are converted into 16-bit rows, in place on
+    // sm_90a, else into the tile's separate 16-bit slots.
     let converts = FP8 && !in_registers;
-    // Wide on sm_90a over a 16-bit cache: the next tile's S is issued right behind this tile's
-    // P V, so that the tensor cores run both back to back while the warps wait at the tile's
-    // boundary (module docs). A converted FP8 tile has one 16-bit buffer, which both read.
-    let pipelined = wgmma_pv && !converts;
-    let tile_buf = |slot0: u32, i: u32| if converts { smem + layout.converted + i * layout.converted_slot } else { slot_buf(slot0 + i) };
+    let in_place = converts && wgmma_pv;
+    // Wide on sm_90a: the next tile's S is issued right behind this tile's P V, so that the
+    // tensor cores run both back to back while the warps wait at the tile's boundary (and
+    // convert an FP8 tile; module docs).
+    let pipelined = wgmma_pv;
+    let tile_buf = |slot0: u32, i: u32| {
+        if converts && !in_place {
+            smem + layout.converted + i * layout.converted_slot
+        } else {
+            slot_buf(slot0 + i)
+        }
+    };
+    // The tile's raw FP8 rows to 16-bit ones, once every raw copy has landed and is visible (a
+    // barrier); a barrier must follow.
+    let convert_tile = |slot0: u32| {
+        if in_place {
+            unsafe { convert_in_place::<Q>([slot_buf(slot0), slot_buf(slot0 + 1)], layout.raw, sync_threads) };
+        } else {
+            static_for::<2>(|i| {
+                if (i as u32) < spt {
+                    unsafe { convert_slot_fp8::<Q>(slot_buf(slot0 + i as u32), tile_buf(slot0, i as u32)) };
+                }
+            });
+        }
+    };
     // FP8: dequantisation folds into the score scale (k) and the output factor (v).
     const { assert!(F16::FP8_UNPACK_SCALE == Q::FP8_UNPACK_SCALE) };
     let (k_scale, v_scale) = if FP8 {
@@ -131,7 +154,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     let issue = |j: u32| {
         if j < tile_slots {
             if FP8 {
-                unsafe { copy_slot_fp8(slot_buf(j), table(j), p.qkv.q) };
+                unsafe { copy_slot_fp8(slot_buf(j) + layout.raw, table(j), p.qkv.q) };
             } else {
                 unsafe { copy_slot(slot_buf(j), table(j), p.qkv.q) };
             }
@@ -226,6 +249,10 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     let mut s_next = [[0.0f32; 4]; 4];
     if pipelined && n_tiles > 0 {
         cp_async_wait::<0>();
+        if converts {
+            sync_threads();
+            convert_tile(0);
+        }
         #[cfg(wgmma)]
         crate::blocks::mma::fence_proxy_async_shared();
         sync_threads();
@@ -285,17 +312,9 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
         // Broadcast like `warp` (`ptxas` does not take the loop's count as uniform): the ring
         // addresses the `wgmma` descriptors are built from.
         let slot0 = if wgmma_pv { shfl_idx(spt * tile, 0) } else { spt * tile };
-        if converts {
-            // The tile's raw slots into 16-bit ones (read by `wgmma` on the wide shape).
-            static_for::<2>(|i| {
-                if (i as u32) < spt {
-                    unsafe { convert_slot_fp8::<Q>(slot_buf(slot0 + i as u32), tile_buf(slot0, i as u32)) };
-                }
-            });
-            #[cfg(wgmma)]
-            if WIDE {
-                crate::blocks::mma::fence_proxy_async_shared();
-            }
+        if converts && !pipelined {
+            // The tile's raw rows into 16-bit ones (landed and visible: the barrier above).
+            convert_tile(slot0);
             sync_threads();
         }
 
@@ -424,6 +443,10 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
             // The next tile has landed (its copies are the only ones in flight): its S goes out
             // behind this tile's P V.
             cp_async_wait::<0>();
+            if converts && tile + 1 < n_tiles {
+                sync_threads();
+                convert_tile(slot0 + spt);
+            }
             #[cfg(wgmma)]
             crate::blocks::mma::fence_proxy_async_shared();
             sync_threads();

@@ -1,5 +1,6 @@
 //! The MLA kernel's copies into shared memory: a slot's K rows (16-bit, or raw FP8 and then
-//! converted) and the query rows, in the swizzled layout (`attn_math::mla::swizzled`).
+//! converted, into separate slots or in place) and the query rows, in the swizzled layout
+//! (`attn_math::mla::swizzled`).
 
 use crate::blocks::device::{static_for, thread_idx_x};
 use crate::blocks::mma::{cp_async_16, ld_shared_u64, ld_shared_v4, st_shared_v4, MmaHalf};
@@ -52,6 +53,58 @@ pub(super) unsafe fn convert_slot_fp8<Q: MmaHalf>(raw: u32, dst: u32) {
             static_for::<8>(|j| h[j] = Q::from_fp8x2((v[j / 2] >> (16 * (j % 2))) & 0xffff));
             unsafe { st_shared_v4(dst + swizzled(r, 2 * c), [h[0], h[1], h[2], h[3]]) };
             unsafe { st_shared_v4(dst + swizzled(r, 2 * c + 1), [h[4], h[5], h[6], h[7]]) };
+        }
+    });
+}
+
+/// Raw chunks of one half of a slot's rows (16 rows of 36).
+const HALF_CHUNKS: u32 = SLOT_KEYS / 2 * RAW_CHUNKS;
+/// Raw chunks a thread takes of a tile's two slots' halves.
+const PER_THREAD: usize = (2 * HALF_CHUNKS).div_ceil(THREADS) as usize;
+
+/// Converts the raw FP8 rows of a tile's two slots (16-bit slot buffers at `slots`, the raw rows
+/// in their upper halves, `raw` bytes on: `attn_math::mla::MlaLayout::raw`) into the 16-bit
+/// [`swizzled`] rows of the same buffers, exactly (the unpack scale is folded into the k/v
+/// scales). Rows 0-15 become 16-bit rows in the lower half, where no raw row is, so they are
+/// converted straight from shared memory; rows 16-31 become the upper half, over every raw row,
+/// so their raw chunks are first held in registers and written after `between` (a barrier: every
+/// thread has then read what it converts). Every thread of the CTA takes part; the raw copies
+/// must have landed, and a barrier must follow.
+#[inline(always)]
+pub(super) unsafe fn convert_in_place<Q: MmaHalf>(slots: [u32; 2], raw: u32, between: impl Fn()) {
+    let tid = thread_idx_x();
+    // Chunk k of the tile's halves: slot k / HALF_CHUNKS, the raw chunks in the order they sit
+    // (one offset for every slot) from row `first`.
+    let chunk = |i: usize, first: u32| {
+        let k = tid + i as u32 * THREADS;
+        let (slot, idx) = (slots[(k / HALF_CHUNKS) as usize % 2], k % HALF_CHUNKS + first * RAW_CHUNKS);
+        (k < 2 * HALF_CHUNKS, slot, idx)
+    };
+    let store = |slot: u32, idx: u32, v: [u32; 4]| {
+        let (r, c) = (idx / RAW_CHUNKS, raw_chunk(idx / RAW_CHUNKS, idx % RAW_CHUNKS));
+        let mut h = [0u32; 8];
+        static_for::<8>(|j| h[j] = Q::from_fp8x2((v[j / 2] >> (16 * (j % 2))) & 0xffff));
+        unsafe { st_shared_v4(slot + swizzled(r, 2 * c), [h[0], h[1], h[2], h[3]]) };
+        unsafe { st_shared_v4(slot + swizzled(r, 2 * c + 1), [h[4], h[5], h[6], h[7]]) };
+    };
+    let mut held = [[0u32; 4]; PER_THREAD];
+    static_for::<PER_THREAD>(|i| {
+        let (live, slot, idx) = chunk(i, SLOT_KEYS / 2);
+        if live {
+            held[i] = unsafe { ld_shared_v4(slot + raw + idx * 16) };
+        }
+    });
+    static_for::<PER_THREAD>(|i| {
+        let (live, slot, idx) = chunk(i, 0);
+        if live {
+            store(slot, idx, unsafe { ld_shared_v4(slot + raw + idx * 16) });
+        }
+    });
+    between();
+    static_for::<PER_THREAD>(|i| {
+        let (live, slot, idx) = chunk(i, SLOT_KEYS / 2);
+        if live {
+            store(slot, idx, held[i]);
         }
     });
 }
