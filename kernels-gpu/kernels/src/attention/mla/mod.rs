@@ -12,13 +12,14 @@
 //!
 //! Q and K rows sit in `wgmma`'s 128-byte-swizzled K-major layout (`attn_math::mla::swizzled`):
 //! on sm_90a the wide shape's warpgroups compute Q K^T (m64n32k16) and P V (m64n256k16, V read
-//! N-major from the same rows, P from a no-swizzle tile) on `wgmma`, over a 16-bit cache with
-//! each tile's S issued right behind the last tile's P V; elsewhere, and for the narrow shape,
-//! `mma.sync` with `ldmatrix` (conflict-free in that layout) does both. An FP8
-//! cache's raw rows land in the ring as they are (`attn_math::mla::raw_offset`). The narrow
-//! shape converts its fragments from them in registers, on f16 MMAs (bf16 queries scaled by
-//! 2^-8 into f16's range); the wide shape converts a tile's slots at a time into 16-bit slots of
-//! Q's type for `wgmma`. The scales fold into the score and output factors.
+//! N-major from the same rows, P from a no-swizzle tile) on `wgmma`, each tile's S issued right
+//! behind the last tile's P V; elsewhere, and for the narrow shape, `mma.sync` with `ldmatrix`
+//! (conflict-free in that layout) does both. An FP8 cache's raw rows land in the ring as they
+//! are (`attn_math::mla::raw_offset`). The narrow shape converts its fragments from them in
+//! registers, on f16 MMAs (bf16 queries scaled by 2^-8 into f16's range); the wide shape
+//! converts a tile at a time into 16-bit rows of Q's type: in place on sm_90a (the raw rows land
+//! in the upper half of 16-bit slots), into separate 16-bit slots elsewhere. The scales fold into
+//! the score and output factors.
 //!
 //! Dense and sparse MLA are the same kernel over a [`keys::KeySource`]: key j of a work item is
 //! position j of the request (dense, causal among the new tokens) or entry j of the query
