@@ -161,6 +161,14 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
         }
         cp_async_commit();
     };
+    // A tile's slots from `first` on, each one commit group.
+    let issue_tile = |first: u32| {
+        static_for::<2>(|i| {
+            if (i as u32) < spt {
+                issue(first + i as u32);
+            }
+        });
+    };
 
     // Prologue: the tables of the slots issued before and at the first tile, the queries (a
     // commit group of their own), then `pre` slots in flight.
@@ -267,11 +275,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
         early_next = if warp < spt { early(first_issued + 2 * spt + warp) } else { S::NO_EARLY };
         if early_issue {
             // The copies go out before waiting: `pre` slots stay in flight through the wait.
-            static_for::<2>(|i| {
-                if (i as u32) < spt {
-                    issue(first_issued + i as u32);
-                }
-            });
+            issue_tile(first_issued);
             if pre == 3 {
                 cp_async_wait::<3>();
             } else {
@@ -287,11 +291,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
                 crate::blocks::wgmma::wait_acc256::<1>(&mut o[0])
             };
             sync_threads();
-            static_for::<2>(|i| {
-                if (i as u32) < spt {
-                    issue(first_issued + i as u32);
-                }
-            });
+            issue_tile(first_issued);
         } else {
             // Wait, then refill the slot every warp has just finished with.
             match pre - spt {
@@ -303,11 +303,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
             #[cfg(wgmma)]
             crate::blocks::mma::fence_proxy_async_shared();
             sync_threads();
-            static_for::<2>(|i| {
-                if (i as u32) < spt {
-                    issue(first_issued + i as u32);
-                }
-            });
+            issue_tile(first_issued);
         }
         // Broadcast like `warp` (`ptxas` does not take the loop's count as uniform): the ring
         // addresses the `wgmma` descriptors are built from.

@@ -36,6 +36,18 @@ pub(super) unsafe fn copy_slot_fp8(dst: u32, table: u32, fallback: u64) {
     });
 }
 
+/// Raw chunk `idx` of a slot (16 FP8 bytes, in the order the chunks sit in the [`raw_offset`]
+/// layout) as 16 values of `Q` (exact: the unpack scale is folded into the k/v scales), stored
+/// at its row's two 16-byte chunks of the [`swizzled`] slot at `dst`.
+#[inline(always)]
+unsafe fn store_converted<Q: MmaHalf>(dst: u32, idx: u32, v: [u32; 4]) {
+    let (r, c) = (idx / RAW_CHUNKS, raw_chunk(idx / RAW_CHUNKS, idx % RAW_CHUNKS));
+    let mut h = [0u32; 8];
+    static_for::<8>(|j| h[j] = Q::from_fp8x2((v[j / 2] >> (16 * (j % 2))) & 0xffff));
+    unsafe { st_shared_v4(dst + swizzled(r, 2 * c), [h[0], h[1], h[2], h[3]]) };
+    unsafe { st_shared_v4(dst + swizzled(r, 2 * c + 1), [h[4], h[5], h[6], h[7]]) };
+}
+
 /// Converts an FP8 slot's raw rows (at `raw`) into the 16-bit [`swizzled`] slot at `dst`,
 /// exactly (the unpack scale is folded into the k/v scales). Every thread of the CTA takes part;
 /// the raw copies must have landed and a barrier must follow.
@@ -47,12 +59,7 @@ pub(super) unsafe fn convert_slot_fp8<Q: MmaHalf>(raw: u32, dst: u32) {
         if idx < SLOT_KEYS * RAW_CHUNKS {
             // The raw chunks in the order they sit (one offset for every slot), and where each
             // goes.
-            let (r, c) = (idx / RAW_CHUNKS, raw_chunk(idx / RAW_CHUNKS, idx % RAW_CHUNKS));
-            let v = unsafe { ld_shared_v4(raw + idx * 16) };
-            let mut h = [0u32; 8];
-            static_for::<8>(|j| h[j] = Q::from_fp8x2((v[j / 2] >> (16 * (j % 2))) & 0xffff));
-            unsafe { st_shared_v4(dst + swizzled(r, 2 * c), [h[0], h[1], h[2], h[3]]) };
-            unsafe { st_shared_v4(dst + swizzled(r, 2 * c + 1), [h[4], h[5], h[6], h[7]]) };
+            unsafe { store_converted::<Q>(dst, idx, ld_shared_v4(raw + idx * 16)) };
         }
     });
 }
@@ -80,13 +87,6 @@ pub(super) unsafe fn convert_in_place<Q: MmaHalf>(slots: [u32; 2], raw: u32, bet
         let (slot, idx) = (slots[(k / HALF_CHUNKS) as usize % 2], k % HALF_CHUNKS + first * RAW_CHUNKS);
         (k < 2 * HALF_CHUNKS, slot, idx)
     };
-    let store = |slot: u32, idx: u32, v: [u32; 4]| {
-        let (r, c) = (idx / RAW_CHUNKS, raw_chunk(idx / RAW_CHUNKS, idx % RAW_CHUNKS));
-        let mut h = [0u32; 8];
-        static_for::<8>(|j| h[j] = Q::from_fp8x2((v[j / 2] >> (16 * (j % 2))) & 0xffff));
-        unsafe { st_shared_v4(slot + swizzled(r, 2 * c), [h[0], h[1], h[2], h[3]]) };
-        unsafe { st_shared_v4(slot + swizzled(r, 2 * c + 1), [h[4], h[5], h[6], h[7]]) };
-    };
     let mut held = [[0u32; 4]; PER_THREAD];
     static_for::<PER_THREAD>(|i| {
         let (live, slot, idx) = chunk(i, SLOT_KEYS / 2);
@@ -97,14 +97,14 @@ pub(super) unsafe fn convert_in_place<Q: MmaHalf>(slots: [u32; 2], raw: u32, bet
     static_for::<PER_THREAD>(|i| {
         let (live, slot, idx) = chunk(i, 0);
         if live {
-            store(slot, idx, unsafe { ld_shared_v4(slot + raw + idx * 16) });
+            unsafe { store_converted::<Q>(slot, idx, ld_shared_v4(slot + raw + idx * 16)) };
         }
     });
     between();
     static_for::<PER_THREAD>(|i| {
         let (live, slot, idx) = chunk(i, SLOT_KEYS / 2);
         if live {
-            store(slot, idx, held[i]);
+            unsafe { store_converted::<Q>(slot, idx, held[i]) };
         }
     });
 }
