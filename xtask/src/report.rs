@@ -67,7 +67,8 @@ fn parse(report: &str) -> Vec<Row> {
 
 /// Kernels known to spill a few registers, with the most stack they may use. The prefill shape
 /// holds 128 f32 accumulators per thread (two 16-row tiles at head size 128, or one at 256), and
-/// the MLA kernels' FP8 narrow shape spills as little;
+/// the MLA kernels' FP8 narrow shape and 16-bit wide shape on sm_90a (the seesaw order: 8-16
+/// bytes, stored before the key loop and loaded after it) spill as little;
 /// ptxas parks a few words of row bookkeeping on the stack before the key loop and reloads them
 /// in the epilogue (8-64 bytes; `nvdisasm` shows no local access inside the loop at head size
 /// 128). Anything else with a stack frame fails the report: that is how a register array that

@@ -187,6 +187,35 @@ pub const fn shared_layout(s: MlaShape, fp8: bool, in_place: bool) -> MlaLayout 
     MlaLayout { q, k, k_slot, converted, converted_slot, raw, p, p_group, row_max, table, total }
 }
 
+/// The wide shape's seesaw order (sm_90a, 16-bit caches: `mla::seesaw` in the kernels): the two
+/// warpgroups take alternate 64-key tiles, each tile in its own half of the ring (two slots,
+/// 8-row groups [`GROUP_BYTES`] apart), and a tile's weights P overwrite its rope columns (the
+/// last atom of each 8-row group: 64 x 64 16-bit, read by `wgmma` as a 128-byte-swizzled
+/// K-major tile), which only its Q K^T reads. The rest of [`shared_layout`]`(WIDE, ..)` is
+/// reused: Q and the ring where they are, P's region for the published row maxima and, at the
+/// end, the row sums (each `[2][block_m]` f32), `tables` address tables and the warpgroups' six
+/// `mbarrier`s (8 bytes each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeesawLayout {
+    pub maxima: u32,
+    pub sums: u32,
+    pub table: u32,
+    pub tables: u32,
+    pub bars: u32,
+    /// Bytes of one warpgroup's tile buffer (two slots).
+    pub tile: u32,
+    /// Where in a tile P starts: the rope atom of its first 8-row group.
+    pub p: u32,
+}
+
+pub const fn seesaw_layout() -> SeesawLayout {
+    let l = shared_layout(WIDE, false, false);
+    // Four tiles' tables alive: each warpgroup's current tile and the one it fills next.
+    let (maxima, sums) = (l.p, l.p + 2 * WIDE.block_m * 4);
+    let (table, tables) = (sums + 2 * WIDE.block_m * 4, 8);
+    SeesawLayout { maxima, sums, table, tables, bars: table + tables * TABLE_BYTES, tile: 2 * l.k_slot, p: (ROW_CHUNKS / 8 - 1) * 1024 }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -221,6 +250,20 @@ mod tests {
                 assert_eq!(l.raw + SLOT_KEYS * MLA_QK, l.k_slot);
             }
         }
+    }
+
+    #[test]
+    fn seesaw_layout_fits_the_wide_shape() {
+        let (l, s) = (shared_layout(WIDE, false, false), seesaw_layout());
+        // Maxima and tables inside P's region, which the seesaw order does not use.
+        assert!(s.maxima >= l.p && s.sums >= s.maxima + 2 * WIDE.block_m * 4 && s.table >= s.sums + 2 * WIDE.block_m * 4);
+        assert!(s.table + s.tables * TABLE_BYTES <= s.bars && s.table.is_multiple_of(16));
+        assert!(s.bars.is_multiple_of(8) && s.bars + 6 * 8 <= l.row_max);
+        // Two tiles fill the ring; the rope atom is the ninth of a group and holds 64 keys of P.
+        assert_eq!(2 * s.tile, WIDE.ring * l.k_slot);
+        assert_eq!(s.p, swizzled(0, MLA_V / 8));
+        assert_eq!(swizzled(7, ROW_CHUNKS - 8) + 16 - s.p, 1024);
+        assert_eq!(MLA_QK - MLA_V, WIDE.block_n);
     }
 
     #[test]

@@ -29,13 +29,24 @@ pub trait MmaHalf: HalfFloat {
     /// `mma.sync` C layout of its warp's 16 rows: `[n-block][4]`.
     #[cfg(wgmma)]
     unsafe fn wgmma_64x32_k576_async(desc_a: u64, desc_b: u64) -> [[f32; 4]; 4];
-    /// `O += P V` for a warpgroup (Hopper `wgmma`): P 64 x 64 keys (no-swizzle K-major, `desc_a`)
-    /// times V 64 keys x 256 columns, keys 0-31 and 32-63 in two slots (the 128-byte-swizzled
-    /// rows read N-major, `desc_b0`, `desc_b1`). `o`: this thread's accumulators, column block `n`
-    /// (8 columns) of its warp's 16 rows in the `mma.sync` C layout. Committed, not waited for
+    /// [`wgmma_64x32_k576_async`](Self::wgmma_64x32_k576_async) over 64 keys (m64n64k16): B is a
+    /// whole 64-row tile.
+    #[cfg(wgmma)]
+    unsafe fn wgmma_64x64_k576_async(desc_a: u64, desc_b: u64) -> [[f32; 4]; 8];
+    /// [`wgmma_64x64_k576_async`](Self::wgmma_64x64_k576_async) over a tile that is still
+    /// landing: the executing threads' last nine `cp.async` groups are its nine 64-column atoms in
+    /// order, and each atom's k-steps wait for it (this thread's copies, then barrier `BAR` of
+    /// the warpgroup's 128 threads).
+    #[cfg(wgmma)]
+    unsafe fn wgmma_64x64_k576_landing_async<const BAR: u32>(desc_a: u64, desc_b: u64) -> [[f32; 4]; 8];
+    /// `O += P V` for a warpgroup (Hopper `wgmma`): P 64 x 64 keys (`desc_a`, K-major: without
+    /// swizzle, or in one 128-byte-swizzled atom a row if `P_SWIZZLED`) times V 64 keys x 256
+    /// columns, keys 0-31 and 32-63 in two slots (the 128-byte-swizzled rows read N-major,
+    /// `desc_b0`, `desc_b1`). `o`: this thread's accumulators, column block `n` (8 columns) of its
+    /// warp's 16 rows in the `mma.sync` C layout. Committed, not waited for
     /// (`crate::blocks::wgmma::wait_acc256` retires it).
     #[cfg(wgmma)]
-    unsafe fn wgmma_pv_64x256_k64_async(o: &mut [[f32; 4]; 32], desc_a: u64, desc_b0: u64, desc_b1: u64);
+    unsafe fn wgmma_pv_64x256_k64_async<const P_SWIZZLED: bool>(o: &mut [[f32; 4]; 32], desc_a: u64, desc_b0: u64, desc_b1: u64);
 }
 
 /// The whole 576-wide `wgmma` chain of [`MmaHalf::wgmma_64x32_k576_async`] for PTX type `$t`: the
@@ -46,30 +57,66 @@ pub trait MmaHalf: HalfFloat {
 /// it); a 64-bit add cost an add with carry and two `R2UR`s a k-step.
 #[cfg(wgmma)]
 macro_rules! wgmma_k576_asm {
-    ($t:literal) => {
+    // `$n` keys (32 or 64), `$acc` the accumulator operands, `$da` / `$db` the descriptors'.
+    ($t:literal, $n:literal, $acc:literal, $da:literal, $db:literal) => {
         concat!(
             "{{\n.reg .pred pz, po;\n.reg .b32 zz, al, ah, bl, bh;\n.reg .b64 da, db;\n",
             "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
-            "mov.b64 {{al, ah}}, {16};\nmov.b64 {{bl, bh}}, {17};\n",
+            "mov.b64 {{al, ah}}, ", $da, ";\nmov.b64 {{bl, bh}}, ", $db, ";\n",
             "wgmma.fence.sync.aligned;\n",
-            wgmma_k576_asm!(@mma $t, "pz"),
-            wgmma_k576_asm!(@atom_rest $t),
-            times8!(concat!("add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n", wgmma_k576_asm!(@mma $t, "po"), wgmma_k576_asm!(@atom_rest $t))),
+            wgmma_k576_asm!(@mma $t, $n, $acc, "pz"),
+            wgmma_k576_asm!(@atom_rest $t, $n, $acc),
+            times8!(concat!("add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n", wgmma_k576_asm!(@mma $t, $n, $acc, "po"), wgmma_k576_asm!(@atom_rest $t, $n, $acc))),
             "wgmma.commit_group.sync.aligned;\n}}"
         )
     };
-    (@mma $t:literal, $scale:literal) => {
+    // The same chain over a tile still landing, one `cp.async` group an atom (the executing
+    // threads' last nine, in atom order): before atom c's k-steps, wait until atom c has landed
+    // in this thread (`cp.async.wait_group 8 - c`), make it visible to `wgmma`, and meet the
+    // warpgroup's other threads at barrier `{bar}` (128 threads), so that the MMAs on the first
+    // atoms run while the later ones land.
+    (landing $t:literal, $n:literal, $acc:literal, $da:literal, $db:literal) => {
         concat!(
-            "mov.b64 da, {{al, ah}};\nmov.b64 db, {{bl, bh}};\n",
-            "wgmma.mma_async.sync.aligned.m64n32k16.f32.", $t, ".", $t,
-            " {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, ", $scale, ", 1, 1, 0, 0;\n"
+            "{{\n.reg .pred pz, po;\n.reg .b32 zz, al, ah, bl, bh;\n.reg .b64 da, db;\n",
+            "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
+            "mov.b64 {{al, ah}}, ", $da, ";\nmov.b64 {{bl, bh}}, ", $db, ";\n",
+            wgmma_k576_asm!(@landed "8"),
+            "wgmma.fence.sync.aligned;\n",
+            wgmma_k576_asm!(@mma $t, $n, $acc, "pz"),
+            wgmma_k576_asm!(@atom_rest $t, $n, $acc),
+            wgmma_k576_asm!(@next_atom $t, $n, $acc, "7"),
+            wgmma_k576_asm!(@next_atom $t, $n, $acc, "6"),
+            wgmma_k576_asm!(@next_atom $t, $n, $acc, "5"),
+            wgmma_k576_asm!(@next_atom $t, $n, $acc, "4"),
+            wgmma_k576_asm!(@next_atom $t, $n, $acc, "3"),
+            wgmma_k576_asm!(@next_atom $t, $n, $acc, "2"),
+            wgmma_k576_asm!(@next_atom $t, $n, $acc, "1"),
+            wgmma_k576_asm!(@next_atom $t, $n, $acc, "0"),
+            "wgmma.commit_group.sync.aligned;\n}}"
         )
     };
-    (@atom_rest $t:literal) => {
+    (@landed $pending:literal) => {
+        concat!("cp.async.wait_group ", $pending, ";\nfence.proxy.async.shared::cta;\nbar.sync {bar}, 128;\n")
+    };
+    (@next_atom $t:literal, $n:literal, $acc:literal, $pending:literal) => {
         concat!(
-            "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n", wgmma_k576_asm!(@mma $t, "po"),
-            "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n", wgmma_k576_asm!(@mma $t, "po"),
-            "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n", wgmma_k576_asm!(@mma $t, "po")
+            "add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n",
+            wgmma_k576_asm!(@landed $pending),
+            wgmma_k576_asm!(@mma $t, $n, $acc, "po"),
+            wgmma_k576_asm!(@atom_rest $t, $n, $acc)
+        )
+    };
+    (@mma $t:literal, $n:literal, $acc:literal, $scale:literal) => {
+        concat!(
+            "mov.b64 da, {{al, ah}};\nmov.b64 db, {{bl, bh}};\n",
+            "wgmma.mma_async.sync.aligned.m64n", $n, "k16.f32.", $t, ".", $t, " {{", $acc, "}}, da, db, ", $scale, ", 1, 1, 0, 0;\n"
+        )
+    };
+    (@atom_rest $t:literal, $n:literal, $acc:literal) => {
+        concat!(
+            "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n", wgmma_k576_asm!(@mma $t, $n, $acc, "po"),
+            "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n", wgmma_k576_asm!(@mma $t, $n, $acc, "po"),
+            "add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n", wgmma_k576_asm!(@mma $t, $n, $acc, "po")
         )
     };
 }
@@ -77,24 +124,25 @@ macro_rules! wgmma_k576_asm {
 /// The P V `wgmma` chain of [`MmaHalf::wgmma_pv_64x256_k64_async`] for PTX type `$t`: four k-steps of
 /// 16 keys over all the warpgroup's 256 columns (m64n256k16: B's four 64-column atoms are
 /// `leading` = 1024 bytes apart, so one instruction reads P's k-step once, where four m64n64k16
-/// read it four times). A steps +16 units of 16 bytes (256 bytes of the no-swizzle P tile) a
-/// k-step; B +1152 units (two 8-key row groups) within a slot, the second slot for keys 32-63.
+/// read it four times). A steps `$a_step` units of 16 bytes a k-step (16: 256 bytes of a
+/// no-swizzle P tile; 2: 32 bytes inside a 128-byte-swizzled atom); B +1152 units (two 8-key row groups) within a slot, the second slot for keys 32-63.
 /// B is V, N-major (`imm-trans-b` 1); the accumulators add (scale-d true). Descriptors step as
 /// in [`wgmma_k576_asm`], by 32-bit adds.
 #[cfg(wgmma)]
 macro_rules! wgmma_pv_asm {
-    ($t:literal) => {
+    // `$a_step`: P's k-step in units of 16 bytes (16 without swizzle, 2 inside a 128-byte atom).
+    ($t:literal, $a_step:literal) => {
         concat!(
             "{{\n.reg .pred po;\n.reg .b32 zz, al, ah, bl, bh, cl, ch;\n.reg .b64 da, db;\n",
             "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
             "mov.b64 {{al, ah}}, {128};\nmov.b64 {{bl, bh}}, {129};\nmov.b64 {{cl, ch}}, {130};\n",
             "wgmma.fence.sync.aligned;\n",
             "mov.b64 da, {{al, ah}};\nmov.b64 db, {{bl, bh}};\n", wgmma_pv_asm!(@mma $t),
-            "add.s32 al, al, 16;\nadd.s32 bl, bl, 1152;\n",
+            "add.s32 al, al, ", $a_step, ";\nadd.s32 bl, bl, 1152;\n",
             "mov.b64 da, {{al, ah}};\nmov.b64 db, {{bl, bh}};\n", wgmma_pv_asm!(@mma $t),
-            "add.s32 al, al, 16;\n",
+            "add.s32 al, al, ", $a_step, ";\n",
             "mov.b64 da, {{al, ah}};\nmov.b64 db, {{cl, ch}};\n", wgmma_pv_asm!(@mma $t),
-            "add.s32 al, al, 16;\nadd.s32 cl, cl, 1152;\n",
+            "add.s32 al, al, ", $a_step, ";\nadd.s32 cl, cl, 1152;\n",
             "mov.b64 da, {{al, ah}};\nmov.b64 db, {{cl, ch}};\n", wgmma_pv_asm!(@mma $t),
             "wgmma.commit_group.sync.aligned;\n}}"
         )
@@ -160,9 +208,9 @@ macro_rules! mma_impl {
             }
             #[cfg(wgmma)]
             #[inline(always)]
-            unsafe fn wgmma_pv_64x256_k64_async(o: &mut [[f32; 4]; 32], desc_a: u64, desc_b0: u64, desc_b1: u64) {
+            unsafe fn wgmma_pv_64x256_k64_async<const P_SWIZZLED: bool>(o: &mut [[f32; 4]; 32], desc_a: u64, desc_b0: u64, desc_b1: u64) {
                 unsafe {
-                    asm!(wgmma_pv_asm!($name),
+                    asm!(wgmma_pv_asm!($name, "{a_step}"),
                          inout(reg32) o[0][0], inout(reg32) o[0][1], inout(reg32) o[0][2], inout(reg32) o[0][3],
                          inout(reg32) o[1][0], inout(reg32) o[1][1], inout(reg32) o[1][2], inout(reg32) o[1][3],
                          inout(reg32) o[2][0], inout(reg32) o[2][1], inout(reg32) o[2][2], inout(reg32) o[2][3],
@@ -195,7 +243,7 @@ macro_rules! mma_impl {
                          inout(reg32) o[29][0], inout(reg32) o[29][1], inout(reg32) o[29][2], inout(reg32) o[29][3],
                          inout(reg32) o[30][0], inout(reg32) o[30][1], inout(reg32) o[30][2], inout(reg32) o[30][3],
                          inout(reg32) o[31][0], inout(reg32) o[31][1], inout(reg32) o[31][2], inout(reg32) o[31][3],
-                         in(reg64) desc_a, in(reg64) desc_b0, in(reg64) desc_b1, options(nostack));
+                         in(reg64) desc_a, in(reg64) desc_b0, in(reg64) desc_b1, a_step = const if P_SWIZZLED { 2 } else { 16 }, options(nostack));
                 }
             }
             #[cfg(wgmma)]
@@ -203,12 +251,48 @@ macro_rules! mma_impl {
             unsafe fn wgmma_64x32_k576_async(desc_a: u64, desc_b: u64) -> [[f32; 4]; 4] {
                 let mut d = [[0.0f32; 4]; 4];
                 unsafe {
-                    asm!(wgmma_k576_asm!($name),
+                    asm!(wgmma_k576_asm!($name, "32", "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}", "{16}", "{17}"),
                          out(reg32) d[0][0], out(reg32) d[0][1], out(reg32) d[0][2], out(reg32) d[0][3],
                          out(reg32) d[1][0], out(reg32) d[1][1], out(reg32) d[1][2], out(reg32) d[1][3],
                          out(reg32) d[2][0], out(reg32) d[2][1], out(reg32) d[2][2], out(reg32) d[2][3],
                          out(reg32) d[3][0], out(reg32) d[3][1], out(reg32) d[3][2], out(reg32) d[3][3],
                          in(reg64) desc_a, in(reg64) desc_b, options(nostack));
+                }
+                d
+            }
+            #[cfg(wgmma)]
+            #[inline(always)]
+            unsafe fn wgmma_64x64_k576_async(desc_a: u64, desc_b: u64) -> [[f32; 4]; 8] {
+                let mut d = [[0.0f32; 4]; 8];
+                unsafe {
+                    asm!(wgmma_k576_asm!($name, "64", "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}", "{32}", "{33}"),
+                         out(reg32) d[0][0], out(reg32) d[0][1], out(reg32) d[0][2], out(reg32) d[0][3],
+                         out(reg32) d[1][0], out(reg32) d[1][1], out(reg32) d[1][2], out(reg32) d[1][3],
+                         out(reg32) d[2][0], out(reg32) d[2][1], out(reg32) d[2][2], out(reg32) d[2][3],
+                         out(reg32) d[3][0], out(reg32) d[3][1], out(reg32) d[3][2], out(reg32) d[3][3],
+                         out(reg32) d[4][0], out(reg32) d[4][1], out(reg32) d[4][2], out(reg32) d[4][3],
+                         out(reg32) d[5][0], out(reg32) d[5][1], out(reg32) d[5][2], out(reg32) d[5][3],
+                         out(reg32) d[6][0], out(reg32) d[6][1], out(reg32) d[6][2], out(reg32) d[6][3],
+                         out(reg32) d[7][0], out(reg32) d[7][1], out(reg32) d[7][2], out(reg32) d[7][3],
+                         in(reg64) desc_a, in(reg64) desc_b, options(nostack));
+                }
+                d
+            }
+            #[cfg(wgmma)]
+            #[inline(always)]
+            unsafe fn wgmma_64x64_k576_landing_async<const BAR: u32>(desc_a: u64, desc_b: u64) -> [[f32; 4]; 8] {
+                let mut d = [[0.0f32; 4]; 8];
+                unsafe {
+                    asm!(wgmma_k576_asm!(landing $name, "64", "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}", "{32}", "{33}"),
+                         out(reg32) d[0][0], out(reg32) d[0][1], out(reg32) d[0][2], out(reg32) d[0][3],
+                         out(reg32) d[1][0], out(reg32) d[1][1], out(reg32) d[1][2], out(reg32) d[1][3],
+                         out(reg32) d[2][0], out(reg32) d[2][1], out(reg32) d[2][2], out(reg32) d[2][3],
+                         out(reg32) d[3][0], out(reg32) d[3][1], out(reg32) d[3][2], out(reg32) d[3][3],
+                         out(reg32) d[4][0], out(reg32) d[4][1], out(reg32) d[4][2], out(reg32) d[4][3],
+                         out(reg32) d[5][0], out(reg32) d[5][1], out(reg32) d[5][2], out(reg32) d[5][3],
+                         out(reg32) d[6][0], out(reg32) d[6][1], out(reg32) d[6][2], out(reg32) d[6][3],
+                         out(reg32) d[7][0], out(reg32) d[7][1], out(reg32) d[7][2], out(reg32) d[7][3],
+                         in(reg64) desc_a, in(reg64) desc_b, bar = const BAR, options(nostack));
                 }
                 d
             }

@@ -23,7 +23,7 @@ use attn_math::softmax::{exp2, OnlineSoftmax};
 
 /// The kernel; `WIDE` picks the shape (`attn_math::mla::{NARROW, WIDE}`); `FP8`: an FP8 E4M3
 /// cache (with `p.fp8.k_scale`), converted to f16 in registers (narrow) or to Q's type tile by
-/// tile in shared memory (wide; in place on sm_90a); `S`: where
+/// tile in shared memory (wide; in place on sm_90a; a 16-bit cache takes `super::seesaw` there); `S`: where
 /// key j's row comes from (`super::keys`: a request's sequence, dense; a token's index list,
 /// sparse).
 #[inline(always)]
@@ -116,7 +116,12 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     } else {
         (1.0, 1.0)
     };
-    let table = |j: u32| smem + layout.table + (j % shape.tables()) * TABLE_BYTES;
+    // Wide on sm_90a over a 16-bit cache: the seesaw order (`super::seesaw`), with tables of
+    // its own.
+    let seesaw = WIDE && !FP8 && cfg!(wgmma);
+    let (tables_at, n_tables) =
+        if seesaw { (mla::seesaw_layout().table, mla::seesaw_layout().tables) } else { (layout.table, shape.tables()) };
+    let table = |j: u32| smem + tables_at + (j % n_tables) * TABLE_BYTES;
     let flag = |j: u32| table(j) + SLOT_KEYS * 8;
     // Address tables: one warp a slot, one lane a key; the source's first load (`early`, the
     // index entry of a sparse list) two tiles before the entry is written, the block-table load
@@ -170,6 +175,17 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
         });
     };
 
+    let q_row = |r: u32| {
+        let row = unsafe { w.row(p, r) };
+        p.qkv.q + (row.token as u64 * p.qkv.q_token_stride + row.head as u64 * p.qkv.q_head_stride) * 2
+    };
+    #[cfg(wgmma)]
+    if seesaw {
+        let span = super::seesaw::Span { begin, end, n_tiles, causal, min_pos };
+        unsafe { super::seesaw::seesaw::<Q, S>(p, &w, span, p.variant.scale_log2, early, locate, fill, table, q_row) };
+        return;
+    }
+
     // Prologue: the tables of the slots issued before and at the first tile, the queries (a
     // commit group of their own), then `pre` slots in flight.
     if warp < shape.ring {
@@ -178,10 +194,6 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     // The first steps of the first tile's lookups (slots `ring ..`).
     let mut early_next = if warp < spt { early(shape.ring + warp) } else { S::NO_EARLY };
     sync_threads();
-    let q_row = |r: u32| {
-        let row = unsafe { w.row(p, r) };
-        p.qkv.q + (row.token as u64 * p.qkv.q_token_stride + row.head as u64 * p.qkv.q_head_stride) * 2
-    };
     unsafe { copy_queries(smem + layout.q, bm, q_row) };
     // Narrow waits for the queries alone (to hold them in registers before the first tile).
     cp_async_commit();

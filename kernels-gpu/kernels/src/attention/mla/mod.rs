@@ -10,11 +10,14 @@
 //! being the first 512 columns of the K rows already in shared memory. Each latent row is read
 //! from global memory once per CTA.
 //!
-//! Q and K rows sit in `wgmma`'s 128-byte-swizzled K-major layout (`attn_math::mla::swizzled`):
-//! on sm_90a the wide shape's warpgroups compute Q K^T (m64n32k16) and P V (m64n256k16, V read
-//! N-major from the same rows, P from a no-swizzle tile) on `wgmma`, each tile's S issued right
-//! behind the last tile's P V; elsewhere, and for the narrow shape, `mma.sync` with `ldmatrix`
-//! (conflict-free in that layout) does both. An FP8 cache's raw rows land in the ring as they
+//! Q and K rows sit in `wgmma`'s 128-byte-swizzled K-major layout (`attn_math::mla::swizzled`).
+//! On sm_90a the wide shape over a 16-bit cache takes the seesaw order ([`seesaw`]): the two
+//! warpgroups score alternate whole tiles (m64n64k16) and each adds P V for its half of the
+//! columns (m64n256k16, V read N-major from the same rows), so that one's softmax runs under the
+//! other's MMAs. Over an FP8 cache the wide shape's warpgroups split each tile's keys for Q K^T
+//! (m64n32k16) and its columns for P V, each tile's S issued right behind the last tile's P V;
+//! elsewhere, and for the narrow shape, `mma.sync` with `ldmatrix` (conflict-free in that
+//! layout) does both. An FP8 cache's raw rows land in the ring as they
 //! are (`attn_math::mla::raw_offset`). The narrow shape converts its fragments from them in
 //! registers, on f16 MMAs (bf16 queries scaled by 2^-8 into f16's range); the wide shape
 //! converts a tile at a time into 16-bit rows of Q's type: in place on sm_90a (the raw rows land
@@ -27,11 +30,14 @@
 //! request masked out instead of the causal mask).
 //!
 //! [`kernel`] is the kernel; [`keys`] where its keys come from; [`tile`] its matrix products, [`slots`] its copies into the
-//! swizzled slots, and [`combine`] (sm_90a) the cluster combine of a request's splits.
+//! swizzled slots, [`seesaw`] (sm_90a) the wide shape's seesaw order, and [`combine`] (sm_90a) the
+//! cluster combine of a request's splits.
 
 #[cfg(wgmma)]
 mod combine;
 pub(crate) mod kernel;
 pub(crate) mod keys;
+#[cfg(wgmma)]
+mod seesaw;
 mod slots;
 mod tile;

@@ -22,6 +22,35 @@ pub(super) unsafe fn copy_slot(dst: u32, table: u32, fallback: u64) {
     static_for::<{ (ROW_CHUNKS / 8) as usize }>(|i| unsafe { cp_async_16(to + i as u32 * 1024, from + i as u64 * step, bytes) });
 }
 
+/// [`copy_slot`] for a whole 64-row tile by one warpgroup (the seesaw order: each warpgroup
+/// copies its own tiles): rows 0-31 from the table at `tables[0]`, 32-63 from `tables[1]`, into
+/// the two slots' rows at `dst` ([`swizzled`] layout, 8-row groups continuing across the slots).
+/// One commit group a 64-column atom, in order (what
+/// [`MmaHalf::wgmma_64x64_k576_landing_async`] waits for).
+#[cfg(wgmma)]
+#[inline(always)]
+pub(super) unsafe fn copy_tile_warpgroup(dst: u32, tables: [u32; 2], fallback: u64) {
+    const ROWS: usize = (2 * SLOT_KEYS / 16) as usize;
+    let t = thread_idx_x() % 128;
+    let (r, c0) = (t / 8, t % 8);
+    let mut from = [(fallback, 0, 0); ROWS];
+    static_for::<ROWS>(|i| {
+        let row = r + 16 * i as u32;
+        let src = unsafe { ld_shared_u64(tables[(row / SLOT_KEYS) as usize] + (row % SLOT_KEYS) * 8) };
+        if src != 0 {
+            from[i] = (src + c0 as u64 * 16, 16, 128);
+        }
+    });
+    static_for::<{ (ROW_CHUNKS / 8) as usize }>(|a| {
+        static_for::<ROWS>(|i| {
+            let (src, bytes, step) = from[i];
+            let to = dst + swizzled(r + 16 * i as u32, c0) + a as u32 * 1024;
+            unsafe { cp_async_16(to, src + a as u64 * step, bytes) };
+        });
+        crate::blocks::mma::cp_async_commit();
+    });
+}
+
 /// [`copy_slot`] for an FP8 cache: the 32 raw rows of 576 bytes at `dst` ([`raw_offset`]).
 #[inline(always)]
 pub(super) unsafe fn copy_slot_fp8(dst: u32, table: u32, fallback: u64) {

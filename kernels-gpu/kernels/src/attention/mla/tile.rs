@@ -106,7 +106,7 @@ pub(super) unsafe fn wide_pv<Q: MmaHalf, const WAIT: bool>(o: &mut [[f32; 4]; 32
         let a = crate::blocks::mma::wgmma_desc(p, 128, p_group, false);
         let b0 = crate::blocks::mma::wgmma_desc(v0, 1024, mla::GROUP_BYTES, true);
         let b1 = crate::blocks::mma::wgmma_desc(v1, 1024, mla::GROUP_BYTES, true);
-        unsafe { Q::wgmma_pv_64x256_k64_async(o, a, b0, b1) };
+        unsafe { Q::wgmma_pv_64x256_k64_async::<false>(o, a, b0, b1) };
         if WAIT {
             unsafe { crate::blocks::wgmma::wait_acc256::<0>(o) };
         }
