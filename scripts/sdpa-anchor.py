@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Same-run anchors for the prefill rows of `attn-bench`: torch's scaled_dot_product_attention
-with the cuDNN and FLASH backends on each prefill row's shape, timed on the same GPU right after
-the benchmark, written into the benchmark's JSON beside our rows with the ratios.
+"""Same-run anchors for the compute-bound rows of `attn-bench`: torch's
+scaled_dot_product_attention with the cuDNN and FLASH backends on each prefill row's shape, and
+the dense bf16 matmul rate (torch.matmul, cuBLAS), timed on the same GPU right after the
+benchmark, written into the benchmark's JSON beside our rows with the ratios.
 
     python3 scripts/sdpa-anchor.py bench.json        # adds the anchors to bench.json's rows
 
@@ -10,9 +11,13 @@ cached ones, causal aligned to the end of each sequence (our chunked prefill), H
 over Hkv kv heads. torch runs it on dense [B, L + C, Hkv, D] keys and values (our kernels read a
 paged cache); FLOPs are counted as ours are: 4 * Hq * D per attended (query, key) pair.
 
-Each row gains "sdpa_cudnn_tflops" and "sdpa_flash_tflops" (null when the backend refuses the
-shape, with the reason under "sdpa_notes") and "ours_over_cudnn" / "ours_over_flash". Exits 0
-without touching the file when torch or a GPU is missing (the bundle runs it when it can).
+Each prefill row gains "sdpa_cudnn_tflops" and "sdpa_flash_tflops" (null when the backend
+refuses the shape, with the reason under "sdpa_notes") and "ours_over_cudnn" / "ours_over_flash".
+The report gains "matmul_tflops_same_run" (the median of REPS products of two MATMUL_N x
+MATMUL_N bf16 matrices) and every row with TFLOP/s (prefill, MLA at 128 heads) "ours_over_matmul":
+the same-call counterpart of attn-bench's "matmul_tflops" and "pct_of_matmul", which are a fixed
+H100 cuBLAS figure.
+Exits 0 without touching the file when torch or a GPU is missing (the bundle runs it when it can).
 """
 
 import json
@@ -21,6 +26,7 @@ import sys
 
 SHAPE = re.compile(r"^(\d+)x(\d+) \(\+(\d+) cached\) (\d+)q/(\d+)kv d(\d+)$")
 WARMUP, REPS = 5, 20
+MATMUL_N = 8192
 
 
 def parse(shape):
@@ -76,6 +82,17 @@ def sdpa_call(torch, b, q_len, cached, hq, hkv, d):
     return lambda: sdpa(q, k, v, **mask)
 
 
+def matmul_tflops(torch):
+    """The dense bf16 matmul rate: C = A B with A, B MATMUL_N x MATMUL_N (cuBLAS through torch)."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    a = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16, generator=gen)
+    us = time_us(torch, lambda: torch.matmul(a, b))
+    del a, b
+    torch.cuda.empty_cache()
+    return round(2.0 * MATMUL_N**3 / (us * 1e-6) / 1e12, 1)
+
+
 def main():
     if len(sys.argv) != 2:
         print(__doc__.strip().splitlines()[0])
@@ -95,11 +112,11 @@ def main():
         report = json.load(f)
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
     print(f"\nsdpa-anchor: torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    print(f"{'shape':<40} {'ours TF/s':>10} {'cuDNN':>8} {'FLASH':>8} {'ours/cuDNN':>11} {'ours/FLASH':>11}")
-    for row in report["rows"]:
-        shape = parse(row.get("shape", ""))
-        if shape is None or "tflops" not in row or not row["kernel"].startswith("prefill"):
-            continue
+    prefill = [r for r in report["rows"] if parse(r.get("shape", "")) and "tflops" in r and r["kernel"].startswith("prefill")]
+    if prefill:
+        print(f"{'shape':<40} {'ours TF/s':>10} {'cuDNN':>8} {'FLASH':>8} {'ours/cuDNN':>11} {'ours/FLASH':>11}")
+    for row in prefill:
+        shape = parse(row["shape"])
         b, q_len, cached, hq, hkv, d = shape
         flops = 4.0 * hq * d * pairs(b, q_len, cached)
         notes = {}
@@ -124,6 +141,13 @@ def main():
         )
         for name, note in notes.items():
             print(f"    {name}: {note}")
+    matmul = matmul_tflops(torch)
+    report["matmul_tflops_same_run"] = matmul
+    print(f"\nbf16 matmul {MATMUL_N}^3 (cuBLAS): {matmul} TFLOP/s; ours / matmul:")
+    for row in report["rows"]:
+        if "tflops" in row:
+            row["ours_over_matmul"] = round(row["tflops"] / matmul, 3)
+            print(f"{row['kernel'][:24]:<24} {row.get('shape', '')[:56]:<56} {row['tflops']:>7} {row['ours_over_matmul']:>7}")
     report["sdpa_torch"] = torch.__version__
     with open(path, "w") as f:
         # One row a line, as attn-bench writes it.

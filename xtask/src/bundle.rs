@@ -96,7 +96,8 @@ if [ "${BENCH:-1}" != 0 ]; then
   json=${OUT:-/tmp}/bench.json
   echo "== benchmark"
   "$here/attn-bench" --json "$json" ${BENCH_ARGS:-} || status=1
-  # Same-run anchors: torch's SDPA (cuDNN, FLASH) on the prefill rows' shapes, into the same JSON.
+  # Same-run anchors: torch's SDPA (cuDNN, FLASH) on the prefill rows' shapes and the bf16
+  # matmul rate, into the same JSON.
   if command -v python3 >/dev/null && python3 -c "import torch" 2>/dev/null; then
     python3 "$here/sdpa-anchor.py" "$json" || status=1
   else
