@@ -155,6 +155,25 @@ macro_rules! wgmma_pv_asm {
     };
 }
 
+/// `asm!` of a 64-key S chain (`$tmpl`: [`wgmma_k576_asm`] over 64 keys) into the
+/// accumulators `$d` (`[[f32; 4]; 8]`), from the descriptors `$a` and `$b`, with the operands
+/// `$extra` (each followed by a comma) after them.
+#[cfg(wgmma)]
+macro_rules! scores64_asm {
+    ($tmpl:expr, $d:ident, $a:ident, $b:ident; $($extra:tt)*) => {
+        asm!($tmpl,
+                         out(reg32) $d[0][0], out(reg32) $d[0][1], out(reg32) $d[0][2], out(reg32) $d[0][3],
+                         out(reg32) $d[1][0], out(reg32) $d[1][1], out(reg32) $d[1][2], out(reg32) $d[1][3],
+                         out(reg32) $d[2][0], out(reg32) $d[2][1], out(reg32) $d[2][2], out(reg32) $d[2][3],
+                         out(reg32) $d[3][0], out(reg32) $d[3][1], out(reg32) $d[3][2], out(reg32) $d[3][3],
+                         out(reg32) $d[4][0], out(reg32) $d[4][1], out(reg32) $d[4][2], out(reg32) $d[4][3],
+                         out(reg32) $d[5][0], out(reg32) $d[5][1], out(reg32) $d[5][2], out(reg32) $d[5][3],
+                         out(reg32) $d[6][0], out(reg32) $d[6][1], out(reg32) $d[6][2], out(reg32) $d[6][3],
+                         out(reg32) $d[7][0], out(reg32) $d[7][1], out(reg32) $d[7][2], out(reg32) $d[7][3],
+                         in(reg64) $a, in(reg64) $b, $($extra)* options(nostack))
+    };
+}
+
 /// `$body` 8 times, as one string.
 #[cfg(wgmma)]
 macro_rules! times8 {
@@ -264,36 +283,14 @@ macro_rules! mma_impl {
             #[inline(always)]
             unsafe fn wgmma_64x64_k576_async(desc_a: u64, desc_b: u64) -> [[f32; 4]; 8] {
                 let mut d = [[0.0f32; 4]; 8];
-                unsafe {
-                    asm!(wgmma_k576_asm!($name, "64", "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}", "{32}", "{33}"),
-                         out(reg32) d[0][0], out(reg32) d[0][1], out(reg32) d[0][2], out(reg32) d[0][3],
-                         out(reg32) d[1][0], out(reg32) d[1][1], out(reg32) d[1][2], out(reg32) d[1][3],
-                         out(reg32) d[2][0], out(reg32) d[2][1], out(reg32) d[2][2], out(reg32) d[2][3],
-                         out(reg32) d[3][0], out(reg32) d[3][1], out(reg32) d[3][2], out(reg32) d[3][3],
-                         out(reg32) d[4][0], out(reg32) d[4][1], out(reg32) d[4][2], out(reg32) d[4][3],
-                         out(reg32) d[5][0], out(reg32) d[5][1], out(reg32) d[5][2], out(reg32) d[5][3],
-                         out(reg32) d[6][0], out(reg32) d[6][1], out(reg32) d[6][2], out(reg32) d[6][3],
-                         out(reg32) d[7][0], out(reg32) d[7][1], out(reg32) d[7][2], out(reg32) d[7][3],
-                         in(reg64) desc_a, in(reg64) desc_b, options(nostack));
-                }
+                unsafe { scores64_asm!(wgmma_k576_asm!($name, "64", "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}", "{32}", "{33}"), d, desc_a, desc_b;) };
                 d
             }
             #[cfg(wgmma)]
             #[inline(always)]
             unsafe fn wgmma_64x64_k576_landing_async<const BAR: u32>(desc_a: u64, desc_b: u64) -> [[f32; 4]; 8] {
                 let mut d = [[0.0f32; 4]; 8];
-                unsafe {
-                    asm!(wgmma_k576_asm!(landing $name, "64", "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}", "{32}", "{33}"),
-                         out(reg32) d[0][0], out(reg32) d[0][1], out(reg32) d[0][2], out(reg32) d[0][3],
-                         out(reg32) d[1][0], out(reg32) d[1][1], out(reg32) d[1][2], out(reg32) d[1][3],
-                         out(reg32) d[2][0], out(reg32) d[2][1], out(reg32) d[2][2], out(reg32) d[2][3],
-                         out(reg32) d[3][0], out(reg32) d[3][1], out(reg32) d[3][2], out(reg32) d[3][3],
-                         out(reg32) d[4][0], out(reg32) d[4][1], out(reg32) d[4][2], out(reg32) d[4][3],
-                         out(reg32) d[5][0], out(reg32) d[5][1], out(reg32) d[5][2], out(reg32) d[5][3],
-                         out(reg32) d[6][0], out(reg32) d[6][1], out(reg32) d[6][2], out(reg32) d[6][3],
-                         out(reg32) d[7][0], out(reg32) d[7][1], out(reg32) d[7][2], out(reg32) d[7][3],
-                         in(reg64) desc_a, in(reg64) desc_b, bar = const BAR, options(nostack));
-                }
+                unsafe { scores64_asm!(wgmma_k576_asm!(landing $name, "64", "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}", "{32}", "{33}"), d, desc_a, desc_b; bar = const BAR,) };
                 d
             }
             #[inline(always)]
