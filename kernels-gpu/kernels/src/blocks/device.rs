@@ -93,14 +93,6 @@ pub fn named_barrier<const ID: u32, const THREADS: u32>() {
     unsafe { asm!("bar.sync {id}, {n};", id = const ID, n = const THREADS, options(nostack)) }
 }
 
-/// Arrives at barrier `ID` without waiting: the other side of a [`named_barrier`] of `THREADS`
-/// threads (producer / consumer between warpgroups); this thread's earlier memory writes are
-/// visible to the threads that wait there.
-#[inline(always)]
-pub fn named_arrive<const ID: u32, const THREADS: u32>() {
-    unsafe { asm!("bar.arrive {id}, {n};", id = const ID, n = const THREADS, options(nostack)) }
-}
-
 /// [`named_barrier`] that also says whether `x` holds in every one of the `THREADS` threads.
 #[inline(always)]
 pub fn named_barrier_all<const ID: u32, const THREADS: u32>(x: bool) -> bool {
