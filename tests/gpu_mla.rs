@@ -235,6 +235,12 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("bf16::bad_block_id".into(), Case { bad_block: true, ..Case::new(16, &[200, 40], 1) }, "bf16");
     // The wide shape's seesaw order (sm_90a, 16-bit caches) reads the tables in its own way.
     push("bf16::heads_128_bad_block_id".into(), Case { bad_block: true, ..Case::new(128, &[200, 40, 129], 1) }, "bf16");
+    // The same order over an FP8 cache: each tile converted in place by its warpgroup.
+    push("bf16_fp8::heads_128".into(), Case::new(128, &[1, 63, 64, 65, 700], 1), "bf16_fp8");
+    push("f16_fp8::heads_128_long".into(), Case::new(128, &[2000, 1], 1), "f16_fp8");
+    push("bf16_fp8::heads_128_bad_block_id".into(), Case { bad_block: true, ..Case::new(128, &[200, 40, 129], 1) }, "bf16_fp8");
+    push("bf16_fp8::heads_128_split_7".into(), Case { split: SplitMode::Fixed(7), ..Case::new(128, &[1000, 10], 1) }, "bf16_fp8");
+    push("f16_fp8::heads_64_empty_requests".into(), Case { q_lens: vec![0, 1, 0, 2], ..Case::new(64, &[0, 50, 0, 129], 1) }, "f16_fp8");
     v
 }
 

@@ -117,7 +117,7 @@ pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usi
 fn mla_tc_kernel_of(dev: &AttnDevice, id: KernelId, s: mla::MlaShape, fp8: bool, hq: usize, tuning: &Tuning) -> Result<TcKernel> {
     let shape = TcShape { block_m: s.block_m, block_n: s.block_n, ctas_per_item: 1 };
     // The same total whether the module converts an FP8 tile in place or not.
-    let (smem, threads) = (mla::shared_layout(s, fp8, false).total, mla::THREADS);
+    let (smem, threads) = (mla::shared_layout(s, fp8).total, mla::THREADS);
     // One wave of resident CTAs (one per SM): measured on the H100 against two and four, whose
     // extra splits cost more (per-CTA start, partials, merge) than the tail they shorten
     // (docs/mla.md).

@@ -100,11 +100,10 @@ pub const fn shape_for_rows(rows: u32) -> MlaShape {
 /// (`SLOT_KEYS` rows each) in the [`swizzled`] layout, P (`block_m x block_n`, 16-bit, in the
 /// [`p_offset`] layout), the published row maxima `[key_groups][block_m]` f32 (reused for the
 /// denominators at the end), the slots' address tables. FP8 caches: the ring holds the raw rows
-/// (576 bytes each, in the [`raw_offset`] layout), `raw` bytes into each slot; unless the shape
-/// converts in registers, each tile's slots are converted into `converted` (16-bit,
-/// [`swizzled`]) before its math, or, `in_place`, the slots are 16-bit ones whose upper half
-/// takes the raw rows, converted in place (`converted` then has no bytes). Both take the same
-/// bytes in all.
+/// (576 bytes each, in the [`raw_offset`] layout); unless the shape converts in registers, each
+/// tile's slots are converted into `converted` (16-bit, [`swizzled`]) before its math. The wide
+/// shape takes as many bytes for either cache (the host sizes its launch without knowing
+/// whether the module's kernel takes the seesaw order, [`seesaw_layout`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MlaLayout {
     pub q: u32,
@@ -114,8 +113,6 @@ pub struct MlaLayout {
     /// `converted_slot` bytes); else unused (no bytes).
     pub converted: u32,
     pub converted_slot: u32,
-    /// FP8: where in a slot its raw rows land.
-    pub raw: u32,
     pub p: u32,
     /// Bytes between P's 8-row groups.
     pub p_group: u32,
@@ -166,35 +163,31 @@ pub const fn p_offset(row: u32, key: u32, p_group: u32) -> u32 {
     (row / 8) * p_group + (key / 8) * 128 + (row % 8) * 16 + (key % 8) * 2
 }
 
-pub const fn shared_layout(s: MlaShape, fp8: bool, in_place: bool) -> MlaLayout {
+pub const fn shared_layout(s: MlaShape, fp8: bool) -> MlaLayout {
     let q = 0;
     let converted_slot = SLOT_KEYS * MLA_QK * 2;
     // 1024-byte aligned (the swizzle atoms): Q and the 16-bit slots first.
     let converted = q + s.block_m * MLA_QK * 2;
-    let separate = fp8 && !s.fp8_in_registers && !in_place;
+    let separate = fp8 && !s.fp8_in_registers;
     let k = if separate { converted + s.slots_per_tile() * converted_slot } else { converted };
-    let (k_slot, raw) = match (fp8, s.fp8_in_registers, in_place) {
-        (true, true, _) => (SLOT_KEYS * MLA_QK, 0),
-        (true, false, false) => (SLOT_KEYS * MLA_QK, 0),
-        (true, false, true) => (converted_slot, converted_slot / 2),
-        (false, _, _) => (converted_slot, 0),
-    };
+    let k_slot = if fp8 { SLOT_KEYS * MLA_QK } else { converted_slot };
     let p = k + s.ring * k_slot;
     let p_group = s.block_n * 16;
     let row_max = p + s.block_m * s.block_n * 2;
     let table = row_max + s.key_groups() * s.block_m * 4;
     let total = table + s.tables() * TABLE_BYTES;
-    MlaLayout { q, k, k_slot, converted, converted_slot, raw, p, p_group, row_max, table, total }
+    MlaLayout { q, k, k_slot, converted, converted_slot, p, p_group, row_max, table, total }
 }
 
-/// The wide shape's seesaw order (sm_90a, 16-bit caches: `mla::seesaw` in the kernels): the two
+/// The wide shape's seesaw order (sm_90a: `mla::seesaw` in the kernels): the two
 /// warpgroups take alternate 64-key tiles, each tile in its own half of the ring (two slots,
 /// 8-row groups [`GROUP_BYTES`] apart), and a tile's weights P overwrite its rope columns (the
 /// last atom of each 8-row group: 64 x 64 16-bit, read by `wgmma` as a 128-byte-swizzled
-/// K-major tile), which only its Q K^T reads. The rest of [`shared_layout`]`(WIDE, ..)` is
+/// K-major tile), which only its Q K^T reads. The rest of [`shared_layout`]`(WIDE, false)` is
 /// reused: Q and the ring where they are, P's region for the published row maxima and, at the
 /// end, the row sums (each `[2][block_m]` f32), `tables` address tables and the warpgroups' six
-/// `mbarrier`s (8 bytes each).
+/// `mbarrier`s (8 bytes each). An FP8 cache's raw rows land in the upper half of each slot
+/// (`raw` bytes in), and are converted into the slot's 16-bit rows in place.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SeesawLayout {
     pub maxima: u32,
@@ -206,14 +199,17 @@ pub struct SeesawLayout {
     pub tile: u32,
     /// Where in a tile P starts: the rope atom of its first 8-row group.
     pub p: u32,
+    /// FP8: where in a slot its raw rows (576 bytes each, [`raw_offset`]) land.
+    pub raw: u32,
 }
 
 pub const fn seesaw_layout() -> SeesawLayout {
-    let l = shared_layout(WIDE, false, false);
+    let l = shared_layout(WIDE, false);
     // Four tiles' tables alive: each warpgroup's current tile and the one it fills next.
     let (maxima, sums) = (l.p, l.p + 2 * WIDE.block_m * 4);
     let (table, tables) = (sums + 2 * WIDE.block_m * 4, 8);
-    SeesawLayout { maxima, sums, table, tables, bars: table + tables * TABLE_BYTES, tile: 2 * l.k_slot, p: (ROW_CHUNKS / 8 - 1) * 1024 }
+    let (tile, p, raw) = (2 * l.k_slot, (ROW_CHUNKS / 8 - 1) * 1024, l.k_slot / 2);
+    SeesawLayout { maxima, sums, table, tables, bars: table + tables * TABLE_BYTES, tile, p, raw }
 }
 
 #[cfg(test)]
@@ -222,18 +218,14 @@ mod tests {
 
     #[test]
     fn shapes_tile_the_warps_and_fit_shared_memory() {
-        for (s, fp8, in_place) in
-            [(NARROW, false, false), (WIDE, false, false), (NARROW, true, false), (WIDE, true, false), (WIDE, true, true)]
-        {
+        for (s, fp8) in [(NARROW, false), (WIDE, false), (NARROW, true), (WIDE, true)] {
             assert_eq!(s.key_groups() * s.s_row_tiles, WARPS);
             assert_eq!(s.s_row_tiles * 16, s.block_m);
             assert!(s.keys_per_warp() % 8 == 0 && s.keys_per_warp() <= 32);
             assert_eq!(s.pv_row_tiles() * 16 * s.pv_row_groups, s.block_m);
             assert!(s.pv_row_tiles() <= 2 && s.cols_per_warp() % 16 == 0);
             assert!(s.block_n <= THREADS);
-            let l = shared_layout(s, fp8, in_place);
-            // The host sizes the launch without knowing which form the module's kernel takes.
-            assert_eq!(l.total, shared_layout(s, fp8, !in_place).total);
+            let l = shared_layout(s, fp8);
             assert!(l.total <= 227 * 1024, "{s:?}: {}", l.total);
             assert!(s.block_n % SLOT_KEYS == 0 && s.ring > s.slots_per_tile());
             // One warp fills each table: the prologue fills `ring` of them.
@@ -244,17 +236,12 @@ mod tests {
             // wgmma descriptors: Q and the slots 1024-byte aligned, addresses within 14 bits >> 4.
             assert!(l.converted.is_multiple_of(1024) && l.k_slot.is_multiple_of(16) && l.total < 1 << 18);
             assert!(fp8 || (l.k.is_multiple_of(1024) && l.k_slot.is_multiple_of(1024)));
-            // In place: 16-bit slots, the raw rows filling their upper halves exactly.
-            if in_place {
-                assert!(l.k.is_multiple_of(1024) && l.k_slot.is_multiple_of(1024));
-                assert_eq!(l.raw + SLOT_KEYS * MLA_QK, l.k_slot);
-            }
         }
     }
 
     #[test]
     fn seesaw_layout_fits_the_wide_shape() {
-        let (l, s) = (shared_layout(WIDE, false, false), seesaw_layout());
+        let (l, s) = (shared_layout(WIDE, false), seesaw_layout());
         // Maxima and tables inside P's region, which the seesaw order does not use.
         assert!(s.maxima >= l.p && s.sums >= s.maxima + 2 * WIDE.block_m * 4 && s.table >= s.sums + 2 * WIDE.block_m * 4);
         assert!(s.table + s.tables * TABLE_BYTES <= s.bars && s.table.is_multiple_of(16));
@@ -264,6 +251,11 @@ mod tests {
         assert_eq!(s.p, swizzled(0, MLA_V / 8));
         assert_eq!(swizzled(7, ROW_CHUNKS - 8) + 16 - s.p, 1024);
         assert_eq!(MLA_QK - MLA_V, WIDE.block_n);
+        // FP8: the raw rows fill a slot's upper half, the 16-bit rows 16-31 exactly, and the
+        // launch sized for an FP8 cache holds the whole layout.
+        assert_eq!(s.raw + SLOT_KEYS * MLA_QK, l.k_slot);
+        assert_eq!(swizzled(SLOT_KEYS / 2, 0), s.raw);
+        assert_eq!(shared_layout(WIDE, true).total, l.total);
     }
 
     #[test]

@@ -131,3 +131,22 @@ pub fn fp8x2_to_f16x2(pair: u32) -> u32 {
         half(pair & 0xff) | half(pair >> 8) << 16
     }
 }
+
+/// [`fp8x2_to_f16x2`] of both halves of `quad` (bytes 0-1, then 2-3). With the conversion
+/// instruction, the halves are read as the register's 16-bit halves: no shift or mask.
+#[inline(always)]
+pub fn fp8x4_to_f16x4(quad: u32) -> [u32; 2] {
+    #[cfg(hw_fp8)]
+    {
+        let (lo, hi): (u32, u32);
+        unsafe {
+            core::arch::asm!("{{ .reg .b16 l, h; mov.b32 {{l, h}}, {2}; cvt.rn.f16x2.e4m3x2 {0}, l; cvt.rn.f16x2.e4m3x2 {1}, h; }}",
+                out(reg32) lo, out(reg32) hi, in(reg32) quad, options(pure, nomem, nostack));
+        }
+        [lo, hi]
+    }
+    #[cfg(not(hw_fp8))]
+    {
+        [fp8x2_to_f16x2(quad & 0xffff), fp8x2_to_f16x2(quad >> 16)]
+    }
+}

@@ -6,7 +6,7 @@
 //! (k 2t, 2t+1; n g), b1 = (k 2t + 8..; n g); C (16x8) c0, c1 = (row g; cols 2t, 2t+1), c2, c3 =
 //! (row g + 8; same cols). Each register holds two 16-bit values, the lower column in the low half.
 
-use crate::blocks::elem::{fp8x2_to_f16x2, Bf16, CacheFormat, Fp8Cache, HalfFloat, F16};
+use crate::blocks::elem::{fp8x2_to_f16x2, fp8x4_to_f16x4, Bf16, CacheFormat, Fp8Cache, HalfFloat, F16};
 use crate::blocks::vec_io::f16x2_to_f32;
 use core::arch::asm;
 
@@ -22,6 +22,8 @@ pub trait MmaHalf: HalfFloat {
     /// Two FP8 E4M3 bytes (low byte first) as two values of this type (exact, divided by
     /// `FP8_UNPACK_SCALE`).
     fn from_fp8x2(pair: u32) -> u32;
+    /// [`from_fp8x2`](Self::from_fp8x2) of bytes 0-1 and 2-3 of `quad`.
+    fn from_fp8x4(quad: u32) -> [u32; 2];
     /// `S = A B^T` for a warpgroup (Hopper `wgmma`, f32 accumulate): A 64 x 576 and B 32 x 576,
     /// both in shared memory in the 128-byte-swizzled K-major layout (`attn_math::mla::swizzled`),
     /// given by the descriptors of their first k-step. Committed, not waited for
@@ -225,6 +227,10 @@ macro_rules! mma_impl {
             fn from_fp8x2(pair: u32) -> u32 {
                 <$ty as FromFp8>::convert(pair)
             }
+            #[inline(always)]
+            fn from_fp8x4(quad: u32) -> [u32; 2] {
+                <$ty as FromFp8>::convert4(quad)
+            }
             #[cfg(wgmma)]
             #[inline(always)]
             unsafe fn wgmma_pv_64x256_k64_async<const P_SWIZZLED: bool>(o: &mut [[f32; 4]; 32], desc_a: u64, desc_b0: u64, desc_b1: u64) {
@@ -310,12 +316,20 @@ mma_impl!(Bf16, "bf16");
 /// FP8 pairs to a 16-bit type, per type.
 pub trait FromFp8 {
     fn convert(pair: u32) -> u32;
+    #[inline(always)]
+    fn convert4(quad: u32) -> [u32; 2] {
+        [Self::convert(quad & 0xffff), Self::convert(quad >> 16)]
+    }
 }
 
 impl FromFp8 for F16 {
     #[inline(always)]
     fn convert(pair: u32) -> u32 {
         fp8x2_to_f16x2(pair)
+    }
+    #[inline(always)]
+    fn convert4(quad: u32) -> [u32; 2] {
+        fp8x4_to_f16x4(quad)
     }
 }
 
@@ -411,6 +425,12 @@ pub unsafe fn cp_async_16(dst: u32, src: u64, src_bytes: u32) {
     unsafe {
         asm!("cp.async.cg.shared.global [{0}], [{1}], 16, {2};", in(reg32) dst, in(reg64) src, in(reg32) src_bytes, options(nostack))
     }
+}
+
+/// Asks L2 to fetch the line holding global `addr` (no data returned, nothing waited for).
+#[inline(always)]
+pub unsafe fn prefetch_l2(addr: u64) {
+    unsafe { asm!("prefetch.global.L2 [{0}];", in(reg64) addr, options(nostack, readonly)) }
 }
 
 /// Closes the group of `cp.async`s issued since the last commit.

@@ -3,28 +3,27 @@
 #[cfg(wgmma)]
 use super::combine::cluster_combine;
 use super::keys::KeySource;
-use super::slots::{convert_in_place, convert_slot_fp8, copy_queries, copy_slot, copy_slot_fp8};
+use super::slots::{convert_slot_fp8, copy_queries, copy_slot, copy_slot_fp8};
 use super::tile::{
-    accumulate_pv, accumulate_pv_fp8, fp8_pair_column, fp8_pairs, query_fragments_fp8, score_k_lane, scores, scores_fp8, wide_pv,
-    wide_scores, K_STEPS,
+    accumulate_pv, accumulate_pv_fp8, fp8_pair_column, fp8_pairs, query_fragments_fp8, score_k_lane, scores, scores_fp8, K_STEPS,
 };
 use crate::attention::output::RowOut;
-use crate::blocks::device::{dynamic_shared, fma, pdl_prologue, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any};
+use crate::blocks::device::{dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any};
 use crate::blocks::elem::F16;
 use crate::blocks::mma::{
-    cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_pinned, shared_addr,
+    cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_pinned, prefetch_l2, shared_addr,
     st_shared_f32, st_shared_u32, st_shared_u64, MmaHalf,
 };
 use crate::blocks::vec_io::{load_f32_nc, load_u32_nc};
 use attn_math::mla::{self, p_offset, shared_layout, swizzled, SLOT_KEYS, TABLE_BYTES};
 use attn_math::params::AttnParams;
-use attn_math::prefill::MLA_V;
+use attn_math::prefill::{MLA_QK, MLA_V};
 use attn_math::softmax::{exp2, OnlineSoftmax};
 
-/// The kernel; `WIDE` picks the shape (`attn_math::mla::{NARROW, WIDE}`); `FP8`: an FP8 E4M3
-/// cache (with `p.fp8.k_scale`), converted to f16 in registers (narrow) or to Q's type tile by
-/// tile in shared memory (wide; in place on sm_90a; a 16-bit cache takes `super::seesaw` there); `S`: where
-/// key j's row comes from (`super::keys`: a request's sequence, dense; a token's index list,
+/// The kernel; `WIDE` picks the shape (`attn_math::mla::{NARROW, WIDE}`; on sm_90a the wide
+/// shape takes `super::seesaw`); `FP8`: an FP8 E4M3 cache (with `p.fp8.k_scale`), converted to
+/// f16 in registers (narrow) or to Q's type tile by tile in shared memory (wide); `S`: where key
+/// j's row comes from (`super::keys`: a request's sequence, dense; a token's index list,
 /// sparse).
 #[inline(always)]
 pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: KeySource>(p: &AttnParams) {
@@ -37,25 +36,16 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     };
     let (bm, bn) = (shape.block_m, shape.block_n);
     let (kg, kw, cg, cw) = (shape.key_groups(), shape.keys_per_warp(), shape.col_groups(), shape.cols_per_warp());
-    // Wide on sm_90a: P V on `wgmma` too; a warpgroup covers the 64 rows x 256 columns, each of
-    // its warps 16 rows (the accumulator layout), so the value phase's grid is 4 x 2 there.
-    let wgmma_pv = WIDE && cfg!(wgmma);
-    let (cg, cw) = if wgmma_pv { (2, MLA_V / 2) } else { (cg, cw) };
     let (nkt, nct) = ((kw / 8) as usize, (cw / 8) as usize);
-    let mt = if wgmma_pv { 1 } else { shape.pv_row_tiles() as usize };
+    let mt = shape.pv_row_tiles() as usize;
     // Memory-bound (narrow): the next copy goes out before waiting, with a barrier at the end of
     // the tile; compute-bound (wide): wait, barrier, then copy into the slot just freed.
     let early_issue = !WIDE;
-    // An FP8 tile converted in place (the pipelined order below needs both tiles' 16-bit rows).
-    let layout = shared_layout(shape, FP8, wgmma_pv);
+    let layout = shared_layout(shape, FP8);
     // FP8 fragments straight from the raw rows (no 16-bit copy of the tile).
     let in_registers = FP8 && shape.fp8_in_registers;
     let tid = thread_idx_x();
-    // `wgmma` (wide on sm_90a): the warp index broadcast from lane 0. The same value, but `ptxas`
-    // then knows it is warp-uniform, so the descriptors built from the warpgroup's slot and
-    // columns live and step in uniform registers; from `tid / 32` each of them was moved across
-    // (two `R2UR`) before every `wgmma`.
-    let (warp, lane) = (if wgmma_pv { shfl_idx(tid / 32, 0) } else { tid / 32 }, tid % 32);
+    let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
     let Some((w, src)) = (unsafe { S::work(p, bm) }) else { return };
     // Sparse: the index list is the mask.
@@ -80,33 +70,17 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     // Where slot j lands (raw FP8 rows, or already 16-bit), and where the math reads the current
     // tile's slot i (`slot0`: the tile's first).
     let slot_buf = |j: u32| smem + layout.k + (j % shape.ring) * layout.k_slot;
-    // FP8 on the wide shape: a tile's raw rows are converted into 16-bit rows, in place on
-    // sm_90a, else into the tile's separate 16-bit slots.
+    // FP8 on the wide shape: a tile's raw rows are converted into the tile's 16-bit slots.
     let converts = FP8 && !in_registers;
-    let in_place = converts && wgmma_pv;
-    // Wide on sm_90a: the next tile's S is issued right behind this tile's P V, so that the
-    // tensor cores run both back to back while the warps wait at the tile's boundary (and
-    // convert an FP8 tile; module docs).
-    let pipelined = wgmma_pv;
-    let tile_buf = |slot0: u32, i: u32| {
-        if converts && !in_place {
-            smem + layout.converted + i * layout.converted_slot
-        } else {
-            slot_buf(slot0 + i)
-        }
-    };
+    let tile_buf = |slot0: u32, i: u32| if converts { smem + layout.converted + i * layout.converted_slot } else { slot_buf(slot0 + i) };
     // The tile's raw FP8 rows to 16-bit ones, once every raw copy has landed and is visible (a
     // barrier); a barrier must follow.
     let convert_tile = |slot0: u32| {
-        if in_place {
-            unsafe { convert_in_place::<Q>([slot_buf(slot0), slot_buf(slot0 + 1)], layout.raw, sync_threads) };
-        } else {
-            static_for::<2>(|i| {
-                if (i as u32) < spt {
-                    unsafe { convert_slot_fp8::<Q>(slot_buf(slot0 + i as u32), tile_buf(slot0, i as u32)) };
-                }
-            });
-        }
+        static_for::<2>(|i| {
+            if (i as u32) < spt {
+                unsafe { convert_slot_fp8::<Q>(slot_buf(slot0 + i as u32), tile_buf(slot0, i as u32)) };
+            }
+        });
     };
     // FP8: dequantisation folds into the score scale (k) and the output factor (v).
     const { assert!(F16::FP8_UNPACK_SCALE == Q::FP8_UNPACK_SCALE) };
@@ -118,7 +92,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     };
     // Wide on sm_90a over a 16-bit cache: the seesaw order (`super::seesaw`), with tables of
     // its own.
-    let seesaw = WIDE && !FP8 && cfg!(wgmma);
+    let seesaw = WIDE && cfg!(wgmma);
     let (tables_at, n_tables) =
         if seesaw { (mla::seesaw_layout().table, mla::seesaw_layout().tables) } else { (layout.table, shape.tables()) };
     let table = |j: u32| smem + tables_at + (j % n_tables) * TABLE_BYTES;
@@ -148,6 +122,14 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
             let key = begin + j * SLOT_KEYS + lane;
             let ka = if key < end { unsafe { src.address(p, key, loc, if FP8 { 1 } else { 2 }) } } else { 0 };
             unsafe { st_shared_u64(table(j) + lane * 8, ka) };
+            // The seesaw order fills a tile's table half a pair of tiles before its copy, which
+            // an FP8 tile's warpgroup then waits for whole (to convert it): the row asked into L2
+            // now. (A 16-bit tile's S starts on its first atom; the same request made the sparse
+            // bf16 row 20% slower.)
+            if seesaw && FP8 && ka != 0 {
+                static_for::<{ (MLA_QK / 128) as usize }>(|i| unsafe { prefetch_l2(ka + 128 * i as u64) });
+                unsafe { prefetch_l2(ka + MLA_QK as u64 - 1) };
+            }
             let skipped = key < end && ka == 0;
             let any_skipped = vote_any(skipped);
             if lane == 0 {
@@ -159,7 +141,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     let issue = |j: u32| {
         if j < tile_slots {
             if FP8 {
-                unsafe { copy_slot_fp8(slot_buf(j) + layout.raw, table(j), p.qkv.q) };
+                unsafe { copy_slot_fp8(slot_buf(j), table(j), p.qkv.q) };
             } else {
                 unsafe { copy_slot(slot_buf(j), table(j), p.qkv.q) };
             }
@@ -182,7 +164,15 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     #[cfg(wgmma)]
     if seesaw {
         let span = super::seesaw::Span { begin, end, n_tiles, causal, min_pos };
-        unsafe { super::seesaw::seesaw::<Q, S>(p, &w, span, p.variant.scale_log2, early, locate, fill, table, q_row) };
+        let mult = p.variant.scale_log2 * k_scale;
+        // bf16 queries over an FP8 cache: the MMAs on f16 (`super::seesaw`), the queries scaled
+        // by 2^-8 into its range.
+        if FP8 && Q::IS_BF16 {
+            let mult = mult * 256.0;
+            unsafe { super::seesaw::seesaw::<Q, F16, FP8, S>(p, &w, span, mult, v_scale, early, locate, fill, table, q_row) };
+        } else {
+            unsafe { super::seesaw::seesaw::<Q, Q, FP8, S>(p, &w, span, mult, v_scale, early, locate, fill, table, q_row) };
+        }
         return;
     }
 
@@ -212,7 +202,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     // each warp `mt` row tiles x `cw` columns.
     let key_group = warp / shape.s_row_tiles;
     let (s_row0, key_off) = ((warp % shape.s_row_tiles) * 16, key_group * kw);
-    let (pv_row0, col0) = if wgmma_pv { (16 * (warp % 4), (warp / 4) * cw) } else { ((warp / cg) * mt as u32 * 16, (warp % cg) * cw) };
+    let (pv_row0, col0) = ((warp / cg) * mt as u32 * 16, (warp % cg) * cw);
     let s_rows = unsafe { [w.row(p, s_row0 + g), w.row(p, s_row0 + g + 8)] };
     // This lane's ldmatrix rows and chunks (the layout's swizzle depends on both).
     let q_lane = (s_row0 + lane % 8 + 8 * ((lane / 8) % 2), lane / 16);
@@ -259,26 +249,6 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
         }
     }
 
-    // Pipelined: tile j's S, from its first slot `slot0` (warp-uniform), issued without waiting;
-    // the first before the loop, once the queries and the first tile have landed.
-    let issue_scores = |slot0: u32| {
-        let buf = tile_buf(slot0, key_off / SLOT_KEYS);
-        let k_at = |rows: u32, chunks: u32| buf + swizzled(k_lane.0 + rows, k_lane.1 + chunks);
-        wide_scores::<Q, false>(nkt, |ks| unsafe { ldmatrix_x4(q_at(ks)) }, k_at, smem + layout.q, buf, key_off % SLOT_KEYS)
-    };
-    let mut s_next = [[0.0f32; 4]; 4];
-    if pipelined && n_tiles > 0 {
-        cp_async_wait::<0>();
-        if converts {
-            sync_threads();
-            convert_tile(0);
-        }
-        #[cfg(wgmma)]
-        crate::blocks::mma::fence_proxy_async_shared();
-        sync_threads();
-        s_next = issue_scores(0);
-    }
-
     let mut tile = 0;
     while tile < n_tiles {
         // This tile issues slots `spt * tile + pre ..`; the next one's lookups start now.
@@ -294,16 +264,6 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
                 cp_async_wait::<2>();
             }
             sync_threads();
-        } else if pipelined {
-            // The last tile's P V has finished in every warp (the S issued after it may still
-            // run): its slots take the next tile's copies, which then have this tile's math to
-            // land in.
-            #[cfg(wgmma)]
-            unsafe {
-                crate::blocks::wgmma::wait_acc256::<1>(&mut o[0])
-            };
-            sync_threads();
-            issue_tile(first_issued);
         } else {
             // Wait, then refill the slot every warp has just finished with.
             match pre - spt {
@@ -311,16 +271,11 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
                 1 => cp_async_wait::<1>(),
                 _ => cp_async_wait::<2>(),
             }
-            // The tile (and the queries) are read by `wgmma`, through the async proxy.
-            #[cfg(wgmma)]
-            crate::blocks::mma::fence_proxy_async_shared();
             sync_threads();
             issue_tile(first_issued);
         }
-        // Broadcast like `warp` (`ptxas` does not take the loop's count as uniform): the ring
-        // addresses the `wgmma` descriptors are built from.
-        let slot0 = if wgmma_pv { shfl_idx(spt * tile, 0) } else { spt * tile };
-        if converts && !pipelined {
+        let slot0 = spt * tile;
+        if converts {
             // The tile's raw rows into 16-bit ones (landed and visible: the barrier above).
             convert_tile(slot0);
             sync_threads();
@@ -331,16 +286,9 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
         let my_buf = tile_buf(slot0, key_off / SLOT_KEYS);
         let mut s = if in_registers {
             unsafe { scores_fp8(&q_frag, my_buf, key_off % SLOT_KEYS) }
-        } else if pipelined {
-            // Issued at the end of the last tile (or before the first).
-            #[cfg(wgmma)]
-            let s = unsafe { crate::blocks::wgmma::wait_scores32::<0>(s_next) };
-            #[cfg(not(wgmma))]
-            let s = s_next;
-            s
         } else if WIDE {
             let k_at = |rows: u32, chunks: u32| my_buf + swizzled(k_lane.0 + rows, k_lane.1 + chunks);
-            wide_scores::<Q, true>(nkt, |ks| unsafe { ldmatrix_x4(q_at(ks)) }, k_at, smem + layout.q, my_buf, key_off % SLOT_KEYS)
+            scores::<Q, true>(nkt, |ks| unsafe { ldmatrix_x4(q_at(ks)) }, k_at)
         } else {
             let k_at = |rows: u32, chunks: u32| my_buf + swizzled(k_lane.0 + rows, k_lane.1 + chunks);
             scores::<Q, true>(nkt, |ks| q_frag[ks], k_at)
@@ -403,11 +351,6 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
                 }
             });
         });
-        // P is read by `wgmma` (the async proxy) on the wide shape.
-        #[cfg(wgmma)]
-        if wgmma_pv {
-            crate::blocks::mma::fence_proxy_async_shared();
-        }
         sync_threads();
 
         // The value phase: rescale to the same maxima, then O += P V.
@@ -430,14 +373,6 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
         let v_at = |kk: u32, dp: u32| tile_buf(slot0, kk / 2) + swizzled(v_lane.0 + 16 * (kk % 2), v_lane.1 + 2 * dp);
         if in_registers {
             unsafe { accumulate_pv_fp8(&mut o[0], |kk| p_at(0, kk), |i| tile_buf(slot0, i), col0) };
-        } else if wgmma_pv {
-            let atom = (col0 / 64) * 1024;
-            let (v0, v1) = (tile_buf(slot0, 0) + atom, tile_buf(slot0, 1) + atom);
-            if pipelined {
-                unsafe { wide_pv::<Q, false>(&mut o[0], smem + layout.p, layout.p_group, v0, v1) };
-            } else {
-                unsafe { wide_pv::<Q, true>(&mut o[0], smem + layout.p, layout.p_group, v0, v1) };
-            }
         } else {
             accumulate_pv::<Q>(&mut o, mt, nct, bn as usize, p_at, v_at);
         }
@@ -447,28 +382,9 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
         if early_issue {
             sync_threads();
         }
-        if pipelined {
-            // The next tile has landed (its copies are the only ones in flight): its S goes out
-            // behind this tile's P V.
-            cp_async_wait::<0>();
-            if converts && tile + 1 < n_tiles {
-                sync_threads();
-                convert_tile(slot0 + spt);
-            }
-            #[cfg(wgmma)]
-            crate::blocks::mma::fence_proxy_async_shared();
-            sync_threads();
-            if tile + 1 < n_tiles {
-                s_next = issue_scores(slot0 + spt);
-            }
-        }
         tile += 1;
     }
     cp_async_wait::<0>();
-    #[cfg(wgmma)]
-    if pipelined {
-        unsafe { crate::blocks::wgmma::wait_acc256::<0>(&mut o[0]) };
-    }
 
     // The denominators: each score warp's share, summed per row through shared memory.
     sync_threads();

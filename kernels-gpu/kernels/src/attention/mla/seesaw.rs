@@ -1,5 +1,5 @@
-//! The wide shape's seesaw order (sm_90a, 16-bit caches; FlashMLA's schedule): the two
-//! warpgroups take alternate 64-key tiles, so that one's softmax runs under the other's MMAs.
+//! The wide shape's seesaw order (sm_90a; FlashMLA's schedule): the two warpgroups take
+//! alternate 64-key tiles, so that one's softmax runs under the other's MMAs.
 //!
 //! Warpgroup 0 holds O's columns 0-255, warpgroup 1 columns 256-511, both for all 64 query
 //! rows; each scores whole tiles of its own (even tiles: 0, odd: 1) into its own half of the ring
@@ -14,7 +14,9 @@
 //!    to m_b, O_R += P_b V_b[R].
 //! 4. Each warpgroup copies its next tile into its buffer once the other is done reading it
 //!    (`FREED_0`, `FREED_1`), one `cp.async` group a 64-column atom, and issues its S at once:
-//!    each atom's k-steps wait for that atom (`MmaHalf::wgmma_64x64_k576_landing_async`).
+//!    each atom's k-steps wait for that atom (`MmaHalf::wgmma_64x64_k576_landing_async`). An
+//!    FP8 tile is copied raw (half the bytes), converted in place once it has landed
+//!    (`super::in_place`), then scored; its rows were asked into L2 when its table was filled.
 //!
 //! Both warpgroups end with the same running max (each takes the other's published one), so
 //! their denominators, each over its own tiles' keys, add up at the end.
@@ -22,8 +24,9 @@
 //! Shared memory holds Q and two tiles (72 KB each): a tile's copy can start only once both
 //! warpgroups' P V on the tile before it in that buffer have retired.
 
+use super::in_place::convert_in_place;
 use super::keys::KeySource;
-use super::slots::{copy_queries, copy_tile_warpgroup};
+use super::slots::{copy_queries, copy_tile_warpgroup, copy_tile_warpgroup_fp8, queries_to_f16};
 use crate::attention::output::RowOut;
 use crate::attention::work::Work;
 use crate::blocks::device::{dynamic_shared, fma, named_barrier, pdl_prologue, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x};
@@ -51,7 +54,7 @@ const FREED_1: u32 = 3;
 const SUMMED_0: u32 = 4;
 const SUMMED_1: u32 = 5;
 /// Named barriers of one warpgroup (128 threads): its tables are filled, an atom of its next
-/// tile has landed.
+/// tile has landed, a step of an FP8 tile's conversion is done.
 const LANDED_0: u32 = 1;
 const LANDED_1: u32 = 2;
 
@@ -80,21 +83,27 @@ fn rescale(o: &mut Acc, f: [f32; 2]) {
 }
 
 /// The seesaw kernel body: `early`, `locate`, `fill` and `table` are the kernel's address-table
-/// steps (`super::kernel`), `q_row(r)` the address of query row r.
+/// steps (`super::kernel`), `q_row(r)` the address of query row r; `mult` the scores' factor
+/// (base 2), `v_scale` the output's. `FP8`: an FP8 E4M3 cache, each tile's raw rows copied into
+/// the upper halves of its two slots and converted in place by its warpgroup before its S.
+/// `M`: the MMAs' type, Q's or f16: over an FP8 cache, bf16 queries are scaled by 2^-8 into f16
+/// in shared memory once (exact within f16's range; the caller's `mult` undoes the scale), so
+/// that a pair of cache bytes converts in one instruction (bf16: four) and P is f16.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub(super) unsafe fn seesaw<Q: MmaHalf, S: KeySource>(
+pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, const FP8: bool, S: KeySource>(
     p: &AttnParams,
     w: &Work,
     span: Span,
     mult: f32,
+    v_scale: f32,
     early: impl Fn(u32) -> S::Early,
     locate: impl Fn(u32, S::Early) -> S::Loc,
     fill: impl Fn(u32, S::Loc),
     table: impl Fn(u32) -> u32,
     q_row: impl Fn(u32) -> u64,
 ) {
-    let (base, lay) = (mla::shared_layout(mla::WIDE, false, false), seesaw_layout());
+    let (base, lay) = (mla::shared_layout(mla::WIDE, false), seesaw_layout());
     let tid = thread_idx_x();
     // Broadcast so that `ptxas` knows it warp-uniform (the descriptors below stay uniform).
     let warp = shfl_idx(tid / 32, 0);
@@ -127,24 +136,63 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, S: KeySource>(
     // Programmatic dependent launch: the cache rows wait for the kernel ahead (module docs of
     // `super::kernel`).
     pdl_prologue();
-    let copy = |tile: u32| unsafe { copy_tile_warpgroup(mine, [table(2 * tile), table(2 * tile + 1)], p.qkv.q) };
+    let copy = |tile: u32| unsafe {
+        let tables = [table(2 * tile), table(2 * tile + 1)];
+        if FP8 {
+            copy_tile_warpgroup_fp8(mine, base.k_slot, lay.raw, tables, p.qkv.q);
+        } else {
+            copy_tile_warpgroup(mine, tables, p.qkv.q);
+        }
+    };
+    // The warpgroup's own barrier (128 threads).
+    let warpgroup_sync = || {
+        if wg == 0 {
+            named_barrier::<LANDED_0, 128>();
+        } else {
+            named_barrier::<LANDED_1, 128>();
+        }
+    };
+    // FP8: this warpgroup's tile, once its raw rows have landed, into 16-bit rows in place, then
+    // visible to `wgmma` (the async proxy).
+    let convert = || unsafe {
+        // The tile's rows 0-15 of both slots (the first group) are converted while the rest land.
+        cp_async_wait::<1>();
+        warpgroup_sync();
+        convert_in_place::<M>([mine, mine + base.k_slot], lay.raw, cp_async_wait::<0>, warpgroup_sync);
+        fence_proxy_async_shared();
+        warpgroup_sync();
+    };
     if wg < n_tiles {
         copy(wg);
     }
     cp_async_wait::<0>();
     fence_proxy_async_shared();
     sync_threads();
+    if Q::IS_BF16 != M::IS_BF16 {
+        unsafe { queries_to_f16::<Q>(smem + base.q, mla::WIDE.block_m) };
+        fence_proxy_async_shared();
+        sync_threads();
+    }
+    // Tested through a shuffle: a test the compiler can merge with the copy's above would let it
+    // duplicate the barrier between them onto both paths (synccheck reports a barrier reached at
+    // two addresses).
+    if FP8 && shfl_idx((wg < n_tiles) as u32, 0) != 0 {
+        convert();
+    }
     let (q_desc, k_desc) = (wgmma_desc(smem + base.q, 16, GROUP_BYTES, true), wgmma_desc(mine, 16, GROUP_BYTES, true));
     let mut s = [[0.0f32; 4]; 8];
     if wg < n_tiles {
-        s = unsafe { Q::wgmma_64x64_k576_async(q_desc, k_desc) };
+        s = unsafe { M::wgmma_64x64_k576_async(q_desc, k_desc) };
     }
-    // S over a tile whose copies are still landing (an atom at a time).
+    // S over a tile whose copies are still landing (an atom at a time), or, FP8, converted.
     let issue_scores = || unsafe {
-        if wg == 0 {
-            Q::wgmma_64x64_k576_landing_async::<LANDED_0>(q_desc, k_desc)
+        if FP8 {
+            convert();
+            M::wgmma_64x64_k576_async(q_desc, k_desc)
+        } else if wg == 0 {
+            M::wgmma_64x64_k576_landing_async::<LANDED_0>(q_desc, k_desc)
         } else {
-            Q::wgmma_64x64_k576_landing_async::<LANDED_1>(q_desc, k_desc)
+            M::wgmma_64x64_k576_landing_async::<LANDED_1>(q_desc, k_desc)
         }
     };
 
@@ -154,7 +202,7 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, S: KeySource>(
         let a = wgmma_desc(at + lay.p, 16, GROUP_BYTES, true);
         let b0 = wgmma_desc(at + atom, 1024, GROUP_BYTES, true);
         let b1 = wgmma_desc(at + base.k_slot + atom, 1024, GROUP_BYTES, true);
-        unsafe { Q::wgmma_pv_64x256_k64_async::<true>(o, a, b0, b1) };
+        unsafe { M::wgmma_pv_64x256_k64_async::<true>(o, a, b0, b1) };
     };
     // Keys outside the span, the causal mask, and keys whose block was not read (-inf).
     let mask = |s: &mut [[f32; 4]; 8], tile: u32| {
@@ -196,7 +244,7 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, S: KeySource>(
                 let w0 = exp2(fma(s[n][2 * h], mult, neg_max));
                 let w1 = exp2(fma(s[n][2 * h + 1], mult, neg_max));
                 state[h].sum += w0 + w1;
-                unsafe { st_shared_u32(mine + swizzled(r, MLA_V / 8 + n as u32) + 4 * t4, Q::pack2(w0, w1)) };
+                unsafe { st_shared_u32(mine + swizzled(r, MLA_V / 8 + n as u32) + 4 * t4, M::pack2(w0, w1)) };
             });
             if t4 == 0 {
                 unsafe { st_shared_f32(maxima(wg, r), state[h].max) };
@@ -282,11 +330,7 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, S: KeySource>(
                 if next {
                     wait(if $wg == 0 { FREED_0 } else { FREED_1 }, pair);
                     // The tables just filled, to the copying threads.
-                    if $wg == 0 {
-                        named_barrier::<LANDED_0, 128>();
-                    } else {
-                        named_barrier::<LANDED_1, 128>();
-                    }
+                    warpgroup_sync();
                     copy(t + 2);
                 }
                 // Warpgroup 0: P_b V_b[L] retired, so buffer 1 is free (1 retired its own above).
@@ -326,7 +370,7 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, S: KeySource>(
         }
         let row_state = OnlineSoftmax { max: state[h].max, sum: sum[h] + unsafe { ld_shared_f32(sums(1 - wg, r)) } };
         let row = unsafe { w.row(p, r) };
-        let out = unsafe { RowOut::new(p, w, &row, row_state, num_splits, t4 == 0 && wg == 0, 1.0, MLA_V) };
+        let out = unsafe { RowOut::new(p, w, &row, row_state, num_splits, t4 == 0 && wg == 0, v_scale, MLA_V) };
         static_for::<32>(|n| unsafe { out.store_pair::<Q>(wg * (MLA_V / 2) + n as u32 * 8 + 2 * t4, o[n][2 * h], o[n][2 * h + 1]) });
     });
 }

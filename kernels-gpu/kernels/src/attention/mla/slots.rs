@@ -3,6 +3,8 @@
 //! (`attn_math::mla::swizzled`).
 
 use crate::blocks::device::{static_for, thread_idx_x};
+#[cfg(wgmma)]
+use crate::blocks::elem::F16;
 use crate::blocks::mma::{cp_async_16, ld_shared_u64, ld_shared_v4, st_shared_v4, MmaHalf};
 use attn_math::mla::{raw_chunk, raw_offset, swizzled, RAW_CHUNKS, ROW_CHUNKS, SLOT_KEYS, THREADS};
 
@@ -65,16 +67,25 @@ pub(super) unsafe fn copy_slot_fp8(dst: u32, table: u32, fallback: u64) {
     });
 }
 
+/// 16 FP8 bytes as 16 values of `Q` (exact: the unpack scale is folded into the k/v scales),
+/// stored at the 16-bit chunk at `at` of a [`swizzled`] row and the row's next chunk (its place
+/// in the atom with the low bit flipped: `at ^ 16`).
+#[inline(always)]
+pub(super) unsafe fn store_converted_at<Q: MmaHalf>(at: u32, v: [u32; 4]) {
+    let mut h = [0u32; 8];
+    static_for::<4>(|j| [h[2 * j], h[2 * j + 1]] = Q::from_fp8x4(v[j]));
+    unsafe { st_shared_v4(at, [h[0], h[1], h[2], h[3]]) };
+    unsafe { st_shared_v4(at ^ 16, [h[4], h[5], h[6], h[7]]) };
+}
+
 /// Raw chunk `idx` of a slot (16 FP8 bytes, in the order the chunks sit in the [`raw_offset`]
-/// layout) as 16 values of `Q` (exact: the unpack scale is folded into the k/v scales), stored
-/// at its row's two 16-byte chunks of the [`swizzled`] slot at `dst`.
+/// layout) converted ([`store_converted_at`]) into its row's two 16-byte chunks of the
+/// [`swizzled`] slot at `dst`.
 #[inline(always)]
 unsafe fn store_converted<Q: MmaHalf>(dst: u32, idx: u32, v: [u32; 4]) {
     let (r, c) = (idx / RAW_CHUNKS, raw_chunk(idx / RAW_CHUNKS, idx % RAW_CHUNKS));
-    let mut h = [0u32; 8];
-    static_for::<8>(|j| h[j] = Q::from_fp8x2((v[j / 2] >> (16 * (j % 2))) & 0xffff));
-    unsafe { st_shared_v4(dst + swizzled(r, 2 * c), [h[0], h[1], h[2], h[3]]) };
-    unsafe { st_shared_v4(dst + swizzled(r, 2 * c + 1), [h[4], h[5], h[6], h[7]]) };
+    const { assert!(swizzled(3, 5) ^ 16 == swizzled(3, 4) && swizzled(9, 11) == swizzled(9, 10) ^ 16) };
+    unsafe { store_converted_at::<Q>(dst + swizzled(r, 2 * c), v) };
 }
 
 /// Converts an FP8 slot's raw rows (at `raw`) into the 16-bit [`swizzled`] slot at `dst`,
@@ -93,49 +104,54 @@ pub(super) unsafe fn convert_slot_fp8<Q: MmaHalf>(raw: u32, dst: u32) {
     });
 }
 
-/// Raw chunks of one half of a slot's rows (16 rows of 36).
-const HALF_CHUNKS: u32 = SLOT_KEYS / 2 * RAW_CHUNKS;
-/// Raw chunks a thread takes of a tile's two slots' halves.
-const PER_THREAD: usize = (2 * HALF_CHUNKS).div_ceil(THREADS) as usize;
+/// Threads of a warpgroup.
+#[cfg(wgmma)]
+const WARPGROUP: u32 = 128;
 
-/// Converts the raw FP8 rows of a tile's two slots (16-bit slot buffers at `slots`, the raw rows
-/// in their upper halves, `raw` bytes on: `attn_math::mla::MlaLayout::raw`) into the 16-bit
-/// [`swizzled`] rows of the same buffers, exactly (the unpack scale is folded into the k/v
-/// scales). Rows 0-15 become 16-bit rows in the lower half, where no raw row is, so they are
-/// converted straight from shared memory; rows 16-31 become the upper half, over every raw row,
-/// so their raw chunks are first held in registers and written after `between` (a barrier: every
-/// thread has then read what it converts). Every thread of the CTA takes part; the raw copies
-/// must have landed, and a barrier must follow.
+/// [`copy_slot_fp8`] for a whole 64-row tile by one warpgroup (the seesaw order: each warpgroup
+/// copies its own tiles): rows 0-31 from the table at `tables[0]` into the slot at `dst`, rows
+/// 32-63 from `tables[1]` into the slot `slot_bytes` on, each slot's raw rows `raw` bytes into it
+/// ([`raw_offset`]). Two commit groups: rows 0-15 of both slots, then rows 16-31.
+#[cfg(wgmma)]
 #[inline(always)]
-pub(super) unsafe fn convert_in_place<Q: MmaHalf>(slots: [u32; 2], raw: u32, between: impl Fn()) {
+pub(super) unsafe fn copy_tile_warpgroup_fp8(dst: u32, slot_bytes: u32, raw: u32, tables: [u32; 2], fallback: u64) {
+    const ROWS: usize = (2 * SLOT_KEYS / 16) as usize;
+    const { assert!(SLOT_KEYS == 32 && ROWS == 4) };
+    let t = thread_idx_x() % WARPGROUP;
+    let (r, c0) = (t / 8, t % 8);
+    static_for::<ROWS>(|i| {
+        // Rows r + 16 (i / 2) of slot i % 2.
+        let (slot, row) = ((i % 2) as u32, r + 16 * (i / 2) as u32);
+        let src = unsafe { ld_shared_u64(tables[i % 2] + row * 8) };
+        let (from, bytes, step) = if src != 0 { (src + c0 as u64 * 16, 16, 128) } else { (fallback, 0, 0) };
+        let to = dst + slot * slot_bytes + raw;
+        static_for::<{ RAW_CHUNKS.div_ceil(8) as usize }>(|k| {
+            if c0 + 8 * (k as u32) < RAW_CHUNKS {
+                unsafe { cp_async_16(to + raw_offset(row, c0 + 8 * k as u32), from + k as u64 * step, bytes) };
+            }
+        });
+        if i % 2 == 1 {
+            crate::blocks::mma::cp_async_commit();
+        }
+    });
+}
+
+/// Query rows (`rows` of them, 16-bit values of `Q` at `q`, any layout) times 2^-8 as f16, in
+/// place (exact within f16's range), by every thread of the CTA; a barrier must follow.
+#[cfg(wgmma)]
+#[inline(always)]
+pub(super) unsafe fn queries_to_f16<Q: MmaHalf>(q: u32, rows: u32) {
     let tid = thread_idx_x();
-    // Chunk k of the tile's halves: slot k / HALF_CHUNKS, the raw chunks in the order they sit
-    // (one offset for every slot) from row `first`.
-    let chunk = |i: usize, first: u32| {
-        let k = tid + i as u32 * THREADS;
-        let (slot, idx) = (slots[(k / HALF_CHUNKS) as usize % 2], k % HALF_CHUNKS + first * RAW_CHUNKS);
-        (k < 2 * HALF_CHUNKS, slot, idx)
-    };
-    let mut held = [[0u32; 4]; PER_THREAD];
-    static_for::<PER_THREAD>(|i| {
-        let (live, slot, idx) = chunk(i, SLOT_KEYS / 2);
-        if live {
-            held[i] = unsafe { ld_shared_v4(slot + raw + idx * 16) };
-        }
-    });
-    static_for::<PER_THREAD>(|i| {
-        let (live, slot, idx) = chunk(i, 0);
-        if live {
-            unsafe { store_converted::<Q>(slot, idx, ld_shared_v4(slot + raw + idx * 16)) };
-        }
-    });
-    between();
-    static_for::<PER_THREAD>(|i| {
-        let (live, slot, idx) = chunk(i, SLOT_KEYS / 2);
-        if live {
-            unsafe { store_converted::<Q>(slot, idx, held[i]) };
-        }
-    });
+    let mut idx = tid;
+    while idx < rows * ROW_CHUNKS {
+        let v = unsafe { ld_shared_v4(q + idx * 16) };
+        let f16 = |w: u32| {
+            let (lo, hi) = Q::unpack2(w);
+            F16::pack2(lo * (1.0 / 256.0), hi * (1.0 / 256.0))
+        };
+        unsafe { st_shared_v4(q + idx * 16, [f16(v[0]), f16(v[1]), f16(v[2]), f16(v[3])]) };
+        idx += THREADS;
+    }
 }
 
 /// Copies `rows` query rows (`src(r)`: row r's address) into the [`swizzled`] layout at `dst`.

@@ -1,13 +1,11 @@
-//! The MLA kernel's matrix products: S = Q K^T over the 576 columns and O += P V, on
-//! `mma.sync`, or (the wide shape on sm_90a) on `wgmma`; for the narrow shape over an FP8
-//! cache, on `mma.sync` with the fragments converted in registers from the raw rows.
+//! The MLA kernel's matrix products where it does not take the seesaw order (`super::seesaw`):
+//! S = Q K^T over the 576 columns and O += P V on `mma.sync`; for the narrow shape over an FP8
+//! cache, with the fragments converted in registers from the raw rows.
 
 use crate::attention::fp8_direct::mma_value_runs;
 use crate::blocks::device::{static_for, thread_idx_x};
 use crate::blocks::elem::F16;
 use crate::blocks::mma::{ld_shared_u64, ld_shared_v4, ldmatrix_x4, ldmatrix_x4_trans, MmaHalf};
-#[cfg(wgmma)]
-use attn_math::mla::swizzled;
 use attn_math::mla::{self, SLOT_KEYS};
 use attn_math::prefill::MLA_QK;
 
@@ -59,60 +57,6 @@ pub(super) fn scores<Q: MmaHalf, const UNROLL: bool>(
     }
     static_for::<4>(|n| static_for::<4>(|e| even[n][e] += odd[n][e]));
     even
-}
-
-/// The wide shape's scores of this warp (16 rows x `nkt * 8` keys): on sm_90a the warpgroup's
-/// `wgmma` over its 64 rows (Q at `q`) and 32 keys (rows `key_row..` of the slot at `slot`),
-/// waited for if `WAIT` (else the caller retires it with `wait_scores32`); else `mma.sync`
-/// (`q_frag`, `k_at` as for [`scores`]).
-#[inline(always)]
-#[allow(unused_variables)]
-pub(super) fn wide_scores<Q: MmaHalf, const WAIT: bool>(
-    nkt: usize,
-    q_frag: impl Fn(usize) -> [u32; 4],
-    k_at: impl Fn(u32, u32) -> u32,
-    q: u32,
-    slot: u32,
-    key_row: u32,
-) -> [[f32; 4]; 4] {
-    #[cfg(wgmma)]
-    {
-        const { assert!(mla::WIDE.keys_per_warp() == 32 && mla::WIDE.s_row_tiles == 4) };
-        let a = crate::blocks::mma::wgmma_desc(q, 16, mla::GROUP_BYTES, true);
-        let b = crate::blocks::mma::wgmma_desc(slot + swizzled(key_row, 0), 16, mla::GROUP_BYTES, true);
-        let s = unsafe { Q::wgmma_64x32_k576_async(a, b) };
-        if WAIT {
-            unsafe { crate::blocks::wgmma::wait_scores32::<0>(s) }
-        } else {
-            s
-        }
-    }
-    #[cfg(not(wgmma))]
-    {
-        scores::<Q, true>(nkt, q_frag, k_at)
-    }
-}
-
-/// The wide shape's `O += P V` on sm_90a: the warpgroup's 64 rows x 256 columns over the tile's
-/// 64 keys, P at `p` (8-row groups `p_group` bytes apart), V's keys 0-31 and 32-63 from the slots
-/// at `v0` and `v1` (their first 64-column atom of the warpgroup's columns); waited for if `WAIT`
-/// (else the caller retires it with `wait_acc256`, and leaves `o` alone until then).
-#[inline(always)]
-#[allow(unused_variables)]
-pub(super) unsafe fn wide_pv<Q: MmaHalf, const WAIT: bool>(o: &mut [[f32; 4]; 32], p: u32, p_group: u32, v0: u32, v1: u32) {
-    #[cfg(wgmma)]
-    {
-        const { assert!(mla::WIDE.block_n == 2 * SLOT_KEYS && mla::WIDE.block_m == 64) };
-        let a = crate::blocks::mma::wgmma_desc(p, 128, p_group, false);
-        let b0 = crate::blocks::mma::wgmma_desc(v0, 1024, mla::GROUP_BYTES, true);
-        let b1 = crate::blocks::mma::wgmma_desc(v1, 1024, mla::GROUP_BYTES, true);
-        unsafe { Q::wgmma_pv_64x256_k64_async::<false>(o, a, b0, b1) };
-        if WAIT {
-            unsafe { crate::blocks::wgmma::wait_acc256::<0>(o) };
-        }
-    }
-    #[cfg(not(wgmma))]
-    unreachable!()
 }
 
 /// This lane's (row, chunk) for [`scores`]' K loads from a slot, its warp's keys starting at row
@@ -204,8 +148,7 @@ pub(super) unsafe fn scores_fp8(q: &[[u32; 4]; K_STEPS as usize], raw: u32, key_
     static_for::<{ K_STEPS as usize / 4 }>(|j| {
         let v = unsafe { ld_shared_v4(raw + mla::raw_offset(key_row + g, 4 * j as u32 + t4)) };
         static_for::<4>(|w| {
-            let b0 = F16::from_fp8x2(v[w] & 0xffff);
-            let b1 = F16::from_fp8x2(v[w] >> 16);
+            let [b0, b1] = F16::from_fp8x4(v[w]);
             chains[w % 2] = F16::mma(q[4 * j + w], b0, b1, chains[w % 2]);
         });
     });
