@@ -24,15 +24,11 @@ pub trait MmaHalf: HalfFloat {
     fn from_fp8x2(pair: u32) -> u32;
     /// [`from_fp8x2`](Self::from_fp8x2) of bytes 0-1 and 2-3 of `quad`.
     fn from_fp8x4(quad: u32) -> [u32; 2];
-    /// `S = A B^T` for a warpgroup (Hopper `wgmma`, f32 accumulate): A 64 x 576 and B 32 x 576,
-    /// both in shared memory in the 128-byte-swizzled K-major layout (`attn_math::mla::swizzled`),
-    /// given by the descriptors of their first k-step. Committed, not waited for
-    /// (`crate::blocks::wgmma::wait_scores32` retires it). This thread's part of S in the
-    /// `mma.sync` C layout of its warp's 16 rows: `[n-block][4]`.
-    #[cfg(wgmma)]
-    unsafe fn wgmma_64x32_k576_async(desc_a: u64, desc_b: u64) -> [[f32; 4]; 4];
-    /// [`wgmma_64x32_k576_async`](Self::wgmma_64x32_k576_async) over 64 keys (m64n64k16): B is a
-    /// whole 64-row tile.
+    /// `S = A B^T` for a warpgroup (Hopper `wgmma`, m64n64k16, f32 accumulate): A 64 x 576 and B
+    /// 64 x 576 (a whole 64-row tile), both in shared memory in the 128-byte-swizzled K-major
+    /// layout (`attn_math::mla::swizzled`), given by the descriptors of their first k-step.
+    /// Committed, not waited for (`crate::blocks::wgmma::wait_scores64` retires it). This
+    /// thread's part of S in the `mma.sync` C layout of its warp's 16 rows: `[n-block][4]`.
     #[cfg(wgmma)]
     unsafe fn wgmma_64x64_k576_async(desc_a: u64, desc_b: u64) -> [[f32; 4]; 8];
     /// [`wgmma_64x64_k576_async`](Self::wgmma_64x64_k576_async) over a tile that is still
@@ -41,17 +37,17 @@ pub trait MmaHalf: HalfFloat {
     /// the warpgroup's 128 threads).
     #[cfg(wgmma)]
     unsafe fn wgmma_64x64_k576_landing_async<const BAR: u32>(desc_a: u64, desc_b: u64) -> [[f32; 4]; 8];
-    /// `O += P V` for a warpgroup (Hopper `wgmma`): P 64 x 64 keys (`desc_a`, K-major: without
-    /// swizzle, or in one 128-byte-swizzled atom a row if `P_SWIZZLED`) times V 64 keys x 256
+    /// `O += P V` for a warpgroup (Hopper `wgmma`): P 64 x 64 keys (`desc_a`, K-major, in one
+    /// 128-byte-swizzled atom a row) times V 64 keys x 256
     /// columns, keys 0-31 and 32-63 in two slots (the 128-byte-swizzled rows read N-major,
     /// `desc_b0`, `desc_b1`). `o`: this thread's accumulators, column block `n` (8 columns) of its
     /// warp's 16 rows in the `mma.sync` C layout. Committed, not waited for
     /// (`crate::blocks::wgmma::wait_acc256` retires it).
     #[cfg(wgmma)]
-    unsafe fn wgmma_pv_64x256_k64_async<const P_SWIZZLED: bool>(o: &mut [[f32; 4]; 32], desc_a: u64, desc_b0: u64, desc_b1: u64);
+    unsafe fn wgmma_pv_64x256_k64_async(o: &mut [[f32; 4]; 32], desc_a: u64, desc_b0: u64, desc_b1: u64);
 }
 
-/// The whole 576-wide `wgmma` chain of [`MmaHalf::wgmma_64x32_k576_async`] for PTX type `$t`: the
+/// The whole 576-wide `wgmma` chain of [`MmaHalf::wgmma_64x64_k576_async`] for PTX type `$t`: the
 /// first k-step overwrites the accumulators (scale-d false), the rest add. Descriptors advance 32
 /// bytes a k-step inside a 128-byte swizzle atom (4 k-steps) and 1024 - 96 bytes to the next atom
 /// (units of 16 bytes: 2 and 58). They are rebuilt from 32-bit halves each k-step, so that
@@ -59,7 +55,8 @@ pub trait MmaHalf: HalfFloat {
 /// it); a 64-bit add cost an add with carry and two `R2UR`s a k-step.
 #[cfg(wgmma)]
 macro_rules! wgmma_k576_asm {
-    // `$n` keys (32 or 64), `$acc` the accumulator operands, `$da` / `$db` the descriptors'.
+    // `$n` keys (the N of the instruction), `$acc` the accumulator operands, `$da` / `$db` the
+    // descriptors'.
     ($t:literal, $n:literal, $acc:literal, $da:literal, $db:literal) => {
         concat!(
             "{{\n.reg .pred pz, po;\n.reg .b32 zz, al, ah, bl, bh;\n.reg .b64 da, db;\n",
@@ -126,25 +123,24 @@ macro_rules! wgmma_k576_asm {
 /// The P V `wgmma` chain of [`MmaHalf::wgmma_pv_64x256_k64_async`] for PTX type `$t`: four k-steps of
 /// 16 keys over all the warpgroup's 256 columns (m64n256k16: B's four 64-column atoms are
 /// `leading` = 1024 bytes apart, so one instruction reads P's k-step once, where four m64n64k16
-/// read it four times). A steps `$a_step` units of 16 bytes a k-step (16: 256 bytes of a
-/// no-swizzle P tile; 2: 32 bytes inside a 128-byte-swizzled atom); B +1152 units (two 8-key row groups) within a slot, the second slot for keys 32-63.
+/// read it four times). A steps 2 units of 16 bytes a k-step (32 bytes inside P's 128-byte-swizzled
+/// atom); B +1152 units (two 8-key row groups) within a slot, the second slot for keys 32-63.
 /// B is V, N-major (`imm-trans-b` 1); the accumulators add (scale-d true). Descriptors step as
 /// in [`wgmma_k576_asm`], by 32-bit adds.
 #[cfg(wgmma)]
 macro_rules! wgmma_pv_asm {
-    // `$a_step`: P's k-step in units of 16 bytes (16 without swizzle, 2 inside a 128-byte atom).
-    ($t:literal, $a_step:literal) => {
+    ($t:literal) => {
         concat!(
             "{{\n.reg .pred po;\n.reg .b32 zz, al, ah, bl, bh, cl, ch;\n.reg .b64 da, db;\n",
             "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
             "mov.b64 {{al, ah}}, {128};\nmov.b64 {{bl, bh}}, {129};\nmov.b64 {{cl, ch}}, {130};\n",
             "wgmma.fence.sync.aligned;\n",
             "mov.b64 da, {{al, ah}};\nmov.b64 db, {{bl, bh}};\n", wgmma_pv_asm!(@mma $t),
-            "add.s32 al, al, ", $a_step, ";\nadd.s32 bl, bl, 1152;\n",
+            "add.s32 al, al, 2;\nadd.s32 bl, bl, 1152;\n",
             "mov.b64 da, {{al, ah}};\nmov.b64 db, {{bl, bh}};\n", wgmma_pv_asm!(@mma $t),
-            "add.s32 al, al, ", $a_step, ";\n",
+            "add.s32 al, al, 2;\n",
             "mov.b64 da, {{al, ah}};\nmov.b64 db, {{cl, ch}};\n", wgmma_pv_asm!(@mma $t),
-            "add.s32 al, al, ", $a_step, ";\nadd.s32 cl, cl, 1152;\n",
+            "add.s32 al, al, 2;\nadd.s32 cl, cl, 1152;\n",
             "mov.b64 da, {{al, ah}};\nmov.b64 db, {{cl, ch}};\n", wgmma_pv_asm!(@mma $t),
             "wgmma.commit_group.sync.aligned;\n}}"
         )
@@ -233,9 +229,9 @@ macro_rules! mma_impl {
             }
             #[cfg(wgmma)]
             #[inline(always)]
-            unsafe fn wgmma_pv_64x256_k64_async<const P_SWIZZLED: bool>(o: &mut [[f32; 4]; 32], desc_a: u64, desc_b0: u64, desc_b1: u64) {
+            unsafe fn wgmma_pv_64x256_k64_async(o: &mut [[f32; 4]; 32], desc_a: u64, desc_b0: u64, desc_b1: u64) {
                 unsafe {
-                    asm!(wgmma_pv_asm!($name, "{a_step}"),
+                    asm!(wgmma_pv_asm!($name),
                          inout(reg32) o[0][0], inout(reg32) o[0][1], inout(reg32) o[0][2], inout(reg32) o[0][3],
                          inout(reg32) o[1][0], inout(reg32) o[1][1], inout(reg32) o[1][2], inout(reg32) o[1][3],
                          inout(reg32) o[2][0], inout(reg32) o[2][1], inout(reg32) o[2][2], inout(reg32) o[2][3],
@@ -268,22 +264,8 @@ macro_rules! mma_impl {
                          inout(reg32) o[29][0], inout(reg32) o[29][1], inout(reg32) o[29][2], inout(reg32) o[29][3],
                          inout(reg32) o[30][0], inout(reg32) o[30][1], inout(reg32) o[30][2], inout(reg32) o[30][3],
                          inout(reg32) o[31][0], inout(reg32) o[31][1], inout(reg32) o[31][2], inout(reg32) o[31][3],
-                         in(reg64) desc_a, in(reg64) desc_b0, in(reg64) desc_b1, a_step = const if P_SWIZZLED { 2 } else { 16 }, options(nostack));
+                         in(reg64) desc_a, in(reg64) desc_b0, in(reg64) desc_b1, options(nostack));
                 }
-            }
-            #[cfg(wgmma)]
-            #[inline(always)]
-            unsafe fn wgmma_64x32_k576_async(desc_a: u64, desc_b: u64) -> [[f32; 4]; 4] {
-                let mut d = [[0.0f32; 4]; 4];
-                unsafe {
-                    asm!(wgmma_k576_asm!($name, "32", "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}", "{16}", "{17}"),
-                         out(reg32) d[0][0], out(reg32) d[0][1], out(reg32) d[0][2], out(reg32) d[0][3],
-                         out(reg32) d[1][0], out(reg32) d[1][1], out(reg32) d[1][2], out(reg32) d[1][3],
-                         out(reg32) d[2][0], out(reg32) d[2][1], out(reg32) d[2][2], out(reg32) d[2][3],
-                         out(reg32) d[3][0], out(reg32) d[3][1], out(reg32) d[3][2], out(reg32) d[3][3],
-                         in(reg64) desc_a, in(reg64) desc_b, options(nostack));
-                }
-                d
             }
             #[cfg(wgmma)]
             #[inline(always)]

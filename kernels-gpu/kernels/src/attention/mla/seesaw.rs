@@ -202,7 +202,7 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, const FP8: bool, S: KeySourc
         let a = wgmma_desc(at + lay.p, 16, GROUP_BYTES, true);
         let b0 = wgmma_desc(at + atom, 1024, GROUP_BYTES, true);
         let b1 = wgmma_desc(at + base.k_slot + atom, 1024, GROUP_BYTES, true);
-        unsafe { M::wgmma_pv_64x256_k64_async::<true>(o, a, b0, b1) };
+        unsafe { M::wgmma_pv_64x256_k64_async(o, a, b0, b1) };
     };
     // Keys outside the span, the causal mask, and keys whose block was not read (-inf).
     let mask = |s: &mut [[f32; 4]; 8], tile: u32| {
