@@ -92,8 +92,8 @@ pub(crate) unsafe fn scores<C: AttnConfig>(q: &[[u32; 4]; 16], k_raw: u32, key_o
     static_for::<16>(|ks| {
         if ks < C::DK / 16 {
             static_for::<2>(|j| {
-                let w = run[j][ks];
-                s[j] = C::M::mma(q[ks], C::M::from_fp8x2(w & 0xffff), C::M::from_fp8x2(w >> 16), s[j]);
+                let [b0, b1] = C::M::from_fp8x4(run[j][ks]);
+                s[j] = C::M::mma(q[ks], b0, b1, s[j]);
             });
         }
     });
@@ -134,13 +134,13 @@ pub(crate) fn mma_value_runs<M: MmaHalf>(a: [u32; 4], run: &[[u32; 4]; 4], words
             // (key 2t4, key 2t4 + 1) byte pairs of columns 4m, 4m + 1 and 4m + 2, 4m + 3.
             let low = [byte_perm(run[0][m], run[1][m], 0x5140), byte_perm(run[2][m], run[3][m], 0x5140)];
             let high = [byte_perm(run[0][m], run[1][m], 0x7362), byte_perm(run[2][m], run[3][m], 0x7362)];
+            // Each word's two byte pairs converted as its 16-bit halves (`from_fp8x4`).
+            let low = [M::from_fp8x4(low[0]), M::from_fp8x4(low[1])];
+            let high = [M::from_fp8x4(high[0]), M::from_fp8x4(high[1])];
             static_for::<4>(|d| {
                 let pairs = if d < 2 { low } else { high };
-                let shift = 16 * (d % 2) as u32;
-                let b0 = M::from_fp8x2((pairs[0] >> shift) & 0xffff);
-                let b1 = M::from_fp8x2((pairs[1] >> shift) & 0xffff);
                 let i = 4 * m + d;
-                o[i] = M::mma(a, b0, b1, o[i]);
+                o[i] = M::mma(a, pairs[0][d % 2], pairs[1][d % 2], o[i]);
             });
         }
     });
