@@ -36,9 +36,9 @@ struct Column {
 fn column(slots: [u32; 2], raw: u32, i: usize) -> Column {
     let t = thread_idx_x() % WARPGROUP;
     let (k, first, width) = if i < LOW_COLUMNS {
-        (t + 128 * i as u32, 0, FIRST_ATOMS)
+        (t + WARPGROUP * i as u32, 0, FIRST_ATOMS)
     } else {
-        (t + 128 * (i - LOW_COLUMNS) as u32, FIRST_ATOMS, RAW_CHUNKS - FIRST_ATOMS)
+        (t + WARPGROUP * (i - LOW_COLUMNS) as u32, FIRST_ATOMS, RAW_CHUNKS - FIRST_ATOMS)
     };
     let per_slot = 8 * width;
     let slot = if k < per_slot { slots[0] } else { slots[1] };
