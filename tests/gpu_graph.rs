@@ -4,7 +4,8 @@
 //! metadata, its own caches), every layer, and the caches must end bit for bit equal. Padding
 //! rows (requests past the step's) must come out finite (uniform buckets) or untouched (mixed
 //! buckets). Mixed buckets take decodes, new prompts and chunks in changing mixes; bf16 and FP8
-//! caches; per-layer settings (a window and a soft-cap on one layer, sinks on the other). Standard attention (GQA, one and two
+//! caches; per-layer settings (a window and a soft-cap on one layer, sinks on the other); chunked local
+//! attention on one layer (its decodes in the prefill kernel). Standard attention (GQA, one and two
 //! query tokens) and MLA; refusals of steps a graph cannot take.
 //!
 //! A graph holds what it captured: the captured layers' buffers are `SharedBuf`s, and a borrowed
@@ -40,6 +41,9 @@ struct Case {
     /// Per-layer settings (standard attention, two layers): a sliding window and a soft-cap on
     /// layer 0, attention sinks on layer 1.
     per_layer: bool,
+    /// Chunked local attention (chunks of 64) on layer 0 of two: its decodes run in the
+    /// prefill kernel over the whole step.
+    chunked: bool,
     /// Decodes have at most this many query tokens (a uniform bucket's query length).
     threshold: usize,
     layers: usize,
@@ -216,6 +220,10 @@ impl CaseModel {
             let opts = AttnOptions::new(c.d);
             let windowed = LayerSpec::decoder(AttnOptions { window: Some(96), softcap: Some(30.0), ..opts });
             config = config.with_layers(vec![windowed, LayerSpec { sinks: true, ..LayerSpec::decoder(opts) }]);
+        }
+        if c.chunked {
+            let opts = AttnOptions::new(c.d);
+            config = config.with_layers(vec![LayerSpec::decoder(AttnOptions { chunk_size: Some(64), ..opts }), LayerSpec::decoder(opts)]);
         }
         config.decode_threshold = c.threshold;
         Ok(CaseModel { sel, config, num_blocks })
@@ -412,10 +420,11 @@ fn refusals() -> TestResult {
 }
 
 /// What a capture refuses, naming the argument, before the refused call enqueues anything: a
-/// layer with a borrowed (not shared) buffer, a `forward` with another step, another Attention's
+/// layer with a borrowed (not shared) buffer, a `forward` with an eager step, another Attention's
 /// `forward` or a step's `build` on the stream being captured, making a step inside the
 /// capture; and a replay with a step other than the captured one. The Attention captures and
-/// replays fine after all of them.
+/// replays fine after all of them, also a graph whose layers run two graph steps, after the
+/// second one is dropped (the graph holds it).
 fn capture_refusals() -> TestResult {
     let mut rng = rng(7100);
     let dev = arc_device();
@@ -428,6 +437,7 @@ fn capture_refusals() -> TestResult {
         bucket: GraphBucket::decode(2),
         fp8: false,
         per_layer: false,
+        chunked: false,
         threshold: 1,
         layers: 1,
         steps: 1,
@@ -491,7 +501,18 @@ fn capture_refusals() -> TestResult {
     expect("a range past the buffer", "range", DevIn::shared_range(&input, ..input.len() + 1, &stream).map(|_| ()))?;
     expect("a host write past the buffer", "src", out.write_from_host(&stream, &vec![bf16::ZERO; out.len() + 1]))?;
 
-    // Nothing above left the stream capturing, or the Attention unable to capture.
+    // Nothing above left the stream capturing, or the Attention unable to capture. A layer may
+    // run another graph step (a cross-attention step's, say): the graph holds it too.
+    let mut gstep2 = attn.new_graph_step(c.bucket)?;
+    build(&mut gstep2, &st, model.num_blocks)?;
+    let both = attn.capture(&gstep, |a| {
+        a.forward(&gstep, shared_layer(&c, &stream, &input, &cache, &out, None)?)?;
+        a.forward(&gstep2, shared_layer(&c, &stream, &input, &cache, &out, None)?)
+    })?;
+    drop(gstep2);
+    both.replay(&gstep)?;
+    attn.check_status()?;
+    drop(both);
     let graph = attn.capture(&gstep, |a| a.forward(&gstep, shared_layer(&c, &stream, &input, &cache, &out, None)?))?;
     let mut gstep2 = attn.new_graph_step(c.bucket)?;
     build(&mut gstep2, &st, model.num_blocks)?;
@@ -524,6 +545,7 @@ fn graph_outlives_its_owners() -> TestResult {
         bucket: GraphBucket::mixed(4, 96),
         fp8: false,
         per_layer: false,
+        chunked: false,
         threshold: 1,
         layers: 2,
         steps: 8,
@@ -610,6 +632,7 @@ fn main() {
         bucket,
         fp8: false,
         per_layer: false,
+        chunked: false,
         threshold,
         layers: 2,
         steps,
@@ -617,6 +640,7 @@ fn main() {
     };
     let fp8 = |c: Case| Case { fp8: true, ..c };
     let per_layer = |c: Case| Case { per_layer: true, ..c };
+    let chunked = |c: Case| Case { chunked: true, ..c };
     let mut cases = vec![
         ("gqa4_d128_bucket8", std(32, 8, 128, GraphBucket::decode(8), 1, 100, 3000)),
         ("gqa8_d64_bucket3_q2", std(16, 2, 64, GraphBucket::uniform(3, 2), 2, 40, 1500)),
@@ -630,6 +654,7 @@ fn main() {
                 bucket: GraphBucket::decode(4),
                 fp8: false,
                 per_layer: false,
+                chunked: false,
                 threshold: 1,
                 layers: 2,
                 steps: 40,
@@ -643,6 +668,8 @@ fn main() {
         ("per_layer_gqa4_d128_bucket5", per_layer(std(32, 8, 128, GraphBucket::decode(5), 1, 30, 2000))),
         ("fp8_gqa4_d128_bucket6", fp8(std(32, 8, 128, GraphBucket::decode(6), 1, 30, 3000))),
         ("fp8_mixed_gqa4_d128_6x400", fp8(std(32, 8, 128, GraphBucket::mixed(6, 400), 1, 30, 2000))),
+        ("chunked_gqa4_d128_bucket6", chunked(std(32, 8, 128, GraphBucket::decode(6), 1, 30, 2000))),
+        ("mixed_chunked_gqa8_d64_5x300_spec3", chunked(std(16, 2, 64, GraphBucket::mixed(5, 300), 3, 30, 1500))),
     ];
     if quick() {
         for (_, c) in &mut cases {

@@ -14,10 +14,10 @@ mod layer_steps;
 
 use attn_rs::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig};
 use attn_rs::forward::{
-    Attention, AttentionType, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, HostElement, KvCacheWrite, KvWriteIo, LayerIo, LayerSpec,
-    NewKv,
+    Attention, AttentionType, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, GraphBucket, HostElement, KvCacheWrite, KvWriteIo,
+    LayerIo, LayerSpec, NewKv, StepGraph,
 };
-use attn_rs::{AttnError, AttnOptions, DType, DevIn, DevOut, KvLayout, RowsDesc};
+use attn_rs::{AttnError, AttnOptions, DType, DevIn, DevOut, KvLayout, RowsDesc, SharedBuf};
 use common::*;
 use half::{bf16, f16};
 use layer_steps::{enc_dec_layers, enc_dec_schedule, EncDecStep, Engine, Shape};
@@ -31,7 +31,7 @@ fn limits() -> ForwardLimits {
 /// `steps` through every layer on the GPU, each layer's output against the reference.
 fn layers_case<T: HostElement>(shape: Shape, layers: Vec<LayerSpec>, steps: Vec<Vec<(usize, usize)>>, salt: u64) -> TestResult {
     let schedule: Vec<EncDecStep> = steps.iter().map(|p| EncDecStep::for_layers(&layers, p)).collect();
-    schedule_case::<T>(shape, layers, schedule, RunOpts { salt, decode_threshold: 1, window_group: None })
+    schedule_case::<T>(shape, layers, schedule, RunOpts::new(salt, 1))
 }
 
 /// How a schedule runs.
@@ -43,13 +43,32 @@ struct RunOpts {
     /// The sliding-window layers in a KV-cache group of their own (`Engine::group_step`): its
     /// block ids remapped and each request's blocks before this window nulled.
     window_group: Option<usize>,
+    /// Every step metadata a graph step of this bucket, and each layer captured into a graph
+    /// of its own at its first step and replayed at every step after.
+    graph: Option<GraphBucket>,
+}
+
+impl RunOpts {
+    fn new(salt: u64, decode_threshold: usize) -> Self {
+        RunOpts { salt, decode_threshold, window_group: None, graph: None }
+    }
+}
+
+/// A layer's buffers as a graph captures them (shared, so that the graph holds them), as many
+/// rows as the bucket has, and the graph once captured.
+struct GraphLayer<T: HostElement> {
+    q: SharedBuf<T>,
+    k: SharedBuf<T>,
+    v: SharedBuf<T>,
+    out: SharedBuf<T>,
+    graph: Option<StepGraph>,
 }
 
 /// A schedule of encoder and decoder steps (`tests/common/layer_steps.rs`): each step's
 /// layers on the GPU, cross-attention through the step's cross-attention metadata, each
 /// layer's output against the reference.
 fn schedule_case<T: HostElement>(shape: Shape, layers: Vec<LayerSpec>, schedule: Vec<EncDecStep>, run: RunOpts) -> TestResult {
-    let RunOpts { salt, decode_threshold, window_group } = run;
+    let RunOpts { salt, decode_threshold, window_group, graph } = run;
     let dtype = T::DTYPE;
     let dev = arc_device();
     let stream = new_stream();
@@ -58,15 +77,20 @@ fn schedule_case<T: HostElement>(shape: Shape, layers: Vec<LayerSpec>, schedule:
     let selection = select_backend_no_env(&model, &DeviceInfo::from_device(&dev), None)?;
     let config = ForwardConfig { decode_threshold, ..ForwardConfig::new(model, shape.num_blocks, limits()).with_layers(layers.clone()) };
     let mut attn = Attention::new(&selection, config, Some(GpuHandles { dev, stream: stream.clone() }))?;
-    let (mut meta, mut cross, mut group) = (attn.new_step_metadata()?, attn.new_step_metadata()?, attn.new_step_metadata()?);
+    let new_step = |a: &Attention| match graph {
+        Some(bucket) => a.new_graph_step(bucket),
+        None => a.new_step_metadata(),
+    };
+    let (mut meta, mut cross, mut group) = (new_step(&attn)?, new_step(&attn)?, new_step(&attn)?);
     let has_cross = layers.iter().any(|l| l.attn_type == AttentionType::EncoderDecoder);
     let n = attn.cache_spec().num_elements();
-    let mut caches: Vec<_> = layers.iter().map(|_| upload(&stream, &vec![T::default(); n.max(1)])).collect();
+    let caches: Vec<_> = layers.iter().map(|_| SharedBuf::new(upload(&stream, &vec![T::default(); n.max(1)]))).collect();
     let round: fn(f32) -> f32 = |x| T::from_f32(x).to_f32();
     let mut engine = Engine::new(shape.clone(), layers.clone(), rng(salt).random_range(0..u64::MAX), round);
-    let slopes = upload(&stream, &engine.slopes);
-    let sinks = upload(&stream, &engine.sinks);
+    let slopes = SharedBuf::new(upload(&stream, &engine.slopes));
+    let sinks = SharedBuf::new(upload(&stream, &engine.sinks));
     let (hq, hkv, d) = (shape.hq, shape.hkv, shape.d);
+    let mut graphs: Vec<Option<GraphLayer<T>>> = layers.iter().map(|_| None).collect();
     for (s, st) in schedule.iter().enumerate() {
         let step = engine.step(st.pairs());
         meta.build(&step.input(&shape))?;
@@ -77,15 +101,22 @@ fn schedule_case<T: HostElement>(shape: Shape, layers: Vec<LayerSpec>, schedule:
         if window_group.is_some() {
             group.build(&engine.group_step(&step, window_group).input(&shape))?;
         }
-        let rows = step.rows();
+        // A graph's layer tensors hold the bucket's rows; the step's are the first of them.
+        let rows = graph.map_or(step.rows(), |b| b.num_tokens());
         let conv = |v: &[f32]| v.iter().map(|&x| T::from_f32(x)).collect::<Vec<T>>();
         let kv_rows = RowsDesc::contiguous(rows, hkv, d);
         for layer in st.writes(&layers) {
             let data = engine.data(&step);
             engine.write(&step, layer, &data);
-            let (k, v) = (upload(&stream, &conv(&data.k)), upload(&stream, &conv(&data.v)));
+            // As many rows as the step's tensors (a graph step's are the bucket's).
+            let padded = |x: &[f32]| {
+                let mut v = conv(x);
+                v.resize(rows * hkv * d, T::default());
+                v
+            };
+            let (k, v) = (upload(&stream, &padded(&data.k)), upload(&stream, &padded(&data.v)));
             let new_kv = NewKv::Standard { k: DevIn::new(&k, &stream), k_rows: kv_rows, v: DevIn::new(&v, &stream), v_rows: kv_rows };
-            let w = KvCacheWrite { new_kv, cache: DevOut::new(&mut caches[layer], &stream), kv_scales: None };
+            let w = KvCacheWrite { new_kv, cache: DevOut::shared(&caches[layer], &stream), kv_scales: None };
             attn.write_kv(&meta, layer, KvWriteIo::Gpu(w))?;
         }
         for layer in st.layers(&layers) {
@@ -97,30 +128,82 @@ fn schedule_case<T: HostElement>(shape: Shape, layers: Vec<LayerSpec>, schedule:
             };
             let data = engine.data(&step);
             let want = engine.reference(&step, layer, &data);
-            let (q, k, v) = (upload(&stream, &conv(&data.q)), upload(&stream, &conv(&data.k)), upload(&stream, &conv(&data.v)));
             let q_rows = RowsDesc::contiguous(rows, hq, d);
-            let mut out = upload(&stream, &vec![poison::<T>(); rows * hq * d]);
             let owner = spec.kv_sharing_target.unwrap_or(layer);
             // Layers that read a cache written before take no new K/V.
             let reads_only = spec.kv_sharing_target.is_some() || spec.attn_type == AttentionType::EncoderDecoder;
-            let new_kv = match reads_only {
-                true => NewKv::None,
-                false => NewKv::Standard { k: DevIn::new(&k, &stream), k_rows: kv_rows, v: DevIn::new(&v, &stream), v_rows: kv_rows },
+            let g = match graph {
+                Some(_) => {
+                    let alloc = |len: usize| SharedBuf::new(upload(&stream, &vec![T::default(); len]));
+                    let g = graphs[layer].get_or_insert_with(|| GraphLayer {
+                        q: alloc(rows * hq * d),
+                        k: alloc(rows * hkv * d),
+                        v: alloc(rows * hkv * d),
+                        out: alloc(rows * hq * d),
+                        graph: None,
+                    });
+                    g.q.write_from_host(&stream, &conv(&data.q))?;
+                    g.k.write_from_host(&stream, &conv(&data.k))?;
+                    g.v.write_from_host(&stream, &conv(&data.v))?;
+                    g.out.write_from_host(&stream, &vec![poison::<T>(); rows * hq * d])?;
+                    Some(g)
+                }
+                None => None,
             };
-            let io = GpuLayer {
-                q: DevIn::new(&q, &stream),
-                q_rows,
-                new_kv,
-                cache: DevOut::new(&mut caches[owner], &stream),
-                out: DevOut::new(&mut out, &stream),
-                out_rows: q_rows,
-                alibi_slopes: spec.alibi.then(|| DevIn::new(&slopes, &stream)),
-                sinks: spec.sinks.then(|| DevIn::new(&sinks, &stream)),
-                kv_scales: None,
+            let (alibi, sink) = (spec.alibi.then(|| DevIn::shared(&slopes, &stream)), spec.sinks.then(|| DevIn::shared(&sinks, &stream)));
+            let got = match g {
+                Some(g) => {
+                    if g.graph.is_none() {
+                        let io = GpuLayer {
+                            q: DevIn::shared(&g.q, &stream),
+                            q_rows,
+                            new_kv: match reads_only {
+                                true => NewKv::None,
+                                false => NewKv::Standard {
+                                    k: DevIn::shared(&g.k, &stream),
+                                    k_rows: kv_rows,
+                                    v: DevIn::shared(&g.v, &stream),
+                                    v_rows: kv_rows,
+                                },
+                            },
+                            cache: DevOut::shared(&caches[owner], &stream),
+                            out: DevOut::shared(&g.out, &stream),
+                            out_rows: q_rows,
+                            alibi_slopes: alibi,
+                            sinks: sink,
+                            kv_scales: None,
+                        };
+                        g.graph = Some(attn.capture(meta, |a| a.forward_layer(meta, layer, LayerIo::Gpu(io)))?);
+                    }
+                    g.graph.as_ref().expect("captured").replay(meta)?;
+                    attn.check_status()?;
+                    download(&stream, g.out.as_cuda_slice())
+                }
+                None => {
+                    let (q, k, v) = (upload(&stream, &conv(&data.q)), upload(&stream, &conv(&data.k)), upload(&stream, &conv(&data.v)));
+                    let mut out = upload(&stream, &vec![poison::<T>(); rows * hq * d]);
+                    let new_kv = match reads_only {
+                        true => NewKv::None,
+                        false => {
+                            NewKv::Standard { k: DevIn::new(&k, &stream), k_rows: kv_rows, v: DevIn::new(&v, &stream), v_rows: kv_rows }
+                        }
+                    };
+                    let io = GpuLayer {
+                        q: DevIn::new(&q, &stream),
+                        q_rows,
+                        new_kv,
+                        cache: DevOut::shared(&caches[owner], &stream),
+                        out: DevOut::new(&mut out, &stream),
+                        out_rows: q_rows,
+                        alibi_slopes: alibi,
+                        sinks: sink,
+                        kv_scales: None,
+                    };
+                    attn.forward_layer(meta, layer, LayerIo::Gpu(io))?;
+                    attn.check_status()?;
+                    download(&stream, &out)
+                }
             };
-            attn.forward_layer(meta, layer, LayerIo::Gpu(io))?;
-            attn.check_status()?;
-            let got = download(&stream, &out);
             let tokens: Vec<f64> = got[..step.nt * hq * d].iter().map(|x| x.to_f32() as f64).collect();
             let err = rel_error(&tokens, &want);
             if !within(err, tolerance(dtype)) {
@@ -179,7 +262,7 @@ fn cases() -> Vec<(String, Box<dyn FnOnce() -> TestResult + Send>)> {
         let f: Box<dyn FnOnce() -> TestResult + Send> = Box::new(move || {
             let layers = gemma_layers(4, d, window as u32);
             let steps = decoder_steps().iter().map(|p| EncDecStep::for_layers(&layers, p)).collect();
-            let run = RunOpts { salt: 10, decode_threshold: 1, window_group: Some(window) };
+            let run = RunOpts { window_group: Some(window), ..RunOpts::new(10, 1) };
             schedule_case::<bf16>(shape(hq, hkv, d), layers, steps, run)
         });
         v.push((format!("kv_cache_groups_d{d}_window{window}"), f));
@@ -224,39 +307,55 @@ fn cases() -> Vec<(String, Box<dyn FnOnce() -> TestResult + Send>)> {
     for (d, hq, hkv) in [(64, 8, 2), (128, 4, 4), (256, 16, 2)] {
         v.push((
             format!("encoder_decoder_cross_attention_d{d}_{hq}q{hkv}kv"),
-            Box::new(move || {
-                schedule_case::<bf16>(
-                    shape(hq, hkv, d),
-                    enc_dec_layers(d),
-                    enc_dec_schedule(),
-                    RunOpts { salt: 7, decode_threshold: 1, window_group: None },
-                )
-            }),
+            Box::new(move || schedule_case::<bf16>(shape(hq, hkv, d), enc_dec_layers(d), enc_dec_schedule(), RunOpts::new(7, 1))),
         ));
     }
     v.push((
         "encoder_decoder_cross_attention_d128_f16".into(),
-        Box::new(|| {
-            schedule_case::<f16>(
-                shape(8, 2, 128),
-                enc_dec_layers(128),
-                enc_dec_schedule(),
-                RunOpts { salt: 8, decode_threshold: 1, window_group: None },
-            )
-        }),
+        Box::new(|| schedule_case::<f16>(shape(8, 2, 128), enc_dec_layers(128), enc_dec_schedule(), RunOpts::new(8, 1))),
     ));
     // Decodes of several tokens: cross-attention runs the whole step as one prefill.
     v.push((
         "encoder_decoder_cross_attention_d64_decode_threshold_4".into(),
-        Box::new(|| {
-            schedule_case::<bf16>(
-                shape(8, 2, 64),
-                enc_dec_layers(64),
-                enc_dec_schedule(),
-                RunOpts { salt: 9, decode_threshold: 4, window_group: None },
-            )
+        Box::new(|| schedule_case::<bf16>(shape(8, 2, 64), enc_dec_layers(64), enc_dec_schedule(), RunOpts::new(9, 4))),
+    ));
+    // The same layers from CUDA graphs of a mixed bucket, one per layer, replayed each step:
+    // chunked local attention and encoders from the whole step's tiles, cross-attention from
+    // its own step's decode plan and prefill tiles (or the whole step's, with a decode
+    // threshold of 4).
+    let graph = |salt, threshold| RunOpts { graph: Some(GraphBucket::mixed(8, 512)), ..RunOpts::new(salt, threshold) };
+    let chunked = vec![
+        LayerSpec::decoder(AttnOptions { chunk_size: Some(48), ..o(128) }),
+        LayerSpec::decoder(o(128)),
+        LayerSpec::decoder(AttnOptions { chunk_size: Some(48), ..o(128) }).sharing_kv_of(0),
+    ];
+    v.push((
+        "graph_chunked_local_d128_chunk48".into(),
+        Box::new(move || {
+            let steps = decoder_steps().iter().map(|p| EncDecStep::for_layers(&chunked, p)).collect();
+            schedule_case::<f16>(shape(8, 2, 128), chunked, steps, graph(11, 1))
         }),
     ));
+    v.push((
+        "graph_encoder_only_d128_window_7".into(),
+        Box::new(move || {
+            let layers = vec![
+                LayerSpec::encoder_only(o(128)),
+                LayerSpec {
+                    alibi: true,
+                    ..LayerSpec::encoder_only(AttnOptions { symmetric_window: Some(7), softcap: Some(20.0), ..o(128) })
+                },
+            ];
+            let steps = encoder_steps().iter().map(|p| EncDecStep::for_layers(&layers, p)).collect();
+            schedule_case::<bf16>(shape(8, 2, 128), layers, steps, graph(12, 1))
+        }),
+    ));
+    for threshold in [1, 4] {
+        v.push((
+            format!("graph_encoder_decoder_cross_attention_d64_decode_threshold_{threshold}"),
+            Box::new(move || schedule_case::<bf16>(shape(8, 2, 64), enc_dec_layers(64), enc_dec_schedule(), graph(13, threshold))),
+        ));
+    }
     v.push(("refusals".into(), Box::new(refusals)));
     v
 }

@@ -195,7 +195,9 @@ impl Attention {
     /// Captures what `record` enqueues on this Attention's stream (typically every layer's
     /// [`forward`](Self::forward) with `step`, and the engine's own kernels between them) into a
     /// CUDA graph for `step`'s bucket. `step` must be a built graph step of this Attention; the
-    /// capture runs nothing. Timing is off during the capture.
+    /// capture runs nothing. Timing is off during the capture. Layers may also run other built
+    /// graph steps of this Attention (an encoder-decoder model's cross-attention step, built
+    /// for the same batch); the graph holds them too, and each replay reads their last builds.
     ///
     /// The graph replays on the memory the recorded calls used, so it holds all of it (see
     /// [`StepGraph`]): the step's device buffer, this Attention's workspaces and status words,
@@ -203,9 +205,10 @@ impl Attention {
     /// [`SharedBuf`](crate::buffer::SharedBuf) ([`DevIn::shared`](crate::DevIn::shared),
     /// [`DevOut::shared`](crate::DevOut::shared), or their `shared_range`s for parts of one
     /// buffer): a borrowed one is refused, naming the argument, before anything is enqueued.
-    /// Also refused while recording: a `forward` with another step, making steps, and another
-    /// Attention's `forward` or a step's `build` on the stream being captured (the graph would
-    /// not hold their memory). The engine's own kernels are its own to keep alive.
+    /// Also refused while recording: a `forward` with a step that is not a graph step, making
+    /// steps, and another Attention's `forward` or a step's `build` on the stream being captured
+    /// (the graph would not hold their memory). The engine's own kernels are its own to keep
+    /// alive.
     pub fn capture(&mut self, step: &StepMetadata, record: impl FnOnce(&mut Attention) -> Result<()>) -> Result<StepGraph> {
         ensure(step.owner == self.id, "step", || "was made by another Attention".into())?;
         let bucket = step.graph_bucket().ok_or_else(|| AttnError::invalid("step", "is not a graph step (use new_graph_step)"))?;

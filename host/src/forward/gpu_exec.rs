@@ -25,7 +25,10 @@ use crate::layout::{KvCacheSpec, MlaCacheSpec, RowsDesc};
 use crate::metadata::{CascadeMode, PlanConfig, StagingLayout, StagingSizes};
 use crate::mla::{mla_attention_from, mla_tc_kernel, MlaArgs};
 use crate::options::{PlanOptions, SplitMode};
-use crate::prefill::{prefill_from, prefill_kernel_for, PrefillArgs, PrefillKv, PrefillOptions, PrefillSource, PrefillWorkspace};
+use crate::prefill::{
+    prefill_from, prefill_kernel_for, DevicePrefillPlan, PrefillArgs, PrefillKernel, PrefillKv, PrefillOptions, PrefillSource,
+    PrefillWorkspace,
+};
 use crate::status::DeviceStatus;
 use cudarc::driver::{CudaEvent, CudaStream};
 use std::sync::Arc;
@@ -187,8 +190,55 @@ impl GpuExec {
                 return Err(AttnError::invalid("bucket", "MLA graph steps take uniform decode buckets"));
             }
         };
+        // One tile list for each kernel that runs some layer of the model over the whole step.
+        let mut whole_step: Vec<GraphPrefillKernel> = Vec::new();
+        if let CacheSpec::Paged(_) = spec {
+            let specs = match config.layers.is_empty() {
+                true => vec![LayerSpec::uniform(m, config.opts)],
+                false => config.layers.clone(),
+            };
+            for ls in &specs {
+                if let Some(k) = self.whole_step_kernel(config, ls, q as usize)? {
+                    if !whole_step.iter().any(|w| w.kernel == k.id) {
+                        whole_step.push(GraphPrefillKernel { kernel: k.id, block_m: k.block_m, group: m.num_q_heads / m.num_kv_heads });
+                    }
+                }
+            }
+        }
         let (mode, width, partial) = (config.split_mode, config.max_blocks_per_req(), self.decode_ws.partial_rows());
-        GraphPlanner::new(bucket, config.decode_threshold, tc, mode, m.num_q_heads, width, partial, prefill)
+        GraphPlanner::new(bucket, config.decode_threshold, tc, mode, m.num_q_heads, width, partial, prefill, &whole_step)
+    }
+
+    /// The prefill kernel that runs layer `ls` as one launch over the whole step, decodes
+    /// included, if it runs so: chunked local attention (the decode kernels have no chunk mask),
+    /// encoder and encoder-only layers (each request's own new K/V, packed, in the queries'
+    /// type), and cross-attention when a decode may have several query tokens (`decode_len`),
+    /// which the decode kernels would mask among their last keys.
+    fn whole_step_kernel(&self, config: &ForwardConfig, ls: &LayerSpec, decode_len: usize) -> Result<Option<PrefillKernel>> {
+        let m = &config.model;
+        let cache_fp8 = m.cache_dtype == DType::Fp8E4m3;
+        let local = ls.opts.chunk_size.is_some() || ls.opts.symmetric_window.is_some();
+        let fp8 = match ls.attn_type {
+            AttentionType::EncoderOnly | AttentionType::Encoder => false,
+            AttentionType::EncoderDecoder if decode_len > 1 => cache_fp8,
+            AttentionType::Decoder if ls.opts.chunk_size.is_some() => cache_fp8,
+            AttentionType::EncoderDecoder | AttentionType::Decoder => return Ok(None),
+        };
+        prefill_kernel_for(self.dev.ptx_target(), m.q_dtype, fp8, m.head_size, m.head_size, local).map(Some)
+    }
+
+    /// A graph step's tiles of the whole step for layer `ls`, if it runs so (see
+    /// [`whole_step_kernel`](Self::whole_step_kernel)); `None` for other steps.
+    fn graph_whole_step_plan(&self, config: &ForwardConfig, ls: &LayerSpec, step: &StepMetadata) -> Result<Option<DevicePrefillPlan>> {
+        let Some(bucket) = step.graph_bucket() else { return Ok(None) };
+        let decode_len = match bucket {
+            GraphBucket::Uniform { query_len, .. } => query_len,
+            GraphBucket::Mixed { .. } => config.decode_threshold,
+        };
+        let Some(k) = self.whole_step_kernel(config, ls, decode_len)? else { return Ok(None) };
+        step.device_whole_step_plan(k.id)
+            .map(Some)
+            .ok_or_else(|| AttnError::invalid("step", format!("is a graph step without tiles for kernel {} (a planner bug)", k.id)))
     }
 
     /// The per-step planner of the decode kernels (and cascade's arrays).
@@ -222,18 +272,12 @@ impl GpuExec {
         layer: GpuLayer<'_>,
         timer: &mut Timer,
     ) -> Result<()> {
-        let mixed_graph = step.device_prefill_plan();
-        if mixed_graph.is_some() {
-            // Its grids and plans are fixed for the decoder self-attention of the bucket.
-            ensure(ls.attn_type == AttentionType::Decoder && ls.opts.chunk_size.is_none(), "step", || {
-                format!(
-                    "is a mixed graph step, which runs decoder layers without chunked local attention; the layer is {} (chunk_size {:?})",
-                    ls.attn_type, ls.opts.chunk_size
-                )
-            })?;
-        }
+        // A graph step runs some layers as one prefill over the whole step from its own tiles;
+        // the others, in a mixed bucket, as its decode plan and prefill tiles.
+        let graph_whole = self.graph_whole_step_plan(config, ls, step)?;
+        let mixed_graph = step.device_prefill_plan().filter(|_| graph_whole.is_none());
         if ls.attn_type.attends_new_kv() {
-            return self.forward_encoder(ls, spec, step, layer, timer);
+            return self.forward_encoder(ls, spec, step, layer, graph_whole.as_ref(), timer);
         }
         let views = StepViews::of(step, &self.stream)?;
         // The decode plan is already on the device: a graph step's (nothing is uploaded:
@@ -316,8 +360,13 @@ impl GpuExec {
         // Cross-attention's one-token decodes see every encoder key, as the decode kernels
         // do; a decode of several tokens would be masked among its last keys.
         let cross = ls.attn_type == AttentionType::EncoderDecoder;
-        let whole_step = ls.opts.chunk_size.is_some() || (cross && ndt != nd);
-        if let Some((pp, _)) = mixed {
+        let whole_step = match step.graph_bucket() {
+            Some(_) => graph_whole.is_some(),
+            None => ls.opts.chunk_size.is_some() || (cross && ndt != nd),
+        };
+        if let Some(wp) = &graph_whole {
+            whole_step_prefill(PrefillSource::Device(wp))?;
+        } else if let Some((pp, _)) = mixed {
             whole_step_prefill(PrefillSource::Device(pp))?;
         } else if whole_step && step.num_reqs() > 0 && nt > 0 {
             // The decode kernels have no chunk mask: the whole step, decodes included, is one
@@ -494,12 +543,14 @@ impl GpuExec {
     /// (packed rows, `key_start_loc` = the step's `query_start_loc`), bidirectional, one prefill
     /// launch over the whole step. An encoder layer first writes the new K/V into its cache
     /// (for the cross-attention layers); an encoder-only layer touches no cache.
+    /// `graph`: a graph step's tiles for the layer's kernel.
     fn forward_encoder(
         &mut self,
         ls: &LayerSpec,
         spec: &KvCacheSpec,
         step: &StepMetadata,
         layer: GpuLayer<'_>,
+        graph: Option<&DevicePrefillPlan>,
         timer: &mut Timer,
     ) -> Result<()> {
         let views = StepViews::of(step, &self.stream)?;
@@ -522,7 +573,11 @@ impl GpuExec {
         let (stream, nt, n) = (&self.stream, views.num_tokens, step.num_reqs());
         if n > 0 && nt > 0 {
             let qsl = step.query_start_loc();
-            let batch = PrefillBatch { query_start_loc: qsl, seq_lens: step.seq_lens(), key_start_loc: Some(qsl) };
+            // A graph step's padding requests have length 0 on the device, where no tile names
+            // them; their packed keys are their query tokens, as the host's checks count them.
+            let own_lens: Vec<i32> = (0..n).map(|r| qsl[r + 1] - qsl[r]).collect();
+            let lens = if graph.is_some() { &own_lens[..] } else { step.seq_lens() };
+            let batch = PrefillBatch { query_start_loc: qsl, seq_lens: lens, key_start_loc: Some(qsl) };
             // The whole step's arrays; its start locations are also its packed keys' starts.
             let (all, keys) = (views.decodes(n), views.decodes(n));
             let meta =
@@ -540,7 +595,8 @@ impl GpuExec {
                 scales: None,
             };
             let opts = PrefillOptions { attn: ls.opts, causal: false };
-            prefill_from(&self.dev, stream, args, &batch, meta, &opts, PrefillSource::Host, &mut self.prefill_ws, &mut self.status)?;
+            let source = graph.map_or(PrefillSource::Host, PrefillSource::Device);
+            prefill_from(&self.dev, stream, args, &batch, meta, &opts, source, &mut self.prefill_ws, &mut self.status)?;
         }
         let end = timer.mark(Some(stream))?;
         timer.layer([start, written, end]);

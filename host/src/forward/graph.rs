@@ -33,11 +33,12 @@ use cudarc::driver::{CudaGraph, CudaStream};
 use std::sync::Arc;
 
 /// A captured step ([`Attention::capture`](super::Attention::capture)): replay it after each
-/// [`StepMetadata::build`] of its graph step.
+/// [`StepMetadata::build`] of its graph step (and of any other graph step its layers ran, such
+/// as an encoder-decoder model's cross-attention step: a replay reads each one's last build).
 ///
 /// The kernels it replays use device memory by address, so it holds a handle to every piece
-/// of it, and none is freed while it lives: the graph step's device buffer (its arrays and
-/// split plan), the capturing `Attention`'s workspaces, merge counters and status words, its
+/// of it, and none is freed while it lives: the graph steps' device buffers (their arrays and
+/// split plans), the capturing `Attention`'s workspaces, merge counters and status words, its
 /// device (the loaded kernels), and the caller's buffers the recorded layers took (as
 /// [`SharedBuf`](crate::buffer::SharedBuf)s). Dropping the `Attention`, the step or the
 /// caller's handles first is fine; the memory goes with the graph. Dropping the graph waits for
@@ -158,13 +159,19 @@ impl Capture {
         Ok(Capture { step, held: library, timing_after })
     }
 
-    /// Checks that a recorded layer runs the captured step on buffers the graph can hold, and
-    /// takes a handle to each; refuses (naming the argument) before anything is enqueued.
+    /// Checks that a recorded layer runs a graph step on buffers the graph can hold, and takes a
+    /// handle to each; refuses (naming the argument) before anything is enqueued. Layers may run
+    /// other graph steps of the Attention than the captured one (an encoder-decoder model's
+    /// cross-attention step beside its decoder step): the graph holds their device buffers too,
+    /// and replays read each one's last build.
     pub(crate) fn take(&mut self, step: &StepMetadata, layer: &GpuLayer<'_>) -> Result<()> {
-        ensure(step.is_device(&self.step), "step", || {
-            "is not the graph step being captured: a graph replays the step it was captured with".into()
-        })?;
-        let mut held = Vec::with_capacity(9);
+        let mut held = Vec::with_capacity(10);
+        if !step.is_device(&self.step) {
+            let other = step.graph_bucket().and(step.device_keep_alive());
+            held.push(other.ok_or_else(|| {
+                AttnError::invalid("step", "is not a graph step: a graph replays graph steps (Attention::new_graph_step) only")
+            })?);
+        }
         let mut need = |arg: &'static str, keep: Option<&KeepAlive>| -> Result<()> {
             held.push(keep.cloned().ok_or_else(|| AttnError::invalid(arg, NOT_SHARED))?);
             Ok(())

@@ -80,7 +80,7 @@ impl GraphBucket {
     }
 }
 
-/// The prefill kernel a mixed bucket's graph runs: the tiles are cut for it.
+/// A prefill kernel a graph runs: tiles are cut for it.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct GraphPrefillKernel {
     pub kernel: KernelId,
@@ -89,7 +89,8 @@ pub(crate) struct GraphPrefillKernel {
     pub group: usize,
 }
 
-/// A mixed bucket's prefill part: the kernel, and where its tiles and their count go.
+/// Tiles of one prefill kernel in the step's words: the kernel, and where its tiles and their
+/// count go.
 struct PrefillPart {
     kernel: GraphPrefillKernel,
     capacity_tiles: usize,
@@ -97,6 +98,49 @@ struct PrefillPart {
     items: Region,
     /// `[num_tiles, 0, 0, 0]`: the `Schedule::plan` header the prefill kernels read.
     header: Region,
+}
+
+impl PrefillPart {
+    /// Room from word `offset` on for the tiles of `num_tokens` query tokens in `num_reqs`
+    /// requests (each request's last tile partial).
+    fn at(offset: usize, kernel: GraphPrefillKernel, num_tokens: usize, num_reqs: usize) -> Self {
+        let capacity_tiles = num_tokens.saturating_mul(kernel.group).div_ceil(kernel.block_m as usize).saturating_add(num_reqs);
+        let items = Region { offset, len: 2 * capacity_tiles };
+        let header = Region { offset: items.end().next_multiple_of(ALIGN_WORDS), len: ALIGN_WORDS };
+        PrefillPart { kernel, capacity_tiles, items, header }
+    }
+
+    /// Cuts the requests of `batch` into tiles, ordered as a causal layer's (the order only
+    /// balances the SMs), their request indices plus `first_req`.
+    fn tiles(&self, batch: &PrefillBatch<'_>, first_req: usize) -> Result<Vec<[u32; 2]>> {
+        let k = &self.kernel;
+        let mut tiles = plan_prefill(batch, k.group, true, None, k.block_m).items;
+        ensure(tiles.len() <= self.capacity_tiles, "step", || {
+            format!("its prefill has {} tiles, the graph's grid for {} {}: a planner bug", tiles.len(), k.kernel, self.capacity_tiles)
+        })?;
+        for t in &mut tiles {
+            t[0] += first_req as u32;
+        }
+        Ok(tiles)
+    }
+
+    /// Packs `tiles` and their count into `words`.
+    fn pack(&self, words: &mut [u32], tiles: &[[u32; 2]]) {
+        let flat: Vec<u32> = tiles.iter().flatten().copied().collect();
+        fill_items(&mut words[self.items.range()], &flat);
+        words[self.header.range()].copy_from_slice(&[tiles.len() as u32, 0, 0, 0]);
+    }
+
+    /// Its tiles in the device buffer at `base`.
+    fn device(&self, base: u64) -> DevicePrefillPlan {
+        let at = |r: Region| base + r.byte_offset() as u64;
+        DevicePrefillPlan {
+            kernel: self.kernel.kernel,
+            items: at(self.items),
+            header: at(self.header),
+            capacity_tiles: self.capacity_tiles,
+        }
+    }
 }
 
 /// A graph step's fixed part (the bucket, the kernels, the layout of its device words) and the
@@ -113,7 +157,14 @@ pub(crate) struct GraphPlanner {
     layout: StagingLayout,
     /// `[num_items, chunk, 0, 0]` after the layout's arrays.
     header: Region,
+    /// A mixed bucket's prefill part: tiles of the step's prefills only.
     prefill: Option<PrefillPart>,
+    /// Tiles of the whole step, decodes included, for each kernel that runs a layer as one
+    /// prefill over the step (`GpuExec::whole_step_kernel`: chunked local attention, encoder
+    /// layers, cross-attention of several-token decodes).
+    whole_step: Vec<PrefillPart>,
+    /// Requests of the step as given (the padded step has more).
+    step_reqs: usize,
     query_start_loc: Vec<i32>,
     seq_lens: Vec<i32>,
     words: Vec<u32>,
@@ -121,7 +172,8 @@ pub(crate) struct GraphPlanner {
 
 impl GraphPlanner {
     /// `block_width`: block-table entries per request (`max_model_len / block_size`, rounded
-    /// up). `prefill`: a mixed bucket's prefill kernel (`None` for a uniform one).
+    /// up). `prefill`: a mixed bucket's prefill kernel (`None` for a uniform one). `whole_step`:
+    /// the kernels that run layers of the model as one prefill over the whole step.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         bucket: GraphBucket,
@@ -132,6 +184,7 @@ impl GraphPlanner {
         block_width: usize,
         partial_capacity: usize,
         prefill: Option<GraphPrefillKernel>,
+        whole_step: &[GraphPrefillKernel],
     ) -> Result<Self> {
         let (n, nt, padded) = (bucket.num_reqs(), bucket.num_tokens(), bucket.padded_reqs());
         ensure(n > 0 && nt > 0, "bucket", || format!("{bucket:?} is empty"))?;
@@ -155,14 +208,16 @@ impl GraphPlanner {
             num_decode_tokens: nt,
         });
         let header = Region { offset: layout.total_words, len: ALIGN_WORDS };
-        let prefill = prefill.map(|kernel| {
-            // Every request's rows in tiles, each request's last one partial.
-            let capacity_tiles = nt.saturating_mul(kernel.group).div_ceil(kernel.block_m as usize).saturating_add(padded);
-            let items = Region { offset: header.end(), len: 2 * capacity_tiles };
-            let header = Region { offset: items.end().next_multiple_of(ALIGN_WORDS), len: ALIGN_WORDS };
-            PrefillPart { kernel, capacity_tiles, items, header }
-        });
-        let total = prefill.as_ref().map_or(header.end(), |p| p.header.end());
+        let prefill = prefill.map(|kernel| PrefillPart::at(header.end(), kernel, nt, padded));
+        let mut end = prefill.as_ref().map_or(header.end(), |p| p.header.end());
+        let whole_step: Vec<PrefillPart> = whole_step
+            .iter()
+            .map(|&kernel| {
+                let part = PrefillPart::at(end, kernel, nt, padded);
+                end = part.header.end();
+                part
+            })
+            .collect();
         Ok(GraphPlanner {
             bucket,
             decode_threshold,
@@ -174,9 +229,11 @@ impl GraphPlanner {
             layout,
             header,
             prefill,
+            whole_step,
+            step_reqs: 0,
             query_start_loc: Vec::with_capacity(padded + 1),
             seq_lens: Vec::with_capacity(padded),
-            words: vec![0; total],
+            words: vec![0; end],
         })
     }
 
@@ -196,6 +253,11 @@ impl GraphPlanner {
     /// The padded step's start locations and lengths, as built.
     pub(crate) fn padded(&self) -> (&[i32], &[i32]) {
         (&self.query_start_loc, &self.seq_lens)
+    }
+
+    /// Requests of the step as built, before the padding.
+    pub(crate) fn step_reqs(&self) -> usize {
+        self.step_reqs
     }
 
     /// Checks `input` (a full [`validate`], then what the bucket takes: no more requests or
@@ -254,24 +316,30 @@ impl GraphPlanner {
         ensure(items <= self.capacity_items, "step", || {
             format!("its plan has {items} work items, the graph's grid {}: a planner bug", self.capacity_items)
         })?;
-        let prefill_items = match &self.prefill {
+        let prefill_tiles = match &self.prefill {
+            // The step's prefills, naming requests of the whole padded batch. The padding
+            // request has none: its rows are left as they are (zeros would cost a write of them
+            // all).
             Some(part) => {
-                // The step's prefills' tiles, naming requests of the whole padded batch; ordered
-                // as a causal layer's (the order only balances the SMs). The padding request has
-                // none: its rows are left as they are (zeros would cost a write of them all).
-                let (qsl, lens) = (&self.query_start_loc[nd..=n], &self.seq_lens[nd..n]);
-                let rest = PrefillBatch { query_start_loc: qsl, seq_lens: lens, key_start_loc: None };
-                let mut tiles = plan_prefill(&rest, part.kernel.group, true, None, part.kernel.block_m).items;
-                ensure(tiles.len() <= part.capacity_tiles, "step", || {
-                    format!("its prefill has {} tiles, the graph's grid {}: a planner bug", tiles.len(), part.capacity_tiles)
-                })?;
-                for t in &mut tiles {
-                    t[0] += nd as u32;
-                }
-                tiles
+                let rest =
+                    PrefillBatch { query_start_loc: &self.query_start_loc[nd..=n], seq_lens: &self.seq_lens[nd..n], key_start_loc: None };
+                part.tiles(&rest, nd)?
             }
             None => Vec::new(),
         };
+        // The whole step: a mixed bucket's requests but the padding one (left as it is, as
+        // above); every request of a uniform bucket, whose padding requests come out zero as
+        // the decode kernels leave them.
+        let whole_reqs = match self.bucket {
+            GraphBucket::Uniform { .. } => padded,
+            GraphBucket::Mixed { .. } => n,
+        };
+        let whole = PrefillBatch {
+            query_start_loc: &self.query_start_loc[..=whole_reqs],
+            seq_lens: &self.seq_lens[..whole_reqs],
+            key_start_loc: None,
+        };
+        let whole_tiles = self.whole_step.iter().map(|part| part.tiles(&whole, 0)).collect::<Result<Vec<_>>>()?;
 
         let (l, words) = (&self.layout, &mut self.words);
         let put_i32 = |words: &mut [u32], r: Region, v: &[i32]| {
@@ -307,10 +375,12 @@ impl GraphPlanner {
         fill(words, l.token_request, &plan.token_request, padded as u32 - 1);
         words[self.header.range()].copy_from_slice(&[items as u32, plan.chunk, 0, 0]);
         if let Some(part) = &self.prefill {
-            let flat: Vec<u32> = prefill_items.iter().flatten().copied().collect();
-            fill_items(&mut words[part.items.range()], &flat);
-            words[part.header.range()].copy_from_slice(&[prefill_items.len() as u32, 0, 0, 0]);
+            part.pack(words, &prefill_tiles);
         }
+        for (part, tiles) in self.whole_step.iter().zip(&whole_tiles) {
+            part.pack(words, tiles);
+        }
+        self.step_reqs = n;
         Ok(split)
     }
 
@@ -348,14 +418,13 @@ impl GraphPlanner {
 
     /// A mixed bucket's prefill tiles in the device buffer at `base`.
     pub(crate) fn device_prefill_plan(&self, base: u64) -> Option<DevicePrefillPlan> {
-        let part = self.prefill.as_ref()?;
-        let at = |r: Region| base + r.byte_offset() as u64;
-        Some(DevicePrefillPlan {
-            kernel: part.kernel.kernel,
-            items: at(part.items),
-            header: at(part.header),
-            capacity_tiles: part.capacity_tiles,
-        })
+        self.prefill.as_ref().map(|p| p.device(base))
+    }
+
+    /// The whole step's tiles for `kernel` in the device buffer at `base`, if the planner was
+    /// made with that kernel.
+    pub(crate) fn device_whole_step_plan(&self, base: u64, kernel: KernelId) -> Option<DevicePrefillPlan> {
+        self.whole_step.iter().find(|p| p.kernel.kernel == kernel).map(|p| p.device(base))
     }
 }
 
@@ -384,7 +453,7 @@ mod tests {
         let prefill =
             GraphPrefillKernel { kernel: KernelId::PrefillWgs { q: DType::BF16, fp8: false, head_size: 128 }, block_m: 128, group: 4 };
         let bucket = GraphBucket::mixed(3, 40);
-        let mut g = GraphPlanner::new(bucket, 1, decode_kernel(), SplitMode::Auto, 32, 4, 1 << 20, Some(prefill)).unwrap();
+        let mut g = GraphPlanner::new(bucket, 1, decode_kernel(), SplitMode::Auto, 32, 4, 1 << 20, Some(prefill), &[]).unwrap();
         // Two decodes, then a 30-token chunk after 10 cached tokens.
         let (qsl, lens, table) = ([0, 1, 2, 32], [50, 7, 40], [3, 4, 5, 6, 7, 0, 0, 0, 8, 9, 10, 0]);
         let slots: Vec<i64> = [3 * 16 + 1, 7 * 16 + 6].into_iter().chain((10..40).map(|p| (8 + p / 16) * 16 + p % 16)).collect();
@@ -430,6 +499,60 @@ mod tests {
             StepInput { query_start_loc: &[0, 30, 31], seq_lens: &[40, 7], slot_mapping: &order_slots, num_actual_tokens: 31, ..input };
         assert_eq!(arg(g.build(&order).unwrap_err()), "query_start_loc");
         // A uniform bucket's planner takes no prefill kernel.
-        assert!(GraphPlanner::new(GraphBucket::decode(3), 1, decode_kernel(), SplitMode::Auto, 32, 4, 1 << 20, Some(prefill)).is_err());
+        assert!(GraphPlanner::new(GraphBucket::decode(3), 1, decode_kernel(), SplitMode::Auto, 32, 4, 1 << 20, Some(prefill), &[]).is_err());
+    }
+
+    /// The whole step's tiles, for a kernel that runs a layer over every request: a mixed
+    /// bucket's decodes and prefills but not its padding request (left as it is), a uniform
+    /// bucket's padding requests too (their rows come out zero, as the decode kernels leave
+    /// them). Each kernel has its own list, found by its id.
+    #[test]
+    fn whole_step_tiles_cover_every_request() {
+        let local = GraphPrefillKernel { kernel: KernelId::PrefillLocal { q: DType::BF16, head_size: 128 }, block_m: 64, group: 4 };
+        let wgs =
+            GraphPrefillKernel { kernel: KernelId::PrefillWgs { q: DType::BF16, fp8: false, head_size: 128 }, block_m: 128, group: 4 };
+        let mut g =
+            GraphPlanner::new(GraphBucket::mixed(3, 40), 1, decode_kernel(), SplitMode::Auto, 32, 4, 1 << 20, Some(wgs), &[local]).unwrap();
+        // Two decodes, then a 30-token chunk after 10 cached tokens.
+        let (qsl, lens, table) = ([0, 1, 2, 32], [50, 7, 40], [3, 4, 5, 6, 7, 0, 0, 0, 8, 9, 10, 0]);
+        let slots: Vec<i64> = [3 * 16 + 1, 7 * 16 + 6].into_iter().chain((10..40).map(|p| (8 + p / 16) * 16 + p % 16)).collect();
+        let input = StepInput {
+            query_start_loc: &qsl,
+            seq_lens: &lens,
+            block_table: &table,
+            block_table_stride: 4,
+            slot_mapping: &slots,
+            num_actual_tokens: 32,
+            num_blocks: 64,
+            block_size: 16,
+        };
+        g.build(&input).unwrap();
+        assert_eq!(g.step_reqs(), 3);
+        let part = &g.whole_step[0];
+        // 40 tokens x 4 heads in tiles of 64 rows, and a partial tile a request.
+        assert_eq!(part.capacity_tiles, 3 + 4);
+        let w = g.words();
+        let items = &w[part.items.range()];
+        // One tile for each decode (4 rows), two for the chunk's 120 rows; none for request 3.
+        let mut reqs: Vec<u32> = items[..8].chunks(2).map(|p| p[0]).collect();
+        reqs.sort_unstable();
+        assert_eq!(reqs, [0, 1, 2, 2]);
+        assert!(items[8..].chunks(2).all(|p| p == [0, NO_WORK]));
+        assert_eq!(&w[part.header.range()], &[4, 0, 0, 0]);
+        // The mixed prefill part still holds the chunk's tile alone.
+        assert_eq!(&w[g.prefill.as_ref().unwrap().header.range()], &[1, 0, 0, 0]);
+        assert_eq!(g.device_whole_step_plan(0, local.kernel).map(|p| p.capacity_tiles), Some(7));
+        assert!(g.device_whole_step_plan(0, wgs.kernel).is_none());
+
+        // A uniform bucket of 4 with 2 requests: tiles for its padding requests too.
+        let mut u = GraphPlanner::new(GraphBucket::decode(4), 1, decode_kernel(), SplitMode::Auto, 32, 4, 1 << 20, None, &[local]).unwrap();
+        let input =
+            StepInput { query_start_loc: &qsl[..3], seq_lens: &lens[..2], slot_mapping: &slots[..2], num_actual_tokens: 2, ..input };
+        u.build(&input).unwrap();
+        let part = &u.whole_step[0];
+        let mut reqs: Vec<u32> = u.words()[part.items.range()][..8].chunks(2).map(|p| p[0]).collect();
+        reqs.sort_unstable();
+        assert_eq!(reqs, [0, 1, 2, 3]);
+        assert_eq!(&u.words()[part.header.range()], &[4, 0, 0, 0]);
     }
 }

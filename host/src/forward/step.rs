@@ -9,6 +9,7 @@ use super::step_plan::{StepPlanner, StepPlans};
 use crate::buffer::KeepAlive;
 use crate::decode::DevicePlan;
 use crate::error::{ensure, Result};
+use crate::kernels::KernelId;
 use crate::metadata::{
     split_decodes, upload, use_cascade, validate, BatchSplit, CascadeMode, CascadeStep, CommonPrefix, MetadataBuilder, StagingLayout,
     StepInput,
@@ -28,6 +29,8 @@ pub struct StepMetadata {
     built: bool,
     split: BatchSplit,
     num_actual_tokens: usize,
+    /// Requests of the step as given (a graph step's padding adds more).
+    step_reqs: usize,
     query_start_loc: Vec<i32>,
     seq_lens: Vec<i32>,
     prefill_query_start_loc: Vec<i32>,
@@ -97,6 +100,7 @@ impl StepMetadata {
             built: false,
             split: BatchSplit::default(),
             num_actual_tokens: 0,
+            step_reqs: 0,
             query_start_loc: Vec::new(),
             seq_lens: Vec::new(),
             prefill_query_start_loc: Vec::new(),
@@ -128,6 +132,7 @@ impl StepMetadata {
             dev.layout = *g.layout();
             let (qsl, seq_lens) = g.padded();
             self.num_actual_tokens = g.bucket().num_tokens();
+            self.step_reqs = g.step_reqs();
             self.query_start_loc.clear();
             self.query_start_loc.extend_from_slice(qsl);
             self.seq_lens.clear();
@@ -178,6 +183,7 @@ impl StepMetadata {
             }
         }
         self.num_actual_tokens = input.num_actual_tokens;
+        self.step_reqs = input.num_reqs();
         self.query_start_loc.clear();
         self.query_start_loc.extend_from_slice(input.query_start_loc);
         self.seq_lens.clear();
@@ -234,9 +240,15 @@ impl StepMetadata {
         self.num_actual_tokens
     }
 
-    /// Requests of the step as built.
+    /// Requests of the step as built (a graph step's include its padding requests).
     pub fn num_reqs(&self) -> usize {
         self.seq_lens.len()
+    }
+
+    /// Requests of the step as given to [`build`](Self::build): the first ones of
+    /// [`num_reqs`](Self::num_reqs), the rest a graph step's padding.
+    pub(crate) fn step_reqs(&self) -> usize {
+        self.step_reqs
     }
 
     /// `[num_reqs + 1]`, as built.
@@ -325,5 +337,13 @@ impl StepMetadata {
         let (Planner::Graph(g), Some(dev)) = (&self.planner, &self.device) else { return None };
         let (base, _sync) = dev.words.device_ptr(&dev.stream);
         g.device_prefill_plan(base)
+    }
+
+    /// A graph step's tiles of the whole step for `kernel` in its device buffer (`None` for
+    /// other steps, or a kernel the graph step was not made for).
+    pub(crate) fn device_whole_step_plan(&self, kernel: KernelId) -> Option<DevicePrefillPlan> {
+        let (Planner::Graph(g), Some(dev)) = (&self.planner, &self.device) else { return None };
+        let (base, _sync) = dev.words.device_ptr(&dev.stream);
+        g.device_whole_step_plan(base, kernel)
     }
 }

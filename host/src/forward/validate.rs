@@ -225,10 +225,11 @@ fn writes_what(ls: &LayerSpec) -> String {
 }
 
 /// An encoder(-only) layer attends each request's own tokens: the step must hold every
-/// request's whole sequence (`seq_len` = its query tokens).
+/// request's whole sequence (`seq_len` = its query tokens). A graph step's padding requests
+/// have none.
 fn validate_encoder_step(step: &StepMetadata, index: usize, kind: AttentionType) -> Result<()> {
     let qsl = step.query_start_loc();
-    for (r, &len) in step.seq_lens().iter().enumerate() {
+    for (r, &len) in step.seq_lens()[..step.step_reqs()].iter().enumerate() {
         let q = qsl[r + 1] - qsl[r];
         ensure(len == q, "step", || {
             format!(

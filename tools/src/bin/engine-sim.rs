@@ -125,7 +125,8 @@ struct Cli {
     seed: Option<u64>,
     /// Replay the steps from CUDA graphs (GPU): one-token decode steps in uniform buckets,
     /// other steps in mixed buckets (MLA: eagerly), each captured the first time a step takes
-    /// it. Encoder-decoder models run eagerly.
+    /// it. An encoder-decoder model's decoder steps (self- and cross-attention) replay so; its
+    /// encoder steps run eagerly.
     #[arg(long)]
     graphs: bool,
 }
@@ -323,7 +324,7 @@ impl Cli {
         c.progress_every = self.progress_every.unwrap_or(c.progress_every);
         c.decode_threshold = self.decode_threshold.unwrap_or(c.decode_threshold);
         c.seed = self.seed.unwrap_or(c.seed);
-        c.graphs = self.graphs && !model.is_encoder_decoder();
+        c.graphs = self.graphs;
         c
     }
 }

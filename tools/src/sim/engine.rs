@@ -88,8 +88,9 @@ pub struct SimConfig {
     pub progress_every: usize,
     pub decode_threshold: usize,
     pub seed: u64,
-    /// Replay the decoder steps from CUDA graphs (GPU backends, decoder-only models): one graph
-    /// a bucket, captured the first time a step takes it ([`Graphs`]).
+    /// Replay the decoder steps from CUDA graphs (GPU backends; an encoder-decoder model's
+    /// encoder steps run eagerly): one graph a bucket, captured the first time a step takes it
+    /// ([`Graphs`]).
     pub graphs: bool,
 }
 
@@ -262,6 +263,9 @@ struct Graphs {
 struct GraphEntry {
     bucket: GraphBucket,
     step: StepMetadata,
+    /// An encoder-decoder model's cross-attention step of the same bucket, which the graph's
+    /// cross-attention layers run.
+    cross: Option<StepMetadata>,
     graph: Option<StepGraph>,
 }
 
@@ -402,9 +406,6 @@ impl<T: HostElement> Sim<T> {
         let graphs = match (cfg.graphs, &bufs) {
             (false, _) => None,
             (true, Buffers::Host { .. }) => return Err(SimError::Config("CUDA graphs need a GPU backend".into())),
-            (true, _) if model.is_encoder_decoder() => {
-                return Err(SimError::Config("an encoder-decoder model's steps run eagerly (no graphs of its cross-attention)".into()))
-            }
             (true, _) => Some(Graphs {
                 mixed: attn.backend().graph_support == GraphSupport::Always,
                 max_running: cfg.max_running,
@@ -459,7 +460,10 @@ impl<T: HostElement> Sim<T> {
                 if ne > 0 {
                     e.encoder.build(&batch.encoder.input(nb, bs))?;
                 }
-                e.cross.build(&batch.cross.input(nb, bs))?;
+                // A graph step builds its own cross-attention step.
+                if bucket.is_none() {
+                    e.cross.build(&batch.cross.input(nb, bs))?;
+                }
             }
             let metadata = built.elapsed();
             // The encoder step first: the encoder layers, and the cross-attention layers' caches.
@@ -479,7 +483,8 @@ impl<T: HostElement> Sim<T> {
             let offset_of = |l: usize| if self.graphs.is_some() { 0 } else { l };
             let offsets: Vec<usize> = (0..self.layers).map(|l| self.layer_offset(step, offset_of(l), nt, Phase::Decoder)).collect();
             if let Some(bucket) = bucket {
-                self.replay(bucket, &batch.arrays.input(nb, bs), offsets[0], nt)?;
+                let cross = self.encoder_steps.is_some().then(|| batch.cross.input(nb, bs));
+                self.replay(bucket, (&batch.arrays.input(nb, bs), cross.as_ref()), offsets[0], nt)?;
             } else {
                 for (layer, &offset) in offsets.iter().enumerate() {
                     match self.kinds[layer] {
@@ -492,8 +497,9 @@ impl<T: HostElement> Sim<T> {
             let times = self.attn.take_times()?;
             self.attn.check_status()?;
             let elapsed = started.elapsed();
+            let eager_cross = |e: &EncoderSteps| if bucket.is_some() { 0 } else { e.cross.upload_bytes() };
             let upload = if bucket.is_some() { 0 } else { self.step.upload_bytes() }
-                + self.encoder_steps.as_ref().map_or(0, |e| e.cross.upload_bytes() + if ne > 0 { e.encoder.upload_bytes() } else { 0 });
+                + self.encoder_steps.as_ref().map_or(0, |e| eager_cross(e) + if ne > 0 { e.encoder.upload_bytes() } else { 0 });
             self.report.book_step(&batch, elapsed, metadata, times, upload);
             self.report.graph_steps += usize::from(bucket.is_some());
 
@@ -524,33 +530,51 @@ impl<T: HostElement> Sim<T> {
         Ok(self.report)
     }
 
-    /// A decoder step replayed from `bucket`'s graph: builds the bucket's graph step, copies the
-    /// step's `nt` pool rows from `offset` into the graphs' input, captures the graph if this is
-    /// the bucket's first step (every layer, as `forward_layer` runs them, on the shared
-    /// buffers), and replays it.
-    fn replay(&mut self, bucket: GraphBucket, input: &StepInput<'_>, offset: usize, nt: usize) -> Result<(), SimError> {
-        let Sim { graphs, attn, bufs, model, kv_source, cache_of, checker, layers, .. } = self;
+    /// A decoder step replayed from `bucket`'s graph: builds the bucket's graph step (and an
+    /// encoder-decoder model's cross-attention step, from `cross`), copies the step's `nt` pool
+    /// rows from `offset` into the graphs' input, captures the graph if this is the bucket's
+    /// first step (every decoder and cross-attention layer, as `forward_layer` runs them, on
+    /// the shared buffers), and replays it.
+    fn replay(
+        &mut self,
+        bucket: GraphBucket,
+        (input, cross): (&StepInput<'_>, Option<&StepInput<'_>>),
+        offset: usize,
+        nt: usize,
+    ) -> Result<(), SimError> {
+        let Sim { graphs, attn, bufs, model, kv_source, cache_of, checker, layers, kinds, .. } = self;
         let g = graphs.as_mut().expect("graph steps need graphs");
         let i = match g.buckets.iter().position(|e| e.bucket == bucket) {
             Some(i) => i,
             None => {
-                g.buckets.push(GraphEntry { bucket, step: attn.new_graph_step(bucket)?, graph: None });
+                let cross = cross.map(|_| attn.new_graph_step(bucket)).transpose()?;
+                g.buckets.push(GraphEntry { bucket, step: attn.new_graph_step(bucket)?, cross, graph: None });
                 g.buckets.len() - 1
             }
         };
         let e = &mut g.buckets[i];
         e.step.build(input)?;
+        if let (Some(step), Some(input)) = (&mut e.cross, cross) {
+            step.build(input)?;
+        }
         let Buffers::Device { stream, pool, caches, out, check_outs, graph_input: Some(rows) } = &*bufs else {
             return Err(SimError::Config("CUDA graphs need a GPU backend".into()));
         };
         let lay = model.row_layout();
         rows.write_from_device_at(stream, 0, &pool.slice(offset * lay.width..(offset + nt) * lay.width))?;
         if e.graph.is_none() {
-            let step = &e.step;
+            let (step, cross) = (&e.step, e.cross.as_ref());
             let graph = attn.capture(step, |a| {
                 for layer in 0..*layers {
+                    // Encoder layers run in the encoder step (eagerly); cross-attention layers
+                    // in the cross-attention step, reading their caches.
+                    let (step, reads_only) = match (kinds[layer], cross) {
+                        (AttentionType::Encoder, _) => continue,
+                        (AttentionType::EncoderDecoder, Some(c)) => (c, true),
+                        _ => (step, kv_source[layer] != layer),
+                    };
                     let qkv = |col| DevIn::shared_range(rows, col.., stream);
-                    let l = layer_of(model, bucket.num_tokens(), kv_source[layer] != layer, qkv(lay.q)?, qkv(lay.k)?, qkv(lay.v)?);
+                    let l = layer_of(model, bucket.num_tokens(), reads_only, qkv(lay.q)?, qkv(lay.k)?, qkv(lay.v)?);
                     let out = match checker.layers.iter().position(|&c| c == layer) {
                         Some(j) => &check_outs[j],
                         None => out,
