@@ -3,7 +3,8 @@
 //! tokens (multi-token prediction, causal among them) and longer chunks, block sizes 64 and 16,
 //! the FP8 cache, forced and planned splits, a plan made once for two layers (`BatchPlan`),
 //! splits combined in a thread-block cluster (sm_90a: 2, 3 and 8 splits, planned, FP8, MTP, a
-//! bad block id; none with `Tuning::mla_clusters` off), empty requests and a bad block id.
+//! bad block id; none with `Tuning::mla_clusters` off), empty requests, a bad block id, and keys
+//! that grow along the sequence (the wide kernel's lazy rescale, taken and skipped).
 
 mod common;
 
@@ -35,6 +36,10 @@ struct Case {
     /// The cluster size the plan must choose on the sm_90a module (splits combined in shared
     /// memory, `DecodePlan::cluster`); `None`: not checked.
     cluster: Option<u32>,
+    /// Each request's keys scaled up block by block (its i-th block by 1 + `rising` * i), so
+    /// that the rows' maxima keep rising along the sequence: the wide kernel's lazy rescale
+    /// both skips and takes O's rescale in one request. 0: plain random keys.
+    rising: f32,
 }
 
 impl Case {
@@ -49,6 +54,7 @@ impl Case {
             bad_block: false,
             planned: false,
             cluster: None,
+            rising: 0.0,
         }
     }
 }
@@ -71,7 +77,18 @@ fn mla_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let nt = *qsl.last().unwrap() as usize;
     let (q_rows, out_rows) = (RowsDesc::contiguous(nt, hq, QK), RowsDesc::contiguous(nt, hq, V));
     let q: Vec<Q> = random_vec(&mut rng, q_rows.required_len().max(1), 1.0);
-    let cache: Vec<C> = random_vec(&mut rng, spec.num_elements(), if fp8 { 20.0 } else { 1.0 });
+    let mut cache: Vec<C> = random_vec(&mut rng, spec.num_elements(), if fp8 { 20.0 } else { 1.0 });
+    if c.rising > 0.0 {
+        let block_len = c.block_size * QK;
+        for (r, &len) in c.seq_lens.iter().enumerate() {
+            for i in 0..(len as usize).div_ceil(c.block_size) {
+                let (block, gain) = (block_table[r * stride + i] as usize, 1.0 + c.rising * i as f32);
+                for x in &mut cache[block * block_len..][..block_len] {
+                    *x = C::from_f32(x.to_f32() * gain);
+                }
+            }
+        }
+    }
     let scale = 0.05f32;
     let opts = AttnOptions::new(QK);
 
@@ -240,6 +257,10 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("f16_fp8::heads_128_long".into(), Case::new(128, &[2000, 1], 1), "f16_fp8");
     push("bf16_fp8::heads_128_bad_block_id".into(), Case { bad_block: true, ..Case::new(128, &[200, 40, 129], 1) }, "bf16_fp8");
     push("bf16_fp8::heads_128_split_7".into(), Case { split: SplitMode::Fixed(7), ..Case::new(128, &[1000, 10], 1) }, "bf16_fp8");
+    // Scores that keep rising along the sequence: rows whose max moves past the lazy rescale's
+    // slack between tiles, and tiles that keep the old max, in one request.
+    push("bf16::heads_128_rising".into(), Case { rising: 1.0, ..Case::new(128, &[2000, 700, 129], 1) }, "bf16");
+    push("bf16_fp8::heads_128_rising".into(), Case { rising: 0.5, ..Case::new(128, &[2000, 700], 1) }, "bf16_fp8");
     push("f16_fp8::heads_64_empty_requests".into(), Case { q_lens: vec![0, 1, 0, 2], ..Case::new(64, &[0, 50, 0, 129], 1) }, "f16_fp8");
     v
 }

@@ -51,11 +51,10 @@
 use crate::attention::config::CacheFormat;
 use crate::attention::hopper::e4m3_stages::{copy_tile, quantise_queries, transpose_v};
 use crate::attention::hopper::half_mma::HalfMma;
-use crate::attention::hopper::steps::{
-    convert_fp8_rows, copy_raw_row_pairs, copy_row_pairs, copy_rows, must_rescale, raise_max, row_max, weights,
-};
+use crate::attention::hopper::steps::{convert_fp8_rows, copy_raw_row_pairs, copy_row_pairs, copy_rows, raise_max, row_max, weights};
 use crate::attention::hopper::Wgmma;
 use crate::attention::kv::KvSource;
+use crate::attention::lazy_rescale::must_rescale;
 use crate::attention::logits::Logits;
 use crate::attention::output::RowOut;
 use crate::attention::work::{work_item_at, RowInfo, Work};

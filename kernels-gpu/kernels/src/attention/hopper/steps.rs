@@ -3,7 +3,7 @@
 //! layout, and the half-tile softmax (row max, rescale factor, weights), written for a 64-key S
 //! block of a thread's two rows.
 
-use crate::blocks::device::{fma, shfl_xor, static_for, vote_any};
+use crate::blocks::device::{fma, shfl_xor, static_for};
 use crate::blocks::mma::{cp_async_16, ld_shared_v4, st_shared_v4, MmaHalf};
 use attn_math::hopper_prefill::{group_bytes, swizzled};
 use attn_math::softmax::{exp2, OnlineSoftmax};
@@ -223,22 +223,6 @@ pub(crate) fn row_max<const NB: usize>(s: &[[f32; 4]; NB]) -> [f32; 2] {
         m = m.max(shfl_xor(m, 1));
         m.max(shfl_xor(m, 2))
     })
-}
-
-/// How far (base-2 units) a block's max may pass a row's running max before the row is
-/// rescaled: the weights stay below 2^8, which 16-bit P and f32 sums hold exactly as well.
-const RESCALE_SLACK: f32 = 8.0;
-
-/// Whether the warp rescales O for this block: some row of the warp saw a block max more than
-/// [`RESCALE_SLACK`] past its running max (the first block with any key, always). Otherwise
-/// every row keeps its running max, and its weights, its sum and O stay relative to it, which
-/// the epilogue's division and log-sum-exp accept as they are. Past the first blocks a row's
-/// max rarely moves that far, so most blocks skip O's rescale (a multiply per accumulator
-/// register: 64 a thread at width 128, 128 at 256). Warp-uniform, so the branch costs no
-/// divergence.
-#[inline(always)]
-pub(crate) fn must_rescale(state: &[OnlineSoftmax; 2], block_max: [f32; 2], mult: f32) -> bool {
-    vote_any(block_max[0] * mult > state[0].max + RESCALE_SLACK || block_max[1] * mult > state[1].max + RESCALE_SLACK)
 }
 
 /// Raises the row's running max to cover the block's `block_max` (base-2 units); returns the

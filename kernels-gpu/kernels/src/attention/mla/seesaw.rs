@@ -27,9 +27,12 @@
 use super::in_place::convert_in_place;
 use super::keys::KeySource;
 use super::slots::{copy_queries, copy_tile_warpgroup, copy_tile_warpgroup_fp8, queries_to_f16};
+use crate::attention::lazy_rescale::must_rescale;
 use crate::attention::output::RowOut;
 use crate::attention::work::Work;
-use crate::blocks::device::{dynamic_shared, fma, named_barrier, pdl_prologue, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x};
+use crate::blocks::device::{
+    dynamic_shared, fma, named_barrier, pdl_prologue, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any,
+};
 use crate::blocks::mbarrier;
 use crate::blocks::mma::{
     cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_f32, ld_shared_u32, ld_shared_u64, shared_addr, st_shared_f32,
@@ -69,17 +72,31 @@ pub(super) struct Span {
     pub min_pos: u32,
 }
 
-/// O scaled row by row (`f[h]`: the factor of this thread's row h).
+/// O scaled row by row (`f[h]`: the factor of this thread's row h), unless every row of the
+/// warp keeps its max (a warp-uniform branch: 128 multiplies a thread skipped).
 #[inline(always)]
 fn rescale(o: &mut Acc, f: [f32; 2]) {
-    static_for::<2>(|h| {
-        if f[h] != 1.0 {
+    if vote_any(f[0] != 1.0 || f[1] != 1.0) {
+        static_for::<2>(|h| {
             static_for::<32>(|n| {
                 o[n][2 * h] *= f[h];
                 o[n][2 * h + 1] *= f[h];
             });
-        }
-    });
+        });
+    }
+}
+
+/// The running max of this thread's rows for a tile whose raw row maxima are `m`: raised (and
+/// the factors for O returned) only when some row of the warp passes its max by more than the
+/// slack ([`must_rescale`]); otherwise every row keeps its max and O stays as it is. The other
+/// warpgroup takes the published max as it is, so both keep the same.
+#[inline(always)]
+fn raise_lazily(state: &mut [OnlineSoftmax; 2], m: [f32; 2], mult: f32) -> [f32; 2] {
+    if must_rescale(state, m, mult) {
+        [state[0].rescale_to(m[0] * mult), state[1].rescale_to(m[1] * mult)]
+    } else {
+        [1.0; 2]
+    }
 }
 
 /// The seesaw kernel body: `early`, `locate`, `fill` and `table` are the kernel's address-table
@@ -286,7 +303,7 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, const FP8: bool, S: KeySourc
                     m = row_max(&s);
                 }
                 if $wg == 0 {
-                    let f = [state[0].rescale_to(m[0] * mult), state[1].rescale_to(m[1] * mult)];
+                    let f = raise_lazily(&mut state, m, mult);
                     publish(&s, &mut state);
                     rescale(&mut o, f);
                     pv(&mut o, mine);
@@ -307,7 +324,7 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, const FP8: bool, S: KeySourc
                     pv(&mut o, theirs);
                     let mut f = [1.0f32; 2];
                     if has_b {
-                        f = [state[0].rescale_to(m[0] * mult), state[1].rescale_to(m[1] * mult)];
+                        f = raise_lazily(&mut state, m, mult);
                         publish(&s, &mut state);
                     }
                     if wl < 2 {
