@@ -1,14 +1,18 @@
 //! The kernels, built to PTX by `cargo xtask build-ptx` and committed under `host/ptx/`, embedded
 //! here so that an engine depending on this crate needs neither nightly Rust nor the CUDA toolkit.
 //! Each target has one module per kernel family; the device loads a family on first use. The
-//! build script deflates the modules of the targets the features select (`sm80`, `sm90a`), and
-//! a module is inflated when a device loads it.
+//! modules are committed compressed (`<family>.{ptx,cubin}.zst`, zstd level 19: a seventeenth of
+//! the PTX text's size), so the published crate holds them with room for more; the features
+//! (`sm80`, `sm90a`) select which targets' modules a binary embeds, and a module is decompressed
+//! when a device loads it (tens of milliseconds).
 //!
 //! Next to each PTX module is its SASS (`.cubin`, assembled by `ptxas` for the target). On a GPU
 //! that runs it, the device loads the SASS: no driver JIT. The JIT of the attention module alone
 //! took 23-30 s on a fresh H100 machine. Elsewhere (a newer GPU, or if the driver refuses the
 //! cubin) it loads the PTX and the driver JIT-compiles it; `ATTN_FORCE_PTX_JIT=1` forces that.
 //! `ATTN_PTX_TARGET=sm_80` picks the Ampere module on a newer GPU (to test its code paths there).
+
+use std::io::Read;
 
 /// The kernel families (one PTX module each). Must match xtask's `FAMILIES`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,9 +31,9 @@ pub(crate) const ALL_FAMILIES: [Family; NUM_FAMILIES] = [Family::CacheWrite, Fam
 /// One target's modules and the compute capabilities it runs on.
 pub(crate) struct PtxTarget {
     pub name: &'static str,
-    /// One PTX module per [`Family`], deflated by the build script.
+    /// One PTX module per [`Family`], zstd-compressed.
     modules: [&'static [u8]; NUM_FAMILIES],
-    /// The same modules assembled by `ptxas` for this target, deflated.
+    /// The same modules assembled by `ptxas` for this target, zstd-compressed.
     cubins: [&'static [u8]; NUM_FAMILIES],
     /// Compute capabilities that run the cubins: the target's own, and newer minor versions of
     /// the same major where the architecture allows it (sm_80 SASS runs on 8.6 and 8.9).
@@ -43,7 +47,7 @@ pub(crate) struct PtxTarget {
 #[allow(unused_macros)] // with neither target feature
 macro_rules! embedded {
     ($name:literal, $file:literal) => {
-        include_bytes!(concat!(env!("OUT_DIR"), "/", $name, "/", $file, ".deflate"))
+        include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/ptx/", $name, "/", $file, ".zst"))
     };
 }
 
@@ -62,10 +66,14 @@ macro_rules! target {
     };
 }
 
-/// Inflates a module the build script deflated (from the crate's own files: it cannot fail
-/// unless the build is corrupt).
+/// Decompresses an embedded module (the crate's own files: it cannot fail unless the build is
+/// corrupt).
 fn inflate(packed: &[u8]) -> Vec<u8> {
-    miniz_oxide::inflate::decompress_to_vec(packed).expect("an embedded kernel module does not inflate: the build is corrupt")
+    const CORRUPT: &str = "an embedded kernel module does not decompress: the build is corrupt";
+    let mut decoder = ruzstd::decoding::StreamingDecoder::new(packed).expect(CORRUPT);
+    let mut out = Vec::new();
+    decoder.read_to_end(&mut out).expect(CORRUPT);
+    out
 }
 
 impl PtxTarget {
@@ -110,4 +118,23 @@ pub(crate) fn target_for(cc: u32) -> Option<&'static PtxTarget> {
 
 pub(crate) fn available_targets() -> String {
     TARGETS.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every embedded module decodes (no GPU needed): the PTX to text that declares its
+    /// target and kernels, the SASS to an ELF file.
+    #[test]
+    fn embedded_modules_decode() {
+        for t in TARGETS {
+            for family in ALL_FAMILIES {
+                let ptx = t.module(family);
+                assert!(ptx.contains(&format!(".target {}", t.name)), "{}/{family:?}: no .target line", t.name);
+                assert!(ptx.contains(".entry "), "{}/{family:?}: no kernel", t.name);
+                assert_eq!(&t.cubin(family)[..4], b"\x7fELF", "{}/{family:?}: the SASS is not an ELF file", t.name);
+            }
+        }
+    }
 }

@@ -1,7 +1,8 @@
 //! Developer commands: `cargo xtask <command>`.
 //!
-//! - `build-ptx [--check]`: build the kernels to PTX for every GPU target into `host/ptx/`
-//!   (`--check`: fail if the committed PTX differs from what the source produces).
+//! - `build-ptx [--check]`: build the kernels to PTX (and `ptxas` SASS) for every GPU target into
+//!   `host/ptx/`, zstd-compressed, with uncompressed copies under `target/ptx/` (`--check`: fail
+//!   if the committed modules differ from what the source produces).
 //! - `ptx-report`: assemble every PTX with `ptxas` and print registers, spills, shared memory and
 //!   stack per kernel (also fails if any module does not assemble or has unresolved externs).
 //! - `bundle`: build the GPU test binaries (package `attn-rs`) and the binaries `attn-bench`,

@@ -18,13 +18,39 @@ pub fn ptx_dir() -> PathBuf {
     repo_root().join("host/ptx")
 }
 
-pub fn ptx_path(target: &str, family: &str) -> PathBuf {
-    ptx_dir().join(target).join(format!("{family}.ptx"))
+/// A module as committed: `host/ptx/<target>/<family>.<ext>.zst` (`ext`: `ptx`, or `cubin` for
+/// its SASS), compressed with zstd so that the published crate holds every module with room to
+/// spare (PTX text compresses 17x, SASS 11x; gzip, which packaging applies, 6x and 4x).
+pub fn committed_path(target: &str, family: &str, ext: &str) -> PathBuf {
+    ptx_dir().join(target).join(format!("{family}.{ext}.zst"))
 }
 
-/// The SASS of a module (`ptxas -arch=<target>` of its PTX), embedded next to the PTX.
-pub fn cubin_path(target: &str, family: &str) -> PathBuf {
-    ptx_dir().join(target).join(format!("{family}.cubin"))
+/// The same module uncompressed, written by `build-ptx` for reading and diffing (not committed).
+pub fn unpacked_path(target: &str, family: &str, ext: &str) -> PathBuf {
+    repo_root().join("target/ptx").join(target).join(format!("{family}.{ext}"))
+}
+
+/// zstd's level for the committed modules: its highest without `--ultra`'s memory (about 10 s
+/// for the 20 MB sm_90a attention PTX; the host decodes any level at the same speed).
+const ZSTD_LEVEL: i32 = 19;
+
+/// The committed module, decompressed (empty when there is none).
+pub fn read_committed(target: &str, family: &str, ext: &str) -> Result<Vec<u8>, String> {
+    let path = committed_path(target, family, ext);
+    match std::fs::read(&path) {
+        Ok(packed) => zstd::decode_all(&packed[..]).map_err(|e| format!("{}: {e}", path.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(format!("{}: {e}", path.display())),
+    }
+}
+
+/// Writes a module compressed where it is committed, and as it is under `target/ptx/`.
+fn write_module(target: &str, family: &str, ext: &str, data: &[u8]) -> Result<(), String> {
+    let packed = zstd::encode_all(data, ZSTD_LEVEL).map_err(|e| e.to_string())?;
+    let (committed, unpacked) = (committed_path(target, family, ext), unpacked_path(target, family, ext));
+    std::fs::create_dir_all(unpacked.parent().expect("a module's folder")).map_err(|e| e.to_string())?;
+    std::fs::write(&committed, packed).map_err(|e| format!("{}: {e}", committed.display()))?;
+    std::fs::write(&unpacked, data).map_err(|e| format!("{}: {e}", unpacked.display()))
 }
 
 /// Assembles `ptx` for `arch` with ptxas (the pinned one from `.venv-ptxas` in CI).
@@ -162,21 +188,23 @@ pub fn build_ptx(check: bool) -> Result<(), String> {
         std::fs::create_dir_all(ptx_dir().join(t.name)).map_err(|e| e.to_string())?;
         for family in FAMILIES {
             let ptx = build_target(t, family)?;
-            let path = ptx_path(t.name, family);
             let cubin = assemble(&ptx, t.cpu, family)?;
-            let sass = cubin_path(t.name, family);
             if check {
-                let committed = std::fs::read_to_string(&path).unwrap_or_default();
-                if committed != ptx {
-                    stale.push(path.display().to_string());
-                }
-                if std::fs::read(&sass).unwrap_or_default() != cubin {
-                    stale.push(sass.display().to_string());
+                for (ext, fresh) in [("ptx", ptx.as_bytes()), ("cubin", &cubin[..])] {
+                    if read_committed(t.name, family, ext)? != fresh {
+                        stale.push(committed_path(t.name, family, ext).display().to_string());
+                    }
                 }
             } else {
-                std::fs::write(&path, &ptx).map_err(|e| e.to_string())?;
-                std::fs::write(&sass, &cubin).map_err(|e| e.to_string())?;
-                println!("wrote {} ({} kernels) and its SASS ({} KiB)", path.display(), ptx.matches(".entry").count(), cubin.len() / 1024);
+                write_module(t.name, family, "ptx", ptx.as_bytes())?;
+                write_module(t.name, family, "cubin", &cubin)?;
+                println!(
+                    "wrote {} ({} kernels) and its SASS ({} KiB); uncompressed under {}",
+                    committed_path(t.name, family, "ptx").display(),
+                    ptx.matches(".entry").count(),
+                    cubin.len() / 1024,
+                    unpacked_path(t.name, family, "ptx").parent().expect("a module's folder").display()
+                );
             }
         }
     }

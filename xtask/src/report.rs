@@ -1,7 +1,7 @@
 //! `ptx-report`: assemble every committed PTX module with `ptxas` for its target and tabulate
 //! the per-kernel resources. Fails when a module does not assemble.
 
-use crate::ptx::{check_self_contained, ptx_path};
+use crate::ptx::{check_self_contained, committed_path, read_committed};
 use crate::repo_root;
 use crate::toolchain::{FAMILIES, TARGETS};
 use std::path::PathBuf;
@@ -98,14 +98,20 @@ pub fn ptx_report() -> Result<(), String> {
     let ptxas = find_ptxas();
     let (mut spills, mut stack) = (0, 0);
     for (t, family) in TARGETS.iter().flat_map(|t| FAMILIES.iter().map(move |f| (t, f))) {
-        let path = ptx_path(t.name, family);
-        let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e} (run build-ptx)", path.display()))?;
+        let path = committed_path(t.name, family, "ptx");
+        let text = String::from_utf8(read_committed(t.name, family, "ptx")?).map_err(|e| format!("{}: {e}", path.display()))?;
+        if text.is_empty() {
+            return Err(format!("{}: missing (run build-ptx)", path.display()));
+        }
         check_self_contained(t.name, &text)?;
+        // ptxas reads a file: the module uncompressed, beside its output.
+        let ptx_file = std::env::temp_dir().join(format!("attn-{}-{family}.ptx", t.name));
+        std::fs::write(&ptx_file, &text).map_err(|e| format!("{}: {e}", ptx_file.display()))?;
         let out_file = std::env::temp_dir().join(format!("attn-{}.cubin", t.name));
         let out = Command::new(&ptxas)
             .arg(format!("-arch={}", t.name))
             .args(["-v", "-O3"])
-            .arg(&path)
+            .arg(&ptx_file)
             .arg("-o")
             .arg(&out_file)
             .output()
@@ -115,6 +121,7 @@ pub fn ptx_report() -> Result<(), String> {
             return Err(format!("ptxas failed on {}:\n{log}", path.display()));
         }
         let _ = std::fs::remove_file(out_file);
+        let _ = std::fs::remove_file(ptx_file);
         // `ptxas` serialising `wgmma` chains (C7510-C7520: an accumulator read in flight, too
         // few registers, a divergent path) undoes what the Hopper prefill kernels are built for.
         let serialised: Vec<&str> = log.lines().filter(|l| l.contains("wgmma.mma_async instructions are serialized")).collect();
