@@ -57,15 +57,15 @@ fn registry_holds_the_three_backends_with_unique_names() {
 fn specs_are_what_the_kernels_take() {
     assert!(TENSOR_CORE.needs_gpu && MLA.needs_gpu && !CPU.needs_gpu);
     assert_eq!(TENSOR_CORE.compute_capability, CcRange::from(ComputeCapability::SM_80));
-    assert_eq!(TENSOR_CORE.head_sizes, HeadSizes::Multiples { step: 8, fp8_step: 16, min: 32, max: 256 });
+    assert_eq!(TENSOR_CORE.head_sizes, HeadSizes::Multiples { step: 8, fp8_step: 8, min: 32, max: 256 });
     // The kernels take every multiple of 8 from 32 to 256, at the widths built.
     for d in (32..=256).step_by(8) {
-        assert!(TENSOR_CORE.head_sizes.contains(d, false) && TENSOR_CORE.head_sizes.contains(d, true) == (d % 16 == 0), "{d}");
+        assert!(TENSOR_CORE.head_sizes.contains(d, false) && TENSOR_CORE.head_sizes.contains(d, true), "{d}");
         assert!(attn_math::decode::width(d as u32).is_some_and(|w| attn_math::decode::HEAD_SIZES.contains(&w)));
     }
     assert!(!TENSOR_CORE.head_sizes.contains(24, false) && !TENSOR_CORE.head_sizes.contains(84, false));
     assert!(!TENSOR_CORE.head_sizes.contains(264, false));
-    assert_eq!(TENSOR_CORE.head_sizes.to_string(), "multiples of 8 from 32 to 256 (of 16 with an fp8 cache)");
+    assert_eq!(TENSOR_CORE.head_sizes.to_string(), "multiples of 8 from 32 to 256");
     assert_eq!(TENSOR_CORE.layouts, KvLayout::ALL);
     assert_eq!(TENSOR_CORE.features, Features::ALL);
     assert_eq!(TENSOR_CORE.graph_support, GraphSupport::Always);
@@ -141,10 +141,7 @@ fn a_model_no_gpu_backend_takes_is_refused_on_a_gpu_with_every_reason() {
         let e = auto(&config, &gpu).unwrap_err();
         let text = e.to_string();
         assert!(matches!(e, AttnError::InvalidArgument { arg: "backend", .. }), "{text}");
-        assert!(
-            text.contains("tensor-core: head size 84 not supported (supports multiples of 8 from 32 to 256 (of 16 with an fp8 cache))"),
-            "{text}"
-        );
+        assert!(text.contains("tensor-core: head size 84 not supported (supports multiples of 8 from 32 to 256)"), "{text}");
         assert!(text.contains("cpu: not chosen automatically on a machine with a GPU"), "{text}");
         assert_eq!(select_backend_no_env(&config, &gpu, Some("cpu")).unwrap().name(), "cpu");
     }
@@ -278,16 +275,10 @@ fn reason_cache_dtype() {
 #[test]
 fn reason_head_size() {
     let config = ModelConfig { head_size: 84, ..llama() };
-    assert_eq!(
-        reason_texts(&TENSOR_CORE, &config, &SM80),
-        ["head size 84 not supported (supports multiples of 8 from 32 to 256 (of 16 with an fp8 cache))"]
-    );
-    // An FP8 cache takes the multiples of 16.
+    assert_eq!(reason_texts(&TENSOR_CORE, &config, &SM80), ["head size 84 not supported (supports multiples of 8 from 32 to 256)"]);
+    // An FP8 cache takes the multiples of 8 too (the odd ones on the `_fp8_a8` kernels).
     let fp8 = ModelConfig { head_size: 72, ..llama() }.with_cache_dtype(DType::Fp8E4m3);
-    assert_eq!(
-        reason_texts(&TENSOR_CORE, &fp8, &SM80),
-        ["head size 72 not supported (supports multiples of 8 from 32 to 256 (of 16 with an fp8 cache))"]
-    );
+    assert!(refusal_reasons(&TENSOR_CORE, &fp8, &SM80).is_empty());
     for d in [32, 40, 64, 72, 80, 96, 112, 128, 136, 192, 200, 256] {
         assert!(refusal_reasons(&TENSOR_CORE, &ModelConfig { head_size: d, ..llama() }, &SM80).is_empty());
     }
@@ -454,7 +445,7 @@ fn describe_a_refusal_on_a_gpu_with_reasons() {
     let config = ModelConfig { head_size: 84, ..llama() };
     let text = describe_no_env(&config, &SM90, None);
     assert!(text.contains("1. tensor-core: refused"), "{text}");
-    assert!(text.contains("- head size 84 not supported (supports multiples of 8 from 32 to 256 (of 16 with an fp8 cache))"), "{text}");
+    assert!(text.contains("- head size 84 not supported (supports multiples of 8 from 32 to 256)"), "{text}");
     assert!(text.contains("2. cpu [named only: a GPU is present]: fits, not chosen automatically"), "{text}");
     assert!(text.contains("no backend chosen") && text.contains("cpu: not chosen automatically"), "{text}");
 

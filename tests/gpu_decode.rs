@@ -373,13 +373,30 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     // Head sizes below a kernel's width (`attn_math::decode::width`): 32/40 on width 64, 80 on
     // 96, 112/120 on 128, 136/200/248 on 256; queries and outputs with gaps after each head, so
     // a read past the head size turns the result NaN and a write past it shows. GQA 4, 8 and
-    // 16 take each decode kernel; FP8 caches take the multiples of 16.
+    // 16 take each decode kernel.
     for (d, hq, hkv) in [(32, 32, 8), (40, 16, 2), (80, 32, 8), (112, 32, 4), (120, 16, 1), (136, 16, 4), (200, 32, 2), (248, 8, 8)] {
         let case = Case { head_size: d, q_heads: hq, kv_heads: hkv, gapped: true, sinks: true, ..Case::base(&lens) };
         push(format!("bf16_bf16::gapped_head_size_{d}_{hq}q{hkv}kv"), case.clone(), "bf16_bf16");
         push(format!("f16_f16::gapped_head_size_{d}_split_fixed_3"), Case { split: SplitMode::Fixed(3), ..case }, "f16_f16");
     }
-    for (d, hq, hkv) in [(48, 32, 8), (80, 32, 2), (112, 32, 8), (160, 16, 4), (208, 8, 1)] {
+    // FP8 caches: the multiples of 16 and, on the `_fp8_a8` kernels (rows 8-byte aligned,
+    // copied in halves), the odd multiples of 8: 40 and 56 on width 64, 72 to 120 on 128 (GQA
+    // 8 and 16: the three-CTA, deep and two-group kernels), 136 and 248 on 256.
+    for (d, hq, hkv) in [
+        (48, 32, 8),
+        (80, 32, 2),
+        (112, 32, 8),
+        (160, 16, 4),
+        (208, 8, 1),
+        (40, 32, 4),
+        (56, 16, 1),
+        (72, 32, 4),
+        (88, 16, 2),
+        (104, 32, 2),
+        (120, 64, 8),
+        (136, 16, 2),
+        (248, 8, 4),
+    ] {
         let case = Case { head_size: d, q_heads: hq, kv_heads: hkv, gapped: true, ..Case::base(&[5, 777, 2100]) };
         push(format!("bf16_fp8::gapped_head_size_{d}_{hq}q{hkv}kv"), case.clone(), "bf16_fp8");
         push(

@@ -93,6 +93,14 @@ fn cases() -> Vec<(String, Case, DType)> {
         ("phi2_like_d80".into(), Case { steps: long_steps(), ..base(32, 32, 80) }, DType::F16),
         ("fp8_cache_d112_multi_token".into(), Case { fp8: true, threshold: 4, ..base(16, 4, 112) }, DType::BF16),
         ("gqa8_d40_hnd_long".into(), Case { layout: KvLayout::FlashHnd, padding: 2, steps: long_steps(), ..base(16, 2, 40) }, DType::BF16),
+        // FP8 caches at odd multiples of 8 (the `_fp8_a8` kernels): 72 (width 128 decode, the
+        // Hopper e4m3 width-80 prefill), 40 in HND with long contexts (width 64).
+        ("fp8_cache_d72_multi_token".into(), Case { fp8: true, threshold: 4, ..base(32, 4, 72) }, DType::BF16),
+        (
+            "fp8_cache_d40_hnd_long".into(),
+            Case { fp8: true, layout: KvLayout::FlashHnd, steps: long_steps(), ..base(16, 2, 40) },
+            DType::F16,
+        ),
         ("mqa_d200_window_sinks".into(), Case { window: Some(50), sinks: true, ..base(8, 1, 200) }, DType::BF16),
         (
             "window_softcap_alibi_sinks".into(),

@@ -270,8 +270,10 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     // Head sizes below a kernel's width (`attn_math::decode::width`), with gaps after every
     // head of the queries, outputs and packed K/V (NaN in the inputs'): 40 and 56 on width 64
     // (the Hopper kernel), 80 on 96, 112 on 128 (Hopper), 136 and 200 on 256; paged and packed,
-    // causal and not, chunked; FP8 caches at the multiples of 16.
-    for (d, hq, hkv) in [(40, 8, 2), (56, 4, 4), (80, 8, 1), (112, 16, 2), (136, 4, 2), (200, 8, 4)] {
+    // causal and not, chunked; FP8 caches too (the odd multiples of 8 on the `_fp8_a8`
+    // kernels, whose rows are copied in 8-byte halves: 40 and 56 on the Hopper width-64
+    // kernel, 72 and 120 on its e4m3 widths 80 and 128, 136 and 200 on the `mma.sync` width 256).
+    for (d, hq, hkv) in [(40, 8, 2), (56, 4, 4), (72, 8, 2), (80, 8, 1), (112, 16, 2), (120, 8, 1), (136, 4, 2), (200, 8, 4)] {
         let case = Case { dk: d, dv: d, q_heads: hq, kv_heads: hkv, gapped: true, ..Case::base(&[17, 300, 129, 1]) };
         push(format!("bf16::gapped_head_size_{d}"), Case { sinks: true, ..case.clone() }, "bf16");
         push(format!("f16::gapped_head_size_{d}_packed_noncausal"), Case { packed: true, causal: false, ..case.clone() }, "f16");
@@ -280,8 +282,11 @@ fn cases() -> Vec<(String, Case, &'static str)> {
             Case { packed: true, q_lens: Some(vec![5, 100, 33, 1]), ..case.clone() },
             "bf16",
         );
-        if d % 16 == 0 {
-            push(format!("f16_fp8::gapped_head_size_{d}_chunked"), Case { q_lens: Some(vec![5, 100, 33, 1]), ..case }, "f16_fp8");
+        push(format!("f16_fp8::gapped_head_size_{d}_chunked"), Case { q_lens: Some(vec![5, 100, 33, 1]), ..case.clone() }, "f16_fp8");
+        if d % 16 == 8 {
+            // Long enough for 10 key tiles; the f64 reference's time grows with the square.
+            let long = Case { seq_lens: vec![640, 77], q_lens: None, per_head_scales: true, ..case };
+            push(format!("bf16_fp8::gapped_head_size_{d}_long_per_head_scales"), long, "bf16_fp8");
         }
     }
     for (dk, dv) in [(64, 64), (96, 96), (256, 256)] {

@@ -120,7 +120,7 @@ impl BatchPlan {
         })?;
         let max_q = check_batch(batch, q_dtype, cache_dtype, num_q_heads)?;
         let fp8 = cache_dtype == DType::Fp8E4m3;
-        head_width("head_size", head_size, fp8)?;
+        head_width("head_size", head_size)?;
         let tc = decode_tc_kernel(dev, q_dtype, fp8, head_size, num_q_heads, num_kv_heads, max_q, max_len(batch.seq_lens), &plan.tuning)?;
         self.plan_for(dev, tc, batch, plan, ws)
     }

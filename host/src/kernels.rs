@@ -9,21 +9,24 @@ use crate::ptx::Family;
 use std::fmt;
 
 /// The width the standard (QK = V) kernels run head size `d` at (`attn_math::decode::width`),
-/// or an error naming `arg` when they do not take it: a multiple of 8 from 32 to 256, of 16
-/// with an FP8 cache (`fp8`).
-pub(crate) fn head_width(arg: &'static str, d: usize, fp8: bool) -> Result<u32> {
+/// or an error naming `arg` when they do not take it: a multiple of 8 from 32 to 256, with a
+/// 16-bit or an FP8 cache.
+pub(crate) fn head_width(arg: &'static str, d: usize) -> Result<u32> {
     use attn_math::decode::{takes_head_size, width, MAX_HEAD_SIZE, MIN_HEAD_SIZE};
-    let taken = u32::try_from(d).ok().filter(|&d| takes_head_size(d, fp8));
-    ensure(taken.is_some(), arg, || {
-        let step = if fp8 { "16 (an FP8 cache)" } else { "8" };
-        format!("{d}: the GPU kernels take multiples of {step} from {MIN_HEAD_SIZE} to {MAX_HEAD_SIZE}")
-    })?;
+    let taken = u32::try_from(d).ok().filter(|&d| takes_head_size(d));
+    ensure(taken.is_some(), arg, || format!("{d}: the GPU kernels take multiples of 8 from {MIN_HEAD_SIZE} to {MAX_HEAD_SIZE}"))?;
     Ok(taken.and_then(width).expect("every head size taken has a width"))
+}
+
+/// Whether an FP8 cache's rows at head size `d` may start only 8-byte aligned (an odd multiple
+/// of 8): the `_fp8_a8` kernels, which copy each 16-byte chunk as two 8-byte halves, run them.
+pub(crate) fn fp8_rows_a8(fp8: bool, d: usize) -> bool {
+    fp8 && d % 16 == 8
 }
 
 /// [`head_width`] for decode: the width `attn_math::decode::decode_width` picks.
 pub(crate) fn decode_head_width(arg: &'static str, d: usize, fp8: bool) -> Result<u32> {
-    head_width(arg, d, fp8)?;
+    head_width(arg, d)?;
     Ok(attn_math::decode::decode_width(d as u32, fp8).expect("every head size taken has a width"))
 }
 
@@ -38,7 +41,9 @@ pub enum MlaTile {
 
 /// A kernel the host launches. `q`, `src` and `out` are the 16-bit (or f32) types of queries,
 /// sources and outputs; `fp8`: an FP8 E4M3 cache (else the cache has the query's or source's
-/// type). [`KernelId::all`] lists every one the committed modules export.
+/// type); `a8` (with `fp8`): its rows start only 8-byte aligned (`_fp8_a8`: a head size that is
+/// an odd multiple of 8, [`fp8_rows_a8`]). [`KernelId::all`] lists every one the committed
+/// modules export.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KernelId {
     /// `reshape_and_cache_<src>_<cache>`: K/V rows into the paged cache.
@@ -49,20 +54,20 @@ pub enum KernelId {
     DecodeMerge { out: DType },
     /// `merge_attn_states_<out>`.
     MergeAttnStates { out: DType },
-    /// `decode_tc_<q>[_fp8]_d<d>`: tensor-core decode, keys split across warps, 16-row score
+    /// `decode_tc_<q>[_fp8[_a8]]_d<d>`: tensor-core decode, keys split across warps, 16-row score
     /// tiles (width 256: 16-bit caches at 9 to 16 rows per kv head, FP8 caches).
-    DecodeTc { q: DType, fp8: bool, head_size: u32 },
-    /// `decode_kr_<q>[_fp8][_long][_r16]_d<d>`: the keys-as-rows decode (`attn_math::keys_rows`);
+    DecodeTc { q: DType, fp8: bool, a8: bool, head_size: u32 },
+    /// `decode_kr_<q>[_fp8[_a8]][_long][_r16]_d<d>`: the keys-as-rows decode (`attn_math::keys_rows`);
     /// `long` (FP8 only): the deep-pipeline form for long contexts; `wide` (16-bit caches
     /// 16-bit caches, and FP8 with `long`): 16 query rows a CTA instead of 8.
-    DecodeKr { q: DType, fp8: bool, long: bool, wide: bool, head_size: u32 },
-    /// `prefill_<q>[_fp8]_dk<qk>_dv<v>`: the `mma.sync` attention-tile kernel.
-    Prefill { q: DType, fp8: bool, head_size_qk: u32, head_size_v: u32 },
+    DecodeKr { q: DType, fp8: bool, a8: bool, long: bool, wide: bool, head_size: u32 },
+    /// `prefill_<q>[_fp8[_a8]]_dk<qk>_dv<v>`: the `mma.sync` attention-tile kernel.
+    Prefill { q: DType, fp8: bool, a8: bool, head_size_qk: u32, head_size_v: u32 },
     /// `prefill_local_<q>_dk<d>_dv<d>`: the `mma.sync` prefill kernel with the local masks
     /// (chunked local attention, the symmetric window), 16-bit caches or packed K/V.
     PrefillLocal { q: DType, head_size: u32 },
-    /// `prefill_wgs_<q>[_fp8]_d<d>`: Hopper's warp-specialised persistent prefill (sm_90a).
-    PrefillWgs { q: DType, fp8: bool, head_size: u32 },
+    /// `prefill_wgs_<q>[_fp8[_a8]]_d<d>`: Hopper's warp-specialised persistent prefill (sm_90a).
+    PrefillWgs { q: DType, fp8: bool, a8: bool, head_size: u32 },
     /// `mla_<q>[_fp8]_{narrow,wide}`: MLA's latent attention.
     Mla { q: DType, fp8: bool, tile: MlaTile },
     /// `mla_sparse_<q>[_fp8]_{narrow,wide}`: the MLA kernel over each query token's top-k
@@ -74,22 +79,27 @@ impl KernelId {
     /// The kernel's PTX entry name, as the kernels' export macros spell it.
     pub fn entry_name(&self) -> String {
         let fp8 = |on: bool| if on { "_fp8" } else { "" };
+        // The FP8 kernels for rows that start only 8-byte aligned ([`fp8_rows_a8`]).
+        let rows = |on: bool, a8: bool| match (on, a8) {
+            (true, true) => "_fp8_a8",
+            _ => fp8(on),
+        };
         let cache = |src: DType, on: bool| if on { DType::Fp8E4m3.kernel_name() } else { src.kernel_name() };
         match *self {
             KernelId::ReshapeAndCache { src, fp8 } => format!("reshape_and_cache_{}_{}", src.kernel_name(), cache(src, fp8)),
             KernelId::ConcatAndCacheMla { src, fp8 } => format!("concat_and_cache_mla_{}_{}", src.kernel_name(), cache(src, fp8)),
             KernelId::DecodeMerge { out } => format!("decode_merge_{}", out.kernel_name()),
             KernelId::MergeAttnStates { out } => format!("merge_attn_states_{}", out.kernel_name()),
-            KernelId::DecodeTc { q, fp8: f, head_size: d } => format!("decode_tc_{}{}_d{d}", q.kernel_name(), fp8(f)),
-            KernelId::DecodeKr { q, fp8: f, long, wide, head_size: d } => {
+            KernelId::DecodeTc { q, fp8: f, a8, head_size: d } => format!("decode_tc_{}{}_d{d}", q.kernel_name(), rows(f, a8)),
+            KernelId::DecodeKr { q, fp8: f, a8, long, wide, head_size: d } => {
                 let (long, wide) = (if long { "_long" } else { "" }, if wide { "_r16" } else { "" });
-                format!("decode_kr_{}{}{long}{wide}_d{d}", q.kernel_name(), fp8(f))
+                format!("decode_kr_{}{}{long}{wide}_d{d}", q.kernel_name(), rows(f, a8))
             }
-            KernelId::Prefill { q, fp8: f, head_size_qk: dk, head_size_v: dv } => {
-                format!("prefill_{}{}_dk{dk}_dv{dv}", q.kernel_name(), fp8(f))
+            KernelId::Prefill { q, fp8: f, a8, head_size_qk: dk, head_size_v: dv } => {
+                format!("prefill_{}{}_dk{dk}_dv{dv}", q.kernel_name(), rows(f, a8))
             }
             KernelId::PrefillLocal { q, head_size: d } => format!("prefill_local_{}_dk{d}_dv{d}", q.kernel_name()),
-            KernelId::PrefillWgs { q, fp8: f, head_size: d } => format!("prefill_wgs_{}{}_d{d}", q.kernel_name(), fp8(f)),
+            KernelId::PrefillWgs { q, fp8: f, a8, head_size: d } => format!("prefill_wgs_{}{}_d{d}", q.kernel_name(), rows(f, a8)),
             KernelId::Mla { q, fp8: f, tile } => {
                 format!("mla_{}{}_{}", q.kernel_name(), fp8(f), if tile == MlaTile::Narrow { "narrow" } else { "wide" })
             }
@@ -145,24 +155,24 @@ impl KernelId {
                     // The 16-row score tiles where no keys-as-rows kernel of the width exists (FP8
                     // decode runs the width-96 head sizes at 128: `decode::decode_width`).
                     if !keys_rows_all.contains(&head_size) && decode::decode_width(head_size, fp8) == Some(head_size) {
-                        v.push(KernelId::DecodeTc { q, fp8, head_size });
+                        v.push(KernelId::DecodeTc { q, fp8, a8: false, head_size });
                     }
                     if !fp8 || keys_rows::FP8_HEAD_SIZES.contains(&head_size) {
-                        v.push(KernelId::DecodeKr { q, fp8, long: false, wide: false, head_size });
+                        v.push(KernelId::DecodeKr { q, fp8, a8: false, long: false, wide: false, head_size });
                     }
                     if fp8 && keys_rows::FP8_HEAD_SIZES.contains(&head_size) {
-                        v.push(KernelId::DecodeKr { q, fp8, long: true, wide: false, head_size });
+                        v.push(KernelId::DecodeKr { q, fp8, a8: false, long: true, wide: false, head_size });
                     }
                     if fp8 && keys_rows::FP8_HEAD_SIZES.contains(&head_size) {
-                        v.push(KernelId::DecodeKr { q, fp8, long: true, wide: true, head_size });
+                        v.push(KernelId::DecodeKr { q, fp8, a8: false, long: true, wide: true, head_size });
                     }
                     if !fp8 && keys_rows::WIDE_HEAD_SIZES.contains(&head_size) {
-                        v.push(KernelId::DecodeKr { q, fp8, long: false, wide: true, head_size });
+                        v.push(KernelId::DecodeKr { q, fp8, a8: false, long: false, wide: true, head_size });
                     }
                 }
                 // FP8 caches are paged, whose K and V have one head size.
                 for (dk, dv) in prefill::HEAD_SIZES.into_iter().filter(|&(dk, dv)| !fp8 || dk == dv) {
-                    v.push(KernelId::Prefill { q, fp8, head_size_qk: dk, head_size_v: dv });
+                    v.push(KernelId::Prefill { q, fp8, a8: false, head_size_qk: dk, head_size_v: dv });
                 }
                 for tile in [MlaTile::Narrow, MlaTile::Wide] {
                     v.push(KernelId::Mla { q, fp8, tile });
@@ -173,13 +183,38 @@ impl KernelId {
                 v.push(KernelId::PrefillLocal { q, head_size });
             }
             for head_size in hopper_prefill::HEAD_SIZES {
-                v.push(KernelId::PrefillWgs { q, fp8: false, head_size });
+                v.push(KernelId::PrefillWgs { q, fp8: false, a8: false, head_size });
             }
             for head_size in hopper_prefill::FP8_HEAD_SIZES {
-                v.push(KernelId::PrefillWgs { q, fp8: true, head_size });
+                v.push(KernelId::PrefillWgs { q, fp8: true, a8: false, head_size });
             }
         }
+        // Each FP8 kernel of the standard shapes again for rows 8-byte aligned (`_fp8_a8`).
+        let a8: Vec<KernelId> = v
+            .iter()
+            .filter_map(|id| match *id {
+                KernelId::DecodeTc { fp8: true, .. }
+                | KernelId::DecodeKr { fp8: true, .. }
+                | KernelId::Prefill { fp8: true, .. }
+                | KernelId::PrefillWgs { fp8: true, .. } => Some(id.with_a8()),
+                _ => None,
+            })
+            .collect();
+        v.extend(a8);
         v
+    }
+
+    /// The same kernel for FP8 rows that start only 8-byte aligned (`_fp8_a8`).
+    #[cfg(test)]
+    fn with_a8(mut self) -> Self {
+        match &mut self {
+            KernelId::DecodeTc { a8, .. }
+            | KernelId::DecodeKr { a8, .. }
+            | KernelId::Prefill { a8, .. }
+            | KernelId::PrefillWgs { a8, .. } => *a8 = true,
+            _ => {}
+        }
+        self
     }
 }
 
@@ -195,16 +230,11 @@ mod tests {
     use crate::ptx::{ALL_FAMILIES, TARGETS};
     use std::collections::BTreeSet;
 
-    /// The `.entry` names of a committed PTX module, read from the repository.
-    fn entries(target: &str, family: Family) -> BTreeSet<String> {
-        let file = match family {
-            Family::CacheWrite => "cache_write",
-            Family::Merge => "merge",
-            Family::Attention => "attention",
-        };
-        let path = format!("{}/ptx/{target}/{file}.ptx", env!("CARGO_MANIFEST_DIR"));
-        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-        text.lines()
+    /// The `.entry` names of an embedded PTX module (the committed one, decompressed).
+    fn entries(target: &crate::ptx::PtxTarget, family: Family) -> BTreeSet<String> {
+        target
+            .module(family)
+            .lines()
             .filter_map(|l| l.trim_start().strip_prefix(".visible .entry ").or_else(|| l.trim_start().strip_prefix(".entry ")))
             .map(|rest| rest.split(|c: char| c == '(' || c.is_whitespace()).next().unwrap_or("").to_string())
             .collect()
@@ -220,7 +250,7 @@ mod tests {
         assert_eq!(names.len(), all.len(), "two ids share a name");
         for target in TARGETS {
             for family in ALL_FAMILIES {
-                let found = entries(target.name, family);
+                let found = entries(target, family);
                 assert!(!found.is_empty(), "{} {family:?}: no .entry found", target.name);
                 let want: BTreeSet<String> = all
                     .iter()
@@ -243,15 +273,21 @@ mod tests {
             (KernelId::ConcatAndCacheMla { src: bf16, fp8: false }, "concat_and_cache_mla_bf16_bf16"),
             (KernelId::DecodeMerge { out: f16 }, "decode_merge_f16"),
             (KernelId::MergeAttnStates { out: DType::F32 }, "merge_attn_states_f32"),
-            (KernelId::DecodeTc { q: bf16, fp8: true, head_size: 256 }, "decode_tc_bf16_fp8_d256"),
-            (KernelId::DecodeKr { q: f16, fp8: false, long: false, wide: false, head_size: 256 }, "decode_kr_f16_d256"),
-            (KernelId::DecodeKr { q: bf16, fp8: true, long: true, wide: false, head_size: 64 }, "decode_kr_bf16_fp8_long_d64"),
-            (KernelId::DecodeKr { q: bf16, fp8: false, long: false, wide: true, head_size: 96 }, "decode_kr_bf16_r16_d96"),
-            (KernelId::DecodeKr { q: f16, fp8: true, long: true, wide: true, head_size: 64 }, "decode_kr_f16_fp8_long_r16_d64"),
-            (KernelId::Prefill { q: f16, fp8: false, head_size_qk: 192, head_size_v: 128 }, "prefill_f16_dk192_dv128"),
-            (KernelId::PrefillWgs { q: bf16, fp8: false, head_size: 128 }, "prefill_wgs_bf16_d128"),
-            (KernelId::PrefillWgs { q: f16, fp8: false, head_size: 64 }, "prefill_wgs_f16_d64"),
-            (KernelId::PrefillWgs { q: bf16, fp8: true, head_size: 96 }, "prefill_wgs_bf16_fp8_d96"),
+            (KernelId::DecodeTc { q: bf16, fp8: true, a8: false, head_size: 256 }, "decode_tc_bf16_fp8_d256"),
+            (KernelId::DecodeKr { q: f16, fp8: false, a8: false, long: false, wide: false, head_size: 256 }, "decode_kr_f16_d256"),
+            (KernelId::DecodeKr { q: bf16, fp8: true, a8: false, long: true, wide: false, head_size: 64 }, "decode_kr_bf16_fp8_long_d64"),
+            (KernelId::DecodeKr { q: bf16, fp8: false, a8: false, long: false, wide: true, head_size: 96 }, "decode_kr_bf16_r16_d96"),
+            (KernelId::DecodeKr { q: f16, fp8: true, a8: false, long: true, wide: true, head_size: 64 }, "decode_kr_f16_fp8_long_r16_d64"),
+            (KernelId::Prefill { q: f16, fp8: false, a8: false, head_size_qk: 192, head_size_v: 128 }, "prefill_f16_dk192_dv128"),
+            (KernelId::PrefillWgs { q: bf16, fp8: false, a8: false, head_size: 128 }, "prefill_wgs_bf16_d128"),
+            (KernelId::PrefillWgs { q: f16, fp8: false, a8: false, head_size: 64 }, "prefill_wgs_f16_d64"),
+            (KernelId::PrefillWgs { q: bf16, fp8: true, a8: false, head_size: 96 }, "prefill_wgs_bf16_fp8_d96"),
+            (KernelId::PrefillWgs { q: f16, fp8: true, a8: true, head_size: 80 }, "prefill_wgs_f16_fp8_a8_d80"),
+            (
+                KernelId::DecodeKr { q: bf16, fp8: true, a8: true, long: true, wide: true, head_size: 64 },
+                "decode_kr_bf16_fp8_a8_long_r16_d64",
+            ),
+            (KernelId::Prefill { q: bf16, fp8: true, a8: true, head_size_qk: 96, head_size_v: 96 }, "prefill_bf16_fp8_a8_dk96_dv96"),
             (KernelId::Mla { q: bf16, fp8: true, tile: MlaTile::Narrow }, "mla_bf16_fp8_narrow"),
             (KernelId::Mla { q: f16, fp8: false, tile: MlaTile::Wide }, "mla_f16_wide"),
             (KernelId::MlaSparse { q: bf16, fp8: true, tile: MlaTile::Narrow }, "mla_sparse_bf16_fp8_narrow"),

@@ -16,7 +16,7 @@ use crate::cache_write::KvScales;
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
-use crate::kernels::{head_width, KernelId};
+use crate::kernels::{fp8_rows_a8, head_width, KernelId};
 use crate::layout::{KvCacheSpec, RowsDesc};
 use crate::options::AttnOptions;
 use crate::status::DeviceStatus;
@@ -235,17 +235,19 @@ pub(crate) fn prefill_kernel_for(target: &str, q: DType, fp8: bool, dk: usize, d
         });
     }
     let hopper_widths: &[u32] = if fp8 { &hopper_prefill::FP8_HEAD_SIZES } else { &hopper_prefill::HEAD_SIZES };
+    // FP8 caches have one head size (`prefill_widths`).
+    let a8 = fp8_rows_a8(fp8, dk);
     let hopper = if target == "sm_90a" && dk == dv { width_in(dk as u32, hopper_widths) } else { None };
     Ok(match hopper {
         Some(w) => PrefillKernel {
-            id: KernelId::PrefillWgs { q, fp8, head_size: w },
+            id: KernelId::PrefillWgs { q, fp8, a8, head_size: w },
             block_m: hopper_prefill::BLOCK_M,
             threads: hopper_prefill::WS_THREADS,
             smem: hopper_prefill::ws_layout(w, fp8).total,
             persistent: true,
         },
         None => PrefillKernel {
-            id: KernelId::Prefill { q, fp8, head_size_qk: wk, head_size_v: wv },
+            id: KernelId::Prefill { q, fp8, a8, head_size_qk: wk, head_size_v: wv },
             block_m: block_m(wk, wv, false, fp8),
             threads: THREADS,
             smem: shared_layout(wk, wv, false, fp8).total,
@@ -274,11 +276,11 @@ pub(crate) fn has_local_kernel(fp8: bool, dk: usize, dv: usize) -> bool {
 }
 
 /// The kernel widths head sizes (qk `dk`, v `dv`) run at: for QK = V, [`head_width`]'s (every
-/// multiple of 8 from 32 to 256; of 16 with an FP8 cache); unequal head sizes only as the
+/// multiple of 8 from 32 to 256); unequal head sizes only as the
 /// pairs built exactly (QK 192 / V 128, 16-bit K/V).
 pub(crate) fn prefill_widths(dk: usize, dv: usize, fp8: bool) -> Result<(u32, u32)> {
     if dk == dv {
-        let w = head_width("head_size", dk, fp8)?;
+        let w = head_width("head_size", dk)?;
         return Ok((w, w));
     }
     let unequal: Vec<(u32, u32)> = HEAD_SIZES.into_iter().filter(|(k, v)| k != v).collect();
@@ -547,7 +549,12 @@ mod tests {
         assert_eq!(name("sm_80", bf16, true, 80, 80), "prefill_bf16_fp8_dk96_dv96");
         assert_eq!(name("sm_80", f16, false, 80, 80), "prefill_f16_dk96_dv96");
         assert!(prefill_kernel_for("sm_80", bf16, false, 84, 84, false).is_err());
-        assert!(prefill_kernel_for("sm_80", bf16, true, 72, 72, false).is_err());
+        // FP8 rows of an odd multiple of 8: the `_fp8_a8` twins.
+        assert_eq!(name("sm_80", bf16, true, 72, 72), "prefill_bf16_fp8_a8_dk96_dv96");
+        assert_eq!(name("sm_90a", f16, true, 72, 72), "prefill_wgs_f16_fp8_a8_d80");
+        assert_eq!(name("sm_90a", bf16, true, 40, 40), "prefill_wgs_bf16_fp8_a8_d64");
+        assert_eq!(name("sm_90a", bf16, true, 200, 200), "prefill_bf16_fp8_a8_dk256_dv256");
+        assert_eq!(name("sm_90a", bf16, true, 48, 48), "prefill_wgs_bf16_fp8_d64");
         assert_eq!(name("sm_90a", bf16, false, 192, 128), "prefill_bf16_dk192_dv128");
         assert_eq!(name("sm_80", bf16, false, 64, 64), "prefill_bf16_dk64_dv64");
         assert_eq!(name("sm_80", f16, true, 256, 256), "prefill_f16_fp8_dk256_dv256");

@@ -28,8 +28,11 @@ pub fn tolerance(dtype: DType) -> f64 {
 /// Each rounding is off by up to 2^-4 relative (3 mantissa bits; about 2.5% RMS), the queries'
 /// moving a score by a few percent of its size and the weights' an output row by a few percent
 /// of its norm. Measured on the H100 over `gpu_prefill`'s e4m3 cases: global 1.3-2.4e-2, worst
-/// row 2.9-5.9e-2, log-sum-exp 0.6-2.4e-2; the bounds are about 1.7x the largest.
-pub const E4M3_TOLERANCE: (f64, f64, f64) = (4e-2, 1e-1, 4e-2);
+/// row 2.9-5.9e-2, log-sum-exp 0.6-2.4e-2; the bounds are about 1.7x the largest. The
+/// log-sum-exp's since reached 4.3e-2 in one draw of `bf16_fp8::lengths` (H200): a one-key row's
+/// log-sum-exp is its single rounded score, with no other keys to average the rounding out;
+/// its bound is 6e-2.
+pub const E4M3_TOLERANCE: (f64, f64, f64) = (4e-2, 1e-1, 6e-2);
 
 /// Whether `err` is at most `tol`: false for a NaN, which every comparison must fail on.
 pub fn within(err: f64, tol: f64) -> bool {

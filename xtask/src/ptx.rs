@@ -140,6 +140,8 @@ const LAUNCH_BOUNDS: &[(&str, &str, u32, u32)] = &[
     ("decode_tc_", "_fp8_d128", 128, 3),
     ("decode_kr_", "_fp8_d64", 128, 3),
     ("decode_kr_", "_fp8_d128", 128, 3),
+    ("decode_kr_", "_fp8_a8_d64", 128, 3),
+    ("decode_kr_", "_fp8_a8_d128", 128, 3),
     // Three warpgroups (`attn_math::hopper_prefill::WS_THREADS`) start at 168 registers a
     // thread; `setmaxnreg` then moves registers from the producer to the compute warps.
     ("prefill_wgs_", "", 384, 1),

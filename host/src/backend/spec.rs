@@ -112,6 +112,7 @@ impl fmt::Display for HeadSizes {
         match *self {
             HeadSizes::Any => f.write_str("any"),
             HeadSizes::List(sizes) => write_list(f, sizes.iter()),
+            HeadSizes::Multiples { step, fp8_step, min, max } if fp8_step == step => write!(f, "multiples of {step} from {min} to {max}"),
             HeadSizes::Multiples { step, fp8_step, min, max } => {
                 write!(f, "multiples of {step} from {min} to {max} (of {fp8_step} with an fp8 cache)")
             }

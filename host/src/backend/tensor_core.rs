@@ -18,7 +18,7 @@ pub static TENSOR_CORE: BackendSpec = BackendSpec {
     // Run at the kernel widths 64, 96, 128 and 256 (`attn_math::decode::width`).
     head_sizes: HeadSizes::Multiples {
         step: 8,
-        fp8_step: 16,
+        fp8_step: 8,
         min: attn_math::decode::MIN_HEAD_SIZE as usize,
         max: attn_math::decode::MAX_HEAD_SIZE as usize,
     },

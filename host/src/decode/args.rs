@@ -77,7 +77,7 @@ pub(super) fn check_args(
     ensure(matches!(q_dtype, DType::F16 | DType::BF16), "q", || format!("dtype {q_dtype:?}: decode takes f16 or bf16 queries"))?;
     ensure(cache_dtype == q_dtype || cache_dtype == DType::Fp8E4m3, "cache", || format!("dtype {cache_dtype:?} with {q_dtype:?} queries"))?;
     ensure(cache_dtype != DType::Fp8E4m3 || a.scales.is_some(), "scales", || "an fp8 cache needs k/v scales".into())?;
-    head_width("head_size", d, cache_dtype == DType::Fp8E4m3)?;
+    head_width("head_size", d)?;
     ensure(d == spec.head_size, "q", || format!("head_size {d} differs from the cache's {}", spec.head_size))?;
     ensure(hq % spec.num_kv_heads == 0, "num_q_heads", || format!("{hq} is not a multiple of num_kv_heads {}", spec.num_kv_heads))?;
     ensure(spec.block_size.is_multiple_of(16), "block_size", || format!("{} is not a multiple of 16", spec.block_size))?;

@@ -287,7 +287,8 @@ mod tests {
         }
         // A plan made for another kernel or layer is refused.
         let k = kernel(true);
-        let other = DevicePlan { kernel: KernelId::DecodeTc { q: DType::BF16, fp8: false, head_size: 128 }, ..device_plan(&k, true) };
+        let other =
+            DevicePlan { kernel: KernelId::DecodeTc { q: DType::BF16, fp8: false, a8: false, head_size: 128 }, ..device_plan(&k, true) };
         assert!(plan_launch(k, &batch, PlanSource::Device(&other), 1 << 20, no_cluster).is_err());
         let heads = DevicePlan { layer: LayerShape { num_q_heads: 64, ..k.layer }, ..device_plan(&k, true) };
         assert!(plan_launch(k, &batch, PlanSource::Device(&heads), 1 << 20, no_cluster).is_err());

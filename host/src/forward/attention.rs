@@ -90,7 +90,7 @@ impl Attention {
                 let gpu =
                     gpu.ok_or_else(|| AttnError::invalid("gpu", "backend \"tensor-core\" runs on a GPU: pass its device and stream"))?;
                 let fp8 = config.model.cache_dtype == crate::dtype::DType::Fp8E4m3;
-                crate::kernels::head_width("model", config.model.head_size, fp8)?;
+                crate::kernels::head_width("model", config.model.head_size)?;
                 for i in 0..config.layers.len().max(1) {
                     let o = config.layer(i)?.opts;
                     ensure(o.chunk_size.is_none() || !fp8, "layers", || {

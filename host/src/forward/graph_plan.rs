@@ -450,8 +450,11 @@ mod tests {
     /// prefill tiles over the step's prefills only, `NO_WORK` past them, counted in the header.
     #[test]
     fn a_mixed_step_is_padded_and_planned_for_both_kernels() {
-        let prefill =
-            GraphPrefillKernel { kernel: KernelId::PrefillWgs { q: DType::BF16, fp8: false, head_size: 128 }, block_m: 128, group: 4 };
+        let prefill = GraphPrefillKernel {
+            kernel: KernelId::PrefillWgs { q: DType::BF16, fp8: false, a8: false, head_size: 128 },
+            block_m: 128,
+            group: 4,
+        };
         let bucket = GraphBucket::mixed(3, 40);
         let mut g = GraphPlanner::new(bucket, 1, decode_kernel(), SplitMode::Auto, 32, 4, 1 << 20, Some(prefill), &[]).unwrap();
         // Two decodes, then a 30-token chunk after 10 cached tokens.
@@ -509,8 +512,11 @@ mod tests {
     #[test]
     fn whole_step_tiles_cover_every_request() {
         let local = GraphPrefillKernel { kernel: KernelId::PrefillLocal { q: DType::BF16, head_size: 128 }, block_m: 64, group: 4 };
-        let wgs =
-            GraphPrefillKernel { kernel: KernelId::PrefillWgs { q: DType::BF16, fp8: false, head_size: 128 }, block_m: 128, group: 4 };
+        let wgs = GraphPrefillKernel {
+            kernel: KernelId::PrefillWgs { q: DType::BF16, fp8: false, a8: false, head_size: 128 },
+            block_m: 128,
+            group: 4,
+        };
         let mut g =
             GraphPlanner::new(GraphBucket::mixed(3, 40), 1, decode_kernel(), SplitMode::Auto, 32, 4, 1 << 20, Some(wgs), &[local]).unwrap();
         // Two decodes, then a 30-token chunk after 10 cached tokens.

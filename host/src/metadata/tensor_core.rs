@@ -40,7 +40,7 @@ impl PlanConfig {
         // Bounds the plan's row counts (query tokens x heads) well inside its u32 arithmetic.
         ensure(self.num_q_heads <= MAX_PLAN_HEADS, "num_q_heads", || format!("{} exceeds {MAX_PLAN_HEADS}", self.num_q_heads))?;
         // Any head size a 16-bit cache takes; an FP8 cache's narrower set is checked at the call.
-        head_width("head_size", self.head_size, false)?;
+        head_width("head_size", self.head_size)?;
         Ok(())
     }
 }

@@ -13,12 +13,11 @@ pub const HEAD_SIZES: [u32; 4] = [64, 96, 128, 256];
 pub const MIN_HEAD_SIZE: u32 = 32;
 pub const MAX_HEAD_SIZE: u32 = 256;
 
-/// Whether the kernels take head size `d` (QK = V): a multiple of 8 from [`MIN_HEAD_SIZE`] to
-/// [`MAX_HEAD_SIZE`], and with an FP8 cache a multiple of 16 (its rows are copied in 16-byte
-/// chunks of 16 elements, and a row of a size that is an odd multiple of 8 can start off a
-/// 16-byte boundary).
-pub const fn takes_head_size(d: u32, fp8: bool) -> bool {
-    d >= MIN_HEAD_SIZE && d <= MAX_HEAD_SIZE && d.is_multiple_of(if fp8 { 16 } else { 8 })
+/// Whether the kernels take head size `d` (QK = V), with a 16-bit or an FP8 cache: a multiple
+/// of 8 from [`MIN_HEAD_SIZE`] to [`MAX_HEAD_SIZE`]. (FP8 rows of an odd multiple of 8 can start
+/// off a 16-byte boundary: the `_fp8_a8` kernels copy them in 8-byte halves.)
+pub const fn takes_head_size(d: u32) -> bool {
+    d >= MIN_HEAD_SIZE && d <= MAX_HEAD_SIZE && d.is_multiple_of(8)
 }
 
 /// The width head size `d` runs at: the smallest of [`HEAD_SIZES`] at least `d` (`None` past
@@ -60,8 +59,7 @@ mod tests {
         for d in (MIN_HEAD_SIZE..=MAX_HEAD_SIZE).step_by(8) {
             let w = width(d).unwrap();
             assert!(w >= d && HEAD_SIZES.contains(&w), "{d} -> {w}");
-            assert!(takes_head_size(d, false));
-            assert_eq!(takes_head_size(d, true), d % 16 == 0);
+            assert!(takes_head_size(d));
         }
         assert_eq!((decode_width(80, true), decode_width(96, true), decode_width(136, true)), (Some(128), Some(128), Some(256)));
         assert_eq!((decode_width(80, false), decode_width(40, true)), (Some(96), Some(64)));
@@ -69,6 +67,6 @@ mod tests {
         assert_eq!(width(112), Some(128));
         assert_eq!(width(136), Some(256));
         assert_eq!(width(264), None);
-        assert!(!takes_head_size(24, false) && !takes_head_size(260, false) && !takes_head_size(84, false));
+        assert!(!takes_head_size(24) && !takes_head_size(260) && !takes_head_size(84));
     }
 }

@@ -72,6 +72,11 @@ pub(crate) trait CacheFormat {
     /// Rows are staged raw and converted into separate 16-bit tiles in shared memory (unless
     /// the kernel reads its fragments straight from the staged rows: `fp8_direct`).
     const CONVERTS: bool;
+    /// Rows may start 8 bytes off a 16-byte boundary (FP8 rows of a head size that is an odd
+    /// multiple of 8, every other kv head or token): each 16-byte chunk is copied as two 8-byte
+    /// halves (`cp_async_halves`), and a row's read span is counted in halves
+    /// ([`Self::live_units`]). The other kernels keep their 16-byte copies.
+    const HALVES: bool = false;
 
     /// The dequantisation factors of kv head `kv_head`'s K and V, each times `M`'s unpack
     /// scale (1 and 1 for a 16-bit cache). They fold into the score scale (k) and the output
@@ -81,6 +86,17 @@ pub(crate) trait CacheFormat {
     /// Row pitch in bytes of `d`-element rows as staged, and their 16-byte chunks.
     fn staged_pitch(d: u32) -> u32;
     fn staged_chunks(d: u32) -> u32;
+
+    /// The copy units of the first `d` elements of a row, which the copies read (the rest of a
+    /// staged row is zero-filled): 16-byte chunks, or 8-byte halves ([`Self::HALVES`]).
+    #[inline(always)]
+    fn live_units(d: u32) -> u32 {
+        if Self::HALVES {
+            d * Self::ELEM_BYTES / 8
+        } else {
+            Self::staged_chunks(d)
+        }
+    }
 
     /// Converts the staged rows of plane `Plane<C, V>` this thread copied (at `staging`) into
     /// the 16-bit tile at `tile` ([`Self::CONVERTS`] only).
@@ -115,13 +131,18 @@ impl CacheFormat for Bits16 {
 }
 
 /// FP8 E4M3 rows with per-tensor or per-kv-head scales (`p.fp8.k_scale`, `p.fp8.v_scale`,
-/// `p.scale_layout`), staged raw (`d` bytes a row).
-pub(crate) struct Fp8E4M3;
+/// `p.scale_layout`), staged raw (`d` bytes a row). `HALVES`: rows that may start only 8-byte
+/// aligned ([`Fp8E4M3A8`]).
+pub(crate) struct Fp8E4M3<const HALVES: bool = false>;
 
-impl CacheFormat for Fp8E4M3 {
+/// FP8 E4M3 rows of a head size that is an odd multiple of 8 (the `_fp8_a8` kernels).
+pub(crate) type Fp8E4M3A8 = Fp8E4M3<true>;
+
+impl<const H: bool> CacheFormat for Fp8E4M3<H> {
     const FP8: bool = true;
     const ELEM_BYTES: u32 = 1;
     const CONVERTS: bool = true;
+    const HALVES: bool = H;
 
     #[inline(always)]
     unsafe fn scales<M: MmaHalf>(p: &AttnParams, kv_head: u32) -> (f32, f32) {

@@ -1,9 +1,10 @@
 //! Entry points of the tensor-core attention kernels: `prefill_<dtype>[_fp8]_dk<qk>_dv<v>` (rows
 //! split across warps), `prefill_local_<dtype>_dk<d>_dv<d>` (the same with the local masks) and `decode_tc_<dtype>[_fp8]_d<head_size>` (keys split across warps);
-//! `_fp8`: an FP8 E4M3 cache; the keys-as-rows decode kernels, the Hopper prefill kernels and the
+//! `_fp8`: an FP8 E4M3 cache (`_fp8_a8`: of a head size that is an odd multiple of 8, whose rows
+//! start 8-byte aligned and are copied in 8-byte halves); the keys-as-rows decode kernels, the Hopper prefill kernels and the
 //! MLA kernels (dense and sparse). The host builds the same names (host/src/prefill.rs, decode.rs, mla.rs).
 
-use crate::attention::config::{AttnConfig, Bits16, Fp8E4M3};
+use crate::attention::config::{AttnConfig, Bits16, Fp8E4M3, Fp8E4M3A8};
 #[cfg(wgmma)]
 use crate::attention::hopper::half_mma::{Mma16, MmaE4m3};
 use crate::attention::mainloop::attention;
@@ -55,9 +56,11 @@ macro_rules! decode_kernels {
     ($q:ident, $qname:literal: $($d:literal),*; tc_fp8: $($d8:literal),*; tc_16bit: $($d16:literal),*) => {
         $(
             attention_kernel!(concat!("prefill_", $qname, "_fp8_dk", $d, "_dv", $d), $q, F16, Fp8E4M3, $d, $d, keys_split: false);
+            attention_kernel!(concat!("prefill_", $qname, "_fp8_a8_dk", $d, "_dv", $d), $q, F16, Fp8E4M3A8, $d, $d, keys_split: false);
         )*
         $(
             attention_kernel!(concat!("decode_tc_", $qname, "_fp8_d", $d8), $q, F16, Fp8E4M3, $d8, $d8, keys_split: true);
+            attention_kernel!(concat!("decode_tc_", $qname, "_fp8_a8_d", $d8), $q, F16, Fp8E4M3A8, $d8, $d8, keys_split: true);
         )*
         $(
             attention_kernel!(concat!("decode_tc_", $qname, "_d", $d16), $q, $q, Bits16, $d16, $d16, keys_split: true);
@@ -105,25 +108,29 @@ macro_rules! keys_rows_kernels {
             };
         )*
         $(
-            const _: () = {
-                #[unsafe(export_name = concat!("decode_kr_", $qname, "_fp8_d", $d8))]
-                unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
-                    unsafe { crate::attention::keys_rows::decode_keys_rows_fp8::<$q, $d8, false, 1, 8>(&p) }
-                }
-            };
-            const _: () = {
-                #[unsafe(export_name = concat!("decode_kr_", $qname, "_fp8_long_d", $d8))]
-                unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
-                    unsafe { crate::attention::keys_rows::decode_keys_rows_fp8::<$q, $d8, true, 1, 8>(&p) }
-                }
-            };
-            const _: () = {
-                #[unsafe(export_name = concat!("decode_kr_", $qname, "_fp8_long_r16_d", $d8))]
-                unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
-                    unsafe { crate::attention::keys_rows::decode_keys_rows_fp8::<$q, $d8, true, 2, 16>(&p) }
-                }
-            };
+            keys_rows_kernels!(fp8: $q, $qname, "_fp8", Fp8E4M3, $d8);
+            keys_rows_kernels!(fp8: $q, $qname, "_fp8_a8", Fp8E4M3A8, $d8);
         )*
+    };
+    (fp8: $q:ident, $qname:literal, $tag:literal, $cache:ident, $d8:literal) => {
+        const _: () = {
+            #[unsafe(export_name = concat!("decode_kr_", $qname, $tag, "_d", $d8))]
+            unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
+                unsafe { crate::attention::keys_rows::decode_keys_rows_fp8::<$q, $cache, $d8, false, 1, 8>(&p) }
+            }
+        };
+        const _: () = {
+            #[unsafe(export_name = concat!("decode_kr_", $qname, $tag, "_long_d", $d8))]
+            unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
+                unsafe { crate::attention::keys_rows::decode_keys_rows_fp8::<$q, $cache, $d8, true, 1, 8>(&p) }
+            }
+        };
+        const _: () = {
+            #[unsafe(export_name = concat!("decode_kr_", $qname, $tag, "_long_r16_d", $d8))]
+            unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
+                unsafe { crate::attention::keys_rows::decode_keys_rows_fp8::<$q, $cache, $d8, true, 2, 16>(&p) }
+            }
+        };
     };
 }
 
@@ -176,6 +183,16 @@ prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, 
 prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", Fp8E4M3, "_fp8", MmaE4m3: (80, 128), (96, 128), (112, 128), (128, 128));
 #[cfg(wgmma)]
 prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", Fp8E4M3, "_fp8", MmaE4m3: (80, 128), (96, 128), (112, 128), (128, 128));
+// The same from FP8 rows of a head size that is an odd multiple of 8 (`_fp8_a8`: rows 8-byte
+// aligned, copied in halves).
+#[cfg(wgmma)]
+prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", Fp8E4M3A8, "_fp8_a8", Mma16<F16>: (64, 64));
+#[cfg(wgmma)]
+prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", Fp8E4M3A8, "_fp8_a8", Mma16<Bf16>: (64, 64));
+#[cfg(wgmma)]
+prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", Fp8E4M3A8, "_fp8_a8", MmaE4m3: (80, 128), (96, 128), (112, 128), (128, 128));
+#[cfg(wgmma)]
+prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", Fp8E4M3A8, "_fp8_a8", MmaE4m3: (80, 128), (96, 128), (112, 128), (128, 128));
 
 // MLA on its own kernel: Q K^T once per tile, P shared by warps owning output columns.
 // `mla_<q>[_fp8]_{narrow,wide}` (shapes in `attn_math::mla`; `_fp8`: an FP8 E4M3 cache), and

@@ -21,7 +21,7 @@
 //! from swizzled shared memory ([`Fp8Rows`], `crate::attention::fp8_direct`'s permuted head
 //! dimensions applied to the transposed tile).
 
-use crate::attention::config::{AttnConfig, Bits16, CacheFormat, Fp8E4M3};
+use crate::attention::config::{AttnConfig, Bits16, CacheFormat};
 use crate::attention::fp8_direct::swizzled;
 use crate::attention::kv::KvSource;
 use crate::attention::logits::Logits;
@@ -31,8 +31,8 @@ use crate::blocks::device::{
     atomic_or_global, dynamic_shared, fma, pdl_launch_dependents, pdl_wait, shfl_xor, static_for, sync_threads, sync_warp, thread_idx_x,
 };
 use crate::blocks::mma::{
-    byte_perm, cp_async_16, cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ld_shared_v4, ldmatrix_x4,
-    ldmatrix_x4_trans, movmatrix_trans, shared_addr, st_shared_f32, st_shared_f32x2, MmaHalf,
+    byte_perm, cp_async_16, cp_async_commit, cp_async_halves, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ld_shared_v4,
+    ldmatrix_x4, ldmatrix_x4_trans, movmatrix_trans, shared_addr, st_shared_f32, st_shared_f32x2, MmaHalf,
 };
 use crate::blocks::vec_io::{load8_nc, load_u32_nc};
 use crate::merge::split_merge::merge_item_splits;
@@ -120,13 +120,24 @@ impl<F: SlabFormat<D>, const D: usize> SlabCopy<F, D> {
         static_for::<16>(|i| {
             if i < Self::CHUNKS {
                 let (r, col) = Self::chunk(i);
-                let live = !bad && kb + r < end && col < self.live_bytes;
-                let src = if live { row0 + r as u64 * self.token_bytes + col as u64 } else { p.qkv.k };
-                let bytes = if live { 16 } else { 0 };
-                let dst = stage + F::at(r, col);
-                unsafe {
-                    cp_async_16(dst, src, bytes);
-                    cp_async_16(dst + plane, src + if live { self.v_delta } else { 0 }, bytes);
+                if F::Cache::HALVES {
+                    // Rows 8-byte aligned: the chunk as two halves, each read if inside the row.
+                    let row = if !bad && kb + r < end { row0 + r as u64 * self.token_bytes } else { 0 };
+                    let (c, halves) = (col / 16, self.live_bytes / 8);
+                    let dst = stage + F::at(r, col);
+                    unsafe {
+                        cp_async_halves(dst, row, c, halves, p.qkv.k);
+                        cp_async_halves(dst + plane, if row != 0 { row.wrapping_add(self.v_delta) } else { 0 }, c, halves, p.qkv.k);
+                    }
+                } else {
+                    let live = !bad && kb + r < end && col < self.live_bytes;
+                    let src = if live { row0 + r as u64 * self.token_bytes + col as u64 } else { p.qkv.k };
+                    let bytes = if live { 16 } else { 0 };
+                    let dst = stage + F::at(r, col);
+                    unsafe {
+                        cp_async_16(dst, src, bytes);
+                        cp_async_16(dst + plane, src + if live { self.v_delta } else { 0 }, bytes);
+                    }
                 }
             }
         });
@@ -239,9 +250,11 @@ impl<Q: MmaHalf, const D: usize> SlabFormat<D> for HalfRows<Q> {
 /// - S^T: k-step `ks` of thread t4 takes dimensions `t4 * D/4 + 4 ks ..+ 4` (its k slots 2t4,
 ///   2t4 + 1, 2t4 + 8, 2t4 + 9), one run of D/4 bytes per key;
 /// - O^T: m-tile `mt`, row `r` is dimension `r * D/16 + mt`, one run of D/16 bytes per (key, r).
-struct Fp8Rows;
+///
+/// `K`: `config::Fp8E4M3`, or `config::Fp8E4M3A8` for rows that may start only 8-byte aligned.
+struct Fp8Rows<K>(core::marker::PhantomData<K>);
 
-impl Fp8Rows {
+impl<K> Fp8Rows<K> {
     /// The D/16-byte run of `key`'s row from dimension `r * D/16`, as words (4 m-tiles each).
     #[inline(always)]
     unsafe fn v_run<const D: usize>(v: u32, key: u32, r: u32) -> [u32; 2] {
@@ -255,9 +268,9 @@ impl Fp8Rows {
     }
 }
 
-impl<const D: usize> SlabFormat<D> for Fp8Rows {
+impl<K: CacheFormat, const D: usize> SlabFormat<D> for Fp8Rows<K> {
     type M = crate::blocks::elem::F16;
-    type Cache = Fp8E4M3;
+    type Cache = K;
 
     #[inline(always)]
     fn at(r: u32, col: u32) -> u32 {
@@ -580,11 +593,14 @@ pub unsafe fn decode_keys_rows_half<Q: MmaHalf, const D: usize, const G: usize, 
     unsafe { decode_keys_rows::<Q, HalfRows<Q>, D, false, G, R>(p) }
 }
 
-/// An FP8 E4M3 cache (head sizes 64 and 128): `LONG` the deep-pipeline kernels
-/// (`decode_kr_<q>_fp8_long[_r16]_d<d>`), else the three-CTA ones (`decode_kr_<q>_fp8_d<d>`);
-/// `G` column groups of 8 rows (2 only with `LONG`), `R = 8 G` rows a CTA.
+/// An FP8 E4M3 cache (head sizes 64 and 128; `K`: `config::Fp8E4M3`, or `Fp8E4M3A8` for the
+/// `_fp8_a8` kernels): `LONG` the deep-pipeline kernels (`decode_kr_<q>_fp8[_a8]_long[_r16]_d<d>`),
+/// else the three-CTA ones (`decode_kr_<q>_fp8[_a8]_d<d>`); `G` column groups of 8 rows (2 only
+/// with `LONG`), `R = 8 G` rows a CTA.
 #[inline(always)]
-pub unsafe fn decode_keys_rows_fp8<Q: MmaHalf, const D: usize, const LONG: bool, const G: usize, const R: u32>(p: &AttnParams) {
+pub unsafe fn decode_keys_rows_fp8<Q: MmaHalf, K: CacheFormat, const D: usize, const LONG: bool, const G: usize, const R: u32>(
+    p: &AttnParams,
+) {
     const { assert!(LONG || G == 1) };
-    unsafe { decode_keys_rows::<Q, Fp8Rows, D, LONG, G, R>(p) }
+    unsafe { decode_keys_rows::<Q, Fp8Rows<K>, D, LONG, G, R>(p) }
 }

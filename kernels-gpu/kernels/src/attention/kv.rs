@@ -2,10 +2,10 @@
 //! cache's block-table row, or packed K/V), the per-tile address tables filled one pipeline stage
 //! ahead, the asynchronous row copies, and the conversion of staged FP8 rows to 16-bit tiles.
 
-use crate::attention::config::{AttnConfig, Plane};
+use crate::attention::config::{AttnConfig, CacheFormat, Plane};
 use crate::attention::work::{load_i32, Work};
 use crate::blocks::device::{atomic_or_global, static_for, thread_idx_x, vote_any};
-use crate::blocks::mma::{cp_async_16, ld_shared_v4, st_shared_u32, st_shared_u64x2, st_shared_v4, MmaHalf};
+use crate::blocks::mma::{cp_async_16, cp_async_halves, ld_shared_v4, st_shared_u32, st_shared_u64x2, st_shared_v4, MmaHalf};
 use attn_math::params::AttnParams;
 use attn_math::prefill::{table_slot_bytes, ROW_PAD, TABLE_ENTRY};
 use attn_math::status::BLOCK_OUT_OF_RANGE;
@@ -179,10 +179,11 @@ impl<C: AttnConfig> KeyTables<C> {
 /// bytes) asynchronously by `NT` threads (the CTA's, or a warp's: thread `tid % NT` of each
 /// group of `NT`); `src(r)` is row r's address, 0 for a row to zero-fill (`fallback`, a valid
 /// address, is named then but not read). Only the first `live` chunks of a row are read; the
-/// rest (the columns past a head size below the kernel's width) are zero-filled. Thread `t`
-/// copies chunks `t + i * NT` (row-major), which [`Plane::convert_fp8`] relies on.
+/// rest (the columns past a head size below the kernel's width) are zero-filled; `K`'s rows
+/// (`live` in its [`CacheFormat::live_units`]). Thread `t` copies chunks `t + i * NT`
+/// (row-major), which [`Plane::convert_fp8`] relies on.
 #[inline(always)]
-pub(crate) unsafe fn copy_rows_async<const NT: u32>(
+pub(crate) unsafe fn copy_rows_async<const NT: u32, K: CacheFormat>(
     rows: u32,
     dst: u32,
     chunks: u32,
@@ -191,12 +192,12 @@ pub(crate) unsafe fn copy_rows_async<const NT: u32>(
     fallback: u64,
     src: impl Fn(u32) -> u64,
 ) {
-    unsafe { copy_rows_async_to::<NT>(rows, |r, c| dst + r * pitch + c * 16, chunks, live, fallback, src) }
+    unsafe { copy_rows_async_to::<NT, K>(rows, |r, c| dst + r * pitch + c * 16, chunks, live, fallback, src) }
 }
 
 /// [`copy_rows_async`] with chunk `c` of row `r` going to shared address `dst(r, c)`.
 #[inline(always)]
-pub(crate) unsafe fn copy_rows_async_to<const NT: u32>(
+pub(crate) unsafe fn copy_rows_async_to<const NT: u32, K: CacheFormat>(
     rows: u32,
     dst: impl Fn(u32, u32) -> u32,
     chunks: u32,
@@ -214,8 +215,12 @@ pub(crate) unsafe fn copy_rows_async_to<const NT: u32>(
         let c = idx - r * chunks;
         if r < rows {
             let a = src(r);
-            let (from, bytes) = if a != 0 && c < live { (a + c as u64 * 16, 16) } else { (fallback, 0) };
-            unsafe { cp_async_16(dst(r, c), from, bytes) };
+            if K::HALVES {
+                unsafe { cp_async_halves(dst(r, c), a, c, live, fallback) };
+            } else {
+                let (from, bytes) = if a != 0 && c < live { (a + c as u64 * 16, 16) } else { (fallback, 0) };
+                unsafe { cp_async_16(dst(r, c), from, bytes) };
+            }
         }
         i += 1;
     }

@@ -16,7 +16,7 @@
 //! A key whose block id is outside the cache gets no address: it is never read, its tile is
 //! masked key by key, and the status word reports it.
 
-use crate::attention::config::{AttnConfig, CacheFormat};
+use crate::attention::config::{AttnConfig, Bits16, CacheFormat};
 use crate::attention::fp8_direct;
 use crate::attention::kv::{copy_rows_async, copy_rows_async_to, KeyTables, KvSource};
 use crate::attention::logits::{softmax_step, Logits};
@@ -104,7 +104,7 @@ pub unsafe fn attention<C: AttnConfig, const MT: usize>(p: &AttnParams) {
     // The launch's head sizes (at most the kernel's widths): the chunks past them are
     // zero-filled, so they add nothing to the scores and the accumulators, and are not stored.
     let (head_qk, head_v) = (p.dims.qk_or(C::DK as u32), p.dims.v_or(C::DV as u32));
-    let (k_live, v_live) = (C::Cache::staged_chunks(head_qk), C::Cache::staged_chunks(head_v));
+    let (k_live, v_live) = (C::Cache::live_units(head_qk), C::Cache::live_units(head_v));
     let load_kv = |tile: u32| {
         let stage = tile % st;
         let t = table(tile) + key_off * TABLE_ENTRY;
@@ -117,17 +117,17 @@ pub unsafe fn attention<C: AttnConfig, const MT: usize>(p: &AttnParams) {
                 // Swizzled rows (`fp8_direct`), at their row in the stage.
                 let (k_base, v_base) = (smem + layout.k + stage * layout.k_stage, smem + layout.v + stage * layout.v_stage);
                 let to = |base: u32| move |r: u32, c: u32| base + fp8_direct::swizzled(key_off + r, c * 16, C::DK as u32);
-                copy_rows_async_to::<32>(C::KW as u32, to(k_base), k_chunks, k_live, p.qkv.q, k_src);
-                copy_rows_async_to::<32>(C::KW as u32, to(v_base), v_chunks, v_live, p.qkv.q, v_src);
+                copy_rows_async_to::<32, C::Cache>(C::KW as u32, to(k_base), k_chunks, k_live, p.qkv.q, k_src);
+                copy_rows_async_to::<32, C::Cache>(C::KW as u32, to(v_base), v_chunks, v_live, p.qkv.q, v_src);
             } else if C::KEYS {
-                copy_rows_async::<32>(C::KW as u32, k_dst, k_chunks, k_live, k_pitch, p.qkv.q, k_src);
+                copy_rows_async::<32, C::Cache>(C::KW as u32, k_dst, k_chunks, k_live, k_pitch, p.qkv.q, k_src);
                 if !C::VK {
-                    copy_rows_async::<32>(C::KW as u32, v_dst, v_chunks, v_live, v_pitch_st, p.qkv.q, v_src);
+                    copy_rows_async::<32, C::Cache>(C::KW as u32, v_dst, v_chunks, v_live, v_pitch_st, p.qkv.q, v_src);
                 }
             } else {
-                copy_rows_async::<THREADS>(C::BN as u32, k_dst, k_chunks, k_live, k_pitch, p.qkv.q, k_src);
+                copy_rows_async::<THREADS, C::Cache>(C::BN as u32, k_dst, k_chunks, k_live, k_pitch, p.qkv.q, k_src);
                 if !C::VK {
-                    copy_rows_async::<THREADS>(C::BN as u32, v_dst, v_chunks, v_live, v_pitch_st, p.qkv.q, v_src);
+                    copy_rows_async::<THREADS, C::Cache>(C::BN as u32, v_dst, v_chunks, v_live, v_pitch_st, p.qkv.q, v_src);
                 }
             }
         }
@@ -157,11 +157,11 @@ pub unsafe fn attention<C: AttnConfig, const MT: usize>(p: &AttnParams) {
     };
     let q_pitch = (C::DK as u32 + ROW_PAD) * 2;
     if C::KEYS {
-        unsafe { copy_rows_async::<THREADS>(16, smem, C::DK as u32 / 8, head_qk / 8, q_pitch, p.qkv.q, q_row) };
+        unsafe { copy_rows_async::<THREADS, Bits16>(16, smem, C::DK as u32 / 8, head_qk / 8, q_pitch, p.qkv.q, q_row) };
     } else if MT == 1 {
-        unsafe { copy_rows_async::<THREADS>(64, smem, C::DK as u32 / 8, head_qk / 8, q_pitch, p.qkv.q, q_row) };
+        unsafe { copy_rows_async::<THREADS, Bits16>(64, smem, C::DK as u32 / 8, head_qk / 8, q_pitch, p.qkv.q, q_row) };
     } else {
-        unsafe { copy_rows_async::<THREADS>(128, smem, C::DK as u32 / 8, head_qk / 8, q_pitch, p.qkv.q, q_row) };
+        unsafe { copy_rows_async::<THREADS, Bits16>(128, smem, C::DK as u32 / 8, head_qk / 8, q_pitch, p.qkv.q, q_row) };
     }
     // Programmatic dependent launch (sm_90a): everything above (work item, block tables,
     // queries, scales) was on the device before the kernel ahead of this one started, so it

@@ -7,6 +7,7 @@ use attn_rs::{BatchMetadata, DType, DevIn, DevOut, DeviceStatus, Element, Fp8E4m
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
+#[derive(Clone, Copy)]
 struct PrefillShape {
     batch: usize,
     /// New tokens per request.
@@ -122,11 +123,13 @@ pub fn prefill_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -
         }
     };
     // `ATTN_BENCH_PREFILL_SHAPES=8x2048x32x32x64,8x512x32x8x128x8192`: rows of those batch x new
-    // tokens x q heads x kv heads x head size [x cached tokens] only (experiments).
+    // tokens x q heads x kv heads x head size [x cached tokens] only, over a bf16 cache and over
+    // an FP8 one (experiments).
     if let Some(shapes) = env_shapes("ATTN_BENCH_PREFILL_SHAPES") {
         for v in shapes.iter().filter(|v| v.len() == 5 || v.len() == 6) {
             let shape = PrefillShape { cached: v.get(5).copied().unwrap_or(0), ..sh(v[0], v[1], v[2], v[3], v[4]) };
             rows.push(row(&shape, status)?);
+            rows.push(row(&PrefillShape { fp8: true, ..shape }, status)?);
         }
         return Ok(());
     }

@@ -16,9 +16,11 @@
 //!   scale a warpgroup (its largest magnitude to 448, e4m3's largest), folded into the score
 //!   scale.
 
+use crate::attention::config::CacheFormat;
 use crate::blocks::device::{named_barrier, shfl_xor, static_for};
 use crate::blocks::mma::{
-    byte_perm, cp_async_16, fence_proxy_async_shared, ld_shared_u32, ld_shared_v4, st_shared_f32, st_shared_u32, st_shared_v4, MmaHalf,
+    byte_perm, cp_async_16, cp_async_halves_or_whole, fence_proxy_async_shared, ld_shared_u32, ld_shared_v4, st_shared_f32, st_shared_u32,
+    st_shared_v4, MmaHalf,
 };
 use crate::blocks::wgmma::e4m3x4;
 use attn_math::hopper_prefill::swizzled;
@@ -104,9 +106,10 @@ fn raw_v_offset(row: u32, chunk: u32) -> u32 {
 /// zero-fill both, `fallback` named then): K into the swizzled stage at `k`, V into the raw slot
 /// at `v_raw` ([`raw_v_offset`]). Each of the 128 producers (`t`) copies the chunks it will
 /// transpose itself ([`VShare`]), so [`transpose_v`] needs only its own copies to have landed.
-/// Only the first `live` 16-byte chunks of a row are read (the launch's head size).
+/// Only the first `live` units of a row are read (the launch's head size, in `K`'s
+/// [`CacheFormat::live_units`]).
 #[inline(always)]
-pub(crate) unsafe fn copy_tile(k: u32, v_raw: u32, t: u32, live: u32, fallback: u64, src: impl Fn(u32) -> (u64, u64)) {
+pub(crate) unsafe fn copy_tile<K: CacheFormat>(k: u32, v_raw: u32, t: u32, live: u32, fallback: u64, src: impl Fn(u32) -> (u64, u64)) {
     let share = VShare::of(t);
     let c = share.chunk;
     let read = c < live;
@@ -116,9 +119,16 @@ pub(crate) unsafe fn copy_tile(k: u32, v_raw: u32, t: u32, live: u32, fallback: 
         let srcs = [src(rows[0]), src(rows[1])];
         static_for::<2>(|k2| {
             let (a, b) = srcs[k2];
+            let r = rows[k2];
+            if K::HALVES {
+                unsafe {
+                    cp_async_halves_or_whole(k + swizzled(64, r, c), a, c, live, fallback);
+                    cp_async_halves_or_whole(v_raw + raw_v_offset(r, c), if a != 0 { b } else { 0 }, c, live, fallback);
+                }
+                return;
+            }
             let valid = a != 0 && read;
             let bytes = if valid { 16 } else { 0 };
-            let r = rows[k2];
             unsafe {
                 cp_async_16(k + swizzled(64, r, c), if valid { a + c as u64 * 16 } else { fallback }, bytes);
                 cp_async_16(v_raw + raw_v_offset(r, c), if valid { b + c as u64 * 16 } else { fallback }, bytes);

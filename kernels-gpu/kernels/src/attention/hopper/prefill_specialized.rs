@@ -522,8 +522,8 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
         }
         if it.status == ITEM_WORK && it.n_tiles > 0 {
             let src = unsafe { KvSource::of(p, &w) };
-            // K and V share the head size here; the 16-byte chunks of a row.
-            let live = if K::FP8 { p.dims.qk_or(D as u32) / 16 } else { p.dims.qk_or(D as u32) / 8 };
+            // K and V share the head size here; the copy units of a row it covers.
+            let live = K::live_units(p.dims.qk_or(D as u32));
             // FP8: the item's first ring position (its stages are converted from here on).
             let first = u;
             let key_of = |j: u32| it.begin + j * BLOCK_N + t;
@@ -561,7 +561,9 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                         unsafe { mbarrier::wait(rings.freed(uh), Rings::<W, K>::parity(uh) ^ 1) };
                         unsafe { write_table_entry::<W, K>(table, t, h as u32, (ka, va), any_bad) };
                         named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
-                        unsafe { copy_tile(rings.k(uh), rings.raw_v(uh), t, live, p.qkv.q, |r| ld_shared_u64x2(table + r * TABLE_ENTRY)) };
+                        unsafe {
+                            copy_tile::<K>(rings.k(uh), rings.raw_v(uh), t, live, p.qkv.q, |r| ld_shared_u64x2(table + r * TABLE_ENTRY))
+                        };
                         cp_async_commit();
                         if uh >= first + WS_E4M3_LOOKAHEAD {
                             cp_async_wait::<{ WS_E4M3_LOOKAHEAD }>();
@@ -584,8 +586,10 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                         unsafe {
                             let rows = |r| ld_shared_u64x2(raw_table + r * TABLE_ENTRY);
                             match Rings::<W, K>::KEYS {
-                                BLOCK_N => copy_raw_row_pairs::<W, BLOCK_N, PRODUCERS, COPY_BATCH>(rings.raw(uh), t, live, p.qkv.q, rows),
-                                _ => copy_raw_row_pairs::<W, 64, PRODUCERS, COPY_BATCH>(rings.raw(uh), t, live, p.qkv.q, rows),
+                                BLOCK_N => {
+                                    copy_raw_row_pairs::<K, W, BLOCK_N, PRODUCERS, COPY_BATCH>(rings.raw(uh), t, live, p.qkv.q, rows)
+                                }
+                                _ => copy_raw_row_pairs::<K, W, 64, PRODUCERS, COPY_BATCH>(rings.raw(uh), t, live, p.qkv.q, rows),
                             }
                         }
                         cp_async_commit();

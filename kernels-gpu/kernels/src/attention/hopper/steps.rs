@@ -3,8 +3,9 @@
 //! layout, and the half-tile softmax (row max, rescale factor, weights), written for a 64-key S
 //! block of a thread's two rows.
 
+use crate::attention::config::CacheFormat;
 use crate::blocks::device::{fma, shfl_xor, static_for};
-use crate::blocks::mma::{cp_async_16, ld_shared_v4, st_shared_v4, MmaHalf};
+use crate::blocks::mma::{cp_async_16, cp_async_halves, ld_shared_v4, st_shared_v4, MmaHalf};
 use attn_math::hopper_prefill::{group_bytes, swizzled};
 use attn_math::softmax::{exp2, OnlineSoftmax};
 
@@ -128,10 +129,11 @@ impl<const BYTES: usize, const ROWS: u32, const NT: u32> RawShare<BYTES, ROWS, N
 
 /// Copies `ROWS` raw FP8 rows of K and V (`src(r)`: row r's two addresses, the first 0 to
 /// zero-fill both, `fallback` named then) into `dst[0]` and `dst[1]` in row order, `BYTES`
-/// bytes a row of which the first `live` 16-byte chunks are read (the rest zero-filled). As
-/// [`copy_row_pairs`], a batch of rows' sources is taken before their copies.
+/// bytes a row of which the first `live` units are read (the rest zero-filled; 16-byte chunks,
+/// or `K`'s 8-byte halves: [`CacheFormat::live_units`]). As [`copy_row_pairs`], a batch of
+/// rows' sources is taken before their copies.
 #[inline(always)]
-pub(crate) unsafe fn copy_raw_row_pairs<const BYTES: usize, const ROWS: u32, const NT: u32, const BATCH: usize>(
+pub(crate) unsafe fn copy_raw_row_pairs<K: CacheFormat, const BYTES: usize, const ROWS: u32, const NT: u32, const BATCH: usize>(
     dst: [u32; 2],
     t: u32,
     live: u32,
@@ -154,6 +156,13 @@ pub(crate) unsafe fn copy_raw_row_pairs<const BYTES: usize, const ROWS: u32, con
             let i = g + k;
             if i < RawShare::<BYTES, ROWS, NT>::COUNT {
                 let (a, b) = rows[k];
+                if K::HALVES {
+                    unsafe {
+                        cp_async_halves(dst[0] + share.offset(i), a, share.chunk, live, fallback);
+                        cp_async_halves(dst[1] + share.offset(i), if a != 0 { b } else { 0 }, share.chunk, live, fallback);
+                    }
+                    return;
+                }
                 let valid = a != 0 && read;
                 let bytes = if valid { 16 } else { 0 };
                 let c = share.chunk as u64 * 16;
