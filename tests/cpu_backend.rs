@@ -259,14 +259,18 @@ fn reason_q_dtype() {
 #[test]
 fn reason_cache_dtype() {
     let f32_cache = llama().with_cache_dtype(DType::F32);
-    assert_eq!(reason_texts(&TENSOR_CORE, &f32_cache, &SM80), ["kv-cache dtype f32 not supported (supports f16, bf16, fp8_e4m3)"]);
+    assert_eq!(
+        reason_texts(&TENSOR_CORE, &f32_cache, &SM80),
+        ["kv-cache dtype f32 not supported (supports f16, bf16, fp8_e4m3, fp8_e5m2)"]
+    );
     assert!(refusal_reasons(&TENSOR_CORE, &llama().with_cache_dtype(DType::Fp8E4m3), &SM80).is_empty());
+    assert!(refusal_reasons(&TENSOR_CORE, &llama().with_cache_dtype(DType::Fp8E5m2), &SM80).is_empty());
     // f16 and bf16 are each supported, but a bf16 query reads a bf16 or fp8 cache only.
     let mixed = llama().with_cache_dtype(DType::F16);
     assert_eq!(refusal_reasons(&TENSOR_CORE, &mixed, &SM80), [Reason::CacheDTypeWithQuery { cache: DType::F16, q: DType::BF16 }]);
     assert_eq!(
         reason_texts(&TENSOR_CORE, &mixed, &SM80),
-        ["kv-cache dtype f16 not supported with bf16 queries (supports the query dtype or fp8_e4m3)"]
+        ["kv-cache dtype f16 not supported with bf16 queries (supports the query dtype, fp8_e4m3 or fp8_e5m2)"]
     );
     assert!(refusal_reasons(&CPU, &mixed, &SM80).is_empty());
     assert_eq!(CPU.cache_dtype_rule, CacheDTypeRule::Any);

@@ -1,7 +1,10 @@
-//! CPU tests of `attn_math`: the FP8 E4M3 and bf16 conversions and the paged-cache slot math,
+//! CPU tests of `attn_math`: the FP8 E4M3 and E5M2 and bf16 conversions and the paged-cache slot math,
 //! checked against independent reference formulas.
 
-use attn_math::fp8::{bf16_bits_to_f32, e4m3_to_f32, f32_to_bf16_bits, f32_to_e4m3, quantize_e4m3, E4M3_MAX};
+use attn_math::fp8::{
+    bf16_bits_to_f32, e4m3_to_f32, e5m2_to_f32, f32_to_bf16_bits, f32_to_e4m3, f32_to_e5m2, quantize_e4m3, quantize_e5m2, E4M3_MAX,
+    E5M2_MAX,
+};
 use attn_math::paging::{resolve_slot, CacheStrides, SlotTarget};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -31,21 +34,21 @@ fn positive_table() -> Vec<f64> {
     (0..=MAX_CODE).map(ref_decode).collect()
 }
 
-/// Reference encoder: nearest finite code to `min(|x|, 448)`, ties to the even mantissa (the
-/// code's low bit), sign copied from `x` (so `-0.0` and tiny negatives give `0x80`); NaN gives
-/// a NaN code.
+/// Reference encoder over a format's finite positive codes `table` (increasing, the largest
+/// last): the nearest code to `min(|x|, largest)`, ties to the even mantissa (the code's low
+/// bit), sign copied from `x` (so `-0.0` and tiny negatives give `0x80`); NaN gives a NaN code.
 fn ref_encode(table: &[f64], x: f32) -> u8 {
     if x.is_nan() {
         return 0x7f;
     }
     let sign = if x.is_sign_negative() { 0x80 } else { 0 };
-    let mag = f64::from(x.abs()).min(f64::from(E4M3_MAX));
+    let mag = f64::from(x.abs()).min(table[table.len() - 1]);
     // First code whose value is >= mag; the answer is it or its predecessor.
     let hi = table.partition_point(|&v| v < mag);
     let code = if hi == 0 {
         0
     } else if hi == table.len() {
-        MAX_CODE as usize
+        table.len() - 1
     } else {
         let lo = hi - 1;
         let (dlo, dhi) = (mag - table[lo], table[hi] - mag);
@@ -347,6 +350,113 @@ fn cpu_fp8_cache_write_matches_vllm_bytes() {
         }
         check::<half::bf16>(&table, &mut rng, (&spec, rows, &slots), (k_scale, v_scale));
         check::<f32>(&table, &mut rng, (&spec, rows, &slots), (k_scale, v_scale));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// E5M2, against its definition in f64 and against IEEE f16 (whose upper byte it is).
+// ---------------------------------------------------------------------------------------------
+
+/// Largest finite positive E5M2 code (57344).
+const E5M2_MAX_CODE: u8 = 0x7b;
+
+/// Decode from the definition: sign, 5 exponent bits (bias 15), 2 mantissa bits; exponent 0 is
+/// subnormal (`m * 2^-16`); exponent 31 is infinity (mantissa 0) or NaN.
+fn ref_decode_e5m2(code: u8) -> f64 {
+    let sign = if code & 0x80 != 0 { -1.0 } else { 1.0 };
+    let exp = i32::from((code >> 2) & 0x1f);
+    let mant = f64::from(code & 3);
+    let mag = match exp {
+        31 if mant == 0.0 => f64::INFINITY,
+        31 => return f64::NAN,
+        0 => mant * 2f64.powi(-16),
+        _ => (1.0 + mant / 4.0) * 2f64.powi(exp - 15),
+    };
+    sign * mag
+}
+
+fn e5m2_table() -> Vec<f64> {
+    (0..=E5M2_MAX_CODE).map(ref_decode_e5m2).collect()
+}
+
+fn check_encode_e5m2(table: &[f64], x: f32) {
+    let (got, want) = (f32_to_e5m2(x), ref_encode(table, x));
+    if x.is_nan() {
+        assert!(e5m2_to_f32(got).is_nan(), "f32_to_e5m2({x:e}) = {got:#04x}, expected a NaN code");
+    } else {
+        assert_eq!(got, want, "f32_to_e5m2({x:e} = {:#010x}): got {got:#04x}, expected {want:#04x}", x.to_bits());
+    }
+}
+
+#[test]
+fn e5m2_decodes_every_code_as_the_definition_and_as_f16() {
+    for code in 0..=255u8 {
+        let got = e5m2_to_f32(code);
+        let want = ref_decode_e5m2(code);
+        let as_f16 = half::f16::from_bits(u16::from(code) << 8).to_f32();
+        if want.is_nan() {
+            assert!(got.is_nan() && as_f16.is_nan(), "e5m2_to_f32({code:#04x}) = {got}, expected NaN");
+        } else {
+            assert_eq!(f64::from(got), want, "e5m2_to_f32({code:#04x})");
+            assert!(same_f32(got, as_f16), "e5m2_to_f32({code:#04x}) = {got:e}, f16's upper byte {as_f16:e}");
+        }
+    }
+    assert_eq!(e5m2_to_f32(E5M2_MAX_CODE), E5M2_MAX);
+    assert_eq!(e5m2_to_f32(0x01), 2f32.powi(-16));
+    assert_eq!(e5m2_to_f32(0x04), 2f32.powi(-14));
+    assert_eq!(e5m2_to_f32(0x7c), f32::INFINITY);
+}
+
+#[test]
+fn e5m2_round_trips_every_finite_code() {
+    for code in (0..=255u8).filter(|c| c & 0x7f <= E5M2_MAX_CODE) {
+        let x = e5m2_to_f32(code);
+        assert_eq!(f32_to_e5m2(x), code, "f32_to_e5m2(e5m2_to_f32({code:#04x}) = {x:e})");
+    }
+}
+
+#[test]
+fn e5m2_encodes_edge_and_random_values_to_nearest_even_saturating() {
+    let table = e5m2_table();
+    let mut v = vec![
+        0.0,
+        f32::from_bits(1),
+        f32::MIN_POSITIVE,
+        2f32.powi(-17),
+        3.0 * 2f32.powi(-18),
+        2f32.powi(-14),
+        57344.0,
+        57345.0,
+        61439.996,
+        61440.0,
+        65504.0,
+        1e9,
+        f32::MAX,
+        f32::INFINITY,
+        f32::NAN,
+    ];
+    for w in table.windows(2) {
+        let mid = ((w[0] + w[1]) / 2.0) as f32;
+        assert_eq!(f64::from(mid), (w[0] + w[1]) / 2.0, "midpoints of E5M2 codes are exact in f32");
+        v.extend([mid, f32::from_bits(mid.to_bits() - 1), f32::from_bits(mid.to_bits() + 1), w[1] as f32]);
+    }
+    let negated: Vec<f32> = v.iter().map(|x| -x).collect();
+    v.extend(negated);
+    let mut rng = SmallRng::seed_from_u64(0xe5e2);
+    let random = (0..300_000).map(|i| match i % 3 {
+        0 => f32::from_bits(rng.random()),
+        1 => rng.random_range(-70000.0f32..70000.0),
+        _ => 2f32.powf(rng.random_range(-18.0f32..17.0)) * if rng.random() { 1.0 } else { -1.0 },
+    });
+    for x in v.into_iter().chain(random.collect::<Vec<_>>()) {
+        check_encode_e5m2(&table, x);
+    }
+    let mut rng = SmallRng::seed_from_u64(5);
+    for scale in SCALES {
+        for _ in 0..20_000 {
+            let x = rng.random_range(-60000.0f32..60000.0) * scale;
+            assert_eq!(quantize_e5m2(x, scale), ref_encode(&table, x / scale), "quantize_e5m2({x:e}, {scale:e})");
+        }
     }
 }
 

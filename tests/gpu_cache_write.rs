@@ -6,7 +6,10 @@
 mod common;
 
 use attn_rs::cache_write::{concat_and_cache_mla, reshape_and_cache, KvScales, KvWrite, MlaWrite};
-use attn_rs::{cpu, AttnError, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc, StatusFlags};
+use attn_rs::{
+    cpu, AttnError, DType, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, Fp8E5m2, KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc,
+    StatusFlags,
+};
 use common::*;
 use half::{bf16, f16};
 use libtest_mimic::Trial;
@@ -92,7 +95,7 @@ fn kv_case<T: Element + std::fmt::Debug, C: Element + std::fmt::Debug>(layout: K
     let num_blocks = (c.tokens + 3 * c.block_size) / c.block_size + 2;
     let spec = KvCacheSpec::new(layout, num_blocks, c.block_size, c.heads, c.head_size)?;
     let rows = RowsDesc { token_stride: c.heads * c.head_size + c.row_pad, ..RowsDesc::contiguous(c.tokens, c.heads, c.head_size) };
-    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
+    let fp8 = C::DTYPE.is_fp8();
     // FP8 values up to ~2x past the saturation point, to exercise it.
     let range = if fp8 { 900.0 } else { 4.0 };
     let key: Vec<T> = random_vec(&mut rng, rows.required_len().max(1), range);
@@ -144,7 +147,7 @@ fn mla_case<T: Element + std::fmt::Debug, C: Element + std::fmt::Debug>(tokens: 
     let mut rng = rng(salt);
     let stream = new_stream();
     let spec = MlaCacheSpec::deepseek(tokens / block_size + 3, block_size)?;
-    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
+    let fp8 = C::DTYPE.is_fp8();
     let range = if fp8 { 900.0 } else { 4.0 };
     // kv_c and k_pe as slices of one wider projection output (row stride 576 + 64).
     let stride = spec.row_width() + 64;
@@ -195,11 +198,14 @@ fn mla_case<T: Element + std::fmt::Debug, C: Element + std::fmt::Debug>(tokens: 
     check_slot_status(flags, &report, &slots, spec.num_slots())
 }
 
-/// E4M3 from its definition: sign, 4 exponent bits (bias 7), 3 mantissa bits, exponent 0
-/// subnormal (`m * 2^-9`), `S.1111.111` NaN.
-fn e4m3_value(code: u8) -> f64 {
-    let (exp, mant) = (i32::from((code >> 3) & 0xf), f64::from(code & 7));
-    let mag = if exp == 0 { mant * 2f64.powi(-9) } else { (1.0 + mant / 8.0) * 2f64.powi(exp - 7) };
+/// A finite code's value from its format's definition: sign, then E4M3's 4 exponent bits (bias
+/// 7) and 3 mantissa bits, or E5M2's 5 (bias 15) and 2; exponent 0 subnormal.
+fn fp8_value(dtype: DType, code: u8) -> f64 {
+    let (mant_bits, bias) = if dtype == DType::Fp8E4m3 { (3, 7) } else { (2, 15) };
+    let exp = i32::from((code & 0x7f) >> mant_bits);
+    let mant = f64::from(code & ((1 << mant_bits) - 1));
+    let scale = f64::from(1u32 << mant_bits);
+    let mag = if exp == 0 { mant / scale * 2f64.powi(1 - bias) } else { (1.0 + mant / scale) * 2f64.powi(exp - bias) };
     if code & 0x80 != 0 {
         -mag
     } else {
@@ -207,15 +213,16 @@ fn e4m3_value(code: u8) -> f64 {
     }
 }
 
-/// vLLM's FP8 quantisation of a finite `x`, written from the definitions: `x / scale` as one f32
-/// division, then the finite E4M3 value nearest to it (ties to the even code), saturated at
-/// ±448, with the quotient's sign.
-fn vllm_fp8(x: f32, scale: f32) -> u8 {
+/// vLLM's FP8 quantisation of a finite `x` into `dtype`, written from the definitions: `x /
+/// scale` as one f32 division, then the finite value nearest to it (ties to the even code),
+/// saturated at the largest (E4M3 448, E5M2 57344), with the quotient's sign.
+fn vllm_fp8(dtype: DType, x: f32, scale: f32) -> u8 {
+    let max_code = if dtype == DType::Fp8E4m3 { 0x7e } else { 0x7b };
     let y = x / scale;
-    let mag = f64::from(y.abs()).min(448.0);
+    let mag = f64::from(y.abs()).min(fp8_value(dtype, max_code));
     let mut best = 0u8;
-    for code in 1..=0x7eu8 {
-        let (d, d_best) = ((e4m3_value(code) - mag).abs(), (e4m3_value(best) - mag).abs());
+    for code in 1..=max_code {
+        let (d, d_best) = ((fp8_value(dtype, code) - mag).abs(), (fp8_value(dtype, best) - mag).abs());
         if d < d_best || (d == d_best && code % 2 == 0) {
             best = code;
         }
@@ -223,10 +230,27 @@ fn vllm_fp8(x: f32, scale: f32) -> u8 {
     best | if y.is_sign_negative() { 0x80 } else { 0 }
 }
 
-/// FP8 cache bytes against [`vllm_fp8`] (not the CPU path): `reshape_and_cache` with K and V
-/// scales `scales` and `concat_and_cache_mla` with the K scale, inputs spread over the cache's
-/// range (a few past ±448 after the division, to saturate).
-fn fp8_vllm_case<T: Element>(scales: (&[f32], &[f32]), salt: u64) -> TestResult {
+/// An FP8 cache element's byte.
+trait Fp8Byte: Element {
+    fn byte(self) -> u8;
+}
+
+impl Fp8Byte for Fp8E4m3 {
+    fn byte(self) -> u8 {
+        self.0
+    }
+}
+
+impl Fp8Byte for Fp8E5m2 {
+    fn byte(self) -> u8 {
+        self.0
+    }
+}
+
+/// FP8 cache bytes of type `C` against [`vllm_fp8`] (not the CPU path): `reshape_and_cache` with
+/// K and V scales `scales` and `concat_and_cache_mla` with the K scale, inputs spread over the
+/// cache's range (a few past its largest value after the division, to saturate).
+fn fp8_vllm_case<T: Element, C: Fp8Byte>(scales: (&[f32], &[f32]), salt: u64) -> TestResult {
     let mut rng = rng(salt);
     let stream = new_stream();
     let (tokens, heads, head_size, block_size) = (96usize, 4usize, 128usize, 16usize);
@@ -234,9 +258,10 @@ fn fp8_vllm_case<T: Element>(scales: (&[f32], &[f32]), salt: u64) -> TestResult 
     let rows = RowsDesc::contiguous(tokens, heads, head_size);
     // One scale per tensor, or one per head.
     let at = |s: &[f32], head: usize| s[if s.len() == 1 { 0 } else { head }];
-    // Values up to 460 times their head's scale (a few past E4M3's 448: saturation).
+    // Values up to a few past the largest value times their head's scale (saturation).
+    let top = if C::DTYPE == DType::Fp8E4m3 { 460.0 } else { 60000.0 };
     let spread = |rng: &mut _, s: &[f32]| -> Vec<T> {
-        let raw: Vec<f32> = random_vec(rng, rows.required_len(), 460.0);
+        let raw: Vec<f32> = random_vec(rng, rows.required_len(), top);
         raw.iter().enumerate().map(|(i, &x)| T::from_f32(x * at(s, i / head_size % heads))).collect()
     };
     let (key, value) = (spread(&mut rng, scales.0), spread(&mut rng, scales.1));
@@ -244,7 +269,7 @@ fn fp8_vllm_case<T: Element>(scales: (&[f32], &[f32]), salt: u64) -> TestResult 
     let key_d = upload(&stream, &key);
     let value_d = upload(&stream, &value);
     let slots_d = upload(&stream, &slots);
-    let mut cache_d = upload(&stream, &vec![poison::<Fp8E4m3>(); spec.num_elements()]);
+    let mut cache_d = upload(&stream, &vec![poison::<C>(); spec.num_elements()]);
     let scale_d = (upload(&stream, scales.0), upload(&stream, scales.1));
     let mut status = DeviceStatus::new(&stream)?;
     let w = KvWrite {
@@ -267,7 +292,7 @@ fn fp8_vllm_case<T: Element>(scales: (&[f32], &[f32]), salt: u64) -> TestResult 
             for dim in 0..head_size {
                 for (plane, src, scale) in [(0, &key, at(scales.0, head)), (1, &value, at(scales.1, head))] {
                     let x = src[rows.offset(token, head, dim)].to_f32();
-                    let (g, want) = (got[spec.offset(plane, block, offset, head, dim)].0, vllm_fp8(x, scale));
+                    let (g, want) = (got[spec.offset(plane, block, offset, head, dim)].byte(), vllm_fp8(C::DTYPE, x, scale));
                     if g != want && bad.len() < 10 {
                         bad.push(format!(
                             "plane {plane} token {token} head {head} dim {dim}: x = {x:e}, scale {scale}: {g:#04x}, vLLM {want:#04x}"
@@ -286,10 +311,10 @@ fn fp8_vllm_case<T: Element>(scales: (&[f32], &[f32]), salt: u64) -> TestResult 
     // The latent cache's one scale: the first key scale.
     let mla_scale = scales.0[0];
     let mla_scale_d = upload(&stream, &[mla_scale]);
-    let src: Vec<T> = random_vec(&mut rng, tokens * width, 460.0 * mla_scale);
+    let src: Vec<T> = random_vec(&mut rng, tokens * width, top * mla_scale);
     let kv_c_d = upload(&stream, &src);
     let k_pe_d = upload(&stream, &src[mla.latent_dim..]);
-    let mut mla_d = upload(&stream, &vec![poison::<Fp8E4m3>(); mla.num_elements()]);
+    let mut mla_d = upload(&stream, &vec![poison::<C>(); mla.num_elements()]);
     let w = MlaWrite {
         kv_c: DevIn::new(&kv_c_d, &stream),
         kv_c_token_stride: width,
@@ -308,7 +333,7 @@ fn fp8_vllm_case<T: Element>(scales: (&[f32], &[f32]), salt: u64) -> TestResult 
         let (block, offset) = (slot as usize / block_size, slot as usize % block_size);
         for col in 0..width {
             let x = src[token * width + col].to_f32();
-            let (g, want) = (got[mla.offset(block, offset, col)].0, vllm_fp8(x, mla_scale));
+            let (g, want) = (got[mla.offset(block, offset, col)].byte(), vllm_fp8(C::DTYPE, x, mla_scale));
             if g != want && bad.len() < 10 {
                 bad.push(format!("token {token} column {col}: x = {x:e}, scale {mla_scale}: {g:#04x}, vLLM {want:#04x}"));
             }
@@ -337,6 +362,9 @@ macro_rules! for_dtype_pairs {
         one!(f16, Fp8E4m3, "f16_fp8");
         one!(bf16, Fp8E4m3, "bf16_fp8");
         one!(f32, Fp8E4m3, "f32_fp8");
+        one!(f16, Fp8E5m2, "f16_e5m2");
+        one!(bf16, Fp8E5m2, "bf16_e5m2");
+        one!(f32, Fp8E5m2, "f32_e5m2");
     }};
 }
 
@@ -369,9 +397,12 @@ fn main() {
     sets.push(("per_head".into(), per_head.0.to_vec(), per_head.1.to_vec()));
     for (label, k, v) in sets {
         for (name, f) in [
-            ("f16", fp8_vllm_case::<f16> as fn((&[f32], &[f32]), u64) -> TestResult),
-            ("bf16", fp8_vllm_case::<bf16>),
-            ("f32", fp8_vllm_case::<f32>),
+            ("f16", fp8_vllm_case::<f16, Fp8E4m3> as fn((&[f32], &[f32]), u64) -> TestResult),
+            ("bf16", fp8_vllm_case::<bf16, Fp8E4m3>),
+            ("f32", fp8_vllm_case::<f32, Fp8E4m3>),
+            ("f16_e5m2", fp8_vllm_case::<f16, Fp8E5m2>),
+            ("bf16_e5m2", fp8_vllm_case::<bf16, Fp8E5m2>),
+            ("f32_e5m2", fp8_vllm_case::<f32, Fp8E5m2>),
         ] {
             salt += 1;
             let (s, k, v) = (salt, k.clone(), v.clone());

@@ -8,7 +8,7 @@ mod common;
 use attn_rs::batch_plan::{paged_decode_planned, BatchPlan};
 use attn_rs::cache_write::KvScales;
 use attn_rs::decode::{merge_attn_states, paged_decode, DecodeArgs, DecodeBatch, DecodeWorkspace, MergeArgs};
-use attn_rs::{cpu, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
+use attn_rs::{cpu, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, Fp8E5m2, KvCacheSpec, KvLayout, RowsDesc};
 use attn_rs::{AttnOptions, SplitMode};
 use common::*;
 use cudarc::driver::CudaSlice;
@@ -71,7 +71,7 @@ impl Case {
 fn decode_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let mut rng = rng(salt);
     let stream = new_stream();
-    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
+    let fp8 = C::DTYPE.is_fp8();
     let (d, hq) = (c.head_size, c.q_heads);
     let num_reqs = c.seq_lens.len();
     let BlockTables { table: block_table, stride, num_blocks } =
@@ -523,6 +523,32 @@ fn cases() -> Vec<(String, Case, &'static str)> {
         Case { q_lens: vec![2, 1, 2], q_heads: 16, kv_heads: 2, split: SplitMode::Fixed(4), ..Case::base(&[1500, 900, 3000]) },
         "f16_f16",
     );
+    // E5M2 caches: each FP8 kernel kind once more (keys as rows at widths 64 and 128, short,
+    // deep and two-group; 16-row tiles at 256; the `_a8` twins at odd multiples of 8).
+    for (d, hq, hkv, lens) in [
+        (128, 32, 8, &[1, 17, 300, 1000, 4097][..]),
+        (64, 16, 1, &[33, 2000][..]),
+        (256, 16, 4, &[5, 777, 2100][..]),
+        (80, 32, 2, &[5, 777, 2100][..]),
+        (72, 32, 4, &[5, 777, 2100][..]),
+        (40, 32, 4, &[5, 777][..]),
+        (120, 64, 8, &[5, 777, 2100][..]),
+        (136, 16, 2, &[5, 777][..]),
+    ] {
+        let case = Case { head_size: d, q_heads: hq, kv_heads: hkv, gapped: true, ..Case::base(lens) };
+        push(format!("bf16_e5m2::gapped_head_size_{d}_{hq}q{hkv}kv"), case.clone(), "bf16_e5m2");
+        push(
+            format!("f16_e5m2::gapped_head_size_{d}_per_head_scales_mtp"),
+            Case { per_head_scales: true, q_lens: lens.iter().zip([2, 1, 3].iter().cycle()).map(|(&l, &q)| q.min(l)).collect(), ..case },
+            "f16_e5m2",
+        );
+    }
+    push("bf16_e5m2::long_planned_sinks".into(), Case { planned: true, sinks: true, ..Case::base(&[3000, 1, 2047]) }, "bf16_e5m2");
+    push(
+        "f16_e5m2::softcap_alibi_sinks_window_bad_block_id".into(),
+        Case { softcap: Some(30.0), alibi: true, sinks: true, window: Some(300), bad_block: true, ..Case::base(&[100, 1500]) },
+        "f16_e5m2",
+    );
     push("bf16_bf16::long_window_edges_gqa16".into(), Case { q_heads: 32, kv_heads: 2, ..edges(1, 4093) }, "bf16_bf16");
     push("f16_f16::gqa16_d64_split_fixed_3".into(), Case { head_size: 64, split: SplitMode::Fixed(3), ..gqa16(&[2000, 77]) }, "f16_f16");
     push("bf16_bf16::gqa16_d256".into(), Case { head_size: 256, ..gqa16(&[2000, 77]) }, "bf16_bf16");
@@ -539,7 +565,10 @@ fn main() {
             "bf16_bf16" => Box::new(move || decode_case::<bf16, bf16>(case, s)),
             "f16_f16" => Box::new(move || decode_case::<f16, f16>(case, s)),
             "bf16_fp8" => Box::new(move || decode_case::<bf16, Fp8E4m3>(case, s)),
-            _ => Box::new(move || decode_case::<f16, Fp8E4m3>(case, s)),
+            "f16_fp8" => Box::new(move || decode_case::<f16, Fp8E4m3>(case, s)),
+            "bf16_e5m2" => Box::new(move || decode_case::<bf16, Fp8E5m2>(case, s)),
+            "f16_e5m2" => Box::new(move || decode_case::<f16, Fp8E5m2>(case, s)),
+            other => unreachable!("dtype pair {other}"),
         };
         trials.push(Trial::test(format!("decode::{name}"), f));
     }

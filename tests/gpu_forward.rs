@@ -9,7 +9,7 @@ mod common;
 use attn_rs::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig};
 use attn_rs::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, HostElement, LayerIo, NewKv};
 use attn_rs::metadata::{is_decode, StepInput};
-use attn_rs::{AttnError, DType, DevIn, DevOut, Fp8E4m3, KvLayout, RowsDesc};
+use attn_rs::{AttnError, DType, DevIn, DevOut, Fp8E4m3, Fp8E5m2, KvLayout, RowsDesc};
 use common::*;
 use half::{bf16, f16};
 use libtest_mimic::Trial;
@@ -30,12 +30,16 @@ struct Case {
     alibi: bool,
     sinks: bool,
     padding: usize,
-    /// An FP8 cache (with k/v scales) instead of one of the query dtype.
-    fp8: bool,
+    /// An FP8 cache of this type (with k/v scales) instead of one of the query dtype.
+    fp8: Option<DType>,
     /// The FP8 scales one per kv head (else one per tensor).
     per_head_scales: bool,
     steps: Vec<Vec<(usize, usize)>>,
 }
+
+/// The FP8 cache types of [`Case::fp8`].
+const E4M3: Option<DType> = Some(DType::Fp8E4m3);
+const E5M2: Option<DType> = Some(DType::Fp8E5m2);
 
 fn mixed_steps() -> Vec<Vec<(usize, usize)>> {
     vec![
@@ -65,7 +69,7 @@ fn base(hq: usize, hkv: usize, d: usize) -> Case {
         alibi: false,
         sinks: false,
         padding: 0,
-        fp8: false,
+        fp8: None,
         per_head_scales: false,
         steps: mixed_steps(),
     }
@@ -80,10 +84,10 @@ fn cases() -> Vec<(String, Case, DType)> {
         ("mha_d64_hnd".into(), Case { layout: KvLayout::FlashHnd, padding: 3, ..base(4, 4, 64) }, DType::BF16),
         ("gqa2_d96_flashinfer_bs32".into(), Case { layout: KvLayout::FlashInferNhd, block_size: 32, ..base(4, 2, 96) }, DType::F16),
         ("mqa_d256_flashinfer_hnd".into(), Case { layout: KvLayout::FlashInferHnd, ..base(8, 1, 256) }, DType::BF16),
-        ("fp8_cache_gqa4_d128".into(), Case { fp8: true, ..base(32, 8, 128) }, DType::BF16),
+        ("fp8_cache_gqa4_d128".into(), Case { fp8: E4M3, ..base(32, 8, 128) }, DType::BF16),
         (
             "fp8_cache_long_f16_d64_hnd_per_head_scales".into(),
-            Case { fp8: true, per_head_scales: true, layout: KvLayout::FlashHnd, steps: long_steps(), ..base(8, 2, 64) },
+            Case { fp8: E4M3, per_head_scales: true, layout: KvLayout::FlashHnd, steps: long_steps(), ..base(8, 2, 64) },
             DType::F16,
         ),
         ("long_contexts_split_k".into(), Case { steps: long, ..base(32, 8, 128) }, DType::BF16),
@@ -91,15 +95,24 @@ fn cases() -> Vec<(String, Case, DType)> {
         // Head sizes below the kernels' widths: Phi-2's 80 (width 96), 112 with an FP8 cache
         // (width 128), 40 with long contexts (width 64), 200 (width 256).
         ("phi2_like_d80".into(), Case { steps: long_steps(), ..base(32, 32, 80) }, DType::F16),
-        ("fp8_cache_d112_multi_token".into(), Case { fp8: true, threshold: 4, ..base(16, 4, 112) }, DType::BF16),
+        ("fp8_cache_d112_multi_token".into(), Case { fp8: E4M3, threshold: 4, ..base(16, 4, 112) }, DType::BF16),
         ("gqa8_d40_hnd_long".into(), Case { layout: KvLayout::FlashHnd, padding: 2, steps: long_steps(), ..base(16, 2, 40) }, DType::BF16),
         // FP8 caches at odd multiples of 8 (the `_fp8_a8` kernels): 72 (width 128 decode, the
         // Hopper e4m3 width-80 prefill), 40 in HND with long contexts (width 64).
-        ("fp8_cache_d72_multi_token".into(), Case { fp8: true, threshold: 4, ..base(32, 4, 72) }, DType::BF16),
+        ("fp8_cache_d72_multi_token".into(), Case { fp8: E4M3, threshold: 4, ..base(32, 4, 72) }, DType::BF16),
         (
             "fp8_cache_d40_hnd_long".into(),
-            Case { fp8: true, layout: KvLayout::FlashHnd, steps: long_steps(), ..base(16, 2, 40) },
+            Case { fp8: E4M3, layout: KvLayout::FlashHnd, steps: long_steps(), ..base(16, 2, 40) },
             DType::F16,
+        ),
+        // E5M2 caches: d128 with long contexts (the deep-pipeline decode), 72 multi-token (the
+        // `_e5m2_a8` kernels, the Hopper FP8 width-80 prefill), 64 in HND with per-head scales.
+        ("e5m2_cache_gqa4_d128_long".into(), Case { fp8: E5M2, steps: long_steps(), ..base(32, 8, 128) }, DType::BF16),
+        ("e5m2_cache_d72_multi_token".into(), Case { fp8: E5M2, threshold: 4, ..base(32, 4, 72) }, DType::F16),
+        (
+            "e5m2_cache_d64_hnd_per_head_scales".into(),
+            Case { fp8: E5M2, per_head_scales: true, layout: KvLayout::FlashHnd, ..base(8, 2, 64) },
+            DType::BF16,
         ),
         ("mqa_d200_window_sinks".into(), Case { window: Some(50), sinks: true, ..base(8, 1, 200) }, DType::BF16),
         (
@@ -120,7 +133,7 @@ fn forward_case<T: HostElement + std::fmt::Debug, C: HostElement + std::fmt::Deb
         cache_dtype: C::DTYPE,
         ..ModelConfig::standard(c.hq, c.hkv, c.d, T::DTYPE, c.block_size, c.layout).with_features(features)
     };
-    let fp8 = C::DTYPE == DType::Fp8E4m3;
+    let fp8 = C::DTYPE.is_fp8();
     // Values in [-1, 1) over scales of 1/32 and 1/48 (per head: 1/32 .. 1/60 and 1/48 ..
     // 1/20): FP8 codes up to 60, well inside e4m3.
     let (ks, vs): (Vec<f32>, Vec<f32>) = match c.per_head_scales {
@@ -354,10 +367,12 @@ fn main() {
     for (i, (name, case, dt)) in picked.into_iter().enumerate() {
         let s = 6000 + i as u64;
         let f: Box<dyn FnOnce() -> TestResult + Send> = match (dt, case.fp8) {
-            (DType::F16, false) => Box::new(move || forward_case::<f16, f16>(case, s)),
-            (DType::F16, true) => Box::new(move || forward_case::<f16, Fp8E4m3>(case, s)),
-            (_, false) => Box::new(move || forward_case::<bf16, bf16>(case, s)),
-            (_, true) => Box::new(move || forward_case::<bf16, Fp8E4m3>(case, s)),
+            (DType::F16, None) => Box::new(move || forward_case::<f16, f16>(case, s)),
+            (DType::F16, E4M3) => Box::new(move || forward_case::<f16, Fp8E4m3>(case, s)),
+            (DType::F16, _) => Box::new(move || forward_case::<f16, Fp8E5m2>(case, s)),
+            (_, None) => Box::new(move || forward_case::<bf16, bf16>(case, s)),
+            (_, E4M3) => Box::new(move || forward_case::<bf16, Fp8E4m3>(case, s)),
+            (_, _) => Box::new(move || forward_case::<bf16, Fp8E5m2>(case, s)),
         };
         trials.push(Trial::test(format!("forward::{name}"), f));
     }

@@ -13,7 +13,7 @@ use attn_rs::cache_write::KvScales;
 use attn_rs::decode::DecodeWorkspace;
 use attn_rs::mla::{mla_attention, MlaArgs};
 use attn_rs::MlaCacheSpec;
-use attn_rs::{cpu, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, RowsDesc};
+use attn_rs::{cpu, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, Fp8E5m2, RowsDesc};
 use attn_rs::{AttnOptions, PlanOptions, SplitMode, Tuning};
 use common::*;
 use cudarc::driver::CudaSlice;
@@ -65,7 +65,7 @@ const V: usize = 512;
 fn mla_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let mut rng = rng(salt);
     let stream = new_stream();
-    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
+    let fp8 = C::DTYPE.is_fp8();
     let (hq, num_reqs) = (c.heads, c.seq_lens.len());
     let BlockTables { table: block_table, stride, num_blocks } =
         scattered_block_tables(&mut rng, &c.seq_lens, c.block_size, 2, c.bad_block);
@@ -262,6 +262,13 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("bf16::heads_128_rising".into(), Case { rising: 1.0, ..Case::new(128, &[2000, 700, 129], 1) }, "bf16");
     push("bf16_fp8::heads_128_rising".into(), Case { rising: 0.5, ..Case::new(128, &[2000, 700], 1) }, "bf16_fp8");
     push("f16_fp8::heads_64_empty_requests".into(), Case { q_lens: vec![0, 1, 0, 2], ..Case::new(64, &[0, 50, 0, 129], 1) }, "f16_fp8");
+    // E5M2 latent caches: both shapes (narrow: converted in registers; wide: in shared memory,
+    // the seesaw on sm_90a), MTP, a bad block id.
+    push("bf16_e5m2::heads_16".into(), Case::new(16, &[1, 65, 1000], 1), "bf16_e5m2");
+    push("f16_e5m2::heads_16_long_5000_bad_block_id".into(), Case { bad_block: true, ..Case::new(16, &[5000, 3, 129], 1) }, "f16_e5m2");
+    push("bf16_e5m2::heads_128".into(), Case::new(128, &[1, 63, 64, 65, 700], 1), "bf16_e5m2");
+    push("f16_e5m2::heads_128_mtp_2".into(), Case::new(128, &[3, 400], 2), "f16_e5m2");
+    push("bf16_e5m2::mtp_4_heads_4".into(), Case::new(4, &[5, 100, 1000], 4), "bf16_e5m2");
     v
 }
 
@@ -275,7 +282,10 @@ fn main() {
             "bf16" => Box::new(move || mla_case::<bf16, bf16>(case, s)),
             "f16" => Box::new(move || mla_case::<f16, f16>(case, s)),
             "bf16_fp8" => Box::new(move || mla_case::<bf16, Fp8E4m3>(case, s)),
-            _ => Box::new(move || mla_case::<f16, Fp8E4m3>(case, s)),
+            "f16_fp8" => Box::new(move || mla_case::<f16, Fp8E4m3>(case, s)),
+            "bf16_e5m2" => Box::new(move || mla_case::<bf16, Fp8E5m2>(case, s)),
+            "f16_e5m2" => Box::new(move || mla_case::<f16, Fp8E5m2>(case, s)),
+            other => unreachable!("dtype pair {other}"),
         };
         trials.push(Trial::test(format!("mla::{name}"), f));
     }

@@ -18,7 +18,7 @@ use attn_rs::cache_write::KvScales;
 use attn_rs::decode::DecodeWorkspace;
 use attn_rs::mla::{mla_sparse_attention, MlaArgs, SparseIndexArgs};
 use attn_rs::MlaCacheSpec;
-use attn_rs::{cpu, AttnError, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, RowsDesc};
+use attn_rs::{cpu, AttnError, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, Fp8E5m2, RowsDesc};
 use attn_rs::{AttnOptions, PlanOptions, SplitMode, Tuning};
 use common::*;
 use cudarc::driver::CudaSlice;
@@ -129,7 +129,7 @@ fn index_rows(rng: &mut SmallRng, c: &Case, qsl: &[i32]) -> (Vec<i32>, usize) {
 fn sparse_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let mut rng = rng(salt);
     let stream = new_stream();
-    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
+    let fp8 = C::DTYPE.is_fp8();
     let hq = c.heads;
     let BlockTables { table: block_table, stride, num_blocks } =
         scattered_block_tables(&mut rng, &c.seq_lens, c.block_size, 2, c.bad_block);
@@ -311,6 +311,8 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("bf16::row_gap", Case { row_gap: 13, padding: 0.3, ..Case::new(16, &[1000, 64], 99) }, "bf16");
     push("bf16::heads_8", Case::new(8, &[700, 3000], 512), "bf16");
     push("bf16::heads_64", Case::new(64, &[700, 3000], 512), "bf16");
+    push("bf16_e5m2::heads_16_k_2048", Case { padding: 0.2, ..Case::new(16, &[100, 2500, 8192], 2048) }, "bf16_e5m2");
+    push("f16_e5m2::heads_128_k_64", Case::new(128, &[64, 65, 1000], 64), "f16_e5m2");
     v
 }
 
@@ -324,7 +326,10 @@ fn main() {
             "bf16" => Box::new(move || sparse_case::<bf16, bf16>(case, s)),
             "f16" => Box::new(move || sparse_case::<f16, f16>(case, s)),
             "bf16_fp8" => Box::new(move || sparse_case::<bf16, Fp8E4m3>(case, s)),
-            _ => Box::new(move || sparse_case::<f16, Fp8E4m3>(case, s)),
+            "f16_fp8" => Box::new(move || sparse_case::<f16, Fp8E4m3>(case, s)),
+            "bf16_e5m2" => Box::new(move || sparse_case::<bf16, Fp8E5m2>(case, s)),
+            "f16_e5m2" => Box::new(move || sparse_case::<f16, Fp8E5m2>(case, s)),
+            other => unreachable!("dtype pair {other}"),
         };
         trials.push(Trial::test(format!("mla_sparse::{name}"), f));
     }

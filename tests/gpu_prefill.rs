@@ -8,7 +8,7 @@ mod common;
 use attn_rs::cache_write::KvScales;
 use attn_rs::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
 use attn_rs::AttnOptions;
-use attn_rs::{cpu, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, RowsDesc};
+use attn_rs::{cpu, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, Fp8E5m2, KvCacheSpec, KvLayout, RowsDesc};
 use common::*;
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
@@ -70,7 +70,7 @@ impl Case {
 }
 
 fn prefill_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
-    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
+    let fp8 = C::DTYPE.is_fp8();
     let (ks, vs): (Vec<f32>, Vec<f32>) = match c.per_head_scales {
         true => (0..c.kv_heads).map(|h| (0.035 + 0.03 * h as f32 / c.kv_heads as f32, 0.04 - 0.02 * h as f32 / c.kv_heads as f32)).unzip(),
         false => (vec![0.05], vec![0.03]),
@@ -404,6 +404,29 @@ fn cases() -> Vec<(String, Case, &'static str)> {
         Case { block_size: 64, bad_block: true, q_lens: Some(vec![0, 5, 0, 130]), ..Case::base(&[0, 5, 7, 333]) },
         "bf16_fp8",
     );
+    // E5M2 caches: each prefill kernel kind once more (Hopper's width 64 on converted rows, its
+    // FP8 `wgmma` widths 80 to 128, the `mma.sync` kernel at 256, the `_a8` twins at odd
+    // multiples of 8), chunked, per-head scales, features, a bad block id.
+    for (d, hq, hkv) in [(128, 8, 2), (64, 4, 1), (256, 4, 2), (96, 8, 8), (72, 8, 2), (40, 8, 2), (136, 4, 2)] {
+        let case = Case { dk: d, dv: d, q_heads: hq, kv_heads: hkv, gapped: d % 16 == 8, ..Case::base(&[17, 300, 129, 1]) };
+        push(format!("bf16_e5m2::head_size_{d}"), case.clone(), "bf16_e5m2");
+        push(
+            format!("f16_e5m2::head_size_{d}_chunked_per_head_scales"),
+            Case { q_lens: Some(vec![5, 100, 33, 1]), per_head_scales: true, ..case },
+            "f16_e5m2",
+        );
+    }
+    push("bf16_e5m2::length_2049_gqa4".into(), Case { q_heads: 4, kv_heads: 1, ..Case::base(&[2049]) }, "bf16_e5m2");
+    push(
+        "bf16_e5m2::features".into(),
+        Case { softcap: Some(8.0), alibi: true, sinks: true, window: Some(64), ..Case::base(&[40, 500]) },
+        "bf16_e5m2",
+    );
+    push(
+        "f16_e5m2::empty_requests_block_size_64_bad_block_id".into(),
+        Case { block_size: 64, bad_block: true, q_lens: Some(vec![0, 5, 0, 130]), ..Case::base(&[0, 5, 7, 333]) },
+        "f16_e5m2",
+    );
     // The last tokens of one request of 20000 keys (chunked prefill at a long context) under a
     // sliding window, every row with two dominant keys at its mask's edges (the first key of
     // its window, its own position) and the keys just outside them as strong: one key too many
@@ -435,7 +458,10 @@ fn main() {
             "bf16" => Box::new(move || prefill_case::<bf16, bf16>(case, s)),
             "bf16_fp8" => Box::new(move || prefill_case::<bf16, Fp8E4m3>(case, s)),
             "f16_fp8" => Box::new(move || prefill_case::<f16, Fp8E4m3>(case, s)),
-            _ => Box::new(move || prefill_case::<f16, f16>(case, s)),
+            "bf16_e5m2" => Box::new(move || prefill_case::<bf16, Fp8E5m2>(case, s)),
+            "f16_e5m2" => Box::new(move || prefill_case::<f16, Fp8E5m2>(case, s)),
+            "f16" => Box::new(move || prefill_case::<f16, f16>(case, s)),
+            other => unreachable!("dtype pair {other}"),
         };
         trials.push(Trial::test(format!("prefill::{name}"), f));
     }

@@ -55,7 +55,7 @@ impl Setup {
     fn args<'a>(&'a self, hq: usize, cache: DevIn<'a>, out: &'a mut CudaSlice<bf16>) -> DecodeArgs<'a> {
         let s = &self.stream;
         let rows = RowsDesc::contiguous(1, hq, D);
-        let fp8 = cache.dtype() == DType::Fp8E4m3;
+        let fp8 = cache.dtype().is_fp8();
         DecodeArgs {
             q: DevIn::new(&self.q, s),
             q_rows: rows,

@@ -551,6 +551,9 @@ pub(crate) fn candle_dtype(d: attn_rs::DType) -> Result<DType> {
         attn_rs::DType::BF16 => DType::BF16,
         attn_rs::DType::F32 => DType::F32,
         attn_rs::DType::Fp8E4m3 => DType::F8E4M3,
+        attn_rs::DType::Fp8E5m2 => {
+            return Err(invalid("dtype", "Fp8E5m2: candle has no E5M2 dtype (attn-rs takes E5M2 caches through its own API)"))
+        }
         other => return Err(invalid("dtype", format!("{other:?} is no cache dtype"))),
     })
 }

@@ -89,7 +89,7 @@ impl BatchPlan {
         self.check_streams(batch, ws)?;
         let batch = &batch.decode_batch();
         let max_q = check_batch(batch, q_dtype, cache_dtype, num_heads)?;
-        let tc = mla_tc_kernel(dev, q_dtype, cache_dtype == DType::Fp8E4m3, num_heads, max_q, &plan.tuning)?;
+        let tc = mla_tc_kernel(dev, q_dtype, cache_dtype.fp8_format(), num_heads, max_q, &plan.tuning)?;
         self.plan_for(dev, tc, batch, plan, ws)
     }
 
@@ -119,9 +119,18 @@ impl BatchPlan {
             format!("{num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         })?;
         let max_q = check_batch(batch, q_dtype, cache_dtype, num_q_heads)?;
-        let fp8 = cache_dtype == DType::Fp8E4m3;
         head_width("head_size", head_size)?;
-        let tc = decode_tc_kernel(dev, q_dtype, fp8, head_size, num_q_heads, num_kv_heads, max_q, max_len(batch.seq_lens), &plan.tuning)?;
+        let tc = decode_tc_kernel(
+            dev,
+            q_dtype,
+            cache_dtype,
+            head_size,
+            num_q_heads,
+            num_kv_heads,
+            max_q,
+            max_len(batch.seq_lens),
+            &plan.tuning,
+        )?;
         self.plan_for(dev, tc, batch, plan, ws)
     }
 
@@ -208,7 +217,7 @@ fn check_batch(batch: &DecodeBatch<'_>, q_dtype: DType, cache_dtype: DType, num_
     let pb = PrefillBatch { query_start_loc: qsl, seq_lens: batch.seq_lens, key_start_loc: None };
     validate_prefill_batch(&pb, num_tokens, true, None)?;
     ensure(matches!(q_dtype, DType::F16 | DType::BF16), "q_dtype", || format!("{q_dtype:?}: decode takes f16 or bf16 queries"))?;
-    ensure(cache_dtype == q_dtype || cache_dtype == DType::Fp8E4m3, "cache_dtype", || format!("{cache_dtype:?} with {q_dtype:?} queries"))?;
+    ensure(cache_dtype == q_dtype || cache_dtype.is_fp8(), "cache_dtype", || format!("{cache_dtype:?} with {q_dtype:?} queries"))?;
     ensure(num_heads > 0, "num_heads", || "is 0".into())?;
     // Validated: the start locations do not decrease from 0, so no difference wraps.
     let max_q = qsl.windows(2).map(|w| (w[1] - w[0]) as u32).max().unwrap_or(1);

@@ -98,10 +98,10 @@ pub(crate) fn check_write_dtypes(src: DType, value: DType, cache: DType, scaled:
     if value != src {
         return Err(AttnError::UnsupportedDType { arg: "value", dtype: value, reason: "must match the key's dtype" });
     }
-    if cache != src && cache != DType::Fp8E4m3 {
-        return Err(AttnError::UnsupportedDType { arg: "cache", dtype: cache, reason: "must be the source dtype or fp8 e4m3" });
+    if cache != src && !cache.is_fp8() {
+        return Err(AttnError::UnsupportedDType { arg: "cache", dtype: cache, reason: "must be the source dtype, fp8 e4m3 or e5m2" });
     }
-    ensure(cache != DType::Fp8E4m3 || scaled, "scales", || "an fp8 cache needs k/v scales".into())
+    ensure(!cache.is_fp8() || scaled, "scales", || "an fp8 cache needs k/v scales".into())
 }
 
 /// Shape checks shared by the GPU and CPU paths.
@@ -203,12 +203,12 @@ pub(crate) fn reshape_and_cache_from(dev: &AttnDevice, stream: &CudaStream, w: K
     if num_tokens == 0 {
         return Ok(());
     }
-    let kernel = KernelId::ReshapeAndCache { src, fp8: cache == DType::Fp8E4m3 };
+    let kernel = KernelId::ReshapeAndCache { src, fp8: cache.fp8_format() };
     let grid = grid_for(num_tokens)?;
     let (k_origin, v_origin) = w.spec.kv_origins();
     let strides = w.spec.strides();
     let (k_scale, v_scale, scale_head_stride) = match &w.scales {
-        Some(s) if cache == DType::Fp8E4m3 => s.layout(w.spec.num_kv_heads)?,
+        Some(s) if cache.is_fp8() => s.layout(w.spec.num_kv_heads)?,
         _ => (0, 0, 0),
     };
     let (status_ptr, _status_order) = status.word.device_ptr_mut(stream);
@@ -274,9 +274,9 @@ pub(crate) fn concat_and_cache_mla_from(dev: &AttnDevice, stream: &CudaStream, w
     if w.num_tokens == 0 {
         return Ok(());
     }
-    let kernel = KernelId::ConcatAndCacheMla { src, fp8: cache == DType::Fp8E4m3 };
+    let kernel = KernelId::ConcatAndCacheMla { src, fp8: cache.fp8_format() };
     let grid = grid_for(w.num_tokens)?;
-    let scale = if cache == DType::Fp8E4m3 { scale_ptr(w.scale.as_ref(), "scale")? } else { 0 };
+    let scale = if cache.is_fp8() { scale_ptr(w.scale.as_ref(), "scale")? } else { 0 };
     let (status_ptr, _status_order) = status.word.device_ptr_mut(stream);
     let p = MlaCacheWriteParams {
         kv_c: w.kv_c.ptr,

@@ -39,10 +39,10 @@ impl WriteReport {
 }
 
 /// Cache-element value of `x`: a plain conversion, or `x / scale` quantised for an FP8 cache
-/// (one f32 division, then E4M3 rounding: `attn_math::fp8::quantize_e4m3`, as vLLM and the
-/// kernels).
+/// (one f32 division, then E4M3 or E5M2 rounding: `attn_math::fp8::quantize_e4m3`,
+/// `quantize_e5m2`, as vLLM and the kernels).
 fn store<C: Element>(x: f32, scale: f32) -> C {
-    if C::DTYPE == crate::dtype::DType::Fp8E4m3 {
+    if C::DTYPE.is_fp8() {
         C::from_f32(x / scale)
     } else {
         C::from_f32(x)

@@ -3,7 +3,7 @@
 //! ([`KernelId::entry_name`], the name the kernels' export macros give it) is made only where
 //! the device looks the function up in its module.
 
-use crate::dtype::DType;
+use crate::dtype::{DType, Fp8Format};
 use crate::error::{ensure, Result};
 use crate::ptx::Family;
 use std::fmt;
@@ -18,10 +18,46 @@ pub(crate) fn head_width(arg: &'static str, d: usize) -> Result<u32> {
     Ok(taken.and_then(width).expect("every head size taken has a width"))
 }
 
-/// Whether an FP8 cache's rows at head size `d` may start only 8-byte aligned (an odd multiple
-/// of 8): the `_fp8_a8` kernels, which copy each 16-byte chunk as two 8-byte halves, run them.
-pub(crate) fn fp8_rows_a8(fp8: bool, d: usize) -> bool {
-    fp8 && d % 16 == 8
+/// The rows a standard kernel reads from the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CacheRows {
+    /// 16-bit rows of the queries' type.
+    Bits16,
+    /// FP8 rows of `format`; `a8`: rows that may start only 8-byte aligned (a head size that is
+    /// an odd multiple of 8: the `_a8` kernels, which copy each 16-byte chunk as two 8-byte
+    /// halves).
+    Fp8 { format: Fp8Format, a8: bool },
+}
+
+impl CacheRows {
+    /// The rows of a cache of type `cache` at head size `d` (16-bit unless `cache` is FP8).
+    pub(crate) fn of(cache: DType, d: usize) -> CacheRows {
+        match cache.fp8_format() {
+            Some(format) => CacheRows::Fp8 { format, a8: d % 16 == 8 },
+            None => CacheRows::Bits16,
+        }
+    }
+
+    /// FP8 rows.
+    pub(crate) fn is_fp8(self) -> bool {
+        matches!(self, CacheRows::Fp8 { .. })
+    }
+
+    /// The part of an entry name that names them: "", `_fp8` (E4M3), `_e5m2`, then `_a8`.
+    fn tag(self) -> &'static str {
+        match self {
+            CacheRows::Bits16 => "",
+            CacheRows::Fp8 { format: Fp8Format::E4m3, a8: false } => "_fp8",
+            CacheRows::Fp8 { format: Fp8Format::E4m3, a8: true } => "_fp8_a8",
+            CacheRows::Fp8 { format: Fp8Format::E5m2, a8: false } => "_e5m2",
+            CacheRows::Fp8 { format: Fp8Format::E5m2, a8: true } => "_e5m2_a8",
+        }
+    }
+}
+
+/// The entry-name tag of an MLA cache or a cache write's FP8 format ("" for none).
+fn fp8_tag(fp8: Option<Fp8Format>) -> &'static str {
+    fp8.map_or("", |format| CacheRows::Fp8 { format, a8: false }.tag())
 }
 
 /// [`head_width`] for decode: the width `attn_math::decode::decode_width` picks.
@@ -40,71 +76,64 @@ pub enum MlaTile {
 }
 
 /// A kernel the host launches. `q`, `src` and `out` are the 16-bit (or f32) types of queries,
-/// sources and outputs; `fp8`: an FP8 E4M3 cache (else the cache has the query's or source's
-/// type); `a8` (with `fp8`): its rows start only 8-byte aligned (`_fp8_a8`: a head size that is
-/// an odd multiple of 8, [`fp8_rows_a8`]). [`KernelId::all`] lists every one the committed
-/// modules export.
+/// sources and outputs; `rows` the cache rows the standard kernels read ([`CacheRows`]); `fp8`
+/// the FP8 format of an MLA cache or a cache write's destination (else the cache has the
+/// query's or source's type). [`KernelId::all`] lists every one the committed modules export.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KernelId {
     /// `reshape_and_cache_<src>_<cache>`: K/V rows into the paged cache.
-    ReshapeAndCache { src: DType, fp8: bool },
+    ReshapeAndCache { src: DType, fp8: Option<Fp8Format> },
     /// `concat_and_cache_mla_<src>_<cache>`: MLA latent rows into the latent cache.
-    ConcatAndCacheMla { src: DType, fp8: bool },
+    ConcatAndCacheMla { src: DType, fp8: Option<Fp8Format> },
     /// `decode_merge_<out>`: pass 2 of split-K.
     DecodeMerge { out: DType },
     /// `merge_attn_states_<out>`.
     MergeAttnStates { out: DType },
-    /// `decode_tc_<q>[_fp8[_a8]]_d<d>`: tensor-core decode, keys split across warps, 16-row score
+    /// `decode_tc_<q><rows>_d<d>`: tensor-core decode, keys split across warps, 16-row score
     /// tiles (width 256: 16-bit caches at 9 to 16 rows per kv head, FP8 caches).
-    DecodeTc { q: DType, fp8: bool, a8: bool, head_size: u32 },
-    /// `decode_kr_<q>[_fp8[_a8]][_long][_r16]_d<d>`: the keys-as-rows decode (`attn_math::keys_rows`);
+    DecodeTc { q: DType, rows: CacheRows, head_size: u32 },
+    /// `decode_kr_<q><rows>[_long][_r16]_d<d>`: the keys-as-rows decode (`attn_math::keys_rows`);
     /// `long` (FP8 only): the deep-pipeline form for long contexts; `wide` (16-bit caches
     /// 16-bit caches, and FP8 with `long`): 16 query rows a CTA instead of 8.
-    DecodeKr { q: DType, fp8: bool, a8: bool, long: bool, wide: bool, head_size: u32 },
-    /// `prefill_<q>[_fp8[_a8]]_dk<qk>_dv<v>`: the `mma.sync` attention-tile kernel.
-    Prefill { q: DType, fp8: bool, a8: bool, head_size_qk: u32, head_size_v: u32 },
+    DecodeKr { q: DType, rows: CacheRows, long: bool, wide: bool, head_size: u32 },
+    /// `prefill_<q><rows>_dk<qk>_dv<v>`: the `mma.sync` attention-tile kernel.
+    Prefill { q: DType, rows: CacheRows, head_size_qk: u32, head_size_v: u32 },
     /// `prefill_local_<q>_dk<d>_dv<d>`: the `mma.sync` prefill kernel with the local masks
     /// (chunked local attention, the symmetric window), 16-bit caches or packed K/V.
     PrefillLocal { q: DType, head_size: u32 },
-    /// `prefill_wgs_<q>[_fp8[_a8]]_d<d>`: Hopper's warp-specialised persistent prefill (sm_90a).
-    PrefillWgs { q: DType, fp8: bool, a8: bool, head_size: u32 },
-    /// `mla_<q>[_fp8]_{narrow,wide}`: MLA's latent attention.
-    Mla { q: DType, fp8: bool, tile: MlaTile },
-    /// `mla_sparse_<q>[_fp8]_{narrow,wide}`: the MLA kernel over each query token's top-k
+    /// `prefill_wgs_<q><rows>_d<d>`: Hopper's warp-specialised persistent prefill (sm_90a).
+    PrefillWgs { q: DType, rows: CacheRows, head_size: u32 },
+    /// `mla_<q>[<fp8>]_{narrow,wide}`: MLA's latent attention.
+    Mla { q: DType, fp8: Option<Fp8Format>, tile: MlaTile },
+    /// `mla_sparse_<q>[<fp8>]_{narrow,wide}`: the MLA kernel over each query token's top-k
     /// index list (DeepSeek-V3.2's sparse attention).
-    MlaSparse { q: DType, fp8: bool, tile: MlaTile },
+    MlaSparse { q: DType, fp8: Option<Fp8Format>, tile: MlaTile },
 }
 
 impl KernelId {
     /// The kernel's PTX entry name, as the kernels' export macros spell it.
     pub fn entry_name(&self) -> String {
-        let fp8 = |on: bool| if on { "_fp8" } else { "" };
-        // The FP8 kernels for rows that start only 8-byte aligned ([`fp8_rows_a8`]).
-        let rows = |on: bool, a8: bool| match (on, a8) {
-            (true, true) => "_fp8_a8",
-            _ => fp8(on),
-        };
-        let cache = |src: DType, on: bool| if on { DType::Fp8E4m3.kernel_name() } else { src.kernel_name() };
+        let cache = |src: DType, fp8: Option<Fp8Format>| fp8.map_or(src, Fp8Format::dtype).kernel_name();
         match *self {
             KernelId::ReshapeAndCache { src, fp8 } => format!("reshape_and_cache_{}_{}", src.kernel_name(), cache(src, fp8)),
             KernelId::ConcatAndCacheMla { src, fp8 } => format!("concat_and_cache_mla_{}_{}", src.kernel_name(), cache(src, fp8)),
             KernelId::DecodeMerge { out } => format!("decode_merge_{}", out.kernel_name()),
             KernelId::MergeAttnStates { out } => format!("merge_attn_states_{}", out.kernel_name()),
-            KernelId::DecodeTc { q, fp8: f, a8, head_size: d } => format!("decode_tc_{}{}_d{d}", q.kernel_name(), rows(f, a8)),
-            KernelId::DecodeKr { q, fp8: f, a8, long, wide, head_size: d } => {
+            KernelId::DecodeTc { q, rows, head_size: d } => format!("decode_tc_{}{}_d{d}", q.kernel_name(), rows.tag()),
+            KernelId::DecodeKr { q, rows, long, wide, head_size: d } => {
                 let (long, wide) = (if long { "_long" } else { "" }, if wide { "_r16" } else { "" });
-                format!("decode_kr_{}{}{long}{wide}_d{d}", q.kernel_name(), rows(f, a8))
+                format!("decode_kr_{}{}{long}{wide}_d{d}", q.kernel_name(), rows.tag())
             }
-            KernelId::Prefill { q, fp8: f, a8, head_size_qk: dk, head_size_v: dv } => {
-                format!("prefill_{}{}_dk{dk}_dv{dv}", q.kernel_name(), rows(f, a8))
+            KernelId::Prefill { q, rows, head_size_qk: dk, head_size_v: dv } => {
+                format!("prefill_{}{}_dk{dk}_dv{dv}", q.kernel_name(), rows.tag())
             }
             KernelId::PrefillLocal { q, head_size: d } => format!("prefill_local_{}_dk{d}_dv{d}", q.kernel_name()),
-            KernelId::PrefillWgs { q, fp8: f, a8, head_size: d } => format!("prefill_wgs_{}{}_d{d}", q.kernel_name(), rows(f, a8)),
-            KernelId::Mla { q, fp8: f, tile } => {
-                format!("mla_{}{}_{}", q.kernel_name(), fp8(f), if tile == MlaTile::Narrow { "narrow" } else { "wide" })
+            KernelId::PrefillWgs { q, rows, head_size: d } => format!("prefill_wgs_{}{}_d{d}", q.kernel_name(), rows.tag()),
+            KernelId::Mla { q, fp8, tile } => {
+                format!("mla_{}{}_{}", q.kernel_name(), fp8_tag(fp8), if tile == MlaTile::Narrow { "narrow" } else { "wide" })
             }
-            KernelId::MlaSparse { q, fp8: f, tile } => {
-                format!("mla_sparse_{}{}_{}", q.kernel_name(), fp8(f), if tile == MlaTile::Narrow { "narrow" } else { "wide" })
+            KernelId::MlaSparse { q, fp8, tile } => {
+                format!("mla_sparse_{}{}_{}", q.kernel_name(), fp8_tag(fp8), if tile == MlaTile::Narrow { "narrow" } else { "wide" })
             }
         }
     }
@@ -137,9 +166,10 @@ impl KernelId {
         use attn_math::{decode, hopper_prefill, keys_rows, prefill};
         const HALF: [DType; 2] = [DType::F16, DType::BF16];
         const FLOAT: [DType; 3] = [DType::F16, DType::BF16, DType::F32];
+        const FP8: [Option<Fp8Format>; 3] = [None, Some(Fp8Format::E4m3), Some(Fp8Format::E5m2)];
         let mut v = Vec::new();
         for src in FLOAT {
-            for fp8 in [false, true] {
+            for fp8 in FP8 {
                 v.push(KernelId::ReshapeAndCache { src, fp8 });
                 v.push(KernelId::ConcatAndCacheMla { src, fp8 });
             }
@@ -147,74 +177,68 @@ impl KernelId {
             v.push(KernelId::MergeAttnStates { out: src });
         }
         for q in HALF {
-            for fp8 in [false, true] {
+            for fp8 in FP8 {
+                let is_fp8 = fp8.is_some();
+                // The standard shapes' rows; each FP8 kernel again below for rows 8-byte aligned.
+                let rows = fp8.map_or(CacheRows::Bits16, |format| CacheRows::Fp8 { format, a8: false });
                 for head_size in decode::HEAD_SIZES {
                     // The keys-as-rows kernels take every row count to 16 below head size 256
                     // from 16-bit caches, and at head sizes 64 and 128 from FP8.
-                    let keys_rows_all = if fp8 { &keys_rows::FP8_HEAD_SIZES[..] } else { &keys_rows::WIDE_HEAD_SIZES[..] };
+                    let keys_rows_all = if is_fp8 { &keys_rows::FP8_HEAD_SIZES[..] } else { &keys_rows::WIDE_HEAD_SIZES[..] };
                     // The 16-row score tiles where no keys-as-rows kernel of the width exists (FP8
                     // decode runs the width-96 head sizes at 128: `decode::decode_width`).
-                    if !keys_rows_all.contains(&head_size) && decode::decode_width(head_size, fp8) == Some(head_size) {
-                        v.push(KernelId::DecodeTc { q, fp8, a8: false, head_size });
+                    if !keys_rows_all.contains(&head_size) && decode::decode_width(head_size, is_fp8) == Some(head_size) {
+                        v.push(KernelId::DecodeTc { q, rows, head_size });
                     }
-                    if !fp8 || keys_rows::FP8_HEAD_SIZES.contains(&head_size) {
-                        v.push(KernelId::DecodeKr { q, fp8, a8: false, long: false, wide: false, head_size });
+                    if !is_fp8 || keys_rows::FP8_HEAD_SIZES.contains(&head_size) {
+                        v.push(KernelId::DecodeKr { q, rows, long: false, wide: false, head_size });
                     }
-                    if fp8 && keys_rows::FP8_HEAD_SIZES.contains(&head_size) {
-                        v.push(KernelId::DecodeKr { q, fp8, a8: false, long: true, wide: false, head_size });
+                    if is_fp8 && keys_rows::FP8_HEAD_SIZES.contains(&head_size) {
+                        v.push(KernelId::DecodeKr { q, rows, long: true, wide: false, head_size });
+                        v.push(KernelId::DecodeKr { q, rows, long: true, wide: true, head_size });
                     }
-                    if fp8 && keys_rows::FP8_HEAD_SIZES.contains(&head_size) {
-                        v.push(KernelId::DecodeKr { q, fp8, a8: false, long: true, wide: true, head_size });
-                    }
-                    if !fp8 && keys_rows::WIDE_HEAD_SIZES.contains(&head_size) {
-                        v.push(KernelId::DecodeKr { q, fp8, a8: false, long: false, wide: true, head_size });
+                    if !is_fp8 && keys_rows::WIDE_HEAD_SIZES.contains(&head_size) {
+                        v.push(KernelId::DecodeKr { q, rows, long: false, wide: true, head_size });
                     }
                 }
                 // FP8 caches are paged, whose K and V have one head size.
-                for (dk, dv) in prefill::HEAD_SIZES.into_iter().filter(|&(dk, dv)| !fp8 || dk == dv) {
-                    v.push(KernelId::Prefill { q, fp8, a8: false, head_size_qk: dk, head_size_v: dv });
+                for (dk, dv) in prefill::HEAD_SIZES.into_iter().filter(|&(dk, dv)| !is_fp8 || dk == dv) {
+                    v.push(KernelId::Prefill { q, rows, head_size_qk: dk, head_size_v: dv });
                 }
                 for tile in [MlaTile::Narrow, MlaTile::Wide] {
                     v.push(KernelId::Mla { q, fp8, tile });
                     v.push(KernelId::MlaSparse { q, fp8, tile });
                 }
+                let wgs_sizes = if is_fp8 { &hopper_prefill::FP8_HEAD_SIZES[..] } else { &hopper_prefill::HEAD_SIZES[..] };
+                for &head_size in wgs_sizes {
+                    v.push(KernelId::PrefillWgs { q, rows, head_size });
+                }
             }
             for head_size in decode::HEAD_SIZES {
                 v.push(KernelId::PrefillLocal { q, head_size });
             }
-            for head_size in hopper_prefill::HEAD_SIZES {
-                v.push(KernelId::PrefillWgs { q, fp8: false, a8: false, head_size });
-            }
-            for head_size in hopper_prefill::FP8_HEAD_SIZES {
-                v.push(KernelId::PrefillWgs { q, fp8: true, a8: false, head_size });
-            }
         }
-        // Each FP8 kernel of the standard shapes again for rows 8-byte aligned (`_fp8_a8`).
-        let a8: Vec<KernelId> = v
-            .iter()
-            .filter_map(|id| match *id {
-                KernelId::DecodeTc { fp8: true, .. }
-                | KernelId::DecodeKr { fp8: true, .. }
-                | KernelId::Prefill { fp8: true, .. }
-                | KernelId::PrefillWgs { fp8: true, .. } => Some(id.with_a8()),
-                _ => None,
-            })
-            .collect();
+        // Each FP8 kernel of the standard shapes again for rows 8-byte aligned (`_a8`).
+        let a8: Vec<KernelId> = v.iter().filter_map(|id| id.with_a8()).collect();
         v.extend(a8);
         v
     }
 
-    /// The same kernel for FP8 rows that start only 8-byte aligned (`_fp8_a8`).
+    /// The same kernel for FP8 rows that start only 8-byte aligned (`_a8`), for a standard
+    /// kernel over FP8 rows.
     #[cfg(test)]
-    fn with_a8(mut self) -> Self {
+    fn with_a8(mut self) -> Option<Self> {
         match &mut self {
-            KernelId::DecodeTc { a8, .. }
-            | KernelId::DecodeKr { a8, .. }
-            | KernelId::Prefill { a8, .. }
-            | KernelId::PrefillWgs { a8, .. } => *a8 = true,
-            _ => {}
+            KernelId::DecodeTc { rows, .. }
+            | KernelId::DecodeKr { rows, .. }
+            | KernelId::Prefill { rows, .. }
+            | KernelId::PrefillWgs { rows, .. } => match rows {
+                CacheRows::Fp8 { a8, .. } => *a8 = true,
+                CacheRows::Bits16 => return None,
+            },
+            _ => return None,
         }
-        self
+        Some(self)
     }
 }
 
@@ -268,30 +292,41 @@ mod tests {
     #[test]
     fn entry_names() {
         let (f16, bf16) = (DType::F16, DType::BF16);
+        let (e4m3, e5m2) = (Fp8Format::E4m3, Fp8Format::E5m2);
+        let fp8 = |format, a8| CacheRows::Fp8 { format, a8 };
+        let half = CacheRows::Bits16;
         let cases = [
-            (KernelId::ReshapeAndCache { src: DType::F32, fp8: true }, "reshape_and_cache_f32_fp8"),
-            (KernelId::ConcatAndCacheMla { src: bf16, fp8: false }, "concat_and_cache_mla_bf16_bf16"),
+            (KernelId::ReshapeAndCache { src: DType::F32, fp8: Some(e4m3) }, "reshape_and_cache_f32_fp8"),
+            (KernelId::ReshapeAndCache { src: bf16, fp8: Some(e5m2) }, "reshape_and_cache_bf16_e5m2"),
+            (KernelId::ConcatAndCacheMla { src: bf16, fp8: None }, "concat_and_cache_mla_bf16_bf16"),
             (KernelId::DecodeMerge { out: f16 }, "decode_merge_f16"),
             (KernelId::MergeAttnStates { out: DType::F32 }, "merge_attn_states_f32"),
-            (KernelId::DecodeTc { q: bf16, fp8: true, a8: false, head_size: 256 }, "decode_tc_bf16_fp8_d256"),
-            (KernelId::DecodeKr { q: f16, fp8: false, a8: false, long: false, wide: false, head_size: 256 }, "decode_kr_f16_d256"),
-            (KernelId::DecodeKr { q: bf16, fp8: true, a8: false, long: true, wide: false, head_size: 64 }, "decode_kr_bf16_fp8_long_d64"),
-            (KernelId::DecodeKr { q: bf16, fp8: false, a8: false, long: false, wide: true, head_size: 96 }, "decode_kr_bf16_r16_d96"),
-            (KernelId::DecodeKr { q: f16, fp8: true, a8: false, long: true, wide: true, head_size: 64 }, "decode_kr_f16_fp8_long_r16_d64"),
-            (KernelId::Prefill { q: f16, fp8: false, a8: false, head_size_qk: 192, head_size_v: 128 }, "prefill_f16_dk192_dv128"),
-            (KernelId::PrefillWgs { q: bf16, fp8: false, a8: false, head_size: 128 }, "prefill_wgs_bf16_d128"),
-            (KernelId::PrefillWgs { q: f16, fp8: false, a8: false, head_size: 64 }, "prefill_wgs_f16_d64"),
-            (KernelId::PrefillWgs { q: bf16, fp8: true, a8: false, head_size: 96 }, "prefill_wgs_bf16_fp8_d96"),
-            (KernelId::PrefillWgs { q: f16, fp8: true, a8: true, head_size: 80 }, "prefill_wgs_f16_fp8_a8_d80"),
+            (KernelId::DecodeTc { q: bf16, rows: fp8(e4m3, false), head_size: 256 }, "decode_tc_bf16_fp8_d256"),
+            (KernelId::DecodeKr { q: f16, rows: half, long: false, wide: false, head_size: 256 }, "decode_kr_f16_d256"),
+            (KernelId::DecodeKr { q: bf16, rows: fp8(e4m3, false), long: true, wide: false, head_size: 64 }, "decode_kr_bf16_fp8_long_d64"),
+            (KernelId::DecodeKr { q: bf16, rows: half, long: false, wide: true, head_size: 96 }, "decode_kr_bf16_r16_d96"),
             (
-                KernelId::DecodeKr { q: bf16, fp8: true, a8: true, long: true, wide: true, head_size: 64 },
+                KernelId::DecodeKr { q: f16, rows: fp8(e4m3, false), long: true, wide: true, head_size: 64 },
+                "decode_kr_f16_fp8_long_r16_d64",
+            ),
+            (KernelId::DecodeKr { q: f16, rows: fp8(e5m2, true), long: false, wide: false, head_size: 128 }, "decode_kr_f16_e5m2_a8_d128"),
+            (KernelId::Prefill { q: f16, rows: half, head_size_qk: 192, head_size_v: 128 }, "prefill_f16_dk192_dv128"),
+            (KernelId::PrefillWgs { q: bf16, rows: half, head_size: 128 }, "prefill_wgs_bf16_d128"),
+            (KernelId::PrefillWgs { q: f16, rows: half, head_size: 64 }, "prefill_wgs_f16_d64"),
+            (KernelId::PrefillWgs { q: bf16, rows: fp8(e4m3, false), head_size: 96 }, "prefill_wgs_bf16_fp8_d96"),
+            (KernelId::PrefillWgs { q: f16, rows: fp8(e4m3, true), head_size: 80 }, "prefill_wgs_f16_fp8_a8_d80"),
+            (KernelId::PrefillWgs { q: bf16, rows: fp8(e5m2, false), head_size: 128 }, "prefill_wgs_bf16_e5m2_d128"),
+            (
+                KernelId::DecodeKr { q: bf16, rows: fp8(e4m3, true), long: true, wide: true, head_size: 64 },
                 "decode_kr_bf16_fp8_a8_long_r16_d64",
             ),
-            (KernelId::Prefill { q: bf16, fp8: true, a8: true, head_size_qk: 96, head_size_v: 96 }, "prefill_bf16_fp8_a8_dk96_dv96"),
-            (KernelId::Mla { q: bf16, fp8: true, tile: MlaTile::Narrow }, "mla_bf16_fp8_narrow"),
-            (KernelId::Mla { q: f16, fp8: false, tile: MlaTile::Wide }, "mla_f16_wide"),
-            (KernelId::MlaSparse { q: bf16, fp8: true, tile: MlaTile::Narrow }, "mla_sparse_bf16_fp8_narrow"),
-            (KernelId::MlaSparse { q: f16, fp8: false, tile: MlaTile::Wide }, "mla_sparse_f16_wide"),
+            (KernelId::Prefill { q: bf16, rows: fp8(e4m3, true), head_size_qk: 96, head_size_v: 96 }, "prefill_bf16_fp8_a8_dk96_dv96"),
+            (KernelId::Prefill { q: bf16, rows: fp8(e5m2, true), head_size_qk: 96, head_size_v: 96 }, "prefill_bf16_e5m2_a8_dk96_dv96"),
+            (KernelId::Mla { q: bf16, fp8: Some(e4m3), tile: MlaTile::Narrow }, "mla_bf16_fp8_narrow"),
+            (KernelId::Mla { q: bf16, fp8: Some(e5m2), tile: MlaTile::Wide }, "mla_bf16_e5m2_wide"),
+            (KernelId::Mla { q: f16, fp8: None, tile: MlaTile::Wide }, "mla_f16_wide"),
+            (KernelId::MlaSparse { q: bf16, fp8: Some(e4m3), tile: MlaTile::Narrow }, "mla_sparse_bf16_fp8_narrow"),
+            (KernelId::MlaSparse { q: f16, fp8: None, tile: MlaTile::Wide }, "mla_sparse_f16_wide"),
         ];
         for (id, name) in cases {
             assert_eq!(id.entry_name(), name);

@@ -7,7 +7,7 @@
 //! - [`AttnDevice`]: loads the kernels for the GPU once; every op launches on a stream the
 //!   caller gives (`&Arc<CudaStream>`) and never synchronises unless asked.
 //! - [`DevIn`], [`DevOut`], [`SharedBuf`]: the caller's device memory (any cudarc slice or view)
-//!   with its dtype; [`DType`], [`Element`], [`Fp8E4m3`]: the element types.
+//!   with its dtype; [`DType`], [`Element`], [`Fp8E4m3`], [`Fp8E5m2`]: the element types.
 //! - [`KvCacheSpec`], [`KvLayout`], [`MlaCacheSpec`], [`RowsDesc`]: the paged KV-cache layouts
 //!   (vLLM FlashAttention, FlashInfer, HND variants, MLA) and the rows of the source tensors.
 //! - [`BatchMetadata`]: a batch's request metadata, checked and uploaded by the library (the
@@ -70,7 +70,7 @@ pub use buffer::{DevIn, DevOut, SharedBuf};
 /// `CudaStorage::as_cuda_slice` slices and `CudaDevice::cuda_stream`.
 pub use cudarc;
 pub use device::AttnDevice;
-pub use dtype::{DType, Element, Fp8E4m3};
+pub use dtype::{DType, Element, Fp8E4m3, Fp8E5m2, Fp8Format};
 pub use error::{AttnError, BadBlock, BadIndex, BadSlot, Result};
 pub use layout::{KvCacheSpec, KvLayout, MlaCacheSpec, RowsDesc};
 pub use options::{AttnOptions, PlanOptions, SplitMode, Tuning};

@@ -19,7 +19,7 @@ use crate::decode::{
     launch_merge, plan_launch, DecodeKernel, DecodePlan, DecodeWorkspace, LayerShape, PlanArrays, PlanSource, TcKernel, TcShape,
 };
 use crate::device::AttnDevice;
-use crate::dtype::DType;
+use crate::dtype::{DType, Fp8Format};
 use crate::error::{ensure, Result};
 use crate::kernels::{KernelId, MlaTile};
 use crate::layout::{MlaCacheSpec, RowsDesc};
@@ -105,12 +105,19 @@ pub fn mla_attention(
 
 /// The MLA kernel for `max_q` query tokens per request of `hq` heads, and its CTA target.
 ///
-/// The MLA kernel (`mla_<q>[_fp8]_{narrow,wide}`, `attn_math::mla`; FP8 caches are converted
+/// The MLA kernel (`mla_<q>[_fp8|_e5m2]_{narrow,wide}`, `attn_math::mla`; FP8 caches are converted
 /// exactly, in registers on the narrow shape and slot by slot in shared memory on the wide one).
 /// The split plan aims at [`Tuning::mla_waves`] waves of CTAs.
-pub(crate) fn mla_tc_kernel(dev: &AttnDevice, q_dtype: DType, fp8: bool, hq: usize, max_q: u32, tuning: &Tuning) -> Result<TcKernel> {
+pub(crate) fn mla_tc_kernel(
+    dev: &AttnDevice,
+    q_dtype: DType,
+    fp8: Option<Fp8Format>,
+    hq: usize,
+    max_q: u32,
+    tuning: &Tuning,
+) -> Result<TcKernel> {
     let (id, s) = mla_kernel_id(q_dtype, fp8, max_q * hq as u32);
-    mla_tc_kernel_of(dev, id, s, fp8, hq, tuning)
+    mla_tc_kernel_of(dev, id, s, fp8.is_some(), hq, tuning)
 }
 
 /// [`mla_tc_kernel`] for kernel `id` of shape `s` (dense or sparse).
@@ -131,7 +138,7 @@ fn mla_tc_kernel_of(dev: &AttnDevice, id: KernelId, s: mla::MlaShape, fp8: bool,
 
 /// The MLA kernel for requests of at most `rows` query rows (tokens x heads), and its shape:
 /// up to 16 rows the narrow one.
-pub(crate) fn mla_kernel_id(q: DType, fp8: bool, rows: u32) -> (KernelId, mla::MlaShape) {
+pub(crate) fn mla_kernel_id(q: DType, fp8: Option<Fp8Format>, rows: u32) -> (KernelId, mla::MlaShape) {
     let s = mla::shape_for_rows(rows);
     (KernelId::Mla { q, fp8, tile: if s == mla::NARROW { MlaTile::Narrow } else { MlaTile::Wide } }, s)
 }
@@ -163,7 +170,7 @@ struct Checked {
     nt: usize,
     hq: usize,
     q_dtype: DType,
-    fp8: bool,
+    fp8: Option<Fp8Format>,
     num_reqs: usize,
     /// The device addresses of the FP8 scales (0 for a 16-bit cache).
     k_scale: u64,
@@ -190,9 +197,9 @@ fn check_mla(
     ensure(spec.latent_dim == MLA_V as usize, "spec", || format!("latent_dim {} (the MLA kernels take 512)", spec.latent_dim))?;
     ensure(spec.block_size.is_multiple_of(16), "block_size", || format!("{} is not a multiple of 16", spec.block_size))?;
     let cache_dtype = a.cache.dtype;
-    ensure(cache_dtype == q_dtype || cache_dtype == DType::Fp8E4m3, "cache", || format!("dtype {cache_dtype:?} with {q_dtype:?} queries"))?;
-    let fp8 = cache_dtype == DType::Fp8E4m3;
-    ensure(!fp8 || a.scales.is_some(), "scales", || "an fp8 cache needs its scale".into())?;
+    ensure(cache_dtype == q_dtype || cache_dtype.is_fp8(), "cache", || format!("dtype {cache_dtype:?} with {q_dtype:?} queries"))?;
+    let fp8 = cache_dtype.fp8_format();
+    ensure(fp8.is_none() || a.scales.is_some(), "scales", || "an fp8 cache needs its scale".into())?;
     ensure(a.cache.len >= spec.num_elements(), "cache", || {
         format!("buffer of {} elements is smaller than the layout's {}", a.cache.len, spec.num_elements())
     })?;
@@ -216,7 +223,7 @@ fn check_mla(
         ensure(l.dtype == DType::F32 && l.len >= nt * hq, "lse", || format!("must be {nt} x {hq} f32"))?;
     }
     let (k_scale, v_scale) = match &a.scales {
-        Some(s) if fp8 => (f32_values(&s.k, "scales.k", 1)?, f32_values(&s.v, "scales.v", 1)?),
+        Some(s) if fp8.is_some() => (f32_values(&s.k, "scales.k", 1)?, f32_values(&s.v, "scales.v", 1)?),
         _ => (0, 0),
     };
     ensure(ws.head_size() == MLA_V as usize, "workspace", || format!("made for head_size {}, MLA needs 512", ws.head_size()))?;
@@ -343,9 +350,9 @@ pub(crate) fn check_indices(len: usize, num_tokens: usize, topk: usize, row_stri
     })
 }
 
-/// The sparse MLA kernel for `hq` heads a query token (`mla_sparse_<q>[_fp8]_{narrow,wide}`):
+/// The sparse MLA kernel for `hq` heads a query token (`mla_sparse_<q>[_fp8|_e5m2]_{narrow,wide}`):
 /// up to 16 heads the narrow shape, more the wide one (a token's heads in 64-row tiles).
-pub(crate) fn mla_sparse_kernel_id(q: DType, fp8: bool, hq: u32) -> (KernelId, mla::MlaShape) {
+pub(crate) fn mla_sparse_kernel_id(q: DType, fp8: Option<Fp8Format>, hq: u32) -> (KernelId, mla::MlaShape) {
     let (id, s) = mla_kernel_id(q, fp8, hq);
     let KernelId::Mla { q, fp8, tile } = id else { unreachable!("mla_kernel_id names an MLA kernel") };
     (KernelId::MlaSparse { q, fp8, tile }, s)
@@ -406,7 +413,7 @@ pub fn mla_sparse_attention(
     let per_token_starts: Vec<i32> = (0..=nt as i32).collect();
     let per_token = DecodeBatch { seq_lens: &per_token_lens, query_start_loc: &per_token_starts };
     let (id, s) = mla_sparse_kernel_id(q_dtype, fp8, hq as u32);
-    let tc = mla_tc_kernel_of(dev, id, s, fp8, hq, &options.tuning)?;
+    let tc = mla_tc_kernel_of(dev, id, s, fp8.is_some(), hq, &options.tuning)?;
     let mut lp = plan_launch(tc, &per_token, PlanSource::Host(options), ws.partial_rows(), |_, _| 0)?;
     // The kernel finds each token's request in the plan's `token_request` (the batch's, not the
     // plan batch's identity), so the plan is always uploaded; the merge, told that every token
@@ -450,17 +457,20 @@ mod tests {
 
     #[test]
     fn mla_kernel_choice() {
-        let name = |q, fp8, rows| mla_kernel_id(q, fp8, rows).0.entry_name();
+        let e4m3 = |on: bool| on.then_some(Fp8Format::E4m3);
+        let name = |q, fp8, rows| mla_kernel_id(q, e4m3(fp8), rows).0.entry_name();
         assert_eq!(name(DType::BF16, false, 16), "mla_bf16_narrow");
         assert_eq!(name(DType::BF16, true, 1), "mla_bf16_fp8_narrow");
         assert_eq!(name(DType::F16, false, 17), "mla_f16_wide");
         assert_eq!(name(DType::F16, true, 128), "mla_f16_fp8_wide");
-        assert_eq!(mla_kernel_id(DType::BF16, false, 16).1, mla::NARROW);
-        assert_eq!(mla_kernel_id(DType::BF16, false, 64).1, mla::WIDE);
-        let sparse = |q, fp8, heads| mla_sparse_kernel_id(q, fp8, heads).0.entry_name();
+        assert_eq!(mla_kernel_id(DType::BF16, None, 16).1, mla::NARROW);
+        assert_eq!(mla_kernel_id(DType::BF16, None, 64).1, mla::WIDE);
+        let sparse = |q, fp8, heads| mla_sparse_kernel_id(q, e4m3(fp8), heads).0.entry_name();
         assert_eq!(sparse(DType::BF16, false, 16), "mla_sparse_bf16_narrow");
         assert_eq!(sparse(DType::BF16, true, 128), "mla_sparse_bf16_fp8_wide");
         assert_eq!(sparse(DType::F16, true, 8), "mla_sparse_f16_fp8_narrow");
+        assert_eq!(mla_kernel_id(DType::BF16, Some(Fp8Format::E5m2), 128).0.entry_name(), "mla_bf16_e5m2_wide");
+        assert_eq!(mla_sparse_kernel_id(DType::F16, Some(Fp8Format::E5m2), 8).0.entry_name(), "mla_sparse_f16_e5m2_narrow");
     }
 
     #[test]

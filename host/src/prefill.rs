@@ -16,7 +16,7 @@ use crate::cache_write::KvScales;
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
-use crate::kernels::{fp8_rows_a8, head_width, KernelId};
+use crate::kernels::{head_width, CacheRows, KernelId};
 use crate::layout::{KvCacheSpec, RowsDesc};
 use crate::options::AttnOptions;
 use crate::status::DeviceStatus;
@@ -212,18 +212,20 @@ pub(crate) struct PrefillKernel {
 }
 
 /// The prefill kernel of the module `target` (`AttnDevice::ptx_target`) for head sizes `dk`,
-/// `dv`: Hopper's warp-specialised persistent `wgmma` kernel (`prefill_wgs_*`, in the sm_90a
-/// module) for QK = V, at widths 64, 80, 96, 112, 128 and 256 (16-bit caches) or up to 128
-/// (FP8); the `mma.sync` kernel at [`prefill_widths`] for every other case.
+/// `dv` over K/V of type `kv` (the queries', or an FP8 cache's): Hopper's warp-specialised
+/// persistent `wgmma` kernel (`prefill_wgs_*`, in the sm_90a module) for QK = V, at widths 64,
+/// 80, 96, 112, 128 and 256 (16-bit caches) or up to 128 (FP8); the `mma.sync` kernel at
+/// [`prefill_widths`] for every other case.
 #[cfg(test)]
-pub(crate) fn prefill_kernel(target: &str, q: DType, fp8: bool, dk: usize, dv: usize) -> PrefillKernel {
-    prefill_kernel_for(target, q, fp8, dk, dv, false).unwrap()
+pub(crate) fn prefill_kernel(target: &str, q: DType, kv: DType, dk: usize, dv: usize) -> PrefillKernel {
+    prefill_kernel_for(target, q, kv, dk, dv, false).unwrap()
 }
 
 /// [`prefill_kernel`], or with `local` (chunked local attention or a symmetric window) the
 /// `mma.sync` kernel built with the local masks (`prefill_local_*`: 16-bit K/V, QK = V; the
 /// caller checks [`has_local_kernel`]).
-pub(crate) fn prefill_kernel_for(target: &str, q: DType, fp8: bool, dk: usize, dv: usize, local: bool) -> Result<PrefillKernel> {
+pub(crate) fn prefill_kernel_for(target: &str, q: DType, kv: DType, dk: usize, dv: usize, local: bool) -> Result<PrefillKernel> {
+    let fp8 = kv.is_fp8();
     let (wk, wv) = prefill_widths(dk, dv, fp8)?;
     if local {
         return Ok(PrefillKernel {
@@ -236,18 +238,18 @@ pub(crate) fn prefill_kernel_for(target: &str, q: DType, fp8: bool, dk: usize, d
     }
     let hopper_widths: &[u32] = if fp8 { &hopper_prefill::FP8_HEAD_SIZES } else { &hopper_prefill::HEAD_SIZES };
     // FP8 caches have one head size (`prefill_widths`).
-    let a8 = fp8_rows_a8(fp8, dk);
+    let rows = CacheRows::of(kv, dk);
     let hopper = if target == "sm_90a" && dk == dv { width_in(dk as u32, hopper_widths) } else { None };
     Ok(match hopper {
         Some(w) => PrefillKernel {
-            id: KernelId::PrefillWgs { q, fp8, a8, head_size: w },
+            id: KernelId::PrefillWgs { q, rows, head_size: w },
             block_m: hopper_prefill::BLOCK_M,
             threads: hopper_prefill::WS_THREADS,
             smem: hopper_prefill::ws_layout(w, fp8).total,
             persistent: true,
         },
         None => PrefillKernel {
-            id: KernelId::Prefill { q, fp8, a8, head_size_qk: wk, head_size_v: wv },
+            id: KernelId::Prefill { q, rows, head_size_qk: wk, head_size_v: wv },
             block_m: block_m(wk, wv, false, fp8),
             threads: THREADS,
             smem: shared_layout(wk, wv, false, fp8).total,
@@ -256,15 +258,16 @@ pub(crate) fn prefill_kernel_for(target: &str, q: DType, fp8: bool, dk: usize, d
     })
 }
 
-/// Whether FP8-cache prefill on `device` at head sizes `dk`, `dv` runs its MMAs on e4m3
-/// operands: Hopper's `prefill_wgs_*_fp8` kernels at widths 80 to 128 round the queries (one
-/// scale a 64-row warpgroup of a work item, its largest magnitude to e4m3's 448) and the softmax
-/// weights to e4m3, as vLLM's FP8 attention on FlashAttention-3 does, at twice the 16-bit MMA
-/// rate. Otherwise the cache's values are converted exactly into the queries' type and the result
-/// is as precise as with a 16-bit cache holding the same values.
+/// Whether FP8-cache prefill on `device` at head sizes `dk`, `dv` runs its MMAs on FP8
+/// operands: Hopper's `prefill_wgs_*_{fp8,e5m2}` kernels at widths 80 to 128 round the queries
+/// (one scale a 64-row warpgroup of a work item, its largest magnitude to e4m3's 448) and the
+/// softmax weights to e4m3, as vLLM's FP8 attention on FlashAttention-3 does, at twice the
+/// 16-bit MMA rate (the cache's E4M3 or E5M2 keys and values as they are). Otherwise the cache's
+/// values are converted exactly into the queries' type and the result is as precise as with a
+/// 16-bit cache holding the same values. The same for both FP8 formats.
 pub fn fp8_prefill_rounds_to_e4m3(device: &crate::AttnDevice, dk: usize, dv: usize) -> bool {
     matches!(
-        prefill_kernel_for(device.ptx_target(), DType::BF16, true, dk, dv, false),
+        prefill_kernel_for(device.ptx_target(), DType::BF16, DType::Fp8E4m3, dk, dv, false),
         Ok(PrefillKernel { id: KernelId::PrefillWgs { head_size, .. }, .. }) if head_size > 64
     )
 }
@@ -370,7 +373,12 @@ pub(crate) fn prefill_from(
     }
     opts.attn.validate_masks("opts", opts.causal)?;
     let num_reqs = batch.seq_lens.len();
-    let fp8 = matches!(&a.kv, PrefillKv::Paged { cache, .. } if cache.dtype == DType::Fp8E4m3);
+    // The K/V's type: the queries', or an FP8 cache's (checked below).
+    let kv_dtype = match &a.kv {
+        PrefillKv::Paged { cache, .. } => cache.dtype,
+        PrefillKv::Packed { .. } => q_dtype,
+    };
+    let fp8 = kv_dtype.is_fp8();
     prefill_widths(dk, dv, fp8)?;
     let (k_scale, v_scale, scale_head_stride) = match (&a.scales, &a.kv) {
         (Some(s), PrefillKv::Paged { spec, .. }) if fp8 => s.layout(spec.num_kv_heads)?,
@@ -380,10 +388,10 @@ pub(crate) fn prefill_from(
     let (k, v, num_kv_heads, kv_batch, num_blocks, block_size) = match &a.kv {
         PrefillKv::Paged { cache, spec, block_table, block_table_stride } => {
             spec.validate("spec")?;
-            ensure(cache.dtype == q_dtype || cache.dtype == DType::Fp8E4m3, "cache", || {
-                format!("dtype {:?} with {q_dtype:?} queries (takes the queries' dtype or fp8 e4m3)", cache.dtype)
+            ensure(cache.dtype == q_dtype || cache.dtype.is_fp8(), "cache", || {
+                format!("dtype {:?} with {q_dtype:?} queries (takes the queries' dtype, fp8 e4m3 or e5m2)", cache.dtype)
             })?;
-            ensure(cache.dtype != DType::Fp8E4m3 || a.scales.is_some(), "scales", || "an fp8 cache needs k/v scales".into())?;
+            ensure(!cache.dtype.is_fp8() || a.scales.is_some(), "scales", || "an fp8 cache needs k/v scales".into())?;
             ensure(dk == dv && spec.head_size == dk, "head_size", || {
                 format!("the paged cache holds head size {}, the call has qk {dk} / v {dv}", spec.head_size)
             })?;
@@ -443,7 +451,7 @@ pub(crate) fn prefill_from(
             opts.attn.chunk_size, opts.attn.symmetric_window
         )
     })?;
-    let kernel = prefill_kernel_for(dev.ptx_target(), q_dtype, fp8, dk, dv, local)?;
+    let kernel = prefill_kernel_for(dev.ptx_target(), q_dtype, kv_dtype, dk, dv, local)?;
     let bm = kernel.block_m;
     ensure(max_rows <= bm as usize * 65536, "query_start_loc", || {
         format!("a request has {max_rows} query rows (tokens x {group} heads per kv head); a launch takes {}", bm as usize * 65536)
@@ -497,11 +505,11 @@ pub(crate) fn prefill_from(
         },
     };
     let grid = if kernel.persistent { ctas.min(dev.sm_count()) } else { ctas };
-    if let KernelId::PrefillWgs { fp8, head_size, .. } = kernel.id {
+    if let KernelId::PrefillWgs { rows, head_size, .. } = kernel.id {
         // At the widths whose producer copies stages with TMA, the cache's tensor maps where its
         // layout allows (`tensor_map::map_geometry`); without them the producer copies rows.
         let kv_maps = match &a.kv {
-            PrefillKv::Paged { .. } if hopper_prefill::ws_tma_stages(head_size, fp8) => {
+            PrefillKv::Paged { .. } if hopper_prefill::ws_tma_stages(head_size, rows.is_fp8()) => {
                 let shape = PagedShape {
                     strides: k.1,
                     num_blocks: num_blocks as u64,
@@ -529,7 +537,8 @@ mod tests {
     /// widths, fewer from FP8), the `mma.sync` kernel at its width for everything else.
     #[test]
     fn prefill_kernel_choice() {
-        let name = |target, q, fp8, dk, dv| prefill_kernel(target, q, fp8, dk, dv).id.entry_name();
+        let kv = |q, fp8| if fp8 { DType::Fp8E4m3 } else { q };
+        let name = |target, q, fp8, dk, dv| prefill_kernel(target, q, kv(q, fp8), dk, dv).id.entry_name();
         let (bf16, f16) = (DType::BF16, DType::F16);
         assert_eq!(name("sm_90a", bf16, false, 64, 64), "prefill_wgs_bf16_d64");
         assert_eq!(name("sm_90a", f16, false, 128, 128), "prefill_wgs_f16_d128");
@@ -548,28 +557,33 @@ mod tests {
         assert_eq!(name("sm_90a", bf16, true, 80, 80), "prefill_wgs_bf16_fp8_d80");
         assert_eq!(name("sm_80", bf16, true, 80, 80), "prefill_bf16_fp8_dk96_dv96");
         assert_eq!(name("sm_80", f16, false, 80, 80), "prefill_f16_dk96_dv96");
-        assert!(prefill_kernel_for("sm_80", bf16, false, 84, 84, false).is_err());
+        assert!(prefill_kernel_for("sm_80", bf16, bf16, 84, 84, false).is_err());
         // FP8 rows of an odd multiple of 8: the `_fp8_a8` twins.
         assert_eq!(name("sm_80", bf16, true, 72, 72), "prefill_bf16_fp8_a8_dk96_dv96");
         assert_eq!(name("sm_90a", f16, true, 72, 72), "prefill_wgs_f16_fp8_a8_d80");
         assert_eq!(name("sm_90a", bf16, true, 40, 40), "prefill_wgs_bf16_fp8_a8_d64");
         assert_eq!(name("sm_90a", bf16, true, 200, 200), "prefill_bf16_fp8_a8_dk256_dv256");
         assert_eq!(name("sm_90a", bf16, true, 48, 48), "prefill_wgs_bf16_fp8_d64");
+        // E5M2 caches: the `_e5m2` kernels of the same shapes.
+        let e5m2 = |target, dk| prefill_kernel(target, bf16, DType::Fp8E5m2, dk, dk).id.entry_name();
+        assert_eq!(e5m2("sm_90a", 128), "prefill_wgs_bf16_e5m2_d128");
+        assert_eq!(e5m2("sm_90a", 72), "prefill_wgs_bf16_e5m2_a8_d80");
+        assert_eq!(e5m2("sm_80", 256), "prefill_bf16_e5m2_dk256_dv256");
         assert_eq!(name("sm_90a", bf16, false, 192, 128), "prefill_bf16_dk192_dv128");
         assert_eq!(name("sm_80", bf16, false, 64, 64), "prefill_bf16_dk64_dv64");
         assert_eq!(name("sm_80", f16, true, 256, 256), "prefill_f16_fp8_dk256_dv256");
-        let local = |target| prefill_kernel_for(target, bf16, false, 128, 128, true).unwrap().id.entry_name();
+        let local = |target| prefill_kernel_for(target, bf16, bf16, 128, 128, true).unwrap().id.entry_name();
         assert_eq!((local("sm_80"), local("sm_90a")), ("prefill_local_bf16_dk128_dv128".into(), "prefill_local_bf16_dk128_dv128".into()));
         assert!(has_local_kernel(false, 256, 256) && !has_local_kernel(true, 128, 128) && !has_local_kernel(false, 192, 128));
-        let wgs = prefill_kernel("sm_90a", bf16, false, 64, 64);
+        let wgs = prefill_kernel("sm_90a", bf16, bf16, 64, 64);
         assert!(wgs.persistent && wgs.block_m == hopper_prefill::BLOCK_M && wgs.threads == hopper_prefill::WS_THREADS);
-        let d128 = prefill_kernel("sm_90a", bf16, false, 128, 128);
+        let d128 = prefill_kernel("sm_90a", bf16, bf16, 128, 128);
         assert!(d128.persistent && d128.smem == hopper_prefill::ws_layout(128, false).total);
-        let d256 = prefill_kernel("sm_90a", bf16, false, 256, 256);
+        let d256 = prefill_kernel("sm_90a", bf16, bf16, 256, 256);
         assert!(d256.persistent && d256.smem == hopper_prefill::ws_layout(256, false).total);
-        let fp8 = prefill_kernel("sm_90a", bf16, true, 128, 128);
+        let fp8 = prefill_kernel("sm_90a", bf16, DType::Fp8E4m3, 128, 128);
         assert!(fp8.persistent && fp8.smem == hopper_prefill::ws_layout(128, true).total);
-        let mma = prefill_kernel("sm_80", bf16, false, 128, 128);
+        let mma = prefill_kernel("sm_80", bf16, bf16, 128, 128);
         assert_eq!((mma.block_m, mma.threads, mma.persistent), (block_m(128, 128, false, false), THREADS, false));
         assert_eq!(mma.smem, shared_layout(128, 128, false, false).total);
     }

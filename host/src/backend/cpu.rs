@@ -13,7 +13,7 @@ pub static CPU: BackendSpec = BackendSpec {
     needs_gpu: false,
     compute_capability: CcRange::ANY,
     q_dtypes: &[DType::F16, DType::BF16, DType::F32],
-    cache_dtypes: &[DType::F16, DType::BF16, DType::F32, DType::Fp8E4m3],
+    cache_dtypes: &[DType::F16, DType::BF16, DType::F32, DType::Fp8E4m3, DType::Fp8E5m2],
     cache_dtype_rule: CacheDTypeRule::Any,
     head_sizes: HeadSizes::Any,
     block_sizes: BlockSizes::MultipleOf(1),

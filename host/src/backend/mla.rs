@@ -17,7 +17,7 @@ pub static MLA: BackendSpec = BackendSpec {
     needs_gpu: true,
     compute_capability: CcRange::from(ComputeCapability::SM_80),
     q_dtypes: &[DType::F16, DType::BF16],
-    cache_dtypes: &[DType::F16, DType::BF16, DType::Fp8E4m3],
+    cache_dtypes: &[DType::F16, DType::BF16, DType::Fp8E4m3, DType::Fp8E5m2],
     cache_dtype_rule: CacheDTypeRule::SameAsQueryOrFp8,
     head_sizes: HeadSizes::List(&[MLA_HEAD_SIZE]),
     block_sizes: BlockSizes::MultipleOf(16),

@@ -157,7 +157,7 @@ impl fmt::Display for Reason {
             }
             Reason::CacheDTypeWithQuery { cache, q } => write!(
                 f,
-                "kv-cache dtype {} not supported with {} queries (supports the query dtype or fp8_e4m3)",
+                "kv-cache dtype {} not supported with {} queries (supports the query dtype, fp8_e4m3 or fp8_e5m2)",
                 dtype_name(cache),
                 dtype_name(q)
             ),
@@ -176,10 +176,11 @@ impl fmt::Display for Reason {
     }
 }
 
-/// Lower-case dtype names for reports (`bf16`, `fp8_e4m3`).
+/// Lower-case dtype names for reports (`bf16`, `fp8_e4m3`, `fp8_e5m2`).
 pub fn dtype_name(dtype: DType) -> &'static str {
     match dtype {
         DType::Fp8E4m3 => "fp8_e4m3",
+        DType::Fp8E5m2 => "fp8_e5m2",
         other => other.kernel_name(),
     }
 }

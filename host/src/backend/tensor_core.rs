@@ -13,7 +13,7 @@ pub static TENSOR_CORE: BackendSpec = BackendSpec {
     needs_gpu: true,
     compute_capability: CcRange::from(ComputeCapability::SM_80),
     q_dtypes: &[DType::F16, DType::BF16],
-    cache_dtypes: &[DType::F16, DType::BF16, DType::Fp8E4m3],
+    cache_dtypes: &[DType::F16, DType::BF16, DType::Fp8E4m3, DType::Fp8E5m2],
     cache_dtype_rule: CacheDTypeRule::SameAsQueryOrFp8,
     // Run at the kernel widths 64, 96, 128 and 256 (`attn_math::decode::width`).
     head_sizes: HeadSizes::Multiples {

@@ -4,7 +4,6 @@
 use super::config::{DeviceInfo, ModelConfig};
 use super::reason::Reason;
 use super::spec::{AttentionKind, BackendSpec, CacheDTypeRule};
-use crate::dtype::DType;
 
 /// Every reason `spec` cannot run `config` on `device`; empty when it can. The model's own
 /// configuration errors ([`config_reasons`]) come first, for every backend.
@@ -33,14 +32,14 @@ pub fn refusal_reasons(spec: &BackendSpec, config: &ModelConfig, device: &Device
     }
     let pair_ok = match spec.cache_dtype_rule {
         CacheDTypeRule::Any => true,
-        CacheDTypeRule::SameAsQueryOrFp8 => config.cache_dtype == config.q_dtype || config.cache_dtype == DType::Fp8E4m3,
+        CacheDTypeRule::SameAsQueryOrFp8 => config.cache_dtype == config.q_dtype || config.cache_dtype.is_fp8(),
     };
     // Only when each dtype is fine on its own: otherwise that is the reason.
     if q_ok && cache_ok && !pair_ok {
         reasons.push(Reason::CacheDTypeWithQuery { cache: config.cache_dtype, q: config.q_dtype });
     }
     // Sizes of zero are config errors already.
-    if config.head_size > 0 && !spec.head_sizes.contains(config.head_size, config.cache_dtype == DType::Fp8E4m3) {
+    if config.head_size > 0 && !spec.head_sizes.contains(config.head_size, config.cache_dtype.is_fp8()) {
         reasons.push(Reason::HeadSize { head_size: config.head_size, supported: spec.head_sizes });
     }
     if config.block_size > 0 && !spec.block_sizes.contains(config.block_size) {

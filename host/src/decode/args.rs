@@ -75,8 +75,8 @@ pub(super) fn check_args(
     let q_dtype = a.q.dtype;
     let cache_dtype = a.cache.dtype;
     ensure(matches!(q_dtype, DType::F16 | DType::BF16), "q", || format!("dtype {q_dtype:?}: decode takes f16 or bf16 queries"))?;
-    ensure(cache_dtype == q_dtype || cache_dtype == DType::Fp8E4m3, "cache", || format!("dtype {cache_dtype:?} with {q_dtype:?} queries"))?;
-    ensure(cache_dtype != DType::Fp8E4m3 || a.scales.is_some(), "scales", || "an fp8 cache needs k/v scales".into())?;
+    ensure(cache_dtype == q_dtype || cache_dtype.is_fp8(), "cache", || format!("dtype {cache_dtype:?} with {q_dtype:?} queries"))?;
+    ensure(!cache_dtype.is_fp8() || a.scales.is_some(), "scales", || "an fp8 cache needs k/v scales".into())?;
     head_width("head_size", d)?;
     ensure(d == spec.head_size, "q", || format!("head_size {d} differs from the cache's {}", spec.head_size))?;
     ensure(hq % spec.num_kv_heads == 0, "num_q_heads", || format!("{hq} is not a multiple of num_kv_heads {}", spec.num_kv_heads))?;
@@ -130,7 +130,7 @@ pub(super) fn check_args(
     let alibi = optional_f32(&a.alibi_slopes, "alibi_slopes", hq)?;
     let sinks = optional_f32(&a.sinks, "sinks", hq)?;
     let (k_scale, v_scale, scale_head_stride) = match &a.scales {
-        Some(s) if cache_dtype == DType::Fp8E4m3 => s.layout(a.spec.num_kv_heads)?,
+        Some(s) if cache_dtype.is_fp8() => s.layout(a.spec.num_kv_heads)?,
         _ => (0, 0, 0),
     };
     ensure(ws.head_size() == d, "workspace", || format!("made for head_size {}, not {d}", ws.head_size()))?;

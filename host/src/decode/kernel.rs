@@ -5,7 +5,7 @@
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::kernels::{decode_head_width, fp8_rows_a8, KernelId};
+use crate::kernels::{decode_head_width, CacheRows, KernelId};
 use crate::options::{SplitMode, Tuning};
 use attn_math::keys_rows;
 use attn_math::prefill::{block_m, block_n, shared_layout};
@@ -105,7 +105,7 @@ impl TcKernel {
     pub(crate) fn keys_rows_d128(fused_merge: bool) -> TcKernel {
         TcKernel {
             kernel: DecodeKernel::TensorCoreKeys,
-            id: KernelId::DecodeKr { q: crate::dtype::DType::BF16, fp8: false, a8: false, long: false, wide: false, head_size: 128 },
+            id: KernelId::DecodeKr { q: crate::dtype::DType::BF16, rows: CacheRows::Bits16, long: false, wide: false, head_size: 128 },
             layer: LayerShape { num_q_heads: 32, num_kv_heads: 8, head_size: 128 },
             smem: 1,
             shape: TcShape::attention(128, 128, true, false, 8),
@@ -140,12 +140,12 @@ pub(crate) fn max_len(seq_lens: &[i32]) -> u32 {
 }
 
 /// The tensor-core decode kernel for `max_q` query tokens per request (`max_len` keys in the
-/// longest), and its CTA target under `tuning`.
+/// longest) over a cache of type `cache`, and its CTA target under `tuning`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn decode_tc_kernel(
     dev: &AttnDevice,
     q_dtype: DType,
-    fp8: bool,
+    cache: DType,
     d: usize,
     hq: usize,
     num_kv_heads: usize,
@@ -155,8 +155,9 @@ pub(crate) fn decode_tc_kernel(
 ) -> Result<TcKernel> {
     let group = (hq / num_kv_heads) as u32;
     // The kernel's width; the launch runs at head size `d` (`AttnParams::dims`).
+    let fp8 = cache.is_fp8();
     let width = decode_head_width("head_size", d, fp8)?;
-    let (kernel, id, smem) = decode_kernel_id(q_dtype, fp8, fp8_rows_a8(fp8, d), width, group, max_q, max_len);
+    let (kernel, id, smem) = decode_kernel_id(q_dtype, CacheRows::of(cache, d), width, group, max_q, max_len);
     let waves = tuning.decode_waves.unwrap_or(measured_waves(width)).max(1);
     let resident = dev.resident_ctas(id, attn_math::prefill::THREADS, smem)?;
     let slots = dev.sm_count() as u64 * resident as u64;
@@ -178,32 +179,24 @@ pub(crate) fn decode_tc_kernel(
 }
 
 /// The tensor-core decode kernel for `group` query heads per kv head at width `d`, `max_q`
-/// query tokens per request and `max_len` keys in the longest, and its shared memory; `a8`: FP8
-/// rows that start only 8-byte aligned ([`fp8_rows_a8`]).
-pub(crate) fn decode_kernel_id(
-    q: DType,
-    fp8: bool,
-    a8: bool,
-    d: u32,
-    group: u32,
-    max_q: u32,
-    max_len: u32,
-) -> (DecodeKernel, KernelId, u32) {
+/// query tokens per request and `max_len` keys in the longest over cache rows `rows`, and its
+/// shared memory.
+pub(crate) fn decode_kernel_id(q: DType, rows: CacheRows, d: u32, group: u32, max_q: u32, max_len: u32) -> (DecodeKernel, KernelId, u32) {
+    let fp8 = rows.is_fp8();
     let kernel = DecodeKernel::tensor_cores(max_q * group);
     // The keys-split CTAs with the score tile transposed (`decode_kr_*`: keys on the MMA's rows,
     // half the math per tile): up to 8 rows per kv head from 16-bit caches and FP8 at head sizes
     // 64 and 128, up to 16 (two column groups) from 16-bit caches up to head size 128 and from
     // FP8 at 64 and 128 (in the deep-pipeline form, whose two CTAs per SM have the registers).
-    let rows = max_q * group;
-    let wide = rows > keys_rows::MAX_ROWS;
+    let wide = max_q * group > keys_rows::MAX_ROWS;
     let keys_rows = kernel == DecodeKernel::TensorCoreKeys
         && if fp8 { keys_rows::FP8_HEAD_SIZES.contains(&d) } else { !wide || keys_rows::WIDE_HEAD_SIZES.contains(&d) };
     let long = max_len >= keys_rows::FP8_LONG_KEYS || wide;
     let id = match kernel {
         // FP8 batches with long requests: the deep-pipeline kernels (`keys_rows::FP8_LONG_KEYS`).
-        DecodeKernel::TensorCoreKeys if keys_rows => KernelId::DecodeKr { q, fp8, a8, long: fp8 && long, wide, head_size: d },
-        DecodeKernel::TensorCoreKeys => KernelId::DecodeTc { q, fp8, a8, head_size: d },
-        _ => KernelId::Prefill { q, fp8, a8, head_size_qk: d, head_size_v: d },
+        DecodeKernel::TensorCoreKeys if keys_rows => KernelId::DecodeKr { q, rows, long: fp8 && long, wide, head_size: d },
+        DecodeKernel::TensorCoreKeys => KernelId::DecodeTc { q, rows, head_size: d },
+        _ => KernelId::Prefill { q, rows, head_size_qk: d, head_size_v: d },
     };
     let smem = if keys_rows {
         let rows = if wide { keys_rows::WIDE_ROWS } else { keys_rows::MAX_ROWS };
@@ -235,7 +228,9 @@ mod tests {
     /// prefill kernel above.
     #[test]
     fn decode_kernel_choice() {
-        let name = |fp8, d, group, max_q, max_len| decode_kernel_id(DType::BF16, fp8, false, d, group, max_q, max_len).1.entry_name();
+        let e4m3 = CacheRows::Fp8 { format: crate::dtype::Fp8Format::E4m3, a8: false };
+        let rows = |fp8| if fp8 { e4m3 } else { CacheRows::Bits16 };
+        let name = |fp8, d, group, max_q, max_len| decode_kernel_id(DType::BF16, rows(fp8), d, group, max_q, max_len).1.entry_name();
         let long = keys_rows::FP8_LONG_KEYS;
         assert_eq!(name(false, 128, 4, 1, 100), "decode_kr_bf16_d128");
         assert_eq!(name(false, 128, 4, 1, long), "decode_kr_bf16_d128");
@@ -243,8 +238,16 @@ mod tests {
         assert_eq!(name(true, 128, 4, 2, long - 1), "decode_kr_bf16_fp8_d128");
         assert_eq!(name(true, 64, 4, 2, long), "decode_kr_bf16_fp8_long_d64");
         assert_eq!(name(true, 256, 4, 1, long), "decode_tc_bf16_fp8_d256");
-        // FP8 rows of an odd multiple of 8 (`a8`): the `_fp8_a8` twins.
-        let a8 = |d, group, max_q, max_len| decode_kernel_id(DType::BF16, true, true, d, group, max_q, max_len).1.entry_name();
+        // FP8 rows of an odd multiple of 8 (`a8`): the `_fp8_a8` twins; E5M2 the `_e5m2` ones.
+        let a8 = |d, group, max_q, max_len| {
+            decode_kernel_id(DType::BF16, CacheRows::of(DType::Fp8E4m3, 72), d, group, max_q, max_len).1.entry_name()
+        };
+        let e5m2 = |d, group, max_q, max_len| {
+            decode_kernel_id(DType::BF16, CacheRows::of(DType::Fp8E5m2, d as usize), d, group, max_q, max_len).1.entry_name()
+        };
+        assert_eq!(e5m2(128, 4, 1, 100), "decode_kr_bf16_e5m2_d128");
+        assert_eq!(e5m2(64, 16, 1, 100), "decode_kr_bf16_e5m2_long_r16_d64");
+        assert_eq!(e5m2(256, 4, 1, long), "decode_tc_bf16_e5m2_d256");
         assert_eq!(a8(128, 4, 1, 100), "decode_kr_bf16_fp8_a8_d128");
         assert_eq!(a8(64, 16, 1, 100), "decode_kr_bf16_fp8_a8_long_r16_d64");
         assert_eq!(a8(256, 4, 1, long), "decode_tc_bf16_fp8_a8_d256");
@@ -256,23 +259,23 @@ mod tests {
         assert_eq!(name(true, 256, 16, 1, long), "decode_tc_bf16_fp8_d256");
         assert_eq!(name(false, 128, 8, 3, 100), "prefill_bf16_dk128_dv128");
         assert_eq!(name(true, 64, 32, 1, long), "prefill_bf16_fp8_dk64_dv64");
-        let f16 = decode_kernel_id(DType::F16, false, false, 96, 2, 1, 10);
+        let f16 = decode_kernel_id(DType::F16, CacheRows::Bits16, 96, 2, 1, 10);
         assert_eq!(f16.1.entry_name(), "decode_kr_f16_d96");
         assert_eq!(f16.0, DecodeKernel::TensorCoreKeys);
 
         // Shared memory: the keys-as-rows layout for its CTAs per SM, else the tile kernel's.
-        let (kernel, _, smem) = decode_kernel_id(DType::BF16, true, false, 128, 4, 1, long);
+        let (kernel, _, smem) = decode_kernel_id(DType::BF16, e4m3, 128, 4, 1, long);
         assert_eq!(kernel, DecodeKernel::TensorCoreKeys);
         assert_eq!(smem, keys_rows::layout(128, true, keys_rows::ctas_per_sm(128, true, true), keys_rows::MAX_ROWS).total);
-        let (_, id, smem) = decode_kernel_id(DType::BF16, false, false, 128, 16, 1, 100);
+        let (_, id, smem) = decode_kernel_id(DType::BF16, CacheRows::Bits16, 128, 16, 1, 100);
         assert_eq!(id.entry_name(), "decode_kr_bf16_r16_d128");
         assert_eq!(smem, keys_rows::layout(128, false, 2, keys_rows::WIDE_ROWS).total);
-        let (_, id, smem) = decode_kernel_id(DType::BF16, true, false, 64, 16, 1, 10);
+        let (_, id, smem) = decode_kernel_id(DType::BF16, e4m3, 64, 16, 1, 10);
         assert_eq!(id.entry_name(), "decode_kr_bf16_fp8_long_r16_d64");
         assert_eq!(smem, keys_rows::layout(64, true, 2, keys_rows::WIDE_ROWS).total);
-        let (kernel, _, smem) = decode_kernel_id(DType::BF16, false, false, 256, 4, 3, 100);
+        let (kernel, _, smem) = decode_kernel_id(DType::BF16, CacheRows::Bits16, 256, 4, 3, 100);
         assert_eq!((kernel, smem), (DecodeKernel::TensorCoreKeys, shared_layout(256, 256, true, false).total));
-        let (kernel, _, smem) = decode_kernel_id(DType::BF16, false, false, 128, 32, 1, 100);
+        let (kernel, _, smem) = decode_kernel_id(DType::BF16, CacheRows::Bits16, 128, 32, 1, 100);
         assert_eq!((kernel, smem), (DecodeKernel::TensorCoreRows, shared_layout(128, 128, false, false).total));
     }
 

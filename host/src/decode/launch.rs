@@ -9,7 +9,6 @@ use super::workspace::DecodeWorkspace;
 use crate::attn_params;
 use crate::batch::{BatchMetadata, DecodeBatch, DeviceBatch};
 use crate::device::AttnDevice;
-use crate::dtype::DType;
 use crate::error::{ensure, Result};
 use crate::layout::RowsDesc;
 use crate::options::{AttnOptions, PlanOptions};
@@ -100,8 +99,7 @@ pub(crate) fn paged_decode_from(
     if num_reqs == 0 || nt == 0 {
         return Ok(DecodePlan::default());
     }
-    let fp8 = a.cache.dtype == DType::Fp8E4m3;
-    let tc = call_kernel(dev, a.q.dtype, fp8, d, hq, a.spec.num_kv_heads, batch, source)?;
+    let tc = call_kernel(dev, a.q.dtype, a.cache.dtype, d, hq, a.spec.num_kv_heads, batch, source)?;
     let lp = plan_launch(tc, batch, source, ws.partial_rows(), |_, _| 0)?;
     run(dev, stream, &a, (&meta, num_reqs), opts, causal, &lp, &checked, ws, status)?;
     Ok(lp.plan)

@@ -182,7 +182,7 @@ pub(crate) fn max_query_len(batch: &DecodeBatch<'_>) -> u32 {
 pub(crate) fn call_kernel(
     dev: &AttnDevice,
     q_dtype: DType,
-    fp8: bool,
+    cache: DType,
     d: usize,
     hq: usize,
     num_kv_heads: usize,
@@ -204,7 +204,7 @@ pub(crate) fn call_kernel(
         PlanSource::Host(p) => p.tuning,
         PlanSource::Device(_) => Tuning::DEFAULT,
     };
-    decode_tc_kernel(dev, q_dtype, fp8, d, hq, num_kv_heads, max_q, planned_len, &tuning)
+    decode_tc_kernel(dev, q_dtype, cache, d, hq, num_kv_heads, max_q, planned_len, &tuning)
 }
 
 #[cfg(test)]
@@ -287,8 +287,10 @@ mod tests {
         }
         // A plan made for another kernel or layer is refused.
         let k = kernel(true);
-        let other =
-            DevicePlan { kernel: KernelId::DecodeTc { q: DType::BF16, fp8: false, a8: false, head_size: 128 }, ..device_plan(&k, true) };
+        let other = DevicePlan {
+            kernel: KernelId::DecodeTc { q: DType::BF16, rows: crate::kernels::CacheRows::Bits16, head_size: 128 },
+            ..device_plan(&k, true)
+        };
         assert!(plan_launch(k, &batch, PlanSource::Device(&other), 1 << 20, no_cluster).is_err());
         let heads = DevicePlan { layer: LayerShape { num_q_heads: 64, ..k.layer }, ..device_plan(&k, true) };
         assert!(plan_launch(k, &batch, PlanSource::Device(&heads), 1 << 20, no_cluster).is_err());

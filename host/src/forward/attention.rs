@@ -89,7 +89,7 @@ impl Attention {
             name if name == TENSOR_CORE.name => {
                 let gpu =
                     gpu.ok_or_else(|| AttnError::invalid("gpu", "backend \"tensor-core\" runs on a GPU: pass its device and stream"))?;
-                let fp8 = config.model.cache_dtype == crate::dtype::DType::Fp8E4m3;
+                let fp8 = config.model.cache_dtype.is_fp8();
                 crate::kernels::head_width("model", config.model.head_size)?;
                 for i in 0..config.layers.len().max(1) {
                     let o = config.layer(i)?.opts;

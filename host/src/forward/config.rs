@@ -139,7 +139,7 @@ impl ForwardConfig {
         ensure(matches!(m.q_dtype, DType::F16 | DType::BF16 | DType::F32), "model", || {
             format!("q_dtype {:?}: queries are f16, bf16 or f32", m.q_dtype)
         })?;
-        let fp8_cache = m.cache_dtype == DType::Fp8E4m3 && matches!(m.q_dtype, DType::F16 | DType::BF16);
+        let fp8_cache = m.cache_dtype.is_fp8() && matches!(m.q_dtype, DType::F16 | DType::BF16);
         ensure(m.cache_dtype == m.q_dtype || fp8_cache, "model", || {
             format!(
                 "cache_dtype {:?} with {:?} queries: forward takes caches of the query dtype, or FP8 with f16/bf16 queries",

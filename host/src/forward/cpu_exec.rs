@@ -17,7 +17,7 @@ use super::timing::Timer;
 use super::validate::Parts;
 use crate::batch::DecodeBatch;
 use crate::cpu::{self, DecodeRef, DecodeResult, HostScales, KvRef, PrefillRef, WriteReport};
-use crate::dtype::{DType, Element, Fp8E4m3};
+use crate::dtype::{DType, Element, Fp8E4m3, Fp8E5m2};
 use crate::error::{AttnError, Result};
 use crate::layout::{MlaCacheSpec, RowsDesc};
 use crate::options::AttnOptions;
@@ -32,14 +32,17 @@ pub(crate) fn forward_cpu(
     layer: CpuLayer<'_>,
     timer: &mut Timer,
 ) -> Result<()> {
-    let fp8 = config.model.cache_dtype == DType::Fp8E4m3;
-    match (config.model.q_dtype, fp8) {
-        (DType::F16, false) => run::<f16, f16>(ls, spec, step, layer, timer),
-        (DType::BF16, false) => run::<bf16, bf16>(ls, spec, step, layer, timer),
-        (DType::F32, false) => run::<f32, f32>(ls, spec, step, layer, timer),
-        (DType::F16, true) => run::<f16, Fp8E4m3>(ls, spec, step, layer, timer),
-        (DType::BF16, true) => run::<bf16, Fp8E4m3>(ls, spec, step, layer, timer),
-        (DType::F32, true) => run::<f32, Fp8E4m3>(ls, spec, step, layer, timer),
+    // The cache is validated: the queries' type or FP8.
+    match (config.model.q_dtype, config.model.cache_dtype) {
+        (DType::F16, DType::Fp8E4m3) => run::<f16, Fp8E4m3>(ls, spec, step, layer, timer),
+        (DType::BF16, DType::Fp8E4m3) => run::<bf16, Fp8E4m3>(ls, spec, step, layer, timer),
+        (DType::F32, DType::Fp8E4m3) => run::<f32, Fp8E4m3>(ls, spec, step, layer, timer),
+        (DType::F16, DType::Fp8E5m2) => run::<f16, Fp8E5m2>(ls, spec, step, layer, timer),
+        (DType::BF16, DType::Fp8E5m2) => run::<bf16, Fp8E5m2>(ls, spec, step, layer, timer),
+        (DType::F32, DType::Fp8E5m2) => run::<f32, Fp8E5m2>(ls, spec, step, layer, timer),
+        (DType::F16, _) => run::<f16, f16>(ls, spec, step, layer, timer),
+        (DType::BF16, _) => run::<bf16, bf16>(ls, spec, step, layer, timer),
+        (DType::F32, _) => run::<f32, f32>(ls, spec, step, layer, timer),
         (other, _) => Err(AttnError::UnsupportedDType { arg: "q", dtype: other, reason: "queries are f16, bf16 or f32" }),
     }
 }
@@ -51,14 +54,16 @@ pub(crate) fn write_cpu(
     step: &StepMetadata,
     w: KvCacheWrite<HostIn<'_>, HostOut<'_>>,
 ) -> Result<()> {
-    let fp8 = config.model.cache_dtype == DType::Fp8E4m3;
-    match (config.model.q_dtype, fp8) {
-        (DType::F16, false) => write::<f16, f16>(spec, step, w),
-        (DType::BF16, false) => write::<bf16, bf16>(spec, step, w),
-        (DType::F32, false) => write::<f32, f32>(spec, step, w),
-        (DType::F16, true) => write::<f16, Fp8E4m3>(spec, step, w),
-        (DType::BF16, true) => write::<bf16, Fp8E4m3>(spec, step, w),
-        (DType::F32, true) => write::<f32, Fp8E4m3>(spec, step, w),
+    match (config.model.q_dtype, config.model.cache_dtype) {
+        (DType::F16, DType::Fp8E4m3) => write::<f16, Fp8E4m3>(spec, step, w),
+        (DType::BF16, DType::Fp8E4m3) => write::<bf16, Fp8E4m3>(spec, step, w),
+        (DType::F32, DType::Fp8E4m3) => write::<f32, Fp8E4m3>(spec, step, w),
+        (DType::F16, DType::Fp8E5m2) => write::<f16, Fp8E5m2>(spec, step, w),
+        (DType::BF16, DType::Fp8E5m2) => write::<bf16, Fp8E5m2>(spec, step, w),
+        (DType::F32, DType::Fp8E5m2) => write::<f32, Fp8E5m2>(spec, step, w),
+        (DType::F16, _) => write::<f16, f16>(spec, step, w),
+        (DType::BF16, _) => write::<bf16, bf16>(spec, step, w),
+        (DType::F32, _) => write::<f32, f32>(spec, step, w),
         (other, _) => Err(AttnError::UnsupportedDType { arg: "new_kv", dtype: other, reason: "keys are f16, bf16 or f32" }),
     }
 }

@@ -168,7 +168,6 @@ impl GpuExec {
     /// for (the one eager prefills of the model run).
     pub(crate) fn graph_planner(&self, config: &ForwardConfig, spec: &CacheSpec, bucket: GraphBucket) -> Result<GraphPlanner> {
         let m = &config.model;
-        let fp8 = m.cache_dtype == DType::Fp8E4m3;
         let q = match bucket {
             GraphBucket::Uniform { query_len, .. } => query_len as u32,
             GraphBucket::Mixed { .. } => config.decode_threshold as u32,
@@ -177,13 +176,15 @@ impl GpuExec {
         let tc = match spec {
             // A graph runs whatever lengths its steps have: FP8 caches take the deep-pipeline
             // kernels (`keys_rows::FP8_LONG_KEYS`), made for the long contexts graphs serve.
-            CacheSpec::Paged(_) => decode_tc_kernel(&self.dev, m.q_dtype, fp8, m.head_size, m.num_q_heads, m.num_kv_heads, q, u32::MAX, t)?,
-            CacheSpec::Mla(_) => mla_tc_kernel(&self.dev, m.q_dtype, fp8, m.num_q_heads, q, t)?,
+            CacheSpec::Paged(_) => {
+                decode_tc_kernel(&self.dev, m.q_dtype, m.cache_dtype, m.head_size, m.num_q_heads, m.num_kv_heads, q, u32::MAX, t)?
+            }
+            CacheSpec::Mla(_) => mla_tc_kernel(&self.dev, m.q_dtype, m.cache_dtype.fp8_format(), m.num_q_heads, q, t)?,
         };
         let prefill = match (bucket, spec) {
             (GraphBucket::Uniform { .. }, _) => None,
             (GraphBucket::Mixed { .. }, CacheSpec::Paged(_)) => {
-                let k = prefill_kernel_for(self.dev.ptx_target(), m.q_dtype, fp8, m.head_size, m.head_size, false)?;
+                let k = prefill_kernel_for(self.dev.ptx_target(), m.q_dtype, m.cache_dtype, m.head_size, m.head_size, false)?;
                 Some(GraphPrefillKernel { kernel: k.id, block_m: k.block_m, group: m.num_q_heads / m.num_kv_heads })
             }
             (GraphBucket::Mixed { .. }, CacheSpec::Mla(_)) => {
@@ -216,15 +217,15 @@ impl GpuExec {
     /// which the decode kernels would mask among their last keys.
     fn whole_step_kernel(&self, config: &ForwardConfig, ls: &LayerSpec, decode_len: usize) -> Result<Option<PrefillKernel>> {
         let m = &config.model;
-        let cache_fp8 = m.cache_dtype == DType::Fp8E4m3;
         let local = ls.opts.chunk_size.is_some() || ls.opts.symmetric_window.is_some();
-        let fp8 = match ls.attn_type {
-            AttentionType::EncoderOnly | AttentionType::Encoder => false,
-            AttentionType::EncoderDecoder if decode_len > 1 => cache_fp8,
-            AttentionType::Decoder if ls.opts.chunk_size.is_some() => cache_fp8,
+        // The K/V's type: the step's own K/V (the queries' type), or the cache's.
+        let kv = match ls.attn_type {
+            AttentionType::EncoderOnly | AttentionType::Encoder => m.q_dtype,
+            AttentionType::EncoderDecoder if decode_len > 1 => m.cache_dtype,
+            AttentionType::Decoder if ls.opts.chunk_size.is_some() => m.cache_dtype,
             AttentionType::EncoderDecoder | AttentionType::Decoder => return Ok(None),
         };
-        prefill_kernel_for(self.dev.ptx_target(), m.q_dtype, fp8, m.head_size, m.head_size, local).map(Some)
+        prefill_kernel_for(self.dev.ptx_target(), m.q_dtype, kv, m.head_size, m.head_size, local).map(Some)
     }
 
     /// A graph step's tiles of the whole step for layer `ls`, if it runs so (see
@@ -250,10 +251,9 @@ impl GpuExec {
         };
         let l = &config.limits;
         let words = 4096 + 8 * l.max_num_reqs + 2 * l.max_num_tokens;
-        let fp8 = m.cache_dtype == DType::Fp8E4m3;
         let partial = self.decode_ws.partial_rows();
         let plan = config.plan_options();
-        StepPlanner::new(self.dev.clone(), self.stream.clone(), kind, m.q_dtype, fp8, m.num_q_heads, plan, partial, words)
+        StepPlanner::new(self.dev.clone(), self.stream.clone(), kind, m.q_dtype, m.cache_dtype, m.num_q_heads, plan, partial, words)
     }
 
     /// A graph step's device buffer.

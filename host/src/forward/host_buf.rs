@@ -2,7 +2,7 @@
 //! dtype known at run time (the host counterpart of [`DevIn`](crate::DevIn) /
 //! [`DevOut`](crate::DevOut)), so one [`Layer`](super::Layer) type serves every dtype.
 
-use crate::dtype::{DType, Element, Fp8E4m3};
+use crate::dtype::{DType, Element, Fp8E4m3, Fp8E5m2};
 use half::{bf16, f16};
 
 /// A host slice the CPU backend reads.
@@ -16,6 +16,8 @@ pub enum HostIn<'a> {
     F32(&'a [f32]),
     /// FP8 E4M3 elements (an FP8 cache).
     Fp8E4m3(&'a [Fp8E4m3]),
+    /// FP8 E5M2 elements (an FP8 cache).
+    Fp8E5m2(&'a [Fp8E5m2]),
 }
 
 /// A host slice the CPU backend writes.
@@ -29,6 +31,8 @@ pub enum HostOut<'a> {
     F32(&'a mut [f32]),
     /// FP8 E4M3 elements (an FP8 cache).
     Fp8E4m3(&'a mut [Fp8E4m3]),
+    /// FP8 E5M2 elements (an FP8 cache).
+    Fp8E5m2(&'a mut [Fp8E5m2]),
 }
 
 impl HostIn<'_> {
@@ -39,6 +43,7 @@ impl HostIn<'_> {
             HostIn::BF16(s) => s.as_ptr() as u64,
             HostIn::F32(s) => s.as_ptr() as u64,
             HostIn::Fp8E4m3(s) => s.as_ptr() as u64,
+            HostIn::Fp8E5m2(s) => s.as_ptr() as u64,
         }
     }
 
@@ -49,6 +54,7 @@ impl HostIn<'_> {
             HostIn::BF16(_) => DType::BF16,
             HostIn::F32(_) => DType::F32,
             HostIn::Fp8E4m3(_) => DType::Fp8E4m3,
+            HostIn::Fp8E5m2(_) => DType::Fp8E5m2,
         }
     }
 
@@ -59,6 +65,7 @@ impl HostIn<'_> {
             HostIn::BF16(s) => s.len(),
             HostIn::F32(s) => s.len(),
             HostIn::Fp8E4m3(s) => s.len(),
+            HostIn::Fp8E5m2(s) => s.len(),
         }
     }
 
@@ -76,6 +83,7 @@ impl HostOut<'_> {
             HostOut::BF16(s) => s.as_ptr() as u64,
             HostOut::F32(s) => s.as_ptr() as u64,
             HostOut::Fp8E4m3(s) => s.as_ptr() as u64,
+            HostOut::Fp8E5m2(s) => s.as_ptr() as u64,
         }
     }
 
@@ -86,6 +94,7 @@ impl HostOut<'_> {
             HostOut::BF16(_) => DType::BF16,
             HostOut::F32(_) => DType::F32,
             HostOut::Fp8E4m3(_) => DType::Fp8E4m3,
+            HostOut::Fp8E5m2(_) => DType::Fp8E5m2,
         }
     }
 
@@ -96,6 +105,7 @@ impl HostOut<'_> {
             HostOut::BF16(s) => s.len(),
             HostOut::F32(s) => s.len(),
             HostOut::Fp8E4m3(s) => s.len(),
+            HostOut::Fp8E5m2(s) => s.len(),
         }
     }
 
@@ -170,3 +180,4 @@ host_element!(f16, F16);
 host_element!(bf16, BF16);
 host_element!(f32, F32);
 host_element!(Fp8E4m3, Fp8E4m3);
+host_element!(Fp8E5m2, Fp8E5m2);

@@ -45,7 +45,7 @@ pub(crate) struct StepPlanner {
     stream: Arc<CudaStream>,
     kind: PlanKind,
     q_dtype: DType,
-    fp8: bool,
+    cache_dtype: DType,
     num_q_heads: usize,
     plan: PlanOptions,
     partial_capacity: usize,
@@ -62,7 +62,7 @@ impl StepPlanner {
         stream: Arc<CudaStream>,
         kind: PlanKind,
         q_dtype: DType,
-        fp8: bool,
+        cache_dtype: DType,
         num_q_heads: usize,
         plan: PlanOptions,
         partial_capacity: usize,
@@ -77,7 +77,7 @@ impl StepPlanner {
             stream,
             kind,
             q_dtype,
-            fp8,
+            cache_dtype,
             num_q_heads,
             plan,
             partial_capacity,
@@ -91,10 +91,18 @@ impl StepPlanner {
     fn kernel(&self, max_q: u32, lens: &[i32]) -> Result<TcKernel> {
         let tuning = &self.plan.tuning;
         match self.kind {
-            PlanKind::Standard { head_size, num_kv_heads } => {
-                decode_tc_kernel(&self.dev, self.q_dtype, self.fp8, head_size, self.num_q_heads, num_kv_heads, max_q, max_len(lens), tuning)
-            }
-            PlanKind::Mla => mla_tc_kernel(&self.dev, self.q_dtype, self.fp8, self.num_q_heads, max_q, tuning),
+            PlanKind::Standard { head_size, num_kv_heads } => decode_tc_kernel(
+                &self.dev,
+                self.q_dtype,
+                self.cache_dtype,
+                head_size,
+                self.num_q_heads,
+                num_kv_heads,
+                max_q,
+                max_len(lens),
+                tuning,
+            ),
+            PlanKind::Mla => mla_tc_kernel(&self.dev, self.q_dtype, self.cache_dtype.fp8_format(), self.num_q_heads, max_q, tuning),
         }
     }
 

@@ -189,7 +189,7 @@ fn check_cache(config: &ForwardConfig, spec: &CacheSpec, cache: &impl Buf) -> Re
 /// kv head each.
 fn check_scales<I: Buf>(config: &ForwardConfig, (index, ls): (usize, &LayerSpec), scales: Option<&(I, I)>) -> Result<()> {
     let m = &config.model;
-    let fp8 = m.cache_dtype == DType::Fp8E4m3 && ls.attn_type.uses_cache();
+    let fp8 = m.cache_dtype.is_fp8() && ls.attn_type.uses_cache();
     match scales {
         None => ensure(!fp8, "kv_scales", || "missing: an FP8 cache needs its k and v scales".into()),
         Some((k, v)) => {

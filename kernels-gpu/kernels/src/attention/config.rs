@@ -1,6 +1,6 @@
 //! What an attention kernel is built for, as types: [`AttnConfig`] (the query and tensor-core
 //! types, the cache's row format, the head sizes and the CTA's shape) and [`CacheFormat`] (16-bit
-//! or FP8 E4M3 cache rows). The entry macros (`crate::attention::entry`) declare one config type
+//! or FP8 cache rows, E4M3 or E5M2). The entry macros (`crate::attention::entry`) declare one config type
 //! per kernel; the other kernels that share the helpers declare theirs next to their code.
 //!
 //! The shape is associated consts rather than const generics so that one type parameter carries
@@ -12,6 +12,7 @@
 //! - the kernel keeps the row tiles per warp, which size its accumulator arrays, as a const
 //!   generic (`MT`, equal to [`AttnConfig::MT`]).
 
+use crate::blocks::elem::{E4m3, E5m2, Fp8Format};
 use crate::blocks::mma::MmaHalf;
 use crate::blocks::vec_io::load_f32_nc;
 use attn_math::params::AttnParams;
@@ -65,8 +66,12 @@ impl<C: AttnConfig, const V: bool> Plane<C, V> {
 /// How a cache's rows are stored, staged in shared memory, and turned into the 16-bit tiles the
 /// math reads.
 pub(crate) trait CacheFormat {
-    /// FP8 E4M3 (the flag `attn_math`'s shape functions take).
+    /// FP8 rows (the flag `attn_math`'s shape functions take: both FP8 formats have one byte an
+    /// element and the same shapes).
     const FP8: bool;
+    /// The FP8 rows' encoding, which every conversion of them goes through. 16-bit rows are
+    /// never converted and name E4M3.
+    type Fp8: Fp8Format;
     /// Bytes of an element.
     const ELEM_BYTES: u32;
     /// Rows are staged raw and converted into separate 16-bit tiles in shared memory (unless
@@ -78,10 +83,10 @@ pub(crate) trait CacheFormat {
     /// ([`Self::live_units`]). The other kernels keep their 16-byte copies.
     const HALVES: bool = false;
 
-    /// The dequantisation factors of kv head `kv_head`'s K and V, each times `M`'s unpack
-    /// scale (1 and 1 for a 16-bit cache). They fold into the score scale (k) and the output
-    /// factor (v).
-    unsafe fn scales<M: MmaHalf>(p: &AttnParams, kv_head: u32) -> (f32, f32);
+    /// The dequantisation factors of kv head `kv_head`'s K and V, each times the FP8 format's
+    /// unpack scale (1 and 1 for a 16-bit cache). They fold into the score scale (k) and the
+    /// output factor (v).
+    unsafe fn scales(p: &AttnParams, kv_head: u32) -> (f32, f32);
 
     /// Row pitch in bytes of `d`-element rows as staged, and their 16-byte chunks.
     fn staged_pitch(d: u32) -> u32;
@@ -108,11 +113,12 @@ pub(crate) struct Bits16;
 
 impl CacheFormat for Bits16 {
     const FP8: bool = false;
+    type Fp8 = E4m3;
     const ELEM_BYTES: u32 = 2;
     const CONVERTS: bool = false;
 
     #[inline(always)]
-    unsafe fn scales<M: MmaHalf>(_: &AttnParams, _: u32) -> (f32, f32) {
+    unsafe fn scales(_: &AttnParams, _: u32) -> (f32, f32) {
         (1.0, 1.0)
     }
 
@@ -130,23 +136,28 @@ impl CacheFormat for Bits16 {
     unsafe fn convert<C: AttnConfig, const V: bool>(_: u32, _: u32) {}
 }
 
-/// FP8 E4M3 rows with per-tensor or per-kv-head scales (`p.fp8.k_scale`, `p.fp8.v_scale`,
-/// `p.scale_layout`), staged raw (`d` bytes a row). `HALVES`: rows that may start only 8-byte
-/// aligned ([`Fp8E4M3A8`]).
-pub(crate) struct Fp8E4M3<const HALVES: bool = false>;
+/// FP8 rows of format `F` with per-tensor or per-kv-head scales (`p.fp8.k_scale`,
+/// `p.fp8.v_scale`, `p.scale_layout`), staged raw (`d` bytes a row). `HALVES`: rows that may
+/// start only 8-byte aligned (a head size that is an odd multiple of 8: the `_a8` kernels).
+pub(crate) struct Fp8Cache<F, const HALVES: bool>(core::marker::PhantomData<F>);
 
-/// FP8 E4M3 rows of a head size that is an odd multiple of 8 (the `_fp8_a8` kernels).
-pub(crate) type Fp8E4M3A8 = Fp8E4M3<true>;
+/// FP8 E4M3 rows (the `_fp8` kernels), and those of odd multiples of 8 (`_fp8_a8`).
+pub(crate) type Fp8E4M3 = Fp8Cache<E4m3, false>;
+pub(crate) type Fp8E4M3A8 = Fp8Cache<E4m3, true>;
+/// FP8 E5M2 rows (the `_e5m2` kernels), and those of odd multiples of 8 (`_e5m2_a8`).
+pub(crate) type Fp8E5M2 = Fp8Cache<E5m2, false>;
+pub(crate) type Fp8E5M2A8 = Fp8Cache<E5m2, true>;
 
-impl<const H: bool> CacheFormat for Fp8E4M3<H> {
+impl<F: Fp8Format, const H: bool> CacheFormat for Fp8Cache<F, H> {
     const FP8: bool = true;
+    type Fp8 = F;
     const ELEM_BYTES: u32 = 1;
     const CONVERTS: bool = true;
     const HALVES: bool = H;
 
     #[inline(always)]
-    unsafe fn scales<M: MmaHalf>(p: &AttnParams, kv_head: u32) -> (f32, f32) {
-        let unpack = M::FP8_UNPACK_SCALE;
+    unsafe fn scales(p: &AttnParams, kv_head: u32) -> (f32, f32) {
+        let unpack = F::UNPACK_SCALE;
         let at = 4 * (kv_head * p.scale_layout.head_stride) as u64;
         (unsafe { load_f32_nc(p.fp8.k_scale + at) } * unpack, unsafe { load_f32_nc(p.fp8.v_scale + at) } * unpack)
     }

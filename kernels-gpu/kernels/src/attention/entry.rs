@@ -1,16 +1,20 @@
-//! Entry points of the tensor-core attention kernels: `prefill_<dtype>[_fp8]_dk<qk>_dv<v>` (rows
-//! split across warps), `prefill_local_<dtype>_dk<d>_dv<d>` (the same with the local masks) and `decode_tc_<dtype>[_fp8]_d<head_size>` (keys split across warps);
-//! `_fp8`: an FP8 E4M3 cache (`_fp8_a8`: of a head size that is an odd multiple of 8, whose rows
-//! start 8-byte aligned and are copied in 8-byte halves); the keys-as-rows decode kernels, the Hopper prefill kernels and the
-//! MLA kernels (dense and sparse). The host builds the same names (host/src/prefill.rs, decode.rs, mla.rs).
+//! Entry points of the tensor-core attention kernels: `prefill_<dtype>[<fp8>]_dk<qk>_dv<v>` (rows
+//! split across warps), `prefill_local_<dtype>_dk<d>_dv<d>` (the same with the local masks) and
+//! `decode_tc_<dtype>[<fp8>]_d<head_size>` (keys split across warps); the keys-as-rows decode
+//! kernels, the Hopper prefill kernels and the MLA kernels (dense and sparse). `<fp8>`: an FP8
+//! cache, `_fp8` (E4M3) or `_e5m2`, and with `_a8` after it the same for a head size that is an
+//! odd multiple of 8 (rows that start 8-byte aligned, copied in 8-byte halves). The host builds
+//! the same names (host/src/kernels.rs).
 
-use crate::attention::config::{AttnConfig, Bits16, Fp8E4M3, Fp8E4M3A8};
+use crate::attention::config::{AttnConfig, Bits16, Fp8E4M3, Fp8E4M3A8, Fp8E5M2, Fp8E5M2A8};
 #[cfg(wgmma)]
-use crate::attention::hopper::half_mma::{Mma16, MmaE4m3};
+use crate::attention::hopper::half_mma::{Mma16, MmaFp8};
 use crate::attention::mainloop::attention;
 use crate::attention::mla::kernel::mla_attention;
 use crate::attention::mla::keys::{IndexedKeys, PagedKeys};
 use crate::blocks::elem::{Bf16, F16};
+#[cfg(wgmma)]
+use crate::blocks::elem::{E4m3, E5m2};
 use attn_math::params::AttnParams;
 
 /// A kernel `$name` running [`attention`] for a config of queries `$q`, tensor-core inputs `$m`,
@@ -40,6 +44,28 @@ macro_rules! attention_kernel {
     };
 }
 
+/// `$mac!($args... <cache>, <tag>)` for each FP8 cache type: E4M3 (`_fp8`) and E5M2 (`_e5m2`),
+/// each also for rows of a head size that is an odd multiple of 8 (`_a8`).
+macro_rules! for_each_fp8_cache {
+    ($mac:ident!($($args:tt)*)) => {
+        $mac!($($args)* Fp8E4M3, "_fp8");
+        $mac!($($args)* Fp8E4M3A8, "_fp8_a8");
+        $mac!($($args)* Fp8E5M2, "_e5m2");
+        $mac!($($args)* Fp8E5M2A8, "_e5m2_a8");
+    };
+}
+
+/// The FP8 kernels of the `mma.sync` shapes: `prefill_<q><tag>_dk<d>_dv<d>` and
+/// `decode_tc_<q><tag>_d<d>` over cache rows `$cache`.
+macro_rules! fp8_attention_kernel {
+    (prefill, $q:ident, $qname:literal, $d:literal, $cache:ident, $tag:literal) => {
+        attention_kernel!(concat!("prefill_", $qname, $tag, "_dk", $d, "_dv", $d), $q, F16, $cache, $d, $d, keys_split: false);
+    };
+    (decode, $q:ident, $qname:literal, $d:literal, $cache:ident, $tag:literal) => {
+        attention_kernel!(concat!("decode_tc_", $qname, $tag, "_d", $d), $q, F16, $cache, $d, $d, keys_split: true);
+    };
+}
+
 macro_rules! prefill_kernels {
     ($q:ident, $qname:literal: $(($dk:literal, $dv:literal)),*) => {
         $(
@@ -55,12 +81,10 @@ macro_rules! prefill_kernels {
 macro_rules! decode_kernels {
     ($q:ident, $qname:literal: $($d:literal),*; tc_fp8: $($d8:literal),*; tc_16bit: $($d16:literal),*) => {
         $(
-            attention_kernel!(concat!("prefill_", $qname, "_fp8_dk", $d, "_dv", $d), $q, F16, Fp8E4M3, $d, $d, keys_split: false);
-            attention_kernel!(concat!("prefill_", $qname, "_fp8_a8_dk", $d, "_dv", $d), $q, F16, Fp8E4M3A8, $d, $d, keys_split: false);
+            for_each_fp8_cache!(fp8_attention_kernel!(prefill, $q, $qname, $d,));
         )*
         $(
-            attention_kernel!(concat!("decode_tc_", $qname, "_fp8_d", $d8), $q, F16, Fp8E4M3, $d8, $d8, keys_split: true);
-            attention_kernel!(concat!("decode_tc_", $qname, "_fp8_a8_d", $d8), $q, F16, Fp8E4M3A8, $d8, $d8, keys_split: true);
+            for_each_fp8_cache!(fp8_attention_kernel!(decode, $q, $qname, $d8,));
         )*
         $(
             attention_kernel!(concat!("decode_tc_", $qname, "_d", $d16), $q, $q, Bits16, $d16, $d16, keys_split: true);
@@ -86,8 +110,8 @@ prefill_local_kernels!(F16, "f16": 64, 96, 128, 256);
 prefill_local_kernels!(Bf16, "bf16": 64, 96, 128, 256);
 
 // Keys-as-rows decode (`crate::attention::keys_rows`), up to 8 rows per kv head:
-// `decode_kr_<q>_d<head_size>` (16-bit caches) and `decode_kr_<q>_fp8[_long]_d<head_size>`; up
-// to 16: `decode_kr_<q>_r16_d<head_size>` (16-bit caches) and `decode_kr_<q>_fp8_long_r16_d<head_size>`
+// `decode_kr_<q>_d<head_size>` (16-bit caches) and `decode_kr_<q><fp8>[_long]_d<head_size>`; up
+// to 16: `decode_kr_<q>_r16_d<head_size>` (16-bit caches) and `decode_kr_<q><fp8>_long_r16_d<head_size>`
 // (FP8: two CTAs per SM, whose registers hold the two column groups).
 macro_rules! keys_rows_kernels {
     ($q:ident, $qname:literal: $($d:literal),*; r16: $($d16:literal),*; fp8: $($d8:literal),*) => {
@@ -108,11 +132,10 @@ macro_rules! keys_rows_kernels {
             };
         )*
         $(
-            keys_rows_kernels!(fp8: $q, $qname, "_fp8", Fp8E4M3, $d8);
-            keys_rows_kernels!(fp8: $q, $qname, "_fp8_a8", Fp8E4M3A8, $d8);
+            for_each_fp8_cache!(keys_rows_kernels!(fp8: $q, $qname, $d8,));
         )*
     };
-    (fp8: $q:ident, $qname:literal, $tag:literal, $cache:ident, $d8:literal) => {
+    (fp8: $q:ident, $qname:literal, $d8:literal, $cache:ident, $tag:literal) => {
         const _: () = {
             #[unsafe(export_name = concat!("decode_kr_", $qname, $tag, "_d", $d8))]
             unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
@@ -139,8 +162,8 @@ keys_rows_kernels!(Bf16, "bf16": 64, 96, 128, 256; r16: 64, 96, 128; fp8: 64, 12
 
 // Prefill on Hopper's warpgroup MMA (sm_90a only): `<prefix>_<q><cache>_d<width>` running
 // `crate::attention::hopper::$module::$func::<Q, Cache, Mma, D, W>` (width `D` on shared-memory
-// rows `W` wide; `<cache>`: "" for 16-bit K/V, "_fp8" for an FP8 E4M3 cache; `Mma`: the step's
-// MMAs, on 16-bit or e4m3 operands).
+// rows `W` wide; `<cache>`: "" for 16-bit K/V, else the FP8 cache's tag; `Mma`: the step's
+// MMAs, on 16-bit operands or on e4m3 queries and weights with the cache's FP8 keys and values).
 #[cfg(wgmma)]
 macro_rules! prefill_wgmma_kernels {
     ($prefix:literal, $module:ident::$func:ident, $q:ident, $qname:literal, $cache:ident, $cname:literal, $mma:ty: $(($d:literal, $w:literal)),*) => {
@@ -169,56 +192,58 @@ macro_rules! prefill_wgmma_kernels {
 }
 
 // A producer warpgroup, persistent CTAs: `prefill_wgs_<q>_d<64|80|96|112|128|256>`, and from
-// an FP8 cache `prefill_wgs_<q>_fp8_d<64|80|96|112|128>` (width 64 on converted 16-bit rows,
-// the others on e4m3 `wgmma`).
+// an FP8 cache `prefill_wgs_<q><fp8>_d<64|80|96|112|128>` (width 64 on converted 16-bit rows,
+// the others on FP8 `wgmma`).
 #[cfg(wgmma)]
 prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", Bits16, "", Mma16<F16>: (64, 64), (80, 128), (96, 128), (112, 128), (128, 128), (256, 256));
 #[cfg(wgmma)]
 prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", Bits16, "", Mma16<Bf16>: (64, 64), (80, 128), (96, 128), (112, 128), (128, 128), (256, 256));
+// From each FP8 cache: width 64 on converted 16-bit rows, the others on FP8 `wgmma`.
 #[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", Fp8E4M3, "_fp8", Mma16<F16>: (64, 64));
+macro_rules! prefill_wgs_fp8_kernels {
+    ($cache:ident, $tag:literal, $fp8:ident) => {
+        prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", $cache, $tag, Mma16<F16>: (64, 64));
+        prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", $cache, $tag, Mma16<Bf16>: (64, 64));
+        prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", $cache, $tag, MmaFp8<$fp8>: (80, 128), (96, 128), (112, 128), (128, 128));
+        prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", $cache, $tag, MmaFp8<$fp8>: (80, 128), (96, 128), (112, 128), (128, 128));
+    };
+}
 #[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", Fp8E4M3, "_fp8", Mma16<Bf16>: (64, 64));
+prefill_wgs_fp8_kernels!(Fp8E4M3, "_fp8", E4m3);
 #[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", Fp8E4M3, "_fp8", MmaE4m3: (80, 128), (96, 128), (112, 128), (128, 128));
+prefill_wgs_fp8_kernels!(Fp8E4M3A8, "_fp8_a8", E4m3);
 #[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", Fp8E4M3, "_fp8", MmaE4m3: (80, 128), (96, 128), (112, 128), (128, 128));
-// The same from FP8 rows of a head size that is an odd multiple of 8 (`_fp8_a8`: rows 8-byte
-// aligned, copied in halves).
+prefill_wgs_fp8_kernels!(Fp8E5M2, "_e5m2", E5m2);
 #[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", Fp8E4M3A8, "_fp8_a8", Mma16<F16>: (64, 64));
-#[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", Fp8E4M3A8, "_fp8_a8", Mma16<Bf16>: (64, 64));
-#[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", Fp8E4M3A8, "_fp8_a8", MmaE4m3: (80, 128), (96, 128), (112, 128), (128, 128));
-#[cfg(wgmma)]
-prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", Fp8E4M3A8, "_fp8_a8", MmaE4m3: (80, 128), (96, 128), (112, 128), (128, 128));
+prefill_wgs_fp8_kernels!(Fp8E5M2A8, "_e5m2_a8", E5m2);
 
 // MLA on its own kernel: Q K^T once per tile, P shared by warps owning output columns.
-// `mla_<q>[_fp8]_{narrow,wide}` (shapes in `attn_math::mla`; `_fp8`: an FP8 E4M3 cache), and
-// the same kernel over each query token's index list, `mla_sparse_<q>[_fp8]_{narrow,wide}`.
+// `mla_<q>[<fp8>]_{narrow,wide}` (shapes in `attn_math::mla`; `<fp8>`: `_fp8` (E4M3) or `_e5m2`),
+// and the same kernel over each query token's index list, `mla_sparse_<q>[<fp8>]_{narrow,wide}`.
 macro_rules! mla_latent_kernels {
-    ($q:ident, $qname:literal, $tag:literal, $fp8:literal) => {
-        mla_latent_kernels!($q, concat!("mla_", $qname, $tag), $fp8, PagedKeys);
-        mla_latent_kernels!($q, concat!("mla_sparse_", $qname, $tag), $fp8, IndexedKeys);
+    ($q:ident, $qname:literal, $tag:literal, $cache:ident) => {
+        mla_latent_kernels!($q, concat!("mla_", $qname, $tag), $cache, PagedKeys);
+        mla_latent_kernels!($q, concat!("mla_sparse_", $qname, $tag), $cache, IndexedKeys);
     };
-    ($q:ident, $prefix:expr, $fp8:literal, $keys:ident) => {
+    ($q:ident, $prefix:expr, $cache:ident, $keys:ident) => {
         const _: () = {
             #[unsafe(export_name = concat!($prefix, "_narrow"))]
             unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
-                unsafe { mla_attention::<$q, false, $fp8, $keys>(&p) }
+                unsafe { mla_attention::<$q, false, $cache, $keys>(&p) }
             }
         };
         const _: () = {
             #[unsafe(export_name = concat!($prefix, "_wide"))]
             unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
-                unsafe { mla_attention::<$q, true, $fp8, $keys>(&p) }
+                unsafe { mla_attention::<$q, true, $cache, $keys>(&p) }
             }
         };
     };
 }
 
-mla_latent_kernels!(Bf16, "bf16", "", false);
-mla_latent_kernels!(F16, "f16", "", false);
-mla_latent_kernels!(Bf16, "bf16", "_fp8", true);
-mla_latent_kernels!(F16, "f16", "_fp8", true);
+mla_latent_kernels!(Bf16, "bf16", "", Bits16);
+mla_latent_kernels!(F16, "f16", "", Bits16);
+mla_latent_kernels!(Bf16, "bf16", "_fp8", Fp8E4M3);
+mla_latent_kernels!(F16, "f16", "_fp8", Fp8E4M3);
+mla_latent_kernels!(Bf16, "bf16", "_e5m2", Fp8E5M2);
+mla_latent_kernels!(F16, "f16", "_e5m2", Fp8E5M2);

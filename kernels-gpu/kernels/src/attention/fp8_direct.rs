@@ -16,9 +16,9 @@
 //! `u ^ (L % 8)`) so that the eight threads of a shared-memory phase, which read different keys'
 //! runs at the same offsets, hit different banks.
 
-use crate::attention::config::AttnConfig;
+use crate::attention::config::{AttnConfig, CacheFormat};
 use crate::blocks::device::{static_for, thread_idx_x};
-use crate::blocks::elem::HalfFloat;
+use crate::blocks::elem::{Fp8Format, HalfFloat};
 use crate::blocks::mma::{byte_perm, ld_shared_u64, ld_shared_v4, MmaHalf};
 
 /// Byte offset of byte `b` of row `r` (rows of `d` FP8 bytes) in a swizzled stage.
@@ -92,7 +92,7 @@ pub(crate) unsafe fn scores<C: AttnConfig>(q: &[[u32; 4]; 16], k_raw: u32, key_o
     static_for::<16>(|ks| {
         if ks < C::DK / 16 {
             static_for::<2>(|j| {
-                let [b0, b1] = C::M::from_fp8x4(run[j][ks]);
+                let [b0, b1] = C::M::from_fp8x4::<<C::Cache as CacheFormat>::Fp8>(run[j][ks]);
                 s[j] = C::M::mma(q[ks], b0, b1, s[j]);
             });
         }
@@ -120,7 +120,7 @@ pub(crate) unsafe fn accumulate_pv<C: AttnConfig>(s: &[[f32; 4]; 8], o: &mut [[f
             run[k][1] = (v >> 32) as u32;
         }
     });
-    mma_value_runs::<C::M>(a, &run, C::DV / 32, o);
+    mma_value_runs::<C::M, <C::Cache as CacheFormat>::Fp8>(a, &run, C::DV / 32, o);
 }
 
 /// `O += P V` for one 16-key k-step from each thread's FP8 value runs: `run[k]`, the bytes of
@@ -128,15 +128,15 @@ pub(crate) unsafe fn accumulate_pv<C: AttnConfig>(s: &[[f32; 4]; 8], o: &mut [[f
 /// m holding columns `4m .. 4m + 4` of its slice; column `g`'s slice byte `i` belongs to
 /// accumulator tile `i` (`a`: P's A fragment for the same 16 keys).
 #[inline(always)]
-pub(crate) fn mma_value_runs<M: MmaHalf>(a: [u32; 4], run: &[[u32; 4]; 4], words: usize, o: &mut [[f32; 4]; 32]) {
+pub(crate) fn mma_value_runs<M: MmaHalf, F: Fp8Format>(a: [u32; 4], run: &[[u32; 4]; 4], words: usize, o: &mut [[f32; 4]; 32]) {
     static_for::<4>(|m| {
         if m < words {
             // (key 2t4, key 2t4 + 1) byte pairs of columns 4m, 4m + 1 and 4m + 2, 4m + 3.
             let low = [byte_perm(run[0][m], run[1][m], 0x5140), byte_perm(run[2][m], run[3][m], 0x5140)];
             let high = [byte_perm(run[0][m], run[1][m], 0x7362), byte_perm(run[2][m], run[3][m], 0x7362)];
             // Each word's two byte pairs converted as its 16-bit halves (`from_fp8x4`).
-            let low = [M::from_fp8x4(low[0]), M::from_fp8x4(low[1])];
-            let high = [M::from_fp8x4(high[0]), M::from_fp8x4(high[1])];
+            let low = [M::from_fp8x4::<F>(low[0]), M::from_fp8x4::<F>(low[1])];
+            let high = [M::from_fp8x4::<F>(high[0]), M::from_fp8x4::<F>(high[1])];
             static_for::<4>(|d| {
                 let pairs = if d < 2 { low } else { high };
                 let i = 4 * m + d;

@@ -309,7 +309,7 @@ impl<K: CacheFormat, const D: usize> SlabFormat<D> for Fp8Rows<K> {
         let mut acc = [[[0.0f32; 4]; 2]; G];
         static_for::<16>(|ks| {
             if ks < D / 16 {
-                let cvt = |w: u32| Self::M::from_fp8x2(w);
+                let cvt = |w: u32| Self::M::from_fp8x2::<K::Fp8>(w);
                 let (w0, w1) = (run[0][ks], run[1][ks]);
                 let a = [cvt(w0 & 0xffff), cvt(w1 & 0xffff), cvt(w0 >> 16), cvt(w1 >> 16)];
                 static_for::<G>(|c| acc[c][ks % 2] = Self::M::mma(a, q[c][ks][0], q[c][ks][1], acc[c][ks % 2]));
@@ -335,7 +335,7 @@ impl<K: CacheFormat, const D: usize> SlabFormat<D> for Fp8Rows<K> {
                 let a_lo = [pairs(run[0][0][m], run[1][0][m]), pairs(run[0][1][m], run[1][1][m])];
                 let a_hi = [pairs(run[2][0][m], run[3][0][m]), pairs(run[2][1][m], run[3][1][m])];
                 static_for::<4>(|d| {
-                    let pick = |w: [u32; 2]| Self::M::from_fp8x2((w[d / 2] >> (16 * (d % 2) as u32)) & 0xffff);
+                    let pick = |w: [u32; 2]| Self::M::from_fp8x2::<K::Fp8>((w[d / 2] >> (16 * (d % 2) as u32)) & 0xffff);
                     let a = [pick(a_lo[0]), pick(a_lo[1]), pick(a_hi[0]), pick(a_hi[1])];
                     let mt = 4 * m + d;
                     static_for::<G>(|c| o[c][mt] = Self::M::mma(a, b[c][0], b[c][1], o[c][mt]));
@@ -444,7 +444,7 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
         let q_addr = p.qkv.q + (q_row.token as u64 * p.qkv.q_token_stride + q_row.head as u64 * p.qkv.q_head_stride) * 2;
         q[c] = unsafe { F::queries::<Q>(q_addr, q_conv, head) };
     });
-    let (k_scale, v_scale) = unsafe { F::Cache::scales::<F::M>(p, w.kv_head) };
+    let (k_scale, v_scale) = unsafe { F::Cache::scales(p, w.kv_head) };
     let mut ahead = [lookup(0), lookup(1)];
 
     // What is read before waiting for the kernel before (in an engine, this step's cache

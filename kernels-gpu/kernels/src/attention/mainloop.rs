@@ -59,7 +59,7 @@ pub unsafe fn attention<C: AttnConfig, const MT: usize>(p: &AttnParams) {
     let direct = fp8_direct(C::DK as u32, C::DV as u32, C::KEYS, C::Cache::FP8);
     const { assert!(!(C::VK && fp8_direct(C::DK as u32, C::DV as u32, C::KEYS, C::Cache::FP8))) };
     // FP8: dequantisation folds into the score scale (k) and the output factor (v).
-    let (k_scale, v_scale) = unsafe { C::Cache::scales::<C::M>(p, w.kv_head) };
+    let (k_scale, v_scale) = unsafe { C::Cache::scales(p, w.kv_head) };
     // Queries converted from Q to M are scaled by `q_conv` (2^-8 from bf16 to f16).
     let q_conv = if C::Q::IS_BF16 == C::M::IS_BF16 { 1.0 } else { 1.0 / 256.0 };
     let score_scale = p.variant.scale_log2 * k_scale / q_conv;

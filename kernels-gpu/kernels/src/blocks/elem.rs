@@ -1,8 +1,11 @@
-//! Element formats the attention kernels read and write, as 8-element chunks: queries and
-//! outputs in f16/bf16, caches in f16/bf16 (16 bytes a chunk) or FP8 E4M3 (8 bytes a chunk).
+//! Element formats the kernels read and write: queries and
+//! outputs in f16/bf16; the FP8 cache formats (E4M3, E5M2).
 
-use crate::blocks::vec_io::{bf16x2_to_f32, f16x2_to_f32, f32_to_f16_bits, load16_nc, load8_nc, store_u16};
+use crate::blocks::mma::byte_perm;
+use crate::blocks::vec_io::{bf16x2_to_f32, f16x2_to_f32, f32_to_f16_bits};
 use attn_math::fp8::f32_to_bf16_bits;
+#[cfg(not(hw_fp8))]
+use attn_math::fp8::{f32_to_e4m3, f32_to_e5m2};
 
 /// Query / output element (16-bit float).
 pub trait HalfFloat {
@@ -35,87 +38,59 @@ impl HalfFloat for Bf16 {
     }
 }
 
-/// 8 consecutive 16-bit floats at `addr` (16-byte aligned) as f32.
-#[inline(always)]
-pub unsafe fn load_chunk_half<H: HalfFloat>(addr: u64) -> [f32; 8] {
-    HalfCache::<H>::unpack(unsafe { load16_nc(addr) })
-}
-
-#[inline(always)]
-pub unsafe fn store_half<H: HalfFloat>(addr: u64, x: f32) {
-    unsafe { store_u16(addr, H::pack(x)) }
-}
-
-/// A cache element format: bytes per element, and 8-element chunks loaded raw (few registers
-/// while in flight) and unpacked to f32 where they are used.
-pub trait CacheFormat {
-    const BYTES: u64;
-    /// What unpacked values must be multiplied by (the kernel folds it into the k/v scales).
+/// An FP8 cache encoding: how its bytes become f16 (what the tensor cores and the converting
+/// copies take), and how values are rounded into it. Every FP8 conversion of the kernels goes
+/// through one of these, so that a kernel's FP8 format is a type parameter.
+pub trait Fp8Format {
+    /// What converted values must be multiplied by (the kernels fold it into the k/v scales).
     const UNPACK_SCALE: f32;
-    type Raw: Copy;
-    const ZERO: Self::Raw;
-    unsafe fn load_raw(addr: u64) -> Self::Raw;
-    fn unpack(raw: Self::Raw) -> [f32; 8];
-}
-
-pub struct HalfCache<H>(core::marker::PhantomData<H>);
-impl<H: HalfFloat> CacheFormat for HalfCache<H> {
-    const BYTES: u64 = 2;
-    const UNPACK_SCALE: f32 = 1.0;
-    type Raw = [u32; 4];
-    const ZERO: [u32; 4] = [0; 4];
-    #[inline(always)]
-    unsafe fn load_raw(addr: u64) -> [u32; 4] {
-        unsafe { load16_nc(addr) }
-    }
-    #[inline(always)]
-    fn unpack(w: [u32; 4]) -> [f32; 8] {
-        let mut out = [0.0; 8];
-        let mut i = 0;
-        while i < 4 {
-            let (a, b) = H::unpack2(w[i]);
-            out[2 * i] = a;
-            out[2 * i + 1] = b;
-            i += 1;
-        }
-        out
-    }
+    /// Two bytes (low byte first, the low 16 bits of `pair`) as an f16x2 word, exactly (divided
+    /// by `UNPACK_SCALE`).
+    fn to_f16x2(pair: u32) -> u32;
+    /// [`to_f16x2`](Self::to_f16x2) of bytes 0-1 and 2-3 of `quad`.
+    fn to_f16x4(quad: u32) -> [u32; 2];
+    /// Two values rounded to nearest even, saturating, as `lo | hi << 8` (`attn_math::fp8`).
+    fn from_f32x2(lo: f32, hi: f32) -> u32;
 }
 
 /// FP8 E4M3. sm_89+: `cvt.rn.f16x2.e4m3x2`, exact. Older GPUs: the byte's bits moved into an
 /// f16 (same mantissa, exponent bias 15 instead of 7), exact up to the factor 2^8 that
 /// `UNPACK_SCALE` carries; valid for every non-NaN byte.
-pub struct Fp8Cache;
-impl CacheFormat for Fp8Cache {
-    const BYTES: u64 = 1;
+pub struct E4m3;
+
+impl Fp8Format for E4m3 {
     #[cfg(hw_fp8)]
     const UNPACK_SCALE: f32 = 1.0;
     #[cfg(not(hw_fp8))]
     const UNPACK_SCALE: f32 = 256.0;
-    type Raw = [u32; 2];
-    const ZERO: [u32; 2] = [0; 2];
+
     #[inline(always)]
-    unsafe fn load_raw(addr: u64) -> [u32; 2] {
-        unsafe { load8_nc(addr) }
+    fn to_f16x2(pair: u32) -> u32 {
+        e4m3x2_to_f16x2(pair)
     }
+
     #[inline(always)]
-    fn unpack(w: [u32; 2]) -> [f32; 8] {
-        let mut out = [0.0; 8];
-        let mut i = 0;
-        while i < 4 {
-            let pair = (w[i / 2] >> (16 * (i % 2))) & 0xffff;
-            let (a, b) = f16x2_to_f32(fp8x2_to_f16x2(pair));
-            out[2 * i] = a;
-            out[2 * i + 1] = b;
-            i += 1;
+    fn to_f16x4(quad: u32) -> [u32; 2] {
+        e4m3x4_to_f16x4(quad)
+    }
+
+    #[inline(always)]
+    fn from_f32x2(lo: f32, hi: f32) -> u32 {
+        #[cfg(hw_fp8)]
+        {
+            // sm_89+: one instruction, with the rounding and saturation of `attn_math::fp8`.
+            crate::blocks::vec_io::e4m3x2(lo, hi)
         }
-        out
+        #[cfg(not(hw_fp8))]
+        {
+            f32_to_e4m3(lo) as u32 | (f32_to_e4m3(hi) as u32) << 8
+        }
     }
 }
 
-/// Two FP8 bytes (low byte first) as an f16x2 word (scaled by `Fp8Cache::UNPACK_SCALE`^-1).
+/// [`E4m3::to_f16x2`].
 #[inline(always)]
-pub fn fp8x2_to_f16x2(pair: u32) -> u32 {
+fn e4m3x2_to_f16x2(pair: u32) -> u32 {
     #[cfg(hw_fp8)]
     {
         let out: u32;
@@ -132,10 +107,10 @@ pub fn fp8x2_to_f16x2(pair: u32) -> u32 {
     }
 }
 
-/// [`fp8x2_to_f16x2`] of both halves of `quad` (bytes 0-1, then 2-3). With the conversion
-/// instruction, the halves are read as the register's 16-bit halves: no shift or mask.
+/// [`E4m3::to_f16x4`]. With the conversion instruction, the halves are read as the register's
+/// 16-bit halves: no shift or mask.
 #[inline(always)]
-pub fn fp8x4_to_f16x4(quad: u32) -> [u32; 2] {
+fn e4m3x4_to_f16x4(quad: u32) -> [u32; 2] {
     #[cfg(hw_fp8)]
     {
         let (lo, hi): (u32, u32);
@@ -147,6 +122,42 @@ pub fn fp8x4_to_f16x4(quad: u32) -> [u32; 2] {
     }
     #[cfg(not(hw_fp8))]
     {
-        [fp8x2_to_f16x2(quad & 0xffff), fp8x2_to_f16x2(quad >> 16)]
+        [e4m3x2_to_f16x2(quad & 0xffff), e4m3x2_to_f16x2(quad >> 16)]
+    }
+}
+
+/// FP8 E5M2: the upper byte of an f16, so a byte moved into place is its exact f16 on every
+/// GPU (one byte permute a pair; `UNPACK_SCALE` 1).
+pub struct E5m2;
+
+impl Fp8Format for E5m2 {
+    const UNPACK_SCALE: f32 = 1.0;
+
+    #[inline(always)]
+    fn to_f16x2(pair: u32) -> u32 {
+        // Bytes 0 and 1 into the upper bytes of the two halves, zeros below.
+        byte_perm(pair, 0, 0x1404)
+    }
+
+    #[inline(always)]
+    fn to_f16x4(quad: u32) -> [u32; 2] {
+        [byte_perm(quad, 0, 0x1404), byte_perm(quad, 0, 0x3424)]
+    }
+
+    #[inline(always)]
+    fn from_f32x2(lo: f32, hi: f32) -> u32 {
+        #[cfg(hw_fp8)]
+        {
+            let packed: u16;
+            unsafe {
+                core::arch::asm!("cvt.rn.satfinite.e5m2x2.f32 {0}, {1}, {2};", out(reg16) packed, in(reg32) hi, in(reg32) lo,
+                    options(pure, nomem, nostack));
+            }
+            packed as u32
+        }
+        #[cfg(not(hw_fp8))]
+        {
+            f32_to_e5m2(lo) as u32 | (f32_to_e5m2(hi) as u32) << 8
+        }
     }
 }

@@ -7,7 +7,7 @@
 //! (row g + 8; same cols). Each register holds two 16-bit values, the lower column in the low half.
 
 use crate::blocks::device::static_for;
-use crate::blocks::elem::{fp8x2_to_f16x2, fp8x4_to_f16x4, Bf16, CacheFormat, Fp8Cache, HalfFloat, F16};
+use crate::blocks::elem::{Bf16, Fp8Format, HalfFloat, F16};
 use crate::blocks::vec_io::f16x2_to_f32;
 use core::arch::asm;
 
@@ -18,13 +18,11 @@ pub trait MmaHalf: HalfFloat {
     /// Two f32 rounded into one register: `lo` in the low half.
     fn pack2(lo: f32, hi: f32) -> u32;
     const IS_BF16: bool;
-    /// What [`from_fp8x2`](Self::from_fp8x2) values must be multiplied by.
-    const FP8_UNPACK_SCALE: f32 = Fp8Cache::UNPACK_SCALE;
-    /// Two FP8 E4M3 bytes (low byte first) as two values of this type (exact, divided by
-    /// `FP8_UNPACK_SCALE`).
-    fn from_fp8x2(pair: u32) -> u32;
+    /// Two bytes of FP8 format `F` (low byte first) as two values of this type (exact, divided
+    /// by `F::UNPACK_SCALE`).
+    fn from_fp8x2<F: Fp8Format>(pair: u32) -> u32;
     /// [`from_fp8x2`](Self::from_fp8x2) of bytes 0-1 and 2-3 of `quad`.
-    fn from_fp8x4(quad: u32) -> [u32; 2];
+    fn from_fp8x4<F: Fp8Format>(quad: u32) -> [u32; 2];
     /// `S = A B^T` for a warpgroup (Hopper `wgmma`, m64n64k16, f32 accumulate): A 64 x 576 and B
     /// 64 x 576 (a whole 64-row tile), both in shared memory in the 128-byte-swizzled K-major
     /// layout (`attn_math::mla::swizzled`), given by the descriptors of their first k-step.
@@ -221,12 +219,12 @@ macro_rules! mma_impl {
                 d
             }
             #[inline(always)]
-            fn from_fp8x2(pair: u32) -> u32 {
-                <$ty as FromFp8>::convert(pair)
+            fn from_fp8x2<F: Fp8Format>(pair: u32) -> u32 {
+                <$ty as FromFp8>::convert::<F>(pair)
             }
             #[inline(always)]
-            fn from_fp8x4(quad: u32) -> [u32; 2] {
-                <$ty as FromFp8>::convert4(quad)
+            fn from_fp8x4<F: Fp8Format>(quad: u32) -> [u32; 2] {
+                <$ty as FromFp8>::convert4::<F>(quad)
             }
             #[cfg(wgmma)]
             #[inline(always)]
@@ -298,29 +296,30 @@ mma_impl!(Bf16, "bf16");
 
 /// FP8 pairs to a 16-bit type, per type.
 pub trait FromFp8 {
-    fn convert(pair: u32) -> u32;
+    fn convert<F: Fp8Format>(pair: u32) -> u32;
     #[inline(always)]
-    fn convert4(quad: u32) -> [u32; 2] {
-        [Self::convert(quad & 0xffff), Self::convert(quad >> 16)]
+    fn convert4<F: Fp8Format>(quad: u32) -> [u32; 2] {
+        [Self::convert::<F>(quad & 0xffff), Self::convert::<F>(quad >> 16)]
     }
 }
 
 impl FromFp8 for F16 {
     #[inline(always)]
-    fn convert(pair: u32) -> u32 {
-        fp8x2_to_f16x2(pair)
+    fn convert<F: Fp8Format>(pair: u32) -> u32 {
+        F::to_f16x2(pair)
     }
     #[inline(always)]
-    fn convert4(quad: u32) -> [u32; 2] {
-        fp8x4_to_f16x4(quad)
+    fn convert4<F: Fp8Format>(quad: u32) -> [u32; 2] {
+        F::to_f16x4(quad)
     }
 }
 
 impl FromFp8 for Bf16 {
     #[inline(always)]
-    fn convert(pair: u32) -> u32 {
-        // Through f16 and f32: every E4M3 value (over the unpack scale) is exact in all three.
-        let (lo, hi) = f16x2_to_f32(fp8x2_to_f16x2(pair));
+    fn convert<F: Fp8Format>(pair: u32) -> u32 {
+        // Through f16 and f32: every E4M3 and E5M2 value (over the unpack scale) is exact in
+        // all three.
+        let (lo, hi) = f16x2_to_f32(F::to_f16x2(pair));
         Bf16::pack2(lo, hi)
     }
 }

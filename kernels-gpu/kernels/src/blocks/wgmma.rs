@@ -9,7 +9,7 @@
 //! (8 columns); the A registers of P V take `mma.sync`'s A layout, so P is packed from S exactly
 //! as on the `mma.sync` path.
 
-use crate::blocks::elem::{Bf16, F16};
+use crate::blocks::elem::{Bf16, E4m3, E5m2, Fp8Format, F16};
 use crate::blocks::mma::MmaHalf;
 use core::arch::asm;
 
@@ -360,13 +360,15 @@ pub unsafe fn wait_acc256<const N: u32>(o: &mut Acc) {
     };
 }
 
-/// One k-step of S over 64 keys from e4m3 queries and keys (m64n64k32, both K-major: 8-bit
-/// types take no transpose immediates).
-macro_rules! qk_step_e4m3 {
-    ($scale:literal) => {
+/// One k-step of S over 64 keys from e4m3 queries and keys of FP8 type `$b` (m64n64k32, both
+/// K-major: 8-bit types take no transpose immediates).
+macro_rules! qk_step_fp8 {
+    ($b:literal, $scale:literal) => {
         concat!(
             "mov.b64 da, {{al, ah}};\nmov.b64 db, {{bl, bh}};\n",
-            "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {{",
+            "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.",
+            $b,
+            " {{",
             acc32!(),
             "}}, da, db, ",
             $scale,
@@ -375,87 +377,103 @@ macro_rules! qk_step_e4m3 {
     };
 }
 
-/// The e4m3 S chain over 64 keys: `$more` k-steps after the first, 32 bytes (one k-step of
-/// e4m3 columns) apart inside the rows' one 128-byte swizzle atom.
-macro_rules! qk64_chain_e4m3 {
-    ($($more:expr),*) => {
+/// The FP8 S chain over 64 keys: `$more` k-steps after the first, 32 bytes (one k-step of FP8
+/// columns) apart inside the rows' one 128-byte swizzle atom.
+macro_rules! qk64_chain_fp8 {
+    ($b:literal, $($more:expr),*) => {
         concat!(
             "{{\n.reg .pred pz, po;\n.reg .b32 zz, al, ah, bl, bh;\n.reg .b64 da, db;\n",
             "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
             "mov.b64 {{al, ah}}, {32};\nmov.b64 {{bl, bh}}, {33};\nwgmma.fence.sync.aligned;\n",
-            qk_step_e4m3!("pz"),
+            qk_step_fp8!($b, "pz"),
             $("add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n", $more,)*
             "wgmma.commit_group.sync.aligned;\n}}"
         )
     };
 }
 
-/// S = Q K^T over 64 keys from e4m3 rows of 128 bytes (Q and K in the 128-byte-swizzled
-/// layout, K-major), not waited for ([`wait_scores64`] retires it). Widths 80 to 128: the
-/// k-steps that reach past `D` (zeros) are left out.
-#[inline(always)]
-pub unsafe fn scores_e4m3_64x64<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8] {
-    const { assert!(matches!(D, 80 | 96 | 112 | 128)) };
-    let mut s = [[0.0f32; 4]; 8];
-    if D <= 96 {
-        unsafe {
-            with_acc!(qk64_chain_e4m3!(qk_step_e4m3!("po"), qk_step_e4m3!("po")), out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack))
-        };
-    } else {
-        unsafe {
-            with_acc!(qk64_chain_e4m3!(qk_step_e4m3!("po"), qk_step_e4m3!("po"), qk_step_e4m3!("po")),
-                      out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack))
-        };
-    }
-    s
-}
-
-/// The e4m3 P V chain over 64 keys: two k-steps of 32 keys (m64n`$n`k32, A from registers, V
-/// transposed in shared memory: K-major), V's descriptor 32 bytes on between them.
-macro_rules! pv64_chain_e4m3 {
-    ($n:literal, $acc:expr, $desc:literal, [$($a:literal),*]) => {
+/// The FP8 P V chain over 64 keys: two k-steps of 32 keys (m64n`$n`k32, A (e4m3 P) from
+/// registers, V of FP8 type `$b` transposed in shared memory: K-major), V's descriptor 32 bytes
+/// on between them.
+macro_rules! pv64_chain_fp8 {
+    ($b:literal, $n:literal, $acc:expr, $desc:literal, [$($a:literal),*]) => {
         concat!(
             "{{\n.reg .pred po;\n.reg .b32 zz, bl, bh;\n.reg .b64 db;\n",
             "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\nmov.b64 {{bl, bh}}, ", $desc, ";\nwgmma.fence.sync.aligned;\n",
             $("mov.b64 db, {{bl, bh}};\n",
-              "wgmma.mma_async.sync.aligned.m64n", $n, "k32.f32.e4m3.e4m3 {{", $acc, "}}, {{", $a, "}}, db, po, 1, 1;\n",
+              "wgmma.mma_async.sync.aligned.m64n", $n, "k32.f32.e4m3.", $b, " {{", $acc, "}}, {{", $a, "}}, db, po, 1, 1;\n",
               "add.s32 bl, bl, 2;\n",)*
             "wgmma.commit_group.sync.aligned;\n}}"
         )
     };
 }
 
-/// O += P V over 64 keys, P as e4m3 A fragments ([`e4m3x4`]: `p[kc]`, keys 32kc..32kc+31 of
-/// the half in the order [`crate::attention::hopper`]'s transposed V follows) and V^T e4m3 rows
-/// at `desc_v` (a row a V column, K-major), not waited for ([`wait_pv64_e4m3`] retires it). N
-/// is the width: V^T has no rows past it that matter.
-#[inline(always)]
-pub unsafe fn pv_e4m3_64xd_k64<const D: usize>(o: &mut Acc, p: &[[u32; 4]; 2], desc_v: u64) {
-    const { assert!(matches!(D, 80 | 96 | 112 | 128)) };
-    if D == 80 {
-        unsafe {
-            with_acc!(pv64_chain_e4m3!("80", acc40!(), "{48}", ["{40}, {41}, {42}, {43}", "{44}, {45}, {46}, {47}"]),
-                      inout o [0 1 2 3 4 5 6 7 8 9], frags p [0 1], in(reg64) desc_v, options(nostack))
-        };
-    } else if D == 96 {
-        unsafe {
-            with_acc!(pv64_chain_e4m3!("96", acc48!(), "{56}", ["{48}, {49}, {50}, {51}", "{52}, {53}, {54}, {55}"]),
-                      inout o [0 1 2 3 4 5 6 7 8 9 10 11], frags p [0 1], in(reg64) desc_v, options(nostack))
-        };
-    } else if D == 112 {
-        unsafe {
-            with_acc!(pv64_chain_e4m3!("112", acc56!(), "{64}", ["{56}, {57}, {58}, {59}", "{60}, {61}, {62}, {63}"]),
-                      inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13], frags p [0 1], in(reg64) desc_v, options(nostack))
-        };
-    } else {
-        unsafe {
-            with_acc!(pv64_chain_e4m3!("128", acc64!(), "{72}", ["{64}, {65}, {66}, {67}", "{68}, {69}, {70}, {71}"]),
-                      inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15], frags p [0 1], in(reg64) desc_v, options(nostack))
-        };
-    }
+/// An FP8 format `wgmma` takes for K and V (its B operands) beside e4m3 queries and weights (A).
+pub trait WgmmaFp8: Fp8Format {
+    /// S = Q K^T over 64 keys from FP8 rows of 128 bytes (Q e4m3, K of this format, both in the
+    /// 128-byte-swizzled layout, K-major), not waited for ([`wait_scores64`] retires it). Widths
+    /// 80 to 128: the k-steps that reach past `D` (zeros) are left out.
+    unsafe fn scores_64x64<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8];
+    /// O += P V over 64 keys, P as e4m3 A fragments ([`e4m3x4`]: `p[kc]`, keys 32kc..32kc+31 of
+    /// the half in the order [`crate::attention::hopper`]'s transposed V follows) and V^T rows of
+    /// this format at `desc_v` (a row a V column, K-major), not waited for ([`wait_pv64_e4m3`]
+    /// retires it). N is the width: V^T has no rows past it that matter.
+    unsafe fn pv_64xd_k64<const D: usize>(o: &mut Acc, p: &[[u32; 4]; 2], desc_v: u64);
 }
 
-/// [`wait_pv64`] for an e4m3 P V chain ([`pv_e4m3_64xd_k64`]).
+macro_rules! wgmma_fp8_impl {
+    ($t:ty, $b:literal) => {
+        impl WgmmaFp8 for $t {
+            #[inline(always)]
+            unsafe fn scores_64x64<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8] {
+                const { assert!(matches!(D, 80 | 96 | 112 | 128)) };
+                let mut s = [[0.0f32; 4]; 8];
+                if D <= 96 {
+                    unsafe {
+                        with_acc!(qk64_chain_fp8!($b, qk_step_fp8!($b, "po"), qk_step_fp8!($b, "po")), out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack))
+                    };
+                } else {
+                    unsafe {
+                        with_acc!(qk64_chain_fp8!($b, qk_step_fp8!($b, "po"), qk_step_fp8!($b, "po"), qk_step_fp8!($b, "po")),
+                                  out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack))
+                    };
+                }
+                s
+            }
+
+            #[inline(always)]
+            unsafe fn pv_64xd_k64<const D: usize>(o: &mut Acc, p: &[[u32; 4]; 2], desc_v: u64) {
+                const { assert!(matches!(D, 80 | 96 | 112 | 128)) };
+                if D == 80 {
+                    unsafe {
+                        with_acc!(pv64_chain_fp8!($b, "80", acc40!(), "{48}", ["{40}, {41}, {42}, {43}", "{44}, {45}, {46}, {47}"]),
+                                  inout o [0 1 2 3 4 5 6 7 8 9], frags p [0 1], in(reg64) desc_v, options(nostack))
+                    };
+                } else if D == 96 {
+                    unsafe {
+                        with_acc!(pv64_chain_fp8!($b, "96", acc48!(), "{56}", ["{48}, {49}, {50}, {51}", "{52}, {53}, {54}, {55}"]),
+                                  inout o [0 1 2 3 4 5 6 7 8 9 10 11], frags p [0 1], in(reg64) desc_v, options(nostack))
+                    };
+                } else if D == 112 {
+                    unsafe {
+                        with_acc!(pv64_chain_fp8!($b, "112", acc56!(), "{64}", ["{56}, {57}, {58}, {59}", "{60}, {61}, {62}, {63}"]),
+                                  inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13], frags p [0 1], in(reg64) desc_v, options(nostack))
+                    };
+                } else {
+                    unsafe {
+                        with_acc!(pv64_chain_fp8!($b, "128", acc64!(), "{72}", ["{64}, {65}, {66}, {67}", "{68}, {69}, {70}, {71}"]),
+                                  inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15], frags p [0 1], in(reg64) desc_v, options(nostack))
+                    };
+                }
+            }
+        }
+    };
+}
+
+wgmma_fp8_impl!(E4m3, "e4m3");
+wgmma_fp8_impl!(E5m2, "e5m2");
+
+/// [`wait_pv64`] for an FP8 P V chain ([`WgmmaFp8::pv_64xd_k64`]).
 #[inline(always)]
 pub unsafe fn wait_pv64_e4m3<const N: u32, const D: usize>(o: &mut Acc, p: &[[u32; 4]; 2]) {
     const { assert!(matches!(D, 80 | 96 | 112 | 128)) };

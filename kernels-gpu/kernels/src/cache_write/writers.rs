@@ -2,10 +2,9 @@
 //! vLLM's rounding of `x / scale`.
 
 use crate::blocks::device::fma;
-use crate::blocks::elem::HalfFloat;
+use crate::blocks::elem::{Fp8Format, HalfFloat};
 use crate::blocks::vec_io::{store16, store4, store8};
-#[cfg(not(hw_fp8))]
-use attn_math::fp8::f32_to_e4m3;
+use core::marker::PhantomData;
 
 /// How 16 bytes of source elements become cache elements.
 pub(super) trait VecWriter {
@@ -70,26 +69,17 @@ impl<const ELEM_BYTES: u32> VecWriter for Copy16<ELEM_BYTES> {
     }
 }
 
-/// Two values divided by the scale and quantised to FP8, packed as `lo | hi << 8`. vLLM
-/// divides (a correctly rounded `x / scale`); multiplying by `1 / scale` alone rounds twice and
-/// lands some values one E4M3 step away.
+/// Two values divided by the scale and quantised to FP8 format `F`, packed as `lo | hi << 8`.
+/// vLLM divides (a correctly rounded `x / scale`); multiplying by `1 / scale` alone rounds twice
+/// and lands some values one FP8 step away.
 #[inline(always)]
-fn quantize_pair(lo: f32, hi: f32, scale: ScaleDiv) -> u32 {
-    #[cfg(hw_fp8)]
-    {
-        // sm_89+: the conversion is one instruction, with the rounding and saturation of
-        // `attn_math::fp8`.
-        crate::blocks::vec_io::e4m3x2(scale.div(lo), scale.div(hi))
-    }
-    #[cfg(not(hw_fp8))]
-    {
-        f32_to_e4m3(scale.div(lo)) as u32 | (f32_to_e4m3(scale.div(hi)) as u32) << 8
-    }
+fn quantize_pair<F: Fp8Format>(lo: f32, hi: f32, scale: ScaleDiv) -> u32 {
+    F::from_f32x2(scale.div(lo), scale.div(hi))
 }
 
-/// A 16-bit float source quantised to FP8: 8 values (4 packed words) to 8 bytes.
-pub(super) struct HalfToFp8<H>(core::marker::PhantomData<H>);
-impl<H: HalfFloat> VecWriter for HalfToFp8<H> {
+/// A 16-bit float source quantised to FP8 format `F`: 8 values (4 packed words) to 8 bytes.
+pub(super) struct HalfToFp8<H, F>(PhantomData<(H, F)>);
+impl<H: HalfFloat, F: Fp8Format> VecWriter for HalfToFp8<H, F> {
     const SRC_ELEM_BYTES: u32 = 2;
     const CACHE_ELEM_BYTES: u32 = 1;
     const SCALED: bool = true;
@@ -97,21 +87,22 @@ impl<H: HalfFloat> VecWriter for HalfToFp8<H> {
     unsafe fn store(addr: u64, v: [u32; 4], scale: ScaleDiv) {
         let q = |w: u32| {
             let (lo, hi) = H::unpack2(w);
-            quantize_pair(lo, hi, scale)
+            quantize_pair::<F>(lo, hi, scale)
         };
         unsafe { store8(addr, [q(v[0]) | q(v[1]) << 16, q(v[2]) | q(v[3]) << 16]) }
     }
 }
 
-pub(super) struct F32ToFp8;
-impl VecWriter for F32ToFp8 {
+/// An f32 source quantised to FP8 format `F`: 4 values to 4 bytes.
+pub(super) struct F32ToFp8<F>(PhantomData<F>);
+impl<F: Fp8Format> VecWriter for F32ToFp8<F> {
     const SRC_ELEM_BYTES: u32 = 4;
     const CACHE_ELEM_BYTES: u32 = 1;
     const SCALED: bool = true;
     #[inline(always)]
     unsafe fn store(addr: u64, v: [u32; 4], scale: ScaleDiv) {
         let f = f32::from_bits;
-        let word = quantize_pair(f(v[0]), f(v[1]), scale) | quantize_pair(f(v[2]), f(v[3]), scale) << 16;
+        let word = quantize_pair::<F>(f(v[0]), f(v[1]), scale) | quantize_pair::<F>(f(v[2]), f(v[3]), scale) << 16;
         unsafe { store4(addr, word) }
     }
 }

@@ -134,6 +134,7 @@ pub fn dtype_name(d: DType) -> &'static str {
         DType::BF16 => "bf16",
         DType::F32 => "f32",
         DType::Fp8E4m3 => "fp8",
+        DType::Fp8E5m2 => "e5m2",
         DType::I32 => "i32",
         DType::I64 => "i64",
         DType::U32 => "u32",

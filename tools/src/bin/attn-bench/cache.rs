@@ -3,7 +3,7 @@
 
 use crate::bench::{copy_row, dev, dtype_name, random_slots, random_values, Bench, Row};
 use attn_rs::cache_write::{concat_and_cache_mla, reshape_and_cache, KvScales, KvWrite, MlaWrite};
-use attn_rs::{DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, MlaCacheSpec, Result, RowsDesc};
+use attn_rs::{DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, Fp8E5m2, KvCacheSpec, KvLayout, MlaCacheSpec, Result, RowsDesc};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
@@ -43,7 +43,7 @@ fn kv_write_row<C: Element>(
     let mut cache: CudaSlice<C> = s.alloc_zeros(spec.num_elements())?;
     let n_scales = if slot_order == Slots::RandomPerHeadScales { heads } else { 1 };
     let (ks, vs) = (s.clone_htod(&vec![0.5f32; n_scales])?, s.clone_htod(&vec![0.5f32; n_scales])?);
-    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
+    let fp8 = C::DTYPE.is_fp8();
     let us = b.time(|| {
         let w = KvWrite {
             key: DevIn::new(&key, s),
@@ -83,7 +83,7 @@ fn mla_write_row<C: Element>(b: &Bench, tokens: usize, block_size: usize, status
     let slots = s.clone_htod(&random_slots(tokens, spec.num_slots(), 6))?;
     let mut cache: CudaSlice<C> = s.alloc_zeros(spec.num_elements())?;
     let scale = s.clone_htod(&[0.5f32])?;
-    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
+    let fp8 = C::DTYPE.is_fp8();
     let us = b.time(|| {
         let w = MlaWrite {
             kv_c: DevIn::new(&kv_c, s),
@@ -130,6 +130,7 @@ pub fn cache_write_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatu
     rows.push(mla_write_row::<bf16>(b, tokens, 64, status)?);
     rows.push(mla_write_row::<bf16>(b, 4 * tokens, 64, status)?);
     rows.push(mla_write_row::<Fp8E4m3>(b, tokens, 64, status)?);
+    rows.push(kv_write_row::<Fp8E5m2>(b, KvLayout::FlashNhd, tokens, 8, 128, 16, Slots::Random, status)?);
 
     Ok(())
 }

@@ -4,7 +4,7 @@
 use crate::bench::{dev, dtype_name, env_shapes, random_device, random_slots, random_values, Bench, Row};
 use attn_rs::cache_write::KvScales;
 use attn_rs::{
-    BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, PlanOptions, Result, RowsDesc, SplitMode,
+    BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, Fp8E5m2, KvCacheSpec, KvLayout, PlanOptions, Result, RowsDesc, SplitMode,
 };
 use cudarc::driver::CudaSlice;
 use half::bf16;
@@ -56,7 +56,7 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
     // The size `DecodeWorkspace::new` suggests (an oversized one made later rows slower).
     let partial_rows = 4 * dev().sm_count() as usize * 8 * sh.q_heads / sh.kv_heads;
     let mut ws = DecodeWorkspace::new(s, partial_rows, sh.head_size, sh.batch, sh.batch)?;
-    let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
+    let fp8 = C::DTYPE.is_fp8();
     let opts = AttnOptions::new(sh.head_size);
     let batch = BatchMetadata::new(s, &seq_lens, &qsl)?;
     let mut bp = BatchPlan::new(s)?;
@@ -157,6 +157,10 @@ pub fn decode_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) ->
     }
     rows.push(decode_row::<Fp8E4m3>(b, &DecodeShape { kv_heads: 2, ..shape(64, 4096) }, false, status)?);
     rows.push(decode_row::<Fp8E4m3>(b, &DecodeShape { per_head_scales: true, ..shape(64, 4096) }, false, status)?);
+    // E5M2 caches: the same kernels with the E5M2 conversion (a byte permute a pair).
+    for (batch, context) in [(64, 4096), (8, 32768)] {
+        rows.push(decode_row::<Fp8E5m2>(b, &shape(batch, context), false, status)?);
+    }
     // Head sizes below the kernels' widths (`attn_math::decode::decode_width`): 40 (width 64),
     // 80 (96; FP8: 128), 112 (128), 200 (256), and FP8 at 96 (128); beside the d128 rows' % of
     // the read ceiling.

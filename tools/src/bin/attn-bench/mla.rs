@@ -3,7 +3,7 @@
 
 use crate::bench::{dev, dtype_name, env_shapes, random_device, random_slots, random_values, Bench, Row};
 use attn_rs::cache_write::KvScales;
-use attn_rs::{BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, PlanOptions, Result, RowsDesc, SplitMode};
+use attn_rs::{BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, Fp8E5m2, PlanOptions, Result, RowsDesc, SplitMode};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
@@ -55,7 +55,7 @@ impl<'a, C: Element> Latent<'a, C> {
     /// The call's arguments, its batch and the workspace it runs in.
     fn args<'s>(&'s mut self, b: &'s Bench) -> (attn_rs::mla::MlaArgs<'s>, &'s BatchMetadata, &'s mut attn_rs::decode::DecodeWorkspace) {
         let s = &b.stream;
-        let fp8 = C::DTYPE == attn_rs::DType::Fp8E4m3;
+        let fp8 = C::DTYPE.is_fp8();
         let args = attn_rs::mla::MlaArgs {
             q: DevIn::new(&self.q, s),
             q_rows: self.q_rows,
@@ -195,6 +195,11 @@ pub fn mla_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Re
     let sparse = (64, 8192, 2048);
     for heads in [16, 128] {
         rows.push(mla_sparse_row::<Fp8E4m3>(b, &cache, (heads, sparse.0, sparse.1, sparse.2), status)?);
+    }
+    drop(cache);
+    let cache = random_device::<Fp8E5m2>(&b.stream, rows_of(1), 31)?;
+    for (heads, batch) in [(16, 64), (128, 64)] {
+        rows.push(mla_row::<Fp8E5m2>(b, &cache, (heads, batch, context, 1), false, status)?);
     }
     drop(cache);
     let cache = random_device::<bf16>(&b.stream, rows_of(1), 31)?;

@@ -3,7 +3,7 @@
 
 use crate::bench::{dev, env_shapes, random_device, random_slots, Bench, Row};
 use attn_rs::cache_write::KvScales;
-use attn_rs::{BatchMetadata, DType, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, Result, RowsDesc};
+use attn_rs::{BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, Fp8E5m2, KvCacheSpec, KvLayout, Result, RowsDesc};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
@@ -36,7 +36,7 @@ fn prefill_row<C: Element>(b: &Bench, sh: &PrefillShape, status: &mut DeviceStat
     let num_blocks = sh.batch * blocks_per_req;
     let spec = KvCacheSpec::new(KvLayout::FlashNhd, num_blocks, block_size, sh.kv_heads, sh.head_size)?;
     let cache = random_device::<C>(s, spec.num_elements(), 21)?;
-    let fp8 = C::DTYPE == DType::Fp8E4m3;
+    let fp8 = C::DTYPE.is_fp8();
     let (ks, vs) = (s.clone_htod(&[0.05f32])?, s.clone_htod(&[0.05f32])?);
     let block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 22).into_iter().map(|x| x as i32).collect();
     let seq_lens = vec![seq as i32; sh.batch];
@@ -92,11 +92,10 @@ fn prefill_row<C: Element>(b: &Bench, sh: &PrefillShape, status: &mut DeviceStat
     let pairs = sh.batch as f64 * (sh.q_len as f64 * sh.cached as f64 + (sh.q_len * (sh.q_len + 1) / 2) as f64);
     Ok(Row {
         name: match (sh.packed, fp8) {
-            (true, _) => "prefill bf16 causal, packed",
-            (false, false) => "prefill bf16 causal, paged bs16",
-            (false, true) => "prefill fp8 cache causal, paged bs16",
-        }
-        .into(),
+            (true, _) => "prefill bf16 causal, packed".into(),
+            (false, false) => "prefill bf16 causal, paged bs16".into(),
+            (false, true) => format!("prefill {} cache causal, paged bs16", crate::bench::dtype_name(C::DTYPE)),
+        },
         shape: format!("{}x{} (+{} cached) {}q/{}kv d{}", sh.batch, sh.q_len, sh.cached, sh.q_heads, sh.kv_heads, sh.head_size),
         median_us: us,
         bytes: 0.0,
@@ -153,5 +152,7 @@ pub fn prefill_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -
     ] {
         rows.push(row(&shape, status)?);
     }
+    // An E5M2 cache: the same FP8 `wgmma` kernel with E5M2 keys and values.
+    rows.push(prefill_row::<Fp8E5m2>(b, &PrefillShape { fp8: true, ..sh(4, 4096, 32, 8, 128) }, status)?);
     Ok(())
 }

@@ -1,9 +1,9 @@
 //! A compute warpgroup's MMAs over one 64-key step, per stage format: 16-bit operands
-//! ([`Mma16`]) or e4m3 ones ([`MmaE4m3`], `crate::attention::hopper::e4m3_stages`). The key loop
+//! ([`Mma16`]) or FP8 ones ([`MmaFp8`], `crate::attention::hopper::e4m3_stages`). The key loop
 //! of `prefill_specialized` is written once over this.
 
 use crate::blocks::mma::wgmma_desc;
-use crate::blocks::wgmma::{e4m3x4, pv_e4m3_64xd_k64, scores_e4m3_64x64, wait_pv64, wait_pv64_e4m3, Acc, WgmmaTiles};
+use crate::blocks::wgmma::{e4m3x4, wait_pv64, wait_pv64_e4m3, Acc, WgmmaFp8, WgmmaTiles};
 use attn_math::hopper_prefill::group_bytes;
 use core::marker::PhantomData;
 
@@ -72,11 +72,12 @@ impl<Q: WgmmaTiles> HalfMma for Mma16<Q> {
     }
 }
 
-/// e4m3 Q, K and V^T, rows of 128 bytes: P rounded to e4m3, each register four weights of one
-/// row in the column order V^T follows (`e4m3_stages::key_of_column`).
-pub(crate) struct MmaE4m3;
+/// e4m3 Q, K and V^T of FP8 format `B` (the cache's), rows of 128 bytes: P rounded to e4m3,
+/// each register four weights of one row in the column order V^T follows
+/// (`e4m3_stages::key_of_column`).
+pub(crate) struct MmaFp8<B>(PhantomData<B>);
 
-impl HalfMma for MmaE4m3 {
+impl<B: WgmmaFp8> HalfMma for MmaFp8<B> {
     const E4M3: bool = true;
     type P = [[u32; 4]; 2];
     const P_ZERO: Self::P = [[0; 4]; 2];
@@ -94,12 +95,12 @@ impl HalfMma for MmaE4m3 {
 
     #[inline(always)]
     unsafe fn scores<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8] {
-        unsafe { scores_e4m3_64x64::<D>(desc_q, desc_k) }
+        unsafe { B::scores_64x64::<D>(desc_q, desc_k) }
     }
 
     #[inline(always)]
     unsafe fn pv<const D: usize>(o: &mut Acc, p: &Self::P, desc_v: u64) {
-        unsafe { pv_e4m3_64xd_k64::<D>(o, p, desc_v) }
+        unsafe { B::pv_64xd_k64::<D>(o, p, desc_v) }
     }
 
     #[inline(always)]

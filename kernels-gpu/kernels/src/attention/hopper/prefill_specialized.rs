@@ -62,6 +62,7 @@ use crate::blocks::device::{
     atomic_add_global, atomic_or_global, block_idx_x, dynamic_shared, grid_dim_x, named_barrier, named_barrier_all, pdl_prologue,
     set_max_registers, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any,
 };
+use crate::blocks::elem::Fp8Format;
 use crate::blocks::mma::{
     cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_u32, ld_shared_u64x2, ld_shared_v4, shared_addr, st_shared_u32,
     st_shared_u64x2, st_shared_v4,
@@ -452,8 +453,8 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
         let tile = [rings.k(v), rings.v(v)];
         unsafe {
             match Rings::<W, K>::KEYS {
-                BLOCK_N => convert_fp8_rows::<Q, W, BLOCK_N, PRODUCERS>(rings.raw(v), tile, t),
-                _ => convert_fp8_rows::<Q, W, 64, PRODUCERS>(rings.raw(v), tile, t),
+                BLOCK_N => convert_fp8_rows::<Q, K::Fp8, W, BLOCK_N, PRODUCERS>(rings.raw(v), tile, t),
+                _ => convert_fp8_rows::<Q, K::Fp8, W, 64, PRODUCERS>(rings.raw(v), tile, t),
             }
             fence_proxy_async_shared();
             mbarrier::arrive(rings.filled(v));
@@ -776,10 +777,10 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
         let warp_pos = unsafe { (w.row(p, warp_row0).pos, w.row(p, warp_row0 + 15).pos) };
         // FP8: dequantisation folds into the score scale (k) and the output factor (v); 1 and
         // 1 for a 16-bit cache.
-        let (k_scale, v_scale) = unsafe { K::scales::<Q>(p, w.kv_head) };
+        let (k_scale, v_scale) = unsafe { K::scales(p, w.kv_head) };
         // Those scales carry the 16-bit conversion's unpack factor, which e4m3 MMAs, reading the
         // bytes as they are, must not: it is 1 where the conversion is the hardware's (sm_90a).
-        const { assert!(!M::E4M3 || Q::FP8_UNPACK_SCALE == 1.0) };
+        const { assert!(!M::E4M3 || K::Fp8::UNPACK_SCALE == 1.0) };
         let logits = Logits::new(p, p.variant.scale_log2 * k_scale * q_scale, end);
         // The last position this warpgroup's rows see (causal): keys past it are masked for all
         // of them.

@@ -5,6 +5,7 @@
 
 use crate::attention::config::CacheFormat;
 use crate::blocks::device::{fma, shfl_xor, static_for};
+use crate::blocks::elem::Fp8Format;
 use crate::blocks::mma::{cp_async_16, cp_async_halves, ld_shared_v4, st_shared_v4, MmaHalf};
 use attn_math::hopper_prefill::{group_bytes, swizzled};
 use attn_math::softmax::{exp2, OnlineSoftmax};
@@ -175,7 +176,7 @@ pub(crate) unsafe fn copy_raw_row_pairs<K: CacheFormat, const BYTES: usize, cons
     });
 }
 
-/// Converts the raw FP8 rows of K and V this thread copied ([`copy_raw_row_pairs`], at
+/// Converts the raw FP8 rows (format `F`) of K and V this thread copied ([`copy_raw_row_pairs`], at
 /// `raw[0]`, `raw[1]`, `BYTES` bytes a row) into the 16-bit tiles `tile[0]`, `tile[1]` of the
 /// [`swizzled`] layout (`BYTES` columns a row), exactly (`MmaHalf::from_fp8x2`): a 16-byte raw
 /// chunk becomes 16-bit chunks `2c` and `2c + 1`. Of the eight threads of a shared-memory
@@ -183,7 +184,7 @@ pub(crate) unsafe fn copy_raw_row_pairs<K: CacheFormat, const BYTES: usize, cons
 /// stores fall in eight different 16-byte bank groups (at 128 bytes a row; at 64 the phase
 /// covers two rows, whose swizzles differ in the low bit).
 #[inline(always)]
-pub(crate) unsafe fn convert_fp8_rows<M: MmaHalf, const BYTES: usize, const ROWS: u32, const NT: u32>(
+pub(crate) unsafe fn convert_fp8_rows<M: MmaHalf, F: Fp8Format, const BYTES: usize, const ROWS: u32, const NT: u32>(
     raw: [u32; 2],
     tile: [u32; 2],
     t: u32,
@@ -203,8 +204,8 @@ pub(crate) unsafe fn convert_fp8_rows<M: MmaHalf, const BYTES: usize, const ROWS
             let w = if swap { [w[2], w[3], w[0], w[1]] } else { w };
             let mut h = [0u32; 8];
             static_for::<4>(|j| {
-                h[2 * j] = M::from_fp8x2(w[j] & 0xffff);
-                h[2 * j + 1] = M::from_fp8x2(w[j] >> 16);
+                h[2 * j] = M::from_fp8x2::<F>(w[j] & 0xffff);
+                h[2 * j + 1] = M::from_fp8x2::<F>(w[j] >> 16);
             });
             let r = share.row(i);
             unsafe {

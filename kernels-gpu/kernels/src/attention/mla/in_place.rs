@@ -4,6 +4,7 @@
 
 use super::slots::store_converted_at;
 use crate::blocks::device::{shfl_idx, static_for, thread_idx_x};
+use crate::blocks::elem::Fp8Format;
 use crate::blocks::mma::{ld_shared_v4, MmaHalf};
 use attn_math::mla::{raw_offset, swizzled, GROUP_BYTES, RAW_CHUNKS, SLOT_KEYS};
 use attn_math::prefill::MLA_QK;
@@ -63,7 +64,7 @@ fn column(slots: [u32; 2], raw: u32, i: usize) -> Column {
 /// The raw copies of rows 0-15 must have landed and be visible to the warpgroup, and a barrier
 /// must follow.
 #[inline(always)]
-pub(super) unsafe fn convert_in_place<Q: MmaHalf>(slots: [u32; 2], raw: u32, rest_landed: impl Fn(), between: impl Fn()) {
+pub(super) unsafe fn convert_in_place<Q: MmaHalf, F: Fp8Format>(slots: [u32; 2], raw: u32, rest_landed: impl Fn(), between: impl Fn()) {
     const {
         let raw = attn_math::mla::seesaw_layout().raw;
         assert!(SLOT_KEYS == 32 && raw == 2 * GROUP_BYTES && 3 * GROUP_BYTES <= raw + raw_offset(16, 0));
@@ -80,7 +81,7 @@ pub(super) unsafe fn convert_in_place<Q: MmaHalf>(slots: [u32; 2], raw: u32, res
     let load = |c: &Column, j: u32| if c.live { unsafe { ld_shared_v4(c.raw + j * 8 * MLA_QK) } } else { [0; 4] };
     let store = |c: &Column, j: u32, v: [u32; 4]| {
         if c.live {
-            unsafe { store_converted_at::<Q>(c.dst + j * GROUP_BYTES, v) };
+            unsafe { store_converted_at::<Q, F>(c.dst + j * GROUP_BYTES, v) };
         }
     };
     static_for::<2>(|j| {

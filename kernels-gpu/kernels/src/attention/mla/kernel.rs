@@ -7,9 +7,10 @@ use super::slots::{convert_slot_fp8, copy_queries, copy_slot, copy_slot_fp8};
 use super::tile::{
     accumulate_pv, accumulate_pv_fp8, fp8_pair_column, fp8_pairs, query_fragments_fp8, score_k_lane, scores, scores_fp8, K_STEPS,
 };
+use crate::attention::config::CacheFormat;
 use crate::attention::output::RowOut;
 use crate::blocks::device::{dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any};
-use crate::blocks::elem::F16;
+use crate::blocks::elem::{Fp8Format, F16};
 use crate::blocks::mma::{
     cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_pinned, prefetch_l2, shared_addr,
     st_shared_f32, st_shared_u32, st_shared_u64, MmaHalf,
@@ -21,12 +22,13 @@ use attn_math::prefill::{MLA_QK, MLA_V};
 use attn_math::softmax::{exp2, OnlineSoftmax};
 
 /// The kernel; `WIDE` picks the shape (`attn_math::mla::{NARROW, WIDE}`; on sm_90a the wide
-/// shape takes `super::seesaw`); `FP8`: an FP8 E4M3 cache (with `p.fp8.k_scale`), converted to
+/// shape takes `super::seesaw`); `K`: the cache's rows, 16-bit or FP8 ([`CacheFormat`]: E4M3 or
+/// E5M2, with `p.fp8.k_scale`), FP8 converted to
 /// f16 in registers (narrow) or to Q's type tile by tile in shared memory (wide); `S`: where key
 /// j's row comes from (`super::keys`: a request's sequence, dense; a token's index list,
 /// sparse).
 #[inline(always)]
-pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: KeySource>(p: &AttnParams) {
+pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, K: CacheFormat, S: KeySource>(p: &AttnParams) {
     let shape = const {
         if WIDE {
             mla::WIDE
@@ -41,9 +43,9 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     // Memory-bound (narrow): the next copy goes out before waiting, with a barrier at the end of
     // the tile; compute-bound (wide): wait, barrier, then copy into the slot just freed.
     let early_issue = !WIDE;
-    let layout = shared_layout(shape, FP8);
+    let layout = shared_layout(shape, K::FP8);
     // FP8 fragments straight from the raw rows (no 16-bit copy of the tile).
-    let in_registers = FP8 && shape.fp8_in_registers;
+    let in_registers = K::FP8 && shape.fp8_in_registers;
     let tid = thread_idx_x();
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
@@ -71,21 +73,20 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     // tile's slot i (`slot0`: the tile's first).
     let slot_buf = |j: u32| smem + layout.k + (j % shape.ring) * layout.k_slot;
     // FP8 on the wide shape: a tile's raw rows are converted into the tile's 16-bit slots.
-    let converts = FP8 && !in_registers;
+    let converts = K::FP8 && !in_registers;
     let tile_buf = |slot0: u32, i: u32| if converts { smem + layout.converted + i * layout.converted_slot } else { slot_buf(slot0 + i) };
     // The tile's raw FP8 rows to 16-bit ones, once every raw copy has landed and is visible (a
     // barrier); a barrier must follow.
     let convert_tile = |slot0: u32| {
         static_for::<2>(|i| {
             if (i as u32) < spt {
-                unsafe { convert_slot_fp8::<Q>(slot_buf(slot0 + i as u32), tile_buf(slot0, i as u32)) };
+                unsafe { convert_slot_fp8::<Q, K::Fp8>(slot_buf(slot0 + i as u32), tile_buf(slot0, i as u32)) };
             }
         });
     };
     // FP8: dequantisation folds into the score scale (k) and the output factor (v).
-    const { assert!(F16::FP8_UNPACK_SCALE == Q::FP8_UNPACK_SCALE) };
-    let (k_scale, v_scale) = if FP8 {
-        let unpack = Q::FP8_UNPACK_SCALE;
+    let (k_scale, v_scale) = if K::FP8 {
+        let unpack = K::Fp8::UNPACK_SCALE;
         (unsafe { load_f32_nc(p.fp8.k_scale) } * unpack, unsafe { load_f32_nc(p.fp8.v_scale) } * unpack)
     } else {
         (1.0, 1.0)
@@ -120,13 +121,13 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     let fill = |j: u32, loc: S::Loc| {
         if j < tile_slots {
             let key = begin + j * SLOT_KEYS + lane;
-            let ka = if key < end { unsafe { src.address(p, key, loc, if FP8 { 1 } else { 2 }) } } else { 0 };
+            let ka = if key < end { unsafe { src.address(p, key, loc, if K::FP8 { 1 } else { 2 }) } } else { 0 };
             unsafe { st_shared_u64(table(j) + lane * 8, ka) };
             // The seesaw order fills a tile's table half a pair of tiles before its copy, which
             // an FP8 tile's warpgroup then waits for whole (to convert it): the row asked into L2
             // now. (A 16-bit tile's S starts on its first atom; the same request made the sparse
             // bf16 row 20% slower.)
-            if seesaw && FP8 && ka != 0 {
+            if seesaw && K::FP8 && ka != 0 {
                 static_for::<{ (MLA_QK / 128) as usize }>(|i| unsafe { prefetch_l2(ka + 128 * i as u64) });
                 unsafe { prefetch_l2(ka + MLA_QK as u64 - 1) };
             }
@@ -140,7 +141,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
     // Issues slot j's copy (if a tile covers it) as one commit group.
     let issue = |j: u32| {
         if j < tile_slots {
-            if FP8 {
+            if K::FP8 {
                 unsafe { copy_slot_fp8(slot_buf(j), table(j), p.qkv.q) };
             } else {
                 unsafe { copy_slot(slot_buf(j), table(j), p.qkv.q) };
@@ -167,11 +168,11 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
         let mult = p.variant.scale_log2 * k_scale;
         // bf16 queries over an FP8 cache: the MMAs on f16 (`super::seesaw`), the queries scaled
         // by 2^-8 into its range.
-        if FP8 && Q::IS_BF16 {
+        if K::FP8 && Q::IS_BF16 {
             let mult = mult * 256.0;
-            unsafe { super::seesaw::seesaw::<Q, F16, FP8, S>(p, &w, span, mult, v_scale, early, locate, fill, table, q_row) };
+            unsafe { super::seesaw::seesaw::<Q, F16, K, S>(p, &w, span, mult, v_scale, early, locate, fill, table, q_row) };
         } else {
-            unsafe { super::seesaw::seesaw::<Q, Q, FP8, S>(p, &w, span, mult, v_scale, early, locate, fill, table, q_row) };
+            unsafe { super::seesaw::seesaw::<Q, Q, K, S>(p, &w, span, mult, v_scale, early, locate, fill, table, q_row) };
         }
         return;
     }
@@ -285,7 +286,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
         let my_slot = slot0 + key_off / SLOT_KEYS;
         let my_buf = tile_buf(slot0, key_off / SLOT_KEYS);
         let mut s = if in_registers {
-            unsafe { scores_fp8(&q_frag, my_buf, key_off % SLOT_KEYS) }
+            unsafe { scores_fp8::<K::Fp8>(&q_frag, my_buf, key_off % SLOT_KEYS) }
         } else if WIDE {
             let k_at = |rows: u32, chunks: u32| my_buf + swizzled(k_lane.0 + rows, k_lane.1 + chunks);
             scores::<Q, true>(nkt, |ks| unsafe { ldmatrix_x4(q_at(ks)) }, k_at)
@@ -372,7 +373,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, const FP8: bool, S: Ke
         });
         let v_at = |kk: u32, dp: u32| tile_buf(slot0, kk / 2) + swizzled(v_lane.0 + 16 * (kk % 2), v_lane.1 + 2 * dp);
         if in_registers {
-            unsafe { accumulate_pv_fp8(&mut o[0], |kk| p_at(0, kk), |i| tile_buf(slot0, i), col0) };
+            unsafe { accumulate_pv_fp8::<K::Fp8>(&mut o[0], |kk| p_at(0, kk), |i| tile_buf(slot0, i), col0) };
         } else {
             accumulate_pv::<Q>(&mut o, mt, nct, bn as usize, p_at, v_at);
         }

@@ -27,6 +27,7 @@
 use super::in_place::convert_in_place;
 use super::keys::KeySource;
 use super::slots::{copy_queries, copy_tile_warpgroup, copy_tile_warpgroup_fp8, queries_to_f16};
+use crate::attention::config::CacheFormat;
 use crate::attention::lazy_rescale::must_rescale;
 use crate::attention::output::RowOut;
 use crate::attention::work::Work;
@@ -101,14 +102,14 @@ fn raise_lazily(state: &mut [OnlineSoftmax; 2], m: [f32; 2], mult: f32) -> [f32;
 
 /// The seesaw kernel body: `early`, `locate`, `fill` and `table` are the kernel's address-table
 /// steps (`super::kernel`), `q_row(r)` the address of query row r; `mult` the scores' factor
-/// (base 2), `v_scale` the output's. `FP8`: an FP8 E4M3 cache, each tile's raw rows copied into
+/// (base 2), `v_scale` the output's. `K`: the cache's rows; FP8 ones (E4M3 or E5M2): each tile's raw rows copied into
 /// the upper halves of its two slots and converted in place by its warpgroup before its S.
 /// `M`: the MMAs' type, Q's or f16: over an FP8 cache, bf16 queries are scaled by 2^-8 into f16
 /// in shared memory once (exact within f16's range; the caller's `mult` undoes the scale), so
 /// that a pair of cache bytes converts in one instruction (bf16: four) and P is f16.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, const FP8: bool, S: KeySource>(
+pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, K: CacheFormat, S: KeySource>(
     p: &AttnParams,
     w: &Work,
     span: Span,
@@ -155,7 +156,7 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, const FP8: bool, S: KeySourc
     pdl_prologue();
     let copy = |tile: u32| unsafe {
         let tables = [table(2 * tile), table(2 * tile + 1)];
-        if FP8 {
+        if K::FP8 {
             copy_tile_warpgroup_fp8(mine, base.k_slot, lay.raw, tables, p.qkv.q);
         } else {
             copy_tile_warpgroup(mine, tables, p.qkv.q);
@@ -175,7 +176,7 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, const FP8: bool, S: KeySourc
         // The tile's rows 0-15 of both slots (the first group) are converted while the rest land.
         cp_async_wait::<1>();
         warpgroup_sync();
-        convert_in_place::<M>([mine, mine + base.k_slot], lay.raw, cp_async_wait::<0>, warpgroup_sync);
+        convert_in_place::<M, K::Fp8>([mine, mine + base.k_slot], lay.raw, cp_async_wait::<0>, warpgroup_sync);
         fence_proxy_async_shared();
         warpgroup_sync();
     };
@@ -193,7 +194,7 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, const FP8: bool, S: KeySourc
     // Tested through a shuffle: a test the compiler can merge with the copy's above would let it
     // duplicate the barrier between them onto both paths (synccheck reports a barrier reached at
     // two addresses).
-    if FP8 && shfl_idx((wg < n_tiles) as u32, 0) != 0 {
+    if K::FP8 && shfl_idx((wg < n_tiles) as u32, 0) != 0 {
         convert();
     }
     let (q_desc, k_desc) = (wgmma_desc(smem + base.q, 16, GROUP_BYTES, true), wgmma_desc(mine, 16, GROUP_BYTES, true));
@@ -203,7 +204,7 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, const FP8: bool, S: KeySourc
     }
     // S over a tile whose copies are still landing (an atom at a time), or, FP8, converted.
     let issue_scores = || unsafe {
-        if FP8 {
+        if K::FP8 {
             convert();
             M::wgmma_64x64_k576_async(q_desc, k_desc)
         } else if wg == 0 {

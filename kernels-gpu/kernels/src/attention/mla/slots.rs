@@ -3,6 +3,7 @@
 //! (`attn_math::mla::swizzled`).
 
 use crate::blocks::device::{static_for, thread_idx_x};
+use crate::blocks::elem::Fp8Format;
 #[cfg(wgmma)]
 use crate::blocks::elem::F16;
 use crate::blocks::mma::{cp_async_16, ld_shared_u64, ld_shared_v4, st_shared_v4, MmaHalf};
@@ -71,9 +72,9 @@ pub(super) unsafe fn copy_slot_fp8(dst: u32, table: u32, fallback: u64) {
 /// stored at the 16-bit chunk at `at` of a [`swizzled`] row and the row's next chunk (its place
 /// in the atom with the low bit flipped: `at ^ 16`).
 #[inline(always)]
-pub(super) unsafe fn store_converted_at<Q: MmaHalf>(at: u32, v: [u32; 4]) {
+pub(super) unsafe fn store_converted_at<Q: MmaHalf, F: Fp8Format>(at: u32, v: [u32; 4]) {
     let mut h = [0u32; 8];
-    static_for::<4>(|j| [h[2 * j], h[2 * j + 1]] = Q::from_fp8x4(v[j]));
+    static_for::<4>(|j| [h[2 * j], h[2 * j + 1]] = Q::from_fp8x4::<F>(v[j]));
     unsafe { st_shared_v4(at, [h[0], h[1], h[2], h[3]]) };
     unsafe { st_shared_v4(at ^ 16, [h[4], h[5], h[6], h[7]]) };
 }
@@ -82,24 +83,24 @@ pub(super) unsafe fn store_converted_at<Q: MmaHalf>(at: u32, v: [u32; 4]) {
 /// layout) converted ([`store_converted_at`]) into its row's two 16-byte chunks of the
 /// [`swizzled`] slot at `dst`.
 #[inline(always)]
-unsafe fn store_converted<Q: MmaHalf>(dst: u32, idx: u32, v: [u32; 4]) {
+unsafe fn store_converted<Q: MmaHalf, F: Fp8Format>(dst: u32, idx: u32, v: [u32; 4]) {
     let (r, c) = (idx / RAW_CHUNKS, raw_chunk(idx / RAW_CHUNKS, idx % RAW_CHUNKS));
     const { assert!(swizzled(3, 5) ^ 16 == swizzled(3, 4) && swizzled(9, 11) == swizzled(9, 10) ^ 16) };
-    unsafe { store_converted_at::<Q>(dst + swizzled(r, 2 * c), v) };
+    unsafe { store_converted_at::<Q, F>(dst + swizzled(r, 2 * c), v) };
 }
 
 /// Converts an FP8 slot's raw rows (at `raw`) into the 16-bit [`swizzled`] slot at `dst`,
 /// exactly (the unpack scale is folded into the k/v scales). Every thread of the CTA takes part;
 /// the raw copies must have landed and a barrier must follow.
 #[inline(always)]
-pub(super) unsafe fn convert_slot_fp8<Q: MmaHalf>(raw: u32, dst: u32) {
+pub(super) unsafe fn convert_slot_fp8<Q: MmaHalf, F: Fp8Format>(raw: u32, dst: u32) {
     let tid = thread_idx_x();
     static_for::<{ (SLOT_KEYS * RAW_CHUNKS).div_ceil(THREADS) as usize }>(|i| {
         let idx = tid + i as u32 * THREADS;
         if idx < SLOT_KEYS * RAW_CHUNKS {
             // The raw chunks in the order they sit (one offset for every slot), and where each
             // goes.
-            unsafe { store_converted::<Q>(dst, idx, ld_shared_v4(raw + idx * 16)) };
+            unsafe { store_converted::<Q, F>(dst, idx, ld_shared_v4(raw + idx * 16)) };
         }
     });
 }

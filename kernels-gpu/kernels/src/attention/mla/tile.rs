@@ -4,7 +4,7 @@
 
 use crate::attention::fp8_direct::mma_value_runs;
 use crate::blocks::device::{static_for, thread_idx_x};
-use crate::blocks::elem::F16;
+use crate::blocks::elem::{Fp8Format, F16};
 use crate::blocks::mma::{ld_shared_u64, ld_shared_v4, ldmatrix_x4, ldmatrix_x4_trans, MmaHalf};
 use attn_math::mla::{self, SLOT_KEYS};
 use attn_math::prefill::MLA_QK;
@@ -141,14 +141,14 @@ pub(super) unsafe fn query_fragments_fp8<Q: MmaHalf>(q: u32, conv: f32) -> [[u32
 /// ([`query_fragments_fp8`]). On f16 MMAs: one conversion instruction per pair of bytes (bf16
 /// would take four). Two accumulator chains (four spill); the result in `scores`' shape.
 #[inline(always)]
-pub(super) unsafe fn scores_fp8(q: &[[u32; 4]; K_STEPS as usize], raw: u32, key_row: u32) -> [[f32; 4]; 4] {
+pub(super) unsafe fn scores_fp8<F: Fp8Format>(q: &[[u32; 4]; K_STEPS as usize], raw: u32, key_row: u32) -> [[f32; 4]; 4] {
     let lane = thread_idx_x() % 32;
     let (g, t4) = (lane / 4, lane % 4);
     let mut chains = [[0.0f32; 4]; 2];
     static_for::<{ K_STEPS as usize / 4 }>(|j| {
         let v = unsafe { ld_shared_v4(raw + mla::raw_offset(key_row + g, 4 * j as u32 + t4)) };
         static_for::<4>(|w| {
-            let [b0, b1] = F16::from_fp8x4(v[w]);
+            let [b0, b1] = F16::from_fp8x4::<F>(v[w]);
             chains[w % 2] = F16::mma(q[4 * j + w], b0, b1, chains[w % 2]);
         });
     });
@@ -163,7 +163,12 @@ pub(super) unsafe fn scores_fp8(q: &[[u32; 4]; K_STEPS as usize], raw: u32, key_
 /// the 8 at columns `col0 + 8g ..` (one 8-byte load), so column `g` of accumulator tile `i` is
 /// `col0 + 8g + i` ([`fp8_pairs`] regroups them for the output).
 #[inline(always)]
-pub(super) unsafe fn accumulate_pv_fp8(o: &mut [[f32; 4]; 32], p_at: impl Fn(u32) -> u32, raw: impl Fn(u32) -> u32, col0: u32) {
+pub(super) unsafe fn accumulate_pv_fp8<F: Fp8Format>(
+    o: &mut [[f32; 4]; 32],
+    p_at: impl Fn(u32) -> u32,
+    raw: impl Fn(u32) -> u32,
+    col0: u32,
+) {
     const { assert!(mla::NARROW.block_n == 2 * SLOT_KEYS && mla::NARROW.cols_per_warp() == 64) };
     let lane = thread_idx_x() % 32;
     let (g, t4) = (lane / 4, lane % 4);
@@ -177,7 +182,7 @@ pub(super) unsafe fn accumulate_pv_fp8(o: &mut [[f32; 4]; 32], p_at: impl Fn(u32
             run[k][0] = v as u32;
             run[k][1] = (v >> 32) as u32;
         });
-        mma_value_runs::<F16>(a, &run, 2, o);
+        mma_value_runs::<F16, F>(a, &run, 2, o);
     });
 }
 
