@@ -18,6 +18,14 @@ pub(crate) struct KernelParams<P: Copy>(pub P);
 // declare with the same layout.
 unsafe impl<P: Copy> DeviceRepr for KernelParams<P> {}
 
+/// FP8 decode batches with requests of `attn_math::keys_rows::FP8_LONG_KEYS` keys or more run the deep-pipeline
+/// kernels only where DRAM is slow for the SMs: below this many bytes a second per SM (the H100
+/// SXM has 25e9, where deep measured 201 us against 211-214 at 64 x 4096). With more, the
+/// three-CTA kernels, whose third CTA hides more of the conversions' and MMAs' latencies, are
+/// faster at every length (the H200, 37e9: 64 x 4096 143.6 against 161.5 us, 8 x 32768 132
+/// against 159, 1 x 131072 70.8 against 82.8, 128 x 2048 133.7 against 171.2; docs/decode.md).
+const FP8_DEEP_MAX_BANDWIDTH_PER_SM: f64 = 30e9;
+
 /// One GPU as the library uses it: its CUDA context, the embedded kernel module for its compute
 /// capability (loaded per kernel family on first use), and the kernels' launch settings.
 /// Every op takes it by reference; one serves every stream of the GPU.
@@ -28,6 +36,8 @@ pub struct AttnDevice {
     modules: Mutex<[Option<Arc<CudaModule>>; NUM_FAMILIES]>,
     compute_capability: (i32, i32),
     sm_count: u32,
+    /// Peak DRAM bandwidth in bytes a second (0 where the driver reports no memory clock).
+    memory_bandwidth: f64,
     /// The most dynamic shared memory a CTA may opt in to.
     max_shared_optin: i32,
     functions: Mutex<HashMap<KernelId, CudaFunction>>,
@@ -67,12 +77,17 @@ impl AttnDevice {
             target_for((major * 10 + minor) as u32).ok_or(AttnError::UnsupportedDevice { major, minor, available: available_targets() })?;
         let sm_count = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
         let max_shared_optin = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+        // Double data rate: two transfers of the bus width a memory clock (kHz).
+        let memory_clock_khz = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE).unwrap_or(0).max(0);
+        let bus_bits = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH).unwrap_or(0).max(0);
+        let memory_bandwidth = 2.0 * memory_clock_khz as f64 * 1e3 * bus_bits as f64 / 8.0;
         Ok(AttnDevice {
             ctx,
             target,
             modules: Mutex::new([None, None, None]),
             compute_capability: (major, minor),
             sm_count,
+            memory_bandwidth,
             max_shared_optin,
             functions: Mutex::new(HashMap::new()),
             occupancy: Mutex::new(HashMap::new()),
@@ -92,6 +107,22 @@ impl AttnDevice {
     pub fn sm_count(&self) -> u32 {
         self.sm_count
     }
+    /// Peak DRAM bandwidth in bytes a second, from the memory clock and bus width the driver
+    /// reports (about 3.35e12 on an H100 SXM, 4.9e12 on an H200), or `None` where it reports
+    /// none.
+    pub fn memory_bandwidth(&self) -> Option<f64> {
+        (self.memory_bandwidth > 0.0).then_some(self.memory_bandwidth)
+    }
+
+    /// Whether FP8 decode of long requests runs the deep-pipeline keys-as-rows kernels (two CTAs
+    /// an SM, six stages) rather than the three-CTA ones: where the memory is slow for the SMs
+    /// ([`FP8_DEEP_MAX_BANDWIDTH_PER_SM`]),
+    /// and where the bandwidth is unknown.
+    pub(crate) fn fp8_deep_pipeline(&self) -> bool {
+        let per_sm = |b: f64| b / self.sm_count.max(1) as f64;
+        self.memory_bandwidth().is_none_or(|b| per_sm(b) < FP8_DEEP_MAX_BANDWIDTH_PER_SM)
+    }
+
     /// The embedded module in use ("sm_90a", "sm_80").
     pub fn ptx_target(&self) -> &'static str {
         self.target.name

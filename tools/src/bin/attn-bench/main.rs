@@ -101,10 +101,11 @@ fn main() -> Result<()> {
     let d = dev();
     let name = d.context().name()?;
     println!(
-        "device: {name}, sm_{}{}, {} SMs, module {} ({})",
+        "device: {name}, sm_{}{}, {} SMs, {} DRAM peak, module {} ({})",
         d.compute_capability().0,
         d.compute_capability().1,
         d.sm_count(),
+        d.memory_bandwidth().map_or("unknown".to_string(), |b| format!("{:.2} TB/s", b / 1e12)),
         d.ptx_target(),
         if d.loads_sass() { "SASS" } else { "PTX JIT" }
     );
