@@ -86,7 +86,7 @@ fn check_encode(table: &[f64], x: f32) {
 /// Edge values: zeros, f32 subnormals, E4M3 subnormal/normal boundary, every midpoint between
 /// adjacent codes and its f32 neighbours, the saturation region and non-finite values.
 fn edge_values(table: &[f64]) -> Vec<f32> {
-    let mut v = vec![
+    let v = vec![
         0.0,
         f32::from_bits(1),
         f32::from_bits(0x007f_ffff),
@@ -105,9 +105,15 @@ fn edge_values(table: &[f64]) -> Vec<f32> {
         f32::INFINITY,
         f32::NAN,
     ];
+    with_midpoints(table, v)
+}
+
+/// `special` values, then every midpoint between adjacent codes of `table` (exact in f32) with
+/// its f32 neighbours and the upper code, then all of them negated.
+fn with_midpoints(table: &[f64], mut v: Vec<f32>) -> Vec<f32> {
     for w in table.windows(2) {
         let mid = ((w[0] + w[1]) / 2.0) as f32;
-        assert_eq!(f64::from(mid), (w[0] + w[1]) / 2.0, "midpoints of E4M3 codes are exact in f32");
+        assert_eq!(f64::from(mid), (w[0] + w[1]) / 2.0, "midpoints of the codes are exact in f32");
         v.extend([mid, f32::from_bits(mid.to_bits() - 1), f32::from_bits(mid.to_bits() + 1), w[1] as f32]);
     }
     let negated: Vec<f32> = v.iter().map(|x| -x).collect();
@@ -418,7 +424,7 @@ fn e5m2_round_trips_every_finite_code() {
 #[test]
 fn e5m2_encodes_edge_and_random_values_to_nearest_even_saturating() {
     let table = e5m2_table();
-    let mut v = vec![
+    let v = vec![
         0.0,
         f32::from_bits(1),
         f32::MIN_POSITIVE,
@@ -435,13 +441,7 @@ fn e5m2_encodes_edge_and_random_values_to_nearest_even_saturating() {
         f32::INFINITY,
         f32::NAN,
     ];
-    for w in table.windows(2) {
-        let mid = ((w[0] + w[1]) / 2.0) as f32;
-        assert_eq!(f64::from(mid), (w[0] + w[1]) / 2.0, "midpoints of E5M2 codes are exact in f32");
-        v.extend([mid, f32::from_bits(mid.to_bits() - 1), f32::from_bits(mid.to_bits() + 1), w[1] as f32]);
-    }
-    let negated: Vec<f32> = v.iter().map(|x| -x).collect();
-    v.extend(negated);
+    let v = with_midpoints(&table, v);
     let mut rng = SmallRng::seed_from_u64(0xe5e2);
     let random = (0..300_000).map(|i| match i % 3 {
         0 => f32::from_bits(rng.random()),
