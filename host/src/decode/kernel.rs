@@ -202,7 +202,7 @@ pub(crate) fn decode_kernel_id(q: DType, rows: CacheRows, d: u32, group: u32, ma
     };
     let smem = if keys_rows {
         let rows = if wide { keys_rows::WIDE_ROWS } else { keys_rows::MAX_ROWS };
-        keys_rows::layout(d, fp8, keys_rows::ctas_per_sm(d, fp8, long), rows).total
+        keys_rows::layout(d, fp8, keys_rows::ctas_per_sm(d, fp8, long, rows), rows).total
     } else {
         shared_layout(d, d, kernel.keys_split(), fp8).total
     };
@@ -268,7 +268,10 @@ mod tests {
         // Shared memory: the keys-as-rows layout for its CTAs per SM, else the tile kernel's.
         let (kernel, _, smem) = decode_kernel_id(DType::BF16, e4m3, 128, 4, 1, long);
         assert_eq!(kernel, DecodeKernel::TensorCoreKeys);
-        assert_eq!(smem, keys_rows::layout(128, true, keys_rows::ctas_per_sm(128, true, true), keys_rows::MAX_ROWS).total);
+        assert_eq!(
+            smem,
+            keys_rows::layout(128, true, keys_rows::ctas_per_sm(128, true, true, keys_rows::MAX_ROWS), keys_rows::MAX_ROWS).total
+        );
         let (_, id, smem) = decode_kernel_id(DType::BF16, CacheRows::Bits16, 128, 16, 1, 100);
         assert_eq!(id.entry_name(), "decode_kr_bf16_r16_d128");
         assert_eq!(smem, keys_rows::layout(128, false, 2, keys_rows::WIDE_ROWS).total);

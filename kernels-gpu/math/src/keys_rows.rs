@@ -50,26 +50,40 @@ pub const fn stage_bytes(d: u32, fp8: bool) -> u32 {
 /// against 204 us.
 pub const FP8_LONG_KEYS: u32 = 2048;
 
-/// CTAs per SM a kernel is built for: two (one at 16-bit head size 256); three for the FP8
-/// kernels of short batches (`xtask`'s launch bounds cap their registers).
-pub const fn ctas_per_sm(d: u32, fp8: bool, long: bool) -> u32 {
-    if fp8 && !long {
+/// CTAs per SM a kernel of `rows` query rows is built for: two (one at 16-bit head size 256);
+/// three for the FP8 kernels of short batches at width 128; four at width 64 for those and for
+/// 16-bit rows at 8 rows a CTA, whose small slabs (2 and 4 KB) set their pace by the per-slab
+/// work more than by the bytes (docs/decode.md, H200: 16-bit 1.03x at 64 x 4096, 1.14x at
+/// 256 x 1024, 1.5x at 64 x 256; FP8 1.17x, 1.21x at 512 x 512, 1.5x). `xtask`'s launch bounds
+/// cap their registers.
+pub const fn ctas_per_sm(d: u32, fp8: bool, long: bool, rows: u32) -> u32 {
+    if fp8 && !long && d <= 64 {
+        4
+    } else if fp8 && !long {
         3
     } else if !fp8 && d > 128 {
         1
+    } else if !fp8 && d <= 64 && rows <= MAX_ROWS {
+        4
     } else {
         2
     }
 }
 
 /// A warp's pipeline depth for `ctas` CTAs per SM: as many stages as fit the CTA's share of
-/// shared memory (104 KiB of two, 72 KiB of three), at most 6; three at 16-bit head size 256
-/// (one CTA per SM).
+/// shared memory (104 KiB of two, 72 KiB of three, 54 KiB of four), at most 6; three at 16-bit
+/// head size 256 (one CTA per SM).
 pub const fn stages(d: u32, fp8: bool, ctas: u32) -> u32 {
     if ctas == 1 {
         return 3;
     }
-    let budget = if ctas == 3 { 73_728 } else { 106_496 };
+    let budget = if ctas == 4 {
+        55_296
+    } else if ctas == 3 {
+        73_728
+    } else {
+        106_496
+    };
     let s = budget / (WARPS * stage_bytes(d, fp8));
     if s > 6 {
         6
@@ -115,7 +129,7 @@ mod tests {
                     if rows == WIDE_ROWS && !fp8 && !WIDE_HEAD_SIZES.contains(&d) {
                         continue;
                     }
-                    let ctas = ctas_per_sm(d, fp8, long);
+                    let ctas = ctas_per_sm(d, fp8, long, rows);
                     let l = layout(d, fp8, ctas, rows);
                     assert!(stages(d, fp8, ctas) >= 3, "d{d}");
                     assert!(l.stats.is_multiple_of(16) && stage_bytes(d, fp8).is_multiple_of(16));
@@ -125,7 +139,10 @@ mod tests {
                 }
             }
         }
-        assert_eq!(stages(128, true, ctas_per_sm(128, true, true)), 6);
-        assert_eq!(stages(128, true, ctas_per_sm(128, true, false)), 4);
+        assert_eq!(stages(128, true, ctas_per_sm(128, true, true, MAX_ROWS)), 6);
+        assert_eq!(stages(128, true, ctas_per_sm(128, true, false, MAX_ROWS)), 4);
+        assert_eq!(stages(64, false, ctas_per_sm(64, false, false, MAX_ROWS)), 3);
+        assert_eq!(stages(64, true, ctas_per_sm(64, true, false, MAX_ROWS)), 6);
+        assert_eq!(ctas_per_sm(64, false, false, WIDE_ROWS), 2);
     }
 }

@@ -405,7 +405,7 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
 
     // The launch's head size (K and V alike here), at most `D`.
     let head = p.dims.qk_or(D as u32);
-    let ctas = ctas_per_sm(D as u32, fp8, LONG);
+    let ctas = ctas_per_sm(D as u32, fp8, LONG, R);
     let st = stages(D as u32, fp8, ctas);
     let sb = stage_bytes(D as u32, fp8);
     let smem = shared_addr(dynamic_shared::<u8>());

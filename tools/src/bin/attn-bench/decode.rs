@@ -112,12 +112,13 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
 pub fn decode_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -> Result<()> {
     let shape =
         |batch, context| DecodeShape { batch, context, q_heads: 32, kv_heads: 8, head_size: 128, block_size: 16, per_head_scales: false };
-    // `ATTN_BENCH_DECODE_SHAPES=64x4096,8x32768,64x4096x112`: planned rows of those batch x
-    // context (x head size, 128 if not given) only, over a bf16 cache and over an FP8 one
-    // (experiments).
+    // `ATTN_BENCH_DECODE_SHAPES=64x4096,8x32768,64x4096x112,64x4096x128x2`: planned rows of
+    // those batch x context (x head size, 128 if not given, x kv heads of 32 query heads, 8 if
+    // not given) only, over a bf16 cache and over an FP8 one (experiments).
     if let Some(shapes) = env_shapes("ATTN_BENCH_DECODE_SHAPES") {
-        for v in shapes.iter().filter(|v| v.len() == 2 || v.len() == 3) {
-            let sh = DecodeShape { head_size: v.get(2).copied().unwrap_or(128), ..shape(v[0], v[1]) };
+        for v in shapes.iter().filter(|v| (2..=4).contains(&v.len())) {
+            let sh =
+                DecodeShape { head_size: v.get(2).copied().unwrap_or(128), kv_heads: v.get(3).copied().unwrap_or(8), ..shape(v[0], v[1]) };
             rows.push(decode_row::<bf16>(b, &sh, true, status)?);
             rows.push(decode_row::<Fp8E4m3>(b, &sh, true, status)?);
         }
