@@ -200,6 +200,9 @@ impl KernelId {
                     if !is_fp8 && keys_rows::WIDE_HEAD_SIZES.contains(&head_size) {
                         v.push(KernelId::DecodeKr { q, rows, long: false, wide: true, head_size });
                     }
+                    if !is_fp8 && head_size == 128 {
+                        v.push(KernelId::DecodeKr { q, rows, long: true, wide: false, head_size });
+                    }
                 }
                 // FP8 caches are paged, whose K and V have one head size.
                 for (dk, dv) in prefill::HEAD_SIZES.into_iter().filter(|&(dk, dv)| !is_fp8 || dk == dv) {

@@ -133,8 +133,9 @@ fn with_tensor_map_params(ptx: &str) -> String {
 /// Kernels that must fit `min_ctas` CTAs of `threads` threads per SM, as (name prefix, name
 /// suffix, threads, min_ctas): decode from an FP8 cache (E4M3 or E5M2) at head sizes 64 and 128 (the
 /// kernels' `fp8_direct`), whose shared memory allows three CTAs per SM and whose registers
-/// would otherwise allow two; the 16-bit keys-as-rows decode of width 64 and 8 rows, four
-/// (`attn_math::keys_rows::ctas_per_sm`); and the warp-specialised Hopper prefill. rustc has no launch-bounds attribute for nvptx, so the
+/// would otherwise allow two; the 16-bit keys-as-rows decode of 8 rows for short batches at
+/// width 128, three, and at width 64, four (`attn_math::keys_rows::ctas_per_sm`); and the
+/// warp-specialised Hopper prefill. rustc has no launch-bounds attribute for nvptx, so the
 /// directives are added to the PTX here; `ptxas` then limits registers to fit.
 const LAUNCH_BOUNDS: &[(&str, &str, u32, u32)] = &[
     ("decode_tc_", "_fp8_d64", 128, 3),
@@ -151,6 +152,8 @@ const LAUNCH_BOUNDS: &[(&str, &str, u32, u32)] = &[
     ("decode_kr_", "_e5m2_a8_d128", 128, 3),
     ("decode_kr_bf16_d64", "", 128, 4),
     ("decode_kr_f16_d64", "", 128, 4),
+    ("decode_kr_bf16_d128", "", 128, 3),
+    ("decode_kr_f16_d128", "", 128, 3),
     // Three warpgroups (`attn_math::hopper_prefill::WS_THREADS`) start at 168 registers a
     // thread; `setmaxnreg` then moves registers from the producer to the compute warps.
     ("prefill_wgs_", "", 384, 1),

@@ -193,10 +193,11 @@ pub(crate) fn decode_kernel_id(q: DType, rows: CacheRows, d: u32, group: u32, ma
     let wide = max_q * group > keys_rows::MAX_ROWS;
     let keys_rows = kernel == DecodeKernel::TensorCoreKeys
         && if fp8 { keys_rows::FP8_HEAD_SIZES.contains(&d) } else { !wide || keys_rows::WIDE_HEAD_SIZES.contains(&d) };
-    let long = max_len >= keys_rows::FP8_LONG_KEYS || wide;
+    // Batches with long requests: the deep-pipeline FP8 kernels (`keys_rows::FP8_LONG_KEYS`; and
+    // every FP8 `_r16` kernel), the two-CTA 16-bit ones at width 128 (`keys_rows::HALF_LONG_KEYS`).
+    let long = if fp8 { max_len >= keys_rows::FP8_LONG_KEYS || wide } else { d == 128 && !wide && max_len >= keys_rows::HALF_LONG_KEYS };
     let id = match kernel {
-        // FP8 batches with long requests: the deep-pipeline kernels (`keys_rows::FP8_LONG_KEYS`).
-        DecodeKernel::TensorCoreKeys if keys_rows => KernelId::DecodeKr { q, rows, long: fp8 && long, wide, head_size: d },
+        DecodeKernel::TensorCoreKeys if keys_rows => KernelId::DecodeKr { q, rows, long, wide, head_size: d },
         DecodeKernel::TensorCoreKeys => KernelId::DecodeTc { q, rows, head_size: d },
         _ => KernelId::Prefill { q, rows, head_size_qk: d, head_size_v: d },
     };
@@ -235,7 +236,8 @@ mod tests {
         let name = |fp8, d, group, max_q, max_len| decode_kernel_id(DType::BF16, rows(fp8), d, group, max_q, max_len).1.entry_name();
         let long = keys_rows::FP8_LONG_KEYS;
         assert_eq!(name(false, 128, 4, 1, 100), "decode_kr_bf16_d128");
-        assert_eq!(name(false, 128, 4, 1, long), "decode_kr_bf16_d128");
+        assert_eq!(name(false, 128, 4, 1, long), "decode_kr_bf16_long_d128");
+        assert_eq!(name(false, 128, 4, 1, keys_rows::HALF_LONG_KEYS - 1), "decode_kr_bf16_d128");
         assert_eq!(name(false, 256, 8, 1, 100), "decode_kr_bf16_d256");
         assert_eq!(name(true, 128, 4, 2, long - 1), "decode_kr_bf16_fp8_d128");
         assert_eq!(name(true, 64, 4, 2, long), "decode_kr_bf16_fp8_long_d64");

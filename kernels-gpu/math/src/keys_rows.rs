@@ -50,12 +50,20 @@ pub const fn stage_bytes(d: u32, fp8: bool) -> u32 {
 /// against 204 us.
 pub const FP8_LONG_KEYS: u32 = 2048;
 
+/// A 16-bit batch at width 128 whose longest request has at least this many keys runs the
+/// two-CTA kernels (`decode_kr_<q>_long_d128`, three stages); shorter ones the three-CTA kernels
+/// (two stages), whose CTAs start and drain beside more neighbours. Measured on an H200
+/// (docs/decode.md): three CTAs 1.18x at 64 x 256, 1.06x at 512 x 512, 1.015x at 256 x 1024, but
+/// 0.97x at 64 x 2048 (the planner splits it for the 396 slots) and 0.99x at 64 x 4096.
+pub const HALF_LONG_KEYS: u32 = 2048;
+
 /// CTAs per SM a kernel of `rows` query rows is built for: two (one at 16-bit head size 256);
-/// three for the FP8 kernels of short batches at width 128; four at width 64 for those and for
-/// 16-bit rows at 8 rows a CTA, whose small slabs (2 and 4 KB) set their pace by the per-slab
-/// work more than by the bytes (docs/decode.md, H200: 16-bit 1.03x at 64 x 4096, 1.14x at
-/// 256 x 1024, 1.5x at 64 x 256; FP8 1.17x, 1.21x at 512 x 512, 1.5x). `xtask`'s launch bounds
-/// cap their registers.
+/// three for the short batches' kernels at width 128 (FP8, and 16-bit at 8 rows a CTA: two
+/// stages, H200 1.06-1.23x below 1024 keys, docs/decode.md); four at width 64 for FP8 short
+/// batches and 16-bit rows at 8 rows a CTA, whose small slabs (2 and 4 KB) set their pace by the
+/// per-slab work more than by the bytes (H200: 16-bit 1.03x at 64 x 4096, 1.15x at 256 x 1024,
+/// 1.5x at 64 x 256; FP8 1.17x, 1.21x at 512 x 512, 1.5x). `xtask`'s launch bounds cap their
+/// registers.
 pub const fn ctas_per_sm(d: u32, fp8: bool, long: bool, rows: u32) -> u32 {
     if fp8 && !long && d <= 64 {
         4
@@ -65,6 +73,8 @@ pub const fn ctas_per_sm(d: u32, fp8: bool, long: bool, rows: u32) -> u32 {
         1
     } else if !fp8 && d <= 64 && rows <= MAX_ROWS {
         4
+    } else if !fp8 && d == 128 && rows <= MAX_ROWS && !long {
+        3
     } else {
         2
     }
@@ -131,7 +141,7 @@ mod tests {
                     }
                     let ctas = ctas_per_sm(d, fp8, long, rows);
                     let l = layout(d, fp8, ctas, rows);
-                    assert!(stages(d, fp8, ctas) >= 3, "d{d}");
+                    assert!(stages(d, fp8, ctas) >= 2, "d{d}");
                     assert!(l.stats.is_multiple_of(16) && stage_bytes(d, fp8).is_multiple_of(16));
                     // 228 KiB per SM, 1 KiB reserved per CTA; 227 KiB per CTA at most.
                     assert!(l.total <= 227 * 1024, "d{d}: {}", l.total);

@@ -110,16 +110,25 @@ prefill_local_kernels!(F16, "f16": 64, 96, 128, 256);
 prefill_local_kernels!(Bf16, "bf16": 64, 96, 128, 256);
 
 // Keys-as-rows decode (`crate::attention::keys_rows`), up to 8 rows per kv head:
-// `decode_kr_<q>_d<head_size>` (16-bit caches) and `decode_kr_<q><fp8>[_long]_d<head_size>`; up
-// to 16: `decode_kr_<q>_r16_d<head_size>` (16-bit caches) and `decode_kr_<q><fp8>_long_r16_d<head_size>`
-// (FP8: two CTAs per SM, whose registers hold the two column groups).
+// `decode_kr_<q>[_long]_d<head_size>` (16-bit caches; `_long` at 128 only) and
+// `decode_kr_<q><fp8>[_long]_d<head_size>`; up to 16: `decode_kr_<q>_r16_d<head_size>` (16-bit
+// caches) and `decode_kr_<q><fp8>_long_r16_d<head_size>` (FP8: two CTAs per SM, whose registers
+// hold the two column groups).
 macro_rules! keys_rows_kernels {
-    ($q:ident, $qname:literal: $($d:literal),*; r16: $($d16:literal),*; fp8: $($d8:literal),*) => {
+    ($q:ident, $qname:literal: $($d:literal),*; long: $($dl:literal),*; r16: $($d16:literal),*; fp8: $($d8:literal),*) => {
         $(
             const _: () = {
                 #[unsafe(export_name = concat!("decode_kr_", $qname, "_d", $d))]
                 unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
-                    unsafe { crate::attention::keys_rows::decode_keys_rows_half::<$q, $d, 1, 8>(&p) }
+                    unsafe { crate::attention::keys_rows::decode_keys_rows_half::<$q, $d, false, 1, 8>(&p) }
+                }
+            };
+        )*
+        $(
+            const _: () = {
+                #[unsafe(export_name = concat!("decode_kr_", $qname, "_long_d", $dl))]
+                unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
+                    unsafe { crate::attention::keys_rows::decode_keys_rows_half::<$q, $dl, true, 1, 8>(&p) }
                 }
             };
         )*
@@ -127,7 +136,7 @@ macro_rules! keys_rows_kernels {
             const _: () = {
                 #[unsafe(export_name = concat!("decode_kr_", $qname, "_r16_d", $d16))]
                 unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
-                    unsafe { crate::attention::keys_rows::decode_keys_rows_half::<$q, $d16, 2, 16>(&p) }
+                    unsafe { crate::attention::keys_rows::decode_keys_rows_half::<$q, $d16, false, 2, 16>(&p) }
                 }
             };
         )*
@@ -157,8 +166,8 @@ macro_rules! keys_rows_kernels {
     };
 }
 
-keys_rows_kernels!(F16, "f16": 64, 96, 128, 256; r16: 64, 96, 128; fp8: 64, 128);
-keys_rows_kernels!(Bf16, "bf16": 64, 96, 128, 256; r16: 64, 96, 128; fp8: 64, 128);
+keys_rows_kernels!(F16, "f16": 64, 96, 128, 256; long: 128; r16: 64, 96, 128; fp8: 64, 128);
+keys_rows_kernels!(Bf16, "bf16": 64, 96, 128, 256; long: 128; r16: 64, 96, 128; fp8: 64, 128);
 
 // Prefill on Hopper's warpgroup MMA (sm_90a only): `<prefix>_<q><cache>_d<width>` running
 // `crate::attention::hopper::$module::$func::<Q, Cache, Mma, D, W>` (width `D` on shared-memory

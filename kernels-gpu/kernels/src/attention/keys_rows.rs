@@ -379,7 +379,8 @@ fn slab_softmax<const D: usize>(s: &mut [f32; 4], o: &mut [[f32; 4]; 16], state:
 }
 
 /// The kernel: one CTA per (work item, kv head), as `decode_tc_*` (the host plans both alike).
-/// `Q`: the queries' type; `F`: the cache's slab format; `LONG`: the FP8 deep-pipeline variant;
+/// `Q`: the queries' type; `F`: the cache's slab format; `LONG`: the variant for long requests (FP8:
+/// the deep pipeline; 16-bit at width 128: two CTAs an SM, `attn_math::keys_rows::ctas_per_sm`);
 /// `G`: column groups of 8 query rows (the MMA's 8 columns) over each staged slab, 1 or 2 (GQA
 /// 16); `R = 8 G`, the CTA's query rows.
 #[inline(always)]
@@ -587,10 +588,11 @@ impl<Q: MmaHalf, F: SlabFormat<D>, const D: usize> AttnConfig for KeysRows<Q, F,
 }
 
 /// A 16-bit cache, `G` column groups of 8 rows, `R = 8 G` rows a CTA (`decode_kr_<q>_d<d>`,
-/// `decode_kr_<q>_r16_d<d>`).
+/// `decode_kr_<q>_r16_d<d>`); `LONG` the kernels for long requests where a width has two
+/// (`decode_kr_<q>_long_d<d>`, `attn_math::keys_rows::ctas_per_sm`).
 #[inline(always)]
-pub unsafe fn decode_keys_rows_half<Q: MmaHalf, const D: usize, const G: usize, const R: u32>(p: &AttnParams) {
-    unsafe { decode_keys_rows::<Q, HalfRows<Q>, D, false, G, R>(p) }
+pub unsafe fn decode_keys_rows_half<Q: MmaHalf, const D: usize, const LONG: bool, const G: usize, const R: u32>(p: &AttnParams) {
+    unsafe { decode_keys_rows::<Q, HalfRows<Q>, D, LONG, G, R>(p) }
 }
 
 /// An FP8 E4M3 cache (head sizes 64 and 128; `K`: `config::Fp8E4M3`, or `Fp8E4M3A8` for the
