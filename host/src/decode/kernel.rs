@@ -157,8 +157,9 @@ pub(crate) fn decode_tc_kernel(
     // The kernel's width; the launch runs at head size `d` (`AttnParams::dims`).
     let fp8 = cache.is_fp8();
     let width = decode_head_width("head_size", d, fp8)?;
-    // Long FP8 requests take the deep pipeline only where it pays (`fp8_deep_pipeline`).
-    let max_len = if dev.fp8_deep_pipeline() { max_len } else { 0 };
+    // Long FP8 requests take the deep pipeline only where it pays (`fp8_deep_pipeline`); 16-bit
+    // ones take their long kernels everywhere (`keys_rows::HALF_LONG_KEYS`).
+    let max_len = if !fp8 || dev.fp8_deep_pipeline() { max_len } else { 0 };
     let (kernel, id, smem) = decode_kernel_id(q_dtype, CacheRows::of(cache, d), width, group, max_q, max_len);
     let waves = tuning.decode_waves.unwrap_or(measured_waves(width)).max(1);
     let resident = dev.resident_ctas(id, attn_math::prefill::THREADS, smem)?;

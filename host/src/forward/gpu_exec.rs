@@ -174,9 +174,9 @@ impl GpuExec {
         };
         let t = &config.tuning;
         let tc = match spec {
-            // A graph runs whatever lengths its steps have: FP8 caches take the kernels of long
-            // requests (`keys_rows::FP8_LONG_KEYS`: the deep pipeline where the device's DRAM
-            // is slow for its SMs, `AttnDevice::fp8_deep_pipeline`).
+            // A graph runs whatever lengths its steps have: the kernels of long requests (16-bit
+            // at width 128: two CTAs an SM, `keys_rows::HALF_LONG_KEYS`; FP8: the deep pipeline
+            // where the device's DRAM is slow for its SMs, `AttnDevice::fp8_deep_pipeline`).
             CacheSpec::Paged(_) => {
                 decode_tc_kernel(&self.dev, m.q_dtype, m.cache_dtype, m.head_size, m.num_q_heads, m.num_kv_heads, q, u32::MAX, t)?
             }
