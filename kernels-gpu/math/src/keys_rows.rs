@@ -65,18 +65,18 @@ pub const HALF_LONG_KEYS: u32 = 2048;
 /// 1.5x at 64 x 256; FP8 1.17x, 1.21x at 512 x 512, 1.5x). `xtask`'s launch bounds cap their
 /// registers.
 pub const fn ctas_per_sm(d: u32, fp8: bool, long: bool, rows: u32) -> u32 {
-    if fp8 && !long && d <= 64 {
-        4
-    } else if fp8 && !long {
-        3
-    } else if !fp8 && d > 128 {
-        1
-    } else if !fp8 && d <= 64 && rows <= MAX_ROWS {
-        4
-    } else if !fp8 && d == 128 && rows <= MAX_ROWS && !long {
-        3
-    } else {
-        2
+    match (fp8, long) {
+        // FP8: the deep pipeline (long requests, and every `_r16` kernel), else short batches'.
+        (true, true) => 2,
+        (true, false) if d <= 64 => 4,
+        (true, false) => 3,
+        // 16-bit: width 256 alone; 16 rows two; 8 rows four at width 64, three for short
+        // batches at 128.
+        (false, _) if d > 128 => 1,
+        (false, _) if rows > MAX_ROWS => 2,
+        (false, _) if d <= 64 => 4,
+        (false, false) if d == 128 => 3,
+        (false, _) => 2,
     }
 }
 
@@ -154,5 +154,20 @@ mod tests {
         assert_eq!(stages(64, false, ctas_per_sm(64, false, false, MAX_ROWS)), 3);
         assert_eq!(stages(64, true, ctas_per_sm(64, true, false, MAX_ROWS)), 6);
         assert_eq!(ctas_per_sm(64, false, false, WIDE_ROWS), 2);
+        // (head size, FP8, long, rows) -> CTAs per SM.
+        for (d, fp8, long, rows, ctas) in [
+            (64, true, false, MAX_ROWS, 4),
+            (128, true, false, MAX_ROWS, 3),
+            (64, true, true, MAX_ROWS, 2),
+            (128, true, true, WIDE_ROWS, 2),
+            (64, false, false, MAX_ROWS, 4),
+            (96, false, false, MAX_ROWS, 2),
+            (128, false, false, MAX_ROWS, 3),
+            (128, false, true, MAX_ROWS, 2),
+            (128, false, false, WIDE_ROWS, 2),
+            (256, false, false, MAX_ROWS, 1),
+        ] {
+            assert_eq!(ctas_per_sm(d, fp8, long, rows), ctas, "d{d} fp8 {fp8} long {long} rows {rows}");
+        }
     }
 }
