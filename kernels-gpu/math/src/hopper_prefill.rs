@@ -163,6 +163,23 @@ pub const fn ws_sub_keys(d: u32) -> u32 {
     }
 }
 
+/// Whether the compute warps step over whole 128-key tiles (FA3's order: S of tile j + 1 and
+/// P V of tile j issued together, the softmax of j + 1 under that P V) rather than 64-key
+/// halves (S of the next half under each half's softmax): up to width 128, but not on e4m3
+/// stages. The order holds two tiles' stages from one issue to the next wait; on half-tile
+/// stages (16-bit widths 80 to 128) the P V of a tile's first half is issued before the next
+/// S, so that its stage is freed when S retires and the producer has a stage to fill during
+/// the softmax. Measured on an H200 against halves (docs/prefill.md):
+/// - width 64: +5-6% with a 16-bit cache, +2-6% with an FP8 one (converted stages);
+/// - width 128: +1.4% at 4 x 4096, +3.6% at 1 x 16384; without the early free it lost 7-9%
+///   (the producer had nothing to fill ahead);
+/// - e4m3 stages: even, and the compute warps spill 232 bytes (120 with halves). With the two
+///   warpgroups taking turns to issue (FA3's ping-pong) they gained 1.5-2%, 16-bit width 64
+///   lost as much.
+pub const fn ws_whole_tiles(d: u32, fp8: bool) -> bool {
+    d <= 128 && !matches!(stage_format(d, fp8), StageFormat::Fp8)
+}
+
 /// Query buffers: the current item's and the next one's up to width 128; at 256 one (the next
 /// item's queries are copied once the current item's last tile is done with them: about 2 us an
 /// item of 30-70 us at 4 x 4096). e4m3 stages: one, free as soon as the compute warps have

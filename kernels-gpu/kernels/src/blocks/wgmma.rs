@@ -300,6 +300,31 @@ pub unsafe fn wait_scores64<const N: u32>(s: [[f32; 4]; 8]) -> [[f32; 4]; 8] {
     s
 }
 
+/// Waits until at most `N` chains are pending, naming the A fragments `p` (`K` registers of
+/// four) of a P V chain retired by then as operands: they are that chain's until here, and
+/// free for other values after (the chain's accumulators, still read by a later chain, are
+/// not named).
+#[inline(always)]
+pub unsafe fn wait_frags<const N: u32, const K: usize>(p: &[[u32; 4]; K]) {
+    const { assert!(K == 2 || K == 4) };
+    let f = |k: usize| if k < K { p[k] } else { p[0] };
+    let (a, b, c, d) = (f(0), f(1), f(2), f(3));
+    if K == 4 {
+        unsafe {
+            asm!("wgmma.wait_group.sync.aligned {n}; // {0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}",
+                 in(reg32) a[0], in(reg32) a[1], in(reg32) a[2], in(reg32) a[3], in(reg32) b[0], in(reg32) b[1], in(reg32) b[2], in(reg32) b[3],
+                 in(reg32) c[0], in(reg32) c[1], in(reg32) c[2], in(reg32) c[3], in(reg32) d[0], in(reg32) d[1], in(reg32) d[2], in(reg32) d[3],
+                 n = const N, options(nostack))
+        };
+    } else {
+        unsafe {
+            asm!("wgmma.wait_group.sync.aligned {n}; // {0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}",
+                 in(reg32) a[0], in(reg32) a[1], in(reg32) a[2], in(reg32) a[3], in(reg32) b[0], in(reg32) b[1], in(reg32) b[2], in(reg32) b[3],
+                 n = const N, options(nostack))
+        };
+    }
+}
+
 /// The same for a P V chain over 64 keys: its accumulators `o` (the first `D / 8` blocks) and
 /// its A fragments `p`, which the chain reads until it completes, are operands so that nothing
 /// touches them before.

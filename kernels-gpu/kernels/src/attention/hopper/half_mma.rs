@@ -3,7 +3,7 @@
 //! of `prefill_specialized` is written once over this.
 
 use crate::blocks::mma::wgmma_desc;
-use crate::blocks::wgmma::{e4m3x4, wait_pv64, wait_pv64_e4m3, Acc, WgmmaFp8, WgmmaTiles};
+use crate::blocks::wgmma::{e4m3x4, wait_frags, wait_pv64, wait_pv64_e4m3, Acc, WgmmaFp8, WgmmaTiles};
 use attn_math::hopper_prefill::group_bytes;
 use core::marker::PhantomData;
 
@@ -22,6 +22,9 @@ pub(crate) trait HalfMma {
     unsafe fn pv<const D: usize>(o: &mut Acc, p: &Self::P, desc_v: u64);
     /// Waits until at most `N` chains are pending; `o` and `p` are operands, as in `wait_pv64`.
     unsafe fn wait_pv<const N: u32, const D: usize>(o: &mut Acc, p: &Self::P);
+    /// Waits until at most `N` chains are pending, `p` the A fragments of one that has
+    /// retired by then: its registers are the chain's until here, free after.
+    unsafe fn wait_frags<const N: u32>(p: &Self::P);
     /// The weights of a 64-key S block as A fragments.
     fn pack(s: &[[f32; 4]; 8]) -> Self::P;
 }
@@ -57,6 +60,11 @@ impl<Q: WgmmaTiles> HalfMma for Mma16<Q> {
     #[inline(always)]
     unsafe fn wait_pv<const N: u32, const D: usize>(o: &mut Acc, p: &Self::P) {
         unsafe { wait_pv64::<N, D>(o, p) }
+    }
+
+    #[inline(always)]
+    unsafe fn wait_frags<const N: u32>(p: &Self::P) {
+        unsafe { wait_frags::<N, 4>(p) }
     }
 
     #[inline(always)]
@@ -106,6 +114,11 @@ impl<B: WgmmaFp8> HalfMma for MmaFp8<B> {
     #[inline(always)]
     unsafe fn wait_pv<const N: u32, const D: usize>(o: &mut Acc, p: &Self::P) {
         unsafe { wait_pv64_e4m3::<N, D>(o, p) }
+    }
+
+    #[inline(always)]
+    unsafe fn wait_frags<const N: u32>(p: &Self::P) {
+        unsafe { wait_frags::<N, 2>(p) }
     }
 
     #[inline(always)]

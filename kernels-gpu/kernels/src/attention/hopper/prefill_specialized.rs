@@ -16,9 +16,9 @@
 //! - the two compute warpgroups (64 query rows each) work on whatever the rings hold, item
 //!   after item; the next item's queries and first tiles are already there when one ends.
 //!
-//! A compute warpgroup works in half tiles of 64 keys (S of a half is 32 registers a thread, so
-//! two fit beside O) and keeps a chain of its own on the tensor cores while it takes each
-//! softmax. Per key tile j it
+//! On e4m3 stages a compute warpgroup works in half tiles of 64 keys (S of a half is 32
+//! registers a thread, so two fit beside O) and keeps a chain of its own on the tensor cores
+//! while it takes each softmax. Per key tile j it
 //! 1. issues S of j's second half;
 //! 2. takes the softmax of j's first half (S retired at the end of the last step) and issues
 //!    its P V;
@@ -32,13 +32,21 @@
 //! across the loop's back edge (step 5; with P V in flight there, `ptxas` serialised every
 //! chain, C7514). `cargo xtask ptx-report` fails if `ptxas` serialises the chains.
 //!
+//! Up to width 128 (other than on e4m3 stages) a warpgroup steps over whole 128-key tiles instead, in
+//! FA3's order ([`ws_whole_tiles`]): per tile j it issues S of tile j + 1 (both halves) and
+//! P V of tile j, retires S, takes the softmax of j + 1 (one row max and one rescale for 128
+//! keys) under the P V, and retires the P V before rescaling O. It holds two tiles' stages from
+//! one issue to the next wait. The four whole-tile stages of width 64 leave the producer two to
+//! fill; on half-tile stages (widths 80 to 128) the P V of tile j's first half is issued before
+//! S of j + 1, so that its stage is freed when S retires, before the softmax.
+//!
 //! At width 256 O takes 128 registers a thread, and two 64-key S blocks beside it would not fit:
 //! there a warpgroup steps over 32 keys (`ws_sub_keys`) with one S in flight at a time. Per step
 //! x it takes the softmax of x (under P V of x - 1, retired before O is rescaled), issues S of
 //! x + 1 and P V of x, and retires S of x + 1; the fourth step of a tile retires both.
 //!
 //! Above width 64 a warp rescales O only when one of its rows' max moved past the slack
-//! ([`must_rescale`]); the other blocks keep each row's running max as it was.
+//! (`lazy_rescale::must_rescale`); the other blocks keep each row's running max as it was.
 //!
 //! `setmaxnreg` moves registers from the producer (which needs few) to the compute warps.
 //!
@@ -51,7 +59,9 @@
 use crate::attention::config::CacheFormat;
 use crate::attention::hopper::e4m3_stages::{copy_tile, quantise_queries, transpose_v};
 use crate::attention::hopper::half_mma::HalfMma;
-use crate::attention::hopper::steps::{convert_fp8_rows, copy_raw_row_pairs, copy_row_pairs, copy_rows, raise_max, row_max, weights};
+use crate::attention::hopper::steps::{
+    convert_fp8_rows, copy_raw_row_pairs, copy_row_pairs, copy_rows, raise_max, rescale_o, row_max, weights,
+};
 use crate::attention::hopper::Wgmma;
 use crate::attention::kv::KvSource;
 use crate::attention::lazy_rescale::must_rescale;
@@ -72,8 +82,9 @@ use crate::blocks::wgmma::{wait_pv32, wait_scores32, wait_scores64, Acc, WgmmaTi
 use crate::blocks::{mbarrier, tma};
 use attn_math::hopper_prefill::{
     group_bytes, stage_format, ws_layout, ws_q_buffers, ws_raw_slots, ws_row_bytes, ws_stage_keys, ws_stages, ws_sub_keys, ws_tma_stages,
-    StageFormat, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_E4M3_COMPUTE_REGS, WS_E4M3_LOOKAHEAD, WS_E4M3_PRODUCER_REGS,
-    WS_FP8_COMPUTE_REGS, WS_FP8_LOOKAHEAD, WS_FP8_PRODUCER_REGS, WS_ITEM_SLOTS, WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_STAGES,
+    ws_whole_tiles, StageFormat, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_E4M3_COMPUTE_REGS, WS_E4M3_LOOKAHEAD,
+    WS_E4M3_PRODUCER_REGS, WS_FP8_COMPUTE_REGS, WS_FP8_LOOKAHEAD, WS_FP8_PRODUCER_REGS, WS_ITEM_SLOTS, WS_ITEM_WORDS, WS_PRODUCER_REGS,
+    WS_STAGES,
 };
 use attn_math::params::{AttnParams, PagedKvMaps};
 use attn_math::prefill::{table_slot_bytes, TABLE_ENTRY};
@@ -90,7 +101,7 @@ const FILLED_ARRIVALS: u32 = PRODUCERS + 1;
 /// Key rows whose table entries a producer reads before issuing their copies
 /// ([`copy_row_pairs`]): 2 entries are 8 of the producer's [`WS_PRODUCER_REGS`] registers.
 const COPY_BATCH: usize = 2;
-/// Whether O's rescale waits until a row's max moves past the slack ([`must_rescale`]). Not at
+/// Whether O's rescale waits until a row's max moves past the slack (`rescale_o`). Not at
 /// width 64: there O is 32 registers a thread, and the vote and the branch cost more than the
 /// multiplies they skip (8 x 2048 measured 3% slower with them).
 const fn lazy_rescale(d: usize) -> bool {
@@ -136,6 +147,10 @@ impl<const W: usize, K: CacheFormat> Rings<W, K> {
     const SUB: u32 = ws_sub_keys(W as u32);
     /// Steps a stage holds: 2 (width 64) or 1.
     const SUBS: u32 = Self::KEYS / Self::SUB;
+    /// Steps of whole 128-key tiles ([`ws_whole_tiles`]).
+    const WHOLE_TILES: bool = ws_whole_tiles(W as u32, K::FP8);
+    /// Stages of half a tile (16-bit, widths 80 to 128).
+    const HALF_STAGES: bool = Self::KEYS < BLOCK_N;
     /// Stages a tile fills: 1, 2, or 4 at width 256.
     const STAGES_PER_TILE: u32 = BLOCK_N / Self::KEYS;
 
@@ -841,17 +856,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                     if j > 0 || i > 0 {
                         release_half(x - 1);
                     }
-                    if must_rescale(&state, m, mult) {
-                        static_for::<2>(|r| {
-                            let factor = raise_max(&mut state[r], m[r] * mult);
-                            static_for::<ACC_BLOCKS>(|n| {
-                                if n < D / 8 {
-                                    o[n][2 * r] *= factor;
-                                    o[n][2 * r + 1] *= factor;
-                                }
-                            });
-                        });
-                    }
+                    rescale_o::<D>(&mut o, &mut state, m, mult, true);
                     weights(&mut s_cur, &mut state, mult);
                     pf = core::array::from_fn(|kk| {
                         [
@@ -887,6 +892,136 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
             unsafe { wait_pv32::<0, D>(&mut o, &pf) };
             release_half(4 * (u + j) + 3);
             finish(&o, state);
+        } else if Rings::<W, K>::WHOLE_TILES {
+            // Tiles of 128 keys (two 64-key halves, each its own S and P V chain), FA3's order:
+            // per tile j, S of tile j + 1 and P V of tile j are issued together, S is retired
+            // and its softmax runs under the P V, which is retired before O is rescaled. Nothing
+            // is in flight across the loop's back edge.
+            let mut state = [OnlineSoftmax::EMPTY; 2];
+            let mut o: Acc = [[0.0f32; 4]; ACC_BLOCKS];
+            // The weights of tile j's two halves, read by its P V.
+            let mut pf = [M::P_ZERO; 2];
+            let last = n_tiles - 1;
+            // The last tile's second half is masked for every row of warpgroup 0 on an aligned
+            // diagonal (its rows end 64 positions before warpgroup 1's): no S or P V of it. The
+            // tile that skips it has its own copy of the code: S defined other than by its
+            // `wgmma`s on one path made `ptxas` serialise every chain (C7515).
+            let skip = wg_last_pos < it.begin + last * BLOCK_N + 64;
+            // S of tile `j`'s first half, or of both (`$both`), issued. A whole-tile stage: the
+            // second half's stage is the first's.
+            macro_rules! issue_scores {
+                ($j:expr, false) => {{
+                    let x = 2 * (u + $j);
+                    wait_filled(x);
+                    unsafe { M::scores::<D>(q_desc, k_desc(rings.half(x).k)) }
+                }};
+                ($j:expr, true) => {{
+                    let x = 2 * (u + $j);
+                    let a = issue_scores!($j, false);
+                    wait_filled(x + 1);
+                    (a, unsafe { M::scores::<D>(q_desc, k_desc(rings.half(x + 1).k)) })
+                }};
+            }
+            // P V of half `h` of tile `j` issued.
+            macro_rules! issue_pv_half {
+                ($j:expr, $h:literal) => {{
+                    let x = 2 * (u + $j) + $h;
+                    unsafe { M::pv::<D>(&mut o, &pf[$h], v_desc(rings.half(x).v)) };
+                }};
+            }
+            // The softmax of tile `j` over `$nb` 8-key blocks (16: both halves, S in `$s`; 8: the
+            // first only); with `$pv_before`, P V of tile j - 1 is in flight and retired (its
+            // stage freed) before O is rescaled.
+            macro_rules! softmax_tile {
+                ($j:expr, $pv_before:expr, $nb:literal, $s:expr) => {{
+                    let (j, s): (u32, [[[f32; 4]; 8]; $nb / 8]) = ($j, $s);
+                    let x = 2 * (u + j);
+                    let kt = it.begin + j * BLOCK_N;
+                    let mut full = [[[0.0f32; 4]; $nb]];
+                    static_for::<{ $nb / 8 }>(|h| {
+                        let hx = rings.half(x + h as u32);
+                        let mut sh = [s[h]];
+                        unsafe { logits.apply::<Wgmma<Q, D, 64>, 1, 8>(&mut sh, &rows, kt + 64 * h as u32, warp_pos, hx.flags, hx.table) };
+                        static_for::<8>(|n| full[0][8 * h + n] = sh[0][n]);
+                    });
+                    let [mut full] = full;
+                    let m = row_max(&full);
+                    if $pv_before {
+                        // Half-tile stages: the first half's P V has retired already.
+                        if !Rings::<W, K>::HALF_STAGES {
+                            unsafe { M::wait_pv::<0, D>(&mut o, &pf[0]) };
+                        }
+                        unsafe { M::wait_pv::<0, D>(&mut o, &pf[1]) };
+                        release_half(x - 1);
+                    }
+                    rescale_o::<D>(&mut o, &mut state, m, mult, lazy_rescale(D));
+                    weights(&mut full, &mut state, mult);
+                    static_for::<{ $nb / 8 }>(|h| pf[h] = M::pack(&core::array::from_fn(|n| full[8 * h + n])));
+                }};
+            }
+            // Tile 0's S.
+            if last == 0 && skip {
+                let a = issue_scores!(0, false);
+                softmax_tile!(0, false, 8, [unsafe { wait_scores64::<0>(a) }]);
+            } else {
+                let (a, b) = issue_scores!(0, true);
+                softmax_tile!(0, false, 16, unsafe { [wait_scores64::<1>(a), wait_scores64::<0>(b)] });
+            }
+            // Tile j + 1's S and tile j's P V, then tile j + 1's softmax.
+            let mut j = 0;
+            while j < last {
+                // Half-tile stages: P V of j's first half issued before S of j + 1, so that its
+                // stage is freed when S is retired, before the softmax.
+                if Rings::<W, K>::HALF_STAGES {
+                    issue_pv_half!(j, 0);
+                }
+                if j + 1 == last && skip {
+                    let a = issue_scores!(j + 1, false);
+                    if !Rings::<W, K>::HALF_STAGES {
+                        issue_pv_half!(j, 0);
+                    }
+                    issue_pv_half!(j, 1);
+                    // In flight: S of j + 1's first half, then P V of j (or its second half).
+                    let s = if Rings::<W, K>::HALF_STAGES {
+                        let s = unsafe { wait_scores64::<1>(a) };
+                        unsafe { M::wait_frags::<1>(&pf[0]) };
+                        s
+                    } else {
+                        unsafe { wait_scores64::<2>(a) }
+                    };
+                    release_half(2 * (u + j));
+                    softmax_tile!(j + 1, true, 8, [s]);
+                } else {
+                    let (a, b) = issue_scores!(j + 1, true);
+                    if !Rings::<W, K>::HALF_STAGES {
+                        issue_pv_half!(j, 0);
+                    }
+                    issue_pv_half!(j, 1);
+                    // In flight: S of j + 1 (both halves), then P V of j (or its second half).
+                    let s = if Rings::<W, K>::HALF_STAGES {
+                        let s = unsafe { [wait_scores64::<1>(a), wait_scores64::<1>(b)] };
+                        unsafe { M::wait_frags::<1>(&pf[0]) };
+                        s
+                    } else {
+                        unsafe { [wait_scores64::<2>(a), wait_scores64::<2>(b)] }
+                    };
+                    release_half(2 * (u + j));
+                    softmax_tile!(j + 1, true, 16, s);
+                }
+                j += 1;
+            }
+            issue_pv_half!(last, 0);
+            if !skip {
+                issue_pv_half!(last, 1);
+            }
+            unsafe { M::wait_pv::<0, D>(&mut o, &pf[0]) };
+            unsafe { M::wait_pv::<0, D>(&mut o, &pf[1]) };
+            release_half(2 * (u + last));
+            // A skipped half's stage is freed once it has been filled (half-tile stages; an
+            // arrival before would count toward the stage's previous use).
+            wait_filled(2 * (u + last) + 1);
+            release_half(2 * (u + last) + 1);
+            finish(&o, state);
         } else {
             let mut state = [OnlineSoftmax::EMPTY; 2];
             let mut o: Acc = [[0.0f32; 4]; ACC_BLOCKS];
@@ -914,6 +1049,8 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                         // P V of the previous half has retired.
                         release_half(uh - 1);
                     }
+                    // Written out here, not `rescale_o`: through the helper `ptxas` allocated the e4m3
+                    // kernels' registers differently (the same instructions, other registers).
                     if !lazy_rescale(D) || must_rescale(&state, m, mult) {
                         static_for::<2>(|r| {
                             let factor = raise_max(&mut state[r], m[r] * mult);

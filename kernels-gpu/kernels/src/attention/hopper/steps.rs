@@ -4,9 +4,11 @@
 //! block of a thread's two rows.
 
 use crate::attention::config::CacheFormat;
+use crate::attention::lazy_rescale::must_rescale;
 use crate::blocks::device::{fma, shfl_xor, static_for};
 use crate::blocks::elem::Fp8Format;
 use crate::blocks::mma::{cp_async_16, cp_async_halves, ld_shared_v4, st_shared_v4, MmaHalf};
+use crate::blocks::wgmma::{Acc, ACC_BLOCKS};
 use attn_math::hopper_prefill::{group_bytes, swizzled};
 use attn_math::softmax::{exp2, OnlineSoftmax};
 
@@ -245,6 +247,24 @@ pub(crate) fn raise_max(st: &mut OnlineSoftmax, block_max: f32) -> f32 {
     st.sum *= factor;
     st.max = new_max;
     factor
+}
+
+/// Raises each of a thread's two rows' running max to cover the block's `m` (scaled by
+/// `mult`) and rescales the row's O accumulators (the first `D / 8` blocks) by the factor;
+/// with `lazy`, only where some row of the warp moved past the slack ([`must_rescale`]).
+#[inline(always)]
+pub(crate) fn rescale_o<const D: usize>(o: &mut Acc, state: &mut [OnlineSoftmax; 2], m: [f32; 2], mult: f32, lazy: bool) {
+    if !lazy || must_rescale(state, m, mult) {
+        static_for::<2>(|r| {
+            let factor = raise_max(&mut state[r], m[r] * mult);
+            static_for::<ACC_BLOCKS>(|n| {
+                if n < D / 8 {
+                    o[n][2 * r] *= factor;
+                    o[n][2 * r + 1] *= factor;
+                }
+            });
+        });
+    }
 }
 
 /// The block's weights `2^(s * mult - max)` in place, added to the rows' denominators (four
