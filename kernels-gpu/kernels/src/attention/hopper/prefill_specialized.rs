@@ -523,7 +523,7 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                 let head = w.kv_head * p.shape.group + (gr - tok * p.shape.group);
                 p.qkv.q + ((w.q_start + tok) as u64 * p.qkv.q_token_stride + head as u64 * p.qkv.q_head_stride) * 2
             };
-            unsafe { copy_rows::<W, BLOCK_M, PRODUCERS>(rings.q(k), t, p.dims.qk_or(D as u32) / 8, p.qkv.q, q_row) };
+            unsafe { copy_rows::<W, BLOCK_M, PRODUCERS>(rings.q(k), t, p.dims.qk_or(D as u32) / 8, q_row) };
         }
         unsafe {
             mbarrier::arrive_when_copies_land(rings.q_filled(k));
@@ -643,9 +643,9 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                                 let rows = |r| ld_shared_u64x2(table + r * TABLE_ENTRY);
                                 let dst = [rings.k(uh), rings.v(uh)];
                                 match Rings::<W, K>::KEYS {
-                                    BLOCK_N => copy_row_pairs::<W, BLOCK_N, PRODUCERS, COPY_BATCH>(dst, t, live, p.qkv.q, rows, true),
-                                    64 => copy_row_pairs::<W, 64, PRODUCERS, COPY_BATCH>(dst, t, live, p.qkv.q, rows, true),
-                                    _ => copy_row_pairs::<W, 32, PRODUCERS, COPY_BATCH>(dst, t, live, p.qkv.q, rows, true),
+                                    BLOCK_N => copy_row_pairs::<W, BLOCK_N, PRODUCERS, COPY_BATCH>(dst, t, live, rows, true),
+                                    64 => copy_row_pairs::<W, 64, PRODUCERS, COPY_BATCH>(dst, t, live, rows, true),
+                                    _ => copy_row_pairs::<W, 32, PRODUCERS, COPY_BATCH>(dst, t, live, rows, true),
                                 }
                             }
                         }

@@ -13,21 +13,18 @@ use attn_math::hopper_prefill::{group_bytes, swizzled};
 use attn_math::softmax::{exp2, OnlineSoftmax};
 
 /// Copies `ROWS` rows of `D` 16-bit columns into the [`swizzled`] layout at `dst` by `NT`
-/// threads (`t`: this one's index among them); `src(r)`: row r's address, 0 to zero-fill
-/// (`fallback` named then, not read). Only the first `live` 16-byte chunks of a row are read
-/// (the launch's head size), the rest are zero-filled. Thread t always takes chunk `t % (D / 8)` of rows
+/// threads (`t`: this one's index among them); `src(r)`: row r's address, 0 to zero-fill.
+/// Only the first `live` 16-byte chunks of a row are read (the launch's head size), the rest
+/// are zero-filled. A zero-filled chunk is a copy of source size 0, which reads nothing: it
+/// keeps the address it would have had (0 plus the chunk's offset, or past the head size)
+/// rather than a stand-in selected per copy, which took the producer 64 instructions a key
+/// tile (prefill +0.4-1.7% on an H200, docs/prefill.md). Thread t always takes chunk `t % (D / 8)` of rows
 /// `t / (D / 8) + i * NT / (D / 8)`: the rows a thread copies are a whole number of 8-row
 /// groups apart (or, at width 256, 4 rows: then every other one is), so their shared-memory
 /// addresses and table entries differ by constants.
 #[inline(always)]
-pub(crate) unsafe fn copy_rows<const D: usize, const ROWS: u32, const NT: u32>(
-    dst: u32,
-    t: u32,
-    live: u32,
-    fallback: u64,
-    src: impl Fn(u32) -> u64,
-) {
-    unsafe { copy_row_pairs::<D, ROWS, NT, 1>([dst, dst], t, live, fallback, |r| (src(r), 0), false) }
+pub(crate) unsafe fn copy_rows<const D: usize, const ROWS: u32, const NT: u32>(dst: u32, t: u32, live: u32, src: impl Fn(u32) -> u64) {
+    unsafe { copy_row_pairs::<D, ROWS, NT, 1>([dst, dst], t, live, |r| (src(r), 0), false) }
 }
 
 /// [`copy_rows`] of two tiles at once (`dst[0]`, `dst[1]`; K and V) whose rows `src(r)` gives
@@ -38,7 +35,6 @@ pub(crate) unsafe fn copy_row_pairs<const D: usize, const ROWS: u32, const NT: u
     dst: [u32; 2],
     t: u32,
     live: u32,
-    fallback: u64,
     src: impl Fn(u32) -> (u64, u64),
     both: bool,
 ) {
@@ -81,9 +77,9 @@ pub(crate) unsafe fn copy_row_pairs<const D: usize, const ROWS: u32, const NT: u
                 let valid = a != 0 && read;
                 let bytes = if valid { 16 } else { 0 };
                 let off = offs[i % period as usize] + (i as u32 / period) * per_group * group_bytes(D as u32);
-                unsafe { cp_async_16(dst[0] + off, if valid { a + c as u64 * 16 } else { fallback }, bytes) };
+                unsafe { cp_async_16(dst[0] + off, a.wrapping_add(c as u64 * 16), bytes) };
                 if both {
-                    unsafe { cp_async_16(dst[1] + off, if valid { b + c as u64 * 16 } else { fallback }, bytes) };
+                    unsafe { cp_async_16(dst[1] + off, b.wrapping_add(c as u64 * 16), bytes) };
                 }
             }
         });
