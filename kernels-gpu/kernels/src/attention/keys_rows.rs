@@ -130,13 +130,15 @@ impl<F: SlabFormat<D>, const D: usize> SlabCopy<F, D> {
                         cp_async_halves(dst + plane, if row != 0 { row.wrapping_add(self.v_delta) } else { 0 }, c, halves, p.qkv.k);
                     }
                 } else {
+                    // A zero-filled chunk (source size 0) reads nothing: it keeps its own
+                    // address rather than a selected stand-in (fewer instructions a slab).
                     let live = !bad && kb + r < end && col < self.live_bytes;
-                    let src = if live { row0 + r as u64 * self.token_bytes + col as u64 } else { p.qkv.k };
+                    let src = row0 + r as u64 * self.token_bytes + col as u64;
                     let bytes = if live { 16 } else { 0 };
                     let dst = stage + F::at(r, col);
                     unsafe {
                         cp_async_16(dst, src, bytes);
-                        cp_async_16(dst + plane, src + if live { self.v_delta } else { 0 }, bytes);
+                        cp_async_16(dst + plane, src.wrapping_add(self.v_delta), bytes);
                     }
                 }
             }
