@@ -81,6 +81,10 @@ pub enum AttnError {
         /// The kernel or part of the backend it lacks.
         missing: &'static str,
     },
+    /// NCCL, the collective library of context-parallel decode, is missing or reported an
+    /// error.
+    #[error("NCCL: {0}")]
+    Nccl(String),
     /// The CUDA driver reported an error (or is not installed).
     #[error("CUDA driver: {0}")]
     Driver(#[from] cudarc::driver::DriverError),

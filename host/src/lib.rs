@@ -24,6 +24,7 @@
 //! - [`decode`]: paged decode with split-K, and `merge_attn_states`.
 //! - [`prefill`]: varlen prefill over the paged cache or packed K/V.
 //! - [`mla`]: DeepSeek's multi-head latent attention over the latent cache.
+//! - [`context_parallel`]: decode over a context dealt across GPUs (vLLM's DCP), merged by LSE.
 //! - [`batch_plan`]: a decode or MLA batch's split plan made once per step for every layer.
 //! - [`forward`]: one call per layer (cache write, then decode and prefill attention), with
 //!   [`metadata`] (per-step metadata: checks, decode/prefill split, cascade detection) and
@@ -41,6 +42,7 @@ mod batch;
 pub mod batch_plan;
 mod buffer;
 pub mod cache_write;
+pub mod context_parallel;
 pub mod cpu;
 pub mod decode;
 mod device;

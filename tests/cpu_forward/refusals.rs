@@ -3,6 +3,7 @@
 //! GPU and FP8 caches' scales.
 
 use attn_rs::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig, Selection, CPU, MLA, TENSOR_CORE};
+use attn_rs::context_parallel::CpShard;
 use attn_rs::forward::{Attention, CpuLayer, ForwardConfig, ForwardLimits, LayerIo, NewKv, StepMetadata};
 use attn_rs::metadata::StepInput;
 use attn_rs::{AttnError, DType, KvLayout, RowsDesc};
@@ -360,6 +361,15 @@ fn config_refusals_name_the_argument() {
     // Sparse (top-k) attention runs through `mla::mla_sparse_attention`, not `forward`.
     let sparse = ModelConfig { sparse_topk: Some(64), ..model };
     assert_eq!(new(ForwardConfig::new(sparse, NB, limits())), "model", "sparse top-k");
+    // Context parallelism: one-token decodes, no position-dependent masks, `tensor-core` only.
+    let cp = |c: ForwardConfig| ForwardConfig { context_parallel: Some(CpShard::new(2, 0, 1).unwrap()), ..c };
+    assert_eq!(new(cp(ForwardConfig { decode_threshold: 2, ..base.clone() })), "context_parallel", "threshold 2");
+    let mut windowed = ForwardConfig::new(model.with_features(Features { sliding_window: true, ..Features::NONE }), NB, limits());
+    windowed.opts.window = Some(8);
+    assert_eq!(new(cp(windowed)), "context_parallel", "a window");
+    assert_eq!(new(cp(base.clone())), "context_parallel", "the cpu backend");
+    let bad = ForwardConfig { context_parallel: Some(CpShard { world_size: 2, rank: 2, interleave: 1 }), ..base.clone() };
+    assert_eq!(new(bad), "rank");
 }
 
 #[test]

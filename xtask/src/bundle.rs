@@ -19,6 +19,7 @@ const GPU_TESTS: &[&str] = &[
     "gpu_mla_sparse",
     "gpu_graph",
     "gpu_cascade",
+    "gpu_context_parallel",
     "gpu_layers",
 ];
 /// The package of the binaries the bundle runs (`tools/`).
@@ -26,6 +27,7 @@ const TOOLS_PACKAGE: &str = "attn-tools";
 const BENCH_BIN: &str = "attn-bench";
 const SIM_BIN: &str = "engine-sim";
 const STEP_BIN: &str = "step-bench";
+const CP_BIN: &str = "cp-bench";
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs every GPU test, the benchmark, then the engine simulator. Needs only an NVIDIA driver.
@@ -44,6 +46,8 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 #                                        followed by sdpa-anchor.py: torch SDPA on the prefill shapes)
 #   STEP=0 bundle/run.sh                 no step benchmark (cascade, CUDA graphs; STEP_ARGS="--quick")
 #   SIM=0 bundle/run.sh                  no engine-sim (SIM_ARGS="--model llama": its arguments)
+#   CP=0 bundle/run.sh                   no cp-bench (context-parallel decode across GPUs: checks and
+#                                        timings, run when the machine has 2 or more GPUs; CP_ARGS)
 # A sanitizer pass over every binary with every tool takes longer than one 10-minute command:
 # run one tool (SANITIZE_TOOLS) over one binary (TESTS) at a time, e.g.
 #   SANITIZE=only SANITIZE_TOOLS=synccheck TESTS=gpu_prefill bundle/run.sh
@@ -108,6 +112,23 @@ if [ "${STEP:-1}" != 0 ]; then
   echo "== step-bench (cascade, CUDA graphs)"
   "$here/step-bench" --json "${OUT:-/tmp}/step-bench.json" ${STEP_ARGS:-} || status=1
 fi
+if [ "${CP:-1}" != 0 ]; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  if [ "${gpus:-0}" -ge 2 ]; then
+    echo "== cp-bench (context-parallel decode across $gpus GPUs)"
+    # NCCL's wheel ships libnccl.so.2 only; cudarc looks for libnccl.so: a link to it.
+    nccl=$(python3 -c 'import glob, os, site; print(next(f for d in site.getsitepackages() for f in glob.glob(os.path.join(d, "nvidia", "**", "libnccl.so*"), recursive=True)))' 2>/dev/null ||
+      ldconfig -p | awk '/libnccl.so/ {print $NF; exit}')
+    if [ -n "$nccl" ]; then
+      links=$(mktemp -d) && ln -sf "$nccl" "$links/libnccl.so"
+      # NVLink multicast off: an 8 KB all-gather has no use for it.
+      NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH="$links${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        "$here/cp-bench" --json "${OUT:-/tmp}/cp-bench.json" ${CP_ARGS:-} || status=1
+    else
+      echo "(no libnccl found: no cp-bench)"; status=1
+    fi
+  fi
+fi
 if [ "${SIM:-1}" != 0 ]; then
   echo "== engine-sim"
   "$here/engine-sim" ${SIM_ARGS:-} || status=1
@@ -143,7 +164,7 @@ pub fn bundle() -> Result<(), String> {
     let out = root.join("bundle");
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(out.join("tests")).map_err(|e| e.to_string())?;
-    for bin in [BENCH_BIN, STEP_BIN, SIM_BIN] {
+    for bin in [BENCH_BIN, STEP_BIN, SIM_BIN, CP_BIN] {
         run(Command::new(env!("CARGO")).current_dir(&root).args(["build", "--release", "--locked", "-p", TOOLS_PACKAGE, "--bin", bin]))?;
         std::fs::copy(root.join("target/release").join(bin), out.join(bin)).map_err(|e| e.to_string())?;
     }

@@ -13,6 +13,7 @@ use super::step::StepMetadata;
 use super::timing::{PhaseTimes, Timer};
 use super::validate::{validate_layer, validate_write, Buf};
 use crate::backend::{refusal_reasons, BackendSpec, DeviceInfo, GraphSupport, Selection, CPU, MLA, TENSOR_CORE};
+use crate::context_parallel::CpExchange;
 use crate::device::AttnDevice;
 use crate::error::{ensure, AttnError, Result};
 use crate::metadata::MetadataBuilder;
@@ -84,6 +85,9 @@ impl Attention {
             ));
         }
         let spec = config.cache_spec()?;
+        ensure(config.context_parallel.is_none() || backend.name == TENSOR_CORE.name, "context_parallel", || {
+            format!("on backend \"{}\": context parallelism runs on \"tensor-core\"", backend.name)
+        })?;
         let exec = match backend.name {
             name if name == CPU.name => Exec::Cpu,
             name if name == TENSOR_CORE.name => {
@@ -108,6 +112,28 @@ impl Attention {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         Ok(Attention { id, config, spec, backend, exec, timer: Timer::default(), capturing: None, cache_owners: CacheOwners::default() })
+    }
+
+    /// The exchange of a context-parallel rank ([`ForwardConfig::context_parallel`]): how its
+    /// decode results reach the other ranks ([`NcclExchange`](crate::context_parallel) across
+    /// GPUs, [`LocalGroup`](crate::context_parallel::LocalGroup) for ranks on one device).
+    /// Needed before the first `forward` of a group of two or more.
+    ///
+    /// Errors: a config without context parallelism, or an exchange of another rank or size.
+    pub fn set_cp_exchange(&mut self, exchange: Box<dyn CpExchange>) -> Result<()> {
+        let Some(shard) = self.config.context_parallel else {
+            return Err(AttnError::invalid("exchange", "the config has no context_parallel group"));
+        };
+        ensure(exchange.rank() == shard.rank && exchange.world_size() == shard.world_size, "exchange", || {
+            format!("is rank {} of {}, the config's is rank {} of {}", exchange.rank(), exchange.world_size(), shard.rank, shard.world_size)
+        })?;
+        match &mut self.exec {
+            Exec::Gpu(g) => {
+                g.set_cp_exchange(exchange);
+                Ok(())
+            }
+            Exec::Cpu => Err(AttnError::invalid("backend", "context parallelism runs on \"tensor-core\"")),
+        }
     }
 
     /// The backend the [`Selection`] chose.
@@ -148,7 +174,10 @@ impl Attention {
             Exec::Gpu(g) => {
                 // The builder checks, splits and packs; decode is planned for the tensor cores
                 // by the step's own planner.
-                let builder = MetadataBuilder::new(g.plan_config(&self.config))?;
+                let mut builder = MetadataBuilder::new(g.plan_config(&self.config))?;
+                if self.config.context_parallel.is_some() {
+                    builder.take_empty_contexts();
+                }
                 let plans = g.step_planner(&self.config, &self.spec)?;
                 Ok(StepMetadata::new(self.id, self.config.clone(), Some(builder), Some(g.device_step(&self.config)?), Some(plans)))
             }
@@ -168,6 +197,9 @@ impl Attention {
             return Err(AttnError::invalid("backend", format!("\"{}\" has no CUDA graphs (graph support: {support})", self.backend.name)));
         };
         self.refuse_while_capturing()?;
+        ensure(self.config.context_parallel.is_none(), "context_parallel", || {
+            "graph steps are not sharded: run context-parallel steps eagerly".into()
+        })?;
         ensure(support != GraphSupport::Never, "backend", || format!("\"{}\" declares no CUDA-graph support", self.backend.name))?;
         let l = &self.config.limits;
         ensure(bucket.num_reqs() <= l.max_num_reqs && bucket.num_tokens() <= l.max_num_tokens, "bucket", || {

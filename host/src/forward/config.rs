@@ -2,9 +2,10 @@
 //! each layer's attention and the largest step), checked once at start-up.
 
 use super::io::CacheSpec;
-use super::layers::{validate_layers, LayerSpec};
+use super::layers::{validate_layers, AttentionType, LayerSpec};
 use crate::backend::{AttentionKind, ModelConfig};
 use crate::batch::MAX_QUERY_LEN;
+use crate::context_parallel::CpShard;
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
 use crate::layout::{KvCacheSpec, MlaCacheSpec};
@@ -55,6 +56,16 @@ pub struct ForwardConfig {
     pub cascade: CascadeMode,
     /// The largest step (tokens, requests, context length).
     pub limits: ForwardLimits,
+    /// Decode context parallelism: this rank's place in its group. Each rank's `Attention`
+    /// holds its share of every context in its own cache, writes the step's tokens it holds
+    /// and attends over its share; the ranks' results are exchanged through the exchange
+    /// given to [`Attention::set_cp_exchange`](super::Attention::set_cp_exchange) and merged
+    /// on every rank. Steps are built from the group's metadata as they come
+    /// ([`StepMetadata::build`](super::StepMetadata::build) shards them) and hold one query
+    /// token a request (`decode_threshold` 1): prompts are written and attended with the ops
+    /// (docs/context-parallel.md). `tensor-core` only; no window, ALiBi, chunked or
+    /// non-decoder layers, no cascade, no CUDA graphs.
+    pub context_parallel: Option<CpShard>,
 }
 
 impl ForwardConfig {
@@ -71,6 +82,7 @@ impl ForwardConfig {
             tuning: Tuning::DEFAULT,
             cascade: CascadeMode::Auto,
             limits,
+            context_parallel: None,
         }
     }
 
@@ -130,6 +142,30 @@ impl ForwardConfig {
         self.limits.max_model_len.div_ceil(self.model.block_size.max(1))
     }
 
+    /// What context parallelism takes: one-token decodes of decoder layers that need no key
+    /// position (no window, ALiBi or chunks).
+    fn validate_context_parallel(&self, shard: &CpShard) -> Result<()> {
+        shard.validate()?;
+        ensure(self.decode_threshold == 1, "context_parallel", || {
+            format!("with decode_threshold {}: context-parallel steps are one-token decodes (threshold 1)", self.decode_threshold)
+        })?;
+        ensure(matches!(self.model.kind, AttentionKind::Standard), "context_parallel", || "with MLA: standard attention only".into())?;
+        for i in 0..self.layers.len().max(1) {
+            let l = self.layer(i)?;
+            let reason = match () {
+                _ if l.attn_type != AttentionType::Decoder => Some("a layer that is not a decoder layer"),
+                _ if l.opts.window.is_some() => Some("a sliding window (it needs each key's position in the whole context)"),
+                _ if l.alibi => Some("ALiBi (it needs each key's position in the whole context)"),
+                _ if l.opts.chunk_size.is_some() => Some("chunked local attention"),
+                _ => None,
+            };
+            if let Some(r) = reason {
+                return Err(AttnError::invalid("context_parallel", format!("layer {i} has {r}")));
+            }
+        }
+        Ok(())
+    }
+
     /// Checks what every backend needs, naming the field.
     pub(crate) fn validate(&self) -> Result<()> {
         let m = &self.model;
@@ -165,6 +201,9 @@ impl ForwardConfig {
         match self.layers.is_empty() {
             true => validate_layers(m, &[LayerSpec::uniform(m, self.opts)])?,
             false => validate_layers(m, &self.layers)?,
+        }
+        if let Some(shard) = &self.context_parallel {
+            self.validate_context_parallel(shard)?;
         }
         let l = &self.limits;
         ensure(l.max_num_tokens > 0 && l.max_num_reqs > 0 && l.max_model_len > 0, "limits", || format!("{l:?} has a zero"))?;

@@ -5,6 +5,7 @@
 
 use super::cascade_exec::CascadeScratch;
 use super::config::ForwardConfig;
+use super::cp_exec::CpRank;
 use super::graph_plan::{GraphBucket, GraphPlanner, GraphPrefillKernel};
 use super::held::Held;
 use super::io::CacheSpec;
@@ -17,6 +18,7 @@ use super::validate::Parts;
 use crate::batch::{DecodeBatch, DeviceBatch, PrefillBatch};
 use crate::buffer::{DevIn, DevOut, KeepAlive};
 use crate::cache_write::{concat_and_cache_mla_from, reshape_and_cache_from, KvScales, KvWrite, MlaWrite};
+use crate::context_parallel::CpExchange;
 use crate::decode::{decode_tc_kernel, merge_attn_states_from, paged_decode_from, DecodeArgs, DecodeWorkspace, MergeArgs, PlanSource};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
@@ -52,6 +54,8 @@ pub(crate) struct GpuExec {
     /// Cascade's shared prefix runs here, beside the suffixes on the main stream.
     side: Held<Option<SideStream>>,
     status: Held<DeviceStatus>,
+    /// A context-parallel rank's parts and exchange (groups of two or more).
+    cp: Option<CpRank>,
 }
 
 /// A second stream with its own split-K workspace and status word (so that nothing the two
@@ -128,7 +132,15 @@ impl GpuExec {
             cascade_scratch: CascadeScratch::default(),
             side: Held::new(side),
             status: Held::new(status),
+            cp: CpRank::new(config.context_parallel),
         })
+    }
+
+    /// A context-parallel rank's exchange (a group of one has none to use).
+    pub(crate) fn set_cp_exchange(&mut self, exchange: Box<dyn CpExchange>) {
+        if let Some(cp) = &mut self.cp {
+            cp.set_exchange(exchange);
+        }
     }
 
     /// Handles to everything of this executor a captured graph uses (the device, whose modules
@@ -438,7 +450,12 @@ impl GpuExec {
                 };
                 let source = graph_plan.as_ref().map_or(PlanSource::Host(config.plan_options()), PlanSource::Device);
                 let (opts, ws) = (&ls.opts, &mut self.decode_ws);
-                paged_decode_from(&self.dev, stream, args, &batch, meta, opts, source, true, ws, &mut self.status)?;
+                match &mut self.cp {
+                    None => {
+                        paged_decode_from(&self.dev, stream, args, &batch, meta, opts, source, true, ws, &mut self.status).map(|_| ())?
+                    }
+                    Some(cp) => cp.decode(&self.dev, stream, args, &batch, meta, opts, source, ws, &mut self.status)?,
+                }
             }
             if np > 0 {
                 let part = views.prefills(np);

@@ -64,6 +64,7 @@
 mod attention;
 mod cascade_exec;
 mod config;
+mod cp_exec;
 mod cpu_exec;
 mod gpu_exec;
 mod graph;

@@ -7,6 +7,7 @@ use super::graph_plan::{GraphBucket, GraphPlanner};
 use super::held::Held;
 use super::step_plan::{StepPlanner, StepPlans};
 use crate::buffer::KeepAlive;
+use crate::context_parallel::{CpShard, ShardedStep};
 use crate::decode::DevicePlan;
 use crate::error::{ensure, Result};
 use crate::kernels::KernelId;
@@ -143,6 +144,13 @@ impl StepMetadata {
             self.built = true;
             return Ok(self.split);
         }
+        // A context-parallel rank builds its view of the step: its slots, its local lengths.
+        let sharded = match self.config.context_parallel {
+            Some(shard) => Some(shard_step(&shard, input)?),
+            None => None,
+        };
+        let local = sharded.as_ref().map(|s| StepInput { slot_mapping: &s.slot_mapping, seq_lens: &s.local_seq_lens, ..*input });
+        let input = local.as_ref().unwrap_or(input);
         match &mut self.planner {
             Planner::TensorCore(builder) => {
                 let step = builder.build(input)?;
@@ -155,7 +163,8 @@ impl StepMetadata {
                 // Whether Auto picks cascade depends on the rest of the batch, so the
                 // deterministic mode (`SplitMode::Fixed(1)`) keeps it off unless forced on.
                 let deterministic = c.split_mode == crate::options::SplitMode::Fixed(1) && c.cascade == CascadeMode::Auto;
-                if standard && c.cascade != CascadeMode::Off && c.every_layer_takes_cascade() && !deterministic {
+                let sharded = c.context_parallel.is_some();
+                if standard && c.cascade != CascadeMode::Off && c.every_layer_takes_cascade() && !deterministic && !sharded {
                     let m = &self.config.model;
                     let shared = CascadeStep::new(input, m.num_q_heads / m.num_kv_heads);
                     if use_cascade(self.config.cascade, &shared) {
@@ -193,6 +202,9 @@ impl StepMetadata {
     }
 
     fn check_limits(&self, input: &StepInput<'_>) -> Result<()> {
+        if let Some(shard) = self.config.context_parallel {
+            ensure(!matches!(self.planner, Planner::Graph(_)), "context_parallel", || format!("{shard:?}: graph steps are not sharded"))?;
+        }
         let l = &self.config.limits;
         let (nt, n) = (input.num_actual_tokens, input.num_reqs());
         ensure(nt <= l.max_num_tokens, "num_actual_tokens", || format!("{nt} exceeds the limit of {} tokens a step", l.max_num_tokens))?;
@@ -208,7 +220,21 @@ impl StepMetadata {
             format!("the step is for {} blocks of {}, the caches have {} of {}", input.num_blocks, input.block_size, cache.0, cache.1)
         })
     }
+}
 
+/// A rank's view of `input` (one query token a request): its slots and local lengths.
+fn shard_step(shard: &CpShard, input: &StepInput<'_>) -> Result<ShardedStep> {
+    let qsl = input.query_start_loc;
+    if let Some(r) = qsl.windows(2).position(|w| w[1] - w[0] != 1) {
+        return Err(crate::error::AttnError::invalid(
+            "query_start_loc",
+            format!("request {r} has {} query tokens: context-parallel steps take one a request", qsl[r + 1] - qsl[r]),
+        ));
+    }
+    shard.shard_step(qsl, input.seq_lens, input.block_table, input.block_table_stride, input.block_size, input.num_blocks)
+}
+
+impl StepMetadata {
     /// Copies each request's used blocks and the slots (the CPU backend reads them).
     fn copy_host_arrays(&mut self, input: &StepInput<'_>) {
         let bs = input.block_size;

@@ -30,6 +30,8 @@ pub struct BuiltStep<'b> {
 #[derive(Clone, Debug)]
 pub struct MetadataBuilder {
     config: PlanConfig,
+    /// Takes requests of length 0 with query tokens (a context-parallel rank's view).
+    empty_contexts: bool,
     metadata: TensorCoreMetadata,
     layout: StagingLayout,
     words: Vec<u32>,
@@ -39,7 +41,19 @@ impl MetadataBuilder {
     /// Refuses a config the decode kernels do not take (naming the argument).
     pub fn new(config: PlanConfig) -> Result<Self> {
         config.validate()?;
-        Ok(MetadataBuilder { config, metadata: TensorCoreMetadata::default(), layout: StagingLayout::default(), words: Vec::new() })
+        Ok(MetadataBuilder {
+            config,
+            empty_contexts: false,
+            metadata: TensorCoreMetadata::default(),
+            layout: StagingLayout::default(),
+            words: Vec::new(),
+        })
+    }
+
+    /// Takes requests of length 0 with query tokens from now on: a context-parallel rank's view
+    /// of a step has them (`validate`'s `empty_contexts`).
+    pub(crate) fn take_empty_contexts(&mut self) {
+        self.empty_contexts = true;
     }
 
     /// The numbers the builder checks steps against.
@@ -63,14 +77,14 @@ impl MetadataBuilder {
 
     /// The plain path: the free functions' steps, into the reused buffers.
     fn build_plain(&mut self, input: &StepInput<'_>) -> Result<()> {
-        build_into(&mut self.metadata, input, &self.config)?;
+        build_into(&mut self.metadata, input, &self.config, self.empty_contexts)?;
         self.layout = pack_into(&self.metadata, input, &mut self.words);
         Ok(())
     }
 
     /// The fast path; `false` if it found anything wrong (then nothing it wrote counts).
     fn build_fast(&mut self, input: &StepInput<'_>) -> bool {
-        let Some(split) = quick_checks(input, self.config.decode_threshold) else { return false };
+        let Some(split) = quick_checks(input, self.config.decode_threshold, self.empty_contexts) else { return false };
         fill_into(&mut self.metadata, input, split);
         match pack_words::<true>(&self.metadata, input, &mut self.words) {
             Some(layout) => {
@@ -84,7 +98,7 @@ impl MetadataBuilder {
 
 /// Everything `validate` and `split_decodes` check except the block-id and slot ranges (those
 /// are checked while packing), without messages: the split if all is well.
-fn quick_checks(input: &StepInput<'_>, decode_threshold: usize) -> Option<BatchSplit> {
+fn quick_checks(input: &StepInput<'_>, decode_threshold: usize, empty_contexts: bool) -> Option<BatchSplit> {
     let (qsl, seq_lens, n) = (input.query_start_loc, input.seq_lens, input.num_reqs());
     let stride = input.block_table_stride;
     let shapes_ok = input.block_size > 0
@@ -100,7 +114,7 @@ fn quick_checks(input: &StepInput<'_>, decode_threshold: usize) -> Option<BatchS
     let mut max_len = 0;
     for (w, &len) in qsl.windows(2).zip(seq_lens) {
         let q = w[1] - w[0];
-        bad |= len < 0 || (q != 0 && len < q);
+        bad |= len < 0 || (q != 0 && len < q && !(empty_contexts && len == 0));
         max_len = max_len.max(len);
     }
     if bad || blocks_for(max_len, input.block_size) > stride {

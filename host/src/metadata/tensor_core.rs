@@ -4,7 +4,7 @@
 
 use super::input::StepInput;
 use super::split::{split_decodes, BatchSplit};
-use super::validate::validate;
+use super::validate::validate_with;
 use crate::batch::MAX_QUERY_LEN;
 use crate::decode::DecodePlan;
 use crate::error::{ensure, Result};
@@ -106,14 +106,14 @@ pub fn build_tensor_core_metadata(
 ) -> Result<TensorCoreMetadata> {
     let config = PlanConfig { decode_threshold, num_q_heads, num_kv_heads, head_size };
     let mut meta = TensorCoreMetadata::default();
-    build_into(&mut meta, input, &config)?;
+    build_into(&mut meta, input, &config, false)?;
     Ok(meta)
 }
 
 /// Fills `meta` for `input`, reusing its vectors.
-pub(crate) fn build_into(meta: &mut TensorCoreMetadata, input: &StepInput<'_>, config: &PlanConfig) -> Result<()> {
+pub(crate) fn build_into(meta: &mut TensorCoreMetadata, input: &StepInput<'_>, config: &PlanConfig, empty_contexts: bool) -> Result<()> {
     config.validate()?;
-    validate(input)?;
+    validate_with(input, empty_contexts)?;
     let split = split_decodes(input, config.decode_threshold)?;
     let nd = split.num_decodes;
     ensure(nd < 1 << 16, "seq_lens", || format!("{nd} decode requests exceed the 65535 a launch takes"))?;

@@ -14,9 +14,16 @@ use crate::error::{ensure, AttnError, Result};
 /// - `slot_mapping`: at least `num_actual_tokens` entries, each -1 (padding) or a slot in
 ///   `0..num_blocks * block_size`.
 pub fn validate(input: &StepInput<'_>) -> Result<()> {
+    validate_with(input, false)
+}
+
+/// [`validate`], where `empty_contexts` also takes a request of length 0 with query tokens (an
+/// empty context: they attend nothing). A context-parallel rank's view of a step has such
+/// requests (the rank holds none of their keys yet); an engine's own steps never do.
+pub(crate) fn validate_with(input: &StepInput<'_>, empty_contexts: bool) -> Result<()> {
     ensure(input.block_size > 0, "block_size", || "must be at least 1".into())?;
     validate_query_start_loc(input)?;
-    validate_seq_lens(input)?;
+    validate_seq_lens(input, empty_contexts)?;
     validate_block_table(input)?;
     validate_slot_mapping(input)
 }
@@ -37,12 +44,14 @@ pub(crate) fn validate_query_start_loc(input: &StepInput<'_>) -> Result<()> {
     })
 }
 
-fn validate_seq_lens(input: &StepInput<'_>) -> Result<()> {
+fn validate_seq_lens(input: &StepInput<'_>, empty_contexts: bool) -> Result<()> {
     for (r, &len) in input.seq_lens.iter().enumerate() {
         // In i64: `validate_query_start_loc` ran first, but no pair of i32s may wrap here.
         let q = input.query_len(r);
         ensure(len >= 0, "seq_lens", || format!("request {r} has negative length {len}"))?;
-        ensure(q == 0 || len as i64 >= q, "seq_lens", || format!("request {r} has length {len} < its {q} query tokens"))?;
+        ensure(q == 0 || len as i64 >= q || (empty_contexts && len == 0), "seq_lens", || {
+            format!("request {r} has length {len} < its {q} query tokens")
+        })?;
     }
     Ok(())
 }
