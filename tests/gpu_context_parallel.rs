@@ -440,6 +440,119 @@ fn forward_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usi
     Ok(())
 }
 
+/// MLA: `n` ranks on one device, one thread each (their own stream and latent cache, written
+/// by the GPU latent cache write with the rank's slots), each running `CpDecode::decode_mla`
+/// over a `LocalGroup`; every rank's output equal bit for bit and within bound of the f64
+/// reference of the whole latent contexts.
+fn mla_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usize, hq: usize, salt: u64) -> TestResult {
+    use attn_rs::cache_write::{concat_and_cache_mla, MlaWrite};
+    use attn_rs::context_parallel::LocalGroup;
+    use attn_rs::mla::MlaArgs;
+    use attn_rs::MlaCacheSpec;
+    const QK: usize = 576;
+    const V: usize = 512;
+    let mut rng = rng(salt);
+    let fp8 = C::DTYPE.is_fp8();
+    let bs = 64;
+    let lens: Vec<i32> = vec![1, 0, 63, 64, 65, 777, 2048, 4097];
+    let nr = lens.len();
+    let qsl = start_locs(lens.iter().copied());
+    let tokens = *qsl.last().unwrap() as usize;
+    let (kv_c, k_pe): (Vec<bf16>, Vec<bf16>) =
+        (random_vec(&mut rng, (tokens * 512).max(1), 1.0), random_vec(&mut rng, (tokens * 64).max(1), 1.0));
+    let q_rows = RowsDesc::contiguous(nr, hq, QK);
+    let out_rows = RowsDesc::contiguous(nr, hq, V);
+    let q: Vec<bf16> = random_vec(&mut rng, q_rows.required_len(), 1.0);
+    let scale = 0.05f32;
+    let opts = AttnOptions::new(QK);
+    // The reference: the whole latent contexts in one cache.
+    let one = CpShard::new(1, 0, 1)?;
+    let ref_tables = scattered_block_tables(&mut rng, &lens, bs, 1, false);
+    let ref_spec = MlaCacheSpec::deepseek(ref_tables.num_blocks, bs)?;
+    let ref_slots = one.shard_step(&qsl, &lens, &ref_tables.table, ref_tables.stride, bs, ref_tables.num_blocks)?.slot_mapping;
+    let mut ref_cache = vec![C::from_f32(0.0); ref_spec.num_elements()];
+    cpu::concat_and_cache_mla(&kv_c, 512, &k_pe, 64, tokens, &ref_slots, &mut ref_cache, &ref_spec, fp8.then_some(scale))?;
+    let dec_qsl: Vec<i32> = (0..=nr as i32).collect();
+    let want = cpu::prefill(&cpu::PrefillRef {
+        q: &q,
+        q_rows,
+        kv: cpu::KvRef::Mla { cache: &ref_cache, spec: ref_spec, block_table: &ref_tables.table, block_table_stride: ref_tables.stride },
+        head_size_v: V,
+        query_start_loc: &dec_qsl,
+        seq_lens: &lens,
+        causal: true,
+        opts,
+        alibi_slopes: None,
+        sinks: None,
+        scales: fp8.then_some((scale, scale).into()),
+    })?;
+    let tables = std::sync::Arc::new(scattered_block_tables(&mut rng, &lens, bs * n, 2, false));
+    let inputs = std::sync::Arc::new((kv_c, k_pe, q, lens.clone(), qsl));
+    let handles: Vec<_> = LocalGroup::new(n)?
+        .into_iter()
+        .enumerate()
+        .map(|(rank, mut ex)| {
+            let (tables, inputs) = (tables.clone(), inputs.clone());
+            std::thread::spawn(move || -> Result<Vec<bf16>, String> {
+                let e = |x: attn_rs::AttnError| x.to_string();
+                let (kv_c, k_pe, q, lens, qsl) = &*inputs;
+                let stream = new_stream();
+                let shard = CpShard::new(n, rank, interleave).map_err(e)?;
+                let spec = MlaCacheSpec::deepseek(tables.num_blocks, bs).map_err(e)?;
+                let ctx = shard.shard_step(qsl, lens, &tables.table, tables.stride, bs, tables.num_blocks).map_err(e)?;
+                let mut cache: CudaSlice<C> = upload(&stream, &vec![poison::<C>(); spec.num_elements()]);
+                let (kv_d, pe_d, slots_d, scale_d) =
+                    (upload(&stream, kv_c), upload(&stream, k_pe), upload(&stream, &ctx.slot_mapping), upload(&stream, &[scale]));
+                let mut status = DeviceStatus::new(&stream).map_err(e)?;
+                let w = MlaWrite {
+                    kv_c: DevIn::new(&kv_d, &stream),
+                    kv_c_token_stride: 512,
+                    k_pe: DevIn::new(&pe_d, &stream),
+                    k_pe_token_stride: 64,
+                    num_tokens: ctx.slot_mapping.len(),
+                    slot_mapping: DevIn::new(&slots_d, &stream),
+                    cache: DevOut::new(&mut cache, &stream),
+                    spec,
+                    scale: fp8.then(|| DevIn::new(&scale_d, &stream)),
+                };
+                concat_and_cache_mla(device(), &stream, w, &mut status).map_err(e)?;
+                let local: Vec<i32> = lens.iter().map(|&l| shard.local_len(l as usize) as i32).collect();
+                let dec_qsl: Vec<i32> = (0..=lens.len() as i32).collect();
+                let meta = BatchMetadata::new(&stream, &local, &dec_qsl).map_err(e)?;
+                let (q_d, bt_d) = (upload(&stream, q), upload(&stream, &tables.table));
+                let mut ws = DecodeWorkspace::new(&stream, 4096 * hq, V, lens.len(), lens.len()).map_err(e)?;
+                let mut part = CpDecode::new(&stream, shard, DType::BF16, out_rows.required_len(), lens.len() * hq).map_err(e)?;
+                let mut out_d: CudaSlice<bf16> = upload(&stream, &vec![poison::<bf16>(); out_rows.required_len()]);
+                let a = MlaArgs {
+                    q: DevIn::new(&q_d, &stream),
+                    q_rows,
+                    cache: DevIn::new(&cache, &stream),
+                    spec,
+                    block_table: DevIn::new(&bt_d, &stream),
+                    block_table_stride: tables.stride,
+                    out: DevOut::new(&mut out_d, &stream),
+                    out_rows,
+                    lse: None,
+                    scales: fp8.then(|| KvScales { k: DevIn::new(&scale_d, &stream), v: DevIn::new(&scale_d, &stream) }),
+                };
+                part.decode_mla(device(), &stream, a, &meta, opts.softmax_scale, SplitMode::Auto, &mut ws, &mut status, &mut ex)
+                    .map_err(e)?;
+                status.take(&stream).map_err(e)?.into_result().map_err(e)?;
+                Ok(download(&stream, &out_d))
+            })
+        })
+        .collect();
+    let outs: Vec<Vec<bf16>> = handles.into_iter().map(|h| h.join().expect("a rank's thread")).collect::<Result<_, _>>()?;
+    for (rank, o) in outs.iter().enumerate().skip(1) {
+        if o.iter().zip(&outs[0]).any(|(a, b)| a.to_bits() != b.to_bits()) {
+            return Err(format!("rank {rank}'s output differs from rank 0's").into());
+        }
+    }
+    let got: Vec<f64> = outs[0].iter().map(|x| x.to_f64()).collect();
+    check_rows(&got, &want.out, V, hq, DType::BF16)?;
+    Ok(())
+}
+
 fn main() {
     // Odd lengths, one token, an empty request, lengths below and past one dealing round.
     let lens = |rng_salt: u64, n: usize| -> Vec<i32> {
@@ -498,6 +611,9 @@ fn main() {
         cp_case::<bf16, Fp8E4m3>(Case { per_head_scales: true, ..Case::base(2, &[1, 77, 1500, 4097]) }, 9900)
     }));
     trials.push(Trial::test("cp::refusals", refusals));
+    trials.push(Trial::test("cp::mla::n2_16_heads", || mla_cp_case::<bf16>(2, 1, 16, 9960)));
+    trials.push(Trial::test("cp::mla::n3_interleave64_128_heads", || mla_cp_case::<bf16>(3, 64, 128, 9961)));
+    trials.push(Trial::test("cp::mla::n4_fp8_16_heads", || mla_cp_case::<Fp8E4m3>(4, 1, 16, 9962)));
     trials.push(Trial::test("cp::forward::n2_bf16", || forward_cp_case::<bf16>(2, 1, false, 9950)));
     trials.push(Trial::test("cp::forward::n3_interleave16_sinks", || forward_cp_case::<bf16>(3, 16, true, 9951)));
     trials.push(Trial::test("cp::forward::n2_fp8_sinks", || forward_cp_case::<Fp8E4m3>(2, 1, true, 9952)));

@@ -13,7 +13,8 @@
 //!    covers `block_size * world_size` positions of the request, the same block id on every
 //!    rank.
 //! 3. Every layer: the cache write with the rank's slot mapping, then [`CpDecode::decode`]
-//!    (the rank's decode, the all-gather, the merge).
+//!    (the rank's decode, the all-gather, the merge), or [`CpDecode::decode_mla`] for MLA's
+//!    latent cache (DeepSeek's models, whose one latent head cannot be split by heads).
 //!
 //! Without NCCL (ranks on one device, as the tests run them), the steps of `decode` are
 //! public: [`CpDecode::partial_out`] is where a rank's

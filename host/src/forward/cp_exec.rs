@@ -58,13 +58,11 @@ impl CpRank {
             self.part = Some(CpDecode::new(stream, self.shard, dtype, rows.required_len(), lse)?);
         }
         let part = self.part.as_mut().expect("made above");
-        let layout = part.layout(&rows)?;
-        let (part_out, part_lse) = part.partial_views(&layout);
-        let out = args.out;
+        let (out, lse) = (args.out, args.lse);
         let sinks = if self.shard.rank == 0 { args.sinks } else { None };
-        let mine = DecodeArgs { out: part_out, lse: Some(part_lse), sinks, ..args };
-        paged_decode_from(dev, stream, mine, batch, meta, opts, source, true, ws, status)?;
-        part.exchange_with(ex, &rows)?;
-        part.merge(dev, stream, out, &rows, None)
+        part.attend_exchange_merge(dev, stream, (out, rows, lse), ex, |part_out, part_lse| {
+            let mine = DecodeArgs { out: part_out, lse: Some(part_lse), sinks, ..args };
+            paged_decode_from(dev, stream, mine, batch, meta, opts, source, true, ws, status).map(|_| ())
+        })
     }
 }
