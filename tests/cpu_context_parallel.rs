@@ -90,11 +90,15 @@ fn every_position_has_one_slot_on_its_owner() {
     }
 }
 
-/// N ranks' CPU decodes over their shares, merged by LSE, against the whole.
-fn sharded_equals_whole<C: Element>(world: usize, interleave: usize, sinks: bool, salt: u64) {
+/// N ranks' CPU decodes over their shares, merged by LSE, against the whole; `q` new tokens a
+/// request (more than one: decoded as a request a token over `token_seq_lens`, each request's
+/// row repeated, as a context-parallel `forward` does).
+fn sharded_equals_whole<C: Element>(world: usize, interleave: usize, sinks: bool, q: usize, salt: u64) {
     let mut rng = SmallRng::seed_from_u64(salt);
     let (bs, hkv, hq, d) = (16usize, 2, 8, 64);
-    let seq_lens: Vec<i32> = vec![1, 0, 3, 31, 517, 1600, 2049];
+    // The step's new tokens are each request's last `q` positions (the empty request then has
+    // `q`, all new).
+    let seq_lens: Vec<i32> = [1, 0, 3, 31, 517, 1600, 2049].into_iter().map(|l: i32| l.max(q as i32)).collect();
     let n = seq_lens.len();
     let fp8 = C::DTYPE.is_fp8();
     let scales = fp8.then_some(HostScales::Tensor(0.05, 0.03));
@@ -102,13 +106,16 @@ fn sharded_equals_whole<C: Element>(world: usize, interleave: usize, sinks: bool
     let kv_rows = RowsDesc::contiguous(*ctx_qsl.last().unwrap() as usize, hkv, d);
     let rand_vec = |rng: &mut SmallRng, len| (0..len).map(|_| bf16::from_f32(rng.random_range(-1.0..1.0))).collect::<Vec<_>>();
     let (k, v) = (rand_vec(&mut rng, kv_rows.required_len()), rand_vec(&mut rng, kv_rows.required_len()));
-    let q_rows = RowsDesc::contiguous(n, hq, d);
+    let nt = n * q;
+    let q_rows = RowsDesc::contiguous(nt, hq, d);
+    let q_len = q;
     let q = rand_vec(&mut rng, q_rows.required_len());
     let sink_logits: Vec<f32> = (0..hq).map(|_| rng.random_range(-2.0..3.0)).collect();
     let mut opts = AttnOptions::new(d);
     opts.softcap = Some(20.0);
-    let dec_qsl: Vec<i32> = (0..=n as i32).collect();
-    let decode = |cache: &[C], spec, table: &[i32], stride, lens: &[i32], sinks: Option<&[f32]>| -> DecodeResult {
+    let dec_qsl: Vec<i32> = (0..=n as i32).map(|r| r * q_len as i32).collect();
+    let token_qsl: Vec<i32> = (0..=nt as i32).collect();
+    let decode = |cache: &[C], spec, table: &[i32], stride, lens: &[i32], qsl: &[i32], sinks: Option<&[f32]>| -> DecodeResult {
         cpu::paged_decode(&DecodeRef {
             q: &q,
             q_rows,
@@ -116,7 +123,7 @@ fn sharded_equals_whole<C: Element>(world: usize, interleave: usize, sinks: bool
             spec,
             block_table: table,
             block_table_stride: stride,
-            batch: DecodeBatch { seq_lens: lens, query_start_loc: &dec_qsl },
+            batch: DecodeBatch { seq_lens: lens, query_start_loc: qsl },
             opts,
             alibi_slopes: None,
             sinks,
@@ -132,7 +139,7 @@ fn sharded_equals_whole<C: Element>(world: usize, interleave: usize, sinks: bool
     let slots1 = one.shard_step(&ctx_qsl, &seq_lens, &table1, stride1, bs, blocks1).unwrap().slot_mapping;
     let mut cache1 = vec![C::from_f32(0.0); spec1.num_elements()];
     cpu::reshape_and_cache(&k, kv_rows, &v, kv_rows, &slots1, &mut cache1, &spec1, scales).unwrap();
-    let whole = decode(&cache1, spec1, &table1, stride1, &seq_lens, sinks);
+    let whole = decode(&cache1, spec1, &table1, stride1, &seq_lens, &dec_qsl, sinks);
 
     let (table, stride, blocks) = group_table(&mut rng, &seq_lens, bs * world);
     let spec = KvCacheSpec::new(KvLayout::FlashNhd, blocks, bs, hkv, d).unwrap();
@@ -142,12 +149,19 @@ fn sharded_equals_whole<C: Element>(world: usize, interleave: usize, sinks: bool
         let ctx = s.shard_step(&ctx_qsl, &seq_lens, &table, stride, bs, blocks).unwrap();
         let mut cache = vec![C::from_f32(f32::NAN); spec.num_elements()];
         cpu::reshape_and_cache(&k, kv_rows, &v, kv_rows, &ctx.slot_mapping, &mut cache, &spec, scales).unwrap();
-        let part = decode(&cache, spec, &table, stride, &ctx.local_seq_lens, sinks.filter(|_| rank == 0));
+        let r0_sinks = sinks.filter(|_| rank == 0);
+        let part = if q_len == 1 {
+            decode(&cache, spec, &table, stride, &ctx.local_seq_lens, &dec_qsl, r0_sinks)
+        } else {
+            let step = s.shard_step(&dec_qsl, &seq_lens, &table, stride, bs, blocks).unwrap();
+            let rows = step.expand_block_table(&dec_qsl, &table, stride);
+            decode(&cache, spec, &rows, stride, &step.token_seq_lens, &token_qsl, r0_sinks)
+        };
         merged = Some(match merged {
             None => part,
             Some(acc) => {
                 let (mut out, mut lse) = (Vec::new(), Vec::new());
-                for row in 0..n * hq {
+                for row in 0..nt * hq {
                     let (o, l) = cpu::merge_states_row(&acc.out[row * d..][..d], acc.lse[row], &part.out[row * d..][..d], part.lse[row]);
                     out.extend(o);
                     lse.push(l);
@@ -157,7 +171,7 @@ fn sharded_equals_whole<C: Element>(world: usize, interleave: usize, sinks: bool
         });
     }
     let merged = merged.unwrap();
-    let ctx = format!("{:?} cache, {world} ranks, interleave {interleave}, sinks {}", C::DTYPE, sinks.is_some());
+    let ctx = format!("{:?} cache, {world} ranks, interleave {interleave}, sinks {}, {q_len} new tokens", C::DTYPE, sinks.is_some());
     let scale = whole.out.iter().fold(0f64, |m, x| m.max(x.abs()));
     let err = merged.out.iter().zip(&whole.out).fold(0f64, |m, (a, b)| m.max((a - b).abs())) / scale;
     assert!(err < 1e-9, "{ctx}: merged differs from the whole by {err:e}");
@@ -170,13 +184,20 @@ fn sharded_equals_whole<C: Element>(world: usize, interleave: usize, sinks: bool
 #[test]
 fn sharded_decode_merged_equals_whole_bf16() {
     for (world, interleave, sinks) in [(2, 1, false), (3, 1, true), (4, 8, false), (4, 16, true)] {
-        sharded_equals_whole::<bf16>(world, interleave, sinks, 50 + world as u64);
+        sharded_equals_whole::<bf16>(world, interleave, sinks, 1, 50 + world as u64);
+    }
+}
+
+#[test]
+fn speculative_tokens_decoded_a_request_a_token_equal_whole() {
+    for (world, interleave, q) in [(2, 1, 2), (3, 1, 4), (4, 8, 3), (2, 16, 8)] {
+        sharded_equals_whole::<bf16>(world, interleave, true, q, 70 + q as u64);
     }
 }
 
 #[test]
 fn sharded_decode_merged_equals_whole_fp8() {
     for (world, interleave) in [(2, 1), (3, 4)] {
-        sharded_equals_whole::<Fp8E4m3>(world, interleave, true, 60 + world as u64);
+        sharded_equals_whole::<Fp8E4m3>(world, interleave, true, 1, 60 + world as u64);
     }
 }

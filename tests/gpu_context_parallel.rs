@@ -269,9 +269,9 @@ struct RankInputs {
 /// `forward` with context parallelism: `n` ranks on one device, one thread each (their own
 /// stream, cache and `Attention`, exchanging through a `LocalGroup`). The contexts are written
 /// with the ops (each rank its share), then `steps` decode steps run through `forward`, each
-/// writing one token a request; every rank's output must equal the others' bit for bit and
+/// writing `q_len` tokens a request (more than one: speculative tokens); every rank's output must equal the others' bit for bit and
 /// match the f64 reference of the whole context.
-fn forward_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usize, sinks: bool, salt: u64) -> TestResult {
+fn forward_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usize, sinks: bool, q_len: usize, salt: u64) -> TestResult {
     use attn_rs::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig};
     use attn_rs::context_parallel::LocalGroup;
     use attn_rs::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, LayerIo, NewKv};
@@ -281,7 +281,7 @@ fn forward_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usi
     let fp8 = C::DTYPE.is_fp8();
     let init: Vec<i32> = vec![1, 5, 16, 333, 1000, 2047, 31];
     let nr = init.len();
-    let finals: Vec<i32> = init.iter().map(|&l| l + steps as i32).collect();
+    let finals: Vec<i32> = init.iter().map(|&l| l + (steps * q_len) as i32).collect();
     let fin_qsl = start_locs(finals.iter().copied());
     let all_rows = RowsDesc::contiguous(*fin_qsl.last().unwrap() as usize, hkv, d);
     let (k_all, v_all): (Vec<bf16>, Vec<bf16>) =
@@ -290,7 +290,8 @@ fn forward_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usi
     let gather = |src: &[bf16], at: &[(usize, usize)]| -> Vec<bf16> {
         at.iter().flat_map(|&(r, p)| src[(fin_qsl[r] as usize + p) * hkv * d..][..hkv * d].to_vec()).collect()
     };
-    let q_rows = RowsDesc::contiguous(nr, hq, d);
+    let nt = nr * q_len;
+    let q_rows = RowsDesc::contiguous(nt, hq, d);
     let qs: Vec<Vec<bf16>> = (0..steps).map(|_| random_vec(&mut rng, q_rows.required_len(), 1.0)).collect();
     let sink_logits: Vec<f32> = (0..hq).map(|_| rng.random_range(-2.0..3.0)).collect();
     let (ks, vs) = (vec![0.05f32], vec![0.03f32]);
@@ -303,6 +304,7 @@ fn forward_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usi
     let limits = ForwardLimits { max_num_tokens: 64, max_num_reqs: 16, max_model_len: 4096 };
     let mut config = ForwardConfig::new(model, tables.num_blocks, limits);
     config.opts.softcap = Some(30.0);
+    config.decode_threshold = q_len;
 
     // The f64 reference of each step over the whole contexts.
     let one = CpShard::new(1, 0, 1)?;
@@ -312,10 +314,10 @@ fn forward_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usi
     let mut ref_cache = vec![C::from_f32(0.0); ref_spec.num_elements()];
     let host_scales = cpu::HostScales::Tensor(ks[0], vs[0]);
     cpu::reshape_and_cache(&k_all, all_rows, &v_all, all_rows, &ref_slots, &mut ref_cache, &ref_spec, fp8.then_some(host_scales))?;
-    let dec_qsl: Vec<i32> = (0..=nr as i32).collect();
+    let dec_qsl: Vec<i32> = (0..=nr as i32).map(|r| r * q_len as i32).collect();
     let mut wants = Vec::new();
     for (s, q) in qs.iter().enumerate() {
-        let lens: Vec<i32> = init.iter().map(|&l| l + s as i32 + 1).collect();
+        let lens: Vec<i32> = init.iter().map(|&l| l + ((s + 1) * q_len) as i32).collect();
         wants.push(cpu::paged_decode(&cpu::DecodeRef {
             q,
             q_rows,
@@ -337,7 +339,8 @@ fn forward_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usi
     let (k_init, v_init) = (gather(&k_all, &init_at), gather(&v_all, &init_at));
     let step_kv: Vec<(Vec<bf16>, Vec<bf16>)> = (0..steps)
         .map(|s| {
-            let at: Vec<(usize, usize)> = init.iter().enumerate().map(|(r, &l)| (r, l as usize + s)).collect();
+            let at: Vec<(usize, usize)> =
+                init.iter().enumerate().flat_map(|(r, &l)| (0..q_len).map(move |i| (r, l as usize + s * q_len + i))).collect();
             (gather(&k_all, &at), gather(&v_all, &at))
         })
         .collect();
@@ -375,21 +378,21 @@ fn forward_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usi
         let mut step = attn.new_step_metadata().map_err(e)?;
         let mut outs = Vec::new();
         for (s, ((k, v), q)) in step_kv.iter().zip(qs).enumerate() {
-            let lens: Vec<i32> = init.iter().map(|&l| l + s as i32 + 1).collect();
+            let lens: Vec<i32> = init.iter().map(|&l| l + ((s + 1) * q_len) as i32).collect();
             // The group's step as the engine has it; the rank's slots come from its table.
-            let slots = vec![-1i64; nr];
+            let slots = vec![-1i64; nt];
             step.build(&StepInput {
                 query_start_loc: &dec_qsl,
                 seq_lens: &lens,
                 block_table: &tables.table,
                 block_table_stride: tables.stride,
                 slot_mapping: &slots,
-                num_actual_tokens: nr,
+                num_actual_tokens: nt,
                 num_blocks: tables.num_blocks,
                 block_size: bs,
             })
             .map_err(e)?;
-            let kv_rows = RowsDesc::contiguous(nr, hkv, d);
+            let kv_rows = RowsDesc::contiguous(nt, hkv, d);
             let (q_d, k_d, v_d) = (upload(&stream, q), upload(&stream, k), upload(&stream, v));
             let mut out_d: CudaSlice<bf16> = upload(&stream, &vec![poison::<bf16>(); q_rows.required_len()]);
             attn.forward(
@@ -440,11 +443,23 @@ fn forward_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usi
     Ok(())
 }
 
+/// What every rank of [`mla_cp_case`] reads: the contexts' latents and rope keys (request
+/// after request), the queries, the lengths and their start locations.
+struct MlaInputs {
+    kv_c: Vec<bf16>,
+    k_pe: Vec<bf16>,
+    q: Vec<bf16>,
+    lens: Vec<i32>,
+    qsl: Vec<i32>,
+}
+
 /// MLA: `n` ranks on one device, one thread each (their own stream and latent cache, written
 /// by the GPU latent cache write with the rank's slots), each running `CpDecode::decode_mla`
 /// over a `LocalGroup`; every rank's output equal bit for bit and within bound of the f64
 /// reference of the whole latent contexts.
-fn mla_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usize, hq: usize, salt: u64) -> TestResult {
+/// With `forward`, the same through `Attention::forward` on the `mla` backend: the contexts but
+/// each request's last token written with the op, that token by the step.
+fn mla_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usize, hq: usize, forward: bool, salt: u64) -> TestResult {
     use attn_rs::cache_write::{concat_and_cache_mla, MlaWrite};
     use attn_rs::context_parallel::LocalGroup;
     use attn_rs::mla::MlaArgs;
@@ -454,7 +469,8 @@ fn mla_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usize, 
     let mut rng = rng(salt);
     let fp8 = C::DTYPE.is_fp8();
     let bs = 64;
-    let lens: Vec<i32> = vec![1, 0, 63, 64, 65, 777, 2048, 4097];
+    // A step through `forward` has a token a request: no empty request there.
+    let lens: Vec<i32> = [1, 0, 63, 64, 65, 777, 2048, 4097].into_iter().map(|l| if forward { l.max(1) } else { l }).collect();
     let nr = lens.len();
     let qsl = start_locs(lens.iter().copied());
     let tokens = *qsl.last().unwrap() as usize;
@@ -487,7 +503,7 @@ fn mla_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usize, 
         scales: fp8.then_some((scale, scale).into()),
     })?;
     let tables = std::sync::Arc::new(scattered_block_tables(&mut rng, &lens, bs * n, 2, false));
-    let inputs = std::sync::Arc::new((kv_c, k_pe, q, lens.clone(), qsl));
+    let inputs = std::sync::Arc::new(MlaInputs { kv_c, k_pe, q, lens: lens.clone(), qsl });
     let handles: Vec<_> = LocalGroup::new(n)?
         .into_iter()
         .enumerate()
@@ -495,11 +511,17 @@ fn mla_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usize, 
             let (tables, inputs) = (tables.clone(), inputs.clone());
             std::thread::spawn(move || -> Result<Vec<bf16>, String> {
                 let e = |x: attn_rs::AttnError| x.to_string();
-                let (kv_c, k_pe, q, lens, qsl) = &*inputs;
+                let MlaInputs { kv_c, k_pe, q, lens, qsl } = &*inputs;
                 let stream = new_stream();
                 let shard = CpShard::new(n, rank, interleave).map_err(e)?;
                 let spec = MlaCacheSpec::deepseek(tables.num_blocks, bs).map_err(e)?;
-                let ctx = shard.shard_step(qsl, lens, &tables.table, tables.stride, bs, tables.num_blocks).map_err(e)?;
+                let mut ctx = shard.shard_step(qsl, lens, &tables.table, tables.stride, bs, tables.num_blocks).map_err(e)?;
+                if forward {
+                    // The step writes each request's last token.
+                    for &end in &qsl[1..] {
+                        ctx.slot_mapping[end as usize - 1] = -1;
+                    }
+                }
                 let mut cache: CudaSlice<C> = upload(&stream, &vec![poison::<C>(); spec.num_elements()]);
                 let (kv_d, pe_d, slots_d, scale_d) =
                     (upload(&stream, kv_c), upload(&stream, k_pe), upload(&stream, &ctx.slot_mapping), upload(&stream, &[scale]));
@@ -516,6 +538,9 @@ fn mla_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usize, 
                     scale: fp8.then(|| DevIn::new(&scale_d, &stream)),
                 };
                 concat_and_cache_mla(device(), &stream, w, &mut status).map_err(e)?;
+                if forward {
+                    return mla_forward_rank::<C>(shard, ex, (&stream, &mut cache), &tables, inputs.as_ref(), (hq, scale)).map_err(e);
+                }
                 let local: Vec<i32> = lens.iter().map(|&l| shard.local_len(l as usize) as i32).collect();
                 let dec_qsl: Vec<i32> = (0..=lens.len() as i32).collect();
                 let meta = BatchMetadata::new(&stream, &local, &dec_qsl).map_err(e)?;
@@ -551,6 +576,71 @@ fn mla_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usize, 
     let got: Vec<f64> = outs[0].iter().map(|x| x.to_f64()).collect();
     check_rows(&got, &want.out, V, hq, DType::BF16)?;
     Ok(())
+}
+
+/// One rank of [`mla_cp_case`] through `forward`: an `Attention` on the `mla` backend with the
+/// rank's shard, one decode step (each request's last token written by the step); its output.
+fn mla_forward_rank<C: Element>(
+    shard: CpShard,
+    ex: attn_rs::context_parallel::LocalGroup,
+    (stream, cache): (&std::sync::Arc<cudarc::driver::CudaStream>, &mut CudaSlice<C>),
+    tables: &BlockTables,
+    MlaInputs { kv_c, k_pe, q, lens, qsl }: &MlaInputs,
+    (hq, scale): (usize, f32),
+) -> attn_rs::Result<Vec<bf16>> {
+    use attn_rs::backend::{select_backend_no_env, DeviceInfo, ModelConfig};
+    use attn_rs::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, LayerIo, NewKv};
+    use attn_rs::metadata::StepInput;
+    let (n, bs) = (lens.len(), 64);
+    let model = ModelConfig { cache_dtype: C::DTYPE, ..ModelConfig::mla(hq, DType::BF16, bs) };
+    let dev = arc_device();
+    let sel = select_backend_no_env(&model, &DeviceInfo::from_device(&dev), None)?;
+    let limits = ForwardLimits { max_num_tokens: 64, max_num_reqs: 16, max_model_len: 8192 };
+    let config = ForwardConfig { context_parallel: Some(shard), ..ForwardConfig::new(model, tables.num_blocks, limits) };
+    let mut attn = Attention::new(&sel, config, Some(GpuHandles { dev: dev.clone(), stream: stream.clone() }))?;
+    attn.set_cp_exchange(Box::new(ex))?;
+    let mut step = attn.new_step_metadata()?;
+    let dec_qsl: Vec<i32> = (0..=n as i32).collect();
+    let slots = vec![-1i64; n];
+    step.build(&StepInput {
+        query_start_loc: &dec_qsl,
+        seq_lens: lens,
+        block_table: &tables.table,
+        block_table_stride: tables.stride,
+        slot_mapping: &slots,
+        num_actual_tokens: n,
+        num_blocks: tables.num_blocks,
+        block_size: bs,
+    })?;
+    // Each request's last token's latent and rope key.
+    let last =
+        |src: &[bf16], w: usize| -> Vec<bf16> { qsl[1..].iter().flat_map(|&end| src[(end as usize - 1) * w..][..w].to_vec()).collect() };
+    let (kv_d, pe_d, q_d) = (upload(stream, &last(kv_c, 512)), upload(stream, &last(k_pe, 64)), upload(stream, q));
+    let scale_d = upload(stream, &[scale]);
+    let out_rows = RowsDesc::contiguous(n, hq, 512);
+    let mut out_d: CudaSlice<bf16> = upload(stream, &vec![poison::<bf16>(); out_rows.required_len()]);
+    let fp8 = C::DTYPE.is_fp8();
+    attn.forward(
+        &step,
+        LayerIo::Gpu(GpuLayer {
+            q: DevIn::new(&q_d, stream),
+            q_rows: RowsDesc::contiguous(n, hq, 576),
+            new_kv: NewKv::Mla {
+                kv_c: DevIn::new(&kv_d, stream),
+                kv_c_token_stride: 512,
+                k_pe: DevIn::new(&pe_d, stream),
+                k_pe_token_stride: 64,
+            },
+            cache: DevOut::new(cache, stream),
+            out: DevOut::new(&mut out_d, stream),
+            out_rows,
+            alibi_slopes: None,
+            sinks: None,
+            kv_scales: fp8.then(|| (DevIn::new(&scale_d, stream), DevIn::new(&scale_d, stream))),
+        }),
+    )?;
+    attn.check_status()?;
+    Ok(download(stream, &out_d))
 }
 
 fn main() {
@@ -611,11 +701,15 @@ fn main() {
         cp_case::<bf16, Fp8E4m3>(Case { per_head_scales: true, ..Case::base(2, &[1, 77, 1500, 4097]) }, 9900)
     }));
     trials.push(Trial::test("cp::refusals", refusals));
-    trials.push(Trial::test("cp::mla::n2_16_heads", || mla_cp_case::<bf16>(2, 1, 16, 9960)));
-    trials.push(Trial::test("cp::mla::n3_interleave64_128_heads", || mla_cp_case::<bf16>(3, 64, 128, 9961)));
-    trials.push(Trial::test("cp::mla::n4_fp8_16_heads", || mla_cp_case::<Fp8E4m3>(4, 1, 16, 9962)));
-    trials.push(Trial::test("cp::forward::n2_bf16", || forward_cp_case::<bf16>(2, 1, false, 9950)));
-    trials.push(Trial::test("cp::forward::n3_interleave16_sinks", || forward_cp_case::<bf16>(3, 16, true, 9951)));
-    trials.push(Trial::test("cp::forward::n2_fp8_sinks", || forward_cp_case::<Fp8E4m3>(2, 1, true, 9952)));
+    trials.push(Trial::test("cp::mla::n2_16_heads", || mla_cp_case::<bf16>(2, 1, 16, false, 9960)));
+    trials.push(Trial::test("cp::mla::n3_interleave64_128_heads", || mla_cp_case::<bf16>(3, 64, 128, false, 9961)));
+    trials.push(Trial::test("cp::mla::n4_fp8_16_heads", || mla_cp_case::<Fp8E4m3>(4, 1, 16, false, 9962)));
+    trials.push(Trial::test("cp::forward::mla_n2_16_heads", || mla_cp_case::<bf16>(2, 1, 16, true, 9963)));
+    trials.push(Trial::test("cp::forward::mla_n3_fp8_128_heads", || mla_cp_case::<Fp8E4m3>(3, 16, 128, true, 9964)));
+    trials.push(Trial::test("cp::forward::n2_bf16", || forward_cp_case::<bf16>(2, 1, false, 1, 9950)));
+    trials.push(Trial::test("cp::forward::n3_interleave16_sinks", || forward_cp_case::<bf16>(3, 16, true, 1, 9951)));
+    trials.push(Trial::test("cp::forward::n2_fp8_sinks", || forward_cp_case::<Fp8E4m3>(2, 1, true, 1, 9952)));
+    trials.push(Trial::test("cp::forward::n2_speculative_3", || forward_cp_case::<bf16>(2, 1, true, 3, 9953)));
+    trials.push(Trial::test("cp::forward::n4_interleave16_speculative_4_fp8", || forward_cp_case::<Fp8E4m3>(4, 16, false, 4, 9954)));
     run_gpu_trials(trials)
 }

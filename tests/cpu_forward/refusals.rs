@@ -361,9 +361,8 @@ fn config_refusals_name_the_argument() {
     // Sparse (top-k) attention runs through `mla::mla_sparse_attention`, not `forward`.
     let sparse = ModelConfig { sparse_topk: Some(64), ..model };
     assert_eq!(new(ForwardConfig::new(sparse, NB, limits())), "model", "sparse top-k");
-    // Context parallelism: one-token decodes, no position-dependent masks, `tensor-core` only.
+    // Context parallelism: no position-dependent masks, the GPU backends only.
     let cp = |c: ForwardConfig| ForwardConfig { context_parallel: Some(CpShard::new(2, 0, 1).unwrap()), ..c };
-    assert_eq!(new(cp(ForwardConfig { decode_threshold: 2, ..base.clone() })), "context_parallel", "threshold 2");
     let mut windowed = ForwardConfig::new(model.with_features(Features { sliding_window: true, ..Features::NONE }), NB, limits());
     windowed.opts.window = Some(8);
     assert_eq!(new(cp(windowed)), "context_parallel", "a window");

@@ -105,7 +105,11 @@ pub(crate) fn check_decode(local: &BatchMetadata, opts: &AttnOptions, alibi: boo
     if let Some(r) = qsl.windows(2).position(|w| w[1] - w[0] != 1) {
         return Err(AttnError::invalid(
             "query_start_loc",
-            format!("request {r} has {} query tokens: context-parallel decode takes one", qsl[r + 1] - qsl[r]),
+            format!(
+                "request {r} has {} query tokens: context-parallel decode takes one (speculative tokens: a request a token, \
+                 ShardedStep::token_seq_lens)",
+                qsl[r + 1] - qsl[r]
+            ),
         ));
     }
     ensure(opts.window.is_none() && !alibi, "opts", || {

@@ -16,6 +16,10 @@
 //!    (the rank's decode, the all-gather, the merge), or [`CpDecode::decode_mla`] for MLA's
 //!    latent cache (DeepSeek's models, whose one latent head cannot be split by heads).
 //!
+//! Speculative tokens (several new tokens a request) are decoded as a request a token over the
+//! keys each may see ([`ShardedStep::token_seq_lens`], [`ShardedStep::expand_block_table`]);
+//! `forward` does it by itself.
+//!
 //! Without NCCL (ranks on one device, as the tests run them), the steps of `decode` are
 //! public: [`CpDecode::partial_out`] is where a rank's
 //! [`paged_decode`](crate::decode::paged_decode) writes, [`CpDecode::exchange_on_one_device`]

@@ -107,6 +107,7 @@ impl CpShard {
         })?;
         let mut slots = Vec::with_capacity(query_start_loc.last().map_or(0, |&t| t.max(0) as usize));
         let mut local = Vec::with_capacity(n);
+        let mut tokens = Vec::with_capacity(slots.capacity());
         for r in 0..n {
             let (start, end, len) = (query_start_loc[r], query_start_loc[r + 1], seq_lens[r]);
             ensure(start >= 0 && end >= start && start as usize == slots.len(), "query_start_loc", || {
@@ -120,6 +121,7 @@ impl CpShard {
             if len == 0 {
                 // An empty request (padding): nothing to write, nothing to attend.
                 slots.extend(std::iter::repeat_n(-1, q));
+                tokens.extend(std::iter::repeat_n(0, q));
                 local.push(0);
                 continue;
             }
@@ -133,6 +135,7 @@ impl CpShard {
             })?;
             let row = &block_table[r * block_table_stride..];
             for pos in len - q..len {
+                tokens.push(self.local_len(pos + 1) as i32);
                 if self.owner(pos) != self.rank {
                     slots.push(-1);
                     continue;
@@ -146,7 +149,7 @@ impl CpShard {
             }
             local.push(self.local_len(len) as i32);
         }
-        Ok(ShardedStep { slot_mapping: slots, local_seq_lens: local })
+        Ok(ShardedStep { slot_mapping: slots, local_seq_lens: local, token_seq_lens: tokens })
     }
 }
 
@@ -159,4 +162,28 @@ pub struct ShardedStep {
     /// `[num_reqs]`: the keys of each request this rank holds (the decode's `seq_lens`; 0 where
     /// it holds none, which the decode takes as an empty context).
     pub local_seq_lens: Vec<i32>,
+    /// `[num_tokens]`: the keys of its request this rank holds that each new token may see
+    /// (those at or before its position). A request of several new tokens (speculative
+    /// decoding) is decoded as a request a token, each over this many keys of its request's
+    /// row: a rank's share has lost the positions the causal mask among them needs
+    /// ([`expand_block_table`](Self::expand_block_table)).
+    pub token_seq_lens: Vec<i32>,
+}
+
+impl ShardedStep {
+    /// The block table of the step decoded as a request a token: each request's row repeated
+    /// for each of its new tokens (`query_start_loc` as given to `shard_step`).
+    pub fn expand_block_table(&self, query_start_loc: &[i32], block_table: &[i32], block_table_stride: usize) -> Vec<i32> {
+        let mut rows = Vec::with_capacity(self.token_seq_lens.len() * block_table_stride);
+        for (r, w) in query_start_loc.windows(2).enumerate() {
+            // A table may end inside its last row (past what that request uses): pad with -1.
+            let start = r.saturating_mul(block_table_stride).min(block_table.len());
+            let row = &block_table[start..start.saturating_add(block_table_stride).min(block_table.len())];
+            for _ in w[0]..w[1] {
+                rows.extend_from_slice(row);
+                rows.resize(rows.len() + block_table_stride - row.len(), -1);
+            }
+        }
+        rows
+    }
 }

@@ -85,8 +85,8 @@ impl Attention {
             ));
         }
         let spec = config.cache_spec()?;
-        ensure(config.context_parallel.is_none() || backend.name == TENSOR_CORE.name, "context_parallel", || {
-            format!("on backend \"{}\": context parallelism runs on \"tensor-core\"", backend.name)
+        ensure(config.context_parallel.is_none() || [TENSOR_CORE.name, MLA.name].contains(&backend.name), "context_parallel", || {
+            format!("on backend \"{}\": context parallelism runs on \"tensor-core\" and \"mla\"", backend.name)
         })?;
         let exec = match backend.name {
             name if name == CPU.name => Exec::Cpu,
@@ -132,7 +132,7 @@ impl Attention {
                 g.set_cp_exchange(exchange);
                 Ok(())
             }
-            Exec::Cpu => Err(AttnError::invalid("backend", "context parallelism runs on \"tensor-core\"")),
+            Exec::Cpu => Err(AttnError::invalid("backend", "context parallelism runs on the GPU backends")),
         }
     }
 

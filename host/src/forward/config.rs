@@ -61,9 +61,9 @@ pub struct ForwardConfig {
     /// and attends over its share; the ranks' results are exchanged through the exchange
     /// given to [`Attention::set_cp_exchange`](super::Attention::set_cp_exchange) and merged
     /// on every rank. Steps are built from the group's metadata as they come
-    /// ([`StepMetadata::build`](super::StepMetadata::build) shards them) and hold one query
-    /// token a request (`decode_threshold` 1): prompts are written and attended with the ops
-    /// (docs/context-parallel.md). `tensor-core` only; no window, ALiBi, chunked or
+    /// ([`StepMetadata::build`](super::StepMetadata::build) shards them) and are decodes of up
+    /// to `decode_threshold` tokens a request (speculative tokens are decoded as a request a
+    /// token); prompts are written and attended with the ops (docs/context-parallel.md). `tensor-core` and `mla`; no window, ALiBi, chunked or
     /// non-decoder layers, no cascade, no CUDA graphs.
     pub context_parallel: Option<CpShard>,
 }
@@ -137,19 +137,25 @@ impl ForwardConfig {
         PlanOptions { split: self.split_mode, tuning: self.tuning }
     }
 
+    /// The largest step as the kernels see it: a context-parallel rank decodes speculative
+    /// tokens as a request a token, so its steps may hold as many requests as tokens.
+    pub(crate) fn kernel_limits(&self) -> ForwardLimits {
+        let l = self.limits;
+        match self.context_parallel {
+            Some(_) => ForwardLimits { max_num_reqs: l.max_num_reqs.max(l.max_num_tokens), ..l },
+            None => l,
+        }
+    }
+
     /// Blocks a request's row of the block table may need.
     pub fn max_blocks_per_req(&self) -> usize {
         self.limits.max_model_len.div_ceil(self.model.block_size.max(1))
     }
 
-    /// What context parallelism takes: one-token decodes of decoder layers that need no key
-    /// position (no window, ALiBi or chunks).
+    /// What context parallelism takes: decoder layers that need no key position (no window,
+    /// ALiBi or chunks).
     fn validate_context_parallel(&self, shard: &CpShard) -> Result<()> {
         shard.validate()?;
-        ensure(self.decode_threshold == 1, "context_parallel", || {
-            format!("with decode_threshold {}: context-parallel steps are one-token decodes (threshold 1)", self.decode_threshold)
-        })?;
-        ensure(matches!(self.model.kind, AttentionKind::Standard), "context_parallel", || "with MLA: standard attention only".into())?;
         for i in 0..self.layers.len().max(1) {
             let l = self.layer(i)?;
             let reason = match () {

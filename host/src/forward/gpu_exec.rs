@@ -99,7 +99,7 @@ impl GpuExec {
     pub(crate) fn new(dev: Arc<AttnDevice>, stream: Arc<CudaStream>, config: &ForwardConfig) -> Result<Self> {
         let m = &config.model;
         let group = m.num_q_heads / m.num_kv_heads;
-        let l = &config.limits;
+        let l = &config.kernel_limits();
         // A request's prefill rows must fit one launch; the limits bound them.
         ensure(l.max_num_tokens.saturating_mul(group) <= MAX_PREFILL_ROWS, "limits", || {
             format!(
@@ -160,7 +160,7 @@ impl GpuExec {
 
     /// The step's device buffers, sized for the largest step.
     pub(crate) fn device_step(&self, config: &ForwardConfig) -> Result<DeviceStep> {
-        let l = &config.limits;
+        let l = &config.kernel_limits();
         let (n, nt) = (l.max_num_reqs, l.max_num_tokens);
         let words = StagingLayout::new(&StagingSizes {
             num_reqs: n,
@@ -449,12 +449,16 @@ impl GpuExec {
                     key_start_loc: None,
                 };
                 let source = graph_plan.as_ref().map_or(PlanSource::Host(config.plan_options()), PlanSource::Device);
-                let (opts, ws) = (&ls.opts, &mut self.decode_ws);
+                let (opts, ws, status) = (&ls.opts, &mut self.decode_ws, &mut self.status);
                 match &mut self.cp {
-                    None => {
-                        paged_decode_from(&self.dev, stream, args, &batch, meta, opts, source, true, ws, &mut self.status).map(|_| ())?
+                    None => paged_decode_from(&self.dev, stream, args, &batch, meta, opts, source, true, ws, status).map(|_| ())?,
+                    Some(cp) => {
+                        let (out, out_rows, sinks) = (args.out, args.out_rows, args.sinks.filter(|_| cp.takes_sinks()));
+                        cp.decode(&self.dev, stream, (out, out_rows), |part, lse| {
+                            let mine = DecodeArgs { out: part, lse: Some(lse), sinks, ..args };
+                            paged_decode_from(&self.dev, stream, mine, &batch, meta, opts, source, true, ws, status).map(|_| ())
+                        })?
                     }
-                    Some(cp) => cp.decode(&self.dev, stream, args, &batch, meta, opts, source, ws, &mut self.status)?,
                 }
             }
             if np > 0 {
@@ -686,8 +690,14 @@ impl GpuExec {
             };
             let meta = DeviceBatch { seq_lens: part.seq_lens, query_start_loc: part.query_start_loc, key_start_loc: None };
             let source = graph_plan.as_ref().map_or(PlanSource::Host(config.plan_options()), PlanSource::Device);
-            let ws = &mut self.decode_ws;
-            mla_attention_from(&self.dev, stream, args, &parts.decode, meta, scale, source, ws, &mut self.status)?;
+            let (ws, status) = (&mut self.decode_ws, &mut self.status);
+            match &mut self.cp {
+                None => mla_attention_from(&self.dev, stream, args, &parts.decode, meta, scale, source, ws, status).map(|_| ())?,
+                Some(cp) => cp.decode(&self.dev, stream, (args.out, args.out_rows), |part, lse| {
+                    let mine = MlaArgs { out: part, lse: Some(lse), ..args };
+                    mla_attention_from(&self.dev, stream, mine, &parts.decode, meta, scale, source, ws, status).map(|_| ())
+                })?,
+            }
         }
         if np > 0 {
             let part = views.prefills(np);

@@ -145,11 +145,11 @@ impl StepMetadata {
             return Ok(self.split);
         }
         // A context-parallel rank builds its view of the step: its slots, its local lengths.
-        let sharded = match self.config.context_parallel {
-            Some(shard) => Some(shard_step(&shard, input)?),
+        let rank_step = match self.config.context_parallel {
+            Some(shard) => Some(RankStep::new(&shard, input, self.config.decode_threshold)?),
             None => None,
         };
-        let local = sharded.as_ref().map(|s| StepInput { slot_mapping: &s.slot_mapping, seq_lens: &s.local_seq_lens, ..*input });
+        let local = rank_step.as_ref().map(|r| r.input(input));
         let input = local.as_ref().unwrap_or(input);
         match &mut self.planner {
             Planner::TensorCore(builder) => {
@@ -222,16 +222,51 @@ impl StepMetadata {
     }
 }
 
-/// A rank's view of `input` (one query token a request): its slots and local lengths.
-fn shard_step(shard: &CpShard, input: &StepInput<'_>) -> Result<ShardedStep> {
-    let qsl = input.query_start_loc;
-    if let Some(r) = qsl.windows(2).position(|w| w[1] - w[0] != 1) {
-        return Err(crate::error::AttnError::invalid(
-            "query_start_loc",
-            format!("request {r} has {} query tokens: context-parallel steps take one a request", qsl[r + 1] - qsl[r]),
-        ));
+/// A context-parallel rank's view of a step: its slots, and its requests as the decode kernels
+/// take them. A step of one-token decodes keeps its requests, with their local lengths; a step
+/// with speculative tokens is decoded as a request a token, each over the keys of its request
+/// that it may see (`ShardedStep::token_seq_lens`), its request's row repeated.
+struct RankStep {
+    sharded: ShardedStep,
+    /// A request a token: `0..=num_tokens`, and the expanded table (none for one-token steps).
+    per_token: Option<(Vec<i32>, Vec<i32>)>,
+}
+
+impl RankStep {
+    fn new(shard: &CpShard, input: &StepInput<'_>, decode_threshold: usize) -> Result<Self> {
+        let qsl = input.query_start_loc;
+        if let Some(r) = qsl.windows(2).position(|w| !(1..=decode_threshold as i32).contains(&(w[1] - w[0]))) {
+            return Err(crate::error::AttnError::invalid(
+                "query_start_loc",
+                format!(
+                    "request {r} has {} query tokens: context-parallel steps are decodes of 1..={decode_threshold} (the decode threshold)",
+                    qsl[r + 1] - qsl[r]
+                ),
+            ));
+        }
+        let sharded =
+            shard.shard_step(qsl, input.seq_lens, input.block_table, input.block_table_stride, input.block_size, input.num_blocks)?;
+        let per_token = qsl.windows(2).any(|w| w[1] - w[0] > 1).then(|| {
+            let tokens: Vec<i32> = (0..=sharded.token_seq_lens.len() as i32).collect();
+            (tokens, sharded.expand_block_table(qsl, input.block_table, input.block_table_stride))
+        });
+        Ok(RankStep { sharded, per_token })
     }
-    shard.shard_step(qsl, input.seq_lens, input.block_table, input.block_table_stride, input.block_size, input.num_blocks)
+
+    /// The step the rank's builder takes.
+    fn input<'a>(&'a self, global: &StepInput<'a>) -> StepInput<'a> {
+        let s = &self.sharded;
+        match &self.per_token {
+            None => StepInput { slot_mapping: &s.slot_mapping, seq_lens: &s.local_seq_lens, ..*global },
+            Some((qsl, table)) => StepInput {
+                query_start_loc: qsl,
+                seq_lens: &s.token_seq_lens,
+                block_table: table,
+                slot_mapping: &s.slot_mapping,
+                ..*global
+            },
+        }
+    }
 }
 
 impl StepMetadata {
