@@ -14,7 +14,7 @@
 //! Needs `libnccl.so` on the loader's path (`context_parallel::nccl_available` says where).
 
 use attn_rs::backend::{select_backend_no_env, DeviceInfo, Features, ModelConfig};
-use attn_rs::cache_write::{reshape_and_cache, KvScales, KvWrite};
+use attn_rs::cache_write::{concat_and_cache_mla, reshape_and_cache, KvScales, KvWrite, MlaWrite};
 use attn_rs::context_parallel::{nccl_available, new_comm, CpDecode, CpShard, NcclExchange};
 use attn_rs::cudarc::driver::sys::CUevent_flags;
 use attn_rs::cudarc::driver::{CudaSlice, CudaStream};
@@ -22,9 +22,10 @@ use attn_rs::cudarc::nccl::safe::Id;
 use attn_rs::decode::{paged_decode, DecodeArgs, DecodeBatch, DecodeWorkspace};
 use attn_rs::forward::{Attention, ForwardConfig, ForwardLimits, GpuHandles, GpuLayer, LayerIo, NewKv};
 use attn_rs::metadata::StepInput;
+use attn_rs::mla::{mla_attention, MlaArgs};
 use attn_rs::{
-    cpu, AttnDevice, AttnError, AttnOptions, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout, Result,
-    RowsDesc, SplitMode,
+    cpu, AttnDevice, AttnError, AttnOptions, BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, KvCacheSpec, KvLayout,
+    MlaCacheSpec, Result, RowsDesc, SplitMode,
 };
 use clap::Parser;
 use half::bf16;
@@ -40,6 +41,10 @@ struct Args {
     /// Benchmark shapes, `requests x context` separated by commas.
     #[arg(long, default_value = "1x1048576,8x131072")]
     shapes: String,
+    /// MLA shapes (DeepSeek's 512 + 64 latent cache, bf16, block size 64),
+    /// `requests x context x heads` separated by commas ("" for none).
+    #[arg(long, default_value = "1x1048576x16,64x16384x128")]
+    mla_shapes: String,
     /// Positions a rank takes before the next one's turn.
     #[arg(long, default_value_t = 1)]
     interleave: usize,
@@ -367,6 +372,8 @@ struct ShapeResult {
     rel_error_vs_one_gpu: f64,
     /// K and V bytes of the whole contexts, over the step's time (GB/s).
     step_gbps: f64,
+    /// The attended pairs' FLOPs over the step's time (TFLOP/s).
+    step_tflops: f64,
 }
 
 /// Median of 5 event-timed batches of `iters` calls of `f`, in microseconds a call.
@@ -503,9 +510,154 @@ fn bench_shape(r: &mut Rank, barrier: &Barrier, requests: usize, len: usize, ite
     Ok((one_gpu, step_us, local_us, s.clone_dtoh(&out)?))
 }
 
+/// A latent cache for `shard` with each request's context written by the GPU latent cache
+/// write, `chunk` tokens a launch (position `p`'s latent and rope key: row `p % chunk`).
+fn write_latents(
+    r: &mut Rank,
+    shard: CpShard,
+    seq_lens: &[i32],
+    (table, stride): (&[i32], usize),
+    spec: MlaCacheSpec,
+    (kv_c, k_pe, chunk): (&CudaSlice<bf16>, &CudaSlice<bf16>, usize),
+) -> Result<CudaSlice<bf16>> {
+    let mut cache: CudaSlice<bf16> = r.stream.alloc_zeros(spec.num_elements())?;
+    for (req, &len) in seq_lens.iter().enumerate() {
+        let mut at = 0;
+        while at < len as usize {
+            let n = chunk.min(len as usize - at);
+            let row = &table[req * stride..(req + 1) * stride];
+            let step = shard.shard_step(&[0, n as i32], &[(at + n) as i32], row, stride, spec.block_size, spec.num_blocks)?;
+            let slots = r.stream.clone_htod(&step.slot_mapping)?;
+            let s = &r.stream;
+            let w = MlaWrite {
+                kv_c: DevIn::new(kv_c, s),
+                kv_c_token_stride: spec.latent_dim,
+                k_pe: DevIn::new(k_pe, s),
+                k_pe_token_stride: spec.rope_dim,
+                num_tokens: n,
+                slot_mapping: DevIn::new(&slots, s),
+                cache: DevOut::new(&mut cache, s),
+                spec,
+                scale: None,
+            };
+            concat_and_cache_mla(&r.dev, &r.stream, w, &mut r.status)?;
+            at += n;
+        }
+    }
+    r.status.take(&r.stream)?.into_result()?;
+    Ok(cache)
+}
+
+/// An MLA call's inputs in the benchmark.
+struct MlaInputs<'a> {
+    q: &'a CudaSlice<bf16>,
+    q_rows: RowsDesc,
+    out_rows: RowsDesc,
+    cache: &'a CudaSlice<bf16>,
+    spec: MlaCacheSpec,
+    block_table: &'a CudaSlice<i32>,
+    stride: usize,
+}
+
+fn mla_args<'a>(i: &'a MlaInputs<'a>, s: &'a CudaStream, out: DevOut<'a>, lse: Option<DevOut<'a>>) -> MlaArgs<'a> {
+    MlaArgs {
+        q: DevIn::new(i.q, s),
+        q_rows: i.q_rows,
+        cache: DevIn::new(i.cache, s),
+        spec: i.spec,
+        block_table: DevIn::new(i.block_table, s),
+        block_table_stride: i.stride,
+        out,
+        out_rows: i.out_rows,
+        lse,
+        scales: None,
+    }
+}
+
+/// One MLA shape (`requests x context`, `heads` query heads over the latent): rank 0's MLA
+/// attention over the whole contexts, then each rank's over its share alone and the group's
+/// step (`CpDecode::decode_mla`).
+fn bench_mla_shape(r: &mut Rank, barrier: &Barrier, (requests, len, heads): (usize, usize, usize), iters: usize) -> Result<ShapeTimes> {
+    let s = r.stream.clone();
+    let (bs, chunk) = (64, 8192);
+    let (kv_c, k_pe) = (s.clone_htod(&values(chunk * 512, 22))?, s.clone_htod(&values(chunk * 64, 23))?);
+    let q_rows = RowsDesc::contiguous(requests, heads, 576);
+    let out_rows = RowsDesc::contiguous(requests, heads, 512);
+    let q = s.clone_htod(&values(q_rows.required_len(), 21))?;
+    let seq_lens = vec![len as i32; requests];
+    let qsl: Vec<i32> = (0..=requests as i32).collect();
+    let scale = AttnOptions::new(576).softmax_scale;
+    // Split-K partials as `forward` sizes them for MLA: 4 waves of 8 rows a CTA.
+    let mut ws = DecodeWorkspace::new(&s, 4 * r.dev.sm_count() as usize * 8 * heads, 512, requests, requests)?;
+    let mut out: CudaSlice<bf16> = s.alloc_zeros(out_rows.required_len())?;
+    let one_gpu = if r.shard.rank == 0 {
+        let (tab, stride, blocks) = table(requests, len, bs);
+        let spec = MlaCacheSpec::deepseek(blocks, bs)?;
+        let cache = write_latents(r, CpShard::new(1, 0, 1)?, &seq_lens, (&tab, stride), spec, (&kv_c, &k_pe, chunk))?;
+        let bt = s.clone_htod(&tab)?;
+        let meta = BatchMetadata::new(&s, &seq_lens, &qsl)?;
+        let i = MlaInputs { q: &q, q_rows, out_rows, cache: &cache, spec, block_table: &bt, stride };
+        let us = time(&s, iters, || {
+            let a = mla_args(&i, &s, DevOut::new(&mut out, &s), None);
+            mla_attention(&r.dev, &s, a, &meta, scale, SplitMode::Auto, &mut ws, &mut r.status).map(|_| ())
+        })?;
+        Some((us, s.clone_dtoh(&out)?))
+    } else {
+        None
+    };
+    barrier.wait();
+    let shard = r.shard;
+    let (tab, stride, blocks) = table(requests, len, bs * shard.world_size);
+    let spec = MlaCacheSpec::deepseek(blocks, bs)?;
+    let cache = write_latents(r, shard, &seq_lens, (&tab, stride), spec, (&kv_c, &k_pe, chunk))?;
+    let bt = s.clone_htod(&tab)?;
+    let local: Vec<i32> = seq_lens.iter().map(|&l| shard.local_len(l as usize) as i32).collect();
+    let meta = BatchMetadata::new(&s, &local, &qsl)?;
+    let mut part = CpDecode::new(&s, shard, attn_rs::DType::BF16, out_rows.required_len(), requests * heads)?;
+    let i = MlaInputs { q: &q, q_rows, out_rows, cache: &cache, spec, block_table: &bt, stride };
+    let local_us = time(&s, iters, || {
+        let (o, l) = part.partial_out(&out_rows)?;
+        mla_attention(&r.dev, &s, mla_args(&i, &s, o, Some(l)), &meta, scale, SplitMode::Auto, &mut ws, &mut r.status).map(|_| ())
+    })?;
+    s.synchronize()?;
+    barrier.wait();
+    let step_us = time(&s, iters, || {
+        let a = mla_args(&i, &s, DevOut::new(&mut out, &s), None);
+        part.decode_mla(&r.dev, &s, a, &meta, scale, SplitMode::Auto, &mut ws, &mut r.status, &mut r.ex)
+    })?;
+    r.status.take(&s)?.into_result()?;
+    Ok((one_gpu, step_us, local_us, s.clone_dtoh(&out)?))
+}
+
+/// A rank's figures of one shape.
+struct ShapeReport {
+    rank: usize,
+    /// The shape as its row names it.
+    name: String,
+    /// K/V (or latent) bytes of the whole contexts.
+    bytes: f64,
+    /// Output elements a (token, head) row.
+    row: usize,
+    /// FLOPs of the attended query-key pairs (Q K^T and P V).
+    flops: f64,
+    times: ShapeTimes,
+}
+
 enum Report {
     Check(CheckOut),
-    Shape(usize, String, Option<(f64, Vec<bf16>)>, f64, f64, Vec<bf16>),
+    Shape(ShapeReport),
+}
+
+/// `a x b [x c]` as `n` numbers.
+fn parse_dims(shape: &str, n: usize) -> std::result::Result<Vec<usize>, String> {
+    let dims: Vec<usize> = shape
+        .split('x')
+        .map(|d| d.trim().parse().map_err(|_| format!("shape {shape}: not numbers")))
+        .collect::<std::result::Result<_, _>>()?;
+    if dims.len() != n {
+        return Err(format!("shape {shape}: want {n} numbers separated by x"));
+    }
+    Ok(dims)
 }
 
 fn rank_main(
@@ -531,12 +683,23 @@ fn rank_main(
     if args.check_only {
         return Ok(());
     }
-    for shape in args.shapes.split(',') {
-        let (b, l) = shape.split_once('x').ok_or_else(|| format!("shape {shape}: want requests x context"))?;
-        let (b, l): (usize, usize) = (b.parse().map_err(|_| format!("shape {shape}"))?, l.parse().map_err(|_| format!("shape {shape}"))?);
+    for shape in args.shapes.split(',').filter(|s| !s.is_empty()) {
+        let dims = parse_dims(shape, 2)?;
         barrier.wait();
-        let (one, step, local, out) = bench_shape(&mut r, &barrier, b, l, args.iters).map_err(e)?;
-        tx.send(Report::Shape(rank, shape.to_string(), one, step, local, out)).unwrap();
+        let times = bench_shape(&mut r, &barrier, dims[0], dims[1], args.iters).map_err(e)?;
+        let name = format!("{shape}, 32q/8kv d128 bf16, block 16, interleave {}", args.interleave);
+        let bytes = (dims[0] * dims[1] * HKV * D * 2 * 2) as f64;
+        let flops = (dims[0] * dims[1] * HQ * 4 * D) as f64;
+        tx.send(Report::Shape(ShapeReport { rank, name, bytes, row: D, flops, times })).unwrap();
+    }
+    for shape in args.mla_shapes.split(',').filter(|s| !s.is_empty()) {
+        let dims = parse_dims(shape, 3)?;
+        barrier.wait();
+        let times = bench_mla_shape(&mut r, &barrier, (dims[0], dims[1], dims[2]), args.iters).map_err(e)?;
+        let name = format!("MLA {shape}, 512+64 bf16, block 64, interleave {}", args.interleave);
+        let bytes = (dims[0] * dims[1] * 576 * 2) as f64;
+        let flops = (dims[0] * dims[1] * dims[2] * 2 * (576 + 512)) as f64;
+        tx.send(Report::Shape(ShapeReport { rank, name, bytes, row: 512, flops, times })).unwrap();
     }
     Ok(())
 }
@@ -588,22 +751,26 @@ fn main() {
         );
     }
     let mut results = Vec::new();
-    for shape in args.shapes.split(',').filter(|_| !args.check_only) {
-        let rows: Vec<_> = reports
-            .iter()
-            .filter_map(
-                |r| if let Report::Shape(rank, s, o, st, l, out) = r { (s == shape).then_some((*rank, o, *st, *l, out)) } else { None },
-            )
-            .collect();
+    let mut names: Vec<(String, f64, usize, f64)> = Vec::new();
+    for r in &reports {
+        if let Report::Shape(s) = r {
+            if !names.iter().any(|(n, ..)| n == &s.name) {
+                names.push((s.name.clone(), s.bytes, s.row, s.flops));
+            }
+        }
+    }
+    for (name, bytes, row, flops) in names {
+        let rows: Vec<&ShapeReport> =
+            reports.iter().filter_map(|r| if let Report::Shape(s) = r { (s.name == name).then_some(s) } else { None }).collect();
         if rows.len() != world {
             continue;
         }
         let mut step = vec![0.0; world];
         let mut local = vec![0.0; world];
         let (mut one_us, mut one_out, mut out0) = (f64::NAN, Vec::new(), Vec::new());
-        for (rank, one, st, l, out) in rows {
-            step[rank] = st;
-            local[rank] = l;
+        for ShapeReport { rank, times: (one, st, l, out), .. } in rows {
+            step[*rank] = *st;
+            local[*rank] = *l;
             if let Some((us, o)) = one {
                 one_us = *us;
                 one_out = o.clone();
@@ -611,13 +778,11 @@ fn main() {
             }
         }
         let want: Vec<f64> = one_out.iter().map(|x| x.to_f64()).collect();
-        let err = row_error(&out0, &want, D);
-        let (b, l) = shape.split_once('x').unwrap();
-        let bytes = b.parse::<f64>().unwrap() * l.parse::<f64>().unwrap() * (HKV * D * 2 * 2) as f64;
+        let err = row_error(&out0, &want, row);
         let slowest = step.iter().copied().fold(0.0, f64::max);
         failed |= err.is_nan() || err > 1e-2;
         let r = ShapeResult {
-            shape: format!("{shape}, 32q/8kv d128 bf16, block 16, interleave {}", args.interleave),
+            shape: name,
             ranks: world,
             one_gpu_us: one_us,
             step_us: step,
@@ -625,15 +790,17 @@ fn main() {
             step_over_one_gpu: slowest / one_us,
             rel_error_vs_one_gpu: err,
             step_gbps: bytes / (slowest * 1e-6) / 1e9,
+            step_tflops: flops / (slowest * 1e-6) / 1e12,
         };
         println!(
-            "{:<52} one GPU {:>8.1} us | {world} GPUs: step {:>8.1} us (local decode {:>8.1}) = {:.3}x | {:.0} GB/s | vs one GPU {:.1e}",
+            "{:<58} one GPU {:>8.1} us | {world} GPUs: step {:>8.1} us (local decode {:>8.1}) = {:.3}x | {:.0} GB/s, {:.0} TFLOP/s | vs one GPU {:.1e}",
             r.shape,
             r.one_gpu_us,
             slowest,
             r.local_decode_us.iter().copied().fold(0.0, f64::max),
             r.step_over_one_gpu,
             r.step_gbps,
+            r.step_tflops,
             err
         );
         results.push(r);
