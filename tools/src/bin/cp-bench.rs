@@ -366,6 +366,10 @@ struct ShapeResult {
     step_us: Vec<f64>,
     /// Each rank's decode of its share alone.
     local_decode_us: Vec<f64>,
+    /// Each rank's all-gather of the parts alone.
+    exchange_us: Vec<f64>,
+    /// Each rank's merge alone.
+    merge_us: Vec<f64>,
     /// The slowest rank's step over the one-GPU decode.
     step_over_one_gpu: f64,
     /// Merged output against the one-GPU output: worst row's relative error (rank 0).
@@ -463,8 +467,20 @@ fn run(r: &mut Rank, ws: &mut DecodeWorkspace, i: &Inputs<'_>, out: &mut CudaSli
     }
 }
 
-/// One shape: (one-GPU time and output on rank 0, step time, local decode time, merged output).
-type ShapeTimes = (Option<(f64, Vec<bf16>)>, f64, f64, Vec<bf16>);
+/// One shape's times on a rank.
+struct ShapeTimes {
+    /// Rank 0: the one-GPU time and output.
+    one_gpu: Option<(f64, Vec<bf16>)>,
+    step_us: f64,
+    /// The rank's attention over its share alone.
+    local_us: f64,
+    /// The all-gather of the parts alone, the ranks in step.
+    exchange_us: f64,
+    /// The merge of the gathered parts alone.
+    merge_us: f64,
+    /// The group's merged output.
+    out: Vec<bf16>,
+}
 
 fn bench_shape(r: &mut Rank, barrier: &Barrier, requests: usize, len: usize, iters: usize) -> Result<ShapeTimes> {
     let s = r.stream.clone();
@@ -503,11 +519,12 @@ fn bench_shape(r: &mut Rank, barrier: &Barrier, requests: usize, len: usize, ite
     let i = Inputs { q: &q, q_rows, cache: &cache, spec, block_table: &bt, stride, meta: &meta };
     let mut part = CpDecode::new(&s, shard, attn_rs::DType::BF16, q_rows.required_len(), requests * HQ)?;
     let local_us = time(&s, iters, || run(r, &mut ws, &i, &mut out, &mut Mode::Local(&mut part)))?;
+    let (exchange_us, merge_us) = exchange_and_merge(r, barrier, &mut part, &q_rows, &mut out, iters)?;
     s.synchronize()?;
     barrier.wait();
     let step_us = time(&s, iters, || run(r, &mut ws, &i, &mut out, &mut Mode::Step(&mut part)))?;
     r.status.take(&s)?.into_result()?;
-    Ok((one_gpu, step_us, local_us, s.clone_dtoh(&out)?))
+    Ok(ShapeTimes { one_gpu, step_us, local_us, exchange_us, merge_us, out: s.clone_dtoh(&out)? })
 }
 
 /// A latent cache for `shard` with each request's context written by the GPU latent cache
@@ -546,6 +563,24 @@ fn write_latents(
     }
     r.status.take(&r.stream)?.into_result()?;
     Ok(cache)
+}
+
+/// The exchange alone (the ranks in step) and the merge alone, over the parts the local
+/// timing left: where a step's time beyond its attention goes.
+fn exchange_and_merge(
+    r: &mut Rank,
+    barrier: &Barrier,
+    part: &mut CpDecode,
+    rows: &RowsDesc,
+    out: &mut CudaSlice<bf16>,
+    iters: usize,
+) -> Result<(f64, f64)> {
+    let s = r.stream.clone();
+    s.synchronize()?;
+    barrier.wait();
+    let exchange_us = time(&s, iters, || part.exchange_with(&mut r.ex, rows))?;
+    let merge_us = time(&s, iters, || part.merge(&r.dev, &s, DevOut::new(out, &s), rows, None))?;
+    Ok((exchange_us, merge_us))
 }
 
 /// An MLA call's inputs in the benchmark.
@@ -619,6 +654,7 @@ fn bench_mla_shape(r: &mut Rank, barrier: &Barrier, (requests, len, heads): (usi
         let (o, l) = part.partial_out(&out_rows)?;
         mla_attention(&r.dev, &s, mla_args(&i, &s, o, Some(l)), &meta, scale, SplitMode::Auto, &mut ws, &mut r.status).map(|_| ())
     })?;
+    let (exchange_us, merge_us) = exchange_and_merge(r, barrier, &mut part, &out_rows, &mut out, iters)?;
     s.synchronize()?;
     barrier.wait();
     let step_us = time(&s, iters, || {
@@ -626,7 +662,7 @@ fn bench_mla_shape(r: &mut Rank, barrier: &Barrier, (requests, len, heads): (usi
         part.decode_mla(&r.dev, &s, a, &meta, scale, SplitMode::Auto, &mut ws, &mut r.status, &mut r.ex)
     })?;
     r.status.take(&s)?.into_result()?;
-    Ok((one_gpu, step_us, local_us, s.clone_dtoh(&out)?))
+    Ok(ShapeTimes { one_gpu, step_us, local_us, exchange_us, merge_us, out: s.clone_dtoh(&out)? })
 }
 
 /// A rank's figures of one shape.
@@ -765,16 +801,14 @@ fn main() {
         if rows.len() != world {
             continue;
         }
-        let mut step = vec![0.0; world];
-        let mut local = vec![0.0; world];
+        let (mut step, mut local, mut exchange, mut merge) = (vec![0.0; world], vec![0.0; world], vec![0.0; world], vec![0.0; world]);
         let (mut one_us, mut one_out, mut out0) = (f64::NAN, Vec::new(), Vec::new());
-        for ShapeReport { rank, times: (one, st, l, out), .. } in rows {
-            step[*rank] = *st;
-            local[*rank] = *l;
-            if let Some((us, o)) = one {
+        for ShapeReport { rank, times: t, .. } in rows {
+            (step[*rank], local[*rank], exchange[*rank], merge[*rank]) = (t.step_us, t.local_us, t.exchange_us, t.merge_us);
+            if let Some((us, o)) = &t.one_gpu {
                 one_us = *us;
                 one_out = o.clone();
-                out0 = out.clone();
+                out0 = t.out.clone();
             }
         }
         let want: Vec<f64> = one_out.iter().map(|x| x.to_f64()).collect();
@@ -787,17 +821,21 @@ fn main() {
             one_gpu_us: one_us,
             step_us: step,
             local_decode_us: local,
+            exchange_us: exchange,
+            merge_us: merge,
             step_over_one_gpu: slowest / one_us,
             rel_error_vs_one_gpu: err,
             step_gbps: bytes / (slowest * 1e-6) / 1e9,
             step_tflops: flops / (slowest * 1e-6) / 1e12,
         };
         println!(
-            "{:<58} one GPU {:>8.1} us | {world} GPUs: step {:>8.1} us (local decode {:>8.1}) = {:.3}x | {:.0} GB/s, {:.0} TFLOP/s | vs one GPU {:.1e}",
+            "{:<58} one GPU {:>8.1} us | {world} GPUs: step {:>8.1} us (local decode {:>8.1}, exchange {:>6.1}, merge {:>6.1}) = {:.3}x | {:.0} GB/s, {:.0} TFLOP/s | vs one GPU {:.1e}",
             r.shape,
             r.one_gpu_us,
             slowest,
             r.local_decode_us.iter().copied().fold(0.0, f64::max),
+            r.exchange_us.iter().copied().fold(0.0, f64::max),
+            r.merge_us.iter().copied().fold(0.0, f64::max),
             r.step_over_one_gpu,
             r.step_gbps,
             r.step_tflops,
