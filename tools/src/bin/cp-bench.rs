@@ -119,6 +119,28 @@ struct Rank {
     status: DeviceStatus,
 }
 
+/// Each request's context in chunks of up to `chunk` positions, as the new tokens of a step on
+/// the request's own row: (positions in the chunk, this rank's slot of each).
+fn context_chunks(
+    shard: CpShard,
+    seq_lens: &[i32],
+    (table, stride): (&[i32], usize),
+    (block_size, num_blocks): (usize, usize),
+    chunk: usize,
+) -> Result<Vec<(usize, Vec<i64>)>> {
+    let mut chunks = Vec::new();
+    for (req, &len) in seq_lens.iter().enumerate() {
+        let row = &table[req * stride..(req + 1) * stride];
+        let mut at = 0;
+        while at < len as usize {
+            let n = chunk.min(len as usize - at);
+            chunks.push((n, shard.shard_step(&[0, n as i32], &[(at + n) as i32], row, stride, block_size, num_blocks)?.slot_mapping));
+            at += n;
+        }
+    }
+    Ok(chunks)
+}
+
 /// A cache for `shard` of `num_blocks` blocks with each request's context written by the GPU
 /// cache write, `chunk` tokens a launch, the keys and values of position `p` being row `p %
 /// chunk` of `k` and `v`.
@@ -134,29 +156,21 @@ fn write_contexts<C: Element>(
     scales: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
 ) -> Result<CudaSlice<C>> {
     let mut cache: CudaSlice<C> = r.stream.alloc_zeros(spec.num_elements())?;
-    for (req, &len) in seq_lens.iter().enumerate() {
-        let mut at = 0;
-        while at < len as usize {
-            let n = chunk.min(len as usize - at);
-            // The tokens at..at + n of request `req` as the new tokens of a step: its own row.
-            let row = &table[req * stride..(req + 1) * stride];
-            let step = shard.shard_step(&[0, n as i32], &[(at + n) as i32], row, stride, spec.block_size, spec.num_blocks)?;
-            let slots = r.stream.clone_htod(&step.slot_mapping)?;
-            let rows = RowsDesc::contiguous(n, spec.num_kv_heads, spec.head_size);
-            let s = &r.stream;
-            let w = KvWrite {
-                key: DevIn::new(k, s),
-                key_rows: rows,
-                value: DevIn::new(v, s),
-                value_rows: rows,
-                slot_mapping: DevIn::new(&slots, s),
-                cache: DevOut::new(&mut cache, s),
-                spec,
-                scales: scales.map(|(ks, vs)| KvScales { k: DevIn::new(ks, s), v: DevIn::new(vs, s) }),
-            };
-            reshape_and_cache(&r.dev, &r.stream, w, &mut r.status)?;
-            at += n;
-        }
+    for (n, slots) in context_chunks(shard, seq_lens, (table, stride), (spec.block_size, spec.num_blocks), chunk)? {
+        let slots = r.stream.clone_htod(&slots)?;
+        let rows = RowsDesc::contiguous(n, spec.num_kv_heads, spec.head_size);
+        let s = &r.stream;
+        let w = KvWrite {
+            key: DevIn::new(k, s),
+            key_rows: rows,
+            value: DevIn::new(v, s),
+            value_rows: rows,
+            slot_mapping: DevIn::new(&slots, s),
+            cache: DevOut::new(&mut cache, s),
+            spec,
+            scales: scales.map(|(ks, vs)| KvScales { k: DevIn::new(ks, s), v: DevIn::new(vs, s) }),
+        };
+        reshape_and_cache(&r.dev, &r.stream, w, &mut r.status)?;
     }
     r.status.take(&r.stream)?.into_result()?;
     Ok(cache)
@@ -271,16 +285,9 @@ fn run_check<C: Element>(r: &mut Rank, c: &Check) -> Result<CheckOut> {
         let spec1 = KvCacheSpec::new(KvLayout::FlashNhd, blocks1, BS, c.hkv, D)?;
         let mut cache1 = vec![C::from_f32(0.0); spec1.num_elements()];
         let host_scales = c.fp8.then_some(cpu::HostScales::Tensor(ks_h[0], vs_h[0]));
-        for (req, &len) in c.seq_lens.iter().enumerate() {
-            let mut at = 0;
-            while at < len as usize {
-                let m = chunk.min(len as usize - at);
-                let row = &tab1[req * stride1..(req + 1) * stride1];
-                let step = one.shard_step(&[0, m as i32], &[(at + m) as i32], row, stride1, BS, blocks1)?;
-                let rows = RowsDesc::contiguous(m, c.hkv, D);
-                cpu::reshape_and_cache(&k_h, rows, &v_h, rows, &step.slot_mapping, &mut cache1, &spec1, host_scales)?;
-                at += m;
-            }
+        for (m, slots) in context_chunks(one, &c.seq_lens, (&tab1, stride1), (BS, blocks1), chunk)? {
+            let rows = RowsDesc::contiguous(m, c.hkv, D);
+            cpu::reshape_and_cache(&k_h, rows, &v_h, rows, &slots, &mut cache1, &spec1, host_scales)?;
         }
         let want = cpu::paged_decode(&cpu::DecodeRef {
             q: &q,
@@ -538,28 +545,21 @@ fn write_latents(
     (kv_c, k_pe, chunk): (&CudaSlice<bf16>, &CudaSlice<bf16>, usize),
 ) -> Result<CudaSlice<bf16>> {
     let mut cache: CudaSlice<bf16> = r.stream.alloc_zeros(spec.num_elements())?;
-    for (req, &len) in seq_lens.iter().enumerate() {
-        let mut at = 0;
-        while at < len as usize {
-            let n = chunk.min(len as usize - at);
-            let row = &table[req * stride..(req + 1) * stride];
-            let step = shard.shard_step(&[0, n as i32], &[(at + n) as i32], row, stride, spec.block_size, spec.num_blocks)?;
-            let slots = r.stream.clone_htod(&step.slot_mapping)?;
-            let s = &r.stream;
-            let w = MlaWrite {
-                kv_c: DevIn::new(kv_c, s),
-                kv_c_token_stride: spec.latent_dim,
-                k_pe: DevIn::new(k_pe, s),
-                k_pe_token_stride: spec.rope_dim,
-                num_tokens: n,
-                slot_mapping: DevIn::new(&slots, s),
-                cache: DevOut::new(&mut cache, s),
-                spec,
-                scale: None,
-            };
-            concat_and_cache_mla(&r.dev, &r.stream, w, &mut r.status)?;
-            at += n;
-        }
+    for (n, slots) in context_chunks(shard, seq_lens, (table, stride), (spec.block_size, spec.num_blocks), chunk)? {
+        let slots = r.stream.clone_htod(&slots)?;
+        let s = &r.stream;
+        let w = MlaWrite {
+            kv_c: DevIn::new(kv_c, s),
+            kv_c_token_stride: spec.latent_dim,
+            k_pe: DevIn::new(k_pe, s),
+            k_pe_token_stride: spec.rope_dim,
+            num_tokens: n,
+            slot_mapping: DevIn::new(&slots, s),
+            cache: DevOut::new(&mut cache, s),
+            spec,
+            scale: None,
+        };
+        concat_and_cache_mla(&r.dev, &r.stream, w, &mut r.status)?;
     }
     r.status.take(&r.stream)?.into_result()?;
     Ok(cache)
