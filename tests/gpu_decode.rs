@@ -552,6 +552,34 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("bf16_bf16::long_window_edges_gqa16".into(), Case { q_heads: 32, kv_heads: 2, ..edges(1, 4093) }, "bf16_bf16");
     push("f16_f16::gqa16_d64_split_fixed_3".into(), Case { head_size: 64, split: SplitMode::Fixed(3), ..gqa16(&[2000, 77]) }, "f16_f16");
     push("bf16_bf16::gqa16_d256".into(), Case { head_size: 256, ..gqa16(&[2000, 77]) }, "bf16_bf16");
+    // 16 splits or more merge in two levels inside pass 1 (`attn_math::params::merge_group_splits`):
+    // groups of splits, a last group of one, splits a window empties, speculative tokens'
+    // rows, equal splits (no plan on the device), the 16-row kernels at widths 64 to 128.
+    push(
+        "bf16_bf16::two_level_merge_132".into(),
+        Case { split: SplitMode::Fixed(132), sinks: true, ..gqa16(&[20000, 1, 8000]) },
+        "bf16_bf16",
+    );
+    push("bf16_fp8::two_level_merge_gqa16_40".into(), Case { split: SplitMode::Fixed(40), ..gqa16(&[9000, 333, 2100]) }, "bf16_fp8");
+    push(
+        "bf16_bf16::two_level_merge_17".into(),
+        Case { split: SplitMode::Fixed(17), alibi: true, ..Case::base(&[4097, 5, 3001]) },
+        "bf16_bf16",
+    );
+    push(
+        "bf16_bf16::two_level_merge_window_empties".into(),
+        Case { split: SplitMode::Fixed(33), window: Some(300), sinks: true, ..Case::base(&[20000, 9000]) },
+        "bf16_bf16",
+    );
+    push(
+        "f16_f16::two_level_merge_spec_3".into(),
+        Case { split: SplitMode::Fixed(24), q_lens: vec![3, 1], ..Case::base(&[6000, 2500]) },
+        "f16_f16",
+    );
+    push("bf16_bf16::two_level_merge_uniform".into(), Case { split: SplitMode::Fixed(20), ..Case::base(&[5000; 3]) }, "bf16_bf16");
+    push("f16_fp8::two_level_merge_uniform_30".into(), Case { split: SplitMode::Fixed(30), ..Case::base(&[7001; 2]) }, "f16_fp8");
+    push("f16_f16::two_level_merge_gqa16_d96".into(), Case { head_size: 96, split: SplitMode::Fixed(17), ..gqa16(&[3001, 40]) }, "f16_f16");
+    push("bf16_bf16::two_level_merge_gqa16_d64_planned".into(), Case { head_size: 64, planned: true, ..gqa16(&[60000, 3]) }, "bf16_bf16");
     v
 }
 

@@ -153,7 +153,7 @@ fn uniform_splits_are_derived_from_the_cta_index() {
 
 #[test]
 fn merge_counters_are_distinct_and_fit_the_workspace() {
-    use attn_math::params::merge_counter_index;
+    use attn_math::params::{merge_counter_index, merge_group_counter_index, merge_group_splits};
     let mut rng = SmallRng::seed_from_u64(21);
     for iter in 0..300 {
         let lens: Vec<i32> = random_lens(&mut rng).into_iter().map(|l| l as i32).collect();
@@ -164,7 +164,8 @@ fn merge_counters_are_distinct_and_fit_the_workspace() {
         q_lens.iter().for_each(|q| qsl.push(qsl.last().unwrap() + q));
         let batch = DecodeBatch { seq_lens: &lens, query_start_loc: &qsl };
         let hq = (kv_heads * group) as usize;
-        let mode = if rng.random_bool(0.5) { SplitMode::Auto } else { SplitMode::Fixed(rng.random_range(1..40)) };
+        // Up to 300 splits: the two-level merge's group counters from 16 on.
+        let mode = if rng.random_bool(0.5) { SplitMode::Auto } else { SplitMode::Fixed(rng.random_range(1..300)) };
         let capacity = rng.random_range(1..200_000usize);
         let shape = TcShape { block_m: attn_math::keys_rows::WIDE_ROWS, ..TcShape::attention(128, 128, true, false, kv_heads) };
         let plan = plan_decode_tc(&batch, hq, group, shape, 264, 264, mode, capacity);
@@ -172,9 +173,15 @@ fn merge_counters_are_distinct_and_fit_the_workspace() {
         let mut seen = std::collections::HashSet::new();
         for (r, &splits) in plan.req_num_splits.iter().enumerate().filter(|(_, &s)| s > 1) {
             for h in 0..kv_heads {
-                let i = merge_counter_index(plan.req_partial_base[r] as u64, hq as u32, group, h);
-                assert!(seen.insert(i), "iter {iter}: request {r} kv head {h}: counter {i} taken ({splits} splits)");
-                assert!((i as usize) < plan.partial_rows / 2 + 1 && plan.partial_rows <= capacity, "iter {iter}: counter {i}");
+                let base = plan.req_partial_base[r] as u64;
+                let per_group = merge_group_splits(splits);
+                let groups = if per_group < splits { splits.div_ceil(per_group) } else { 0 };
+                let counters = std::iter::once(merge_counter_index(base, hq as u32, group, h))
+                    .chain((0..groups).map(|g| merge_group_counter_index(base, hq as u32, group, h, g)));
+                for i in counters {
+                    assert!(seen.insert(i), "iter {iter}: request {r} kv head {h}: counter {i} taken ({splits} splits)");
+                    assert!((i as usize) < plan.partial_rows / 2 + 1 && plan.partial_rows <= capacity, "iter {iter}: counter {i}");
+                }
             }
         }
     }

@@ -195,7 +195,7 @@ pub(crate) fn decode_kernel_id(q: DType, rows: CacheRows, d: u32, group: u32, ma
     let keys_rows = kernel == DecodeKernel::TensorCoreKeys
         && if fp8 { keys_rows::FP8_HEAD_SIZES.contains(&d) } else { !wide || keys_rows::WIDE_HEAD_SIZES.contains(&d) };
     // Batches with long requests: the deep-pipeline FP8 kernels (`keys_rows::FP8_LONG_KEYS`; and
-    // every FP8 `_r16` kernel), the two-CTA 16-bit ones at width 128 (`keys_rows::HALF_LONG_KEYS`).
+    // every FP8 `_r16` kernel, whatever its CTAs an SM), the two-CTA 16-bit ones at width 128 (`keys_rows::HALF_LONG_KEYS`).
     let long = if fp8 { max_len >= keys_rows::FP8_LONG_KEYS || wide } else { d == 128 && !wide && max_len >= keys_rows::HALF_LONG_KEYS };
     let id = match kernel {
         DecodeKernel::TensorCoreKeys if keys_rows => KernelId::DecodeKr { q, rows, long, wide, head_size: d },

@@ -5,7 +5,7 @@
 //! columns, so GQA up to 8 uses every row the tensor cores compute: half the MMAs, accumulators
 //! and softmax work of a 16-row S tile, which leaves the memory pipeline more of each tile's time.
 //! 9 to 16 rows per kv head (GQA 16) take the `_r16` kernels (16-bit caches up to head size 128,
-//! FP8 in the deep-pipeline form): two column groups of 8 rows over each staged slab, each K and V
+//! FP8 at 64 and 128, named as the long FP8 kernels): two column groups of 8 rows over each staged slab, each K and V
 //! fragment loaded once for both, so the keys are read once for 16 rows. (Two 8-row CTAs per kv head reading the same keys through L2 measured 20% slower than
 //! the 16-row `decode_tc` CTA: each of the pair must stream the whole rate.)
 
@@ -15,9 +15,9 @@ use crate::prefill::{ROW_PAD, WARPS};
 pub const MAX_ROWS: u32 = 8;
 /// Query rows a CTA of the `_r16` kernels takes (two column groups).
 pub const WIDE_ROWS: u32 = 16;
-/// The head sizes the `_r16` kernels run at from 16-bit caches (FP8: [`FP8_HEAD_SIZES`], two
-/// CTAs per SM): their two groups' accumulators fit the registers of two CTAs per SM up to head
-/// size 128.
+/// The head sizes the `_r16` kernels run at from 16-bit caches (FP8: [`FP8_HEAD_SIZES`]): their
+/// two groups' accumulators fit the registers of two CTAs per SM up to head size 128 (three at
+/// 64 and 96, [`ctas_per_sm`]).
 pub const WIDE_HEAD_SIZES: [u32; 3] = [64, 96, 128];
 /// Keys a warp takes of each tile (the MMA's m).
 pub const WARP_KEYS: u32 = 16;
@@ -62,18 +62,25 @@ pub const HALF_LONG_KEYS: u32 = 2048;
 /// stages, H200 1.06-1.23x below 1024 keys, docs/decode.md); four at width 64 for FP8 short
 /// batches and 16-bit rows at 8 rows a CTA, whose small slabs (2 and 4 KB) set their pace by the
 /// per-slab work more than by the bytes (H200: 16-bit 1.03x at 64 x 4096, 1.15x at 256 x 1024,
-/// 1.5x at 64 x 256; FP8 1.17x, 1.21x at 512 x 512, 1.5x). `xtask`'s launch bounds cap their
+/// 1.5x at 64 x 256; FP8 1.17x, 1.21x at 512 x 512, 1.5x). The `_r16` kernels (16 rows) take
+/// three where their registers allow it and it paid (H200, 32 q / 2 kv heads): 16-bit at widths
+/// 64 and 96 (1.21-1.28x and 1.06x), FP8 at width 128 (1.05-1.10x); 16-bit at 128 spilled and
+/// lost a quarter, FP8 at 64 neither gained nor lost. `xtask`'s launch bounds cap their
 /// registers.
 pub const fn ctas_per_sm(d: u32, fp8: bool, long: bool, rows: u32) -> u32 {
+    if rows > MAX_ROWS {
+        return match (fp8, d) {
+            (false, 64 | 96) | (true, 128) => 3,
+            _ => 2,
+        };
+    }
     match (fp8, long) {
-        // FP8: the deep pipeline (long requests, and every `_r16` kernel), else short batches'.
+        // FP8: the deep pipeline (long requests), else short batches'.
         (true, true) => 2,
         (true, false) if d <= 64 => 4,
         (true, false) => 3,
-        // 16-bit: width 256 alone; 16 rows two; 8 rows four at width 64, three for short
-        // batches at 128.
+        // 16-bit: width 256 alone; four at width 64, three for short batches at 128.
         (false, _) if d > 128 => 1,
-        (false, _) if rows > MAX_ROWS => 2,
         (false, _) if d <= 64 => 4,
         (false, false) if d == 128 => 3,
         (false, _) => 2,
@@ -153,13 +160,15 @@ mod tests {
         assert_eq!(stages(128, true, ctas_per_sm(128, true, false, MAX_ROWS)), 4);
         assert_eq!(stages(64, false, ctas_per_sm(64, false, false, MAX_ROWS)), 3);
         assert_eq!(stages(64, true, ctas_per_sm(64, true, false, MAX_ROWS)), 6);
-        assert_eq!(ctas_per_sm(64, false, false, WIDE_ROWS), 2);
+        assert_eq!(ctas_per_sm(64, false, false, WIDE_ROWS), 3);
         // (head size, FP8, long, rows) -> CTAs per SM.
         for (d, fp8, long, rows, ctas) in [
             (64, true, false, MAX_ROWS, 4),
             (128, true, false, MAX_ROWS, 3),
             (64, true, true, MAX_ROWS, 2),
-            (128, true, true, WIDE_ROWS, 2),
+            (128, true, true, WIDE_ROWS, 3),
+            (64, true, true, WIDE_ROWS, 2),
+            (96, false, false, WIDE_ROWS, 3),
             (64, false, false, MAX_ROWS, 4),
             (96, false, false, MAX_ROWS, 2),
             (128, false, false, MAX_ROWS, 3),

@@ -509,6 +509,40 @@ pub fn merge_counter_index(partial_base: u64, num_q_heads: u32, group: u32, kv_h
     partial_base / (2 * num_q_heads as u64) * kv_heads + kv_head as u64
 }
 
+/// From this many splits an item's merge in pass 1 runs in two levels
+/// ([`merge_group_splits`]): the last CTA of each group of splits combines the group, and the
+/// last group the groups. One CTA folding every partial reads them four at a time, one round
+/// trip to L2 each: at 132 splits (one request, GQA 16) that tail was about 25 us of a 60 us
+/// call on an H200 (docs/decode.md).
+pub const TWO_LEVEL_MERGE_SPLITS: u32 = 16;
+
+/// Splits per group of an item's merge in pass 1: all `num_splits` (one level) below
+/// [`TWO_LEVEL_MERGE_SPLITS`], else ceil(sqrt(num_splits)), so that both levels fold about as
+/// many partials.
+#[inline(always)]
+pub const fn merge_group_splits(num_splits: u32) -> u32 {
+    if num_splits < TWO_LEVEL_MERGE_SPLITS {
+        return num_splits;
+    }
+    let mut g = 4;
+    while g * g < num_splits {
+        g += 1;
+    }
+    g
+}
+
+/// The arrival counter of group `g` of a split work item's two-level merge: the `g + 1`-th
+/// value after [`merge_counter_index`]'s in the item's own span. A request of `n` splits and
+/// `q` query tokens holds `n q num_q_heads` partial rows, so the next split request's counter
+/// lies at least `floor(n q / 2)` values on; its `ceil(n / ceil(sqrt n))` groups take fewer
+/// than that from 16 splits on ([`TWO_LEVEL_MERGE_SPLITS`]), and stay below
+/// `partial_rows / (2 group)` with the item's own counter.
+#[inline(always)]
+pub fn merge_group_counter_index(partial_base: u64, num_q_heads: u32, group: u32, kv_head: u32, g: u32) -> u64 {
+    let kv_heads = (num_q_heads / group) as u64;
+    (partial_base / (2 * num_q_heads as u64) + 1 + g as u64) * kv_heads + kv_head as u64
+}
+
 /// A TMA tensor map (the driver's `CUtensorMap`): 128 opaque bytes encoded on the host
 /// (`cuTensorMapEncodeTiled`) and read by `cp.async.bulk.tensor` where they lie, here in the
 /// kernel's parameters, at a 64-byte aligned address. rustc's nvptx kernel ABI takes no

@@ -112,8 +112,8 @@ prefill_local_kernels!(Bf16, "bf16": 64, 96, 128, 256);
 // Keys-as-rows decode (`crate::attention::keys_rows`), up to 8 rows per kv head:
 // `decode_kr_<q>[_long]_d<head_size>` (16-bit caches; `_long` at 128 only) and
 // `decode_kr_<q><fp8>[_long]_d<head_size>`; up to 16: `decode_kr_<q>_r16_d<head_size>` (16-bit
-// caches) and `decode_kr_<q><fp8>_long_r16_d<head_size>` (FP8: two CTAs per SM, whose registers
-// hold the two column groups).
+// caches) and `decode_kr_<q><fp8>_long_r16_d<head_size>` (FP8, every length; CTAs per SM:
+// `attn_math::keys_rows::ctas_per_sm`).
 macro_rules! keys_rows_kernels {
     ($q:ident, $qname:literal: $($d:literal),*; long: $($dl:literal),*; r16: $($d16:literal),*; fp8: $($d8:literal),*) => {
         $(
