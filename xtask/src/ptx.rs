@@ -134,8 +134,8 @@ fn with_tensor_map_params(ptx: &str) -> String {
 /// suffix, threads, min_ctas): decode from an FP8 cache (E4M3 or E5M2) at head sizes 64 and 128 (the
 /// kernels' `fp8_direct`), whose shared memory allows three CTAs per SM and whose registers
 /// would otherwise allow two; the 16-bit keys-as-rows decode of 8 rows for short batches at
-/// width 128, three, and at width 64, four; the 16-row (`_r16`) ones at 16-bit widths 64 and 96 and
-/// FP8 width 128, three (`attn_math::keys_rows::ctas_per_sm`); and the
+/// width 128, three, and at width 64, four; the 16-row (`_r16`) ones at 16-bit width 64, three
+/// (`attn_math::keys_rows::ctas_per_sm`); and the
 /// warp-specialised Hopper prefill. rustc has no launch-bounds attribute for nvptx, so the
 /// directives are added to the PTX here; `ptxas` then limits registers to fit.
 const LAUNCH_BOUNDS: &[(&str, &str, u32, u32)] = &[
@@ -156,9 +156,6 @@ const LAUNCH_BOUNDS: &[(&str, &str, u32, u32)] = &[
     ("decode_kr_bf16_d128", "", 128, 3),
     ("decode_kr_bf16_r16_d64", "", 128, 3),
     ("decode_kr_f16_r16_d64", "", 128, 3),
-    ("decode_kr_bf16_r16_d96", "", 128, 3),
-    ("decode_kr_f16_r16_d96", "", 128, 3),
-    ("decode_kr_", "_long_r16_d128", 128, 3),
     ("decode_kr_f16_d128", "", 128, 3),
     // Three warpgroups (`attn_math::hopper_prefill::WS_THREADS`) start at 168 registers a
     // thread; `setmaxnreg` then moves registers from the producer to the compute warps.

@@ -17,7 +17,7 @@ pub const MAX_ROWS: u32 = 8;
 pub const WIDE_ROWS: u32 = 16;
 /// The head sizes the `_r16` kernels run at from 16-bit caches (FP8: [`FP8_HEAD_SIZES`]): their
 /// two groups' accumulators fit the registers of two CTAs per SM up to head size 128 (three at
-/// 64 and 96, [`ctas_per_sm`]).
+/// 64, [`ctas_per_sm`]).
 pub const WIDE_HEAD_SIZES: [u32; 3] = [64, 96, 128];
 /// Keys a warp takes of each tile (the MMA's m).
 pub const WARP_KEYS: u32 = 16;
@@ -63,16 +63,13 @@ pub const HALF_LONG_KEYS: u32 = 2048;
 /// batches and 16-bit rows at 8 rows a CTA, whose small slabs (2 and 4 KB) set their pace by the
 /// per-slab work more than by the bytes (H200: 16-bit 1.03x at 64 x 4096, 1.15x at 256 x 1024,
 /// 1.5x at 64 x 256; FP8 1.17x, 1.21x at 512 x 512, 1.5x). The `_r16` kernels (16 rows) take
-/// three where their registers allow it and it paid (H200, 32 q / 2 kv heads): 16-bit at widths
-/// 64 and 96 (1.21-1.28x and 1.06x), FP8 at width 128 (1.05-1.10x); 16-bit at 128 spilled and
-/// lost a quarter, FP8 at 64 neither gained nor lost. `xtask`'s launch bounds cap their
-/// registers.
+/// three at 16-bit width 64 (H200, 32 q / 2 kv heads: 1.22-1.28x per call, 0.99-1.10x alone),
+/// two elsewhere: at three, width 96 and FP8 width 128 spilled a little and gained per call
+/// but not alone (0.89-1.05x), 16-bit width 128 spilled in its key loop and lost a quarter
+/// (docs/decode.md). `xtask`'s launch bounds cap their registers.
 pub const fn ctas_per_sm(d: u32, fp8: bool, long: bool, rows: u32) -> u32 {
     if rows > MAX_ROWS {
-        return match (fp8, d) {
-            (false, 64 | 96) | (true, 128) => 3,
-            _ => 2,
-        };
+        return if !fp8 && d <= 64 { 3 } else { 2 };
     }
     match (fp8, long) {
         // FP8: the deep pipeline (long requests), else short batches'.
@@ -166,9 +163,9 @@ mod tests {
             (64, true, false, MAX_ROWS, 4),
             (128, true, false, MAX_ROWS, 3),
             (64, true, true, MAX_ROWS, 2),
-            (128, true, true, WIDE_ROWS, 3),
+            (128, true, true, WIDE_ROWS, 2),
             (64, true, true, WIDE_ROWS, 2),
-            (96, false, false, WIDE_ROWS, 3),
+            (96, false, false, WIDE_ROWS, 2),
             (64, false, false, MAX_ROWS, 4),
             (96, false, false, MAX_ROWS, 2),
             (128, false, false, MAX_ROWS, 3),
