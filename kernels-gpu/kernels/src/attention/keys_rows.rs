@@ -311,9 +311,10 @@ impl<K: CacheFormat, const D: usize> SlabFormat<D> for Fp8Rows<K> {
         let mut acc = [[[0.0f32; 4]; 2]; G];
         static_for::<16>(|ks| {
             if ks < D / 16 {
-                let cvt = |w: u32| Self::M::from_fp8x2::<K::Fp8>(w);
-                let (w0, w1) = (run[0][ks], run[1][ks]);
-                let a = [cvt(w0 & 0xffff), cvt(w1 & 0xffff), cvt(w0 >> 16), cvt(w1 >> 16)];
+                // Each word's byte pairs converted as its 16-bit halves (no shifts or masks).
+                let [k0_lo, k0_hi] = Self::M::from_fp8x4::<K::Fp8>(run[0][ks]);
+                let [k1_lo, k1_hi] = Self::M::from_fp8x4::<K::Fp8>(run[1][ks]);
+                let a = [k0_lo, k1_lo, k0_hi, k1_hi];
                 static_for::<G>(|c| acc[c][ks % 2] = Self::M::mma(a, q[c][ks][0], q[c][ks][1], acc[c][ks % 2]));
             }
         });
@@ -336,11 +337,16 @@ impl<K: CacheFormat, const D: usize> SlabFormat<D> for Fp8Rows<K> {
                 let pairs = |x: u32, y: u32| [byte_perm(x, y, 0x5140), byte_perm(x, y, 0x7362)];
                 let a_lo = [pairs(run[0][0][m], run[1][0][m]), pairs(run[0][1][m], run[1][1][m])];
                 let a_hi = [pairs(run[2][0][m], run[3][0][m]), pairs(run[2][1][m], run[3][1][m])];
-                static_for::<4>(|d| {
-                    let pick = |w: [u32; 2]| Self::M::from_fp8x2::<K::Fp8>((w[d / 2] >> (16 * (d % 2) as u32)) & 0xffff);
-                    let a = [pick(a_lo[0]), pick(a_lo[1]), pick(a_hi[0]), pick(a_hi[1])];
-                    let mt = 4 * m + d;
-                    static_for::<G>(|c| o[c][mt] = Self::M::mma(a, b[c][0], b[c][1], o[c][mt]));
+                // m-tiles 4m + 2i and 4m + 2i + 1 are the 16-bit halves of word i of each pair,
+                // converted together (no shifts or masks).
+                static_for::<2>(|i| {
+                    let cvt = |w: [u32; 2]| Self::M::from_fp8x4::<K::Fp8>(w[i]);
+                    let (lo0, lo1, hi0, hi1) = (cvt(a_lo[0]), cvt(a_lo[1]), cvt(a_hi[0]), cvt(a_hi[1]));
+                    static_for::<2>(|h| {
+                        let a = [lo0[h], lo1[h], hi0[h], hi1[h]];
+                        let mt = 4 * m + 2 * i + h;
+                        static_for::<G>(|c| o[c][mt] = Self::M::mma(a, b[c][0], b[c][1], o[c][mt]));
+                    });
                 });
             }
         });

@@ -257,8 +257,9 @@ impl<C: AttnConfig, const V: bool> Plane<C, V> {
                 let (live, r, c) = at(i0 + j as u32);
                 if i0 + (j as u32) < passes && live {
                     let mut half = [0u32; 8];
-                    static_for::<8>(|e| {
-                        half[e] = C::M::from_fp8x2::<<C::Cache as CacheFormat>::Fp8>((raw[j][e / 2] >> (16 * (e % 2))) & 0xffff)
+                    static_for::<4>(|w| {
+                        let [lo, hi] = C::M::from_fp8x4::<<C::Cache as CacheFormat>::Fp8>(raw[j][w]);
+                        (half[2 * w], half[2 * w + 1]) = (lo, hi);
                     });
                     let to = tile + r * pitch + c * 32;
                     unsafe { st_shared_v4(to, [half[0], half[1], half[2], half[3]]) };

@@ -322,6 +322,13 @@ impl FromFp8 for Bf16 {
         let (lo, hi) = f16x2_to_f32(F::to_f16x2(pair));
         Bf16::pack2(lo, hi)
     }
+    #[inline(always)]
+    fn convert4<F: Fp8Format>(quad: u32) -> [u32; 2] {
+        F::to_f16x4(quad).map(|h| {
+            let (lo, hi) = f16x2_to_f32(h);
+            Bf16::pack2(lo, hi)
+        })
+    }
 }
 
 /// The shared-memory (state space) address of a generic pointer into shared memory.
