@@ -314,20 +314,22 @@ impl FromFp8 for F16 {
     }
 }
 
+/// An f16 pair as a bf16 pair, through f32: every E4M3 and E5M2 value (over the unpack scale) is
+/// exact in all three.
+#[inline(always)]
+fn bf16x2_of_f16x2(h: u32) -> u32 {
+    let (lo, hi) = f16x2_to_f32(h);
+    Bf16::pack2(lo, hi)
+}
+
 impl FromFp8 for Bf16 {
     #[inline(always)]
     fn convert<F: Fp8Format>(pair: u32) -> u32 {
-        // Through f16 and f32: every E4M3 and E5M2 value (over the unpack scale) is exact in
-        // all three.
-        let (lo, hi) = f16x2_to_f32(F::to_f16x2(pair));
-        Bf16::pack2(lo, hi)
+        bf16x2_of_f16x2(F::to_f16x2(pair))
     }
     #[inline(always)]
     fn convert4<F: Fp8Format>(quad: u32) -> [u32; 2] {
-        F::to_f16x4(quad).map(|h| {
-            let (lo, hi) = f16x2_to_f32(h);
-            Bf16::pack2(lo, hi)
-        })
+        F::to_f16x4(quad).map(bf16x2_of_f16x2)
     }
 }
 
