@@ -552,6 +552,14 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("bf16_bf16::long_window_edges_gqa16".into(), Case { q_heads: 32, kv_heads: 2, ..edges(1, 4093) }, "bf16_bf16");
     push("f16_f16::gqa16_d64_split_fixed_3".into(), Case { head_size: 64, split: SplitMode::Fixed(3), ..gqa16(&[2000, 77]) }, "f16_f16");
     push("bf16_bf16::gqa16_d256".into(), Case { head_size: 256, ..gqa16(&[2000, 77]) }, "bf16_bf16");
+    // FP8 at width 256: up to 8 rows the deep-pipeline keys-as-rows kernel (planned split-K,
+    // merged in the kernel), 16 rows the 16-row score tiles.
+    push("bf16_fp8::gqa16_d256".into(), Case { head_size: 256, ..gqa16(&[2000, 77]) }, "bf16_fp8");
+    push(
+        "f16_fp8::long_planned_sinks_d256".into(),
+        Case { head_size: 256, q_heads: 16, kv_heads: 2, planned: true, sinks: true, ..Case::base(&[6000, 1, 2047]) },
+        "f16_fp8",
+    );
     // 16 splits or more merge in two levels inside pass 1 (`attn_math::params::merge_group_splits`):
     // groups of splits, a last group of one, splits a window empties, speculative tokens'
     // rows, equal splits (no plan on the device), the 16-row kernels at widths 64 to 128.

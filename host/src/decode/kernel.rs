@@ -189,14 +189,15 @@ pub(crate) fn decode_kernel_id(q: DType, rows: CacheRows, d: u32, group: u32, ma
     let kernel = DecodeKernel::tensor_cores(max_q * group);
     // The keys-split CTAs with the score tile transposed (`decode_kr_*`: keys on the MMA's rows,
     // half the math per tile): up to 8 rows per kv head from 16-bit caches and FP8 at head sizes
-    // 64 and 128, up to 16 (two column groups) from 16-bit caches up to head size 128 and from
-    // FP8 at 64 and 128 (in the deep-pipeline form, whose two CTAs per SM have the registers).
+    // 64, 128 and 256, up to 16 (two column groups) from 16-bit caches up to head size 128 and
+    // from FP8 at 64 and 128 (in the deep-pipeline form, whose two CTAs per SM have the registers).
     let wide = max_q * group > keys_rows::MAX_ROWS;
     let keys_rows = kernel == DecodeKernel::TensorCoreKeys
-        && if fp8 { keys_rows::FP8_HEAD_SIZES.contains(&d) } else { !wide || keys_rows::WIDE_HEAD_SIZES.contains(&d) };
-    // Batches with long requests: the deep-pipeline FP8 kernels (`keys_rows::FP8_LONG_KEYS`; and
-    // every FP8 `_r16` kernel, whatever its CTAs an SM), the two-CTA 16-bit ones at width 128 (`keys_rows::HALF_LONG_KEYS`).
-    let long = if fp8 { max_len >= keys_rows::FP8_LONG_KEYS || wide } else { d == 128 && !wide && max_len >= keys_rows::HALF_LONG_KEYS };
+        && if fp8 { keys_rows::fp8_keys_rows(d, wide) } else { !wide || keys_rows::WIDE_HEAD_SIZES.contains(&d) };
+    // Batches with long requests: the deep-pipeline FP8 kernels (`keys_rows::fp8_long`: from
+    // `FP8_LONG_KEYS`, every FP8 `_r16` kernel whatever its CTAs an SM, and width 256's only
+    // kernel), the two-CTA 16-bit ones at width 128 (`keys_rows::HALF_LONG_KEYS`).
+    let long = if fp8 { keys_rows::fp8_long(d, max_len, wide) } else { d == 128 && !wide && max_len >= keys_rows::HALF_LONG_KEYS };
     let id = match kernel {
         DecodeKernel::TensorCoreKeys if keys_rows => KernelId::DecodeKr { q, rows, long, wide, head_size: d },
         DecodeKernel::TensorCoreKeys => KernelId::DecodeTc { q, rows, head_size: d },
@@ -227,7 +228,8 @@ mod tests {
     use super::*;
 
     /// The decode kernel of each kind of batch: keys as rows up to 8 rows per kv head (FP8 at
-    /// head sizes 64 and 128 only, the deep pipeline from `FP8_LONG_KEYS` keys) and up to 16
+    /// head sizes 64, 128 and 256, the deep pipeline from `FP8_LONG_KEYS` keys and always at
+    /// 256) and up to 16
     /// from 16-bit caches up to head size 128, else keys split across warps up to 16, the
     /// prefill kernel above.
     #[test]
@@ -242,7 +244,11 @@ mod tests {
         assert_eq!(name(false, 256, 8, 1, 100), "decode_kr_bf16_d256");
         assert_eq!(name(true, 128, 4, 2, long - 1), "decode_kr_bf16_fp8_d128");
         assert_eq!(name(true, 64, 4, 2, long), "decode_kr_bf16_fp8_long_d64");
-        assert_eq!(name(true, 256, 4, 1, long), "decode_tc_bf16_fp8_d256");
+        // FP8 at width 256: the deep-pipeline kernel at any length up to 8 rows, the 16-row
+        // score tiles above.
+        assert_eq!(name(true, 256, 4, 1, 100), "decode_kr_bf16_fp8_long_d256");
+        assert_eq!(name(true, 256, 8, 1, long), "decode_kr_bf16_fp8_long_d256");
+        assert_eq!(name(true, 256, 16, 1, 100), "decode_tc_bf16_fp8_d256");
         // FP8 rows of an odd multiple of 8 (`a8`): the `_fp8_a8` twins; E5M2 the `_e5m2` ones.
         let a8 = |d, group, max_q, max_len| {
             decode_kernel_id(DType::BF16, CacheRows::of(DType::Fp8E4m3, 72), d, group, max_q, max_len).1.entry_name()
@@ -252,10 +258,11 @@ mod tests {
         };
         assert_eq!(e5m2(128, 4, 1, 100), "decode_kr_bf16_e5m2_d128");
         assert_eq!(e5m2(64, 16, 1, 100), "decode_kr_bf16_e5m2_long_r16_d64");
-        assert_eq!(e5m2(256, 4, 1, long), "decode_tc_bf16_e5m2_d256");
+        assert_eq!(e5m2(256, 4, 1, long), "decode_kr_bf16_e5m2_long_d256");
         assert_eq!(a8(128, 4, 1, 100), "decode_kr_bf16_fp8_a8_d128");
         assert_eq!(a8(64, 16, 1, 100), "decode_kr_bf16_fp8_a8_long_r16_d64");
-        assert_eq!(a8(256, 4, 1, long), "decode_tc_bf16_fp8_a8_d256");
+        assert_eq!(a8(256, 4, 1, long), "decode_kr_bf16_fp8_a8_long_d256");
+        assert_eq!(a8(256, 16, 1, long), "decode_tc_bf16_fp8_a8_d256");
         assert_eq!(name(false, 128, 4, 3, 100), "decode_kr_bf16_r16_d128");
         assert_eq!(name(false, 64, 16, 1, 100), "decode_kr_bf16_r16_d64");
         assert_eq!(name(false, 256, 16, 1, 100), "decode_tc_bf16_d256");

@@ -39,10 +39,10 @@ pub const fn width_in(d: u32, widths: &[u32]) -> Option<u32> {
     None
 }
 
-/// The width decode runs head size `d` at: with an FP8 cache up to 128 the keys-as-rows
-/// kernels' (64, 128: `crate::keys_rows::FP8_HEAD_SIZES`), whose fragments convert straight
-/// from the staged FP8 rows (the width-96 kernel converts whole tiles through shared memory and
-/// is compute-bound); else [`width`].
+/// The width decode runs head size `d` at: with an FP8 cache the keys-as-rows kernels' (64,
+/// 128, 256: `crate::keys_rows::FP8_HEAD_SIZES`), whose fragments convert straight from the
+/// staged FP8 rows (the width-96 kernel converts whole tiles through shared memory and is
+/// compute-bound); else [`width`].
 pub const fn decode_width(d: u32, fp8: bool) -> Option<u32> {
     match (fp8, width_in(d, &crate::keys_rows::FP8_HEAD_SIZES)) {
         (true, Some(w)) => Some(w),

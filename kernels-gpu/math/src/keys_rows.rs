@@ -5,7 +5,7 @@
 //! columns, so GQA up to 8 uses every row the tensor cores compute: half the MMAs, accumulators
 //! and softmax work of a 16-row S tile, which leaves the memory pipeline more of each tile's time.
 //! 9 to 16 rows per kv head (GQA 16) take the `_r16` kernels (16-bit caches up to head size 128,
-//! FP8 at 64 and 128, named as the long FP8 kernels): two column groups of 8 rows over each staged slab, each K and V
+//! FP8 at 64 and 128, named as the long FP8 kernels; FP8 runs up to 8 rows at 256 too): two column groups of 8 rows over each staged slab, each K and V
 //! fragment loaded once for both, so the keys are read once for 16 rows. (Two 8-row CTAs per kv head reading the same keys through L2 measured 20% slower than
 //! the 16-row `decode_tc` CTA: each of the pair must stream the whole rate.)
 
@@ -126,9 +126,31 @@ pub const fn layout(d: u32, fp8: bool, ctas: u32, rows: u32) -> Layout {
     Layout { ring: 0, merge: 0, merge_pitch, stats, total: if merge_end > ring { merge_end } else { ring } }
 }
 
-/// The head sizes an FP8 cache runs at (its fragments need runs of D/4 and D/16 bytes in
-/// 16-byte units).
-pub const FP8_HEAD_SIZES: [u32; 2] = [64, 128];
+/// The head sizes an FP8 cache runs at up to 8 rows a CTA (its fragments need runs of D/4 and
+/// D/16 bytes in 16-byte units). 64 and 128 in every form ([`FP8_ALL_FORMS_HEAD_SIZES`]); 256 in
+/// the deep-pipeline form only (`decode_kr_<q><fp8>_long_d256`): its queries' fragments and
+/// accumulators (96 registers a thread) leave room for neither three CTAs an SM nor two column
+/// groups, so GQA 16 at 256 takes the 16-row score tiles.
+pub const FP8_HEAD_SIZES: [u32; 3] = [64, 128, 256];
+/// The FP8 head sizes with all three keys-as-rows forms: short batches' (three or four CTAs an
+/// SM), the deep pipeline, and 16 rows a CTA (`_long_r16`).
+pub const FP8_ALL_FORMS_HEAD_SIZES: [u32; 2] = [64, 128];
+
+/// Whether an FP8 cache at width `d` has keys-as-rows kernels for `wide` (9 to 16) rows a CTA.
+pub const fn fp8_keys_rows(d: u32, wide: bool) -> bool {
+    match d {
+        64 | 128 => true,
+        256 => !wide,
+        _ => false,
+    }
+}
+
+/// Whether an FP8 batch at width `d` runs the deep-pipeline kernel: its longest request has
+/// `max_len` keys (from [`FP8_LONG_KEYS`]; 0 where the device runs the short batches' kernels at
+/// every length), it has 16 rows a CTA, or the width has no other form.
+pub const fn fp8_long(d: u32, max_len: u32, wide: bool) -> bool {
+    max_len >= FP8_LONG_KEYS || wide || d > 128
+}
 
 #[cfg(test)]
 mod tests {
@@ -141,6 +163,12 @@ mod tests {
             for &d in sizes {
                 for (long, rows) in [(false, MAX_ROWS), (true, MAX_ROWS), (fp8, WIDE_ROWS)] {
                     if rows == WIDE_ROWS && !fp8 && !WIDE_HEAD_SIZES.contains(&d) {
+                        continue;
+                    }
+                    if fp8
+                        && (!fp8_keys_rows(d, rows == WIDE_ROWS)
+                            || long != fp8_long(d, if long { FP8_LONG_KEYS } else { 0 }, rows == WIDE_ROWS))
+                    {
                         continue;
                     }
                     let ctas = ctas_per_sm(d, fp8, long, rows);
@@ -158,6 +186,12 @@ mod tests {
         assert_eq!(stages(64, false, ctas_per_sm(64, false, false, MAX_ROWS)), 3);
         assert_eq!(stages(64, true, ctas_per_sm(64, true, false, MAX_ROWS)), 6);
         assert_eq!(ctas_per_sm(64, false, false, WIDE_ROWS), 3);
+        assert_eq!(stages(256, true, ctas_per_sm(256, true, true, MAX_ROWS)), 3);
+        assert!(fp8_keys_rows(256, false) && !fp8_keys_rows(256, true) && !fp8_keys_rows(96, false));
+        assert!(fp8_long(256, 0, false) && !fp8_long(128, FP8_LONG_KEYS - 1, false) && fp8_long(64, 0, true));
+        for d in FP8_ALL_FORMS_HEAD_SIZES {
+            assert!(FP8_HEAD_SIZES.contains(&d) && fp8_keys_rows(d, true));
+        }
         // (head size, FP8, long, rows) -> CTAs per SM.
         for (d, fp8, long, rows, ctas) in [
             (64, true, false, MAX_ROWS, 4),
@@ -172,6 +206,7 @@ mod tests {
             (128, false, true, MAX_ROWS, 2),
             (128, false, false, WIDE_ROWS, 2),
             (256, false, false, MAX_ROWS, 1),
+            (256, true, true, MAX_ROWS, 2),
         ] {
             assert_eq!(ctas_per_sm(d, fp8, long, rows), ctas, "d{d} fp8 {fp8} long {long} rows {rows}");
         }

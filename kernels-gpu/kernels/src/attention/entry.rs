@@ -111,11 +111,11 @@ prefill_local_kernels!(Bf16, "bf16": 64, 96, 128, 256);
 
 // Keys-as-rows decode (`crate::attention::keys_rows`), up to 8 rows per kv head:
 // `decode_kr_<q>[_long]_d<head_size>` (16-bit caches; `_long` at 128 only) and
-// `decode_kr_<q><fp8>[_long]_d<head_size>`; up to 16: `decode_kr_<q>_r16_d<head_size>` (16-bit
-// caches) and `decode_kr_<q><fp8>_long_r16_d<head_size>` (FP8, every length; CTAs per SM:
-// `attn_math::keys_rows::ctas_per_sm`).
+// `decode_kr_<q><fp8>[_long]_d<head_size>` (at 256 `_long` only); up to 16:
+// `decode_kr_<q>_r16_d<head_size>` (16-bit caches) and `decode_kr_<q><fp8>_long_r16_d<head_size>`
+// (FP8 at 64 and 128, every length; CTAs per SM: `attn_math::keys_rows::ctas_per_sm`).
 macro_rules! keys_rows_kernels {
-    ($q:ident, $qname:literal: $($d:literal),*; long: $($dl:literal),*; r16: $($d16:literal),*; fp8: $($d8:literal),*) => {
+    ($q:ident, $qname:literal: $($d:literal),*; long: $($dl:literal),*; r16: $($d16:literal),*; fp8: $($d8:literal),*; fp8_long: $($d8l:literal),*) => {
         $(
             const _: () = {
                 #[unsafe(export_name = concat!("decode_kr_", $qname, "_d", $d))]
@@ -143,6 +143,17 @@ macro_rules! keys_rows_kernels {
         $(
             for_each_fp8_cache!(keys_rows_kernels!(fp8: $q, $qname, $d8,));
         )*
+        $(
+            for_each_fp8_cache!(keys_rows_kernels!(fp8_long: $q, $qname, $d8l,));
+        )*
+    };
+    (fp8_long: $q:ident, $qname:literal, $d8:literal, $cache:ident, $tag:literal) => {
+        const _: () = {
+            #[unsafe(export_name = concat!("decode_kr_", $qname, $tag, "_long_d", $d8))]
+            unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
+                unsafe { crate::attention::keys_rows::decode_keys_rows_fp8::<$q, $cache, $d8, true, 1, 8>(&p) }
+            }
+        };
     };
     (fp8: $q:ident, $qname:literal, $d8:literal, $cache:ident, $tag:literal) => {
         const _: () = {
@@ -166,8 +177,8 @@ macro_rules! keys_rows_kernels {
     };
 }
 
-keys_rows_kernels!(F16, "f16": 64, 96, 128, 256; long: 128; r16: 64, 96, 128; fp8: 64, 128);
-keys_rows_kernels!(Bf16, "bf16": 64, 96, 128, 256; long: 128; r16: 64, 96, 128; fp8: 64, 128);
+keys_rows_kernels!(F16, "f16": 64, 96, 128, 256; long: 128; r16: 64, 96, 128; fp8: 64, 128; fp8_long: 256);
+keys_rows_kernels!(Bf16, "bf16": 64, 96, 128, 256; long: 128; r16: 64, 96, 128; fp8: 64, 128; fp8_long: 256);
 
 // Prefill on Hopper's warpgroup MMA (sm_90a only): `<prefix>_<q><cache>_d<width>` running
 // `crate::attention::hopper::$module::$func::<Q, Cache, Mma, D, W>` (width `D` on shared-memory

@@ -17,7 +17,7 @@
 //! outside the cache is never read (zero-filled), masked, and reported in the status word.
 //!
 //! Two slab formats ([`SlabFormat`]): 16-bit rows in padded shared memory read with `ldmatrix`
-//! ([`HalfRows`]), and FP8 rows (head sizes 64 and 128) whose fragments are converted straight
+//! ([`HalfRows`]), and FP8 rows (head sizes 64, 128 and 256) whose fragments are converted straight
 //! from swizzled shared memory ([`Fp8Rows`], `crate::attention::fp8_direct`'s permuted head
 //! dimensions applied to the transposed tile).
 
@@ -247,7 +247,7 @@ impl<Q: MmaHalf, const D: usize> SlabFormat<D> for HalfRows<Q> {
     }
 }
 
-/// FP8 E4M3 rows (head sizes 64 and 128), swizzled in 16-byte units; fragments converted to
+/// FP8 E4M3 rows (head sizes 64, 128 and 256), swizzled in 16-byte units; fragments converted to
 /// f16 in registers. The head dimensions are permuted so that each thread's bytes are runs:
 /// - S^T: k-step `ks` of thread t4 takes dimensions `t4 * D/4 + 4 ks ..+ 4` (its k slots 2t4,
 ///   2t4 + 1, 2t4 + 8, 2t4 + 9), one run of D/4 bytes per key;
@@ -259,13 +259,15 @@ struct Fp8Rows<K>(core::marker::PhantomData<K>);
 impl<K> Fp8Rows<K> {
     /// The D/16-byte run of `key`'s row from dimension `r * D/16`, as words (4 m-tiles each).
     #[inline(always)]
-    unsafe fn v_run<const D: usize>(v: u32, key: u32, r: u32) -> [u32; 2] {
+    unsafe fn v_run<const D: usize>(v: u32, key: u32, r: u32) -> [u32; 4] {
         let at = v + swizzled(key, r * (D as u32 / 16), D as u32);
-        if D == 128 {
-            let w = unsafe { ld_shared_u64(at) };
-            [w as u32, (w >> 32) as u32]
-        } else {
-            [unsafe { ld_shared_u32(at) }, 0]
+        match D {
+            256 => unsafe { ld_shared_v4(at) },
+            128 => {
+                let w = unsafe { ld_shared_u64(at) };
+                [w as u32, (w >> 32) as u32, 0, 0]
+            }
+            _ => [unsafe { ld_shared_u32(at) }, 0, 0, 0],
         }
     }
 }
@@ -299,9 +301,9 @@ impl<K: CacheFormat, const D: usize> SlabFormat<D> for Fp8Rows<K> {
         let lane = thread_idx_x() % 32;
         let (g, t4) = (lane / 4, lane % 4);
         // Keys g and g + 8: D/4 bytes each from t4 * D/4.
-        let mut run = [[0u32; 8]; 2];
+        let mut run = [[0u32; 16]; 2];
         static_for::<2>(|j| {
-            static_for::<2>(|c| {
+            static_for::<4>(|c| {
                 if c < D / 64 {
                     let w = unsafe { ld_shared_v4(k + swizzled(g + 8 * j as u32, t4 * (D as u32 / 4) + c as u32 * 16, D as u32)) };
                     static_for::<4>(|i| run[j][4 * c + i] = w[i]);
@@ -326,12 +328,12 @@ impl<K: CacheFormat, const D: usize> SlabFormat<D> for Fp8Rows<K> {
         let lane = thread_idx_x() % 32;
         let (g, t4) = (lane / 4, lane % 4);
         // Keys 2t4, 2t4 + 1, 2t4 + 8, 2t4 + 9 (A's k slots), rows g and g + 8.
-        let mut run = [[[0u32; 2]; 2]; 4];
+        let mut run = [[[0u32; 4]; 2]; 4];
         static_for::<4>(|kk| {
             let key = 2 * t4 + (kk % 2) as u32 + 8 * (kk / 2) as u32;
             static_for::<2>(|h| run[kk][h] = unsafe { Self::v_run::<D>(v, key, g + 8 * h as u32) });
         });
-        static_for::<2>(|m| {
+        static_for::<4>(|m| {
             if m < D / 64 {
                 // Byte d of word m is m-tile 4m + d: (key, key + 1) pairs of bytes 0, 1 and 2, 3.
                 let pairs = |x: u32, y: u32| [byte_perm(x, y, 0x5140), byte_perm(x, y, 0x7362)];
@@ -603,10 +605,11 @@ pub unsafe fn decode_keys_rows_half<Q: MmaHalf, const D: usize, const LONG: bool
     unsafe { decode_keys_rows::<Q, HalfRows<Q>, D, LONG, G, R>(p) }
 }
 
-/// An FP8 E4M3 cache (head sizes 64 and 128; `K`: `config::Fp8E4M3`, or `Fp8E4M3A8` for the
-/// `_fp8_a8` kernels): `LONG` the deep-pipeline kernels (`decode_kr_<q>_fp8[_a8]_long[_r16]_d<d>`),
-/// else the three-CTA ones (`decode_kr_<q>_fp8[_a8]_d<d>`); `G` column groups of 8 rows (2 only
-/// with `LONG`), `R = 8 G` rows a CTA.
+/// An FP8 E4M3 cache (head sizes 64, 128 and 256; `K`: `config::Fp8E4M3`, or `Fp8E4M3A8` for
+/// the `_fp8_a8` kernels): `LONG` the deep-pipeline kernels (`decode_kr_<q>_fp8[_a8]_long[_r16]_d<d>`),
+/// else the three- or four-CTA ones (`decode_kr_<q>_fp8[_a8]_d<d>`); `G` column groups of 8 rows
+/// (2 only with `LONG`), `R = 8 G` rows a CTA. Width 256 has the deep-pipeline kernel of 8 rows
+/// only (`attn_math::keys_rows::FP8_ALL_FORMS_HEAD_SIZES`).
 #[inline(always)]
 pub unsafe fn decode_keys_rows_fp8<Q: MmaHalf, K: CacheFormat, const D: usize, const LONG: bool, const G: usize, const R: u32>(
     p: &AttnParams,
