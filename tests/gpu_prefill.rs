@@ -272,7 +272,8 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     // (the Hopper kernel), 80 on 96, 112 on 128 (Hopper), 136 and 200 on 256; paged and packed,
     // causal and not, chunked; FP8 caches too (the odd multiples of 8 on the `_fp8_a8`
     // kernels, whose rows are copied in 8-byte halves: 40 and 56 on the Hopper width-64
-    // kernel, 72 and 120 on its e4m3 widths 80 and 128, 136 and 200 on the `mma.sync` width 256).
+    // kernel, 72 and 120 on its e4m3 widths 80 and 128, 136 and 200 on the `mma.sync` width
+    // 256, which the Hopper width 256 leaves them: `hopper_prefill::ws_takes_a8`).
     for (d, hq, hkv) in [(40, 8, 2), (56, 4, 4), (72, 8, 2), (80, 8, 1), (112, 16, 2), (120, 8, 1), (136, 4, 2), (200, 8, 4)] {
         let case = Case { dk: d, dv: d, q_heads: hq, kv_heads: hkv, gapped: true, ..Case::base(&[17, 300, 129, 1]) };
         push(format!("bf16::gapped_head_size_{d}"), Case { sinks: true, ..case.clone() }, "bf16");
@@ -304,18 +305,20 @@ fn cases() -> Vec<(String, Case, &'static str)> {
         push(format!("bf16::d{d}_lengths_1_15_16_17_127_1000"), width(Case::base(&lens)), "bf16");
         push(format!("f16::length_{long}_gqa8_head_size_{d}"), width(Case { q_heads: 8, kv_heads: 1, ..Case::base(&[long]) }), "f16");
         push(format!("bf16::d{d}_non_causal"), width(Case { causal: false, ..Case::base(&[1, 17, 300]) }), "bf16");
-        push(
-            format!("bf16::d{d}_all_features_chunked"),
-            width(Case {
-                softcap: Some(8.0),
-                alibi: true,
-                sinks: true,
-                window: Some(64),
-                q_lens: Some(vec![3, 100, 8]),
-                ..Case::base(&[40, 500, 8])
-            }),
-            "bf16",
-        );
+        let features = width(Case {
+            softcap: Some(8.0),
+            alibi: true,
+            sinks: true,
+            window: Some(64),
+            q_lens: Some(vec![3, 100, 8]),
+            ..Case::base(&[40, 500, 8])
+        });
+        push(format!("bf16::d{d}_all_features_chunked"), features.clone(), "bf16");
+        if d == 256 {
+            // FP8 at width 256 on Hopper: the producer converts quarter-tile stages from a raw
+            // ring of three.
+            push(format!("f16_fp8::d{d}_all_features_chunked"), features, "f16_fp8");
+        }
         push(
             format!("bf16::d{d}_block_size_64_bad_block_id"),
             width(Case { block_size: 64, bad_block: true, ..Case::base(&[100, 333]) }),
@@ -329,6 +332,14 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     }
     let d64 = |c: Case| Case { dk: 64, dv: 64, ..c };
     let d256 = |c: Case| Case { dk: 256, dv: 256, ..c };
+    // FP8 at width 256 on Hopper (converted stages): many tiles (the last partial), empty
+    // requests and a bad block id.
+    push("bf16_fp8::length_2049_gqa4_head_size_256".into(), d256(Case { q_heads: 8, kv_heads: 2, ..Case::base(&[2049, 130]) }), "bf16_fp8");
+    push(
+        "bf16_fp8::d256_empty_requests_block_size_64_bad_block_id".into(),
+        d256(Case { block_size: 64, bad_block: true, q_lens: Some(vec![0, 5, 0, 130]), ..Case::base(&[0, 5, 7, 333]) }),
+        "bf16_fp8",
+    );
     push(
         "bf16::mla_qk192_v128_packed".into(),
         Case { dk: 192, dv: 128, packed: true, q_heads: 16, kv_heads: 16, ..Case::base(&[1, 70, 300]) },
@@ -404,8 +415,8 @@ fn cases() -> Vec<(String, Case, &'static str)> {
         Case { block_size: 64, bad_block: true, q_lens: Some(vec![0, 5, 0, 130]), ..Case::base(&[0, 5, 7, 333]) },
         "bf16_fp8",
     );
-    // E5M2 caches: each prefill kernel kind once more (Hopper's width 64 on converted rows, its
-    // FP8 `wgmma` widths 80 to 128, the `mma.sync` kernel at 256, the `_a8` twins at odd
+    // E5M2 caches: each prefill kernel kind once more (Hopper's widths 64 and 256 on converted
+    // rows, its FP8 `wgmma` widths 80 to 128, the `_a8` twins at odd
     // multiples of 8), chunked, per-head scales, features, a bad block id.
     for (d, hq, hkv) in [(128, 8, 2), (64, 4, 1), (256, 4, 2), (96, 8, 8), (72, 8, 2), (40, 8, 2), (136, 4, 2)] {
         let case = Case { dk: d, dv: d, q_heads: hq, kv_heads: hkv, gapped: d % 16 == 8, ..Case::base(&[17, 300, 129, 1]) };

@@ -239,7 +239,10 @@ pub(crate) fn prefill_kernel_for(target: &str, q: DType, kv: DType, dk: usize, d
     let hopper_widths: &[u32] = if fp8 { &hopper_prefill::FP8_HEAD_SIZES } else { &hopper_prefill::HEAD_SIZES };
     // FP8 caches have one head size (`prefill_widths`).
     let rows = CacheRows::of(kv, dk);
+    let a8 = matches!(rows, CacheRows::Fp8 { a8: true, .. });
     let hopper = if target == "sm_90a" && dk == dv { width_in(dk as u32, hopper_widths) } else { None };
+    // Rows 8-byte aligned at width 256 keep the `mma.sync` kernel (`hopper_prefill::ws_takes_a8`).
+    let hopper = hopper.filter(|&w| !a8 || hopper_prefill::ws_takes_a8(w));
     Ok(match hopper {
         Some(w) => PrefillKernel {
             id: KernelId::PrefillWgs { q, rows, head_size: w },
@@ -553,7 +556,8 @@ mod tests {
         assert_eq!(name("sm_90a", bf16, false, 136, 136), "prefill_wgs_bf16_d256");
         assert_eq!(name("sm_90a", f16, false, 256, 256), "prefill_wgs_f16_d256");
         assert_eq!(name("sm_80", bf16, false, 256, 256), "prefill_bf16_dk256_dv256");
-        assert_eq!(name("sm_90a", bf16, true, 256, 256), "prefill_bf16_fp8_dk256_dv256");
+        assert_eq!(name("sm_90a", bf16, true, 256, 256), "prefill_wgs_bf16_fp8_d256");
+        assert_eq!(name("sm_90a", f16, true, 160, 160), "prefill_wgs_f16_fp8_d256");
         assert_eq!(name("sm_90a", bf16, true, 80, 80), "prefill_wgs_bf16_fp8_d80");
         assert_eq!(name("sm_80", bf16, true, 80, 80), "prefill_bf16_fp8_dk96_dv96");
         assert_eq!(name("sm_80", f16, false, 80, 80), "prefill_f16_dk96_dv96");
@@ -563,6 +567,7 @@ mod tests {
         assert_eq!(name("sm_90a", f16, true, 72, 72), "prefill_wgs_f16_fp8_a8_d80");
         assert_eq!(name("sm_90a", bf16, true, 40, 40), "prefill_wgs_bf16_fp8_a8_d64");
         assert_eq!(name("sm_90a", bf16, true, 200, 200), "prefill_bf16_fp8_a8_dk256_dv256");
+        assert_eq!(name("sm_90a", bf16, true, 208, 208), "prefill_wgs_bf16_fp8_d256");
         assert_eq!(name("sm_90a", bf16, true, 48, 48), "prefill_wgs_bf16_fp8_d64");
         // E5M2 caches: the `_e5m2` kernels of the same shapes.
         let e5m2 = |target, dk| prefill_kernel(target, bf16, DType::Fp8E5m2, dk, dk).id.entry_name();

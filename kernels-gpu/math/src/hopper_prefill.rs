@@ -51,10 +51,20 @@ pub const WS_THREADS: u32 = THREADS + 128;
 /// K/V stages in the ring of a 16-bit cache's kernels (a stage: K then V of [`ws_stage_keys`]
 /// keys, and their address table).
 pub const WS_STAGES: u32 = 4;
-/// Widths of the kernels that read an FP8 E4M3 cache (`prefill_wgs_<q>_fp8_d<width>`): their
-/// producer copies the raw rows into a ring of its own ([`ws_raw_slots`]) and converts them into
-/// the 16-bit stages the compute warps read. Width 256 has no room for that ring.
-pub const FP8_HEAD_SIZES: [u32; 5] = [64, 80, 96, 112, 128];
+/// Widths of the kernels that read an FP8 cache (`prefill_wgs_<q>_fp8_d<width>`): at 64 and 256
+/// their producer copies the raw rows into a ring of its own ([`ws_raw_slots`]) and converts them
+/// into the 16-bit stages the compute warps read ([`StageFormat::Fp8Converted`]; at 256 three
+/// stages of a quarter tile beside the raw ring and one query buffer); at 80 to 128 the MMAs run
+/// on e4m3 ([`StageFormat::Fp8`]).
+pub const FP8_HEAD_SIZES: [u32; 6] = [64, 80, 96, 112, 128, 256];
+/// Whether the kernel of width `d` is built for FP8 rows that start only 8-byte aligned (the
+/// `_a8` twins, head sizes an odd multiple of 8): not at width 256, whose `_a8` build `ptxas`
+/// cannot allocate for bf16 queries over E5M2 at any register split; head sizes 136 to 248 that
+/// are odd multiples of 8 keep the `mma.sync` kernel there.
+pub const fn ws_takes_a8(d: u32) -> bool {
+    d != 256
+}
+
 /// Stages an FP8 kernel's raw copies run ahead of its conversions: a stage's rows land while
 /// the producer converts the two before it.
 pub const WS_FP8_LOOKAHEAD: u32 = 2;
@@ -65,7 +75,8 @@ pub enum StageFormat {
     /// 16-bit rows as the cache holds them.
     Bits16,
     /// An FP8 cache's rows converted to 16 bits by the producer (width 64: its 64-byte FP8 rows
-    /// are half a 128-byte swizzle atom, which the e4m3 operands below would need).
+    /// are half a 128-byte swizzle atom, which the e4m3 operands below would need; width 256:
+    /// the compute warps' 16-bit steps of 32 keys, whose O takes 128 registers a thread).
     Fp8Converted,
     /// An FP8 cache's rows as e4m3 operands of `wgmma` (widths 80 to 128, 128-byte rows): K as
     /// copied, V transposed by the producer (8-bit `wgmma` operands must be K-major, and V's K
@@ -89,7 +100,7 @@ pub const fn stage_format(d: u32, fp8: bool) -> StageFormat {
 pub const WS_E4M3_LOOKAHEAD: u32 = 1;
 
 /// K/V stages in the ring: [`WS_STAGES`], three with converted FP8 rows (whose raw ring takes
-/// the fourth's room at width 128), four whole-tile stages of e4m3 rows.
+/// the fourth's room), four whole-tile stages of e4m3 rows.
 pub const fn ws_stages(d: u32, fp8: bool) -> u32 {
     match stage_format(d, fp8) {
         StageFormat::Fp8Converted => 3,
@@ -202,6 +213,11 @@ pub const WS_PRODUCER_REGS: u32 = 56;
 /// at most 32 (d128), and the compute warps' 216 hold their width-128 state.
 pub const WS_FP8_COMPUTE_REGS: u32 = 216;
 pub const WS_FP8_PRODUCER_REGS: u32 = 72;
+/// The same at width 256 from an FP8 cache: `ptxas` could not allocate the compute warps in
+/// 216 or 224 (the 16-bit kernel's 224 leave it spilling), so they take 232 and the converting
+/// producer 40.
+pub const WS_WIDE_FP8_COMPUTE_REGS: u32 = 232;
+pub const WS_WIDE_FP8_PRODUCER_REGS: u32 = 40;
 /// The same with e4m3 stages, whose producer transposes V (eight 16-byte rows in registers) and
 /// whose compute warps hold P in 8 registers instead of 16.
 pub const WS_E4M3_COMPUTE_REGS: u32 = 208;
@@ -290,6 +306,7 @@ mod tests {
             (WS_COMPUTE_REGS, WS_PRODUCER_REGS),
             (WS_FP8_COMPUTE_REGS, WS_FP8_PRODUCER_REGS),
             (WS_E4M3_COMPUTE_REGS, WS_E4M3_PRODUCER_REGS),
+            (WS_WIDE_FP8_COMPUTE_REGS, WS_WIDE_FP8_PRODUCER_REGS),
         ] {
             assert!(THREADS * (compute - start) <= 128 * (start - producer));
             assert!(compute.is_multiple_of(8) && producer.is_multiple_of(8) && producer >= 24);

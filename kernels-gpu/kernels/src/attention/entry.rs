@@ -212,30 +212,31 @@ macro_rules! prefill_wgmma_kernels {
 }
 
 // A producer warpgroup, persistent CTAs: `prefill_wgs_<q>_d<64|80|96|112|128|256>`, and from
-// an FP8 cache `prefill_wgs_<q><fp8>_d<64|80|96|112|128>` (width 64 on converted 16-bit rows,
-// the others on FP8 `wgmma`).
+// an FP8 cache `prefill_wgs_<q><fp8>_d<64|80|96|112|128|256>` (widths 64 and 256 on converted
+// 16-bit rows, the others on FP8 `wgmma`).
 #[cfg(wgmma)]
 prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", Bits16, "", Mma16<F16>: (64, 64), (80, 128), (96, 128), (112, 128), (128, 128), (256, 256));
 #[cfg(wgmma)]
 prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", Bits16, "", Mma16<Bf16>: (64, 64), (80, 128), (96, 128), (112, 128), (128, 128), (256, 256));
-// From each FP8 cache: width 64 on converted 16-bit rows, the others on FP8 `wgmma`.
+// From each FP8 cache: widths 64 and 256 (not for rows 8-byte aligned: `ws_takes_a8`) on
+// converted 16-bit rows, the others on FP8 `wgmma`.
 #[cfg(wgmma)]
 macro_rules! prefill_wgs_fp8_kernels {
-    ($cache:ident, $tag:literal, $fp8:ident) => {
-        prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", $cache, $tag, Mma16<F16>: (64, 64));
-        prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", $cache, $tag, Mma16<Bf16>: (64, 64));
+    ($cache:ident, $tag:literal, $fp8:ident: $(($d:literal, $w:literal)),*) => {
+        prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", $cache, $tag, Mma16<F16>: $(($d, $w)),*);
+        prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", $cache, $tag, Mma16<Bf16>: $(($d, $w)),*);
         prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", $cache, $tag, MmaFp8<$fp8>: (80, 128), (96, 128), (112, 128), (128, 128));
         prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", $cache, $tag, MmaFp8<$fp8>: (80, 128), (96, 128), (112, 128), (128, 128));
     };
 }
 #[cfg(wgmma)]
-prefill_wgs_fp8_kernels!(Fp8E4M3, "_fp8", E4m3);
+prefill_wgs_fp8_kernels!(Fp8E4M3, "_fp8", E4m3: (64, 64), (256, 256));
 #[cfg(wgmma)]
-prefill_wgs_fp8_kernels!(Fp8E4M3A8, "_fp8_a8", E4m3);
+prefill_wgs_fp8_kernels!(Fp8E4M3A8, "_fp8_a8", E4m3: (64, 64));
 #[cfg(wgmma)]
-prefill_wgs_fp8_kernels!(Fp8E5M2, "_e5m2", E5m2);
+prefill_wgs_fp8_kernels!(Fp8E5M2, "_e5m2", E5m2: (64, 64), (256, 256));
 #[cfg(wgmma)]
-prefill_wgs_fp8_kernels!(Fp8E5M2A8, "_e5m2_a8", E5m2);
+prefill_wgs_fp8_kernels!(Fp8E5M2A8, "_e5m2_a8", E5m2: (64, 64));
 
 // MLA on its own kernel: Q K^T once per tile, P shared by warps owning output columns.
 // `mla_<q>[<fp8>]_{narrow,wide}` (shapes in `attn_math::mla`; `<fp8>`: `_fp8` (E4M3) or `_e5m2`),

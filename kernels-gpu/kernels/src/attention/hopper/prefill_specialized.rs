@@ -50,8 +50,8 @@
 //!
 //! `setmaxnreg` moves registers from the producer (which needs few) to the compute warps.
 //!
-//! An FP8 cache (`prefill_wgs_<q>_fp8_d*`, `attn_math::hopper_prefill::StageFormat`): at width
-//! 64 the producer converts its rows into 16-bit stages; at widths 80 to 128 the stages hold
+//! An FP8 cache (`prefill_wgs_<q>_fp8_d*`, `attn_math::hopper_prefill::StageFormat`): at widths
+//! 64 and 256 the producer converts its rows into 16-bit stages; at widths 80 to 128 the stages hold
 //! e4m3 rows, whole tiles of K as copied and V transposed by the producer, and the compute warps
 //! quantise each item's queries and run both MMAs on e4m3 (`super::e4m3_stages`). The key loop
 //! is the same for every format: its MMAs go through [`HalfMma`].
@@ -84,7 +84,7 @@ use attn_math::hopper_prefill::{
     group_bytes, stage_format, ws_layout, ws_q_buffers, ws_raw_slots, ws_row_bytes, ws_stage_keys, ws_stages, ws_sub_keys, ws_tma_stages,
     ws_whole_tiles, StageFormat, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_E4M3_COMPUTE_REGS, WS_E4M3_LOOKAHEAD,
     WS_E4M3_PRODUCER_REGS, WS_FP8_COMPUTE_REGS, WS_FP8_LOOKAHEAD, WS_FP8_PRODUCER_REGS, WS_ITEM_SLOTS, WS_ITEM_WORDS, WS_PRODUCER_REGS,
-    WS_STAGES,
+    WS_STAGES, WS_WIDE_FP8_COMPUTE_REGS, WS_WIDE_FP8_PRODUCER_REGS,
 };
 use attn_math::params::{AttnParams, PagedKvMaps};
 use attn_math::prefill::{table_slot_bytes, TABLE_ENTRY};
@@ -403,7 +403,7 @@ pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, M: HalfM
 ) {
     // Programmatic dependent launch: wait for the cache write before reading anything.
     pdl_prologue();
-    const { assert!((D == 64 && W == 64) || (W == 128 && matches!(D, 80 | 96 | 112 | 128)) || (D == 256 && W == 256 && !K::FP8)) };
+    const { assert!((D == 64 && W == 64) || (W == 128 && matches!(D, 80 | 96 | 112 | 128)) || (D == 256 && W == 256)) };
     const { assert!(M::E4M3 == Rings::<W, K>::E4M3) };
     let tid = thread_idx_x();
     let rings = Rings::<W, K>::new(shared_addr(dynamic_shared::<u8>()));
@@ -421,6 +421,8 @@ pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, M: HalfM
     if tid >= THREADS {
         if Rings::<W, K>::E4M3 {
             set_max_registers::<WS_E4M3_PRODUCER_REGS, false>();
+        } else if K::FP8 && W == 256 {
+            set_max_registers::<WS_WIDE_FP8_PRODUCER_REGS, false>();
         } else if K::FP8 {
             set_max_registers::<WS_FP8_PRODUCER_REGS, false>();
         } else {
@@ -430,6 +432,8 @@ pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, M: HalfM
     } else {
         if Rings::<W, K>::E4M3 {
             set_max_registers::<WS_E4M3_COMPUTE_REGS, true>();
+        } else if K::FP8 && W == 256 {
+            set_max_registers::<WS_WIDE_FP8_COMPUTE_REGS, true>();
         } else if K::FP8 {
             set_max_registers::<WS_FP8_COMPUTE_REGS, true>();
         } else {
@@ -469,7 +473,8 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
         unsafe {
             match Rings::<W, K>::KEYS {
                 BLOCK_N => convert_fp8_rows::<Q, K::Fp8, W, BLOCK_N, PRODUCERS>(rings.raw(v), tile, t),
-                _ => convert_fp8_rows::<Q, K::Fp8, W, 64, PRODUCERS>(rings.raw(v), tile, t),
+                64 => convert_fp8_rows::<Q, K::Fp8, W, 64, PRODUCERS>(rings.raw(v), tile, t),
+                _ => convert_fp8_rows::<Q, K::Fp8, W, 32, PRODUCERS>(rings.raw(v), tile, t),
             }
             fence_proxy_async_shared();
             mbarrier::arrive(rings.filled(v));
@@ -605,7 +610,8 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                                 BLOCK_N => {
                                     copy_raw_row_pairs::<K, W, BLOCK_N, PRODUCERS, COPY_BATCH>(rings.raw(uh), t, live, p.qkv.q, rows)
                                 }
-                                _ => copy_raw_row_pairs::<K, W, 64, PRODUCERS, COPY_BATCH>(rings.raw(uh), t, live, p.qkv.q, rows),
+                                64 => copy_raw_row_pairs::<K, W, 64, PRODUCERS, COPY_BATCH>(rings.raw(uh), t, live, p.qkv.q, rows),
+                                _ => copy_raw_row_pairs::<K, W, 32, PRODUCERS, COPY_BATCH>(rings.raw(uh), t, live, p.qkv.q, rows),
                             }
                         }
                         cp_async_commit();
@@ -790,9 +796,10 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
         let warp_row0 = 16 * warp;
         let rows: [[RowInfo; 2]; 1] = [unsafe { [w.row(p, warp_row0 + g), w.row(p, warp_row0 + g + 8)] }];
         let warp_pos = unsafe { (w.row(p, warp_row0).pos, w.row(p, warp_row0 + 15).pos) };
-        // FP8: dequantisation folds into the score scale (k) and the output factor (v); 1 and
-        // 1 for a 16-bit cache.
-        let (k_scale, v_scale) = unsafe { K::scales(p, w.kv_head) };
+        // FP8: dequantisation folds into the score scale (k) and the output factor (v, read
+        // again where the rows are stored rather than held through the loop); 1 and 1 for a
+        // 16-bit cache.
+        let (k_scale, _) = unsafe { K::scales(p, w.kv_head) };
         // Those scales carry the 16-bit conversion's unpack factor, which e4m3 MMAs, reading the
         // bytes as they are, must not: it is 1 where the conversion is the hardware's (sm_90a).
         const { assert!(!M::E4M3 || K::Fp8::UNPACK_SCALE == 1.0) };
@@ -808,6 +815,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
         let finish = |o: &Acc, state: [OnlineSoftmax; 2]| {
             let it = unsafe { Item::load(rings.item(k)) };
             let w = it.work;
+            let (_, v_scale) = unsafe { K::scales(p, w.kv_head) };
             static_for::<2>(|h| {
                 let mut st = state[h];
                 st.sum += shfl_xor(st.sum, 1);
