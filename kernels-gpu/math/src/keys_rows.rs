@@ -136,20 +136,27 @@ pub const FP8_HEAD_SIZES: [u32; 3] = [64, 128, 256];
 /// SM), the deep pipeline, and 16 rows a CTA (`_long_r16`).
 pub const FP8_ALL_FORMS_HEAD_SIZES: [u32; 2] = [64, 128];
 
+const fn listed(sizes: &[u32], d: u32) -> bool {
+    let mut i = 0;
+    while i < sizes.len() {
+        if sizes[i] == d {
+            return true;
+        }
+        i += 1;
+    }
+    false
+}
+
 /// Whether an FP8 cache at width `d` has keys-as-rows kernels for `wide` (9 to 16) rows a CTA.
 pub const fn fp8_keys_rows(d: u32, wide: bool) -> bool {
-    match d {
-        64 | 128 => true,
-        256 => !wide,
-        _ => false,
-    }
+    listed(if wide { &FP8_ALL_FORMS_HEAD_SIZES } else { &FP8_HEAD_SIZES }, d)
 }
 
 /// Whether an FP8 batch at width `d` runs the deep-pipeline kernel: its longest request has
 /// `max_len` keys (from [`FP8_LONG_KEYS`]; 0 where the device runs the short batches' kernels at
 /// every length), it has 16 rows a CTA, or the width has no other form.
 pub const fn fp8_long(d: u32, max_len: u32, wide: bool) -> bool {
-    max_len >= FP8_LONG_KEYS || wide || d > 128
+    max_len >= FP8_LONG_KEYS || wide || !listed(&FP8_ALL_FORMS_HEAD_SIZES, d)
 }
 
 #[cfg(test)]
