@@ -104,7 +104,8 @@ fn decode_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
             seq_len: c.seq_lens[0] as usize,
             window: c.window.expect("edge markers need a window") as usize,
             num_kv_heads: c.kv_heads,
-            softmax_scale: opts.softmax_scale,
+            // FP8: keys are stored over the K scale, so the markers are planted at 1 / scale.
+            softmax_scale: if fp8 { opts.softmax_scale * ks[0] } else { opts.softmax_scale },
         };
         let key_at =
             |pos: usize, kvh: usize, x: usize| spec.offset(0, block_table[pos / c.block_size] as usize, pos % c.block_size, kvh, x);
@@ -550,6 +551,24 @@ fn cases() -> Vec<(String, Case, &'static str)> {
         "f16_e5m2",
     );
     push("bf16_bf16::long_window_edges_gqa16".into(), Case { q_heads: 32, kv_heads: 2, ..edges(1, 4093) }, "bf16_bf16");
+    // The FP8 keys-as-rows kernels take two slabs a step (one for a last odd slab): window
+    // edges in either slab of a step, an odd window and odd lengths, the short-batch and
+    // deep-pipeline forms, two column groups, width 64 and a bad block in the second slab.
+    push("bf16_fp8::long_window_edges".into(), edges(1, 4093), "bf16_fp8");
+    push("f16_fp8::long_window_edges_spec_3_gqa16".into(), Case { q_heads: 32, kv_heads: 2, ..edges(3, 3001) }, "f16_fp8");
+    push(
+        "bf16_e5m2::long_window_edges_d64_split_5".into(),
+        Case { head_size: 64, split: SplitMode::Fixed(5), ..edges(2, 2050) },
+        "bf16_e5m2",
+    );
+    // 16-bit GQA 16 at width 96 (two CTAs an SM, four stages): two slabs a step as well.
+    push("bf16_bf16::long_window_edges_gqa16_d96".into(), Case { head_size: 96, q_heads: 32, kv_heads: 2, ..edges(2, 3001) }, "bf16_bf16");
+    push("f16_f16::gqa16_d80_odd_tiles".into(), Case { head_size: 80, ..gqa16(&[1, 79, 207, 4097]) }, "f16_f16");
+    push(
+        "f16_fp8::window_odd_tiles_bad_block".into(),
+        Case { window: Some(81), bad_block: true, ..Case::base(&[81, 1000, 15, 207, 1]) },
+        "f16_fp8",
+    );
     push("f16_f16::gqa16_d64_split_fixed_3".into(), Case { head_size: 64, split: SplitMode::Fixed(3), ..gqa16(&[2000, 77]) }, "f16_f16");
     push("bf16_bf16::gqa16_d256".into(), Case { head_size: 256, ..gqa16(&[2000, 77]) }, "bf16_bf16");
     // FP8 at width 256: up to 8 rows the deep-pipeline keys-as-rows kernel (planned split-K,

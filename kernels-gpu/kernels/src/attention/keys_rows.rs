@@ -24,6 +24,7 @@
 use crate::attention::config::{AttnConfig, Bits16, CacheFormat};
 use crate::attention::fp8_direct::swizzled;
 use crate::attention::kv::KvSource;
+use crate::attention::lazy_rescale::must_rescale;
 use crate::attention::logits::Logits;
 use crate::attention::output::store_merged_rows;
 use crate::attention::work::{work_item, RowInfo};
@@ -98,19 +99,21 @@ impl<F: SlabFormat<D>, const D: usize> SlabCopy<F, D> {
         }
     }
 
-    /// The slab at key `kb` (a multiple of 16, below the request's end): its block id.
+    /// The slab at key `kb` (a multiple of 16, below the request's end): its block id, as the
+    /// table's 32 bits. Kept unconverted until [`Self::copy`] so that nothing uses the load
+    /// where it is issued, iterations before its slab is copied.
     #[inline(always)]
-    unsafe fn block(&self, p: &AttnParams, kb: u32) -> i64 {
+    unsafe fn block(&self, p: &AttnParams, kb: u32) -> u32 {
         let (index, _) = self.split_key(p, kb);
-        (unsafe { load_u32_nc(self.block_row + index as u64 * 4) }) as i32 as i64
+        unsafe { load_u32_nc(self.block_row + index as u64 * 4) }
     }
 
     /// Copies the slab at key `kb` (block `block`) into `stage`: K rows, then V rows. Rows at or
     /// past `end`, and every row of a block outside the cache, are zero-filled (never read).
     /// Returns whether the block is outside the cache.
     #[inline(always)]
-    unsafe fn copy(&self, p: &AttnParams, kb: u32, block: i64, end: u32, stage: u32) -> bool {
-        let bad = block < 0 || block as u64 >= p.shape.num_blocks as u64;
+    unsafe fn copy(&self, p: &AttnParams, kb: u32, block: u32, end: u32, stage: u32) -> bool {
+        let bad = (block as i32) < 0 || block >= p.shape.num_blocks;
         let row0 = if bad {
             p.qkv.k
         } else {
@@ -360,32 +363,88 @@ impl<K: CacheFormat, const D: usize> SlabFormat<D> for Fp8Rows<K> {
     }
 }
 
-/// The online-softmax step for this thread's two rows (columns 2t4, 2t4 + 1 of the slab): the
-/// column max across the 8 lanes that share it, the accumulators' rescale, and the weights.
+/// The online-softmax step over `N` slabs for this thread's two rows (columns 2t4, 2t4 + 1 of
+/// each slab): the column max across the 8 lanes that share it (both rows' shuffles
+/// interleaved, once for the `N` slabs), the accumulators' rescale when some row of the warp
+/// needs it (`lazy_rescale`: a warp-uniform branch, skipped by most steps), and the weights.
 /// Each lane keeps its own part of the denominators (added up after the loop).
 #[inline(always)]
-fn slab_softmax<const D: usize>(s: &mut [f32; 4], o: &mut [[f32; 4]; 16], state: &mut [OnlineSoftmax; 2], mult: f32) {
-    static_for::<2>(|h| {
-        let mut m = s[h].max(s[h + 2]);
-        m = m.max(shfl_xor(m, 4));
-        m = m.max(shfl_xor(m, 8));
-        m = m.max(shfl_xor(m, 16));
-        let factor = state[h].rescale_to(m * mult);
-        if factor != 1.0 {
+fn slab_softmax<const D: usize, const N: usize>(s: &mut [[f32; 4]; N], o: &mut [[f32; 4]; 16], state: &mut [OnlineSoftmax; 2], mult: f32) {
+    let mut m = [s[0][0].max(s[0][2]), s[0][1].max(s[0][3])];
+    static_for::<N>(|n| {
+        if n > 0 {
+            m = [m[0].max(s[n][0].max(s[n][2])), m[1].max(s[n][1].max(s[n][3]))];
+        }
+    });
+    static_for::<3>(|i| {
+        let lanes = 4 << i;
+        let other = [shfl_xor(m[0], lanes), shfl_xor(m[1], lanes)];
+        m = [m[0].max(other[0]), m[1].max(other[1])];
+    });
+    if must_rescale(state, m, mult) {
+        static_for::<2>(|h| {
+            let factor = state[h].rescale_to(m[h] * mult);
             static_for::<16>(|mt| {
                 if mt < D / 16 {
                     o[mt][h] *= factor;
                     o[mt][h + 2] *= factor;
                 }
             });
-        }
+        });
+    }
+    static_for::<2>(|h| {
         let neg_max = if state[h].max == f32::NEG_INFINITY { 0.0 } else { -state[h].max };
-        static_for::<2>(|k| {
-            let w = exp2(fma(s[h + 2 * k], mult, neg_max));
-            s[h + 2 * k] = w;
-            state[h].sum += w;
+        static_for::<N>(|n| {
+            static_for::<2>(|k| {
+                let w = exp2(fma(s[n][h + 2 * k], mult, neg_max));
+                s[n][h + 2 * k] = w;
+                state[h].sum += w;
+            });
         });
     });
+}
+
+/// What one step of the key loop reads besides the staged slabs.
+struct StepInputs<'a, const G: usize> {
+    q: &'a [[[u32; 2]; 16]; G],
+    logits: &'a Logits,
+    rows: &'a [[RowInfo; 2]; G],
+    pos: (u32, u32),
+    mult: f32,
+}
+
+/// One step of the key loop over `N` staged slabs (stage addresses `stages`, first keys `kbs`,
+/// `bad`: the slab's block is outside the cache): S^T for each, masks, one softmax step for all
+/// of them, P^T through `movmatrix`, and O^T += V^T P^T slab by slab. Two slabs a step give the
+/// warp two independent score chains and share the column-max shuffles, the rescale test and
+/// the loop's waits between them.
+#[inline(always)]
+unsafe fn slab_step<F: SlabFormat<D>, const D: usize, const G: usize, const N: usize>(
+    x: &StepInputs<G>,
+    stages: [u32; N],
+    kbs: [u32; N],
+    bad: [bool; N],
+    o: &mut [[[f32; 4]; 16]; G],
+    state: &mut [[OnlineSoftmax; 2]; G],
+) {
+    // Unrolled (not `from_fn`): a loop over the slabs would put the scores in local memory.
+    let mut s = [[[0.0f32; 4]; G]; N];
+    static_for::<N>(|n| s[n] = unsafe { F::scores::<G>(x.q, stages[n]) });
+    let mut b = [[[0u32; 2]; G]; N];
+    static_for::<G>(|c| {
+        let mut sc = [[0.0f32; 4]; N];
+        static_for::<N>(|n| sc[n] = s[n][c]);
+        static_for::<N>(|n| x.logits.apply_keys_rows(&mut sc[n], &x.rows[c], kbs[n], x.pos, bad[n]));
+        slab_softmax::<D, N>(&mut sc, &mut o[c], &mut state[c], x.mult);
+        // P^T as the B operand: each 8x8 block (key g, rows 2t4..) transposed to (row g, keys
+        // 2t4..).
+        static_for::<N>(|n| {
+            let w = &sc[n];
+            b[n][c] = [movmatrix_trans(F::M::pack2(w[0], w[1])), movmatrix_trans(F::M::pack2(w[2], w[3]))];
+        });
+    });
+    let plane = plane_bytes(D as u32, F::Cache::FP8);
+    static_for::<N>(|n| unsafe { F::pv::<G>(b[n], o, stages[n] + plane) });
 }
 
 /// The kernel: one CTA per (work item, kv head), as `decode_tc_*` (the host plans both alike).
@@ -432,13 +491,13 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
         live_bytes: head * F::Cache::ELEM_BYTES,
         format: core::marker::PhantomData,
     };
-    // The block id of a slab this warp copies (-1 past the keys: nothing to copy).
+    // The block id of a slab this warp copies (u32::MAX past the keys: nothing to copy).
     let lookup = |tile: u32| {
         let kb = slab_key(tile);
         if tile < n_tiles && kb < end {
             unsafe { copy.block(p, kb) }
         } else {
-            -1
+            u32::MAX
         }
     };
 
@@ -474,7 +533,7 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     let mut bad_ring = 0u32;
     let mut any_bad = false;
     let mut issued = 0u32;
-    let mut issue = |tile: u32, block: i64, bad_ring: &mut u32| {
+    let mut issue = |tile: u32, block: u32, bad_ring: &mut u32| {
         let kb = slab_key(tile);
         if tile < n_tiles && kb < end {
             if !waited && kb + WARP_KEYS > fresh {
@@ -488,8 +547,13 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
         }
         cp_async_commit();
     };
+    // Two slabs a step in the two-CTA kernels whose ring has four stages or more (two read, two
+    // or more in flight); one elsewhere. At three and four CTAs an SM (168 and 128 registers)
+    // the pairs spilled and lost what they gained (docs/decode.md).
+    let pair = st >= 4 && ctas == 2;
+    let per_step = if pair { 2 } else { 1 };
     let mut next_lookup = 2;
-    while issued < st - 1 {
+    while issued < st - per_step {
         let block = ahead[0];
         ahead = [ahead[1], lookup(next_lookup)];
         next_lookup += 1;
@@ -499,37 +563,41 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
 
     let mut state = [[OnlineSoftmax::EMPTY; 2]; G];
     let mut o = [[[0.0f32; 4]; 16]; G];
-    let mut stage = ring;
+    let x = StepInputs { q: &q, logits: &logits, rows: &rows, pos: (min_pos, max_pos), mult };
     let ring_end = ring + st * sb;
-    for tile in 0..n_tiles {
-        let block = ahead[0];
-        ahead = [ahead[1], lookup(next_lookup)];
-        next_lookup += 1;
-        issue(issued, block, &mut bad_ring);
-        issued += 1;
-        wait_all_but(st);
-        sync_warp();
-        let kb = slab_key(tile);
-        if kb < end {
-            let bad = bad_ring & (1 << (tile % st)) != 0;
-            let mut s = unsafe { F::scores::<G>(&q, stage) };
-            let mut b = [[0u32; 2]; G];
-            static_for::<G>(|c| {
-                let s = &mut s[c];
-                logits.apply_keys_rows(s, &rows[c], kb, (min_pos, max_pos), bad);
-                slab_softmax::<D>(s, &mut o[c], &mut state[c], mult);
-                // P^T as the B operand: each 8x8 block (key g, rows 2t4..) transposed to (row g,
-                // keys 2t4..).
-                b[c] = [movmatrix_trans(F::M::pack2(s[0], s[1])), movmatrix_trans(F::M::pack2(s[2], s[3]))];
-            });
-            unsafe { F::pv::<G>(b, &mut o, stage + plane_bytes(D as u32, fp8)) };
+    let next_stage = |stage: u32| if stage + sb == ring_end { ring } else { stage + sb };
+    let mut stage = ring;
+    let mut tile = 0;
+    while tile < n_tiles {
+        static_for::<2>(|i| {
+            if i == 0 || pair {
+                let block = ahead[0];
+                ahead = [ahead[1], lookup(next_lookup)];
+                next_lookup += 1;
+                issue(issued, block, &mut bad_ring);
+                issued += 1;
+            }
+        });
+        let kb = [slab_key(tile), slab_key(tile + 1)];
+        let bad = |tile: u32| bad_ring & (1 << (tile % st)) != 0;
+        let second = next_stage(stage);
+        if pair && tile + 1 < n_tiles && kb[1] < end {
+            // Slabs `tile` and `tile + 1` in: at most st - 2 groups still in flight.
+            wait_all_but(st - 1);
+            sync_warp();
+            unsafe { slab_step::<F, D, G, 2>(&x, [stage, second], kb, [bad(tile), bad(tile + 1)], &mut o, &mut state) };
+        } else {
+            // One slab (the last one, when pairs are taken).
+            wait_all_but(st);
+            sync_warp();
+            if kb[0] < end {
+                unsafe { slab_step::<F, D, G, 1>(&x, [stage], [kb[0]], [bad(tile)], &mut o, &mut state) };
+            }
         }
-        // The stage is refilled next iteration: every lane is done reading it.
+        // The stages are refilled next step: every lane is done reading them.
         sync_warp();
-        stage += sb;
-        if stage == ring_end {
-            stage = ring;
-        }
+        stage = if pair { next_stage(second) } else { second };
+        tile += per_step;
     }
     cp_async_wait::<0>();
     if !waited {

@@ -24,7 +24,6 @@ pub(crate) mod fp8_direct;
 mod hopper;
 mod keys_rows;
 pub(crate) mod kv;
-#[cfg(wgmma)]
 mod lazy_rescale;
 pub(crate) mod logits;
 mod mainloop;
