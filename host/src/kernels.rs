@@ -235,12 +235,11 @@ impl KernelId {
     #[cfg(test)]
     fn with_a8(mut self) -> Option<Self> {
         match &mut self {
-            KernelId::DecodeTc { rows, .. } | KernelId::DecodeKr { rows, .. } | KernelId::Prefill { rows, .. } => match rows {
-                CacheRows::Fp8 { a8, .. } => *a8 = true,
-                CacheRows::Bits16 => return None,
-            },
             KernelId::PrefillWgs { head_size, .. } if !attn_math::hopper_prefill::ws_takes_a8(*head_size) => return None,
-            KernelId::PrefillWgs { rows, .. } => match rows {
+            KernelId::DecodeTc { rows, .. }
+            | KernelId::DecodeKr { rows, .. }
+            | KernelId::Prefill { rows, .. }
+            | KernelId::PrefillWgs { rows, .. } => match rows {
                 CacheRows::Fp8 { a8, .. } => *a8 = true,
                 CacheRows::Bits16 => return None,
             },
