@@ -1,8 +1,9 @@
 //! Developer commands: `cargo xtask <command>`.
 //!
-//! - `build-ptx [--check]`: build the kernels to PTX (and `ptxas` SASS) for every GPU target into
-//!   `host/ptx/`, zstd-compressed, with uncompressed copies under `target/ptx/` (`--check`: fail
-//!   if the committed modules differ from what the source produces).
+//! - `build-ptx [--check] [--target NAME]`: build the kernels to PTX (and `ptxas` SASS) for every
+//!   GPU target (or the one named) into `host/ptx/`, zstd-compressed, with uncompressed copies
+//!   under `target/ptx/` (`--check`: fail if the committed modules differ from what the source
+//!   produces).
 //! - `ptx-report`: assemble every PTX with `ptxas` and print registers, spills, shared memory and
 //!   stack per kernel (also fails if any module does not assemble or has unresolved externs).
 //! - `bundle`: build the GPU test binaries (package `attn-rs`) and the binaries `attn-bench`,
@@ -25,11 +26,14 @@ fn repo_root() -> PathBuf {
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
-        Some("build-ptx") => ptx::build_ptx(args.iter().any(|a| a == "--check")),
+        Some("build-ptx") => {
+            let only = args.iter().position(|a| a == "--target").map(|i| args.get(i + 1).map(String::as_str).unwrap_or(""));
+            ptx::build_ptx(args.iter().any(|a| a == "--check"), only)
+        }
         Some("ptx-report") => report::ptx_report(),
         Some("bundle") => bundle::bundle(),
         Some("bench") => bundle::bench(&args[1..]),
-        _ => Err("usage: cargo xtask <build-ptx [--check] | ptx-report | bundle | bench [ARGS]>".to_string()),
+        _ => Err("usage: cargo xtask <build-ptx [--check] [--target NAME] | ptx-report | bundle | bench [ARGS]>".to_string()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
