@@ -14,15 +14,17 @@
 //!    to m_b, O_R += P_b V_b[R].
 //! 4. Each warpgroup copies its next tile into its buffer once the other is done reading it
 //!    (`FREED_0`, `FREED_1`), one `cp.async` group a 64-column atom, and issues its S at once:
-//!    each atom's k-steps wait for that atom (`MmaHalf::wgmma_64x64_k576_landing_async`). An
+//!    each atom's k-steps wait for that atom (`MmaHalf::wgmma_64x64_k576_landing_async`).
+//!    Warpgroup 0 copies a 16-bit tile's atoms 0-3 (its own V columns) earlier, in step 1, as
+//!    soon as its own P V on the tile before has retired. An
 //!    FP8 tile is copied raw (half the bytes), converted in place once it has landed
 //!    (`super::in_place`), then scored; its rows were asked into L2 when its table was filled.
 //!
 //! Both warpgroups end with the same running max (each takes the other's published one), so
 //! their denominators, each over its own tiles' keys, add up at the end.
 //!
-//! Shared memory holds Q and two tiles (72 KB each): a tile's copy can start only once both
-//! warpgroups' P V on the tile before it in that buffer have retired.
+//! Shared memory holds Q and two tiles (72 KB each): a tile's copy can start only once the P V
+//! that read each of its atoms on the tile before it in that buffer has retired.
 
 use super::in_place::convert_in_place;
 use super::keys::KeySource;
@@ -159,9 +161,14 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, K: CacheFormat, S: KeySource
         if K::FP8 {
             copy_tile_warpgroup_fp8(mine, base.k_slot, lay.raw, tables, p.qkv.q);
         } else {
-            copy_tile_warpgroup(mine, tables, p.qkv.q);
+            copy_tile_warpgroup::<0, 9>(mine, tables, p.qkv.q);
         }
     };
+    // A 16-bit tile of warpgroup 0 in two parts: atoms 0-3 (V columns 0-255, which only this
+    // warpgroup's P V reads) once its own P V on the tile before has retired, atoms 4-8 once
+    // warpgroup 1's has too (`FREED_0`).
+    let copy_own_atoms = |tile: u32| unsafe { copy_tile_warpgroup::<0, 4>(mine, [table(2 * tile), table(2 * tile + 1)], p.qkv.q) };
+    let copy_other_atoms = |tile: u32| unsafe { copy_tile_warpgroup::<4, 9>(mine, [table(2 * tile), table(2 * tile + 1)], p.qkv.q) };
     // The warpgroup's own barrier (128 threads).
     let warpgroup_sync = || {
         if wg == 0 {
@@ -311,10 +318,18 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, K: CacheFormat, S: KeySource
                     if wl < 2 {
                         fill(2 * (t + 2) + wl, ahead);
                     }
+                    // P_a V_a[L] retired: O is rescaled below, and a 16-bit tile a + 2's first
+                    // four atoms may land over the columns it read while warpgroup 1 takes its
+                    // softmax.
+                    unsafe { wait_acc256::<0>(&mut o) };
+                    if !K::FP8 && refill[0] {
+                        // The tables just filled, to the copying threads.
+                        warpgroup_sync();
+                        copy_own_atoms(t + 2);
+                    }
                     if has_b {
                         wait(SCORED_1, pair);
                         let f = take_max(&mut state);
-                        unsafe { wait_acc256::<0>(&mut o) };
                         rescale(&mut o, f);
                         pv(&mut o, theirs);
                     }
@@ -347,9 +362,13 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, K: CacheFormat, S: KeySource
                 let next = refill[$wg];
                 if next {
                     wait(if $wg == 0 { FREED_0 } else { FREED_1 }, pair);
-                    // The tables just filled, to the copying threads.
-                    warpgroup_sync();
-                    copy(t + 2);
+                    if $wg == 0 && !K::FP8 {
+                        copy_other_atoms(t + 2);
+                    } else {
+                        // The tables just filled, to the copying threads.
+                        warpgroup_sync();
+                        copy(t + 2);
+                    }
                 }
                 // Warpgroup 0: P_b V_b[L] retired, so buffer 1 is free (1 retired its own above).
                 unsafe { wait_acc256::<0>(&mut o) };

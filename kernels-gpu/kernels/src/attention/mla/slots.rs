@@ -25,14 +25,15 @@ pub(super) unsafe fn copy_slot(dst: u32, table: u32, fallback: u64) {
     static_for::<{ (ROW_CHUNKS / 8) as usize }>(|i| unsafe { cp_async_16(to + i as u32 * 1024, from + i as u64 * step, bytes) });
 }
 
-/// [`copy_slot`] for a whole 64-row tile by one warpgroup (the seesaw order: each warpgroup
-/// copies its own tiles): rows 0-31 from the table at `tables[0]`, 32-63 from `tables[1]`, into
-/// the two slots' rows at `dst` ([`swizzled`] layout, 8-row groups continuing across the slots).
-/// One commit group a 64-column atom, in order (what
-/// [`MmaHalf::wgmma_64x64_k576_landing_async`] waits for).
+/// [`copy_slot`] for 64-column atoms `FIRST..END` of a whole 64-row tile by one warpgroup (the
+/// seesaw order: each warpgroup copies its own tiles): rows 0-31 from the table at `tables[0]`,
+/// 32-63 from `tables[1]`, into the two slots' rows at `dst` ([`swizzled`] layout, 8-row groups
+/// continuing across the slots). One commit group an atom, in order: a tile copied as atoms
+/// 0-3 and later 4-8 is the nine groups [`MmaHalf::wgmma_64x64_k576_landing_async`] waits for.
 #[cfg(wgmma)]
 #[inline(always)]
-pub(super) unsafe fn copy_tile_warpgroup(dst: u32, tables: [u32; 2], fallback: u64) {
+pub(super) unsafe fn copy_tile_warpgroup<const FIRST: usize, const END: usize>(dst: u32, tables: [u32; 2], fallback: u64) {
+    const { assert!(FIRST < END && END <= (ROW_CHUNKS / 8) as usize) };
     const ROWS: usize = (2 * SLOT_KEYS / 16) as usize;
     let t = thread_idx_x() % 128;
     let (r, c0) = (t / 8, t % 8);
@@ -45,6 +46,9 @@ pub(super) unsafe fn copy_tile_warpgroup(dst: u32, tables: [u32; 2], fallback: u
         }
     });
     static_for::<{ (ROW_CHUNKS / 8) as usize }>(|a| {
+        if a < FIRST || a >= END {
+            return;
+        }
         static_for::<ROWS>(|i| {
             let (src, bytes, step) = from[i];
             let to = dst + swizzled(r + 16 * i as u32, c0) + a as u32 * 1024;
