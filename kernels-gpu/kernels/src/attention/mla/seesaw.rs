@@ -156,19 +156,20 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, K: CacheFormat, S: KeySource
     // Programmatic dependent launch: the cache rows wait for the kernel ahead (module docs of
     // `super::kernel`).
     pdl_prologue();
+    // A tile's two address tables (its two 32-row slots).
+    let tables = |tile: u32| [table(2 * tile), table(2 * tile + 1)];
     let copy = |tile: u32| unsafe {
-        let tables = [table(2 * tile), table(2 * tile + 1)];
         if K::FP8 {
-            copy_tile_warpgroup_fp8(mine, base.k_slot, lay.raw, tables, p.qkv.q);
+            copy_tile_warpgroup_fp8(mine, base.k_slot, lay.raw, tables(tile), p.qkv.q);
         } else {
-            copy_tile_warpgroup::<0, 9>(mine, tables, p.qkv.q);
+            copy_tile_warpgroup::<0, 9>(mine, tables(tile), p.qkv.q);
         }
     };
     // A 16-bit tile of warpgroup 0 in two parts: atoms 0-3 (V columns 0-255, which only this
     // warpgroup's P V reads) once its own P V on the tile before has retired, atoms 4-8 once
     // warpgroup 1's has too (`FREED_0`).
-    let copy_own_atoms = |tile: u32| unsafe { copy_tile_warpgroup::<0, 4>(mine, [table(2 * tile), table(2 * tile + 1)], p.qkv.q) };
-    let copy_other_atoms = |tile: u32| unsafe { copy_tile_warpgroup::<4, 9>(mine, [table(2 * tile), table(2 * tile + 1)], p.qkv.q) };
+    let copy_own_atoms = |tile: u32| unsafe { copy_tile_warpgroup::<0, 4>(mine, tables(tile), p.qkv.q) };
+    let copy_other_atoms = |tile: u32| unsafe { copy_tile_warpgroup::<4, 9>(mine, tables(tile), p.qkv.q) };
     // The warpgroup's own barrier (128 threads).
     let warpgroup_sync = || {
         if wg == 0 {
