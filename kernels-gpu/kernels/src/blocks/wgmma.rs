@@ -27,6 +27,10 @@ pub trait WgmmaTiles: MmaHalf {
     /// O += P V over 64 keys (`p[kk]`: keys 16kk..16kk+15 of the half tile at `desc_v`), not
     /// waited for; [`wait_pv64`] retires it.
     unsafe fn pv_64xd_k64_async<const D: usize>(o: &mut Acc, p: &[[u32; 4]; 4], desc_v: u64);
+    /// S = Q K^T over a whole tile of 128 keys whose K rows are contiguous (`desc_k` names its
+    /// first key; width 64), one chain of m64n128 steps; not waited for: [`wait_scores128`]
+    /// retires it.
+    unsafe fn scores_64x128_async<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 16];
     /// S = Q K^T over 32 keys (a quarter tile, width 256), not waited for; [`wait_scores32`]
     /// retires it.
     unsafe fn scores_64x32_async<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 4];
@@ -158,6 +162,22 @@ macro_rules! qk64_second_atom {
     };
 }
 
+/// The S chain over 128 keys at head size 64 (m64n128k16, one atom): as [`qk64_chain`], with 64
+/// accumulators and the descriptors as operands 64 and 65. One chain instead of two over 64 keys
+/// each: half the `wgmma`s and their descriptor set-up, and Q read from shared memory once for
+/// 128 keys.
+macro_rules! qk128_chain {
+    ($t:literal) => {
+        concat!(
+            "{{\n.reg .pred pz, po;\n.reg .b32 zz, al, ah, bl, bh;\n.reg .b64 da, db;\n",
+            "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
+            "mov.b64 {{al, ah}}, {64};\nmov.b64 {{bl, bh}}, {65};\nwgmma.fence.sync.aligned;\n",
+            qk_atom!($t, "pz", "128", acc64),
+            "wgmma.commit_group.sync.aligned;\n}}"
+        )
+    };
+}
+
 /// The P V chain over 4 k-steps of 16 keys (V's descriptor + two 8-key groups each: `$inc`
 /// units of 16 bytes), stepping V's descriptor by 32-bit adds as [`qk_step`] does; `$desc`:
 /// the descriptor's operand; `$a`: each k-step's A registers.
@@ -217,6 +237,18 @@ macro_rules! wgmma_tiles_impl {
                         with_acc!(qk64_chain!($t, "", "add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n", qk_atom!($t, "po", "64", acc32),),
                                   out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack))
                     };
+                }
+                s
+            }
+
+            #[inline(always)]
+            unsafe fn scores_64x128_async<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 16] {
+                // Width 64, whose stages hold whole tiles (the half-tile stages of the wider
+                // kernels keep their halves apart; its callers there are never reached).
+                const { assert!(matches!(D, 64 | 80 | 96 | 112 | 128 | 256)) };
+                let mut s = [[0.0f32; 4]; 16];
+                if D == 64 {
+                    unsafe { with_acc!(qk128_chain!($t), out s [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15], in(reg64) desc_q, in(reg64) desc_k, options(nostack)) };
                 }
                 s
             }
@@ -354,6 +386,15 @@ pub unsafe fn wait_pv64<const N: u32, const D: usize>(o: &mut Acc, p: &[[u32; 4]
                       inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15], frags p [0 1 2 3], n = const N, options(nostack))
         };
     }
+}
+
+/// [`wait_scores64`] for an S chain over a whole tile of 128 keys.
+#[inline(always)]
+pub unsafe fn wait_scores128<const N: u32>(s: [[f32; 4]; 16]) -> [[f32; 4]; 16] {
+    unsafe {
+        with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc64!()), in s [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15], n = const N, options(nostack))
+    };
+    s
 }
 
 /// [`wait_scores64`] for an S chain over 32 keys.

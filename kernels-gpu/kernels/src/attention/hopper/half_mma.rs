@@ -18,6 +18,10 @@ pub(crate) trait HalfMma {
     fn desc_v<const W: usize>(addr: u32) -> u64;
     /// S = Q K^T over 64 keys, not waited for (`wait_scores64` retires it).
     unsafe fn scores<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8];
+    /// S = Q K^T over a whole tile of 128 keys whose K rows are contiguous (a whole-tile stage,
+    /// width 64), not waited for (`wait_scores128` retires it). 16-bit operands only: e4m3
+    /// stages step over half tiles.
+    unsafe fn scores_tile<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 16];
     /// O += P V over 64 keys, not waited for ([`Self::wait_pv`] retires it).
     unsafe fn pv<const D: usize>(o: &mut Acc, p: &Self::P, desc_v: u64);
     /// Waits until at most `N` chains are pending; `o` and `p` are operands, as in `wait_pv64`.
@@ -50,6 +54,11 @@ impl<Q: WgmmaTiles> HalfMma for Mma16<Q> {
     #[inline(always)]
     unsafe fn scores<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8] {
         unsafe { Q::scores_64x64_async::<D>(desc_q, desc_k) }
+    }
+
+    #[inline(always)]
+    unsafe fn scores_tile<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 16] {
+        unsafe { Q::scores_64x128_async::<D>(desc_q, desc_k) }
     }
 
     #[inline(always)]
@@ -104,6 +113,13 @@ impl<B: WgmmaFp8> HalfMma for MmaFp8<B> {
     #[inline(always)]
     unsafe fn scores<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8] {
         unsafe { B::scores_64x64::<D>(desc_q, desc_k) }
+    }
+
+    #[inline(always)]
+    unsafe fn scores_tile<const D: usize>(_: u64, _: u64) -> [[f32; 4]; 16] {
+        // e4m3 stages step over half tiles (`attn_math::hopper_prefill::ws_whole_tiles`): never
+        // reached.
+        [[0.0; 4]; 16]
     }
 
     #[inline(always)]

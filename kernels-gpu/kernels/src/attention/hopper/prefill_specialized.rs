@@ -33,8 +33,9 @@
 //! chain, C7514). `cargo xtask ptx-report` fails if `ptxas` serialises the chains.
 //!
 //! Up to width 128 (other than on e4m3 stages) a warpgroup steps over whole 128-key tiles instead, in
-//! FA3's order ([`ws_whole_tiles`]): per tile j it issues S of tile j + 1 (both halves) and
-//! P V of tile j, retires S, takes the softmax of j + 1 (one row max and one rescale for 128
+//! FA3's order ([`ws_whole_tiles`]): per tile j it issues S of tile j + 1 (both halves; at width
+//! 64, whose stages hold whole tiles, one chain of m64n128 steps over the tile's contiguous K
+//! rows) and P V of tile j, retires S, takes the softmax of j + 1 (one row max and one rescale for 128
 //! keys) under the P V, and retires the P V before rescaling O. It holds two tiles' stages from
 //! one issue to the next wait. The four whole-tile stages of width 64 leave the producer two to
 //! fill; on half-tile stages (widths 80 to 128) the P V of tile j's first half is issued before
@@ -78,7 +79,7 @@ use crate::blocks::mma::{
     st_shared_u64x2, st_shared_v4,
 };
 use crate::blocks::vec_io::{load_u32_nc, store4};
-use crate::blocks::wgmma::{wait_pv32, wait_scores32, wait_scores64, Acc, WgmmaTiles, ACC_BLOCKS};
+use crate::blocks::wgmma::{wait_pv32, wait_scores128, wait_scores32, wait_scores64, Acc, WgmmaTiles, ACC_BLOCKS};
 use crate::blocks::{mbarrier, tma};
 use attn_math::hopper_prefill::{
     group_bytes, stage_format, ws_layout, ws_q_buffers, ws_raw_slots, ws_row_bytes, ws_stage_keys, ws_stages, ws_sub_keys, ws_tma_stages,
@@ -915,8 +916,9 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
             // tile that skips it has its own copy of the code: S defined other than by its
             // `wgmma`s on one path made `ptxas` serialise every chain (C7515).
             let skip = wg_last_pos < it.begin + last * BLOCK_N + 64;
-            // S of tile `j`'s first half, or of both (`$both`), issued. A whole-tile stage: the
-            // second half's stage is the first's.
+            // S of tile `j`'s first half, or of both (`true`: two chains over 64 keys each), or of
+            // the whole tile from a whole-tile stage (`tile`: one chain over its 128 contiguous K
+            // rows). A whole-tile stage: the second half's stage is the first's.
             macro_rules! issue_scores {
                 ($j:expr, false) => {{
                     let x = 2 * (u + $j);
@@ -929,7 +931,16 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                     wait_filled(x + 1);
                     (a, unsafe { M::scores::<D>(q_desc, k_desc(rings.half(x + 1).k)) })
                 }};
+                ($j:expr, tile) => {{
+                    let x = 2 * (u + $j);
+                    wait_filled(x);
+                    wait_filled(x + 1);
+                    unsafe { M::scores_tile::<D>(q_desc, k_desc(rings.half(x).k)) }
+                }};
             }
+            // A whole tile's S as its two halves' blocks (the m64n128 accumulators are the two
+            // m64n64 ones side by side).
+            let halves = |s: [[f32; 4]; 16]| -> [[[f32; 4]; 8]; 2] { core::array::from_fn(|h| core::array::from_fn(|n| s[8 * h + n])) };
             // P V of half `h` of tile `j` issued.
             macro_rules! issue_pv_half {
                 ($j:expr, $h:literal) => {{
@@ -971,9 +982,12 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
             if last == 0 && skip {
                 let a = issue_scores!(0, false);
                 softmax_tile!(0, false, 8, [unsafe { wait_scores64::<0>(a) }]);
-            } else {
+            } else if Rings::<W, K>::HALF_STAGES {
                 let (a, b) = issue_scores!(0, true);
                 softmax_tile!(0, false, 16, unsafe { [wait_scores64::<1>(a), wait_scores64::<0>(b)] });
+            } else {
+                let s = issue_scores!(0, tile);
+                softmax_tile!(0, false, 16, halves(unsafe { wait_scores128::<0>(s) }));
             }
             // Tile j + 1's S and tile j's P V, then tile j + 1's softmax.
             let mut j = 0;
@@ -999,22 +1013,25 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                     };
                     release_half(2 * (u + j));
                     softmax_tile!(j + 1, true, 8, [s]);
-                } else {
+                } else if Rings::<W, K>::HALF_STAGES {
+                    // Two chains: one over the tile's 128 K rows would need both half stages
+                    // landed before its first step, and their K rows side by side (tried, with
+                    // the stages paired: 2-5% slower, docs/prefill.md).
                     let (a, b) = issue_scores!(j + 1, true);
-                    if !Rings::<W, K>::HALF_STAGES {
-                        issue_pv_half!(j, 0);
-                    }
                     issue_pv_half!(j, 1);
-                    // In flight: S of j + 1 (both halves), then P V of j (or its second half).
-                    let s = if Rings::<W, K>::HALF_STAGES {
-                        let s = unsafe { [wait_scores64::<1>(a), wait_scores64::<1>(b)] };
-                        unsafe { M::wait_frags::<1>(&pf[0]) };
-                        s
-                    } else {
-                        unsafe { [wait_scores64::<2>(a), wait_scores64::<2>(b)] }
-                    };
+                    // In flight: S of j + 1 (both halves), then P V of j's second half.
+                    let s = unsafe { [wait_scores64::<1>(a), wait_scores64::<1>(b)] };
+                    unsafe { M::wait_frags::<1>(&pf[0]) };
                     release_half(2 * (u + j));
                     softmax_tile!(j + 1, true, 16, s);
+                } else {
+                    let s = issue_scores!(j + 1, tile);
+                    issue_pv_half!(j, 0);
+                    issue_pv_half!(j, 1);
+                    // In flight: S of j + 1, then P V of j.
+                    let s = unsafe { wait_scores128::<2>(s) };
+                    release_half(2 * (u + j));
+                    softmax_tile!(j + 1, true, 16, halves(s));
                 }
                 j += 1;
             }
