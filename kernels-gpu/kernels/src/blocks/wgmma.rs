@@ -1,6 +1,7 @@
 //! Hopper `wgmma` chains of the prefill kernel (`prefill_specialized`), per 16-bit type: a
-//! warpgroup's S = Q K^T over a 64-key half tile, and its O += P V with P from registers, both
-//! issued without waiting ([`wait_scores64`], [`wait_pv64`] retire them).
+//! warpgroup's S = Q K^T over a 64-key half tile (or a whole 128-key tile at width 64), and its
+//! O += P V with P from registers, all issued without waiting ([`wait_scores64`],
+//! [`wait_scores128`], [`wait_pv64`] retire them).
 //!
 //! Each chain is one `asm!` block (fence, the k-steps, commit): the accumulators stay in
 //! the same registers from the first k-step to the last, so `ptxas` never has to serialise the

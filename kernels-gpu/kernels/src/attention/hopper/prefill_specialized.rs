@@ -33,10 +33,10 @@
 //! chain, C7514). `cargo xtask ptx-report` fails if `ptxas` serialises the chains.
 //!
 //! Up to width 128 (other than on e4m3 stages) a warpgroup steps over whole 128-key tiles instead, in
-//! FA3's order ([`ws_whole_tiles`]): per tile j it issues S of tile j + 1 (both halves; at width
-//! 64, whose stages hold whole tiles, one chain of m64n128 steps over the tile's contiguous K
-//! rows) and P V of tile j, retires S, takes the softmax of j + 1 (one row max and one rescale for 128
-//! keys) under the P V, and retires the P V before rescaling O. It holds two tiles' stages from
+//! FA3's order ([`ws_whole_tiles`]): per tile j it issues S of tile j + 1 (both halves; at
+//! width 64, whose stages hold whole tiles, one chain of m64n128 steps over the tile's
+//! contiguous K rows) and P V of tile j, retires S, takes the softmax of j + 1 (one row max and
+//! one rescale for 128 keys) under the P V, and retires the P V before rescaling O. It holds two tiles' stages from
 //! one issue to the next wait. The four whole-tile stages of width 64 leave the producer two to
 //! fill; on half-tile stages (widths 80 to 128) the P V of tile j's first half is issued before
 //! S of j + 1, so that its stage is freed when S retires, before the softmax.
