@@ -270,3 +270,29 @@ impl<C: AttnConfig, const V: bool> Plane<C, V> {
         }
     }
 }
+
+/// [`KvSource::locate`] in two steps, for a loop that issues the lookup a tile ahead (the
+/// Hopper prefill's producer).
+impl KvSource {
+    /// A paged cache's block id for `key` as the table's 32 bits (a packed cache has no lookup:
+    /// 0), left unconverted until [`Self::located`], so that nothing waits for the load where it
+    /// is issued.
+    #[inline(always)]
+    pub unsafe fn block_of(&self, p: &AttnParams, key: u32) -> u32 {
+        if self.block_row == 0 {
+            0
+        } else {
+            unsafe { crate::blocks::vec_io::load_u32_nc(self.block_row + (key / p.shape.block_size) as u64 * 4) }
+        }
+    }
+
+    /// What [`Self::locate`] gives for `key`, from its [`Self::block_of`].
+    #[inline(always)]
+    pub fn located(&self, key: u32, block: u32) -> i64 {
+        if self.block_row == 0 {
+            (self.key_base + key as u64) as i64
+        } else {
+            block as i32 as i64
+        }
+    }
+}

@@ -549,13 +549,16 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
             // FP8: the item's first ring position (its stages are converted from here on).
             let first = u;
             let key_of = |j: u32| it.begin + j * BLOCK_N + t;
-            let locate = |j: u32| if key_of(j) < it.end { unsafe { src.locate(p, key_of(j)) } } else { -1 };
-            let mut loc = locate(0);
+            // Block ids are loaded a tile ahead and widened only where they are used: widened
+            // at the load, the current tile's copies waited for it (`KvSource::block_of`).
+            let block_of = |j: u32| if key_of(j) < it.end { unsafe { src.block_of(p, key_of(j)) } } else { u32::MAX };
+            let mut block = block_of(0);
             let mut j = 0;
             while j < it.n_tiles {
                 // This thread's key's entry and its warp's bad-block flag (as `KeyTables::fill`),
                 // for the half of the tile the key is in.
                 let key = key_of(j);
+                let loc = src.located(key, block);
                 let (ka, va) = if key < it.end { src.addresses(p, key, loc, K::ELEM_BYTES as u64) } else { (0, 0) };
                 let bad = key < it.end && ka == 0;
                 if bad {
@@ -565,7 +568,7 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                 // This thread's part of a stage going by TMA, and its box's coordinates.
                 let group = if by_tma_ever { tma.group(p, key, key < it.end && ka != 0, loc, w.kv_head, t) } else { None };
                 if j + 1 < it.n_tiles {
-                    loc = locate(j + 1);
+                    block = block_of(j + 1);
                 }
                 // The tile's stages (one, two or four).
                 static_for::<4>(|h| {

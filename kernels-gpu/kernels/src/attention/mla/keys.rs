@@ -48,9 +48,9 @@ pub(crate) struct PagedKeys(KvSource);
 
 impl KeySource for PagedKeys {
     type Early = ();
-    type Loc = i64;
+    type Loc = u32;
     const NO_EARLY: () = ();
-    const NO_LOC: i64 = -1;
+    const NO_LOC: u32 = u32::MAX;
     const CAUSAL: bool = true;
 
     #[inline(always)]
@@ -64,13 +64,13 @@ impl KeySource for PagedKeys {
     unsafe fn early(&self, _: &AttnParams, _: u32) {}
 
     #[inline(always)]
-    unsafe fn locate(&self, p: &AttnParams, key: u32, _: ()) -> i64 {
-        unsafe { self.0.locate(p, key) }
+    unsafe fn locate(&self, p: &AttnParams, key: u32, _: ()) -> u32 {
+        unsafe { self.0.block_of(p, key) }
     }
 
     #[inline(always)]
-    unsafe fn address(&self, p: &AttnParams, key: u32, loc: i64, elem_bytes: u64) -> u64 {
-        let a = self.0.addresses(p, key, loc, elem_bytes).0;
+    unsafe fn address(&self, p: &AttnParams, key: u32, loc: u32, elem_bytes: u64) -> u64 {
+        let a = self.0.addresses(p, key, self.0.located(key, loc), elem_bytes).0;
         if a == 0 {
             unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
         }
