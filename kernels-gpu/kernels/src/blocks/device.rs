@@ -201,3 +201,15 @@ pub fn pdl_wait() {
         asm!("griddepcontrol.wait;", options(nostack))
     }
 }
+
+/// `x` unchanged, through an instruction the compiler does not see through. For a per-tile base
+/// address that a loop adds constant offsets to: LLVM regroups `(base + invariant) + constant`
+/// as `base + (invariant + constant)` and keeps every such sum in a register of its own across
+/// the loop, where `opaque(base + invariant) + constant` leaves the constants to the
+/// instructions' immediate offsets.
+#[inline(always)]
+pub fn opaque(x: u32) -> u32 {
+    let y: u32;
+    unsafe { asm!("mov.b32 {0}, {1};", out(reg32) y, in(reg32) x, options(pure, nomem, nostack)) };
+    y
+}

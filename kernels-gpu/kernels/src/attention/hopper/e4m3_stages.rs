@@ -17,13 +17,14 @@
 //!   scale.
 
 use crate::attention::config::CacheFormat;
-use crate::blocks::device::{named_barrier, shfl_xor, static_for};
+use crate::blocks::device::{named_barrier, opaque, shfl_xor, static_for};
 use crate::blocks::mma::{
-    byte_perm, cp_async_16, cp_async_halves_or_whole, fence_proxy_async_shared, ld_shared_u32, ld_shared_v4, st_shared_f32, st_shared_u32,
-    st_shared_v4, MmaHalf,
+    byte_perm, cp_async_16, cp_async_halves_or_whole, fence_proxy_async_shared, ld_shared_u32, ld_shared_u64x2, ld_shared_v4,
+    st_shared_f32, st_shared_u32, st_shared_v4, MmaHalf,
 };
 use crate::blocks::wgmma::e4m3x4;
 use attn_math::hopper_prefill::swizzled;
+use attn_math::prefill::TABLE_ENTRY;
 
 /// Bytes of an e4m3 row (whole 128-byte swizzle atoms of one byte a column).
 const ROW: u32 = 128;
@@ -97,41 +98,88 @@ const fn share_row(o: u32, i: u32) -> u32 {
 /// shared-memory phase in [`transpose_v`] read one chunk of eight rows that differ in exactly
 /// those bits, so their reads fall in eight different bank groups.
 #[inline(always)]
-fn raw_v_offset(row: u32, chunk: u32) -> u32 {
+const fn raw_v_offset(row: u32, chunk: u32) -> u32 {
     let f = ((row >> 2) & 1) | ((row >> 3) & 6);
     row * ROW + 16 * (chunk ^ f)
 }
 
-/// Copies a 128-key tile of e4m3 K and V rows (`src(r)`: row r's two addresses, the first 0 to
-/// zero-fill both, `fallback` named then): K into the swizzled stage at `k`, V into the raw slot
-/// at `v_raw` ([`raw_v_offset`]). Each of the 128 producers (`t`) copies the chunks it will
-/// transpose itself ([`VShare`]), so [`transpose_v`] needs only its own copies to have landed.
-/// Only the first `live` units of a row are read (the launch's head size, in `K`'s
-/// [`CacheFormat::live_units`]).
+/// Row `i` of a share counted from its row 0: `(i & 3) + 8 (i >> 2)` ([`share_row`]).
+const fn row_step(i: usize) -> u32 {
+    (i as u32 & 3) + 8 * (i as u32 >> 2)
+}
+
+/// Whether a share's rows and their V^T columns lie at a few bases plus constants, which the
+/// copies and stores below take as immediate offsets (with each offset a register of its own,
+/// the producer spilled at 88 registers):
+/// - raw V: row i at `raw_v_offset(row 0) + 128 row_step(i)` (f of the rows is the share's);
+/// - K: row i at the base of row `row 0 + (i & 3)` plus 1024 (i >> 2): four bases;
+/// - V^T: column `16 chunk + 4 word + y` at the base of column `16 chunk + 4 (word & 1) + y`
+///   plus 1024 (word >> 1): eight bases.
+const fn share_offsets_are_bases_plus_constants() -> bool {
+    let mut t = 0;
+    while t < 128 {
+        let (o, c) = (t % 16, t / 16);
+        let row0 = share_row(o, 0);
+        let mut i = 0;
+        while i < 8 {
+            let r = share_row(o, i as u32);
+            if r != row0 + row_step(i)
+                || raw_v_offset(r, c) != raw_v_offset(row0, c) + ROW * row_step(i)
+                || swizzled(64, r, c) != swizzled(64, row0 + (i as u32 & 3), c) + 1024 * (i as u32 >> 2)
+            {
+                return false;
+            }
+            i += 1;
+        }
+        let mut col = 16 * c;
+        while col < 16 * c + 16 {
+            let (word, y) = ((col % 16) / 4, col % 4);
+            if swizzled(64, col, o / 2) != swizzled(64, 16 * c + 4 * (word & 1) + y, o / 2) + 1024 * (word >> 1) {
+                return false;
+            }
+            col += 1;
+        }
+        t += 1;
+    }
+    true
+}
+const _: () = assert!(share_offsets_are_bases_plus_constants());
+
+/// Copies a 128-key tile of e4m3 K and V rows (entry r of the address table at `table`: row r's
+/// two addresses, the first 0 where the row is zero-filled): K into the swizzled stage at `k`, V
+/// into the raw slot at `v_raw` ([`raw_v_offset`]). Each of the 128 producers (`t`) copies the
+/// chunks it will transpose itself ([`VShare`]), so [`transpose_v`] needs only its own copies to
+/// have landed. Only the first `live` units of a row are read (the launch's head size, in `K`'s
+/// [`CacheFormat::live_units`]); a zero-filled chunk keeps its address (a copy of 0 bytes reads
+/// nothing), where only the 8-byte halves (`K::HALVES`) name a `fallback`.
 #[inline(always)]
-pub(crate) unsafe fn copy_tile<K: CacheFormat>(k: u32, v_raw: u32, t: u32, live: u32, fallback: u64, src: impl Fn(u32) -> (u64, u64)) {
+pub(crate) unsafe fn copy_tile<K: CacheFormat>(k: u32, v_raw: u32, t: u32, live: u32, fallback: u64, table: u32) {
     let share = VShare::of(t);
     let c = share.chunk;
     let read = c < live;
+    let row0 = share.row(0);
+    let entries = opaque(table + row0 * TABLE_ENTRY);
+    let v_base = opaque(v_raw + raw_v_offset(row0, c));
+    let k_base: [u32; 4] = core::array::from_fn(|x| opaque(k + swizzled(64, row0 + x as u32, c)));
     // Two rows' sources before their copies, as `copy_row_pairs` (the table is in shared memory).
     static_for::<4>(|g| {
-        let rows = [share.row(2 * g), share.row(2 * g + 1)];
-        let srcs = [src(rows[0]), src(rows[1])];
+        let rows = [2 * g, 2 * g + 1];
+        let srcs = rows.map(|i| unsafe { ld_shared_u64x2(entries + row_step(i) * TABLE_ENTRY) });
         static_for::<2>(|k2| {
             let (a, b) = srcs[k2];
-            let r = rows[k2];
+            let i = rows[k2];
+            let (kd, vd) = (k_base[i & 3] + 1024 * (i as u32 >> 2), v_base + ROW * row_step(i));
             if K::HALVES {
                 unsafe {
-                    cp_async_halves_or_whole(k + swizzled(64, r, c), a, c, live, fallback);
-                    cp_async_halves_or_whole(v_raw + raw_v_offset(r, c), if a != 0 { b } else { 0 }, c, live, fallback);
+                    cp_async_halves_or_whole(kd, a, c, live, fallback);
+                    cp_async_halves_or_whole(vd, if a != 0 { b } else { 0 }, c, live, fallback);
                 }
                 return;
             }
-            let valid = a != 0 && read;
-            let bytes = if valid { 16 } else { 0 };
+            let bytes = if a != 0 && read { 16 } else { 0 };
             unsafe {
-                cp_async_16(k + swizzled(64, r, c), if valid { a + c as u64 * 16 } else { fallback }, bytes);
-                cp_async_16(v_raw + raw_v_offset(r, c), if valid { b + c as u64 * 16 } else { fallback }, bytes);
+                cp_async_16(kd, a.wrapping_add(c as u64 * 16), bytes);
+                cp_async_16(vd, b.wrapping_add(c as u64 * 16), bytes);
             }
         });
     });
@@ -156,15 +204,17 @@ fn transpose4(a: u32, b: u32, c: u32, d: u32) -> [u32; 4] {
 #[inline(always)]
 pub(crate) unsafe fn transpose_v(v_raw: u32, vt: u32, t: u32) {
     let share = VShare::of(t);
+    let v_base = opaque(v_raw + raw_v_offset(share.row(0), share.chunk));
+    let at = 8 * (share.o % 2);
+    let out_base: [u32; 8] = core::array::from_fn(|x| opaque(vt + swizzled(64, 16 * share.chunk + x as u32, share.o / 2) + at));
     static_for::<2>(|pass| {
         let rows = [0, 1, 4, 5].map(|i| i + 2 * pass);
-        let w: [[u32; 4]; 4] = rows.map(|i| unsafe { ld_shared_v4(v_raw + raw_v_offset(share.row(i), share.chunk)) });
-        let at = 8 * (share.o % 2) + 4 * pass as u32;
+        let w: [[u32; 4]; 4] = rows.map(|i| unsafe { ld_shared_v4(v_base + ROW * row_step(i)) });
         static_for::<4>(|word| {
             let out = transpose4(w[0][word], w[1][word], w[2][word], w[3][word]);
             static_for::<4>(|y| {
-                let col = 16 * share.chunk + 4 * word as u32 + y as u32;
-                unsafe { st_shared_u32(vt + swizzled(64, col, share.o / 2) + at, out[y]) };
+                let base = out_base[4 * (word % 2) + y];
+                unsafe { st_shared_u32(base + 1024 * (word as u32 / 2) + 4 * pass as u32, out[y]) };
             });
         });
     });
