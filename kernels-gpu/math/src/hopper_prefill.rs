@@ -99,6 +99,11 @@ pub const fn stage_format(d: u32, fp8: bool) -> StageFormat {
 /// rows land while the producer transposes the tile before.
 pub const WS_E4M3_LOOKAHEAD: u32 = 1;
 
+/// Bytes from one raw V row of an e4m3 stage to the next: 128 and 16 of padding, so that the
+/// same 16 bytes of eight consecutive rows, which one `ldmatrix` matrix of the transpose reads,
+/// lie in eight different bank groups.
+pub const E4M3_RAW_ROW: u32 = 144;
+
 /// K/V stages in the ring: [`WS_STAGES`], three with converted FP8 rows (whose raw ring takes
 /// the fourth's room), four whole-tile stages of e4m3 rows.
 pub const fn ws_stages(d: u32, fp8: bool) -> u32 {
@@ -244,7 +249,7 @@ pub struct WsLayout {
     pub tile: u32,
     /// Raw FP8 slot s ([`ws_raw_slots`]): K rows at `raw + s * 2 * raw_tile` ([`row_width`]
     /// bytes each, in row order), V `raw_tile` bytes after; e4m3 stages: V rows only, at
-    /// `raw + s * raw_tile`.
+    /// `raw + s * raw_tile`, [`E4M3_RAW_ROW`] bytes apart.
     pub raw: u32,
     pub raw_tile: u32,
     /// Address table of stage s at `table + s * table_slot_bytes(ws_stage_keys(d))`.
@@ -272,7 +277,7 @@ pub const fn ws_layout(d: u32, fp8: bool) -> WsLayout {
     let q_buffers = ws_q_buffers(d, fp8);
     let q_bytes = BLOCK_M * d * 2;
     let tile = keys * row_bytes;
-    let raw_tile = keys * d;
+    let raw_tile = keys * if e4m3 { E4M3_RAW_ROW } else { d };
     let q = 0;
     let q8 = q + q_buffers * q_bytes;
     let kv = q8 + if e4m3 { BLOCK_M * d } else { 0 };

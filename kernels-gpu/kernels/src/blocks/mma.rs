@@ -567,3 +567,14 @@ pub unsafe fn ld_shared_u32(addr: u32) -> u32 {
     unsafe { asm!("ld.shared.u32 {0}, [{1}];", out(reg32) r, in(reg32) addr, options(readonly, nostack)) };
     r
 }
+
+/// Four 8x8 matrices of 16-bit values to shared memory (sm_90): lanes 8i..8i+7 give the row
+/// addresses of matrix i, and lane 4g + t holds (row g, cols 2t, 2t+1) of matrix i in `v[i]`
+/// ([`ldmatrix_x4`]'s fragment).
+#[inline(always)]
+pub unsafe fn stmatrix_x4(addr: u32, v: [u32; 4]) {
+    unsafe {
+        asm!("stmatrix.sync.aligned.m8n8.x4.shared.b16 [{0}], {{{1}, {2}, {3}, {4}}};",
+             in(reg32) addr, in(reg32) v[0], in(reg32) v[1], in(reg32) v[2], in(reg32) v[3], options(nostack));
+    }
+}

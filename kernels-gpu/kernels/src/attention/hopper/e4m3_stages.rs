@@ -5,7 +5,8 @@
 //! - **K** (S = Q K^T: K is B, the head size its K) is K-major as the cache holds it: the
 //!   producer copies its 128-byte rows straight into the stage's 128-byte-swizzled layout.
 //! - **V** (O += P V: V is B, the keys its K) is not: the producer copies its rows into a raw
-//!   slot, then writes them transposed into the stage, a row a V column ([`transpose_v`]).
+//!   slot, then writes them transposed into the stage, a row a V column ([`transpose_v`], on
+//!   `ldmatrix.trans` and `stmatrix`).
 //! - **P** goes from the S accumulators into A fragments without moving between threads: in
 //!   a k32 A fragment thread t of a quad holds columns 4t..4t+3 (and 16 on), while its S
 //!   accumulators hold keys 2t, 2t + 1, 8 + 2t, 9 + 2t (and 16 on). So column 4t + e of the
@@ -17,17 +18,15 @@
 //!   scale.
 
 use crate::attention::config::CacheFormat;
-use crate::blocks::device::{named_barrier, opaque, shfl_xor, static_for};
+use crate::blocks::device::{named_barrier, opaque, shfl_xor, static_for, sync_warp};
 use crate::blocks::mma::{
     byte_perm, cp_async_16, cp_async_halves_or_whole, fence_proxy_async_shared, ld_shared_u32, ld_shared_u64x2, ld_shared_v4,
-    st_shared_f32, st_shared_u32, st_shared_v4, MmaHalf,
+    ldmatrix_x4_trans, st_shared_f32, st_shared_v4, stmatrix_x4, MmaHalf,
 };
 use crate::blocks::wgmma::e4m3x4;
-use attn_math::hopper_prefill::swizzled;
+use attn_math::hopper_prefill::{swizzled, E4M3_RAW_ROW};
 use attn_math::prefill::TABLE_ENTRY;
 
-/// Bytes of an e4m3 row (whole 128-byte swizzle atoms of one byte a column).
-const ROW: u32 = 128;
 /// e4m3's largest finite magnitude.
 const E4M3_MAX: f32 = 448.0;
 
@@ -39,136 +38,102 @@ const fn key_of_column(col: u32) -> u32 {
     base + 2 * t + (e & 1) + 8 * (e >> 1)
 }
 
-/// Whether [`transpose_v`] writes each key where [`key_of_column`] puts it: pass `p`'s row
-/// `i + 2p` (i in 0, 1, 4, 5) of thread share `o` goes to byte `4p + k` (k the index of i) of
-/// the share's 8 columns 8o..8o+7.
+/// The selectors of `prmt` that take, from two registers of `ldmatrix.trans` results (keys k,
+/// k + 1 and k + 8, k + 9 of V columns n, n + 1), V column n's four bytes ([`EVEN`]) or column
+/// n + 1's ([`ODD`]), in key order k, k + 1, k + 8, k + 9.
+const EVEN: u32 = 0x6420;
+const ODD: u32 = 0x7531;
+
+/// For lane `lane` of producer warp `w`, the V^T row and 16-byte column chunk that row `rho`
+/// (= lane % 8) of matrix `i` (= lane / 8) of its `stmatrix` at V column block 0 is stored to
+/// ([`transpose_v`]): matrices (A, keys 0-15), (B, 0-15), (A, 16-31), (B, 16-31) of the warp's 32
+/// keys, where register A of lane 4g + t holds V column 2g's bytes for g < 4 and 2g + 1's for
+/// g >= 4, and B the other. So a matrix's eight rows are 2 rho + 1 for half of them: rows
+/// {0, 2, 4, 6, 9, 11, 13, 15} and {1, 3, 5, 7, 8, 10, 12, 14}, whose swizzle sends them to eight
+/// bank groups (rows 0-14 even alone would meet four, twice each).
+const fn store_row(w: u32, lane: u32) -> (u32, u32) {
+    let (i, rho) = (lane / 8, lane % 8);
+    let odd = if i % 2 == 0 { rho >= 4 } else { rho < 4 };
+    (2 * rho + odd as u32, 2 * w + i / 2)
+}
+
+/// Whether [`transpose_v`] writes each V^T byte from the V byte [`key_of_column`] names, once:
+/// `ldmatrix.trans` gives lane 4g + t, of each 8x8 matrix of 16-bit pairs (8 keys, 16 V
+/// columns), keys 2t and 2t + 1 of pair g; `stmatrix` stores lane 4g + t's register i as the
+/// 4 bytes at 4t of row g of matrix i, whose row addresses lanes 8i..8i+7 give.
 const fn transpose_follows_columns() -> bool {
-    let mut o = 0;
-    while o < 16 {
-        let mut pass = 0;
-        while pass < 2 {
-            let rows = [0, 1, 4, 5];
-            let mut k = 0;
-            while k < 4 {
-                let i = rows[k] + 2 * pass;
-                if key_of_column(8 * o + 4 * pass + k as u32) != share_row(o, i) {
-                    return false;
+    let mut seen = [0u8; 128 * 128];
+    let mut w = 0;
+    while w < 4 {
+        let mut m = 0;
+        while m < 8 {
+            let mut lane = 0;
+            while lane < 32 {
+                let (g, t) = (lane / 4, lane % 4);
+                let mut i = 0;
+                while i < 4 {
+                    // Register i: the pair (A or B) of keys 16 (i / 2) on.
+                    let odd = if i % 2 == 0 { g >= 4 } else { g < 4 };
+                    let col = 16 * m + 2 * g + odd as u32;
+                    let (row, chunk) = store_row(w, 8 * i + g);
+                    if 16 * m + row != col {
+                        return false;
+                    }
+                    let mut e = 0;
+                    while e < 4 {
+                        let key = 32 * w + 16 * (i / 2) + 2 * t + (e & 1) + 8 * (e >> 1);
+                        let at = 16 * chunk + 4 * t + e;
+                        if key_of_column(at) != key {
+                            return false;
+                        }
+                        seen[(col * 128 + at) as usize] += 1;
+                        e += 1;
+                    }
+                    i += 1;
                 }
-                k += 1;
+                lane += 1;
             }
-            pass += 1;
+            m += 1;
         }
-        o += 1;
+        w += 1;
+    }
+    let mut x = 0;
+    while x < seen.len() {
+        if seen[x] != 1 {
+            return false;
+        }
+        x += 1;
     }
     true
 }
 const _: () = assert!(transpose_follows_columns());
 
-/// A producer thread's share of a tile's V rows (and, with them, its K rows): raw chunk `c`
-/// (head-size columns 16c..16c+15) of the 8 keys that fill output bytes 8o..8o+7 of every V^T
-/// row. Columns 8o..8o+7 of V^T (16-key block o / 2, half o % 2) are keys
-/// 16 (o / 2) + 4 (o % 2) + {0, 1, 8, 9, 2, 3, 10, 11} ([`key_of_column`]); the thread's i-th row
-/// is key 16 (o / 2) + 4 (o % 2) + (i & 3) + 8 (i >> 2).
-#[derive(Clone, Copy)]
-struct VShare {
-    o: u32,
-    chunk: u32,
-}
-
-impl VShare {
-    /// For 128 producers over a 128-key tile of 128-byte rows.
-    #[inline(always)]
-    fn of(t: u32) -> Self {
-        VShare { o: t % 16, chunk: t / 16 }
-    }
-
-    #[inline(always)]
-    fn row(&self, i: usize) -> u32 {
-        share_row(self.o, i as u32)
-    }
-}
-
-/// Row `i` of share `o` ([`VShare`]).
-const fn share_row(o: u32, i: u32) -> u32 {
-    16 * (o / 2) + 4 * (o % 2) + (i & 3) + 8 * (i >> 2)
-}
-
-/// Byte offset of (row, chunk) in a raw V slot: rows of 128 bytes in key order, chunk c of row r
-/// at chunk `c ^ f(r)`, f(r) = bit 2 of r and bits 4-5 of r above it. The eight threads of a
-/// shared-memory phase in [`transpose_v`] read one chunk of eight rows that differ in exactly
-/// those bits, so their reads fall in eight different bank groups.
-#[inline(always)]
-const fn raw_v_offset(row: u32, chunk: u32) -> u32 {
-    let f = ((row >> 2) & 1) | ((row >> 3) & 6);
-    row * ROW + 16 * (chunk ^ f)
-}
-
-/// Row `i` of a share counted from its row 0: `(i & 3) + 8 (i >> 2)` ([`share_row`]).
-const fn row_step(i: usize) -> u32 {
-    (i as u32 & 3) + 8 * (i as u32 >> 2)
-}
-
-/// Whether a share's rows and their V^T columns lie at a few bases plus constants, which the
-/// copies and stores below take as immediate offsets (with each offset a register of its own,
-/// the producer spilled at 88 registers):
-/// - raw V: row i at `raw_v_offset(row 0) + 128 row_step(i)` (f of the rows is the share's);
-/// - K: row i at the base of row `row 0 + (i & 3)` plus 1024 (i >> 2): four bases;
-/// - V^T: column `16 chunk + 4 word + y` at the base of column `16 chunk + 4 (word & 1) + y`
-///   plus 1024 (word >> 1): eight bases.
-const fn share_offsets_are_bases_plus_constants() -> bool {
-    let mut t = 0;
-    while t < 128 {
-        let (o, c) = (t % 16, t / 16);
-        let row0 = share_row(o, 0);
-        let mut i = 0;
-        while i < 8 {
-            let r = share_row(o, i as u32);
-            if r != row0 + row_step(i)
-                || raw_v_offset(r, c) != raw_v_offset(row0, c) + ROW * row_step(i)
-                || swizzled(64, r, c) != swizzled(64, row0 + (i as u32 & 3), c) + 1024 * (i as u32 >> 2)
-            {
-                return false;
-            }
-            i += 1;
-        }
-        let mut col = 16 * c;
-        while col < 16 * c + 16 {
-            let (word, y) = ((col % 16) / 4, col % 4);
-            if swizzled(64, col, o / 2) != swizzled(64, 16 * c + 4 * (word & 1) + y, o / 2) + 1024 * (word >> 1) {
-                return false;
-            }
-            col += 1;
-        }
-        t += 1;
-    }
-    true
-}
-const _: () = assert!(share_offsets_are_bases_plus_constants());
-
 /// Copies a 128-key tile of e4m3 K and V rows (entry r of the address table at `table`: row r's
 /// two addresses, the first 0 where the row is zero-filled): K into the swizzled stage at `k`, V
-/// into the raw slot at `v_raw` ([`raw_v_offset`]). Each of the 128 producers (`t`) copies the
-/// chunks it will transpose itself ([`VShare`]), so [`transpose_v`] needs only its own copies to
-/// have landed. Only the first `live` units of a row are read (the launch's head size, in `K`'s
+/// into the raw slot at `v_raw` (rows [`E4M3_RAW_ROW`] bytes apart). Producer warp w copies rows
+/// 32w..32w+31, which [`transpose_v`] then reads in the same warp: lane 8q + c copies chunk c of
+/// rows 32w + 4j + q, so that each copy instruction reads four whole 128-byte rows. Only the
+/// first `live` units of a row are read (the launch's head size, in `K`'s
 /// [`CacheFormat::live_units`]); a zero-filled chunk keeps its address (a copy of 0 bytes reads
 /// nothing), where only the 8-byte halves (`K::HALVES`) name a `fallback`.
 #[inline(always)]
 pub(crate) unsafe fn copy_tile<K: CacheFormat>(k: u32, v_raw: u32, t: u32, live: u32, fallback: u64, table: u32) {
-    let share = VShare::of(t);
-    let c = share.chunk;
+    let (w, q, c) = (t / 32, (t % 32) / 8, t % 8);
+    let row0 = 32 * w + q;
     let read = c < live;
-    let row0 = share.row(0);
+    // Row 4j of the lane's rows: the table entry 64j bytes on, the raw V row 4j rows on, K
+    // 1024 (j / 2) bytes on from the base of row 0 or 4 (the swizzle's XOR takes two values).
     let entries = opaque(table + row0 * TABLE_ENTRY);
-    let v_base = opaque(v_raw + raw_v_offset(row0, c));
-    let k_base: [u32; 4] = core::array::from_fn(|x| opaque(k + swizzled(64, row0 + x as u32, c)));
-    // Two rows' sources before their copies, as `copy_row_pairs` (the table is in shared memory).
+    let v_base = opaque(v_raw + row0 * E4M3_RAW_ROW + 16 * c);
+    let k_base = [opaque(k + swizzled(64, row0, c)), opaque(k + swizzled(64, row0 + 4, c))];
     static_for::<4>(|g| {
         let rows = [2 * g, 2 * g + 1];
-        let srcs = rows.map(|i| unsafe { ld_shared_u64x2(entries + row_step(i) * TABLE_ENTRY) });
-        static_for::<2>(|k2| {
-            let (a, b) = srcs[k2];
-            let i = rows[k2];
-            let (kd, vd) = (k_base[i & 3] + 1024 * (i as u32 >> 2), v_base + ROW * row_step(i));
+        // Two rows' sources before their copies, as `copy_row_pairs`.
+        let srcs = rows.map(|j| unsafe { ld_shared_u64x2(entries + 4 * j as u32 * TABLE_ENTRY) });
+        static_for::<2>(|x| {
+            let (a, b) = srcs[x];
+            let j = rows[x] as u32;
+            let (kd, vd) = (k_base[x] + 1024 * (j / 2), v_base + 4 * j * E4M3_RAW_ROW);
             if K::HALVES {
                 unsafe {
                     cp_async_halves_or_whole(kd, a, c, live, fallback);
@@ -178,45 +143,55 @@ pub(crate) unsafe fn copy_tile<K: CacheFormat>(k: u32, v_raw: u32, t: u32, live:
             }
             let bytes = if a != 0 && read { 16 } else { 0 };
             unsafe {
-                cp_async_16(kd, a.wrapping_add(c as u64 * 16), bytes);
-                cp_async_16(vd, b.wrapping_add(c as u64 * 16), bytes);
+                cp_async_16(kd, a.wrapping_add(16 * c as u64), bytes);
+                cp_async_16(vd, b.wrapping_add(16 * c as u64), bytes);
             }
         });
     });
 }
 
-/// Four words' bytes transposed: word y of the result holds byte y of `a`, `b`, `c`, `d` (in
-/// that order from the low byte).
-#[inline(always)]
-fn transpose4(a: u32, b: u32, c: u32, d: u32) -> [u32; 4] {
-    let ab_lo = byte_perm(a, b, 0x5140);
-    let ab_hi = byte_perm(a, b, 0x7362);
-    let cd_lo = byte_perm(c, d, 0x5140);
-    let cd_hi = byte_perm(c, d, 0x7362);
-    [byte_perm(ab_lo, cd_lo, 0x5410), byte_perm(ab_lo, cd_lo, 0x7632), byte_perm(ab_hi, cd_hi, 0x5410), byte_perm(ab_hi, cd_hi, 0x7632)]
+/// Whether [`copy_tile`]'s K destinations are its two bases plus constants: row 32w + 4j + q at
+/// the base of row 32w + q (j even) or 32w + q + 4 (j odd), plus 1024 (j / 2).
+const fn k_rows_are_bases_plus_constants() -> bool {
+    let mut t = 0;
+    while t < 128 {
+        let (w, q, c) = (t / 32, (t % 32) / 8, t % 8);
+        let mut j = 0;
+        while j < 8 {
+            let row = 32 * w + 4 * j + q;
+            if swizzled(64, row, c) != swizzled(64, 32 * w + q + 4 * (j % 2), c) + 1024 * (j / 2) {
+                return false;
+            }
+            j += 1;
+        }
+        t += 1;
+    }
+    true
 }
+const _: () = assert!(k_rows_are_bases_plus_constants());
 
-/// Writes the V rows this thread copied ([`copy_tile`], landed) into the stage's V^T at `vt`:
-/// 128 rows (V's columns) of 128 key bytes in [`key_of_column`]'s order, in the same
-/// 128-byte-swizzled layout as K. In two passes of four rows (rows i = 0, 1, 4, 5 fill the
-/// first four of the thread's 8 bytes of a V^T row, rows 2, 3, 6, 7 the last four), so that
-/// only four rows are held at a time.
+/// Writes the V rows producer warp `t / 32` copied ([`copy_tile`]: rows 32w..32w+31, landed in
+/// each copying lane's view) into the stage's V^T at `vt`: 128 rows (V's columns) of 128 key
+/// bytes in [`key_of_column`]'s order, in the same 128-byte-swizzled layout as K. Per 16 V
+/// columns, one `ldmatrix.trans` of the warp's 32 keys (four 8x8 matrices of 16-bit pairs), four
+/// `prmt` and one `stmatrix` ([`transpose_follows_columns`]); the eight loads first, since a
+/// load after a store to shared memory waits for it. Raw rows [`E4M3_RAW_ROW`] bytes apart put
+/// eight consecutive rows' same 16 bytes in eight bank groups.
 #[inline(always)]
 pub(crate) unsafe fn transpose_v(v_raw: u32, vt: u32, t: u32) {
-    let share = VShare::of(t);
-    let v_base = opaque(v_raw + raw_v_offset(share.row(0), share.chunk));
-    let at = 8 * (share.o % 2);
-    let out_base: [u32; 8] = core::array::from_fn(|x| opaque(vt + swizzled(64, 16 * share.chunk + x as u32, share.o / 2) + at));
-    static_for::<2>(|pass| {
-        let rows = [0, 1, 4, 5].map(|i| i + 2 * pass);
-        let w: [[u32; 4]; 4] = rows.map(|i| unsafe { ld_shared_v4(v_base + ROW * row_step(i)) });
-        static_for::<4>(|word| {
-            let out = transpose4(w[0][word], w[1][word], w[2][word], w[3][word]);
-            static_for::<4>(|y| {
-                let base = out_base[4 * (word % 2) + y];
-                unsafe { st_shared_u32(base + 1024 * (word as u32 / 2) + 4 * pass as u32, out[y]) };
-            });
-        });
+    let (w, lane) = (t / 32, t % 32);
+    // The lanes' copies, each landed in its own lane's view, visible to the whole warp.
+    sync_warp();
+    let src = opaque(v_raw + t * E4M3_RAW_ROW);
+    let (row, chunk) = store_row(w, lane);
+    let dst = opaque(vt + swizzled(64, row, chunk));
+    let (a, b) = if lane / 4 < 4 { (EVEN, ODD) } else { (ODD, EVEN) };
+    let r: [[u32; 4]; 8] = core::array::from_fn(|m| unsafe { ldmatrix_x4_trans(src + 16 * m as u32) });
+    static_for::<8>(|m| {
+        let r = r[m];
+        let out = [byte_perm(r[0], r[1], a), byte_perm(r[0], r[1], b), byte_perm(r[2], r[3], a), byte_perm(r[2], r[3], b)];
+        // Columns 16 m on: rows 16 m on, two swizzle groups of 1024 bytes.
+        unsafe { stmatrix_x4(dst + 2048 * m as u32, out) };
     });
 }
 

@@ -586,8 +586,8 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                         unsafe { mbarrier::wait(rings.freed(uh), Rings::<W, K>::parity(uh) ^ 1) };
                         unsafe { write_table_entry::<W, K>(table, t, h as u32, (ka, va), any_bad) };
                         named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
-                        // Each producer reads the entries of its own share's rows from the table
-                        // (the copies' addresses: `e4m3_stages::copy_tile`).
+                        // A producer warp copies the rows its own lanes' entries name
+                        // (`e4m3_stages::copy_tile`), whole rows an instruction.
                         unsafe { copy_tile::<K>(rings.k(uh), rings.raw_v(uh), t, live, p.qkv.q, table) };
                         cp_async_commit();
                         if uh >= first + WS_E4M3_LOOKAHEAD {
