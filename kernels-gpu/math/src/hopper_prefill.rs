@@ -262,6 +262,10 @@ pub struct WsLayout {
     /// The compute warps' scratch words (e4m3 stages: each warp's largest query magnitude, for
     /// its warpgroup's quantisation scale).
     pub scratch: u32,
+    /// e4m3 stages at width 128: 1 KB of ones (eight 128-byte rows of the cache's FP8 format),
+    /// the B operand of the `wgmma`s that sum each row's weights beside P V (at widths 80 to 112
+    /// V^T has rows to spare for them). `total` (no bytes) elsewhere.
+    pub ones: u32,
     pub total: u32,
 }
 
@@ -272,6 +276,7 @@ pub const fn ws_layout(d: u32, fp8: bool) -> WsLayout {
     let e4m3 = matches!(format, StageFormat::Fp8);
     let keys = ws_stage_keys(d, fp8);
     let row_bytes = ws_row_bytes(d, fp8);
+    let ones_bytes = if e4m3 && d == 128 { 1024 } else { 0 };
     let d = row_width(d);
     let stages = ws_stages(d, fp8);
     let q_buffers = ws_q_buffers(d, fp8);
@@ -287,8 +292,10 @@ pub const fn ws_layout(d: u32, fp8: bool) -> WsLayout {
     let item = table + ws_tables(d, fp8) * crate::prefill::table_slot_bytes(keys);
     let bars = item + WS_ITEM_SLOTS * 4 * WS_ITEM_WORDS;
     let scratch = bars + 8 * 2 * (stages + q_buffers);
-    let total = scratch + 4 * THREADS / 32;
-    WsLayout { q, q_bytes, q8, kv, tile, raw, raw_tile, table, item, bars, scratch, total }
+    let end = scratch + 4 * THREADS / 32;
+    let ones = if ones_bytes > 0 { end.next_multiple_of(1024) } else { end };
+    let total = ones + ones_bytes;
+    WsLayout { q, q_bytes, q8, kv, tile, raw, raw_tile, table, item, bars, scratch, ones, total }
 }
 
 #[cfg(test)]
@@ -304,6 +311,7 @@ mod tests {
                 assert!(o.is_multiple_of(1024), "d{d}: {l:?}");
             }
             assert!(l.table.is_multiple_of(16) && l.item.is_multiple_of(16) && l.bars.is_multiple_of(8));
+            assert!(l.ones == l.total || (l.ones.is_multiple_of(1024) && l.total == l.ones + 1024), "d{d}: {l:?}");
         }
         // setmaxnreg: the producer frees at least what the compute warps take, in steps of 8.
         let start = (65536 / WS_THREADS) / 8 * 8;

@@ -7,7 +7,7 @@ use crate::attention::variants::{
     Alibi, BadBlocks, BadSlab, Causal, Chain, ChunkedLocal, KeyEnd, LogitsPolicy, Scale, SlidingWindow, SoftCap, SymmetricWindow,
 };
 use crate::attention::work::RowInfo;
-use crate::blocks::device::{fma, shfl_xor, static_for, thread_idx_x};
+use crate::blocks::device::{fma, fresh, shfl_xor, static_for, thread_idx_x};
 use crate::blocks::mma::ld_shared_u32;
 use attn_math::params::AttnParams;
 use attn_math::softmax::{exp2, OnlineSoftmax};
@@ -146,8 +146,12 @@ impl Logits {
         flags: u32,
         table: u32,
     ) {
-        let t4 = thread_idx_x() % 4;
-        let key_of = |n: usize, e: usize| kt + n as u32 * 8 + 2 * t4 + (e % 2) as u32;
+        // Column (n, e)'s key: the thread's first key plus a constant. Each pass that reads keys
+        // takes the first key anew (`fresh`): shared, the passes' adds (16 keys a block) were
+        // hoisted above their branches and ran on every tile, masked or not (e4m3 kernels: 32
+        // instructions a warp a 64-key step).
+        let first_key = || fresh(kt + 2 * (thread_idx_x() % 4));
+        let key_of = |k0: u32, n: usize, e: usize| k0 + (n as u32 * 8 + (e % 2) as u32);
         // Every element of the warp's score tiles: (row tile, column tile, register).
         macro_rules! each {
             (|$mt:ident, $n:ident, $e:ident| $body:expr) => {
@@ -161,7 +165,8 @@ impl Logits {
             };
         }
         if self.prescale {
-            each!(|mt, n, e| s[mt][n][e] = self.prescaled(s[mt][n][e], key_of(n, e), &rows[mt][e / 2]));
+            let k0 = first_key();
+            each!(|mt, n, e| s[mt][n][e] = self.prescaled(s[mt][n][e], key_of(k0, n, e), &rows[mt][e / 2]));
         }
         let mut has_bad = false;
         static_for::<4>(|i| {
@@ -172,20 +177,22 @@ impl Logits {
         if self.mask().crosses(kt, C::KW as u32, (min_pos, max_pos))
             || unsafe { BadBlocks::new(has_bad, table, kt, self.end.end) }.crosses(kt, C::KW as u32, (min_pos, max_pos))
         {
+            let k0 = first_key();
             each!(|mt, n, e| {
-                s[mt][n][e] = if self.mask().visible(key_of(n, e), &rows[mt][e / 2]) { s[mt][n][e] } else { f32::NEG_INFINITY };
+                s[mt][n][e] = if self.mask().visible(key_of(k0, n, e), &rows[mt][e / 2]) { s[mt][n][e] } else { f32::NEG_INFINITY };
             });
             if has_bad {
                 each!(|mt, n, e| {
-                    if unsafe { BadBlocks::new(has_bad, table, kt, self.end.end) }.hidden(key_of(n, e)) {
+                    if unsafe { BadBlocks::new(has_bad, table, kt, self.end.end) }.hidden(key_of(k0, n, e)) {
                         s[mt][n][e] = f32::NEG_INFINITY;
                     }
                 });
             }
         }
         if C::LOCAL && self.local.crosses(kt, C::KW as u32, (min_pos, max_pos)) {
+            let k0 = first_key();
             each!(|mt, n, e| {
-                if !self.local.visible(key_of(n, e), &rows[mt][e / 2]) {
+                if !self.local.visible(key_of(k0, n, e), &rows[mt][e / 2]) {
                     s[mt][n][e] = f32::NEG_INFINITY;
                 }
             });

@@ -213,3 +213,13 @@ pub fn opaque(x: u32) -> u32 {
     unsafe { asm!("mov.b32 {0}, {1};", out(reg32) y, in(reg32) x, options(pure, nomem, nostack)) };
     y
 }
+
+/// `x` unchanged, through an instruction the compiler treats as having effects: what is
+/// computed from it is computed where the call is, neither merged with another call's nor
+/// moved out of the branch it is in (which [`opaque`] allows).
+#[inline(always)]
+pub fn fresh(x: u32) -> u32 {
+    let y: u32;
+    unsafe { asm!("mov.b32 {0}, {1};", out(reg32) y, in(reg32) x, options(nomem, nostack)) };
+    y
+}

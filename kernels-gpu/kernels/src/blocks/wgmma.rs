@@ -57,6 +57,30 @@ macro_rules! acc64 {
     };
 }
 
+macro_rules! acc68 {
+    () => {
+        "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}, {32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}, {64}, {65}, {66}, {67}"
+    };
+}
+
+macro_rules! acc60 {
+    () => {
+        "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}, {32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}"
+    };
+}
+
+macro_rules! acc52 {
+    () => {
+        "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}, {32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}"
+    };
+}
+
+macro_rules! acc44 {
+    () => {
+        "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}, {32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}"
+    };
+}
+
 macro_rules! acc56 {
     () => {
         "{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}, {32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}"
@@ -475,6 +499,37 @@ macro_rules! pv64_chain_fp8 {
     };
 }
 
+/// [`pv64_chain_fp8`] with each k-step followed by one of N = 8 into the row sums'
+/// accumulators `$sums`, B the block of ones at descriptor operand `$ones` (K-major, the same
+/// for every k-step: every element is 1).
+macro_rules! pv64_chain_fp8_sums {
+    ($b:literal, $n:literal, $acc:expr, $sums:literal, $desc:literal, $ones:literal, [$($a:literal),*]) => {
+        concat!(
+            "{{\n.reg .pred po;\n.reg .b32 zz, bl, bh;\n.reg .b64 db;\n",
+            "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\nmov.b64 {{bl, bh}}, ", $desc, ";\nwgmma.fence.sync.aligned;\n",
+            $("mov.b64 db, {{bl, bh}};\n",
+              "wgmma.mma_async.sync.aligned.m64n", $n, "k32.f32.e4m3.", $b, " {{", $acc, "}}, {{", $a, "}}, db, po, 1, 1;\n",
+              "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.", $b, " {{", $sums, "}}, {{", $a, "}}, ", $ones, ", po, 1, 1;\n",
+              "add.s32 bl, bl, 2;\n",)*
+            "wgmma.commit_group.sync.aligned;\n}}"
+        )
+    };
+}
+
+/// Blocks of O an FP8 P V chain over 64 keys at width `d` writes ([`WgmmaFp8::pv_64xd_k64`]):
+/// `d / 8` and one more, block `d / 8`, which accumulates each row's sum of P, so that the
+/// tensor cores add the weights instead of 16 `FADD`s a row a 64-key block in the softmax (the
+/// e4m3 kernels' compute warps set their pace by the instructions they issue). At widths 80,
+/// 96 and 112 the chain's N reaches 8 rows of V^T past the width, where the kernel's transposes
+/// write ones; at 128, which has no such rows, each k-step has a second `wgmma` of N = 8 against
+/// a block of ones (`desc_ones`).
+///
+/// Not on the 16-bit chains: there the same sums (N + 8 at widths 80 to 112, a second `wgmma`
+/// at 64 and 128) took 1-3% longer at every width (docs/prefill.md).
+pub const fn pv_blocks_fp8(d: usize) -> usize {
+    d / 8 + 1
+}
+
 /// An FP8 format `wgmma` takes for K and V (its B operands) beside e4m3 queries and weights (A).
 pub trait WgmmaFp8: Fp8Format {
     /// S = Q K^T over 64 keys from FP8 rows of 128 bytes (Q e4m3, K of this format, both in the
@@ -484,8 +539,10 @@ pub trait WgmmaFp8: Fp8Format {
     /// O += P V over 64 keys, P as e4m3 A fragments ([`e4m3x4`]: `p[kc]`, keys 32kc..32kc+31 of
     /// the half in the order [`crate::attention::hopper`]'s transposed V follows) and V^T rows of
     /// this format at `desc_v` (a row a V column, K-major), not waited for ([`wait_pv64_e4m3`]
-    /// retires it). N is the width: V^T has no rows past it that matter.
-    unsafe fn pv_64xd_k64<const D: usize>(o: &mut Acc, p: &[[u32; 4]; 2], desc_v: u64);
+    /// retires it). Blocks `0..pv_blocks_fp8(D)` of O, the last the rows' sums of P
+    /// ([`pv_blocks_fp8`]: V^T's rows D..D+7 are ones at widths 80 to 112; at 128, `desc_ones`:
+    /// 1 KB of ones in 128-byte swizzled rows).
+    unsafe fn pv_64xd_k64<const D: usize>(o: &mut Acc, p: &[[u32; 4]; 2], desc_v: u64, desc_ones: u64);
 }
 
 macro_rules! wgmma_fp8_impl {
@@ -509,27 +566,27 @@ macro_rules! wgmma_fp8_impl {
             }
 
             #[inline(always)]
-            unsafe fn pv_64xd_k64<const D: usize>(o: &mut Acc, p: &[[u32; 4]; 2], desc_v: u64) {
+            unsafe fn pv_64xd_k64<const D: usize>(o: &mut Acc, p: &[[u32; 4]; 2], desc_v: u64, desc_ones: u64) {
                 const { assert!(matches!(D, 80 | 96 | 112 | 128)) };
                 if D == 80 {
                     unsafe {
-                        with_acc!(pv64_chain_fp8!($b, "80", acc40!(), "{48}", ["{40}, {41}, {42}, {43}", "{44}, {45}, {46}, {47}"]),
-                                  inout o [0 1 2 3 4 5 6 7 8 9], frags p [0 1], in(reg64) desc_v, options(nostack))
+                        with_acc!(pv64_chain_fp8!($b, "88", acc44!(), "{52}", ["{44}, {45}, {46}, {47}", "{48}, {49}, {50}, {51}"]),
+                                  inout o [0 1 2 3 4 5 6 7 8 9 10], frags p [0 1], in(reg64) desc_v, options(nostack))
                     };
                 } else if D == 96 {
                     unsafe {
-                        with_acc!(pv64_chain_fp8!($b, "96", acc48!(), "{56}", ["{48}, {49}, {50}, {51}", "{52}, {53}, {54}, {55}"]),
-                                  inout o [0 1 2 3 4 5 6 7 8 9 10 11], frags p [0 1], in(reg64) desc_v, options(nostack))
+                        with_acc!(pv64_chain_fp8!($b, "104", acc52!(), "{60}", ["{52}, {53}, {54}, {55}", "{56}, {57}, {58}, {59}"]),
+                                  inout o [0 1 2 3 4 5 6 7 8 9 10 11 12], frags p [0 1], in(reg64) desc_v, options(nostack))
                     };
                 } else if D == 112 {
                     unsafe {
-                        with_acc!(pv64_chain_fp8!($b, "112", acc56!(), "{64}", ["{56}, {57}, {58}, {59}", "{60}, {61}, {62}, {63}"]),
-                                  inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13], frags p [0 1], in(reg64) desc_v, options(nostack))
+                        with_acc!(pv64_chain_fp8!($b, "120", acc60!(), "{68}", ["{60}, {61}, {62}, {63}", "{64}, {65}, {66}, {67}"]),
+                                  inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14], frags p [0 1], in(reg64) desc_v, options(nostack))
                     };
                 } else {
                     unsafe {
-                        with_acc!(pv64_chain_fp8!($b, "128", acc64!(), "{72}", ["{64}, {65}, {66}, {67}", "{68}, {69}, {70}, {71}"]),
-                                  inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15], frags p [0 1], in(reg64) desc_v, options(nostack))
+                        with_acc!(pv64_chain_fp8_sums!($b, "128", acc64!(), "{64}, {65}, {66}, {67}", "{76}", "{77}", ["{68}, {69}, {70}, {71}", "{72}, {73}, {74}, {75}"]),
+                                  inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16], frags p [0 1], in(reg64) desc_v, in(reg64) desc_ones, options(nostack))
                     };
                 }
             }
@@ -546,20 +603,20 @@ pub unsafe fn wait_pv64_e4m3<const N: u32, const D: usize>(o: &mut Acc, p: &[[u3
     const { assert!(matches!(D, 80 | 96 | 112 | 128)) };
     if D == 80 {
         unsafe {
-            with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc40!(), ", {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}"), inout o [0 1 2 3 4 5 6 7 8 9], frags p [0 1], n = const N, options(nostack))
+            with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc44!(), ", {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}"), inout o [0 1 2 3 4 5 6 7 8 9 10], frags p [0 1], n = const N, options(nostack))
         };
     } else if D == 96 {
         unsafe {
-            with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc48!(), ", {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}"), inout o [0 1 2 3 4 5 6 7 8 9 10 11], frags p [0 1], n = const N, options(nostack))
+            with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc52!(), ", {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}"), inout o [0 1 2 3 4 5 6 7 8 9 10 11 12], frags p [0 1], n = const N, options(nostack))
         };
     } else if D == 112 {
         unsafe {
-            with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc56!(), ", {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}"), inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13], frags p [0 1], n = const N, options(nostack))
+            with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc60!(), ", {60}, {61}, {62}, {63}, {64}, {65}, {66}, {67}"), inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14], frags p [0 1], n = const N, options(nostack))
         };
     } else {
         unsafe {
-            with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc64!(), ", {64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}"),
-                      inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15], frags p [0 1], n = const N, options(nostack))
+            with_acc!(concat!("wgmma.wait_group.sync.aligned {n}; // ", acc68!(), ", {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}"),
+                      inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16], frags p [0 1], n = const N, options(nostack))
         };
     }
 }

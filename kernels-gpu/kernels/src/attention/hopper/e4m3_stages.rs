@@ -176,9 +176,11 @@ const _: () = assert!(k_rows_are_bases_plus_constants());
 /// columns, one `ldmatrix.trans` of the warp's 32 keys (four 8x8 matrices of 16-bit pairs), four
 /// `prmt` and one `stmatrix` ([`transpose_follows_columns`]); the eight loads first, since a
 /// load after a store to shared memory waits for it. Raw rows [`E4M3_RAW_ROW`] bytes apart put
-/// eight consecutive rows' same 16 bytes in eight bank groups.
+/// eight consecutive rows' same 16 bytes in eight bank groups. V^T's 16 rows from 16 `ones`
+/// on (`ones` < 8; 8 for none) are `one` (four 1s of V's format) instead: the column of ones
+/// the P V chain sums the rows' weights against (`wgmma::pv_blocks_fp8`), past the kernel's width.
 #[inline(always)]
-pub(crate) unsafe fn transpose_v(v_raw: u32, vt: u32, t: u32) {
+pub(crate) unsafe fn transpose_v(v_raw: u32, vt: u32, t: u32, ones: usize, one: u32) {
     let (w, lane) = (t / 32, t % 32);
     // The lanes' copies, each landed in its own lane's view, visible to the whole warp.
     sync_warp();
@@ -186,10 +188,14 @@ pub(crate) unsafe fn transpose_v(v_raw: u32, vt: u32, t: u32) {
     let (row, chunk) = store_row(w, lane);
     let dst = opaque(vt + swizzled(64, row, chunk));
     let (a, b) = if lane / 4 < 4 { (EVEN, ODD) } else { (ODD, EVEN) };
-    let r: [[u32; 4]; 8] = core::array::from_fn(|m| unsafe { ldmatrix_x4_trans(src + 16 * m as u32) });
+    let r: [[u32; 4]; 8] = core::array::from_fn(|m| if m == ones { [one; 4] } else { unsafe { ldmatrix_x4_trans(src + 16 * m as u32) } });
     static_for::<8>(|m| {
         let r = r[m];
-        let out = [byte_perm(r[0], r[1], a), byte_perm(r[0], r[1], b), byte_perm(r[2], r[3], a), byte_perm(r[2], r[3], b)];
+        let out = if m == ones {
+            r
+        } else {
+            [byte_perm(r[0], r[1], a), byte_perm(r[0], r[1], b), byte_perm(r[2], r[3], a), byte_perm(r[2], r[3], b)]
+        };
         // Columns 16 m on: rows 16 m on, two swizzle groups of 1024 bytes.
         unsafe { stmatrix_x4(dst + 2048 * m as u32, out) };
     });

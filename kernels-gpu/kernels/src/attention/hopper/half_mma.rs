@@ -3,7 +3,7 @@
 //! of `prefill_specialized` is written once over this.
 
 use crate::blocks::mma::wgmma_desc;
-use crate::blocks::wgmma::{e4m3x4, wait_frags, wait_pv64, wait_pv64_e4m3, Acc, WgmmaFp8, WgmmaTiles};
+use crate::blocks::wgmma::{e4m3x4, pv_blocks_fp8, wait_frags, wait_pv64, wait_pv64_e4m3, Acc, WgmmaFp8, WgmmaTiles};
 use attn_math::hopper_prefill::group_bytes;
 use core::marker::PhantomData;
 
@@ -22,8 +22,12 @@ pub(crate) trait HalfMma {
     /// width 64), not waited for (`wait_scores128` retires it). 16-bit operands only: e4m3
     /// stages step over half tiles.
     unsafe fn scores_tile<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 16];
-    /// O += P V over 64 keys, not waited for ([`Self::wait_pv`] retires it).
-    unsafe fn pv<const D: usize>(o: &mut Acc, p: &Self::P, desc_v: u64);
+    /// Blocks of O [`Self::pv`] writes at width `D`: `D / 8`, or one more that holds the rows'
+    /// sums of P (e4m3 stages, `wgmma::pv_blocks_fp8`).
+    fn pv_blocks<const D: usize>() -> usize;
+    /// O += P V over 64 keys, not waited for ([`Self::wait_pv`] retires it); `desc_ones`: the
+    /// block of ones some chains sum the rows' weights against ([`Self::pv_blocks`]).
+    unsafe fn pv<const D: usize>(o: &mut Acc, p: &Self::P, desc_v: u64, desc_ones: u64);
     /// Waits until at most `N` chains are pending; `o` and `p` are operands, as in `wait_pv64`.
     unsafe fn wait_pv<const N: u32, const D: usize>(o: &mut Acc, p: &Self::P);
     /// Waits until at most `N` chains are pending, `p` the A fragments of one that has
@@ -62,7 +66,12 @@ impl<Q: WgmmaTiles> HalfMma for Mma16<Q> {
     }
 
     #[inline(always)]
-    unsafe fn pv<const D: usize>(o: &mut Acc, p: &Self::P, desc_v: u64) {
+    fn pv_blocks<const D: usize>() -> usize {
+        D / 8
+    }
+
+    #[inline(always)]
+    unsafe fn pv<const D: usize>(o: &mut Acc, p: &Self::P, desc_v: u64, _: u64) {
         unsafe { Q::pv_64xd_k64_async::<D>(o, p, desc_v) }
     }
 
@@ -123,8 +132,13 @@ impl<B: WgmmaFp8> HalfMma for MmaFp8<B> {
     }
 
     #[inline(always)]
-    unsafe fn pv<const D: usize>(o: &mut Acc, p: &Self::P, desc_v: u64) {
-        unsafe { B::pv_64xd_k64::<D>(o, p, desc_v) }
+    fn pv_blocks<const D: usize>() -> usize {
+        pv_blocks_fp8(D)
+    }
+
+    #[inline(always)]
+    unsafe fn pv<const D: usize>(o: &mut Acc, p: &Self::P, desc_v: u64, desc_ones: u64) {
+        unsafe { B::pv_64xd_k64::<D>(o, p, desc_v, desc_ones) }
     }
 
     #[inline(always)]

@@ -76,7 +76,7 @@ use crate::blocks::device::{
 use crate::blocks::elem::Fp8Format;
 use crate::blocks::mma::{
     cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_u32, ld_shared_u64x2, ld_shared_v4, shared_addr, st_shared_u32,
-    st_shared_u64x2, st_shared_v4,
+    st_shared_u64x2, st_shared_v4, wgmma_desc,
 };
 use crate::blocks::vec_io::{load_u32_nc, store4};
 use crate::blocks::wgmma::{wait_pv32, wait_scores128, wait_scores32, wait_scores64, Acc, WgmmaTiles, ACC_BLOCKS};
@@ -192,6 +192,12 @@ impl<const W: usize, K: CacheFormat> Rings<W, K> {
     #[inline(always)]
     fn raw_v(&self, u: u32) -> u32 {
         self.smem + self.l.raw + (u % Self::RAW.max(1)) * self.l.raw_tile
+    }
+
+    /// The block of ones (`WsLayout::ones`).
+    #[inline(always)]
+    fn ones(&self) -> u32 {
+        self.smem + self.l.ones
     }
 
     /// e4m3 stages: compute warpgroup `wg`'s quantised queries.
@@ -418,6 +424,14 @@ pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, M: HalfM
             unsafe { mbarrier::init(rings.q_freed(k), THREADS) };
         }
     }
+    // The block of ones the e4m3 P V chain sums the rows' weights against at width 128
+    // (`wgmma::pv_blocks_fp8`; at 80 to 112 V's transposes write rows of ones), made visible to
+    // the `wgmma`s (the async proxy) before the barrier.
+    if M::pv_blocks::<D>() > D / 8 && D == 128 && tid < 64 {
+        let one = K::Fp8::from_f32x2(1.0, 1.0) * 0x10001;
+        unsafe { st_shared_v4(rings.ones() + 16 * tid, [one; 4]) };
+        fence_proxy_async_shared();
+    }
     sync_threads();
     if tid >= THREADS {
         if Rings::<W, K>::E4M3 {
@@ -489,7 +503,9 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
     // e4m3 stages: position `v`'s V rows (this thread's own copies, landed) transposed into its
     // stage, whose K copies have landed with them, and the stage marked filled.
     let fill_transposed = |v: u32| unsafe {
-        transpose_v(rings.raw_v(v), rings.v(v), t);
+        // At widths 80 to 112, V^T's rows D..D+15 are ones (`wgmma::pv_blocks_fp8`).
+        let ones = if D < 128 { D / 16 } else { 8 };
+        transpose_v(rings.raw_v(v), rings.v(v), t, ones, K::Fp8::from_f32x2(1.0, 1.0) * 0x10001);
         fence_proxy_async_shared();
         mbarrier::arrive(rings.filled(v));
         if t == 0 {
@@ -746,6 +762,11 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
     // moved across (two `R2UR`, two moves and an add a `wgmma`: about 40 instructions a warp
     // a half tile).
     let wg = shfl_idx(warp / 4, 0);
+    // O's blocks the P V chain writes, and whether the last of them is the rows' sums; the
+    // block of ones it sums against where V's rows have no room for them.
+    let pv_blocks = M::pv_blocks::<D>();
+    let summed = pv_blocks > D / 8;
+    let desc_ones = wgmma_desc(rings.ones(), 16, 1024, true);
     let k_desc = |addr: u32| M::desc_qk::<W>(addr);
     let v_desc = |addr: u32| M::desc_v::<W>(addr);
     // Half tile `x`'s stage has landed and is visible to this thread's `wgmma`s (waited for at
@@ -814,16 +835,22 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
         let mult = logits.mult();
         let q_desc = M::desc_qk::<W>(if Rings::<W, K>::E4M3 { rings.q8(wg) } else { rings.q(k) + 64 * wg * 2 * W as u32 });
 
-        // The quad's partial sums, then the output (or the split's partial) per row. The item
-        // is read again from its descriptor rather than kept in registers through the loop.
+        // The quad's partial sums (or the sums the P V chain took), then the output (or the
+        // split's partial) per row. The item is read again from its descriptor rather than kept
+        // in registers through the loop.
         let finish = |o: &Acc, state: [OnlineSoftmax; 2]| {
             let it = unsafe { Item::load(rings.item(k)) };
             let w = it.work;
             let (_, v_scale) = unsafe { K::scales(p, w.kv_head) };
             static_for::<2>(|h| {
                 let mut st = state[h];
-                st.sum += shfl_xor(st.sum, 1);
-                st.sum += shfl_xor(st.sum, 2);
+                if summed {
+                    // Every column of the sums' block holds the row's whole sum.
+                    st.sum = o[D / 8][2 * h];
+                } else {
+                    st.sum += shfl_xor(st.sum, 1);
+                    st.sum += shfl_xor(st.sum, 2);
+                }
                 let r = warp_row0 + g + 8 * h as u32;
                 if r >= w.live {
                     return;
@@ -868,8 +895,8 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                     if j > 0 || i > 0 {
                         release_half(x - 1);
                     }
-                    rescale_o::<D>(&mut o, &mut state, m, mult, true);
-                    weights(&mut s_cur, &mut state, mult);
+                    rescale_o(&mut o, &mut state, m, mult, true, pv_blocks);
+                    weights(&mut s_cur, &mut state, mult, summed);
                     pf = core::array::from_fn(|kk| {
                         [
                             Q::pack2(s_cur[2 * kk][0], s_cur[2 * kk][1]),
@@ -948,7 +975,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
             macro_rules! issue_pv_half {
                 ($j:expr, $h:literal) => {{
                     let x = 2 * (u + $j) + $h;
-                    unsafe { M::pv::<D>(&mut o, &pf[$h], v_desc(rings.half(x).v)) };
+                    unsafe { M::pv::<D>(&mut o, &pf[$h], v_desc(rings.half(x).v), desc_ones) };
                 }};
             }
             // The softmax of tile `j` over `$nb` 8-key blocks (16: both halves, S in `$s`; 8: the
@@ -976,8 +1003,8 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                         unsafe { M::wait_pv::<0, D>(&mut o, &pf[1]) };
                         release_half(x - 1);
                     }
-                    rescale_o::<D>(&mut o, &mut state, m, mult, lazy_rescale(D));
-                    weights(&mut full, &mut state, mult);
+                    rescale_o(&mut o, &mut state, m, mult, lazy_rescale(D), pv_blocks);
+                    weights(&mut full, &mut state, mult, summed);
                     static_for::<{ $nb / 8 }>(|h| pf[h] = M::pack(&core::array::from_fn(|n| full[8 * h + n])));
                 }};
             }
@@ -1083,16 +1110,16 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                         static_for::<2>(|r| {
                             let factor = raise_max(&mut state[r], m[r] * mult);
                             static_for::<ACC_BLOCKS>(|n| {
-                                if n < D / 8 {
+                                if n < pv_blocks {
                                     o[n][2 * r] *= factor;
                                     o[n][2 * r + 1] *= factor;
                                 }
                             });
                         });
                     }
-                    weights(&mut s_cur, &mut state, mult);
+                    weights(&mut s_cur, &mut state, mult, summed);
                     pf = M::pack(&s_cur);
-                    unsafe { M::pv::<D>(&mut o, &pf, v_desc(hx.v)) };
+                    unsafe { M::pv::<D>(&mut o, &pf, v_desc(hx.v), desc_ones) };
                 }};
             }
             // One tile `j` (`$last`: no next tile, so no S of its first half to run ahead).

@@ -246,15 +246,16 @@ pub(crate) fn raise_max(st: &mut OnlineSoftmax, block_max: f32) -> f32 {
 }
 
 /// Raises each of a thread's two rows' running max to cover the block's `m` (scaled by
-/// `mult`) and rescales the row's O accumulators (the first `D / 8` blocks) by the factor;
-/// with `lazy`, only where some row of the warp moved past the slack ([`must_rescale`]).
+/// `mult`) and rescales the row's O accumulators (the first `blocks`: the P V chain's, row sums
+/// included where it carries them) by the factor; with `lazy`, only where some row of the warp
+/// moved past the slack ([`must_rescale`]).
 #[inline(always)]
-pub(crate) fn rescale_o<const D: usize>(o: &mut Acc, state: &mut [OnlineSoftmax; 2], m: [f32; 2], mult: f32, lazy: bool) {
+pub(crate) fn rescale_o(o: &mut Acc, state: &mut [OnlineSoftmax; 2], m: [f32; 2], mult: f32, lazy: bool, blocks: usize) {
     if !lazy || must_rescale(state, m, mult) {
         static_for::<2>(|r| {
             let factor = raise_max(&mut state[r], m[r] * mult);
             static_for::<ACC_BLOCKS>(|n| {
-                if n < D / 8 {
+                if n < blocks {
                     o[n][2 * r] *= factor;
                     o[n][2 * r + 1] *= factor;
                 }
@@ -264,9 +265,16 @@ pub(crate) fn rescale_o<const D: usize>(o: &mut Acc, state: &mut [OnlineSoftmax;
 }
 
 /// The block's weights `2^(s * mult - max)` in place, added to the rows' denominators (four
-/// partial sums a row).
+/// partial sums a row) unless the P V chain sums them (`summed`, `wgmma::pv_blocks_fp8`).
 #[inline(always)]
-pub(crate) fn weights<const NB: usize>(s: &mut [[f32; 4]; NB], state: &mut [OnlineSoftmax; 2], mult: f32) {
+pub(crate) fn weights<const NB: usize>(s: &mut [[f32; 4]; NB], state: &mut [OnlineSoftmax; 2], mult: f32, summed: bool) {
+    if summed {
+        static_for::<2>(|h| {
+            let neg_max = if state[h].max == f32::NEG_INFINITY { 0.0 } else { -state[h].max };
+            static_for::<NB>(|n| static_for::<2>(|e| s[n][2 * h + e] = exp2(fma(s[n][2 * h + e], mult, neg_max))));
+        });
+        return;
+    }
     static_for::<2>(|h| {
         // A row that has seen nothing yet keeps max -inf: its weights are all 0.
         let neg_max = if state[h].max == f32::NEG_INFINITY { 0.0 } else { -state[h].max };
