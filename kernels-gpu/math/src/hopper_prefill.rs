@@ -224,9 +224,22 @@ pub const WS_FP8_PRODUCER_REGS: u32 = 72;
 pub const WS_WIDE_FP8_COMPUTE_REGS: u32 = 232;
 pub const WS_WIDE_FP8_PRODUCER_REGS: u32 = 40;
 /// The same with e4m3 stages, whose producer transposes V (eight 16-byte rows in registers) and
-/// whose compute warps hold P in 8 registers instead of 16.
+/// whose compute warps hold P in 8 registers instead of 16 and the queries' A fragments in 16
+/// (`e4m3_stages::query_frags`).
 pub const WS_E4M3_COMPUTE_REGS: u32 = 208;
 pub const WS_E4M3_PRODUCER_REGS: u32 = 88;
+/// The same at width 128 with 16-byte rows (head size 128): at 208 registers its compute warps
+/// spilled in the key loop (its P V chain also sums the rows against a block of ones), at 216
+/// they do not, and the producer at 72 keeps 12 words of its tile loop on the stack. Measured
+/// on an H200 against 208 / 88 (docs/prefill.md, "The e4m3 queries as register fragments"):
+/// width 128 1.05x, widths 80 to 112 0.98-1.01x, width 128 with 8-byte rows (`_a8`) 0.99x.
+pub const WS_E4M3_WIDE_COMPUTE_REGS: u32 = 216;
+pub const WS_E4M3_WIDE_PRODUCER_REGS: u32 = 72;
+/// Whether the e4m3 kernel of width `d` takes [`WS_E4M3_WIDE_COMPUTE_REGS`] (`a8`: its FP8 rows
+/// copied in 8-byte halves).
+pub const fn ws_e4m3_wide_regs(d: u32, a8: bool) -> bool {
+    d == 128 && !a8
+}
 /// Item descriptor slots (the current item's and the next one's), also where one query buffer
 /// serves both.
 pub const WS_ITEM_SLOTS: u32 = 2;
@@ -319,6 +332,7 @@ mod tests {
             (WS_COMPUTE_REGS, WS_PRODUCER_REGS),
             (WS_FP8_COMPUTE_REGS, WS_FP8_PRODUCER_REGS),
             (WS_E4M3_COMPUTE_REGS, WS_E4M3_PRODUCER_REGS),
+            (WS_E4M3_WIDE_COMPUTE_REGS, WS_E4M3_WIDE_PRODUCER_REGS),
             (WS_WIDE_FP8_COMPUTE_REGS, WS_WIDE_FP8_PRODUCER_REGS),
         ] {
             assert!(THREADS * (compute - start) <= 128 * (start - producer));

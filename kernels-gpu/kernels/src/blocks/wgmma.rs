@@ -451,33 +451,18 @@ pub unsafe fn wait_acc256<const N: u32>(o: &mut Acc) {
     };
 }
 
-/// One k-step of S over 64 keys from e4m3 queries and keys of FP8 type `$b` (m64n64k32, both
-/// K-major: 8-bit types take no transpose immediates).
-macro_rules! qk_step_fp8 {
-    ($b:literal, $scale:literal) => {
+/// The FP8 S chain over 64 keys with the queries as A fragments in registers (`{32}` on, four
+/// a k-step: the first k-step's, then `$a` for each k-step after it) and K at descriptor operand
+/// `$desc`, 32 bytes (one k-step of FP8 columns) on each k-step.
+macro_rules! qk64_chain_fp8_rs {
+    ($b:literal, $desc:literal, [$($a:literal),*]) => {
         concat!(
-            "mov.b64 da, {{al, ah}};\nmov.b64 db, {{bl, bh}};\n",
-            "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.",
-            $b,
-            " {{",
-            acc32!(),
-            "}}, da, db, ",
-            $scale,
-            ", 1, 1;\n"
-        )
-    };
-}
-
-/// The FP8 S chain over 64 keys: `$more` k-steps after the first, 32 bytes (one k-step of FP8
-/// columns) apart inside the rows' one 128-byte swizzle atom.
-macro_rules! qk64_chain_fp8 {
-    ($b:literal, $($more:expr),*) => {
-        concat!(
-            "{{\n.reg .pred pz, po;\n.reg .b32 zz, al, ah, bl, bh;\n.reg .b64 da, db;\n",
+            "{{\n.reg .pred pz, po;\n.reg .b32 zz, bl, bh;\n.reg .b64 db;\n",
             "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
-            "mov.b64 {{al, ah}}, {32};\nmov.b64 {{bl, bh}}, {33};\nwgmma.fence.sync.aligned;\n",
-            qk_step_fp8!($b, "pz"),
-            $("add.s32 al, al, 2;\nadd.s32 bl, bl, 2;\n", $more,)*
+            "mov.b64 {{bl, bh}}, ", $desc, ";\nmov.b64 db, {{bl, bh}};\nwgmma.fence.sync.aligned;\n",
+            "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.", $b, " {{", acc32!(), "}}, {{{32}, {33}, {34}, {35}}}, db, pz, 1, 1;\n",
+            $("add.s32 bl, bl, 2;\nmov.b64 db, {{bl, bh}};\n",
+              "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.", $b, " {{", acc32!(), "}}, {{", $a, "}}, db, po, 1, 1;\n",)*
             "wgmma.commit_group.sync.aligned;\n}}"
         )
     };
@@ -532,10 +517,12 @@ pub const fn pv_blocks_fp8(d: usize) -> usize {
 
 /// An FP8 format `wgmma` takes for K and V (its B operands) beside e4m3 queries and weights (A).
 pub trait WgmmaFp8: Fp8Format {
-    /// S = Q K^T over 64 keys from FP8 rows of 128 bytes (Q e4m3, K of this format, both in the
-    /// 128-byte-swizzled layout, K-major), not waited for ([`wait_scores64`] retires it). Widths
-    /// 80 to 128: the k-steps that reach past `D` (zeros) are left out.
-    unsafe fn scores_64x64<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8];
+    /// S = Q K^T over 64 keys, Q e4m3 as A fragments in registers (`q[ks]`: columns
+    /// 32ks..32ks+31, read once an item by `e4m3_stages::query_frags`) and K rows of this format
+    /// at `desc_k` (128 bytes a row, 128-byte swizzle, K-major), not waited for
+    /// ([`wait_scores64`] retires it). Widths 80 to 128: the k-steps that reach past `D` (zeros)
+    /// are left out.
+    unsafe fn scores_64x64<const D: usize>(q: &[[u32; 4]; 4], desc_k: u64) -> [[f32; 4]; 8];
     /// O += P V over 64 keys, P as e4m3 A fragments ([`e4m3x4`]: `p[kc]`, keys 32kc..32kc+31 of
     /// the half in the order [`crate::attention::hopper`]'s transposed V follows) and V^T rows of
     /// this format at `desc_v` (a row a V column, K-major), not waited for ([`wait_pv64_e4m3`]
@@ -549,17 +536,18 @@ macro_rules! wgmma_fp8_impl {
     ($t:ty, $b:literal) => {
         impl WgmmaFp8 for $t {
             #[inline(always)]
-            unsafe fn scores_64x64<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8] {
+            unsafe fn scores_64x64<const D: usize>(q: &[[u32; 4]; 4], desc_k: u64) -> [[f32; 4]; 8] {
                 const { assert!(matches!(D, 80 | 96 | 112 | 128)) };
                 let mut s = [[0.0f32; 4]; 8];
                 if D <= 96 {
                     unsafe {
-                        with_acc!(qk64_chain_fp8!($b, qk_step_fp8!($b, "po"), qk_step_fp8!($b, "po")), out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack))
+                        with_acc!(qk64_chain_fp8_rs!($b, "{44}", ["{36}, {37}, {38}, {39}", "{40}, {41}, {42}, {43}"]),
+                                  out s [0 1 2 3 4 5 6 7], frags q [0 1 2], in(reg64) desc_k, options(nostack))
                     };
                 } else {
                     unsafe {
-                        with_acc!(qk64_chain_fp8!($b, qk_step_fp8!($b, "po"), qk_step_fp8!($b, "po"), qk_step_fp8!($b, "po")),
-                                  out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack))
+                        with_acc!(qk64_chain_fp8_rs!($b, "{48}", ["{36}, {37}, {38}, {39}", "{40}, {41}, {42}, {43}", "{44}, {45}, {46}, {47}"]),
+                                  out s [0 1 2 3 4 5 6 7], frags q [0 1 2 3], in(reg64) desc_k, options(nostack))
                     };
                 }
                 s

@@ -246,6 +246,22 @@ pub(crate) unsafe fn quantise_queries<Q: MmaHalf>(q16: u32, q8: u32, scratch: u3
     scale
 }
 
+/// This thread's A fragments of S's queries, from the warpgroup's 64 rows at `q8` as
+/// [`quantise_queries`] wrote them: `[ks]` is k-step `ks` (columns 32ks..32ks+31) in `wgmma`'s
+/// register layout of an 8-bit A, rows 16w + g and 16w + g + 8 of the warpgroup's warp `w`,
+/// columns 4t4..4t4+3 of each half of the k-step. Read once an item, so that the S chains read
+/// no queries from shared memory and take no query descriptors.
+#[inline(always)]
+pub(crate) unsafe fn query_frags(q8: u32, warp: u32, lane: u32) -> [[u32; 4]; 4] {
+    let (g, t4) = (lane / 4, lane % 4);
+    let row = 16 * (warp % 4) + g;
+    let at = |r: u32, chunk: u32| unsafe { ld_shared_u32(q8 + swizzled(64, r, chunk) + 4 * t4) };
+    core::array::from_fn(|ks| {
+        let c = 2 * ks as u32;
+        [at(row, c), at(row + 8, c), at(row, c + 1), at(row + 8, c + 1)]
+    })
+}
+
 /// Named barrier of compute warpgroup `wg` (ids 2 and 3; 0 is the CTA's, 1 the producer's).
 #[inline(always)]
 fn warpgroup_barrier(wg: u32) {

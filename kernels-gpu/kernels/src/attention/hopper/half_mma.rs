@@ -2,6 +2,7 @@
 //! ([`Mma16`]) or FP8 ones ([`MmaFp8`], `crate::attention::hopper::e4m3_stages`). The key loop
 //! of `prefill_specialized` is written once over this.
 
+use crate::attention::hopper::e4m3_stages::query_frags;
 use crate::blocks::mma::wgmma_desc;
 use crate::blocks::wgmma::{e4m3x4, pv_blocks_fp8, wait_frags, wait_pv64, wait_pv64_e4m3, Acc, WgmmaFp8, WgmmaTiles};
 use attn_math::hopper_prefill::group_bytes;
@@ -13,15 +14,20 @@ pub(crate) trait HalfMma {
     /// P of a step as the P V chain's A fragments.
     type P: Copy;
     const P_ZERO: Self::P;
+    /// S's query operand: Q's descriptor, or (e4m3 stages) this thread's A fragments.
+    type Queries: Copy;
     /// Descriptors of Q and K (K-major) and V in the stage's layout, rows of `W` columns.
     fn desc_qk<const W: usize>(addr: u32) -> u64;
     fn desc_v<const W: usize>(addr: u32) -> u64;
+    /// The query operand of an item: `desc_q` (Q's descriptor), or read from the warpgroup's
+    /// quantised rows at `q8` (`warp`, `lane`: this thread's) once they are written.
+    unsafe fn queries(desc_q: u64, q8: u32, warp: u32, lane: u32) -> Self::Queries;
     /// S = Q K^T over 64 keys, not waited for (`wait_scores64` retires it).
-    unsafe fn scores<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8];
+    unsafe fn scores<const D: usize>(q: Self::Queries, desc_k: u64) -> [[f32; 4]; 8];
     /// S = Q K^T over a whole tile of 128 keys whose K rows are contiguous (a whole-tile stage,
     /// width 64), not waited for (`wait_scores128` retires it). 16-bit operands only: e4m3
     /// stages step over half tiles.
-    unsafe fn scores_tile<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 16];
+    unsafe fn scores_tile<const D: usize>(q: Self::Queries, desc_k: u64) -> [[f32; 4]; 16];
     /// Blocks of O [`Self::pv`] writes at width `D`: `D / 8`, or one more that holds the rows'
     /// sums of P (e4m3 stages, `wgmma::pv_blocks_fp8`).
     fn pv_blocks<const D: usize>() -> usize;
@@ -44,6 +50,7 @@ impl<Q: WgmmaTiles> HalfMma for Mma16<Q> {
     const E4M3: bool = false;
     type P = [[u32; 4]; 4];
     const P_ZERO: Self::P = [[0; 4]; 4];
+    type Queries = u64;
 
     #[inline(always)]
     fn desc_qk<const W: usize>(addr: u32) -> u64 {
@@ -53,6 +60,11 @@ impl<Q: WgmmaTiles> HalfMma for Mma16<Q> {
     #[inline(always)]
     fn desc_v<const W: usize>(addr: u32) -> u64 {
         wgmma_desc(addr, 1024, group_bytes(W as u32), true)
+    }
+
+    #[inline(always)]
+    unsafe fn queries(desc_q: u64, _: u32, _: u32, _: u32) -> u64 {
+        desc_q
     }
 
     #[inline(always)]
@@ -107,6 +119,7 @@ impl<B: WgmmaFp8> HalfMma for MmaFp8<B> {
     const E4M3: bool = true;
     type P = [[u32; 4]; 2];
     const P_ZERO: Self::P = [[0; 4]; 2];
+    type Queries = [[u32; 4]; 4];
 
     #[inline(always)]
     fn desc_qk<const W: usize>(addr: u32) -> u64 {
@@ -120,12 +133,17 @@ impl<B: WgmmaFp8> HalfMma for MmaFp8<B> {
     }
 
     #[inline(always)]
-    unsafe fn scores<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8] {
-        unsafe { B::scores_64x64::<D>(desc_q, desc_k) }
+    unsafe fn queries(_: u64, q8: u32, warp: u32, lane: u32) -> Self::Queries {
+        unsafe { query_frags(q8, warp, lane) }
     }
 
     #[inline(always)]
-    unsafe fn scores_tile<const D: usize>(_: u64, _: u64) -> [[f32; 4]; 16] {
+    unsafe fn scores<const D: usize>(q: Self::Queries, desc_k: u64) -> [[f32; 4]; 8] {
+        unsafe { B::scores_64x64::<D>(&q, desc_k) }
+    }
+
+    #[inline(always)]
+    unsafe fn scores_tile<const D: usize>(_: Self::Queries, _: u64) -> [[f32; 4]; 16] {
         // e4m3 stages step over half tiles (`attn_math::hopper_prefill::ws_whole_tiles`): never
         // reached.
         [[0.0; 4]; 16]

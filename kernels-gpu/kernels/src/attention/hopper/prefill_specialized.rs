@@ -82,10 +82,10 @@ use crate::blocks::vec_io::{load_u32_nc, store4};
 use crate::blocks::wgmma::{wait_pv32, wait_scores128, wait_scores32, wait_scores64, Acc, WgmmaTiles, ACC_BLOCKS};
 use crate::blocks::{mbarrier, tma};
 use attn_math::hopper_prefill::{
-    group_bytes, stage_format, ws_layout, ws_q_buffers, ws_raw_slots, ws_row_bytes, ws_stage_keys, ws_stages, ws_sub_keys, ws_tma_stages,
-    ws_whole_tiles, StageFormat, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_E4M3_COMPUTE_REGS, WS_E4M3_LOOKAHEAD,
-    WS_E4M3_PRODUCER_REGS, WS_FP8_COMPUTE_REGS, WS_FP8_LOOKAHEAD, WS_FP8_PRODUCER_REGS, WS_ITEM_SLOTS, WS_ITEM_WORDS, WS_PRODUCER_REGS,
-    WS_STAGES, WS_WIDE_FP8_COMPUTE_REGS, WS_WIDE_FP8_PRODUCER_REGS,
+    group_bytes, stage_format, ws_e4m3_wide_regs, ws_layout, ws_q_buffers, ws_raw_slots, ws_row_bytes, ws_stage_keys, ws_stages,
+    ws_sub_keys, ws_tma_stages, ws_whole_tiles, StageFormat, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_E4M3_COMPUTE_REGS,
+    WS_E4M3_LOOKAHEAD, WS_E4M3_PRODUCER_REGS, WS_E4M3_WIDE_COMPUTE_REGS, WS_E4M3_WIDE_PRODUCER_REGS, WS_FP8_COMPUTE_REGS, WS_FP8_LOOKAHEAD,
+    WS_FP8_PRODUCER_REGS, WS_ITEM_SLOTS, WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_STAGES, WS_WIDE_FP8_COMPUTE_REGS, WS_WIDE_FP8_PRODUCER_REGS,
 };
 use attn_math::params::{AttnParams, PagedKvMaps};
 use attn_math::prefill::{table_slot_bytes, TABLE_ENTRY};
@@ -434,7 +434,9 @@ pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, M: HalfM
     }
     sync_threads();
     if tid >= THREADS {
-        if Rings::<W, K>::E4M3 {
+        if Rings::<W, K>::E4M3 && ws_e4m3_wide_regs(D as u32, K::HALVES) {
+            set_max_registers::<WS_E4M3_WIDE_PRODUCER_REGS, false>();
+        } else if Rings::<W, K>::E4M3 {
             set_max_registers::<WS_E4M3_PRODUCER_REGS, false>();
         } else if K::FP8 && W == 256 {
             set_max_registers::<WS_WIDE_FP8_PRODUCER_REGS, false>();
@@ -445,7 +447,9 @@ pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, M: HalfM
         }
         unsafe { produce::<Q, K, D, W>(p, rings, TmaGroups::of(kv_maps, K::FP8, maps), tid - THREADS) };
     } else {
-        if Rings::<W, K>::E4M3 {
+        if Rings::<W, K>::E4M3 && ws_e4m3_wide_regs(D as u32, K::HALVES) {
+            set_max_registers::<WS_E4M3_WIDE_COMPUTE_REGS, true>();
+        } else if Rings::<W, K>::E4M3 {
             set_max_registers::<WS_E4M3_COMPUTE_REGS, true>();
         } else if K::FP8 && W == 256 {
             set_max_registers::<WS_WIDE_FP8_COMPUTE_REGS, true>();
@@ -834,6 +838,8 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
         let wg_last_pos = if p.mask.causal != 0 { unsafe { w.row(p, 64 * wg + 63).pos } } else { u32::MAX };
         let mult = logits.mult();
         let q_desc = M::desc_qk::<W>(if Rings::<W, K>::E4M3 { rings.q8(wg) } else { rings.q(k) + 64 * wg * 2 * W as u32 });
+        // S's query operand (e4m3 stages: this thread's fragments, read after the quantisation).
+        let q_op = unsafe { M::queries(q_desc, rings.q8(wg), warp, lane) };
 
         // The quad's partial sums (or the sums the P V chain took), then the output (or the
         // split's partial) per row. The item is read again from its descriptor rather than kept
@@ -953,19 +959,19 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                 ($j:expr, false) => {{
                     let x = 2 * (u + $j);
                     wait_filled(x);
-                    unsafe { M::scores::<D>(q_desc, k_desc(rings.half(x).k)) }
+                    unsafe { M::scores::<D>(q_op, k_desc(rings.half(x).k)) }
                 }};
                 ($j:expr, true) => {{
                     let x = 2 * (u + $j);
                     let a = issue_scores!($j, false);
                     wait_filled(x + 1);
-                    (a, unsafe { M::scores::<D>(q_desc, k_desc(rings.half(x + 1).k)) })
+                    (a, unsafe { M::scores::<D>(q_op, k_desc(rings.half(x + 1).k)) })
                 }};
                 ($j:expr, tile) => {{
                     let x = 2 * (u + $j);
                     wait_filled(x);
                     wait_filled(x + 1);
-                    unsafe { M::scores_tile::<D>(q_desc, k_desc(rings.half(x).k)) }
+                    unsafe { M::scores_tile::<D>(q_op, k_desc(rings.half(x).k)) }
                 }};
             }
             // A whole tile's S as its two halves' blocks (the m64n128 accumulators are the two
@@ -1084,7 +1090,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
             let mut pf = M::P_ZERO;
             wait_filled(2 * u);
             // S of the current half tile, retired.
-            let mut s = unsafe { wait_scores64::<0>(M::scores::<D>(q_desc, k_desc(rings.half(2 * u).k))) };
+            let mut s = unsafe { wait_scores64::<0>(M::scores::<D>(q_op, k_desc(rings.half(2 * u).k))) };
             // The softmax of half `h` of tile `j` (S in `s`, every chain before it retired but P V
             // of the previous half, and `$next` in flight), then its P V issued.
             macro_rules! softmax_pv {
@@ -1128,7 +1134,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                     let j: u32 = $j;
                     let uj = 2 * (u + j);
                     wait_filled(uj + 1);
-                    let s_next = unsafe { M::scores::<D>(q_desc, k_desc(rings.half(uj + 1).k)) };
+                    let s_next = unsafe { M::scores::<D>(q_op, k_desc(rings.half(uj + 1).k)) };
                     // In flight: S of j's second half (P V of j - 1 retired at the end of its step).
                     softmax_pv!(j, 0, 1);
                     // In flight: S of j's second half, P V of its first.
@@ -1137,7 +1143,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                         softmax_pv!(j, 1, 0);
                     } else {
                         wait_filled(uj + 2);
-                        let s_next = unsafe { M::scores::<D>(q_desc, k_desc(rings.half(uj + 2).k)) };
+                        let s_next = unsafe { M::scores::<D>(q_op, k_desc(rings.half(uj + 2).k)) };
                         // In flight: P V of j's first half, S of j + 1's first half.
                         softmax_pv!(j, 1, 1);
                         // In flight: S of j + 1's first half, P V of j's second. Both are
