@@ -203,12 +203,19 @@ pub(crate) unsafe fn transpose_v(v_raw: u32, vt: u32, t: u32, ones: usize, one: 
 
 /// Quantises warpgroup `wg`'s 64 query rows (16-bit, `W = 128` columns, at `q16`) to e4m3 rows
 /// at `q8` (same swizzle, 128 bytes a row) with one scale: the largest magnitude maps to 448.
-/// `tid`: the thread's index among the 256 compute threads; `scratch`: 8 words, one a compute
-/// warp. Returns the scale the e4m3 values are to be multiplied by. Ends with the warpgroup's
-/// stores visible to its `wgmma`s.
+/// `tid`: the thread's index among the 256 compute threads, `wg` its warpgroup (`tid / 128`,
+/// warp-uniform to `ptxas`: see below); `scratch`: 8 words, one a compute warp. Returns the
+/// scale the e4m3 values are to be multiplied by. Ends with the warpgroup's stores visible to
+/// its `wgmma`s.
+///
+/// The warpgroup's barrier is chosen by a branch on `wg`. Derived from `tid` here, that branch
+/// was divergent to `ptxas`, and so was everything after it in the item loop: the key loop's
+/// ring position and `wgmma` descriptors were built in vector registers and moved across
+/// (24 `R2UR` and 4 `WARPSYNC` a tile at width 128). With the caller's broadcast value they
+/// stay in uniform registers, as in the 16-bit kernels.
 #[inline(always)]
-pub(crate) unsafe fn quantise_queries<Q: MmaHalf>(q16: u32, q8: u32, scratch: u32, tid: u32) -> f32 {
-    let (wg, i) = (tid / 128, tid % 128);
+pub(crate) unsafe fn quantise_queries<Q: MmaHalf>(q16: u32, q8: u32, scratch: u32, wg: u32, tid: u32) -> f32 {
+    let i = tid % 128;
     // Two threads a row, 64 columns (eight 16-bit chunks) each.
     let row = 64 * wg + i / 2;
     let half = i % 2;

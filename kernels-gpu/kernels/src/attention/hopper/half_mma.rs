@@ -19,9 +19,10 @@ pub(crate) trait HalfMma {
     /// Descriptors of Q and K (K-major) and V in the stage's layout, rows of `W` columns.
     fn desc_qk<const W: usize>(addr: u32) -> u64;
     fn desc_v<const W: usize>(addr: u32) -> u64;
-    /// The query operand of an item: `desc_q` (Q's descriptor), or read from the warpgroup's
-    /// quantised rows at `q8` (`warp`, `lane`: this thread's) once they are written.
-    unsafe fn queries(desc_q: u64, q8: u32, warp: u32, lane: u32) -> Self::Queries;
+    /// The query operand of an item from the warpgroup's query rows at `rows` (16-bit: Q's
+    /// descriptor; e4m3 stages: this thread's fragments of the quantised rows, read once they
+    /// are written; `warp`, `lane`: this thread's).
+    unsafe fn queries<const W: usize>(rows: u32, warp: u32, lane: u32) -> Self::Queries;
     /// S = Q K^T over 64 keys, not waited for (`wait_scores64` retires it).
     unsafe fn scores<const D: usize>(q: Self::Queries, desc_k: u64) -> [[f32; 4]; 8];
     /// S = Q K^T over a whole tile of 128 keys whose K rows are contiguous (a whole-tile stage,
@@ -63,8 +64,8 @@ impl<Q: WgmmaTiles> HalfMma for Mma16<Q> {
     }
 
     #[inline(always)]
-    unsafe fn queries(desc_q: u64, _: u32, _: u32, _: u32) -> u64 {
-        desc_q
+    unsafe fn queries<const W: usize>(rows: u32, _: u32, _: u32) -> u64 {
+        Self::desc_qk::<W>(rows)
     }
 
     #[inline(always)]
@@ -133,8 +134,8 @@ impl<B: WgmmaFp8> HalfMma for MmaFp8<B> {
     }
 
     #[inline(always)]
-    unsafe fn queries(_: u64, q8: u32, warp: u32, lane: u32) -> Self::Queries {
-        unsafe { query_frags(q8, warp, lane) }
+    unsafe fn queries<const W: usize>(rows: u32, warp: u32, lane: u32) -> Self::Queries {
+        unsafe { query_frags(rows, warp, lane) }
     }
 
     #[inline(always)]

@@ -816,7 +816,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
         // e4m3 stages: the item's queries quantised into the warpgroup's e4m3 rows, whose scale
         // joins the score scale; the 16-bit buffer is then free for the next item's.
         let q_scale = if Rings::<W, K>::E4M3 {
-            let scale = if n_tiles > 0 { unsafe { quantise_queries::<Q>(rings.q(k), rings.q8(0), rings.scratch(), tid) } } else { 1.0 };
+            let scale = if n_tiles > 0 { unsafe { quantise_queries::<Q>(rings.q(k), rings.q8(0), rings.scratch(), wg, tid) } } else { 1.0 };
             release(rings.q_freed(k));
             scale
         } else {
@@ -837,9 +837,10 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
         // of them.
         let wg_last_pos = if p.mask.causal != 0 { unsafe { w.row(p, 64 * wg + 63).pos } } else { u32::MAX };
         let mult = logits.mult();
-        let q_desc = M::desc_qk::<W>(if Rings::<W, K>::E4M3 { rings.q8(wg) } else { rings.q(k) + 64 * wg * 2 * W as u32 });
-        // S's query operand (e4m3 stages: this thread's fragments, read after the quantisation).
-        let q_op = unsafe { M::queries(q_desc, rings.q8(wg), warp, lane) };
+        // The warpgroup's query rows, and S's query operand from them (e4m3 stages: this
+        // thread's fragments, read after the quantisation).
+        let q_rows = if Rings::<W, K>::E4M3 { rings.q8(wg) } else { rings.q(k) + 64 * wg * 2 * W as u32 };
+        let q_op = unsafe { M::queries::<W>(q_rows, warp, lane) };
 
         // The quad's partial sums (or the sums the P V chain took), then the output (or the
         // split's partial) per row. The item is read again from its descriptor rather than kept
@@ -880,6 +881,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
             let mut o: Acc = [[0.0f32; 4]; ACC_BLOCKS];
             // The weights of the previous step, read by its in-flight P V.
             let mut pf = [[0u32; 4]; 2];
+            let q_desc = M::desc_qk::<W>(q_rows);
             wait_filled(4 * u);
             // S of the current step, retired.
             let mut s = unsafe { wait_scores32::<0>(Q::scores_64x32_async::<D>(q_desc, k_desc(rings.half(4 * u).k))) };
