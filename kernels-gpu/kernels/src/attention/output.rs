@@ -62,6 +62,33 @@ impl RowOut {
         }
     }
 
+    /// Columns `8n + c0` and `8n + c0 + 1` of each block `n < blocks` (of at most `N`), the pair
+    /// `pair(n)` (unnormalised accumulator values); nothing past the row's width (`c0` is even).
+    /// One address a row, each block's store at a constant offset from it: computed per store
+    /// (as [`Self::store_pair`] does), each address register waited for the store before it to
+    /// read its own, about 3 us a work item in the Hopper prefill's epilogue (docs/prefill.md).
+    #[cfg(wgmma)]
+    #[inline(always)]
+    pub unsafe fn store_blocks<Q: MmaHalf, const N: usize>(&self, c0: u32, blocks: usize, pair: impl Fn(usize) -> (f32, f32)) {
+        if self.partial {
+            let base = self.addr + c0 as u64 * 4;
+            static_for::<N>(|n| {
+                if n < blocks && n as u32 * 8 + c0 < self.cols {
+                    let (a, b) = pair(n);
+                    unsafe { store8(base + n as u64 * 32, [(a * self.inv).to_bits(), (b * self.inv).to_bits()]) };
+                }
+            });
+        } else {
+            let base = self.addr + c0 as u64 * 2;
+            static_for::<N>(|n| {
+                if n < blocks && n as u32 * 8 + c0 < self.cols {
+                    let (a, b) = pair(n);
+                    unsafe { store4(base + n as u64 * 16, Q::pack2(a * self.inv, b * self.inv)) };
+                }
+            });
+        }
+    }
+
     /// Columns `col`, `col + 1` (unnormalised accumulator values); nothing past the row's
     /// width (`col` is even and the width a multiple of 8).
     #[inline(always)]

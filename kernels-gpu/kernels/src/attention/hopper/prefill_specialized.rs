@@ -863,11 +863,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                     return;
                 }
                 let out = unsafe { RowOut::new(p, &w, &w.row(p, r), st, it.num_splits, t4 == 0, v_scale, p.dims.v_or(D as u32)) };
-                static_for::<ACC_BLOCKS>(|n| {
-                    if n < D / 8 {
-                        unsafe { out.store_pair::<Q>(n as u32 * 8 + 2 * t4, o[n][2 * h], o[n][2 * h + 1]) };
-                    }
-                });
+                unsafe { out.store_blocks::<Q, ACC_BLOCKS>(2 * t4, D / 8, |n| (o[n][2 * h], o[n][2 * h + 1])) };
             });
         };
         if n_tiles == 0 {
