@@ -65,8 +65,9 @@ impl RowOut {
     /// Columns `8n + c0` and `8n + c0 + 1` of each block `n < blocks` (of at most `N`), the pair
     /// `pair(n)` (unnormalised accumulator values); nothing past the row's width (`c0` is even).
     /// One address a row, each block's store at a constant offset from it: computed per store
-    /// (as [`Self::store_pair`] does), each address register waited for the store before it to
-    /// read its own, about 3 us a work item in the Hopper prefill's epilogue (docs/prefill.md).
+    /// (as [`Self::store_pair`] does), each address went into the register the store before
+    /// still held (1.0-1.2 us a work item of the FP8 d128 prefill's epilogue in a profile;
+    /// removing it gained 0-2%, docs/prefill.md "Where an item's time goes").
     #[cfg(wgmma)]
     #[inline(always)]
     pub unsafe fn store_blocks<Q: MmaHalf, const N: usize>(&self, c0: u32, blocks: usize, pair: impl Fn(usize) -> (f32, f32)) {
