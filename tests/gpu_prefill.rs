@@ -267,6 +267,15 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("f16::lengths_1_15_16_17_127_1000".into(), Case::base(&lens), "f16");
     push("bf16::length_4097".into(), Case { q_heads: 2, kv_heads: 1, ..Case::base(&[4097]) }, "bf16");
     push("bf16::chunked_prefill".into(), Case { q_lens: Some(vec![1, 64, 100, 7, 300]), ..Case::base(&[50, 64, 700, 1000, 301]) }, "bf16");
+    // Many more work items than CTAs (the persistent kernel runs one CTA an SM): 700 requests
+    // of 1 to 40 keys, their last 1 to 3 tokens as queries, two kv heads, so that each CTA takes
+    // about ten items one after another and reuses each item descriptor slot and query buffer
+    // several times; 16-bit and e4m3 stages.
+    let many: Vec<i32> = (0..700).map(|i| 1 + (i * 37) % 40).collect();
+    let many_q: Vec<i32> = many.iter().enumerate().map(|(i, &s)| (1 + i as i32 % 3).min(s)).collect();
+    let many_items = Case { q_lens: Some(many_q), ..Case::base(&many) };
+    push("bf16::many_items".into(), many_items.clone(), "bf16");
+    push("bf16_fp8::many_items".into(), many_items, "bf16_fp8");
     // Head sizes below a kernel's width (`attn_math::decode::width`), with gaps after every
     // head of the queries, outputs and packed K/V (NaN in the inputs'): 40 and 56 on width 64
     // (the Hopper kernel), 80 on 96, 112 on 128 (Hopper), 136 and 200 on 256; paged and packed,
@@ -462,7 +471,14 @@ fn cases() -> Vec<(String, Case, &'static str)> {
 fn main() {
     let mut trials = Vec::new();
     let all = cases();
-    let picked: Vec<_> = if quick() { all.into_iter().step_by(4).collect() } else { all };
+    // The quick matrix (under the sanitizers): every fourth case, and both cases of many items
+    // a CTA, which are what makes the persistent kernel reuse its descriptor slots and query
+    // buffers (in the others a CTA takes one or two items unless launches overlap).
+    let picked: Vec<_> = if quick() {
+        all.into_iter().enumerate().filter(|(i, (name, ..))| i % 4 == 0 || name.contains("many_items")).map(|(_, c)| c).collect()
+    } else {
+        all
+    };
     for (i, (name, case, dt)) in picked.into_iter().enumerate() {
         let s = 3000 + i as u64;
         let f: Box<dyn FnOnce() -> TestResult + Send> = match dt {
