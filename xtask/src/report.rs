@@ -72,16 +72,12 @@ fn parse(report: &str) -> Vec<Row> {
 /// ptxas parks a few words of row bookkeeping on the stack before the key loop and reloads them
 /// in the epilogue (8-64 bytes; `nvdisasm` shows no local access inside the loop at head size
 /// 128). Anything else with a stack frame fails the report: that is how a register array that
-/// went to local memory shows (see docs/cache-writes.md). The Hopper prefill at width 256
-/// (`prefill_wgs_<q>_d256`) holds O in 128 registers of its 224 and keeps loop-invariant row
-/// data on the stack (30 local loads in its code; 90 before its query descriptors moved to
-/// uniform registers, docs/prefill.md); its producer's TMA path (the boxes' coordinates, held
-/// across a tile's four stages in 56 registers) takes it from 64 to 96 bytes, and copies that
-/// zero-fill with their own addresses rather than a selected stand-in to 104 (d256 -0.3%, within
-/// the spread; the other widths gained, docs/prefill.md). The 16-bit kernels of
-/// widths 80 to 128 (16-72 bytes at the time of writing) spill on the path that skips a tile's
-/// masked second half, once an item (16 local stores and 16 loads of the d128 SASS sit there;
-/// none in the compute warps' key loop). The FP8 producer kernels
+/// went to local memory shows (see docs/cache-writes.md). The Hopper prefill kernels of 16-bit
+/// caches (`prefill_wgs_<q>_d*`) spill nothing at widths 64 to 128 with their producer at 72
+/// registers and the compute warps at 208 (`hopper_prefill::WS_PRODUCER_REGS`; at 56 / 224 the
+/// producer spilled 16 bytes, once an item), and 32 bytes at width 256, whose compute warps hold
+/// O in 128 registers (104 at 56 / 224, with 9 local loads a key tile in the producer's loop,
+/// docs/prefill.md). The FP8 producer kernels
 /// (`prefill_wgs_<q>_{fp8,e5m2}_d*`; at widths 80 to 128 on e4m3 stages) spill 8-64 bytes: the
 /// compute warps park item-level values before their key loop, and the producer one word
 /// across its key loop; neither key loop has a local access (the e4m3 kernels of widths 112
@@ -120,10 +116,10 @@ const SMALL_SPILLS_ALLOWED: &[(&str, u32)] = &[
     ("prefill_wgs_f16_fp8_", 64),
     ("prefill_wgs_bf16_e5m2_", 64),
     ("prefill_wgs_f16_e5m2_", 64),
-    ("prefill_wgs_bf16_d256", 104),
-    ("prefill_wgs_f16_d256", 104),
-    ("prefill_wgs_bf16_d", 80),
-    ("prefill_wgs_f16_d", 80),
+    ("prefill_wgs_bf16_d256", 32),
+    ("prefill_wgs_f16_d256", 32),
+    ("prefill_wgs_bf16_d", 0),
+    ("prefill_wgs_f16_d", 0),
     ("prefill_", 64),
     ("mla_", 64),
     // sm_80, which has no FP8 conversion instruction and converts with integer operations: 8

@@ -209,10 +209,14 @@ pub const fn ws_q_buffers(d: u32, fp8: bool) -> u32 {
 }
 /// Registers a thread after `setmaxnreg`: compute and producer warpgroups. The CTA starts at
 /// 65536 / [`WS_THREADS`] (168) each; the producer gives up what the compute warps take:
-/// 2 x 128 x (224 - 168) <= 128 x (168 - 56). The compute warps use 197 (`ptxas`, at the
-/// time of writing) and the producer spilled at 40.
-pub const WS_COMPUTE_REGS: u32 = 224;
-pub const WS_PRODUCER_REGS: u32 = 56;
+/// 2 x 128 x (208 - 168) <= 128 x (168 - 72). `ptxas` allocates both roles as one function:
+/// at 224 / 56 the producer spilled (8 local loads an item at widths 80 to 128, 9 a key tile at
+/// 256) and the compute warps did not need the 16 registers more; at 208 / 72 neither spills
+/// up to width 128 and the compute warps' key loop is the same length. Measured on an H200
+/// against 224 / 56 (docs/prefill.md, "The 16-bit kernels' register split"): 1.005-1.03x on
+/// every 16-bit row, d64 to d256.
+pub const WS_COMPUTE_REGS: u32 = 208;
+pub const WS_PRODUCER_REGS: u32 = 72;
 /// The same with an FP8 cache, whose producer also converts the rows: at 56 registers it
 /// spilled 104-128 bytes a thread (`ptx-report`, beside a local array since removed); at 72
 /// at most 32 (d128), and the compute warps' 216 hold their width-128 state.
@@ -233,6 +237,8 @@ pub const WS_E4M3_PRODUCER_REGS: u32 = 88;
 /// they do not, and the producer at 72 keeps 12 words of its tile loop on the stack. Measured
 /// on an H200 against 208 / 88 (docs/prefill.md, "The e4m3 queries as register fragments"):
 /// width 128 1.05x, widths 80 to 112 0.98-1.01x, width 128 with 8-byte rows (`_a8`) 0.99x.
+/// Measured again with the uniform key loop, whose compute warps no longer spill at 208: 208 /
+/// 88 took the producer's item-level spills away but was 0.99-1.01x, so 216 / 72 stays.
 pub const WS_E4M3_WIDE_COMPUTE_REGS: u32 = 216;
 pub const WS_E4M3_WIDE_PRODUCER_REGS: u32 = 72;
 /// Whether the e4m3 kernel of width `d` takes [`WS_E4M3_WIDE_COMPUTE_REGS`] (`a8`: its FP8 rows
