@@ -217,16 +217,14 @@ pub const fn ws_q_buffers(d: u32, fp8: bool) -> u32 {
 /// every 16-bit row, d64 to d256.
 pub const WS_COMPUTE_REGS: u32 = 208;
 pub const WS_PRODUCER_REGS: u32 = 72;
-/// The same with an FP8 cache, whose producer also converts the rows: at 56 registers it
-/// spilled 104-128 bytes a thread (`ptx-report`, beside a local array since removed); at 72
-/// at most 32 (d128), and the compute warps' 216 hold their width-128 state.
+/// The same with an FP8 cache converted into 16-bit stages (widths 64 and 256), whose producer
+/// also converts the rows: at 56 registers it spilled 104-128 bytes a thread (`ptx-report`,
+/// beside a local array since removed); at 72 at most 32, and the compute warps' 216 hold their
+/// state. Width 256 took 232 / 40 while `ptxas` could not allocate its compute warps in 216 (the
+/// producer then reloaded 9 words a key tile); it can now, and 216 / 72 measured 1.03x on its
+/// FP8 rows on an H200 (docs/prefill.md, "The 16-bit kernels' register split").
 pub const WS_FP8_COMPUTE_REGS: u32 = 216;
 pub const WS_FP8_PRODUCER_REGS: u32 = 72;
-/// The same at width 256 from an FP8 cache: `ptxas` could not allocate the compute warps in
-/// 216 or 224 (the 16-bit kernel's 224 leave it spilling), so they take 232 and the converting
-/// producer 40.
-pub const WS_WIDE_FP8_COMPUTE_REGS: u32 = 232;
-pub const WS_WIDE_FP8_PRODUCER_REGS: u32 = 40;
 /// The same with e4m3 stages, whose producer transposes V (eight 16-byte rows in registers) and
 /// whose compute warps hold P in 8 registers instead of 16 and the queries' A fragments in 16
 /// (`e4m3_stages::query_frags`).
@@ -339,7 +337,6 @@ mod tests {
             (WS_FP8_COMPUTE_REGS, WS_FP8_PRODUCER_REGS),
             (WS_E4M3_COMPUTE_REGS, WS_E4M3_PRODUCER_REGS),
             (WS_E4M3_WIDE_COMPUTE_REGS, WS_E4M3_WIDE_PRODUCER_REGS),
-            (WS_WIDE_FP8_COMPUTE_REGS, WS_WIDE_FP8_PRODUCER_REGS),
         ] {
             assert!(THREADS * (compute - start) <= 128 * (start - producer));
             assert!(compute.is_multiple_of(8) && producer.is_multiple_of(8) && producer >= 24);

@@ -85,7 +85,7 @@ use attn_math::hopper_prefill::{
     group_bytes, stage_format, ws_e4m3_wide_regs, ws_layout, ws_q_buffers, ws_raw_slots, ws_row_bytes, ws_stage_keys, ws_stages,
     ws_sub_keys, ws_tma_stages, ws_whole_tiles, StageFormat, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_E4M3_COMPUTE_REGS,
     WS_E4M3_LOOKAHEAD, WS_E4M3_PRODUCER_REGS, WS_E4M3_WIDE_COMPUTE_REGS, WS_E4M3_WIDE_PRODUCER_REGS, WS_FP8_COMPUTE_REGS, WS_FP8_LOOKAHEAD,
-    WS_FP8_PRODUCER_REGS, WS_ITEM_SLOTS, WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_STAGES, WS_WIDE_FP8_COMPUTE_REGS, WS_WIDE_FP8_PRODUCER_REGS,
+    WS_FP8_PRODUCER_REGS, WS_ITEM_SLOTS, WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_STAGES,
 };
 use attn_math::params::{AttnParams, PagedKvMaps};
 use attn_math::prefill::{table_slot_bytes, TABLE_ENTRY};
@@ -438,8 +438,6 @@ pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, M: HalfM
             set_max_registers::<WS_E4M3_WIDE_PRODUCER_REGS, false>();
         } else if Rings::<W, K>::E4M3 {
             set_max_registers::<WS_E4M3_PRODUCER_REGS, false>();
-        } else if K::FP8 && W == 256 {
-            set_max_registers::<WS_WIDE_FP8_PRODUCER_REGS, false>();
         } else if K::FP8 {
             set_max_registers::<WS_FP8_PRODUCER_REGS, false>();
         } else {
@@ -451,8 +449,6 @@ pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, M: HalfM
             set_max_registers::<WS_E4M3_WIDE_COMPUTE_REGS, true>();
         } else if Rings::<W, K>::E4M3 {
             set_max_registers::<WS_E4M3_COMPUTE_REGS, true>();
-        } else if K::FP8 && W == 256 {
-            set_max_registers::<WS_WIDE_FP8_COMPUTE_REGS, true>();
         } else if K::FP8 {
             set_max_registers::<WS_FP8_COMPUTE_REGS, true>();
         } else {
