@@ -220,19 +220,30 @@ fn sparse_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
         .into());
     }
     let err = rel_error(&got, &want.out);
-    if !within(err, tolerance(Q::DTYPE)) {
+    // The narrow shape over an FP8 cache on sm_90a rounds queries and weights to e4m3.
+    let e4m3 = fp8 && attn_rs::mla::fp8_mla_rounds_to_e4m3(device(), hq);
+    let (tol, row_tol, lse_tol) = if e4m3 { E4M3_TOLERANCE } else { (tolerance(Q::DTYPE), row_tolerance(Q::DTYPE), 2e-3) };
+    if !within(err, tol) {
+        return Err(format!("relative error {err:.2e} > {tol:.0e} (plan: chunk {}, {} items)", plan.chunk, plan.items.len() / 2).into());
+    }
+    // Row by row too: one row wrong alone (a key masked wrongly) hardly moves the global norm.
+    let worst = max_row_error(&got, &want.out, V);
+    if !worst.within(row_tol) {
         return Err(format!(
-            "relative error {err:.2e} > {:.0e} (plan: chunk {}, {} items)",
-            tolerance(Q::DTYPE),
+            "row relative error {:.2e} > {row_tol:.0e} at token {}, head {} (plan: chunk {}, {} items)",
+            worst.err,
+            worst.row / hq,
+            worst.row % hq,
             plan.chunk,
             plan.items.len() / 2
         )
         .into());
     }
-    check_rows(&got, &want.out, V, hq, Q::DTYPE)
-        .map_err(|e| format!("{e} (plan: chunk {}, {} items)", plan.chunk, plan.items.len() / 2))?;
     let lse: Vec<f32> = download(&stream, &lse_d);
-    check_lse(&lse[..nt * hq], &want.lse[..nt * hq], hq)?;
+    check_lse_within(&lse[..nt * hq], &want.lse[..nt * hq], hq, lse_tol)?;
+    if e4m3 {
+        eprintln!("e4m3: relative error {err:.3e}, worst row {:.3e}", worst.err);
+    }
     Ok(())
 }
 

@@ -106,7 +106,8 @@ pub fn mla_attention(
 /// The MLA kernel for `max_q` query tokens per request of `hq` heads, and its CTA target.
 ///
 /// The MLA kernel (`mla_<q>[_fp8|_e5m2]_{narrow,wide}`, `attn_math::mla`; FP8 caches are converted
-/// exactly, in registers on the narrow shape and slot by slot in shared memory on the wide one).
+/// exactly, in registers on the narrow shape and slot by slot in shared memory on the wide one,
+/// but for the narrow shape on sm_90a, which runs e4m3 `wgmma` ([`fp8_mla_rounds_to_e4m3`])).
 /// The split plan aims at [`Tuning::mla_waves`] waves of CTAs.
 pub(crate) fn mla_tc_kernel(
     dev: &AttnDevice,
@@ -123,8 +124,10 @@ pub(crate) fn mla_tc_kernel(
 /// [`mla_tc_kernel`] for kernel `id` of shape `s` (dense or sparse).
 fn mla_tc_kernel_of(dev: &AttnDevice, id: KernelId, s: mla::MlaShape, fp8: bool, hq: usize, tuning: &Tuning) -> Result<TcKernel> {
     let shape = TcShape { block_m: s.block_m, block_n: s.block_n, ctas_per_item: 1 };
-    // The same total whether the module converts an FP8 tile in place or not.
-    let (smem, threads) = (mla::shared_layout(s, fp8).total, mla::THREADS);
+    // The same total whether the module converts an FP8 tile in place or not; the narrow shape
+    // over an FP8 cache on sm_90a has a layout of its own (e4m3 `wgmma`).
+    let smem = if narrow_on_e4m3(dev, s, fp8) { mla::narrow_e4m3_layout().total } else { mla::shared_layout(s, fp8).total };
+    let threads = mla::THREADS;
     // One wave of resident CTAs (one per SM): measured on the H100 against two and four, whose
     // extra splits cost more (per-CTA start, partials, merge) than the tail they shorten
     // (docs/mla.md).
@@ -134,6 +137,24 @@ fn mla_tc_kernel_of(dev: &AttnDevice, id: KernelId, s: mla::MlaShape, fp8: bool,
     // No even-waves splitting: the MLA plans were measured without it.
     let layer = LayerShape { num_q_heads: hq, num_kv_heads: 1, head_size: MLA_V as usize };
     Ok(TcKernel { kernel: DecodeKernel::Mla, id, layer, smem, shape, threads, group: hq as u32, target, slots: 0, fused_merge: false })
+}
+
+/// Whether MLA over an FP8 cache on `device` rounds the queries and the softmax weights to e4m3
+/// for requests of up to `rows` query rows (heads x query tokens; sparse MLA: the heads): the
+/// narrow shape (up to 16 rows) on sm_90a runs both products on e4m3 `wgmma` with the cache's
+/// bytes as they are, the queries with one scale a row (its largest magnitude to e4m3's 448)
+/// and the weights times 2^8, as FlashMLA's and vLLM's FP8 MLA run on FP8 operands. Elsewhere
+/// the cache's values are converted exactly and the result is as precise as over a 16-bit
+/// cache holding the same values. The same for both FP8 formats.
+pub fn fp8_mla_rounds_to_e4m3(device: &AttnDevice, rows: usize) -> bool {
+    narrow_on_e4m3(device, mla::shape_for_rows(rows.min(u32::MAX as usize) as u32), true)
+}
+
+/// Whether kernel shape `s` over this cache runs the narrow shape on e4m3 `wgmma` (sm_90a, an
+/// FP8 cache: `mla::narrow_e4m3` in the kernels), whose two warpgroups merge their halves of the
+/// keys in shared memory and whose splits go through the merge, not a cluster.
+fn narrow_on_e4m3(dev: &AttnDevice, s: mla::MlaShape, fp8: bool) -> bool {
+    fp8 && s == mla::NARROW && dev.ptx_target() == "sm_90a"
 }
 
 /// The MLA kernel for requests of at most `rows` query rows (tokens x heads), and its shape:
@@ -149,13 +170,15 @@ pub(crate) fn mla_kernel_id(q: DType, fp8: Option<Fp8Format>, rows: u32) -> (Ker
 /// cluster size), so that consecutive CTAs are one request's splits; and clusters that all fit
 /// on the GPU at once (a cluster lives in one GPC: on the H100, 32 clusters of 4 did not fit and
 /// took 1.6x the merge kernel's time). On the H100 this saved the merge's 5 us at 16 heads x
-/// batch 64 (docs/mla.md). [`Tuning::mla_clusters`] off turns it off.
+/// batch 64 (docs/mla.md). [`Tuning::mla_clusters`] off turns it off. Not over an FP8 cache:
+/// the narrow shape's e4m3 kernel (sm_90a) merges its splits through the merge.
 pub(crate) fn mla_cluster(dev: &AttnDevice, tc: &TcKernel, plan: &DecodePlan, tuning: &Tuning) -> u32 {
     let narrow = tc.shape.block_m == mla::NARROW.block_m && matches!(tc.id, KernelId::Mla { tile: MlaTile::Narrow, .. });
     let off = !tuning.mla_clusters;
     let Some(&splits) = plan.req_num_splits.first() else { return 0 };
     let uniform = plan.req_num_splits.iter().all(|&s| s == splits) && plan.row_groups == 1;
-    if !(dev.clusters_enabled() && narrow && !off && uniform && (2..=8).contains(&splits)) {
+    let fp8 = matches!(tc.id, KernelId::Mla { fp8: Some(_), .. });
+    if !(dev.clusters_enabled() && narrow && !fp8 && !off && uniform && (2..=8).contains(&splits)) {
         return 0;
     }
     let clusters = plan.req_num_splits.len() as u32;

@@ -212,6 +212,82 @@ pub const fn seesaw_layout() -> SeesawLayout {
     SeesawLayout { maxima, sums, table, tables, bars: table + tables * TABLE_BYTES, tile, p, raw }
 }
 
+/// The narrow shape over an FP8 cache on sm_90a (`mla::narrow_e4m3` in the kernels): e4m3
+/// `wgmma` with the operands swapped, so that a 64-key tile's keys are M (64) and the 16 query
+/// rows are N: S^T = K Q^T (K from its rows in shared memory, the queries quantised to e4m3),
+/// O^T += V^T P^T (V^T as A fragments in registers, byte-transposed from the same rows, P^T
+/// e4m3 in shared memory). Each of the two warpgroups takes alternate tiles with a softmax
+/// state and a ring of its own (two tiles), and the two are merged at the end.
+///
+/// Layout: the quantised queries (16 rows of 640 bytes as five 128-byte-swizzled atoms of 16
+/// rows x 128 bytes, [`e4m3_swizzled`]), the ring of [`E4M3_RING`] tiles (64 rows, five atoms
+/// of 64 rows x 128 bytes), each warpgroup's P^T (16 rows x 128 bytes, the first 64 used), the
+/// row maxima published by its warps (`[16][4]` f32), the rows' score factors (16 f32),
+/// [`E4M3_TABLES`] address tables (a tile's 64 entries and two flags) and the `mbarrier`s: one
+/// a ring buffer, then the final merge's two.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NarrowE4m3Layout {
+    pub q: u32,
+    pub tiles: u32,
+    pub p: u32,
+    pub maxima: u32,
+    pub mult: u32,
+    pub tables: u32,
+    pub bars: u32,
+    pub total: u32,
+}
+
+/// Tile buffers of [`narrow_e4m3_layout`]'s ring: three in flight while each warpgroup works
+/// on one.
+pub const E4M3_RING: u32 = 5;
+/// Address tables of [`narrow_e4m3_layout`]: tile t's is rewritten for tile t + 10, which its
+/// writer copies once done with tile t + 5, itself copied only after tile t was done.
+pub const E4M3_TABLES: u32 = 10;
+/// Bytes of a tile of 64 FP8 rows in the [`e4m3_swizzled`] layout (five atoms of 128 bytes a
+/// row, the last half used).
+pub const E4M3_TILE_BYTES: u32 = 5 * 64 * 128;
+/// Bytes of an address table of [`NarrowE4m3Layout`]: 64 entries and two flags (padded).
+pub const E4M3_TABLE_BYTES: u32 = 64 * 8 + 16;
+// The final merge: each warpgroup's half of O^T for the other (`[8][128]` 16-byte entries) and
+// its rows' states fit the buffer of its last tile.
+const _: () = assert!(8 * 128 * 16 + 16 * 8 <= E4M3_TILE_BYTES);
+
+/// Byte offset of (row, byte column `col`) of `rows` FP8 rows of 576 bytes in `wgmma`'s
+/// 128-byte-swizzled K-major layout: atoms of `rows` x 128 bytes (`rows * 128` apart, one per
+/// 128 columns), 8-row groups 1024 bytes apart, row r's 16-byte chunk c of an atom at `c ^ r`.
+pub const fn e4m3_swizzled(rows: u32, row: u32, col: u32) -> u32 {
+    (col / 128) * rows * 128 + row * 128 + (((col % 128) / 16) ^ (row % 8)) * 16 + col % 16
+}
+
+/// The tile row (key) whose weight column `k` of [`narrow_e4m3_layout`]'s P^T holds (`k` < 64),
+/// and whose V bytes the A fragments' column `k` take: within each 16 columns, column `4a + b`
+/// (a: the lane of a quad, b: the byte of its register) is row `2a + (b & 1) + 8 (b >> 1)`,
+/// the keys `ldmatrix.trans` of the 16 rows as two 8-row matrices of 16-bit pairs hands lane a
+/// of a quad (rows 2a, 2a + 1 of each), which one `prmt` puts in this order.
+pub const fn e4m3_rho(k: u32) -> u32 {
+    let (base, c) = (k & !15, k & 15);
+    let (a, b) = (c / 4, c % 4);
+    base + 2 * a + (b & 1) + 8 * (b >> 1)
+}
+
+/// The P^T column of tile row `m` (the inverse of [`e4m3_rho`]).
+pub const fn e4m3_column_of(m: u32) -> u32 {
+    let (base, r) = (m & !15, m & 15);
+    base + 4 * ((r & 7) >> 1) + 2 * (r >> 3) + (r & 1)
+}
+
+pub const fn narrow_e4m3_layout() -> NarrowE4m3Layout {
+    let q = 0;
+    let tiles = q + 5 * 16 * 128;
+    let p = tiles + E4M3_RING * E4M3_TILE_BYTES;
+    let maxima = p + 2 * 16 * 128;
+    let mult = maxima + 2 * 16 * 4 * 4;
+    let tables = mult + 16 * 4;
+    let bars = tables + E4M3_TABLES * E4M3_TABLE_BYTES;
+    let total = bars + (E4M3_RING + 2) * 8;
+    NarrowE4m3Layout { q, tiles, p, maxima, mult, tables, bars, total }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,6 +312,37 @@ mod tests {
             // wgmma descriptors: Q and the slots 1024-byte aligned, addresses within 14 bits >> 4.
             assert!(l.converted.is_multiple_of(1024) && l.k_slot.is_multiple_of(16) && l.total < 1 << 18);
             assert!(fp8 || (l.k.is_multiple_of(1024) && l.k_slot.is_multiple_of(1024)));
+        }
+    }
+
+    #[test]
+    fn narrow_e4m3_layout_fits() {
+        let l = narrow_e4m3_layout();
+        assert!(l.total <= 227 * 1024);
+        // wgmma operands 1024-byte aligned; the merge's exchange (two warpgroups' halves of O^T
+        // and their row states) fits the tiles.
+        for o in [l.q, l.tiles, l.p, E4M3_TILE_BYTES] {
+            assert!(o.is_multiple_of(1024), "{l:?}");
+        }
+        assert!(l.maxima.is_multiple_of(16) && l.tables.is_multiple_of(16) && E4M3_TABLE_BYTES.is_multiple_of(16));
+        assert!(l.bars.is_multiple_of(8));
+
+        // The key permutation and its inverse; each 8-row matrix of an `ldmatrix` (8
+        // consecutive keys, one 16-byte chunk) meets eight distinct 16-byte bank groups.
+        for k in 0..64 {
+            assert_eq!(e4m3_column_of(e4m3_rho(k)), k);
+        }
+        for (k0, c) in (0..8).flat_map(|k| (0..32).map(move |c| (8 * k, c))) {
+            let banks: std::collections::HashSet<_> = (k0..k0 + 8).map(|r| (e4m3_swizzled(64, r, 16 * c) % 128) / 16).collect();
+            assert_eq!(banks.len(), 8, "keys {k0}.., chunk {c}");
+        }
+        // Every byte of a row lands once, inside its atom.
+        let mut seen = std::collections::HashSet::new();
+        for r in 0..64 {
+            for c in 0..MLA_QK {
+                let o = e4m3_swizzled(64, r, c);
+                assert!(o < E4M3_TILE_BYTES && seen.insert(o));
+            }
         }
     }
 

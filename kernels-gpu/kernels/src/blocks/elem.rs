@@ -42,6 +42,8 @@ impl HalfFloat for Bf16 {
 /// copies take), and how values are rounded into it. Every FP8 conversion of the kernels goes
 /// through one of these, so that a kernel's FP8 format is a type parameter.
 pub trait Fp8Format {
+    /// E5M2 (otherwise E4M3): which type the tensor cores read the bytes as.
+    const E5M2: bool;
     /// What converted values must be multiplied by (the kernels fold it into the k/v scales).
     const UNPACK_SCALE: f32;
     /// Two bytes (low byte first, the low 16 bits of `pair`) as an f16x2 word, exactly (divided
@@ -59,6 +61,7 @@ pub trait Fp8Format {
 pub struct E4m3;
 
 impl Fp8Format for E4m3 {
+    const E5M2: bool = false;
     #[cfg(hw_fp8)]
     const UNPACK_SCALE: f32 = 1.0;
     #[cfg(not(hw_fp8))]
@@ -131,6 +134,7 @@ fn e4m3x4_to_f16x4(quad: u32) -> [u32; 2] {
 pub struct E5m2;
 
 impl Fp8Format for E5m2 {
+    const E5M2: bool = true;
     const UNPACK_SCALE: f32 = 1.0;
 
     #[inline(always)]

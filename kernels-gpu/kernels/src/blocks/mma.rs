@@ -488,6 +488,12 @@ pub fn byte_perm(a: u32, b: u32, sel: u32) -> u32 {
     r
 }
 
+/// The low byte of `v` to shared memory.
+#[inline(always)]
+pub unsafe fn st_shared_u8(addr: u32, v: u32) {
+    unsafe { asm!("st.shared.u8 [{0}], {1};", in(reg32) addr, in(reg32) v, options(nostack)) }
+}
+
 /// Two 16-bit values to shared memory.
 #[inline(always)]
 pub unsafe fn st_shared_u32(addr: u32, v: u32) {

@@ -620,3 +620,125 @@ pub fn e4m3x4(a: f32, b: f32, c: f32, d: f32) -> u32 {
     };
     r
 }
+
+/// The MLA narrow shape's chains over an FP8 cache on e4m3 `wgmma`, operands swapped (keys on
+/// M, the 16 query rows on N; `attn_math::mla::narrow_e4m3_layout`). Accumulators (m64n16, f32)
+/// `[j][e]`: M row `16w + g + 8 (e >> 1)` of warp w, N column `8j + 2t4 + (e & 1)`.
+pub trait NarrowFp8Chains: Fp8Format {
+    /// S^T = K Q^T over a 64-key tile and the 576 columns: K rows of this format at `desc_k`
+    /// (A, K-major, 128-byte swizzle: atoms of 64 rows, 8 KB apart), the quantised queries at
+    /// `desc_q` (B, e4m3, atoms of 16 rows, 2 KB apart). Not waited for.
+    unsafe fn scores_t(desc_k: u64, desc_q: u64) -> [[f32; 4]; 2];
+    /// O^T += V^T P^T over 64 keys: `o[2b..2b + 2]` the 64 columns of M block b, `v[8s + b]` its
+    /// A fragments of this format for keys 32s..32s + 31, P^T e4m3 at `desc_p` (B, K-major).
+    /// Not waited for.
+    unsafe fn pv_t(o: &mut [[f32; 4]; 16], v: &[[u32; 4]; 16], desc_p: u64);
+}
+
+macro_rules! narrow_fp8_chains_impl {
+    ($t:ty, $k:literal) => {
+        impl NarrowFp8Chains for $t {
+            #[inline(always)]
+            unsafe fn scores_t(desc_k: u64, desc_q: u64) -> [[f32; 4]; 2] {
+                let mut s = [[0.0f32; 4]; 2];
+                unsafe {
+                    with_acc!(concat!(
+                "{{\n.reg .pred pz, po;\n.reg .b32 zz, a0, ah, al, b0, bh, bl;\n.reg .b64 da, db;\n",
+                "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
+                "mov.b64 {{a0, ah}}, {8};\nmov.b64 {{b0, bh}}, {9};\nwgmma.fence.sync.aligned;\n",
+                "add.s32 al, a0, 0;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 0;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, pz, 1, 1;\n",
+                "add.s32 al, a0, 2;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 2;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 4;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 4;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 6;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 6;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 512;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 128;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 514;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 130;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 516;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 132;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 518;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 134;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 1024;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 256;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 1026;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 258;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 1028;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 260;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 1030;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 262;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 1536;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 384;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 1538;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 386;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 1540;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 388;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 1542;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 390;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 2048;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 512;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 2050;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 514;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, da, db, po, 1, 1;\n",
+                "wgmma.commit_group.sync.aligned;\n}}"),
+                              out s [0 1], in(reg64) desc_k, in(reg64) desc_q, options(nostack))
+                };
+                s
+            }
+
+            #[inline(always)]
+            unsafe fn pv_t(o: &mut [[f32; 4]; 16], v: &[[u32; 4]; 16], desc_p: u64) {
+                unsafe {
+                    with_acc!(concat!(
+                "{{\n.reg .pred po;\n.reg .b32 zz, bl, bh;\n.reg .b64 db;\n",
+                "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\nmov.b64 {{bl, bh}}, {128};\nwgmma.fence.sync.aligned;\n",
+                "mov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, {{{64}, {65}, {66}, {67}}}, db, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, {{{68}, {69}, {70}, {71}}}, db, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}}}, {{{72}, {73}, {74}, {75}}}, db, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}}}, {{{76}, {77}, {78}, {79}}}, db, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}}}, {{{80}, {81}, {82}, {83}}}, db, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}}}, {{{84}, {85}, {86}, {87}}}, db, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}}}, {{{88}, {89}, {90}, {91}}}, db, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}}}, {{{92}, {93}, {94}, {95}}}, db, po, 1, 1;\n",
+                "add.s32 bl, bl, 2;\n",
+                "mov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}, {{{96}, {97}, {98}, {99}}}, db, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, {{{100}, {101}, {102}, {103}}}, db, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}}}, {{{104}, {105}, {106}, {107}}}, db, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}}}, {{{108}, {109}, {110}, {111}}}, db, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}}}, {{{112}, {113}, {114}, {115}}}, db, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}}}, {{{116}, {117}, {118}, {119}}}, db, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}}}, {{{120}, {121}, {122}, {123}}}, db, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n16k32.f32.", $k, ".e4m3 {{{56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}}}, {{{124}, {125}, {126}, {127}}}, db, po, 1, 1;\n",
+                "add.s32 bl, bl, 2;\n",
+                "wgmma.commit_group.sync.aligned;\n}}"),
+                              inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15], frags v [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15],
+                              in(reg64) desc_p, options(nostack))
+                };
+            }
+        }
+    };
+}
+
+narrow_fp8_chains_impl!(E4m3, "e4m3");
+narrow_fp8_chains_impl!(E5m2, "e5m2");
+
+/// Waits for the S^T chain of [`NarrowFp8Chains`] (the only one in flight) and returns its
+/// accumulators for the reads after the wait.
+#[inline(always)]
+pub unsafe fn wait_scores_t(s: [[f32; 4]; 2]) -> [[f32; 4]; 2] {
+    unsafe { with_acc!("wgmma.wait_group.sync.aligned 0; // {0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}", in s [0 1], options(nostack)) };
+    s
+}
+
+/// Waits for the P V chain of [`NarrowFp8Chains`]: O^T `o` and its A fragments `v`.
+#[inline(always)]
+pub unsafe fn wait_pv_t(o: &mut [[f32; 4]; 16], v: &[[u32; 4]; 16]) {
+    unsafe {
+        with_acc!("wgmma.wait_group.sync.aligned 0; // {0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}, {32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}, {64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}, {80}, {81}, {82}, {83}, {84}, {85}, {86}, {87}, {88}, {89}, {90}, {91}, {92}, {93}, {94}, {95}, {96}, {97}, {98}, {99}, {100}, {101}, {102}, {103}, {104}, {105}, {106}, {107}, {108}, {109}, {110}, {111}, {112}, {113}, {114}, {115}, {116}, {117}, {118}, {119}, {120}, {121}, {122}, {123}, {124}, {125}, {126}, {127}",
+                  inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15], frags v [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15], options(nostack))
+    };
+}

@@ -162,6 +162,13 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, K: CacheFormat, S: Key
         let row = unsafe { w.row(p, r) };
         p.qkv.q + (row.token as u64 * p.qkv.q_token_stride + row.head as u64 * p.qkv.q_head_stride) * 2
     };
+    // Narrow over an FP8 cache on sm_90a: e4m3 `wgmma` with the operands swapped
+    // (`super::narrow_e4m3`), its own layout and tables.
+    #[cfg(wgmma)]
+    if !WIDE && K::FP8 {
+        unsafe { super::narrow_e4m3::narrow_e4m3::<Q, K, S>(p, &w, src, begin, end, causal, min_pos, q_row) };
+        return;
+    }
     #[cfg(wgmma)]
     if seesaw {
         let span = super::seesaw::Span { begin, end, n_tiles, causal, min_pos };

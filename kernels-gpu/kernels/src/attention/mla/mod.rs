@@ -17,10 +17,11 @@
 //! tile's raw rows land in the upper half of its 16-bit slots and its warpgroup converts them in
 //! place ([`in_place`]), on f16 MMAs for bf16 queries. Elsewhere, and for the narrow shape,
 //! `mma.sync` with `ldmatrix` (conflict-free in that layout) does both. An FP8 cache's raw rows
-//! land in the ring as they are (`attn_math::mla::raw_offset`). The narrow shape converts its
-//! fragments from them in registers, on f16 MMAs (bf16 queries scaled by 2^-8 into f16's range);
-//! the wide shape on sm_80 converts a tile at a time into separate 16-bit slots of Q's type. The
-//! scales fold into the score and output factors.
+//! land in the ring as they are (`attn_math::mla::raw_offset`). The narrow shape on sm_80
+//! converts its fragments from them in registers, on f16 MMAs (bf16 queries scaled by 2^-8 into
+//! f16's range); on sm_90a it runs e4m3 `wgmma` with the operands swapped, keys on M
+//! ([`narrow_e4m3`], its own layout); the wide shape on sm_80 converts a tile at a time into
+//! separate 16-bit slots of Q's type. The scales fold into the score and output factors.
 //!
 //! Dense and sparse MLA are the same kernel over a [`keys::KeySource`]: key j of a work item is
 //! position j of the request (dense, causal among the new tokens) or entry j of the query
@@ -28,7 +29,7 @@
 //! request masked out instead of the causal mask).
 //!
 //! [`kernel`] is the kernel; [`keys`] where its keys come from; [`tile`] its matrix products, [`slots`] its copies into the
-//! swizzled slots, [`seesaw`] (sm_90a) the wide shape's seesaw order, [`in_place`] (sm_90a) its
+//! swizzled slots, [`narrow_e4m3`] (sm_90a) the narrow shape over an FP8 cache, [`seesaw`] (sm_90a) the wide shape's seesaw order, [`in_place`] (sm_90a) its
 //! FP8 tiles' conversion, and [`combine`] (sm_90a) the cluster combine of a request's splits.
 
 #[cfg(wgmma)]
@@ -37,6 +38,8 @@ mod combine;
 mod in_place;
 pub(crate) mod kernel;
 pub(crate) mod keys;
+#[cfg(wgmma)]
+mod narrow_e4m3;
 #[cfg(wgmma)]
 mod seesaw;
 mod slots;

@@ -1,0 +1,471 @@
+//! The narrow shape (up to 16 query rows) over an FP8 cache on sm_90a: e4m3 `wgmma` with the
+//! operands swapped (layout and shapes in `attn_math::mla::narrow_e4m3_layout`).
+//!
+//! With 16 query rows, `mma.sync` tiles (16 rows on M) leave each warp a chain of 36 dependent
+//! MMAs for its share of S and a conversion per pair of cache bytes, and the kernel was bound
+//! by those chains at two warps a scheduler, not by its bytes (docs/mla.md, "FP8"). Here the
+//! keys are M:
+//! - S^T = K Q^T: 18 k-steps of m64n16k32, K straight from its rows in shared memory, the
+//!   queries quantised to e4m3 once per CTA (one scale a row, its largest magnitude to 448,
+//!   folded into the row's score factor);
+//! - O^T += V^T P^T: 8 M blocks of 64 columns x 2 k-steps; V^T's A fragments (4 keys of a
+//!   column a register) come from the rows by `ldmatrix.trans` and one `prmt` a register, and
+//!   P^T is stored as e4m3 bytes (the weights times 2^7 under a max that may lag the row's by
+//!   up to 2^1.5, so that small weights keep e4m3's precision).
+//!
+//! Each warpgroup takes alternate tiles with its own softmax state and O^T (64 registers); the
+//! tiles come through one ring of five buffers, so that three are in flight while each
+//! warpgroup works on one. A warpgroup done with tile t copies tile t + 5 into its buffer (the
+//! other warpgroup's), looking its rows up itself, and the copies complete the buffer's
+//! `mbarrier` phase; inside the key loop the only other barriers are the warpgroup's own (named
+//! barriers of 128 threads). At the end the two states are merged through shared memory, each
+//! warpgroup storing half of the columns.
+//!
+//! Keys are permuted between S and P V, which the sum over keys does not see: S^T's M row m of a
+//! tile is the tile's key m; P^T column (and V^T's A column) k is key
+//! `attn_math::mla::e4m3_rho(k)`, the order in which `ldmatrix.trans` hands a lane its keys.
+
+use super::keys::KeySource;
+use crate::attention::config::CacheFormat;
+use crate::attention::output::RowOut;
+use crate::attention::work::Work;
+use crate::blocks::device::{
+    dynamic_shared, named_barrier, pdl_prologue, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any,
+};
+use crate::blocks::elem::{E4m3, E5m2, Fp8Format};
+use crate::blocks::mbarrier;
+use crate::blocks::mma::{
+    byte_perm, cp_async_16, cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_f32, ld_shared_u32, ld_shared_u64,
+    ld_shared_v4, ldmatrix_x4_trans, shared_addr, st_shared_f32, st_shared_u32, st_shared_u64, st_shared_u8, st_shared_v4, wgmma_desc,
+    MmaHalf,
+};
+use crate::blocks::vec_io::{e4m3x2, load8_nc, load_f32_nc};
+use crate::blocks::wgmma::{wait_pv_t, wait_scores_t, NarrowFp8Chains};
+use attn_math::mla::{e4m3_column_of, e4m3_swizzled, narrow_e4m3_layout, E4M3_RING, E4M3_TABLES, E4M3_TABLE_BYTES, E4M3_TILE_BYTES};
+use attn_math::params::AttnParams;
+use attn_math::prefill::{MLA_QK, MLA_V};
+use attn_math::softmax::{exp2, OnlineSoftmax};
+
+/// e4m3's largest finite magnitude.
+const E4M3_MAX: f32 = 448.0;
+/// P is stored as `2^P_SHIFT` times the weights, so that small ones keep e4m3's precision; the
+/// state's max carries the shift back out.
+const P_SHIFT: f32 = 7.0;
+/// How far (base 2) a row's max may rise past the one its weights are taken under before O is
+/// rescaled: weights stay under `2^(P_SHIFT + SLACK)` = 362, below e4m3's 448. Rescaling at
+/// every rise cost 64 multiplies a tile nearly every tile (some row of 16 rises).
+const SLACK: f32 = 1.5;
+/// Keys of a tile (M of every `wgmma`).
+const TILE: u32 = 64;
+
+/// Named barrier of warpgroup `wg` (1 or 2; 0 is the CTA's).
+#[inline(always)]
+fn warpgroup_barrier(wg: u32) {
+    if wg == 0 {
+        named_barrier::<1, 128>();
+    } else {
+        named_barrier::<2, 128>();
+    }
+}
+
+/// [`NarrowFp8Chains::scores_t`] of the cache's format.
+#[inline(always)]
+unsafe fn scores_t<K: CacheFormat>(desc_k: u64, desc_q: u64) -> [[f32; 4]; 2] {
+    if K::Fp8::E5M2 {
+        unsafe { E5m2::scores_t(desc_k, desc_q) }
+    } else {
+        unsafe { E4m3::scores_t(desc_k, desc_q) }
+    }
+}
+
+/// [`NarrowFp8Chains::pv_t`] of the cache's format.
+#[inline(always)]
+unsafe fn pv_t<K: CacheFormat>(o: &mut [[f32; 4]; 16], v: &[[u32; 4]; 16], desc_p: u64) {
+    if K::Fp8::E5M2 {
+        unsafe { E5m2::pv_t(o, v, desc_p) }
+    } else {
+        unsafe { E4m3::pv_t(o, v, desc_p) }
+    }
+}
+
+/// The kernel body for `mla_<q>_<fp8>_narrow` on sm_90a (`super::kernel::mla_attention` calls
+/// it for an FP8 cache's narrow shape): work item `w`, its keys `begin..end` from `src`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn narrow_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
+    p: &AttnParams,
+    w: &Work,
+    src: S,
+    begin: u32,
+    end: u32,
+    causal: bool,
+    min_pos: u32,
+    q_row: impl Fn(u32) -> u64,
+) {
+    let l = narrow_e4m3_layout();
+    let smem = shared_addr(dynamic_shared::<u8>());
+    let tid = thread_idx_x();
+    // Broadcast from lane 0: the same value, but `ptxas` then knows it is warp-uniform, so the
+    // descriptors derived from it live in uniform registers (moved across for each `wgmma`
+    // otherwise).
+    let (wg, t) = (shfl_idx(tid / 128, 0), tid % 128);
+    let (warp, lane) = (t / 32, t % 32);
+    let (g, t4) = (lane / 4, lane % 4);
+    let n_tiles = if end > begin { (end - begin).div_ceil(TILE) } else { 0 };
+    // This warpgroup's tiles: 2i + wg. The tiles it copies: 2m + 1 - wg (tile t + 5 once done
+    // with tile t; before the loop, those under 5).
+    let n_local = if wg == 0 { n_tiles.div_ceil(2) } else { n_tiles / 2 };
+    let n_issue = if wg == 0 { n_tiles / 2 } else { n_tiles.div_ceil(2) };
+    let issued = |m: u32| 2 * m + 1 - wg;
+    // The index m of the tile it copies in its loop's first step.
+    let m_first = 2 + wg;
+    let buf = |tile: u32| smem + l.tiles + (tile % E4M3_RING) * E4M3_TILE_BYTES;
+    let filled = |tile: u32| smem + l.bars + 8 * (tile % E4M3_RING);
+    let handed = |w2: u32| smem + l.bars + 8 * (E4M3_RING + w2);
+    let table = |tile: u32| smem + l.tables + (tile % E4M3_TABLES) * E4M3_TABLE_BYTES;
+    let flag = |tile: u32, half: u32| table(tile) + TILE * 8 + 4 * half;
+    let p_buf = smem + l.p + wg * 16 * 128;
+    let maxima = smem + l.maxima + wg * 16 * 4 * 4;
+
+    // Address lookups of the tiles this warpgroup copies (index m), two warps, a key a lane:
+    // `early` two copies ahead, `locate` one ahead, the entry (`fill`) before the copy.
+    let key_of = |m: u32| begin + issued(m) * TILE + 32 * warp + lane;
+    let looks_up = warp < 2;
+    let early = |m: u32| {
+        let key = key_of(m);
+        if looks_up && m < n_issue && key < end {
+            unsafe { src.early(p, key) }
+        } else {
+            S::NO_EARLY
+        }
+    };
+    let locate = |m: u32, e: S::Early| {
+        let key = key_of(m);
+        if looks_up && m < n_issue && key < end {
+            unsafe { src.locate(p, key, e) }
+        } else {
+            S::NO_LOC
+        }
+    };
+    let fill = |m: u32, loc: S::Loc| {
+        if looks_up && m < n_issue {
+            let key = key_of(m);
+            let ka = if key < end { unsafe { src.address(p, key, loc, 1) } } else { 0 };
+            unsafe { st_shared_u64(table(issued(m)) + (32 * warp + lane) * 8, ka) };
+            let any_skipped = vote_any(key < end && ka == 0);
+            if lane == 0 {
+                unsafe { st_shared_u32(flag(issued(m), warp), any_skipped as u32) };
+            }
+        }
+    };
+    // Copy m's 64 rows into its buffer: a thread takes rows t / 8 + 16 r, chunks t % 8 + 8 a
+    // (atom a), so that a warp copies 128 contiguous bytes of each of 4 rows an instruction.
+    // The copies complete the buffer's phase (128 arrivals as they land, and thread 0's, whose
+    // release publishes the table the warpgroup wrote before its barrier). A barrier must
+    // separate the table's writes from this.
+    let copy = |m: u32| {
+        if m < n_issue {
+            let tile = issued(m);
+            let (r0, c) = (t / 8, t % 8);
+            static_for::<4>(|r| {
+                let row = r0 + 16 * r as u32;
+                let at = unsafe { ld_shared_u64(table(tile) + row * 8) };
+                let (from, bytes) = if at != 0 { (at + 16 * c as u64, 16) } else { (p.qkv.q, 0) };
+                static_for::<5>(|a| {
+                    let col = 16 * c + 128 * a as u32;
+                    if col < MLA_QK {
+                        let to = buf(tile) + e4m3_swizzled(TILE, row, col);
+                        // A zero-filled chunk (`bytes` 0) reads nothing: its address is never
+                        // used, and one base a row keeps the offsets immediate.
+                        unsafe { cp_async_16(to, from + 128 * a as u64, bytes) };
+                    }
+                });
+            });
+            cp_async_commit();
+            unsafe {
+                mbarrier::arrive_when_copies_land(filled(tile));
+                if t == 0 {
+                    mbarrier::arrive(filled(tile));
+                }
+            }
+        }
+    };
+
+    // The queries, quantised to e4m3 (16 threads a row, 4 columns at a time), and each row's
+    // score factor.
+    {
+        let (n, sub) = (tid / 16, tid % 16);
+        let live = n < w.live;
+        let row = if live { q_row(n) } else { 0 };
+        let mut v = [[0u32; 2]; 9];
+        let mut amax = 0.0f32;
+        static_for::<9>(|x| {
+            if live {
+                v[x] = unsafe { load8_nc(row + (4 * (sub + 16 * x as u32)) as u64 * 2) };
+            }
+            static_for::<2>(|h| {
+                let (a, b) = Q::unpack2(v[x][h]);
+                amax = amax.max(a.abs()).max(b.abs());
+            });
+        });
+        static_for::<4>(|i| amax = amax.max(shfl_xor(amax, 1 << i)));
+        let scale = if amax > 0.0 { E4M3_MAX / amax } else { 1.0 };
+        static_for::<9>(|x| {
+            let (a, b) = Q::unpack2(v[x][0]);
+            let (c, d) = Q::unpack2(v[x][1]);
+            let packed = e4m3x2(a * scale, b * scale) | e4m3x2(c * scale, d * scale) << 16;
+            let col = 4 * (sub + 16 * x as u32);
+            unsafe { st_shared_u32(smem + l.q + e4m3_swizzled(16, n, col), packed) };
+        });
+        if sub == 0 {
+            // The FP8 scale of K; e4m3 `wgmma` reads the bytes as they are.
+            let k_scale = unsafe { load_f32_nc(p.fp8.k_scale) };
+            unsafe { st_shared_f32(smem + l.mult + 4 * n, p.variant.scale_log2 * k_scale / scale) };
+        }
+    }
+    if tid == 0 {
+        static_for::<{ E4M3_RING as usize }>(|b| unsafe { mbarrier::init(filled(b as u32), 128 + 1) });
+        static_for::<2>(|w2| unsafe { mbarrier::init(handed(w2 as u32), 128) });
+    }
+    // The tables of the tiles under 5 (copies 0 and 1, and 2 of warpgroup 1), and the lookups
+    // of the next two copies.
+    static_for::<3>(|m| {
+        if (m as u32) < m_first {
+            fill(m as u32, locate(m as u32, early(m as u32)));
+        }
+    });
+    let mut loc_next = locate(m_first, early(m_first));
+    let mut early_next = early(m_first + 1);
+    fence_proxy_async_shared();
+    sync_threads();
+    // Programmatic dependent launch: the cache rows wait for the kernel before (the cache write).
+    pdl_prologue();
+    static_for::<3>(|m| {
+        if (m as u32) < m_first {
+            copy(m as u32);
+        }
+    });
+
+    // This thread's query rows: N columns 2t4 + (r & 1) + 8 (r >> 1) of the accumulators.
+    let rows_n = |r: usize| 2 * t4 + (r as u32 & 1) + 8 * (r as u32 >> 1);
+    let mult: [f32; 4] = core::array::from_fn(|r| unsafe { ld_shared_f32(smem + l.mult + 4 * rows_n(r)) });
+    let pos: [u32; 4] = core::array::from_fn(|r| if causal { unsafe { w.row(p, rows_n(r)).pos } } else { u32::MAX });
+    let mut state = [OnlineSoftmax::EMPTY; 4];
+    let mut o = [[0.0f32; 4]; 16];
+    let mut v = [[0u32; 4]; 16];
+    let desc_q = wgmma_desc(smem + l.q, 16, 1024, true);
+    let desc_p = wgmma_desc(p_buf, 16, 1024, true);
+    // This lane's `ldmatrix` row (key lane % 8, + 8 for matrices 1 and 3) and chunk (2 cp, + 1
+    // for matrices 2 and 3) in atom `warp`, from a 16-key group's first row (16-row steps keep
+    // the swizzle: they add).
+    let v_lane: [u32; 4] =
+        core::array::from_fn(|cp| e4m3_swizzled(TILE, lane % 8 + 8 * ((lane / 8) % 2), 128 * warp + 16 * (2 * cp as u32 + lane / 16)));
+    // This thread's output columns: `v_out + 16 b + h` for M block b, row g + 8 h.
+    let v_out = 128 * warp + 2 * g;
+
+    let mut i = 0;
+    while i < n_local {
+        let this = 2 * i + wg;
+        unsafe {
+            mbarrier::wait(filled(this), (this / E4M3_RING) & 1);
+            fence_proxy_async_shared();
+        }
+        let tile = buf(this);
+        let s = unsafe { scores_t::<K>(wgmma_desc(tile, 16, 1024, true), desc_q) };
+        // The table of the copy this step issues (tile this + 5, into this tile's buffer once
+        // it is read); the lookups of the two after it.
+        let mi = i + m_first;
+        fill(mi, loc_next);
+        loc_next = locate(mi + 1, early_next);
+        early_next = early(mi + 2);
+        let mut s = unsafe { wait_scores_t(s) };
+
+        // V^T's A fragments of this tile, from `ldmatrix.trans` of the rows as 16-bit pairs:
+        // matrices (keys 16 x .. + 7, chunk c) and (keys 16 x + 8 .., chunk c) give lane (g, t4)
+        // columns 2g, 2g + 1 of the chunk for keys 2t4, 2t4 + 1 and 8 + 2t4, 9 + 2t4 of the 16,
+        // which one `prmt` each takes apart into the two columns' registers, keys in
+        // `attn_math::mla::e4m3_rho`'s order. Chunk c of atom `warp` is M block c (rows g, g + 8 of this warp:
+        // columns 2g and 2g + 1).
+        static_for::<2>(|ks| {
+            static_for::<2>(|u| {
+                static_for::<4>(|cp| {
+                    let r = unsafe { ldmatrix_x4_trans(tile + (32 * ks as u32 + 16 * u as u32) * 128 + v_lane[cp]) };
+                    static_for::<2>(|c| {
+                        let b = 2 * cp + c;
+                        v[8 * ks + b][2 * u] = byte_perm(r[2 * c], r[2 * c + 1], 0x6420);
+                        v[8 * ks + b][2 * u + 1] = byte_perm(r[2 * c], r[2 * c + 1], 0x7531);
+                    });
+                });
+            });
+        });
+
+        // Masks where the tile crosses a boundary: key m = 16 warp + g + 8 (e >> 1).
+        let first = begin + this * TILE;
+        let has_bad = unsafe { ld_shared_u32(flag(this, 0)) | ld_shared_u32(flag(this, 1)) } != 0;
+        if first + TILE > end || (causal && first + TILE - 1 > min_pos) || has_bad {
+            static_for::<2>(|j| {
+                static_for::<4>(|e| {
+                    let m = 16 * warp + g + 8 * (e as u32 >> 1);
+                    let key = first + m;
+                    let r = 2 * j + (e & 1);
+                    let visible = key < end && key <= pos[r] && (!has_bad || unsafe { ld_shared_u64(table(this) + m * 8) } != 0);
+                    if !visible {
+                        s[j][e] = f32::NEG_INFINITY;
+                    }
+                });
+            });
+        }
+        // Each row's max over the warp's 16 keys, then the warpgroup's through shared memory.
+        let mut m = [f32::NEG_INFINITY; 4];
+        static_for::<4>(|r| {
+            let (j, e) = (r / 2, r % 2);
+            m[r] = s[j][e].max(s[j][e + 2]);
+        });
+        static_for::<3>(|x| static_for::<4>(|r| m[r] = m[r].max(shfl_xor(m[r], 4 << x))));
+        if g == 0 {
+            static_for::<4>(|r| unsafe { st_shared_f32(maxima + (4 * rows_n(r) + warp) * 4, m[r]) });
+        }
+        warpgroup_barrier(wg);
+        // Lazy rescale: a row's max moves (and O with it) only when the tile's rises more than
+        // `SLACK` past it; the vote keeps the branch warp-uniform.
+        let mut tile_max = [f32::NEG_INFINITY; 4];
+        static_for::<4>(|r| {
+            let all = unsafe { ld_shared_v4(maxima + 4 * rows_n(r) * 4) };
+            tile_max[r] = all.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(f32::from_bits(x))) * mult[r];
+        });
+        let grows: [bool; 4] = core::array::from_fn(|r| tile_max[r] > state[r].max + SLACK);
+        if vote_any(grows.iter().any(|&x| x)) {
+            let mut factor = [1.0f32; 4];
+            static_for::<4>(|r| {
+                if grows[r] {
+                    factor[r] = state[r].rescale_to(tile_max[r]);
+                }
+            });
+            static_for::<16>(|b| {
+                static_for::<4>(|e| o[b][e] *= factor[2 * (b % 2) + (e & 1)]);
+            });
+        }
+        // The weights, times 2^P_SHIFT, into P^T (rows: query rows; columns: `column_of` the keys).
+        static_for::<2>(|j| {
+            static_for::<2>(|h| {
+                let mm = 16 * warp + g + 8 * h as u32;
+                let col = e4m3_column_of(mm);
+                let mut wts = [0.0f32; 2];
+                static_for::<2>(|e1| {
+                    let r = 2 * j + e1;
+                    let st = &mut state[r];
+                    let neg = if st.max == f32::NEG_INFINITY { 0.0 } else { P_SHIFT - st.max };
+                    let x = s[j][2 * h + e1];
+                    let wt = if x == f32::NEG_INFINITY { 0.0 } else { exp2(x * mult[r] + neg) };
+                    st.sum += wt;
+                    wts[e1] = wt;
+                });
+                let pair = e4m3x2(wts[0], wts[1]);
+                let n0 = rows_n(2 * j);
+                unsafe {
+                    st_shared_u8(p_buf + e4m3_swizzled(16, n0, col), pair);
+                    st_shared_u8(p_buf + e4m3_swizzled(16, n0 + 1, col), pair >> 8);
+                }
+            });
+        });
+        fence_proxy_async_shared();
+        warpgroup_barrier(wg);
+        unsafe { pv_t::<K>(&mut o, &v, desc_p) };
+        // This tile's buffer is free (S retired, V in registers, every warp past the barrier).
+        copy(mi);
+        // Retired before the loop's back edge: with a chain in flight across it, `ptxas`
+        // serialised every chain (C7514), as in the prefill kernels.
+        unsafe { wait_pv_t(&mut o, &v) };
+        i += 1;
+    }
+    cp_async_wait::<0>();
+
+    // Each row's sum over the warpgroup (every warp holds the same max).
+    let mut sum = [0.0f32; 4];
+    static_for::<4>(|r| {
+        sum[r] = state[r].sum;
+        static_for::<3>(|x| sum[r] += shfl_xor(sum[r], 4 << x));
+    });
+    warpgroup_barrier(wg);
+    if g == 0 {
+        static_for::<4>(|r| unsafe { st_shared_f32(maxima + (4 * rows_n(r) + warp) * 4, sum[r]) });
+    }
+    warpgroup_barrier(wg);
+    static_for::<4>(|r| {
+        let all = unsafe { ld_shared_v4(maxima + 4 * rows_n(r) * 4) };
+        // The state of P's scale: its max carries the 2^P_SHIFT back out.
+        state[r] = OnlineSoftmax { max: state[r].max - P_SHIFT, sum: all.iter().fold(0.0, |a, &x| a + f32::from_bits(x)) };
+    });
+    // Merge: warpgroup `wg` stores M blocks 4 wg..4 wg + 3 (columns v_out + 64 wg ..) and hands
+    // the other four, with its rows' states, to the other warpgroup through the buffer of its
+    // last tile (no copy goes there any more: the next one would be its tile + 5, past the
+    // end; with no tile, buffer wg + 1, which no tile of so short a work item uses), published
+    // by an `mbarrier` arrival of each thread (release) and read after the other's wait
+    // (acquire).
+    warpgroup_barrier(wg);
+    let other = 1 - wg;
+    let last_buf = |w2: u32| {
+        let n = if w2 == 0 { n_tiles.div_ceil(2) } else { n_tiles / 2 };
+        if n > 0 {
+            buf(2 * (n - 1) + w2)
+        } else {
+            buf(w2 + 1)
+        }
+    };
+    let give = |w2: u32, k: u32| last_buf(w2) + (k * 128 + t) * 16;
+    let states_at = |w2: u32, n: u32| last_buf(w2) + 8 * 128 * 16 + n * 8;
+    // Constant indices only (each warpgroup's half a branch of its own): indexed by the
+    // warpgroup, `o` would live in local memory.
+    static_for::<2>(|h| {
+        if h as u32 == other {
+            static_for::<8>(|k| unsafe { st_shared_v4(give(wg, k as u32), o[8 * h + k].map(f32::to_bits)) });
+        }
+    });
+    if warp == 0 && g == 0 {
+        static_for::<4>(|r| unsafe {
+            st_shared_u64(states_at(wg, rows_n(r)), (state[r].sum.to_bits() as u64) << 32 | state[r].max.to_bits() as u64)
+        });
+    }
+    unsafe {
+        mbarrier::arrive(handed(wg));
+        mbarrier::wait(handed(other), 0);
+    }
+    let mut half = [[0.0f32; 4]; 8];
+    let mut merged = [OnlineSoftmax::EMPTY; 4];
+    let mut f = [[0.0f32; 2]; 4];
+    static_for::<4>(|r| {
+        let bits = unsafe { ld_shared_u64(states_at(other, rows_n(r))) };
+        let theirs = OnlineSoftmax { max: f32::from_bits(bits as u32), sum: f32::from_bits((bits >> 32) as u32) };
+        // The merged state and both sides' factors.
+        merged[r] = state[r];
+        let (a, b) = merged[r].merge(theirs);
+        f[r] = [a, b];
+    });
+    static_for::<2>(|h| {
+        if h as u32 == wg {
+            static_for::<8>(|k| {
+                let theirs = unsafe { ld_shared_v4(give(other, k as u32)) };
+                static_for::<4>(|e| {
+                    let r = 2 * (k % 2) + (e & 1);
+                    half[k][e] = f[r][0] * o[8 * h + k][e] + f[r][1] * f32::from_bits(theirs[e]);
+                });
+            });
+        }
+    });
+    let num_splits = unsafe { w.num_splits(p) };
+    let v_scale = unsafe { load_f32_nc(p.fp8.v_scale) };
+    static_for::<4>(|r| {
+        let n = rows_n(r);
+        if n >= w.live {
+            return;
+        }
+        let row = unsafe { w.row(p, n) };
+        let out = unsafe { RowOut::new(p, w, &row, merged[r], num_splits, wg == 0 && warp == 0 && g == 0, v_scale, MLA_V) };
+        let (j, e1) = (r / 2, r % 2);
+        // Block 4 wg + kb of this row: columns v_out + 16 (4 wg + kb) and + 1 (M rows g, g + 8).
+        static_for::<4>(|kb| {
+            let acc = half[2 * kb + j];
+            unsafe { out.store_pair::<Q>(v_out + 16 * (4 * wg + kb as u32), acc[e1], acc[2 + e1]) };
+        });
+    });
+}
