@@ -152,7 +152,7 @@ pub fn fp8_mla_rounds_to_e4m3(device: &AttnDevice, rows: usize) -> bool {
 
 /// Whether kernel shape `s` over this cache runs the narrow shape on e4m3 `wgmma` (sm_90a, an
 /// FP8 cache: `mla::narrow_e4m3` in the kernels), whose two warpgroups merge their halves of the
-/// keys in shared memory and whose splits go through the merge, not a cluster.
+/// keys in shared memory and which combines up to 4 splits in a cluster.
 fn narrow_on_e4m3(dev: &AttnDevice, s: mla::MlaShape, fp8: bool) -> bool {
     fp8 && s == mla::NARROW && dev.ptx_target() == "sm_90a"
 }
@@ -170,15 +170,17 @@ pub(crate) fn mla_kernel_id(q: DType, fp8: Option<Fp8Format>, rows: u32) -> (Ker
 /// cluster size), so that consecutive CTAs are one request's splits; and clusters that all fit
 /// on the GPU at once (a cluster lives in one GPC: on the H100, 32 clusters of 4 did not fit and
 /// took 1.6x the merge kernel's time). On the H100 this saved the merge's 5 us at 16 heads x
-/// batch 64 (docs/mla.md). [`Tuning::mla_clusters`] off turns it off. Not over an FP8 cache:
-/// the narrow shape's e4m3 kernel (sm_90a) merges its splits through the merge.
+/// batch 64 (docs/mla.md). [`Tuning::mla_clusters`] off turns it off. Over an FP8 cache (the
+/// narrow shape's e4m3 kernel) up to 4 splits.
 pub(crate) fn mla_cluster(dev: &AttnDevice, tc: &TcKernel, plan: &DecodePlan, tuning: &Tuning) -> u32 {
     let narrow = tc.shape.block_m == mla::NARROW.block_m && matches!(tc.id, KernelId::Mla { tile: MlaTile::Narrow, .. });
     let off = !tuning.mla_clusters;
     let Some(&splits) = plan.req_num_splits.first() else { return 0 };
     let uniform = plan.req_num_splits.iter().all(|&s| s == splits) && plan.row_groups == 1;
+    // The narrow shape over an FP8 cache (e4m3 `wgmma`) combines up to 4 splits.
     let fp8 = matches!(tc.id, KernelId::Mla { fp8: Some(_), .. });
-    if !(dev.clusters_enabled() && narrow && !fp8 && !off && uniform && (2..=8).contains(&splits)) {
+    let most = if fp8 { 4 } else { 8 };
+    if !(dev.clusters_enabled() && narrow && !off && uniform && (2..=most).contains(&splits)) {
         return 0;
     }
     let clusters = plan.req_num_splits.len() as u32;

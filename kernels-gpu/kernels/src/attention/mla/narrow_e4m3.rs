@@ -19,7 +19,8 @@
 //! other warpgroup's), looking its rows up itself, and the copies complete the buffer's
 //! `mbarrier` phase; inside the key loop the only other barriers are the warpgroup's own (named
 //! barriers of 128 threads). At the end the two states are merged through shared memory, each
-//! warpgroup storing half of the columns.
+//! warpgroup storing half of the columns; when a request's splits run as a cluster, every
+//! warpgroup of the cluster's CTAs is merged at once instead ([`cluster_merge`]).
 //!
 //! Keys are permuted between S and P V, which the sum over keys does not see: S^T's M row m of a
 //! tile is the tile's key m; P^T column (and V^T's A column) k is key
@@ -30,7 +31,7 @@ use crate::attention::config::CacheFormat;
 use crate::attention::output::RowOut;
 use crate::attention::work::Work;
 use crate::blocks::device::{
-    dynamic_shared, named_barrier, pdl_prologue, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any,
+    dynamic_shared, fma, named_barrier, pdl_prologue, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any,
 };
 use crate::blocks::elem::{E4m3, E5m2, Fp8Format};
 use crate::blocks::mbarrier;
@@ -396,6 +397,11 @@ pub(super) unsafe fn narrow_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
         // The state of P's scale: its max carries the 2^P_SHIFT back out.
         state[r] = OnlineSoftmax { max: state[r].max - P_SHIFT, sum: all.iter().fold(0.0, |a, &x| a + f32::from_bits(x)) };
     });
+    let v_scale = unsafe { load_f32_nc(p.fp8.v_scale) };
+    if p.mla.cluster > 1 {
+        unsafe { cluster_merge::<Q>(p, w, smem + l.tiles, &o, &state, (wg, t), v_out, v_scale) };
+        return;
+    }
     // Merge: warpgroup `wg` stores M blocks 4 wg..4 wg + 3 (columns v_out + 64 wg ..) and hands
     // the other four, with its rows' states, to the other warpgroup through the buffer of its
     // last tile (no copy goes there any more: the next one would be its tile + 5, past the
@@ -453,7 +459,6 @@ pub(super) unsafe fn narrow_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
         }
     });
     let num_splits = unsafe { w.num_splits(p) };
-    let v_scale = unsafe { load_f32_nc(p.fp8.v_scale) };
     static_for::<4>(|r| {
         let n = rows_n(r);
         if n >= w.live {
@@ -468,4 +473,100 @@ pub(super) unsafe fn narrow_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
             unsafe { out.store_pair::<Q>(v_out + 16 * (4 * wg + kb as u32), acc[e1], acc[2 + e1]) };
         });
     });
+}
+
+/// The splits of one request as the CTAs of a cluster (rank = split), combined through
+/// distributed shared memory instead of the intra-CTA merge and the partials: once every
+/// warpgroup of the cluster is done with its ring (a cluster barrier), each publishes its O^T
+/// (`[16][128]` 16-byte entries, every thread's at the same place) and its rows' states in
+/// buffer `wg` of its ring; after a second barrier, warpgroup `wg` of rank k combines entries
+/// `8 wg + kk` with `kk % ranks == k` from both warpgroups of every rank under the merged row
+/// states, and stores them as a one-split request would (LSE from rank 0); a third barrier keeps
+/// each CTA's shared memory alive until all reads are done. At most 4 ranks (the host's limit
+/// for this kernel): 8 states a row.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn cluster_merge<Q: MmaHalf>(
+    p: &AttnParams,
+    w: &Work,
+    ring: u32,
+    o: &[[f32; 4]; 16],
+    state: &[OnlineSoftmax; 4],
+    (wg, t): (u32, u32),
+    v_out: u32,
+    v_scale: f32,
+) {
+    use crate::blocks::cluster::{cluster_rank, cluster_sync, ld_cluster_v2, ld_cluster_v4, map_rank};
+    let (warp, lane) = (t / 32, t % 32);
+    let (g, t4) = (lane / 4, lane % 4);
+    let rows_n = |r: usize| 2 * t4 + (r as u32 & 1) + 8 * (r as u32 >> 1);
+    let region = |s: u32| ring + s * E4M3_TILE_BYTES;
+    let entry = |s: u32, k: u32| region(s) + (k * 128 + t) * 16;
+    let state_at = |s: u32, n: u32| region(s) + 16 * 128 * 16 + n * 8;
+    cluster_sync();
+    static_for::<16>(|k| unsafe { st_shared_v4(entry(wg, k as u32), o[k].map(f32::to_bits)) });
+    if warp == 0 && g == 0 {
+        static_for::<4>(|r| unsafe {
+            st_shared_u64(state_at(wg, rows_n(r)), (state[r].sum.to_bits() as u64) << 32 | state[r].max.to_bits() as u64)
+        });
+    }
+    cluster_sync();
+    let (ranks, me) = (p.mla.cluster.min(4), cluster_rank());
+    // Every source's (rank j, warpgroup s) state of this thread's rows, then their max, each
+    // source's factor under it and the merged sum.
+    let mut st = [[[OnlineSoftmax::EMPTY; 4]; 2]; 4];
+    let mut merged = [OnlineSoftmax::EMPTY; 4];
+    static_for::<4>(|j| {
+        if (j as u32) < ranks {
+            static_for::<2>(|s| {
+                static_for::<4>(|r| {
+                    let [max, sum] = unsafe { ld_cluster_v2(map_rank(state_at(s as u32, rows_n(r)), j as u32)) };
+                    st[j][s][r] = OnlineSoftmax { max: f32::from_bits(max), sum: f32::from_bits(sum) };
+                    merged[r].max = merged[r].max.max(st[j][s][r].max);
+                });
+            });
+        }
+    });
+    let mut factor = [[[0.0f32; 4]; 2]; 4];
+    static_for::<4>(|j| {
+        if (j as u32) < ranks {
+            static_for::<2>(|s| {
+                static_for::<4>(|r| {
+                    let src = st[j][s][r];
+                    let f = if src.max == f32::NEG_INFINITY { 0.0 } else { exp2(src.max - merged[r].max) };
+                    factor[j][s][r] = f;
+                    merged[r].sum += f * src.sum;
+                });
+            });
+        }
+    });
+    static_for::<4>(|r| {
+        let n = rows_n(r);
+        if n >= w.live {
+            return;
+        }
+        let row = unsafe { w.row(p, n) };
+        let first = me == 0 && wg == 0 && warp == 0 && g == 0;
+        let out = unsafe { RowOut::new(p, w, &row, merged[r], 1, first, v_scale, MLA_V) };
+        let (jn, e1) = (r / 2, r % 2);
+        // Entries 8 wg + kk of this row (kk % 2 == jn): block 4 wg + kk / 2.
+        static_for::<4>(|kb| {
+            let kk = 2 * kb as u32 + jn as u32;
+            if kk % ranks != me {
+                return;
+            }
+            let (mut a, mut b) = (0.0f32, 0.0f32);
+            static_for::<4>(|j| {
+                if (j as u32) < ranks {
+                    static_for::<2>(|s| {
+                        let v = unsafe { ld_cluster_v4(map_rank(entry(s as u32, 8 * wg + kk), j as u32)) };
+                        a = fma(factor[j][s][r], f32::from_bits(v[e1]), a);
+                        b = fma(factor[j][s][r], f32::from_bits(v[2 + e1]), b);
+                    });
+                }
+            });
+            unsafe { out.store_pair::<Q>(v_out + 16 * (4 * wg + kb as u32), a, b) };
+        });
+    });
+    cluster_sync();
 }
