@@ -143,7 +143,7 @@ fn mla_tc_kernel_of(dev: &AttnDevice, id: KernelId, s: mla::MlaShape, fp8: bool,
 /// for requests of up to `rows` query rows (heads x query tokens; sparse MLA: the heads): the
 /// narrow shape (up to 16 rows) on sm_90a runs both products on e4m3 `wgmma` with the cache's
 /// bytes as they are, the queries with one scale a row (its largest magnitude to e4m3's 448)
-/// and the weights times 2^8, as FlashMLA's and vLLM's FP8 MLA run on FP8 operands. Elsewhere
+/// and the weights times 2^7, as FlashMLA's and vLLM's FP8 MLA run on FP8 operands. Elsewhere
 /// the cache's values are converted exactly and the result is as precise as over a 16-bit
 /// cache holding the same values. The same for both FP8 formats.
 pub fn fp8_mla_rounds_to_e4m3(device: &AttnDevice, rows: usize) -> bool {

@@ -77,16 +77,17 @@ pub fn row_errors<'a>(got: &'a [f64], want: &'a [f64], row_len: usize) -> impl I
 /// Fails unless every row of `got` (rows of `row_len`, `heads` rows a token) is within the row
 /// tolerance of `dtype`, naming the worst row's token and head.
 pub fn check_rows(got: &[f64], want: &[f64], row_len: usize, heads: usize, dtype: DType) -> Result<(), String> {
+    check_rows_within(got, want, row_len, heads, row_tolerance(dtype))
+}
+
+/// [`check_rows`] with `tol` instead of the dtype's row tolerance.
+pub fn check_rows_within(got: &[f64], want: &[f64], row_len: usize, heads: usize, tol: f64) -> Result<(), String> {
     let worst = max_row_error(got, want, row_len);
-    match worst.within(row_tolerance(dtype)) {
+    match worst.within(tol) {
         true => Ok(()),
-        false => Err(format!(
-            "row relative error {:.2e} > {:.0e} at token {}, head {}",
-            worst.err,
-            row_tolerance(dtype),
-            worst.row / heads,
-            worst.row % heads
-        )),
+        false => {
+            Err(format!("row relative error {:.2e} > {tol:.0e} at token {}, head {}", worst.err, worst.row / heads, worst.row % heads))
+        }
     }
 }
 

@@ -7,8 +7,8 @@ mod gaps;
 mod masking;
 #[allow(unused_imports)]
 pub use compare::{
-    check_lse, check_lse_within, check_rows, max_row_error, rel_error, row_errors, row_tolerance, tolerance, within, RowError,
-    E4M3_TOLERANCE,
+    check_lse, check_lse_within, check_rows, check_rows_within, max_row_error, rel_error, row_errors, row_tolerance, tolerance, within,
+    RowError, E4M3_TOLERANCE,
 };
 #[allow(unused_imports)]
 pub use gaps::{check_gaps, gapped_rows, packed, spread};

@@ -93,6 +93,17 @@ pub fn named_barrier<const ID: u32, const THREADS: u32>() {
     unsafe { asm!("bar.sync {id}, {n};", id = const ID, n = const THREADS, options(nostack)) }
 }
 
+/// The named barrier of warpgroup `wg` (128 threads): barrier `FIRST` for warpgroup 0,
+/// `SECOND` for warpgroup 1.
+#[inline(always)]
+pub fn warpgroup_barrier<const FIRST: u32, const SECOND: u32>(wg: u32) {
+    if wg == 0 {
+        named_barrier::<FIRST, 128>();
+    } else {
+        named_barrier::<SECOND, 128>();
+    }
+}
+
 /// [`named_barrier`] that also says whether `x` holds in every one of the `THREADS` threads.
 #[inline(always)]
 pub fn named_barrier_all<const ID: u32, const THREADS: u32>(x: bool) -> bool {

@@ -18,17 +18,15 @@
 //!   scale.
 
 use crate::attention::config::CacheFormat;
-use crate::blocks::device::{named_barrier, opaque, shfl_xor, static_for, sync_warp};
+use crate::blocks::device::{self, opaque, shfl_xor, static_for, sync_warp};
 use crate::blocks::mma::{
     byte_perm, cp_async_16, cp_async_halves_or_whole, fence_proxy_async_shared, ld_shared_u32, ld_shared_u64x2, ld_shared_v4,
     ldmatrix_x4_trans, st_shared_f32, st_shared_v4, stmatrix_x4, MmaHalf,
 };
 use crate::blocks::wgmma::e4m3x4;
+use attn_math::fp8::E4M3_MAX;
 use attn_math::hopper_prefill::{swizzled, E4M3_RAW_ROW};
 use attn_math::prefill::TABLE_ENTRY;
-
-/// e4m3's largest finite magnitude.
-const E4M3_MAX: f32 = 448.0;
 
 /// The key of column `col` of a 32-key P fragment (and of V^T): within each 16 columns, column
 /// 4t + e holds key 2t + (e & 1) + 8 (e >> 1).
@@ -272,9 +270,5 @@ pub(crate) unsafe fn query_frags(q8: u32, warp: u32, lane: u32) -> [[u32; 4]; 4]
 /// Named barrier of compute warpgroup `wg` (ids 2 and 3; 0 is the CTA's, 1 the producer's).
 #[inline(always)]
 fn warpgroup_barrier(wg: u32) {
-    if wg == 0 {
-        named_barrier::<2, 128>();
-    } else {
-        named_barrier::<3, 128>();
-    }
+    device::warpgroup_barrier::<2, 3>(wg)
 }

@@ -31,7 +31,7 @@ use crate::attention::config::CacheFormat;
 use crate::attention::output::RowOut;
 use crate::attention::work::Work;
 use crate::blocks::device::{
-    dynamic_shared, fma, named_barrier, pdl_prologue, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any,
+    self, dynamic_shared, fma, pdl_prologue, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any,
 };
 use crate::blocks::elem::{E4m3, E5m2, Fp8Format};
 use crate::blocks::mbarrier;
@@ -42,13 +42,12 @@ use crate::blocks::mma::{
 };
 use crate::blocks::vec_io::{e4m3x2, load8_nc, load_f32_nc};
 use crate::blocks::wgmma::{wait_pv_t, wait_scores_t, NarrowFp8Chains};
+use attn_math::fp8::E4M3_MAX;
 use attn_math::mla::{e4m3_column_of, e4m3_swizzled, narrow_e4m3_layout, E4M3_RING, E4M3_TABLES, E4M3_TABLE_BYTES, E4M3_TILE_BYTES};
 use attn_math::params::AttnParams;
 use attn_math::prefill::{MLA_QK, MLA_V};
 use attn_math::softmax::{exp2, OnlineSoftmax};
 
-/// e4m3's largest finite magnitude.
-const E4M3_MAX: f32 = 448.0;
 /// P is stored as `2^P_SHIFT` times the weights, so that small ones keep e4m3's precision; the
 /// state's max carries the shift back out.
 const P_SHIFT: f32 = 7.0;
@@ -62,11 +61,7 @@ const TILE: u32 = 64;
 /// Named barrier of warpgroup `wg` (1 or 2; 0 is the CTA's).
 #[inline(always)]
 fn warpgroup_barrier(wg: u32) {
-    if wg == 0 {
-        named_barrier::<1, 128>();
-    } else {
-        named_barrier::<2, 128>();
-    }
+    device::warpgroup_barrier::<1, 2>(wg)
 }
 
 /// [`NarrowFp8Chains::scores_t`] of the cache's format.
