@@ -177,9 +177,9 @@ pub(crate) fn mla_cluster(dev: &AttnDevice, tc: &TcKernel, plan: &DecodePlan, tu
     let off = !tuning.mla_clusters;
     let Some(&splits) = plan.req_num_splits.first() else { return 0 };
     let uniform = plan.req_num_splits.iter().all(|&s| s == splits) && plan.row_groups == 1;
-    // The narrow shape over an FP8 cache (e4m3 `wgmma`) combines up to 4 splits.
+    // The narrow shape over an FP8 cache (e4m3 `wgmma` on sm_90a) combines fewer splits.
     let fp8 = matches!(tc.id, KernelId::Mla { fp8: Some(_), .. });
-    let most = if fp8 { 4 } else { 8 };
+    let most = if fp8 { mla::E4M3_CLUSTER_RANKS } else { 8 };
     if !(dev.clusters_enabled() && narrow && !off && uniform && (2..=most).contains(&splits)) {
         return 0;
     }

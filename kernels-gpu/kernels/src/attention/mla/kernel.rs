@@ -59,6 +59,17 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, K: CacheFormat, S: Key
     if causal {
         end = end.min(max_pos + 1);
     }
+    let q_row = |r: u32| {
+        let row = unsafe { w.row(p, r) };
+        p.qkv.q + (row.token as u64 * p.qkv.q_token_stride + row.head as u64 * p.qkv.q_head_stride) * 2
+    };
+    // Narrow over an FP8 cache on sm_90a: e4m3 `wgmma` with the operands swapped
+    // (`super::narrow_e4m3`), with its own layout, tables and pipeline; none of what follows.
+    #[cfg(wgmma)]
+    if !WIDE && K::FP8 {
+        unsafe { super::narrow_e4m3::narrow_e4m3::<Q, K, S>(p, &w, src, begin, end, causal, min_pos, q_row) };
+        return;
+    }
     let n_slots = if end > begin { (end - begin).div_ceil(SLOT_KEYS) } else { 0 };
     let spt = shape.slots_per_tile();
     let n_tiles = n_slots.div_ceil(spt);
@@ -158,17 +169,6 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, K: CacheFormat, S: Key
         });
     };
 
-    let q_row = |r: u32| {
-        let row = unsafe { w.row(p, r) };
-        p.qkv.q + (row.token as u64 * p.qkv.q_token_stride + row.head as u64 * p.qkv.q_head_stride) * 2
-    };
-    // Narrow over an FP8 cache on sm_90a: e4m3 `wgmma` with the operands swapped
-    // (`super::narrow_e4m3`), its own layout and tables.
-    #[cfg(wgmma)]
-    if !WIDE && K::FP8 {
-        unsafe { super::narrow_e4m3::narrow_e4m3::<Q, K, S>(p, &w, src, begin, end, causal, min_pos, q_row) };
-        return;
-    }
     #[cfg(wgmma)]
     if seesaw {
         let span = super::seesaw::Span { begin, end, n_tiles, causal, min_pos };

@@ -43,7 +43,9 @@ use crate::blocks::mma::{
 use crate::blocks::vec_io::{e4m3x2, load8_nc, load_f32_nc};
 use crate::blocks::wgmma::{wait_pv_t, wait_scores_t, NarrowFp8Chains};
 use attn_math::fp8::E4M3_MAX;
-use attn_math::mla::{e4m3_column_of, e4m3_swizzled, narrow_e4m3_layout, E4M3_RING, E4M3_TABLES, E4M3_TABLE_BYTES, E4M3_TILE_BYTES};
+use attn_math::mla::{
+    e4m3_column_of, e4m3_swizzled, narrow_e4m3_layout, E4M3_CLUSTER_RANKS, E4M3_RING, E4M3_TABLES, E4M3_TABLE_BYTES, E4M3_TILE_BYTES,
+};
 use attn_math::params::AttnParams;
 use attn_math::prefill::{MLA_QK, MLA_V};
 use attn_math::softmax::{exp2, OnlineSoftmax};
@@ -477,8 +479,8 @@ pub(super) unsafe fn narrow_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
 /// buffer `wg` of its ring; after a second barrier, warpgroup `wg` of rank k combines entries
 /// `8 wg + kk` with `kk % ranks == k` from both warpgroups of every rank under the merged row
 /// states, and stores them as a one-split request would (LSE from rank 0); a third barrier keeps
-/// each CTA's shared memory alive until all reads are done. At most 4 ranks (the host's limit
-/// for this kernel): 8 states a row.
+/// each CTA's shared memory alive until all reads are done. At most `E4M3_CLUSTER_RANKS` (4)
+/// ranks, the host's limit for this kernel: 8 states a row.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn cluster_merge<Q: MmaHalf>(
@@ -506,7 +508,9 @@ unsafe fn cluster_merge<Q: MmaHalf>(
         });
     }
     cluster_sync();
-    let (ranks, me) = (p.mla.cluster.min(4), cluster_rank());
+    // The host's plan launches at most `E4M3_CLUSTER_RANKS` ranks (`mla_cluster`); the bound
+    // keeps the reads inside the cluster's first ring buffers whatever the launch says.
+    let (ranks, me) = (p.mla.cluster.min(E4M3_CLUSTER_RANKS), cluster_rank());
     // Every source's (rank j, warpgroup s) state of this thread's rows, then their max, each
     // source's factor under it and the merged sum.
     let mut st = [[[OnlineSoftmax::EMPTY; 4]; 2]; 4];
