@@ -235,7 +235,7 @@ fn prefill_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let err = rel_error(&got, &want.out);
     let worst = max_row_error(&got, &want.out, dv);
     let e4m3 = fp8 && attn_rs::prefill::fp8_prefill_rounds_to_e4m3(device(), dk, dv);
-    let (tol, row_tol, lse_tol) = if e4m3 { E4M3_TOLERANCE } else { (tolerance(Q::DTYPE), row_tolerance(Q::DTYPE), 2e-3) };
+    let (tol, row_tol, lse_tol) = bounds(Q::DTYPE, e4m3);
     if e4m3 {
         let lse_err = lse[..nt * hq]
             .iter()

@@ -34,6 +34,16 @@ pub fn tolerance(dtype: DType) -> f64 {
 /// its bound is 6e-2.
 pub const E4M3_TOLERANCE: (f64, f64, f64) = (4e-2, 1e-1, 6e-2);
 
+/// The bounds a result of `dtype` is checked within (global relative error, worst row,
+/// log-sum-exp): [`E4M3_TOLERANCE`] where the kernel rounds its queries and weights to e4m3.
+pub fn bounds(dtype: DType, e4m3: bool) -> (f64, f64, f64) {
+    if e4m3 {
+        E4M3_TOLERANCE
+    } else {
+        (tolerance(dtype), row_tolerance(dtype), 2e-3)
+    }
+}
+
 /// Whether `err` is at most `tol`: false for a NaN, which every comparison must fail on.
 pub fn within(err: f64, tol: f64) -> bool {
     err <= tol

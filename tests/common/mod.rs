@@ -7,8 +7,8 @@ mod gaps;
 mod masking;
 #[allow(unused_imports)]
 pub use compare::{
-    check_lse, check_lse_within, check_rows, check_rows_within, max_row_error, rel_error, row_errors, row_tolerance, tolerance, within,
-    RowError, E4M3_TOLERANCE,
+    bounds, check_lse, check_lse_within, check_rows, check_rows_within, max_row_error, rel_error, row_errors, row_tolerance, tolerance,
+    within, RowError, E4M3_TOLERANCE,
 };
 #[allow(unused_imports)]
 pub use gaps::{check_gaps, gapped_rows, packed, spread};
@@ -23,6 +23,38 @@ use rand::{Rng, SeedableRng};
 use std::sync::{Arc, OnceLock};
 
 pub type TestResult = Result<(), Failed>;
+
+/// Checks an MLA output (`[tokens, heads, v]` rows of `Q`) and its log-sum-exp against the f64
+/// reference: every element finite, then the global and worst-row relative errors and the
+/// log-sum-exp within [`bounds`] (e4m3's where the kernel rounds to e4m3; its errors printed).
+pub fn check_latent_output<Q: Element>(
+    out: &[Q],
+    lse: &[f32],
+    want: (&[f64], &[f64]),
+    (nt, hq, v): (usize, usize, usize),
+    e4m3: bool,
+    plan: &attn_rs::decode::DecodePlan,
+) -> TestResult {
+    let (want_out, want_lse) = want;
+    let got: Vec<f64> = out.iter().take(nt * hq * v).map(|x| x.to_f32() as f64).collect();
+    if let Some(i) = got.iter().position(|x| !x.is_finite()) {
+        let (token, head, col) = (i / (hq * v), i / v % hq, i % v);
+        return Err(format!("output element {i} (token {token}, head {head}, col {col}) is {}; plan chunk {}", got[i], plan.chunk).into());
+    }
+    let err = rel_error(&got, want_out);
+    let (tol, row_tol, lse_tol) = bounds(Q::DTYPE, e4m3);
+    let items = plan.items.len() / 2;
+    if !within(err, tol) {
+        return Err(format!("relative error {err:.2e} > {tol:.0e} (plan: chunk {}, {items} items)", plan.chunk).into());
+    }
+    // Row by row too: one row wrong alone (a key masked wrongly) hardly moves the global norm.
+    check_rows_within(&got, want_out, v, hq, row_tol).map_err(|e| format!("{e} (plan: chunk {}, {items} items)", plan.chunk))?;
+    check_lse_within(&lse[..nt * hq], &want_lse[..nt * hq], hq, lse_tol)?;
+    if e4m3 {
+        eprintln!("e4m3: relative error {err:.3e}, worst row {:.3e}", max_row_error(&got, want_out, v).err);
+    }
+    Ok(())
+}
 
 /// The process-wide device (tests run in parallel threads, each on its own stream).
 pub fn device() -> &'static AttnDevice {
