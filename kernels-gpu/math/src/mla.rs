@@ -244,8 +244,8 @@ pub const E4M3_RING: u32 = 5;
 /// writer copies once done with tile t + 5, itself copied only after tile t was done.
 pub const E4M3_TABLES: u32 = 10;
 /// The most CTAs (a request's splits) whose partial rows the e4m3 kernel combines in a
-/// thread-block cluster: each rank's two warpgroups' rows are read from the first
-/// `E4M3_CLUSTER_RANKS` ring buffers of every rank. The host plans no larger cluster for it.
+/// thread-block cluster: the combine holds every rank's two warpgroups' row states in
+/// registers, 8 a row at 4 ranks. The host plans no larger cluster for it.
 pub const E4M3_CLUSTER_RANKS: u32 = 4;
 /// Bytes of a tile of 64 FP8 rows in the [`e4m3_swizzled`] layout (five atoms of 128 bytes a
 /// row, the last half used).

@@ -509,7 +509,7 @@ unsafe fn cluster_merge<Q: MmaHalf>(
     }
     cluster_sync();
     // The host's plan launches at most `E4M3_CLUSTER_RANKS` ranks (`mla_cluster`); the bound
-    // keeps the reads inside the cluster's first ring buffers whatever the launch says.
+    // keeps the combine within the ranks whose states it holds whatever the launch says.
     let (ranks, me) = (p.mla.cluster.min(E4M3_CLUSTER_RANKS), cluster_rank());
     // Every source's (rank j, warpgroup s) state of this thread's rows, then their max, each
     // source's factor under it and the merged sum.
