@@ -139,6 +139,11 @@ fn stack_allowed(kernel: &str) -> u32 {
 pub fn ptx_report() -> Result<(), String> {
     let ptxas = find_ptxas();
     let (mut spills, mut stack) = (0, 0);
+    // Kernels with static shared memory: it would come before the dynamic window (sized at
+    // launch), which every kernel's layouts start at offset 0 of, with their `wgmma` and TMA
+    // operands at multiples of 1024 bytes from it (the 128-byte swizzle's atoms): a static
+    // variable would move them off that alignment, and nothing in the PTX would say so.
+    let mut static_smem = Vec::new();
     for (t, family) in TARGETS.iter().flat_map(|t| FAMILIES.iter().map(move |f| (t, f))) {
         let path = committed_path(t.name, family, "ptx");
         let text = String::from_utf8(read_committed(t.name, family, "ptx")?).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -177,6 +182,9 @@ pub fn ptx_report() -> Result<(), String> {
             if r.stack > stack_allowed(&r.kernel) {
                 stack += r.stack;
             }
+            if r.smem > 0 {
+                static_smem.push(format!("{}/{} ({} bytes)", t.name, r.kernel, r.smem));
+            }
             println!("{:<40} {:>5} {:>7} {:>7} {:>6} {:>6}", r.kernel, r.registers, r.spill_stores, r.spill_loads, r.stack, r.smem);
         }
     }
@@ -185,6 +193,12 @@ pub fn ptx_report() -> Result<(), String> {
     }
     if stack > 0 {
         return Err(format!("{stack} bytes of unexpected stack frames: a register array went to local memory"));
+    }
+    if !static_smem.is_empty() {
+        return Err(format!(
+            "static shared memory moves the dynamic window off the 1024-byte alignment the kernels' layouts assume: {}",
+            static_smem.join(", ")
+        ));
     }
     Ok(())
 }
