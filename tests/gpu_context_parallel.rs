@@ -197,12 +197,14 @@ fn cp_case<Q: Element + std::fmt::Debug, C: Element>(c: Case, salt: u64) -> Test
     if let Some(i) = got.iter().position(|x| !x.is_finite()) {
         return Err(format!("output element {i} is {} (unwritten or NaN)", got[i]).into());
     }
+    // On Hopper FP8 decode may round the queries and weights to e4m3 (`fp8_decode_rounds_to_e4m3`).
+    let (tol, row_tol, lse_tol) = bounds(Q::DTYPE, fp8 && attn_rs::decode::fp8_decode_rounds_to_e4m3(dev, d));
     let err = rel_error(&got, &want.out);
-    if !within(err, tolerance(Q::DTYPE)) {
-        return Err(format!("relative error {err:.2e} > {:.0e}", tolerance(Q::DTYPE)).into());
+    if !within(err, tol) {
+        return Err(format!("relative error {err:.2e} > {tol:.0e}").into());
     }
-    check_rows(&got, &want.out, d, hq, Q::DTYPE)?;
-    check_lse(&lse[..num_reqs * hq], &want.lse[..num_reqs * hq], hq)?;
+    check_rows_within(&got, &want.out, d, hq, row_tol)?;
+    check_lse_within(&lse[..num_reqs * hq], &want.lse[..num_reqs * hq], hq, lse_tol)?;
     Ok(())
 }
 

@@ -247,12 +247,11 @@ fn forward_case<T: HostElement + std::fmt::Debug, C: HostElement + std::fmt::Deb
             let g: Vec<f64> = got[span.clone()].iter().map(|x| x.to_f32() as f64).collect();
             let w: Vec<f64> = out_h[span].iter().map(|x| x.to_f32() as f64).collect();
             let err = rel_error(&g, &w);
-            // Prefills from an FP8 cache may round to e4m3 (`fp8_prefill_rounds_to_e4m3`).
-            let tol = if fp8 && attn_rs::prefill::fp8_prefill_rounds_to_e4m3(device(), c.d, c.d) {
-                E4M3_TOLERANCE.0
-            } else {
-                tolerance(T::DTYPE)
-            };
+            // Prefills and decodes from an FP8 cache may round to e4m3 (`fp8_prefill_rounds_to_e4m3`,
+            // `fp8_decode_rounds_to_e4m3`).
+            let e4m3 = attn_rs::prefill::fp8_prefill_rounds_to_e4m3(device(), c.d, c.d)
+                || attn_rs::decode::fp8_decode_rounds_to_e4m3(device(), c.d);
+            let tol = if fp8 && e4m3 { E4M3_TOLERANCE.0 } else { tolerance(T::DTYPE) };
             if !within(err, tol) {
                 return Err(format!("step {s} request {id} (batch row {b}): rel error {err:.3e}").into());
             }

@@ -96,6 +96,10 @@ pub enum KernelId {
     /// `long` (FP8 only): the deep-pipeline form for long contexts; `wide` (16-bit caches
     /// 16-bit caches, and FP8 with `long`): 16 query rows a CTA instead of 8.
     DecodeKr { q: DType, rows: CacheRows, long: bool, wide: bool, head_size: u32 },
+    /// `decode_km_<q><rows>[_r16]_d<d>`: decode on `wgmma` with the keys on M
+    /// (`attn_math::keys_m`, sm_90a only): FP8 rows, and 16-bit ones at 16 rows; `wide`: 16 query
+    /// rows a CTA instead of 8.
+    DecodeKm { q: DType, rows: CacheRows, wide: bool, head_size: u32 },
     /// `prefill_<q><rows>_dk<qk>_dv<v>`: the `mma.sync` attention-tile kernel.
     Prefill { q: DType, rows: CacheRows, head_size_qk: u32, head_size_v: u32 },
     /// `prefill_local_<q>_dk<d>_dv<d>`: the `mma.sync` prefill kernel with the local masks
@@ -124,6 +128,9 @@ impl KernelId {
                 let (long, wide) = (if long { "_long" } else { "" }, if wide { "_r16" } else { "" });
                 format!("decode_kr_{}{}{long}{wide}_d{d}", q.kernel_name(), rows.tag())
             }
+            KernelId::DecodeKm { q, rows, wide, head_size: d } => {
+                format!("decode_km_{}{}{}_d{d}", q.kernel_name(), rows.tag(), if wide { "_r16" } else { "" })
+            }
             KernelId::Prefill { q, rows, head_size_qk: dk, head_size_v: dv } => {
                 format!("prefill_{}{}_dk{dk}_dv{dv}", q.kernel_name(), rows.tag())
             }
@@ -145,6 +152,7 @@ impl KernelId {
             KernelId::DecodeMerge { .. } | KernelId::MergeAttnStates { .. } => Family::Merge,
             KernelId::DecodeTc { .. }
             | KernelId::DecodeKr { .. }
+            | KernelId::DecodeKm { .. }
             | KernelId::Prefill { .. }
             | KernelId::PrefillLocal { .. }
             | KernelId::PrefillWgs { .. }
@@ -153,17 +161,17 @@ impl KernelId {
         }
     }
 
-    /// Whether only the sm_90a module has it (Hopper's `wgmma` prefill kernels).
+    /// Whether only the sm_90a module has it (Hopper's `wgmma` prefill and FP8 decode kernels).
     #[cfg(test)]
     pub fn hopper_only(&self) -> bool {
-        matches!(self, KernelId::PrefillWgs { .. })
+        matches!(self, KernelId::PrefillWgs { .. } | KernelId::DecodeKm { .. })
     }
 
     /// Every kernel the modules export (those of [`hopper_only`](Self::hopper_only) in the
     /// sm_90a one only).
     #[cfg(test)]
     pub fn all() -> Vec<KernelId> {
-        use attn_math::{decode, hopper_prefill, keys_rows, prefill};
+        use attn_math::{decode, hopper_prefill, keys_m, keys_rows, prefill};
         const HALF: [DType; 2] = [DType::F16, DType::BF16];
         const FLOAT: [DType; 3] = [DType::F16, DType::BF16, DType::F32];
         const FP8: [Option<Fp8Format>; 3] = [None, Some(Fp8Format::E4m3), Some(Fp8Format::E5m2)];
@@ -206,6 +214,13 @@ impl KernelId {
                     if !is_fp8 && head_size == 128 {
                         v.push(KernelId::DecodeKr { q, rows, long: true, wide: false, head_size });
                     }
+                    // Hopper's `wgmma` decode: FP8 up to 8 and 16 rows, 16-bit at 16.
+                    if is_fp8 && keys_m::FP8_WIDTHS.contains(&head_size) {
+                        v.push(KernelId::DecodeKm { q, rows, wide: false, head_size });
+                    }
+                    if keys_m::takes(head_size, is_fp8, keys_m::ROWS[1]) {
+                        v.push(KernelId::DecodeKm { q, rows, wide: true, head_size });
+                    }
                 }
                 // FP8 caches are paged, whose K and V have one head size.
                 for (dk, dv) in prefill::HEAD_SIZES.into_iter().filter(|&(dk, dv)| !is_fp8 || dk == dv) {
@@ -238,6 +253,7 @@ impl KernelId {
             KernelId::PrefillWgs { head_size, .. } if !attn_math::hopper_prefill::ws_takes_a8(*head_size) => return None,
             KernelId::DecodeTc { rows, .. }
             | KernelId::DecodeKr { rows, .. }
+            | KernelId::DecodeKm { rows, .. }
             | KernelId::Prefill { rows, .. }
             | KernelId::PrefillWgs { rows, .. } => match rows {
                 CacheRows::Fp8 { a8, .. } => *a8 = true,
@@ -317,6 +333,9 @@ mod tests {
                 "decode_kr_f16_fp8_long_r16_d64",
             ),
             (KernelId::DecodeKr { q: f16, rows: fp8(e5m2, true), long: false, wide: false, head_size: 128 }, "decode_kr_f16_e5m2_a8_d128"),
+            (KernelId::DecodeKm { q: bf16, rows: fp8(e4m3, false), wide: false, head_size: 128 }, "decode_km_bf16_fp8_d128"),
+            (KernelId::DecodeKm { q: f16, rows: fp8(e5m2, true), wide: true, head_size: 256 }, "decode_km_f16_e5m2_a8_r16_d256"),
+            (KernelId::DecodeKm { q: bf16, rows: half, wide: true, head_size: 64 }, "decode_km_bf16_r16_d64"),
             (KernelId::Prefill { q: f16, rows: half, head_size_qk: 192, head_size_v: 128 }, "prefill_f16_dk192_dv128"),
             (KernelId::PrefillWgs { q: bf16, rows: half, head_size: 128 }, "prefill_wgs_bf16_d128"),
             (KernelId::PrefillWgs { q: f16, rows: half, head_size: 64 }, "prefill_wgs_f16_d64"),

@@ -135,7 +135,7 @@ fn with_tensor_map_params(ptx: &str) -> String {
 /// kernels' `fp8_direct`), whose shared memory allows three CTAs per SM and whose registers
 /// would otherwise allow two; the 16-bit keys-as-rows decode of 8 rows for short batches at
 /// width 128, three, and at width 64, four; the 16-row (`_r16`) ones at 16-bit width 64, three
-/// (`attn_math::keys_rows::ctas_per_sm`); and the
+/// (`attn_math::keys_rows::ctas_per_sm`); the decode on `wgmma`; and the
 /// warp-specialised Hopper prefill. rustc has no launch-bounds attribute for nvptx, so the
 /// directives are added to the PTX here; `ptxas` then limits registers to fit.
 const LAUNCH_BOUNDS: &[(&str, &str, u32, u32)] = &[
@@ -157,6 +157,13 @@ const LAUNCH_BOUNDS: &[(&str, &str, u32, u32)] = &[
     ("decode_kr_bf16_r16_d64", "", 128, 3),
     ("decode_kr_f16_r16_d64", "", 128, 3),
     ("decode_kr_f16_d128", "", 128, 3),
+    // Decode on `wgmma` (`attn_math::keys_m::ctas_per_sm`): shared memory allows three CTAs an
+    // SM for rows of 128 bytes (FP8 width 128, 16-bit 64), two for 256 (FP8 256, 16-bit 128).
+    ("decode_km_bf16_r16_d128", "", 128, 2),
+    ("decode_km_f16_r16_d128", "", 128, 2),
+    ("decode_km_", "_d64", 128, 3),
+    ("decode_km_", "_d128", 128, 3),
+    ("decode_km_", "_d256", 128, 2),
     // Three warpgroups (`attn_math::hopper_prefill::WS_THREADS`) start at 168 registers a
     // thread; `setmaxnreg` then moves registers from the producer to the compute warps.
     ("prefill_wgs_", "", 384, 1),

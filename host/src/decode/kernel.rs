@@ -7,9 +7,9 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::{decode_head_width, CacheRows, KernelId};
 use crate::options::{SplitMode, Tuning};
-use attn_math::keys_rows;
 use attn_math::prefill::{block_m, block_n, shared_layout};
 use attn_math::split::EVEN_WAVES_MAX_SPLITS;
+use attn_math::{keys_m, keys_rows};
 
 /// Which kernel runs a decode batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -134,6 +134,20 @@ impl TcKernel {
     }
 }
 
+/// Whether decode from an FP8 cache on `device` at head size `head_size` rounds the queries and
+/// the softmax weights to e4m3 (for batches of up to 16 query rows a kv head, query tokens x
+/// query heads; more take the prefill kernel, [`crate::prefill::fp8_prefill_rounds_to_e4m3`]):
+/// on sm_90a at head sizes 72 to 256 both products run on e4m3 `wgmma` with the cache's bytes as
+/// they are (`decode_km_*`, `attn_math::keys_m`), the queries with one scale a row (its largest
+/// magnitude to e4m3's 448) and the weights times 2^7, as vLLM's FP8 decode on
+/// FlashAttention-3 quantises its queries. Elsewhere the cache's values are converted exactly
+/// and the result is as precise as over a 16-bit cache holding the same values. The same for
+/// both FP8 formats.
+pub fn fp8_decode_rounds_to_e4m3(device: &AttnDevice, head_size: usize) -> bool {
+    let width = attn_math::decode::decode_width(head_size.min(u32::MAX as usize) as u32, true);
+    device.ptx_target() == "sm_90a" && width.is_some_and(|w| keys_m::FP8_WIDTHS.contains(&w))
+}
+
 /// The longest request's keys (0 for an empty batch or negative lengths).
 pub(crate) fn max_len(seq_lens: &[i32]) -> u32 {
     seq_lens.iter().copied().max().unwrap_or(0).max(0) as u32
@@ -160,7 +174,8 @@ pub(crate) fn decode_tc_kernel(
     // Long FP8 requests take the deep pipeline only where it pays (`fp8_deep_pipeline`); 16-bit
     // ones take their long kernels everywhere (`keys_rows::HALF_LONG_KEYS`).
     let max_len = if !fp8 || dev.fp8_deep_pipeline() { max_len } else { 0 };
-    let (kernel, id, smem) = decode_kernel_id(q_dtype, CacheRows::of(cache, d), width, group, max_q, max_len);
+    let hopper = dev.ptx_target() == "sm_90a";
+    let (kernel, id, smem) = decode_kernel_id(hopper, q_dtype, CacheRows::of(cache, d), width, group, max_q, max_len);
     let waves = tuning.decode_waves.unwrap_or(measured_waves(width)).max(1);
     let resident = dev.resident_ctas(id, attn_math::prefill::THREADS, smem)?;
     let slots = dev.sm_count() as u64 * resident as u64;
@@ -168,9 +183,10 @@ pub(crate) fn decode_tc_kernel(
     // No slots: `plan_decode_tc` leaves the even waves out.
     let slots = if tuning.decode_even_waves { slots } else { 0 };
     let mut shape = TcShape::attention(width, width, kernel.keys_split(), fp8, num_kv_heads as u32);
-    // The keys-as-rows kernels take 8 or 16 rows a CTA and merge their splits themselves.
+    // The keys-as-rows kernels and the FP8 ones on `wgmma` take 8 or 16 rows a CTA and merge
+    // their splits themselves.
     let keys_rows = match id {
-        KernelId::DecodeKr { wide, .. } => {
+        KernelId::DecodeKr { wide, .. } | KernelId::DecodeKm { wide, .. } => {
             shape.block_m = if wide { keys_rows::WIDE_ROWS } else { keys_rows::MAX_ROWS };
             true
         }
@@ -183,15 +199,30 @@ pub(crate) fn decode_tc_kernel(
 
 /// The tensor-core decode kernel for `group` query heads per kv head at width `d`, `max_q`
 /// query tokens per request and `max_len` keys in the longest over cache rows `rows`, and its
-/// shared memory.
-pub(crate) fn decode_kernel_id(q: DType, rows: CacheRows, d: u32, group: u32, max_q: u32, max_len: u32) -> (DecodeKernel, KernelId, u32) {
+/// shared memory; `hopper`: the sm_90a module's kernels.
+pub(crate) fn decode_kernel_id(
+    hopper: bool,
+    q: DType,
+    rows: CacheRows,
+    d: u32,
+    group: u32,
+    max_q: u32,
+    max_len: u32,
+) -> (DecodeKernel, KernelId, u32) {
     let fp8 = rows.is_fp8();
     let kernel = DecodeKernel::tensor_cores(max_q * group);
+    let wide = max_q * group > keys_rows::MAX_ROWS;
+    // On sm_90a, `wgmma` with the keys on M (`attn_math::keys_m`): FP8 caches at widths 128 and
+    // 256 up to 16 rows (nothing converted), 16-bit ones at widths 64 and 128 for 9 to 16 rows.
+    if hopper && kernel == DecodeKernel::TensorCoreKeys && keys_m::takes(d, fp8, max_q * group) {
+        let rows_per_cta = if wide { keys_rows::WIDE_ROWS } else { keys_rows::MAX_ROWS };
+        let row_bytes = d * if fp8 { 1 } else { 2 };
+        return (kernel, KernelId::DecodeKm { q, rows, wide, head_size: d }, keys_m::layout(row_bytes, rows_per_cta).total);
+    }
     // The keys-split CTAs with the score tile transposed (`decode_kr_*`: keys on the MMA's rows,
     // half the math per tile): up to 8 rows per kv head from 16-bit caches and FP8 at head sizes
     // 64, 128 and 256, up to 16 (two column groups) from 16-bit caches up to head size 128 and
     // from FP8 at 64 and 128 (in the deep-pipeline form, whose two CTAs per SM have the registers).
-    let wide = max_q * group > keys_rows::MAX_ROWS;
     let keys_rows = kernel == DecodeKernel::TensorCoreKeys
         && if fp8 { keys_rows::fp8_keys_rows(d, wide) } else { !wide || keys_rows::WIDE_HEAD_SIZES.contains(&d) };
     // Batches with long requests: the deep-pipeline FP8 kernels (`keys_rows::fp8_long`: from
@@ -236,7 +267,7 @@ mod tests {
     fn decode_kernel_choice() {
         let e4m3 = CacheRows::Fp8 { format: crate::dtype::Fp8Format::E4m3, a8: false };
         let rows = |fp8| if fp8 { e4m3 } else { CacheRows::Bits16 };
-        let name = |fp8, d, group, max_q, max_len| decode_kernel_id(DType::BF16, rows(fp8), d, group, max_q, max_len).1.entry_name();
+        let name = |fp8, d, group, max_q, max_len| decode_kernel_id(false, DType::BF16, rows(fp8), d, group, max_q, max_len).1.entry_name();
         let long = keys_rows::FP8_LONG_KEYS;
         assert_eq!(name(false, 128, 4, 1, 100), "decode_kr_bf16_d128");
         assert_eq!(name(false, 128, 4, 1, long), "decode_kr_bf16_long_d128");
@@ -251,10 +282,10 @@ mod tests {
         assert_eq!(name(true, 256, 16, 1, 100), "decode_tc_bf16_fp8_d256");
         // FP8 rows of an odd multiple of 8 (`a8`): the `_fp8_a8` twins; E5M2 the `_e5m2` ones.
         let a8 = |d, group, max_q, max_len| {
-            decode_kernel_id(DType::BF16, CacheRows::of(DType::Fp8E4m3, 72), d, group, max_q, max_len).1.entry_name()
+            decode_kernel_id(false, DType::BF16, CacheRows::of(DType::Fp8E4m3, 72), d, group, max_q, max_len).1.entry_name()
         };
         let e5m2 = |d, group, max_q, max_len| {
-            decode_kernel_id(DType::BF16, CacheRows::of(DType::Fp8E5m2, d as usize), d, group, max_q, max_len).1.entry_name()
+            decode_kernel_id(false, DType::BF16, CacheRows::of(DType::Fp8E5m2, d as usize), d, group, max_q, max_len).1.entry_name()
         };
         assert_eq!(e5m2(128, 4, 1, 100), "decode_kr_bf16_e5m2_d128");
         assert_eq!(e5m2(64, 16, 1, 100), "decode_kr_bf16_e5m2_long_r16_d64");
@@ -271,27 +302,54 @@ mod tests {
         assert_eq!(name(true, 256, 16, 1, long), "decode_tc_bf16_fp8_d256");
         assert_eq!(name(false, 128, 8, 3, 100), "prefill_bf16_dk128_dv128");
         assert_eq!(name(true, 64, 32, 1, long), "prefill_bf16_fp8_dk64_dv64");
-        let f16 = decode_kernel_id(DType::F16, CacheRows::Bits16, 96, 2, 1, 10);
+        let f16 = decode_kernel_id(false, DType::F16, CacheRows::Bits16, 96, 2, 1, 10);
         assert_eq!(f16.1.entry_name(), "decode_kr_f16_d96");
         assert_eq!(f16.0, DecodeKernel::TensorCoreKeys);
 
         // Shared memory: the keys-as-rows layout for its CTAs per SM, else the tile kernel's.
-        let (kernel, _, smem) = decode_kernel_id(DType::BF16, e4m3, 128, 4, 1, long);
+        let (kernel, _, smem) = decode_kernel_id(false, DType::BF16, e4m3, 128, 4, 1, long);
         assert_eq!(kernel, DecodeKernel::TensorCoreKeys);
         assert_eq!(
             smem,
             keys_rows::layout(128, true, keys_rows::ctas_per_sm(128, true, true, keys_rows::MAX_ROWS), keys_rows::MAX_ROWS).total
         );
-        let (_, id, smem) = decode_kernel_id(DType::BF16, CacheRows::Bits16, 128, 16, 1, 100);
+        let (_, id, smem) = decode_kernel_id(false, DType::BF16, CacheRows::Bits16, 128, 16, 1, 100);
         assert_eq!(id.entry_name(), "decode_kr_bf16_r16_d128");
         assert_eq!(smem, keys_rows::layout(128, false, 2, keys_rows::WIDE_ROWS).total);
-        let (_, id, smem) = decode_kernel_id(DType::BF16, e4m3, 64, 16, 1, 10);
+        let (_, id, smem) = decode_kernel_id(false, DType::BF16, e4m3, 64, 16, 1, 10);
         assert_eq!(id.entry_name(), "decode_kr_bf16_fp8_long_r16_d64");
         assert_eq!(smem, keys_rows::layout(64, true, 2, keys_rows::WIDE_ROWS).total);
-        let (kernel, _, smem) = decode_kernel_id(DType::BF16, CacheRows::Bits16, 256, 4, 3, 100);
+        let (kernel, _, smem) = decode_kernel_id(false, DType::BF16, CacheRows::Bits16, 256, 4, 3, 100);
         assert_eq!((kernel, smem), (DecodeKernel::TensorCoreKeys, shared_layout(256, 256, true, false).total));
-        let (kernel, _, smem) = decode_kernel_id(DType::BF16, CacheRows::Bits16, 128, 32, 1, 100);
+        let (kernel, _, smem) = decode_kernel_id(false, DType::BF16, CacheRows::Bits16, 128, 32, 1, 100);
         assert_eq!((kernel, smem), (DecodeKernel::TensorCoreRows, shared_layout(128, 128, false, false).total));
+    }
+
+    /// On sm_90a FP8 caches at widths 128 and 256 take the `wgmma` kernels up to 16 rows (width
+    /// 64 the keys-as-rows ones, more rows the prefill kernel), 16-bit ones at 64 and 128 for 9 to
+    /// 16 rows; the rest is as elsewhere.
+    #[test]
+    fn hopper_fp8_decode_kernels() {
+        let e4m3 = CacheRows::Fp8 { format: crate::dtype::Fp8Format::E4m3, a8: false };
+        let a8 = CacheRows::of(DType::Fp8E5m2, 72);
+        let pick = |rows, d, group, max_q| decode_kernel_id(true, DType::BF16, rows, d, group, max_q, 100);
+        let (kernel, id, smem) = pick(e4m3, 128, 4, 1);
+        assert_eq!(
+            (kernel, id.entry_name(), smem),
+            (DecodeKernel::TensorCoreKeys, "decode_km_bf16_fp8_d128".into(), keys_m::layout(128, 8).total)
+        );
+        let (_, id, smem) = pick(e4m3, 256, 16, 1);
+        assert_eq!((id.entry_name(), smem), ("decode_km_bf16_fp8_r16_d256".into(), keys_m::layout(256, 16).total));
+        // 16-bit caches: GQA 16 at widths 64 and 128 (rows of 128 and 256 bytes); 8 rows and
+        // width 96 keep the keys-as-rows kernels.
+        let (_, id, smem) = pick(CacheRows::Bits16, 128, 16, 1);
+        assert_eq!((id.entry_name(), smem), ("decode_km_bf16_r16_d128".into(), keys_m::layout(256, 16).total));
+        assert_eq!(pick(CacheRows::Bits16, 64, 8, 2).1.entry_name(), "decode_km_bf16_r16_d64");
+        assert_eq!(pick(CacheRows::Bits16, 96, 16, 1).1.entry_name(), "decode_kr_bf16_r16_d96");
+        assert_eq!(pick(a8, 128, 8, 2).1.entry_name(), "decode_km_bf16_e5m2_a8_r16_d128");
+        assert_eq!(pick(e4m3, 64, 4, 1).1.entry_name(), "decode_kr_bf16_fp8_d64");
+        assert_eq!(pick(e4m3, 128, 32, 1).1.entry_name(), "prefill_bf16_fp8_dk128_dv128");
+        assert_eq!(pick(CacheRows::Bits16, 128, 4, 1).1.entry_name(), "decode_kr_bf16_d128");
     }
 
     #[test]

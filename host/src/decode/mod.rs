@@ -35,7 +35,7 @@ mod workspace;
 
 pub use crate::batch::{DecodeBatch, MAX_QUERY_LEN};
 pub use args::DecodeArgs;
-pub use kernel::DecodeKernel;
+pub use kernel::{fp8_decode_rounds_to_e4m3, DecodeKernel};
 pub use launch::paged_decode;
 pub use merge::{merge_attn_states, merge_attn_states_sizes, MergeArgs};
 pub use split::DecodePlan;

@@ -14,6 +14,7 @@ extern crate std;
 pub mod decode;
 pub mod fp8;
 pub mod hopper_prefill;
+pub mod keys_m;
 pub mod keys_rows;
 pub mod mla;
 pub mod paging;

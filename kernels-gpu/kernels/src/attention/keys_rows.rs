@@ -23,17 +23,17 @@
 
 use crate::attention::config::{AttnConfig, Bits16, CacheFormat};
 use crate::attention::fp8_direct::swizzled;
-use crate::attention::kv::KvSource;
 use crate::attention::lazy_rescale::must_rescale;
 use crate::attention::logits::Logits;
 use crate::attention::output::store_merged_rows;
+use crate::attention::slab_copy::{SlabCopy, SlabRows};
 use crate::attention::work::{work_item, RowInfo};
 use crate::blocks::device::{
     atomic_or_global, dynamic_shared, fma, pdl_launch_dependents, pdl_wait, shfl_xor, static_for, sync_threads, sync_warp, thread_idx_x,
 };
 use crate::blocks::mma::{
-    byte_perm, cp_async_16, cp_async_commit, cp_async_halves, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ld_shared_v4,
-    ldmatrix_x4, ldmatrix_x4_trans, movmatrix_trans, shared_addr, st_shared_f32, st_shared_f32x2, MmaHalf,
+    byte_perm, cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ld_shared_v4, ldmatrix_x4, ldmatrix_x4_trans,
+    movmatrix_trans, shared_addr, st_shared_f32, st_shared_f32x2, MmaHalf,
 };
 use crate::blocks::vec_io::{load8_nc, load_u32_nc};
 use crate::merge::split_merge::merge_item_splits;
@@ -54,111 +54,11 @@ fn wait_all_but(stages: u32) {
     }
 }
 
-/// Where a warp's slabs come from and go: the block lookup, and each lane's share of a slab's
-/// 16-byte chunks (`CHUNKS` per lane per plane: row `(lane + 32 i) / (D / 8)`, column chunk the
-/// rest) as offsets from the slab's first K row and from the stage.
-struct SlabCopy<F: SlabFormat<D>, const D: usize> {
-    /// The request's block-table row.
-    block_row: u64,
-    /// log2 of the block size when it is a power of two, else 32.
-    bs_shift: u32,
-    /// Byte distance from a K row to its V row.
-    v_delta: u64,
-    /// Byte stride between the keys of a block.
-    token_bytes: u64,
-    /// Byte offset of (block 0, token 0, this kv head) in K.
-    head_base: u64,
-    block_bytes: u64,
-    /// Bytes of a row that are read (the launch's head size): the chunks past them are
-    /// zero-filled.
-    live_bytes: u32,
-    format: core::marker::PhantomData<F>,
-}
-
-impl<F: SlabFormat<D>, const D: usize> SlabCopy<F, D> {
-    /// 16-byte chunks of a row, and a lane's chunks of a plane.
-    const ROW_CHUNKS: u32 = D as u32 * F::Cache::ELEM_BYTES / 16;
-    const CHUNKS: usize = (WARP_KEYS * Self::ROW_CHUNKS / 32) as usize;
-
-    /// Lane's chunk `i`: (row in the slab, byte column).
-    #[inline(always)]
-    fn chunk(i: usize) -> (u32, u32) {
-        let lane = thread_idx_x() % 32;
-        let c = lane + 32 * i as u32;
-        (c / Self::ROW_CHUNKS, (c % Self::ROW_CHUNKS) * 16)
-    }
-
-    /// Key `kb`'s (block index in the request, key within the block): a shift and a mask for
-    /// the usual power-of-two block sizes, a division otherwise.
-    #[inline(always)]
-    fn split_key(&self, p: &AttnParams, kb: u32) -> (u32, u32) {
-        if self.bs_shift < 32 {
-            (kb >> self.bs_shift, kb & (p.shape.block_size - 1))
-        } else {
-            (kb / p.shape.block_size, kb % p.shape.block_size)
-        }
-    }
-
-    /// The slab at key `kb` (a multiple of 16, below the request's end): its block id, as the
-    /// table's 32 bits. Kept unconverted until [`Self::copy`] so that nothing uses the load
-    /// where it is issued, iterations before its slab is copied.
-    #[inline(always)]
-    unsafe fn block(&self, p: &AttnParams, kb: u32) -> u32 {
-        let (index, _) = self.split_key(p, kb);
-        unsafe { load_u32_nc(self.block_row + index as u64 * 4) }
-    }
-
-    /// Copies the slab at key `kb` (block `block`) into `stage`: K rows, then V rows. Rows at or
-    /// past `end`, and every row of a block outside the cache, are zero-filled (never read).
-    /// Returns whether the block is outside the cache.
-    #[inline(always)]
-    unsafe fn copy(&self, p: &AttnParams, kb: u32, block: u32, end: u32, stage: u32) -> bool {
-        let bad = (block as i32) < 0 || block >= p.shape.num_blocks;
-        let row0 = if bad {
-            p.qkv.k
-        } else {
-            p.qkv.k + self.head_base + block as u64 * self.block_bytes + self.split_key(p, kb).1 as u64 * self.token_bytes
-        };
-        let plane = plane_bytes(D as u32, F::Cache::FP8);
-        static_for::<16>(|i| {
-            if i < Self::CHUNKS {
-                let (r, col) = Self::chunk(i);
-                if F::Cache::HALVES {
-                    // Rows 8-byte aligned: the chunk as two halves, each read if inside the row.
-                    let row = if !bad && kb + r < end { row0 + r as u64 * self.token_bytes } else { 0 };
-                    let (c, halves) = (col / 16, self.live_bytes / 8);
-                    let dst = stage + F::at(r, col);
-                    unsafe {
-                        cp_async_halves(dst, row, c, halves, p.qkv.k);
-                        cp_async_halves(dst + plane, if row != 0 { row.wrapping_add(self.v_delta) } else { 0 }, c, halves, p.qkv.k);
-                    }
-                } else {
-                    // A zero-filled chunk (source size 0) reads nothing: it keeps its own
-                    // address rather than a selected stand-in (fewer instructions a slab).
-                    let live = !bad && kb + r < end && col < self.live_bytes;
-                    let src = row0 + r as u64 * self.token_bytes + col as u64;
-                    let bytes = if live { 16 } else { 0 };
-                    let dst = stage + F::at(r, col);
-                    unsafe {
-                        cp_async_16(dst, src, bytes);
-                        cp_async_16(dst + plane, src.wrapping_add(self.v_delta), bytes);
-                    }
-                }
-            }
-        });
-        bad
-    }
-}
-
-/// How a cache format's slabs are staged and turned into MMA fragments. `M` is the tensor
-/// cores' input type; the accumulator m-tile `mt`, row `r` (0..16) of O^T holds head dimension
+/// How a cache format's slabs are turned into MMA fragments (how they are staged:
+/// [`SlabRows`]). `M` is the tensor cores' input type; the accumulator m-tile `mt`, row `r` (0..16) of O^T holds head dimension
 /// `dim(mt, r)`.
-trait SlabFormat<const D: usize> {
+trait SlabFormat<const D: usize>: SlabRows<D> {
     type M: MmaHalf;
-    /// The cache rows the slabs hold.
-    type Cache: CacheFormat;
-    /// Byte offset of (row, byte column) in a staged plane of 16 rows.
-    fn at(r: u32, col: u32) -> u32;
     /// The query B fragments of every k-step for query row `g` at `q` (16-bit `Q`), in the
     /// order [`Self::scores`] takes the head dimensions, times `conv` when `Q` is not `M`; 0
     /// for the dimensions at or past `head` (not read).
@@ -186,14 +86,18 @@ fn convert<Q: MmaHalf, M: MmaHalf>(w: u32, conv: f32) -> u32 {
 /// 16-bit rows, padded, read with `ldmatrix`; k-step `ks` is head dimensions `16 ks ..`.
 struct HalfRows<Q>(core::marker::PhantomData<Q>);
 
-impl<Q: MmaHalf, const D: usize> SlabFormat<D> for HalfRows<Q> {
-    type M = Q;
+impl<Q: MmaHalf, const D: usize> SlabRows<D> for HalfRows<Q> {
     type Cache = Bits16;
+    const PLANE: u32 = plane_bytes(D as u32, false);
 
     #[inline(always)]
     fn at(r: u32, col: u32) -> u32 {
         r * row_pitch(D as u32) + col
     }
+}
+
+impl<Q: MmaHalf, const D: usize> SlabFormat<D> for HalfRows<Q> {
+    type M = Q;
 
     #[inline(always)]
     unsafe fn queries<Q2: MmaHalf>(q: u64, _: f32, head: u32) -> [[u32; 2]; 16] {
@@ -219,7 +123,7 @@ impl<Q: MmaHalf, const D: usize> SlabFormat<D> for HalfRows<Q> {
     unsafe fn scores<const G: usize>(q: &[[[u32; 2]; 16]; G], k: u32) -> [[f32; 4]; G] {
         let lane = thread_idx_x() % 32;
         // Matrices: keys 0-7 / 8-15 (lanes 8-15 of each half) x dims 0-7 / 8-15 (lanes 16-31).
-        let base = k + <Self as SlabFormat<D>>::at((lane % 8) + 8 * ((lane / 8) % 2), 16 * (lane / 16));
+        let base = k + <Self as SlabRows<D>>::at((lane % 8) + 8 * ((lane / 8) % 2), 16 * (lane / 16));
         let mut acc = [[[0.0f32; 4]; 2]; G];
         static_for::<16>(|ks| {
             if ks < D / 16 {
@@ -235,7 +139,7 @@ impl<Q: MmaHalf, const D: usize> SlabFormat<D> for HalfRows<Q> {
         let lane = thread_idx_x() % 32;
         // Matrices: keys 0-7 x dims 0-7, keys 0-7 x dims 8-15, keys 8-15 x dims 0-7, keys 8-15 x
         // dims 8-15, read transposed (dims on the A operand's rows).
-        let base = v + <Self as SlabFormat<D>>::at((lane % 8) + 8 * (lane / 16), 16 * ((lane / 8) % 2));
+        let base = v + <Self as SlabRows<D>>::at((lane % 8) + 8 * (lane / 16), 16 * ((lane / 8) % 2));
         static_for::<16>(|mt| {
             if mt < D / 16 {
                 let a = unsafe { ldmatrix_x4_trans(base + mt as u32 * 32) };
@@ -275,14 +179,18 @@ impl<K> Fp8Rows<K> {
     }
 }
 
-impl<K: CacheFormat, const D: usize> SlabFormat<D> for Fp8Rows<K> {
-    type M = crate::blocks::elem::F16;
+impl<K: CacheFormat, const D: usize> SlabRows<D> for Fp8Rows<K> {
     type Cache = K;
+    const PLANE: u32 = plane_bytes(D as u32, true);
 
     #[inline(always)]
     fn at(r: u32, col: u32) -> u32 {
         swizzled(r, col, D as u32)
     }
+}
+
+impl<K: CacheFormat, const D: usize> SlabFormat<D> for Fp8Rows<K> {
+    type M = crate::blocks::elem::F16;
 
     #[inline(always)]
     unsafe fn queries<Q: MmaHalf>(q: u64, conv: f32, head: u32) -> [[u32; 2]; 16] {
@@ -480,17 +388,7 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     let sb = stage_bytes(D as u32, fp8);
     let smem = shared_addr(dynamic_shared::<u8>());
     let ring = smem + warp * st * sb;
-    let (strides, eb) = (p.qkv.k_strides, F::Cache::ELEM_BYTES as u64);
-    let copy = SlabCopy::<F, D> {
-        block_row: unsafe { KvSource::of(p, &w) }.block_row,
-        bs_shift: if p.shape.block_size.is_power_of_two() { p.shape.block_size.trailing_zeros() } else { 32 },
-        v_delta: p.qkv.v.wrapping_sub(p.qkv.k),
-        token_bytes: strides.token * eb,
-        head_base: strides.head * w.kv_head as u64 * eb,
-        block_bytes: strides.block * eb,
-        live_bytes: head * F::Cache::ELEM_BYTES,
-        format: core::marker::PhantomData,
-    };
+    let copy = unsafe { SlabCopy::<F, D>::new(p, &w, head) };
     // The block id of a slab this warp copies (u32::MAX past the keys: nothing to copy).
     let lookup = |tile: u32| {
         let kb = slab_key(tile);

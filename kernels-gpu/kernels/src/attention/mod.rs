@@ -22,6 +22,8 @@ mod entry;
 pub(crate) mod fp8_direct;
 #[cfg(wgmma)]
 mod hopper;
+#[cfg(wgmma)]
+mod keys_m;
 mod keys_rows;
 pub(crate) mod kv;
 mod lazy_rescale;
@@ -29,6 +31,7 @@ pub(crate) mod logits;
 mod mainloop;
 mod mla;
 pub(crate) mod output;
+mod slab_copy;
 mod tile_mma;
 pub(crate) mod variants;
 pub(crate) mod work;

@@ -494,6 +494,12 @@ pub unsafe fn st_shared_u8(addr: u32, v: u32) {
     unsafe { asm!("st.shared.u8 [{0}], {1};", in(reg32) addr, in(reg32) v, options(nostack)) }
 }
 
+/// The low 16 bits of `v` to shared memory.
+#[inline(always)]
+pub unsafe fn st_shared_u16(addr: u32, v: u32) {
+    unsafe { asm!("st.shared.u16 [{0}], {1};", in(reg32) addr, in(reg16) v as u16, options(nostack)) }
+}
+
 /// Two 16-bit values to shared memory.
 #[inline(always)]
 pub unsafe fn st_shared_u32(addr: u32, v: u32) {

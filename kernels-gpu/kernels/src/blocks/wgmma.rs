@@ -742,3 +742,353 @@ pub unsafe fn wait_pv_t(o: &mut [[f32; 4]; 16], v: &[[u32; 4]; 16]) {
                   inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15], frags v [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15], options(nostack))
     };
 }
+
+/// One k-step of a `wgmma` with both operands in shared memory (`$shape`: the `mNkK.f32.a.b`
+/// part), on descriptors `a0`/`ah` and `b0`/`bh` advanced by `$da` and `$db` (16-byte units; the
+/// address field is in the low word and never carries out of it), accumulating into `$acc`
+/// under predicate `$pred`; `$trans`: the 16-bit types' transpose immediates, or nothing.
+macro_rules! ss_step {
+    ($n:literal, $shape:literal, $acc:literal, $da:literal, $db:literal, $pred:literal, $trans:literal) => {
+        concat!(
+            "add.s32 al, a0, ",
+            $da,
+            ";\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, ",
+            $db,
+            ";\nmov.b64 db, {{bl, bh}};\n",
+            "wgmma.mma_async.sync.aligned.m64n",
+            $n,
+            $shape,
+            " ",
+            $acc,
+            ", da, db, ",
+            $pred,
+            ", 1, 1",
+            $trans,
+            ";\n"
+        )
+    };
+}
+
+/// One k-step of an e4m3 `wgmma` with A in registers (`$frag`) and B at descriptor `db`,
+/// accumulating into `$acc`.
+macro_rules! rs_step {
+    ($n:literal, $k:literal, $acc:literal, $frag:literal) => {
+        concat!("wgmma.mma_async.sync.aligned.m64n", $n, "k32.f32.", $k, ".e4m3 ", $acc, ", ", $frag, ", db, po, 1, 1;\n")
+    };
+}
+
+/// S^T = K Q^T of the decode with the keys on M (`attn_math::keys_m`), for K rows of this type:
+/// `W` elements a row (128 or 256 bytes), `G` column groups of 8 query rows (N = 8G). Accumulators
+/// `[j][e]` (j < G): M row (key) `16w + g + 8 (e >> 1)` of warp w, N column (query row)
+/// `8j + 2t4 + (e & 1)`.
+pub trait KeysOnMScores {
+    /// Over a 64-key tile: K rows at `desc_k` (A, K-major, 128-byte swizzle: atoms of 64 rows, 8
+    /// KB apart), the queries at `desc_q` (B, the queries' e4m3 or 16-bit rows, atoms of 8G
+    /// rows), 32 bytes of the rows a k-step. Not waited for: [`wait_scores_km`].
+    unsafe fn scores_km<const W: usize, const G: usize>(desc_k: u64, desc_q: u64) -> [[f32; 4]; 2];
+}
+
+macro_rules! keys_on_m_scores_impl {
+    ($t:ty, $shape:literal, $bytes:literal, $trans:literal) => {
+        impl KeysOnMScores for $t {
+            #[inline(always)]
+            unsafe fn scores_km<const W: usize, const G: usize>(desc_k: u64, desc_q: u64) -> [[f32; 4]; 2] {
+                const { assert!((W * $bytes == 128 || W * $bytes == 256) && (G == 1 || G == 2)) };
+                let mut s = [[0.0f32; 4]; 2];
+                if W * $bytes == 128 && G == 1 {
+                    unsafe {
+                        with_acc!(concat!(
+                            "{{\n.reg .pred pz, po;\n.reg .b32 zz, a0, ah, al, b0, bh, bl;\n.reg .b64 da, db;\n",
+                            "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
+                            "mov.b64 {{a0, ah}}, {4};\nmov.b64 {{b0, bh}}, {5};\nwgmma.fence.sync.aligned;\n",
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "0", "0", "pz", $trans),
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "2", "2", "po", $trans),
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "4", "4", "po", $trans),
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "6", "6", "po", $trans),
+                            "wgmma.commit_group.sync.aligned;\n}}"
+                        ), out s [0], in(reg64) desc_k, in(reg64) desc_q, options(nostack))
+                    };
+                } else if W * $bytes == 128 && G == 2 {
+                    unsafe {
+                        with_acc!(concat!(
+                            "{{\n.reg .pred pz, po;\n.reg .b32 zz, a0, ah, al, b0, bh, bl;\n.reg .b64 da, db;\n",
+                            "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
+                            "mov.b64 {{a0, ah}}, {8};\nmov.b64 {{b0, bh}}, {9};\nwgmma.fence.sync.aligned;\n",
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "0", "0", "pz", $trans),
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "2", "2", "po", $trans),
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "4", "4", "po", $trans),
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "6", "6", "po", $trans),
+                            "wgmma.commit_group.sync.aligned;\n}}"
+                        ), out s [0 1], in(reg64) desc_k, in(reg64) desc_q, options(nostack))
+                    };
+                } else if W * $bytes == 256 && G == 1 {
+                    unsafe {
+                        with_acc!(concat!(
+                            "{{\n.reg .pred pz, po;\n.reg .b32 zz, a0, ah, al, b0, bh, bl;\n.reg .b64 da, db;\n",
+                            "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
+                            "mov.b64 {{a0, ah}}, {4};\nmov.b64 {{b0, bh}}, {5};\nwgmma.fence.sync.aligned;\n",
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "0", "0", "pz", $trans),
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "2", "2", "po", $trans),
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "4", "4", "po", $trans),
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "6", "6", "po", $trans),
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "512", "64", "po", $trans),
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "514", "66", "po", $trans),
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "516", "68", "po", $trans),
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "518", "70", "po", $trans),
+                            "wgmma.commit_group.sync.aligned;\n}}"
+                        ), out s [0], in(reg64) desc_k, in(reg64) desc_q, options(nostack))
+                    };
+                } else if W * $bytes == 256 && G == 2 {
+                    unsafe {
+                        with_acc!(concat!(
+                            "{{\n.reg .pred pz, po;\n.reg .b32 zz, a0, ah, al, b0, bh, bl;\n.reg .b64 da, db;\n",
+                            "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
+                            "mov.b64 {{a0, ah}}, {8};\nmov.b64 {{b0, bh}}, {9};\nwgmma.fence.sync.aligned;\n",
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "0", "0", "pz", $trans),
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "2", "2", "po", $trans),
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "4", "4", "po", $trans),
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "6", "6", "po", $trans),
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "512", "128", "po", $trans),
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "514", "130", "po", $trans),
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "516", "132", "po", $trans),
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "518", "134", "po", $trans),
+                            "wgmma.commit_group.sync.aligned;\n}}"
+                        ), out s [0 1], in(reg64) desc_k, in(reg64) desc_q, options(nostack))
+                    };
+                }
+                s
+            }
+        }
+    };
+}
+
+keys_on_m_scores_impl!(E4m3, "k32.f32.e4m3.e4m3", 1, "");
+keys_on_m_scores_impl!(E5m2, "k32.f32.e5m2.e4m3", 1, "");
+// 16-bit types take the transpose immediates: both operands K-major.
+keys_on_m_scores_impl!(Bf16, "k16.f32.bf16.bf16", 2, ", 0, 0");
+keys_on_m_scores_impl!(F16, "k16.f32.f16.f16", 2, ", 0, 0");
+
+/// O^T += V^T P^T over a 64-key tile of the decode with the keys on M, FP8 rows: `W` the width
+/// (128 or 256: `W/64` M blocks of 64 head dimensions), `G` column groups of 8 query rows;
+/// `o[G b..G b + G]` M block b, `v[W/64 s + b]` its A fragments of this format for keys
+/// 32s..32s + 31 (P^T's column order), P^T e4m3 at `desc_p` (B, K-major). Not waited for:
+/// [`wait_pv_km`].
+pub trait KeysOnMValuesFp8: Fp8Format {
+    unsafe fn pv_km<const W: usize, const G: usize>(o: &mut [[f32; 4]; 8], v: &[[u32; 4]; 8], desc_p: u64);
+}
+
+macro_rules! keys_on_m_values_fp8_impl {
+    ($t:ty, $k:literal) => {
+        impl KeysOnMValuesFp8 for $t {
+            #[inline(always)]
+            unsafe fn pv_km<const W: usize, const G: usize>(o: &mut [[f32; 4]; 8], v: &[[u32; 4]; 8], desc_p: u64) {
+                const { assert!((W == 128 || W == 256) && (G == 1 || G == 2)) };
+                if W == 128 && G == 1 {
+                    unsafe {
+                        with_acc!(concat!(
+                            "{{\n.reg .pred po;\n.reg .b32 zz, bl, bh;\n.reg .b64 db;\n",
+                            "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\nmov.b64 {{bl, bh}}, {24};\nwgmma.fence.sync.aligned;\n",
+                            "mov.b64 db, {{bl, bh}};\n",
+                            rs_step!("8", $k, "{{{0}, {1}, {2}, {3}}}", "{{{8}, {9}, {10}, {11}}}"),
+                            rs_step!("8", $k, "{{{4}, {5}, {6}, {7}}}", "{{{12}, {13}, {14}, {15}}}"),
+                            "add.s32 bl, bl, 2;\n",
+                            "mov.b64 db, {{bl, bh}};\n",
+                            rs_step!("8", $k, "{{{0}, {1}, {2}, {3}}}", "{{{16}, {17}, {18}, {19}}}"),
+                            rs_step!("8", $k, "{{{4}, {5}, {6}, {7}}}", "{{{20}, {21}, {22}, {23}}}"),
+                            "wgmma.commit_group.sync.aligned;\n}}"
+                        ), inout o [0 1], frags v [0 1 2 3], in(reg64) desc_p, options(nostack))
+                    };
+                } else if W == 128 && G == 2 {
+                    unsafe {
+                        with_acc!(concat!(
+                            "{{\n.reg .pred po;\n.reg .b32 zz, bl, bh;\n.reg .b64 db;\n",
+                            "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\nmov.b64 {{bl, bh}}, {32};\nwgmma.fence.sync.aligned;\n",
+                            "mov.b64 db, {{bl, bh}};\n",
+                            rs_step!("16", $k, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "{{{16}, {17}, {18}, {19}}}"),
+                            rs_step!("16", $k, "{{{8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}", "{{{20}, {21}, {22}, {23}}}"),
+                            "add.s32 bl, bl, 2;\n",
+                            "mov.b64 db, {{bl, bh}};\n",
+                            rs_step!("16", $k, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "{{{24}, {25}, {26}, {27}}}"),
+                            rs_step!("16", $k, "{{{8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}", "{{{28}, {29}, {30}, {31}}}"),
+                            "wgmma.commit_group.sync.aligned;\n}}"
+                        ), inout o [0 1 2 3], frags v [0 1 2 3], in(reg64) desc_p, options(nostack))
+                    };
+                } else if W == 256 && G == 1 {
+                    unsafe {
+                        with_acc!(concat!(
+                            "{{\n.reg .pred po;\n.reg .b32 zz, bl, bh;\n.reg .b64 db;\n",
+                            "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\nmov.b64 {{bl, bh}}, {48};\nwgmma.fence.sync.aligned;\n",
+                            "mov.b64 db, {{bl, bh}};\n",
+                            rs_step!("8", $k, "{{{0}, {1}, {2}, {3}}}", "{{{16}, {17}, {18}, {19}}}"),
+                            rs_step!("8", $k, "{{{4}, {5}, {6}, {7}}}", "{{{20}, {21}, {22}, {23}}}"),
+                            rs_step!("8", $k, "{{{8}, {9}, {10}, {11}}}", "{{{24}, {25}, {26}, {27}}}"),
+                            rs_step!("8", $k, "{{{12}, {13}, {14}, {15}}}", "{{{28}, {29}, {30}, {31}}}"),
+                            "add.s32 bl, bl, 2;\n",
+                            "mov.b64 db, {{bl, bh}};\n",
+                            rs_step!("8", $k, "{{{0}, {1}, {2}, {3}}}", "{{{32}, {33}, {34}, {35}}}"),
+                            rs_step!("8", $k, "{{{4}, {5}, {6}, {7}}}", "{{{36}, {37}, {38}, {39}}}"),
+                            rs_step!("8", $k, "{{{8}, {9}, {10}, {11}}}", "{{{40}, {41}, {42}, {43}}}"),
+                            rs_step!("8", $k, "{{{12}, {13}, {14}, {15}}}", "{{{44}, {45}, {46}, {47}}}"),
+                            "wgmma.commit_group.sync.aligned;\n}}"
+                        ), inout o [0 1 2 3], frags v [0 1 2 3 4 5 6 7], in(reg64) desc_p, options(nostack))
+                    };
+                } else if W == 256 && G == 2 {
+                    unsafe {
+                        with_acc!(concat!(
+                            "{{\n.reg .pred po;\n.reg .b32 zz, bl, bh;\n.reg .b64 db;\n",
+                            "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\nmov.b64 {{bl, bh}}, {64};\nwgmma.fence.sync.aligned;\n",
+                            "mov.b64 db, {{bl, bh}};\n",
+                            rs_step!("16", $k, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "{{{32}, {33}, {34}, {35}}}"),
+                            rs_step!("16", $k, "{{{8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}", "{{{36}, {37}, {38}, {39}}}"),
+                            rs_step!("16", $k, "{{{16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}}}", "{{{40}, {41}, {42}, {43}}}"),
+                            rs_step!("16", $k, "{{{24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}}}", "{{{44}, {45}, {46}, {47}}}"),
+                            "add.s32 bl, bl, 2;\n",
+                            "mov.b64 db, {{bl, bh}};\n",
+                            rs_step!("16", $k, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "{{{48}, {49}, {50}, {51}}}"),
+                            rs_step!("16", $k, "{{{8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}", "{{{52}, {53}, {54}, {55}}}"),
+                            rs_step!("16", $k, "{{{16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}}}", "{{{56}, {57}, {58}, {59}}}"),
+                            rs_step!("16", $k, "{{{24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}}}", "{{{60}, {61}, {62}, {63}}}"),
+                            "wgmma.commit_group.sync.aligned;\n}}"
+                        ), inout o [0 1 2 3 4 5 6 7], frags v [0 1 2 3 4 5 6 7], in(reg64) desc_p, options(nostack))
+                    };
+                }
+            }
+        }
+    };
+}
+
+keys_on_m_values_fp8_impl!(E4m3, "e4m3");
+keys_on_m_values_fp8_impl!(E5m2, "e5m2");
+
+/// O^T += V^T P^T over a 64-key tile of the decode with the keys on M, 16-bit rows: `W` the
+/// width (64 or 128: `W/64` M blocks), `G` column groups; `o[G b..G b + G]` M block b, V^T read
+/// transposed from the tile's V rows at `desc_v` (A, M-major, 128-byte swizzle: M block b the
+/// atom 8 KB on, 16 keys a k-step), P^T of this type at `desc_p` (B, K-major). Not waited for:
+/// [`wait_pv_km`].
+pub trait KeysOnMValuesHalf {
+    unsafe fn pv_km<const W: usize, const G: usize>(o: &mut [[f32; 4]; 8], desc_v: u64, desc_p: u64);
+}
+
+macro_rules! keys_on_m_values_half_impl {
+    ($t:ty, $shape:literal) => {
+        impl KeysOnMValuesHalf for $t {
+            #[inline(always)]
+            unsafe fn pv_km<const W: usize, const G: usize>(o: &mut [[f32; 4]; 8], desc_v: u64, desc_p: u64) {
+                const { assert!((W == 64 || W == 128) && (G == 1 || G == 2)) };
+                if W == 64 && G == 1 {
+                    unsafe {
+                        with_acc!(concat!(
+                            "{{\n.reg .pred po;\n.reg .b32 zz, a0, ah, al, b0, bh, bl;\n.reg .b64 da, db;\n",
+                            "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
+                            "mov.b64 {{a0, ah}}, {4};\nmov.b64 {{b0, bh}}, {5};\nwgmma.fence.sync.aligned;\n",
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "0", "0", "po", ", 1, 0"),
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "128", "2", "po", ", 1, 0"),
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "256", "4", "po", ", 1, 0"),
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "384", "6", "po", ", 1, 0"),
+                            "wgmma.commit_group.sync.aligned;\n}}"
+                        ), inout o [0], in(reg64) desc_v, in(reg64) desc_p, options(nostack))
+                    };
+                } else if W == 64 && G == 2 {
+                    unsafe {
+                        with_acc!(concat!(
+                            "{{\n.reg .pred po;\n.reg .b32 zz, a0, ah, al, b0, bh, bl;\n.reg .b64 da, db;\n",
+                            "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
+                            "mov.b64 {{a0, ah}}, {8};\nmov.b64 {{b0, bh}}, {9};\nwgmma.fence.sync.aligned;\n",
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "0", "0", "po", ", 1, 0"),
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "128", "2", "po", ", 1, 0"),
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "256", "4", "po", ", 1, 0"),
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "384", "6", "po", ", 1, 0"),
+                            "wgmma.commit_group.sync.aligned;\n}}"
+                        ), inout o [0 1], in(reg64) desc_v, in(reg64) desc_p, options(nostack))
+                    };
+                } else if W == 128 && G == 1 {
+                    unsafe {
+                        with_acc!(concat!(
+                            "{{\n.reg .pred po;\n.reg .b32 zz, a0, ah, al, b0, bh, bl;\n.reg .b64 da, db;\n",
+                            "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
+                            "mov.b64 {{a0, ah}}, {8};\nmov.b64 {{b0, bh}}, {9};\nwgmma.fence.sync.aligned;\n",
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "0", "0", "po", ", 1, 0"),
+                            ss_step!("8", $shape, "{{{4}, {5}, {6}, {7}}}", "512", "0", "po", ", 1, 0"),
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "128", "2", "po", ", 1, 0"),
+                            ss_step!("8", $shape, "{{{4}, {5}, {6}, {7}}}", "640", "2", "po", ", 1, 0"),
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "256", "4", "po", ", 1, 0"),
+                            ss_step!("8", $shape, "{{{4}, {5}, {6}, {7}}}", "768", "4", "po", ", 1, 0"),
+                            ss_step!("8", $shape, "{{{0}, {1}, {2}, {3}}}", "384", "6", "po", ", 1, 0"),
+                            ss_step!("8", $shape, "{{{4}, {5}, {6}, {7}}}", "896", "6", "po", ", 1, 0"),
+                            "wgmma.commit_group.sync.aligned;\n}}"
+                        ), inout o [0 1], in(reg64) desc_v, in(reg64) desc_p, options(nostack))
+                    };
+                } else if W == 128 && G == 2 {
+                    unsafe {
+                        with_acc!(concat!(
+                            "{{\n.reg .pred po;\n.reg .b32 zz, a0, ah, al, b0, bh, bl;\n.reg .b64 da, db;\n",
+                            "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
+                            "mov.b64 {{a0, ah}}, {16};\nmov.b64 {{b0, bh}}, {17};\nwgmma.fence.sync.aligned;\n",
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "0", "0", "po", ", 1, 0"),
+                            ss_step!("16", $shape, "{{{8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}", "512", "0", "po", ", 1, 0"),
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "128", "2", "po", ", 1, 0"),
+                            ss_step!("16", $shape, "{{{8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}", "640", "2", "po", ", 1, 0"),
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "256", "4", "po", ", 1, 0"),
+                            ss_step!("16", $shape, "{{{8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}", "768", "4", "po", ", 1, 0"),
+                            ss_step!("16", $shape, "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}}", "384", "6", "po", ", 1, 0"),
+                            ss_step!("16", $shape, "{{{8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}", "896", "6", "po", ", 1, 0"),
+                            "wgmma.commit_group.sync.aligned;\n}}"
+                        ), inout o [0 1 2 3], in(reg64) desc_v, in(reg64) desc_p, options(nostack))
+                    };
+                }
+            }
+        }
+    };
+}
+
+keys_on_m_values_half_impl!(Bf16, "k16.f32.bf16.bf16");
+keys_on_m_values_half_impl!(F16, "k16.f32.f16.f16");
+
+/// Waits for the S^T chain of [`KeysOnMScores`] (the only one in flight) and returns its
+/// accumulators for the reads after the wait.
+#[inline(always)]
+pub unsafe fn wait_scores_km<const G: usize>(s: [[f32; 4]; 2]) -> [[f32; 4]; 2] {
+    if G == 1 {
+        unsafe { with_acc!("wgmma.wait_group.sync.aligned 0; // {0}, {1}, {2}, {3}", in s [0], options(nostack)) };
+    } else {
+        unsafe { with_acc!("wgmma.wait_group.sync.aligned 0; // {0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}", in s [0 1], options(nostack)) };
+    }
+    s
+}
+
+/// Waits for the O^T chain of [`KeysOnMValuesFp8`] or [`KeysOnMValuesHalf`]: the accumulators of
+/// `W/64 x G` entries of `o` and (`FRAGS`, the FP8 chain) the `2 W/64` A fragments of `v`.
+#[inline(always)]
+pub unsafe fn wait_pv_km<const W: usize, const G: usize, const FRAGS: bool>(o: &mut [[f32; 4]; 8], v: &[[u32; 4]; 8]) {
+    if W == 64 && G == 1 && !FRAGS {
+        unsafe { with_acc!("wgmma.wait_group.sync.aligned 0; // {0}, {1}, {2}, {3}", inout o [0], options(nostack)) };
+    } else if W == 64 && G == 2 && !FRAGS {
+        unsafe { with_acc!("wgmma.wait_group.sync.aligned 0; // {0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}", inout o [0 1], options(nostack)) };
+    } else if W == 128 && G == 1 && FRAGS {
+        unsafe {
+            with_acc!("wgmma.wait_group.sync.aligned 0; // {0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}",
+                      inout o [0 1], frags v [0 1 2 3], options(nostack))
+        };
+    } else if W == 128 && G == 1 && !FRAGS {
+        unsafe { with_acc!("wgmma.wait_group.sync.aligned 0; // {0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}", inout o [0 1], options(nostack)) };
+    } else if W == 128 && G == 2 && FRAGS {
+        unsafe {
+            with_acc!("wgmma.wait_group.sync.aligned 0; // {0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}",
+                      inout o [0 1 2 3], frags v [0 1 2 3], options(nostack))
+        };
+    } else if W == 128 && G == 2 && !FRAGS {
+        unsafe {
+            with_acc!("wgmma.wait_group.sync.aligned 0; // {0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}", inout o [0 1 2 3], options(nostack))
+        };
+    } else if W == 256 && G == 1 && FRAGS {
+        unsafe {
+            with_acc!("wgmma.wait_group.sync.aligned 0; // {0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}, {32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}",
+                      inout o [0 1 2 3], frags v [0 1 2 3 4 5 6 7], options(nostack))
+        };
+    } else if W == 256 && G == 2 && FRAGS {
+        unsafe {
+            with_acc!("wgmma.wait_group.sync.aligned 0; // {0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}, {32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}",
+                      inout o [0 1 2 3 4 5 6 7], frags v [0 1 2 3 4 5 6 7], options(nostack))
+        };
+    }
+}
