@@ -175,7 +175,8 @@ impl<Q: MmaHalf, K: CacheFormat, const W: usize, const G: usize> Operands<Q, W, 
                 amax = amax.max(shfl_xor(amax, 1 << i));
             }
         });
-        let scale = if amax > 0.0 { E4M3_MAX / amax } else { 1.0 };
+        // Finite for the smallest subnormal magnitudes too (bf16 holds some under 448 / f32::MAX).
+        let scale = if amax > 0.0 { (E4M3_MAX / amax).min(f32::MAX) } else { 1.0 };
         static_for::<4>(|x| {
             if (x as u32) < c.count {
                 let mut packed = [0u32; 2];
@@ -335,7 +336,8 @@ impl<Q: MmaHalf + KeysOnMScores + KeysOnMValuesHalf, const W: usize, const G: us
 /// `R = 8 G`), `O` the cache's operands.
 #[inline(always)]
 unsafe fn decode_keys_m<Q: MmaHalf, O: Operands<Q, W, G>, const W: usize, const G: usize, const R: u32>(p: &AttnParams) {
-    const { assert!((G == 1 || G == 2) && R == 8 * G as u32) };
+    // Every thread of the query staging takes at least one 8-column chunk (`QueryChunks`).
+    const { assert!((G == 1 || G == 2) && R == 8 * G as u32 && W * G >= 128) };
     let row_bytes = W as u32 * O::Cache::ELEM_BYTES;
     // M blocks of O^T (64 head dimensions each).
     let blocks = W as u32 / 64;
@@ -612,7 +614,9 @@ unsafe fn decode_keys_m<Q: MmaHalf, O: Operands<Q, W, G>, const W: usize, const 
 /// `G` column groups of 8 rows, `R = 8 G` rows a CTA.
 #[inline(always)]
 pub unsafe fn decode_keys_m_fp8<Q: MmaHalf, K: CacheFormat, const W: usize, const G: usize, const R: u32>(p: &AttnParams) {
-    const { assert!(W == 128 || W == 256) };
+    // e4m3 `wgmma` reads the cache's bytes as they are: the scales must be the cache's own
+    // (`hw_fp8`, as on every sm_90a build, converts without a factor).
+    const { assert!((W == 128 || W == 256) && K::Fp8::UNPACK_SCALE == 1.0) };
     unsafe { decode_keys_m::<Q, Fp8Rows<K>, W, G, R>(p) }
 }
 

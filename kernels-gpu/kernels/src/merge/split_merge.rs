@@ -59,6 +59,14 @@ pub(crate) unsafe fn merge_item_splits<Q: MmaHalf, const DV: usize, const R: u32
     unsafe { store_rows::<Q, DV, R>(p, w, state, &acc, 1) };
 }
 
+/// 16-byte column chunks a thread of the merge takes of a row: `DV / 4` chunks over `THREADS / R`
+/// threads a row (4 for the keys-as-rows kernels' rows, 8 for 16 rows of width 256).
+const fn chunk_slots<const DV: usize, const R: u32>() -> u32 {
+    let slots = (DV as u32 / 4).div_ceil(THREADS / R);
+    assert!(slots <= 8);
+    slots
+}
+
 /// The splits a fold reads: `count` of them, `step` apart from `first`.
 #[derive(Clone, Copy)]
 struct Folded {
@@ -88,12 +96,13 @@ unsafe fn arrive_last(counter: u64, arrivals: u32, flag: u32) -> bool {
 /// (denominator 1 each: partials are normalised) and the weighted sum of its 16-byte chunks.
 /// Four splits at a time: their LSEs and chunks load together (one round trip).
 #[inline(always)]
-unsafe fn fold_splits<const DV: usize, const R: u32>(p: &AttnParams, w: &Work, base: u64, fold: Folded) -> (OnlineSoftmax, [[f32; 4]; 4]) {
+unsafe fn fold_splits<const DV: usize, const R: u32>(p: &AttnParams, w: &Work, base: u64, fold: Folded) -> (OnlineSoftmax, [[f32; 4]; 8]) {
     let tid = thread_idx_x();
     let per_row = THREADS / R;
     let (r, t) = (tid / per_row, tid % per_row);
+    let slots = const { chunk_slots::<DV, R>() };
     let mut state = OnlineSoftmax::EMPTY;
-    let mut acc = [[0.0f32; 4]; 4];
+    let mut acc = [[0.0f32; 4]; 8];
     if r >= w.live {
         return (state, acc);
     }
@@ -106,15 +115,15 @@ unsafe fn fold_splits<const DV: usize, const R: u32>(p: &AttnParams, w: &Work, b
     let mut k0 = 0;
     while k0 < fold.count {
         let mut lse = [f32::NEG_INFINITY; 4];
-        let mut v = [[[0u32; 4]; 4]; 4];
+        let mut v = [[[0u32; 4]; 8]; 4];
         static_for::<4>(|j| {
             if k0 + (j as u32) < fold.count {
                 let split = fold.first + (k0 + j as u32) * fold.step;
                 let index = first + split as u64 * split_stride;
                 lse[j] = unsafe { load_f32_cg(p.split.partial_lse + index * 4) };
-                static_for::<4>(|i| {
+                static_for::<8>(|i| {
                     let c = t + per_row * i as u32;
-                    if i as u32 * per_row < chunks && c < chunks {
+                    if (i as u32) < slots && i as u32 * per_row < chunks && c < chunks {
                         v[j][i] = unsafe { load16_cg(p.split.partial_out + (index * dv as u64 + 4 * c as u64) * 4) };
                     }
                 });
@@ -122,7 +131,10 @@ unsafe fn fold_splits<const DV: usize, const R: u32>(p: &AttnParams, w: &Work, b
         });
         static_for::<4>(|j| {
             let (a, b) = state.merge(OnlineSoftmax { max: lse[j] * LOG2_E, sum: 1.0 });
-            static_for::<4>(|i| {
+            static_for::<8>(|i| {
+                if (i as u32) >= slots {
+                    return;
+                }
                 static_for::<4>(|e| {
                     // An empty split (weight 0) adds nothing, whatever its row holds.
                     acc[i][e] = acc[i][e] * a + if b != 0.0 { f32::from_bits(v[j][i][e]) * b } else { 0.0 };
@@ -141,7 +153,7 @@ unsafe fn store_rows<Q: MmaHalf, const DV: usize, const R: u32>(
     p: &AttnParams,
     w: &Work,
     state: OnlineSoftmax,
-    acc: &[[f32; 4]; 4],
+    acc: &[[f32; 4]; 8],
     num_splits: u32,
 ) {
     let tid = thread_idx_x();
@@ -153,10 +165,11 @@ unsafe fn store_rows<Q: MmaHalf, const DV: usize, const R: u32>(
     let row = unsafe { w.row(p, r) };
     let dv = p.dims.v_or(DV as u32);
     let chunks = dv / 4;
+    let slots = const { chunk_slots::<DV, R>() };
     let out = unsafe { RowOut::new(p, w, &row, state, num_splits, t == 0, 1.0, dv) };
-    static_for::<4>(|i| {
+    static_for::<8>(|i| {
         let c = t + per_row * i as u32;
-        if i as u32 * per_row < chunks && c < chunks {
+        if (i as u32) < slots && i as u32 * per_row < chunks && c < chunks {
             unsafe {
                 out.store_pair::<Q>(4 * c, acc[i][0], acc[i][1]);
                 out.store_pair::<Q>(4 * c + 2, acc[i][2], acc[i][3]);
