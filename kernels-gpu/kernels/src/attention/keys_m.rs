@@ -44,8 +44,8 @@ use crate::blocks::device::{
 use crate::blocks::elem::{E4m3, E5m2, Fp8Format};
 use crate::blocks::mbarrier;
 use crate::blocks::mma::{
-    byte_perm, cp_async_wait, fence_proxy_async_shared, ld_shared_f32, ld_shared_v4, ldmatrix_x4_trans, shared_addr, st_shared_f32,
-    st_shared_u16, st_shared_u64, st_shared_u8, st_shared_v4, wgmma_desc, MmaHalf,
+    byte_perm, cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_f32, ld_shared_v4, ldmatrix_x4_trans, shared_addr,
+    st_shared_f32, st_shared_u16, st_shared_u64, st_shared_u8, st_shared_v4, wgmma_desc, MmaHalf,
 };
 use crate::blocks::vec_io::{e4m3x2, load8_nc};
 use crate::blocks::wgmma::{wait_pv_km, wait_scores_km, KeysOnMScores, KeysOnMValuesFp8, KeysOnMValuesHalf};
@@ -418,6 +418,8 @@ unsafe fn decode_keys_m<Q: MmaHalf, O: Operands<Q, W, G>, const W: usize, const 
             let bit = 1 << (tile % st);
             *bad_ring = if bad { *bad_ring | bit } else { *bad_ring & !bit };
             any_bad |= bad;
+            // Committed as a group (as MLA's narrow kernel does), tracked by the stage's barrier.
+            cp_async_commit();
             unsafe { mbarrier::arrive_when_copies_land(filled(tile)) };
         }
     };
