@@ -161,7 +161,7 @@ impl KernelId {
         }
     }
 
-    /// Whether only the sm_90a module has it (Hopper's `wgmma` prefill and FP8 decode kernels).
+    /// Whether only the sm_90a module has it (Hopper's `wgmma` prefill and decode kernels).
     #[cfg(test)]
     pub fn hopper_only(&self) -> bool {
         matches!(self, KernelId::PrefillWgs { .. } | KernelId::DecodeKm { .. })

@@ -183,8 +183,8 @@ pub(crate) fn decode_tc_kernel(
     // No slots: `plan_decode_tc` leaves the even waves out.
     let slots = if tuning.decode_even_waves { slots } else { 0 };
     let mut shape = TcShape::attention(width, width, kernel.keys_split(), fp8, num_kv_heads as u32);
-    // The keys-as-rows kernels and the FP8 ones on `wgmma` take 8 or 16 rows a CTA and merge
-    // their splits themselves.
+    // The keys-as-rows kernels and those on `wgmma` take 8 or 16 rows a CTA and merge their
+    // splits themselves.
     let keys_rows = match id {
         KernelId::DecodeKr { wide, .. } | KernelId::DecodeKm { wide, .. } => {
             shape.block_m = if wide { keys_rows::WIDE_ROWS } else { keys_rows::MAX_ROWS };
@@ -329,7 +329,7 @@ mod tests {
     /// 64 the keys-as-rows ones, more rows the prefill kernel), 16-bit ones at 64 and 128 for 9 to
     /// 16 rows; the rest is as elsewhere.
     #[test]
-    fn hopper_fp8_decode_kernels() {
+    fn hopper_decode_kernels() {
         let e4m3 = CacheRows::Fp8 { format: crate::dtype::Fp8Format::E4m3, a8: false };
         let a8 = CacheRows::of(DType::Fp8E5m2, 72);
         let pick = |rows, d, group, max_q| decode_kernel_id(true, DType::BF16, rows, d, group, max_q, 100);
