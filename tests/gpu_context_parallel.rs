@@ -433,6 +433,8 @@ fn forward_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usi
         })
         .collect();
     let outs: Vec<Vec<Vec<bf16>>> = handles.into_iter().map(|h| h.join().expect("a rank's thread")).collect::<Result<_, _>>()?;
+    // On Hopper FP8 decode may round the queries and weights to e4m3 (`fp8_decode_rounds_to_e4m3`).
+    let (_, row_tol, _) = bounds(DType::BF16, fp8 && attn_rs::decode::fp8_decode_rounds_to_e4m3(device(), d));
     for (s, want) in wants.iter().enumerate() {
         for (rank, o) in outs.iter().enumerate().skip(1) {
             if o[s].iter().zip(&outs[0][s]).any(|(a, b)| a.to_bits() != b.to_bits()) {
@@ -440,7 +442,7 @@ fn forward_cp_case<C: Element + Send + Sync + 'static>(n: usize, interleave: usi
             }
         }
         let got: Vec<f64> = outs[0][s].iter().map(|x| x.to_f64()).collect();
-        check_rows(&got, &want.out, d, hq, DType::BF16).map_err(|m| format!("step {s}: {m}"))?;
+        check_rows_within(&got, &want.out, d, hq, row_tol).map_err(|m| format!("step {s}: {m}"))?;
     }
     Ok(())
 }

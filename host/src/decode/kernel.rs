@@ -137,7 +137,7 @@ impl TcKernel {
 /// Whether decode from an FP8 cache on `device` at head size `head_size` rounds the queries and
 /// the softmax weights to e4m3 (for batches of up to 16 query rows a kv head, query tokens x
 /// query heads; more take the prefill kernel, [`crate::prefill::fp8_prefill_rounds_to_e4m3`]):
-/// on sm_90a at head sizes 72 to 256 both products run on e4m3 `wgmma` with the cache's bytes as
+/// on sm_90a at head sizes 128 and 136 to 256 (`fp8_wgmma_pays`) both products run on e4m3 `wgmma` with the cache's bytes as
 /// they are (`decode_km_*`, `attn_math::keys_m`), the queries with one scale a row (its largest
 /// magnitude to e4m3's 448) and the weights times 2^7, as vLLM's FP8 decode on
 /// FlashAttention-3 quantises its queries. Elsewhere the cache's values are converted exactly
@@ -145,7 +145,15 @@ impl TcKernel {
 /// both FP8 formats.
 pub fn fp8_decode_rounds_to_e4m3(device: &AttnDevice, head_size: usize) -> bool {
     let width = attn_math::decode::decode_width(head_size.min(u32::MAX as usize) as u32, true);
-    device.ptx_target() == "sm_90a" && width.is_some_and(|w| keys_m::FP8_WIDTHS.contains(&w))
+    device.ptx_target() == "sm_90a" && width.is_some_and(|w| keys_m::FP8_WIDTHS.contains(&w)) && fp8_wgmma_pays(head_size)
+}
+
+/// Whether FP8 decode at `head_size` takes the `wgmma` kernels where they exist, as measured on
+/// the H200 (docs/decode.md): at width 128 only head size 128 itself (80, 96 and 112, padded to
+/// 128, ran 8%, 1% and 0.4% slower than the keys-as-rows kernels at 64 x 4096), at width 256
+/// every head size (160: 2% faster).
+fn fp8_wgmma_pays(head_size: usize) -> bool {
+    head_size >= 128
 }
 
 /// The longest request's keys (0 for an empty batch or negative lengths).
@@ -174,8 +182,8 @@ pub(crate) fn decode_tc_kernel(
     // Long FP8 requests take the deep pipeline only where it pays (`fp8_deep_pipeline`); 16-bit
     // ones take their long kernels everywhere (`keys_rows::HALF_LONG_KEYS`).
     let max_len = if !fp8 || dev.fp8_deep_pipeline() { max_len } else { 0 };
-    let hopper = dev.ptx_target() == "sm_90a";
-    let (kernel, id, smem) = decode_kernel_id(hopper, q_dtype, CacheRows::of(cache, d), width, group, max_q, max_len);
+    let wgmma = dev.ptx_target() == "sm_90a" && (!fp8 || fp8_wgmma_pays(d));
+    let (kernel, id, smem) = decode_kernel_id(wgmma, q_dtype, CacheRows::of(cache, d), width, group, max_q, max_len);
     let waves = tuning.decode_waves.unwrap_or(measured_waves(width)).max(1);
     let resident = dev.resident_ctas(id, attn_math::prefill::THREADS, smem)?;
     let slots = dev.sm_count() as u64 * resident as u64;
@@ -199,9 +207,9 @@ pub(crate) fn decode_tc_kernel(
 
 /// The tensor-core decode kernel for `group` query heads per kv head at width `d`, `max_q`
 /// query tokens per request and `max_len` keys in the longest over cache rows `rows`, and its
-/// shared memory; `hopper`: the sm_90a module's kernels.
+/// shared memory; `wgmma`: the sm_90a module's `wgmma` kernels may be taken.
 pub(crate) fn decode_kernel_id(
-    hopper: bool,
+    wgmma: bool,
     q: DType,
     rows: CacheRows,
     d: u32,
@@ -214,7 +222,7 @@ pub(crate) fn decode_kernel_id(
     let wide = max_q * group > keys_rows::MAX_ROWS;
     // On sm_90a, `wgmma` with the keys on M (`attn_math::keys_m`): FP8 caches at widths 128 and
     // 256 up to 16 rows (nothing converted), 16-bit ones at widths 64 and 128 for 9 to 16 rows.
-    if hopper && kernel == DecodeKernel::TensorCoreKeys && keys_m::takes(d, fp8, max_q * group) {
+    if wgmma && kernel == DecodeKernel::TensorCoreKeys && keys_m::takes(d, fp8, max_q * group) {
         let rows_per_cta = if wide { keys_rows::WIDE_ROWS } else { keys_rows::MAX_ROWS };
         let row_bytes = d * if fp8 { 1 } else { 2 };
         return (kernel, KernelId::DecodeKm { q, rows, wide, head_size: d }, keys_m::layout(row_bytes, rows_per_cta).total);
@@ -350,6 +358,12 @@ mod tests {
         assert_eq!(pick(e4m3, 64, 4, 1).1.entry_name(), "decode_kr_bf16_fp8_d64");
         assert_eq!(pick(e4m3, 128, 32, 1).1.entry_name(), "prefill_bf16_fp8_dk128_dv128");
         assert_eq!(pick(CacheRows::Bits16, 128, 4, 1).1.entry_name(), "decode_kr_bf16_d128");
+    }
+
+    /// FP8 head sizes padded to width 128 keep the keys-as-rows kernels; width 256's all take `wgmma`.
+    #[test]
+    fn fp8_wgmma_by_head_size() {
+        assert_eq!([72, 80, 96, 112, 128, 136, 160, 256].map(fp8_wgmma_pays), [false, false, false, false, true, true, true, true]);
     }
 
     #[test]
