@@ -6,10 +6,11 @@ benchmark, written into the benchmark's JSON beside our rows with the ratios.
 
     python3 scripts/sdpa-anchor.py bench.json        # adds the anchors to bench.json's rows
 
-A prefill row's shape reads "BxL (+C cached) Hq/Hkv dD": B requests of L new tokens after C
-cached ones, causal aligned to the end of each sequence (our chunked prefill), Hq query heads
-over Hkv kv heads. torch runs it on dense [B, L + C, Hkv, D] keys and values (our kernels read a
-paged cache); FLOPs are counted as ours are: 4 * Hq * D per attended (query, key) pair.
+A prefill row's shape reads "BxL (+C cached) Hq/Hkv dD" (or "dkDK dvDV" where QK and V head
+sizes differ): B requests of L new tokens after C cached ones, causal aligned to the end of each
+sequence (our chunked prefill), Hq query heads over Hkv kv heads. torch runs it on dense
+[B, L + C, Hkv, D] keys and values (our kernels read a paged cache); FLOPs are counted as ours
+are: 2 * Hq * (DK + DV) per attended (query, key) pair.
 
 Each prefill row gains "sdpa_cudnn_tflops" and "sdpa_flash_tflops" (null when the backend
 refuses the shape, with the reason under "sdpa_notes") and "ours_over_cudnn" / "ours_over_flash".
@@ -24,14 +25,19 @@ import json
 import re
 import sys
 
-SHAPE = re.compile(r"^(\d+)x(\d+) \(\+(\d+) cached\) (\d+)q/(\d+)kv d(\d+)$")
+SHAPE = re.compile(r"^(\d+)x(\d+) \(\+(\d+) cached\) (\d+)q/(\d+)kv (?:d(\d+)|dk(\d+) dv(\d+))$")
 WARMUP, REPS = 5, 20
 MATMUL_N = 8192
 
 
 def parse(shape):
+    """(B, L, C, Hq, Hkv, D of QK, D of V) of a prefill row's shape."""
     m = SHAPE.match(shape)
-    return None if m is None else tuple(int(g) for g in m.groups())
+    if m is None:
+        return None
+    b, q_len, cached, hq, hkv, d, dk, dv = m.groups()
+    dk, dv = (d, d) if d else (dk, dv)
+    return tuple(int(g) for g in (b, q_len, cached, hq, hkv, dk, dv))
 
 
 def pairs(b, q_len, cached):
@@ -54,7 +60,7 @@ def time_us(torch, fn):
     return times[len(times) // 2]
 
 
-def sdpa_call(torch, b, q_len, cached, hq, hkv, d):
+def sdpa_call(torch, b, q_len, cached, hq, hkv, d, dv):
     """The call for one shape: [B, S, H, D] tensors viewed as [B, H, S, D] (how an engine holds
     them), bf16, causal aligned to the end when there are cached keys."""
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -63,7 +69,7 @@ def sdpa_call(torch, b, q_len, cached, hq, hkv, d):
     gen = torch.Generator(device="cuda").manual_seed(7)
     q = torch.randn(b, q_len, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
     k = torch.randn(b, kv_len, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
-    v = torch.randn(b, kv_len, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
+    v = torch.randn(b, kv_len, hkv, dv, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
     if cached:
         from torch.nn.attention.bias import causal_lower_right
 
@@ -117,8 +123,8 @@ def main():
         print(f"{'shape':<40} {'ours TF/s':>10} {'cuDNN':>8} {'FLASH':>8} {'ours/cuDNN':>11} {'ours/FLASH':>11}")
     for row in prefill:
         shape = parse(row["shape"])
-        b, q_len, cached, hq, hkv, d = shape
-        flops = 4.0 * hq * d * pairs(b, q_len, cached)
+        b, q_len, cached, hq, hkv, d, dv = shape
+        flops = 2.0 * hq * (d + dv) * pairs(b, q_len, cached)
         notes = {}
         for name, backend in backends.items():
             tflops = None

@@ -359,6 +359,35 @@ fn cases() -> Vec<(String, Case, &'static str)> {
         Case { dk: 192, dv: 128, packed: true, q_heads: 4, kv_heads: 4, q_lens: Some(vec![1, 20, 64]), ..Case::base(&[1, 70, 300]) },
         "f16",
     );
+    // QK 192 / V 128 on the Hopper kernel (`prefill_wgs_<q>_dk192_dv128`: Q and K rows of three
+    // swizzle atoms, copied an atom at a time, one query buffer), packed K/V as DeepSeek's prefill
+    // passes them: the lengths, many tiles (the last partial), GQA 8, non-causal, every feature,
+    // empty requests, gaps after every head, many items a CTA.
+    let qk_v = |c: Case| Case { dk: 192, dv: 128, packed: true, ..c };
+    push("bf16::qk192_v128_lengths_1_15_16_17_127_1000".into(), qk_v(Case::base(&lens)), "bf16");
+    push("f16::length_2049_gqa8_qk192_v128".into(), qk_v(Case { q_heads: 8, kv_heads: 1, ..Case::base(&[2049]) }), "f16");
+    push("bf16::qk192_v128_non_causal".into(), qk_v(Case { causal: false, ..Case::base(&[1, 17, 300]) }), "bf16");
+    push(
+        "bf16::qk192_v128_all_features_chunked".into(),
+        qk_v(Case {
+            softcap: Some(8.0),
+            alibi: true,
+            sinks: true,
+            window: Some(64),
+            q_lens: Some(vec![3, 100, 8]),
+            ..Case::base(&[40, 500, 8])
+        }),
+        "bf16",
+    );
+    push(
+        "f16::qk192_v128_empty_requests_gqa4".into(),
+        qk_v(Case { q_lens: Some(vec![0, 5, 0, 130]), q_heads: 8, kv_heads: 2, ..Case::base(&[0, 5, 7, 200]) }),
+        "f16",
+    );
+    push("bf16::qk192_v128_gapped".into(), qk_v(Case { gapped: true, ..Case::base(&[17, 300, 129, 1]) }), "bf16");
+    let many: Vec<i32> = (0..300).map(|i| 1 + (i * 37) % 40).collect();
+    let many_q: Vec<i32> = many.iter().enumerate().map(|(i, &s)| (1 + i as i32 % 3).min(s)).collect();
+    push("bf16::qk192_v128_many_items".into(), qk_v(Case { q_lens: Some(many_q), ..Case::base(&many) }), "bf16");
     for (hq, hkv) in [(4, 4), (8, 2), (16, 2), (16, 1), (12, 4)] {
         push(format!("bf16::gqa_{hq}q_{hkv}kv"), Case { q_heads: hq, kv_heads: hkv, ..Case::base(&[33, 200, 5]) }, "bf16");
     }

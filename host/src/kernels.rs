@@ -105,8 +105,9 @@ pub enum KernelId {
     /// `prefill_local_<q>_dk<d>_dv<d>`: the `mma.sync` prefill kernel with the local masks
     /// (chunked local attention, the symmetric window), 16-bit caches or packed K/V.
     PrefillLocal { q: DType, head_size: u32 },
-    /// `prefill_wgs_<q><rows>_d<d>`: Hopper's warp-specialised persistent prefill (sm_90a).
-    PrefillWgs { q: DType, rows: CacheRows, head_size: u32 },
+    /// `prefill_wgs_<q><rows>_d<d>`: Hopper's warp-specialised persistent prefill (sm_90a);
+    /// `prefill_wgs_<q>_dk<qk>_dv<v>` where the head sizes differ (QK 192 / V 128).
+    PrefillWgs { q: DType, rows: CacheRows, head_size: u32, head_size_v: u32 },
     /// `mla_<q>[<fp8>]_{narrow,wide}`: MLA's latent attention.
     Mla { q: DType, fp8: Option<Fp8Format>, tile: MlaTile },
     /// `mla_sparse_<q>[<fp8>]_{narrow,wide}`: the MLA kernel over each query token's top-k
@@ -135,7 +136,12 @@ impl KernelId {
                 format!("prefill_{}{}_dk{dk}_dv{dv}", q.kernel_name(), rows.tag())
             }
             KernelId::PrefillLocal { q, head_size: d } => format!("prefill_local_{}_dk{d}_dv{d}", q.kernel_name()),
-            KernelId::PrefillWgs { q, rows, head_size: d } => format!("prefill_wgs_{}{}_d{d}", q.kernel_name(), rows.tag()),
+            KernelId::PrefillWgs { q, rows, head_size: d, head_size_v: dv } if d == dv => {
+                format!("prefill_wgs_{}{}_d{d}", q.kernel_name(), rows.tag())
+            }
+            KernelId::PrefillWgs { q, rows, head_size: dk, head_size_v: dv } => {
+                format!("prefill_wgs_{}{}_dk{dk}_dv{dv}", q.kernel_name(), rows.tag())
+            }
             KernelId::Mla { q, fp8, tile } => {
                 format!("mla_{}{}_{}", q.kernel_name(), fp8_tag(fp8), if tile == MlaTile::Narrow { "narrow" } else { "wide" })
             }
@@ -232,7 +238,12 @@ impl KernelId {
                 }
                 let wgs_sizes = if is_fp8 { &hopper_prefill::FP8_HEAD_SIZES[..] } else { &hopper_prefill::HEAD_SIZES[..] };
                 for &head_size in wgs_sizes {
-                    v.push(KernelId::PrefillWgs { q, rows, head_size });
+                    v.push(KernelId::PrefillWgs { q, rows, head_size, head_size_v: head_size });
+                }
+                if !is_fp8 {
+                    for (head_size, head_size_v) in hopper_prefill::QK_V_PAIRS {
+                        v.push(KernelId::PrefillWgs { q, rows, head_size, head_size_v });
+                    }
                 }
             }
             for head_size in decode::HEAD_SIZES {
@@ -337,11 +348,12 @@ mod tests {
             (KernelId::DecodeKm { q: f16, rows: fp8(e5m2, true), wide: true, head_size: 256 }, "decode_km_f16_e5m2_a8_r16_d256"),
             (KernelId::DecodeKm { q: bf16, rows: half, wide: true, head_size: 64 }, "decode_km_bf16_r16_d64"),
             (KernelId::Prefill { q: f16, rows: half, head_size_qk: 192, head_size_v: 128 }, "prefill_f16_dk192_dv128"),
-            (KernelId::PrefillWgs { q: bf16, rows: half, head_size: 128 }, "prefill_wgs_bf16_d128"),
-            (KernelId::PrefillWgs { q: f16, rows: half, head_size: 64 }, "prefill_wgs_f16_d64"),
-            (KernelId::PrefillWgs { q: bf16, rows: fp8(e4m3, false), head_size: 96 }, "prefill_wgs_bf16_fp8_d96"),
-            (KernelId::PrefillWgs { q: f16, rows: fp8(e4m3, true), head_size: 80 }, "prefill_wgs_f16_fp8_a8_d80"),
-            (KernelId::PrefillWgs { q: bf16, rows: fp8(e5m2, false), head_size: 128 }, "prefill_wgs_bf16_e5m2_d128"),
+            (KernelId::PrefillWgs { q: bf16, rows: half, head_size: 128, head_size_v: 128 }, "prefill_wgs_bf16_d128"),
+            (KernelId::PrefillWgs { q: f16, rows: half, head_size: 64, head_size_v: 64 }, "prefill_wgs_f16_d64"),
+            (KernelId::PrefillWgs { q: bf16, rows: half, head_size: 192, head_size_v: 128 }, "prefill_wgs_bf16_dk192_dv128"),
+            (KernelId::PrefillWgs { q: bf16, rows: fp8(e4m3, false), head_size: 96, head_size_v: 96 }, "prefill_wgs_bf16_fp8_d96"),
+            (KernelId::PrefillWgs { q: f16, rows: fp8(e4m3, true), head_size: 80, head_size_v: 80 }, "prefill_wgs_f16_fp8_a8_d80"),
+            (KernelId::PrefillWgs { q: bf16, rows: fp8(e5m2, false), head_size: 128, head_size_v: 128 }, "prefill_wgs_bf16_e5m2_d128"),
             (
                 KernelId::DecodeKr { q: bf16, rows: fp8(e4m3, true), long: true, wide: true, head_size: 64 },
                 "decode_kr_bf16_fp8_a8_long_r16_d64",

@@ -214,8 +214,8 @@ pub(crate) struct PrefillKernel {
 /// The prefill kernel of the module `target` (`AttnDevice::ptx_target`) for head sizes `dk`,
 /// `dv` over K/V of type `kv` (the queries', or an FP8 cache's): Hopper's warp-specialised
 /// persistent `wgmma` kernel (`prefill_wgs_*`, in the sm_90a module) for QK = V, at widths 64,
-/// 80, 96, 112, 128 and 256 (16-bit caches) or up to 128 (FP8); the `mma.sync` kernel at
-/// [`prefill_widths`] for every other case.
+/// 80, 96, 112, 128 and 256 (16-bit caches) or up to 128 (FP8), and for QK 192 / V 128 from
+/// 16-bit K/V; the `mma.sync` kernel at [`prefill_widths`] for every other case.
 #[cfg(test)]
 pub(crate) fn prefill_kernel(target: &str, q: DType, kv: DType, dk: usize, dv: usize) -> PrefillKernel {
     prefill_kernel_for(target, q, kv, dk, dv, false).unwrap()
@@ -240,15 +240,19 @@ pub(crate) fn prefill_kernel_for(target: &str, q: DType, kv: DType, dk: usize, d
     // FP8 caches have one head size (`prefill_widths`).
     let rows = CacheRows::of(kv, dk);
     let a8 = matches!(rows, CacheRows::Fp8 { a8: true, .. });
-    let hopper = if target == "sm_90a" && dk == dv { width_in(dk as u32, hopper_widths) } else { None };
+    let hopper = match target {
+        "sm_90a" if dk == dv => width_in(dk as u32, hopper_widths).map(|w| (w, w)),
+        "sm_90a" if !fp8 && hopper_prefill::QK_V_PAIRS.contains(&(wk, wv)) => Some((wk, wv)),
+        _ => None,
+    };
     // Rows 8-byte aligned at width 256 keep the `mma.sync` kernel (`hopper_prefill::ws_takes_a8`).
-    let hopper = hopper.filter(|&w| !a8 || hopper_prefill::ws_takes_a8(w));
+    let hopper = hopper.filter(|&(w, _)| !a8 || hopper_prefill::ws_takes_a8(w));
     Ok(match hopper {
-        Some(w) => PrefillKernel {
-            id: KernelId::PrefillWgs { q, rows, head_size: w },
+        Some((w, w_v)) => PrefillKernel {
+            id: KernelId::PrefillWgs { q, rows, head_size: w, head_size_v: w_v },
             block_m: hopper_prefill::BLOCK_M,
             threads: hopper_prefill::WS_THREADS,
-            smem: hopper_prefill::ws_layout(w, fp8).total,
+            smem: hopper_prefill::ws_layout_qk_v(w, w_v, fp8).total,
             persistent: true,
         },
         None => PrefillKernel {
@@ -537,7 +541,8 @@ mod tests {
     use super::*;
 
     /// The kernel each module runs: the persistent `wgmma` kernel on sm_90a for QK = V (at its
-    /// widths, fewer from FP8), the `mma.sync` kernel at its width for everything else.
+    /// widths, fewer from FP8) and QK 192 / V 128 (16-bit), the `mma.sync` kernel at its width for
+    /// everything else.
     #[test]
     fn prefill_kernel_choice() {
         let kv = |q, fp8| if fp8 { DType::Fp8E4m3 } else { q };
@@ -574,7 +579,9 @@ mod tests {
         assert_eq!(e5m2("sm_90a", 128), "prefill_wgs_bf16_e5m2_d128");
         assert_eq!(e5m2("sm_90a", 72), "prefill_wgs_bf16_e5m2_a8_d80");
         assert_eq!(e5m2("sm_80", 256), "prefill_bf16_e5m2_dk256_dv256");
-        assert_eq!(name("sm_90a", bf16, false, 192, 128), "prefill_bf16_dk192_dv128");
+        assert_eq!(name("sm_90a", bf16, false, 192, 128), "prefill_wgs_bf16_dk192_dv128");
+        assert_eq!(name("sm_90a", f16, false, 192, 128), "prefill_wgs_f16_dk192_dv128");
+        assert_eq!(name("sm_80", bf16, false, 192, 128), "prefill_bf16_dk192_dv128");
         assert_eq!(name("sm_80", bf16, false, 64, 64), "prefill_bf16_dk64_dv64");
         assert_eq!(name("sm_80", f16, true, 256, 256), "prefill_f16_fp8_dk256_dv256");
         let local = |target| prefill_kernel_for(target, bf16, bf16, 128, 128, true).unwrap().id.entry_name();
@@ -586,6 +593,8 @@ mod tests {
         assert!(d128.persistent && d128.smem == hopper_prefill::ws_layout(128, false).total);
         let d256 = prefill_kernel("sm_90a", bf16, bf16, 256, 256);
         assert!(d256.persistent && d256.smem == hopper_prefill::ws_layout(256, false).total);
+        let qk_v = prefill_kernel("sm_90a", bf16, bf16, 192, 128);
+        assert!(qk_v.persistent && qk_v.smem == hopper_prefill::ws_layout_qk_v(192, 128, false).total);
         let fp8 = prefill_kernel("sm_90a", bf16, DType::Fp8E4m3, 128, 128);
         assert!(fp8.persistent && fp8.smem == hopper_prefill::ws_layout(128, true).total);
         let mma = prefill_kernel("sm_80", bf16, bf16, 128, 128);

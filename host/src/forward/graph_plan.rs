@@ -451,7 +451,7 @@ mod tests {
     #[test]
     fn a_mixed_step_is_padded_and_planned_for_both_kernels() {
         let prefill = GraphPrefillKernel {
-            kernel: KernelId::PrefillWgs { q: DType::BF16, rows: crate::kernels::CacheRows::Bits16, head_size: 128 },
+            kernel: KernelId::PrefillWgs { q: DType::BF16, rows: crate::kernels::CacheRows::Bits16, head_size: 128, head_size_v: 128 },
             block_m: 128,
             group: 4,
         };
@@ -513,7 +513,7 @@ mod tests {
     fn whole_step_tiles_cover_every_request() {
         let local = GraphPrefillKernel { kernel: KernelId::PrefillLocal { q: DType::BF16, head_size: 128 }, block_m: 64, group: 4 };
         let wgs = GraphPrefillKernel {
-            kernel: KernelId::PrefillWgs { q: DType::BF16, rows: crate::kernels::CacheRows::Bits16, head_size: 128 },
+            kernel: KernelId::PrefillWgs { q: DType::BF16, rows: crate::kernels::CacheRows::Bits16, head_size: 128, head_size_v: 128 },
             block_m: 128,
             group: 4,
         };

@@ -19,6 +19,11 @@ pub const BLOCK_N: u32 = 128;
 /// shared-memory rows are [`row_width`] columns. Width 256 also takes every head size from 136
 /// to 248 (its columns past the head size are copied as zeros, as the narrower widths' are).
 pub const HEAD_SIZES: [u32; 6] = [64, 80, 96, 112, 128, 256];
+/// Unequal head sizes (QK, V) of the Hopper prefill kernels (`prefill_wgs_<q>_dk192_dv128`,
+/// 16-bit K/V): DeepSeek's prefill over MLA's decompressed keys (128 + 64 rope columns) and
+/// values. The functions below that take one width take its QK width, 192, for it: K and Q rows
+/// of 192 columns (three swizzle atoms), V rows and O of 128, stages and steps as at width 128.
+pub const QK_V_PAIRS: [(u32, u32); 1] = [(192, 128)];
 
 /// Columns of the shared-memory rows of the kernel of width `d`: whole 128-byte swizzle atoms
 /// (64 columns each), so 128 for widths 80 to 112, whose columns past `d` hold zeros.
@@ -135,8 +140,9 @@ pub const fn ws_tables(d: u32, fp8: bool) -> u32 {
     }
 }
 /// Keys of a ring stage: a whole tile at head size 64 (32 KB a stage), half a tile at 128
-/// (32 KB; four whole-tile stages would not fit beside the two query buffers), a quarter at 256
-/// (32 KB: four of them beside one 64 KB query buffer). Half-tile stages are freed as soon as
+/// (32 KB; four whole-tile stages would not fit beside the two query buffers) and at QK 192 / V
+/// 128 (40 KB: four beside one 48 KB query buffer), a quarter at 256 (32 KB: four of them beside
+/// one 64 KB query buffer). Half-tile stages are freed as soon as
 /// the compute warps are done with that half, which keeps the producer a tile ahead; whole-tile
 /// stages at 128 (two of them) left it half a tile ahead and the kernel 9-12% slower than
 /// `prefill_wg_*`, while half-tile stages at 64 (eight) cost 6-10% there in extra barriers and
@@ -144,7 +150,7 @@ pub const fn ws_tables(d: u32, fp8: bool) -> u32 {
 pub const fn ws_stage_keys(d: u32, fp8: bool) -> u32 {
     if d <= 64 || matches!(stage_format(d, fp8), StageFormat::Fp8) {
         BLOCK_N
-    } else if d <= 128 {
+    } else if d <= 192 {
         BLOCK_N / 2
     } else {
         BLOCK_N / 4
@@ -168,11 +174,11 @@ pub const fn ws_row_bytes(d: u32, fp8: bool) -> u32 {
     }
 }
 
-/// Keys of the compute warps' step (the N of S, the K of P V): 64 up to width 128; 32 at 256,
-/// where O takes 128 registers a thread and a 64-key S (32 registers) in flight beside the one
-/// being turned into weights would not fit.
+/// Keys of the compute warps' step (the N of S, the K of P V): 64 up to width 128 and at QK 192
+/// (V 128); 32 at 256, where O takes 128 registers a thread and a 64-key S (32 registers) in
+/// flight beside the one being turned into weights would not fit.
 pub const fn ws_sub_keys(d: u32) -> u32 {
-    if d <= 128 {
+    if d <= 192 {
         64
     } else {
         32
@@ -181,8 +187,8 @@ pub const fn ws_sub_keys(d: u32) -> u32 {
 
 /// Whether the compute warps step over whole 128-key tiles (FA3's order: S of tile j + 1 and
 /// P V of tile j issued together, the softmax of j + 1 under that P V) rather than 64-key
-/// halves (S of the next half under each half's softmax): up to width 128, but not on e4m3
-/// stages. The order holds two tiles' stages from one issue to the next wait; on half-tile
+/// halves (S of the next half under each half's softmax): up to width 128 and at QK 192 (V 128),
+/// but not on e4m3 stages. The order holds two tiles' stages from one issue to the next wait; on half-tile
 /// stages (16-bit widths 80 to 128) the P V of a tile's first half is issued before the next
 /// S, so that its stage is freed when S retires and the producer has a stage to fill during
 /// the softmax. Measured on an H200 against halves (docs/prefill.md):
@@ -193,12 +199,13 @@ pub const fn ws_sub_keys(d: u32) -> u32 {
 ///   warpgroups taking turns to issue (FA3's ping-pong) they gained 1.5-2%, 16-bit width 64
 ///   lost as much.
 pub const fn ws_whole_tiles(d: u32, fp8: bool) -> bool {
-    d <= 128 && !matches!(stage_format(d, fp8), StageFormat::Fp8)
+    d <= 192 && !matches!(stage_format(d, fp8), StageFormat::Fp8)
 }
 
 /// Query buffers: the current item's and the next one's up to width 128; at 256 one (the next
 /// item's queries are copied once the current item's last tile is done with them: about 2 us an
-/// item of 30-70 us at 4 x 4096). e4m3 stages: one, free as soon as the compute warps have
+/// item of 30-70 us at 4 x 4096), and at QK 192 (two of 48 KB and four stages of 40 KB exceed
+/// the 227 KB; the stages' count, which the whole-tile order needs, is kept). e4m3 stages: one, free as soon as the compute warps have
 /// quantised its queries into their e4m3 buffer at the item's start.
 pub const fn ws_q_buffers(d: u32, fp8: bool) -> u32 {
     if d <= 128 && !matches!(stage_format(d, fp8), StageFormat::Fp8) {
@@ -260,8 +267,9 @@ pub struct WsLayout {
     /// e4m3 stages: the queries quantised to e4m3 ([`BLOCK_M`] rows of [`row_width`] bytes,
     /// each compute warpgroup its 64); `q8 == kv` (no bytes) otherwise.
     pub q8: u32,
-    /// Stage s: K at `kv + s * 2 * tile`, V `tile` bytes after (`tile`: [`ws_stage_keys`] rows
-    /// of [`ws_row_bytes`]; e4m3 stages hold V transposed, a row a V column).
+    /// Stage s: K at `kv + s * (tile + ws_v_tile(..))`, V `tile` bytes after (`tile`:
+    /// [`ws_stage_keys`] rows of [`ws_row_bytes`]; e4m3 stages hold V transposed, a row a V
+    /// column; V's bytes are `tile` but at QK 192 / V 128, [`ws_v_tile`]).
     pub kv: u32,
     pub tile: u32,
     /// Raw FP8 slot s ([`ws_raw_slots`]): K rows at `raw + s * 2 * raw_tile` ([`row_width`]
@@ -289,6 +297,24 @@ pub struct WsLayout {
 /// The layout of the kernel of width `d` (its rows are [`row_width`] columns) for a 16-bit or
 /// an FP8 cache.
 pub const fn ws_layout(d: u32, fp8: bool) -> WsLayout {
+    ws_layout_qk_v(d, d, fp8)
+}
+
+/// Bytes of a stage's V rows in the kernel of QK width `dk` and V width `dv`: K's
+/// (`WsLayout::tile`) where they are equal, else 16-bit rows of [`row_width`]`(dv)` columns.
+pub const fn ws_v_tile(dk: u32, dv: u32, fp8: bool) -> u32 {
+    let keys = ws_stage_keys(dk, fp8);
+    if dv == dk {
+        keys * ws_row_bytes(dk, fp8)
+    } else {
+        keys * row_width(dv) * 2
+    }
+}
+
+/// The layout of the kernel of QK width `dk` and V width `dv` (equal but for [`QK_V_PAIRS`], whose
+/// K/V are 16-bit): [`ws_layout`]'s, with V's rows [`row_width`]`(dv)` columns.
+pub const fn ws_layout_qk_v(dk: u32, dv: u32, fp8: bool) -> WsLayout {
+    let d = dk;
     let format = stage_format(d, fp8);
     let e4m3 = matches!(format, StageFormat::Fp8);
     let keys = ws_stage_keys(d, fp8);
@@ -299,11 +325,12 @@ pub const fn ws_layout(d: u32, fp8: bool) -> WsLayout {
     let q_buffers = ws_q_buffers(d, fp8);
     let q_bytes = BLOCK_M * d * 2;
     let tile = keys * row_bytes;
+    let v_tile = ws_v_tile(dk, dv, fp8);
     let raw_tile = keys * if e4m3 { E4M3_RAW_ROW } else { d };
     let q = 0;
     let q8 = q + q_buffers * q_bytes;
     let kv = q8 + if e4m3 { BLOCK_M * d } else { 0 };
-    let raw = kv + stages * 2 * tile;
+    let raw = kv + stages * (tile + v_tile);
     let raw_planes = if e4m3 { 1 } else { 2 };
     let table = raw + ws_raw_slots(d, fp8) * raw_planes * raw_tile;
     let item = table + ws_tables(d, fp8) * crate::prefill::table_slot_bytes(keys);
@@ -322,7 +349,8 @@ mod tests {
     #[test]
     fn warp_specialised_layout_fits_and_aligns() {
         let layouts = HEAD_SIZES.map(|d| (d, ws_layout(d, false))).into_iter().chain(FP8_HEAD_SIZES.map(|d| (d, ws_layout(d, true))));
-        for (d, l) in layouts {
+        let pairs = QK_V_PAIRS.map(|(dk, dv)| (dk, ws_layout_qk_v(dk, dv, false)));
+        for (d, l) in layouts.chain(pairs) {
             assert!(l.total <= 227 * 1024, "d{d}: {l:?}");
             for o in [l.q, l.q_bytes, l.q8, l.kv, l.tile, l.raw, l.raw_tile] {
                 assert!(o.is_multiple_of(1024), "d{d}: {l:?}");
@@ -343,9 +371,21 @@ mod tests {
         }
     }
 
+    /// QK 192 / V 128: width 128's stages and steps (whole tiles of two 64-key stages, four of
+    /// them) with K rows of 192 columns and one query buffer.
+    #[test]
+    fn qk_192_v_128_layout() {
+        let l = ws_layout_qk_v(192, 128, false);
+        assert_eq!((ws_stages(192, false), ws_stage_keys(192, false), ws_sub_keys(192), ws_q_buffers(192, false)), (4, 64, 64, 1));
+        assert!(ws_whole_tiles(192, false) && !ws_tma_stages(192, false));
+        assert_eq!((l.q_bytes, l.tile, ws_v_tile(192, 128, false)), (128 * 192 * 2, 64 * 192 * 2, 64 * 128 * 2));
+        assert_eq!(l.raw, l.kv + 4 * (l.tile + ws_v_tile(192, 128, false)));
+        assert_eq!(ws_layout_qk_v(128, 128, false), ws_layout(128, false));
+    }
+
     #[test]
     fn swizzled_layout_is_a_bijection_keeping_128_byte_runs() {
-        for d in HEAD_SIZES.map(row_width) {
+        for d in HEAD_SIZES.map(row_width).into_iter().chain([192]) {
             let chunks = d / 8;
             let mut seen = std::vec![false; (16 * chunks) as usize];
             for r in 0..16 {

@@ -221,33 +221,42 @@ keys_m_kernels!(@half F16, "f16": 64, 128);
 keys_m_kernels!(@half Bf16, "bf16": 64, 128);
 
 // Prefill on Hopper's warpgroup MMA (sm_90a only): `<prefix>_<q><cache>_d<width>` running
-// `crate::attention::hopper::$module::$func::<Q, Cache, Mma, D, W>` (width `D` on shared-memory
+// `crate::attention::hopper::$module::$func::<Q, Cache, Mma, D, W, D, W>` (width `D` on shared-memory
 // rows `W` wide; `<cache>`: "" for 16-bit K/V, else the FP8 cache's tag; `Mma`: the step's
-// MMAs, on 16-bit operands or on e4m3 queries and weights with the cache's FP8 keys and values).
+// MMAs, on 16-bit operands or on e4m3 queries and weights with the cache's FP8 keys and values);
+// with `pairs:`, `<prefix>_<q><cache>_dk<qk>_dv<v>` for unequal head sizes (rows as wide as each).
 #[cfg(wgmma)]
 macro_rules! prefill_wgmma_kernels {
     ($prefix:literal, $module:ident::$func:ident, $q:ident, $qname:literal, $cache:ident, $cname:literal, $mma:ty: $(($d:literal, $w:literal)),*) => {
         $(
-            const _: () = {
-                #[unsafe(export_name = concat!($prefix, "_", $qname, $cname, "_d", $d))]
-                unsafe extern "ptx-kernel" fn kernel(p: attn_math::params::WgsParams) {
-                    // The tensor maps' generic address in the parameter space, which
-                    // `cp.async.bulk.tensor` reads them from (a Rust reference to them would be
-                    // a copy in local memory). The parameter is named after the kernel.
-                    let params: u64;
-                    unsafe {
-                        core::arch::asm!(
-                            concat!("mov.b64 {0}, ", $prefix, "_", $qname, $cname, "_d", $d, "_param_0;"),
-                            "cvta.param.u64 {0}, {0};",
-                            out(reg64) params,
-                            options(nomem, nostack, pure)
-                        )
-                    };
-                    let maps = params + core::mem::offset_of!(attn_math::params::WgsParams, kv_maps) as u64;
-                    unsafe { crate::attention::hopper::$module::$func::<$q, $cache, $mma, $d, $w>(&p.attn, &p.kv_maps, maps) }
-                }
-            };
+            prefill_wgmma_kernels!(@one concat!($prefix, "_", $qname, $cname, "_d", $d), $module::$func, $q, $cache, $mma, $d, $w, $d, $w);
         )*
+    };
+    ($prefix:literal, $module:ident::$func:ident, $q:ident, $qname:literal, $cache:ident, $cname:literal, $mma:ty, pairs: $(($dk:literal, $dv:literal)),*) => {
+        $(
+            prefill_wgmma_kernels!(@one concat!($prefix, "_", $qname, $cname, "_dk", $dk, "_dv", $dv), $module::$func, $q, $cache, $mma, $dk, $dk, $dv, $dv);
+        )*
+    };
+    (@one $name:expr, $module:ident::$func:ident, $q:ident, $cache:ident, $mma:ty, $d:literal, $w:literal, $dv:literal, $wv:literal) => {
+        const _: () = {
+            #[unsafe(export_name = $name)]
+            unsafe extern "ptx-kernel" fn kernel(p: attn_math::params::WgsParams) {
+                // The tensor maps' generic address in the parameter space, which
+                // `cp.async.bulk.tensor` reads them from (a Rust reference to them would be
+                // a copy in local memory). The parameter is named after the kernel.
+                let params: u64;
+                unsafe {
+                    core::arch::asm!(
+                        concat!("mov.b64 {0}, ", $name, "_param_0;"),
+                        "cvta.param.u64 {0}, {0};",
+                        out(reg64) params,
+                        options(nomem, nostack, pure)
+                    )
+                };
+                let maps = params + core::mem::offset_of!(attn_math::params::WgsParams, kv_maps) as u64;
+                unsafe { crate::attention::hopper::$module::$func::<$q, $cache, $mma, $d, $w, $dv, $wv>(&p.attn, &p.kv_maps, maps) }
+            }
+        };
     };
 }
 
@@ -258,6 +267,11 @@ macro_rules! prefill_wgmma_kernels {
 prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", Bits16, "", Mma16<F16>: (64, 64), (80, 128), (96, 128), (112, 128), (128, 128), (256, 256));
 #[cfg(wgmma)]
 prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", Bits16, "", Mma16<Bf16>: (64, 64), (80, 128), (96, 128), (112, 128), (128, 128), (256, 256));
+// QK 192 / V 128 from 16-bit K/V: `prefill_wgs_<q>_dk192_dv128`.
+#[cfg(wgmma)]
+prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, F16, "f16", Bits16, "", Mma16<F16>, pairs: (192, 128));
+#[cfg(wgmma)]
+prefill_wgmma_kernels!("prefill_wgs", prefill_specialized::prefill_specialized, Bf16, "bf16", Bits16, "", Mma16<Bf16>, pairs: (192, 128));
 // From each FP8 cache: widths 64 and 256 (not for rows 8-byte aligned: `ws_takes_a8`) on
 // converted 16-bit rows, the others on FP8 `wgmma`.
 #[cfg(wgmma)]

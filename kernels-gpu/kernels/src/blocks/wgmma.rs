@@ -142,9 +142,9 @@ macro_rules! qk_atom {
     };
 }
 
-/// The S chain over 64 keys: one atom (head size 64) or two (128; the next atom is 1024 bytes on
-/// from the first, 1024 - 96 from the last k-step: 58 units of 16 bytes), of which head sizes
-/// 80, 96 and 112 run the second's first 1, 2 or 3 k-steps; 32 accumulators, the descriptors
+/// The S chain over 64 keys: one atom (head size 64), two (128; the next atom is 1024 bytes on
+/// from the first, 1024 - 96 from the last k-step: 58 units of 16 bytes) or three (QK 192), of
+/// which head sizes 80, 96 and 112 run the second's first 1, 2 or 3 k-steps; 32 accumulators, the descriptors
 /// are operands 32 and 33.
 macro_rules! qk64_chain {
     ($t:literal, $wait:literal, $($more:tt)*) => {
@@ -240,8 +240,9 @@ macro_rules! wgmma_tiles_impl {
         impl WgmmaTiles for $ty {
             #[inline(always)]
             unsafe fn scores_64x64_async<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 8] {
-                // Widths up to 128 (width 256 steps over 32 keys; its callers here are never reached).
-                const { assert!(matches!(D, 64 | 80 | 96 | 112 | 128 | 256)) };
+                // Widths up to 128 and QK 192 (width 256 steps over 32 keys; its callers here are
+                // never reached).
+                const { assert!(matches!(D, 64 | 80 | 96 | 112 | 128 | 192 | 256)) };
                 let mut s = [[0.0f32; 4]; 8];
                 if D == 64 {
                     unsafe { with_acc!(qk64_chain!($t, "",), out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack)) };
@@ -262,6 +263,13 @@ macro_rules! wgmma_tiles_impl {
                         with_acc!(qk64_chain!($t, "", "add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n", qk_atom!($t, "po", "64", acc32),),
                                   out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack))
                     };
+                } else if D == 192 {
+                    // QK 192 (V 128): three atoms.
+                    unsafe {
+                        with_acc!(qk64_chain!($t, "", "add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n", qk_atom!($t, "po", "64", acc32),
+                                              "add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n", qk_atom!($t, "po", "64", acc32),),
+                                  out s [0 1 2 3 4 5 6 7], in(reg64) desc_q, in(reg64) desc_k, options(nostack))
+                    };
                 }
                 s
             }
@@ -270,7 +278,7 @@ macro_rules! wgmma_tiles_impl {
             unsafe fn scores_64x128_async<const D: usize>(desc_q: u64, desc_k: u64) -> [[f32; 4]; 16] {
                 // Width 64, whose stages hold whole tiles (the half-tile stages of the wider
                 // kernels keep their halves apart; its callers there are never reached).
-                const { assert!(matches!(D, 64 | 80 | 96 | 112 | 128 | 256)) };
+                const { assert!(matches!(D, 64 | 80 | 96 | 112 | 128 | 192 | 256)) };
                 let mut s = [[0.0f32; 4]; 16];
                 if D == 64 {
                     unsafe { with_acc!(qk128_chain!($t), out s [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15], in(reg64) desc_q, in(reg64) desc_k, options(nostack)) };

@@ -17,6 +17,8 @@ struct PrefillShape {
     q_heads: usize,
     kv_heads: usize,
     head_size: usize,
+    /// V's head size: `head_size` but for QK 192 / V 128 (packed K/V).
+    head_size_v: usize,
     /// Keys and values from packed `[tokens, kv heads, head size]` tensors instead of the paged
     /// cache (no cached tokens).
     packed: bool,
@@ -25,7 +27,7 @@ struct PrefillShape {
 }
 
 /// Causal prefill, bf16 queries, from the paged cache of `C` (block size 16, scattered block
-/// tables) or packed bf16 K/V. FLOPs = 4 * q_heads * head_size * attended pairs.
+/// tables) or packed bf16 K/V. FLOPs = 2 * q_heads * (head size of QK + of V) * attended pairs.
 fn prefill_row<C: Element>(b: &Bench, sh: &PrefillShape, status: &mut DeviceStatus) -> Result<Row> {
     use attn_rs::prefill::{prefill, PrefillArgs, PrefillKv, PrefillOptions, PrefillWorkspace};
     use attn_rs::AttnOptions;
@@ -43,12 +45,13 @@ fn prefill_row<C: Element>(b: &Bench, sh: &PrefillShape, status: &mut DeviceStat
     let qsl: Vec<i32> = (0..=sh.batch).map(|r| (r * sh.q_len) as i32).collect();
     let nt = sh.batch * sh.q_len;
     let q_rows = RowsDesc::contiguous(nt, sh.q_heads, sh.head_size);
+    let out_rows = RowsDesc::contiguous(nt, sh.q_heads, sh.head_size_v);
     let q = random_device::<bf16>(s, q_rows.required_len(), 23)?;
-    let mut out: CudaSlice<bf16> = s.alloc_zeros(q_rows.required_len())?;
+    let mut out: CudaSlice<bf16> = s.alloc_zeros(out_rows.required_len())?;
     let bt = s.clone_htod(&block_table)?;
-    let kv_rows = RowsDesc::contiguous(nt, sh.kv_heads, sh.head_size);
+    let (k_rows, v_rows) = (RowsDesc::contiguous(nt, sh.kv_heads, sh.head_size), RowsDesc::contiguous(nt, sh.kv_heads, sh.head_size_v));
     let (k, v) = if sh.packed {
-        (random_device::<bf16>(s, kv_rows.required_len(), 24)?, random_device::<bf16>(s, kv_rows.required_len(), 25)?)
+        (random_device::<bf16>(s, k_rows.required_len(), 24)?, random_device::<bf16>(s, v_rows.required_len(), 25)?)
     } else {
         (s.alloc_zeros(1)?, s.alloc_zeros(1)?)
     };
@@ -64,7 +67,7 @@ fn prefill_row<C: Element>(b: &Bench, sh: &PrefillShape, status: &mut DeviceStat
                 q: DevIn::new(&q, s),
                 q_rows,
                 kv: if sh.packed {
-                    PrefillKv::Packed { k: DevIn::new(&k, s), k_rows: kv_rows, v: DevIn::new(&v, s), v_rows: kv_rows }
+                    PrefillKv::Packed { k: DevIn::new(&k, s), k_rows, v: DevIn::new(&v, s), v_rows }
                 } else {
                     PrefillKv::Paged {
                         cache: DevIn::new(&cache, s),
@@ -74,7 +77,7 @@ fn prefill_row<C: Element>(b: &Bench, sh: &PrefillShape, status: &mut DeviceStat
                     }
                 },
                 out: DevOut::new(&mut out, s),
-                out_rows: q_rows,
+                out_rows,
                 lse: None,
                 alibi_slopes: None,
                 sinks: None,
@@ -96,10 +99,16 @@ fn prefill_row<C: Element>(b: &Bench, sh: &PrefillShape, status: &mut DeviceStat
             (false, false) => "prefill bf16 causal, paged bs16".into(),
             (false, true) => format!("prefill {} cache causal, paged bs16", crate::bench::dtype_name(C::DTYPE)),
         },
-        shape: format!("{}x{} (+{} cached) {}q/{}kv d{}", sh.batch, sh.q_len, sh.cached, sh.q_heads, sh.kv_heads, sh.head_size),
+        shape: match sh.head_size_v == sh.head_size {
+            true => format!("{}x{} (+{} cached) {}q/{}kv d{}", sh.batch, sh.q_len, sh.cached, sh.q_heads, sh.kv_heads, sh.head_size),
+            false => format!(
+                "{}x{} (+{} cached) {}q/{}kv dk{} dv{}",
+                sh.batch, sh.q_len, sh.cached, sh.q_heads, sh.kv_heads, sh.head_size, sh.head_size_v
+            ),
+        },
         median_us: us,
         bytes: 0.0,
-        flops: 4.0 * (sh.q_heads * sh.head_size) as f64 * pairs,
+        flops: 2.0 * (sh.q_heads * (sh.head_size + sh.head_size_v)) as f64 * pairs,
     })
 }
 
@@ -111,6 +120,7 @@ pub fn prefill_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -
         q_heads,
         kv_heads,
         head_size,
+        head_size_v: head_size,
         packed: false,
         fp8: false,
     };
@@ -140,6 +150,9 @@ pub fn prefill_rows(b: &Bench, rows: &mut Vec<Row>, status: &mut DeviceStatus) -
         PrefillShape { cached: 8192, ..sh(8, 512, 32, 8, 128) },
         PrefillShape { packed: true, ..sh(4, 4096, 32, 8, 128) },
         PrefillShape { packed: true, ..sh(8, 2048, 32, 32, 64) },
+        // DeepSeek-V3's prefill over MLA's decompressed keys and values at tensor parallel 8:
+        // 16 heads, QK 192 / V 128, packed.
+        PrefillShape { packed: true, head_size_v: 128, ..sh(4, 4096, 16, 16, 192) },
         sh(4, 4096, 32, 8, 256),
         // Head sizes below the kernels' widths: 80 (width 96), 112 (128), and 96 itself.
         sh(4, 4096, 32, 8, 80),

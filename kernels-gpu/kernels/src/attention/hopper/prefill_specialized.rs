@@ -82,10 +82,10 @@ use crate::blocks::vec_io::{load_u32_nc, store4};
 use crate::blocks::wgmma::{wait_pv32, wait_scores128, wait_scores32, wait_scores64, Acc, WgmmaTiles, ACC_BLOCKS};
 use crate::blocks::{mbarrier, tma};
 use attn_math::hopper_prefill::{
-    group_bytes, stage_format, ws_e4m3_wide_regs, ws_layout, ws_q_buffers, ws_raw_slots, ws_row_bytes, ws_stage_keys, ws_stages,
-    ws_sub_keys, ws_tma_stages, ws_whole_tiles, StageFormat, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS, WS_E4M3_COMPUTE_REGS,
-    WS_E4M3_LOOKAHEAD, WS_E4M3_PRODUCER_REGS, WS_E4M3_WIDE_COMPUTE_REGS, WS_E4M3_WIDE_PRODUCER_REGS, WS_FP8_COMPUTE_REGS, WS_FP8_LOOKAHEAD,
-    WS_FP8_PRODUCER_REGS, WS_ITEM_SLOTS, WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_STAGES,
+    group_bytes, stage_format, ws_e4m3_wide_regs, ws_layout_qk_v, ws_q_buffers, ws_raw_slots, ws_row_bytes, ws_stage_keys, ws_stages,
+    ws_sub_keys, ws_tma_stages, ws_v_tile, ws_whole_tiles, StageFormat, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS,
+    WS_E4M3_COMPUTE_REGS, WS_E4M3_LOOKAHEAD, WS_E4M3_PRODUCER_REGS, WS_E4M3_WIDE_COMPUTE_REGS, WS_E4M3_WIDE_PRODUCER_REGS,
+    WS_FP8_COMPUTE_REGS, WS_FP8_LOOKAHEAD, WS_FP8_PRODUCER_REGS, WS_ITEM_SLOTS, WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_STAGES,
 };
 use attn_math::params::{AttnParams, PagedKvMaps};
 use attn_math::prefill::{table_slot_bytes, TABLE_ENTRY};
@@ -119,20 +119,20 @@ const ITEM_END: u32 = 2;
 /// The shared-memory rings of rows `W` columns wide (whole 128-byte swizzle atoms), indexed by ring position (the CTA's stages
 /// counted across its items) or by item count. The compute warps count 64-key half tiles
 /// instead ([`Rings::half`]).
-struct Rings<const W: usize, K> {
+struct Rings<const W: usize, const WV: usize, K> {
     smem: u32,
     l: WsLayout,
     cache: PhantomData<K>,
 }
 
-impl<const W: usize, K> Clone for Rings<W, K> {
+impl<const W: usize, const WV: usize, K> Clone for Rings<W, WV, K> {
     fn clone(&self) -> Self {
         *self
     }
 }
-impl<const W: usize, K> Copy for Rings<W, K> {}
+impl<const W: usize, const WV: usize, K> Copy for Rings<W, WV, K> {}
 
-impl<const W: usize, K: CacheFormat> Rings<W, K> {
+impl<const W: usize, const WV: usize, K: CacheFormat> Rings<W, WV, K> {
     const STAGES: u32 = ws_stages(W as u32, K::FP8);
     /// e4m3 stages (`StageFormat::Fp8`): K as copied, V transposed, e4m3 queries.
     const E4M3: bool = matches!(stage_format(W as u32, K::FP8), StageFormat::Fp8);
@@ -154,10 +154,12 @@ impl<const W: usize, K: CacheFormat> Rings<W, K> {
     const HALF_STAGES: bool = Self::KEYS < BLOCK_N;
     /// Stages a tile fills: 1, 2, or 4 at width 256.
     const STAGES_PER_TILE: u32 = BLOCK_N / Self::KEYS;
+    /// Bytes V's rows (`WV` columns) take less than K's in a stage.
+    const V_SHORT: u32 = Self::KEYS * Self::ROW_BYTES - ws_v_tile(W as u32, WV as u32, K::FP8);
 
     #[inline(always)]
     fn new(smem: u32) -> Self {
-        Rings { smem, l: ws_layout(W as u32, K::FP8), cache: PhantomData }
+        Rings { smem, l: ws_layout_qk_v(W as u32, WV as u32, K::FP8), cache: PhantomData }
     }
 
     #[inline(always)]
@@ -173,7 +175,11 @@ impl<const W: usize, K: CacheFormat> Rings<W, K> {
 
     #[inline(always)]
     fn k(&self, u: u32) -> u32 {
-        self.smem + self.l.kv + Self::stage(u) * 2 * self.l.tile
+        // A stage is K's tile and V's, twice K's less what V's rows lack (nothing but at QK 192 /
+        // V 128). Written so, the kernels whose rows are as wide compile as they did before V's
+        // could be narrower; as a sum of the two tiles, or as a branch on the widths, LLVM shared
+        // the stage index differently and the e4m3 kernels spilled more.
+        self.smem + self.l.kv + Self::stage(u) * 2 * self.l.tile - Self::stage(u) * Self::V_SHORT
     }
 
     #[inline(always)]
@@ -228,6 +234,7 @@ impl<const W: usize, K: CacheFormat> Rings<W, K> {
     /// addresses.
     #[inline(always)]
     fn half(&self, x: u32) -> Half {
+        const { assert!(W == WV || Self::SUBS == 1) };
         let (u, i) = (x / Self::SUBS, x % Self::SUBS);
         let rows = i * Self::SUB * Self::ROW_BYTES;
         let table = self.table(u);
@@ -236,7 +243,8 @@ impl<const W: usize, K: CacheFormat> Rings<W, K> {
             first: i == 0,
             last: i == Self::SUBS - 1,
             k: self.k(u) + rows,
-            // e4m3: V^T's rows are V's columns; the step's keys are columns of them.
+            // e4m3: V^T's rows are V's columns; the step's keys are columns of them. (Where V's rows
+            // are narrower than K's, a stage is one step: `i` is 0.)
             v: self.v(u) + if Self::E4M3 { i * Self::SUB } else { rows },
             table: table + i * Self::SUB * TABLE_ENTRY,
             // One flag a warp's 32 keys.
@@ -355,7 +363,8 @@ struct Item {
 impl Item {
     /// Decodes grid index `x` (`ITEM_END` past the plan's CTAs).
     #[inline(always)]
-    unsafe fn decode<const D: usize>(p: &AttnParams, x: u32) -> [u32; 16] {
+    /// `DV`: the kernel's V width (where a split's columns start).
+    unsafe fn decode<const DV: usize>(p: &AttnParams, x: u32) -> [u32; 16] {
         let mut d = [ITEM_NONE; 16];
         // A plan on the device (a CUDA-graph step's) counts its tiles in its header; the CTAs are
         // its tiles x kv heads.
@@ -368,7 +377,7 @@ impl Item {
             d[0] = ITEM_END;
             return d;
         }
-        let Some(w) = (unsafe { work_item_at(p, x, BLOCK_M, D as u32) }) else { return d };
+        let Some(w) = (unsafe { work_item_at(p, x, BLOCK_M, DV as u32) }) else { return d };
         let (min_pos, max_pos) = unsafe { (w.row(p, 0).pos, w.row(p, w.live - 1).pos) };
         let (begin, end) = unsafe { w.key_range(p, min_pos, max_pos) };
         d[0] = ITEM_WORK;
@@ -395,31 +404,45 @@ impl Item {
     }
 }
 
-/// The kernel for 16-bit Q, K, V of type `Q` at width `D` (QK = V: the MMAs' K of S and N of
-/// P V, and the accumulators) on shared-memory rows of `W` columns (whole 128-byte swizzle
-/// atoms: 64, or 128 for `D` 80 to 128, whose columns past `D` are copied as zeros and never
-/// read by the MMAs).
-#[inline(always)]
+/// The kernel for 16-bit Q of type `Q` at QK width `D` (the MMAs' K of S) and V width `DV`
+/// (the N of P V, and the accumulators) on shared-memory rows of `W` and `WV` columns (whole
+/// 128-byte swizzle atoms: 64, or 128 for widths 80 to 128, whose columns past the width are
+/// copied as zeros and never read by the MMAs). QK = V but for QK 192 / V 128
+/// (`attn_math::hopper_prefill::QK_V_PAIRS`), whose Q and K rows are three atoms.
 ///
 /// `maps`: the generic address of `kv_maps`' K map (its V map 128 bytes on), in the kernel's
 /// parameters.
-pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, const W: usize>(
+#[inline(always)]
+pub(crate) unsafe fn prefill_specialized<
+    Q: WgmmaTiles,
+    K: CacheFormat,
+    M: HalfMma,
+    const D: usize,
+    const W: usize,
+    const DV: usize,
+    const WV: usize,
+>(
     p: &AttnParams,
     kv_maps: &PagedKvMaps,
     maps: u64,
 ) {
     // Programmatic dependent launch: wait for the cache write before reading anything.
     pdl_prologue();
-    const { assert!((D == 64 && W == 64) || (W == 128 && matches!(D, 80 | 96 | 112 | 128)) || (D == 256 && W == 256)) };
-    const { assert!(M::E4M3 == Rings::<W, K>::E4M3) };
+    const {
+        assert!(
+            (D == DV && W == WV && ((D == 64 && W == 64) || (W == 128 && matches!(D, 80 | 96 | 112 | 128)) || (D == 256 && W == 256)))
+                || (D == 192 && W == 192 && DV == 128 && WV == 128 && !K::FP8)
+        )
+    };
+    const { assert!(M::E4M3 == Rings::<W, WV, K>::E4M3) };
     let tid = thread_idx_x();
-    let rings = Rings::<W, K>::new(shared_addr(dynamic_shared::<u8>()));
+    let rings = Rings::<W, WV, K>::new(shared_addr(dynamic_shared::<u8>()));
     if tid == 0 {
-        for u in 0..Rings::<W, K>::STAGES {
+        for u in 0..Rings::<W, WV, K>::STAGES {
             unsafe { mbarrier::init(rings.filled(u), FILLED_ARRIVALS) };
             unsafe { mbarrier::init(rings.freed(u), THREADS) };
         }
-        for k in 0..Rings::<W, K>::Q_BUFFERS {
+        for k in 0..Rings::<W, WV, K>::Q_BUFFERS {
             unsafe { mbarrier::init(rings.q_filled(k), FILLED_ARRIVALS) };
             unsafe { mbarrier::init(rings.q_freed(k), THREADS) };
         }
@@ -434,36 +457,36 @@ pub(crate) unsafe fn prefill_specialized<Q: WgmmaTiles, K: CacheFormat, M: HalfM
     }
     sync_threads();
     if tid >= THREADS {
-        if Rings::<W, K>::E4M3 && ws_e4m3_wide_regs(D as u32, K::HALVES) {
+        if Rings::<W, WV, K>::E4M3 && ws_e4m3_wide_regs(D as u32, K::HALVES) {
             set_max_registers::<WS_E4M3_WIDE_PRODUCER_REGS, false>();
-        } else if Rings::<W, K>::E4M3 {
+        } else if Rings::<W, WV, K>::E4M3 {
             set_max_registers::<WS_E4M3_PRODUCER_REGS, false>();
         } else if K::FP8 {
             set_max_registers::<WS_FP8_PRODUCER_REGS, false>();
         } else {
             set_max_registers::<WS_PRODUCER_REGS, false>();
         }
-        unsafe { produce::<Q, K, D, W>(p, rings, TmaGroups::of(kv_maps, K::FP8, maps), tid - THREADS) };
+        unsafe { produce::<Q, K, D, W, DV, WV>(p, rings, TmaGroups::of(kv_maps, K::FP8, maps), tid - THREADS) };
     } else {
-        if Rings::<W, K>::E4M3 && ws_e4m3_wide_regs(D as u32, K::HALVES) {
+        if Rings::<W, WV, K>::E4M3 && ws_e4m3_wide_regs(D as u32, K::HALVES) {
             set_max_registers::<WS_E4M3_WIDE_COMPUTE_REGS, true>();
-        } else if Rings::<W, K>::E4M3 {
+        } else if Rings::<W, WV, K>::E4M3 {
             set_max_registers::<WS_E4M3_COMPUTE_REGS, true>();
         } else if K::FP8 {
             set_max_registers::<WS_FP8_COMPUTE_REGS, true>();
         } else {
             set_max_registers::<WS_COMPUTE_REGS, true>();
         }
-        unsafe { consume::<Q, K, M, D, W>(p, rings, tid) };
+        unsafe { consume::<Q, K, M, D, W, DV, WV>(p, rings, tid) };
     }
 }
 
 /// The producer warpgroup (`t`: its thread index): items, queries, tables and K/V tiles into
 /// the rings, until the items run out.
 #[inline(always)]
-unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>(
+unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize, const DV: usize, const WV: usize>(
     p: &AttnParams,
-    rings: Rings<W, K>,
+    rings: Rings<W, WV, K>,
     tma: TmaGroups,
     t: u32,
 ) {
@@ -472,12 +495,12 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
     // table's entry always has the same writer). Done before the producer barrier that
     // precedes the raw table's next writes.
     let publish_table = |v: u32| unsafe {
-        mbarrier::wait(rings.freed(v), Rings::<W, K>::parity(v) ^ 1);
-        if t < Rings::<W, K>::KEYS {
+        mbarrier::wait(rings.freed(v), Rings::<W, WV, K>::parity(v) ^ 1);
+        if t < Rings::<W, WV, K>::KEYS {
             let (ka, va) = ld_shared_u64x2(rings.raw_table(v) + t * TABLE_ENTRY);
-            let flag = Rings::<W, K>::KEYS * TABLE_ENTRY + (t / 32) * 4;
+            let flag = Rings::<W, WV, K>::KEYS * TABLE_ENTRY + (t / 32) * 4;
             let any_bad = t.is_multiple_of(32) && ld_shared_u32(rings.raw_table(v) + flag) != 0;
-            write_table_entry::<W, K>(rings.table(v), t, 0, (ka, va), any_bad);
+            write_table_entry::<W, WV, K>(rings.table(v), t, 0, (ka, va), any_bad);
         }
     };
     // FP8: position `v`'s raw rows (this thread's own copies, landed) converted into its stage
@@ -486,7 +509,7 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
     let fill_from_raw = |v: u32| {
         let tile = [rings.k(v), rings.v(v)];
         unsafe {
-            match Rings::<W, K>::KEYS {
+            match Rings::<W, WV, K>::KEYS {
                 BLOCK_N => convert_fp8_rows::<Q, K::Fp8, W, BLOCK_N, PRODUCERS>(rings.raw(v), tile, t),
                 64 => convert_fp8_rows::<Q, K::Fp8, W, 64, PRODUCERS>(rings.raw(v), tile, t),
                 _ => convert_fp8_rows::<Q, K::Fp8, W, 32, PRODUCERS>(rings.raw(v), tile, t),
@@ -519,13 +542,13 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
     let mut u = 0u32;
     let mut k = 0u32;
     loop {
-        unsafe { mbarrier::wait(rings.q_freed(k), Rings::<W, K>::q_parity(k) ^ 1) };
+        unsafe { mbarrier::wait(rings.q_freed(k), Rings::<W, WV, K>::q_parity(k) ^ 1) };
         // This buffer's previous copies (a query buffer's count of query groups ago, or further
         // back counting the key stages' groups between) are this thread's own to complete
         // before it rewrites the buffer. They have landed (the compute warps freed the buffer
         // after waiting on them), so this costs nothing, but it is the completion racecheck
         // tracks: it does not follow the order through the other warps' barriers.
-        if Rings::<W, K>::Q_BUFFERS == 2 {
+        if Rings::<W, WV, K>::Q_BUFFERS == 2 {
             cp_async_wait::<1>();
         } else {
             cp_async_wait::<0>();
@@ -533,7 +556,7 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
         if t == 0 {
             // The grid's own index first, then the counter's (which starts past the grid).
             let x = if k == 0 { block_idx_x() } else { grid_dim_x() + unsafe { atomic_add_global(p.schedule.sched, 1) } };
-            unsafe { Item::store(rings.item(k), &Item::decode::<D>(p, x)) };
+            unsafe { Item::store(rings.item(k), &Item::decode::<DV>(p, x)) };
         }
         named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
         let it = unsafe { Item::load(rings.item(k)) };
@@ -560,8 +583,9 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
         }
         if it.status == ITEM_WORK && it.n_tiles > 0 {
             let src = unsafe { KvSource::of(p, &w) };
-            // K and V share the head size here; the copy units of a row it covers.
+            // The copy units of a row the head sizes cover (one head size but for QK 192 / V 128).
             let live = K::live_units(p.dims.qk_or(D as u32));
+            let live_v = K::live_units(p.dims.v_or(DV as u32));
             // FP8: the item's first ring position (its stages are converted from here on).
             let first = u;
             let key_of = |j: u32| it.begin + j * BLOCK_N + t;
@@ -588,19 +612,19 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                 }
                 // The tile's stages (one, two or four).
                 static_for::<4>(|h| {
-                    if h as u32 >= Rings::<W, K>::STAGES_PER_TILE {
+                    if h as u32 >= Rings::<W, WV, K>::STAGES_PER_TILE {
                         return;
                     }
                     let uh = u + h as u32;
                     let table = rings.table(uh);
-                    if Rings::<W, K>::E4M3 {
+                    if Rings::<W, WV, K>::E4M3 {
                         // The stage (a whole tile), once free: its table, then K straight into
                         // it and V's rows into a raw slot. Then the tile before, whose copies
                         // have landed, has its V transposed and is marked filled. A raw slot's
                         // and a stage's previous copies were this thread's own, waited for
                         // before their transposes.
-                        unsafe { mbarrier::wait(rings.freed(uh), Rings::<W, K>::parity(uh) ^ 1) };
-                        unsafe { write_table_entry::<W, K>(table, t, h as u32, (ka, va), any_bad) };
+                        unsafe { mbarrier::wait(rings.freed(uh), Rings::<W, WV, K>::parity(uh) ^ 1) };
+                        unsafe { write_table_entry::<W, WV, K>(table, t, h as u32, (ka, va), any_bad) };
                         named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
                         // A producer warp copies the rows its own lanes' entries name
                         // (`e4m3_stages::copy_tile`), whole rows an instruction.
@@ -622,11 +646,11 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                             publish_table(back);
                         }
                         let raw_table = rings.raw_table(uh);
-                        unsafe { write_table_entry::<W, K>(raw_table, t, h as u32, (ka, va), any_bad) };
+                        unsafe { write_table_entry::<W, WV, K>(raw_table, t, h as u32, (ka, va), any_bad) };
                         named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
                         unsafe {
                             let rows = |r| ld_shared_u64x2(raw_table + r * TABLE_ENTRY);
-                            match Rings::<W, K>::KEYS {
+                            match Rings::<W, WV, K>::KEYS {
                                 BLOCK_N => {
                                     copy_raw_row_pairs::<K, W, BLOCK_N, PRODUCERS, COPY_BATCH>(rings.raw(uh), t, live, p.qkv.q, rows)
                                 }
@@ -640,15 +664,15 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                             fill_from_raw(back);
                         }
                     } else {
-                        unsafe { mbarrier::wait(rings.freed(uh), Rings::<W, K>::parity(uh) ^ 1) };
+                        unsafe { mbarrier::wait(rings.freed(uh), Rings::<W, WV, K>::parity(uh) ^ 1) };
                         // As for the query buffers: at least `STAGES - 1` groups were committed
                         // since this stage's last fill.
                         cp_async_wait::<{ WS_STAGES - 1 }>();
-                        unsafe { write_table_entry::<W, K>(table, t, h as u32, (ka, va), any_bad) };
+                        unsafe { write_table_entry::<W, WV, K>(table, t, h as u32, (ka, va), any_bad) };
                         // By TMA when every box of the stage can go so (`TmaGroups`): each box's
                         // first thread copies it, K and V, counting the bytes on the stage's
                         // barrier before its own arrival. Otherwise row by row.
-                        let mine = t / Rings::<W, K>::KEYS == h as u32;
+                        let mine = t / Rings::<W, WV, K>::KEYS == h as u32;
                         let by_tma = if by_tma_ever {
                             named_barrier_all::<PRODUCER_BARRIER, PRODUCERS>(!mine || group.is_some())
                         } else {
@@ -657,7 +681,7 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                         };
                         if by_tma {
                             if let Some(c) = group.filter(|_| mine && t.is_multiple_of(tma.box_keys)) {
-                                let dst = (t % Rings::<W, K>::KEYS / 8) * group_bytes(W as u32);
+                                let dst = (t % Rings::<W, WV, K>::KEYS / 8) * group_bytes(W as u32);
                                 unsafe {
                                     mbarrier::expect_tx(rings.filled(uh), 2 * (tma.box_keys / 8) * group_bytes(W as u32));
                                     tma::load_5d(rings.k(uh) + dst, tma.map, c, rings.filled(uh));
@@ -668,10 +692,10 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                             unsafe {
                                 let rows = |r| ld_shared_u64x2(table + r * TABLE_ENTRY);
                                 let dst = [rings.k(uh), rings.v(uh)];
-                                match Rings::<W, K>::KEYS {
-                                    BLOCK_N => copy_row_pairs::<W, BLOCK_N, PRODUCERS, COPY_BATCH>(dst, t, live, rows, true),
-                                    64 => copy_row_pairs::<W, 64, PRODUCERS, COPY_BATCH>(dst, t, live, rows, true),
-                                    _ => copy_row_pairs::<W, 32, PRODUCERS, COPY_BATCH>(dst, t, live, rows, true),
+                                match Rings::<W, WV, K>::KEYS {
+                                    BLOCK_N => copy_row_pairs::<W, WV, BLOCK_N, PRODUCERS, COPY_BATCH>(dst, t, [live, live_v], rows, true),
+                                    64 => copy_row_pairs::<W, WV, 64, PRODUCERS, COPY_BATCH>(dst, t, [live, live_v], rows, true),
+                                    _ => copy_row_pairs::<W, WV, 32, PRODUCERS, COPY_BATCH>(dst, t, [live, live_v], rows, true),
                                 }
                             }
                         }
@@ -686,10 +710,10 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
                         cp_async_commit();
                     }
                 });
-                u += Rings::<W, K>::STAGES_PER_TILE;
+                u += Rings::<W, WV, K>::STAGES_PER_TILE;
                 j += 1;
             }
-            if Rings::<W, K>::E4M3 {
+            if Rings::<W, WV, K>::E4M3 {
                 // The item's last tile not yet transposed (`WS_E4M3_LOOKAHEAD` is 1).
                 cp_async_wait::<0>();
                 fill_transposed(u - 1);
@@ -727,11 +751,11 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
     // phases, so the CTA ends no later; the key loop is unchanged. Nothing arrives after
     // these phases, so each barrier is in that phase or just past it and the parity names it.
     unsafe {
-        for i in 0..Rings::<W, K>::Q_BUFFERS.min(k + 1) {
-            mbarrier::wait(rings.q_filled(k - i), Rings::<W, K>::q_parity(k - i));
+        for i in 0..Rings::<W, WV, K>::Q_BUFFERS.min(k + 1) {
+            mbarrier::wait(rings.q_filled(k - i), Rings::<W, WV, K>::q_parity(k - i));
         }
-        for v in u.saturating_sub(Rings::<W, K>::STAGES)..u {
-            mbarrier::wait(rings.filled(v), Rings::<W, K>::parity(v));
+        for v in u.saturating_sub(Rings::<W, WV, K>::STAGES)..u {
+            mbarrier::wait(rings.filled(v), Rings::<W, WV, K>::parity(v));
         }
     }
 }
@@ -740,12 +764,18 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize>
 /// (`t`, counted from the tile's first) falls in stage `h` of the tile, and its warp's
 /// bad-block flag (as `KeyTables::fill`).
 #[inline(always)]
-unsafe fn write_table_entry<const W: usize, K: CacheFormat>(table: u32, t: u32, h: u32, (ka, va): (u64, u64), any_bad: bool) {
-    if t / Rings::<W, K>::KEYS == h {
-        let tk = t % Rings::<W, K>::KEYS;
+unsafe fn write_table_entry<const W: usize, const WV: usize, K: CacheFormat>(
+    table: u32,
+    t: u32,
+    h: u32,
+    (ka, va): (u64, u64),
+    any_bad: bool,
+) {
+    if t / Rings::<W, WV, K>::KEYS == h {
+        let tk = t % Rings::<W, WV, K>::KEYS;
         unsafe { st_shared_u64x2(table + tk * TABLE_ENTRY, ka, va) };
         if tk.is_multiple_of(32) {
-            unsafe { st_shared_u32(table + Rings::<W, K>::KEYS * TABLE_ENTRY + (tk / 32) * 4, any_bad as u32) };
+            unsafe { st_shared_u32(table + Rings::<W, WV, K>::KEYS * TABLE_ENTRY + (tk / 32) * 4, any_bad as u32) };
         }
     }
 }
@@ -753,7 +783,11 @@ unsafe fn write_table_entry<const W: usize, K: CacheFormat>(table: u32, t: u32, 
 /// The compute warpgroups (`tid` < [`THREADS`]): the half-tile schedule (module docs) over the
 /// rings, item after item.
 #[inline(always)]
-unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, const W: usize>(p: &AttnParams, rings: Rings<W, K>, tid: u32) {
+unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, const W: usize, const DV: usize, const WV: usize>(
+    p: &AttnParams,
+    rings: Rings<W, WV, K>,
+    tid: u32,
+) {
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
     // Broadcast from lane 0: the same value, but `ptxas` then knows it is warp-uniform, so the
@@ -764,11 +798,11 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
     let wg = shfl_idx(warp / 4, 0);
     // O's blocks the P V chain writes, and whether the last of them is the rows' sums; the
     // block of ones it sums against where V's rows have no room for them.
-    let pv_blocks = M::pv_blocks::<D>();
-    let summed = pv_blocks > D / 8;
+    let pv_blocks = M::pv_blocks::<DV>();
+    let summed = pv_blocks > DV / 8;
     let desc_ones = wgmma_desc(rings.ones(), 16, 1024, true);
     let k_desc = |addr: u32| M::desc_qk::<W>(addr);
-    let v_desc = |addr: u32| M::desc_v::<W>(addr);
+    let v_desc = |addr: u32| M::desc_v::<WV>(addr);
     // Half tile `x`'s stage has landed and is visible to this thread's `wgmma`s (waited for at
     // its first half, which every later half of the stage follows in this warp's program
     // order, so one wait and one proxy fence a stage).
@@ -776,7 +810,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
         let hx = rings.half(x);
         if hx.first {
             unsafe {
-                mbarrier::wait(rings.filled(hx.u), Rings::<W, K>::parity(hx.u));
+                mbarrier::wait(rings.filled(hx.u), Rings::<W, WV, K>::parity(hx.u));
                 fence_proxy_async_shared();
             }
         }
@@ -797,7 +831,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
     let mut u = 0u32;
     let mut k = 0u32;
     loop {
-        unsafe { mbarrier::wait(rings.q_filled(k), Rings::<W, K>::q_parity(k)) };
+        unsafe { mbarrier::wait(rings.q_filled(k), Rings::<W, WV, K>::q_parity(k)) };
         let it = unsafe { Item::load(rings.item(k)) };
         if it.status == ITEM_END {
             break;
@@ -811,7 +845,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
         let (end, n_tiles) = (it.end, it.n_tiles);
         // e4m3 stages: the item's queries quantised into the warpgroup's e4m3 rows, whose scale
         // joins the score scale; the 16-bit buffer is then free for the next item's.
-        let q_scale = if Rings::<W, K>::E4M3 {
+        let q_scale = if Rings::<W, WV, K>::E4M3 {
             let scale = if n_tiles > 0 { unsafe { quantise_queries::<Q>(rings.q(k), rings.q8(0), rings.scratch(), wg, tid) } } else { 1.0 };
             release(rings.q_freed(k));
             scale
@@ -835,7 +869,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
         let mult = logits.mult();
         // The warpgroup's query rows, and S's query operand from them (e4m3 stages: this
         // thread's fragments, read after the quantisation).
-        let q_rows = if Rings::<W, K>::E4M3 { rings.q8(wg) } else { rings.q(k) + 64 * wg * 2 * W as u32 };
+        let q_rows = if Rings::<W, WV, K>::E4M3 { rings.q8(wg) } else { rings.q(k) + 64 * wg * 2 * W as u32 };
         let q_op = unsafe { M::queries::<W>(q_rows, warp, lane) };
 
         // The quad's partial sums (or the sums the P V chain took), then the output (or the
@@ -849,7 +883,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                 let mut st = state[h];
                 if summed {
                     // Every column of the sums' block holds the row's whole sum.
-                    st.sum = o[D / 8][2 * h];
+                    st.sum = o[DV / 8][2 * h];
                 } else {
                     st.sum += shfl_xor(st.sum, 1);
                     st.sum += shfl_xor(st.sum, 2);
@@ -858,13 +892,13 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                 if r >= w.live {
                     return;
                 }
-                let out = unsafe { RowOut::new(p, &w, &w.row(p, r), st, it.num_splits, t4 == 0, v_scale, p.dims.v_or(D as u32)) };
-                unsafe { out.store_blocks::<Q, ACC_BLOCKS>(2 * t4, D / 8, |n| (o[n][2 * h], o[n][2 * h + 1])) };
+                let out = unsafe { RowOut::new(p, &w, &w.row(p, r), st, it.num_splits, t4 == 0, v_scale, p.dims.v_or(DV as u32)) };
+                unsafe { out.store_blocks::<Q, ACC_BLOCKS>(2 * t4, DV / 8, |n| (o[n][2 * h], o[n][2 * h + 1])) };
             });
         };
         if n_tiles == 0 {
             finish(&[[0.0; 4]; ACC_BLOCKS], [OnlineSoftmax::EMPTY; 2]);
-        } else if Rings::<W, K>::SUB == 32 {
+        } else if Rings::<W, WV, K>::SUB == 32 {
             // Width 256: steps of 32 keys (a quarter tile), one S in flight at a time. Per step
             // x: its softmax (under P V of x - 1, retired before O is rescaled), then S of
             // x + 1 and P V of x issued, and S of x + 1 waited for. The last step of a tile
@@ -891,7 +925,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                     let [mut s_cur] = st;
                     let m = row_max(&s_cur);
                     // Retire P V of the previous step (O and its weights) before rescaling O.
-                    unsafe { wait_pv32::<0, D>(&mut o, &pf) };
+                    unsafe { wait_pv32::<0, DV>(&mut o, &pf) };
                     if j > 0 || i > 0 {
                         release_half(x - 1);
                     }
@@ -906,11 +940,11 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                         ]
                     });
                     if $last {
-                        unsafe { Q::pv_64xd_k32_async::<D>(&mut o, &pf, v_desc(hx.v)) };
+                        unsafe { Q::pv_64xd_k32_async::<DV>(&mut o, &pf, v_desc(hx.v)) };
                     } else {
                         wait_filled(x + 1);
                         let s_next = unsafe { Q::scores_64x32_async::<D>(q_desc, k_desc(rings.half(x + 1).k)) };
-                        unsafe { Q::pv_64xd_k32_async::<D>(&mut o, &pf, v_desc(hx.v)) };
+                        unsafe { Q::pv_64xd_k32_async::<DV>(&mut o, &pf, v_desc(hx.v)) };
                         s = unsafe { wait_scores32::<$wait>(s_next) };
                     }
                 }};
@@ -928,10 +962,10 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
             quarter!(j, 2, 1, false);
             quarter!(j, 3, 0, true);
             let _ = s;
-            unsafe { wait_pv32::<0, D>(&mut o, &pf) };
+            unsafe { wait_pv32::<0, DV>(&mut o, &pf) };
             release_half(4 * (u + j) + 3);
             finish(&o, state);
-        } else if Rings::<W, K>::WHOLE_TILES {
+        } else if Rings::<W, WV, K>::WHOLE_TILES {
             // Tiles of 128 keys (two 64-key halves, each its own S and P V chain), FA3's order:
             // per tile j, S of tile j + 1 and P V of tile j are issued together, S is retired
             // and its softmax runs under the P V, which is retired before O is rescaled. Nothing
@@ -975,7 +1009,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
             macro_rules! issue_pv_half {
                 ($j:expr, $h:literal) => {{
                     let x = 2 * (u + $j) + $h;
-                    unsafe { M::pv::<D>(&mut o, &pf[$h], v_desc(rings.half(x).v), desc_ones) };
+                    unsafe { M::pv::<DV>(&mut o, &pf[$h], v_desc(rings.half(x).v), desc_ones) };
                 }};
             }
             // The softmax of tile `j` over `$nb` 8-key blocks (16: both halves, S in `$s`; 8: the
@@ -997,13 +1031,13 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                     let m = row_max(&full);
                     if $pv_before {
                         // Half-tile stages: the first half's P V has retired already.
-                        if !Rings::<W, K>::HALF_STAGES {
-                            unsafe { M::wait_pv::<0, D>(&mut o, &pf[0]) };
+                        if !Rings::<W, WV, K>::HALF_STAGES {
+                            unsafe { M::wait_pv::<0, DV>(&mut o, &pf[0]) };
                         }
-                        unsafe { M::wait_pv::<0, D>(&mut o, &pf[1]) };
+                        unsafe { M::wait_pv::<0, DV>(&mut o, &pf[1]) };
                         release_half(x - 1);
                     }
-                    rescale_o(&mut o, &mut state, m, mult, lazy_rescale(D), pv_blocks);
+                    rescale_o(&mut o, &mut state, m, mult, lazy_rescale(DV), pv_blocks);
                     weights(&mut full, &mut state, mult, summed);
                     static_for::<{ $nb / 8 }>(|h| pf[h] = M::pack(&core::array::from_fn(|n| full[8 * h + n])));
                 }};
@@ -1012,7 +1046,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
             if last == 0 && skip {
                 let a = issue_scores!(0, false);
                 softmax_tile!(0, false, 8, [unsafe { wait_scores64::<0>(a) }]);
-            } else if Rings::<W, K>::HALF_STAGES {
+            } else if Rings::<W, WV, K>::HALF_STAGES {
                 let (a, b) = issue_scores!(0, true);
                 softmax_tile!(0, false, 16, unsafe { [wait_scores64::<1>(a), wait_scores64::<0>(b)] });
             } else {
@@ -1024,17 +1058,17 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
             while j < last {
                 // Half-tile stages: P V of j's first half issued before S of j + 1, so that its
                 // stage is freed when S is retired, before the softmax.
-                if Rings::<W, K>::HALF_STAGES {
+                if Rings::<W, WV, K>::HALF_STAGES {
                     issue_pv_half!(j, 0);
                 }
                 if j + 1 == last && skip {
                     let a = issue_scores!(j + 1, false);
-                    if !Rings::<W, K>::HALF_STAGES {
+                    if !Rings::<W, WV, K>::HALF_STAGES {
                         issue_pv_half!(j, 0);
                     }
                     issue_pv_half!(j, 1);
                     // In flight: S of j + 1's first half, then P V of j (or its second half).
-                    let s = if Rings::<W, K>::HALF_STAGES {
+                    let s = if Rings::<W, WV, K>::HALF_STAGES {
                         let s = unsafe { wait_scores64::<1>(a) };
                         unsafe { M::wait_frags::<1>(&pf[0]) };
                         s
@@ -1043,7 +1077,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                     };
                     release_half(2 * (u + j));
                     softmax_tile!(j + 1, true, 8, [s]);
-                } else if Rings::<W, K>::HALF_STAGES {
+                } else if Rings::<W, WV, K>::HALF_STAGES {
                     // Two chains: one over the tile's 128 K rows would need both half stages
                     // landed before its first step, and their K rows side by side (tried, with
                     // the stages paired: 2-5% slower, docs/prefill.md).
@@ -1069,8 +1103,8 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
             if !skip {
                 issue_pv_half!(last, 1);
             }
-            unsafe { M::wait_pv::<0, D>(&mut o, &pf[0]) };
-            unsafe { M::wait_pv::<0, D>(&mut o, &pf[1]) };
+            unsafe { M::wait_pv::<0, DV>(&mut o, &pf[0]) };
+            unsafe { M::wait_pv::<0, DV>(&mut o, &pf[1]) };
             release_half(2 * (u + last));
             // A skipped half's stage is freed once it has been filled (half-tile stages; an
             // arrival before would count toward the stage's previous use).
@@ -1099,14 +1133,14 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                     let [mut s_cur] = st;
                     let m = row_max(&s_cur);
                     // Retire P V of the previous half (O and its weights) before rescaling O.
-                    unsafe { M::wait_pv::<$wait_pv, D>(&mut o, &pf) };
+                    unsafe { M::wait_pv::<$wait_pv, DV>(&mut o, &pf) };
                     if j > 0 || h > 0 {
                         // P V of the previous half has retired.
                         release_half(uh - 1);
                     }
                     // Written out here, not `rescale_o`: through the helper `ptxas` allocated the e4m3
                     // kernels' registers differently (the same instructions, other registers).
-                    if !lazy_rescale(D) || must_rescale(&state, m, mult) {
+                    if !lazy_rescale(DV) || must_rescale(&state, m, mult) {
                         static_for::<2>(|r| {
                             let factor = raise_max(&mut state[r], m[r] * mult);
                             static_for::<ACC_BLOCKS>(|n| {
@@ -1119,7 +1153,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                     }
                     weights(&mut s_cur, &mut state, mult, summed);
                     pf = M::pack(&s_cur);
-                    unsafe { M::pv::<D>(&mut o, &pf, v_desc(hx.v), desc_ones) };
+                    unsafe { M::pv::<DV>(&mut o, &pf, v_desc(hx.v), desc_ones) };
                 }};
             }
             // One tile `j` (`$last`: no next tile, so no S of its first half to run ahead).
@@ -1170,7 +1204,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
             // each chain, the ring addresses and descriptors in vector registers moved to
             // uniform ones before every `wgmma` instead of kept there; d64 key loop 2127
             // instructions instead of 2085).
-            unsafe { M::wait_pv::<0, D>(&mut o, &pf) };
+            unsafe { M::wait_pv::<0, DV>(&mut o, &pf) };
             if skip {
                 // Done with the last tile's first half.
                 release_half(u_last);
@@ -1188,7 +1222,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
         }
         // The item's queries and descriptor are no longer read (e4m3 stages: the queries were
         // released at the start; the descriptor slot is rewritten only two items on).
-        if !Rings::<W, K>::E4M3 {
+        if !Rings::<W, WV, K>::E4M3 {
             release(rings.q_freed(k));
         }
         u += n_tiles;

@@ -21,17 +21,40 @@ use attn_math::softmax::{exp2, OnlineSoftmax};
 /// tile (prefill +0.4-1.7% on an H200, docs/prefill.md). Thread t always takes chunk `t % (D / 8)` of rows
 /// `t / (D / 8) + i * NT / (D / 8)`: the rows a thread copies are a whole number of 8-row
 /// groups apart (or, at width 256, 4 rows: then every other one is), so their shared-memory
-/// addresses and table entries differ by constants.
+/// addresses and table entries differ by constants. Rows whose chunks do not divide the
+/// threads (192 columns) are copied a 64-column atom at a time ([`copy_row_pairs`]).
 #[inline(always)]
 pub(crate) unsafe fn copy_rows<const D: usize, const ROWS: u32, const NT: u32>(dst: u32, t: u32, live: u32, src: impl Fn(u32) -> u64) {
-    unsafe { copy_row_pairs::<D, ROWS, NT, 1>([dst, dst], t, live, |r| (src(r), 0), false) }
+    unsafe { copy_row_pairs::<D, D, ROWS, NT, 1>([dst, dst], t, [live, 0], |r| (src(r), 0), false) }
 }
 
-/// [`copy_rows`] of two tiles at once (`dst[0]`, `dst[1]`; K and V) whose rows `src(r)` gives
-/// together, zero-filled together when the first is 0; only the first when `!both`. `BATCH`
-/// rows' sources are taken before any of their copies is issued (below).
+/// [`copy_rows`] of two tiles at once (`dst[0]`, `dst[1]`; K of `DK` columns and V of `DV`)
+/// whose rows `src(r)` gives together, zero-filled together when the first is 0; only the first
+/// when `!both`. `live`: K's and V's chunks read (one head size where `DK == DV`). `BATCH` rows'
+/// sources are taken before any of their copies is issued (below).
+///
+/// Where `DK == DV` and the threads are a whole number of rows' chunks, a thread copies the
+/// same chunk of each of its rows ([`copy_rows`]); otherwise (QK 192 / V 128) the same chunk of
+/// each 64-column atom of each of its rows: chunk `t % 8` of every atom of rows
+/// `t / 8 + i * NT / 8`, so that a row's table entry serves its K and V atoms alike.
 #[inline(always)]
-pub(crate) unsafe fn copy_row_pairs<const D: usize, const ROWS: u32, const NT: u32, const BATCH: usize>(
+pub(crate) unsafe fn copy_row_pairs<const DK: usize, const DV: usize, const ROWS: u32, const NT: u32, const BATCH: usize>(
+    dst: [u32; 2],
+    t: u32,
+    live: [u32; 2],
+    src: impl Fn(u32) -> (u64, u64),
+    both: bool,
+) {
+    if DK == DV && NT.is_multiple_of(DK as u32 / 8) {
+        unsafe { copy_same_width::<DK, ROWS, NT, BATCH>(dst, t, live[0], src, both) }
+    } else {
+        unsafe { copy_by_atom::<DK, DV, ROWS, NT, BATCH>(dst, t, live, src, both) }
+    }
+}
+
+/// [`copy_row_pairs`] where a thread copies the same chunk of each of its rows.
+#[inline(always)]
+unsafe fn copy_same_width<const D: usize, const ROWS: u32, const NT: u32, const BATCH: usize>(
     dst: [u32; 2],
     t: u32,
     live: u32,
@@ -39,12 +62,13 @@ pub(crate) unsafe fn copy_row_pairs<const D: usize, const ROWS: u32, const NT: u
     both: bool,
 ) {
     let chunks = D as u32 / 8;
+    // Checked where the caller routes here (a width whose chunks divide the threads).
     const {
         assert!(
-            NT.is_multiple_of(D as u32 / 8)
-                && ((NT / (D as u32 / 8)).is_multiple_of(8) || NT / (D as u32 / 8) == 4)
-                && ROWS.is_multiple_of(NT / (D as u32 / 8))
-                && ROWS / (NT / (D as u32 / 8)) <= 32
+            !NT.is_multiple_of(D as u32 / 8)
+                || (((NT / (D as u32 / 8)).is_multiple_of(8) || NT / (D as u32 / 8) == 4)
+                    && ROWS.is_multiple_of(NT / (D as u32 / 8))
+                    && ROWS / (NT / (D as u32 / 8)) <= 32)
         )
     };
     let (c, r0) = (t % chunks, t / chunks);
@@ -86,6 +110,65 @@ pub(crate) unsafe fn copy_row_pairs<const D: usize, const ROWS: u32, const NT: u
     });
 }
 
+/// [`copy_row_pairs`] a 64-column atom at a time: chunk `t % 8` of each atom of K's and V's rows
+/// `t / 8 + i * NT / 8` (rows a whole number of 8-row groups apart, so their shared-memory
+/// addresses differ by constants).
+#[inline(always)]
+unsafe fn copy_by_atom<const DK: usize, const DV: usize, const ROWS: u32, const NT: u32, const BATCH: usize>(
+    dst: [u32; 2],
+    t: u32,
+    live: [u32; 2],
+    src: impl Fn(u32) -> (u64, u64),
+    both: bool,
+) {
+    const {
+        assert!(
+            DK.is_multiple_of(64)
+                && DV.is_multiple_of(64)
+                && (NT / 8).is_multiple_of(8)
+                && ROWS.is_multiple_of(NT / 8)
+                && ROWS / (NT / 8) <= 32
+        )
+    };
+    let (c, r0) = (t % 8, t / 8);
+    let step = NT / 8;
+    // This thread's chunk of row r0's first atom in K's and V's tiles; atom x is 1024 bytes on.
+    let offs = [swizzled(DK as u32, r0, c), swizzled(DV as u32, r0, c)];
+    static_for::<32>(|g| {
+        if g % BATCH != 0 {
+            return;
+        }
+        // A batch's sources before its copies, as in `copy_same_width`.
+        let mut rows = [(0u64, 0u64); BATCH];
+        static_for::<BATCH>(|k| {
+            let i = g + k;
+            if (i as u32) < ROWS / step {
+                rows[k] = src(r0 + i as u32 * step);
+            }
+        });
+        static_for::<BATCH>(|k| {
+            let i = g + k;
+            if (i as u32) < ROWS / step {
+                let (a, b) = rows[k];
+                let groups = i as u32 * (step / 8);
+                static_for::<4>(|x| {
+                    let chunk = 8 * x as u32 + c;
+                    if x < DK / 64 {
+                        let bytes = if a != 0 && chunk < live[0] { 16 } else { 0 };
+                        let off = offs[0] + 1024 * x as u32 + groups * group_bytes(DK as u32);
+                        unsafe { cp_async_16(dst[0] + off, a.wrapping_add(chunk as u64 * 16), bytes) };
+                    }
+                    if both && x < DV / 64 {
+                        let bytes = if a != 0 && chunk < live[1] { 16 } else { 0 };
+                        let off = offs[1] + 1024 * x as u32 + groups * group_bytes(DV as u32);
+                        unsafe { cp_async_16(dst[1] + off, b.wrapping_add(chunk as u64 * 16), bytes) };
+                    }
+                });
+            }
+        });
+    });
+}
+
 /// A thread's share of `ROWS` raw FP8 rows of `BYTES` bytes (in row order, no swizzle) for
 /// `NT` threads: chunk `t % (BYTES / 16)` of rows `t / (BYTES / 16) + i * step`. The copy and
 /// the conversion ([`copy_raw_row_pairs`], [`convert_fp8_rows`]) give each thread the same
@@ -104,11 +187,15 @@ impl<const BYTES: usize, const ROWS: u32, const NT: u32> RawShare<BYTES, ROWS, N
 
     #[inline(always)]
     fn of(t: u32) -> Self {
+        // Rows of 192 bytes, whose chunks do not divide the threads, come only from the 16-bit
+        // QK 192 / V 128 kernel, which compiles its FP8 paths without running them
+        // (`prefill_specialized`'s check).
         const {
             assert!(
-                NT.is_multiple_of(BYTES as u32 / 16)
-                    && ROWS.is_multiple_of(NT / (BYTES as u32 / 16))
-                    && ROWS / (NT / (BYTES as u32 / 16)) <= 16
+                BYTES == 192
+                    || (NT.is_multiple_of(BYTES as u32 / 16)
+                        && ROWS.is_multiple_of(NT / (BYTES as u32 / 16))
+                        && ROWS / (NT / (BYTES as u32 / 16)) <= 16)
             )
         };
         RawShare { chunk: t % Self::CHUNKS, row0: t / Self::CHUNKS }
