@@ -13,7 +13,8 @@ use attn_math::hopper_prefill::BLOCK_N;
 
 /// What the helpers shared with the `mma.sync` kernels see of these ([`AttnConfig`]): prefill
 /// from a 16-bit cache at head size `D` on `BLOCK_N`-key tiles, a warp's scores `KW` keys wide
-/// at a time.
+/// at a time. The one helper given it, `Logits::apply`, reads only `KW` (and the masks), so the
+/// QK 192 / V 128 kernel passes its QK width for both.
 pub(crate) struct Wgmma<Q, const D: usize, const KW: usize>(core::marker::PhantomData<Q>);
 
 impl<Q: MmaHalf, const D: usize, const KW: usize> AttnConfig for Wgmma<Q, D, KW> {

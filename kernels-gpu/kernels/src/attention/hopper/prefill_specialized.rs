@@ -361,9 +361,9 @@ struct Item {
 }
 
 impl Item {
-    /// Decodes grid index `x` (`ITEM_END` past the plan's CTAs).
+    /// Decodes grid index `x` (`ITEM_END` past the plan's CTAs); `DV`: the kernel's V width
+    /// (where a split's columns start).
     #[inline(always)]
-    /// `DV`: the kernel's V width (where a split's columns start).
     unsafe fn decode<const DV: usize>(p: &AttnParams, x: u32) -> [u32; 16] {
         let mut d = [ITEM_NONE; 16];
         // A plan on the device (a CUDA-graph step's) counts its tiles in its header; the CTAs are
@@ -537,8 +537,9 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize,
         }
     };
     // Whether stages may go by TMA ([`TmaGroups`]): at the widths `ws_tma_stages` names, where
-    // the head size may fill the rows (the maps take whole 64-column atoms).
-    let by_tma_ever = const { D == W && ws_tma_stages(W as u32, K::FP8) };
+    // the head size may fill the rows (the maps take whole 64-column atoms) and V's rows are as
+    // wide as K's (the boxes are K's).
+    let by_tma_ever = const { D == W && W == WV && ws_tma_stages(W as u32, K::FP8) };
     let mut u = 0u32;
     let mut k = 0u32;
     loop {
