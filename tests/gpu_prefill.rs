@@ -309,19 +309,15 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     // GQA 8, non-causal, every feature, block size 64 and a bad block id, empty requests. The
     // many-tile case is named without `d<width>_` so that a sanitizer run filtered on `d256_`
     // stays short.
+    // Every feature at once, chunked: the matrices below take it at their shapes.
+    let all_features =
+        Case { softcap: Some(8.0), alibi: true, sinks: true, window: Some(64), q_lens: Some(vec![3, 100, 8]), ..Case::base(&[40, 500, 8]) };
     for (d, long) in [(64, 4097), (256, 2049)] {
         let width = |c: Case| Case { dk: d, dv: d, ..c };
         push(format!("bf16::d{d}_lengths_1_15_16_17_127_1000"), width(Case::base(&lens)), "bf16");
         push(format!("f16::length_{long}_gqa8_head_size_{d}"), width(Case { q_heads: 8, kv_heads: 1, ..Case::base(&[long]) }), "f16");
         push(format!("bf16::d{d}_non_causal"), width(Case { causal: false, ..Case::base(&[1, 17, 300]) }), "bf16");
-        let features = width(Case {
-            softcap: Some(8.0),
-            alibi: true,
-            sinks: true,
-            window: Some(64),
-            q_lens: Some(vec![3, 100, 8]),
-            ..Case::base(&[40, 500, 8])
-        });
+        let features = width(all_features.clone());
         push(format!("bf16::d{d}_all_features_chunked"), features.clone(), "bf16");
         if d == 256 {
             // FP8 at width 256 on Hopper: the producer converts quarter-tile stages from a raw
@@ -367,18 +363,7 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("bf16::qk192_v128_lengths_1_15_16_17_127_1000".into(), qk_v(Case::base(&lens)), "bf16");
     push("f16::length_2049_gqa8_qk192_v128".into(), qk_v(Case { q_heads: 8, kv_heads: 1, ..Case::base(&[2049]) }), "f16");
     push("bf16::qk192_v128_non_causal".into(), qk_v(Case { causal: false, ..Case::base(&[1, 17, 300]) }), "bf16");
-    push(
-        "bf16::qk192_v128_all_features_chunked".into(),
-        qk_v(Case {
-            softcap: Some(8.0),
-            alibi: true,
-            sinks: true,
-            window: Some(64),
-            q_lens: Some(vec![3, 100, 8]),
-            ..Case::base(&[40, 500, 8])
-        }),
-        "bf16",
-    );
+    push("bf16::qk192_v128_all_features_chunked".into(), qk_v(all_features), "bf16");
     push(
         "f16::qk192_v128_empty_requests_gqa4".into(),
         qk_v(Case { q_lens: Some(vec![0, 5, 0, 130]), q_heads: 8, kv_heads: 2, ..Case::base(&[0, 5, 7, 200]) }),
