@@ -29,10 +29,13 @@ pub fn tolerance(dtype: DType) -> f64 {
 /// moving a score by a few percent of its size and the weights' an output row by a few percent
 /// of its norm. Measured on the H100 over `gpu_prefill`'s e4m3 cases: global 1.3-2.4e-2, worst
 /// row 2.9-5.9e-2, log-sum-exp 0.6-2.4e-2; the bounds are about 1.7x the largest. The
-/// log-sum-exp's since reached 4.3e-2 in one draw of `bf16_fp8::lengths` (H200): a one-key row's
-/// log-sum-exp is its single rounded score, with no other keys to average the rounding out;
-/// its bound is 6e-2.
-pub const E4M3_TOLERANCE: (f64, f64, f64) = (4e-2, 1e-1, 6e-2);
+/// log-sum-exp's since reached 4.3e-2 in one draw of `bf16_fp8::lengths` and 6.2e-2 in one of
+/// `gpu_decode`'s `f16_fp8::basic` (H200): a one-key row's log-sum-exp is its single score, off by
+/// the queries' rounding alone (sum of dq_i k_i x scale: no other keys average it out). With the
+/// decode tests' ranges (queries up to 1, FP8 keys up to 2, d128) that error has an RMS of 0.017;
+/// simulated over 40,000 rows, 2.8e-4 of them pass 0.06 and the largest was 0.071. Its bound is
+/// 1e-1 (absolute below 1, as every log-sum-exp check), six RMS.
+pub const E4M3_TOLERANCE: (f64, f64, f64) = (4e-2, 1e-1, 1e-1);
 
 /// The bounds a result of `dtype` is checked within (global relative error, worst row,
 /// log-sum-exp): [`E4M3_TOLERANCE`] where the kernel rounds its queries and weights to e4m3.
