@@ -242,6 +242,9 @@ fn forward_case<T: HostElement + std::fmt::Debug, C: HostElement + std::fmt::Deb
         ga.check_status()?;
         let got = download(&stream, &out_d);
         let per_token = c.hq * c.d;
+        // The decode kernel's query rows a kv head: the step's longest decode request's tokens.
+        let decode_q = order.iter().filter(|&&(_, q)| is_decode(q as i64, c.threshold)).map(|p| p.1).max().unwrap_or(1);
+        let decode_rows = decode_q * (c.hq / c.hkv);
         for (b, &(id, _)) in order.iter().enumerate() {
             let span = qsl[b] as usize * per_token..qsl[b + 1] as usize * per_token;
             let g: Vec<f64> = got[span.clone()].iter().map(|x| x.to_f32() as f64).collect();
@@ -250,7 +253,7 @@ fn forward_case<T: HostElement + std::fmt::Debug, C: HostElement + std::fmt::Deb
             // Prefills and decodes from an FP8 cache may round to e4m3 (`fp8_prefill_rounds_to_e4m3`,
             // `fp8_decode_rounds_to_e4m3`).
             let e4m3 = attn_rs::prefill::fp8_prefill_rounds_to_e4m3(device(), c.d, c.d)
-                || attn_rs::decode::fp8_decode_rounds_to_e4m3(device(), c.d);
+                || attn_rs::decode::fp8_decode_rounds_to_e4m3(device(), c.d, decode_rows);
             let tol = if fp8 && e4m3 { E4M3_TOLERANCE.0 } else { tolerance(T::DTYPE) };
             if !within(err, tol) {
                 return Err(format!("step {s} request {id} (batch row {b}): rel error {err:.3e}").into());

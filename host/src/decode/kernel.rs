@@ -134,26 +134,29 @@ impl TcKernel {
     }
 }
 
-/// Whether decode from an FP8 cache on `device` at head size `head_size` rounds the queries and
-/// the softmax weights to e4m3 (for batches of up to 16 query rows a kv head, query tokens x
-/// query heads; more take the prefill kernel, [`crate::prefill::fp8_prefill_rounds_to_e4m3`]):
-/// on sm_90a at head sizes 128 and 136 to 256 (`fp8_wgmma_pays`) both products run on e4m3 `wgmma` with the cache's bytes as
-/// they are (`decode_km_*`, `attn_math::keys_m`), the queries with one scale a row (its largest
-/// magnitude to e4m3's 448) and the weights times 2^7, as vLLM's FP8 decode on
+/// Whether decode from an FP8 cache on `device` at head size `head_size`, for batches of up to
+/// `rows` query rows a kv head (the longest request's query tokens x the query heads of a kv
+/// head; up to 16: more take the prefill kernel, [`crate::prefill::fp8_prefill_rounds_to_e4m3`]),
+/// rounds the queries and the softmax weights to e4m3. On sm_90a at head sizes 128 to 256, and
+/// from 72 for 9 to 16 rows (`fp8_wgmma_pays`), both products run on e4m3 `wgmma` with the
+/// cache's bytes as they are (`decode_km_*`, `attn_math::keys_m`), the queries with one scale a
+/// row (its largest magnitude to e4m3's 448) and the weights times 2^7, as vLLM's FP8 decode on
 /// FlashAttention-3 quantises its queries. Elsewhere the cache's values are converted exactly
 /// and the result is as precise as over a 16-bit cache holding the same values. The same for
 /// both FP8 formats.
-pub fn fp8_decode_rounds_to_e4m3(device: &AttnDevice, head_size: usize) -> bool {
+pub fn fp8_decode_rounds_to_e4m3(device: &AttnDevice, head_size: usize, rows: usize) -> bool {
     let width = attn_math::decode::decode_width(head_size.min(u32::MAX as usize) as u32, true);
-    device.ptx_target() == "sm_90a" && width.is_some_and(|w| keys_m::FP8_WIDTHS.contains(&w)) && fp8_wgmma_pays(head_size)
+    device.ptx_target() == "sm_90a" && width.is_some_and(|w| keys_m::FP8_WIDTHS.contains(&w)) && fp8_wgmma_pays(head_size, rows)
 }
 
-/// Whether FP8 decode at `head_size` takes the `wgmma` kernels where they exist, as measured on
-/// the H200 (docs/decode.md): at width 128 only head size 128 itself (80, 96 and 112, padded to
-/// 128, ran 8%, 1% and 0.4% slower than the keys-as-rows kernels at 64 x 4096), at width 256
-/// every head size (160: 2% faster).
-fn fp8_wgmma_pays(head_size: usize) -> bool {
-    head_size >= 128
+/// Whether FP8 decode at `head_size` for `rows` query rows a kv head takes the `wgmma` kernels
+/// where they exist (widths 128 and 256), as measured (docs/decode.md): at width 256 every head
+/// size (160: 2% faster on the H200); at width 128 head size 128 itself, and below it only the
+/// 16-row kernels (GQA 16 at head size 120: 1.09x the keys-as-rows kernel on the H100). At 8
+/// rows 80, 96 and 112, padded to 128, ran 8-17% slower than the keys-as-rows kernels at 64 x
+/// 4096: the tile's chain set the pace there, not the bytes.
+fn fp8_wgmma_pays(head_size: usize, rows: usize) -> bool {
+    head_size >= 128 || (head_size >= 72 && rows > keys_m::ROWS[0] as usize)
 }
 
 /// The longest request's keys (0 for an empty batch or negative lengths).
@@ -182,7 +185,7 @@ pub(crate) fn decode_tc_kernel(
     // Long FP8 requests take the deep pipeline only where it pays (`fp8_deep_pipeline`); 16-bit
     // ones take their long kernels everywhere (`keys_rows::HALF_LONG_KEYS`).
     let max_len = if !fp8 || dev.fp8_deep_pipeline() { max_len } else { 0 };
-    let wgmma = dev.ptx_target() == "sm_90a" && (!fp8 || fp8_wgmma_pays(d));
+    let wgmma = dev.ptx_target() == "sm_90a" && (!fp8 || fp8_wgmma_pays(d, (max_q * group) as usize));
     let (kernel, id, smem) = decode_kernel_id(wgmma, q_dtype, CacheRows::of(cache, d), width, group, max_q, max_len);
     let waves = tuning.decode_waves.unwrap_or(measured_waves(width)).max(1);
     let resident = dev.resident_ctas(id, attn_math::prefill::THREADS, smem)?;
@@ -360,10 +363,14 @@ mod tests {
         assert_eq!(pick(CacheRows::Bits16, 128, 4, 1).1.entry_name(), "decode_kr_bf16_d128");
     }
 
-    /// FP8 head sizes padded to width 128 keep the keys-as-rows kernels; width 256's all take `wgmma`.
+    /// FP8 head sizes padded to width 128 keep the keys-as-rows kernels up to 8 rows and take
+    /// `wgmma` from 9; width 256's all take `wgmma`.
     #[test]
     fn fp8_wgmma_by_head_size() {
-        assert_eq!([72, 80, 96, 112, 128, 136, 160, 256].map(fp8_wgmma_pays), [false, false, false, false, true, true, true, true]);
+        let sizes = [72, 80, 96, 112, 128, 136, 160, 256];
+        assert_eq!(sizes.map(|d| fp8_wgmma_pays(d, 8)), [false, false, false, false, true, true, true, true]);
+        assert_eq!(sizes.map(|d| fp8_wgmma_pays(d, 9)), [true; 8]);
+        assert!(!fp8_wgmma_pays(64, 16));
     }
 
     #[test]

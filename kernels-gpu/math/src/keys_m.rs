@@ -41,13 +41,20 @@ pub const fn takes(d: u32, fp8: bool, rows: u32) -> bool {
     }
 }
 
-/// CTAs an SM for staged rows of `row_bytes`: three at 128 (a 16 KB stage), two at 256; the
-/// registers are few (O^T is 4 to 16 a thread), so shared memory sets it.
-pub const fn ctas_per_sm(row_bytes: u32) -> u32 {
-    if row_bytes <= 128 {
-        3
-    } else {
+/// CTAs an SM for staged rows of `row_bytes` and `rows` query rows a CTA: two at 256 bytes;
+/// at 128 (a 16 KB stage) four for 8 rows (FP8 width 128), three for 16 (FP8 width 128's
+/// `_r16`, 16-bit width 64). A tile is a chain of dependent steps (S^T, the max exchange, the
+/// weights, P V) that three CTAs' warps did not cover at 8 rows: four CTAs of three stages
+/// keep as many tiles in flight an SM, with a third more warps (docs/decode.md). `xtask`'s
+/// launch bounds hold those to 128 registers, which they fit without spills; the 16-row kernels
+/// lost 2% there (FP8 GQA 16 at d128, 16-bit at d64) and keep three.
+pub const fn ctas_per_sm(row_bytes: u32, rows: u32) -> u32 {
+    if row_bytes > 128 {
         2
+    } else if rows <= ROWS[0] {
+        4
+    } else {
+        3
     }
 }
 
@@ -81,15 +88,19 @@ const fn round_up(x: u32, to: u32) -> u32 {
 }
 
 /// The layout of the kernel of staged rows of `row_bytes` and `rows` query rows: as many stages
-/// as the CTA's share of shared memory holds (`ctas_per_sm`: 72 KiB of three, 104 KiB of two),
-/// at most 6.
+/// as the CTA's share of shared memory holds (`ctas_per_sm`: 54 KiB of four, 72 KiB of three,
+/// 104 KiB of two), at most 6.
 pub const fn layout(row_bytes: u32, rows: u32) -> Layout {
     let q = 0;
     let p = round_up(q + rows * row_bytes, 1024);
     let ring = round_up(p + rows * 128, 1024);
     let maxima_bytes = rows * WARPS * 4;
     let tail = maxima_bytes + rows * 4 + 6 * 8;
-    let budget = if ctas_per_sm(row_bytes) == 3 { 73_728 } else { 106_496 };
+    let budget = match ctas_per_sm(row_bytes, rows) {
+        4 => 55_296,
+        3 => 73_728,
+        _ => 106_496,
+    };
     let fit = (budget - ring - tail) / stage_bytes(row_bytes);
     let stages = if fit > 6 { 6 } else { fit };
     let maxima = ring + stages * stage_bytes(row_bytes);
@@ -115,10 +126,10 @@ mod tests {
                 }
                 assert!(l.bars.is_multiple_of(8) && l.maxima.is_multiple_of(16));
                 // 228 KiB an SM, 1 KiB reserved and 1 KiB of static shared memory a CTA.
-                assert!(ctas_per_sm(row_bytes) * (l.total + 2048) <= 228 * 1024, "{row_bytes} B r{rows}: {l:?}");
+                assert!(ctas_per_sm(row_bytes, rows) * (l.total + 2048) <= 228 * 1024, "{row_bytes} B r{rows}: {l:?}");
             }
         }
-        assert_eq!((layout(128, 8).stages, layout(256, 8).stages, layout(256, 16).stages), (4, 3, 3));
+        assert_eq!((layout(128, 8).stages, layout(128, 16).stages, layout(256, 8).stages, layout(256, 16).stages), (3, 4, 3, 3));
         assert!(takes(128, true, 8) && takes(256, true, 16) && !takes(64, true, 8) && !takes(96, true, 8));
         assert!(takes(128, false, 16) && takes(64, false, 9) && !takes(128, false, 8) && !takes(96, false, 16));
     }
