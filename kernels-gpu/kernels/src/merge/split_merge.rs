@@ -103,10 +103,11 @@ unsafe fn fold_splits<const DV: usize, const R: u32>(p: &AttnParams, w: &Work, b
     let slots = const { chunk_slots::<DV, R>() };
     let mut state = OnlineSoftmax::EMPTY;
     let mut acc = [[0.0f32; 4]; 8];
-    if r >= w.live {
-        return (state, acc);
-    }
-    let row = unsafe { w.row(p, r) };
+    // Threads past the live rows fold the last live row again (`store_rows` stores nothing of
+    // theirs). Returning early here let the compiler copy the CTA barrier that follows a fold
+    // into both paths: warps then reached `bar.sync` at two addresses (synccheck's "divergent
+    // threads"), and where a warp holds a live row and a dead one that is undefined.
+    let row = unsafe { w.row(p, r.min(w.live.saturating_sub(1))) };
     let first = base + (row.token - w.q_start) as u64 * p.shape.num_q_heads as u64 + row.head as u64;
     let split_stride = w.q_len as u64 * p.shape.num_q_heads as u64;
     // The launch's row width (its head size, at most the kernel's `DV`).
