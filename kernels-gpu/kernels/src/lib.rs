@@ -10,7 +10,7 @@
 //!
 //! [`blocks`] holds the building blocks they share.
 #![no_std]
-#![feature(abi_ptx, asm_experimental_arch, core_intrinsics, gpu_intrinsics, gpu_launch_sized_workgroup_mem)]
+#![feature(abi_ptx, asm_experimental_arch, core_intrinsics, gpu_intrinsics, gpu_launch_sized_workgroup_mem, stdarch_nvptx)]
 #![allow(internal_features)]
 
 #[cfg(kernels = "attention")]

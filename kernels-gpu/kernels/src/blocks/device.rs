@@ -28,10 +28,14 @@ pub fn trap() -> ! {
     unsafe { asm!("trap;", options(noreturn, nostack)) }
 }
 
-/// Barrier for all threads of the CTA.
+/// Barrier for all threads of the CTA (`bar.sync 0`, which every thread of a warp must reach at
+/// the same instruction). Through LLVM's barrier intrinsic, not `asm!`: the intrinsic is
+/// `convergent`, so LLVM never copies it into the paths of a branch that threads take apart. As
+/// inline assembly it did (the split merge's fold, docs/sanitizers.md), and warps reached the
+/// barrier at two addresses.
 #[inline(always)]
 pub fn sync_threads() {
-    unsafe { asm!("bar.sync 0;", options(nostack)) }
+    unsafe { core::arch::nvptx::_syncthreads() }
 }
 
 /// Barrier for the 32 threads of the warp, with memory ordering among them (their shared-memory
