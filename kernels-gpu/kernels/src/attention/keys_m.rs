@@ -36,7 +36,7 @@
 use crate::attention::config::{Bits16, CacheFormat};
 use crate::attention::logits::Logits;
 use crate::attention::output::RowOut;
-use crate::attention::slab_copy::{SlabCopy, SlabRows};
+use crate::attention::slab_copy::{SlabCopy, SlabRows, WarpSlabs};
 use crate::attention::work::{work_item, RowInfo};
 use crate::blocks::device::{
     atomic_or_global, dynamic_shared, pdl_launch_dependents, pdl_wait, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any,
@@ -349,12 +349,9 @@ unsafe fn decode_keys_m<Q: MmaHalf, O: Operands<Q, W, G>, const W: usize, const 
         pdl_wait();
         return;
     };
-    let (min_pos, max_pos) = unsafe { (w.row(p, 0).pos, w.row(p, w.live - 1).pos) };
-    let (begin, end) = unsafe { w.key_range(p, min_pos, max_pos) };
-    // Slabs start on multiples of 16 (a window's first key may not: the mask covers the rest).
-    let begin = begin & !(WARP_KEYS - 1);
-    let n_tiles = if end > begin { (end - begin).div_ceil(TILE_KEYS) } else { 0 };
-    let slab_key = |tile: u32| begin + tile * TILE_KEYS + warp * WARP_KEYS;
+    let keys = unsafe { WarpSlabs::of(p, &w, warp) };
+    let ((min_pos, max_pos), end, n_tiles) = (keys.pos, keys.end, keys.n_tiles);
+    let slab_key = |tile: u32| keys.key(tile);
 
     let head = p.dims.qk_or(W as u32);
     let l = layout(row_bytes, R);
@@ -365,15 +362,7 @@ unsafe fn decode_keys_m<Q: MmaHalf, O: Operands<Q, W, G>, const W: usize, const 
     // This warp's 16 rows of a stage's K plane.
     let slab_at = |tile: u32| stage(tile) + warp * WARP_KEYS * 128;
     let copy = unsafe { SlabCopy::<TileRows<O::Cache, W>, W>::new(p, &w, head) };
-    // The block id of this warp's slab of a tile (u32::MAX past the keys: zero-filled rows).
-    let lookup = |tile: u32| {
-        let kb = slab_key(tile);
-        if tile < n_tiles && kb < end {
-            unsafe { copy.block(p, kb) }
-        } else {
-            u32::MAX
-        }
-    };
+    let lookup = |tile: u32| unsafe { keys.block(p, &copy, tile) };
 
     // The queries, and what their staging and the cache's scales leave to the scores.
     let q_addr = |n: u32| {

@@ -26,7 +26,7 @@ use crate::attention::fp8_direct::swizzled;
 use crate::attention::lazy_rescale::must_rescale;
 use crate::attention::logits::Logits;
 use crate::attention::output::store_merged_rows;
-use crate::attention::slab_copy::{SlabCopy, SlabRows};
+use crate::attention::slab_copy::{SlabCopy, SlabRows, WarpSlabs};
 use crate::attention::work::{work_item, RowInfo};
 use crate::blocks::device::{
     atomic_or_global, dynamic_shared, fma, pdl_launch_dependents, pdl_wait, shfl_xor, static_for, sync_threads, sync_warp, thread_idx_x,
@@ -37,7 +37,7 @@ use crate::blocks::mma::{
 };
 use crate::blocks::vec_io::{load8_nc, load_u32_nc};
 use crate::merge::split_merge::merge_item_splits;
-use attn_math::keys_rows::{ctas_per_sm, layout, plane_bytes, row_pitch, stage_bytes, stages, TILE_KEYS, WARP_KEYS};
+use attn_math::keys_rows::{ctas_per_sm, layout, plane_bytes, row_pitch, stage_bytes, stages, WARP_KEYS};
 use attn_math::params::AttnParams;
 use attn_math::softmax::{exp2, OnlineSoftmax};
 use attn_math::status::BLOCK_OUT_OF_RANGE;
@@ -374,12 +374,9 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
         pdl_wait();
         return;
     };
-    let (min_pos, max_pos) = unsafe { (w.row(p, 0).pos, w.row(p, w.live - 1).pos) };
-    let (begin, end) = unsafe { w.key_range(p, min_pos, max_pos) };
-    // Slabs start on multiples of 16 (a window's first key may not: the mask covers the rest).
-    let begin = begin & !(WARP_KEYS - 1);
-    let n_tiles = if end > begin { (end - begin).div_ceil(TILE_KEYS) } else { 0 };
-    let slab_key = |tile: u32| begin + tile * TILE_KEYS + warp * WARP_KEYS;
+    let keys = unsafe { WarpSlabs::of(p, &w, warp) };
+    let ((min_pos, max_pos), end, n_tiles) = (keys.pos, keys.end, keys.n_tiles);
+    let slab_key = |tile: u32| keys.key(tile);
 
     // The launch's head size (K and V alike here), at most `D`.
     let head = p.dims.qk_or(D as u32);
@@ -389,15 +386,7 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     let smem = shared_addr(dynamic_shared::<u8>());
     let ring = smem + warp * st * sb;
     let copy = unsafe { SlabCopy::<F, D>::new(p, &w, head) };
-    // The block id of a slab this warp copies (u32::MAX past the keys: nothing to copy).
-    let lookup = |tile: u32| {
-        let kb = slab_key(tile);
-        if tile < n_tiles && kb < end {
-            unsafe { copy.block(p, kb) }
-        } else {
-            u32::MAX
-        }
-    };
+    let lookup = |tile: u32| unsafe { keys.block(p, &copy, tile) };
 
     // This thread's rows of each column group (columns 2t4, 2t4 + 1) and the query fragments
     // of the group's row g (rows past `live` repeat the last one; they are never written). FP8:

@@ -11,7 +11,7 @@ use crate::attention::work::Work;
 use crate::blocks::device::{static_for, thread_idx_x};
 use crate::blocks::mma::{cp_async_16, cp_async_halves};
 use crate::blocks::vec_io::load_u32_nc;
-use attn_math::keys_rows::WARP_KEYS;
+use attn_math::keys_rows::{TILE_KEYS, WARP_KEYS};
 use attn_math::params::AttnParams;
 
 /// Where a slab's rows are staged: the cache rows, and the byte offset of (row, byte column)
@@ -133,5 +133,49 @@ impl<F: SlabRows<D>, const D: usize> SlabCopy<F, D> {
             }
         });
         bad
+    }
+}
+
+/// A decode CTA's keys as 64-key tiles of four warps' 16-key slabs: the work item's key range
+/// (its first key rounded down to a slab: a window's first key may not start one, the mask
+/// covers the rest), and the positions of its first and last query rows, which the masks take.
+#[derive(Clone, Copy)]
+pub(crate) struct WarpSlabs {
+    /// The range's end (exclusive).
+    pub end: u32,
+    pub n_tiles: u32,
+    /// (position of the item's first row, of its last).
+    pub pos: (u32, u32),
+    /// The first key of tile 0.
+    begin: u32,
+    warp: u32,
+}
+
+impl WarpSlabs {
+    /// Work item `w`'s slabs of warp `warp`.
+    #[inline(always)]
+    pub unsafe fn of(p: &AttnParams, w: &Work, warp: u32) -> Self {
+        let pos = unsafe { (w.row(p, 0).pos, w.row(p, w.live - 1).pos) };
+        let (begin, end) = unsafe { w.key_range(p, pos.0, pos.1) };
+        let begin = begin & !(WARP_KEYS - 1);
+        let n_tiles = if end > begin { (end - begin).div_ceil(TILE_KEYS) } else { 0 };
+        WarpSlabs { end, n_tiles, pos, begin, warp }
+    }
+
+    /// The first key of this warp's slab of `tile`.
+    #[inline(always)]
+    pub fn key(&self, tile: u32) -> u32 {
+        self.begin + tile * TILE_KEYS + self.warp * WARP_KEYS
+    }
+
+    /// The block id of this warp's slab of `tile` (`u32::MAX` past the keys: zero-filled rows).
+    #[inline(always)]
+    pub unsafe fn block<F: SlabRows<D>, const D: usize>(&self, p: &AttnParams, copy: &SlabCopy<F, D>, tile: u32) -> u32 {
+        let kb = self.key(tile);
+        if tile < self.n_tiles && kb < self.end {
+            unsafe { copy.block(p, kb) }
+        } else {
+            u32::MAX
+        }
     }
 }
