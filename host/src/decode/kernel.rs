@@ -138,7 +138,7 @@ impl TcKernel {
 /// `rows` query rows a kv head (the longest request's query tokens x the query heads of a kv
 /// head; up to 16: more take the prefill kernel, [`crate::prefill::fp8_prefill_rounds_to_e4m3`]),
 /// rounds the queries and the softmax weights to e4m3. On sm_90a at head sizes 128 to 256, and
-/// at 80, 96 and 112 for 9 to 16 rows (`fp8_wgmma_pays`), both products run on e4m3 `wgmma` with the
+/// from 72 for 9 to 16 rows (`fp8_wgmma_pays`), both products run on e4m3 `wgmma` with the
 /// cache's bytes as they are (`decode_km_*`, `attn_math::keys_m`), the queries with one scale a
 /// row (its largest magnitude to e4m3's 448) and the weights times 2^7, as vLLM's FP8 decode on
 /// FlashAttention-3 quantises its queries. Elsewhere the cache's values are converted exactly
@@ -151,12 +151,13 @@ pub fn fp8_decode_rounds_to_e4m3(device: &AttnDevice, head_size: usize, rows: us
 
 /// Whether FP8 decode at `head_size` for `rows` query rows a kv head takes the `wgmma` kernels
 /// where they exist (widths 128 and 256), as measured (docs/decode.md): at width 256 every head
-/// size (160: 2% faster on the H200); at width 128 head size 128 itself, and below it 80, 96 and
-/// 112 for 9 to 16 rows (GQA 16 on the H100: 1.04-1.08x the keys-as-rows kernel). Up to 8 rows
-/// those ran 8-17% slower than the keys-as-rows kernels, the tile's chain setting the pace; the
-/// odd multiples of 8 (72 to 120, rows copied in halves) ran 1.01x (72) and 0.91x (120) at 16.
+/// size (160: 2% faster on the H200); at width 128 head size 128 itself, and below it every
+/// head size from 72 for 9 to 16 rows (GQA 16 on the H100: 80 to 112 1.04-1.08x the
+/// keys-as-rows kernel; 120, rows copied in halves, 1.09x with its three stages). Up to 8 rows
+/// 80, 96 and 112 ran 8-17% slower than the keys-as-rows kernels, the tile's chain setting the
+/// pace.
 fn fp8_wgmma_pays(head_size: usize, rows: usize) -> bool {
-    head_size >= 128 || (head_size >= 80 && head_size.is_multiple_of(16) && rows > keys_m::ROWS[0] as usize)
+    head_size >= 128 || (head_size >= 72 && rows > keys_m::ROWS[0] as usize)
 }
 
 /// The longest request's keys (0 for an empty batch or negative lengths).
@@ -228,7 +229,8 @@ pub(crate) fn decode_kernel_id(
     if wgmma && kernel == DecodeKernel::TensorCoreKeys && keys_m::takes(d, fp8, max_q * group) {
         let rows_per_cta = if wide { keys_rows::WIDE_ROWS } else { keys_rows::MAX_ROWS };
         let row_bytes = d * if fp8 { 1 } else { 2 };
-        return (kernel, KernelId::DecodeKm { q, rows, wide, head_size: d }, keys_m::layout(row_bytes, rows_per_cta).total);
+        let halves = matches!(rows, CacheRows::Fp8 { a8: true, .. });
+        return (kernel, KernelId::DecodeKm { q, rows, wide, head_size: d }, keys_m::layout(row_bytes, rows_per_cta, halves).total);
     }
     // The keys-split CTAs with the score tile transposed (`decode_kr_*`: keys on the MMA's rows,
     // half the math per tile): up to 8 rows per kv head from 16-bit caches and FP8 at head sizes
@@ -347,29 +349,30 @@ mod tests {
         let (kernel, id, smem) = pick(e4m3, 128, 4, 1);
         assert_eq!(
             (kernel, id.entry_name(), smem),
-            (DecodeKernel::TensorCoreKeys, "decode_km_bf16_fp8_d128".into(), keys_m::layout(128, 8).total)
+            (DecodeKernel::TensorCoreKeys, "decode_km_bf16_fp8_d128".into(), keys_m::layout(128, 8, false).total)
         );
         let (_, id, smem) = pick(e4m3, 256, 16, 1);
-        assert_eq!((id.entry_name(), smem), ("decode_km_bf16_fp8_r16_d256".into(), keys_m::layout(256, 16).total));
+        assert_eq!((id.entry_name(), smem), ("decode_km_bf16_fp8_r16_d256".into(), keys_m::layout(256, 16, false).total));
         // 16-bit caches: GQA 16 at widths 64 and 128 (rows of 128 and 256 bytes); 8 rows and
         // width 96 keep the keys-as-rows kernels.
         let (_, id, smem) = pick(CacheRows::Bits16, 128, 16, 1);
-        assert_eq!((id.entry_name(), smem), ("decode_km_bf16_r16_d128".into(), keys_m::layout(256, 16).total));
+        assert_eq!((id.entry_name(), smem), ("decode_km_bf16_r16_d128".into(), keys_m::layout(256, 16, false).total));
         assert_eq!(pick(CacheRows::Bits16, 64, 8, 2).1.entry_name(), "decode_km_bf16_r16_d64");
         assert_eq!(pick(CacheRows::Bits16, 96, 16, 1).1.entry_name(), "decode_kr_bf16_r16_d96");
-        assert_eq!(pick(a8, 128, 8, 2).1.entry_name(), "decode_km_bf16_e5m2_a8_r16_d128");
+        let (_, id, smem) = pick(a8, 128, 8, 2);
+        assert_eq!((id.entry_name(), smem), ("decode_km_bf16_e5m2_a8_r16_d128".into(), keys_m::layout(128, 16, true).total));
         assert_eq!(pick(e4m3, 64, 4, 1).1.entry_name(), "decode_kr_bf16_fp8_d64");
         assert_eq!(pick(e4m3, 128, 32, 1).1.entry_name(), "prefill_bf16_fp8_dk128_dv128");
         assert_eq!(pick(CacheRows::Bits16, 128, 4, 1).1.entry_name(), "decode_kr_bf16_d128");
     }
 
-    /// FP8 head sizes padded to width 128 keep the keys-as-rows kernels up to 8 rows, and from 9
-    /// where they are multiples of 16; width 256's all take `wgmma`.
+    /// FP8 head sizes padded to width 128 keep the keys-as-rows kernels up to 8 rows and take
+    /// `wgmma` from 9; width 256's all take `wgmma`.
     #[test]
     fn fp8_wgmma_by_head_size() {
         let sizes = [72, 80, 96, 112, 120, 128, 136, 160, 256];
         assert_eq!(sizes.map(|d| fp8_wgmma_pays(d, 8)), [false, false, false, false, false, true, true, true, true]);
-        assert_eq!(sizes.map(|d| fp8_wgmma_pays(d, 9)), [false, true, true, true, false, true, true, true, true]);
+        assert_eq!(sizes.map(|d| fp8_wgmma_pays(d, 9)), [true; 9]);
         assert!(!fp8_wgmma_pays(64, 16));
     }
 

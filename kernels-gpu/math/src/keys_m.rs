@@ -87,10 +87,14 @@ const fn round_up(x: u32, to: u32) -> u32 {
     x.div_ceil(to) * to
 }
 
-/// The layout of the kernel of staged rows of `row_bytes` and `rows` query rows: as many stages
+/// The layout of the kernel of staged rows of `row_bytes` and `rows` query rows, copied in 8-byte
+/// halves or not (`halves`: FP8 rows of an odd multiple of 8, the `_a8` kernels): as many stages
 /// as the CTA's share of shared memory holds (`ctas_per_sm`: 54 KiB of four, 72 KiB of three,
-/// 104 KiB of two), at most 6.
-pub const fn layout(row_bytes: u32, rows: u32) -> Layout {
+/// 104 KiB of two), at most 6. Rows of 128 bytes copied in halves take 54 KiB at three CTAs too
+/// (three stages): their 8-byte `cp.async`s go through L1, which three CTAs of four stages
+/// leave about 18 KB (GQA 16 at head size 120 ran 1.09x the keys-as-rows kernel with three
+/// stages, 0.91x with four; docs/decode.md).
+pub const fn layout(row_bytes: u32, rows: u32, halves: bool) -> Layout {
     let q = 0;
     let p = round_up(q + rows * row_bytes, 1024);
     let ring = round_up(p + rows * 128, 1024);
@@ -98,6 +102,7 @@ pub const fn layout(row_bytes: u32, rows: u32) -> Layout {
     let tail = maxima_bytes + rows * 4 + 6 * 8;
     let budget = match ctas_per_sm(row_bytes, rows) {
         4 => 55_296,
+        3 if halves => 55_296,
         3 => 73_728,
         _ => 106_496,
     };
@@ -117,10 +122,10 @@ mod tests {
 
     #[test]
     fn layouts_fit_and_align() {
-        for row_bytes in [128, 256] {
+        for (row_bytes, halves) in [(128, false), (128, true), (256, false), (256, true)] {
             for rows in ROWS {
-                let l = layout(row_bytes, rows);
-                assert!(l.stages >= 3, "{row_bytes} B r{rows}: {l:?}");
+                let l = layout(row_bytes, rows, halves);
+                assert!(l.stages >= 3, "{row_bytes} B r{rows} halves {halves}: {l:?}");
                 for o in [l.q, l.p, l.ring, stage_bytes(row_bytes), TILE_KEYS * row_bytes] {
                     assert!(o.is_multiple_of(1024), "{row_bytes} B r{rows}: {l:?}");
                 }
@@ -129,7 +134,11 @@ mod tests {
                 assert!(ctas_per_sm(row_bytes, rows) * (l.total + 2048) <= 228 * 1024, "{row_bytes} B r{rows}: {l:?}");
             }
         }
-        assert_eq!((layout(128, 8).stages, layout(128, 16).stages, layout(256, 8).stages, layout(256, 16).stages), (3, 4, 3, 3));
+        assert_eq!(
+            (layout(128, 8, false).stages, layout(128, 16, false).stages, layout(256, 8, false).stages, layout(256, 16, false).stages),
+            (3, 4, 3, 3)
+        );
+        assert_eq!((layout(128, 8, true).stages, layout(128, 16, true).stages, layout(256, 16, true).stages), (3, 3, 3));
         assert!(takes(128, true, 8) && takes(256, true, 16) && !takes(64, true, 8) && !takes(96, true, 8));
         assert!(takes(128, false, 16) && takes(64, false, 9) && !takes(128, false, 8) && !takes(96, false, 16));
     }

@@ -354,7 +354,7 @@ unsafe fn decode_keys_m<Q: MmaHalf, O: Operands<Q, W, G>, const W: usize, const 
     let slab_key = |tile: u32| keys.key(tile);
 
     let head = p.dims.qk_or(W as u32);
-    let l = layout(row_bytes, R);
+    let l = layout(row_bytes, R, O::Cache::HALVES);
     let st = l.stages;
     let smem = shfl_idx(shared_addr(dynamic_shared::<u8>()), 0);
     let stage = |tile: u32| smem + l.ring + (tile % st) * 2 * TILE_KEYS * row_bytes;
