@@ -350,8 +350,6 @@ unsafe fn decode_keys_m<Q: MmaHalf, O: Operands<Q, W, G>, const W: usize, const 
         return;
     };
     let keys = unsafe { WarpSlabs::of(p, &w, warp) };
-    let ((min_pos, max_pos), end, n_tiles) = (keys.pos, keys.end, keys.n_tiles);
-    let slab_key = |tile: u32| keys.key(tile);
 
     let head = p.dims.qk_or(W as u32);
     let l = layout(row_bytes, R, O::Cache::HALVES);
@@ -378,7 +376,7 @@ unsafe fn decode_keys_m<Q: MmaHalf, O: Operands<Q, W, G>, const W: usize, const 
         });
     }
     let (k_scale, v_scale) = unsafe { O::Cache::scales(p, w.kv_head) };
-    let logits = Logits::new(p, p.variant.scale_log2 * k_scale, end);
+    let logits = Logits::new(p, p.variant.scale_log2 * k_scale, keys.end);
     let mult = logits.mult();
     // This thread's rows of each column group (N columns 8c + 2t4, + 1).
     let rows: [[RowInfo; 2]; G] =
@@ -395,15 +393,15 @@ unsafe fn decode_keys_m<Q: MmaHalf, O: Operands<Q, W, G>, const W: usize, const 
     // products read must be finite, so they are zero-filled), then arrives at its stage's
     // barrier when they land.
     let mut issue = |tile: u32, block: u32, bad_ring: &mut u32| {
-        if tile < n_tiles {
-            let kb = slab_key(tile);
+        if tile < keys.n_tiles {
+            let kb = keys.key(tile);
             if !waited && kb + WARP_KEYS > fresh {
                 pdl_wait();
                 waited = true;
             }
             // Past the keys nothing is read (every row zero-filled) and nothing is bad.
-            let past = kb >= end;
-            let bad = unsafe { copy.copy(p, kb, if past { 0 } else { block }, end, slab_at(tile)) } && !past;
+            let past = kb >= keys.end;
+            let bad = unsafe { copy.copy(p, kb, if past { 0 } else { block }, keys.end, slab_at(tile)) } && !past;
             let bit = 1 << (tile % st);
             *bad_ring = if bad { *bad_ring | bit } else { *bad_ring & !bit };
             any_bad |= bad;
@@ -442,7 +440,7 @@ unsafe fn decode_keys_m<Q: MmaHalf, O: Operands<Q, W, G>, const W: usize, const 
     let mut pending: Option<(u32, u32)> = None;
 
     let mut tile = 0;
-    while tile < n_tiles {
+    while tile < keys.n_tiles {
         unsafe {
             mbarrier::wait(filled(tile), (tile / st) & 1);
             fence_proxy_async_shared();
@@ -461,14 +459,14 @@ unsafe fn decode_keys_m<Q: MmaHalf, O: Operands<Q, W, G>, const W: usize, const 
         let v = unsafe { O::values(v_tile, warp, lane) };
 
         // True scores, the variant's logits and masks (this warp's slab: keys kb + g, + 8).
-        let kb = slab_key(tile);
+        let kb = keys.key(tile);
         let bad = bad_ring & (1 << (tile % st)) != 0;
         let mut m = [[f32::NEG_INFINITY; 2]; G];
         static_for::<G>(|c| {
             if O::QUANTISED {
                 static_for::<4>(|e| s[c][e] *= dequant[c][e % 2]);
             }
-            logits.apply_keys_rows(&mut s[c], &rows[c], kb, (min_pos, max_pos), bad);
+            logits.apply_keys_rows(&mut s[c], &rows[c], kb, keys.pos, bad);
             // Each row's max over the warp's 16 keys.
             static_for::<2>(|h| m[c][h] = s[c][h].max(s[c][h + 2]));
         });

@@ -375,8 +375,6 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
         return;
     };
     let keys = unsafe { WarpSlabs::of(p, &w, warp) };
-    let ((min_pos, max_pos), end, n_tiles) = (keys.pos, keys.end, keys.n_tiles);
-    let slab_key = |tile: u32| keys.key(tile);
 
     // The launch's head size (K and V alike here), at most `D`.
     let head = p.dims.qk_or(D as u32);
@@ -412,7 +410,7 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     // call's CTAs stream theirs in the slots this call's early finishers leave.
     let fresh = w.seq_len.saturating_sub(w.q_len);
     let mut waited = false;
-    let logits = Logits::new(p, p.variant.scale_log2 * k_scale / q_conv, end);
+    let logits = Logits::new(p, p.variant.scale_log2 * k_scale / q_conv, keys.end);
     let mult = logits.mult();
 
     // Copies in flight: slabs 0 .. st - 2 (one commit group each, empty ones included, so that
@@ -421,13 +419,13 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
     let mut any_bad = false;
     let mut issued = 0u32;
     let mut issue = |tile: u32, block: u32, bad_ring: &mut u32| {
-        let kb = slab_key(tile);
-        if tile < n_tiles && kb < end {
+        let kb = keys.key(tile);
+        if tile < keys.n_tiles && kb < keys.end {
             if !waited && kb + WARP_KEYS > fresh {
                 pdl_wait();
                 waited = true;
             }
-            let bad = unsafe { copy.copy(p, kb, block, end, ring + (tile % st) * sb) };
+            let bad = unsafe { copy.copy(p, kb, block, keys.end, ring + (tile % st) * sb) };
             let bit = 1 << (tile % st);
             *bad_ring = if bad { *bad_ring | bit } else { *bad_ring & !bit };
             any_bad |= bad;
@@ -450,12 +448,12 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
 
     let mut state = [[OnlineSoftmax::EMPTY; 2]; G];
     let mut o = [[[0.0f32; 4]; 16]; G];
-    let x = StepInputs { q: &q, logits: &logits, rows: &rows, pos: (min_pos, max_pos), mult };
+    let x = StepInputs { q: &q, logits: &logits, rows: &rows, pos: keys.pos, mult };
     let ring_end = ring + st * sb;
     let next_stage = |stage: u32| if stage + sb == ring_end { ring } else { stage + sb };
     let mut stage = ring;
     let mut tile = 0;
-    while tile < n_tiles {
+    while tile < keys.n_tiles {
         static_for::<2>(|i| {
             if i == 0 || pair {
                 let block = ahead[0];
@@ -465,10 +463,10 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
                 issued += 1;
             }
         });
-        let kb = [slab_key(tile), slab_key(tile + 1)];
+        let kb = [keys.key(tile), keys.key(tile + 1)];
         let bad = |tile: u32| bad_ring & (1 << (tile % st)) != 0;
         let second = next_stage(stage);
-        if pair && tile + 1 < n_tiles && kb[1] < end {
+        if pair && tile + 1 < keys.n_tiles && kb[1] < keys.end {
             // Slabs `tile` and `tile + 1` in: at most st - 2 groups still in flight.
             wait_all_but(st - 1);
             sync_warp();
@@ -477,7 +475,7 @@ unsafe fn decode_keys_rows<Q: MmaHalf, F: SlabFormat<D>, const D: usize, const L
             // One slab (the last one, when pairs are taken).
             wait_all_but(st);
             sync_warp();
-            if kb[0] < end {
+            if kb[0] < keys.end {
                 unsafe { slab_step::<F, D, G, 1>(&x, [stage], [kb[0]], [bad(tile)], &mut o, &mut state) };
             }
         }
