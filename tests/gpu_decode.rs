@@ -572,6 +572,28 @@ fn cases() -> Vec<(String, Case, &'static str)> {
         "f16_fp8",
     );
     push("f16_f16::gqa16_d64_split_fixed_3".into(), Case { head_size: 64, split: SplitMode::Fixed(3), ..gqa16(&[2000, 77]) }, "f16_f16");
+    // 16-bit width 64 up to 8 rows a kv head (on sm_90a the keys-on-M kernel of 8 rows): one
+    // row (MHA), speculative tokens up to 8 rows, the variants and a bad block, HND, splits.
+    push("bf16_bf16::mha_d64".into(), Case { head_size: 64, q_heads: 16, kv_heads: 16, ..Case::base(&lens) }, "bf16_bf16");
+    push(
+        "f16_f16::d64_spec_softcap_alibi_sinks_window_bad_block".into(),
+        Case {
+            head_size: 64,
+            q_lens: vec![2, 1, 2, 1],
+            softcap: Some(6.0),
+            alibi: true,
+            sinks: true,
+            window: Some(150),
+            bad_block: true,
+            ..Case::base(&[2, 300, 1000, 4097])
+        },
+        "f16_f16",
+    );
+    push(
+        "bf16_bf16::d64_hnd_split_fixed_3_gapped_56".into(),
+        Case { head_size: 56, layout: KvLayout::FlashHnd, split: SplitMode::Fixed(3), gapped: true, ..Case::base(&[1, 900, 2100]) },
+        "bf16_bf16",
+    );
     push("bf16_bf16::gqa16_d256".into(), Case { head_size: 256, ..gqa16(&[2000, 77]) }, "bf16_bf16");
     // FP8 at width 256: up to 8 rows the deep-pipeline keys-as-rows kernel (planned split-K,
     // merged in the kernel), 16 rows the 16-row score tiles.

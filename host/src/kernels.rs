@@ -220,8 +220,9 @@ impl KernelId {
                     if !is_fp8 && head_size == 128 {
                         v.push(KernelId::DecodeKr { q, rows, long: true, wide: false, head_size });
                     }
-                    // Hopper's `wgmma` decode: FP8 up to 8 and 16 rows, 16-bit at 16.
-                    if is_fp8 && keys_m::FP8_WIDTHS.contains(&head_size) {
+                    // Hopper's `wgmma` decode: FP8 up to 8 and 16 rows, 16-bit at 16 (and up to 8 at
+                    // width 64).
+                    if keys_m::takes(head_size, is_fp8, keys_m::ROWS[0]) {
                         v.push(KernelId::DecodeKm { q, rows, wide: false, head_size });
                     }
                     if keys_m::takes(head_size, is_fp8, keys_m::ROWS[1]) {

@@ -158,11 +158,12 @@ const LAUNCH_BOUNDS: &[(&str, &str, u32, u32)] = &[
     ("decode_kr_f16_r16_d64", "", 128, 3),
     ("decode_kr_f16_d128", "", 128, 3),
     // Decode on `wgmma` (`attn_math::keys_m::ctas_per_sm`): for rows of 128 bytes four CTAs an
-    // SM at 8 rows (FP8 width 128), three at 16 (FP8 width 128's `_r16`, 16-bit 64); two for
-    // 256 (FP8 256, 16-bit 128).
+    // SM at 8 rows (FP8 width 128, 16-bit 64), three at 16 (FP8 width 128's `_r16`, 16-bit 64's);
+    // two for 256 (FP8 256, 16-bit 128).
     ("decode_km_bf16_r16_d128", "", 128, 2),
     ("decode_km_f16_r16_d128", "", 128, 2),
-    ("decode_km_", "_d64", 128, 3),
+    ("decode_km_", "_r16_d64", 128, 3),
+    ("decode_km_", "_d64", 128, 4),
     ("decode_km_", "_r16_d128", 128, 3),
     ("decode_km_", "_d128", 128, 4),
     ("decode_km_", "_d256", 128, 2),

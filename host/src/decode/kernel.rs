@@ -225,7 +225,8 @@ pub(crate) fn decode_kernel_id(
     let kernel = DecodeKernel::tensor_cores(max_q * group);
     let wide = max_q * group > keys_rows::MAX_ROWS;
     // On sm_90a, `wgmma` with the keys on M (`attn_math::keys_m`): FP8 caches at widths 128 and
-    // 256 up to 16 rows (nothing converted), 16-bit ones at widths 64 and 128 for 9 to 16 rows.
+    // 256 up to 16 rows (nothing converted), 16-bit ones at width 64 up to 16 rows and at 128
+    // for 9 to 16.
     if wgmma && kernel == DecodeKernel::TensorCoreKeys && keys_m::takes(d, fp8, max_q * group) {
         let rows_per_cta = if wide { keys_rows::WIDE_ROWS } else { keys_rows::MAX_ROWS };
         let row_bytes = d * if fp8 { 1 } else { 2 };
@@ -339,8 +340,8 @@ mod tests {
     }
 
     /// On sm_90a FP8 caches at widths 128 and 256 take the `wgmma` kernels up to 16 rows (width
-    /// 64 the keys-as-rows ones, more rows the prefill kernel), 16-bit ones at 64 and 128 for 9 to
-    /// 16 rows; the rest is as elsewhere.
+    /// 64 the keys-as-rows ones, more rows the prefill kernel), 16-bit ones at 64 up to 16 rows
+    /// and at 128 for 9 to 16; the rest is as elsewhere.
     #[test]
     fn hopper_decode_kernels() {
         let e4m3 = CacheRows::Fp8 { format: crate::dtype::Fp8Format::E4m3, a8: false };
@@ -353,11 +354,13 @@ mod tests {
         );
         let (_, id, smem) = pick(e4m3, 256, 16, 1);
         assert_eq!((id.entry_name(), smem), ("decode_km_bf16_fp8_r16_d256".into(), keys_m::layout(256, 16, false).total));
-        // 16-bit caches: GQA 16 at widths 64 and 128 (rows of 128 and 256 bytes); 8 rows and
-        // width 96 keep the keys-as-rows kernels.
+        // 16-bit caches: GQA 16 at widths 64 and 128 (rows of 128 and 256 bytes), up to 8 rows
+        // at 64 (four CTAs an SM); 8 rows at 128 and width 96 keep the keys-as-rows kernels.
         let (_, id, smem) = pick(CacheRows::Bits16, 128, 16, 1);
         assert_eq!((id.entry_name(), smem), ("decode_km_bf16_r16_d128".into(), keys_m::layout(256, 16, false).total));
         assert_eq!(pick(CacheRows::Bits16, 64, 8, 2).1.entry_name(), "decode_km_bf16_r16_d64");
+        let (_, id, smem) = pick(CacheRows::Bits16, 64, 4, 1);
+        assert_eq!((id.entry_name(), smem), ("decode_km_bf16_d64".into(), keys_m::layout(128, 8, false).total));
         assert_eq!(pick(CacheRows::Bits16, 96, 16, 1).1.entry_name(), "decode_kr_bf16_r16_d96");
         let (_, id, smem) = pick(a8, 128, 8, 2);
         assert_eq!((id.entry_name(), smem), ("decode_km_bf16_e5m2_a8_r16_d128".into(), keys_m::layout(128, 16, true).total));

@@ -13,7 +13,8 @@
 //! 16 bits before its MMA (`mma.sync` has no FP8 form on sm_90a), and those conversions and the
 //! per-key softmax set their pace below width 128; and 16-bit caches at 16 rows a kv head (GQA
 //! 16) at widths 64 and 128, where the keys-as-rows kernel's two column groups a slab hold it
-//! under the read ceiling. Each warp still copies its own 16 keys of every tile, so a bad block
+//! under the read ceiling, and at width 64 up to 8 rows too, whose 128-byte rows take four CTAs
+//! an SM as FP8 width 128's do. Each warp still copies its own 16 keys of every tile, so a bad block
 //! stays a warp's matter; the four warps' scores meet once a tile, for the row max the tile's
 //! weights share. Rows are 128 or 256 bytes either way (one or two 128-byte swizzle atoms).
 
@@ -25,25 +26,25 @@ pub use crate::keys_rows::{TILE_KEYS, WARP_KEYS};
 /// The widths of the FP8 kernels ([`crate::decode::decode_width`] takes every FP8 head size from
 /// 72 to 256 to them; 64 stays on the keys-as-rows kernels, which read it near the ceiling).
 pub const FP8_WIDTHS: [u32; 2] = [128, 256];
-/// The widths of the 16-bit kernels, for 16 rows a kv head (width 96's rows, 192 bytes, are not
-/// whole swizzle atoms: it keeps the keys-as-rows kernel).
+/// The widths of the 16-bit kernels, for 16 rows a kv head, and at 64 for fewer too (width 96's
+/// rows, 192 bytes, are not whole swizzle atoms: it keeps the keys-as-rows kernel).
 pub const HALF_WIDTHS: [u32; 2] = [64, 128];
 /// Query rows a CTA takes: 8, or 16 in the `_r16` kernels (the N of both products).
 pub const ROWS: [u32; 2] = [8, 16];
 
 /// Whether width `d` of a cache with FP8 rows (`fp8`) or 16-bit ones has these kernels for up
-/// to `rows` query rows a kv head (16-bit: 9 to 16 only).
+/// to `rows` query rows a kv head (16-bit: width 64 up to 16, width 128 9 to 16 only).
 pub const fn takes(d: u32, fp8: bool, rows: u32) -> bool {
     if fp8 {
         rows <= ROWS[1] && (d == FP8_WIDTHS[0] || d == FP8_WIDTHS[1])
     } else {
-        rows > ROWS[0] && rows <= ROWS[1] && (d == HALF_WIDTHS[0] || d == HALF_WIDTHS[1])
+        rows <= ROWS[1] && (d == HALF_WIDTHS[0] || (d == HALF_WIDTHS[1] && rows > ROWS[0]))
     }
 }
 
 /// CTAs an SM for staged rows of `row_bytes` and `rows` query rows a CTA: two at 256 bytes;
-/// at 128 (a 16 KB stage) four for 8 rows (FP8 width 128), three for 16 (FP8 width 128's
-/// `_r16`, 16-bit width 64). A tile is a chain of dependent steps (S^T, the max exchange, the
+/// at 128 (a 16 KB stage) four for 8 rows (FP8 width 128, 16-bit width 64), three for 16 (FP8
+/// width 128's `_r16`, 16-bit width 64's). A tile is a chain of dependent steps (S^T, the max exchange, the
 /// weights, P V) that three CTAs' warps did not cover at 8 rows: four CTAs of three stages
 /// keep as many tiles in flight an SM, with a third more warps (docs/decode.md). `xtask`'s
 /// launch bounds hold those to 128 registers, which they fit without spills; the 16-row kernels
@@ -141,6 +142,7 @@ mod tests {
         assert_eq!((layout(128, 8, true).stages, layout(128, 16, true).stages, layout(256, 16, true).stages), (3, 3, 3));
         assert!(takes(128, true, 8) && takes(256, true, 16) && !takes(64, true, 8) && !takes(96, true, 8));
         assert!(takes(128, false, 16) && takes(64, false, 9) && !takes(128, false, 8) && !takes(96, false, 16));
+        assert!(takes(64, false, 1) && takes(64, false, 8) && !takes(64, false, 17));
     }
 
     /// The FP8 kernels' `ldmatrix.trans` of a warp's chunks meets the V rows' bytes once each,

@@ -182,7 +182,7 @@ keys_rows_kernels!(Bf16, "bf16": 64, 96, 128, 256; long: 128; r16: 64, 96, 128; 
 
 // Decode on `wgmma` with the keys on M (`crate::attention::keys_m`, sm_90a only): FP8 caches up
 // to 8 rows per kv head or 16 (`_r16`), `decode_km_<q><fp8>[_r16]_d<128|256>`; 16-bit caches at
-// 16 rows, `decode_km_<q>_r16_d<64|128>`.
+// 16 rows, `decode_km_<q>_r16_d<64|128>`, and up to 8 at width 64, `decode_km_<q>_d64`.
 #[cfg(wgmma)]
 macro_rules! keys_m_kernels {
     ($q:ident, $qname:literal, $cache:ident, $tag:literal) => {
@@ -199,12 +199,12 @@ macro_rules! keys_m_kernels {
             }
         };
     };
-    (@half $q:ident, $qname:literal: $($d:literal),*) => {
+    (@half $q:ident, $qname:literal: $(($d:literal, $wide:literal, $g:literal, $rows:literal)),*) => {
         $(
             const _: () = {
-                #[unsafe(export_name = concat!("decode_km_", $qname, "_r16_d", $d))]
+                #[unsafe(export_name = concat!("decode_km_", $qname, $wide, "_d", $d))]
                 unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
-                    unsafe { crate::attention::keys_m::decode_keys_m_half::<$q, $d>(&p) }
+                    unsafe { crate::attention::keys_m::decode_keys_m_half::<$q, $d, $g, $rows>(&p) }
                 }
             };
         )*
@@ -216,9 +216,9 @@ for_each_fp8_cache!(keys_m_kernels!(F16, "f16",));
 #[cfg(wgmma)]
 for_each_fp8_cache!(keys_m_kernels!(Bf16, "bf16",));
 #[cfg(wgmma)]
-keys_m_kernels!(@half F16, "f16": 64, 128);
+keys_m_kernels!(@half F16, "f16": (64, "", 1, 8), (64, "_r16", 2, 16), (128, "_r16", 2, 16));
 #[cfg(wgmma)]
-keys_m_kernels!(@half Bf16, "bf16": 64, 128);
+keys_m_kernels!(@half Bf16, "bf16": (64, "", 1, 8), (64, "_r16", 2, 16), (128, "_r16", 2, 16));
 
 // Prefill on Hopper's warpgroup MMA (sm_90a only): `<prefix>_<q><cache>_d<width>` running
 // `crate::attention::hopper::$module::$func::<Q, Cache, Mma, D, W, D, W>` (width `D` on shared-memory

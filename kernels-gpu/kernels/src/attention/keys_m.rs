@@ -1,6 +1,6 @@
 //! Paged decode on Hopper's `wgmma` with the keys on M (`decode_km_<q><fp8>[_r16]_d<128|256>`
-//! over FP8 caches, `decode_km_<q>_r16_d<64|128>` over 16-bit ones; shape and layout in
-//! `attn_math::keys_m`).
+//! over FP8 caches, `decode_km_<q>_r16_d<64|128>` and `decode_km_<q>_d64` over 16-bit ones; shape
+//! and layout in `attn_math::keys_m`).
 //!
 //! A CTA's four warps form a warpgroup over 64-key tiles:
 //! - S^T = K Q^T (m64nN, N = the CTA's 8 or 16 query rows): K straight from the staged rows, the
@@ -28,7 +28,8 @@
 //!   its keys; O^T's M row g of block b of warp w is head dimension `16 (W/64 w + b) + 2g`, row
 //!   g + 8 the next one.
 //! - [`HalfRows`]: 16-bit `wgmma` for 16 rows a kv head (GQA 16), where the keys-as-rows kernel's
-//!   two column groups a slab hold it under the read ceiling: the queries as they are, V^T read
+//!   two column groups a slab hold it under the read ceiling, and for up to 8 at width 64, whose
+//!   128-byte rows take four CTAs an SM as FP8 width 128's: the queries as they are, V^T read
 //!   transposed from the staged rows by the instruction itself, P^T in the queries' type (the
 //!   weights under 2^8, the keys-as-rows kernels' slack). O^T's M row r of block b of warp w is
 //!   head dimension `64 b + 16 w + r`.
@@ -108,9 +109,9 @@ trait Operands<Q: MmaHalf, const W: usize, const G: usize> {
     fn store_pair(b: u32, warp: u32, g: u32, at_g: f32, at_g8: f32) -> (u32, f32, f32);
 }
 
-/// A thread's share of the CTA's `8G` query rows of width `W`: `128 / 8G` threads a row, 8
-/// columns (16 bytes) a chunk; chunks at or past the head size, and rows past the live ones, are
-/// zero and not read.
+/// A thread's share of the CTA's `8G` query rows of width `W`: `128 / 8G` threads a row (at most
+/// `W / 8`: 8 rows of width 64 take half the threads, the rest none), 8 columns (16 bytes) a
+/// chunk; chunks at or past the head size, and rows past the live ones, are zero and not read.
 struct QueryChunks {
     /// The row, and this thread's place among its threads.
     n: u32,
@@ -124,9 +125,12 @@ struct QueryChunks {
 impl QueryChunks {
     #[inline(always)]
     unsafe fn load<const W: usize, const G: usize>(live: u32, q_addr: impl Fn(u32) -> u64, head: u32) -> Self {
-        let per_row = THREADS / (8 * G as u32);
+        let per_row = (THREADS / (8 * G as u32)).min(W as u32 / 8);
         let tid = thread_idx_x();
-        let mut c = QueryChunks { n: tid / per_row, sub: tid % per_row, per_row, count: W as u32 / (8 * per_row), v: [[0; 4]; 4] };
+        let n = tid / per_row;
+        // Threads past the rows (only where the rows' chunks are fewer than the threads) take none.
+        let count = if W * G >= THREADS as usize || n < 8 * G as u32 { W as u32 / (8 * per_row) } else { 0 };
+        let mut c = QueryChunks { n, sub: tid % per_row, per_row, count, v: [[0; 4]; 4] };
         let at = if c.n < live { q_addr(c.n) } else { 0 };
         static_for::<4>(|x| {
             let col = c.col(x as u32);
@@ -189,7 +193,7 @@ impl<Q: MmaHalf, K: CacheFormat, const W: usize, const G: usize> Operands<Q, W, 
                 unsafe { st_shared_u64(at, (packed[1] as u64) << 32 | packed[0] as u64) };
             }
         });
-        if c.sub == 0 {
+        if c.sub == 0 && c.count > 0 {
             unsafe { st_shared_f32(dequant + 4 * c.n, 1.0 / scale) };
         }
     }
@@ -336,8 +340,9 @@ impl<Q: MmaHalf + KeysOnMScores + KeysOnMValuesHalf, const W: usize, const G: us
 /// `R = 8 G`), `O` the cache's operands.
 #[inline(always)]
 unsafe fn decode_keys_m<Q: MmaHalf, O: Operands<Q, W, G>, const W: usize, const G: usize, const R: u32>(p: &AttnParams) {
-    // Every thread of the query staging takes at least one 8-column chunk (`QueryChunks`).
-    const { assert!((G == 1 || G == 2) && R == 8 * G as u32 && W * G >= 128) };
+    // The query staging takes at most one 8-column chunk a thread where the rows have fewer
+    // chunks than the threads (`QueryChunks`).
+    const { assert!((G == 1 || G == 2) && R == 8 * G as u32 && W * G >= 64) };
     let row_bytes = W as u32 * O::Cache::ELEM_BYTES;
     // M blocks of O^T (64 head dimensions each).
     let blocks = W as u32 / 64;
@@ -609,9 +614,12 @@ pub unsafe fn decode_keys_m_fp8<Q: MmaHalf, K: CacheFormat, const W: usize, cons
     unsafe { decode_keys_m::<Q, Fp8Rows<K>, W, G, R>(p) }
 }
 
-/// A 16-bit cache of the queries' type (`decode_km_<q>_r16_d<64|128>`): 16 rows a CTA.
+/// A 16-bit cache of the queries' type (`decode_km_<q>[_r16]_d<64|128>`): `G` column groups of 8
+/// rows, `R = 8 G` rows a CTA (8 rows at width 64 only).
 #[inline(always)]
-pub unsafe fn decode_keys_m_half<Q: MmaHalf + KeysOnMScores + KeysOnMValuesHalf, const W: usize>(p: &AttnParams) {
-    const { assert!(W == 64 || W == 128) };
-    unsafe { decode_keys_m::<Q, HalfRows, W, 2, 16>(p) }
+pub unsafe fn decode_keys_m_half<Q: MmaHalf + KeysOnMScores + KeysOnMValuesHalf, const W: usize, const G: usize, const R: u32>(
+    p: &AttnParams,
+) {
+    const { assert!((W == 64 || W == 128) && (G == 2 || W == 64)) };
+    unsafe { decode_keys_m::<Q, HalfRows, W, G, R>(p) }
 }
