@@ -160,6 +160,14 @@ fn fp8_wgmma_pays(head_size: usize, rows: usize) -> bool {
     head_size >= 128 || (head_size >= 72 && rows > keys_m::ROWS[0] as usize)
 }
 
+/// Whether 16-bit decode at `head_size` for `rows` query rows a kv head takes the `wgmma`
+/// kernels where they exist (`keys_m::takes`), as measured (docs/decode.md, "Head sizes below
+/// 64 on the two width-64 kernels"): up to 8 rows, the keys-as-rows kernel only at head size 56
+/// (NHD 1.044x, HND 0.996x); at 32 and 48 it lost 4-6% in both layouts, at 40 3% (NHD).
+fn half_wgmma_pays(head_size: usize, rows: usize) -> bool {
+    head_size != 56 || rows > keys_m::ROWS[0] as usize
+}
+
 /// The longest request's keys (0 for an empty batch or negative lengths).
 pub(crate) fn max_len(seq_lens: &[i32]) -> u32 {
     seq_lens.iter().copied().max().unwrap_or(0).max(0) as u32
@@ -186,7 +194,8 @@ pub(crate) fn decode_tc_kernel(
     // Long FP8 requests take the deep pipeline only where it pays (`fp8_deep_pipeline`); 16-bit
     // ones take their long kernels everywhere (`keys_rows::HALF_LONG_KEYS`).
     let max_len = if !fp8 || dev.fp8_deep_pipeline() { max_len } else { 0 };
-    let wgmma = dev.ptx_target() == "sm_90a" && (!fp8 || fp8_wgmma_pays(d, (max_q * group) as usize));
+    let rows = (max_q * group) as usize;
+    let wgmma = dev.ptx_target() == "sm_90a" && if fp8 { fp8_wgmma_pays(d, rows) } else { half_wgmma_pays(d, rows) };
     let (kernel, id, smem) = decode_kernel_id(wgmma, q_dtype, CacheRows::of(cache, d), width, group, max_q, max_len);
     let waves = tuning.decode_waves.unwrap_or(measured_waves(width)).max(1);
     let resident = dev.resident_ctas(id, attn_math::prefill::THREADS, smem)?;
@@ -377,6 +386,14 @@ mod tests {
         assert_eq!(sizes.map(|d| fp8_wgmma_pays(d, 8)), [false, false, false, false, false, true, true, true, true]);
         assert_eq!(sizes.map(|d| fp8_wgmma_pays(d, 9)), [true; 9]);
         assert!(!fp8_wgmma_pays(64, 16));
+    }
+
+    /// 16-bit head sizes below 64 take `wgmma` (width 64, keys on M) except 56 up to 8 rows.
+    #[test]
+    fn half_wgmma_by_head_size() {
+        let sizes = [32, 40, 48, 56, 64, 128];
+        assert_eq!(sizes.map(|d| half_wgmma_pays(d, 8)), [true, true, true, false, true, true]);
+        assert_eq!(sizes.map(|d| half_wgmma_pays(d, 9)), [true; 6]);
     }
 
     #[test]
