@@ -19,6 +19,7 @@ use common::*;
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
 use libtest_mimic::Trial;
+use rand::Rng;
 
 #[derive(Clone, Debug)]
 struct Case {
@@ -62,6 +63,32 @@ impl Case {
 const QK: usize = 576;
 const V: usize = 512;
 
+/// The f64 CPU reference of dense MLA over `cache` (causal among each request's new tokens);
+/// `scale`: an FP8 cache's, for K and V.
+fn latent_reference<Q: Element, C: Element>(
+    q: &[Q],
+    q_rows: RowsDesc,
+    cache: &[C],
+    spec: MlaCacheSpec,
+    (block_table, stride): (&[i32], usize),
+    (query_start_loc, seq_lens): (&[i32], &[i32]),
+    scale: Option<f32>,
+) -> attn_rs::Result<cpu::DecodeResult> {
+    cpu::prefill(&cpu::PrefillRef {
+        q,
+        q_rows,
+        kv: cpu::KvRef::Mla { cache, spec, block_table, block_table_stride: stride },
+        head_size_v: V,
+        query_start_loc,
+        seq_lens,
+        causal: true,
+        opts: AttnOptions::new(QK),
+        alibi_slopes: None,
+        sinks: None,
+        scales: scale.map(|s| (s, s).into()),
+    })
+}
+
 fn mla_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let mut rng = rng(salt);
     let stream = new_stream();
@@ -92,19 +119,7 @@ fn mla_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let scale = 0.05f32;
     let opts = AttnOptions::new(QK);
 
-    let want = cpu::prefill(&cpu::PrefillRef {
-        q: &q,
-        q_rows,
-        kv: cpu::KvRef::Mla { cache: &cache, spec, block_table: &block_table, block_table_stride: stride },
-        head_size_v: V,
-        query_start_loc: &qsl,
-        seq_lens: &c.seq_lens,
-        causal: true,
-        opts,
-        alibi_slopes: None,
-        sinks: None,
-        scales: fp8.then_some((scale, scale).into()),
-    })?;
+    let want = latent_reference(&q, q_rows, &cache, spec, (&block_table, stride), (&qsl, &c.seq_lens), fp8.then_some(scale))?;
 
     let up = |v: &[i32]| upload(&stream, v);
     let (q_d, cache_d, bt_d) = (upload(&stream, &q), upload(&stream, &cache), up(&block_table));
@@ -178,6 +193,108 @@ fn mla_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let e4m3 = fp8 && attn_rs::mla::fp8_mla_rounds_to_e4m3(device(), rows);
     let (out, lse): (Vec<Q>, Vec<f32>) = (download(&stream, &out_d), download(&stream, &lse_d));
     check_latent_output(&out, &lse, (&want.out, &want.lse), (nt, hq, V), e4m3, &plan)
+}
+
+/// The latent cache write of each request's new tokens (last, behind `filler` tokens that land in
+/// blocks no request reads; their slots NaN until written) straight into a planned MLA call, with
+/// nothing between the two kernels: on Hopper the MLA kernels copy the context's rows before
+/// waiting for the kernel ahead (programmatic dependent launch) and the new tokens' rows after.
+/// A copy that went out early reads NaN. Probabilistic (the window is a few microseconds), so it
+/// runs several rounds.
+fn after_cache_write_case<C: Element>(heads: usize, q_len: i32, salt: u64) -> TestResult {
+    use attn_rs::cache_write::{concat_and_cache_mla, MlaWrite};
+    let mut rng = rng(salt);
+    let stream = new_stream();
+    let fp8 = C::DTYPE.is_fp8();
+    let (hq, bs) = (heads, 64);
+    let num_reqs = if heads > 16 { 24 } else { 64 };
+    let seq_lens: Vec<i32> = (0..num_reqs).map(|_| rng.random_range(q_len..=200)).collect();
+    let filler = if quick() { 8192 } else { 32768 };
+    let BlockTables { table, stride, num_blocks } = scattered_block_tables(&mut rng, &seq_lens, bs, filler / bs, false);
+    let spec = MlaCacheSpec::deepseek(num_blocks, bs)?;
+    let used: std::collections::HashSet<i32> = table.iter().copied().filter(|&b| b >= 0).collect();
+    // Slots written: the filler's (blocks no request reads), then every request's new tokens.
+    let mut slots: Vec<i64> = (0..num_blocks as i64)
+        .filter(|b| !used.contains(&(*b as i32)))
+        .flat_map(|b| (0..bs as i64).map(move |t| b * bs as i64 + t))
+        .collect();
+    let mut new_slots = Vec::new();
+    for (r, &len) in seq_lens.iter().enumerate() {
+        for pos in (len - q_len) as usize..len as usize {
+            new_slots.push(table[r * stride + pos / bs] as i64 * bs as i64 + (pos % bs) as i64);
+        }
+    }
+    slots.extend(&new_slots);
+    let tokens = slots.len();
+    let (latent, rope) = (V, QK - V);
+    let mut qsl = vec![0i32];
+    for _ in 0..num_reqs {
+        qsl.push(qsl.last().unwrap() + q_len);
+    }
+    let nt = num_reqs * q_len as usize;
+    let (q_rows, out_rows) = (RowsDesc::contiguous(nt, hq, QK), RowsDesc::contiguous(nt, hq, V));
+    let opts = AttnOptions::new(QK);
+    let batch = BatchMetadata::new(&stream, &seq_lens, &qsl)?;
+    let scale_d = upload(&stream, &[1.0f32]);
+    let rounds = if quick() { 3 } else { 12 };
+    for round in 0..rounds {
+        let q: Vec<bf16> = random_vec(&mut rng, q_rows.required_len(), 1.0);
+        let (kv_c, k_pe): (Vec<bf16>, Vec<bf16>) = (random_vec(&mut rng, tokens * latent, 1.0), random_vec(&mut rng, tokens * rope, 1.0));
+        let mut cache: Vec<C> = random_vec(&mut rng, spec.num_elements(), 1.0);
+        let mut poisoned = cache.clone();
+        // The new tokens' rows as the write stores them (scale 1); NaN on the device until then.
+        for (j, &slot) in new_slots.iter().enumerate() {
+            let i = tokens - new_slots.len() + j;
+            let row = slot as usize * QK;
+            for x in 0..QK {
+                let src = if x < latent { kv_c[i * latent + x] } else { k_pe[i * rope + x - latent] };
+                cache[row + x] = C::from_f32(src.to_f32());
+                poisoned[row + x] = poison::<C>();
+            }
+        }
+        let want = latent_reference(&q, q_rows, &cache, spec, (&table, stride), (&qsl, &seq_lens), fp8.then_some(1.0))?;
+        let (q_d, bt_d) = (upload(&stream, &q), upload(&stream, &table));
+        let (kv_c_d, k_pe_d, slots_d) = (upload(&stream, &kv_c), upload(&stream, &k_pe), upload(&stream, &slots));
+        let mut cache_d = upload(&stream, &poisoned);
+        let mut out_d: CudaSlice<bf16> = upload(&stream, &vec![poison::<bf16>(); out_rows.required_len()]);
+        let mut lse_d: CudaSlice<f32> = upload(&stream, &vec![f32::NAN; nt * hq]);
+        let mut ws = DecodeWorkspace::new(&stream, 4096 * hq, V, num_reqs, nt)?;
+        let mut status = DeviceStatus::new(&stream)?;
+        // Planned first, so that nothing is copied between the two kernels.
+        let mut bp = BatchPlan::new(&stream)?;
+        let plan = bp.plan_mla(device(), &batch, bf16::DTYPE, C::DTYPE, hq, PlanOptions::default(), &ws)?.clone();
+        let write = MlaWrite {
+            kv_c: DevIn::new(&kv_c_d, &stream),
+            kv_c_token_stride: latent,
+            k_pe: DevIn::new(&k_pe_d, &stream),
+            k_pe_token_stride: rope,
+            num_tokens: tokens,
+            slot_mapping: DevIn::new(&slots_d, &stream),
+            cache: DevOut::new(&mut cache_d, &stream),
+            spec,
+            scale: fp8.then(|| DevIn::new(&scale_d, &stream)),
+        };
+        concat_and_cache_mla(device(), &stream, write, &mut status)?;
+        let args = MlaArgs {
+            q: DevIn::new(&q_d, &stream),
+            q_rows,
+            cache: DevIn::new(&cache_d, &stream),
+            spec,
+            block_table: DevIn::new(&bt_d, &stream),
+            block_table_stride: stride,
+            out: DevOut::new(&mut out_d, &stream),
+            out_rows,
+            lse: Some(DevOut::new(&mut lse_d, &stream)),
+            scales: fp8.then(|| KvScales { k: DevIn::new(&scale_d, &stream), v: DevIn::new(&scale_d, &stream) }),
+        };
+        mla_attention_planned(device(), &stream, args, &batch, opts.softmax_scale, &bp, &mut ws, &mut status)?;
+        status.check(&stream)?;
+        let (out, lse): (Vec<bf16>, Vec<f32>) = (download(&stream, &out_d), download(&stream, &lse_d));
+        let e4m3 = fp8 && attn_rs::mla::fp8_mla_rounds_to_e4m3(device(), hq * q_len as usize);
+        check_latent_output(&out, &lse, (&want.out, &want.lse), (nt, hq, V), e4m3, &plan)
+            .map_err(|e| format!("round {round}: {}", e.message().unwrap_or("failed")))?;
+    }
+    Ok(())
 }
 
 fn cases() -> Vec<(String, Case, &'static str)> {
@@ -268,5 +385,9 @@ fn main() {
         };
         trials.push(Trial::test(format!("mla::{name}"), f));
     }
+    // The narrow shape (16-bit, and e4m3 on sm_90a) and the wide one (the seesaw on sm_90a).
+    trials.push(Trial::test("mla::bf16::after_cache_write_heads_16", || after_cache_write_case::<bf16>(16, 1, 5901)));
+    trials.push(Trial::test("mla::bf16_fp8::after_cache_write_heads_16", || after_cache_write_case::<Fp8E4m3>(16, 1, 5902)));
+    trials.push(Trial::test("mla::bf16::after_cache_write_heads_128_mtp_2", || after_cache_write_case::<bf16>(128, 2, 5903)));
     run_gpu_trials(trials)
 }

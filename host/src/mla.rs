@@ -71,7 +71,8 @@ fn check_rows(arg: &'static str, ptr: u64, rows: &RowsDesc, len: usize, width: u
 /// MLA attention: validates everything, plans the splits, uploads the plan, launches the
 /// attention kernel and (for requests with several splits) the merge. Enqueued on `stream`;
 /// block ids outside the cache are never read and raise `BLOCK_OUT_OF_RANGE` in `status`.
-/// Ordering on Hopper as [`paged_decode`](crate::decode::paged_decode)'s.
+/// Ordering on Hopper as [`paged_decode`](crate::decode::paged_decode)'s: the context's latent
+/// rows (positions below `seq_len - q_len`) are read before waiting for the kernel ahead.
 ///
 /// Every query head attends the one latent head: scores are `q . row` over all 576 columns,
 /// the output is the weighted sum of the rows' first 512 columns; any number of query tokens
@@ -394,9 +395,10 @@ pub(crate) fn mla_sparse_kernel_id(q: DType, fp8: Option<Fp8Format>, hq: u32) ->
 /// [`AttnError::IndexOutOfRange`](crate::AttnError::IndexOutOfRange)); block ids outside the
 /// cache raise `BLOCK_OUT_OF_RANGE` as in dense MLA. A token none of whose entries is read
 /// outputs zeros and an LSE of -inf. Attending the same position twice counts it twice.
-/// Ordering on Hopper as [`paged_decode`](crate::decode::paged_decode)'s, the index tensor
-/// included: it is read before the kernel waits for the one launched before it, so it must have
-/// been written before that kernel started.
+/// Ordering on Hopper as [`paged_decode`](crate::decode::paged_decode)'s, except that the cache
+/// rows are all read after the kernel waits for the one launched before it (an index list may
+/// name the new tokens); the index tensor is read before, so it must have been written before
+/// that kernel started.
 ///
 /// Each query token is a work item of its own (the plan's requests are the tokens, each with
 /// `topk` keys; long lists are split as long contexts are), so `ws` must hold `num_tokens`

@@ -313,7 +313,7 @@ fn check_rows(arg: &'static str, b: &DevIn<'_>, rows: &RowsDesc, dtype: DType) -
 /// Prefill attention: validates everything, plans, uploads the plan, launches. Enqueued on
 /// `stream`; block ids outside the cache are never read and raise `BLOCK_OUT_OF_RANGE` in
 /// `status` (the keys read as zeros). Ordering on Hopper as [`paged_decode`](crate::decode::paged_decode)'s
-/// (metadata and queries are read before the wait for the kernel before).
+/// (only metadata and queries are read before the wait for the kernel before; the cache rows after).
 ///
 /// Request r's queries are rows `query_start_loc[r]..query_start_loc[r + 1]` of `q`, over its
 /// `seq_lens[r]` keys (paged: through its block-table row; packed: rows of `k`/`v` from

@@ -217,6 +217,80 @@ pub fn pdl_wait() {
     }
 }
 
+/// The wait of programmatic dependent launch for a kernel that streams a request's context
+/// before it: the rows of keys below `ready` were written before the kernel ahead started (in
+/// an engine step only the new tokens' rows are that kernel's, the cache write), so copies of
+/// them go out at once; the first copy that reaches `ready`, and every thread's first write,
+/// wait for the kernel ahead. Each thread waits at most once, through a predicated instruction
+/// rather than a branch: the copies it guards sit inside key loops with `wgmma` chains in
+/// flight, where a branch that joins again can make LLVM copy a chain's registers.
+///
+/// A kernel that does not read ahead takes [`PdlGate::late`]: it waits at one place
+/// ([`PdlGate::prologue`]) and the gate's other calls compile to nothing.
+pub struct PdlGate {
+    ready: u32,
+    armed: bool,
+    waited: core::cell::Cell<bool>,
+}
+
+impl PdlGate {
+    /// Keys `0..ready` may be read before the wait; the caller has let the next grid launch
+    /// ([`pdl_launch_dependents`]) at its start.
+    #[inline(always)]
+    pub fn new(ready: u32) -> Self {
+        PdlGate { ready, armed: true, waited: core::cell::Cell::new(false) }
+    }
+
+    /// Nothing read ahead: the kernel waits at [`PdlGate::prologue`].
+    #[inline(always)]
+    pub fn late() -> Self {
+        PdlGate { ready: 0, armed: false, waited: core::cell::Cell::new(true) }
+    }
+
+    /// A late gate's wait ([`pdl_prologue`]), after the reads of metadata and queries and before
+    /// the first copy of the cache; nothing for an armed gate.
+    #[inline(always)]
+    pub fn prologue(&self) {
+        if !self.armed {
+            pdl_prologue();
+        }
+    }
+
+    /// Before copying keys up to `key_end` (exclusive).
+    #[inline(always)]
+    pub fn before_keys(&self, key_end: u32) {
+        if self.armed {
+            let now = (key_end > self.ready) & !self.waited.get();
+            pdl_wait_if(now);
+            self.waited.set(self.waited.get() | now);
+        }
+    }
+
+    /// Before anything is written, and before the CTA exits.
+    #[inline(always)]
+    pub fn before_writes(&self) {
+        if self.armed {
+            pdl_wait_if(!self.waited.get());
+            self.waited.set(true);
+        }
+    }
+}
+
+/// [`pdl_wait`] where `now` holds, as one predicated instruction.
+#[inline(always)]
+fn pdl_wait_if(now: bool) {
+    #[cfg(pdl)]
+    unsafe {
+        asm!(
+            "{{ .reg .pred p; setp.ne.u32 p, {0}, 0; @p griddepcontrol.wait; }}",
+            in(reg32) now as u32,
+            options(nostack)
+        )
+    }
+    #[cfg(not(pdl))]
+    let _ = now;
+}
+
 /// `x` unchanged, through an instruction the compiler does not see through. For a per-tile base
 /// address that a loop adds constant offsets to: LLVM regroups `(base + invariant) + constant`
 /// as `base + (invariant + constant)` and keeps every such sum in a register of its own across

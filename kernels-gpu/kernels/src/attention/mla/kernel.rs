@@ -9,7 +9,9 @@ use super::tile::{
 };
 use crate::attention::config::CacheFormat;
 use crate::attention::output::RowOut;
-use crate::blocks::device::{dynamic_shared, fma, pdl_prologue, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any};
+use crate::blocks::device::{
+    dynamic_shared, fma, pdl_launch_dependents, pdl_wait, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any, PdlGate,
+};
 use crate::blocks::elem::{Fp8Format, F16};
 use crate::blocks::mma::{
     cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_pinned, prefetch_l2, shared_addr,
@@ -49,7 +51,22 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, K: CacheFormat, S: Key
     let tid = thread_idx_x();
     let (warp, lane) = (tid / 32, tid % 32);
     let (g, t4) = (lane / 4, lane % 4);
-    let Some((w, src)) = (unsafe { S::work(p, bm) }) else { return };
+    // Programmatic dependent launch. The work item, block tables and queries are read before
+    // waiting for the kernel ahead, the cache rows after it (`gate.prologue()`), except on the
+    // dense narrow shape: there the next kernel may launch into the SMs this one frees at once,
+    // and the context's rows are copied before the wait too, the new tokens' rows and every
+    // write after it (`PdlGate`; docs/mla.md: 1.03-1.13x, where the wide shape lost 2-4%).
+    let reads_ahead = !WIDE && S::READS_AHEAD;
+    if reads_ahead {
+        pdl_launch_dependents();
+    }
+    let Some((w, src)) = (unsafe { S::work(p, bm) }) else {
+        if reads_ahead {
+            pdl_wait();
+        }
+        return;
+    };
+    let gate = if reads_ahead { PdlGate::new(src.ready_before_wait(&w)) } else { PdlGate::late() };
     // Sparse: the index list is the mask.
     let causal = S::CAUSAL && p.mask.causal != 0;
     let (min_pos, max_pos) = unsafe { (w.row(p, 0).pos, w.row(p, w.live - 1).pos) };
@@ -67,7 +84,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, K: CacheFormat, S: Key
     // (`super::narrow_e4m3`), with its own layout, tables and pipeline; none of what follows.
     #[cfg(wgmma)]
     if !WIDE && K::FP8 {
-        unsafe { super::narrow_e4m3::narrow_e4m3::<Q, K, S>(p, &w, src, begin, end, causal, min_pos, q_row) };
+        unsafe { super::narrow_e4m3::narrow_e4m3::<Q, K, S>(p, &w, src, &gate, begin, end, causal, min_pos, q_row) };
         return;
     }
     let n_slots = if end > begin { (end - begin).div_ceil(SLOT_KEYS) } else { 0 };
@@ -152,6 +169,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, K: CacheFormat, S: Key
     // Issues slot j's copy (if a tile covers it) as one commit group.
     let issue = |j: u32| {
         if j < tile_slots {
+            gate.before_keys(begin + (j + 1) * SLOT_KEYS);
             if K::FP8 {
                 unsafe { copy_slot_fp8(slot_buf(j), table(j), p.qkv.q) };
             } else {
@@ -195,10 +213,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, K: CacheFormat, S: Key
     unsafe { copy_queries(smem + layout.q, bm, q_row) };
     // Narrow waits for the queries alone (to hold them in registers before the first tile).
     cp_async_commit();
-    // Programmatic dependent launch: everything above (work item, block tables, queries) was
-    // on the device before the kernel ahead of this one started, so it overlaps that kernel's
-    // end; the cache rows wait for it (the cache write, or the previous layer's merge).
-    pdl_prologue();
+    gate.prologue();
     static_for::<4>(|j| {
         if (j as u32) < pre {
             issue(j as u32);
@@ -393,6 +408,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, K: CacheFormat, S: Key
         tile += 1;
     }
     cp_async_wait::<0>();
+    gate.before_writes();
 
     // The denominators: each score warp's share, summed per row through shared memory.
     sync_threads();

@@ -40,6 +40,14 @@ pub(crate) trait KeySource: Copy {
     /// The byte address of the key's row (`elem_bytes` per element), or 0 when it is not read:
     /// padding, or input outside the cache or the request, which this raises in `p.status`.
     unsafe fn address(&self, p: &AttnParams, key: u32, loc: Self::Loc, elem_bytes: u64) -> u64;
+
+    /// Whether the narrow shape copies rows before waiting for the kernel ahead
+    /// ([`PdlGate`](crate::blocks::device::PdlGate)).
+    const READS_AHEAD: bool;
+
+    /// Keys `0..n` whose rows may be copied before waiting for the kernel ahead: rows written
+    /// before it started.
+    fn ready_before_wait(&self, w: &Work) -> u32;
 }
 
 /// Dense MLA: key j is position `j` of the request's sequence, through its block table.
@@ -52,6 +60,7 @@ impl KeySource for PagedKeys {
     const NO_EARLY: () = ();
     const NO_LOC: u32 = u32::MAX;
     const CAUSAL: bool = true;
+    const READS_AHEAD: bool = true;
 
     #[inline(always)]
     unsafe fn work(p: &AttnParams, bm: u32) -> Option<(Work, Self)> {
@@ -75,6 +84,12 @@ impl KeySource for PagedKeys {
             unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
         }
         a
+    }
+
+    /// The context before the request's new tokens (the cache write ahead writes only those).
+    #[inline(always)]
+    fn ready_before_wait(&self, w: &Work) -> u32 {
+        w.seq_len.saturating_sub(w.q_len)
     }
 }
 
@@ -101,6 +116,8 @@ impl KeySource for IndexedKeys {
     const NO_EARLY: i32 = -1;
     const NO_LOC: (i32, i32) = (-1, -1);
     const CAUSAL: bool = false;
+    /// An index list may name the new tokens' rows, anywhere in it.
+    const READS_AHEAD: bool = false;
 
     #[inline(always)]
     unsafe fn work(p: &AttnParams, bm: u32) -> Option<(Work, Self)> {
@@ -160,5 +177,10 @@ impl KeySource for IndexedKeys {
             let pos = index as u32;
             p.qkv.k + p.qkv.k_strides.offset(block as u64, (pos % p.shape.block_size) as u64, 0, 0) * elem_bytes
         }
+    }
+
+    #[inline(always)]
+    fn ready_before_wait(&self, _: &Work) -> u32 {
+        0
     }
 }

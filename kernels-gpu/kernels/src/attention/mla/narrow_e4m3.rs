@@ -30,9 +30,7 @@ use super::keys::KeySource;
 use crate::attention::config::CacheFormat;
 use crate::attention::output::RowOut;
 use crate::attention::work::Work;
-use crate::blocks::device::{
-    self, dynamic_shared, fma, pdl_prologue, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any,
-};
+use crate::blocks::device::{self, dynamic_shared, fma, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any, PdlGate};
 use crate::blocks::elem::{E4m3, E5m2, Fp8Format};
 use crate::blocks::mbarrier;
 use crate::blocks::mma::{
@@ -94,6 +92,7 @@ pub(super) unsafe fn narrow_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
     p: &AttnParams,
     w: &Work,
     src: S,
+    gate: &PdlGate,
     begin: u32,
     end: u32,
     causal: bool,
@@ -164,6 +163,8 @@ pub(super) unsafe fn narrow_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
     let copy = |m: u32| {
         if m < n_issue {
             let tile = issued(m);
+            // Rows of the new tokens wait for the kernel ahead (the cache write).
+            gate.before_keys(begin + (tile + 1) * TILE);
             let (r0, c) = (t / 8, t % 8);
             static_for::<4>(|r| {
                 let row = r0 + 16 * r as u32;
@@ -236,8 +237,7 @@ pub(super) unsafe fn narrow_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
     let mut early_next = early(m_first + 1);
     fence_proxy_async_shared();
     sync_threads();
-    // Programmatic dependent launch: the cache rows wait for the kernel before (the cache write).
-    pdl_prologue();
+    gate.prologue();
     static_for::<3>(|m| {
         if (m as u32) < m_first {
             copy(m as u32);
@@ -377,6 +377,7 @@ pub(super) unsafe fn narrow_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
         i += 1;
     }
     cp_async_wait::<0>();
+    gate.before_writes();
 
     // Each row's sum over the warpgroup (every warp holds the same max).
     let mut sum = [0.0f32; 4];
