@@ -130,59 +130,46 @@ fn with_tensor_map_params(ptx: &str) -> String {
     out
 }
 
-/// Kernels that must fit `min_ctas` CTAs of `threads` threads per SM, as (name prefix, name
-/// suffix, threads, min_ctas): decode from an FP8 cache (E4M3 or E5M2) at head sizes 64 and 128 (the
-/// kernels' `fp8_direct`), whose shared memory allows three CTAs per SM and whose registers
-/// would otherwise allow two; the 16-bit keys-as-rows decode of 8 rows for short batches at
-/// width 128, three, and at width 64, four; the 16-row (`_r16`) ones at 16-bit width 64, three
-/// (`attn_math::keys_rows::ctas_per_sm`); the decode on `wgmma`; and the
-/// warp-specialised Hopper prefill. rustc has no launch-bounds attribute for nvptx, so the
-/// directives are added to the PTX here; `ptxas` then limits registers to fit.
-const LAUNCH_BOUNDS: &[(&str, &str, u32, u32)] = &[
-    ("decode_tc_", "_fp8_d64", 128, 3),
-    ("decode_tc_", "_fp8_d128", 128, 3),
-    ("decode_kr_", "_fp8_d64", 128, 4),
-    ("decode_kr_", "_fp8_d128", 128, 3),
-    ("decode_kr_", "_fp8_a8_d64", 128, 4),
-    ("decode_kr_", "_fp8_a8_d128", 128, 3),
-    ("decode_tc_", "_e5m2_d64", 128, 3),
-    ("decode_tc_", "_e5m2_d128", 128, 3),
-    ("decode_kr_", "_e5m2_d64", 128, 4),
-    ("decode_kr_", "_e5m2_d128", 128, 3),
-    ("decode_kr_", "_e5m2_a8_d64", 128, 4),
-    ("decode_kr_", "_e5m2_a8_d128", 128, 3),
-    ("decode_kr_bf16_d64", "", 128, 4),
-    ("decode_kr_f16_d64", "", 128, 4),
-    ("decode_kr_bf16_d128", "", 128, 3),
-    ("decode_kr_bf16_r16_d64", "", 128, 3),
-    ("decode_kr_f16_r16_d64", "", 128, 3),
-    ("decode_kr_f16_d128", "", 128, 3),
-    // Decode on `wgmma` (`attn_math::keys_m::ctas_per_sm`): for rows of 128 bytes four CTAs an
-    // SM at 8 rows (FP8 width 128, 16-bit 64), three at 16 (FP8 width 128's `_r16`, 16-bit 64's);
-    // two for 256 (FP8 256, 16-bit 128).
-    ("decode_km_bf16_r16_d128", "", 128, 2),
-    ("decode_km_f16_r16_d128", "", 128, 2),
-    ("decode_km_", "_r16_d64", 128, 3),
-    ("decode_km_", "_d64", 128, 4),
-    ("decode_km_", "_r16_d128", 128, 3),
-    ("decode_km_", "_d128", 128, 4),
-    ("decode_km_", "_d256", 128, 2),
-    // Three warpgroups (`attn_math::hopper_prefill::WS_THREADS`) start at 168 registers a
-    // thread; `setmaxnreg` then moves registers from the producer to the compute warps.
-    ("prefill_wgs_", "", 384, 1),
-];
+/// The launch bounds (threads, CTAs an SM) of kernel `name`: the decode kernels' CTAs an SM as
+/// `attn_math` plans them (`keys_m::ctas_per_sm`, `keys_rows::ctas_per_sm`, from the kernel's
+/// name: its cache format, its head size `_d<W>`, `_r16` for 16 rows, `_long` for the deep
+/// pipeline), so that `ptxas` fits their registers; and the warp-specialised Hopper prefill,
+/// whose three warpgroups start at 168 registers a thread before `setmaxnreg` moves registers
+/// from the producer to the compute warps. Two CTAs of 128 threads fit at 255 registers a
+/// thread, so the keys-as-rows kernels carry a bound only above two; the keys-on-M kernels carry
+/// theirs at two as well, as they were built and measured (without it `ptxas` schedules their
+/// code differently). rustc has no launch-bounds attribute for nvptx, so the directives are
+/// added to the PTX here.
+fn launch_bounds(name: &str) -> Option<(u32, u32)> {
+    use attn_math::{hopper_prefill, keys_m, keys_rows, prefill};
+    if name.starts_with("prefill_wgs_") {
+        return Some((hopper_prefill::WS_THREADS, 1));
+    }
+    let (keys_on_m, rest) = match (name.strip_prefix("decode_km_"), name.strip_prefix("decode_kr_")) {
+        (Some(rest), _) => (true, rest),
+        (_, Some(rest)) => (false, rest),
+        _ => return None,
+    };
+    let parts: Vec<&str> = rest.split('_').collect();
+    let width: u32 = parts.last()?.strip_prefix('d')?.parse().ok()?;
+    let fp8 = parts.iter().any(|&p| p == "fp8" || p == "e5m2");
+    let rows = if parts.contains(&"r16") { keys_rows::WIDE_ROWS } else { keys_rows::MAX_ROWS };
+    let ctas = if keys_on_m {
+        keys_m::ctas_per_sm(width * if fp8 { 1 } else { 2 }, rows)
+    } else {
+        keys_rows::ctas_per_sm(width, fp8, parts.contains(&"long"), rows)
+    };
+    (keys_on_m || ctas > 2).then_some((prefill::THREADS, ctas))
+}
 
-/// `ptx` with `.maxntid` / `.minnctapersm` after the parameter list of each kernel in
-/// [`LAUNCH_BOUNDS`].
+/// `ptx` with `.maxntid` / `.minnctapersm` after the parameter list of each kernel that has
+/// [`launch_bounds`].
 fn with_launch_bounds(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len() + 256);
     let mut pending: Option<(u32, u32)> = None;
     for line in ptx.lines() {
         if let Some(name) = line.strip_prefix(".visible .entry ").and_then(|l| l.strip_suffix('(')) {
-            pending = LAUNCH_BOUNDS
-                .iter()
-                .find(|(pre, suf, _, _)| name.starts_with(pre) && name.ends_with(suf))
-                .map(|&(_, _, threads, ctas)| (threads, ctas));
+            pending = launch_bounds(name);
         }
         if line == "{" {
             if let Some((threads, ctas)) = pending.take() {
@@ -247,5 +234,37 @@ pub fn build_ptx(check: bool, only: Option<&str>) -> Result<(), String> {
         Ok(())
     } else {
         Err(format!("committed PTX/SASS is stale (run `cargo xtask build-ptx` and commit): {}", stale.join(", ")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::launch_bounds;
+
+    /// Bounds of kernels of each family, and kernels without.
+    #[test]
+    fn launch_bounds_follow_the_planned_occupancy() {
+        let cases = [
+            ("decode_km_bf16_d64", Some((128, 4))),
+            ("decode_km_f16_r16_d64", Some((128, 3))),
+            ("decode_km_bf16_fp8_a8_d128", Some((128, 4))),
+            ("decode_km_bf16_e5m2_r16_d128", Some((128, 3))),
+            ("decode_km_bf16_r16_d128", Some((128, 2))),
+            ("decode_km_bf16_fp8_d256", Some((128, 2))),
+            ("decode_kr_bf16_d64", Some((128, 4))),
+            ("decode_kr_f16_d128", Some((128, 3))),
+            ("decode_kr_bf16_r16_d64", Some((128, 3))),
+            ("decode_kr_bf16_r16_d96", None),
+            ("decode_kr_bf16_fp8_d64", Some((128, 4))),
+            ("decode_kr_f16_e5m2_a8_d128", Some((128, 3))),
+            ("decode_kr_bf16_fp8_long_d64", None),
+            ("decode_kr_bf16_d256", None),
+            ("prefill_wgs_bf16_fp8_d128", Some((384, 1))),
+            ("prefill_bf16_dk128_dv128", None),
+            ("mla_bf16_narrow", None),
+        ];
+        for (name, want) in cases {
+            assert_eq!(launch_bounds(name), want, "{name}");
+        }
     }
 }
