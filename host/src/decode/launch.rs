@@ -41,9 +41,10 @@ use std::sync::Arc;
 /// Ordering on Hopper (programmatic dependent launch, `ATTN_DISABLE_PDL=1` turns it off): the
 /// kernel may start while the kernel launched just before it on `stream` still runs, and reads
 /// the queries, block tables, sequence lengths and the cache rows of each request's context
-/// before its new tokens (positions below `seq_len - q_len`) before waiting for it. Those must have been written before that kernel started, as they are in an
-/// engine step (QKV projection, then the cache write of the new tokens, then decode). The new
-/// tokens' rows are read, and everything is written, after the wait.
+/// before its new tokens (positions below `seq_len - q_len`) before waiting for it. Those must
+/// have been written before that kernel started, as they are in an engine step (QKV
+/// projection, then the cache write of the new tokens, then decode). The new tokens' rows are
+/// read, and everything is written, after the wait.
 ///
 /// Caller's part (docs/soundness.md): `batch`, `ws` (and a plan) must have been made on
 /// `stream`; the contents of the caller's buffers and their ordering are the caller's, the
