@@ -8,6 +8,12 @@ use crate::attention::work::{RowInfo, Work};
 use crate::blocks::device::{shfl_xor, static_for, sync_threads, thread_idx_x};
 use crate::blocks::mma::{ld_shared_f32x2, st_shared_f32, st_shared_f32x2, MmaHalf};
 use crate::blocks::vec_io::{store4, store8, store_f32};
+#[cfg(wgmma)]
+use crate::blocks::{
+    device::{shfl_idx, sync_warp},
+    mma::{ld_shared_v4, stmatrix_x4},
+    vec_io::store16,
+};
 use attn_math::params::AttnParams;
 use attn_math::prefill::THREADS;
 use attn_math::softmax::{exp2, OnlineSoftmax};
@@ -60,6 +66,74 @@ impl RowOut {
             let addr = p.split.partial_out + (index * row_width + w.v_col0 as u64) * 4;
             RowOut { addr, partial: true, inv: if st.sum > 0.0 { v_scale / st.sum } else { 0.0 }, cols: dv }
         }
+    }
+
+    /// A row that is not stored (past the tile's live rows), for [`Self::store_warp_rows_staged`].
+    #[cfg(wgmma)]
+    pub const NONE: RowOut = RowOut { addr: 0, partial: false, inv: 0.0, cols: 0 };
+
+    /// Whether every output row starts 16-byte aligned, as [`Self::store_warp_rows_staged`]
+    /// needs (the output's address and both its strides in bytes).
+    #[cfg(wgmma)]
+    #[inline(always)]
+    pub fn output_aligned16(p: &AttnParams) -> bool {
+        (p.output.out | (p.output.out_token_stride * 2) | (p.output.out_head_stride * 2)) & 15 == 0
+    }
+
+    /// A warp's 16 finished output rows (`rows[h]`: its fragment's rows g + 8h, [`Self::NONE`]
+    /// where not stored) of `blocks` 8-column blocks (8, 16 or 32; of at most `N`), the first
+    /// `cols` columns of each stored (the launch's head size: every lane's, since a lane
+    /// stores other lanes' rows), through
+    /// `stage`: 16 rows of `16 blocks` bytes of shared memory that only this warp uses.
+    /// `stmatrix` puts each block in place (16-byte chunks XOR-swizzled by the row, so that
+    /// neither side conflicts on banks), then each lane stores 16 contiguous bytes of a row,
+    /// `32 / blocks` rows at a time. Storing each pair from its fragment, a warp's store
+    /// instruction writes 16 bytes of each of 8 rows (32 four-byte stores a thread at width 128);
+    /// here it writes whole rows (8 of 16 bytes). The rows must be the output's, not a split's
+    /// partials, and 16-byte aligned ([`Self::output_aligned16`]).
+    #[cfg(wgmma)]
+    #[inline(always)]
+    pub unsafe fn store_warp_rows_staged<Q: MmaHalf, const N: usize>(
+        rows: [RowOut; 2],
+        blocks: usize,
+        cols: u32,
+        stage: u32,
+        lane: u32,
+        pair: impl Fn(usize, usize) -> (f32, f32),
+    ) {
+        debug_assert!(blocks == 8 || blocks == 16 || blocks == 32);
+        let row_bytes = 16 * blocks as u32;
+        // stmatrix: lanes 8m..8m+7 give the rows of matrix m, which is block n + m / 2 of the
+        // fragment's rows 8 (m % 2) + 0..8.
+        let (m, r8) = (lane / 8, lane % 8);
+        let s_row = stage + (8 * (m % 2) + r8) * row_bytes;
+        static_for::<N>(|n| {
+            if n % 2 == 0 && n < blocks {
+                let pack = |n: usize, h: usize| {
+                    let (a, b) = pair(n, h);
+                    Q::pack2(a * rows[h].inv, b * rows[h].inv)
+                };
+                let chunk = n as u32 + m / 2;
+                unsafe { stmatrix_x4(s_row + (chunk ^ r8) * 16, [pack(n, 0), pack(n, 1), pack(n + 1, 0), pack(n + 1, 1)]) };
+            }
+        });
+        sync_warp();
+        // `32 / blocks` rows an instruction, all of one half (h), lane `lane % blocks` taking
+        // chunk c; the row's address from the lane that holds it (4 (row % 8): t4 = 0).
+        let per = 32 / blocks;
+        let (sub, c) = (lane / blocks as u32, lane % blocks as u32);
+        static_for::<16>(|i| {
+            if i < 16 / per {
+                let row = (i * per) as u32 + sub;
+                let addr = rows[(i * per) / 8].addr;
+                let src = 4 * (row % 8);
+                let dst = ((shfl_idx((addr >> 32) as u32, src) as u64) << 32) | shfl_idx(addr as u32, src) as u64;
+                let v = unsafe { ld_shared_v4(stage + row * row_bytes + ((c ^ (row % 8)) * 16)) };
+                if dst != 0 && c * 8 < cols {
+                    unsafe { store16(dst + c as u64 * 16, v) };
+                }
+            }
+        });
     }
 
     /// Columns `8n + c0` and `8n + c0 + 1` of each block `n < blocks` (of at most `N`), the pair

@@ -880,6 +880,12 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
             let it = unsafe { Item::load(rings.item(k)) };
             let w = it.work;
             let (_, v_scale) = unsafe { K::scales(p, w.kv_head) };
+            // 16-bit stages: the rows go out through the warp's own query rows, which no
+            // `wgmma` reads any more (the buffer is freed after this), as whole rows a store
+            // ([`RowOut::store_warp_rows_staged`]); a split's partials and unaligned outputs
+            // take their pairs straight from the fragments.
+            let staged = !Rings::<W, WV, K>::E4M3 && matches!(DV, 64 | 128 | 256) && it.num_splits == 1 && RowOut::output_aligned16(p);
+            let mut outs = [RowOut::NONE; 2];
             static_for::<2>(|h| {
                 let mut st = state[h];
                 if summed {
@@ -894,8 +900,20 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                     return;
                 }
                 let out = unsafe { RowOut::new(p, &w, &w.row(p, r), st, it.num_splits, t4 == 0, v_scale, p.dims.v_or(DV as u32)) };
-                unsafe { out.store_blocks::<Q, ACC_BLOCKS>(2 * t4, DV / 8, |n| (o[n][2 * h], o[n][2 * h + 1])) };
+                if staged {
+                    outs[h] = out;
+                } else {
+                    unsafe { out.store_blocks::<Q, ACC_BLOCKS>(2 * t4, DV / 8, |n| (o[n][2 * h], o[n][2 * h + 1])) };
+                }
             });
+            if staged {
+                let stage = rings.q(k) + warp_row0 * 2 * W as u32;
+                unsafe {
+                    RowOut::store_warp_rows_staged::<Q, ACC_BLOCKS>(outs, DV / 8, p.dims.v_or(DV as u32), stage, lane, |n, h| {
+                        (o[n][2 * h], o[n][2 * h + 1])
+                    })
+                };
+            }
         };
         if n_tiles == 0 {
             finish(&[[0.0; 4]; ACC_BLOCKS], [OnlineSoftmax::EMPTY; 2]);
