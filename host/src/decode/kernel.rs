@@ -6,6 +6,7 @@ use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::{decode_head_width, CacheRows, KernelId};
+use crate::layout::KvLayout;
 use crate::options::{SplitMode, Tuning};
 use attn_math::prefill::{block_m, block_n, shared_layout};
 use attn_math::split::EVEN_WAVES_MAX_SPLITS;
@@ -73,6 +74,22 @@ pub(crate) struct LayerShape {
     pub num_q_heads: usize,
     pub num_kv_heads: usize,
     pub head_size: usize,
+}
+
+/// Kv heads a decode launch groups into one thread-block cluster (1: none). The grid puts a
+/// work item's kv heads side by side, so a cluster of them starts together and reads the same
+/// tokens' rows at once; in a cache with heads after tokens (NHD) those rows lie next to each
+/// other. Measured on an H100 (docs/decode.md, "A work item's kv heads as one cluster"): rows of
+/// 128 bytes (bf16 d64, FP8 d128) gain 3% in NHD; 80- and 112-byte rows lose 6-16%, 256-byte
+/// rows stay even, and HND caches are even or slower at every size.
+pub(crate) fn head_cluster(layout: KvLayout, row_bytes: usize, num_kv_heads: usize, clusters_enabled: bool) -> u32 {
+    const HEADS: usize = 8;
+    let nhd_128 = !layout.heads_before_tokens() && row_bytes == 128;
+    if clusters_enabled && nhd_128 && num_kv_heads.is_multiple_of(HEADS) {
+        HEADS as u32
+    } else {
+        1
+    }
 }
 
 /// A tensor-core kernel for a kind of batch, and the CTA count its split plans aim at.
@@ -280,6 +297,21 @@ pub(crate) fn measured_waves(d: u32) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Clusters of 8 kv heads only for NHD rows of 128 bytes, 8 or 16 kv heads, on sm_90a.
+    #[test]
+    fn head_cluster_rule() {
+        use KvLayout::*;
+        assert_eq!(head_cluster(FlashNhd, 128, 8, true), 8);
+        assert_eq!(head_cluster(FlashInferNhd, 128, 16, true), 8);
+        assert_eq!(head_cluster(FlashNhd, 128, 8, false), 1);
+        assert_eq!(head_cluster(FlashHnd, 128, 8, true), 1);
+        assert_eq!(head_cluster(FlashInferHnd, 128, 8, true), 1);
+        assert_eq!(head_cluster(FlashNhd, 128, 4, true), 1);
+        for row_bytes in [64, 80, 112, 256] {
+            assert_eq!(head_cluster(FlashNhd, row_bytes, 8, true), 1);
+        }
+    }
 
     /// The decode kernel of each kind of batch: keys as rows up to 8 rows per kv head (FP8 at
     /// head sizes 64, 128 and 256, the deep pipeline from `FP8_LONG_KEYS` keys and always at

@@ -2,6 +2,7 @@
 //! runs it: the attention kernel on the plan, then the merge when one follows.
 
 use super::args::{check_args, CheckedArgs, DecodeArgs};
+use super::kernel::head_cluster;
 use super::merge::launch_merge;
 use super::plan::{call_kernel, plan_launch, LaunchPlan, PlanArrays, PlanSource};
 use super::split::DecodePlan;
@@ -160,7 +161,9 @@ fn run(
     };
     let ctas = lp.ctas();
     ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
-    dev.launch_pdl(stream, tc.id, (ctas as u32, 1, 1), tc.threads, tc.smem, tp)?;
+    let row_bytes = spec.head_size.saturating_mul(a.cache.dtype.size_bytes());
+    let cluster = head_cluster(spec.layout, row_bytes, spec.num_kv_heads, dev.clusters_enabled());
+    dev.launch_ex(stream, tc.id, (ctas as u32, 1, 1), tc.threads, tc.smem, cluster, tp)?;
     if lp.merge {
         // A device plan's decodes are its first tokens, at most `merge_tokens` of them.
         let merge_tokens = match lp.arrays {
