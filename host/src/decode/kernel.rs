@@ -80,7 +80,7 @@ pub(crate) struct LayerShape {
 /// work item's kv heads side by side, so a cluster of them starts together and reads the same
 /// tokens' rows at once; in a cache with heads after tokens (NHD) those rows lie next to each
 /// other. Measured on an H100 (docs/decode.md, "A work item's kv heads as one cluster"): rows of
-/// 128 bytes (bf16 d64, FP8 d128) gain 3% in NHD; 80- and 112-byte rows lose 6-16%, 256-byte
+/// 128 bytes (bf16 d64, FP8 d128) gain 3% in NHD; rows of 40 to 112 bytes lose 1-16%, 256-byte
 /// rows stay even, and HND caches are even or slower at every size.
 pub(crate) fn head_cluster(layout: KvLayout, row_bytes: usize, num_kv_heads: usize, clusters_enabled: bool) -> u32 {
     const HEADS: usize = 8;
