@@ -520,6 +520,10 @@ fn cases() -> Vec<(String, Case, &'static str)> {
         "bf16_bf16",
     );
     push("bf16_fp8::gqa16_long_split_fixed_3".into(), Case { split: SplitMode::Fixed(3), ..gqa16(&[2500; 3]) }, "bf16_fp8");
+    // One split a request over whole contexts (the deterministic mode): each CTA streams its
+    // request's every key, its output written without a merge.
+    push("bf16_bf16::gqa16_split_fixed_1".into(), Case { split: SplitMode::Fixed(1), ..gqa16(&[4096, 4096, 4093, 1, 2049]) }, "bf16_bf16");
+    push("bf16_fp8::gqa16_split_fixed_1".into(), Case { split: SplitMode::Fixed(1), ..gqa16(&[4096, 4093, 1, 2049]) }, "bf16_fp8");
     push("bf16_bf16::gqa16_planned_two_layers".into(), Case { planned: true, alibi: true, ..gqa16(&lens) }, "bf16_bf16");
     push(
         "f16_f16::spec_2_gqa8_16_rows".into(),

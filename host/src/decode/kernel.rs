@@ -76,17 +76,26 @@ pub(crate) struct LayerShape {
     pub head_size: usize,
 }
 
-/// Kv heads a decode launch groups into one thread-block cluster (1: none). The grid puts a
-/// work item's kv heads side by side, so a cluster of them starts together and reads the same
-/// tokens' rows at once; in a cache with heads after tokens (NHD) those rows lie next to each
-/// other. Measured on an H100 (docs/decode.md, "A work item's kv heads as one cluster"): rows of
-/// 128 bytes (bf16 d64, FP8 d128) gain 3% in NHD; rows of 40 to 112 bytes lose 1-16%, 256-byte
-/// rows stay even, and HND caches are even or slower at every size.
-pub(crate) fn head_cluster(layout: KvLayout, row_bytes: usize, num_kv_heads: usize, clusters_enabled: bool) -> u32 {
-    const HEADS: usize = 8;
-    let nhd_128 = !layout.heads_before_tokens() && row_bytes == 128;
-    if clusters_enabled && nhd_128 && num_kv_heads.is_multiple_of(HEADS) {
-        HEADS as u32
+/// Kv heads a decode launch groups into one thread-block cluster (1: none), for a cache of
+/// `head_size` elements of `elem_bytes` a head row. The grid puts a work item's kv heads side by
+/// side, so a cluster of them starts together and reads the same tokens' rows at once; in a cache
+/// with heads after tokens (NHD) those rows lie next to each other. Measured on an H100
+/// (docs/decode.md, "A work item's kv heads as one cluster" and "Clusters of 2 kv heads"), NHD:
+/// - rows of 128 bytes (bf16 d64, FP8 d128) gain 3% with 8 kv heads a cluster;
+/// - rows of 48 to 240 bytes up to head size 128 gain up to 13% with 2 (they lose 1-16% with 8),
+///   and so do 128-byte rows of a layer whose kv heads are not a multiple of 8;
+/// - 16-bit rows of 256 bytes and more stay even; FP8 rows under 48 bytes (kernels bound by their
+///   instructions) lose 2%, and FP8 rows past head size 128 (the width-256 kernel) 3-6%.
+///
+/// HND caches are even or slower at every size.
+pub(crate) fn head_cluster(layout: KvLayout, head_size: usize, elem_bytes: usize, num_kv_heads: usize, clusters_enabled: bool) -> u32 {
+    let row_bytes = head_size.saturating_mul(elem_bytes);
+    if !clusters_enabled || layout.heads_before_tokens() || head_size > 128 || !(48..256).contains(&row_bytes) {
+        1
+    } else if row_bytes == 128 && num_kv_heads.is_multiple_of(8) {
+        8
+    } else if num_kv_heads.is_multiple_of(2) {
+        2
     } else {
         1
     }
@@ -298,18 +307,32 @@ pub(crate) fn measured_waves(d: u32) -> u64 {
 mod tests {
     use super::*;
 
-    /// Clusters of 8 kv heads only for NHD rows of 128 bytes, 8 or 16 kv heads, on sm_90a.
+    /// Clusters only in NHD caches with rows of 48 to 255 bytes up to head size 128, on sm_90a: 8
+    /// kv heads for rows of 128 bytes where the heads allow, else 2 where they are even.
     #[test]
     fn head_cluster_rule() {
         use KvLayout::*;
-        assert_eq!(head_cluster(FlashNhd, 128, 8, true), 8);
-        assert_eq!(head_cluster(FlashInferNhd, 128, 16, true), 8);
-        assert_eq!(head_cluster(FlashNhd, 128, 8, false), 1);
-        assert_eq!(head_cluster(FlashHnd, 128, 8, true), 1);
-        assert_eq!(head_cluster(FlashInferHnd, 128, 8, true), 1);
-        assert_eq!(head_cluster(FlashNhd, 128, 4, true), 1);
-        for row_bytes in [64, 80, 112, 256] {
-            assert_eq!(head_cluster(FlashNhd, row_bytes, 8, true), 1);
+        // (head size, element bytes): bf16 d64 and FP8 d128, rows of 128 bytes.
+        for (d, e) in [(64, 2), (128, 1)] {
+            assert_eq!(head_cluster(FlashNhd, d, e, 8, true), 8);
+            assert_eq!(head_cluster(FlashInferNhd, d, e, 16, true), 8);
+            assert_eq!(head_cluster(FlashNhd, d, e, 8, false), 1);
+            assert_eq!(head_cluster(FlashHnd, d, e, 8, true), 1);
+            assert_eq!(head_cluster(FlashInferHnd, d, e, 8, true), 1);
+            assert_eq!(head_cluster(FlashNhd, d, e, 4, true), 2);
+            assert_eq!(head_cluster(FlashNhd, d, e, 2, true), 2);
+        }
+        for (d, e) in [(32, 2), (40, 2), (56, 2), (120, 2), (48, 1), (56, 1), (96, 1), (120, 1)] {
+            assert_eq!(head_cluster(FlashNhd, d, e, 8, true), 2);
+            assert_eq!(head_cluster(FlashInferNhd, d, e, 2, true), 2);
+            assert_eq!(head_cluster(FlashNhd, d, e, 8, false), 1);
+            assert_eq!(head_cluster(FlashHnd, d, e, 8, true), 1);
+            assert_eq!(head_cluster(FlashNhd, d, e, 1, true), 1);
+            assert_eq!(head_cluster(FlashNhd, d, e, 3, true), 1);
+        }
+        // 256-byte rows and wider; FP8 rows under 48 bytes; FP8 past head size 128.
+        for (d, e) in [(128, 2), (256, 2), (32, 1), (40, 1), (136, 1), (248, 1), (256, 1)] {
+            assert_eq!(head_cluster(FlashNhd, d, e, 8, true), 1);
         }
     }
 

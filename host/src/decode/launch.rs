@@ -161,8 +161,7 @@ fn run(
     };
     let ctas = lp.ctas();
     ensure(ctas < i32::MAX as usize, "workspace", || format!("{ctas} CTAs exceed a launch"))?;
-    let row_bytes = spec.head_size.saturating_mul(a.cache.dtype.size_bytes());
-    let cluster = head_cluster(spec.layout, row_bytes, spec.num_kv_heads, dev.clusters_enabled());
+    let cluster = head_cluster(spec.layout, spec.head_size, a.cache.dtype.size_bytes(), spec.num_kv_heads, dev.clusters_enabled());
     dev.launch_ex(stream, tc.id, (ctas as u32, 1, 1), tc.threads, tc.smem, cluster, tp)?;
     if lp.merge {
         // A device plan's decodes are its first tokens, at most `merge_tokens` of them.
