@@ -37,7 +37,15 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
         _ => KvLayout::FlashNhd,
     };
     let spec = KvCacheSpec::new(layout, num_blocks, sh.block_size, sh.kv_heads, sh.head_size)?;
-    let cache = random_device::<C>(s, spec.num_elements(), 11)?;
+    // `ATTN_BENCH_DECODE_CACHES=N`: the timed calls take N caches of the shape in turn, as an
+    // engine's consecutive layers read different caches. With one, a call whose grid leaves SM
+    // slots free overlaps the next (programmatic dependent launch; the context is read before
+    // the wait), and that one reads the same rows while they are still in L2 (docs/decode.md,
+    // "GQA 16 with one split a request") (experiments).
+    let num_caches = std::env::var("ATTN_BENCH_DECODE_CACHES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(1).max(1);
+    let caches =
+        (0..num_caches).map(|i| random_device::<C>(s, spec.num_elements(), 11 + 100 * i)).collect::<Result<Vec<CudaSlice<C>>>>()?;
+    let mut turn = 0usize;
     // Scattered block tables: a random permutation of all blocks.
     let mut block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 12).into_iter().map(|x| x as i32).collect();
     // `ATTN_BENCH_DECODE_HOT=N`: every table entry within the first N blocks, so the cache rows
@@ -69,10 +77,12 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
         chunk = bp.plan_decode(dev(), &batch, qt, C::DTYPE, hd, sh.q_heads, sh.kv_heads, mode, &ws)?.chunk;
     }
     let us = b.time(|| {
+        let cache = &caches[turn % caches.len()];
+        turn += 1;
         let args = DecodeArgs {
             q: DevIn::new(&q, s),
             q_rows,
-            cache: DevIn::new(&cache, s),
+            cache: DevIn::new(cache, s),
             spec,
             block_table: DevIn::new(&bt, s),
             block_table_stride: blocks_per_req,
