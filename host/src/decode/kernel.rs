@@ -312,27 +312,31 @@ mod tests {
     #[test]
     fn head_cluster_rule() {
         use KvLayout::*;
-        // (head size, element bytes): bf16 d64 and FP8 d128, rows of 128 bytes.
-        for (d, e) in [(64, 2), (128, 1)] {
-            assert_eq!(head_cluster(FlashNhd, d, e, 8, true), 8);
-            assert_eq!(head_cluster(FlashInferNhd, d, e, 16, true), 8);
-            assert_eq!(head_cluster(FlashNhd, d, e, 8, false), 1);
-            assert_eq!(head_cluster(FlashHnd, d, e, 8, true), 1);
-            assert_eq!(head_cluster(FlashInferHnd, d, e, 8, true), 1);
-            assert_eq!(head_cluster(FlashNhd, d, e, 4, true), 2);
-            assert_eq!(head_cluster(FlashNhd, d, e, 2, true), 2);
-        }
-        for (d, e) in [(32, 2), (40, 2), (56, 2), (120, 2), (48, 1), (56, 1), (96, 1), (120, 1)] {
-            assert_eq!(head_cluster(FlashNhd, d, e, 8, true), 2);
-            assert_eq!(head_cluster(FlashInferNhd, d, e, 2, true), 2);
-            assert_eq!(head_cluster(FlashNhd, d, e, 8, false), 1);
-            assert_eq!(head_cluster(FlashHnd, d, e, 8, true), 1);
-            assert_eq!(head_cluster(FlashNhd, d, e, 1, true), 1);
-            assert_eq!(head_cluster(FlashNhd, d, e, 3, true), 1);
-        }
-        // 256-byte rows and wider; FP8 rows under 48 bytes; FP8 past head size 128.
-        for (d, e) in [(128, 2), (256, 2), (32, 1), (40, 1), (136, 1), (248, 1), (256, 1)] {
-            assert_eq!(head_cluster(FlashNhd, d, e, 8, true), 1);
+        // (head size, element bytes, the size at 8 kv heads, at 4, at 2): bf16 d64 and FP8 d128
+        // (rows of 128 bytes); rows of 48 to 240 bytes; 256-byte rows and wider, FP8 rows under
+        // 48 bytes and FP8 past head size 128.
+        let rows = [
+            (64, 2, 8, 2, 2),
+            (128, 1, 8, 2, 2),
+            (32, 2, 2, 2, 2),
+            (40, 2, 2, 2, 2),
+            (120, 2, 2, 2, 2),
+            (48, 1, 2, 2, 2),
+            (120, 1, 2, 2, 2),
+            (128, 2, 1, 1, 1),
+            (256, 2, 1, 1, 1),
+            (40, 1, 1, 1, 1),
+            (136, 1, 1, 1, 1),
+        ];
+        for (d, e, at8, at4, at2) in rows {
+            for nhd in [FlashNhd, FlashInferNhd] {
+                assert_eq!([8, 4, 2].map(|kv| head_cluster(nhd, d, e, kv, true)), [at8, at4, at2], "d{d} x{e}");
+                assert_eq!([16, 3, 1].map(|kv| head_cluster(nhd, d, e, kv, true)), [at8, 1, 1], "d{d} x{e}");
+                assert_eq!(head_cluster(nhd, d, e, 8, false), 1);
+            }
+            for hnd in [FlashHnd, FlashInferHnd] {
+                assert_eq!(head_cluster(hnd, d, e, 8, true), 1);
+            }
         }
     }
 
