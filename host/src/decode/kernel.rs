@@ -81,7 +81,9 @@ pub(crate) struct LayerShape {
 /// side, so a cluster of them starts together and reads the same tokens' rows at once; in a cache
 /// with heads after tokens (NHD) those rows lie next to each other. Measured on an H100
 /// (docs/decode.md, "A work item's kv heads as one cluster" and "Clusters of 2 kv heads"), NHD:
-/// - rows of 128 bytes (bf16 d64, FP8 d128) gain 3% with 8 kv heads a cluster;
+/// - rows of 128 bytes (bf16 d64, FP8 d128) gain 3% with 8 kv heads a cluster, and so do FP8
+///   rows of 112 bytes 4-8% (their 2 lose 4-8% against 8; 4 and 8 lose on every other FP8 row
+///   size from 40 to 120 bytes, 3-11%);
 /// - rows of 48 to 240 bytes up to head size 128 gain up to 13% with 2 (they lose 1-16% with 8),
 ///   and so do 128-byte rows of a layer whose kv heads are not a multiple of 8;
 /// - 16-bit rows of 256 bytes and more stay even; FP8 rows under 48 bytes (kernels bound by their
@@ -92,7 +94,7 @@ pub(crate) fn head_cluster(layout: KvLayout, head_size: usize, elem_bytes: usize
     let row_bytes = head_size.saturating_mul(elem_bytes);
     if !clusters_enabled || layout.heads_before_tokens() || head_size > 128 || !(48..256).contains(&row_bytes) {
         1
-    } else if row_bytes == 128 && num_kv_heads.is_multiple_of(8) {
+    } else if (row_bytes == 128 || (elem_bytes == 1 && head_size == 112)) && num_kv_heads.is_multiple_of(8) {
         8
     } else if num_kv_heads.is_multiple_of(2) {
         2
@@ -308,7 +310,8 @@ mod tests {
     use super::*;
 
     /// Clusters only in NHD caches with rows of 48 to 255 bytes up to head size 128, on sm_90a: 8
-    /// kv heads for rows of 128 bytes where the heads allow, else 2 where they are even.
+    /// kv heads for rows of 128 bytes and FP8 rows of 112 where the heads allow, else 2 where
+    /// they are even.
     #[test]
     fn head_cluster_rule() {
         use KvLayout::*;
@@ -318,6 +321,8 @@ mod tests {
         let rows = [
             (64, 2, 8, 2, 2),
             (128, 1, 8, 2, 2),
+            (112, 1, 8, 2, 2),
+            (112, 2, 2, 2, 2),
             (32, 2, 2, 2, 2),
             (40, 2, 2, 2, 2),
             (120, 2, 2, 2, 2),

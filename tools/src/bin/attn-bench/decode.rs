@@ -6,6 +6,7 @@ use attn_rs::cache_write::KvScales;
 use attn_rs::{
     BatchMetadata, DevIn, DevOut, DeviceStatus, Element, Fp8E4m3, Fp8E5m2, KvCacheSpec, KvLayout, PlanOptions, Result, RowsDesc, SplitMode,
 };
+use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
@@ -18,6 +19,24 @@ struct DecodeShape {
     block_size: usize,
     /// FP8: one K and one V scale per kv head (else one for the cache).
     per_head_scales: bool,
+}
+
+/// How many caches of `cache_bytes` the timed calls take in turn: at least two, and enough that
+/// together they are twice the L2 cache, as an engine's consecutive layers read different caches.
+/// With one, a call reads rows the call before left in L2: a small cache (FP8 64 x 256, 34 MB)
+/// fits in it whole, and a call whose grid leaves SM slots free overlaps the next (programmatic
+/// dependent launch; the context is read before the wait), which then reads the rows the first
+/// is reading (docs/decode.md, "GQA 16 with one split a request"). One where the rows are meant
+/// to come from L2 (`hot`). `ATTN_BENCH_DECODE_CACHES=N` sets it (experiments).
+fn num_caches(cache_bytes: u64, hot: bool) -> u64 {
+    if let Some(n) = std::env::var("ATTN_BENCH_DECODE_CACHES").ok().and_then(|v| v.parse::<u64>().ok()) {
+        return n.max(1);
+    }
+    if hot {
+        return 1;
+    }
+    let l2 = dev().context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE).map_or(64 << 20, |b| b.max(0) as u64);
+    (2 * l2).div_ceil(cache_bytes.max(1)).clamp(2, 16)
 }
 
 /// Paged decode; `planned`: the split plan made once ([`attn_rs::batch_plan`], as every layer of a
@@ -37,12 +56,9 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
         _ => KvLayout::FlashNhd,
     };
     let spec = KvCacheSpec::new(layout, num_blocks, sh.block_size, sh.kv_heads, sh.head_size)?;
-    // `ATTN_BENCH_DECODE_CACHES=N`: the timed calls take N caches of the shape in turn, as an
-    // engine's consecutive layers read different caches. With one, a call whose grid leaves SM
-    // slots free overlaps the next (programmatic dependent launch; the context is read before
-    // the wait), and that one reads the same rows while they are still in L2 (docs/decode.md,
-    // "GQA 16 with one split a request") (experiments).
-    let num_caches = std::env::var("ATTN_BENCH_DECODE_CACHES").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(1).max(1);
+    let hot = std::env::var("ATTN_BENCH_DECODE_HOT").ok().and_then(|v| v.parse::<i32>().ok());
+    let cache_bytes = spec.num_elements() as u64 * std::mem::size_of::<C>() as u64;
+    let num_caches = num_caches(cache_bytes, hot.is_some());
     let caches =
         (0..num_caches).map(|i| random_device::<C>(s, spec.num_elements(), 11 + 100 * i)).collect::<Result<Vec<CudaSlice<C>>>>()?;
     let mut turn = 0usize;
@@ -50,7 +66,7 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
     let mut block_table: Vec<i32> = random_slots(num_blocks, num_blocks, 12).into_iter().map(|x| x as i32).collect();
     // `ATTN_BENCH_DECODE_HOT=N`: every table entry within the first N blocks, so the cache rows
     // come from L2 and the row measures the kernel's own rate (experiments).
-    if let Some(hot) = std::env::var("ATTN_BENCH_DECODE_HOT").ok().and_then(|v| v.parse::<i32>().ok()) {
+    if let Some(hot) = hot {
         block_table.iter_mut().for_each(|b| *b %= hot);
     }
     let seq_lens = vec![sh.context as i32; sh.batch];

@@ -35,7 +35,8 @@ use std::path::PathBuf;
     after_long_help = "Environment variables (experiments): ATTN_BENCH_DECODE_SHAPES=64x4096,8x32768,64x4096x80,64x4096x128x2 (planned decode rows, bf16 and FP8 caches, \
 of those batch x context [x head size [x kv heads of 32 query heads]] only), ATTN_BENCH_DECODE_LAYOUT=hnd|fi_nhd|fi_hnd (another decode cache layout), ATTN_BENCH_DECODE_HOT=N \
 (every block-table entry within the first N blocks), ATTN_BENCH_DECODE_SPLITS=N (N splits a request), \
-ATTN_BENCH_DECODE_CACHES=N (the timed decode calls take N caches in turn, as consecutive layers do), \
+ATTN_BENCH_DECODE_CACHES=N (the timed decode calls take N caches in turn, as consecutive layers do; by default at least 2 and \
+twice the L2 cache together), \
 ATTN_BENCH_PREFILL_SHAPES=8x2048x32x32x64,8x512x32x8x128x8192 (batch x new tokens x q heads x kv heads x head size [x cached \
 tokens], bf16 and FP8 caches), ATTN_BENCH_MLA_SHAPES=16x64x4096 (planned bf16 MLA rows of heads x batch x context)."
 )]
