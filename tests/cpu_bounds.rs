@@ -110,7 +110,7 @@ fn start_locations_are_compared_without_wrapping() {
     // The infallible planners take such batches without panicking: decreasing start locations
     // are empty requests.
     let batch = DecodeBatch { seq_lens: &[10, -7], query_start_loc: &[0, 3, i32::MIN] };
-    let plan = plan_decode_tc(&batch, 4, 4, TcShape { block_m: 0, block_n: 0, ctas_per_item: u32::MAX }, 64, 8, SplitMode::Auto, 0);
+    let plan = plan_decode_tc(&batch, 4, 4, TcShape { block_m: 0, block_n: 0, ctas_per_item: u32::MAX }, 64, 8, None, SplitMode::Auto, 0);
     assert_eq!((plan.req_num_splits.as_slice(), plan.token_request.as_slice()), (&[1u32, 1][..], &[0u32, 0, 0][..]));
     assert!(plan.items.chunks(2).all(|it| it[0] == 0), "the empty request has no work");
     let plan = plan_prefill(&PrefillBatch { query_start_loc: &[0, 3, -4], seq_lens: &[3, 9], key_start_loc: None }, 0, true, None, 0);
@@ -132,11 +132,11 @@ fn empty_requests_pass_decode_validation() {
     let batch = DecodeBatch { seq_lens: &[7, 0, 3], query_start_loc: &[0, 1, 1, 1] };
     validate_batch(&batch, 1, 16, 1).unwrap();
     let shape = TcShape::attention(64, 64, true, false, 2);
-    let plan = plan_decode_tc(&batch, 4, 2, shape, 64, 0, SplitMode::Auto, 1024);
+    let plan = plan_decode_tc(&batch, 4, 2, shape, 64, 0, None, SplitMode::Auto, 1024);
     assert_eq!((plan.req_num_splits.len(), plan.token_request.as_slice()), (3, &[0u32][..]));
     let all_empty = DecodeBatch { seq_lens: &[7, 9], query_start_loc: &[0, 0, 0] };
     validate_batch(&all_empty, 0, 16, 1).unwrap();
-    let plan = plan_decode_tc(&all_empty, 4, 2, shape, 64, 0, SplitMode::Auto, 1024);
+    let plan = plan_decode_tc(&all_empty, 4, 2, shape, 64, 0, None, SplitMode::Auto, 1024);
     assert!(plan.row_groups >= 1 && plan.partial_rows == 0 && plan.token_request.is_empty(), "{plan:?}");
     let bad = DecodeBatch { seq_lens: &[7], query_start_loc: &[0, 9] };
     assert_eq!(arg_of(validate_batch(&bad, 9, 16, 1)), "query_start_loc");
@@ -151,7 +151,7 @@ fn split_plans_count_partial_rows_without_wrapping() {
     // Row tiles of 2^16 rows: 64 for the request, so the work items stay small.
     let shape = TcShape { block_m: 1 << 16, block_n: 16, ctas_per_item: 1 };
     for capacity in [usize::MAX, 1 << 33, 1 << 31, 5 << 22] {
-        let plan = plan_decode_tc(&batch, 1, 1, shape, 64, 0, SplitMode::Fixed(1024), capacity);
+        let plan = plan_decode_tc(&batch, 1, 1, shape, 64, 0, None, SplitMode::Fixed(1024), capacity);
         let splits = plan.req_num_splits[0] as usize;
         let want = if splits > 1 { splits * q as usize } else { 0 };
         assert_eq!(plan.partial_rows, want, "capacity {capacity}: {} splits", splits);

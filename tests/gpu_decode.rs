@@ -157,7 +157,7 @@ fn decode_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let plan = if c.planned {
         let mut bp = BatchPlan::new(&stream)?;
         let (qt, ct) = (Q::DTYPE, C::DTYPE);
-        let plan = bp.plan_decode(device(), &meta, qt, ct, d, hq, c.kv_heads, c.split, &ws)?.clone();
+        let plan = bp.plan_decode(device(), &meta, qt, ct, c.layout, d, hq, c.kv_heads, c.split, &ws)?.clone();
         let (mut scratch_out, mut scratch_lse) = (out_d.clone(), lse_d.clone());
         // Two layers on one plan: the second output is the one checked.
         for (out, lse) in [(&mut scratch_out, &mut scratch_lse), (&mut out_d, &mut lse_d)] {
@@ -271,7 +271,7 @@ fn after_cache_write_case(q_len: i32, salt: u64) -> TestResult {
         let mut status = DeviceStatus::new(&stream)?;
         // Planned first, so that nothing is copied between the two kernels.
         let mut bp = BatchPlan::new(&stream)?;
-        bp.plan_decode(device(), &meta, bf16::DTYPE, bf16::DTYPE, d, hq, hkv, SplitMode::Auto, &ws)?;
+        bp.plan_decode(device(), &meta, bf16::DTYPE, bf16::DTYPE, spec.layout, d, hq, hkv, SplitMode::Auto, &ws)?;
         let write = KvWrite {
             key: DevIn::new(&k_d, &stream),
             key_rows: kv_rows,

@@ -140,10 +140,10 @@ fn plan_bound_to_layer() -> TestResult {
     let opts = AttnOptions::new(D);
     let batch = BatchMetadata::new(st, &[50], &[0, 1])?;
     let mut bp = BatchPlan::new(st)?;
-    bp.plan_decode(device(), &batch, DType::BF16, DType::BF16, D, 8, 8, SplitMode::Fixed(4), &ws)?;
+    bp.plan_decode(device(), &batch, DType::BF16, DType::BF16, s.spec.layout, D, 8, 8, SplitMode::Fixed(4), &ws)?;
     let r = paged_decode_planned(device(), st, s.args(64, s.bf16(), &mut out), &batch, &opts, &bp, &mut ws, &mut status);
     refused(r, "plan", "num_q_heads: 8")?;
-    bp.plan_decode(device(), &batch, DType::BF16, DType::BF16, D, 64, 8, SplitMode::Fixed(4), &ws)?;
+    bp.plan_decode(device(), &batch, DType::BF16, DType::BF16, s.spec.layout, D, 64, 8, SplitMode::Fixed(4), &ws)?;
     let fp8 = DevIn::new(&s.fp8_cache, st);
     let r = paged_decode_planned(device(), st, s.args(64, fp8, &mut out), &batch, &opts, &bp, &mut ws, &mut status);
     refused(r, "plan", "was made for kernel")?;
@@ -187,9 +187,9 @@ fn one_stream_per_workspace() -> TestResult {
     let r = paged_decode(device(), &other, s.args(32, s.bf16(), &mut out), &batch_here, &opts, SplitMode::Auto, &mut ws_there, &mut status);
     refused(r, "batch", "belongs to stream")?;
     let mut bp = BatchPlan::new(st)?;
-    let r = bp.plan_decode(device(), &batch_there, DType::BF16, DType::BF16, D, 32, 8, SplitMode::Auto, &ws_there).map(drop);
+    let r = bp.plan_decode(device(), &batch_there, DType::BF16, DType::BF16, s.spec.layout, D, 32, 8, SplitMode::Auto, &ws_there).map(drop);
     refused(r, "batch", "belongs to stream")?;
-    bp.plan_decode(device(), &batch_here, DType::BF16, DType::BF16, D, 32, 8, SplitMode::Auto, &ws_here)?;
+    bp.plan_decode(device(), &batch_here, DType::BF16, DType::BF16, s.spec.layout, D, 32, 8, SplitMode::Auto, &ws_here)?;
     let r = paged_decode_planned(device(), &other, s.args(32, s.bf16(), &mut out), &batch_here, &opts, &bp, &mut ws_here, &mut status);
     refused(r, "plan", "belongs to stream")?;
     // Prefill's workspace too.

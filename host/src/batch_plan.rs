@@ -28,6 +28,7 @@ use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
 use crate::kernels::head_width;
+use crate::layout::KvLayout;
 use crate::mla::{mla_attention_from, mla_cluster, mla_tc_kernel, MlaArgs};
 use crate::options::{AttnOptions, PlanOptions};
 use crate::status::DeviceStatus;
@@ -94,7 +95,9 @@ impl BatchPlan {
     }
 
     /// Plans a batch of paged decodes for [`paged_decode_planned`] (the tensor-core kernels),
-    /// and uploads it on the stream. Returns the plan (for logging).
+    /// and uploads it on the stream. Returns the plan (for logging). `layout`: the cache's, which
+    /// the split depends on (16-bit NHD caches whose head rows are not whole 128-byte lines take
+    /// shorter splits); a call over a cache of another layout runs the plan as it is.
     ///
     /// Errors: `InvalidArgument` for a batch, dtypes, head size or head counts the decode
     /// kernels do not take, a plan that does not fit `ws`, or a batch or workspace of another
@@ -106,6 +109,7 @@ impl BatchPlan {
         batch: &BatchMetadata,
         q_dtype: DType,
         cache_dtype: DType,
+        layout: KvLayout,
         head_size: usize,
         num_q_heads: usize,
         num_kv_heads: usize,
@@ -124,6 +128,7 @@ impl BatchPlan {
             dev,
             q_dtype,
             cache_dtype,
+            layout,
             head_size,
             num_q_heads,
             num_kv_heads,

@@ -137,7 +137,19 @@ fn mla_tc_kernel_of(dev: &AttnDevice, id: KernelId, s: mla::MlaShape, fp8: bool,
     let target = waves * dev.sm_count() as u64 * resident as u64;
     // No even-waves splitting: the MLA plans were measured without it.
     let layer = LayerShape { num_q_heads: hq, num_kv_heads: 1, head_size: MLA_V as usize };
-    Ok(TcKernel { kernel: DecodeKernel::Mla, id, layer, smem, shape, threads, group: hq as u32, target, slots: 0, fused_merge: false })
+    Ok(TcKernel {
+        kernel: DecodeKernel::Mla,
+        id,
+        layer,
+        smem,
+        shape,
+        threads,
+        group: hq as u32,
+        target,
+        slots: 0,
+        fused_merge: false,
+        max_chunk: None,
+    })
 }
 
 /// Whether MLA over an FP8 cache on `device` rounds the queries and the softmax weights to e4m3

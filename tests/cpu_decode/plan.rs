@@ -123,7 +123,7 @@ fn plan_decode_tc_random_batches() {
         let mode = if rng.random_bool(0.7) { SplitMode::Auto } else { SplitMode::Fixed(rng.random_range(1..=64)) };
         let capacity = pick(&mut rng, &[0usize, 1, 17, 500, 5000, 100_000, usize::MAX]);
         let batch = DecodeBatch { seq_lens: &seq_lens, query_start_loc: &qsl };
-        let plan = plan_decode_tc(&batch, hq, group, shape, target, 0, mode, capacity);
+        let plan = plan_decode_tc(&batch, hq, group, shape, target, 0, None, mode, capacity);
         check_plan(&plan, &seq_lens, &qsl, hq, group, shape, target, mode, capacity);
         if capacity == 0 {
             assert!(plan.req_num_splits.iter().all(|&s| s == 1) && !plan.needs_merge());
@@ -139,7 +139,7 @@ fn plan_decode_tc_small_workspace_forces_bigger_chunks() {
     let qsl = [0, 1, 2, 3, 4];
     let batch = DecodeBatch { seq_lens: &seq_lens, query_start_loc: &qsl };
     let shape = keys_shape(1);
-    let plan = |cap| plan_decode_tc(&batch, 8, 8, shape, 1 << 30, 0, SplitMode::Auto, cap);
+    let plan = |cap| plan_decode_tc(&batch, 8, 8, shape, 1 << 30, 0, None, SplitMode::Auto, cap);
     for (cap, chunk, splits) in [(usize::MAX, 256, 40), (1280, 256, 40), (1279, 512, 20), (320, 1024, 10), (319, 2048, 5), (0, 16384, 1)] {
         let p = plan(cap);
         assert_eq!((p.chunk, p.req_num_splits[0]), (chunk, splits), "capacity {cap}");
@@ -151,7 +151,7 @@ fn plan_decode_tc_small_workspace_forces_bigger_chunks() {
     let qsl = [0, 2, 3, 11, 12];
     let batch = DecodeBatch { seq_lens: &seq_lens, query_start_loc: &qsl };
     let shape = keys_shape(2);
-    let p = plan_decode_tc(&batch, 4, 2, shape, 1 << 30, 0, SplitMode::Auto, 4000);
+    let p = plan_decode_tc(&batch, 4, 2, shape, 1 << 30, 0, None, SplitMode::Auto, 4000);
     check_plan(&p, &seq_lens, &qsl, 4, 2, shape, 1 << 30, SplitMode::Auto, 4000);
     assert_eq!(p.req_num_splits, [40, 1, 40, 1]);
     assert_eq!(p.req_partial_base, [0, 320, 320, 1600]);
@@ -168,7 +168,7 @@ fn plan_decode_tc_empty_requests_and_fixed_modes() {
     let batch = DecodeBatch { seq_lens: &seq_lens, query_start_loc: &qsl };
     let shape = keys_shape(1);
     for mode in [SplitMode::Auto, SplitMode::Fixed(1), SplitMode::Fixed(4), SplitMode::Fixed(0)] {
-        let p = plan_decode_tc(&batch, 2, 2, shape, 1 << 20, 0, mode, usize::MAX);
+        let p = plan_decode_tc(&batch, 2, 2, shape, 1 << 20, 0, None, mode, usize::MAX);
         check_plan(&p, &seq_lens, &qsl, 2, 2, shape, 1 << 20, mode, usize::MAX);
         assert_eq!((p.req_num_splits[0], p.req_num_splits[1], p.req_num_splits[3]), (1, 1, 1), "{mode:?}");
         match mode {
@@ -182,12 +182,12 @@ fn plan_decode_tc_empty_requests_and_fixed_modes() {
     }
     // Fixed(1) is the same plan whatever else is in the batch (deterministic mode).
     let single = DecodeBatch { seq_lens: &[5000], query_start_loc: &[0, 1] };
-    let alone = plan_decode_tc(&single, 2, 2, shape, 64, 0, SplitMode::Fixed(1), 0);
-    let with_others = plan_decode_tc(&batch, 2, 2, shape, 64, 0, SplitMode::Fixed(1), 0);
+    let alone = plan_decode_tc(&single, 2, 2, shape, 64, 0, None, SplitMode::Fixed(1), 0);
+    let with_others = plan_decode_tc(&batch, 2, 2, shape, 64, 0, None, SplitMode::Fixed(1), 0);
     assert_eq!((alone.chunk, alone.req_num_splits[0]), (with_others.chunk, with_others.req_num_splits[2]));
     // A batch of only empty requests.
     let empty = DecodeBatch { seq_lens: &[0, 0], query_start_loc: &[0, 1, 2] };
-    let p = plan_decode_tc(&empty, 4, 1, keys_shape(4), 1, 0, SplitMode::Auto, 0);
+    let p = plan_decode_tc(&empty, 4, 1, keys_shape(4), 1, 0, None, SplitMode::Auto, 0);
     assert_eq!((p.items.as_slice(), p.req_num_splits.as_slice()), (&[0u32, 0, 1, 0][..], &[1u32, 1][..]));
 }
 
@@ -200,7 +200,7 @@ fn plan_decode_tc_caps_splits_per_request() {
     let batch = DecodeBatch { seq_lens: &seq_lens, query_start_loc: &qsl };
     let mode = SplitMode::Fixed(200_000);
     let shape = TcShape { block_m: 16, block_n: 16, ctas_per_item: 1 };
-    let p = plan_decode_tc(&batch, 1, 1, shape, 1, 0, mode, usize::MAX);
+    let p = plan_decode_tc(&batch, 1, 1, shape, 1, 0, None, mode, usize::MAX);
     check_plan(&p, &seq_lens, &qsl, 1, 1, shape, 1, mode, usize::MAX);
     assert_eq!((p.chunk, p.req_num_splits.as_slice()), (32, &[62_500u32, 1][..]));
 }
@@ -235,4 +235,35 @@ fn validate_batch_refusals() {
     v(&[32], &[0, 1], 1, 2).unwrap();
     v(&[0], &[0, 1], 1, 0).unwrap();
     v(&[], &[0], 0, 0).unwrap();
+}
+
+/// The chunk cap (`TcKernel::max_chunk`, 16-bit NHD rows that are not whole 128-byte lines):
+/// splits of at most `cap` keys under `Auto`, but never more than four splits of the longest
+/// request (what `TcKernel::max_items` allows for) and never under 256 keys; fixed modes ignore it.
+#[test]
+fn plan_decode_tc_caps_the_chunk() {
+    let shape = keys_shape(8);
+    let plan = |lens: &[i32], cap: Option<u32>, mode: SplitMode| {
+        let qsl: Vec<i32> = (0..=lens.len() as i32).collect();
+        let batch = DecodeBatch { seq_lens: lens, query_start_loc: &qsl };
+        let p = plan_decode_tc(&batch, 32, 4, shape, 528, 0, cap, mode, 1 << 20);
+        if cap.is_none() {
+            check_plan(&p, lens, &qsl, 32, 4, shape, 528, mode, 1 << 20);
+        }
+        p
+    };
+    // 64 x 4096 fills the 528 CTAs with one split each; the cap makes four of 1024.
+    let batch = vec![4096; 64];
+    assert_eq!(plan(&batch, None, SplitMode::Auto).chunk, 4096);
+    let p = plan(&batch, Some(1024), SplitMode::Auto);
+    assert_eq!((p.chunk, p.req_num_splits[0]), (1024, 4));
+    // 8 x 32768 is split in eight already: the cap would need 32, so the plan stays.
+    let long = vec![32768; 8];
+    assert_eq!(plan(&long, Some(1024), SplitMode::Auto), plan(&long, None, SplitMode::Auto));
+    // 64 x 2048: two splits of 1024; 64 x 600: one split (under the cap already).
+    assert_eq!(plan(&vec![2048; 64], Some(1024), SplitMode::Auto).req_num_splits[0], 2);
+    assert_eq!(plan(&vec![600; 64], Some(1024), SplitMode::Auto).req_num_splits[0], 1);
+    // A cap under a quarter of the longest request gives four splits; fixed modes take no cap.
+    assert_eq!(plan(&batch, Some(1), SplitMode::Auto).chunk, 1024);
+    assert_eq!(plan(&batch, Some(1024), SplitMode::Fixed(1)).req_num_splits[0], 1);
 }

@@ -137,7 +137,7 @@ fn uniform_splits_are_derived_from_the_cta_index() {
         let mut qsl = vec![0];
         q_lens.iter().for_each(|q| qsl.push(qsl.last().unwrap() + q));
         let batch = DecodeBatch { seq_lens: lens, query_start_loc: &qsl };
-        (plan_decode_tc(&batch, 32, 4, shape, 264, 264, mode, 1 << 20), qsl)
+        (plan_decode_tc(&batch, 32, 4, shape, 264, 264, None, mode, 1 << 20), qsl)
     };
     // Equal requests in equal splits: CTA i is split i % 4 of request i / 4, and request r's
     // partial rows start at 4 x num_q_heads x query_start_loc[r] (what the kernel computes).
@@ -168,7 +168,7 @@ fn merge_counters_are_distinct_and_fit_the_workspace() {
         let mode = if rng.random_bool(0.5) { SplitMode::Auto } else { SplitMode::Fixed(rng.random_range(1..300)) };
         let capacity = rng.random_range(1..200_000usize);
         let shape = TcShape { block_m: attn_math::keys_rows::WIDE_ROWS, ..TcShape::attention(128, 128, true, false, kv_heads) };
-        let plan = plan_decode_tc(&batch, hq, group, shape, 264, 264, mode, capacity);
+        let plan = plan_decode_tc(&batch, hq, group, shape, 264, 264, None, mode, capacity);
         assert!(plan.items.chunks(2).all(|it| it[1] >> 16 == 0), "one row tile per request");
         let mut seen = std::collections::HashSet::new();
         for (r, &splits) in plan.req_num_splits.iter().enumerate().filter(|(_, &s)| s > 1) {

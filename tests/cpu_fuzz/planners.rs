@@ -22,6 +22,7 @@ struct DecodeCase {
     shape: TcShape,
     group: u32,
     slots: u64,
+    max_chunk: Option<u32>,
     groups: u32,
 }
 
@@ -82,6 +83,7 @@ fn decode_validators_and_planners() {
                 shape,
                 group,
                 slots: [0, 1, 264, u64::MAX][rng.random_range(0..4)],
+                max_chunk: [None, Some(0), Some(1), Some(1024), Some(u32::MAX)][rng.random_range(0..5)],
                 groups: wild_u32(rng),
             }
         },
@@ -108,7 +110,7 @@ fn decode_validators_and_planners() {
             let lens_small = c.seq_lens.iter().all(|&l| l <= 1 << 16);
             let forced_small = !matches!(c.mode, SplitMode::Fixed(k) if k > 64);
             if tokens.is_some_and(|t| t <= 64) && lens_small && forced_small && hq <= 1 << 12 {
-                let p = plan_decode_tc(&batch, hq, c.group, c.shape, c.target, c.slots, c.mode, c.capacity);
+                let p = plan_decode_tc(&batch, hq, c.group, c.shape, c.target, c.slots, c.max_chunk, c.mode, c.capacity);
                 let q: Vec<u64> = q_lens.clone();
                 check_plan(&p, &q, hq, c.capacity, (c.group, c.shape.block_m))?;
             }

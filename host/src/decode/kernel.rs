@@ -2,6 +2,8 @@
 //! batch's query and key lengths, with the CTA target of its split plans from the device's
 //! occupancy and the [`Tuning`].
 
+use super::split::{plan_decode_tc, DecodePlan};
+use crate::batch::DecodeBatch;
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::Result;
@@ -103,6 +105,29 @@ pub(crate) fn head_cluster(layout: KvLayout, head_size: usize, elem_bytes: usize
     }
 }
 
+/// Keys a split of a decode over this cache holds at most (`None`: as many as the plan gives
+/// it). In an NHD cache a token's kv heads lie side by side, and a CTA reads only its own head's
+/// row of each; where the rows are not whole 128-byte lines, the lines at their edges are shared
+/// with the neighbouring heads' rows, fetched whole (`.L2::128B`), and read again by the
+/// neighbours' CTAs, which find them in L2 only while they run in step. CTAs of 4096 keys drift
+/// apart: one launch of bf16 d56 NHD at 64 x 4096 read 1.27-1.48x the cache's bytes from DRAM
+/// (clusters of 1, 2 or 8), and 1.00-1.02x with splits of 1024 or 256 keys; HND and 128-byte
+/// rows read 1.00x (docs/decode.md, "Splits of 1024 keys"). Shorter splits cost their merge and
+/// CTA starts, so the cap is taken where it measured faster (an H100 and an H200): 16-bit rows
+/// whose last, partial 128-byte line holds 80 bytes or more of the row (head sizes 40, 48, 56,
+/// 104, 112, 120; H100 1.07-1.27x, H200 1.03-1.14x, but 48 and 40 lose 2-3% there while gaining
+/// 17-18% on the H100), over more than two kv heads (two, in a cluster of 2, read whole token
+/// rows together: GQA 16 d56 lost 6%). Rows of 144 to 192 bytes lost up to 9% on the H200, 64
+/// bytes 10%, and FP8 rows lose (their kernels are bound by their instructions).
+pub(crate) fn split_key_cap(layout: KvLayout, head_size: usize, elem_bytes: usize, num_kv_heads: usize) -> Option<u32> {
+    let row_bytes = head_size.saturating_mul(elem_bytes);
+    let capped = !layout.heads_before_tokens() && elem_bytes == 2 && head_size <= 128 && row_bytes % 128 >= 80 && num_kv_heads > 2;
+    capped.then_some(NHD_SHARED_LINES_MAX_CHUNK)
+}
+
+/// The keys of a split under [`split_key_cap`].
+pub(crate) const NHD_SHARED_LINES_MAX_CHUNK: u32 = 1024;
+
 /// A tensor-core kernel for a kind of batch, and the CTA count its split plans aim at.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct TcKernel {
@@ -124,6 +149,9 @@ pub(crate) struct TcKernel {
     /// The kernel merges its splits itself (`decode_kr_*`: the last CTA of a work item, through
     /// the workspace's counters): no merge kernel, and a plan of uniform splits stays on the host.
     pub fused_merge: bool,
+    /// Keys a split holds at most under `SplitMode::Auto` ([`split_key_cap`]), within
+    /// `EVEN_WAVES_MAX_SPLITS` splits a request.
+    pub max_chunk: Option<u32>,
 }
 
 #[cfg(test)]
@@ -142,11 +170,18 @@ impl TcKernel {
             target: 264,
             slots: 0,
             fused_merge,
+            max_chunk: None,
         }
     }
 }
 
 impl TcKernel {
+    /// This kernel's split plan of `batch` for `num_q_heads` query heads ([`plan_decode_tc`]
+    /// with the kernel's shape, CTA target, slots and chunk cap).
+    pub(crate) fn plan(&self, batch: &DecodeBatch<'_>, num_q_heads: usize, mode: SplitMode, partial_capacity: usize) -> DecodePlan {
+        plan_decode_tc(batch, num_q_heads, self.group, self.shape, self.target, self.slots, self.max_chunk, mode, partial_capacity)
+    }
+
     /// The most work items a plan of `num_reqs` requests of `q_len` query tokens can have
     /// (`plan_decode_tc`: at most `target` CTAs unless one split per request is already more,
     /// and then up to `EVEN_WAVES_MAX_SPLITS` splits each;
@@ -202,12 +237,13 @@ pub(crate) fn max_len(seq_lens: &[i32]) -> u32 {
 }
 
 /// The tensor-core decode kernel for `max_q` query tokens per request (`max_len` keys in the
-/// longest) over a cache of type `cache`, and its CTA target under `tuning`.
+/// longest) over a cache of type `cache` in `layout`, and its CTA target under `tuning`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn decode_tc_kernel(
     dev: &AttnDevice,
     q_dtype: DType,
     cache: DType,
+    layout: KvLayout,
     d: usize,
     hq: usize,
     num_kv_heads: usize,
@@ -243,7 +279,8 @@ pub(crate) fn decode_tc_kernel(
     };
     let layer = LayerShape { num_q_heads: hq, num_kv_heads, head_size: d };
     let fused_merge = keys_rows;
-    Ok(TcKernel { kernel, id, layer, smem, shape, threads: attn_math::prefill::THREADS, group, target, slots, fused_merge })
+    let max_chunk = split_key_cap(layout, d, cache.size_bytes(), num_kv_heads);
+    Ok(TcKernel { kernel, id, layer, smem, shape, threads: attn_math::prefill::THREADS, group, target, slots, fused_merge, max_chunk })
 }
 
 /// The tensor-core decode kernel for `group` query heads per kv head at width `d`, `max_q`
@@ -342,6 +379,23 @@ mod tests {
             for hnd in [FlashHnd, FlashInferHnd] {
                 assert_eq!(head_cluster(hnd, d, e, 8, true), 1);
             }
+        }
+    }
+
+    /// Splits of at most 1024 keys only for 16-bit NHD rows whose last partial 128-byte line
+    /// holds 80 bytes or more of the row, up to head size 128, over more than two kv heads.
+    #[test]
+    fn split_key_cap_rule() {
+        use KvLayout::*;
+        for d in [40, 48, 56, 104, 112, 120] {
+            assert_eq!(split_key_cap(FlashNhd, d, 2, 8), Some(1024), "d{d}");
+            assert_eq!(split_key_cap(FlashInferNhd, d, 2, 4), Some(1024), "d{d}");
+            assert_eq!(split_key_cap(FlashNhd, d, 2, 2), None, "d{d} with 2 kv heads");
+            assert_eq!(split_key_cap(FlashHnd, d, 2, 8), None, "d{d}");
+            assert_eq!(split_key_cap(FlashNhd, d, 1, 8), None, "FP8 d{d}");
+        }
+        for d in [32, 64, 72, 80, 88, 96, 128, 136, 168, 256] {
+            assert_eq!(split_key_cap(FlashNhd, d, 2, 8), None, "d{d}");
         }
     }
 

@@ -100,7 +100,7 @@ pub(crate) fn paged_decode_from(
     if num_reqs == 0 || nt == 0 {
         return Ok(DecodePlan::default());
     }
-    let tc = call_kernel(dev, a.q.dtype, a.cache.dtype, d, hq, a.spec.num_kv_heads, batch, source)?;
+    let tc = call_kernel(dev, a.q.dtype, a.cache.dtype, a.spec.layout, d, hq, a.spec.num_kv_heads, batch, source)?;
     let lp = plan_launch(tc, batch, source, ws.partial_rows(), |_, _| 0)?;
     run(dev, stream, &a, (&meta, num_reqs), opts, causal, &lp, &checked, ws, status)?;
     Ok(lp.plan)

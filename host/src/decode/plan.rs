@@ -4,12 +4,13 @@
 //! the device but the occupancy queries of the kernel's choice.
 
 use super::kernel::{decode_tc_kernel, max_len, LayerShape, TcKernel};
-use super::split::{plan_decode_tc, DecodePlan};
+use super::split::DecodePlan;
 use crate::batch::DecodeBatch;
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, Result};
 use crate::kernels::KernelId;
+use crate::layout::KvLayout;
 use crate::options::{PlanOptions, Tuning};
 
 /// A split plan already on the device (a CUDA-graph step's, [`crate::forward`]): its arrays,
@@ -135,10 +136,7 @@ pub(crate) fn plan_launch<'p>(
         PlanSource::Host(options) => {
             let tc = &kernel;
             let hq = tc.layer.num_q_heads;
-            let mut plan = DecodePlan {
-                kernel: tc.kernel,
-                ..plan_decode_tc(batch, hq, tc.group, tc.shape, tc.target, tc.slots, options.split, partial_capacity)
-            };
+            let mut plan = DecodePlan { kernel: tc.kernel, ..tc.plan(batch, hq, options.split, partial_capacity) };
             plan.cluster = cluster(&plan, &options.tuning);
             let arrays = if !plan.needs_device_plan() {
                 PlanArrays::Derived
@@ -174,7 +172,7 @@ pub(crate) fn max_query_len(batch: &DecodeBatch<'_>) -> u32 {
 }
 
 /// The tensor-core kernel a call on `batch` runs for a layer of `hq` query heads over
-/// `num_kv_heads` kv heads of head size `d`. With a device plan, the kernel variant that
+/// `num_kv_heads` kv heads of head size `d` in a cache of `layout`. With a device plan, the kernel variant that
 /// depends on the lengths (FP8's deep pipeline) is the plan's (a graph's runs whatever lengths
 /// its steps have), and the tuning, which changes only the CTA target and the even waves, is
 /// not the plan's own and not used.
@@ -183,6 +181,7 @@ pub(crate) fn call_kernel(
     dev: &AttnDevice,
     q_dtype: DType,
     cache: DType,
+    layout: KvLayout,
     d: usize,
     hq: usize,
     num_kv_heads: usize,
@@ -204,7 +203,7 @@ pub(crate) fn call_kernel(
         PlanSource::Host(p) => p.tuning,
         PlanSource::Device(_) => Tuning::DEFAULT,
     };
-    decode_tc_kernel(dev, q_dtype, cache, d, hq, num_kv_heads, max_q, planned_len, &tuning)
+    decode_tc_kernel(dev, q_dtype, cache, layout, d, hq, num_kv_heads, max_q, planned_len, &tuning)
 }
 
 #[cfg(test)]

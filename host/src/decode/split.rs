@@ -4,7 +4,7 @@
 use super::kernel::{DecodeKernel, TcShape};
 use crate::batch::DecodeBatch;
 use crate::options::SplitMode;
-use attn_math::split::{even_waves_chunk, num_splits, plan_chunk};
+use attn_math::split::{even_waves_chunk, num_splits, plan_chunk, EVEN_WAVES_MAX_SPLITS};
 
 /// Splits shorter than this cost more in merging than they gain.
 pub(crate) const MIN_CHUNK: u32 = 256;
@@ -115,11 +115,24 @@ fn plan_splits(lens: &[u32], q_lens: &[u32], num_q_heads: usize, chunk: u32, par
     plan
 }
 
+/// A chunk of whole `tile`s of at most `cap` keys, or the chunk that splits the longest of
+/// `lens` in `EVEN_WAVES_MAX_SPLITS` if that is longer, never under `MIN_CHUNK`.
+fn capped_chunk(lens: &[u32], cap: u32, tile: u32) -> u32 {
+    let tile = tile.max(1);
+    let max_len = lens.iter().copied().max().unwrap_or(0);
+    let fewest = max_len.div_ceil(tile).div_ceil(EVEN_WAVES_MAX_SPLITS).saturating_mul(tile);
+    let cap = (cap / tile).max(1).saturating_mul(tile);
+    cap.max(fewest).max(MIN_CHUNK)
+}
+
 /// Plans a batch for the tensor-core kernels: a chunk of whole key tiles, and work items
 /// `[request, row_tile << 16 | split]` (flattened in `items`). `group`: query heads per kv head.
 /// `slots`: the CTAs the GPU holds at once, for splitting batches of equal requests into even
 /// waves (`attn_math::split::even_waves_chunk`); 0 leaves that out (the
-/// decode kernels' when `Tuning::decode_even_waves` is off).
+/// decode kernels' when `Tuning::decode_even_waves` is off). `max_chunk`: the keys a split
+/// holds at most under `SplitMode::Auto` (`decode::kernel::split_key_cap`), taken only up to
+/// `EVEN_WAVES_MAX_SPLITS` splits of the longest request, so that a plan never has more work
+/// items than `TcKernel::max_items` allows for.
 ///
 /// Never panics: it takes the batch as given (decreasing start locations count as empty
 /// requests, negative lengths as 0, a zero tile size as 1). Row tiles are encoded in 16 bits, so
@@ -133,6 +146,7 @@ pub fn plan_decode_tc(
     shape: TcShape,
     ctas_target: u64,
     slots: u64,
+    max_chunk: Option<u32>,
     mode: SplitMode,
     partial_capacity: usize,
 ) -> DecodePlan {
@@ -152,6 +166,10 @@ pub fn plan_decode_tc(
     let ctas_per_split = ctas_per_item.saturating_mul(row_tiles);
     let chunk = plan_chunk(&lens, ctas_per_split, ctas_target, bn, MIN_CHUNK, forced);
     let chunk = if forced.is_none() { even_waves_chunk(&lens, ctas_per_split, slots, bn, MIN_CHUNK, chunk) } else { chunk };
+    let chunk = match (forced, max_chunk) {
+        (None, Some(cap)) => chunk.min(capped_chunk(&lens, cap, bn)),
+        _ => chunk,
+    };
     let mut plan = plan_splits(&lens, &q_lens, num_q_heads, chunk, partial_capacity);
     plan.rows_per_cta = bm;
     plan.row_groups = row_tiles;

@@ -189,8 +189,8 @@ impl GpuExec {
             // A graph runs whatever lengths its steps have: the kernels of long requests (16-bit
             // at width 128: two CTAs an SM, `keys_rows::HALF_LONG_KEYS`; FP8: the deep pipeline
             // where the device's DRAM is slow for its SMs, `AttnDevice::fp8_deep_pipeline`).
-            CacheSpec::Paged(_) => {
-                decode_tc_kernel(&self.dev, m.q_dtype, m.cache_dtype, m.head_size, m.num_q_heads, m.num_kv_heads, q, u32::MAX, t)?
+            CacheSpec::Paged(s) => {
+                decode_tc_kernel(&self.dev, m.q_dtype, m.cache_dtype, s.layout, m.head_size, m.num_q_heads, m.num_kv_heads, q, u32::MAX, t)?
             }
             CacheSpec::Mla(_) => mla_tc_kernel(&self.dev, m.q_dtype, m.cache_dtype.fp8_format(), m.num_q_heads, q, t)?,
         };
@@ -259,7 +259,7 @@ impl GpuExec {
     pub(crate) fn step_planner(&self, config: &ForwardConfig, spec: &CacheSpec) -> Result<StepPlanner> {
         let m = &config.model;
         let kind = match spec {
-            CacheSpec::Paged(_) => PlanKind::Standard { head_size: m.head_size, num_kv_heads: m.num_kv_heads },
+            CacheSpec::Paged(s) => PlanKind::Standard { head_size: m.head_size, num_kv_heads: m.num_kv_heads, layout: s.layout },
             CacheSpec::Mla(_) => PlanKind::Mla,
         };
         let l = &config.limits;

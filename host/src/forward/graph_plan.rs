@@ -3,7 +3,7 @@
 //! one device buffer (what makes a step replayable: [`super::graph`]).
 
 use crate::batch::DecodeBatch;
-use crate::decode::{plan_decode_tc, DevicePlan, TcKernel};
+use crate::decode::{DevicePlan, TcKernel};
 use crate::error::{ensure, AttnError, Result};
 use crate::kernels::KernelId;
 use crate::metadata::{split_decodes, validate, BatchSplit, StagingLayout, StagingSizes, StepInput};
@@ -311,7 +311,7 @@ impl GraphPlanner {
         let nd = split.num_decodes.min(padded);
         let decodes = DecodeBatch { seq_lens: &self.seq_lens[..nd], query_start_loc: &self.query_start_loc[..=nd] };
         let tc = &self.tc;
-        let plan = plan_decode_tc(&decodes, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.mode, self.partial_capacity);
+        let plan = tc.plan(&decodes, self.num_q_heads, self.mode, self.partial_capacity);
         let items = plan.items.len() / 2;
         ensure(items <= self.capacity_items, "step", || {
             format!("its plan has {items} work items, the graph's grid {}: a planner bug", self.capacity_items)

@@ -10,10 +10,11 @@
 //! - the prefix's plan (cascade steps).
 
 use crate::batch::DecodeBatch;
-use crate::decode::{append_plan, decode_tc_kernel, max_len, plan_decode_tc, DevicePlan, PlanRegions, TcKernel};
+use crate::decode::{append_plan, decode_tc_kernel, max_len, DevicePlan, PlanRegions, TcKernel};
 use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::Result;
+use crate::layout::KvLayout;
 use crate::metadata::{upload, BatchSplit, CommonPrefix, StepInput};
 use crate::mla::mla_tc_kernel;
 use crate::options::PlanOptions;
@@ -24,7 +25,7 @@ use std::sync::Arc;
 /// Which decode kernels the model runs.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum PlanKind {
-    Standard { head_size: usize, num_kv_heads: usize },
+    Standard { head_size: usize, num_kv_heads: usize, layout: KvLayout },
     Mla,
 }
 
@@ -91,10 +92,11 @@ impl StepPlanner {
     fn kernel(&self, max_q: u32, lens: &[i32]) -> Result<TcKernel> {
         let tuning = &self.plan.tuning;
         match self.kind {
-            PlanKind::Standard { head_size, num_kv_heads } => decode_tc_kernel(
+            PlanKind::Standard { head_size, num_kv_heads, layout } => decode_tc_kernel(
                 &self.dev,
                 self.q_dtype,
                 self.cache_dtype,
+                layout,
                 head_size,
                 self.num_q_heads,
                 num_kv_heads,
@@ -127,8 +129,7 @@ impl StepPlanner {
             let lens = if cascade.is_some() { &suffix_lens[..nd] } else { &input.seq_lens[..nd] };
             let tc = self.kernel(max_q, lens)?;
             let batch = DecodeBatch { seq_lens: lens, query_start_loc: qsl };
-            let plan =
-                plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.plan.split, self.partial_capacity);
+            let plan = tc.plan(&batch, self.num_q_heads, self.plan.split, self.partial_capacity);
             decode = Some((append_plan(&mut words, &plan), tc, plan.items.len() / 2, plan.needs_merge(), max_q));
         }
         let mut prefix = None;
@@ -136,8 +137,7 @@ impl StepPlanner {
             let (lens, qsl) = ([p.tokens as i32], [0, nt as i32]);
             let tc = self.kernel(nt as u32, &lens)?;
             let batch = DecodeBatch { seq_lens: &lens, query_start_loc: &qsl };
-            let plan =
-                plan_decode_tc(&batch, self.num_q_heads, tc.group, tc.shape, tc.target, tc.slots, self.plan.split, self.partial_capacity);
+            let plan = tc.plan(&batch, self.num_q_heads, self.plan.split, self.partial_capacity);
             prefix = Some((append_plan(&mut words, &plan), tc, plan.items.len() / 2, plan.needs_merge(), nt as u32));
         }
         if self.staging.len() < words.len() {

@@ -90,7 +90,7 @@ fn decode_row<C: Element>(b: &Bench, sh: &DecodeShape, planned: bool, status: &m
     let mode = PlanOptions { split, tuning: b.tuning };
     if planned {
         let (qt, hd) = (attn_rs::DType::BF16, sh.head_size);
-        chunk = bp.plan_decode(dev(), &batch, qt, C::DTYPE, hd, sh.q_heads, sh.kv_heads, mode, &ws)?.chunk;
+        chunk = bp.plan_decode(dev(), &batch, qt, C::DTYPE, layout, hd, sh.q_heads, sh.kv_heads, mode, &ws)?.chunk;
     }
     let us = b.time(|| {
         let cache = &caches[turn % caches.len()];
