@@ -405,6 +405,8 @@ fn cases() -> Vec<(String, Case, &'static str)> {
             "f16_fp8",
         );
     }
+    // Width 64 over long requests: the four-CTA FP8 kernels at every length.
+    push("bf16_fp8::head_size_64_long".into(), Case { head_size: 64, ..Case::base(&[3000, 20_000, 1, 4097]) }, "bf16_fp8");
     for (hq, hkv) in [(8, 8), (16, 8), (32, 4), (32, 2), (32, 1), (64, 1), (128, 1), (12, 4)] {
         push(format!("bf16_bf16::gqa_{hq}q_{hkv}kv"), Case { q_heads: hq, kv_heads: hkv, ..Case::base(&[33, 2000]) }, "bf16_bf16");
     }

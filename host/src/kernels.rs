@@ -208,7 +208,7 @@ impl KernelId {
                     if !is_fp8 || keys_rows::FP8_ALL_FORMS_HEAD_SIZES.contains(&head_size) {
                         v.push(KernelId::DecodeKr { q, rows, long: false, wide: false, head_size });
                     }
-                    if is_fp8 && keys_rows::FP8_HEAD_SIZES.contains(&head_size) {
+                    if is_fp8 && keys_rows::FP8_DEEP_HEAD_SIZES.contains(&head_size) {
                         v.push(KernelId::DecodeKr { q, rows, long: true, wide: false, head_size });
                     }
                     if is_fp8 && keys_rows::FP8_ALL_FORMS_HEAD_SIZES.contains(&head_size) {
@@ -338,7 +338,10 @@ mod tests {
             (KernelId::MergeAttnStates { out: DType::F32 }, "merge_attn_states_f32"),
             (KernelId::DecodeTc { q: bf16, rows: fp8(e4m3, false), head_size: 256 }, "decode_tc_bf16_fp8_d256"),
             (KernelId::DecodeKr { q: f16, rows: half, long: false, wide: false, head_size: 256 }, "decode_kr_f16_d256"),
-            (KernelId::DecodeKr { q: bf16, rows: fp8(e4m3, false), long: true, wide: false, head_size: 64 }, "decode_kr_bf16_fp8_long_d64"),
+            (
+                KernelId::DecodeKr { q: bf16, rows: fp8(e4m3, false), long: true, wide: false, head_size: 128 },
+                "decode_kr_bf16_fp8_long_d128",
+            ),
             (KernelId::DecodeKr { q: bf16, rows: half, long: false, wide: true, head_size: 96 }, "decode_kr_bf16_r16_d96"),
             (
                 KernelId::DecodeKr { q: f16, rows: fp8(e4m3, false), long: true, wide: true, head_size: 64 },

@@ -257,7 +257,7 @@ mod tests {
             ("decode_kr_bf16_r16_d96", None),
             ("decode_kr_bf16_fp8_d64", Some((128, 4))),
             ("decode_kr_f16_e5m2_a8_d128", Some((128, 3))),
-            ("decode_kr_bf16_fp8_long_d64", None),
+            ("decode_kr_bf16_fp8_long_d128", None),
             ("decode_kr_bf16_d256", None),
             ("prefill_wgs_bf16_fp8_d128", Some((384, 1))),
             ("prefill_bf16_dk128_dv128", None),

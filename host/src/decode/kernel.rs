@@ -400,8 +400,8 @@ mod tests {
     }
 
     /// The decode kernel of each kind of batch: keys as rows up to 8 rows per kv head (FP8 at
-    /// head sizes 64, 128 and 256, the deep pipeline from `FP8_LONG_KEYS` keys and always at
-    /// 256) and up to 16
+    /// head sizes 64, 128 and 256, the deep pipeline at 128 from `FP8_LONG_KEYS` keys and always
+    /// at 256) and up to 16
     /// from 16-bit caches up to head size 128, else keys split across warps up to 16, the
     /// prefill kernel above.
     #[test]
@@ -415,7 +415,9 @@ mod tests {
         assert_eq!(name(false, 128, 4, 1, keys_rows::HALF_LONG_KEYS - 1), "decode_kr_bf16_d128");
         assert_eq!(name(false, 256, 8, 1, 100), "decode_kr_bf16_d256");
         assert_eq!(name(true, 128, 4, 2, long - 1), "decode_kr_bf16_fp8_d128");
-        assert_eq!(name(true, 64, 4, 2, long), "decode_kr_bf16_fp8_long_d64");
+        assert_eq!(name(true, 128, 4, 2, long), "decode_kr_bf16_fp8_long_d128");
+        // Width 64: the four-CTA kernels at every length.
+        assert_eq!(name(true, 64, 4, 2, long), "decode_kr_bf16_fp8_d64");
         // FP8 at width 256: the deep-pipeline kernel at any length up to 8 rows, the 16-row
         // score tiles above.
         assert_eq!(name(true, 256, 4, 1, 100), "decode_kr_bf16_fp8_long_d256");

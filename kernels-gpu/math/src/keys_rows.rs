@@ -132,9 +132,13 @@ pub const fn layout(d: u32, fp8: bool, ctas: u32, rows: u32) -> Layout {
 /// accumulators (96 registers a thread) leave room for neither three CTAs an SM nor two column
 /// groups, so GQA 16 at 256 takes the 16-row score tiles.
 pub const FP8_HEAD_SIZES: [u32; 3] = [64, 128, 256];
-/// The FP8 head sizes with all three keys-as-rows forms: short batches' (three or four CTAs an
-/// SM), the deep pipeline, and 16 rows a CTA (`_long_r16`).
+/// The FP8 head sizes with keys-as-rows kernels for 16 rows a CTA (`_long_r16`), and for up to
+/// 8 in the short batches' form (three or four CTAs an SM).
 pub const FP8_ALL_FORMS_HEAD_SIZES: [u32; 2] = [64, 128];
+/// The FP8 head sizes with a deep-pipeline kernel for up to 8 rows (`_long`: two CTAs an SM, six
+/// stages): 128 for long requests, 256 at every length. Width 64 has none: its four-CTA kernels
+/// read long requests as fast or faster ([`fp8_long`]).
+pub const FP8_DEEP_HEAD_SIZES: [u32; 2] = [128, 256];
 
 const fn listed(sizes: &[u32], d: u32) -> bool {
     let mut i = 0;
@@ -152,11 +156,14 @@ pub const fn fp8_keys_rows(d: u32, wide: bool) -> bool {
     listed(if wide { &FP8_ALL_FORMS_HEAD_SIZES } else { &FP8_HEAD_SIZES }, d)
 }
 
-/// Whether an FP8 batch at width `d` runs the deep-pipeline kernel: its longest request has
-/// `max_len` keys (from [`FP8_LONG_KEYS`]; 0 where the device runs the short batches' kernels at
-/// every length), it has 16 rows a CTA, or the width has no other form.
+/// Whether an FP8 batch at width `d` runs the deep-pipeline kernel: at width 128 when its
+/// longest request has `max_len` keys (from [`FP8_LONG_KEYS`]; 0 where the device runs the short
+/// batches' kernels at every length), with 16 rows a CTA, or where the width has no other form.
+/// Width 64 takes its four-CTA kernels at every length (H100, 64 x 4096: 1.05x at head size 64,
+/// 1.03-1.27x at 32 to 56, long requests within 1-4%; docs/decode.md, "FP8 at width 64 without
+/// the deep pipeline").
 pub const fn fp8_long(d: u32, max_len: u32, wide: bool) -> bool {
-    max_len >= FP8_LONG_KEYS || wide || !listed(&FP8_ALL_FORMS_HEAD_SIZES, d)
+    wide || !listed(&FP8_ALL_FORMS_HEAD_SIZES, d) || (max_len >= FP8_LONG_KEYS && listed(&FP8_DEEP_HEAD_SIZES, d))
 }
 
 #[cfg(test)]
@@ -196,6 +203,7 @@ mod tests {
         assert_eq!(stages(256, true, ctas_per_sm(256, true, true, MAX_ROWS)), 3);
         assert!(fp8_keys_rows(256, false) && !fp8_keys_rows(256, true) && !fp8_keys_rows(96, false));
         assert!(fp8_long(256, 0, false) && !fp8_long(128, FP8_LONG_KEYS - 1, false) && fp8_long(64, 0, true));
+        assert!(fp8_long(128, FP8_LONG_KEYS, false) && !fp8_long(64, u32::MAX, false));
         for d in FP8_ALL_FORMS_HEAD_SIZES {
             assert!(FP8_HEAD_SIZES.contains(&d) && fp8_keys_rows(d, true));
         }

@@ -111,11 +111,11 @@ prefill_local_kernels!(Bf16, "bf16": 64, 96, 128, 256);
 
 // Keys-as-rows decode (`crate::attention::keys_rows`), up to 8 rows per kv head:
 // `decode_kr_<q>[_long]_d<head_size>` (16-bit caches; `_long` at 128 only) and
-// `decode_kr_<q><fp8>[_long]_d<head_size>` (at 256 `_long` only); up to 16:
+// `decode_kr_<q><fp8>[_long]_d<head_size>` (`_long` at 128 and 256, at 256 only that); up to 16:
 // `decode_kr_<q>_r16_d<head_size>` (16-bit caches) and `decode_kr_<q><fp8>_long_r16_d<head_size>`
 // (FP8 at 64 and 128, every length; CTAs per SM: `attn_math::keys_rows::ctas_per_sm`).
 macro_rules! keys_rows_kernels {
-    ($q:ident, $qname:literal: $($d:literal),*; long: $($dl:literal),*; r16: $($d16:literal),*; fp8: $($d8:literal),*; fp8_long: $($d8l:literal),*) => {
+    ($q:ident, $qname:literal: $($d:literal),*; long: $($dl:literal),*; r16: $($d16:literal),*; fp8: $($d8:literal),*; fp8_long: $($d8l:literal),*; fp8_r16: $($d8w:literal),*) => {
         $(
             const _: () = {
                 #[unsafe(export_name = concat!("decode_kr_", $qname, "_d", $d))]
@@ -146,6 +146,9 @@ macro_rules! keys_rows_kernels {
         $(
             for_each_fp8_cache!(keys_rows_kernels!(fp8_long: $q, $qname, $d8l,));
         )*
+        $(
+            for_each_fp8_cache!(keys_rows_kernels!(fp8_r16: $q, $qname, $d8w,));
+        )*
     };
     (fp8_long: $q:ident, $qname:literal, $d8:literal, $cache:ident, $tag:literal) => {
         const _: () = {
@@ -162,12 +165,8 @@ macro_rules! keys_rows_kernels {
                 unsafe { crate::attention::keys_rows::decode_keys_rows_fp8::<$q, $cache, $d8, false, 1, 8>(&p) }
             }
         };
-        const _: () = {
-            #[unsafe(export_name = concat!("decode_kr_", $qname, $tag, "_long_d", $d8))]
-            unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
-                unsafe { crate::attention::keys_rows::decode_keys_rows_fp8::<$q, $cache, $d8, true, 1, 8>(&p) }
-            }
-        };
+    };
+    (fp8_r16: $q:ident, $qname:literal, $d8:literal, $cache:ident, $tag:literal) => {
         const _: () = {
             #[unsafe(export_name = concat!("decode_kr_", $qname, $tag, "_long_r16_d", $d8))]
             unsafe extern "ptx-kernel" fn kernel(p: AttnParams) {
@@ -177,8 +176,8 @@ macro_rules! keys_rows_kernels {
     };
 }
 
-keys_rows_kernels!(F16, "f16": 64, 96, 128, 256; long: 128; r16: 64, 96, 128; fp8: 64, 128; fp8_long: 256);
-keys_rows_kernels!(Bf16, "bf16": 64, 96, 128, 256; long: 128; r16: 64, 96, 128; fp8: 64, 128; fp8_long: 256);
+keys_rows_kernels!(F16, "f16": 64, 96, 128, 256; long: 128; r16: 64, 96, 128; fp8: 64, 128; fp8_long: 128, 256; fp8_r16: 64, 128);
+keys_rows_kernels!(Bf16, "bf16": 64, 96, 128, 256; long: 128; r16: 64, 96, 128; fp8: 64, 128; fp8_long: 128, 256; fp8_r16: 64, 128);
 
 // Decode on `wgmma` with the keys on M (`crate::attention::keys_m`, sm_90a only): FP8 caches up
 // to 8 rows per kv head or 16 (`_r16`), `decode_km_<q><fp8>[_r16]_d<128|256>`; 16-bit caches at
