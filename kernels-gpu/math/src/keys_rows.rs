@@ -43,11 +43,11 @@ pub const fn stage_bytes(d: u32, fp8: bool) -> u32 {
     2 * plane_bytes(d, fp8)
 }
 
-/// An FP8 batch whose longest request has at least this many keys runs the deep-pipeline FP8
-/// kernels (`decode_kr_<q>_fp8_long_d<d>`: two CTAs per SM, six stages); shorter ones the
-/// three-CTA kernels (four stages), whose CTAs start and drain beside more neighbours. Measured
-/// on the H100 (docs/decode.md): 64 x 4096 201 us deep against 211-214 us; 256 x 1024 211 us deep
-/// against 204 us.
+/// An FP8 batch at width 128 whose longest request has at least this many keys runs the
+/// deep-pipeline FP8 kernel (`decode_kr_<q>_fp8_long_d128`: two CTAs per SM, six stages); shorter
+/// ones the three-CTA kernels (four stages), whose CTAs start and drain beside more neighbours.
+/// Measured on the H100 (docs/decode.md): 64 x 4096 201 us deep against 211-214 us; 256 x 1024
+/// 211 us deep against 204 us. Width 64 has no such kernel ([`fp8_long`]).
 pub const FP8_LONG_KEYS: u32 = 2048;
 
 /// A 16-bit batch at width 128 whose longest request has at least this many keys runs the
