@@ -263,6 +263,9 @@ impl KernelId {
     fn with_a8(mut self) -> Option<Self> {
         match &mut self {
             KernelId::PrefillWgs { head_size, .. } if !attn_math::hopper_prefill::ws_takes_a8(*head_size) => return None,
+            // Every `_a8` head size of width 128 is below 128, where FP8 takes `wgmma` at 9 to 16
+            // rows only.
+            KernelId::DecodeKm { wide: false, head_size: 128, .. } => return None,
             KernelId::DecodeTc { rows, .. }
             | KernelId::DecodeKr { rows, .. }
             | KernelId::DecodeKm { rows, .. }
@@ -350,6 +353,7 @@ mod tests {
             (KernelId::DecodeKr { q: f16, rows: fp8(e5m2, true), long: false, wide: false, head_size: 128 }, "decode_kr_f16_e5m2_a8_d128"),
             (KernelId::DecodeKm { q: bf16, rows: fp8(e4m3, false), wide: false, head_size: 128 }, "decode_km_bf16_fp8_d128"),
             (KernelId::DecodeKm { q: f16, rows: fp8(e5m2, true), wide: true, head_size: 256 }, "decode_km_f16_e5m2_a8_r16_d256"),
+            (KernelId::DecodeKm { q: bf16, rows: fp8(e4m3, true), wide: true, head_size: 128 }, "decode_km_bf16_fp8_a8_r16_d128"),
             (KernelId::DecodeKm { q: bf16, rows: half, wide: true, head_size: 64 }, "decode_km_bf16_r16_d64"),
             (KernelId::Prefill { q: f16, rows: half, head_size_qk: 192, head_size_v: 128 }, "prefill_f16_dk192_dv128"),
             (KernelId::PrefillWgs { q: bf16, rows: half, head_size: 128, head_size_v: 128 }, "prefill_wgs_bf16_d128"),

@@ -247,7 +247,7 @@ mod tests {
         let cases = [
             ("decode_km_bf16_d64", Some((128, 4))),
             ("decode_km_f16_r16_d64", Some((128, 3))),
-            ("decode_km_bf16_fp8_a8_d128", Some((128, 4))),
+            ("decode_km_bf16_fp8_d128", Some((128, 4))),
             ("decode_km_bf16_e5m2_r16_d128", Some((128, 3))),
             ("decode_km_bf16_r16_d128", Some((128, 2))),
             ("decode_km_bf16_fp8_d256", Some((128, 2))),

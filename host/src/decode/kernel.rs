@@ -520,4 +520,47 @@ mod tests {
     fn measured_waves_by_head_size() {
         assert_eq!([64, 96, 128, 256].map(measured_waves), [1, 1, 1, 2]);
     }
+
+    /// Every decode kernel the modules export is the choice for some batch (one path per case):
+    /// the kernel choice over both modules, both query types, every cache type and head size,
+    /// up to 16 rows a kv head and short and long requests.
+    #[test]
+    fn every_decode_kernel_is_chosen_for_some_batch() {
+        use crate::kernels::KernelId;
+        let mut chosen = std::collections::BTreeSet::new();
+        for (sm_90a, q, cache) in module_query_cache() {
+            for d in (attn_math::decode::MIN_HEAD_SIZE..=attn_math::decode::MAX_HEAD_SIZE).step_by(8) {
+                let fp8 = cache.is_fp8();
+                let width = attn_math::decode::decode_width(d, fp8).unwrap();
+                for (group, max_q) in (1..=16).flat_map(|g| (1..=4).map(move |m| (g, m))).filter(|(g, m)| g * m <= 16) {
+                    let rows = (group * max_q) as usize;
+                    let wgmma = sm_90a && if fp8 { fp8_wgmma_pays(d as usize, rows) } else { half_wgmma_pays(d as usize, rows) };
+                    for max_len in [0, 100, keys_rows::FP8_LONG_KEYS, keys_rows::HALF_LONG_KEYS] {
+                        let (_, id, _) = decode_kernel_id(wgmma, q, CacheRows::of(cache, d as usize), width, group, max_q, max_len);
+                        chosen.insert(id.entry_name());
+                    }
+                }
+            }
+        }
+        let never: Vec<String> = KernelId::all()
+            .iter()
+            .filter(|id| matches!(id, KernelId::DecodeTc { .. } | KernelId::DecodeKr { .. } | KernelId::DecodeKm { .. }))
+            .map(KernelId::entry_name)
+            .filter(|name| !chosen.contains(name))
+            .collect();
+        assert!(never.is_empty(), "decode kernels no batch takes: {never:?}");
+    }
+
+    /// (sm_90a module, query type, cache type) for 16-bit caches of the query's type and FP8 ones.
+    fn module_query_cache() -> Vec<(bool, DType, DType)> {
+        let mut v = Vec::new();
+        for sm_90a in [true, false] {
+            for q in [DType::F16, DType::BF16] {
+                for cache in [q, DType::Fp8E4m3, DType::Fp8E5m2] {
+                    v.push((sm_90a, q, cache));
+                }
+            }
+        }
+        v
+    }
 }

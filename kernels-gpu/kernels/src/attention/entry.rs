@@ -180,12 +180,18 @@ keys_rows_kernels!(F16, "f16": 64, 96, 128, 256; long: 128; r16: 64, 96, 128; fp
 keys_rows_kernels!(Bf16, "bf16": 64, 96, 128, 256; long: 128; r16: 64, 96, 128; fp8: 64, 128; fp8_long: 128, 256; fp8_r16: 64, 128);
 
 // Decode on `wgmma` with the keys on M (`crate::attention::keys_m`, sm_90a only): FP8 caches up
-// to 8 rows per kv head or 16 (`_r16`), `decode_km_<q><fp8>[_r16]_d<128|256>`; 16-bit caches at
+// to 8 rows per kv head (at width 128 whole 16-byte rows only) or 16 (`_r16`),
+// `decode_km_<q><fp8>[_r16]_d<128|256>`; 16-bit caches at
 // 16 rows, `decode_km_<q>_r16_d<64|128>`, and up to 8 at width 64, `decode_km_<q>_d64`.
 #[cfg(wgmma)]
 macro_rules! keys_m_kernels {
-    ($q:ident, $qname:literal, $cache:ident, $tag:literal) => {
+    // Width 128 at up to 8 rows only for whole 16-byte rows: below head size 128 FP8 takes these
+    // kernels at 9 to 16 rows only (`decode::kernel::fp8_wgmma_pays` on the host), and every
+    // `_a8` head size of width 128 is below 128.
+    (aligned: $q:ident, $qname:literal, $cache:ident, $tag:literal) => {
         keys_m_kernels!(@fp8 $q, $qname, $cache, $tag, 128, "", 1, 8);
+    };
+    ($q:ident, $qname:literal, $cache:ident, $tag:literal) => {
         keys_m_kernels!(@fp8 $q, $qname, $cache, $tag, 128, "_r16", 2, 16);
         keys_m_kernels!(@fp8 $q, $qname, $cache, $tag, 256, "", 1, 8);
         keys_m_kernels!(@fp8 $q, $qname, $cache, $tag, 256, "_r16", 2, 16);
@@ -214,6 +220,14 @@ macro_rules! keys_m_kernels {
 for_each_fp8_cache!(keys_m_kernels!(F16, "f16",));
 #[cfg(wgmma)]
 for_each_fp8_cache!(keys_m_kernels!(Bf16, "bf16",));
+#[cfg(wgmma)]
+keys_m_kernels!(aligned: F16, "f16", Fp8E4M3, "_fp8");
+#[cfg(wgmma)]
+keys_m_kernels!(aligned: F16, "f16", Fp8E5M2, "_e5m2");
+#[cfg(wgmma)]
+keys_m_kernels!(aligned: Bf16, "bf16", Fp8E4M3, "_fp8");
+#[cfg(wgmma)]
+keys_m_kernels!(aligned: Bf16, "bf16", Fp8E5M2, "_e5m2");
 #[cfg(wgmma)]
 keys_m_kernels!(@half F16, "f16": (64, "", 1, 8), (64, "_r16", 2, 16), (128, "_r16", 2, 16));
 #[cfg(wgmma)]
