@@ -199,19 +199,19 @@ impl KernelId {
                     // The keys-as-rows kernels take every row count to 16 below head size 256
                     // from 16-bit caches, and at head sizes 64 and 128 from FP8 (FP8 at 256: up
                     // to 8 rows).
-                    let keys_rows_all = if is_fp8 { &keys_rows::FP8_ALL_FORMS_HEAD_SIZES[..] } else { &keys_rows::WIDE_HEAD_SIZES[..] };
+                    let keys_rows_all = if is_fp8 { &keys_rows::FP8_SHORT_AND_R16_HEAD_SIZES[..] } else { &keys_rows::WIDE_HEAD_SIZES[..] };
                     // The 16-row score tiles where no keys-as-rows kernel of the width exists (FP8
                     // decode runs the width-96 head sizes at 128: `decode::decode_width`).
                     if !keys_rows_all.contains(&head_size) && decode::decode_width(head_size, is_fp8) == Some(head_size) {
                         v.push(KernelId::DecodeTc { q, rows, head_size });
                     }
-                    if !is_fp8 || keys_rows::FP8_ALL_FORMS_HEAD_SIZES.contains(&head_size) {
+                    if !is_fp8 || keys_rows::FP8_SHORT_AND_R16_HEAD_SIZES.contains(&head_size) {
                         v.push(KernelId::DecodeKr { q, rows, long: false, wide: false, head_size });
                     }
                     if is_fp8 && keys_rows::FP8_DEEP_HEAD_SIZES.contains(&head_size) {
                         v.push(KernelId::DecodeKr { q, rows, long: true, wide: false, head_size });
                     }
-                    if is_fp8 && keys_rows::FP8_ALL_FORMS_HEAD_SIZES.contains(&head_size) {
+                    if is_fp8 && keys_rows::FP8_SHORT_AND_R16_HEAD_SIZES.contains(&head_size) {
                         v.push(KernelId::DecodeKr { q, rows, long: true, wide: true, head_size });
                     }
                     if !is_fp8 && keys_rows::WIDE_HEAD_SIZES.contains(&head_size) {

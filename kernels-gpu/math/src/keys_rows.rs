@@ -127,14 +127,15 @@ pub const fn layout(d: u32, fp8: bool, ctas: u32, rows: u32) -> Layout {
 }
 
 /// The head sizes an FP8 cache runs at up to 8 rows a CTA (its fragments need runs of D/4 and
-/// D/16 bytes in 16-byte units). 64 and 128 in every form ([`FP8_ALL_FORMS_HEAD_SIZES`]); 256 in
-/// the deep-pipeline form only (`decode_kr_<q><fp8>_long_d256`): its queries' fragments and
+/// D/16 bytes in 16-byte units). 64 and 128 in the short batches' form and with 16 rows
+/// ([`FP8_SHORT_AND_R16_HEAD_SIZES`]), 128 in the deep-pipeline form too; 256 in the
+/// deep-pipeline form only (`decode_kr_<q><fp8>_long_d256`): its queries' fragments and
 /// accumulators (96 registers a thread) leave room for neither three CTAs an SM nor two column
 /// groups, so GQA 16 at 256 takes the 16-row score tiles.
 pub const FP8_HEAD_SIZES: [u32; 3] = [64, 128, 256];
 /// The FP8 head sizes with keys-as-rows kernels for 16 rows a CTA (`_long_r16`), and for up to
 /// 8 in the short batches' form (three or four CTAs an SM).
-pub const FP8_ALL_FORMS_HEAD_SIZES: [u32; 2] = [64, 128];
+pub const FP8_SHORT_AND_R16_HEAD_SIZES: [u32; 2] = [64, 128];
 /// The FP8 head sizes with a deep-pipeline kernel for up to 8 rows (`_long`: two CTAs an SM, six
 /// stages): 128 for long requests, 256 at every length. Width 64 has none: its four-CTA kernels
 /// read long requests as fast or faster ([`fp8_long`]).
@@ -153,7 +154,7 @@ const fn listed(sizes: &[u32], d: u32) -> bool {
 
 /// Whether an FP8 cache at width `d` has keys-as-rows kernels for `wide` (9 to 16) rows a CTA.
 pub const fn fp8_keys_rows(d: u32, wide: bool) -> bool {
-    listed(if wide { &FP8_ALL_FORMS_HEAD_SIZES } else { &FP8_HEAD_SIZES }, d)
+    listed(if wide { &FP8_SHORT_AND_R16_HEAD_SIZES } else { &FP8_HEAD_SIZES }, d)
 }
 
 /// Whether an FP8 batch at width `d` runs the deep-pipeline kernel: at width 128 when its
@@ -163,7 +164,7 @@ pub const fn fp8_keys_rows(d: u32, wide: bool) -> bool {
 /// 1.03-1.27x at 32 to 56, long requests within 1-4%; docs/decode.md, "FP8 at width 64 without
 /// the deep pipeline").
 pub const fn fp8_long(d: u32, max_len: u32, wide: bool) -> bool {
-    wide || !listed(&FP8_ALL_FORMS_HEAD_SIZES, d) || (max_len >= FP8_LONG_KEYS && listed(&FP8_DEEP_HEAD_SIZES, d))
+    wide || !listed(&FP8_SHORT_AND_R16_HEAD_SIZES, d) || (max_len >= FP8_LONG_KEYS && listed(&FP8_DEEP_HEAD_SIZES, d))
 }
 
 #[cfg(test)]
@@ -204,7 +205,7 @@ mod tests {
         assert!(fp8_keys_rows(256, false) && !fp8_keys_rows(256, true) && !fp8_keys_rows(96, false));
         assert!(fp8_long(256, 0, false) && !fp8_long(128, FP8_LONG_KEYS - 1, false) && fp8_long(64, 0, true));
         assert!(fp8_long(128, FP8_LONG_KEYS, false) && !fp8_long(64, u32::MAX, false));
-        for d in FP8_ALL_FORMS_HEAD_SIZES {
+        for d in FP8_SHORT_AND_R16_HEAD_SIZES {
             assert!(FP8_HEAD_SIZES.contains(&d) && fp8_keys_rows(d, true));
         }
         // (head size, FP8, long, rows) -> CTAs per SM.

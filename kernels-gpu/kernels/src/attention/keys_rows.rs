@@ -561,8 +561,8 @@ pub unsafe fn decode_keys_rows_half<Q: MmaHalf, const D: usize, const LONG: bool
 /// An FP8 E4M3 cache (head sizes 64, 128 and 256; `K`: `config::Fp8E4M3`, or `Fp8E4M3A8` for
 /// the `_fp8_a8` kernels): `LONG` the deep-pipeline kernels (`decode_kr_<q>_fp8[_a8]_long[_r16]_d<d>`),
 /// else the three- or four-CTA ones (`decode_kr_<q>_fp8[_a8]_d<d>`); `G` column groups of 8 rows
-/// (2 only with `LONG`), `R = 8 G` rows a CTA. Width 256 has the deep-pipeline kernel of 8 rows
-/// only (`attn_math::keys_rows::FP8_ALL_FORMS_HEAD_SIZES`).
+/// (2 only with `LONG`), `R = 8 G` rows a CTA. Width 64 has no deep-pipeline kernel of 8 rows,
+/// width 256 only that one (`attn_math::keys_rows::FP8_DEEP_HEAD_SIZES`).
 #[inline(always)]
 pub unsafe fn decode_keys_rows_fp8<Q: MmaHalf, K: CacheFormat, const D: usize, const LONG: bool, const G: usize, const R: u32>(
     p: &AttnParams,
