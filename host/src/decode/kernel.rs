@@ -212,6 +212,12 @@ pub fn fp8_decode_rounds_to_e4m3(device: &AttnDevice, head_size: usize, rows: us
     device.ptx_target() == "sm_90a" && width.is_some_and(|w| keys_m::FP8_WIDTHS.contains(&w)) && fp8_wgmma_pays(head_size, rows)
 }
 
+/// Whether decode at head size `d` for `rows` query rows a kv head, from an FP8 cache (`fp8`) or a
+/// 16-bit one, may take the `wgmma` kernels: only from the sm_90a module (`sm_90a`), where they pay.
+fn takes_wgmma(sm_90a: bool, fp8: bool, d: usize, rows: usize) -> bool {
+    sm_90a && if fp8 { fp8_wgmma_pays(d, rows) } else { half_wgmma_pays(d, rows) }
+}
+
 /// Whether FP8 decode at `head_size` for `rows` query rows a kv head takes the `wgmma` kernels
 /// where they exist (widths 128 and 256), as measured (docs/decode.md): at width 256 every head
 /// size (160: 2% faster on the H200); at width 128 head size 128 itself, and below it every
@@ -259,7 +265,7 @@ pub(crate) fn decode_tc_kernel(
     // ones take their long kernels everywhere (`keys_rows::HALF_LONG_KEYS`).
     let max_len = if !fp8 || dev.fp8_deep_pipeline() { max_len } else { 0 };
     let rows = (max_q * group) as usize;
-    let wgmma = dev.ptx_target() == "sm_90a" && if fp8 { fp8_wgmma_pays(d, rows) } else { half_wgmma_pays(d, rows) };
+    let wgmma = takes_wgmma(dev.ptx_target() == "sm_90a", fp8, d, rows);
     let (kernel, id, smem) = decode_kernel_id(wgmma, q_dtype, CacheRows::of(cache, d), width, group, max_q, max_len);
     let waves = tuning.decode_waves.unwrap_or(measured_waves(width)).max(1);
     let resident = dev.resident_ctas(id, attn_math::prefill::THREADS, smem)?;
@@ -534,7 +540,7 @@ mod tests {
                 let width = attn_math::decode::decode_width(d, fp8).unwrap();
                 for (group, max_q) in (1..=16).flat_map(|g| (1..=4).map(move |m| (g, m))).filter(|(g, m)| g * m <= 16) {
                     let rows = (group * max_q) as usize;
-                    let wgmma = sm_90a && if fp8 { fp8_wgmma_pays(d as usize, rows) } else { half_wgmma_pays(d as usize, rows) };
+                    let wgmma = takes_wgmma(sm_90a, fp8, d as usize, rows);
                     for max_len in [0, 100, keys_rows::FP8_LONG_KEYS, keys_rows::HALF_LONG_KEYS] {
                         let (_, id, _) = decode_kernel_id(wgmma, q, CacheRows::of(cache, d as usize), width, group, max_q, max_len);
                         chosen.insert(id.entry_name());
