@@ -189,8 +189,8 @@ fn mla_case<Q: Element, C: Element>(c: Case, salt: u64) -> TestResult {
     let flags = status.take(&stream)?;
     check_block_status(flags, &want, &block_table, stride, spec.num_blocks, true)?;
     check_found_bad_block(&batch, &bt_d, &stream, stride, c.block_size, spec.num_blocks, &want)?;
-    // The narrow shape over an FP8 cache on sm_90a rounds queries and weights to e4m3.
-    let e4m3 = fp8 && attn_rs::mla::fp8_mla_rounds_to_e4m3(device(), rows);
+    // MLA over an FP8 cache on sm_90a rounds queries and weights to e4m3.
+    let e4m3 = fp8 && attn_rs::mla::fp8_mla_rounds_to_e4m3(device());
     let (out, lse): (Vec<Q>, Vec<f32>) = (download(&stream, &out_d), download(&stream, &lse_d));
     check_latent_output(&out, &lse, (&want.out, &want.lse), (nt, hq, V), e4m3, &plan)
 }
@@ -290,7 +290,7 @@ fn after_cache_write_case<C: Element>(heads: usize, q_len: i32, salt: u64) -> Te
         mla_attention_planned(device(), &stream, args, &batch, opts.softmax_scale, &bp, &mut ws, &mut status)?;
         status.check(&stream)?;
         let (out, lse): (Vec<bf16>, Vec<f32>) = (download(&stream, &out_d), download(&stream, &lse_d));
-        let e4m3 = fp8 && attn_rs::mla::fp8_mla_rounds_to_e4m3(device(), hq * q_len as usize);
+        let e4m3 = fp8 && attn_rs::mla::fp8_mla_rounds_to_e4m3(device());
         check_latent_output(&out, &lse, (&want.out, &want.lse), (nt, hq, V), e4m3, &plan)
             .map_err(|e| format!("round {round}: {}", e.message().unwrap_or("failed")))?;
     }
@@ -348,15 +348,22 @@ fn cases() -> Vec<(String, Case, &'static str)> {
     push("bf16::bad_block_id".into(), Case { bad_block: true, ..Case::new(16, &[200, 40], 1) }, "bf16");
     // The wide shape's seesaw order (sm_90a, 16-bit caches) reads the tables in its own way.
     push("bf16::heads_128_bad_block_id".into(), Case { bad_block: true, ..Case::new(128, &[200, 40, 129], 1) }, "bf16");
-    // The same order over an FP8 cache: each tile converted in place by its warpgroup.
+    // The wide shape over an FP8 cache (sm_90a: e4m3 `wgmma`, each warpgroup a half of the rows'
+    // scores and of the columns; elsewhere each tile converted to 16-bit rows).
     push("bf16_fp8::heads_128".into(), Case::new(128, &[1, 63, 64, 65, 700], 1), "bf16_fp8");
     push("f16_fp8::heads_128_long".into(), Case::new(128, &[2000, 1], 1), "f16_fp8");
+    // 40 rows: the second warpgroup's scores half live.
+    push("bf16_fp8::heads_40".into(), Case::new(40, &[1, 77, 300, 1500], 1), "bf16_fp8");
     push("bf16_fp8::heads_128_bad_block_id".into(), Case { bad_block: true, ..Case::new(128, &[200, 40, 129], 1) }, "bf16_fp8");
     push("bf16_fp8::heads_128_split_7".into(), Case { split: SplitMode::Fixed(7), ..Case::new(128, &[1000, 10], 1) }, "bf16_fp8");
     // Scores that keep rising along the sequence: rows whose max moves past the lazy rescale's
     // slack between tiles, and tiles that keep the old max, in one request.
     push("bf16::heads_128_rising".into(), Case { rising: 1.0, ..Case::new(128, &[2000, 700, 129], 1) }, "bf16");
-    push("bf16_fp8::heads_128_rising".into(), Case { rising: 0.5, ..Case::new(128, &[2000, 700], 1) }, "bf16_fp8");
+    // Over FP8 the keys rise 4x, not 16x: on sm_90a the queries are rounded to e4m3, whose
+    // error grows with the scores (16x: about 4.4e-2 global and 0.18 in the worst row, past the
+    // e4m3 bounds; docs/mla.md, "The wide shape over FP8 on e4m3 `wgmma`").
+    push("bf16_fp8::heads_128_rising".into(), Case { rising: 0.1, ..Case::new(128, &[2000, 700], 1) }, "bf16_fp8");
+    push("bf16_fp8::heads_16_rising".into(), Case { rising: 0.1, ..Case::new(16, &[2000, 700], 1) }, "bf16_fp8");
     push("f16_fp8::heads_64_empty_requests".into(), Case { q_lens: vec![0, 1, 0, 2], ..Case::new(64, &[0, 50, 0, 129], 1) }, "f16_fp8");
     // E5M2 latent caches: both shapes (narrow: converted in registers; wide: in shared memory,
     // the seesaw on sm_90a), MTP, a bad block id.

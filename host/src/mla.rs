@@ -106,9 +106,10 @@ pub fn mla_attention(
 
 /// The MLA kernel for `max_q` query tokens per request of `hq` heads, and its CTA target.
 ///
-/// The MLA kernel (`mla_<q>[_fp8|_e5m2]_{narrow,wide}`, `attn_math::mla`; FP8 caches are converted
-/// exactly, in registers on the narrow shape and slot by slot in shared memory on the wide one,
-/// but for the narrow shape on sm_90a, which runs e4m3 `wgmma` ([`fp8_mla_rounds_to_e4m3`])).
+/// The MLA kernel (`mla_<q>[_fp8|_e5m2]_{narrow,wide}`, `attn_math::mla`; over FP8 caches both
+/// shapes run e4m3 `wgmma` on sm_90a ([`fp8_mla_rounds_to_e4m3`]); on sm_80 FP8 rows are
+/// converted exactly, in registers on the narrow shape and slot by slot in shared memory on the
+/// wide one).
 /// The split plan aims at [`Tuning::mla_waves`] waves of CTAs.
 pub(crate) fn mla_tc_kernel(
     dev: &AttnDevice,
@@ -125,9 +126,12 @@ pub(crate) fn mla_tc_kernel(
 /// [`mla_tc_kernel`] for kernel `id` of shape `s` (dense or sparse).
 fn mla_tc_kernel_of(dev: &AttnDevice, id: KernelId, s: mla::MlaShape, fp8: bool, hq: usize, tuning: &Tuning) -> Result<TcKernel> {
     let shape = TcShape { block_m: s.block_m, block_n: s.block_n, ctas_per_item: 1 };
-    // The same total whether the module converts an FP8 tile in place or not; the narrow shape
-    // over an FP8 cache on sm_90a has a layout of its own (e4m3 `wgmma`).
-    let smem = if narrow_on_e4m3(dev, s, fp8) { mla::narrow_e4m3_layout().total } else { mla::shared_layout(s, fp8).total };
+    // Over an FP8 cache on sm_90a both shapes have layouts of their own (e4m3 `wgmma`).
+    let smem = match (on_e4m3(dev, fp8), s == mla::NARROW) {
+        (true, true) => mla::narrow_e4m3_layout().total,
+        (true, false) => mla::wide_e4m3_layout().total,
+        (false, _) => mla::shared_layout(s, fp8).total,
+    };
     let threads = mla::THREADS;
     // One wave of resident CTAs (one per SM): measured on the H100 against two and four, whose
     // extra splits cost more (per-CTA start, partials, merge) than the tail they shorten
@@ -152,22 +156,22 @@ fn mla_tc_kernel_of(dev: &AttnDevice, id: KernelId, s: mla::MlaShape, fp8: bool,
     })
 }
 
-/// Whether MLA over an FP8 cache on `device` rounds the queries and the softmax weights to e4m3
-/// for requests of up to `rows` query rows (heads x query tokens; sparse MLA: the heads): the
-/// narrow shape (up to 16 rows) on sm_90a runs both products on e4m3 `wgmma` with the cache's
-/// bytes as they are, the queries with one scale a row (its largest magnitude to e4m3's 448)
-/// and the weights times 2^7, as FlashMLA's and vLLM's FP8 MLA run on FP8 operands. Elsewhere
-/// the cache's values are converted exactly and the result is as precise as over a 16-bit
-/// cache holding the same values. The same for both FP8 formats.
-pub fn fp8_mla_rounds_to_e4m3(device: &AttnDevice, rows: usize) -> bool {
-    narrow_on_e4m3(device, mla::shape_for_rows(rows.min(u32::MAX as usize) as u32), true)
+/// Whether MLA over an FP8 cache on `device` rounds the queries and the softmax weights to e4m3:
+/// on sm_90a both shapes run both products on e4m3 `wgmma` with the cache's bytes as they are,
+/// the queries with one scale a row (its largest magnitude to e4m3's 448) and the weights
+/// times 2^7, as FlashMLA's and vLLM's FP8 MLA run on FP8 operands. Elsewhere the cache's
+/// values are converted exactly and the result is as precise as over a 16-bit cache holding
+/// the same values. The same for both FP8 formats, dense and sparse, at any number of query
+/// rows.
+pub fn fp8_mla_rounds_to_e4m3(device: &AttnDevice) -> bool {
+    on_e4m3(device, true)
 }
 
-/// Whether kernel shape `s` over this cache runs the narrow shape on e4m3 `wgmma` (sm_90a, an
-/// FP8 cache: `mla::narrow_e4m3` in the kernels), whose two warpgroups merge their halves of the
-/// keys in shared memory and which combines up to 4 splits in a cluster.
-fn narrow_on_e4m3(dev: &AttnDevice, s: mla::MlaShape, fp8: bool) -> bool {
-    fp8 && s == mla::NARROW && dev.ptx_target() == "sm_90a"
+/// Whether MLA over this cache runs on e4m3 `wgmma` (sm_90a, an FP8 cache: `mla::narrow_e4m3`
+/// and `mla::wide_e4m3` in the kernels). The narrow kernel's two warpgroups merge their halves
+/// of the keys in shared memory, and it combines up to 4 splits in a cluster.
+fn on_e4m3(dev: &AttnDevice, fp8: bool) -> bool {
+    fp8 && dev.ptx_target() == "sm_90a"
 }
 
 /// The MLA kernel for requests of at most `rows` query rows (tokens x heads), and its shape:

@@ -186,8 +186,7 @@ pub const fn shared_layout(s: MlaShape, fp8: bool) -> MlaLayout {
 /// K-major tile), which only its Q K^T reads. The rest of [`shared_layout`]`(WIDE, false)` is
 /// reused: Q and the ring where they are, P's region for the published row maxima and, at the
 /// end, the row sums (each `[2][block_m]` f32), `tables` address tables and the warpgroups' six
-/// `mbarrier`s (8 bytes each). An FP8 cache's raw rows land in the upper half of each slot
-/// (`raw` bytes in), and are converted into the slot's 16-bit rows in place.
+/// `mbarrier`s (8 bytes each). 16-bit caches only (an FP8 one takes [`wide_e4m3_layout`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SeesawLayout {
     pub maxima: u32,
@@ -199,8 +198,6 @@ pub struct SeesawLayout {
     pub tile: u32,
     /// Where in a tile P starts: the rope atom of its first 8-row group.
     pub p: u32,
-    /// FP8: where in a slot its raw rows (576 bytes each, [`raw_offset`]) land.
-    pub raw: u32,
 }
 
 pub const fn seesaw_layout() -> SeesawLayout {
@@ -208,8 +205,8 @@ pub const fn seesaw_layout() -> SeesawLayout {
     // Four tiles' tables alive: each warpgroup's current tile and the one it fills next.
     let (maxima, sums) = (l.p, l.p + 2 * WIDE.block_m * 4);
     let (table, tables) = (sums + 2 * WIDE.block_m * 4, 8);
-    let (tile, p, raw) = (2 * l.k_slot, (ROW_CHUNKS / 8 - 1) * 1024, l.k_slot / 2);
-    SeesawLayout { maxima, sums, table, tables, bars: table + tables * TABLE_BYTES, tile, p, raw }
+    let (tile, p) = (2 * l.k_slot, (ROW_CHUNKS / 8 - 1) * 1024);
+    SeesawLayout { maxima, sums, table, tables, bars: table + tables * TABLE_BYTES, tile, p }
 }
 
 /// The narrow shape over an FP8 cache on sm_90a (`mla::narrow_e4m3` in the kernels): e4m3
@@ -292,6 +289,52 @@ pub const fn narrow_e4m3_layout() -> NarrowE4m3Layout {
     NarrowE4m3Layout { q, tiles, p, maxima, mult, tables, bars, total }
 }
 
+/// The wide shape (17 to 64 query rows) over an FP8 cache on sm_90a (`mla::wide_e4m3` in the
+/// kernels): the narrow e4m3 kernel's operands (keys on M, the queries quantised to e4m3, V^T
+/// from the rows in registers, P^T e4m3 in shared memory) with 32 query rows on N. Each
+/// warpgroup takes 32 of the rows through every tile, with its own softmax state and O^T (all
+/// 512 columns, 128 accumulators a thread); the two share only the tiles.
+///
+/// Layout: the quantised queries (64 rows of 640 bytes, five 128-byte-swizzled atoms of 64
+/// rows, [`e4m3_swizzled`]), the ring of [`WIDE_E4M3_RING`] tiles ([`E4M3_TILE_BYTES`] each),
+/// each warpgroup's P^T (32 rows x 128 bytes, the first 64 used), the row maxima (and at the
+/// end the row sums) published by the warps (`[64][4]` f32), the rows' score factors (64 f32)
+/// and positions (64 u32, for the causal mask), [`WIDE_E4M3_TABLES`] address tables and the
+/// `mbarrier`s: a ring buffer's "filled", then its "freed".
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WideE4m3Layout {
+    pub q: u32,
+    pub tiles: u32,
+    pub p: u32,
+    pub maxima: u32,
+    pub mult: u32,
+    pub pos: u32,
+    pub tables: u32,
+    pub bars: u32,
+    pub total: u32,
+}
+
+/// Tile buffers of [`wide_e4m3_layout`]'s ring (five do not fit beside the 64 query rows).
+pub const WIDE_E4M3_RING: u32 = 4;
+/// Address tables of [`wide_e4m3_layout`]: tile t's is written at tile t - 3's step of its
+/// warpgroup and read at tile t's (the masks) by both; eight keep it from the writes between.
+pub const WIDE_E4M3_TABLES: u32 = 8;
+/// Bytes of a warpgroup's P^T in [`wide_e4m3_layout`].
+pub const WIDE_E4M3_P_BYTES: u32 = 32 * 128;
+
+pub const fn wide_e4m3_layout() -> WideE4m3Layout {
+    let q = 0;
+    let tiles = q + 5 * 64 * 128;
+    let p = tiles + WIDE_E4M3_RING * E4M3_TILE_BYTES;
+    let maxima = p + 2 * WIDE_E4M3_P_BYTES;
+    let mult = maxima + 64 * 4 * 4;
+    let pos = mult + 64 * 4;
+    let tables = pos + 64 * 4;
+    let bars = tables + WIDE_E4M3_TABLES * E4M3_TABLE_BYTES;
+    let total = bars + 2 * WIDE_E4M3_RING * 8;
+    WideE4m3Layout { q, tiles, p, maxima, mult, pos, tables, bars, total }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -317,6 +360,21 @@ mod tests {
             assert!(l.converted.is_multiple_of(1024) && l.k_slot.is_multiple_of(16) && l.total < 1 << 18);
             assert!(fp8 || (l.k.is_multiple_of(1024) && l.k_slot.is_multiple_of(1024)));
         }
+    }
+
+    #[test]
+    fn wide_e4m3_layout_fits() {
+        let l = wide_e4m3_layout();
+        assert!(l.total <= 227 * 1024, "{l:?}");
+        // wgmma operands 1024-byte aligned (the queries' second half too: 32 rows of 128
+        // bytes), the vector loads 16-byte aligned.
+        for o in [l.q, l.tiles, l.p, E4M3_TILE_BYTES, WIDE_E4M3_P_BYTES, 32 * 128] {
+            assert!(o.is_multiple_of(1024), "{l:?}");
+        }
+        for o in [l.maxima, l.mult, l.pos, l.tables, E4M3_TABLE_BYTES] {
+            assert!(o.is_multiple_of(16), "{l:?}");
+        }
+        assert!(l.bars.is_multiple_of(8) && l.total < 1 << 18);
     }
 
     #[test]
@@ -362,11 +420,6 @@ mod tests {
         assert_eq!(s.p, swizzled(0, MLA_V / 8));
         assert_eq!(swizzled(7, ROW_CHUNKS - 8) + 16 - s.p, 1024);
         assert_eq!(MLA_QK - MLA_V, WIDE.block_n);
-        // FP8: the raw rows fill a slot's upper half, the 16-bit rows 16-31 exactly, and the
-        // launch sized for an FP8 cache holds the whole layout.
-        assert_eq!(s.raw + SLOT_KEYS * MLA_QK, l.k_slot);
-        assert_eq!(swizzled(SLOT_KEYS / 2, 0), s.raw);
-        assert_eq!(shared_layout(WIDE, true).total, l.total);
     }
 
     #[test]

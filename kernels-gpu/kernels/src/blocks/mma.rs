@@ -461,12 +461,6 @@ pub unsafe fn cp_async_halves_or_whole(dst: u32, row: u64, c: u32, live_halves: 
     }
 }
 
-/// Asks L2 to fetch the line holding global `addr` (no data returned, nothing waited for).
-#[inline(always)]
-pub unsafe fn prefetch_l2(addr: u64) {
-    unsafe { asm!("prefetch.global.L2 [{0}];", in(reg64) addr, options(nostack, readonly)) }
-}
-
 /// Closes the group of `cp.async`s issued since the last commit.
 #[inline(always)]
 pub fn cp_async_commit() {

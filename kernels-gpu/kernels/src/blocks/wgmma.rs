@@ -751,6 +751,117 @@ pub unsafe fn wait_pv_t(o: &mut [[f32; 4]; 16], v: &[[u32; 4]; 16]) {
     };
 }
 
+/// The `wgmma` chains of the wide shape (up to 64 query rows) over an FP8 cache on sm_90a (keys
+/// on M, as [`NarrowFp8Chains`]; `crate::attention::mla::wide_e4m3`): each warpgroup takes 32 of
+/// the query rows (N = 32) through every tile. Accumulators (f32): S^T `[j][e]`, O^T block b's
+/// `[4b + j][e]`: M row (key, or column of V) `16w + g + 8 (e >> 1)` of warp w, N column (query
+/// row) `8j + 2t4 + (e & 1)`.
+pub trait WideFp8Chains: Fp8Format {
+    /// S^T = K Q^T over a 64-key tile and the 576 columns: K rows of this format at `desc_k`
+    /// (A, K-major, 128-byte swizzle: atoms of 64 rows, 8 KB apart), 32 quantised query rows
+    /// at `desc_q` (B, e4m3, in atoms of 64 rows, 8 KB apart). Not waited for.
+    unsafe fn scores_t32(desc_k: u64, desc_q: u64) -> [[f32; 4]; 4];
+    /// O^T += V^T P^T over 32 keys: `o[4b..4b + 4]` the 64 columns of M block b, `v[b]` its A
+    /// fragments of this format, P^T's 32 rows e4m3 at `desc_p` (B, K-major). Not waited for.
+    unsafe fn pv_t32(o: &mut [[f32; 4]; 32], v: &[[u32; 4]; 8], desc_p: u64);
+}
+
+macro_rules! wide_fp8_chains_impl {
+    ($t:ty, $k:literal) => {
+        impl WideFp8Chains for $t {
+            #[inline(always)]
+            unsafe fn scores_t32(desc_k: u64, desc_q: u64) -> [[f32; 4]; 4] {
+                let mut s = [[0.0f32; 4]; 4];
+                unsafe {
+                    with_acc!(concat!(
+                "{{\n.reg .pred pz, po;\n.reg .b32 zz, a0, ah, al, b0, bh, bl;\n.reg .b64 da, db;\n",
+                "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
+                "mov.b64 {{a0, ah}}, {16};\nmov.b64 {{b0, bh}}, {17};\nwgmma.fence.sync.aligned;\n",
+                "add.s32 al, a0, 0;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 0;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, pz, 1, 1;\n",
+                "add.s32 al, a0, 2;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 2;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 4;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 4;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 6;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 6;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 512;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 512;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 514;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 514;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 516;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 516;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 518;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 518;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 1024;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 1024;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 1026;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 1026;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 1028;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 1028;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 1030;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 1030;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 1536;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 1536;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 1538;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 1538;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 1540;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 1540;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 1542;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 1542;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 2048;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 2048;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, po, 1, 1;\n",
+                "add.s32 al, a0, 2050;\nmov.b64 da, {{al, ah}};\nadd.s32 bl, b0, 2050;\nmov.b64 db, {{bl, bh}};\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, da, db, po, 1, 1;\n",
+                "wgmma.commit_group.sync.aligned;\n}}"),
+                              out s [0 1 2 3], in(reg64) desc_k, in(reg64) desc_q, options(nostack))
+                };
+                s
+            }
+
+            #[inline(always)]
+            unsafe fn pv_t32(o: &mut [[f32; 4]; 32], v: &[[u32; 4]; 8], desc_p: u64) {
+                unsafe {
+                    with_acc!(concat!(
+                "{{\n.reg .pred po;\n.reg .b32 zz;\n",
+                "mov.b32 zz, 0;\nsetp.eq.b32 po, zz, 0;\nwgmma.fence.sync.aligned;\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}}}, {{{128}, {129}, {130}, {131}}}, {160}, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}}}, {{{132}, {133}, {134}, {135}}}, {160}, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}}}, {{{136}, {137}, {138}, {139}}}, {160}, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}}}, {{{140}, {141}, {142}, {143}}}, {160}, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}}}, {{{144}, {145}, {146}, {147}}}, {160}, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{80}, {81}, {82}, {83}, {84}, {85}, {86}, {87}, {88}, {89}, {90}, {91}, {92}, {93}, {94}, {95}}}, {{{148}, {149}, {150}, {151}}}, {160}, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{96}, {97}, {98}, {99}, {100}, {101}, {102}, {103}, {104}, {105}, {106}, {107}, {108}, {109}, {110}, {111}}}, {{{152}, {153}, {154}, {155}}}, {160}, po, 1, 1;\n",
+                "wgmma.mma_async.sync.aligned.m64n32k32.f32.", $k, ".e4m3 {{{112}, {113}, {114}, {115}, {116}, {117}, {118}, {119}, {120}, {121}, {122}, {123}, {124}, {125}, {126}, {127}}}, {{{156}, {157}, {158}, {159}}}, {160}, po, 1, 1;\n",
+                "wgmma.commit_group.sync.aligned;\n}}"),
+                              inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31],
+                              frags v [0 1 2 3 4 5 6 7], in(reg64) desc_p, options(nostack))
+                };
+            }
+        }
+    };
+}
+
+wide_fp8_chains_impl!(E4m3, "e4m3");
+wide_fp8_chains_impl!(E5m2, "e5m2");
+
+/// Waits for the S^T chain of [`WideFp8Chains`] (the only one in flight) and returns its
+/// accumulators for the reads after the wait.
+#[inline(always)]
+pub unsafe fn wait_scores_t32(s: [[f32; 4]; 4]) -> [[f32; 4]; 4] {
+    unsafe { with_acc!("wgmma.wait_group.sync.aligned 0; // {0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}", in s [0 1 2 3], options(nostack)) };
+    s
+}
+
+/// Waits for a P V chain of [`WideFp8Chains`]: O^T `o` and its A fragments `v`.
+#[inline(always)]
+pub unsafe fn wait_pv_t32(o: &mut [[f32; 4]; 32], v: &[[u32; 4]; 8]) {
+    unsafe {
+        with_acc!("wgmma.wait_group.sync.aligned 0; // {0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}, {32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}, {64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}, {80}, {81}, {82}, {83}, {84}, {85}, {86}, {87}, {88}, {89}, {90}, {91}, {92}, {93}, {94}, {95}, {96}, {97}, {98}, {99}, {100}, {101}, {102}, {103}, {104}, {105}, {106}, {107}, {108}, {109}, {110}, {111}, {112}, {113}, {114}, {115}, {116}, {117}, {118}, {119}, {120}, {121}, {122}, {123}, {124}, {125}, {126}, {127}, {128}, {129}, {130}, {131}, {132}, {133}, {134}, {135}, {136}, {137}, {138}, {139}, {140}, {141}, {142}, {143}, {144}, {145}, {146}, {147}, {148}, {149}, {150}, {151}, {152}, {153}, {154}, {155}, {156}, {157}, {158}, {159}",
+                  inout o [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31], frags v [0 1 2 3 4 5 6 7], options(nostack))
+    };
+}
+
 /// One k-step of a `wgmma` with both operands in shared memory (`$shape`: the `mNkK.f32.a.b`
 /// part), on descriptors `a0`/`ah` and `b0`/`bh` advanced by `$da` and `$db` (16-byte units; the
 /// address field is in the low word and never carries out of it), accumulating into `$acc`

@@ -14,13 +14,13 @@ use crate::blocks::device::{
 };
 use crate::blocks::elem::{Fp8Format, F16};
 use crate::blocks::mma::{
-    cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_pinned, prefetch_l2, shared_addr,
+    cp_async_commit, cp_async_wait, ld_shared_f32, ld_shared_u32, ld_shared_u64, ldmatrix_x4, ldmatrix_x4_pinned, shared_addr,
     st_shared_f32, st_shared_u32, st_shared_u64, MmaHalf,
 };
 use crate::blocks::vec_io::{load_f32_nc, load_u32_nc};
 use attn_math::mla::{self, p_offset, shared_layout, swizzled, SLOT_KEYS, TABLE_BYTES};
 use attn_math::params::AttnParams;
-use attn_math::prefill::{MLA_QK, MLA_V};
+use attn_math::prefill::MLA_V;
 use attn_math::softmax::{exp2, OnlineSoftmax};
 
 /// The kernel; `WIDE` picks the shape (`attn_math::mla::{NARROW, WIDE}`; on sm_90a the wide
@@ -87,6 +87,13 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, K: CacheFormat, S: Key
         unsafe { super::narrow_e4m3::narrow_e4m3::<Q, K, S>(p, &w, src, &gate, begin, end, causal, min_pos, q_row) };
         return;
     }
+    // Wide over an FP8 cache on sm_90a: the same operands with the 64 query rows on N
+    // (`super::wide_e4m3`).
+    #[cfg(wgmma)]
+    if WIDE && K::FP8 {
+        unsafe { super::wide_e4m3::wide_e4m3::<Q, K, S>(p, &w, src, &gate, begin, end, causal, min_pos, q_row) };
+        return;
+    }
     let n_slots = if end > begin { (end - begin).div_ceil(SLOT_KEYS) } else { 0 };
     let spt = shape.slots_per_tile();
     let n_tiles = n_slots.div_ceil(spt);
@@ -119,8 +126,8 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, K: CacheFormat, S: Key
     } else {
         (1.0, 1.0)
     };
-    // Wide on sm_90a over a 16-bit cache: the seesaw order (`super::seesaw`), with tables of
-    // its own.
+    // Wide on sm_90a (a 16-bit cache: FP8 ones returned above): the seesaw order
+    // (`super::seesaw`), with tables of its own.
     let seesaw = WIDE && cfg!(wgmma);
     let (tables_at, n_tables) =
         if seesaw { (mla::seesaw_layout().table, mla::seesaw_layout().tables) } else { (layout.table, shape.tables()) };
@@ -151,14 +158,6 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, K: CacheFormat, S: Key
             let key = begin + j * SLOT_KEYS + lane;
             let ka = if key < end { unsafe { src.address(p, key, loc, if K::FP8 { 1 } else { 2 }) } } else { 0 };
             unsafe { st_shared_u64(table(j) + lane * 8, ka) };
-            // The seesaw order fills a tile's table half a pair of tiles before its copy, which
-            // an FP8 tile's warpgroup then waits for whole (to convert it): the row asked into L2
-            // now. (A 16-bit tile's S starts on its first atom; the same request made the sparse
-            // bf16 row 20% slower.)
-            if seesaw && K::FP8 && ka != 0 {
-                static_for::<{ (MLA_QK / 128) as usize }>(|i| unsafe { prefetch_l2(ka + 128 * i as u64) });
-                unsafe { prefetch_l2(ka + MLA_QK as u64 - 1) };
-            }
             let skipped = key < end && ka == 0;
             let any_skipped = vote_any(skipped);
             if lane == 0 {
@@ -190,15 +189,7 @@ pub unsafe fn mla_attention<Q: MmaHalf, const WIDE: bool, K: CacheFormat, S: Key
     #[cfg(wgmma)]
     if seesaw {
         let span = super::seesaw::Span { begin, end, n_tiles, causal, min_pos };
-        let mult = p.variant.scale_log2 * k_scale;
-        // bf16 queries over an FP8 cache: the MMAs on f16 (`super::seesaw`), the queries scaled
-        // by 2^-8 into its range.
-        if K::FP8 && Q::IS_BF16 {
-            let mult = mult * 256.0;
-            unsafe { super::seesaw::seesaw::<Q, F16, K, S>(p, &w, span, mult, v_scale, early, locate, fill, table, q_row) };
-        } else {
-            unsafe { super::seesaw::seesaw::<Q, Q, K, S>(p, &w, span, mult, v_scale, early, locate, fill, table, q_row) };
-        }
+        unsafe { super::seesaw::seesaw::<Q, S>(p, &w, span, p.variant.scale_log2, early, locate, fill, table, q_row) };
         return;
     }
 

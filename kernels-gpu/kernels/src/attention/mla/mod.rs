@@ -11,17 +11,18 @@
 //! from global memory once per CTA.
 //!
 //! Q and K rows sit in `wgmma`'s 128-byte-swizzled K-major layout (`attn_math::mla::swizzled`).
-//! On sm_90a the wide shape takes the seesaw order ([`seesaw`]): the two warpgroups score
-//! alternate whole tiles (m64n64k16) and each adds P V for its half of the columns (m64n256k16,
-//! V read N-major from the same rows), so that one's softmax runs under the other's MMAs; an FP8
-//! tile's raw rows land in the upper half of its 16-bit slots and its warpgroup converts them in
-//! place ([`in_place`]), on f16 MMAs for bf16 queries. Elsewhere, and for the narrow shape,
-//! `mma.sync` with `ldmatrix` (conflict-free in that layout) does both. An FP8 cache's raw rows
-//! land in the ring as they are (`attn_math::mla::raw_offset`). The narrow shape on sm_80
-//! converts its fragments from them in registers, on f16 MMAs (bf16 queries scaled by 2^-8 into
-//! f16's range); on sm_90a it runs e4m3 `wgmma` with the operands swapped, keys on M
-//! ([`narrow_e4m3`], its own layout); the wide shape on sm_80 converts a tile at a time into
-//! separate 16-bit slots of Q's type. The scales fold into the score and output factors.
+//! On sm_90a the wide shape over a 16-bit cache takes the seesaw order ([`seesaw`]): the two
+//! warpgroups score alternate whole tiles (m64n64k16) and each adds P V for its half of the
+//! columns (m64n256k16, V read N-major from the same rows), so that one's softmax runs under
+//! the other's MMAs. Over an FP8 cache on sm_90a both shapes run e4m3 `wgmma` with the operands
+//! swapped, keys on M, the cache's bytes as they are ([`narrow_e4m3`]: 16 rows, the warpgroups
+//! taking alternate tiles; [`wide_e4m3`]: each warpgroup 32 of the rows through every tile),
+//! each with its own layout. Elsewhere `mma.sync` with `ldmatrix` (conflict-free in that layout)
+//! does both products. An FP8 cache's raw rows land in the ring as they are
+//! (`attn_math::mla::raw_offset`): on sm_80 the narrow shape converts its fragments from them in
+//! registers, on f16 MMAs (bf16 queries scaled by 2^-8 into f16's range), and the wide shape a
+//! tile at a time into separate 16-bit slots of Q's type. The scales fold into the score and
+//! output factors.
 //!
 //! Dense and sparse MLA are the same kernel over a [`keys::KeySource`]: key j of a work item is
 //! position j of the request (dense, causal among the new tokens) or entry j of the query
@@ -29,13 +30,11 @@
 //! request masked out instead of the causal mask).
 //!
 //! [`kernel`] is the kernel; [`keys`] where its keys come from; [`tile`] its matrix products, [`slots`] its copies into the
-//! swizzled slots, [`narrow_e4m3`] (sm_90a) the narrow shape over an FP8 cache, [`seesaw`] (sm_90a) the wide shape's seesaw order, [`in_place`] (sm_90a) its
-//! FP8 tiles' conversion, and [`combine`] (sm_90a) the cluster combine of a request's splits.
+//! swizzled slots, [`narrow_e4m3`] and [`wide_e4m3`] (sm_90a) the shapes over an FP8 cache, [`seesaw`] (sm_90a) the wide shape's
+//! seesaw order, and [`combine`] (sm_90a) the cluster combine of a request's splits.
 
 #[cfg(wgmma)]
 mod combine;
-#[cfg(wgmma)]
-mod in_place;
 pub(crate) mod kernel;
 pub(crate) mod keys;
 #[cfg(wgmma)]
@@ -44,3 +43,5 @@ mod narrow_e4m3;
 mod seesaw;
 mod slots;
 mod tile;
+#[cfg(wgmma)]
+mod wide_e4m3;

@@ -38,7 +38,7 @@ use crate::blocks::mma::{
     ld_shared_v4, ldmatrix_x4_trans, shared_addr, st_shared_f32, st_shared_u32, st_shared_u64, st_shared_u8, st_shared_v4, wgmma_desc,
     MmaHalf,
 };
-use crate::blocks::vec_io::{e4m3x2, load8_nc, load_f32_nc};
+use crate::blocks::vec_io::{e4m3x2, f16x2_to_f32, load8_nc, load_f32_nc};
 use crate::blocks::wgmma::{wait_pv_t, wait_scores_t, NarrowFp8Chains};
 use attn_math::fp8::E4M3_MAX;
 use attn_math::mla::{
@@ -351,14 +351,17 @@ pub(super) unsafe fn narrow_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
                 let mut wts = [0.0f32; 2];
                 static_for::<2>(|e1| {
                     let r = 2 * j + e1;
-                    let st = &mut state[r];
+                    let st = &state[r];
                     let neg = if st.max == f32::NEG_INFINITY { 0.0 } else { P_SHIFT - st.max };
                     let x = s[j][2 * h + e1];
-                    let wt = if x == f32::NEG_INFINITY { 0.0 } else { exp2(x * mult[r] + neg) };
-                    st.sum += wt;
-                    wts[e1] = wt;
+                    wts[e1] = if x == f32::NEG_INFINITY { 0.0 } else { exp2(x * mult[r] + neg) };
                 });
+                // The row sums take the weights as P V will, rounded to e4m3: a row whose weight
+                // sits on one key then gets that key's V whatever the rounding.
                 let pair = e4m3x2(wts[0], wts[1]);
+                let (w0, w1) = f16x2_to_f32(E4m3::to_f16x2(pair));
+                state[2 * j].sum += w0;
+                state[2 * j + 1].sum += w1;
                 let n0 = rows_n(2 * j);
                 unsafe {
                     st_shared_u8(p_buf + e4m3_swizzled(16, n0, col), pair);

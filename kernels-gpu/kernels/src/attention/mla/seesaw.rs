@@ -16,9 +16,7 @@
 //!    (`FREED_0`, `FREED_1`), one `cp.async` group a 64-column atom, and issues its S at once:
 //!    each atom's k-steps wait for that atom (`MmaHalf::wgmma_64x64_k576_landing_async`).
 //!    Warpgroup 0 copies a 16-bit tile's atoms 0-3 (its own V columns) earlier, in step 1, as
-//!    soon as its own P V on the tile before has retired. An
-//!    FP8 tile is copied raw (half the bytes), converted in place once it has landed
-//!    (`super::in_place`), then scored; its rows were asked into L2 when its table was filled.
+//!    soon as its own P V on the tile before has retired.
 //!
 //! Both warpgroups end with the same running max (each takes the other's published one), so
 //! their denominators, each over its own tiles' keys, add up at the end.
@@ -26,10 +24,8 @@
 //! Shared memory holds Q and two tiles (72 KB each): a tile's copy can start only once the P V
 //! that read each of its atoms on the tile before it in that buffer has retired.
 
-use super::in_place::convert_in_place;
 use super::keys::KeySource;
-use super::slots::{copy_queries, copy_tile_warpgroup, copy_tile_warpgroup_fp8, queries_to_f16};
-use crate::attention::config::CacheFormat;
+use super::slots::{copy_queries, copy_tile_warpgroup};
 use crate::attention::lazy_rescale::must_rescale;
 use crate::attention::output::RowOut;
 use crate::attention::work::Work;
@@ -104,19 +100,14 @@ fn raise_lazily(state: &mut [OnlineSoftmax; 2], m: [f32; 2], mult: f32) -> [f32;
 
 /// The seesaw kernel body: `early`, `locate`, `fill` and `table` are the kernel's address-table
 /// steps (`super::kernel`), `q_row(r)` the address of query row r; `mult` the scores' factor
-/// (base 2), `v_scale` the output's. `K`: the cache's rows; FP8 ones (E4M3 or E5M2): each tile's raw rows copied into
-/// the upper halves of its two slots and converted in place by its warpgroup before its S.
-/// `M`: the MMAs' type, Q's or f16: over an FP8 cache, bf16 queries are scaled by 2^-8 into f16
-/// in shared memory once (exact within f16's range; the caller's `mult` undoes the scale), so
-/// that a pair of cache bytes converts in one instruction (bf16: four) and P is f16.
+/// (base 2). The cache's rows are of Q's type (an FP8 cache takes `super::wide_e4m3`).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, K: CacheFormat, S: KeySource>(
+pub(super) unsafe fn seesaw<Q: MmaHalf, S: KeySource>(
     p: &AttnParams,
     w: &Work,
     span: Span,
     mult: f32,
-    v_scale: f32,
     early: impl Fn(u32) -> S::Early,
     locate: impl Fn(u32, S::Early) -> S::Loc,
     fill: impl Fn(u32, S::Loc),
@@ -158,13 +149,7 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, K: CacheFormat, S: KeySource
     pdl_prologue();
     // A tile's two address tables (its two 32-row slots).
     let tables = |tile: u32| [table(2 * tile), table(2 * tile + 1)];
-    let copy = |tile: u32| unsafe {
-        if K::FP8 {
-            copy_tile_warpgroup_fp8(mine, base.k_slot, lay.raw, tables(tile), p.qkv.q);
-        } else {
-            copy_tile_warpgroup::<0, 9>(mine, tables(tile), p.qkv.q);
-        }
-    };
+    let copy = |tile: u32| unsafe { copy_tile_warpgroup::<0, 9>(mine, tables(tile), p.qkv.q) };
     // A 16-bit tile of warpgroup 0 in two parts: atoms 0-3 (V columns 0-255, which only this
     // warpgroup's P V reads) once its own P V on the tile before has retired, atoms 4-8 once
     // warpgroup 1's has too (`FREED_0`).
@@ -178,47 +163,23 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, K: CacheFormat, S: KeySource
             named_barrier::<LANDED_1, 128>();
         }
     };
-    // FP8: this warpgroup's tile, once its raw rows have landed, into 16-bit rows in place, then
-    // visible to `wgmma` (the async proxy).
-    let convert = || unsafe {
-        // The tile's rows 0-15 of both slots (the first group) are converted while the rest land.
-        cp_async_wait::<1>();
-        warpgroup_sync();
-        convert_in_place::<M, K::Fp8>([mine, mine + base.k_slot], lay.raw, cp_async_wait::<0>, warpgroup_sync);
-        fence_proxy_async_shared();
-        warpgroup_sync();
-    };
     if wg < n_tiles {
         copy(wg);
     }
     cp_async_wait::<0>();
     fence_proxy_async_shared();
     sync_threads();
-    if Q::IS_BF16 != M::IS_BF16 {
-        unsafe { queries_to_f16::<Q>(smem + base.q, mla::WIDE.block_m) };
-        fence_proxy_async_shared();
-        sync_threads();
-    }
-    // Tested through a shuffle: a test the compiler can merge with the copy's above would let it
-    // duplicate the barrier between them onto both paths (synccheck reports a barrier reached at
-    // two addresses).
-    if K::FP8 && shfl_idx((wg < n_tiles) as u32, 0) != 0 {
-        convert();
-    }
     let (q_desc, k_desc) = (wgmma_desc(smem + base.q, 16, GROUP_BYTES, true), wgmma_desc(mine, 16, GROUP_BYTES, true));
     let mut s = [[0.0f32; 4]; 8];
     if wg < n_tiles {
-        s = unsafe { M::wgmma_64x64_k576_async(q_desc, k_desc) };
+        s = unsafe { Q::wgmma_64x64_k576_async(q_desc, k_desc) };
     }
-    // S over a tile whose copies are still landing (an atom at a time), or, FP8, converted.
+    // S over a tile whose copies are still landing (an atom at a time).
     let issue_scores = || unsafe {
-        if K::FP8 {
-            convert();
-            M::wgmma_64x64_k576_async(q_desc, k_desc)
-        } else if wg == 0 {
-            M::wgmma_64x64_k576_landing_async::<LANDED_0>(q_desc, k_desc)
+        if wg == 0 {
+            Q::wgmma_64x64_k576_landing_async::<LANDED_0>(q_desc, k_desc)
         } else {
-            M::wgmma_64x64_k576_landing_async::<LANDED_1>(q_desc, k_desc)
+            Q::wgmma_64x64_k576_landing_async::<LANDED_1>(q_desc, k_desc)
         }
     };
 
@@ -228,7 +189,7 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, K: CacheFormat, S: KeySource
         let a = wgmma_desc(at + lay.p, 16, GROUP_BYTES, true);
         let b0 = wgmma_desc(at + atom, 1024, GROUP_BYTES, true);
         let b1 = wgmma_desc(at + base.k_slot + atom, 1024, GROUP_BYTES, true);
-        unsafe { M::wgmma_pv_64x256_k64_async(o, a, b0, b1) };
+        unsafe { Q::wgmma_pv_64x256_k64_async(o, a, b0, b1) };
     };
     // Keys outside the span, the causal mask, and keys whose block was not read (-inf).
     let mask = |s: &mut [[f32; 4]; 8], tile: u32| {
@@ -270,7 +231,7 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, K: CacheFormat, S: KeySource
                 let w0 = exp2(fma(s[n][2 * h], mult, neg_max));
                 let w1 = exp2(fma(s[n][2 * h + 1], mult, neg_max));
                 state[h].sum += w0 + w1;
-                unsafe { st_shared_u32(mine + swizzled(r, MLA_V / 8 + n as u32) + 4 * t4, M::pack2(w0, w1)) };
+                unsafe { st_shared_u32(mine + swizzled(r, MLA_V / 8 + n as u32) + 4 * t4, Q::pack2(w0, w1)) };
             });
             if t4 == 0 {
                 unsafe { st_shared_f32(maxima(wg, r), state[h].max) };
@@ -323,7 +284,7 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, K: CacheFormat, S: KeySource
                     // four atoms may land over the columns it read while warpgroup 1 takes its
                     // softmax.
                     unsafe { wait_acc256::<0>(&mut o) };
-                    if !K::FP8 && refill[0] {
+                    if refill[0] {
                         // The tables just filled, to the copying threads.
                         warpgroup_sync();
                         copy_own_atoms(t + 2);
@@ -363,7 +324,7 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, K: CacheFormat, S: KeySource
                 let next = refill[$wg];
                 if next {
                     wait(if $wg == 0 { FREED_0 } else { FREED_1 }, pair);
-                    if $wg == 0 && !K::FP8 {
+                    if $wg == 0 {
                         copy_other_atoms(t + 2);
                     } else {
                         // The tables just filled, to the copying threads.
@@ -408,7 +369,7 @@ pub(super) unsafe fn seesaw<Q: MmaHalf, M: MmaHalf, K: CacheFormat, S: KeySource
         }
         let row_state = OnlineSoftmax { max: state[h].max, sum: sum[h] + unsafe { ld_shared_f32(sums(1 - wg, r)) } };
         let row = unsafe { w.row(p, r) };
-        let out = unsafe { RowOut::new(p, w, &row, row_state, num_splits, t4 == 0 && wg == 0, v_scale, MLA_V) };
+        let out = unsafe { RowOut::new(p, w, &row, row_state, num_splits, t4 == 0 && wg == 0, 1.0, MLA_V) };
         static_for::<32>(|n| unsafe { out.store_pair::<Q>(wg * (MLA_V / 2) + n as u32 * 8 + 2 * t4, o[n][2 * h], o[n][2 * h + 1]) });
     });
 }

@@ -1,11 +1,9 @@
 //! The MLA kernel's copies into shared memory: a slot's K rows (16-bit, or raw FP8 and then
-//! converted, into separate slots or in place) and the query rows, in the swizzled layout
+//! converted into separate slots) and the query rows, in the swizzled layout
 //! (`attn_math::mla::swizzled`).
 
 use crate::blocks::device::{static_for, thread_idx_x};
 use crate::blocks::elem::Fp8Format;
-#[cfg(wgmma)]
-use crate::blocks::elem::F16;
 use crate::blocks::mma::{cp_async_16, ld_shared_u64, ld_shared_v4, st_shared_v4, MmaHalf};
 use attn_math::mla::{raw_chunk, raw_offset, swizzled, RAW_CHUNKS, ROW_CHUNKS, SLOT_KEYS, THREADS};
 
@@ -76,7 +74,7 @@ pub(super) unsafe fn copy_slot_fp8(dst: u32, table: u32, fallback: u64) {
 /// stored at the 16-bit chunk at `at` of a [`swizzled`] row and the row's next chunk (its place
 /// in the atom with the low bit flipped: `at ^ 16`).
 #[inline(always)]
-pub(super) unsafe fn store_converted_at<Q: MmaHalf, F: Fp8Format>(at: u32, v: [u32; 4]) {
+unsafe fn store_converted_at<Q: MmaHalf, F: Fp8Format>(at: u32, v: [u32; 4]) {
     let mut h = [0u32; 8];
     static_for::<4>(|j| [h[2 * j], h[2 * j + 1]] = Q::from_fp8x4::<F>(v[j]));
     unsafe { st_shared_v4(at, [h[0], h[1], h[2], h[3]]) };
@@ -107,56 +105,6 @@ pub(super) unsafe fn convert_slot_fp8<Q: MmaHalf, F: Fp8Format>(raw: u32, dst: u
             unsafe { store_converted::<Q, F>(dst, idx, ld_shared_v4(raw + idx * 16)) };
         }
     });
-}
-
-/// Threads of a warpgroup.
-#[cfg(wgmma)]
-const WARPGROUP: u32 = 128;
-
-/// [`copy_slot_fp8`] for a whole 64-row tile by one warpgroup (the seesaw order: each warpgroup
-/// copies its own tiles): rows 0-31 from the table at `tables[0]` into the slot at `dst`, rows
-/// 32-63 from `tables[1]` into the slot `slot_bytes` on, each slot's raw rows `raw` bytes into it
-/// ([`raw_offset`]). Two commit groups: rows 0-15 of both slots, then rows 16-31.
-#[cfg(wgmma)]
-#[inline(always)]
-pub(super) unsafe fn copy_tile_warpgroup_fp8(dst: u32, slot_bytes: u32, raw: u32, tables: [u32; 2], fallback: u64) {
-    const ROWS: usize = (2 * SLOT_KEYS / 16) as usize;
-    const { assert!(SLOT_KEYS == 32 && ROWS == 4) };
-    let t = thread_idx_x() % WARPGROUP;
-    let (r, c0) = (t / 8, t % 8);
-    static_for::<ROWS>(|i| {
-        // Rows r + 16 (i / 2) of slot i % 2.
-        let (slot, row) = ((i % 2) as u32, r + 16 * (i / 2) as u32);
-        let src = unsafe { ld_shared_u64(tables[i % 2] + row * 8) };
-        let (from, bytes, step) = if src != 0 { (src + c0 as u64 * 16, 16, 128) } else { (fallback, 0, 0) };
-        let to = dst + slot * slot_bytes + raw;
-        static_for::<{ RAW_CHUNKS.div_ceil(8) as usize }>(|k| {
-            if c0 + 8 * (k as u32) < RAW_CHUNKS {
-                unsafe { cp_async_16(to + raw_offset(row, c0 + 8 * k as u32), from + k as u64 * step, bytes) };
-            }
-        });
-        if i % 2 == 1 {
-            crate::blocks::mma::cp_async_commit();
-        }
-    });
-}
-
-/// Query rows (`rows` of them, 16-bit values of `Q` at `q`, any layout) times 2^-8 as f16, in
-/// place (exact within f16's range), by every thread of the CTA; a barrier must follow.
-#[cfg(wgmma)]
-#[inline(always)]
-pub(super) unsafe fn queries_to_f16<Q: MmaHalf>(q: u32, rows: u32) {
-    let tid = thread_idx_x();
-    let mut idx = tid;
-    while idx < rows * ROW_CHUNKS {
-        let v = unsafe { ld_shared_v4(q + idx * 16) };
-        let f16 = |w: u32| {
-            let (lo, hi) = Q::unpack2(w);
-            F16::pack2(lo * (1.0 / 256.0), hi * (1.0 / 256.0))
-        };
-        unsafe { st_shared_v4(q + idx * 16, [f16(v[0]), f16(v[1]), f16(v[2]), f16(v[3])]) };
-        idx += THREADS;
-    }
 }
 
 /// Copies `rows` query rows (`src(r)`: row r's address) into the [`swizzled`] layout at `dst`.

@@ -1,0 +1,406 @@
+//! The wide shape (17 to 64 query rows) over an FP8 cache on sm_90a: e4m3 `wgmma` with the keys
+//! on M, as the narrow shape's ([`super::narrow_e4m3`]), with 32 query rows on N (layout in
+//! `attn_math::mla::wide_e4m3_layout`).
+//!
+//! The seesaw order converted each FP8 tile to 16-bit rows in shared memory before its MMAs
+//! and reached 0.8-0.88 of the bf16 cache's rate at 128 heads (docs/mla.md, "FP8 on the
+//! seesaw order"). Here the cache's bytes are the operands as they are. Each warpgroup takes 32
+//! of the query rows through every tile, with a softmax state and O^T of its own:
+//! - S^T = K Q^T: 18 k-steps of m64n32k32, K straight from its rows, the queries quantised to
+//!   e4m3 once per CTA (one scale a row, folded into the row's score factor);
+//! - O^T += V^T P^T: 8 M blocks of 64 columns (128 accumulators a thread), a chain for each
+//!   32 keys; V^T's A fragments come from the rows by `ldmatrix.trans` and one `prmt` a
+//!   register (a chain's worth at a time), P^T is e4m3 in shared memory (the weights times 2^7
+//!   under a max that may lag the row's by up to 2^1.5).
+//!
+//! The warpgroups share only the tiles, so that one's softmax runs under the other's MMAs. A
+//! first build split the columns between them instead (each scoring half the rows, both adding
+//! P V of all of them): every tile then needed both halves of P and a CTA barrier, the
+//! warpgroups ran in step, and the tensor pipe waited through each softmax (1.09x the seesaw
+//! order, against 1.3x and more predicted; docs/mla.md). Tiles come through a ring of four
+//! buffers: a warpgroup done reading tile t arrives on its "freed" barrier, and at tile t + 1
+//! it copies its 32 rows of tile t + 4 into that buffer once both have arrived.
+//!
+//! Keys are permuted between S and P V as in the narrow kernel (`attn_math::mla::e4m3_rho`).
+
+use super::keys::KeySource;
+use crate::attention::config::CacheFormat;
+use crate::attention::output::RowOut;
+use crate::attention::work::Work;
+use crate::blocks::device::{self, dynamic_shared, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any, PdlGate};
+use crate::blocks::elem::{E4m3, E5m2, Fp8Format};
+use crate::blocks::mbarrier;
+use crate::blocks::mma::{
+    byte_perm, cp_async_16, cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_f32, ld_shared_u32, ld_shared_u64,
+    ld_shared_v4, ldmatrix_x4_trans, shared_addr, st_shared_f32, st_shared_u32, st_shared_u64, st_shared_u8, wgmma_desc, MmaHalf,
+};
+use crate::blocks::vec_io::{e4m3x2, f16x2_to_f32, load8_nc, load_f32_nc};
+use crate::blocks::wgmma::{wait_pv_t32, wait_scores_t32, WideFp8Chains};
+use attn_math::fp8::E4M3_MAX;
+use attn_math::mla::{
+    e4m3_column_of, e4m3_swizzled, wide_e4m3_layout, E4M3_TABLE_BYTES, E4M3_TILE_BYTES, WIDE_E4M3_P_BYTES, WIDE_E4M3_RING,
+    WIDE_E4M3_TABLES,
+};
+use attn_math::params::AttnParams;
+use attn_math::prefill::{MLA_QK, MLA_V};
+use attn_math::softmax::{exp2, OnlineSoftmax};
+
+/// P is stored as `2^P_SHIFT` times the weights (the narrow kernel's scheme).
+const P_SHIFT: f32 = 7.0;
+/// How far (base 2) a row's max may rise past the one its weights are taken under before O is
+/// rescaled: weights stay under `2^(P_SHIFT + SLACK)` = 362, below e4m3's 448.
+const SLACK: f32 = 1.5;
+/// Keys of a tile (M of every `wgmma`).
+const TILE: u32 = 64;
+/// The ring's buffers.
+const RING: u32 = WIDE_E4M3_RING;
+
+/// Named barrier of warpgroup `wg` (1 or 2; 0 is the CTA's).
+#[inline(always)]
+fn warpgroup_barrier(wg: u32) {
+    device::warpgroup_barrier::<1, 2>(wg)
+}
+
+/// [`WideFp8Chains::scores_t32`] of the cache's format.
+#[inline(always)]
+unsafe fn scores_t<K: CacheFormat>(desc_k: u64, desc_q: u64) -> [[f32; 4]; 4] {
+    if K::Fp8::E5M2 {
+        unsafe { E5m2::scores_t32(desc_k, desc_q) }
+    } else {
+        unsafe { E4m3::scores_t32(desc_k, desc_q) }
+    }
+}
+
+/// [`WideFp8Chains::pv_t32`] of the cache's format.
+#[inline(always)]
+unsafe fn pv_t<K: CacheFormat>(o: &mut [[f32; 4]; 32], v: &[[u32; 4]; 8], desc_p: u64) {
+    if K::Fp8::E5M2 {
+        unsafe { E5m2::pv_t32(o, v, desc_p) }
+    } else {
+        unsafe { E4m3::pv_t32(o, v, desc_p) }
+    }
+}
+
+/// The kernel body for `mla_<q>_<fp8>_wide` on sm_90a (`super::kernel::mla_attention` calls it
+/// for an FP8 cache's wide shape): work item `w`, its keys `begin..end` from `src`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn wide_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
+    p: &AttnParams,
+    w: &Work,
+    src: S,
+    gate: &PdlGate,
+    begin: u32,
+    end: u32,
+    causal: bool,
+    min_pos: u32,
+    q_row: impl Fn(u32) -> u64,
+) {
+    let l = wide_e4m3_layout();
+    let smem = shared_addr(dynamic_shared::<u8>());
+    let tid = thread_idx_x();
+    // Broadcast from lane 0, so that `ptxas` knows it is warp-uniform (the narrow kernel's
+    // reason: descriptors derived from it stay in uniform registers).
+    let (wg, t) = (shfl_idx(tid / 128, 0), tid % 128);
+    let (warp, lane) = (t / 32, t % 32);
+    let (g, t4) = (lane / 4, lane % 4);
+    let n_tiles = if end > begin { (end - begin).div_ceil(TILE) } else { 0 };
+    let buf = |tile: u32| smem + l.tiles + (tile % RING) * E4M3_TILE_BYTES;
+    let filled = |tile: u32| smem + l.bars + 8 * (tile % RING);
+    let freed = |tile: u32| smem + l.bars + 8 * (RING + tile % RING);
+    let table = |tile: u32| smem + l.tables + (tile % WIDE_E4M3_TABLES) * E4M3_TABLE_BYTES;
+    let flag = |tile: u32, half: u32| table(tile) + TILE * 8 + 4 * half;
+    let p_buf = smem + l.p + wg * WIDE_E4M3_P_BYTES;
+    // The first of this warpgroup's 32 rows (of the queries, and of each tile it copies).
+    let row0 = 32 * wg;
+
+    // Address lookups, warp 0 of each warpgroup, a key of its 32 rows a lane: `early` two
+    // copies ahead, `locate` one ahead, the entry (`fill`) before the copy.
+    let key_of = |tile: u32| begin + tile * TILE + row0 + lane;
+    let looks_up = warp == 0;
+    let early = |tile: u32| {
+        let key = key_of(tile);
+        if looks_up && tile < n_tiles && key < end {
+            unsafe { src.early(p, key) }
+        } else {
+            S::NO_EARLY
+        }
+    };
+    let locate = |tile: u32, e: S::Early| {
+        let key = key_of(tile);
+        if looks_up && tile < n_tiles && key < end {
+            unsafe { src.locate(p, key, e) }
+        } else {
+            S::NO_LOC
+        }
+    };
+    let fill = |tile: u32, loc: S::Loc| {
+        if looks_up && tile < n_tiles {
+            let key = key_of(tile);
+            let ka = if key < end { unsafe { src.address(p, key, loc, 1) } } else { 0 };
+            unsafe { st_shared_u64(table(tile) + (row0 + lane) * 8, ka) };
+            let any_skipped = vote_any(key < end && ka == 0);
+            if lane == 0 {
+                unsafe { st_shared_u32(flag(tile, wg), any_skipped as u32) };
+            }
+        }
+    };
+    // Copy this warpgroup's 32 rows of `tile` into its buffer: a thread takes rows row0 + t / 8
+    // + 16 r, chunks t % 8 + 8 a (atom a), so that a warp copies 128 contiguous bytes of each of
+    // 4 rows an instruction. The copies complete the buffer's phase (256 arrivals as they land,
+    // and each warpgroup's thread 0's, whose release publishes the table its warpgroup wrote
+    // before its barrier: the other warpgroup's masks read it). A warpgroup barrier must
+    // separate the table's writes from this.
+    let copy = |tile: u32| {
+        if tile < n_tiles {
+            // Rows of the new tokens wait for the kernel ahead (the cache write).
+            gate.before_keys(begin + (tile + 1) * TILE);
+            let c = t % 8;
+            static_for::<2>(|r| {
+                let row = row0 + t / 8 + 16 * r as u32;
+                let at = unsafe { ld_shared_u64(table(tile) + row * 8) };
+                let (from, bytes) = if at != 0 { (at + 16 * c as u64, 16) } else { (p.qkv.q, 0) };
+                static_for::<5>(|a| {
+                    let col = 16 * c + 128 * a as u32;
+                    if col < MLA_QK {
+                        let to = buf(tile) + e4m3_swizzled(TILE, row, col);
+                        // A zero-filled chunk (`bytes` 0) reads nothing.
+                        unsafe { cp_async_16(to, from + 128 * a as u64, bytes) };
+                    }
+                });
+            });
+            cp_async_commit();
+            unsafe {
+                mbarrier::arrive_when_copies_land(filled(tile));
+                if t == 0 {
+                    mbarrier::arrive(filled(tile));
+                }
+            }
+        }
+    };
+
+    // The queries, quantised to e4m3 (16 threads a row, 4 columns at a time, 16 rows a pass),
+    // each row's score factor and position.
+    static_for::<4>(|pass| {
+        let (n, sub) = (16 * pass as u32 + tid / 16, tid % 16);
+        let live = n < w.live;
+        let row = if live { q_row(n) } else { 0 };
+        let mut v = [[0u32; 2]; 9];
+        let mut amax = 0.0f32;
+        static_for::<9>(|x| {
+            if live {
+                v[x] = unsafe { load8_nc(row + (4 * (sub + 16 * x as u32)) as u64 * 2) };
+            }
+            static_for::<2>(|h| {
+                let (a, b) = Q::unpack2(v[x][h]);
+                amax = amax.max(a.abs()).max(b.abs());
+            });
+        });
+        static_for::<4>(|i| amax = amax.max(shfl_xor(amax, 1 << i)));
+        let scale = if amax > 0.0 { E4M3_MAX / amax } else { 1.0 };
+        static_for::<9>(|x| {
+            let (a, b) = Q::unpack2(v[x][0]);
+            let (c, d) = Q::unpack2(v[x][1]);
+            let packed = e4m3x2(a * scale, b * scale) | e4m3x2(c * scale, d * scale) << 16;
+            let col = 4 * (sub + 16 * x as u32);
+            unsafe { st_shared_u32(smem + l.q + e4m3_swizzled(64, n, col), packed) };
+        });
+        if sub == 0 {
+            // The FP8 scale of K; e4m3 `wgmma` reads the bytes as they are.
+            let k_scale = unsafe { load_f32_nc(p.fp8.k_scale) };
+            unsafe { st_shared_f32(smem + l.mult + 4 * n, p.variant.scale_log2 * k_scale / scale) };
+            let pos = if causal { unsafe { w.row(p, n).pos } } else { u32::MAX };
+            unsafe { st_shared_u32(smem + l.pos + 4 * n, pos) };
+        }
+    });
+    if tid == 0 {
+        static_for::<{ RING as usize }>(|b| unsafe {
+            mbarrier::init(filled(b as u32), 256 + 2);
+            mbarrier::init(freed(b as u32), 256);
+        });
+    }
+    // The tables of the ring's first tiles, and the lookups of the next two.
+    static_for::<{ RING as usize }>(|m| fill(m as u32, locate(m as u32, early(m as u32))));
+    let mut loc_next = locate(RING, early(RING));
+    let mut early_next = early(RING + 1);
+    fence_proxy_async_shared();
+    sync_threads();
+    gate.prologue();
+    static_for::<{ RING as usize }>(|m| copy(m as u32));
+
+    // This thread's rows of S^T and O^T: N columns 8j + 2t4 + e1 (r = 2j + e1) of its
+    // warpgroup's 32.
+    let rows_s = |r: usize| row0 + 8 * (r as u32 / 2) + 2 * t4 + (r as u32 & 1);
+    // The rows' score factors and positions are read from shared memory where they are used:
+    // held across the loop they pushed `ptxas` past 255 registers.
+    let mult = || -> [f32; 8] { core::array::from_fn(|r| unsafe { ld_shared_f32(smem + l.mult + 4 * rows_s(r)) }) };
+    let mut state = [OnlineSoftmax::EMPTY; 8];
+    let mut o = [[0.0f32; 4]; 32];
+    let mut v = [[0u32; 4]; 8];
+    let desc_q = wgmma_desc(smem + l.q + row0 * 128, 16, 1024, true);
+    let desc_p = wgmma_desc(p_buf, 16, 1024, true);
+    // V^T's A fragments, the narrow kernel's: this lane's `ldmatrix` row (key lane % 8, + 8 for
+    // matrices 1 and 3) and chunk (2 cp, + 1 for matrices 2 and 3) in atom `warp`, from a
+    // 16-key group's first row (16-row steps keep the swizzle: they add). Chunk b of atom
+    // `warp` is M block b (M rows g, g + 8 of this warp: columns 2g and 2g + 1).
+    let v_lane: [u32; 4] =
+        core::array::from_fn(|cp| e4m3_swizzled(TILE, lane % 8 + 8 * ((lane / 8) % 2), 128 * warp + 16 * (2 * cp as u32 + lane / 16)));
+    let fragments = |tile: u32, ks: u32, v: &mut [[u32; 4]; 8]| {
+        static_for::<2>(|u| {
+            static_for::<4>(|cp| {
+                let r = unsafe { ldmatrix_x4_trans(tile + (32 * ks + 16 * u as u32) * 128 + v_lane[cp]) };
+                static_for::<2>(|c| {
+                    let b = 2 * cp + c;
+                    v[b][2 * u] = byte_perm(r[2 * c], r[2 * c + 1], 0x6420);
+                    v[b][2 * u + 1] = byte_perm(r[2 * c], r[2 * c + 1], 0x7531);
+                });
+            });
+        });
+    };
+    // This thread's output columns: `v_out + 16 b + h` for M block b, M row g + 8 h.
+    let v_out = 128 * warp + 2 * g;
+
+    let mut this = 0;
+    while this < n_tiles {
+        unsafe {
+            mbarrier::wait(filled(this), (this / RING) & 1);
+            fence_proxy_async_shared();
+        }
+        let tile = buf(this);
+        let s = unsafe { scores_t::<K>(wgmma_desc(tile, 16, 1024, true), desc_q) };
+        // From the second tile on, this step copies tile this + 3 into the buffer of tile
+        // this - 1: its table now, the lookups of the two after it.
+        let next = this + RING - 1;
+        if this > 0 {
+            fill(next, loc_next);
+            loc_next = locate(next + 1, early_next);
+            early_next = early(next + 2);
+        }
+        fragments(tile, 0, &mut v);
+        let mut s = unsafe { wait_scores_t32(s) };
+
+        // Masks where the tile crosses a boundary: key m = 16 warp + g + 8 (e >> 1).
+        let first = begin + this * TILE;
+        let has_bad = unsafe { ld_shared_u32(flag(this, 0)) | ld_shared_u32(flag(this, 1)) } != 0;
+        if first + TILE > end || (causal && first + TILE - 1 > min_pos) || has_bad {
+            static_for::<4>(|j| {
+                static_for::<4>(|e| {
+                    let m = 16 * warp + g + 8 * (e as u32 >> 1);
+                    let key = first + m;
+                    let pos = unsafe { ld_shared_u32(smem + l.pos + 4 * rows_s(2 * j + (e & 1))) };
+                    let visible = key < end && key <= pos && (!has_bad || unsafe { ld_shared_u64(table(this) + m * 8) } != 0);
+                    if !visible {
+                        s[j][e] = f32::NEG_INFINITY;
+                    }
+                });
+            });
+        }
+        // Each row's max over the warp's 16 keys, then the warpgroup's through shared memory.
+        let mut m = [f32::NEG_INFINITY; 8];
+        static_for::<8>(|r| {
+            let (j, e) = (r / 2, r % 2);
+            m[r] = s[j][e].max(s[j][e + 2]);
+        });
+        static_for::<3>(|x| static_for::<8>(|r| m[r] = m[r].max(shfl_xor(m[r], 4 << x))));
+        if g == 0 {
+            static_for::<8>(|r| unsafe { st_shared_f32(smem + l.maxima + (4 * rows_s(r) + warp) * 4, m[r]) });
+        }
+        warpgroup_barrier(wg);
+        // Lazy rescale: a row's max moves (and O with it) only when the tile's rises more than
+        // `SLACK` past it; the vote keeps the branch warp-uniform.
+        let mult = mult();
+        let mut tile_max = [f32::NEG_INFINITY; 8];
+        static_for::<8>(|r| {
+            let all = unsafe { ld_shared_v4(smem + l.maxima + 4 * rows_s(r) * 4) };
+            tile_max[r] = all.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(f32::from_bits(x))) * mult[r];
+        });
+        let grows: [bool; 8] = core::array::from_fn(|r| tile_max[r] > state[r].max + SLACK);
+        if vote_any(grows.iter().any(|&x| x)) {
+            let mut factor = [1.0f32; 8];
+            static_for::<8>(|r| {
+                if grows[r] {
+                    factor[r] = state[r].rescale_to(tile_max[r]);
+                }
+            });
+            static_for::<32>(|i| static_for::<4>(|e| o[i][e] *= factor[2 * (i % 4) + (e & 1)]));
+        }
+        // The weights, times 2^P_SHIFT, into P^T (rows: the warpgroup's query rows; columns:
+        // `column_of` the keys).
+        static_for::<4>(|j| {
+            static_for::<2>(|h| {
+                let mm = 16 * warp + g + 8 * h as u32;
+                let col = e4m3_column_of(mm);
+                let mut wts = [0.0f32; 2];
+                static_for::<2>(|e1| {
+                    let r = 2 * j + e1;
+                    let st = &state[r];
+                    let neg = if st.max == f32::NEG_INFINITY { 0.0 } else { P_SHIFT - st.max };
+                    let x = s[j][2 * h + e1];
+                    wts[e1] = if x == f32::NEG_INFINITY { 0.0 } else { exp2(x * mult[r] + neg) };
+                });
+                // The row sums take the weights as P V will, rounded to e4m3: a row whose weight
+                // sits on one key then gets that key's V whatever the rounding.
+                let pair = e4m3x2(wts[0], wts[1]);
+                let (w0, w1) = f16x2_to_f32(E4m3::to_f16x2(pair));
+                state[2 * j].sum += w0;
+                state[2 * j + 1].sum += w1;
+                let n0 = rows_s(2 * j) - row0;
+                unsafe {
+                    st_shared_u8(p_buf + e4m3_swizzled(32, n0, col), pair);
+                    st_shared_u8(p_buf + e4m3_swizzled(32, n0 + 1, col), pair >> 8);
+                }
+            });
+        });
+        fence_proxy_async_shared();
+        warpgroup_barrier(wg);
+        unsafe { pv_t::<K>(&mut o, &v, desc_p) };
+        unsafe { wait_pv_t32(&mut o, &v) };
+        fragments(tile, 1, &mut v);
+        // This warpgroup is done reading the tile (S retired, V in registers).
+        unsafe { mbarrier::arrive(freed(this)) };
+        unsafe { pv_t::<K>(&mut o, &v, desc_p + 2) };
+        // Tile this + 3 into the buffer of tile this - 1, once both warpgroups are done with it
+        // (the other one a step ago at the latest, unless it lags).
+        if this > 0 && next < n_tiles {
+            unsafe { mbarrier::wait(freed(this - 1), ((this - 1) / RING) & 1) };
+            copy(next);
+        }
+        // Retired before the loop's back edge (the narrow kernel's reason: `ptxas` serialises
+        // every chain otherwise, C7514).
+        unsafe { wait_pv_t32(&mut o, &v) };
+        this += 1;
+    }
+    cp_async_wait::<0>();
+    gate.before_writes();
+
+    // Each row's sum over the warpgroup (every warp holds the same max).
+    let mut sum = [0.0f32; 8];
+    static_for::<8>(|r| {
+        sum[r] = state[r].sum;
+        static_for::<3>(|x| sum[r] += shfl_xor(sum[r], 4 << x));
+    });
+    warpgroup_barrier(wg);
+    if g == 0 {
+        static_for::<8>(|r| unsafe { st_shared_f32(smem + l.maxima + (4 * rows_s(r) + warp) * 4, sum[r]) });
+    }
+    warpgroup_barrier(wg);
+    let v_scale = unsafe { load_f32_nc(p.fp8.v_scale) };
+    let num_splits = unsafe { w.num_splits(p) };
+    static_for::<8>(|r| {
+        let n = rows_s(r);
+        if n >= w.live {
+            return;
+        }
+        let all = unsafe { ld_shared_v4(smem + l.maxima + 4 * n * 4) };
+        // The state of P's scale: its max carries the 2^P_SHIFT back out.
+        let st = OnlineSoftmax { max: state[r].max - P_SHIFT, sum: all.iter().fold(0.0, |a, &x| a + f32::from_bits(x)) };
+        let row = unsafe { w.row(p, n) };
+        let out = unsafe { RowOut::new(p, w, &row, st, num_splits, warp == 0 && g == 0, v_scale, MLA_V) };
+        let (j, e1) = (r / 2, r % 2);
+        // Block b of this row: columns v_out + 16 b and + 1 (M rows g, g + 8).
+        static_for::<8>(|b| {
+            let acc = o[4 * b + j];
+            unsafe { out.store_pair::<Q>(v_out + 16 * b as u32, acc[e1], acc[2 + e1]) };
+        });
+    });
+}
