@@ -849,7 +849,9 @@ wide_fp8_chains_impl!(E5m2, "e5m2");
 /// accumulators for the reads after the wait.
 #[inline(always)]
 pub unsafe fn wait_scores_t32(s: [[f32; 4]; 4]) -> [[f32; 4]; 4] {
-    unsafe { with_acc!("wgmma.wait_group.sync.aligned 0; // {0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}", in s [0 1 2 3], options(nostack)) };
+    unsafe {
+        with_acc!("wgmma.wait_group.sync.aligned 0; // {0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}", in s [0 1 2 3], options(nostack))
+    };
     s
 }
 

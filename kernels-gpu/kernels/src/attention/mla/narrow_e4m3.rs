@@ -50,17 +50,17 @@ use attn_math::softmax::{exp2, OnlineSoftmax};
 
 /// P is stored as `2^P_SHIFT` times the weights, so that small ones keep e4m3's precision; the
 /// state's max carries the shift back out.
-const P_SHIFT: f32 = 7.0;
+pub(super) const P_SHIFT: f32 = 7.0;
 /// How far (base 2) a row's max may rise past the one its weights are taken under before O is
 /// rescaled: weights stay under `2^(P_SHIFT + SLACK)` = 362, below e4m3's 448. Rescaling at
 /// every rise cost 64 multiplies a tile nearly every tile (some row of 16 rises).
-const SLACK: f32 = 1.5;
+pub(super) const SLACK: f32 = 1.5;
 /// Keys of a tile (M of every `wgmma`).
-const TILE: u32 = 64;
+pub(super) const TILE: u32 = 64;
 
 /// Named barrier of warpgroup `wg` (1 or 2; 0 is the CTA's).
 #[inline(always)]
-fn warpgroup_barrier(wg: u32) {
+pub(super) fn warpgroup_barrier(wg: u32) {
     device::warpgroup_barrier::<1, 2>(wg)
 }
 

@@ -24,10 +24,12 @@
 //! Keys are permuted between S and P V as in the narrow kernel (`attn_math::mla::e4m3_rho`).
 
 use super::keys::KeySource;
+// P's scale, the lazy rescale's slack and the tile: the narrow kernel's.
+use super::narrow_e4m3::{warpgroup_barrier, P_SHIFT, SLACK, TILE};
 use crate::attention::config::CacheFormat;
 use crate::attention::output::RowOut;
 use crate::attention::work::Work;
-use crate::blocks::device::{self, dynamic_shared, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any, PdlGate};
+use crate::blocks::device::{dynamic_shared, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any, PdlGate};
 use crate::blocks::elem::{E4m3, E5m2, Fp8Format};
 use crate::blocks::mbarrier;
 use crate::blocks::mma::{
@@ -38,28 +40,14 @@ use crate::blocks::vec_io::{e4m3x2, f16x2_to_f32, load8_nc, load_f32_nc};
 use crate::blocks::wgmma::{wait_pv_t32, wait_scores_t32, WideFp8Chains};
 use attn_math::fp8::E4M3_MAX;
 use attn_math::mla::{
-    e4m3_column_of, e4m3_swizzled, wide_e4m3_layout, E4M3_TABLE_BYTES, E4M3_TILE_BYTES, WIDE_E4M3_P_BYTES, WIDE_E4M3_RING,
-    WIDE_E4M3_TABLES,
+    e4m3_column_of, e4m3_swizzled, wide_e4m3_layout, E4M3_TABLE_BYTES, E4M3_TILE_BYTES, WIDE_E4M3_P_BYTES, WIDE_E4M3_RING, WIDE_E4M3_TABLES,
 };
 use attn_math::params::AttnParams;
 use attn_math::prefill::{MLA_QK, MLA_V};
 use attn_math::softmax::{exp2, OnlineSoftmax};
 
-/// P is stored as `2^P_SHIFT` times the weights (the narrow kernel's scheme).
-const P_SHIFT: f32 = 7.0;
-/// How far (base 2) a row's max may rise past the one its weights are taken under before O is
-/// rescaled: weights stay under `2^(P_SHIFT + SLACK)` = 362, below e4m3's 448.
-const SLACK: f32 = 1.5;
-/// Keys of a tile (M of every `wgmma`).
-const TILE: u32 = 64;
 /// The ring's buffers.
 const RING: u32 = WIDE_E4M3_RING;
-
-/// Named barrier of warpgroup `wg` (1 or 2; 0 is the CTA's).
-#[inline(always)]
-fn warpgroup_barrier(wg: u32) {
-    device::warpgroup_barrier::<1, 2>(wg)
-}
 
 /// [`WideFp8Chains::scores_t32`] of the cache's format.
 #[inline(always)]
