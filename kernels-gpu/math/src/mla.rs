@@ -363,6 +363,19 @@ mod tests {
     }
 
     #[test]
+    fn e4m3_columns_of_a_lane_pair() {
+        // The wide e4m3 kernel's P^T words: keys m = 16 w + g and m + 8 of lane g sit in columns
+        // c + g % 2 and c + 2 + g % 2 of c = 16 w + 4 (g / 2), so lanes g and g ^ 1 hold c..c + 3.
+        for w in 0..4 {
+            for g in 0..8 {
+                let c = 16 * w + 4 * (g / 2);
+                assert_eq!(e4m3_column_of(16 * w + g), c + g % 2);
+                assert_eq!(e4m3_column_of(16 * w + g + 8), c + 2 + g % 2);
+            }
+        }
+    }
+
+    #[test]
     fn wide_e4m3_layout_fits() {
         let l = wide_e4m3_layout();
         assert!(l.total <= 227 * 1024, "{l:?}");

@@ -26,6 +26,7 @@
 //! tile is the tile's key m; P^T column (and V^T's A column) k is key
 //! `attn_math::mla::e4m3_rho(k)`, the order in which `ldmatrix.trans` hands a lane its keys.
 
+use super::e4m3_softmax::{lazy_factors, tile_maxima, weights_into_p};
 use super::keys::KeySource;
 use crate::attention::config::CacheFormat;
 use crate::attention::output::RowOut;
@@ -35,15 +36,12 @@ use crate::blocks::elem::{E4m3, E5m2, Fp8Format};
 use crate::blocks::mbarrier;
 use crate::blocks::mma::{
     byte_perm, cp_async_16, cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_f32, ld_shared_u32, ld_shared_u64,
-    ld_shared_v4, ldmatrix_x4_trans, shared_addr, st_shared_f32, st_shared_u32, st_shared_u64, st_shared_u8, st_shared_v4, wgmma_desc,
-    MmaHalf,
+    ld_shared_v4, ldmatrix_x4_trans, shared_addr, st_shared_f32, st_shared_u32, st_shared_u64, st_shared_v4, wgmma_desc, MmaHalf,
 };
-use crate::blocks::vec_io::{e4m3x2, f16x2_to_f32, load8_nc, load_f32_nc};
+use crate::blocks::vec_io::{e4m3x2, load8_nc, load_f32_nc};
 use crate::blocks::wgmma::{wait_pv_t, wait_scores_t, NarrowFp8Chains};
 use attn_math::fp8::E4M3_MAX;
-use attn_math::mla::{
-    e4m3_column_of, e4m3_swizzled, narrow_e4m3_layout, E4M3_CLUSTER_RANKS, E4M3_RING, E4M3_TABLES, E4M3_TABLE_BYTES, E4M3_TILE_BYTES,
-};
+use attn_math::mla::{e4m3_swizzled, narrow_e4m3_layout, E4M3_CLUSTER_RANKS, E4M3_RING, E4M3_TABLES, E4M3_TABLE_BYTES, E4M3_TILE_BYTES};
 use attn_math::params::AttnParams;
 use attn_math::prefill::{MLA_QK, MLA_V};
 use attn_math::softmax::{exp2, OnlineSoftmax};
@@ -300,7 +298,8 @@ pub(super) unsafe fn narrow_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
         // Masks where the tile crosses a boundary: key m = 16 warp + g + 8 (e >> 1).
         let first = begin + this * TILE;
         let has_bad = unsafe { ld_shared_u32(flag(this, 0)) | ld_shared_u32(flag(this, 1)) } != 0;
-        if first + TILE > end || (causal && first + TILE - 1 > min_pos) || has_bad {
+        let masked = first + TILE > end || (causal && first + TILE - 1 > min_pos) || has_bad;
+        if masked {
             static_for::<2>(|j| {
                 static_for::<4>(|e| {
                     let m = 16 * warp + g + 8 * (e as u32 >> 1);
@@ -324,51 +323,11 @@ pub(super) unsafe fn narrow_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
             static_for::<4>(|r| unsafe { st_shared_f32(maxima + (4 * rows_n(r) + warp) * 4, m[r]) });
         }
         warpgroup_barrier(wg);
-        // Lazy rescale: a row's max moves (and O with it) only when the tile's rises more than
-        // `SLACK` past it; the vote keeps the branch warp-uniform.
-        let mut tile_max = [f32::NEG_INFINITY; 4];
-        static_for::<4>(|r| {
-            let all = unsafe { ld_shared_v4(maxima + 4 * rows_n(r) * 4) };
-            tile_max[r] = all.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(f32::from_bits(x))) * mult[r];
-        });
-        let grows: [bool; 4] = core::array::from_fn(|r| tile_max[r] > state[r].max + SLACK);
-        if vote_any(grows.iter().any(|&x| x)) {
-            let mut factor = [1.0f32; 4];
-            static_for::<4>(|r| {
-                if grows[r] {
-                    factor[r] = state[r].rescale_to(tile_max[r]);
-                }
-            });
-            static_for::<16>(|b| {
-                static_for::<4>(|e| o[b][e] *= factor[2 * (b % 2) + (e & 1)]);
-            });
+        let tile_max = tile_maxima(|r| maxima + 4 * rows_n(r) * 4, &mult);
+        if let Some(factor) = lazy_factors(&mut state, &tile_max) {
+            static_for::<16>(|b| static_for::<4>(|e| o[b][e] *= factor[2 * (b % 2) + (e & 1)]));
         }
-        // The weights, times 2^P_SHIFT, into P^T (rows: query rows; columns: `column_of` the keys).
-        static_for::<2>(|j| {
-            static_for::<2>(|h| {
-                let mm = 16 * warp + g + 8 * h as u32;
-                let col = e4m3_column_of(mm);
-                let mut wts = [0.0f32; 2];
-                static_for::<2>(|e1| {
-                    let r = 2 * j + e1;
-                    let st = &state[r];
-                    let neg = if st.max == f32::NEG_INFINITY { 0.0 } else { P_SHIFT - st.max };
-                    let x = s[j][2 * h + e1];
-                    wts[e1] = if x == f32::NEG_INFINITY { 0.0 } else { exp2(x * mult[r] + neg) };
-                });
-                // The row sums take the weights as P V will, rounded to e4m3: a row whose weight
-                // sits on one key then gets that key's V whatever the rounding.
-                let pair = e4m3x2(wts[0], wts[1]);
-                let (w0, w1) = f16x2_to_f32(E4m3::to_f16x2(pair));
-                state[2 * j].sum += w0;
-                state[2 * j + 1].sum += w1;
-                let n0 = rows_n(2 * j);
-                unsafe {
-                    st_shared_u8(p_buf + e4m3_swizzled(16, n0, col), pair);
-                    st_shared_u8(p_buf + e4m3_swizzled(16, n0 + 1, col), pair >> 8);
-                }
-            });
-        });
+        weights_into_p(&mut s, &mut state, &mult, masked, p_buf, 16, warp, lane);
         fence_proxy_async_shared();
         warpgroup_barrier(wg);
         unsafe { pv_t::<K>(&mut o, &v, desc_p) };
