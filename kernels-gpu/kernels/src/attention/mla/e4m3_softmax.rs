@@ -9,12 +9,28 @@
 //! warp-instructions a warp a tile at 6.4 cycles each, bound by its own instruction stream
 //! (docs/mla.md), so this step is written for few instructions.
 
-use super::narrow_e4m3::{P_SHIFT, SLACK};
+use super::narrow_e4m3::{warpgroup_barrier, P_SHIFT, SLACK};
 use crate::blocks::device::{fma, shfl_xor, static_for};
-use crate::blocks::mma::{byte_perm, ld_shared_v4, st_shared_u32};
+use crate::blocks::mma::{byte_perm, ld_shared_v4, st_shared_f32, st_shared_u32};
 use crate::blocks::vec_io::e4m3x2;
 use attn_math::mla::e4m3_swizzled;
 use attn_math::softmax::{exp2, OnlineSoftmax};
+
+/// Each of this thread's R rows' max over the warp's 16 keys of `s` (J blocks), stored by the
+/// lanes of g 0 as the warp's entry (`at(r) + 4 warp`) of the row's four partial maxima.
+#[inline(always)]
+pub(super) fn publish_row_maxima<const J: usize, const R: usize>(s: &[[f32; 4]; J], at: impl Fn(usize) -> u32, warp: u32, g: u32) {
+    const { assert!(R == 2 * J) };
+    let mut m = [f32::NEG_INFINITY; R];
+    static_for::<R>(|r| {
+        let (j, e) = (r / 2, r % 2);
+        m[r] = s[j][e].max(s[j][e + 2]);
+    });
+    static_for::<3>(|x| static_for::<R>(|r| m[r] = m[r].max(shfl_xor(m[r], 4 << x))));
+    if g == 0 {
+        static_for::<R>(|r| unsafe { st_shared_f32(at(r) + 4 * warp, m[r]) });
+    }
+}
 
 /// The tile's maxima of this thread's R rows, times their score factors `mult`: row r's four
 /// warps' partial maxima are the four f32 at `at(r)` (16-byte aligned).
@@ -89,4 +105,30 @@ pub(super) fn weights_into_p<const J: usize, const R: usize>(
         // 8 rows on, the swizzle is the same: the offsets add.
         unsafe { st_shared_u32(at + 1024 * j as u32, byte_perm(x, y, sel)) };
     });
+}
+
+/// After the key loop: each of this thread's R rows' sum over its warp's keys, stored by the
+/// lanes of g 0 as the warp's entry (`at(r) + 4 warp`) of the row's four, between two barriers
+/// of warpgroup `wg` (the first keeps the last tile's maxima from being overwritten while read).
+/// [`row_sum`] adds them up.
+#[inline(always)]
+pub(super) fn publish_row_sums<const R: usize>(state: &[OnlineSoftmax; R], at: impl Fn(usize) -> u32, warp: u32, g: u32, wg: u32) {
+    let mut sum = [0.0f32; R];
+    static_for::<R>(|r| {
+        sum[r] = state[r].sum;
+        static_for::<3>(|x| sum[r] += shfl_xor(sum[r], 4 << x));
+    });
+    warpgroup_barrier(wg);
+    if g == 0 {
+        static_for::<R>(|r| unsafe { st_shared_f32(at(r) + 4 * warp, sum[r]) });
+    }
+    warpgroup_barrier(wg);
+}
+
+/// A row's state over the whole loop: its max less `P_SHIFT` (P's scale out again) and the sum
+/// of its four warps' sums at `at` ([`publish_row_sums`]).
+#[inline(always)]
+pub(super) fn final_state(state: &OnlineSoftmax, at: u32) -> OnlineSoftmax {
+    let all = unsafe { ld_shared_v4(at) };
+    OnlineSoftmax { max: state.max - P_SHIFT, sum: all.iter().fold(0.0, |a, &x| a + f32::from_bits(x)) }
 }

@@ -30,11 +30,13 @@
 //! request masked out instead of the causal mask).
 //!
 //! [`kernel`] is the kernel; [`keys`] where its keys come from; [`tile`] its matrix products, [`slots`] its copies into the
-//! swizzled slots, [`narrow_e4m3`] and [`wide_e4m3`] (sm_90a) the shapes over an FP8 cache (their softmax step in [`e4m3_softmax`]), [`seesaw`] (sm_90a) the wide shape's
+//! swizzled slots, [`narrow_e4m3`] and [`wide_e4m3`] (sm_90a) the shapes over an FP8 cache (what both do around their products in [`e4m3_operands`], their softmax step in [`e4m3_softmax`]), [`seesaw`] (sm_90a) the wide shape's
 //! seesaw order, and [`combine`] (sm_90a) the cluster combine of a request's splits.
 
 #[cfg(wgmma)]
 mod combine;
+#[cfg(wgmma)]
+mod e4m3_operands;
 #[cfg(wgmma)]
 mod e4m3_softmax;
 pub(crate) mod kernel;

@@ -26,24 +26,24 @@
 //! tile is the tile's key m; P^T column (and V^T's A column) k is key
 //! `attn_math::mla::e4m3_rho(k)`, the order in which `ldmatrix.trans` hands a lane its keys.
 
-use super::e4m3_softmax::{lazy_factors, tile_maxima, weights_into_p};
+use super::e4m3_operands::{copy_tile_rows, mask_scores, quantise_query_row, v_fragments, v_lanes, Lookups};
+use super::e4m3_softmax::{final_state, lazy_factors, publish_row_maxima, publish_row_sums, tile_maxima, weights_into_p};
 use super::keys::KeySource;
 use crate::attention::config::CacheFormat;
 use crate::attention::output::RowOut;
 use crate::attention::work::Work;
-use crate::blocks::device::{self, dynamic_shared, fma, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any, PdlGate};
+use crate::blocks::device::{self, dynamic_shared, fma, shfl_idx, static_for, sync_threads, thread_idx_x, PdlGate};
 use crate::blocks::elem::{E4m3, E5m2, Fp8Format};
 use crate::blocks::mbarrier;
 use crate::blocks::mma::{
-    byte_perm, cp_async_16, cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_f32, ld_shared_u32, ld_shared_u64,
-    ld_shared_v4, ldmatrix_x4_trans, shared_addr, st_shared_f32, st_shared_u32, st_shared_u64, st_shared_v4, wgmma_desc, MmaHalf,
+    cp_async_wait, fence_proxy_async_shared, ld_shared_f32, ld_shared_u32, ld_shared_u64, ld_shared_v4, shared_addr, st_shared_u64,
+    st_shared_v4, wgmma_desc, MmaHalf,
 };
-use crate::blocks::vec_io::{e4m3x2, load8_nc, load_f32_nc};
+use crate::blocks::vec_io::load_f32_nc;
 use crate::blocks::wgmma::{wait_pv_t, wait_scores_t, NarrowFp8Chains};
-use attn_math::fp8::E4M3_MAX;
-use attn_math::mla::{e4m3_swizzled, narrow_e4m3_layout, E4M3_CLUSTER_RANKS, E4M3_RING, E4M3_TABLES, E4M3_TABLE_BYTES, E4M3_TILE_BYTES};
+use attn_math::mla::{narrow_e4m3_layout, E4M3_CLUSTER_RANKS, E4M3_RING, E4M3_TABLES, E4M3_TABLE_BYTES, E4M3_TILE_BYTES};
 use attn_math::params::AttnParams;
-use attn_math::prefill::{MLA_QK, MLA_V};
+use attn_math::prefill::MLA_V;
 use attn_math::softmax::{exp2, OnlineSoftmax};
 
 /// P is stored as `2^P_SHIFT` times the weights, so that small ones keep e4m3's precision; the
@@ -125,100 +125,32 @@ pub(super) unsafe fn narrow_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
     // Address lookups of the tiles this warpgroup copies (index m), two warps, a key a lane:
     // `early` two copies ahead, `locate` one ahead, the entry (`fill`) before the copy.
     let key_of = |m: u32| begin + issued(m) * TILE + 32 * warp + lane;
-    let looks_up = warp < 2;
-    let early = |m: u32| {
-        let key = key_of(m);
-        if looks_up && m < n_issue && key < end {
-            unsafe { src.early(p, key) }
-        } else {
-            S::NO_EARLY
-        }
-    };
-    let locate = |m: u32, e: S::Early| {
-        let key = key_of(m);
-        if looks_up && m < n_issue && key < end {
-            unsafe { src.locate(p, key, e) }
-        } else {
-            S::NO_LOC
-        }
-    };
+    let looks_up = |m: u32| warp < 2 && m < n_issue;
+    let lookups = Lookups { p, src, end };
+    let early = |m: u32| lookups.early(key_of(m), looks_up(m));
+    let locate = |m: u32, e: S::Early| lookups.locate(key_of(m), looks_up(m), e);
     let fill = |m: u32, loc: S::Loc| {
-        if looks_up && m < n_issue {
-            let key = key_of(m);
-            let ka = if key < end { unsafe { src.address(p, key, loc, 1) } } else { 0 };
-            unsafe { st_shared_u64(table(issued(m)) + (32 * warp + lane) * 8, ka) };
-            let any_skipped = vote_any(key < end && ka == 0);
-            if lane == 0 {
-                unsafe { st_shared_u32(flag(issued(m), warp), any_skipped as u32) };
-            }
+        if looks_up(m) {
+            let entry = table(issued(m)) + (32 * warp + lane) * 8;
+            lookups.fill(key_of(m), loc, entry, flag(issued(m), warp), lane)
         }
     };
-    // Copy m's 64 rows into its buffer: a thread takes rows t / 8 + 16 r, chunks t % 8 + 8 a
-    // (atom a), so that a warp copies 128 contiguous bytes of each of 4 rows an instruction.
-    // The copies complete the buffer's phase (128 arrivals as they land, and thread 0's, whose
-    // release publishes the table the warpgroup wrote before its barrier). A barrier must
-    // separate the table's writes from this.
+    // Copy m's 64 rows into its buffer (a barrier must separate the table's writes from this).
     let copy = |m: u32| {
         if m < n_issue {
             let tile = issued(m);
             // Rows of the new tokens wait for the kernel ahead (the cache write).
             gate.before_keys(begin + (tile + 1) * TILE);
-            let (r0, c) = (t / 8, t % 8);
-            static_for::<4>(|r| {
-                let row = r0 + 16 * r as u32;
-                let at = unsafe { ld_shared_u64(table(tile) + row * 8) };
-                let (from, bytes) = if at != 0 { (at + 16 * c as u64, 16) } else { (p.qkv.q, 0) };
-                static_for::<5>(|a| {
-                    let col = 16 * c + 128 * a as u32;
-                    if col < MLA_QK {
-                        let to = buf(tile) + e4m3_swizzled(TILE, row, col);
-                        // A zero-filled chunk (`bytes` 0) reads nothing: its address is never
-                        // used, and one base a row keeps the offsets immediate.
-                        unsafe { cp_async_16(to, from + 128 * a as u64, bytes) };
-                    }
-                });
-            });
-            cp_async_commit();
-            unsafe {
-                mbarrier::arrive_when_copies_land(filled(tile));
-                if t == 0 {
-                    mbarrier::arrive(filled(tile));
-                }
-            }
+            unsafe { copy_tile_rows::<4>(p, table(tile), buf(tile), 0, t, filled(tile)) };
         }
     };
 
-    // The queries, quantised to e4m3 (16 threads a row, 4 columns at a time), and each row's
-    // score factor.
+    // The queries, quantised to e4m3 (16 threads a row), and each row's score factor.
     {
         let (n, sub) = (tid / 16, tid % 16);
         let live = n < w.live;
         let row = if live { q_row(n) } else { 0 };
-        let mut v = [[0u32; 2]; 9];
-        let mut amax = 0.0f32;
-        static_for::<9>(|x| {
-            if live {
-                v[x] = unsafe { load8_nc(row + (4 * (sub + 16 * x as u32)) as u64 * 2) };
-            }
-            static_for::<2>(|h| {
-                let (a, b) = Q::unpack2(v[x][h]);
-                amax = amax.max(a.abs()).max(b.abs());
-            });
-        });
-        static_for::<4>(|i| amax = amax.max(shfl_xor(amax, 1 << i)));
-        let scale = if amax > 0.0 { E4M3_MAX / amax } else { 1.0 };
-        static_for::<9>(|x| {
-            let (a, b) = Q::unpack2(v[x][0]);
-            let (c, d) = Q::unpack2(v[x][1]);
-            let packed = e4m3x2(a * scale, b * scale) | e4m3x2(c * scale, d * scale) << 16;
-            let col = 4 * (sub + 16 * x as u32);
-            unsafe { st_shared_u32(smem + l.q + e4m3_swizzled(16, n, col), packed) };
-        });
-        if sub == 0 {
-            // The FP8 scale of K; e4m3 `wgmma` reads the bytes as they are.
-            let k_scale = unsafe { load_f32_nc(p.fp8.k_scale) };
-            unsafe { st_shared_f32(smem + l.mult + 4 * n, p.variant.scale_log2 * k_scale / scale) };
-        }
+        unsafe { quantise_query_row::<Q>(p, n, sub, live, row, smem + l.q, 16, smem + l.mult) };
     }
     if tid == 0 {
         static_for::<{ E4M3_RING as usize }>(|b| unsafe { mbarrier::init(filled(b as u32), 128 + 1) });
@@ -251,11 +183,7 @@ pub(super) unsafe fn narrow_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
     let mut v = [[0u32; 4]; 16];
     let desc_q = wgmma_desc(smem + l.q, 16, 1024, true);
     let desc_p = wgmma_desc(p_buf, 16, 1024, true);
-    // This lane's `ldmatrix` row (key lane % 8, + 8 for matrices 1 and 3) and chunk (2 cp, + 1
-    // for matrices 2 and 3) in atom `warp`, from a 16-key group's first row (16-row steps keep
-    // the swizzle: they add).
-    let v_lane: [u32; 4] =
-        core::array::from_fn(|cp| e4m3_swizzled(TILE, lane % 8 + 8 * ((lane / 8) % 2), 128 * warp + 16 * (2 * cp as u32 + lane / 16)));
+    let v_lane = v_lanes(warp, lane);
     // This thread's output columns: `v_out + 16 b + h` for M block b, row g + 8 h.
     let v_out = 128 * warp + 2 * g;
 
@@ -276,52 +204,18 @@ pub(super) unsafe fn narrow_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
         early_next = early(mi + 2);
         let mut s = unsafe { wait_scores_t(s) };
 
-        // V^T's A fragments of this tile, from `ldmatrix.trans` of the rows as 16-bit pairs:
-        // matrices (keys 16 x .. + 7, chunk c) and (keys 16 x + 8 .., chunk c) give lane (g, t4)
-        // columns 2g, 2g + 1 of the chunk for keys 2t4, 2t4 + 1 and 8 + 2t4, 9 + 2t4 of the 16,
-        // which one `prmt` each takes apart into the two columns' registers, keys in
-        // `attn_math::mla::e4m3_rho`'s order. Chunk c of atom `warp` is M block c (rows g, g + 8 of this warp:
-        // columns 2g and 2g + 1).
-        static_for::<2>(|ks| {
-            static_for::<2>(|u| {
-                static_for::<4>(|cp| {
-                    let r = unsafe { ldmatrix_x4_trans(tile + (32 * ks as u32 + 16 * u as u32) * 128 + v_lane[cp]) };
-                    static_for::<2>(|c| {
-                        let b = 2 * cp + c;
-                        v[8 * ks + b][2 * u] = byte_perm(r[2 * c], r[2 * c + 1], 0x6420);
-                        v[8 * ks + b][2 * u + 1] = byte_perm(r[2 * c], r[2 * c + 1], 0x7531);
-                    });
-                });
-            });
-        });
+        // V^T's A fragments of this tile.
+        static_for::<2>(|ks| unsafe { v_fragments(tile, ks as u32, &v_lane, &mut v, 8 * ks) });
 
         // Masks where the tile crosses a boundary: key m = 16 warp + g + 8 (e >> 1).
         let first = begin + this * TILE;
         let has_bad = unsafe { ld_shared_u32(flag(this, 0)) | ld_shared_u32(flag(this, 1)) } != 0;
         let masked = first + TILE > end || (causal && first + TILE - 1 > min_pos) || has_bad;
         if masked {
-            static_for::<2>(|j| {
-                static_for::<4>(|e| {
-                    let m = 16 * warp + g + 8 * (e as u32 >> 1);
-                    let key = first + m;
-                    let r = 2 * j + (e & 1);
-                    let visible = key < end && key <= pos[r] && (!has_bad || unsafe { ld_shared_u64(table(this) + m * 8) } != 0);
-                    if !visible {
-                        s[j][e] = f32::NEG_INFINITY;
-                    }
-                });
-            });
+            mask_scores(&mut s, first, end, has_bad, table(this), warp, g, |r| pos[r]);
         }
         // Each row's max over the warp's 16 keys, then the warpgroup's through shared memory.
-        let mut m = [f32::NEG_INFINITY; 4];
-        static_for::<4>(|r| {
-            let (j, e) = (r / 2, r % 2);
-            m[r] = s[j][e].max(s[j][e + 2]);
-        });
-        static_for::<3>(|x| static_for::<4>(|r| m[r] = m[r].max(shfl_xor(m[r], 4 << x))));
-        if g == 0 {
-            static_for::<4>(|r| unsafe { st_shared_f32(maxima + (4 * rows_n(r) + warp) * 4, m[r]) });
-        }
+        publish_row_maxima::<2, 4>(&s, |r| maxima + 4 * rows_n(r) * 4, warp, g);
         warpgroup_barrier(wg);
         let tile_max = tile_maxima(|r| maxima + 4 * rows_n(r) * 4, &mult);
         if let Some(factor) = lazy_factors(&mut state, &tile_max) {
@@ -342,21 +236,8 @@ pub(super) unsafe fn narrow_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
     gate.before_writes();
 
     // Each row's sum over the warpgroup (every warp holds the same max).
-    let mut sum = [0.0f32; 4];
-    static_for::<4>(|r| {
-        sum[r] = state[r].sum;
-        static_for::<3>(|x| sum[r] += shfl_xor(sum[r], 4 << x));
-    });
-    warpgroup_barrier(wg);
-    if g == 0 {
-        static_for::<4>(|r| unsafe { st_shared_f32(maxima + (4 * rows_n(r) + warp) * 4, sum[r]) });
-    }
-    warpgroup_barrier(wg);
-    static_for::<4>(|r| {
-        let all = unsafe { ld_shared_v4(maxima + 4 * rows_n(r) * 4) };
-        // The state of P's scale: its max carries the 2^P_SHIFT back out.
-        state[r] = OnlineSoftmax { max: state[r].max - P_SHIFT, sum: all.iter().fold(0.0, |a, &x| a + f32::from_bits(x)) };
-    });
+    publish_row_sums(&state, |r| maxima + 4 * rows_n(r) * 4, warp, g, wg);
+    static_for::<4>(|r| state[r] = final_state(&state[r], maxima + 4 * rows_n(r) * 4));
     let v_scale = unsafe { load_f32_nc(p.fp8.v_scale) };
     if p.mla.cluster > 1 {
         unsafe { cluster_merge::<Q>(p, w, smem + l.tiles, &o, &state, (wg, t), v_out, v_scale) };

@@ -23,28 +23,25 @@
 //!
 //! Keys are permuted between S and P V as in the narrow kernel (`attn_math::mla::e4m3_rho`).
 
-use super::e4m3_softmax::{lazy_factors, tile_maxima, weights_into_p};
+use super::e4m3_operands::{copy_tile_rows, mask_scores, quantise_query_row, v_fragments, v_lanes, Lookups};
+use super::e4m3_softmax::{final_state, lazy_factors, publish_row_maxima, publish_row_sums, tile_maxima, weights_into_p};
 use super::keys::KeySource;
 // P's scale and the tile: the narrow kernel's.
-use super::narrow_e4m3::{warpgroup_barrier, P_SHIFT, TILE};
+use super::narrow_e4m3::{warpgroup_barrier, TILE};
 use crate::attention::config::CacheFormat;
 use crate::attention::output::RowOut;
 use crate::attention::work::Work;
-use crate::blocks::device::{dynamic_shared, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any, PdlGate};
+use crate::blocks::device::{dynamic_shared, shfl_idx, static_for, sync_threads, thread_idx_x, PdlGate};
 use crate::blocks::elem::{E4m3, E5m2, Fp8Format};
 use crate::blocks::mbarrier;
 use crate::blocks::mma::{
-    byte_perm, cp_async_16, cp_async_commit, cp_async_wait, fence_proxy_async_shared, ld_shared_f32, ld_shared_u32, ld_shared_u64,
-    ld_shared_v4, ldmatrix_x4_trans, shared_addr, st_shared_f32, st_shared_u32, st_shared_u64, wgmma_desc, MmaHalf,
+    cp_async_wait, fence_proxy_async_shared, ld_shared_f32, ld_shared_u32, shared_addr, st_shared_u32, wgmma_desc, MmaHalf,
 };
-use crate::blocks::vec_io::{e4m3x2, load8_nc, load_f32_nc};
+use crate::blocks::vec_io::load_f32_nc;
 use crate::blocks::wgmma::{wait_pv_t32, wait_scores_t32, WideFp8Chains};
-use attn_math::fp8::E4M3_MAX;
-use attn_math::mla::{
-    e4m3_swizzled, wide_e4m3_layout, E4M3_TABLE_BYTES, E4M3_TILE_BYTES, WIDE_E4M3_P_BYTES, WIDE_E4M3_RING, WIDE_E4M3_TABLES,
-};
+use attn_math::mla::{wide_e4m3_layout, E4M3_TABLE_BYTES, E4M3_TILE_BYTES, WIDE_E4M3_P_BYTES, WIDE_E4M3_RING, WIDE_E4M3_TABLES};
 use attn_math::params::AttnParams;
-use attn_math::prefill::{MLA_QK, MLA_V};
+use attn_math::prefill::MLA_V;
 use attn_math::softmax::OnlineSoftmax;
 
 /// The ring's buffers.
@@ -106,98 +103,35 @@ pub(super) unsafe fn wide_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
     // Address lookups, warp 0 of each warpgroup, a key of its 32 rows a lane: `early` two
     // copies ahead, `locate` one ahead, the entry (`fill`) before the copy.
     let key_of = |tile: u32| begin + tile * TILE + row0 + lane;
-    let looks_up = warp == 0;
-    let early = |tile: u32| {
-        let key = key_of(tile);
-        if looks_up && tile < n_tiles && key < end {
-            unsafe { src.early(p, key) }
-        } else {
-            S::NO_EARLY
-        }
-    };
-    let locate = |tile: u32, e: S::Early| {
-        let key = key_of(tile);
-        if looks_up && tile < n_tiles && key < end {
-            unsafe { src.locate(p, key, e) }
-        } else {
-            S::NO_LOC
-        }
-    };
+    let looks_up = |tile: u32| warp == 0 && tile < n_tiles;
+    let lookups = Lookups { p, src, end };
+    let early = |tile: u32| lookups.early(key_of(tile), looks_up(tile));
+    let locate = |tile: u32, e: S::Early| lookups.locate(key_of(tile), looks_up(tile), e);
     let fill = |tile: u32, loc: S::Loc| {
-        if looks_up && tile < n_tiles {
-            let key = key_of(tile);
-            let ka = if key < end { unsafe { src.address(p, key, loc, 1) } } else { 0 };
-            unsafe { st_shared_u64(table(tile) + (row0 + lane) * 8, ka) };
-            let any_skipped = vote_any(key < end && ka == 0);
-            if lane == 0 {
-                unsafe { st_shared_u32(flag(tile, wg), any_skipped as u32) };
-            }
+        if looks_up(tile) {
+            lookups.fill(key_of(tile), loc, table(tile) + (row0 + lane) * 8, flag(tile, wg), lane)
         }
     };
-    // Copy this warpgroup's 32 rows of `tile` into its buffer: a thread takes rows row0 + t / 8
-    // + 16 r, chunks t % 8 + 8 a (atom a), so that a warp copies 128 contiguous bytes of each of
-    // 4 rows an instruction. The copies complete the buffer's phase (256 arrivals as they land,
-    // and each warpgroup's thread 0's, whose release publishes the table its warpgroup wrote
-    // before its barrier: the other warpgroup's masks read it). A warpgroup barrier must
-    // separate the table's writes from this.
+    // Copy this warpgroup's 32 rows of `tile` into its buffer. The copies complete the buffer's
+    // phase with 256 arrivals as they land and each warpgroup's thread 0's (the other
+    // warpgroup's masks read the table this one wrote). A warpgroup barrier must separate the
+    // table's writes from this.
     let copy = |tile: u32| {
         if tile < n_tiles {
             // Rows of the new tokens wait for the kernel ahead (the cache write).
             gate.before_keys(begin + (tile + 1) * TILE);
-            let c = t % 8;
-            static_for::<2>(|r| {
-                let row = row0 + t / 8 + 16 * r as u32;
-                let at = unsafe { ld_shared_u64(table(tile) + row * 8) };
-                let (from, bytes) = if at != 0 { (at + 16 * c as u64, 16) } else { (p.qkv.q, 0) };
-                static_for::<5>(|a| {
-                    let col = 16 * c + 128 * a as u32;
-                    if col < MLA_QK {
-                        let to = buf(tile) + e4m3_swizzled(TILE, row, col);
-                        // A zero-filled chunk (`bytes` 0) reads nothing.
-                        unsafe { cp_async_16(to, from + 128 * a as u64, bytes) };
-                    }
-                });
-            });
-            cp_async_commit();
-            unsafe {
-                mbarrier::arrive_when_copies_land(filled(tile));
-                if t == 0 {
-                    mbarrier::arrive(filled(tile));
-                }
-            }
+            unsafe { copy_tile_rows::<2>(p, table(tile), buf(tile), row0, t, filled(tile)) };
         }
     };
 
-    // The queries, quantised to e4m3 (16 threads a row, 4 columns at a time, 16 rows a pass),
-    // each row's score factor and position.
+    // The queries, quantised to e4m3 (16 threads a row, 16 rows a pass), each row's score
+    // factor and position.
     static_for::<4>(|pass| {
         let (n, sub) = (16 * pass as u32 + tid / 16, tid % 16);
         let live = n < w.live;
         let row = if live { q_row(n) } else { 0 };
-        let mut v = [[0u32; 2]; 9];
-        let mut amax = 0.0f32;
-        static_for::<9>(|x| {
-            if live {
-                v[x] = unsafe { load8_nc(row + (4 * (sub + 16 * x as u32)) as u64 * 2) };
-            }
-            static_for::<2>(|h| {
-                let (a, b) = Q::unpack2(v[x][h]);
-                amax = amax.max(a.abs()).max(b.abs());
-            });
-        });
-        static_for::<4>(|i| amax = amax.max(shfl_xor(amax, 1 << i)));
-        let scale = if amax > 0.0 { E4M3_MAX / amax } else { 1.0 };
-        static_for::<9>(|x| {
-            let (a, b) = Q::unpack2(v[x][0]);
-            let (c, d) = Q::unpack2(v[x][1]);
-            let packed = e4m3x2(a * scale, b * scale) | e4m3x2(c * scale, d * scale) << 16;
-            let col = 4 * (sub + 16 * x as u32);
-            unsafe { st_shared_u32(smem + l.q + e4m3_swizzled(64, n, col), packed) };
-        });
+        unsafe { quantise_query_row::<Q>(p, n, sub, live, row, smem + l.q, 64, smem + l.mult) };
         if sub == 0 {
-            // The FP8 scale of K; e4m3 `wgmma` reads the bytes as they are.
-            let k_scale = unsafe { load_f32_nc(p.fp8.k_scale) };
-            unsafe { st_shared_f32(smem + l.mult + 4 * n, p.variant.scale_log2 * k_scale / scale) };
             let pos = if causal { unsafe { w.row(p, n).pos } } else { u32::MAX };
             unsafe { st_shared_u32(smem + l.pos + 4 * n, pos) };
         }
@@ -228,24 +162,9 @@ pub(super) unsafe fn wide_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
     let mut v = [[0u32; 4]; 8];
     let desc_q = wgmma_desc(smem + l.q + row0 * 128, 16, 1024, true);
     let desc_p = wgmma_desc(p_buf, 16, 1024, true);
-    // V^T's A fragments, the narrow kernel's: this lane's `ldmatrix` row (key lane % 8, + 8 for
-    // matrices 1 and 3) and chunk (2 cp, + 1 for matrices 2 and 3) in atom `warp`, from a
-    // 16-key group's first row (16-row steps keep the swizzle: they add). Chunk b of atom
-    // `warp` is M block b (M rows g, g + 8 of this warp: columns 2g and 2g + 1).
-    let v_lane: [u32; 4] =
-        core::array::from_fn(|cp| e4m3_swizzled(TILE, lane % 8 + 8 * ((lane / 8) % 2), 128 * warp + 16 * (2 * cp as u32 + lane / 16)));
-    let fragments = |tile: u32, ks: u32, v: &mut [[u32; 4]; 8]| {
-        static_for::<2>(|u| {
-            static_for::<4>(|cp| {
-                let r = unsafe { ldmatrix_x4_trans(tile + (32 * ks + 16 * u as u32) * 128 + v_lane[cp]) };
-                static_for::<2>(|c| {
-                    let b = 2 * cp + c;
-                    v[b][2 * u] = byte_perm(r[2 * c], r[2 * c + 1], 0x6420);
-                    v[b][2 * u + 1] = byte_perm(r[2 * c], r[2 * c + 1], 0x7531);
-                });
-            });
-        });
-    };
+    // V^T's A fragments, the narrow kernel's, a chain's worth (32 keys) at a time.
+    let v_lane = v_lanes(warp, lane);
+    let fragments = |tile: u32, ks: u32, v: &mut [[u32; 4]; 8]| unsafe { v_fragments(tile, ks, &v_lane, v, 0) };
     // This thread's output columns: `v_out + 16 b + h` for M block b, M row g + 8 h.
     let v_out = 128 * warp + 2 * g;
 
@@ -273,28 +192,11 @@ pub(super) unsafe fn wide_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
         let has_bad = unsafe { ld_shared_u32(flag(this, 0)) | ld_shared_u32(flag(this, 1)) } != 0;
         let masked = first + TILE > end || (causal && first + TILE - 1 > min_pos) || has_bad;
         if masked {
-            static_for::<4>(|j| {
-                static_for::<4>(|e| {
-                    let m = 16 * warp + g + 8 * (e as u32 >> 1);
-                    let key = first + m;
-                    let pos = unsafe { ld_shared_u32(smem + l.pos + 4 * rows_s(2 * j + (e & 1))) };
-                    let visible = key < end && key <= pos && (!has_bad || unsafe { ld_shared_u64(table(this) + m * 8) } != 0);
-                    if !visible {
-                        s[j][e] = f32::NEG_INFINITY;
-                    }
-                });
-            });
+            let pos = |r: usize| unsafe { ld_shared_u32(smem + l.pos + 4 * rows_s(r)) };
+            mask_scores(&mut s, first, end, has_bad, table(this), warp, g, pos);
         }
         // Each row's max over the warp's 16 keys, then the warpgroup's through shared memory.
-        let mut m = [f32::NEG_INFINITY; 8];
-        static_for::<8>(|r| {
-            let (j, e) = (r / 2, r % 2);
-            m[r] = s[j][e].max(s[j][e + 2]);
-        });
-        static_for::<3>(|x| static_for::<8>(|r| m[r] = m[r].max(shfl_xor(m[r], 4 << x))));
-        if g == 0 {
-            static_for::<8>(|r| unsafe { st_shared_f32(smem + l.maxima + (4 * rows_s(r) + warp) * 4, m[r]) });
-        }
+        publish_row_maxima::<4, 8>(&s, |r| smem + l.maxima + 4 * rows_s(r) * 4, warp, g);
         warpgroup_barrier(wg);
         let mult = mult();
         let tile_max = tile_maxima(|r| smem + l.maxima + 4 * rows_s(r) * 4, &mult);
@@ -325,16 +227,7 @@ pub(super) unsafe fn wide_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
     gate.before_writes();
 
     // Each row's sum over the warpgroup (every warp holds the same max).
-    let mut sum = [0.0f32; 8];
-    static_for::<8>(|r| {
-        sum[r] = state[r].sum;
-        static_for::<3>(|x| sum[r] += shfl_xor(sum[r], 4 << x));
-    });
-    warpgroup_barrier(wg);
-    if g == 0 {
-        static_for::<8>(|r| unsafe { st_shared_f32(smem + l.maxima + (4 * rows_s(r) + warp) * 4, sum[r]) });
-    }
-    warpgroup_barrier(wg);
+    publish_row_sums(&state, |r| smem + l.maxima + 4 * rows_s(r) * 4, warp, g, wg);
     let v_scale = unsafe { load_f32_nc(p.fp8.v_scale) };
     let num_splits = unsafe { w.num_splits(p) };
     static_for::<8>(|r| {
@@ -342,9 +235,7 @@ pub(super) unsafe fn wide_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
         if n >= w.live {
             return;
         }
-        let all = unsafe { ld_shared_v4(smem + l.maxima + 4 * n * 4) };
-        // The state of P's scale: its max carries the 2^P_SHIFT back out.
-        let st = OnlineSoftmax { max: state[r].max - P_SHIFT, sum: all.iter().fold(0.0, |a, &x| a + f32::from_bits(x)) };
+        let st = final_state(&state[r], smem + l.maxima + 4 * n * 4);
         let row = unsafe { w.row(p, n) };
         let out = unsafe { RowOut::new(p, w, &row, st, num_splits, warp == 0 && g == 0, v_scale, MLA_V) };
         let (j, e1) = (r / 2, r % 2);
