@@ -32,8 +32,8 @@ pub trait MmaHalf: HalfFloat {
     unsafe fn wgmma_64x64_k576_async(desc_a: u64, desc_b: u64) -> [[f32; 4]; 8];
     /// [`wgmma_64x64_k576_async`](Self::wgmma_64x64_k576_async) over a tile that is still
     /// landing: the executing threads' last nine `cp.async` groups are its nine 64-column atoms in
-    /// order, and each atom's k-steps wait for it (this thread's copies, then barrier `BAR` of
-    /// the warpgroup's 128 threads).
+    /// order, and each three atoms' k-steps wait for them (this thread's copies, then barrier
+    /// `BAR` of the warpgroup's 128 threads).
     #[cfg(wgmma)]
     unsafe fn wgmma_64x64_k576_landing_async<const BAR: u32>(desc_a: u64, desc_b: u64) -> [[f32; 4]; 8];
     /// `O += P V` for a warpgroup (Hopper `wgmma`): P 64 x 64 keys (`desc_a`, K-major, in one
@@ -69,27 +69,28 @@ macro_rules! wgmma_k576_asm {
         )
     };
     // The same chain over a tile still landing, one `cp.async` group an atom (the executing
-    // threads' last nine, in atom order): before atom c's k-steps, wait until atom c has landed
-    // in this thread (`cp.async.wait_group 8 - c`), make it visible to `wgmma`, and meet the
-    // warpgroup's other threads at barrier `{bar}` (128 threads), so that the MMAs on the first
-    // atoms run while the later ones land.
+    // threads' last nine, in atom order): before the k-steps of atoms 3c to 3c + 2, wait until
+    // they have landed in this thread (`cp.async.wait_group 6 - 3c`), make them visible to
+    // `wgmma`, and meet the warpgroup's other threads at barrier `{bar}` (128 threads), so that
+    // the MMAs on the first atoms run while the later ones land. Three meetings a tile measured
+    // 1.005-1.012x nine (one before each atom) at 128 heads (docs/mla.md).
     (landing $t:literal, $n:literal, $acc:literal, $da:literal, $db:literal) => {
         concat!(
             "{{\n.reg .pred pz, po;\n.reg .b32 zz, al, ah, bl, bh;\n.reg .b64 da, db;\n",
             "mov.b32 zz, 0;\nsetp.ne.b32 pz, zz, 0;\nsetp.eq.b32 po, zz, 0;\n",
             "mov.b64 {{al, ah}}, ", $da, ";\nmov.b64 {{bl, bh}}, ", $db, ";\n",
-            wgmma_k576_asm!(@landed "8"),
+            wgmma_k576_asm!(@landed "6"),
             "wgmma.fence.sync.aligned;\n",
             wgmma_k576_asm!(@mma $t, $n, $acc, "pz"),
             wgmma_k576_asm!(@atom_rest $t, $n, $acc),
-            wgmma_k576_asm!(@next_atom $t, $n, $acc, "7"),
-            wgmma_k576_asm!(@next_atom $t, $n, $acc, "6"),
-            wgmma_k576_asm!(@next_atom $t, $n, $acc, "5"),
-            wgmma_k576_asm!(@next_atom $t, $n, $acc, "4"),
+            wgmma_k576_asm!(@next_atom_landed $t, $n, $acc),
+            wgmma_k576_asm!(@next_atom_landed $t, $n, $acc),
             wgmma_k576_asm!(@next_atom $t, $n, $acc, "3"),
-            wgmma_k576_asm!(@next_atom $t, $n, $acc, "2"),
-            wgmma_k576_asm!(@next_atom $t, $n, $acc, "1"),
+            wgmma_k576_asm!(@next_atom_landed $t, $n, $acc),
+            wgmma_k576_asm!(@next_atom_landed $t, $n, $acc),
             wgmma_k576_asm!(@next_atom $t, $n, $acc, "0"),
+            wgmma_k576_asm!(@next_atom_landed $t, $n, $acc),
+            wgmma_k576_asm!(@next_atom_landed $t, $n, $acc),
             "wgmma.commit_group.sync.aligned;\n}}"
         )
     };
@@ -103,6 +104,10 @@ macro_rules! wgmma_k576_asm {
             wgmma_k576_asm!(@mma $t, $n, $acc, "po"),
             wgmma_k576_asm!(@atom_rest $t, $n, $acc)
         )
+    };
+    // The next atom, landed with the one before.
+    (@next_atom_landed $t:literal, $n:literal, $acc:literal) => {
+        concat!("add.s32 al, al, 58;\nadd.s32 bl, bl, 58;\n", wgmma_k576_asm!(@mma $t, $n, $acc, "po"), wgmma_k576_asm!(@atom_rest $t, $n, $acc))
     };
     (@mma $t:literal, $n:literal, $acc:literal, $scale:literal) => {
         concat!(

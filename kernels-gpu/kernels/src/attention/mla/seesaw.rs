@@ -14,7 +14,7 @@
 //!    to m_b, O_R += P_b V_b[R].
 //! 4. Each warpgroup copies its next tile into its buffer once the other is done reading it
 //!    (`FREED_0`, `FREED_1`), one `cp.async` group a 64-column atom, and issues its S at once:
-//!    each atom's k-steps wait for that atom (`MmaHalf::wgmma_64x64_k576_landing_async`).
+//!    each three atoms' k-steps wait for those atoms (`MmaHalf::wgmma_64x64_k576_landing_async`).
 //!    Warpgroup 0 copies a 16-bit tile's atoms 0-3 (its own V columns) earlier, in step 1, as
 //!    soon as its own P V on the tile before has retired.
 //!
