@@ -17,6 +17,22 @@ use attn_math::mla::e4m3_swizzled;
 use attn_math::params::AttnParams;
 use attn_math::prefill::MLA_QK;
 
+/// `$body` with `$f` the cache's FP8 format `$k::Fp8` as the type the e4m3 chains
+/// (`NarrowFp8Chains`, `WideFp8Chains`) are implemented for: `CacheFormat::Fp8` is bound only by
+/// `Fp8Format`. The test is a constant, so one branch is compiled.
+macro_rules! with_fp8_chains {
+    ($k:ty, $f:ident => $body:expr) => {
+        if <<$k as crate::attention::config::CacheFormat>::Fp8 as crate::blocks::elem::Fp8Format>::E5M2 {
+            type $f = crate::blocks::elem::E5m2;
+            $body
+        } else {
+            type $f = crate::blocks::elem::E4m3;
+            $body
+        }
+    };
+}
+pub(super) use with_fp8_chains;
+
 /// Query row `n` (0 when not `live`), quantised to e4m3 into the `rows`-row swizzled Q at `q`
 /// with one scale a row (its largest magnitude to 448), by 16 threads (`sub` of them), 4
 /// columns at a time. The row's first thread stores its score factor at `mult + 4 n`: the

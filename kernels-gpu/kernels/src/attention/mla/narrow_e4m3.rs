@@ -26,14 +26,13 @@
 //! tile is the tile's key m; P^T column (and V^T's A column) k is key
 //! `attn_math::mla::e4m3_rho(k)`, the order in which `ldmatrix.trans` hands a lane its keys.
 
-use super::e4m3_operands::{copy_tile_rows, mask_scores, quantise_query_row, v_fragments, v_lanes, Lookups};
+use super::e4m3_operands::{copy_tile_rows, mask_scores, quantise_query_row, v_fragments, v_lanes, with_fp8_chains, Lookups};
 use super::e4m3_softmax::{final_state, lazy_factors, publish_row_maxima, publish_row_sums, tile_maxima, weights_into_p};
 use super::keys::KeySource;
 use crate::attention::config::CacheFormat;
 use crate::attention::output::RowOut;
 use crate::attention::work::Work;
 use crate::blocks::device::{self, dynamic_shared, fma, shfl_idx, static_for, sync_threads, thread_idx_x, PdlGate};
-use crate::blocks::elem::{E4m3, E5m2, Fp8Format};
 use crate::blocks::mbarrier;
 use crate::blocks::mma::{
     cp_async_wait, fence_proxy_async_shared, ld_shared_f32, ld_shared_u32, ld_shared_u64, ld_shared_v4, shared_addr, st_shared_u64,
@@ -60,26 +59,6 @@ pub(super) const TILE: u32 = 64;
 #[inline(always)]
 pub(super) fn warpgroup_barrier(wg: u32) {
     device::warpgroup_barrier::<1, 2>(wg)
-}
-
-/// [`NarrowFp8Chains::scores_t`] of the cache's format.
-#[inline(always)]
-unsafe fn scores_t<K: CacheFormat>(desc_k: u64, desc_q: u64) -> [[f32; 4]; 2] {
-    if K::Fp8::E5M2 {
-        unsafe { E5m2::scores_t(desc_k, desc_q) }
-    } else {
-        unsafe { E4m3::scores_t(desc_k, desc_q) }
-    }
-}
-
-/// [`NarrowFp8Chains::pv_t`] of the cache's format.
-#[inline(always)]
-unsafe fn pv_t<K: CacheFormat>(o: &mut [[f32; 4]; 16], v: &[[u32; 4]; 16], desc_p: u64) {
-    if K::Fp8::E5M2 {
-        unsafe { E5m2::pv_t(o, v, desc_p) }
-    } else {
-        unsafe { E4m3::pv_t(o, v, desc_p) }
-    }
 }
 
 /// The kernel body for `mla_<q>_<fp8>_narrow` on sm_90a (`super::kernel::mla_attention` calls
@@ -195,7 +174,7 @@ pub(super) unsafe fn narrow_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
             fence_proxy_async_shared();
         }
         let tile = buf(this);
-        let s = unsafe { scores_t::<K>(wgmma_desc(tile, 16, 1024, true), desc_q) };
+        let s = unsafe { with_fp8_chains!(K, F => F::scores_t(wgmma_desc(tile, 16, 1024, true), desc_q)) };
         // The table of the copy this step issues (tile this + 5, into this tile's buffer once
         // it is read); the lookups of the two after it.
         let mi = i + m_first;
@@ -224,7 +203,7 @@ pub(super) unsafe fn narrow_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
         weights_into_p(&mut s, &mut state, &mult, masked, p_buf, 16, warp, lane);
         fence_proxy_async_shared();
         warpgroup_barrier(wg);
-        unsafe { pv_t::<K>(&mut o, &v, desc_p) };
+        unsafe { with_fp8_chains!(K, F => F::pv_t(&mut o, &v, desc_p)) };
         // This tile's buffer is free (S retired, V in registers, every warp past the barrier).
         copy(mi);
         // Retired before the loop's back edge: with a chain in flight across it, `ptxas`

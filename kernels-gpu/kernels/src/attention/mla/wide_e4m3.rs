@@ -23,7 +23,7 @@
 //!
 //! Keys are permuted between S and P V as in the narrow kernel (`attn_math::mla::e4m3_rho`).
 
-use super::e4m3_operands::{copy_tile_rows, mask_scores, quantise_query_row, v_fragments, v_lanes, Lookups};
+use super::e4m3_operands::{copy_tile_rows, mask_scores, quantise_query_row, v_fragments, v_lanes, with_fp8_chains, Lookups};
 use super::e4m3_softmax::{final_state, lazy_factors, publish_row_maxima, publish_row_sums, tile_maxima, weights_into_p};
 use super::keys::KeySource;
 // P's scale and the tile: the narrow kernel's.
@@ -32,7 +32,6 @@ use crate::attention::config::CacheFormat;
 use crate::attention::output::RowOut;
 use crate::attention::work::Work;
 use crate::blocks::device::{dynamic_shared, shfl_idx, static_for, sync_threads, thread_idx_x, PdlGate};
-use crate::blocks::elem::{E4m3, E5m2, Fp8Format};
 use crate::blocks::mbarrier;
 use crate::blocks::mma::{
     cp_async_wait, fence_proxy_async_shared, ld_shared_f32, ld_shared_u32, shared_addr, st_shared_u32, wgmma_desc, MmaHalf,
@@ -46,26 +45,6 @@ use attn_math::softmax::OnlineSoftmax;
 
 /// The ring's buffers.
 const RING: u32 = WIDE_E4M3_RING;
-
-/// [`WideFp8Chains::scores_t32`] of the cache's format.
-#[inline(always)]
-unsafe fn scores_t<K: CacheFormat>(desc_k: u64, desc_q: u64) -> [[f32; 4]; 4] {
-    if K::Fp8::E5M2 {
-        unsafe { E5m2::scores_t32(desc_k, desc_q) }
-    } else {
-        unsafe { E4m3::scores_t32(desc_k, desc_q) }
-    }
-}
-
-/// [`WideFp8Chains::pv_t32`] of the cache's format.
-#[inline(always)]
-unsafe fn pv_t<K: CacheFormat>(o: &mut [[f32; 4]; 32], v: &[[u32; 4]; 8], desc_p: u64) {
-    if K::Fp8::E5M2 {
-        unsafe { E5m2::pv_t32(o, v, desc_p) }
-    } else {
-        unsafe { E4m3::pv_t32(o, v, desc_p) }
-    }
-}
 
 /// The kernel body for `mla_<q>_<fp8>_wide` on sm_90a (`super::kernel::mla_attention` calls it
 /// for an FP8 cache's wide shape): work item `w`, its keys `begin..end` from `src`.
@@ -175,7 +154,7 @@ pub(super) unsafe fn wide_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
             fence_proxy_async_shared();
         }
         let tile = buf(this);
-        let s = unsafe { scores_t::<K>(wgmma_desc(tile, 16, 1024, true), desc_q) };
+        let s = unsafe { with_fp8_chains!(K, F => F::scores_t32(wgmma_desc(tile, 16, 1024, true), desc_q)) };
         // From the second tile on, this step copies tile this + 3 into the buffer of tile
         // this - 1: its table now, the lookups of the two after it.
         let next = this + RING - 1;
@@ -206,12 +185,12 @@ pub(super) unsafe fn wide_e4m3<Q: MmaHalf, K: CacheFormat, S: KeySource>(
         weights_into_p(&mut s, &mut state, &mult, masked, p_buf, 32, warp, lane);
         fence_proxy_async_shared();
         warpgroup_barrier(wg);
-        unsafe { pv_t::<K>(&mut o, &v, desc_p) };
+        unsafe { with_fp8_chains!(K, F => F::pv_t32(&mut o, &v, desc_p)) };
         unsafe { wait_pv_t32(&mut o, &v) };
         fragments(tile, 1, &mut v);
         // This warpgroup is done reading the tile (S retired, V in registers).
         unsafe { mbarrier::arrive(freed(this)) };
-        unsafe { pv_t::<K>(&mut o, &v, desc_p + 2) };
+        unsafe { with_fp8_chains!(K, F => F::pv_t32(&mut o, &v, desc_p + 2)) };
         // Tile this + 3 into the buffer of tile this - 1, once both warpgroups are done with it
         // (the other one a step ago at the latest, unless it lags).
         if this > 0 && next < n_tiles {
