@@ -1,6 +1,7 @@
 //! The softmax step of the e4m3 kernels ([`super::narrow_e4m3`], [`super::wide_e4m3`]), between
-//! S^T and P V: the tile's row maxima from the four warps' partial ones, the lazy rescale, and
-//! the weights into P^T as e4m3 bytes.
+//! S^T and P V: each warp's row maxima published, the tile's gathered from the four warps', the
+//! lazy rescale, and the weights into P^T as e4m3 bytes; after the key loop, the row sums
+//! gathered the same way.
 //!
 //! S^T's accumulators put keys on M and query rows on N: thread (warp, g, t4) holds, for each
 //! 8-row block j, `s[j][e]` = key `16 warp + g + 8 (e >> 1)` of row `8 j + 2 t4 + (e & 1)` (R =

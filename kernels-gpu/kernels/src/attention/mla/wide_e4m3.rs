@@ -26,7 +26,7 @@
 use super::e4m3_operands::{copy_tile_rows, mask_scores, quantise_query_row, v_fragments, v_lanes, with_fp8_chains, Lookups};
 use super::e4m3_softmax::{final_state, lazy_factors, publish_row_maxima, publish_row_sums, tile_maxima, weights_into_p};
 use super::keys::KeySource;
-// P's scale and the tile: the narrow kernel's.
+// The tile and the warpgroup barrier: the narrow kernel's.
 use super::narrow_e4m3::{warpgroup_barrier, TILE};
 use crate::attention::config::CacheFormat;
 use crate::attention::output::RowOut;
