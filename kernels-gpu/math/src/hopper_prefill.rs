@@ -53,9 +53,25 @@ pub const fn swizzled(d: u32, row: u32, chunk: u32) -> u32 {
 /// item's tables, queries and first tiles arrive while the current one finishes, and the
 /// compute warps issue no copies.
 pub const WS_THREADS: u32 = THREADS + 128;
-/// K/V stages in the ring of a 16-bit cache's kernels (a stage: K then V of [`ws_stage_keys`]
-/// keys, and their address table).
-pub const WS_STAGES: u32 = 4;
+/// K/V stages in the ring of the 16-bit kernels of [`WS_FIVE_STAGE_WIDTHS`] (a stage: K then V
+/// of [`ws_stage_keys`] keys): five, which the bad-key masks in place of the compute warps'
+/// address tables let fit beside the query buffers ([`ws_tables`]). At half-tile stages (widths
+/// 80 to 128) four hold two tiles, and the next tile's second stage, freed last (by the P V of
+/// the tile before, inside the softmax), is the one needed first; a fifth gives the producer a
+/// stage's lead there.
+pub const WS_STAGES: u32 = 5;
+/// Stages of the other kernels: 16-bit rows at the other widths and at QK 192 / V 128 (40 KB
+/// each; five would not fit), e4m3 rows (whole tiles).
+pub const WS_STAGES_FOUR: u32 = 4;
+/// Widths whose 16-bit kernels take [`WS_STAGES`]: 128 only. Measured on an H100 against four
+/// stages, both with the bad-key masks (docs/prefill.md, "A fifth stage at width 128"): d128
+/// +0.6-2.4% paged and +3.5% packed; d80, d96, d112 -1.2 to -2.3%, d64 -1 to -1.5%, d256 -0.9%
+/// (their loops are longer in instructions, not in waits for stages).
+pub const WS_FIVE_STAGE_WIDTHS: [u32; 1] = [128];
+/// The producer's address tables where the compute warps read none (16-bit stages): written
+/// before a stage's copies and read by them, so two, used in turn, suffice (a stage's
+/// producer barrier orders a table's reads before its next writes).
+pub const WS_PRODUCER_TABLES: u32 = 2;
 /// Widths of the kernels that read an FP8 cache (`prefill_wgs_<q>_fp8_d<width>`): at 64 and 256
 /// their producer copies the raw rows into a ring of its own ([`ws_raw_slots`]) and converts them
 /// into the 16-bit stages the compute warps read ([`StageFormat::Fp8Converted`]; at 256 three
@@ -109,12 +125,14 @@ pub const WS_E4M3_LOOKAHEAD: u32 = 1;
 /// lie in eight different bank groups.
 pub const E4M3_RAW_ROW: u32 = 144;
 
-/// K/V stages in the ring: [`WS_STAGES`], three with converted FP8 rows (whose raw ring takes
-/// the fourth's room), four whole-tile stages of e4m3 rows.
+/// K/V stages in the ring of the kernel of width `d` (its head size, not its rows'):
+/// [`WS_STAGES`] of 16-bit rows at [`WS_FIVE_STAGE_WIDTHS`], three with converted FP8 rows
+/// (whose raw ring takes the fourth's room), else [`WS_STAGES_FOUR`].
 pub const fn ws_stages(d: u32, fp8: bool) -> u32 {
     match stage_format(d, fp8) {
         StageFormat::Fp8Converted => 3,
-        _ => WS_STAGES,
+        StageFormat::Bits16 if crate::keys_rows::listed(&WS_FIVE_STAGE_WIDTHS, d) => WS_STAGES,
+        _ => WS_STAGES_FOUR,
     }
 }
 
@@ -128,15 +146,16 @@ pub const fn ws_raw_slots(d: u32, fp8: bool) -> u32 {
     }
 }
 
-/// Address tables: one a stage (read by the compute warps until they free it), and with
-/// converted FP8 rows one a raw slot (the producer's, for its copies; each thread moves its own
-/// entries into the stage's table when it converts the stage, so that the compute warps' table
-/// is written only after the stage is free, as with a 16-bit cache). e4m3 stages copy K straight
-/// into the stage, once it is free, so their tables serve the raw V copies too.
+/// Address tables. The compute warps read none: a stage's bad keys reach them as masks
+/// (`WsLayout::flags`). 16-bit stages: [`WS_PRODUCER_TABLES`]. Converted FP8 rows: one a raw
+/// slot, for its copies (a stage's masks are moved into the stage's when it is converted).
+/// e4m3 stages copy K straight into the stage, once it is free, and their tables serve the raw
+/// V copies too: one a stage.
 pub const fn ws_tables(d: u32, fp8: bool) -> u32 {
     match stage_format(d, fp8) {
-        StageFormat::Fp8Converted => ws_stages(d, fp8) + ws_raw_slots(d, fp8),
-        _ => ws_stages(d, fp8),
+        StageFormat::Bits16 => WS_PRODUCER_TABLES,
+        StageFormat::Fp8Converted => ws_raw_slots(d, fp8),
+        StageFormat::Fp8 => ws_stages(d, fp8),
     }
 }
 /// Keys of a ring stage: a whole tile at head size 64 (32 KB a stage), half a tile at 128
@@ -251,6 +270,8 @@ pub const WS_E4M3_WIDE_PRODUCER_REGS: u32 = 72;
 pub const fn ws_e4m3_wide_regs(d: u32, a8: bool) -> bool {
     d == 128 && !a8
 }
+/// Bytes of a stage's bad-key masks: a word for each 32 of a stage's at most 128 keys.
+pub const WS_FLAG_BYTES: u32 = 16;
 /// Item descriptor slots (the current item's and the next one's), also where one query buffer
 /// serves both.
 pub const WS_ITEM_SLOTS: u32 = 2;
@@ -277,13 +298,16 @@ pub struct WsLayout {
     /// `raw + s * raw_tile`, [`E4M3_RAW_ROW`] bytes apart.
     pub raw: u32,
     pub raw_tile: u32,
-    /// Address table of stage s at `table + s * table_slot_bytes(ws_stage_keys(d))`.
+    /// Address table t ([`ws_tables`]) at `table + t * table_slot_bytes(ws_stage_keys(d))`.
     pub table: u32,
     /// Item descriptor slot b ([`WS_ITEM_SLOTS`]) at `item + b * 4 * WS_ITEM_WORDS`.
     pub item: u32,
     /// `mbarrier`s (8 bytes each): stage filled [stages], stage freed [stages], query
     /// buffer filled [q buffers], query buffer freed [q buffers].
     pub bars: u32,
+    /// Stage s's bad-key masks at `flags + s * WS_FLAG_BYTES`: a u32 a 32 keys, bit `l` set when
+    /// the word's key `l` has a block outside the cache (what the compute warps mask).
+    pub flags: u32,
     /// The compute warps' scratch words (e4m3 stages: each warp's largest query magnitude, for
     /// its warpgroup's quantisation scale).
     pub scratch: u32,
@@ -320,8 +344,8 @@ pub const fn ws_layout_qk_v(dk: u32, dv: u32, fp8: bool) -> WsLayout {
     let keys = ws_stage_keys(d, fp8);
     let row_bytes = ws_row_bytes(d, fp8);
     let ones_bytes = if e4m3 && d == 128 { 1024 } else { 0 };
-    let d = row_width(d);
     let stages = ws_stages(d, fp8);
+    let d = row_width(d);
     let q_buffers = ws_q_buffers(d, fp8);
     let q_bytes = BLOCK_M * d * 2;
     let tile = keys * row_bytes;
@@ -335,11 +359,12 @@ pub const fn ws_layout_qk_v(dk: u32, dv: u32, fp8: bool) -> WsLayout {
     let table = raw + ws_raw_slots(d, fp8) * raw_planes * raw_tile;
     let item = table + ws_tables(d, fp8) * crate::prefill::table_slot_bytes(keys);
     let bars = item + WS_ITEM_SLOTS * 4 * WS_ITEM_WORDS;
-    let scratch = bars + 8 * 2 * (stages + q_buffers);
+    let flags = bars + 8 * 2 * (stages + q_buffers);
+    let scratch = flags + WS_FLAG_BYTES * stages;
     let end = scratch + 4 * THREADS / 32;
     let ones = if ones_bytes > 0 { end.next_multiple_of(1024) } else { end };
     let total = ones + ones_bytes;
-    WsLayout { q, q_bytes, q8, kv, tile, raw, raw_tile, table, item, bars, scratch, ones, total }
+    WsLayout { q, q_bytes, q8, kv, tile, raw, raw_tile, table, item, bars, flags, scratch, ones, total }
 }
 
 #[cfg(test)]

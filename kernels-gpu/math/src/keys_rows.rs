@@ -141,7 +141,8 @@ pub const FP8_SHORT_AND_R16_HEAD_SIZES: [u32; 2] = [64, 128];
 /// read long requests as fast or faster ([`fp8_long`]).
 pub const FP8_DEEP_HEAD_SIZES: [u32; 2] = [128, 256];
 
-const fn listed(sizes: &[u32], d: u32) -> bool {
+/// Whether `d` is one of `sizes`.
+pub(crate) const fn listed(sizes: &[u32], d: u32) -> bool {
     let mut i = 0;
     while i < sizes.len() {
         if sizes[i] == d {

@@ -4,7 +4,7 @@
 
 use crate::attention::config::{AttnConfig, CacheFormat, Plane};
 use crate::attention::work::{load_i32, Work};
-use crate::blocks::device::{atomic_or_global, static_for, thread_idx_x, vote_any};
+use crate::blocks::device::{atomic_or_global, ballot, static_for, thread_idx_x};
 use crate::blocks::mma::{cp_async_16, cp_async_halves, ld_shared_v4, st_shared_u32, st_shared_u64x2, st_shared_v4, MmaHalf};
 use attn_math::params::AttnParams;
 use attn_math::prefill::{table_slot_bytes, ROW_PAD, TABLE_ENTRY};
@@ -97,7 +97,8 @@ impl<C: AttnConfig> KeyTables<C> {
         self.base + (tile % self.slots) * table_slot_bytes(C::BN as u32)
     }
 
-    /// The flags after the entries: one u32 per filling warp, non-zero when a key's block is bad.
+    /// The bad-key masks after the entries: one u32 per filling warp, bit `l` set when its lane
+    /// `l`'s key has a block outside the cache ([`crate::attention::variants::BadBlocks`]).
     #[inline(always)]
     pub fn flags(&self, tile: u32) -> u32 {
         self.table(tile) + C::BN as u32 * TABLE_ENTRY
@@ -128,9 +129,9 @@ impl<C: AttnConfig> KeyTables<C> {
             if bad {
                 unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
             }
-            let any_bad = vote_any(bad);
+            let bad_keys = ballot(bad);
             if tid.is_multiple_of(32) {
-                unsafe { st_shared_u32(self.flags(tile) + (tid / 32) * 4, any_bad as u32) };
+                unsafe { st_shared_u32(self.flags(tile) + (tid / 32) * 4, bad_keys) };
             }
         }
     }
@@ -168,9 +169,9 @@ impl<C: AttnConfig> KeyTables<C> {
             }
         }
         // The whole warp votes (lanes past `kw` with `false`).
-        let any_bad = vote_any(bad);
+        let bad_keys = ballot(bad);
         if lane == 0 {
-            unsafe { st_shared_u32(self.flags(tile) + warp * 4, any_bad as u32) };
+            unsafe { st_shared_u32(self.flags(tile) + warp * 4, bad_keys) };
         }
     }
 }

@@ -135,7 +135,7 @@ impl Logits {
 
     /// Turns the scores of `MT` row tiles x `C::KW` keys from key `kt` into logits, masked where
     /// the tile crosses a boundary for rows `min_pos..=max_pos`. `flags`: the table slot's
-    /// `C::KW / 32` bad-block flags; `table`: the slot's entry for key `kt`.
+    /// `C::KW / 32` bad-key masks from key `kt` ([`BadBlocks`]).
     #[inline(always)]
     pub unsafe fn apply<C: AttnConfig, const MT: usize, const NB: usize>(
         &self,
@@ -144,7 +144,6 @@ impl Logits {
         kt: u32,
         (min_pos, max_pos): (u32, u32),
         flags: u32,
-        table: u32,
     ) {
         // Column (n, e)'s key: the thread's first key plus a constant. Each pass that reads keys
         // takes the first key anew (`fresh`): shared, the passes' adds (16 keys a block) were
@@ -175,7 +174,7 @@ impl Logits {
             }
         });
         if self.mask().crosses(kt, C::KW as u32, (min_pos, max_pos))
-            || unsafe { BadBlocks::new(has_bad, table, kt, self.end.end) }.crosses(kt, C::KW as u32, (min_pos, max_pos))
+            || unsafe { BadBlocks::new(has_bad, flags, kt, self.end.end) }.crosses(kt, C::KW as u32, (min_pos, max_pos))
         {
             let k0 = first_key();
             each!(|mt, n, e| {
@@ -183,7 +182,7 @@ impl Logits {
             });
             if has_bad {
                 each!(|mt, n, e| {
-                    if unsafe { BadBlocks::new(has_bad, table, kt, self.end.end) }.hidden(key_of(k0, n, e)) {
+                    if unsafe { BadBlocks::new(has_bad, flags, kt, self.end.end) }.hidden(key_of(k0, n, e)) {
                         s[mt][n][e] = f32::NEG_INFINITY;
                     }
                 });

@@ -282,7 +282,7 @@ pub unsafe fn attention<C: AttnConfig, const MT: usize>(p: &AttnParams) {
             };
             // Keys split: the warp's own flag; else the slot's flags from the first.
             let tile_flags = flags(tile) + if C::KEYS { warp * 4 } else { 0 };
-            unsafe { logits.apply::<C, MT, 8>(&mut s, &rows, kt, (min_pos, max_pos), tile_flags, table(tile) + key_off * TABLE_ENTRY) };
+            unsafe { logits.apply::<C, MT, 8>(&mut s, &rows, kt, (min_pos, max_pos), tile_flags) };
             static_for::<2>(|mt| {
                 if mt < MT {
                     softmax_step::<C, 8, 32>(&mut s[mt], &mut o[mt], &mut state[mt], mult);

@@ -10,10 +10,9 @@
 
 use crate::attention::work::RowInfo;
 use crate::blocks::device::tanh;
-use crate::blocks::mma::ld_shared_u64;
+use crate::blocks::mma::ld_shared_u32;
 use crate::blocks::vec_io::load_f32_nc;
 use attn_math::params::AttnParams;
-use attn_math::prefill::TABLE_ENTRY;
 use attn_math::softmax::{OnlineSoftmax, LOG2_E};
 
 /// A piece of an attention variant. Scores and logits are in base-2 units (the softmax takes
@@ -230,30 +229,31 @@ impl LogitsPolicy for SymmetricWindow {
     }
 }
 
-/// Keys of a tile whose block is outside the cache: no address in the tile's table (the K/V
-/// entries from key `kt` at `table`, `crate::attention::kv::KeyTables`); `any` when the tile
-/// has one.
+/// Keys of a tile whose block is outside the cache: a bit a key in the tile's bad-key masks (a
+/// u32 word a 32 keys from key `kt` at `masks`, bit `l` the word's key `l`;
+/// `crate::attention::kv::KeyTables`); `any` when the tile has one.
 #[derive(Clone, Copy)]
 pub(crate) struct BadBlocks {
     any: bool,
-    table: u32,
+    masks: u32,
     kt: u32,
     end: u32,
 }
 
 impl BadBlocks {
-    /// The tile's keys `kt .. end` have entries at `table`, which `visible` reads (the slot
+    /// The tile's keys `kt .. end` have their bits at `masks`, which `visible` reads (the slot
     /// must be filled and published).
     #[inline(always)]
-    pub unsafe fn new(any: bool, table: u32, kt: u32, end: u32) -> BadBlocks {
-        BadBlocks { any, table, kt, end }
+    pub unsafe fn new(any: bool, masks: u32, kt: u32, end: u32) -> BadBlocks {
+        BadBlocks { any, masks, kt, end }
     }
 }
 
 impl BadBlocks {
     #[inline(always)]
     pub fn hidden(&self, key: u32) -> bool {
-        key < self.end && unsafe { ld_shared_u64(self.table + (key - self.kt) * TABLE_ENTRY) } == 0
+        let i = key.wrapping_sub(self.kt);
+        key < self.end && (unsafe { ld_shared_u32(self.masks + (i / 32) * 4) } >> (i % 32)) & 1 != 0
     }
 }
 

@@ -56,6 +56,17 @@ pub fn vote_any(x: bool) -> bool {
     r != 0
 }
 
+/// `vote.sync.ballot` over the full warp: bit `l` is lane `l`'s `x`.
+#[inline(always)]
+pub fn ballot(x: bool) -> u32 {
+    let r: u32;
+    unsafe {
+        asm!("{{ .reg .pred p; setp.ne.u32 p, {1}, 0; vote.sync.ballot.b32 {0}, p, 0xffffffff; }}",
+             out(reg32) r, in(reg32) x as u32, options(nomem, nostack));
+    }
+    r
+}
+
 /// Atomically OR `bits` into a global u32 (no return value: a reduction).
 #[inline(always)]
 pub unsafe fn atomic_or_global(addr: u64, bits: u32) {

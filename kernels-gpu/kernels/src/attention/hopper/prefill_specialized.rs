@@ -8,9 +8,10 @@
 //! - the producer takes work items (the grid's own first, then from the counter at
 //!   `p.schedule.sched`), decodes each into a descriptor in shared memory, copies its queries
 //!   into one of its query buffers (two, one at width 256: `ws_q_buffers`), and for each key
-//!   tile looks up the blocks, then for each stage of the tile writes its address table and
-//!   copies its K and V into a ring of [`WS_STAGES`] stages (a stage: a whole tile at head size
-//!   64, half a tile up to 128, a quarter at 256, see `ws_stage_keys`). Every buffer has a
+//!   tile looks up the blocks, then for each stage of the tile writes its address table and its
+//!   bad-key masks and copies its K and V into a ring of stages (`ws_stages`: [`WS_STAGES`] of
+//!   16-bit rows; a stage: a whole tile at head size 64, half a tile up to 128, a quarter at 256,
+//!   see `ws_stage_keys`). Every buffer has a
 //!   "filled" `mbarrier` (the producer's `cp.async`s land, then it arrives) and a "freed" one
 //!   (each compute thread arrives when done with it);
 //! - the two compute warpgroups (64 query rows each) work on whatever the rings hold, item
@@ -70,8 +71,8 @@ use crate::attention::logits::Logits;
 use crate::attention::output::RowOut;
 use crate::attention::work::{work_item_at, RowInfo, Work};
 use crate::blocks::device::{
-    atomic_add_global, atomic_or_global, block_idx_x, dynamic_shared, grid_dim_x, named_barrier, named_barrier_all, pdl_prologue,
-    set_max_registers, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x, vote_any,
+    atomic_add_global, atomic_or_global, ballot, block_idx_x, dynamic_shared, grid_dim_x, named_barrier, named_barrier_all, pdl_prologue,
+    set_max_registers, shfl_idx, shfl_xor, static_for, sync_threads, thread_idx_x,
 };
 use crate::blocks::elem::Fp8Format;
 use crate::blocks::mma::{
@@ -84,8 +85,9 @@ use crate::blocks::{mbarrier, tma};
 use attn_math::hopper_prefill::{
     group_bytes, stage_format, ws_e4m3_wide_regs, ws_layout_qk_v, ws_q_buffers, ws_raw_slots, ws_row_bytes, ws_stage_keys, ws_stages,
     ws_sub_keys, ws_tma_stages, ws_v_tile, ws_whole_tiles, StageFormat, WsLayout, BLOCK_M, BLOCK_N, THREADS, WS_COMPUTE_REGS,
-    WS_E4M3_COMPUTE_REGS, WS_E4M3_LOOKAHEAD, WS_E4M3_PRODUCER_REGS, WS_E4M3_WIDE_COMPUTE_REGS, WS_E4M3_WIDE_PRODUCER_REGS,
-    WS_FP8_COMPUTE_REGS, WS_FP8_LOOKAHEAD, WS_FP8_PRODUCER_REGS, WS_ITEM_SLOTS, WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_STAGES,
+    WS_E4M3_COMPUTE_REGS, WS_E4M3_LOOKAHEAD, WS_E4M3_PRODUCER_REGS, WS_E4M3_WIDE_COMPUTE_REGS, WS_E4M3_WIDE_PRODUCER_REGS, WS_FLAG_BYTES,
+    WS_FP8_COMPUTE_REGS, WS_FP8_LOOKAHEAD, WS_FP8_PRODUCER_REGS, WS_ITEM_SLOTS, WS_ITEM_WORDS, WS_PRODUCER_REGS, WS_PRODUCER_TABLES,
+    WS_STAGES, WS_STAGES_FOUR,
 };
 use attn_math::params::{AttnParams, PagedKvMaps};
 use attn_math::prefill::{table_slot_bytes, TABLE_ENTRY};
@@ -116,24 +118,26 @@ const ITEM_NONE: u32 = 0;
 const ITEM_WORK: u32 = 1;
 const ITEM_END: u32 = 2;
 
-/// The shared-memory rings of rows `W` columns wide (whole 128-byte swizzle atoms), indexed by ring position (the CTA's stages
+/// The shared-memory rings of the kernel of QK head size `D` (which sets the stage count,
+/// `ws_stages`) and rows `W` columns wide (whole 128-byte swizzle atoms), indexed by ring position (the CTA's stages
 /// counted across its items) or by item count. The compute warps count 64-key half tiles
 /// instead ([`Rings::half`]).
-struct Rings<const W: usize, const WV: usize, K> {
+struct Rings<const D: usize, const W: usize, const WV: usize, K> {
     smem: u32,
     l: WsLayout,
     cache: PhantomData<K>,
 }
 
-impl<const W: usize, const WV: usize, K> Clone for Rings<W, WV, K> {
+impl<const D: usize, const W: usize, const WV: usize, K> Clone for Rings<D, W, WV, K> {
     fn clone(&self) -> Self {
         *self
     }
 }
-impl<const W: usize, const WV: usize, K> Copy for Rings<W, WV, K> {}
+impl<const D: usize, const W: usize, const WV: usize, K> Copy for Rings<D, W, WV, K> {}
 
-impl<const W: usize, const WV: usize, K: CacheFormat> Rings<W, WV, K> {
-    const STAGES: u32 = ws_stages(W as u32, K::FP8);
+impl<const D: usize, const W: usize, const WV: usize, K: CacheFormat> Rings<D, W, WV, K> {
+    const STAGES: u32 = ws_stages(D as u32, K::FP8);
+    const FORMAT: StageFormat = stage_format(W as u32, K::FP8);
     /// e4m3 stages (`StageFormat::Fp8`): K as copied, V transposed, e4m3 queries.
     const E4M3: bool = matches!(stage_format(W as u32, K::FP8), StageFormat::Fp8);
     /// Raw FP8 slots.
@@ -159,7 +163,10 @@ impl<const W: usize, const WV: usize, K: CacheFormat> Rings<W, WV, K> {
 
     #[inline(always)]
     fn new(smem: u32) -> Self {
-        Rings { smem, l: ws_layout_qk_v(W as u32, WV as u32, K::FP8), cache: PhantomData }
+        // The host's layout: the kernel's head sizes (its stages depend on them; its rows are
+        // whole atoms of them).
+        let dv = if W == WV { D } else { WV };
+        Rings { smem, l: ws_layout_qk_v(D as u32, dv as u32, K::FP8), cache: PhantomData }
     }
 
     #[inline(always)]
@@ -217,27 +224,35 @@ impl<const W: usize, const WV: usize, K: CacheFormat> Rings<W, WV, K> {
         self.smem + self.l.scratch
     }
 
+    /// Ring position `u`'s address table (not with converted FP8 rows, whose copies read their
+    /// raw tables): the stage's (e4m3 stages), or one of
+    /// `attn_math::hopper_prefill::WS_PRODUCER_TABLES` used in turn (16-bit stages).
     #[inline(always)]
     fn table(&self, u: u32) -> u32 {
-        self.smem + self.l.table + Self::stage(u) * table_slot_bytes(Self::KEYS)
+        let t = if matches!(Self::FORMAT, StageFormat::Bits16) { u % WS_PRODUCER_TABLES } else { Self::stage(u) };
+        self.smem + self.l.table + t * table_slot_bytes(Self::KEYS)
+    }
+
+    /// Ring position `u`'s bad-key masks (`WsLayout::flags`).
+    #[inline(always)]
+    fn flags(&self, u: u32) -> u32 {
+        self.smem + self.l.flags + Self::stage(u) * WS_FLAG_BYTES
     }
 
     /// Ring position `u`'s raw table (FP8: the producer's copy of its address table, written
     /// when its raw rows are copied; `attn_math::hopper_prefill::ws_tables`).
     #[inline(always)]
     fn raw_table(&self, u: u32) -> u32 {
-        self.smem + self.l.table + (Self::STAGES + u % Self::RAW.max(1)) * table_slot_bytes(Self::KEYS)
+        self.smem + self.l.table + (u % Self::RAW.max(1)) * table_slot_bytes(Self::KEYS)
     }
 
     /// Step `x` (the CTA's steps of [`Self::SUB`] keys counted across its items; half tiles
-    /// up to width 128): its stage's ring position and its K, V, table and bad-block-flag
-    /// addresses.
+    /// up to width 128): its stage's ring position and its K, V and bad-key mask addresses.
     #[inline(always)]
     fn half(&self, x: u32) -> Half {
         const { assert!(W == WV || Self::SUBS == 1) };
         let (u, i) = (x / Self::SUBS, x % Self::SUBS);
         let rows = i * Self::SUB * Self::ROW_BYTES;
-        let table = self.table(u);
         Half {
             u,
             first: i == 0,
@@ -246,9 +261,8 @@ impl<const W: usize, const WV: usize, K: CacheFormat> Rings<W, WV, K> {
             // e4m3: V^T's rows are V's columns; the step's keys are columns of them. (Where V's rows
             // are narrower than K's, a stage is one step: `i` is 0.)
             v: self.v(u) + if Self::E4M3 { i * Self::SUB } else { rows },
-            table: table + i * Self::SUB * TABLE_ENTRY,
-            // One flag a warp's 32 keys.
-            flags: table + Self::KEYS * TABLE_ENTRY + i * (Self::SUB / 32) * 4,
+            // One mask a 32 keys.
+            flags: self.flags(u) + i * (Self::SUB / 32) * 4,
         }
     }
 
@@ -345,7 +359,6 @@ struct Half {
     last: bool,
     k: u32,
     v: u32,
-    table: u32,
     flags: u32,
 }
 
@@ -434,15 +447,15 @@ pub(crate) unsafe fn prefill_specialized<
                 || (D == 192 && W == 192 && DV == 128 && WV == 128 && !K::FP8)
         )
     };
-    const { assert!(M::E4M3 == Rings::<W, WV, K>::E4M3) };
+    const { assert!(M::E4M3 == Rings::<D, W, WV, K>::E4M3) };
     let tid = thread_idx_x();
-    let rings = Rings::<W, WV, K>::new(shared_addr(dynamic_shared::<u8>()));
+    let rings = Rings::<D, W, WV, K>::new(shared_addr(dynamic_shared::<u8>()));
     if tid == 0 {
-        for u in 0..Rings::<W, WV, K>::STAGES {
+        for u in 0..Rings::<D, W, WV, K>::STAGES {
             unsafe { mbarrier::init(rings.filled(u), FILLED_ARRIVALS) };
             unsafe { mbarrier::init(rings.freed(u), THREADS) };
         }
-        for k in 0..Rings::<W, WV, K>::Q_BUFFERS {
+        for k in 0..Rings::<D, W, WV, K>::Q_BUFFERS {
             unsafe { mbarrier::init(rings.q_filled(k), FILLED_ARRIVALS) };
             unsafe { mbarrier::init(rings.q_freed(k), THREADS) };
         }
@@ -457,9 +470,9 @@ pub(crate) unsafe fn prefill_specialized<
     }
     sync_threads();
     if tid >= THREADS {
-        if Rings::<W, WV, K>::E4M3 && ws_e4m3_wide_regs(D as u32, K::HALVES) {
+        if Rings::<D, W, WV, K>::E4M3 && ws_e4m3_wide_regs(D as u32, K::HALVES) {
             set_max_registers::<WS_E4M3_WIDE_PRODUCER_REGS, false>();
-        } else if Rings::<W, WV, K>::E4M3 {
+        } else if Rings::<D, W, WV, K>::E4M3 {
             set_max_registers::<WS_E4M3_PRODUCER_REGS, false>();
         } else if K::FP8 {
             set_max_registers::<WS_FP8_PRODUCER_REGS, false>();
@@ -468,9 +481,9 @@ pub(crate) unsafe fn prefill_specialized<
         }
         unsafe { produce::<Q, K, D, W, DV, WV>(p, rings, TmaGroups::of(kv_maps, K::FP8, maps), tid - THREADS) };
     } else {
-        if Rings::<W, WV, K>::E4M3 && ws_e4m3_wide_regs(D as u32, K::HALVES) {
+        if Rings::<D, W, WV, K>::E4M3 && ws_e4m3_wide_regs(D as u32, K::HALVES) {
             set_max_registers::<WS_E4M3_WIDE_COMPUTE_REGS, true>();
-        } else if Rings::<W, WV, K>::E4M3 {
+        } else if Rings::<D, W, WV, K>::E4M3 {
             set_max_registers::<WS_E4M3_COMPUTE_REGS, true>();
         } else if K::FP8 {
             set_max_registers::<WS_FP8_COMPUTE_REGS, true>();
@@ -486,21 +499,19 @@ pub(crate) unsafe fn prefill_specialized<
 #[inline(always)]
 unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize, const DV: usize, const WV: usize>(
     p: &AttnParams,
-    rings: Rings<W, WV, K>,
+    rings: Rings<D, W, WV, K>,
     tma: TmaGroups,
     t: u32,
 ) {
-    // FP8, ring position `v`: once its stage is free, its raw table's entries moved into its
-    // table, entry `t` by thread `t` (whatever the stage's place in its tile, so that a
-    // table's entry always has the same writer). Done before the producer barrier that
-    // precedes the raw table's next writes.
+    // A raw table's bad-key masks, after its entries.
+    let raw_flags = |v: u32| rings.raw_table(v) + Rings::<D, W, WV, K>::KEYS * TABLE_ENTRY;
+    // FP8, ring position `v`: once its stage is free, its raw table's bad-key masks moved into
+    // the stage's, a warp's by its first thread (the warp that wrote it). Done before the
+    // producer barrier that precedes the raw table's next writes.
     let publish_table = |v: u32| unsafe {
-        mbarrier::wait(rings.freed(v), Rings::<W, WV, K>::parity(v) ^ 1);
-        if t < Rings::<W, WV, K>::KEYS {
-            let (ka, va) = ld_shared_u64x2(rings.raw_table(v) + t * TABLE_ENTRY);
-            let flag = Rings::<W, WV, K>::KEYS * TABLE_ENTRY + (t / 32) * 4;
-            let any_bad = t.is_multiple_of(32) && ld_shared_u32(rings.raw_table(v) + flag) != 0;
-            write_table_entry::<W, WV, K>(rings.table(v), t, 0, (ka, va), any_bad);
+        mbarrier::wait(rings.freed(v), Rings::<D, W, WV, K>::parity(v) ^ 1);
+        if t < Rings::<D, W, WV, K>::KEYS && t.is_multiple_of(32) {
+            st_shared_u32(rings.flags(v) + (t / 32) * 4, ld_shared_u32(raw_flags(v) + (t / 32) * 4));
         }
     };
     // FP8: position `v`'s raw rows (this thread's own copies, landed) converted into its stage
@@ -509,7 +520,7 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize,
     let fill_from_raw = |v: u32| {
         let tile = [rings.k(v), rings.v(v)];
         unsafe {
-            match Rings::<W, WV, K>::KEYS {
+            match Rings::<D, W, WV, K>::KEYS {
                 BLOCK_N => convert_fp8_rows::<Q, K::Fp8, W, BLOCK_N, PRODUCERS>(rings.raw(v), tile, t),
                 64 => convert_fp8_rows::<Q, K::Fp8, W, 64, PRODUCERS>(rings.raw(v), tile, t),
                 _ => convert_fp8_rows::<Q, K::Fp8, W, 32, PRODUCERS>(rings.raw(v), tile, t),
@@ -543,13 +554,13 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize,
     let mut u = 0u32;
     let mut k = 0u32;
     loop {
-        unsafe { mbarrier::wait(rings.q_freed(k), Rings::<W, WV, K>::q_parity(k) ^ 1) };
+        unsafe { mbarrier::wait(rings.q_freed(k), Rings::<D, W, WV, K>::q_parity(k) ^ 1) };
         // This buffer's previous copies (a query buffer's count of query groups ago, or further
         // back counting the key stages' groups between) are this thread's own to complete
         // before it rewrites the buffer. They have landed (the compute warps freed the buffer
         // after waiting on them), so this costs nothing, but it is the completion racecheck
         // tracks: it does not follow the order through the other warps' barriers.
-        if Rings::<W, WV, K>::Q_BUFFERS == 2 {
+        if Rings::<D, W, WV, K>::Q_BUFFERS == 2 {
             cp_async_wait::<1>();
         } else {
             cp_async_wait::<0>();
@@ -605,7 +616,7 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize,
                 if bad {
                     unsafe { atomic_or_global(p.status, BLOCK_OUT_OF_RANGE) };
                 }
-                let any_bad = vote_any(bad);
+                let bad_keys = ballot(bad);
                 // This thread's part of a stage going by TMA, and its box's coordinates.
                 let group = if by_tma_ever { tma.group(p, key, key < it.end && ka != 0, loc, w.kv_head, t) } else { None };
                 if j + 1 < it.n_tiles {
@@ -613,19 +624,19 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize,
                 }
                 // The tile's stages (one, two or four).
                 static_for::<4>(|h| {
-                    if h as u32 >= Rings::<W, WV, K>::STAGES_PER_TILE {
+                    if h as u32 >= Rings::<D, W, WV, K>::STAGES_PER_TILE {
                         return;
                     }
                     let uh = u + h as u32;
                     let table = rings.table(uh);
-                    if Rings::<W, WV, K>::E4M3 {
+                    if Rings::<D, W, WV, K>::E4M3 {
                         // The stage (a whole tile), once free: its table, then K straight into
                         // it and V's rows into a raw slot. Then the tile before, whose copies
                         // have landed, has its V transposed and is marked filled. A raw slot's
                         // and a stage's previous copies were this thread's own, waited for
                         // before their transposes.
-                        unsafe { mbarrier::wait(rings.freed(uh), Rings::<W, WV, K>::parity(uh) ^ 1) };
-                        unsafe { write_table_entry::<W, WV, K>(table, t, h as u32, (ka, va), any_bad) };
+                        unsafe { mbarrier::wait(rings.freed(uh), Rings::<D, W, WV, K>::parity(uh) ^ 1) };
+                        unsafe { write_table_entry::<D, W, WV, K>([table, rings.flags(uh)], t, h as u32, (ka, va), bad_keys) };
                         named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
                         // A producer warp copies the rows its own lanes' entries name
                         // (`e4m3_stages::copy_tile`), whole rows an instruction.
@@ -647,11 +658,11 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize,
                             publish_table(back);
                         }
                         let raw_table = rings.raw_table(uh);
-                        unsafe { write_table_entry::<W, WV, K>(raw_table, t, h as u32, (ka, va), any_bad) };
+                        unsafe { write_table_entry::<D, W, WV, K>([raw_table, raw_flags(uh)], t, h as u32, (ka, va), bad_keys) };
                         named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
                         unsafe {
                             let rows = |r| ld_shared_u64x2(raw_table + r * TABLE_ENTRY);
-                            match Rings::<W, WV, K>::KEYS {
+                            match Rings::<D, W, WV, K>::KEYS {
                                 BLOCK_N => {
                                     copy_raw_row_pairs::<K, W, BLOCK_N, PRODUCERS, COPY_BATCH>(rings.raw(uh), t, live, p.qkv.q, rows)
                                 }
@@ -665,15 +676,19 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize,
                             fill_from_raw(back);
                         }
                     } else {
-                        unsafe { mbarrier::wait(rings.freed(uh), Rings::<W, WV, K>::parity(uh) ^ 1) };
+                        unsafe { mbarrier::wait(rings.freed(uh), Rings::<D, W, WV, K>::parity(uh) ^ 1) };
                         // As for the query buffers: at least `STAGES - 1` groups were committed
                         // since this stage's last fill.
-                        cp_async_wait::<{ WS_STAGES - 1 }>();
-                        unsafe { write_table_entry::<W, WV, K>(table, t, h as u32, (ka, va), any_bad) };
+                        if Rings::<D, W, WV, K>::STAGES == WS_STAGES {
+                            cp_async_wait::<{ WS_STAGES - 1 }>();
+                        } else {
+                            cp_async_wait::<{ WS_STAGES_FOUR - 1 }>();
+                        }
+                        unsafe { write_table_entry::<D, W, WV, K>([table, rings.flags(uh)], t, h as u32, (ka, va), bad_keys) };
                         // By TMA when every box of the stage can go so (`TmaGroups`): each box's
                         // first thread copies it, K and V, counting the bytes on the stage's
                         // barrier before its own arrival. Otherwise row by row.
-                        let mine = t / Rings::<W, WV, K>::KEYS == h as u32;
+                        let mine = t / Rings::<D, W, WV, K>::KEYS == h as u32;
                         let by_tma = if by_tma_ever {
                             named_barrier_all::<PRODUCER_BARRIER, PRODUCERS>(!mine || group.is_some())
                         } else {
@@ -682,7 +697,7 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize,
                         };
                         if by_tma {
                             if let Some(c) = group.filter(|_| mine && t.is_multiple_of(tma.box_keys)) {
-                                let dst = (t % Rings::<W, WV, K>::KEYS / 8) * group_bytes(W as u32);
+                                let dst = (t % Rings::<D, W, WV, K>::KEYS / 8) * group_bytes(W as u32);
                                 unsafe {
                                     mbarrier::expect_tx(rings.filled(uh), 2 * (tma.box_keys / 8) * group_bytes(W as u32));
                                     tma::load_5d(rings.k(uh) + dst, tma.map, c, rings.filled(uh));
@@ -693,7 +708,7 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize,
                             unsafe {
                                 let rows = |r| ld_shared_u64x2(table + r * TABLE_ENTRY);
                                 let dst = [rings.k(uh), rings.v(uh)];
-                                match Rings::<W, WV, K>::KEYS {
+                                match Rings::<D, W, WV, K>::KEYS {
                                     BLOCK_N => copy_row_pairs::<W, WV, BLOCK_N, PRODUCERS, COPY_BATCH>(dst, t, [live, live_v], rows, true),
                                     64 => copy_row_pairs::<W, WV, 64, PRODUCERS, COPY_BATCH>(dst, t, [live, live_v], rows, true),
                                     _ => copy_row_pairs::<W, WV, 32, PRODUCERS, COPY_BATCH>(dst, t, [live, live_v], rows, true),
@@ -711,10 +726,10 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize,
                         cp_async_commit();
                     }
                 });
-                u += Rings::<W, WV, K>::STAGES_PER_TILE;
+                u += Rings::<D, W, WV, K>::STAGES_PER_TILE;
                 j += 1;
             }
-            if Rings::<W, WV, K>::E4M3 {
+            if Rings::<D, W, WV, K>::E4M3 {
                 // The item's last tile not yet transposed (`WS_E4M3_LOOKAHEAD` is 1).
                 cp_async_wait::<0>();
                 fill_transposed(u - 1);
@@ -752,31 +767,31 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize,
     // phases, so the CTA ends no later; the key loop is unchanged. Nothing arrives after
     // these phases, so each barrier is in that phase or just past it and the parity names it.
     unsafe {
-        for i in 0..Rings::<W, WV, K>::Q_BUFFERS.min(k + 1) {
-            mbarrier::wait(rings.q_filled(k - i), Rings::<W, WV, K>::q_parity(k - i));
+        for i in 0..Rings::<D, W, WV, K>::Q_BUFFERS.min(k + 1) {
+            mbarrier::wait(rings.q_filled(k - i), Rings::<D, W, WV, K>::q_parity(k - i));
         }
-        for v in u.saturating_sub(Rings::<W, WV, K>::STAGES)..u {
-            mbarrier::wait(rings.filled(v), Rings::<W, WV, K>::parity(v));
+        for v in u.saturating_sub(Rings::<D, W, WV, K>::STAGES)..u {
+            mbarrier::wait(rings.filled(v), Rings::<D, W, WV, K>::parity(v));
         }
     }
 }
 
-/// The producer's own key's address-table entry in the stage's table at `table`, if the key
-/// (`t`, counted from the tile's first) falls in stage `h` of the tile, and its warp's
-/// bad-block flag (as `KeyTables::fill`).
+/// The producer's own key's address-table entry in the table at `table`, if the key (`t`,
+/// counted from the tile's first) falls in stage `h` of the tile, and its warp's bad-key mask
+/// (`bad_keys`, bit `l` lane `l`'s key, as `KeyTables::fill`) at `flags`.
 #[inline(always)]
-unsafe fn write_table_entry<const W: usize, const WV: usize, K: CacheFormat>(
-    table: u32,
+unsafe fn write_table_entry<const D: usize, const W: usize, const WV: usize, K: CacheFormat>(
+    [table, flags]: [u32; 2],
     t: u32,
     h: u32,
     (ka, va): (u64, u64),
-    any_bad: bool,
+    bad_keys: u32,
 ) {
-    if t / Rings::<W, WV, K>::KEYS == h {
-        let tk = t % Rings::<W, WV, K>::KEYS;
+    if t / Rings::<D, W, WV, K>::KEYS == h {
+        let tk = t % Rings::<D, W, WV, K>::KEYS;
         unsafe { st_shared_u64x2(table + tk * TABLE_ENTRY, ka, va) };
         if tk.is_multiple_of(32) {
-            unsafe { st_shared_u32(table + Rings::<W, WV, K>::KEYS * TABLE_ENTRY + (tk / 32) * 4, any_bad as u32) };
+            unsafe { st_shared_u32(flags + (tk / 32) * 4, bad_keys) };
         }
     }
 }
@@ -786,7 +801,7 @@ unsafe fn write_table_entry<const W: usize, const WV: usize, K: CacheFormat>(
 #[inline(always)]
 unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, const W: usize, const DV: usize, const WV: usize>(
     p: &AttnParams,
-    rings: Rings<W, WV, K>,
+    rings: Rings<D, W, WV, K>,
     tid: u32,
 ) {
     let (warp, lane) = (tid / 32, tid % 32);
@@ -811,7 +826,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
         let hx = rings.half(x);
         if hx.first {
             unsafe {
-                mbarrier::wait(rings.filled(hx.u), Rings::<W, WV, K>::parity(hx.u));
+                mbarrier::wait(rings.filled(hx.u), Rings::<D, W, WV, K>::parity(hx.u));
                 fence_proxy_async_shared();
             }
         }
@@ -832,7 +847,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
     let mut u = 0u32;
     let mut k = 0u32;
     loop {
-        unsafe { mbarrier::wait(rings.q_filled(k), Rings::<W, WV, K>::q_parity(k)) };
+        unsafe { mbarrier::wait(rings.q_filled(k), Rings::<D, W, WV, K>::q_parity(k)) };
         let it = unsafe { Item::load(rings.item(k)) };
         if it.status == ITEM_END {
             break;
@@ -846,7 +861,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
         let (end, n_tiles) = (it.end, it.n_tiles);
         // e4m3 stages: the item's queries quantised into the warpgroup's e4m3 rows, whose scale
         // joins the score scale; the 16-bit buffer is then free for the next item's.
-        let q_scale = if Rings::<W, WV, K>::E4M3 {
+        let q_scale = if Rings::<D, W, WV, K>::E4M3 {
             let scale = if n_tiles > 0 { unsafe { quantise_queries::<Q>(rings.q(k), rings.q8(0), rings.scratch(), wg, tid) } } else { 1.0 };
             release(rings.q_freed(k));
             scale
@@ -870,7 +885,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
         let mult = logits.mult();
         // The warpgroup's query rows, and S's query operand from them (e4m3 stages: this
         // thread's fragments, read after the quantisation).
-        let q_rows = if Rings::<W, WV, K>::E4M3 { rings.q8(wg) } else { rings.q(k) + 64 * wg * 2 * W as u32 };
+        let q_rows = if Rings::<D, W, WV, K>::E4M3 { rings.q8(wg) } else { rings.q(k) + 64 * wg * 2 * W as u32 };
         let q_op = unsafe { M::queries::<W>(q_rows, warp, lane) };
 
         // The quad's partial sums (or the sums the P V chain took), then the output (or the
@@ -884,7 +899,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
             // `wgmma` reads any more (the buffer is freed after this), as whole rows a store
             // ([`RowOut::store_warp_rows_staged`]); a split's partials and unaligned outputs
             // take their pairs straight from the fragments.
-            let staged = !Rings::<W, WV, K>::E4M3 && matches!(DV, 64 | 128 | 256) && it.num_splits == 1 && RowOut::output_aligned16(p);
+            let staged = !Rings::<D, W, WV, K>::E4M3 && matches!(DV, 64 | 128 | 256) && it.num_splits == 1 && RowOut::output_aligned16(p);
             let mut outs = [RowOut::NONE; 2];
             static_for::<2>(|h| {
                 let mut st = state[h];
@@ -917,7 +932,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
         };
         if n_tiles == 0 {
             finish(&[[0.0; 4]; ACC_BLOCKS], [OnlineSoftmax::EMPTY; 2]);
-        } else if Rings::<W, WV, K>::SUB == 32 {
+        } else if Rings::<D, W, WV, K>::SUB == 32 {
             // Width 256: steps of 32 keys (a quarter tile), one S in flight at a time. Per step
             // x: its softmax (under P V of x - 1, retired before O is rescaled), then S of
             // x + 1 and P V of x issued, and S of x + 1 waited for. The last step of a tile
@@ -940,7 +955,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                     let hx = rings.half(x);
                     let mut st = [s];
                     let kt = it.begin + j * BLOCK_N + 32 * i;
-                    unsafe { logits.apply::<Wgmma<Q, D, 32>, 1, 4>(&mut st, &rows, kt, warp_pos, hx.flags, hx.table) };
+                    unsafe { logits.apply::<Wgmma<Q, D, 32>, 1, 4>(&mut st, &rows, kt, warp_pos, hx.flags) };
                     let [mut s_cur] = st;
                     let m = row_max(&s_cur);
                     // Retire P V of the previous step (O and its weights) before rescaling O.
@@ -984,7 +999,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
             unsafe { wait_pv32::<0, DV>(&mut o, &pf) };
             release_half(4 * (u + j) + 3);
             finish(&o, state);
-        } else if Rings::<W, WV, K>::WHOLE_TILES {
+        } else if Rings::<D, W, WV, K>::WHOLE_TILES {
             // Tiles of 128 keys (two 64-key halves, each its own S and P V chain), FA3's order:
             // per tile j, S of tile j + 1 and P V of tile j are issued together, S is retired
             // and its softmax runs under the P V, which is retired before O is rescaled. Nothing
@@ -1043,14 +1058,14 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                     static_for::<{ $nb / 8 }>(|h| {
                         let hx = rings.half(x + h as u32);
                         let mut sh = [s[h]];
-                        unsafe { logits.apply::<Wgmma<Q, D, 64>, 1, 8>(&mut sh, &rows, kt + 64 * h as u32, warp_pos, hx.flags, hx.table) };
+                        unsafe { logits.apply::<Wgmma<Q, D, 64>, 1, 8>(&mut sh, &rows, kt + 64 * h as u32, warp_pos, hx.flags) };
                         static_for::<8>(|n| full[0][8 * h + n] = sh[0][n]);
                     });
                     let [mut full] = full;
                     let m = row_max(&full);
                     if $pv_before {
                         // Half-tile stages: the first half's P V has retired already.
-                        if !Rings::<W, WV, K>::HALF_STAGES {
+                        if !Rings::<D, W, WV, K>::HALF_STAGES {
                             unsafe { M::wait_pv::<0, DV>(&mut o, &pf[0]) };
                         }
                         unsafe { M::wait_pv::<0, DV>(&mut o, &pf[1]) };
@@ -1065,7 +1080,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
             if last == 0 && skip {
                 let a = issue_scores!(0, false);
                 softmax_tile!(0, false, 8, [unsafe { wait_scores64::<0>(a) }]);
-            } else if Rings::<W, WV, K>::HALF_STAGES {
+            } else if Rings::<D, W, WV, K>::HALF_STAGES {
                 let (a, b) = issue_scores!(0, true);
                 softmax_tile!(0, false, 16, unsafe { [wait_scores64::<1>(a), wait_scores64::<0>(b)] });
             } else {
@@ -1077,17 +1092,17 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
             while j < last {
                 // Half-tile stages: P V of j's first half issued before S of j + 1, so that its
                 // stage is freed when S is retired, before the softmax.
-                if Rings::<W, WV, K>::HALF_STAGES {
+                if Rings::<D, W, WV, K>::HALF_STAGES {
                     issue_pv_half!(j, 0);
                 }
                 if j + 1 == last && skip {
                     let a = issue_scores!(j + 1, false);
-                    if !Rings::<W, WV, K>::HALF_STAGES {
+                    if !Rings::<D, W, WV, K>::HALF_STAGES {
                         issue_pv_half!(j, 0);
                     }
                     issue_pv_half!(j, 1);
                     // In flight: S of j + 1's first half, then P V of j (or its second half).
-                    let s = if Rings::<W, WV, K>::HALF_STAGES {
+                    let s = if Rings::<D, W, WV, K>::HALF_STAGES {
                         let s = unsafe { wait_scores64::<1>(a) };
                         unsafe { M::wait_frags::<1>(&pf[0]) };
                         s
@@ -1096,7 +1111,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                     };
                     release_half(2 * (u + j));
                     softmax_tile!(j + 1, true, 8, [s]);
-                } else if Rings::<W, WV, K>::HALF_STAGES {
+                } else if Rings::<D, W, WV, K>::HALF_STAGES {
                     // Two chains: one over the tile's 128 K rows would need both half stages
                     // landed before its first step, and their K rows side by side (tried, with
                     // the stages paired: 2-5% slower, docs/prefill.md).
@@ -1147,8 +1162,8 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
                     let hx = rings.half(uh);
                     let mut st = [s];
                     let kt = it.begin + j * BLOCK_N + 64 * h;
-                    let (flags, table) = (hx.flags, hx.table);
-                    unsafe { logits.apply::<Wgmma<Q, D, 64>, 1, 8>(&mut st, &rows, kt, warp_pos, flags, table) };
+                    let flags = hx.flags;
+                    unsafe { logits.apply::<Wgmma<Q, D, 64>, 1, 8>(&mut st, &rows, kt, warp_pos, flags) };
                     let [mut s_cur] = st;
                     let m = row_max(&s_cur);
                     // Retire P V of the previous half (O and its weights) before rescaling O.
@@ -1241,7 +1256,7 @@ unsafe fn consume<Q: WgmmaTiles, K: CacheFormat, M: HalfMma, const D: usize, con
         }
         // The item's queries and descriptor are no longer read (e4m3 stages: the queries were
         // released at the start; the descriptor slot is rewritten only two items on).
-        if !Rings::<W, WV, K>::E4M3 {
+        if !Rings::<D, W, WV, K>::E4M3 {
             release(rings.q_freed(k));
         }
         u += n_tiles;
