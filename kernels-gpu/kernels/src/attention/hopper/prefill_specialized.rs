@@ -553,7 +553,28 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize,
     let by_tma_ever = const { D == W && W == WV && ws_tma_stages(W as u32, K::FP8) };
     let mut u = 0u32;
     let mut k = 0u32;
+    // Item `k`'s descriptor into its slot, for every producer after the barrier.
+    macro_rules! decode_item {
+        () => {
+            if t == 0 {
+                // The grid's own index first, then the counter's (which starts past the grid).
+                let x = if k == 0 { block_idx_x() } else { grid_dim_x() + unsafe { atomic_add_global(p.schedule.sched, 1) } };
+                unsafe { Item::store(rings.item(k), &Item::decode::<DV>(p, x)) };
+            }
+            named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
+        };
+    }
+    // With one query buffer, freed after the item's output (not on e4m3 stages, whose compute
+    // warps free it at the item's start), the next item is decoded before its buffer is free,
+    // while the compute warps finish the current one: its descriptor slot was last read by item
+    // k - 2, which was done before the buffer was freed for item k - 1 (waited for at that
+    // item's start). Measured on an H100 (docs/prefill.md, "A deeper ring at row width 128"):
+    // width 256 +2.7-2.9%, QK 192 +1.2-3.1%.
+    let decode_ahead = Rings::<D, W, WV, K>::Q_BUFFERS == 1 && !Rings::<D, W, WV, K>::E4M3;
     loop {
+        if decode_ahead {
+            decode_item!();
+        }
         unsafe { mbarrier::wait(rings.q_freed(k), Rings::<D, W, WV, K>::q_parity(k) ^ 1) };
         // This buffer's previous copies (a query buffer's count of query groups ago, or further
         // back counting the key stages' groups between) are this thread's own to complete
@@ -565,12 +586,9 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize,
         } else {
             cp_async_wait::<0>();
         }
-        if t == 0 {
-            // The grid's own index first, then the counter's (which starts past the grid).
-            let x = if k == 0 { block_idx_x() } else { grid_dim_x() + unsafe { atomic_add_global(p.schedule.sched, 1) } };
-            unsafe { Item::store(rings.item(k), &Item::decode::<DV>(p, x)) };
+        if !decode_ahead {
+            decode_item!();
         }
-        named_barrier::<PRODUCER_BARRIER, PRODUCERS>();
         let it = unsafe { Item::load(rings.item(k)) };
         let w = it.work;
         if it.status == ITEM_WORK && it.n_tiles > 0 {
