@@ -553,7 +553,9 @@ unsafe fn produce<Q: WgmmaTiles, K: CacheFormat, const D: usize, const W: usize,
     let by_tma_ever = const { D == W && W == WV && ws_tma_stages(W as u32, K::FP8) };
     let mut u = 0u32;
     let mut k = 0u32;
-    // Item `k`'s descriptor into its slot, for every producer after the barrier.
+    // Item `k`'s descriptor into its slot, for every producer after the barrier. A macro, not a
+    // closure: a closure called from the two places below moved LLVM's layout of the producer
+    // and cost the d64 kernel 3.6% on an H100 (docs/prefill.md, "A deeper ring at row width 128").
     macro_rules! decode_item {
         () => {
             if t == 0 {
