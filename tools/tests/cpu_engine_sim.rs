@@ -260,6 +260,7 @@ fn small_config() -> SimConfig {
         num_layers: None,
         window: None,
         softcap: None,
+        chunk: None,
         encoder_len: None,
         encoder_budget: 64,
         max_steps: 10_000,
@@ -401,6 +402,26 @@ fn gemma2_like_passes_the_check_and_its_window_and_softcap_matter_there() {
 }
 
 #[test]
+fn llama4_like_passes_the_check_and_its_chunks_matter_there() {
+    // Four layers: 0..3 in chunks of 40 positions, layer 3 over the whole context; prompts of
+    // 40 to 100 tokens cross one or two chunk starts.
+    let cfg = SimConfig { num_layers: Some(4), check_layers: Some(vec![0, 2, 3]), ..layered_config() };
+    let (r, log) = run_on_cpu(&SimModel::llama4_scout(DType::BF16), &cfg);
+    assert_eq!((r.finished, r.requests, r.layers, r.check_layers.as_slice()), (6, 6, 4, &[0, 2, 3][..]), "{log}");
+    assert!(r.passed() && r.checks.comparisons > 0, "{:?}\n{log}", r.checks);
+    // Two of the three checked layers are chunked; ignoring the chunks would have failed some.
+    let c = r.checks.chunk;
+    assert!(c.comparisons > 0 && c.comparisons < r.checks.comparisons && c.caught > 0, "{c:?}\n{log}");
+    assert_eq!((r.checks.window.comparisons, r.checks.softcap.comparisons), (0, 0));
+    assert!(
+        log.contains("summary [llama-4-scout-like (chunked local) on cpu]")
+            && log.contains("chunked local attention in chunks of 40 positions on every layer but layer 3")
+            && log.contains("the check catches a backend ignoring the chunks in"),
+        "{log}"
+    );
+}
+
+#[test]
 fn kv_shared_layers_read_the_last_owning_layer_and_pass_the_check() {
     // Three layers: the last reads the second's cache.
     let small = small_config();
@@ -433,6 +454,7 @@ fn the_new_models_run_a_few_steps_with_all_their_layers() {
         (SimModel::gemma2_2b(DType::BF16), 26, "sliding window 64 on the even layers"),
         (SimModel::kv_shared(DType::BF16), 8, "layers 8..=15 read layer 7's cache"),
         (SimModel::phi2(DType::BF16), 32, "head size 80, q bf16"),
+        (SimModel::llama4_scout(DType::BF16), 48, "chunks of 40 positions on every layer but layers 3, 7, ..., 47"),
     ] {
         let (r, log) = run_on_cpu(&model, &cfg);
         assert_eq!((r.steps, r.layers, r.cache_layers), (3, model.num_layers, caches), "{log}");
@@ -456,10 +478,16 @@ fn layer_specs_follow_the_models() {
     assert_eq!(k.layer_specs(1)[0].kv_sharing_target, None);
     assert!(k.layer_specs(3).iter().map(|l| l.kv_sharing_target).eq([None, None, Some(1)]));
     assert_eq!(SimModel::llama3_8b(DType::BF16).describe_layers(32), None);
+    let l4 = SimModel::llama4_scout(DType::BF16);
+    assert_eq!((l4.num_layers, l4.config.num_q_heads, l4.config.num_kv_heads, l4.config.head_size), (48, 40, 8, 128));
+    for (i, l) in l4.layer_specs(48).iter().enumerate() {
+        assert_eq!((l.opts.chunk_size, l.opts.window, l.opts.softcap), ((i % 4 != 3).then_some(8192), None, None), "layer {i}");
+    }
     // The CPU preset's window and soft-cap replace the model's; a model without them gains none.
     let cpu = SimConfig::cpu_default();
     assert_eq!((cpu.run_model(&g).window, cpu.run_model(&g).softcap), (Some(64), Some(0.5)));
     assert_eq!(cpu.run_model(&k), k);
+    assert_eq!((cpu.run_model(&l4).chunk, cpu.run_model(&g).chunk), (Some(40), None));
 }
 
 /// Random rows rounded to bf16 (as the simulator's pool): `n` of `width`.
@@ -526,7 +554,8 @@ const REF_HEAD_SIZE: usize = 16;
 #[test]
 fn the_reference_masks_and_caps_as_attn_rs_cpu_does() {
     // Three requests' worth of shapes: windows shorter, equal to and longer than the context,
-    // with and without a soft-cap, grouped heads; the last nq of nk tokens as queries.
+    // with and without a soft-cap, grouped heads; the last nq of nk tokens as queries. Then
+    // chunked local attention.
     let mut rng = SplitMix::new(5);
     for (nq, nk, window, softcap) in
         [(3, 20, Some(7), Some(2.0)), (1, 9, Some(9), None), (4, 12, Some(30), Some(0.3)), (2, 15, None, Some(1.0))]
@@ -534,6 +563,13 @@ fn the_reference_masks_and_caps_as_attn_rs_cpu_does() {
         let opts = AttnOptions { window, softcap, softmax_scale: 0.6, ..AttnOptions::new(REF_HEAD_SIZE) };
         let err = against_attn_rs_cpu(&mut rng, (nq, nk), &opts, true, reference_attention);
         assert!(err < 1e-12, "{nq} of {nk}, window {window:?}, soft-cap {softcap:?}: rel error {err:.2e}");
+    }
+    // Chunks: queries across a chunk start, one at a chunk's first position, chunks of one
+    // position, chunks longer than the context, and with a window as well.
+    for (nq, nk, chunk, window) in [(5, 20, 7, None), (1, 15, 7, None), (3, 9, 1, None), (4, 12, 40, None), (6, 23, 8, Some(3))] {
+        let opts = AttnOptions { chunk_size: Some(chunk), window, softmax_scale: 0.6, ..AttnOptions::new(REF_HEAD_SIZE) };
+        let err = against_attn_rs_cpu(&mut rng, (nq, nk), &opts, true, reference_attention);
+        assert!(err < 1e-12, "{nq} of {nk}, chunks of {chunk}, window {window:?}: rel error {err:.2e}");
     }
 }
 

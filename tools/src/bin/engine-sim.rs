@@ -1,5 +1,6 @@
 //! The main job: a simulated serving engine. A Llama-3-8B-like model, a DeepSeek-like MLA model,
-//! a Gemma-2-like model (sliding window on every other layer, soft-capped logits), a Llama-like
+//! a Gemma-2-like model (sliding window on every other layer, soft-capped logits), a
+//! Llama-4-like model (chunked local attention on three layers of four), a Llama-like
 //! model whose second half of the layers reads one earlier layer's cache (KV sharing) and a
 //! Whisper-like encoder-decoder model (bidirectional encoder layers over each request's encoder
 //! input, then decoder blocks of causal self-attention and cross-attention over a cache each
@@ -16,15 +17,15 @@
 //! on their GPU backends (`tensor-core`, `mla`); a backend whose kernels are missing falls back
 //! to the CPU backend, labelled so.
 //!
-//! `engine-sim [--model llama|deepseek|gemma2|kv-shared|whisper|phi2|both|all] [--backend NAME]
-//!  [--dtype bf16|f16|f32] [--layers N] [--window N] [--softcap X] [--encoder-len N]
+//! `engine-sim [--model llama|deepseek|gemma2|llama4|kv-shared|whisper|phi2|both|all] [--backend NAME]
+//!  [--dtype bf16|f16|f32] [--layers N] [--window N] [--softcap X] [--chunk N] [--encoder-len N]
 //!  [--encoder-budget N] [--requests N] [--steps N]
 //!  [--max-running N] [--token-budget N] [--prompt MIN:MAX] [--gen MIN:MAX] [--blocks N]
 //!  [--check-every N] [--check-layers A,B] [--check-reqs N] [--check-tokens N]
 //!  [--progress-every N] [--decode-threshold N] [--seed N] [--graphs]`
 //! (`--help` describes each; flags not given take the preset's value for where the backend
 //! runs, `SimConfig::cpu_default` or `SimConfig::gpu_default`, with prompts stretched past a
-//! model's window when the preset's would not reach it, and decoder prompts of 1 to 8 tokens for
+//! model's window or first chunk when the preset's would not reach it, and decoder prompts of 1 to 8 tokens for
 //! the Whisper-like model).
 
 use attn_rs::backend::{find_backend, select_backend, select_backend_no_env, DeviceInfo, Selection};
@@ -37,8 +38,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// A simulated serving engine: Llama-3-8B-like, DeepSeek-like MLA, Gemma-2-like, KV-sharing and
-/// Whisper-like encoder-decoder models served to a deterministic stream of requests by a
+/// A simulated serving engine: Llama-3-8B-like, DeepSeek-like MLA, Gemma-2-like, Llama-4-like,
+/// KV-sharing and Whisper-like encoder-decoder models served to a deterministic stream of requests by a
 /// chunked-prefill scheduler, every step's mixed batch through `attn_rs::forward` on every
 /// layer, a sample checked against an f64 reference.
 ///
@@ -56,7 +57,7 @@ struct Cli {
     /// The activations' and the cache's dtype.
     #[arg(long, value_enum, default_value_t = DtypeChoice::Bf16)]
     dtype: DtypeChoice,
-    /// Layers run, at most the model's (32 Llama, 27 DeepSeek, 26 Gemma-2, 16 KV-shared; 12
+    /// Layers run, at most the model's (32 Llama, 27 DeepSeek, 26 Gemma-2, 48 Llama-4, 16 KV-shared; 12
     /// Whisper, whose N are N encoder layers and N decoder blocks, 3 N attention layers);
     /// default: the preset's (2 on the CPU, the model's on a GPU).
     #[arg(long, value_name = "N", value_parser = at_least(1))]
@@ -69,6 +70,10 @@ struct Cli {
     /// default: the preset's (0.5 on the CPU, the model's 50 on a GPU).
     #[arg(long, value_name = "X", value_parser = positive)]
     softcap: Option<f32>,
+    /// The chunk of the chunked local layers (Llama-4's three layers of four; models without
+    /// chunks ignore it); default: the preset's (40 on the CPU, the model's 8192 on a GPU).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    chunk: Option<u32>,
     /// Tokens of each request's encoder input (Whisper's; models without an encoder ignore
     /// it); default: the preset's (75 on the CPU, the model's 1500 on a GPU).
     #[arg(long, value_name = "N", value_parser = at_least(1))]
@@ -140,6 +145,9 @@ enum ModelChoice {
     /// Gemma-2-2B-like: 8 query heads over 4 kv heads of 256, 26 layers, soft-cap 50, sliding
     /// window 4096 on the even layers.
     Gemma2,
+    /// Llama-4-Scout-like: 40 query heads over 8 kv heads of 128, 48 layers, chunked local
+    /// attention (chunks of 8192) on every layer but each fourth.
+    Llama4,
     /// Llama-like, 32 query heads over 8 kv heads of 128, 16 layers, of which the second half
     /// reads the last first-half layer's cache.
     KvShared,
@@ -150,7 +158,7 @@ enum ModelChoice {
     Phi2,
     /// Llama, then DeepSeek.
     Both,
-    /// Every model: Llama, DeepSeek, Gemma-2, KV-shared, Whisper, Phi-2.
+    /// Every model: Llama, DeepSeek, Gemma-2, Llama-4, KV-shared, Whisper, Phi-2.
     All,
 }
 
@@ -204,10 +212,11 @@ fn presets_help() -> String {
         let or_models = |x: Option<String>| x.unwrap_or_else(|| "the model's".to_string());
         let layers = or_models(c.num_layers.map(|n| n.to_string()));
         let (window, softcap) = (or_models(c.window.map(|n| n.to_string())), or_models(c.softcap.map(|x| x.to_string())));
+        let chunk = or_models(c.chunk.map(|n| n.to_string()));
         let encoder_len = or_models(c.encoder_len.map(|n| n.to_string()));
         let w = &c.workload;
         format!(
-            "  {what}: --layers {layers}, --window {window}, --softcap {softcap}, --encoder-len {encoder_len}, --encoder-budget {}, \
+            "  {what}: --layers {layers}, --window {window}, --softcap {softcap}, --chunk {chunk}, --encoder-len {encoder_len}, --encoder-budget {}, \
              --requests {}, --steps {}, --max-running {}, \
              --token-budget {}, --prompt {}:{}, --gen {}:{}, --check-every {}, --check-reqs {}, --check-tokens {}, --progress-every {}, \
              --decode-threshold {}, --seed {}",
@@ -229,8 +238,8 @@ fn presets_help() -> String {
         )
     };
     format!(
-        "Presets (where the backend runs):\n{}\n{}\n  Without --prompt, a model whose window no context of the preset would pass (Gemma-2 on a GPU) \
-         takes prompts of up to one and a half windows; Whisper's decoder prompts are 1:8.",
+        "Presets (where the backend runs):\n{}\n{}\n  Without --prompt, a model whose window or first chunk no context of the preset would pass \
+         (Gemma-2 and Llama-4 on a GPU) takes prompts of up to one and a half windows or chunks; Whisper's decoder prompts are 1:8.",
         line("CPU backend", &SimConfig::cpu_default()),
         line("GPU backend", &SimConfig::gpu_default())
     )
@@ -247,10 +256,11 @@ impl Cli {
 
     fn models(&self) -> Vec<SimModel> {
         let dtype = self.dtype();
-        let (llama, deepseek, gemma2, kv_shared, whisper, phi2) = (
+        let (llama, deepseek, gemma2, llama4, kv_shared, whisper, phi2) = (
             SimModel::llama3_8b(dtype),
             SimModel::deepseek_v2_lite(dtype),
             SimModel::gemma2_2b(dtype),
+            SimModel::llama4_scout(dtype),
             SimModel::kv_shared(dtype),
             SimModel::whisper_small(dtype),
             SimModel::phi2(dtype),
@@ -259,11 +269,12 @@ impl Cli {
             ModelChoice::Llama => vec![llama],
             ModelChoice::Deepseek => vec![deepseek],
             ModelChoice::Gemma2 => vec![gemma2],
+            ModelChoice::Llama4 => vec![llama4],
             ModelChoice::KvShared => vec![kv_shared],
             ModelChoice::Whisper => vec![whisper],
             ModelChoice::Phi2 => vec![phi2],
             ModelChoice::Both => vec![llama, deepseek],
-            ModelChoice::All => vec![llama, deepseek, gemma2, kv_shared, whisper, phi2],
+            ModelChoice::All => vec![llama, deepseek, gemma2, llama4, kv_shared, whisper, phi2],
         }
     }
 
@@ -302,6 +313,7 @@ impl Cli {
         c.num_layers = self.layers.or(c.num_layers);
         c.window = self.window.or(c.window);
         c.softcap = self.softcap.or(c.softcap);
+        c.chunk = self.chunk.or(c.chunk);
         c.encoder_len = self.encoder_len.or(c.encoder_len);
         c.encoder_budget = self.encoder_budget.unwrap_or(c.encoder_budget);
         if self.prompt.is_none() {
@@ -450,26 +462,31 @@ mod tests {
         let cli = parse(&["--model=gemma2", "--window", "100", "--softcap=2.5"]).unwrap();
         let c = cli.sim_config(false, &cli.models()[0]);
         assert_eq!((c.window, c.softcap), (Some(100), Some(2.5)));
+        let cli = parse(&["--model=llama4", "--chunk", "24"]).unwrap();
+        let c = cli.sim_config(false, &cli.models()[0]);
+        assert_eq!((c.chunk, c.run_model(&cli.models()[0]).chunk), (Some(24), Some(24)));
     }
 
     #[test]
     fn model_choices_name_their_models() {
         let names = |m: &str| parse(&["--model", m]).unwrap().models().iter().map(|m| m.name).collect::<Vec<_>>();
-        let (llama, deepseek, gemma2, kv_shared, whisper, phi2) = (
+        let (llama, deepseek, gemma2, llama4, kv_shared, whisper, phi2) = (
             "llama-3-8b-like",
             "deepseek-v2-lite-like (MLA)",
             "gemma-2-2b-like",
+            "llama-4-scout-like (chunked local)",
             "kv-shared-llama-like",
             "whisper-small-like (encoder-decoder)",
             "phi-2-like (head size 80)",
         );
         assert_eq!(names("gemma2"), [gemma2]);
+        assert_eq!(names("llama4"), [llama4]);
         assert_eq!(names("kv-shared"), [kv_shared]);
         assert_eq!(names("whisper"), [whisper]);
         assert_eq!(names("both"), [llama, deepseek], "both stays Llama and DeepSeek");
         assert_eq!(parse(&[]).unwrap().models().len(), 2);
         assert_eq!(names("phi2"), [phi2]);
-        assert_eq!(names("all"), [llama, deepseek, gemma2, kv_shared, whisper, phi2]);
+        assert_eq!(names("all"), [llama, deepseek, gemma2, llama4, kv_shared, whisper, phi2]);
     }
 
     #[test]
@@ -505,6 +522,10 @@ mod tests {
         // The CPU preset's window (64) is passed already; other models keep the preset.
         assert_eq!(parse(&[]).unwrap().sim_config(false, &gemma2).workload, SimConfig::cpu_default().workload);
         assert_eq!(parse(&[]).unwrap().sim_config(true, &SimModel::kv_shared(DType::BF16)), SimConfig::gpu_default());
+        // Llama-4's first chunk (8192) is passed as well; on the CPU its chunks of 40 already are.
+        let llama4 = SimModel::llama4_scout(DType::BF16);
+        assert_eq!(parse(&["--model", "llama4"]).unwrap().sim_config(true, &llama4).workload.prompt_len, (128, 12288));
+        assert_eq!(parse(&[]).unwrap().sim_config(false, &llama4).workload, SimConfig::cpu_default().workload);
     }
 
     #[test]
@@ -533,6 +554,8 @@ mod tests {
             &["--encoder-len", "0"],
             &["--encoder-budget", "0"],
             &["--window", "0"],
+            &["--chunk", "0"],
+            &["--model", "llama4", "--layers", "49"],
             &["--window", "-3"],
             &["--softcap", "0"],
             &["--softcap", "-1"],

@@ -3,7 +3,7 @@
 //! remembers which rows of its activation pool each request's cached tokens came from (for a
 //! KV-sharing layer, its target layer's rows); on check steps it recomputes a few query tokens of
 //! a few requests from those rows (packed K/V, no paging, no block tables) with the layer's
-//! scale, sliding window and soft-cap, and compares.
+//! scale, sliding window, chunks and soft-cap, and compares.
 //!
 //! An encoder-decoder model's layers are checked by kind: an encoder layer in the encoder steps
 //! (every `every`-th, counted apart from the steps, the first included), bidirectional over the
@@ -11,7 +11,7 @@
 //! over the request's decoder history, as any decoder layer; a cross-attention layer without a
 //! mask over the encoder rows its `write_kv` wrote in the request's encoder step.
 //!
-//! For a layer with a window or a soft-cap the check also measures whether it would notice a
+//! For a layer with a window, chunks or a soft-cap the check also measures whether it would notice a
 //! backend that ignored it: how often the reference without it differs from the reference by
 //! more than the tolerance ([`Sensitivity`]); for encoder and cross-attention layers, a backend
 //! that applied a causal mask, and for cross-attention layers one that read another layer's
@@ -60,6 +60,8 @@ pub struct CheckStats {
     pub first_failure: Option<String>,
     /// Whether the comparisons of windowed layers would catch a backend ignoring the window ...
     pub window: Sensitivity,
+    /// ... those of chunked local layers one ignoring the chunks ...
+    pub chunk: Sensitivity,
     /// ... and those of soft-capped layers one ignoring the soft-cap.
     pub softcap: Sensitivity,
     /// Comparisons of encoder layers (in encoder steps) and of cross-attention layers, among
@@ -74,7 +76,7 @@ pub struct CheckStats {
     pub cross_source: Sensitivity,
 }
 
-/// Comparisons of layers with a setting (a sliding window, a soft-cap), and those among them in
+/// Comparisons of layers with a setting (a sliding window, chunks, a soft-cap), and those among them in
 /// which the reference without it differs from the reference by more than the tolerance: a
 /// backend that ignored it would have failed those.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -87,7 +89,7 @@ pub struct Sensitivity {
 pub struct Checker {
     /// Checked layer ids.
     pub layers: Vec<usize>,
-    /// Each checked layer's attention: kind, scale, window and soft-cap.
+    /// Each checked layer's attention: kind, scale, window, chunks and soft-cap.
     specs: Vec<LayerSpec>,
     /// Each checked cross-attention layer's other source (see [`Checker::other_source`]).
     others: Vec<Option<usize>>,
@@ -307,7 +309,7 @@ impl Checker {
         // The first token and the last n - 1 (all of them when q_len <= n).
         let head = if n == s.q_len { n } else { 1 };
         let groups = [(0, head), (s.q_len - (n - head), s.q_len)];
-        let mut caught = [false; 4]; // window, soft-cap, causal, other source
+        let mut caught = [false; 5]; // window, soft-cap, causal, other source, chunks
         for (i0, i1) in groups.into_iter().filter(|(a, b)| b > a) {
             let q_rows = || (i0..i1).map(|i| q_row + i);
             // Under a causal mask the group's last query sits `s.q_len - i1` tokens before the
@@ -352,6 +354,10 @@ impl Checker {
             if opts.window.is_some_and(|w| s.context + i1 > w as usize) {
                 caught[0] |= differs(rows.attend(&AttnOptions { window: None, ..opts }));
             }
+            // Without the chunks only where the group's last query is past the first chunk.
+            if opts.chunk_size.is_some_and(|c| s.context + i1 > c as usize) {
+                caught[4] |= differs(rows.attend(&AttnOptions { chunk_size: None, ..opts }));
+            }
             if opts.softcap.is_some() {
                 caught[1] |= differs(match keys {
                     Keys::Causal(_) => rows.attend(&AttnOptions { softcap: None, ..opts }),
@@ -373,6 +379,7 @@ impl Checker {
         st.cross_comparisons += usize::from(cross);
         for (sens, has, caught) in [
             (&mut st.window, opts.window.is_some(), caught[0]),
+            (&mut st.chunk, opts.chunk_size.is_some(), caught[4]),
             (&mut st.softcap, opts.softcap.is_some(), caught[1]),
             (&mut st.bidirectional, bidirectional, caught[2]),
             (&mut st.cross_source, cross, caught[3]),
@@ -431,7 +438,7 @@ impl Rows {
         Rows { shape, q, k, v }
     }
 
-    /// `[q rows, q heads, dv]` with `opts`' scale, window and soft-cap, the queries the last
+    /// `[q rows, q heads, dv]` with `opts`' scale, window, chunks and soft-cap, the queries the last
     /// of the keys' tokens (causal).
     fn attend(&self, opts: &AttnOptions) -> Vec<f64> {
         reference_attention(self.shape, opts, &self.q, &self.k, &self.v)

@@ -70,6 +70,8 @@ pub struct SimConfig {
     pub window: Option<u32>,
     /// The soft-cap of a model's soft-capped layers; `None`: the model's.
     pub softcap: Option<f32>,
+    /// The chunk of a model's chunked local layers; `None`: the model's.
+    pub chunk: Option<u32>,
     /// Tokens of each request's encoder input, for a model with an encoder; `None`: the
     /// model's.
     pub encoder_len: Option<usize>,
@@ -97,7 +99,8 @@ pub struct SimConfig {
 impl SimConfig {
     /// Sizes for the CPU backend (the f64 reference is slow): a few short requests, two layers,
     /// a window (64) and soft-cap (0.5) that change the outputs at these contexts and with the
-    /// random activations (see [`SimModel::gemma2_2b`]), and encoder inputs of 75 tokens (not a
+    /// random activations (see [`SimModel::gemma2_2b`]), chunks of 40 positions that the
+    /// contexts cross (see [`SimModel::llama4_scout`]), and encoder inputs of 75 tokens (not a
     /// whole number of blocks), two to an encoder step.
     pub fn cpu_default() -> Self {
         SimConfig {
@@ -108,6 +111,7 @@ impl SimConfig {
             num_layers: Some(2),
             window: Some(64),
             softcap: Some(0.5),
+            chunk: Some(40),
             encoder_len: Some(75),
             encoder_budget: 150,
             max_steps: 10_000,
@@ -133,6 +137,7 @@ impl SimConfig {
             num_layers: None,
             window: None,
             softcap: None,
+            chunk: None,
             encoder_len: None,
             encoder_budget: 6000,
             max_steps: 100_000,
@@ -151,10 +156,10 @@ impl SimConfig {
         self.num_layers.unwrap_or(model.num_layers)
     }
 
-    /// `model` as this run plays it: with this config's window, soft-cap and encoder length, if
-    /// it has them.
+    /// `model` as this run plays it: with this config's window, soft-cap, chunk and encoder
+    /// length, if it has them.
     pub fn run_model(&self, model: &SimModel) -> SimModel {
-        let model = model.with_window_and_softcap(self.window, self.softcap);
+        let model = model.with_window_and_softcap(self.window, self.softcap).with_chunk(self.chunk);
         SimModel { encoder_len: model.encoder_len.map(|len| self.encoder_len.unwrap_or(len)), ..model }
     }
 
@@ -182,11 +187,13 @@ impl SimConfig {
         Some((self.max_running * per_req * 3 / 4).max(per_req))
     }
 
-    /// The same sizes, with prompts of up to one and a half windows where no context would pass
-    /// the sliding window of `model` (as this config plays it): otherwise the window would never
-    /// hide a key, and the check would not see whether it is applied.
+    /// The same sizes, with prompts of up to one and a half windows (or chunks) where no
+    /// context would pass the sliding window (or the first chunk) of `model` (as this config
+    /// plays it): otherwise the window or the chunks would never hide a key, and the check would
+    /// not see whether they are applied.
     pub fn with_contexts_past_window(mut self, model: &SimModel) -> Self {
-        if let Some(w) = self.run_model(model).window.map(|w| w as usize) {
+        let run = self.run_model(model);
+        if let Some(w) = run.window.into_iter().chain(run.chunk).max().map(|w| w as usize) {
             if self.workload.max_model_len() <= w {
                 self.workload.prompt_len.1 = w + w / 2;
             }

@@ -3,7 +3,7 @@
 //! [`BlockTable`]), a deterministic stream of requests arriving and finishing
 //! ([`Workload`]), a chunked-prefill scheduler ([`Scheduler`]) and the loop ([`run_sim`]) that
 //! runs each step's mixed batch through `forward_layer` on every layer (each with its sliding
-//! window, soft-cap or KV sharing; an encoder-decoder model's encoder step, decoder step and
+//! window, soft-cap, chunks or KV sharing; an encoder-decoder model's encoder step, decoder step and
 //! cross-attention step), checks a sample against an f64 reference ([`reference_attention`],
 //! [`reference_attention_bidirectional`]) and reports throughput and where each step's time
 //! goes.

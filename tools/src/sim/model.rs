@@ -1,6 +1,6 @@
 //! The models the simulator plays: their attention configuration, layer count and what each
-//! layer does (sliding window, soft-cap, KV sharing; an encoder-decoder model's encoder,
-//! decoder self-attention and cross-attention layers).
+//! layer does (sliding window, soft-cap, chunked local attention, KV sharing; an encoder-decoder
+//! model's encoder, decoder self-attention and cross-attention layers).
 
 use attn_rs::backend::{Features, ModelConfig};
 use attn_rs::forward::{AttentionType, LayerSpec};
@@ -20,6 +20,10 @@ pub struct SimModel {
     /// The sliding window of the even layers, the odd ones attending to the whole context (Gemma
     /// 2 alternates local and global layers, the first local).
     pub window: Option<u32>,
+    /// The chunk of the chunked local layers, every layer but each fourth (Llama 4 attends
+    /// within chunks of 8192 positions on three layers of four, and to the whole context on
+    /// layers 3, 7, 11, ...).
+    pub chunk: Option<u32>,
     /// Which layers read another layer's cache instead of keeping their own.
     pub kv_sharing: KvSharing,
     /// An encoder-decoder model's encoder input: tokens per request (Whisper: 1500 frames, its
@@ -41,7 +45,17 @@ pub enum KvSharing {
 impl SimModel {
     /// A model whose layers all attend alike: no window, no soft-cap, each its own cache.
     fn plain(name: &'static str, config: ModelConfig, num_layers: usize, softmax_scale: f32) -> Self {
-        SimModel { name, config, num_layers, softmax_scale, softcap: None, window: None, kv_sharing: KvSharing::None, encoder_len: None }
+        SimModel {
+            name,
+            config,
+            num_layers,
+            softmax_scale,
+            softcap: None,
+            window: None,
+            chunk: None,
+            kv_sharing: KvSharing::None,
+            encoder_len: None,
+        }
     }
 
     /// Llama-3-8B: 32 query heads over 8 kv heads of 128, 32 layers, blocks of 16.
@@ -70,6 +84,18 @@ impl SimModel {
         let features = Features { sliding_window: true, softcap: true, ..Features::NONE };
         let config = ModelConfig::standard(8, 4, 256, dtype, 16, KvLayout::FlashNhd).with_features(features);
         SimModel { softcap: Some(50.0), window: Some(4096), ..SimModel::plain("gemma-2-2b-like", config, 26, 1.0 / 16.0) }
+    }
+
+    /// Llama-4-Scout: 40 query heads over 8 kv heads of 128 (groups of 5), 48 layers, blocks of
+    /// 16, softmax scale 1/sqrt(128); chunked local attention in chunks of 8192 positions on
+    /// three layers of four, the fourth (layers 3, 7, ...) over the whole context. (Its global
+    /// layers' query temperature scales the queries before attention and is not modelled.)
+    ///
+    /// The CPU preset ([`SimConfig::cpu_default`](super::SimConfig::cpu_default)) runs it with
+    /// chunks of 40 positions (not a whole number of blocks), which its contexts cross.
+    pub fn llama4_scout(dtype: DType) -> Self {
+        let config = ModelConfig::standard(40, 8, 128, dtype, 16, KvLayout::FlashNhd);
+        SimModel { chunk: Some(8192), ..SimModel::plain("llama-4-scout-like (chunked local)", config, 48, 1.0 / (128f32).sqrt()) }
     }
 
     /// A Llama-like model whose second half of the layers shares one cache: 32 query heads over
@@ -127,6 +153,18 @@ impl SimModel {
         SimModel { window: self.window.map(|w| window.unwrap_or(w)), softcap: self.softcap.map(|c| softcap.unwrap_or(c)), ..self }
     }
 
+    /// The same model with another chunk on its chunked layers (`None`: its own); a model
+    /// without chunks gains none.
+    pub fn with_chunk(self, chunk: Option<u32>) -> Self {
+        SimModel { chunk: self.chunk.map(|c| chunk.unwrap_or(c)), ..self }
+    }
+
+    /// Whether decoder layer `layer` attends within chunks (each fourth layer, 3, 7, ..., does
+    /// not).
+    pub fn is_chunked_layer(&self, layer: usize) -> bool {
+        self.chunk.is_some() && !(layer + 1).is_multiple_of(4)
+    }
+
     pub fn is_mla(&self) -> bool {
         self.config.kind == attn_rs::backend::AttentionKind::Mla
     }
@@ -176,6 +214,7 @@ impl SimModel {
             softmax_scale: self.softmax_scale,
             softcap: self.softcap,
             window: self.window.filter(|_| layer.is_multiple_of(2)),
+            chunk_size: self.chunk.filter(|_| self.is_chunked_layer(layer)),
             ..AttnOptions::new(self.config.head_size)
         };
         match self.layer_kind(layer, layers) {
@@ -224,6 +263,14 @@ impl SimModel {
         }
         if let Some(w) = self.window {
             parts.push(format!("sliding window {w} on the even layers (the odd ones see the whole context)"));
+        }
+        if let Some(c) = self.chunk {
+            let global: Vec<usize> = (0..layers).filter(|&l| !self.is_chunked_layer(l)).collect();
+            let rest = match global.len() {
+                0 => "every layer".to_string(),
+                _ => format!("every layer but {}", every_other(global[0], 4, global[global.len() - 1])),
+            };
+            parts.push(format!("chunked local attention in chunks of {c} positions on {rest}"));
         }
         if let Some(cap) = self.softcap {
             parts.push(format!("soft-cap {cap} on every layer"));

@@ -5,8 +5,9 @@
 //! Query `i` of `nq` over a sequence of `nk` keys sits at position `pos = nk - nq + i` (the
 //! queries are the sequence's last tokens) and sees key `j` when `j <= pos` and, with a sliding
 //! window of `w`, `pos - j < w`: the keys `pos - w + 1 ..= pos`, itself included
-//! ([`AttnOptions::window`]). Its logit for key `j` is `scale * q . k_j`, then
-//! `cap * tanh(logit / cap)` with a soft-cap.
+//! ([`AttnOptions::window`]), and with chunks of `c` (chunked local attention), `j / c == pos / c`:
+//! the keys from its chunk's start ([`AttnOptions::chunk_size`]). Its logit for key `j` is
+//! `scale * q . k_j`, then `cap * tanh(logit / cap)` with a soft-cap.
 //!
 //! Bidirectional attention ([`reference_attention_bidirectional`]: an encoder layer over its
 //! request's encoder tokens, a cross-attention layer over its encoder keys) has no mask: every
@@ -26,14 +27,15 @@ pub struct RefShape {
     pub dv: usize,
 }
 
-/// Whether the query at `pos` sees the key at `key` (causal, within `window` keys).
-pub fn key_visible(pos: usize, key: usize, window: Option<u32>) -> bool {
-    key <= pos && window.is_none_or(|w| pos - key < w as usize)
+/// Whether the query at `pos` sees the key at `key`: causal, within `opts`' window and in the
+/// query's chunk.
+pub fn key_visible(pos: usize, key: usize, opts: &AttnOptions) -> bool {
+    key <= pos && opts.window.is_none_or(|w| pos - key < w as usize) && opts.chunk_size.is_none_or(|c| key / c as usize == pos / c as usize)
 }
 
 /// The attention of `q` (`[nq, q_heads, dk]`, the last `nq` tokens of the sequence) over `k`
-/// (`[nk, kv_heads, dk]`) and `v` (`[nk, kv_heads, dv]`), with `opts`' scale, window and
-/// soft-cap: `[nq, q_heads, dv]`. `opts` may hold nothing else (chunks, a symmetric window).
+/// (`[nk, kv_heads, dk]`) and `v` (`[nk, kv_heads, dv]`), with `opts`' scale, window, chunks
+/// and soft-cap: `[nq, q_heads, dv]`. `opts` may hold nothing else (a symmetric window).
 pub fn reference_attention(shape: RefShape, opts: &AttnOptions, q: &[f64], k: &[f64], v: &[f64]) -> Vec<f64> {
     attention(shape, opts, true, q, k, v)
 }
@@ -42,13 +44,13 @@ pub fn reference_attention(shape: RefShape, opts: &AttnOptions, q: &[f64], k: &[
 /// (`[nk, kv_heads, dk]`) and `v` (`[nk, kv_heads, dv]`), with `opts`' scale and soft-cap, no
 /// mask: `[nq, q_heads, dv]`. `opts` may hold no window, chunks or symmetric window.
 pub fn reference_attention_bidirectional(shape: RefShape, opts: &AttnOptions, q: &[f64], k: &[f64], v: &[f64]) -> Vec<f64> {
-    assert!(opts.window.is_none(), "bidirectional attention has no causal window");
+    assert!(opts.window.is_none() && opts.chunk_size.is_none(), "bidirectional attention has no causal window or chunks");
     attention(shape, opts, false, q, k, v)
 }
 
 fn attention(shape: RefShape, opts: &AttnOptions, causal: bool, q: &[f64], k: &[f64], v: &[f64]) -> Vec<f64> {
     let RefShape { q_heads, kv_heads, dk, dv } = shape;
-    assert!(opts.chunk_size.is_none() && opts.symmetric_window.is_none(), "the reference has no chunks or symmetric windows");
+    assert!(opts.symmetric_window.is_none(), "the reference has no symmetric windows");
     assert!(kv_heads > 0 && q_heads.is_multiple_of(kv_heads), "{q_heads} query heads over {kv_heads} kv heads");
     let (nq, nk) = (q.len() / (q_heads * dk), k.len() / (kv_heads * dk));
     assert!(v.len() == nk * kv_heads * dv, "{nk} keys, {} values", v.len() / (kv_heads * dv).max(1));
@@ -61,7 +63,7 @@ fn attention(shape: RefShape, opts: &AttnOptions, causal: bool, q: &[f64], k: &[
             let kvh = h / group;
             let qv = &q[(i * q_heads + h) * dk..][..dk];
             let keys: Vec<usize> = match causal {
-                true => (0..nk).filter(|&j| key_visible(nk - nq + i, j, opts.window)).collect(),
+                true => (0..nk).filter(|&j| key_visible(nk - nq + i, j, opts)).collect(),
                 false => (0..nk).collect(),
             };
             let logits: Vec<f64> = keys
@@ -94,8 +96,11 @@ mod tests {
     /// One head, keys of width 1 and one-hot values: with a zero query every visible key weighs
     /// the same, so the output names the keys seen.
     fn seen(nk: usize, nq: usize, window: Option<u32>) -> Vec<Vec<usize>> {
+        seen_with(nk, nq, AttnOptions { window, ..AttnOptions::new(1) })
+    }
+
+    fn seen_with(nk: usize, nq: usize, opts: AttnOptions) -> Vec<Vec<usize>> {
         let shape = RefShape { q_heads: 1, kv_heads: 1, dk: 1, dv: nk };
-        let opts = AttnOptions { window, ..AttnOptions::new(1) };
         let v: Vec<f64> = (0..nk * nk).map(|x| if x / nk == x % nk { 1.0 } else { 0.0 }).collect();
         let out = reference_attention(shape, &opts, &vec![0.0; nq], &vec![1.0; nk], &v);
         out.chunks(nk).map(|row| (0..nk).filter(|&j| row[j] > 0.0).collect()).collect()
@@ -107,7 +112,19 @@ mod tests {
         assert_eq!(seen(6, 2, Some(3)), [vec![2, 3, 4], vec![3, 4, 5]]);
         assert_eq!(seen(6, 1, Some(1)), [vec![5]]);
         assert_eq!(seen(3, 3, Some(8)), [vec![0], vec![0, 1], vec![0, 1, 2]]);
-        assert!(key_visible(10, 7, Some(4)) && !key_visible(10, 6, Some(4)) && !key_visible(10, 11, None));
+        let w = |window| AttnOptions { window, ..AttnOptions::new(1) };
+        assert!(key_visible(10, 7, &w(Some(4))) && !key_visible(10, 6, &w(Some(4))) && !key_visible(10, 11, &w(None)));
+    }
+
+    #[test]
+    fn a_chunked_query_sees_its_chunk_up_to_itself() {
+        // Chunks of 3: positions 0..3, 3..6, 6..9.
+        let chunks = |nk, nq| seen_with(nk, nq, AttnOptions { chunk_size: Some(3), ..AttnOptions::new(1) });
+        assert_eq!(chunks(8, 4), [vec![3, 4], vec![3, 4, 5], vec![6], vec![6, 7]]);
+        assert_eq!(chunks(3, 3), [vec![0], vec![0, 1], vec![0, 1, 2]]);
+        // With a window too, both cut: a window of 2 at position 7 sees 6 and 7, at 6 only 6.
+        let both = seen_with(8, 2, AttnOptions { chunk_size: Some(3), window: Some(2), ..AttnOptions::new(1) });
+        assert_eq!(both, [vec![6], vec![6, 7]]);
     }
 
     #[test]

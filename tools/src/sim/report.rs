@@ -318,8 +318,8 @@ impl SimReport {
         lines
     }
 
-    /// How many comparisons would have caught a backend ignoring the checked layers' window or
-    /// soft-cap, applying a causal mask in the encoder and cross-attention layers, or reading
+    /// How many comparisons would have caught a backend ignoring the checked layers' window,
+    /// chunks or soft-cap, applying a causal mask in the encoder and cross-attention layers, or reading
     /// another layer's encoder keys and values; `None` when no checked layer has any of these.
     fn sensitivity_line(&self) -> Option<String> {
         let c = &self.checks;
@@ -327,6 +327,7 @@ impl SimReport {
             |what: &str, s: &Sensitivity| (s.comparisons > 0).then(|| format!("{what} in {} of {} comparisons", s.caught, s.comparisons));
         let parts: Vec<String> = [
             part("ignoring the window", &c.window),
+            part("ignoring the chunks", &c.chunk),
             part("ignoring the soft-cap", &c.softcap),
             part("masking the encoder and cross-attention layers causally", &c.bidirectional),
             part("reading another layer's encoder K/V in a cross-attention layer", &c.cross_source),
