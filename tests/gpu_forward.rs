@@ -2,7 +2,8 @@
 //! several steps of mixed batches (decodes first, chunked prefills, scattered blocks, strided
 //! fused-QKV rows, padding rows) per case, outputs compared by relative error and the caches
 //! bit for bit after the last step; long contexts (decode split-K and merge), multi-token
-//! decodes, layouts, head sizes, dtypes and features; refusals before any launch.
+//! decodes, layouts, head sizes, dtypes and features (chunked local attention as local batches,
+//! over FP8 caches among them); refusals before any launch.
 
 mod common;
 
@@ -26,6 +27,8 @@ struct Case {
     block_size: usize,
     threshold: usize,
     window: Option<u32>,
+    /// Chunked local attention (Llama 4): a query sees the keys of its own chunk of positions.
+    chunk: Option<u32>,
     softcap: Option<f32>,
     alibi: bool,
     sinks: bool,
@@ -65,6 +68,7 @@ fn base(hq: usize, hkv: usize, d: usize) -> Case {
         block_size: 16,
         threshold: 1,
         window: None,
+        chunk: None,
         softcap: None,
         alibi: false,
         sinks: false,
@@ -114,6 +118,17 @@ fn cases() -> Vec<(String, Case, DType)> {
             Case { fp8: E5M2, per_head_scales: true, layout: KvLayout::FlashHnd, ..base(8, 2, 64) },
             DType::BF16,
         ),
+        // Chunked local attention in chunks of whole blocks: the layer runs on the step's local
+        // batch (requests cut at chunk starts, decode and prefill kernels unmasked). 16-bit at
+        // 128 across chunk edges with a window too, E4M3 at 128, E5M2 at 72 with long contexts
+        // (split-K within a chunk).
+        ("chunked_local_window_gqa4_d128".into(), Case { chunk: Some(48), window: Some(40), ..base(32, 8, 128) }, DType::BF16),
+        ("fp8_cache_chunked_local_gqa4_d128".into(), Case { fp8: E4M3, chunk: Some(48), ..base(32, 8, 128) }, DType::BF16),
+        (
+            "e5m2_cache_chunked_local_d72_long".into(),
+            Case { fp8: E5M2, chunk: Some(1024), steps: long_steps(), ..base(16, 4, 72) },
+            DType::F16,
+        ),
         ("mqa_d200_window_sinks".into(), Case { window: Some(50), sinks: true, ..base(8, 1, 200) }, DType::BF16),
         (
             "window_softcap_alibi_sinks".into(),
@@ -150,6 +165,7 @@ fn forward_case<T: HostElement + std::fmt::Debug, C: HostElement + std::fmt::Deb
     let mut config = ForwardConfig::new(model, num_blocks, limits);
     config.decode_threshold = c.threshold;
     config.opts.window = c.window;
+    config.opts.chunk_size = c.chunk;
     config.opts.softcap = c.softcap;
     let mut ga = Attention::new(&gpu_sel, config.clone(), Some(GpuHandles { dev: dev.clone(), stream: stream.clone() }))?;
     let mut ca = Attention::new(&cpu_sel, config, None)?;

@@ -1,7 +1,8 @@
 //! Per-layer settings on the GPU (`tensor-core` through `forward_layer`) against the f64
 //! reference of `tests/common/layer_steps.rs` (the one the CPU backend's tests check): Gemma-2-
 //! like interleaved sliding-window and full layers with soft-cap 50 at head size 256, KV-shared
-//! layers, chunked local attention (the `prefill_local_*` kernels, decodes included), encoder-only
+//! layers, chunked local attention (local batches where the chunk is a whole number of blocks,
+//! else the `prefill_local_*` kernels, decodes included), encoder-only
 //! layers with and without a symmetric window (packed K/V), encoder-decoder models (encoder
 //! layers writing their caches, cross-attention reading them through a step of its own),
 //! per-layer ALiBi, sinks and scales.
@@ -360,18 +361,31 @@ fn cases() -> Vec<(String, Box<dyn FnOnce() -> TestResult + Send>)> {
     v
 }
 
-/// What the GPU refuses before any launch: chunked local attention with an FP8 cache (no
-/// local-mask kernel reads FP8), at `Attention::new`.
+/// What the GPU refuses before any launch: chunked local attention over an FP8 cache with a
+/// chunk that is not a whole number of blocks (only the local-mask kernels, which read 16-bit
+/// caches, could run it), at `Attention::new`; and with a chunk of whole blocks (eager steps and
+/// one-token decode buckets run it as a local batch), mixed graph buckets (which run it through
+/// those kernels).
 fn refusals() -> TestResult {
     let dev = arc_device();
     let stream = new_stream();
     let model = ModelConfig::standard(8, 2, 128, DType::BF16, 16, KvLayout::FlashNhd).with_cache_dtype(DType::Fp8E4m3);
     let selection = select_backend_no_env(&model, &DeviceInfo::from_device(&dev), None)?;
-    let layers = vec![LayerSpec::decoder(AttnOptions { chunk_size: Some(64), ..AttnOptions::new(128) })];
-    let config = ForwardConfig::new(model, 16, limits()).with_layers(layers);
-    match Attention::new(&selection, config, Some(GpuHandles { dev, stream })) {
-        Err(AttnError::InvalidArgument { arg: "layers", .. }) => Ok(()),
-        other => Err(format!("expected a refusal of `layers`, got {:?}", other.err()).into()),
+    let config = |chunk| {
+        let layers = vec![LayerSpec::decoder(AttnOptions { chunk_size: Some(chunk), ..AttnOptions::new(128) })];
+        ForwardConfig::new(model, 16, limits()).with_layers(layers)
+    };
+    let gpu = || Some(GpuHandles { dev: dev.clone(), stream: stream.clone() });
+    match Attention::new(&selection, config(40), gpu()) {
+        Err(AttnError::InvalidArgument { arg: "layers", .. }) => {}
+        other => return Err(format!("chunks of 40 over blocks of 16: expected a refusal of `layers`, got {:?}", other.err()).into()),
+    }
+    let attention = Attention::new(&selection, config(64), gpu())?;
+    attention.new_step_metadata()?;
+    attention.new_graph_step(GraphBucket::decode(4))?;
+    match attention.new_graph_step(GraphBucket::mixed(4, 64)) {
+        Err(AttnError::InvalidArgument { arg: "bucket", .. }) => Ok(()),
+        other => Err(format!("an FP8 chunked graph step: expected a refusal of `bucket`, got {:?}", other.err()).into()),
     }
 }
 

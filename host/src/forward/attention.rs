@@ -3,20 +3,20 @@
 
 use super::config::ForwardConfig;
 use super::cpu_exec::forward_cpu;
-use super::gpu_exec::GpuExec;
+use super::gpu_exec::{takes_local_batches, GpuExec};
 use super::graph::{capture_stream, Capture, StepGraph};
 use super::graph_plan::GraphBucket;
 use super::io::{CacheSpec, KvWriteIo, LayerIo};
 use super::kv_sharing::CacheOwners;
 use super::layers::{AttentionType, LayerSpec};
-use super::step::StepMetadata;
+use super::step::{LocalStep, StepMetadata};
 use super::timing::{PhaseTimes, Timer};
 use super::validate::{validate_layer, validate_write, Buf};
 use crate::backend::{refusal_reasons, BackendSpec, DeviceInfo, GraphSupport, Selection, CPU, MLA, TENSOR_CORE};
 use crate::context_parallel::CpExchange;
 use crate::device::AttnDevice;
 use crate::error::{ensure, AttnError, Result};
-use crate::metadata::MetadataBuilder;
+use crate::metadata::{CascadeMode, LocalBatch, MetadataBuilder};
 use crate::stream_check::{refuse_foreign_capture, CaptureInProgress};
 use cudarc::driver::CudaStream;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -95,10 +95,15 @@ impl Attention {
                     gpu.ok_or_else(|| AttnError::invalid("gpu", "backend \"tensor-core\" runs on a GPU: pass its device and stream"))?;
                 let fp8 = config.model.cache_dtype.is_fp8();
                 crate::kernels::head_width("model", config.model.head_size)?;
+                let bs = config.model.block_size;
                 for i in 0..config.layers.len().max(1) {
                     let o = config.layer(i)?.opts;
-                    ensure(o.chunk_size.is_none() || !fp8, "layers", || {
-                        format!("layer {i}: chunk_size {:?} with an FP8 cache: the local-mask kernels read 16-bit caches", o.chunk_size)
+                    ensure(o.chunk_size.is_none_or(|c| (c as usize).is_multiple_of(bs)) || !fp8, "layers", || {
+                        format!(
+                            "layer {i}: chunk_size {:?} with an FP8 cache: a chunk of a whole number of blocks ({bs} tokens) runs \
+                             as a local batch; others need the local-mask kernels, which read 16-bit caches",
+                            o.chunk_size
+                        )
                     })?;
                 }
                 Exec::Gpu(Box::new(GpuExec::new(gpu.dev, gpu.stream, &config)?))
@@ -179,9 +184,32 @@ impl Attention {
                     builder.take_empty_contexts();
                 }
                 let plans = g.step_planner(&self.config, &self.spec)?;
-                Ok(StepMetadata::new(self.id, self.config.clone(), Some(builder), Some(g.device_step(&self.config)?), Some(plans)))
+                let step = StepMetadata::new(self.id, self.config.clone(), Some(builder), Some(g.device_step(&self.config)?), Some(plans));
+                Ok(step.with_local_steps(self.local_steps(g)?))
             }
         }
+    }
+
+    /// The local batches a tensor-core step cuts for its chunked local layers, each with
+    /// metadata of its own: planned as any step (no cascade), as large as the largest local
+    /// batch (`kernel_limits`).
+    fn local_steps(&self, g: &GpuExec) -> Result<Vec<LocalStep>> {
+        if !matches!(self.spec, CacheSpec::Paged(_)) {
+            return Ok(Vec::new());
+        }
+        let limits = self.config.kernel_limits();
+        let config = ForwardConfig { cascade: CascadeMode::Off, limits, ..self.config.clone() };
+        self.config
+            .local_batch_chunks()
+            .into_iter()
+            .map(|chunk| {
+                let batch = LocalBatch::new(chunk, self.config.model.block_size)?;
+                let builder = MetadataBuilder::new(g.plan_config(&config))?;
+                let plans = g.step_planner(&config, &self.spec)?;
+                let step = StepMetadata::new(self.id, config.clone(), Some(builder), Some(g.device_step(&config)?), Some(plans));
+                Ok(LocalStep::new(batch, step))
+            })
+            .collect()
     }
 
     /// A CUDA-graph step for `bucket` (padded to it: see [`GraphBucket`]): build it every step
@@ -219,9 +247,20 @@ impl Attention {
                 ensure(support == GraphSupport::Always, "bucket", || format!("{bucket:?}: \"{}\" captures {support}", self.backend.name))?
             }
         }
-        let planner = g.graph_planner(&self.config, &self.spec, bucket)?;
-        let device = g.graph_device_step(planner.total_words())?;
-        Ok(StepMetadata::new_graph(self.id, self.config.clone(), planner, device))
+        let graph_step = |g: &GpuExec| -> Result<StepMetadata> {
+            let planner = g.graph_planner(&self.config, &self.spec, bucket)?;
+            let device = g.graph_device_step(planner.total_words())?;
+            Ok(StepMetadata::new_graph(self.id, self.config.clone(), planner, device))
+        };
+        // Chunked local layers of one-token decode buckets run on local batches of their own
+        // graph steps, as many requests as the bucket's.
+        let mut local = Vec::new();
+        if takes_local_batches(bucket) && matches!(self.spec, CacheSpec::Paged(_)) {
+            for chunk in self.config.local_batch_chunks() {
+                local.push(LocalStep::new(LocalBatch::new(chunk, self.config.model.block_size)?, graph_step(g)?));
+            }
+        }
+        Ok(graph_step(g)?.with_local_steps(local))
     }
 
     /// Captures what `record` enqueues on this Attention's stream (typically every layer's
@@ -319,14 +358,21 @@ impl Attention {
                 forward_cpu(&self.config, &ls, &self.spec, step, l, &mut self.timer)
             }
             (Exec::Gpu(g), LayerIo::Gpu(l)) => {
+                // A chunked local layer runs on the step's local batch, its chunks cut there:
+                // the kernels see requests that start at a chunk, and no chunk mask.
+                let (run_ls, run_step) = match step.local_step(&ls) {
+                    Some(local) => (ls.without_chunks(), local),
+                    None => (ls, step),
+                };
                 match &mut self.capturing {
-                    Some(capture) => capture.take(step, &l)?,
+                    // The graph holds the local batch's step too, and replays its last build.
+                    Some(capture) => capture.take(run_step, &l)?,
                     None => refuse_foreign_capture(&g.stream, "stream", "another Attention's forward")?,
                 }
                 validate_layer(&self.config, (index, &ls), &self.spec, step, stride, &l)?;
                 track_cache(owners, index, &ls, l.cache.buf_addr())?;
                 match &self.spec {
-                    CacheSpec::Paged(spec) => g.forward(&self.config, &ls, spec, step, l, &mut self.timer),
+                    CacheSpec::Paged(spec) => g.forward(&self.config, &run_ls, spec, run_step, l, &mut self.timer),
                     CacheSpec::Mla(spec) => g.forward_mla(&self.config, &ls, spec, step, l, &mut self.timer),
                 }
             }

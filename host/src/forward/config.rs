@@ -9,7 +9,7 @@ use crate::context_parallel::CpShard;
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
 use crate::layout::{KvCacheSpec, MlaCacheSpec};
-use crate::metadata::CascadeMode;
+use crate::metadata::{CascadeMode, LocalBatch};
 use crate::options::{AttnOptions, PlanOptions, SplitMode, Tuning};
 
 /// The largest step an [`Attention`](super::Attention) takes (its GPU workspaces and upload
@@ -138,13 +138,39 @@ impl ForwardConfig {
     }
 
     /// The largest step as the kernels see it: a context-parallel rank decodes speculative
-    /// tokens as a request a token, so its steps may hold as many requests as tokens.
+    /// tokens as a request a token, so its steps may hold as many requests as tokens; a local
+    /// batch ([`local_batch_chunks`](Self::local_batch_chunks)) cuts requests at chunk starts.
     pub(crate) fn kernel_limits(&self) -> ForwardLimits {
         let l = self.limits;
-        match self.context_parallel {
-            Some(_) => ForwardLimits { max_num_reqs: l.max_num_reqs.max(l.max_num_tokens), ..l },
-            None => l,
+        let mut reqs = match self.context_parallel {
+            Some(_) => l.max_num_reqs.max(l.max_num_tokens),
+            None => l.max_num_reqs,
+        };
+        for chunk in self.local_batch_chunks() {
+            reqs = reqs.max(LocalBatch::max_reqs(l.max_num_reqs, l.max_num_tokens, chunk));
         }
+        ForwardLimits { max_num_reqs: reqs, ..l }
+    }
+
+    /// The chunk sizes of the chunked local decoder layers that run as local batches on the
+    /// GPU (each request cut at chunk starts, then the decode and prefill kernels unmasked:
+    /// [`LocalBatch`]): those whose chunk is a whole number of blocks. Others run the
+    /// local-mask prefill kernel over the whole step.
+    pub(crate) fn local_batch_chunks(&self) -> Vec<usize> {
+        let specs = match self.layers.is_empty() {
+            true => vec![LayerSpec::uniform(&self.model, self.opts)],
+            false => self.layers.clone(),
+        };
+        let bs = self.model.block_size.max(1);
+        let mut chunks: Vec<usize> = specs
+            .iter()
+            .filter(|l| l.attn_type == AttentionType::Decoder)
+            .filter_map(|l| l.opts.chunk_size.map(|c| c as usize))
+            .filter(|c| c.is_multiple_of(bs))
+            .collect();
+        chunks.sort_unstable();
+        chunks.dedup();
+        chunks
     }
 
     /// Blocks a request's row of the block table may need.
@@ -215,5 +241,29 @@ impl ForwardConfig {
         ensure(l.max_num_tokens > 0 && l.max_num_reqs > 0 && l.max_model_len > 0, "limits", || format!("{l:?} has a zero"))?;
         ensure(l.max_num_tokens <= i32::MAX as usize && l.max_model_len <= i32::MAX as usize, "limits", || format!("{l:?} overflow i32"))?;
         self.cache_spec().map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::KvLayout;
+
+    #[test]
+    fn chunks_of_whole_blocks_run_as_local_batches_and_widen_the_kernel_limits() {
+        let model = ModelConfig::standard(8, 2, 128, DType::BF16, 16, KvLayout::FlashNhd);
+        let limits = ForwardLimits { max_num_tokens: 1000, max_num_reqs: 10, max_model_len: 4096 };
+        let chunked = |c| LayerSpec::decoder(AttnOptions { chunk_size: Some(c), ..AttnOptions::new(128) });
+        let plain = ForwardConfig::new(model, 64, limits);
+        assert!(plain.local_batch_chunks().is_empty());
+        assert_eq!(plain.kernel_limits(), limits);
+        // Chunks of 64 and 48 (twice) are whole blocks of 16; 40 is not (the local-mask kernel).
+        let layers = vec![chunked(64), chunked(48), chunked(40), chunked(48), LayerSpec::decoder(AttnOptions::new(128))];
+        let config = plain.clone().with_layers(layers);
+        assert_eq!(config.local_batch_chunks(), [48, 64]);
+        // Up to 2 x 10 + 1000 / 48 requests, the smaller chunk's.
+        assert_eq!(config.kernel_limits(), ForwardLimits { max_num_reqs: 20 + 20, ..limits });
+        let uniform = ForwardConfig { opts: AttnOptions { chunk_size: Some(32), ..AttnOptions::new(128) }, ..plain };
+        assert_eq!(uniform.local_batch_chunks(), [32]);
     }
 }

@@ -212,7 +212,7 @@ impl GpuExec {
                 false => config.layers.clone(),
             };
             for ls in &specs {
-                if let Some(k) = self.whole_step_kernel(config, ls, q as usize)? {
+                if let Some(k) = self.whole_step_kernel(config, ls, bucket)? {
                     if !whole_step.iter().any(|w| w.kernel == k.id) {
                         whole_step.push(GraphPrefillKernel { kernel: k.id, block_m: k.block_m, group: m.num_q_heads / m.num_kv_heads });
                     }
@@ -223,19 +223,41 @@ impl GpuExec {
         GraphPlanner::new(bucket, config.decode_threshold, tc, mode, m.num_q_heads, width, partial, prefill, &whole_step)
     }
 
-    /// The prefill kernel that runs layer `ls` as one launch over the whole step, decodes
-    /// included, if it runs so: chunked local attention (the decode kernels have no chunk mask),
+    /// The prefill kernel that runs layer `ls` of a graph step for `bucket` as one launch over
+    /// the whole step, decodes included, if it runs so: chunked local attention (the decode
+    /// kernels have no chunk mask) unless the step runs it as a local batch (one-token decode
+    /// buckets, chunks of whole blocks: [`Attention::new_graph_step`](super::Attention::new_graph_step)),
     /// encoder and encoder-only layers (each request's own new K/V, packed, in the queries'
-    /// type), and cross-attention when a decode may have several query tokens (`decode_len`),
-    /// which the decode kernels would mask among their last keys.
-    fn whole_step_kernel(&self, config: &ForwardConfig, ls: &LayerSpec, decode_len: usize) -> Result<Option<PrefillKernel>> {
+    /// type), and cross-attention when a decode may have several query tokens, which the decode
+    /// kernels would mask among their last keys.
+    fn whole_step_kernel(&self, config: &ForwardConfig, ls: &LayerSpec, bucket: GraphBucket) -> Result<Option<PrefillKernel>> {
         let m = &config.model;
+        let decode_len = match bucket {
+            GraphBucket::Uniform { query_len, .. } => query_len,
+            GraphBucket::Mixed { .. } => config.decode_threshold,
+        };
+        if let Some(chunk) = ls.opts.chunk_size.filter(|_| ls.attn_type == AttentionType::Decoder) {
+            if takes_local_batches(bucket) && config.local_batch_chunks().contains(&(chunk as usize)) {
+                return Ok(None);
+            }
+        }
         let local = ls.opts.chunk_size.is_some() || ls.opts.symmetric_window.is_some();
         // The K/V's type: the step's own K/V (the queries' type), or the cache's.
         let kv = match ls.attn_type {
             AttentionType::EncoderOnly | AttentionType::Encoder => m.q_dtype,
             AttentionType::EncoderDecoder if decode_len > 1 => m.cache_dtype,
-            AttentionType::Decoder if ls.opts.chunk_size.is_some() => m.cache_dtype,
+            AttentionType::Decoder if ls.opts.chunk_size.is_some() => {
+                // Eager steps run an FP8 cache's chunked layers as local batches; a graph step's
+                // whole-step prefill would need local-mask kernels over FP8, which do not exist.
+                ensure(!m.cache_dtype.is_fp8(), "bucket", || {
+                    format!(
+                        "chunk_size {:?} over an {:?} cache: graph steps run chunked local layers with the local-mask prefill \
+                         kernels, which read 16-bit caches (eager steps run them as local batches)",
+                        ls.opts.chunk_size, m.cache_dtype
+                    )
+                })?;
+                m.cache_dtype
+            }
             AttentionType::EncoderDecoder | AttentionType::Decoder => return Ok(None),
         };
         prefill_kernel_for(self.dev.ptx_target(), m.q_dtype, kv, m.head_size, m.head_size, local).map(Some)
@@ -245,11 +267,7 @@ impl GpuExec {
     /// [`whole_step_kernel`](Self::whole_step_kernel)); `None` for other steps.
     fn graph_whole_step_plan(&self, config: &ForwardConfig, ls: &LayerSpec, step: &StepMetadata) -> Result<Option<DevicePrefillPlan>> {
         let Some(bucket) = step.graph_bucket() else { return Ok(None) };
-        let decode_len = match bucket {
-            GraphBucket::Uniform { query_len, .. } => query_len,
-            GraphBucket::Mixed { .. } => config.decode_threshold,
-        };
-        let Some(k) = self.whole_step_kernel(config, ls, decode_len)? else { return Ok(None) };
+        let Some(k) = self.whole_step_kernel(config, ls, bucket)? else { return Ok(None) };
         step.device_whole_step_plan(k.id)
             .map(Some)
             .ok_or_else(|| AttnError::invalid("step", format!("is a graph step without tiles for kernel {} (a planner bug)", k.id)))
@@ -722,6 +740,14 @@ impl GpuExec {
         timer.layer([start, written, end]);
         Ok(())
     }
+}
+
+/// Whether graph steps for `bucket` run chunked local layers as local batches: one-token decode
+/// buckets, whose local batch has one request a request (a decode lies in one chunk). Mixed
+/// buckets and speculative decodes, whose pieces may outnumber the bucket's requests, run them
+/// through the local-mask prefill kernel over the whole step.
+pub(crate) fn takes_local_batches(bucket: GraphBucket) -> bool {
+    matches!(bucket, GraphBucket::Uniform { query_len: 1, .. })
 }
 
 /// A step's uploaded metadata as device views: the slot mapping, and each part's block table,

@@ -134,6 +134,13 @@ impl LayerSpec {
         LayerSpec { alibi: model.features.alibi, sinks: model.features.sinks, ..LayerSpec::decoder(opts) }
     }
 
+    /// The same layer without its chunks: how a chunked local layer runs on a local batch
+    /// ([`LocalBatch`](crate::metadata::LocalBatch)), whose requests each lie in one chunk.
+    /// Its other terms (window, ALiBi) read a key's distance to the query, which the cut keeps.
+    pub(crate) fn without_chunks(&self) -> Self {
+        LayerSpec { opts: AttnOptions { chunk_size: None, ..self.opts }, ..*self }
+    }
+
     /// Whether the step's shared-prefix cascade can run this layer: a decoder without a window,
     /// chunks, ALiBi or sinks (whose terms depend on where a key is in the whole context).
     pub(crate) fn takes_cascade(&self) -> bool {

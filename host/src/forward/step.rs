@@ -12,8 +12,8 @@ use crate::decode::DevicePlan;
 use crate::error::{ensure, Result};
 use crate::kernels::KernelId;
 use crate::metadata::{
-    split_decodes, upload, use_cascade, validate, BatchSplit, CascadeMode, CascadeStep, CommonPrefix, MetadataBuilder, StagingLayout,
-    StepInput,
+    given_split, split_decodes, upload, use_cascade, validate, BatchSplit, CascadeMode, CascadeStep, CommonPrefix, LocalBatch,
+    MetadataBuilder, StagingLayout, StepInput,
 };
 use crate::prefill::DevicePrefillPlan;
 use crate::stream_check::refuse_foreign_capture;
@@ -47,6 +47,22 @@ pub struct StepMetadata {
     device: Option<Held<DeviceStep>>,
     /// The tensor-core step's split plans (and cascade arrays), on the GPU.
     step_planner: Option<StepPlanner>,
+    /// For each chunk size of the model's chunked local layers that run as local batches
+    /// ([`ForwardConfig::local_batch_chunks`]), the step cut at chunk starts and its own
+    /// metadata, built with this step (eager tensor-core steps).
+    local: Vec<LocalStep>,
+}
+
+/// A step's local batch ([`LocalBatch`]) and its metadata: what a chunked local layer runs.
+pub(crate) struct LocalStep {
+    batch: LocalBatch,
+    step: StepMetadata,
+}
+
+impl LocalStep {
+    pub(crate) fn new(batch: LocalBatch, step: StepMetadata) -> Self {
+        LocalStep { batch, step }
+    }
 }
 
 /// How the step is planned: the tensor-core builder (split-K plan, packed words), the plain
@@ -112,7 +128,14 @@ impl StepMetadata {
             cascade_suffix_lens: Vec::new(),
             device: device.map(Held::new),
             step_planner: None,
+            local: Vec::new(),
         }
+    }
+
+    /// The same step, also cutting each step into the local batches of `local` (their
+    /// metadata made like this step's, by the same `Attention`).
+    pub(crate) fn with_local_steps(self, local: Vec<LocalStep>) -> Self {
+        StepMetadata { local, ..self }
     }
 
     /// Builds this step's metadata from the engine's arrays (ordered decodes first): checks them
@@ -120,6 +143,11 @@ impl StepMetadata {
     /// limits, splits decodes from prefills, plans, and on the GPU enqueues the one upload.
     /// After an error the metadata holds no step (`forward` refuses it) until a build succeeds.
     pub fn build(&mut self, input: &StepInput<'_>) -> Result<BatchSplit> {
+        self.build_with(input, None)
+    }
+
+    /// [`build`](Self::build), with the split given (a local batch's) or found.
+    fn build_with(&mut self, input: &StepInput<'_>, given: Option<BatchSplit>) -> Result<BatchSplit> {
         self.built = false;
         if let Some(dev) = &self.device {
             // The upload would be recorded into a graph that does not hold this step.
@@ -141,6 +169,9 @@ impl StepMetadata {
             self.prefill_query_start_loc.clear();
             let base = qsl[self.split.num_decodes];
             self.prefill_query_start_loc.extend(qsl[self.split.num_decodes..].iter().map(|&s| s - base));
+            // Local batches of one-token decode buckets: every request a decode.
+            let decodes = BatchSplit { num_decodes: input.num_reqs(), num_decode_tokens: input.num_actual_tokens, ..BatchSplit::default() };
+            self.build_local(input, decodes)?;
             self.built = true;
             return Ok(self.split);
         }
@@ -153,7 +184,10 @@ impl StepMetadata {
         let input = local.as_ref().unwrap_or(input);
         match &mut self.planner {
             Planner::TensorCore(builder) => {
-                let step = builder.build(input)?;
+                let step = match given {
+                    Some(split) => builder.build_split(input, split)?,
+                    None => builder.build(input)?,
+                };
                 let dev = &mut **self.device.as_mut().expect("a tensor-core step has a device part");
                 upload(&dev.stream, &mut dev.staging, &mut dev.words, step.words)?;
                 dev.layout = *step.layout;
@@ -183,7 +217,10 @@ impl StepMetadata {
             Planner::Graph(_) => unreachable!("built above"),
             Planner::Plain => {
                 validate(input)?;
-                let split = split_decodes(input, self.config.decode_threshold)?;
+                let split = match given {
+                    Some(split) => given_split(input, self.config.decode_threshold, split)?,
+                    None => split_decodes(input, self.config.decode_threshold)?,
+                };
                 self.split = split;
                 let base = input.query_start_loc[split.num_decodes];
                 self.prefill_query_start_loc.clear();
@@ -197,8 +234,18 @@ impl StepMetadata {
         self.query_start_loc.extend_from_slice(input.query_start_loc);
         self.seq_lens.clear();
         self.seq_lens.extend_from_slice(input.seq_lens);
+        self.build_local(input, self.split)?;
         self.built = true;
         Ok(self.split)
+    }
+
+    /// Cuts `input` (split as `split`) into each local batch and builds its step.
+    fn build_local(&mut self, input: &StepInput<'_>, split: BatchSplit) -> Result<()> {
+        for l in &mut self.local {
+            l.batch.build(input, split);
+            l.step.build_with(&l.batch.input(input), Some(l.batch.split()))?;
+        }
+        Ok(())
     }
 
     fn check_limits(&self, input: &StepInput<'_>) -> Result<()> {
@@ -327,9 +374,10 @@ impl StepMetadata {
         &self.prefill_query_start_loc
     }
 
-    /// Bytes uploaded to the GPU for this step (0 on the CPU).
+    /// Bytes uploaded to the GPU for this step (0 on the CPU), its local batches' included.
     pub fn upload_bytes(&self) -> usize {
-        self.device.as_ref().map_or(0, |d| d.layout.total_bytes())
+        let own = self.device.as_ref().map_or(0, |d| d.layout.total_bytes());
+        own + self.local.iter().map(|l| l.step.upload_bytes()).sum::<usize>()
     }
 
     /// Width of the block-table rows the kernels read: the uploaded table's on the GPU, the host
@@ -384,6 +432,13 @@ impl StepMetadata {
             Planner::Graph(g) => Some(g.bucket()),
             _ => None,
         }
+    }
+
+    /// The local batch's metadata a chunked local layer of this step runs on (see
+    /// [`LocalStep`]), if the step has one for the layer's chunk.
+    pub(crate) fn local_step(&self, ls: &super::layers::LayerSpec) -> Option<&StepMetadata> {
+        let chunk = ls.opts.chunk_size.filter(|_| ls.attn_type == super::layers::AttentionType::Decoder)? as usize;
+        self.local.iter().find(|l| l.batch.chunk() == chunk).map(|l| &l.step).filter(|s| s.built)
     }
 
     /// A graph step's split plan in its device buffer.

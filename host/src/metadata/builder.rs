@@ -2,7 +2,7 @@
 //! so a step allocates nothing once the buffers have grown to the largest step.
 
 use super::input::{blocks_for, StepInput};
-use super::split::{is_decode, BatchSplit};
+use super::split::{given_split, is_decode, BatchSplit};
 use super::staging::{pack_into, pack_words, StagingLayout};
 use super::tensor_core::{build_into, fill_into, PlanConfig, TensorCoreMetadata};
 use crate::error::Result;
@@ -64,8 +64,19 @@ impl MetadataBuilder {
     /// Builds `input`'s metadata and words. After an error the builder holds no step (empty
     /// metadata and words) until the next build succeeds.
     pub fn build(&mut self, input: &StepInput<'_>) -> Result<BuiltStep<'_>> {
-        if !self.build_fast(input) {
-            if let Err(e) = self.build_plain(input) {
+        self.build_with(input, None)
+    }
+
+    /// As [`build`](Self::build), with the decode and prefill parts given instead of found from
+    /// the query lengths (checked: the decodes are within the threshold, the counts the
+    /// batch's): a local batch's, whose prefill pieces may be as short as decodes.
+    pub(crate) fn build_split(&mut self, input: &StepInput<'_>, split: BatchSplit) -> Result<BuiltStep<'_>> {
+        self.build_with(input, Some(split))
+    }
+
+    fn build_with(&mut self, input: &StepInput<'_>, given: Option<BatchSplit>) -> Result<BuiltStep<'_>> {
+        if !self.build_fast(input, given) {
+            if let Err(e) = self.build_plain(input, given) {
                 self.metadata = TensorCoreMetadata::default();
                 self.layout = StagingLayout::default();
                 self.words.clear();
@@ -76,15 +87,15 @@ impl MetadataBuilder {
     }
 
     /// The plain path: the free functions' steps, into the reused buffers.
-    fn build_plain(&mut self, input: &StepInput<'_>) -> Result<()> {
-        build_into(&mut self.metadata, input, &self.config, self.empty_contexts)?;
+    fn build_plain(&mut self, input: &StepInput<'_>, given: Option<BatchSplit>) -> Result<()> {
+        build_into(&mut self.metadata, input, &self.config, self.empty_contexts, given)?;
         self.layout = pack_into(&self.metadata, input, &mut self.words);
         Ok(())
     }
 
     /// The fast path; `false` if it found anything wrong (then nothing it wrote counts).
-    fn build_fast(&mut self, input: &StepInput<'_>) -> bool {
-        let Some(split) = quick_checks(input, self.config.decode_threshold, self.empty_contexts) else { return false };
+    fn build_fast(&mut self, input: &StepInput<'_>, given: Option<BatchSplit>) -> bool {
+        let Some(split) = quick_checks(input, self.config.decode_threshold, self.empty_contexts, given) else { return false };
         fill_into(&mut self.metadata, input, split);
         match pack_words::<true>(&self.metadata, input, &mut self.words) {
             Some(layout) => {
@@ -97,8 +108,8 @@ impl MetadataBuilder {
 }
 
 /// Everything `validate` and `split_decodes` check except the block-id and slot ranges (those
-/// are checked while packing), without messages: the split if all is well.
-fn quick_checks(input: &StepInput<'_>, decode_threshold: usize, empty_contexts: bool) -> Option<BatchSplit> {
+/// are checked while packing), without messages: the split (`given`'s, checked) if all is well.
+fn quick_checks(input: &StepInput<'_>, decode_threshold: usize, empty_contexts: bool, given: Option<BatchSplit>) -> Option<BatchSplit> {
     let (qsl, seq_lens, n) = (input.query_start_loc, input.seq_lens, input.num_reqs());
     let stride = input.block_table_stride;
     let shapes_ok = input.block_size > 0
@@ -119,6 +130,9 @@ fn quick_checks(input: &StepInput<'_>, decode_threshold: usize, empty_contexts: 
     }
     if bad || blocks_for(max_len, input.block_size) > stride {
         return None;
+    }
+    if let Some(split) = given {
+        return given_split(input, decode_threshold, split).ok().filter(|s| s.num_decodes < 1 << 16);
     }
     let is_dec = |r: usize| is_decode(input.query_len(r), decode_threshold);
     let num_decodes = (0..n).position(|r| !is_dec(r)).unwrap_or(n);

@@ -32,6 +32,7 @@
 
 mod builder;
 mod cascade;
+mod chunked_local;
 mod input;
 mod split;
 mod staging;
@@ -47,6 +48,8 @@ pub use input::StepInput;
 pub use split::{decode_first_order, is_decode, BatchSplit};
 pub use validate::validate;
 
+pub(crate) use chunked_local::LocalBatch;
+pub(crate) use split::given_split;
 pub(crate) use upload::upload;
 
 // The stages of `StepMetadata::build` one by one, for the tests in `tests/` and the

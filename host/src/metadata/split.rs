@@ -62,6 +62,31 @@ pub fn split_decodes(input: &StepInput<'_>, decode_threshold: usize) -> Result<B
     })
 }
 
+/// `split` checked against `input` (validated start locations): requests `0..num_decodes` are
+/// decodes of at most `decode_threshold` query tokens, and the counts are the batch's. The
+/// split of a batch whose parts are known from elsewhere (a local batch's pieces: a prefill's
+/// last piece may be as short as a decode).
+pub(crate) fn given_split(input: &StepInput<'_>, decode_threshold: usize, split: BatchSplit) -> Result<BatchSplit> {
+    let (n, nd) = (input.num_reqs(), split.num_decodes);
+    let consistent = nd <= n
+        && split.num_reqs() == n
+        && split.num_decode_tokens == input.query_start_loc[nd] as usize
+        && split.num_decode_tokens + split.num_prefill_tokens == input.num_actual_tokens;
+    if !consistent {
+        return Err(AttnError::invalid(
+            "split",
+            format!("{split:?} is not a split of {n} requests and {} tokens", input.num_actual_tokens),
+        ));
+    }
+    if let Some(r) = (0..nd).find(|&r| !is_decode(input.query_len(r), decode_threshold)) {
+        return Err(AttnError::invalid(
+            "split",
+            format!("request {r} of the decode part has {} query tokens, past the threshold {decode_threshold}", input.query_len(r)),
+        ));
+    }
+    Ok(split)
+}
+
 /// The stable order that puts a batch's decodes (`q_len <= decode_threshold`) first: entry `i`
 /// is the index of the request that goes to place `i`. Requests keep their relative order
 /// within each part (vLLM reorders its persistent batch likewise before building metadata).

@@ -3,7 +3,7 @@
 //! ([`crate::batch_plan::BatchPlan`], `forward`'s step planner).
 
 use super::input::StepInput;
-use super::split::{split_decodes, BatchSplit};
+use super::split::{given_split, split_decodes, BatchSplit};
 use super::validate::validate_with;
 use crate::batch::MAX_QUERY_LEN;
 use crate::decode::DecodePlan;
@@ -106,15 +106,24 @@ pub fn build_tensor_core_metadata(
 ) -> Result<TensorCoreMetadata> {
     let config = PlanConfig { decode_threshold, num_q_heads, num_kv_heads, head_size };
     let mut meta = TensorCoreMetadata::default();
-    build_into(&mut meta, input, &config, false)?;
+    build_into(&mut meta, input, &config, false, None)?;
     Ok(meta)
 }
 
 /// Fills `meta` for `input`, reusing its vectors.
-pub(crate) fn build_into(meta: &mut TensorCoreMetadata, input: &StepInput<'_>, config: &PlanConfig, empty_contexts: bool) -> Result<()> {
+pub(crate) fn build_into(
+    meta: &mut TensorCoreMetadata,
+    input: &StepInput<'_>,
+    config: &PlanConfig,
+    empty_contexts: bool,
+    given: Option<BatchSplit>,
+) -> Result<()> {
     config.validate()?;
     validate_with(input, empty_contexts)?;
-    let split = split_decodes(input, config.decode_threshold)?;
+    let split = match given {
+        Some(s) => given_split(input, config.decode_threshold, s)?,
+        None => split_decodes(input, config.decode_threshold)?,
+    };
     let nd = split.num_decodes;
     ensure(nd < 1 << 16, "seq_lens", || format!("{nd} decode requests exceed the 65535 a launch takes"))?;
     fill_into(meta, input, split);
