@@ -70,7 +70,7 @@ impl MetadataBuilder {
     /// As [`build`](Self::build), with the decode and prefill parts given instead of found from
     /// the query lengths (checked: the decodes are within the threshold, the counts the
     /// batch's): a local batch's, whose prefill pieces may be as short as decodes.
-    pub(crate) fn build_split(&mut self, input: &StepInput<'_>, split: BatchSplit) -> Result<BuiltStep<'_>> {
+    pub fn build_split(&mut self, input: &StepInput<'_>, split: BatchSplit) -> Result<BuiltStep<'_>> {
         self.build_with(input, Some(split))
     }
 

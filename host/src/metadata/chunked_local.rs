@@ -15,19 +15,19 @@ use crate::error::{ensure, Result};
 /// A step's requests cut at chunk starts: the arrays of the batch the kernels take for a
 /// chunked local layer, rebuilt each step into buffers it keeps.
 #[derive(Clone, Debug)]
-pub(crate) struct LocalBatch {
+pub struct LocalBatch {
     chunk: usize,
     query_start_loc: Vec<i32>,
     seq_lens: Vec<i32>,
     block_table: Vec<i32>,
-    /// Entries per row of `block_table`: a chunk's blocks at most.
+    /// Entries per row of `block_table`: the longest piece's blocks (a chunk's at most).
     stride: usize,
     split: BatchSplit,
 }
 
 impl LocalBatch {
     /// Batches for chunks of `chunk` positions over blocks of `block_size` tokens.
-    pub(crate) fn new(chunk: usize, block_size: usize) -> Result<Self> {
+    pub fn new(chunk: usize, block_size: usize) -> Result<Self> {
         ensure(chunk > 0 && block_size > 0 && chunk.is_multiple_of(block_size), "chunk_size", || {
             format!("{chunk}: local batches need a whole number of blocks of {block_size} a chunk")
         })?;
@@ -44,7 +44,7 @@ impl LocalBatch {
     /// Requests of the local batch of a step of `max_reqs` requests and `max_tokens` tokens at
     /// most: a request of `q` tokens falls into at most `1 + ceil((q - 1) / chunk)` pieces, so
     /// the pieces past one a request are fewer than `max_reqs + max_tokens / chunk`.
-    pub(crate) fn max_reqs(max_reqs: usize, max_tokens: usize, chunk: usize) -> usize {
+    pub fn max_reqs(max_reqs: usize, max_tokens: usize, chunk: usize) -> usize {
         max_reqs.saturating_mul(2).saturating_add(max_tokens / chunk.max(1))
     }
 
@@ -52,11 +52,19 @@ impl LocalBatch {
     /// pieces are decodes, a prefill's prefills (a prefill's last piece may be one token: the
     /// split is the step's, not a query-length rule). A request without query tokens stays
     /// one, with no context.
-    pub(crate) fn build(&mut self, input: &StepInput<'_>, split: BatchSplit) {
+    pub fn build(&mut self, input: &StepInput<'_>, split: BatchSplit) {
         let (c, bs) = (self.chunk, input.block_size);
-        let chunk_blocks = c / bs;
-        let longest = input.seq_lens.iter().map(|&l| blocks_for(l, bs)).max().unwrap_or(0);
-        self.stride = chunk_blocks.min(longest).max(1);
+        // Rows as wide as the longest piece: a whole chunk where a request's tokens cross a
+        // chunk start, else its keys from its last chunk's start.
+        let longest_piece = |r: usize| {
+            let (q, len) = (input.query_len(r).max(0) as usize, input.seq_lens[r].max(0) as usize);
+            match q == 0 || len == 0 {
+                true => 0,
+                false if len.saturating_sub(q) / c < (len - 1) / c => c,
+                false => (len - 1) % c + 1,
+            }
+        };
+        self.stride = (0..input.num_reqs()).map(|r| longest_piece(r).div_ceil(bs)).max().unwrap_or(0).max(1);
         self.query_start_loc.clear();
         self.seq_lens.clear();
         self.block_table.clear();
@@ -96,6 +104,7 @@ impl LocalBatch {
 
     /// One piece: its tokens up to `token_end`, its `len` keys and their blocks.
     fn push(&mut self, token_end: usize, len: usize, blocks: &[i32]) {
+        debug_assert!(blocks.len() <= self.stride, "a piece of {} blocks in rows of {}", blocks.len(), self.stride);
         self.query_start_loc.push(token_end as i32);
         self.seq_lens.push(len as i32);
         let at = self.block_table.len();
@@ -104,7 +113,7 @@ impl LocalBatch {
     }
 
     /// The local batch as a step: its own requests and block table, the step's slots.
-    pub(crate) fn input<'a>(&'a self, step: &StepInput<'a>) -> StepInput<'a> {
+    pub fn input<'a>(&'a self, step: &StepInput<'a>) -> StepInput<'a> {
         StepInput {
             query_start_loc: &self.query_start_loc,
             seq_lens: &self.seq_lens,
@@ -115,11 +124,12 @@ impl LocalBatch {
     }
 
     /// The decode and prefill parts: the pieces of the step's decodes, then of its prefills.
-    pub(crate) fn split(&self) -> BatchSplit {
+    pub fn split(&self) -> BatchSplit {
         self.split
     }
 
-    pub(crate) fn chunk(&self) -> usize {
+    /// Positions of a chunk.
+    pub fn chunk(&self) -> usize {
         self.chunk
     }
 }

@@ -48,7 +48,6 @@ pub use input::StepInput;
 pub use split::{decode_first_order, is_decode, BatchSplit};
 pub use validate::validate;
 
-pub(crate) use chunked_local::LocalBatch;
 pub(crate) use split::given_split;
 pub(crate) use upload::upload;
 
@@ -58,6 +57,8 @@ pub(crate) use upload::upload;
 pub use crate::words::{Region, ALIGN_WORDS};
 #[doc(hidden)]
 pub use builder::{BuiltStep, MetadataBuilder};
+#[doc(hidden)]
+pub use chunked_local::LocalBatch;
 #[doc(hidden)]
 pub use split::split_decodes;
 #[doc(hidden)]

@@ -3,9 +3,13 @@
 //!
 //! `metadata-bench [--runs N] [--reqs N] [--builder-only]` (build with `--release`). Prints the
 //! median and percentiles of one build, for the free functions (`build_tensor_core_metadata` +
-//! `pack`, allocating) and for `MetadataBuilder` (buffers reused), after a warm-up.
+//! `pack`, allocating) and for `MetadataBuilder` (buffers reused), after a warm-up; and what a
+//! model with chunked local layers adds: the step cut at chunk starts (chunks of 4096, so about
+//! half the requests are past their first chunk) and that local batch's own build.
 
-use attn_rs::metadata::{build_tensor_core_metadata, pack, pack_into, split_decodes, validate, MetadataBuilder, PlanConfig, StepInput};
+use attn_rs::metadata::{
+    build_tensor_core_metadata, pack, pack_into, split_decodes, validate, BatchSplit, LocalBatch, MetadataBuilder, PlanConfig, StepInput,
+};
 use clap::Parser;
 use std::hint::black_box;
 use std::time::Instant;
@@ -39,6 +43,9 @@ struct Step {
 
 const BLOCK_SIZE: usize = 16;
 const MAX_LEN: usize = 8000;
+/// The chunk of the local-batch rows (Llama 4's is 8192; 4096 puts about half the contexts
+/// past their first chunk).
+const CHUNK: usize = 4096;
 
 impl Step {
     fn decodes(num_reqs: usize, rng: &mut SplitMix) -> Step {
@@ -154,6 +161,15 @@ fn main() {
             }),
         ),
     ];
+    // A chunked local layer's extra work a step: the cut, then the local batch's build.
+    let split = builder.build(&input).expect("valid step").metadata.split;
+    let mut local = LocalBatch::new(CHUNK, BLOCK_SIZE).expect("chunk of whole blocks");
+    let mut local_builder = MetadataBuilder::new(config).expect("valid config");
+    let cut = measure(runs, || local.build(black_box(&input), black_box(split)));
+    let local_build = measure(runs, || {
+        let split: BatchSplit = local.split();
+        black_box(local_builder.build_split(black_box(&local.input(&input)), split).expect("valid local batch").words.len());
+    });
     let built = builder.build(&input).expect("valid step");
     println!(
         "metadata for {num_reqs} decode requests (lengths 100..{MAX_LEN}, block size {BLOCK_SIZE}, stride {}): {} words packed",
@@ -166,6 +182,11 @@ fn main() {
     }
     println!("stages alone:");
     for (name, [p10, p50, p90]) in stages {
+        println!("  {name:<36} {p10:8.2} {p50:8.2} {p90:8.2}");
+    }
+    let local_words = local_builder.build_split(&local.input(&input), local.split()).expect("valid local batch").words.len();
+    println!("a chunked local layer's local batch (chunks of {CHUNK}; {local_words} words packed), beside the step's build:");
+    for (name, [p10, p50, p90]) in [("LocalBatch::build (the cut)", cut), ("MetadataBuilder::build_split (reused)", local_build)] {
         println!("  {name:<36} {p10:8.2} {p50:8.2} {p90:8.2}");
     }
     println!("median_us {:.2} (MetadataBuilder; target <= 20)", reused[1]);
