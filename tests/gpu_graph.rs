@@ -5,8 +5,8 @@
 //! rows (requests past the step's) must come out finite (uniform buckets) or untouched (mixed
 //! buckets). Mixed buckets take decodes, new prompts and chunks in changing mixes; bf16 and FP8
 //! caches; per-layer settings (a window and a soft-cap on one layer, sinks on the other); chunked local
-//! attention on one layer (a local batch in one-token decode buckets, over a 16-bit or an FP8
-//! cache; the local-mask prefill kernel in the others). Standard attention (GQA, one and two
+//! attention on one layer (a local batch in one-token decode and mixed buckets, over a 16-bit or
+//! an FP8 cache; the local-mask prefill kernel in speculative ones). Standard attention (GQA, one and two
 //! query tokens) and MLA; refusals of steps a graph cannot take.
 //!
 //! A graph holds what it captured: the captured layers' buffers are `SharedBuf`s, and a borrowed
@@ -43,8 +43,8 @@ struct Case {
     /// layer 0, attention sinks on layer 1.
     per_layer: bool,
     /// Chunked local attention (chunks of 64, whole blocks) on layer 0 of two: one-token decode
-    /// buckets run it on a local batch of their own graph step, the others through the
-    /// local-mask prefill kernel over the whole step.
+    /// and mixed buckets run it on a local batch of their own graph step, speculative decode
+    /// buckets through the local-mask prefill kernel over the whole step.
     chunked: bool,
     /// Decodes have at most this many query tokens (a uniform bucket's query length).
     threshold: usize,
@@ -673,6 +673,8 @@ fn main() {
         ("chunked_gqa4_d128_bucket6", chunked(std(32, 8, 128, GraphBucket::decode(6), 1, 30, 2000))),
         ("mixed_chunked_gqa8_d64_5x300_spec3", chunked(std(16, 2, 64, GraphBucket::mixed(5, 300), 3, 30, 1500))),
         ("fp8_chunked_gqa4_d128_bucket6", fp8(chunked(std(32, 8, 128, GraphBucket::decode(6), 1, 30, 2000)))),
+        ("fp8_mixed_chunked_gqa4_d128_6x400", fp8(chunked(std(32, 8, 128, GraphBucket::mixed(6, 400), 1, 30, 2000)))),
+        ("chunked_gqa8_d64_bucket3_q2", chunked(std(16, 2, 64, GraphBucket::uniform(3, 2), 2, 30, 1500))),
     ];
     if quick() {
         for (_, c) in &mut cases {

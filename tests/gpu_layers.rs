@@ -363,9 +363,9 @@ fn cases() -> Vec<(String, Box<dyn FnOnce() -> TestResult + Send>)> {
 
 /// What the GPU refuses before any launch: chunked local attention over an FP8 cache with a
 /// chunk that is not a whole number of blocks (only the local-mask kernels, which read 16-bit
-/// caches, could run it), at `Attention::new`; and with a chunk of whole blocks (eager steps and
-/// one-token decode buckets run it as a local batch), mixed graph buckets (which run it through
-/// those kernels).
+/// caches, could run it), at `Attention::new`; and with a chunk of whole blocks (eager steps,
+/// one-token decode buckets and mixed buckets run it as a local batch), speculative decode
+/// buckets (which run it through those kernels).
 fn refusals() -> TestResult {
     let dev = arc_device();
     let stream = new_stream();
@@ -373,7 +373,7 @@ fn refusals() -> TestResult {
     let selection = select_backend_no_env(&model, &DeviceInfo::from_device(&dev), None)?;
     let config = |chunk| {
         let layers = vec![LayerSpec::decoder(AttnOptions { chunk_size: Some(chunk), ..AttnOptions::new(128) })];
-        ForwardConfig::new(model, 16, limits()).with_layers(layers)
+        ForwardConfig { decode_threshold: 2, ..ForwardConfig::new(model, 16, limits()).with_layers(layers) }
     };
     let gpu = || Some(GpuHandles { dev: dev.clone(), stream: stream.clone() });
     match Attention::new(&selection, config(40), gpu()) {
@@ -383,9 +383,10 @@ fn refusals() -> TestResult {
     let attention = Attention::new(&selection, config(64), gpu())?;
     attention.new_step_metadata()?;
     attention.new_graph_step(GraphBucket::decode(4))?;
-    match attention.new_graph_step(GraphBucket::mixed(4, 64)) {
-        Err(AttnError::InvalidArgument { arg: "bucket", .. }) => Ok(()),
-        other => Err(format!("an FP8 chunked graph step: expected a refusal of `bucket`, got {:?}", other.err()).into()),
+    attention.new_graph_step(GraphBucket::mixed(4, 64))?;
+    match attention.new_graph_step(GraphBucket::uniform(4, 2)) {
+        Err(e @ AttnError::InvalidArgument { arg: "bucket", .. }) if e.to_string().contains("speculative") => Ok(()),
+        other => Err(format!("an FP8 chunked speculative graph step: expected a refusal of `bucket`, got {:?}", other.err()).into()),
     }
 }
 

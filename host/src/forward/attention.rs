@@ -3,7 +3,7 @@
 
 use super::config::ForwardConfig;
 use super::cpu_exec::forward_cpu;
-use super::gpu_exec::{takes_local_batches, GpuExec};
+use super::gpu_exec::{local_batch_bucket, GpuExec};
 use super::graph::{capture_stream, Capture, StepGraph};
 use super::graph_plan::GraphBucket;
 use super::io::{CacheSpec, KvWriteIo, LayerIo};
@@ -247,20 +247,21 @@ impl Attention {
                 ensure(support == GraphSupport::Always, "bucket", || format!("{bucket:?}: \"{}\" captures {support}", self.backend.name))?
             }
         }
-        let graph_step = |g: &GpuExec| -> Result<StepMetadata> {
+        let graph_step = |g: &GpuExec, bucket: GraphBucket| -> Result<StepMetadata> {
             let planner = g.graph_planner(&self.config, &self.spec, bucket)?;
             let device = g.graph_device_step(planner.total_words())?;
             Ok(StepMetadata::new_graph(self.id, self.config.clone(), planner, device))
         };
-        // Chunked local layers of one-token decode buckets run on local batches of their own
-        // graph steps, as many requests as the bucket's.
+        // Chunked local layers run on local batches held by graph steps of their own.
         let mut local = Vec::new();
-        if takes_local_batches(bucket) && matches!(self.spec, CacheSpec::Paged(_)) {
+        if matches!(self.spec, CacheSpec::Paged(_)) {
             for chunk in self.config.local_batch_chunks() {
-                local.push(LocalStep::new(LocalBatch::new(chunk, self.config.model.block_size)?, graph_step(g)?));
+                if let Some(b) = local_batch_bucket(bucket, chunk) {
+                    local.push(LocalStep::new(LocalBatch::new(chunk, self.config.model.block_size)?, graph_step(g, b)?));
+                }
             }
         }
-        Ok(graph_step(g)?.with_local_steps(local))
+        Ok(graph_step(g, bucket)?.with_local_steps(local))
     }
 
     /// Captures what `record` enqueues on this Attention's stream (typically every layer's

@@ -24,7 +24,7 @@ use crate::device::AttnDevice;
 use crate::dtype::DType;
 use crate::error::{ensure, AttnError, Result};
 use crate::layout::{KvCacheSpec, MlaCacheSpec, RowsDesc};
-use crate::metadata::{CascadeMode, PlanConfig, StagingLayout, StagingSizes};
+use crate::metadata::{CascadeMode, LocalBatch, PlanConfig, StagingLayout, StagingSizes};
 use crate::mla::{mla_attention_from, mla_tc_kernel, MlaArgs};
 use crate::options::{PlanOptions, SplitMode};
 use crate::prefill::{
@@ -225,8 +225,8 @@ impl GpuExec {
 
     /// The prefill kernel that runs layer `ls` of a graph step for `bucket` as one launch over
     /// the whole step, decodes included, if it runs so: chunked local attention (the decode
-    /// kernels have no chunk mask) unless the step runs it as a local batch (one-token decode
-    /// buckets, chunks of whole blocks: [`Attention::new_graph_step`](super::Attention::new_graph_step)),
+    /// kernels have no chunk mask) unless the step runs it as a local batch (chunks of whole
+    /// blocks, [`local_batch_bucket`]),
     /// encoder and encoder-only layers (each request's own new K/V, packed, in the queries'
     /// type), and cross-attention when a decode may have several query tokens, which the decode
     /// kernels would mask among their last keys.
@@ -237,7 +237,8 @@ impl GpuExec {
             GraphBucket::Mixed { .. } => config.decode_threshold,
         };
         if let Some(chunk) = ls.opts.chunk_size.filter(|_| ls.attn_type == AttentionType::Decoder) {
-            if takes_local_batches(bucket) && config.local_batch_chunks().contains(&(chunk as usize)) {
+            let chunk = chunk as usize;
+            if local_batch_bucket(bucket, chunk).is_some() && config.local_batch_chunks().contains(&chunk) {
                 return Ok(None);
             }
         }
@@ -247,12 +248,13 @@ impl GpuExec {
             AttentionType::EncoderOnly | AttentionType::Encoder => m.q_dtype,
             AttentionType::EncoderDecoder if decode_len > 1 => m.cache_dtype,
             AttentionType::Decoder if ls.opts.chunk_size.is_some() => {
-                // Eager steps run an FP8 cache's chunked layers as local batches; a graph step's
-                // whole-step prefill would need local-mask kernels over FP8, which do not exist.
+                // Other steps run an FP8 cache's chunked layers as local batches; a speculative
+                // bucket's whole-step prefill would need local-mask kernels over FP8, which do not
+                // exist.
                 ensure(!m.cache_dtype.is_fp8(), "bucket", || {
                     format!(
-                        "chunk_size {:?} over an {:?} cache: graph steps run chunked local layers with the local-mask prefill \
-                         kernels, which read 16-bit caches (eager steps run them as local batches)",
+                        "chunk_size {:?} over an {:?} cache: speculative decode buckets run chunked local layers with the \
+                         local-mask prefill kernels, which read 16-bit caches (other steps run them as local batches)",
                         ls.opts.chunk_size, m.cache_dtype
                     )
                 })?;
@@ -742,12 +744,20 @@ impl GpuExec {
     }
 }
 
-/// Whether graph steps for `bucket` run chunked local layers as local batches: one-token decode
-/// buckets, whose local batch has one request a request (a decode lies in one chunk). Mixed
-/// buckets and speculative decodes, whose pieces may outnumber the bucket's requests, run them
-/// through the local-mask prefill kernel over the whole step.
-pub(crate) fn takes_local_batches(bucket: GraphBucket) -> bool {
-    matches!(bucket, GraphBucket::Uniform { query_len: 1, .. })
+/// The bucket of the graph step that holds the local batch of a graph step for `bucket`, whose
+/// chunked local layers run on it: a one-token decode bucket's is the same bucket (a decode lies
+/// in one chunk: one piece a request); a mixed bucket's, one with room for the pieces
+/// ([`LocalBatch::max_reqs`]). Speculative decode buckets have none (their pieces would not all
+/// be the bucket's query length): they run those layers through the local-mask prefill kernel
+/// over the whole step.
+pub(crate) fn local_batch_bucket(bucket: GraphBucket, chunk: usize) -> Option<GraphBucket> {
+    match bucket {
+        GraphBucket::Uniform { query_len: 1, .. } => Some(bucket),
+        GraphBucket::Uniform { .. } => None,
+        GraphBucket::Mixed { num_reqs, num_tokens } => {
+            Some(GraphBucket::mixed(LocalBatch::max_reqs(num_reqs, num_tokens, chunk), num_tokens))
+        }
+    }
 }
 
 /// A step's uploaded metadata as device views: the slot mapping, and each part's block table,

@@ -6,7 +6,7 @@ use crate::batch::DecodeBatch;
 use crate::decode::{DevicePlan, TcKernel};
 use crate::error::{ensure, AttnError, Result};
 use crate::kernels::KernelId;
-use crate::metadata::{split_decodes, validate, BatchSplit, StagingLayout, StagingSizes, StepInput};
+use crate::metadata::{given_split, split_decodes, validate, BatchSplit, StagingLayout, StagingSizes, StepInput};
 use crate::options::SplitMode;
 use crate::prefill::{plan_prefill, DevicePrefillPlan, PrefillBatch};
 use crate::words::{Region, ALIGN_WORDS};
@@ -264,8 +264,9 @@ impl GraphPlanner {
     /// tokens, decodes of the bucket's query length for a uniform bucket, decodes first for a
     /// mixed one, rows within the block-table width), pads it to the bucket, plans it and packs
     /// the words. The split of the padded step: a mixed step's padding requests count as
-    /// prefills.
-    pub(crate) fn build(&mut self, input: &StepInput<'_>) -> Result<BatchSplit> {
+    /// prefills. A mixed step's decodes are `given`'s (a local batch's, checked) or found from
+    /// the query lengths.
+    pub(crate) fn build(&mut self, input: &StepInput<'_>, given: Option<BatchSplit>) -> Result<BatchSplit> {
         validate(input)?;
         let (bn, bt, padded) = (self.bucket.num_reqs(), self.bucket.num_tokens(), self.bucket.padded_reqs());
         let (n, nt) = (input.num_reqs(), input.num_actual_tokens);
@@ -282,7 +283,10 @@ impl GraphPlanner {
             }
             GraphBucket::Mixed { .. } => {
                 ensure(nt <= bt, "num_actual_tokens", || format!("{nt} tokens exceed the graph bucket's {bt}"))?;
-                let s = split_decodes(input, self.decode_threshold)?;
+                let s = match given {
+                    Some(split) => given_split(input, self.decode_threshold, split)?,
+                    None => split_decodes(input, self.decode_threshold)?,
+                };
                 BatchSplit { num_prefills: padded - s.num_decodes, num_prefill_tokens: bt - s.num_decode_tokens, ..s }
             }
         };
@@ -470,7 +474,7 @@ mod tests {
             num_blocks: 64,
             block_size: 16,
         };
-        let split = g.build(&input).unwrap();
+        let split = g.build(&input, None).unwrap();
         assert_eq!(split, BatchSplit { num_decodes: 2, num_decode_tokens: 2, num_prefills: 2, num_prefill_tokens: 38 });
         assert_eq!(g.padded(), (&[0, 1, 2, 32, 40][..], &[50, 7, 40, 0][..]));
         let (w, l) = (g.words(), g.layout());
@@ -496,11 +500,28 @@ mod tests {
         };
         let long_slots: Vec<i64> = (48..89).collect();
         let long = StepInput { query_start_loc: &[0, 41], seq_lens: &[41], slot_mapping: &long_slots, num_actual_tokens: 41, ..input };
-        assert_eq!(arg(g.build(&long).unwrap_err()), "num_actual_tokens");
+        assert_eq!(arg(g.build(&long, None).unwrap_err()), "num_actual_tokens");
         let order_slots: Vec<i64> = (58..88).chain([7 * 16 + 6]).collect();
         let order =
             StepInput { query_start_loc: &[0, 30, 31], seq_lens: &[40, 7], slot_mapping: &order_slots, num_actual_tokens: 31, ..input };
-        assert_eq!(arg(g.build(&order).unwrap_err()), "query_start_loc");
+        assert_eq!(arg(g.build(&order, None).unwrap_err()), "query_start_loc");
+        // A local batch's order: a prefill piece as short as a decode after a longer one. With
+        // the split given, it is one decode and two prefills; a split whose decodes pass the
+        // threshold is refused.
+        let piece_slots: Vec<i64> = [3 * 16 + 1].into_iter().chain((58..88).map(|s| s as i64)).chain([100]).collect();
+        let pieces = StepInput {
+            query_start_loc: &[0, 1, 31, 32],
+            seq_lens: &[50, 40, 1],
+            slot_mapping: &piece_slots,
+            num_actual_tokens: 32,
+            ..input
+        };
+        assert_eq!(arg(g.build(&pieces, None).unwrap_err()), "query_start_loc");
+        let given = BatchSplit { num_decodes: 1, num_decode_tokens: 1, num_prefills: 2, num_prefill_tokens: 31 };
+        let split = g.build(&pieces, Some(given)).unwrap();
+        assert_eq!(split, BatchSplit { num_prefills: 3, num_prefill_tokens: 39, ..given });
+        let past = BatchSplit { num_decodes: 2, num_decode_tokens: 31, num_prefills: 1, num_prefill_tokens: 1 };
+        assert_eq!(arg(g.build(&pieces, Some(past)).unwrap_err()), "split");
         // A uniform bucket's planner takes no prefill kernel.
         assert!(GraphPlanner::new(GraphBucket::decode(3), 1, decode_kernel(), SplitMode::Auto, 32, 4, 1 << 20, Some(prefill), &[]).is_err());
     }
@@ -532,7 +553,7 @@ mod tests {
             num_blocks: 64,
             block_size: 16,
         };
-        g.build(&input).unwrap();
+        g.build(&input, None).unwrap();
         assert_eq!(g.step_reqs(), 3);
         let part = &g.whole_step[0];
         // 40 tokens x 4 heads in tiles of 64 rows, and a partial tile a request.
@@ -554,7 +575,7 @@ mod tests {
         let mut u = GraphPlanner::new(GraphBucket::decode(4), 1, decode_kernel(), SplitMode::Auto, 32, 4, 1 << 20, None, &[local]).unwrap();
         let input =
             StepInput { query_start_loc: &qsl[..3], seq_lens: &lens[..2], slot_mapping: &slots[..2], num_actual_tokens: 2, ..input };
-        u.build(&input).unwrap();
+        u.build(&input, None).unwrap();
         let part = &u.whole_step[0];
         let mut reqs: Vec<u32> = u.words()[part.items.range()][..8].chunks(2).map(|p| p[0]).collect();
         reqs.sort_unstable();

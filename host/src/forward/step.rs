@@ -155,7 +155,7 @@ impl StepMetadata {
         }
         self.check_limits(input)?;
         if let Planner::Graph(g) = &mut self.planner {
-            self.split = g.build(input)?;
+            self.split = g.build(input, given)?;
             let dev = &mut **self.device.as_mut().expect("a graph step has a device part");
             upload(&dev.stream, &mut dev.staging, &mut dev.words, g.words())?;
             dev.layout = *g.layout();
@@ -169,9 +169,11 @@ impl StepMetadata {
             self.prefill_query_start_loc.clear();
             let base = qsl[self.split.num_decodes];
             self.prefill_query_start_loc.extend(qsl[self.split.num_decodes..].iter().map(|&s| s - base));
-            // Local batches of one-token decode buckets: every request a decode.
-            let decodes = BatchSplit { num_decodes: input.num_reqs(), num_decode_tokens: input.num_actual_tokens, ..BatchSplit::default() };
-            self.build_local(input, decodes)?;
+            if !self.local.is_empty() {
+                // The step's own split (the padded one counts a mixed step's padding).
+                let split = split_decodes(input, self.config.decode_threshold)?;
+                self.build_local(input, split)?;
+            }
             self.built = true;
             return Ok(self.split);
         }
