@@ -230,6 +230,70 @@ mod tests {
         }
     }
 
+    /// The CPU backend's paged prefill (f64): with the chunks over the step, and without them
+    /// over its local batch, the outputs agree, also under a window, ALiBi and sinks (whose
+    /// terms read a key's distance to its query, which the cut keeps) and GQA.
+    #[test]
+    fn attention_over_the_local_batch_is_the_steps_chunked_attention() {
+        use crate::cpu::{prefill, KvRef, PrefillRef};
+        use crate::layout::{KvCacheSpec, KvLayout, RowsDesc};
+        use crate::options::AttnOptions;
+        let (hq, hkv, d, bs, chunk) = (4, 2, 8, 4, 8);
+        let mut rng = Lcg(5);
+        let mut unit = || rng.below(2001) as f32 / 1000.0 - 1.0;
+        // Two decodes (one at a chunk's first position), a prefill of 10 across a chunk start
+        // and one of 3 from position 0.
+        let (qsl, seq_lens) = ([0, 1, 2, 12, 15], [20, 9, 30, 3]);
+        let stride = 8;
+        let num_blocks = 40;
+        let table: Vec<i32> = (0..4 * stride).map(|i| ((i * 11 + 3) % num_blocks) as i32).collect();
+        let spec = KvCacheSpec::new(KvLayout::FlashNhd, num_blocks, bs, hkv, d).unwrap();
+        let cache: Vec<f32> = (0..spec.num_elements()).map(|_| unit()).collect();
+        let q: Vec<f32> = (0..15 * hq * d).map(|_| unit()).collect();
+        let slopes = [0.5f32, 0.25, 0.125, 0.0625];
+        let sinks = [0.3f32, -0.2, 0.1, 0.0];
+        let slots = [-1i64; 15];
+        let input = StepInput {
+            query_start_loc: &qsl,
+            seq_lens: &seq_lens,
+            block_table: &table,
+            block_table_stride: stride,
+            slot_mapping: &slots,
+            num_actual_tokens: 15,
+            num_blocks,
+            block_size: bs,
+        };
+        let split = BatchSplit { num_decodes: 2, num_decode_tokens: 2, num_prefills: 2, num_prefill_tokens: 13 };
+        let mut lb = LocalBatch::new(chunk, bs).unwrap();
+        lb.build(&input, split);
+        let local = lb.input(&input);
+        for (window, alibi, with_sinks) in [(None, false, false), (Some(5), false, false), (None, true, true), (Some(3), true, false)] {
+            let run = |s: &StepInput<'_>, chunk_size: Option<u32>| {
+                prefill(&PrefillRef {
+                    q: &q,
+                    q_rows: RowsDesc::contiguous(15, hq, d),
+                    kv: KvRef::Paged { cache: &cache, spec, block_table: s.block_table, block_table_stride: s.block_table_stride },
+                    head_size_v: d,
+                    query_start_loc: s.query_start_loc,
+                    seq_lens: s.seq_lens,
+                    causal: true,
+                    opts: AttnOptions { chunk_size, window, softmax_scale: 0.4, ..AttnOptions::new(d) },
+                    alibi_slopes: alibi.then_some(&slopes[..]),
+                    sinks: with_sinks.then_some(&sinks[..]),
+                    scales: None,
+                })
+                .unwrap()
+                .out
+            };
+            let (chunked, cut) = (run(&input, Some(chunk as u32)), run(&local, None));
+            let worst = chunked.iter().zip(&cut).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+            assert!(worst < 1e-12, "window {window:?}, ALiBi {alibi}, sinks {with_sinks}: max difference {worst:e}");
+            // Not vacuous: without the chunks the step's outputs differ.
+            let plain = run(&input, None);
+            assert!(plain.iter().zip(&cut).any(|(a, b)| (a - b).abs() > 1e-6));
+        }
+    }
+
     #[test]
     fn a_prefill_across_two_chunk_starts_becomes_three_pieces() {
         // Chunks of 4, blocks of 2. Request 0: a decode at position 9 (chunk 8..12). Request 1:
