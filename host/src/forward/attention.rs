@@ -98,7 +98,7 @@ impl Attention {
                 let bs = config.model.block_size;
                 for i in 0..config.layers.len().max(1) {
                     let o = config.layer(i)?.opts;
-                    ensure(o.chunk_size.is_none_or(|c| (c as usize).is_multiple_of(bs)) || !fp8, "layers", || {
+                    ensure(o.chunk_size.is_none_or(|c| config.chunk_of_whole_blocks(c as usize)) || !fp8, "layers", || {
                         format!(
                             "layer {i}: chunk_size {:?} with an FP8 cache: a chunk of a whole number of blocks ({bs} tokens) runs \
                              as a local batch; others need the local-mask kernels, which read 16-bit caches",

@@ -157,20 +157,23 @@ impl ForwardConfig {
     /// [`LocalBatch`]): those whose chunk is a whole number of blocks. Others run the
     /// local-mask prefill kernel over the whole step.
     pub(crate) fn local_batch_chunks(&self) -> Vec<usize> {
-        let specs = match self.layers.is_empty() {
-            true => vec![LayerSpec::uniform(&self.model, self.opts)],
-            false => self.layers.clone(),
-        };
-        let bs = self.model.block_size.max(1);
+        let uniform = [LayerSpec::uniform(&self.model, self.opts)];
+        let specs: &[LayerSpec] = if self.layers.is_empty() { &uniform } else { &self.layers };
         let mut chunks: Vec<usize> = specs
             .iter()
             .filter(|l| l.attn_type == AttentionType::Decoder)
             .filter_map(|l| l.opts.chunk_size.map(|c| c as usize))
-            .filter(|c| c.is_multiple_of(bs))
+            .filter(|&c| self.chunk_of_whole_blocks(c))
             .collect();
         chunks.sort_unstable();
         chunks.dedup();
         chunks
+    }
+
+    /// Whether a chunk of `chunk` positions is a whole number of the model's blocks (a decoder
+    /// layer with such chunks runs as a local batch).
+    pub(crate) fn chunk_of_whole_blocks(&self, chunk: usize) -> bool {
+        chunk.is_multiple_of(self.model.block_size.max(1))
     }
 
     /// Blocks a request's row of the block table may need.

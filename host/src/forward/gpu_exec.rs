@@ -238,7 +238,7 @@ impl GpuExec {
         };
         if let Some(chunk) = ls.opts.chunk_size.filter(|_| ls.attn_type == AttentionType::Decoder) {
             let chunk = chunk as usize;
-            if local_batch_bucket(bucket, chunk).is_some() && config.local_batch_chunks().contains(&chunk) {
+            if local_batch_bucket(bucket, chunk).is_some() && config.chunk_of_whole_blocks(chunk) {
                 return Ok(None);
             }
         }
