@@ -197,8 +197,7 @@ impl Attention {
         if !matches!(self.spec, CacheSpec::Paged(_)) {
             return Ok(Vec::new());
         }
-        let limits = self.config.kernel_limits();
-        let config = ForwardConfig { cascade: CascadeMode::Off, limits, ..self.config.clone() };
+        let config = self.local_batch_config();
         self.config
             .local_batch_chunks()
             .into_iter()
@@ -210,6 +209,12 @@ impl Attention {
                 Ok(LocalStep::new(batch, step))
             })
             .collect()
+    }
+
+    /// The config of a local batch's step: as large as the largest local batch
+    /// (`kernel_limits`), no cascade.
+    fn local_batch_config(&self) -> ForwardConfig {
+        ForwardConfig { cascade: CascadeMode::Off, limits: self.config.kernel_limits(), ..self.config.clone() }
     }
 
     /// A CUDA-graph step for `bucket` (padded to it: see [`GraphBucket`]): build it every step
@@ -247,21 +252,22 @@ impl Attention {
                 ensure(support == GraphSupport::Always, "bucket", || format!("{bucket:?}: \"{}\" captures {support}", self.backend.name))?
             }
         }
-        let graph_step = |g: &GpuExec, bucket: GraphBucket| -> Result<StepMetadata> {
-            let planner = g.graph_planner(&self.config, &self.spec, bucket)?;
+        let graph_step = |g: &GpuExec, config: &ForwardConfig, bucket: GraphBucket| -> Result<StepMetadata> {
+            let planner = g.graph_planner(config, &self.spec, bucket)?;
             let device = g.graph_device_step(planner.total_words())?;
-            Ok(StepMetadata::new_graph(self.id, self.config.clone(), planner, device))
+            Ok(StepMetadata::new_graph(self.id, config.clone(), planner, device))
         };
         // Chunked local layers run on local batches held by graph steps of their own.
         let mut local = Vec::new();
         if matches!(self.spec, CacheSpec::Paged(_)) {
+            let config = self.local_batch_config();
             for chunk in self.config.local_batch_chunks() {
                 if let Some(b) = local_batch_bucket(bucket, chunk) {
-                    local.push(LocalStep::new(LocalBatch::new(chunk, self.config.model.block_size)?, graph_step(g, b)?));
+                    local.push(LocalStep::new(LocalBatch::new(chunk, self.config.model.block_size)?, graph_step(g, &config, b)?));
                 }
             }
         }
-        Ok(graph_step(g, bucket)?.with_local_steps(local))
+        Ok(graph_step(g, &self.config, bucket)?.with_local_steps(local))
     }
 
     /// Captures what `record` enqueues on this Attention's stream (typically every layer's
