@@ -5,8 +5,8 @@
 //! rows (requests past the step's) must come out finite (uniform buckets) or untouched (mixed
 //! buckets). Mixed buckets take decodes, new prompts and chunks in changing mixes; bf16 and FP8
 //! caches; per-layer settings (a window and a soft-cap on one layer, sinks on the other); chunked local
-//! attention on one layer (a local batch in one-token decode and mixed buckets, over a 16-bit or
-//! an FP8 cache; the local-mask prefill kernel in speculative ones). Standard attention (GQA, one and two
+//! attention on one layer (chunks of whole blocks as a local batch, over a 16-bit or an FP8 cache;
+//! others through the local-mask prefill kernel). Standard attention (GQA, one and two
 //! query tokens) and MLA; refusals of steps a graph cannot take.
 //!
 //! A graph holds what it captured: the captured layers' buffers are `SharedBuf`s, and a borrowed
@@ -42,10 +42,10 @@ struct Case {
     /// Per-layer settings (standard attention, two layers): a sliding window and a soft-cap on
     /// layer 0, attention sinks on layer 1.
     per_layer: bool,
-    /// Chunked local attention (chunks of 64, whole blocks) on layer 0 of two: one-token decode
-    /// and mixed buckets run it on a local batch of their own graph step, speculative decode
-    /// buckets through the local-mask prefill kernel over the whole step.
-    chunked: bool,
+    /// Chunked local attention in chunks of this many positions on layer 0 of two: chunks of
+    /// whole blocks run on a local batch of their own graph step (a mixed one in speculative
+    /// and mixed buckets), others through the local-mask prefill kernel over the whole step.
+    chunk: Option<u32>,
     /// Decodes have at most this many query tokens (a uniform bucket's query length).
     threshold: usize,
     layers: usize,
@@ -223,9 +223,10 @@ impl CaseModel {
             let windowed = LayerSpec::decoder(AttnOptions { window: Some(96), softcap: Some(30.0), ..opts });
             config = config.with_layers(vec![windowed, LayerSpec { sinks: true, ..LayerSpec::decoder(opts) }]);
         }
-        if c.chunked {
+        if let Some(chunk) = c.chunk {
             let opts = AttnOptions::new(c.d);
-            config = config.with_layers(vec![LayerSpec::decoder(AttnOptions { chunk_size: Some(64), ..opts }), LayerSpec::decoder(opts)]);
+            config =
+                config.with_layers(vec![LayerSpec::decoder(AttnOptions { chunk_size: Some(chunk), ..opts }), LayerSpec::decoder(opts)]);
         }
         config.decode_threshold = c.threshold;
         Ok(CaseModel { sel, config, num_blocks })
@@ -439,7 +440,7 @@ fn capture_refusals() -> TestResult {
         bucket: GraphBucket::decode(2),
         fp8: false,
         per_layer: false,
-        chunked: false,
+        chunk: None,
         threshold: 1,
         layers: 1,
         steps: 1,
@@ -547,7 +548,7 @@ fn graph_outlives_its_owners() -> TestResult {
         bucket: GraphBucket::mixed(4, 96),
         fp8: false,
         per_layer: false,
-        chunked: false,
+        chunk: None,
         threshold: 1,
         layers: 2,
         steps: 8,
@@ -634,7 +635,7 @@ fn main() {
         bucket,
         fp8: false,
         per_layer: false,
-        chunked: false,
+        chunk: None,
         threshold,
         layers: 2,
         steps,
@@ -642,7 +643,8 @@ fn main() {
     };
     let fp8 = |c: Case| Case { fp8: true, ..c };
     let per_layer = |c: Case| Case { per_layer: true, ..c };
-    let chunked = |c: Case| Case { chunked: true, ..c };
+    let chunked = |c: Case| Case { chunk: Some(64), ..c };
+    let chunked_40 = |c: Case| Case { chunk: Some(40), ..c };
     let mut cases = vec![
         ("gqa4_d128_bucket8", std(32, 8, 128, GraphBucket::decode(8), 1, 100, 3000)),
         ("gqa8_d64_bucket3_q2", std(16, 2, 64, GraphBucket::uniform(3, 2), 2, 40, 1500)),
@@ -656,7 +658,7 @@ fn main() {
                 bucket: GraphBucket::decode(4),
                 fp8: false,
                 per_layer: false,
-                chunked: false,
+                chunk: None,
                 threshold: 1,
                 layers: 2,
                 steps: 40,
@@ -675,6 +677,9 @@ fn main() {
         ("fp8_chunked_gqa4_d128_bucket6", fp8(chunked(std(32, 8, 128, GraphBucket::decode(6), 1, 30, 2000)))),
         ("fp8_mixed_chunked_gqa4_d128_6x400", fp8(chunked(std(32, 8, 128, GraphBucket::mixed(6, 400), 1, 30, 2000)))),
         ("chunked_gqa8_d64_bucket3_q2", chunked(std(16, 2, 64, GraphBucket::uniform(3, 2), 2, 30, 1500))),
+        ("fp8_chunked_gqa4_d128_bucket4_q3", fp8(chunked(std(32, 8, 128, GraphBucket::uniform(4, 3), 3, 30, 2000)))),
+        ("chunks_of_40_gqa8_d64_bucket3_q2", chunked_40(std(16, 2, 64, GraphBucket::uniform(3, 2), 2, 30, 1500))),
+        ("mixed_chunks_of_40_gqa4_d128_5x300", chunked_40(std(32, 8, 128, GraphBucket::mixed(5, 300), 1, 30, 1500))),
     ];
     if quick() {
         for (_, c) in &mut cases {

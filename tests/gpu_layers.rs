@@ -363,9 +363,8 @@ fn cases() -> Vec<(String, Box<dyn FnOnce() -> TestResult + Send>)> {
 
 /// What the GPU refuses before any launch: chunked local attention over an FP8 cache with a
 /// chunk that is not a whole number of blocks (only the local-mask kernels, which read 16-bit
-/// caches, could run it), at `Attention::new`; and with a chunk of whole blocks (eager steps,
-/// one-token decode buckets and mixed buckets run it as a local batch), speculative decode
-/// buckets (which run it through those kernels).
+/// caches, could run it), at `Attention::new`. A chunk of whole blocks runs as a local batch in
+/// eager steps and every graph bucket.
 fn refusals() -> TestResult {
     let dev = arc_device();
     let stream = new_stream();
@@ -384,10 +383,8 @@ fn refusals() -> TestResult {
     attention.new_step_metadata()?;
     attention.new_graph_step(GraphBucket::decode(4))?;
     attention.new_graph_step(GraphBucket::mixed(4, 64))?;
-    match attention.new_graph_step(GraphBucket::uniform(4, 2)) {
-        Err(e @ AttnError::InvalidArgument { arg: "bucket", .. }) if e.to_string().contains("speculative") => Ok(()),
-        other => Err(format!("an FP8 chunked speculative graph step: expected a refusal of `bucket`, got {:?}", other.err()).into()),
-    }
+    attention.new_graph_step(GraphBucket::uniform(4, 2))?;
+    Ok(())
 }
 
 fn main() {

@@ -262,9 +262,8 @@ impl Attention {
         if matches!(self.spec, CacheSpec::Paged(_)) {
             let config = self.local_batch_config();
             for chunk in self.config.local_batch_chunks() {
-                if let Some(b) = local_batch_bucket(bucket, chunk) {
-                    local.push(LocalStep::new(LocalBatch::new(chunk, self.config.model.block_size)?, graph_step(g, &config, b)?));
-                }
+                let b = local_batch_bucket(bucket, chunk);
+                local.push(LocalStep::new(LocalBatch::new(chunk, self.config.model.block_size)?, graph_step(g, &config, b)?));
             }
         }
         Ok(graph_step(g, &self.config, bucket)?.with_local_steps(local))

@@ -226,8 +226,7 @@ impl GpuExec {
     /// The prefill kernel that runs layer `ls` of a graph step for `bucket` as one launch over
     /// the whole step, decodes included, if it runs so: chunked local attention (the decode
     /// kernels have no chunk mask) unless the step runs it as a local batch (chunks of whole
-    /// blocks, [`local_batch_bucket`]),
-    /// encoder and encoder-only layers (each request's own new K/V, packed, in the queries'
+    /// blocks, [`local_batch_bucket`]), encoder and encoder-only layers (each request's own new K/V, packed, in the queries'
     /// type), and cross-attention when a decode may have several query tokens, which the decode
     /// kernels would mask among their last keys.
     fn whole_step_kernel(&self, config: &ForwardConfig, ls: &LayerSpec, bucket: GraphBucket) -> Result<Option<PrefillKernel>> {
@@ -238,7 +237,7 @@ impl GpuExec {
         };
         if let Some(chunk) = ls.opts.chunk_size.filter(|_| ls.attn_type == AttentionType::Decoder) {
             let chunk = chunk as usize;
-            if local_batch_bucket(bucket, chunk).is_some() && config.chunk_of_whole_blocks(chunk) {
+            if config.chunk_of_whole_blocks(chunk) {
                 return Ok(None);
             }
         }
@@ -247,19 +246,8 @@ impl GpuExec {
         let kv = match ls.attn_type {
             AttentionType::EncoderOnly | AttentionType::Encoder => m.q_dtype,
             AttentionType::EncoderDecoder if decode_len > 1 => m.cache_dtype,
-            AttentionType::Decoder if ls.opts.chunk_size.is_some() => {
-                // Other steps run an FP8 cache's chunked layers as local batches; a speculative
-                // bucket's whole-step prefill would need local-mask kernels over FP8, which do not
-                // exist.
-                ensure(!m.cache_dtype.is_fp8(), "bucket", || {
-                    format!(
-                        "chunk_size {:?} over an {:?} cache: speculative decode buckets run chunked local layers with the \
-                         local-mask prefill kernels, which read 16-bit caches (other steps run them as local batches)",
-                        ls.opts.chunk_size, m.cache_dtype
-                    )
-                })?;
-                m.cache_dtype
-            }
+            // Chunks that are not whole blocks (16-bit caches only: `Attention::new` refuses FP8).
+            AttentionType::Decoder if ls.opts.chunk_size.is_some() => m.cache_dtype,
             AttentionType::EncoderDecoder | AttentionType::Decoder => return Ok(None),
         };
         prefill_kernel_for(self.dev.ptx_target(), m.q_dtype, kv, m.head_size, m.head_size, local).map(Some)
@@ -746,16 +734,16 @@ impl GpuExec {
 
 /// The bucket of the graph step that holds the local batch of a graph step for `bucket`, whose
 /// chunked local layers run on it: a one-token decode bucket's is the same bucket (a decode lies
-/// in one chunk: one piece a request); a mixed bucket's, one with room for the pieces
-/// ([`LocalBatch::max_reqs`]). Speculative decode buckets have none (their pieces would not all
-/// be the bucket's query length): they run those layers through the local-mask prefill kernel
-/// over the whole step.
-pub(crate) fn local_batch_bucket(bucket: GraphBucket, chunk: usize) -> Option<GraphBucket> {
+/// in one chunk: one piece a request); a speculative decode bucket's and a mixed bucket's, a
+/// mixed bucket of the same tokens with room for the pieces ([`LocalBatch::max_reqs`]): a
+/// decode whose tokens cross a chunk start falls into two decodes of fewer tokens, which a
+/// uniform bucket would not take.
+pub(crate) fn local_batch_bucket(bucket: GraphBucket, chunk: usize) -> GraphBucket {
     match bucket {
-        GraphBucket::Uniform { query_len: 1, .. } => Some(bucket),
-        GraphBucket::Uniform { .. } => None,
-        GraphBucket::Mixed { num_reqs, num_tokens } => {
-            Some(GraphBucket::mixed(LocalBatch::max_reqs(num_reqs, num_tokens, chunk), num_tokens))
+        GraphBucket::Uniform { query_len: 1, .. } => bucket,
+        GraphBucket::Uniform { .. } | GraphBucket::Mixed { .. } => {
+            let (n, nt) = (bucket.num_reqs(), bucket.num_tokens());
+            GraphBucket::mixed(LocalBatch::max_reqs(n, nt, chunk), nt)
         }
     }
 }
